@@ -1,0 +1,222 @@
+"""KernelSpec: one fused region as data.
+
+The spec is what a ``StitchedKernel`` TF node carries in its ``spec`` attribute.
+It is a tiny SSA program over the op table plus the schedule parameters the
+cost model chose.  It must round-trip through JSON exactly, hash the same for
+identical regions (so twelve identical LayerNorms compile once), and, because a
+graph file is untrusted, ``KernelSpec.from_json`` re-validates *everything*:
+schema, op names, attribute types and ranges, references, and it re-infers
+every node's dtype and shape and checks them against what the file claims.
+Code generation only ever sees a validated spec.
+
+Reference encoding inside ``args``/``outputs``: ``k >= 0`` is node ``k``
+(must be earlier than the node using it); ``-(j + 1)`` is kernel input ``j``.
+
+JSON layout::
+
+    {"version": 1,
+     "inputs":  [{"dtype": "float32", "shape": [-1, 768]}, ...],
+     "nodes":   [{"op": "Mean", "args": [-1], "attrs": {"axes": [1], "keep_dims": true},
+                  "dtype": "float32", "shape": [-1, 1]}, ...],
+     "outputs": [5, 9],
+     "schedule": {"rows_per_task": 4}}
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+
+from . import dtypes as dt
+from .graph import TensorType
+from .ops import OPS, infer
+
+VERSION = 1
+MAX_INPUTS = 64
+MAX_OUTPUTS = 32
+MAX_NODES = 4096
+MAX_RANK = 8
+MAX_JSON_BYTES = 4 << 20
+MAX_DIM = 1 << 40
+
+# Schedule parameters: name -> (min, max).  Anything else is rejected.
+SCHEDULE_PARAMS = {
+    "rows_per_task": (1, 1 << 20),
+    "col_block": (1, 1 << 24),
+    "scratch": (0, 1),          # 1: keep values reused across passes in per-row scratch
+}
+
+
+class SpecError(ValueError):
+    """A spec that is malformed or inconsistent (message names the problem)."""
+
+
+@dataclass(frozen=True)
+class SpecNode:
+    op: str
+    args: tuple
+    attrs: dict
+    type: TensorType
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    inputs: tuple            # tuple[TensorType]
+    nodes: tuple             # tuple[SpecNode]
+    outputs: tuple           # tuple[int], node indices
+    schedule: dict = field(default_factory=dict)
+
+    # -- identity ---------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "version": VERSION,
+            "inputs": [{"dtype": t.dtype, "shape": list(t.shape)} for t in self.inputs],
+            "nodes": [{"op": n.op, "args": list(n.args),
+                       "attrs": {k: _jsonable(v) for k, v in sorted(n.attrs.items())},
+                       "dtype": n.type.dtype, "shape": list(n.type.shape)}
+                      for n in self.nodes],
+            "outputs": list(self.outputs),
+            "schedule": dict(sorted(self.schedule.items())),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"),
+                          allow_nan=False)
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:24]
+
+    @property
+    def output_types(self) -> list:
+        return [self.nodes[i].type for i in self.outputs]
+
+    def type_of(self, ref: int) -> TensorType:
+        return self.inputs[-ref - 1] if ref < 0 else self.nodes[ref].type
+
+    def with_schedule(self, **params) -> "KernelSpec":
+        sched = dict(self.schedule)
+        sched.update(params)
+        return validate(KernelSpec(self.inputs, self.nodes, self.outputs, sched))
+
+    # -- parsing ----------------------------------------------------------
+    @classmethod
+    def from_json(cls, text) -> "KernelSpec":
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="strict")
+        if not isinstance(text, str):
+            raise SpecError("spec must be a JSON string")
+        if len(text) > MAX_JSON_BYTES:
+            raise SpecError(f"spec is {len(text)} bytes, limit {MAX_JSON_BYTES}")
+        try:
+            d = json.loads(text, parse_constant=_reject_constant)
+        except (json.JSONDecodeError, ValueError) as e:
+            raise SpecError(f"spec is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d) -> "KernelSpec":
+        _expect(isinstance(d, dict), "spec must be a JSON object")
+        _expect(set(d) <= {"version", "inputs", "nodes", "outputs", "schedule"},
+                f"unknown spec keys {sorted(set(d) - {'version', 'inputs', 'nodes', 'outputs', 'schedule'})}")
+        _expect(d.get("version") == VERSION, f"unsupported spec version {d.get('version')!r}")
+        inputs = d.get("inputs")
+        _expect(isinstance(inputs, list) and len(inputs) <= MAX_INPUTS,
+                f"inputs must be a list of at most {MAX_INPUTS}")
+        in_types = tuple(_parse_type(t, f"inputs[{i}]") for i, t in enumerate(inputs))
+        nodes = d.get("nodes")
+        _expect(isinstance(nodes, list) and 0 < len(nodes) <= MAX_NODES,
+                f"nodes must be a non-empty list of at most {MAX_NODES}")
+        parsed = []
+        for i, n in enumerate(nodes):
+            where = f"nodes[{i}]"
+            _expect(isinstance(n, dict) and set(n) == {"op", "args", "attrs", "dtype", "shape"},
+                    f"{where} must have exactly op, args, attrs, dtype, shape")
+            _expect(isinstance(n["op"], str) and n["op"] in OPS,
+                    f"{where}: op {str(n['op'])[:40]!r} is not a known op")
+            args = n["args"]
+            _expect(isinstance(args, list) and all(_is_int(a) for a in args),
+                    f"{where}: args must be a list of ints")
+            _expect(isinstance(n["attrs"], dict), f"{where}: attrs must be an object")
+            t = _parse_type({"dtype": n["dtype"], "shape": n["shape"]}, where)
+            parsed.append(SpecNode(n["op"], tuple(args), dict(n["attrs"]), t))
+        outs = d.get("outputs")
+        _expect(isinstance(outs, list) and 0 < len(outs) <= MAX_OUTPUTS
+                and all(_is_int(o) for o in outs),
+                f"outputs must be a non-empty list of at most {MAX_OUTPUTS} ints")
+        sched = d.get("schedule", {})
+        _expect(isinstance(sched, dict), "schedule must be an object")
+        return validate(cls(in_types, tuple(parsed), tuple(outs), dict(sched)))
+
+
+def validate(spec: KernelSpec) -> KernelSpec:
+    """Check a spec built in memory or parsed from JSON; returns a canonical copy."""
+    n_in = len(spec.inputs)
+    nodes = []
+    for i, n in enumerate(spec.nodes):
+        where = f"nodes[{i}] ({n.op})"
+        d = OPS.get(n.op)
+        _expect(d is not None, f"{where}: unknown op")
+        _expect(len(n.args) == d.arity, f"{where}: takes {d.arity} args, got {len(n.args)}")
+        for a in n.args:
+            _expect(-n_in <= a < i, f"{where}: reference {a} is out of range or not earlier")
+        try:
+            attrs = d.validate_attrs(n.attrs)
+            t = infer(n.op, attrs, [spec.type_of(a) if a < 0 else nodes[a].type
+                                    for a in n.args])
+        except ValueError as e:
+            raise SpecError(f"{where}: {e}") from None
+        _expect(t.dtype == n.type.dtype, f"{where}: claims dtype {n.type.dtype}, "
+                                         f"inferred {t.dtype}")
+        _expect(_shapes_agree(t.shape, n.type.shape),
+                f"{where}: claims shape {list(n.type.shape)}, inferred {list(t.shape)}")
+        nodes.append(SpecNode(n.op, tuple(n.args), attrs, n.type))
+    for o in spec.outputs:
+        _expect(0 <= o < len(nodes), f"output reference {o} must name a node")
+    _expect(len(set(spec.outputs)) == len(spec.outputs), "duplicate outputs")
+    for k, v in spec.schedule.items():
+        _expect(k in SCHEDULE_PARAMS, f"unknown schedule parameter {str(k)[:40]!r}")
+        lo, hi = SCHEDULE_PARAMS[k]
+        _expect(_is_int(v) and lo <= v <= hi, f"schedule.{k} must be an int in [{lo}, {hi}]")
+    return KernelSpec(tuple(spec.inputs), tuple(nodes), tuple(spec.outputs),
+                      dict(spec.schedule))
+
+
+def _shapes_agree(inferred, claimed) -> bool:
+    """Claimed may be more specific than inferred (an unknown dim pinned to a size)."""
+    if len(inferred) != len(claimed):
+        return False
+    return all(a == b or a == -1 for a, b in zip(inferred, claimed))
+
+
+def _parse_type(t, where) -> TensorType:
+    _expect(isinstance(t, dict) and set(t) == {"dtype", "shape"},
+            f"{where} must have dtype and shape")
+    _expect(t["dtype"] in dt.ALL_DTYPES, f"{where}: unsupported dtype {str(t['dtype'])[:20]!r}")
+    s = t["shape"]
+    _expect(isinstance(s, list) and len(s) <= MAX_RANK
+            and all(_is_int(x) and -1 <= x <= MAX_DIM for x in s),
+            f"{where}: shape must be a list of at most {MAX_RANK} ints >= -1")
+    return TensorType(t["dtype"], tuple(s))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _expect(cond, msg):
+    if not cond:
+        raise SpecError(msg)
+
+
+def _reject_constant(name):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, tuple):
+        return list(v)
+    return v
