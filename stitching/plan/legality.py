@@ -1,0 +1,49 @@
+"""Per-node legality: may this node join a fused region at all?
+
+Region-level legality (one kernel can be generated for the region) lives in
+schedule/; cycle-freedom lives in the planner.  Every "no" has a reason.
+"""
+from __future__ import annotations
+
+from ..ir import OPS, Graph, Kind, Node, infer
+from ..ir.composites import COMPOSITE_OPS
+
+
+def node_reason(graph: Graph, node: Node) -> str | None:
+    """None if the node may be fused; otherwise why not."""
+    if "unfusible" in node.attrs:
+        return node.attrs["unfusible"]
+    if node.op not in OPS and node.op not in COMPOSITE_OPS:
+        return f"{node.op} is not in the op table"
+    if node.op == "Const":
+        return "constants are folded into the kernels that read them"
+    for r in node.inputs:
+        t = graph.type_of(r)
+        if t.dtype.startswith("opaque:"):
+            return f"input {r} has unsupported dtype {t.dtype[7:]}"
+        if t.shape is None:
+            return f"input {r} has unknown rank"
+    if node.op in COMPOSITE_OPS:
+        return None
+    try:
+        infer(node.op, {k: v for k, v in node.attrs.items()}, [graph.type_of(r) for r in node.inputs])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def is_candidate(graph: Graph, node: Node) -> bool:
+    return node_reason(graph, node) is None
+
+
+def work(node: Node) -> int:
+    """How many primitive ops that read or write data this node stands for.
+
+    Views and constants cost nothing in TF; a composite (Softmax, FusedBatchNorm)
+    is one TF op but several passes of work, so fusing it alone still pays.
+    """
+    if node.op in COMPOSITE_OPS:
+        return 2
+    d = OPS.get(node.op)
+    return int(d is not None and d.kind not in (Kind.LAYOUT, Kind.SOURCE)
+               and node.op != "Identity")

@@ -1,0 +1,82 @@
+"""What stitching did to one traced function, for people and for tools.
+
+``summary()`` is the text a user reads; ``to_dict()`` the same facts as data
+(keys: memory_intensive_ops, fused_ops, kernels, coverage, unfused,
+kernel_details, boundaries, compile_seconds, notes).  Counts are in TF ops of
+the original graph: a Softmax is one op even though its kernel expands it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KernelInfo:
+    name: str
+    ops: list            # [(tf node name, tf op type)]
+    schedule: str        # one line from the schedule stage
+    inputs: int
+    outputs: int
+    spec_hash: str
+
+
+@dataclass
+class Report:
+    function: str = "?"
+    memory_intensive_ops: int = 0
+    fused_ops: int = 0
+    kernels: list = field(default_factory=list)       # list[KernelInfo]
+    unfused: list = field(default_factory=list)       # [(tf node, tf op, reason)]
+    boundaries: list = field(default_factory=list)    # [(tf node, reason)] merges refused
+    compile_seconds: float = 0.0
+    unique_kernels: int = 0
+    notes: list = field(default_factory=list)
+
+    @property
+    def coverage(self) -> float:
+        if not self.memory_intensive_ops:
+            return 1.0
+        return self.fused_ops / self.memory_intensive_ops
+
+    def to_dict(self) -> dict:
+        return {
+            "function": self.function,
+            "memory_intensive_ops": self.memory_intensive_ops,
+            "fused_ops": self.fused_ops,
+            "kernels": len(self.kernels),
+            "unique_kernels": self.unique_kernels,
+            "coverage": round(self.coverage, 4),
+            "unfused": [(op, reason) for _, op, reason in self.unfused],
+            "unfused_nodes": [{"node": n, "op": op, "reason": r} for n, op, r in self.unfused],
+            "kernel_details": [{"name": k.name, "ops": [t for _, t in k.ops],
+                                "nodes": [n for n, _ in k.ops], "schedule": k.schedule,
+                                "inputs": k.inputs, "outputs": k.outputs,
+                                "spec_hash": k.spec_hash} for k in self.kernels],
+            "boundaries": [{"node": n, "reason": r} for n, r in self.boundaries],
+            "compile_seconds": round(self.compile_seconds, 3),
+            "notes": list(self.notes),
+        }
+
+    def summary(self) -> str:
+        lines = [f"stitching report for {self.function}",
+                 f"  memory-intensive TF ops: {self.memory_intensive_ops}, fused: "
+                 f"{self.fused_ops} ({100 * self.coverage:.0f}%) into {len(self.kernels)} "
+                 f"kernel(s) ({self.unique_kernels} distinct, compiled in "
+                 f"{self.compile_seconds:.1f}s)"]
+        for k in self.kernels:
+            ops = ", ".join(t for _, t in k.ops)
+            lines.append(f"  {k.name}: {len(k.ops)} ops [{ops}] — {k.schedule}")
+        if self.unfused:
+            lines.append(f"  not fused ({len(self.unfused)}):")
+            by_reason: dict[str, list] = {}
+            for node, op, reason in self.unfused:
+                by_reason.setdefault(reason, []).append(f"{op} ({node})")
+            for reason, items in by_reason.items():
+                shown = ", ".join(items[:4]) + (f", … {len(items) - 4} more" if len(items) > 4 else "")
+                lines.append(f"    {reason}: {shown}")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.summary()

@@ -1,0 +1,281 @@
+"""Frontend: a traced TF function -> inlined GraphDef -> IR graph.
+
+  python fn ──trace──▶ ConcreteFunction ──Grappler (function inlining only)──▶ GraphDef
+       ──import into a scratch tf.Graph (TF shape inference)──▶ IR Graph (one node per TF node)
+
+Grappler is used only to inline ``PartitionedCall``/``StatefulPartitionedCall``
+bodies (as TF-TRT does); every other optimizer is switched off so the graph we
+rewrite is the graph TF would have run.  Static shapes come from TF's own shape
+inference; unknown dims become -1.
+
+Each IR node keeps the TF node's name.  Ops we understand get their canonical
+op-table name (or a composite name from ir/composites.py) and their attributes
+resolved from constant inputs (reduction axes, reshape targets); every other
+node is opaque (``op`` = TF type) and never fused.  Nodes that are almost
+fusible carry ``attrs["unfusible"]``: the reason the report will show.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
+from tensorflow.python.framework import tensor_util
+from tensorflow.python.grappler import tf_optimizer
+
+from ..ir import Graph, Node, TensorType, ValueRef
+from ..ir.composites import COMPOSITE_OPS
+from . import opnames
+
+_DTYPES = {tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
+           tf.float64: "float64", tf.int32: "int32", tf.int64: "int64", tf.bool: "bool"}
+TF_DTYPE = {v: k for k, v in _DTYPES.items()}
+
+# A constant whose elements all equal one value becomes an IR Const (folded into
+# kernels); a non-uniform constant stays a TF node and becomes a kernel input.
+_MAX_SPLAT_ELEMENTS = 1 << 24
+
+
+def dtype_name(dt: tf.DType) -> str:
+    return _DTYPES.get(dt, f"opaque:{dt.name}")
+
+
+def tensor_type(t: tf.Tensor) -> TensorType:
+    shape = None if t.shape.rank is None else tuple(
+        -1 if d is None else int(d) for d in t.shape.as_list())
+    return TensorType(dtype_name(t.dtype), shape)
+
+
+# ---------------------------------------------------------------- inlining
+
+def inline_functions(graph_def, fetches: list[str]):
+    """Run Grappler's function optimizer alone: inline every function call."""
+    if not any(n.op in ("PartitionedCall", "StatefulPartitionedCall") for n in graph_def.node):
+        return graph_def
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.CopyFrom(graph_def)
+    fetch_coll = meta_graph_pb2.CollectionDef()
+    fetch_coll.node_list.value.extend(f.split(":")[0] for f in fetches)
+    meta.collection_def["train_op"].CopyFrom(fetch_coll)
+    config = config_pb2.ConfigProto()
+    rw = config.graph_options.rewrite_options
+    rw.min_graph_nodes = -1
+    rw.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+    rw.optimizers[:] = ["function"]
+    return tf_optimizer.OptimizeGraph(config, meta)
+
+
+def resource_shapes(func_graph) -> dict:
+    """Resource placeholder name -> (dtype, shape) of the variable it holds.
+
+    A GraphDef does not carry a resource handle's shape, so after serialization
+    every ``ReadVariableOp`` would read a tensor of unknown rank (and so would
+    everything downstream).  The live FuncGraph still knows it.
+    """
+    from tensorflow.python.ops import handle_data_util
+    out = {}
+    for t in func_graph.inputs:
+        if t.dtype != tf.resource:
+            continue
+        data = handle_data_util.get_resource_handle_data(t)
+        if data is None or not data.is_set or len(data.shape_and_type) != 1:
+            continue
+        st = data.shape_and_type[0]
+        if st.shape.unknown_rank:
+            continue
+        out[t.op.name] = (tf.as_dtype(st.dtype), [d.size if d.size >= 0 else None
+                                                 for d in st.shape.dim])
+    return out
+
+
+def import_for_shapes(graph_def, resources: dict | None = None) -> tf.Graph:
+    """Import into a scratch graph so TF's shape inference types every tensor.
+
+    Reads of variables whose shapes we know (``resources``) are imported as typed
+    placeholders: the scratch graph is only for shapes, never run.
+    """
+    if resources:
+        graph_def = _typed_variable_reads(graph_def, resources)
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+    return g
+
+
+def _typed_variable_reads(graph_def, resources):
+    by_name = {n.name: n for n in graph_def.node}
+
+    def source(name):   # follow Identity chains (inlined function arguments)
+        seen = 0
+        while name in by_name and by_name[name].op == "Identity" and seen < 64:
+            name = by_name[name].input[0].split(":")[0].lstrip("^")
+            seen += 1
+        return name
+
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    for nd in out.node:
+        if nd.op != "ReadVariableOp":
+            continue
+        src = source(nd.input[0].split(":")[0])
+        if src not in resources:
+            continue
+        dtype, shape = resources[src]
+        ctrl = [i for i in nd.input if i.startswith("^")]
+        nd.op = "Placeholder"
+        del nd.input[:]
+        nd.input.extend(ctrl)
+        nd.attr.clear()
+        nd.attr["dtype"].type = dtype.as_datatype_enum
+        nd.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
+    return out
+
+
+# ---------------------------------------------------------------- TF graph -> IR
+
+def to_ir(g: tf.Graph, fetches: list[str]) -> Graph:
+    nodes = []
+    for op in g.get_operations():
+        node = _convert(op)
+        node.control_inputs = [c.name for c in op.control_inputs]
+        nodes.append(node)
+    graph = Graph(nodes, [_ref(f) for f in fetches])
+    graph.verify()
+    return graph
+
+
+def _ref(name: str) -> ValueRef:
+    node, _, idx = name.partition(":")
+    return ValueRef(node, int(idx or 0))
+
+
+def _inputs(op, which=None) -> list[ValueRef]:
+    ins = list(op.inputs) if which is None else [op.inputs[i] for i in which]
+    return [ValueRef(t.op.name, t.value_index) for t in ins]
+
+
+def _opaque(op, reason: str | None = None) -> Node:
+    attrs = {} if reason is None else {"unfusible": reason}
+    return Node(op.name, op.type, _inputs(op), attrs,
+                [tensor_type(t) for t in op.outputs], origin=op.name)
+
+
+def _convert(op) -> Node:
+    try:
+        node = _convert_known(op)
+    except _Unfusible as e:
+        return _opaque(op, str(e))
+    if node is None:
+        reason = None
+        if opnames.is_memory_intensive(op.type):
+            reason = f"{op.type} is not supported by the fuser yet"
+        return _opaque(op, reason)
+    # Re-derive the output type with the op table: a node we cannot type is not fusible.
+    out_types = [tensor_type(t) for t in op.outputs]
+    for t in out_types + [tensor_type(t) for t in op.inputs]:
+        if t.dtype.startswith("opaque:"):
+            return _opaque(op, f"dtype {t.dtype[7:]} is not supported")
+        if t.shape is None:
+            return _opaque(op, "a tensor of unknown rank")
+    node.outputs = out_types
+    node.origin = op.name
+    return node
+
+
+class _Unfusible(Exception):
+    pass
+
+
+def _const_value(t: tf.Tensor):
+    v = tensor_util.constant_value(t)
+    if v is None:
+        raise _Unfusible(f"{t.op.type} input {t.name} is not a constant")
+    return np.asarray(v)
+
+
+def _axes(op, rank):
+    axes = _const_value(op.inputs[1]).reshape(-1).tolist()
+    return sorted({a % rank for a in axes}) if rank else []
+
+
+def _convert_known(op) -> Node | None:
+    t = op.type
+    if t in COMPOSITE_OPS or t in opnames.COMPOSITES:
+        return _convert_composite(op)
+    canon = opnames.canonical(t)
+    if canon is None:
+        return None
+    attrs = {}
+    ins = _inputs(op)
+    if canon in ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any"):
+        rank = op.inputs[0].shape.rank
+        if rank is None:
+            raise _Unfusible("reduction over a tensor of unknown rank")
+        attrs = {"axes": _axes(op, rank), "keep_dims": bool(op.get_attr("keep_dims"))}
+        ins = ins[:1]
+    elif canon == "Reshape":
+        if op.inputs[0].shape.rank is None or op.outputs[0].shape.rank is None:
+            raise _Unfusible("reshape with unknown rank")
+        attrs = {"shape": [(-1 if d is None else d) for d in op.outputs[0].shape.as_list()]}
+        ins = ins[:1]
+    elif canon == "Cast":
+        attrs = {"to": dtype_name(op.get_attr("DstT"))}
+    elif canon == "LeakyRelu":
+        attrs = {"alpha": float(op.get_attr("alpha"))}
+    elif canon == "Const":
+        return _convert_const(op)
+    elif canon == "FillLike":
+        dt = dtype_name(op.outputs[0].dtype)
+        one = 1 if t == "OnesLike" else 0
+        attrs = {"value": _py_scalar(np.asarray(one).astype(
+            TF_DTYPE[dt].as_numpy_dtype if dt in TF_DTYPE else np.float32)), "dtype": dt}
+    elif canon == "Select" and t == "Select":
+        if op.inputs[0].shape.rank != op.inputs[1].shape.rank:
+            raise _Unfusible("Select with a vector condition (v1 row-select semantics)")
+    elif canon == "Identity" and op.outputs[0].dtype not in _DTYPES:
+        return None
+    return Node(op.name, canon, ins, attrs)
+
+
+def _convert_const(op) -> Node | None:
+    dt = dtype_name(op.outputs[0].dtype)
+    if dt.startswith("opaque:"):
+        return None
+    if op.type == "Fill":
+        dims = _const_value(op.inputs[0]).reshape(-1).tolist()
+        value = _const_value(op.inputs[1])
+        shape = [int(d) for d in dims]
+    else:
+        value = tensor_util.MakeNdarray(op.get_attr("value"))
+        shape = list(value.shape)
+    flat = np.asarray(value).reshape(-1)
+    if flat.size == 0 or flat.size > _MAX_SPLAT_ELEMENTS or not np.all(flat == flat[0]) \
+            and not (np.issubdtype(flat.dtype, np.floating) and np.all(np.isnan(flat))):
+        return Node(op.name, "TFConst", [], {})          # stays a TF constant
+    v = _py_scalar(flat[0])
+    return Node(op.name, "Const", [], {"value": v, "dtype": dt, "shape": shape})
+
+
+def _py_scalar(v):
+    v = np.asarray(v).reshape(())
+    if v.dtype == np.bool_:
+        return bool(v)
+    if np.issubdtype(v.dtype, np.integer):
+        return int(v)
+    return float(v.astype(np.float64))
+
+
+def _convert_composite(op) -> Node | None:
+    t = op.type
+    if t in ("Softmax", "LogSoftmax"):
+        return Node(op.name, t, _inputs(op), {})
+    if t in ("BiasAdd", "BiasAddV1"):
+        fmt = op.get_attr("data_format").decode() if t == "BiasAdd" else "NHWC"
+        return Node(op.name, "BiasAdd", _inputs(op), {"data_format": fmt})
+    # FusedBatchNorm / V2 / V3
+    if op.get_attr("is_training"):
+        raise _Unfusible("training-mode FusedBatchNorm (computes batch statistics)")
+    if any(len(o.consumers()) for o in op.outputs[1:]):
+        raise _Unfusible("FusedBatchNorm statistics outputs are used")
+    fmt = op.get_attr("data_format").decode()
+    return Node(op.name, "FusedBatchNorm", _inputs(op, range(5)),
+                {"epsilon": float(op.get_attr("epsilon")), "data_format": fmt})

@@ -1,0 +1,135 @@
+"""``stitching.function``: a drop-in for ``tf.function`` that stitches each trace.
+
+How a call works:
+
+    StitchedFunction(x) ─▶ outer tf.function (retraces per input signature, as usual)
+        trace body: trace the user's function alone (inner ConcreteFunction)
+                    ─▶ pipeline.stitch_graph_def (plan, compile, rewrite)
+                    ─▶ import the rewritten GraphDef into the outer trace, mapping
+                       arguments to the outer placeholders and captured variables to
+                       the same resource handles (so variables stay variables)
+
+The outer tf.function owns tracing, caching and signatures, so behaviour matches
+tf.function; the inner graph already carries TF's automatic control dependencies
+as explicit control edges, which the rewrite keeps.
+"""
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+
+from ..options import Options
+from . import frontend, pipeline
+
+
+class StitchedFunction:
+    def __init__(self, fn, input_signature=None, options: Options | None = None,
+                 autograph: bool = True, reduce_retracing: bool = False,
+                 jit_compile=None):
+        python_fn, input_signature = _unwrap(fn, input_signature, jit_compile)
+        self._python_fn = python_fn
+        self.options = options or Options()
+        self._autograph = autograph
+        self.report = None
+        self.reports = []            # one per trace, oldest first
+        self._tf_function = tf.function(self._trace, input_signature=input_signature,
+                                        autograph=False, reduce_retracing=reduce_retracing)
+        functools.update_wrapper(self, python_fn, updated=())
+
+    def __call__(self, *args, **kwargs):
+        return self._tf_function(*args, **kwargs)
+
+    def __get__(self, instance, owner):
+        """Support decorating methods: bind like a function does."""
+        if instance is None:
+            return self
+        bound = self.__dict__.get("_bound_" + str(id(instance)))
+        if bound is None:
+            bound = StitchedFunction(functools.partial(self._python_fn, instance),
+                                     options=self.options, autograph=self._autograph)
+            self.__dict__["_bound_" + str(id(instance))] = bound
+        return bound
+
+    def get_concrete_function(self, *args, **kwargs):
+        return self._tf_function.get_concrete_function(*args, **kwargs)
+
+    @property
+    def input_signature(self):
+        return self._tf_function.input_signature
+
+    # -- tracing ------------------------------------------------------------
+    def _trace(self, *args, **kwargs):
+        structure = (args, kwargs)
+        flat = tf.nest.flatten(structure, expand_composites=True)
+        where = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor)]
+        specs = [tf.TensorSpec(flat[i].shape, flat[i].dtype) for i in where]
+
+        def inner(*tensors):
+            vals = list(flat)
+            for i, t in zip(where, tensors):
+                vals[i] = t
+            a, k = tf.nest.pack_sequence_as(structure, vals, expand_composites=True)
+            return self._python_fn(*a, **k)
+
+        inner_fn = tf.function(inner, autograph=self._autograph)
+        cf = inner_fn.get_concrete_function(*specs)
+        fetches = [t.name for t in cf.outputs]
+        keep = [op.name for op in cf.graph.control_outputs]
+        result = pipeline.stitch_graph_def(
+            cf.graph.as_graph_def(), fetches, keep, self.options,
+            name=getattr(self._python_fn, "__name__", type(self._python_fn).__name__),
+            resources=frontend.resource_shapes(cf.graph))
+        self.report = result.report
+        self.reports.append(result.report)
+
+        outer = tf.compat.v1.get_default_graph()
+        input_map = {ph.name: flat[i] for ph, i in zip(cf.inputs, where)}
+        for external, internal in cf.graph.captures:
+            input_map[internal.name] = outer.capture(external)
+        return_elements = fetches + keep
+        outs = tf.graph_util.import_graph_def(
+            result.graph_def, input_map=input_map, return_elements=return_elements,
+            name="stitched") if return_elements else []
+        tensors = outs[:len(fetches)]
+        if not fetches:
+            return tf.nest.pack_sequence_as(cf.structured_outputs, [],
+                                            expand_composites=True) \
+                if cf.structured_outputs is not None else None
+        if keep:   # stateful ops with no data output: run them before returning
+            with tf.control_dependencies(outs[len(fetches):]):
+                tensors = [tf.identity(t) for t in tensors]
+        return tf.nest.pack_sequence_as(cf.structured_outputs, tensors,
+                                        expand_composites=True)
+
+
+def _unwrap(fn, input_signature, jit_compile):
+    if jit_compile:
+        raise ValueError(_JIT_MESSAGE)
+    if isinstance(fn, StitchedFunction):
+        return fn._python_fn, input_signature or fn.input_signature
+    python_fn = getattr(fn, "python_function", None)
+    if python_fn is not None:        # an existing tf.function
+        if getattr(fn, "_jit_compile", None):
+            raise ValueError(_JIT_MESSAGE)
+        return python_fn, input_signature or getattr(fn, "input_signature", None)
+    if not callable(fn):
+        raise TypeError(f"stitching.function expects a callable, got {type(fn).__name__}")
+    return fn, input_signature
+
+
+_JIT_MESSAGE = ("stitching.function cannot stitch a function compiled with "
+                "jit_compile=True: XLA compiles the whole function itself and has no "
+                "kernel for the StitchedKernel op. Use either XLA or stitching for it.")
+
+
+def function(fn=None, *, input_signature=None, options: Options | None = None,
+             autograph: bool = True, reduce_retracing: bool = False, jit_compile=None):
+    """Like ``tf.function``; bare ``@stitching.function`` or with arguments."""
+    if fn is None:
+        return functools.partial(function, input_signature=input_signature, options=options,
+                                 autograph=autograph, reduce_retracing=reduce_retracing,
+                                 jit_compile=jit_compile)
+    return StitchedFunction(fn, input_signature=input_signature, options=options,
+                            autograph=autograph, reduce_retracing=reduce_retracing,
+                            jit_compile=jit_compile)

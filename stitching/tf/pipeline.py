@@ -1,0 +1,148 @@
+"""The driver: one GraphDef in, one rewritten GraphDef and a report out.
+
+    inline   frontend.inline_functions   (Grappler function inlining only)
+    import   frontend.import_for_shapes   (TF shape inference)
+    lift     frontend.to_ir               (TF nodes -> IR nodes)
+    plan     plan.planner.plan            (regions; legality from schedule.check)
+    compile  codegen.compile_kernels      (Numba, cached in memory and on disk)
+    register runtime.register             (kernel addresses for the StitchedKernel op)
+    rewrite  tf.rewrite.rewrite           (one StitchedKernel node per region)
+    report   report.Report
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .. import report as _report
+from ..options import Options
+from ..plan import legality, planner
+from . import frontend, opnames, rewrite
+
+_PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
+
+
+@dataclass
+class StitchResult:
+    graph_def: object
+    report: _report.Report
+    kernels: list = field(default_factory=list)
+
+
+def legal(spec):
+    """Region legality from the schedule stage: None if one kernel can do it."""
+    from ..schedule import check
+    decision = check(spec)
+    return None if decision.ok else decision.reason
+
+
+def compile_spec(spec):
+    from ..codegen import compile_kernel
+    return compile_kernel(spec)
+
+
+def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
+                     name: str = "?", resources: dict | None = None) -> StitchResult:
+    """``resources``: variable shapes from the live graph (frontend.resource_shapes)."""
+    t0 = time.perf_counter()
+    gdef = frontend.inline_functions(graph_def, list(fetches) + list(keep))
+    tf_graph = frontend.import_for_shapes(gdef, resources)
+    ir = frontend.to_ir(tf_graph, list(fetches))
+    if options.verify:
+        ir.verify()
+    the_plan = planner.plan(ir, legal=legal, min_ops=options.min_ops)
+    regions, kernels, failed = _compile(the_plan.regions, options)
+    new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions)
+    rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
+    rep.compile_seconds = time.perf_counter() - t0
+    return StitchResult(new_gdef, rep, kernels)
+
+
+def _compile(regions, options):
+    """Compile each distinct spec once; a region whose kernel fails stays unfused."""
+    from .. import runtime
+    distinct = {}
+    for reg in regions:
+        distinct.setdefault(reg.spec.hash, reg.spec)
+    show = options.progress if options.progress is not None else \
+        len(distinct) >= _PROGRESS_MIN_KERNELS
+    by_hash, errors = {}, {}
+    for i, (h, spec) in enumerate(distinct.items()):
+        if show:
+            print(f"\rstitching: compiling kernel {i + 1}/{len(distinct)}", end="",
+                  file=sys.stderr, flush=True)
+        try:
+            k = compile_spec(spec)
+            runtime.register(k)
+            by_hash[h] = k
+        except Exception as e:  # noqa: BLE001 — any compile failure leaves the region to TF
+            errors[h] = f"kernel failed to compile: {type(e).__name__}: {str(e)[:200]}"
+    if show and distinct:
+        print(file=sys.stderr)
+    ok = [r for r in regions if r.spec.hash in by_hash]
+    kernels = [by_hash[r.spec.hash] for r in ok]
+    failed = [(r, errors[r.spec.hash]) for r in regions if r.spec.hash in errors]
+    return ok, kernels, failed
+
+
+def _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed):
+    tf_op = {n.name: n.op for n in gdef.node}
+    shape_math = _shape_arithmetic(gdef)
+    mem = {n for n, op in tf_op.items()
+           if opnames.is_memory_intensive(op) and n not in shape_math}
+    fused = {m for r in regions for m in r.nodes}
+    rep = _report.Report(function=name)
+    rep.memory_intensive_ops = len(mem)
+    rep.fused_ops = len(mem & fused)
+    rep.unique_kernels = len({r.spec.hash for r in regions})
+    for reg, kname, k in zip(regions, kernel_names, kernels):
+        sched = getattr(k, "schedule", None)
+        desc = sched.describe() if hasattr(sched, "describe") else ""
+        rep.kernels.append(_report.KernelInfo(
+            kname, [(m, tf_op.get(m, "?")) for m in reg.nodes], desc.splitlines()[0] if desc else "",
+            len(reg.inputs), len(reg.outputs), reg.spec.hash))
+    reasons = {n: r for n, _, r in the_plan.unfused}
+    for reg, why in failed:
+        for m in reg.nodes:
+            reasons[m] = why
+    fetches = {r.node for r in ir.outputs}
+    for n in sorted(mem - fused, key=list(tf_op).index):
+        why = reasons.get(n) or legality.node_reason(ir, ir[n]) or \
+            ("a function output" if n in fetches else "left to TF by the planner")
+        rep.unfused.append((n, tf_op[n], why))
+    rep.boundaries = list(the_plan.boundaries)
+    return rep
+
+
+_SHAPE_SOURCES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
+def _shape_arithmetic(gdef) -> set:
+    """Nodes computing only on shapes (e.g. Prod of a Shape for a Reshape target).
+
+    They run on a handful of host integers, not on tensor data, so they are not
+    memory-intensive work (XLA constant-folds them) and are left out of the counts.
+    """
+    by_name = {n.name: n for n in gdef.node}
+    memo: dict[str, bool] = {}
+
+    def is_shape(name, depth=0):
+        if name in memo:
+            return memo[name]
+        nd = by_name.get(name)
+        if nd is None or depth > 200:
+            return False
+        if nd.op in _SHAPE_SOURCES:
+            r = True
+        elif nd.op == "Const":
+            r = True
+        elif nd.op == "Placeholder" or not nd.input:
+            r = False
+        else:
+            data = [i.split(":")[0] for i in nd.input if not i.startswith("^")]
+            r = bool(data) and all(is_shape(d, depth + 1) for d in data)
+        memo[name] = r
+        return r
+
+    return {n.name for n in gdef.node if n.op != "Const" and is_shape(n.name)}
