@@ -1,0 +1,33 @@
+"""Runtime: the ``StitchedKernel`` TF op and the registry of compiled kernels.
+
+Layers (each module starts with its own design note):
+
+* ``op.cc``       the C++ op library: one generic op that runs a Numba-compiled kernel
+                  (body + shape function, C ABI) over TF's intra-op thread pool, and a
+                  process-wide registry spec string -> compiled kernel, with C exports.
+* ``build.py``    compiles ``op.cc`` once per (TF version, source, flags) into a cache.
+* ``registry.py`` loads the library (TF + ctypes on the same image), registers kernels,
+                  installs the compile-on-miss callback.
+* ``api.py``      ``stitched_kernel``: the Python entry that adds the op to a program.
+
+Kernel ABI (what codegen produces; duck-typed object)::
+
+    kernel.spec            KernelSpec; spec.to_json() is the registry key
+    kernel.body_address    void  body(int64 begin, int64 end, void** ins, void** outs,
+                                      const int64* params)
+    kernel.shape_address   int64 shape_fn(const int64* in_dims, int64* params,
+                                          int64* out_dims, int64* sched)
+    kernel.in_ranks, kernel.out_ranks, kernel.in_dtypes, kernel.out_dtypes
+    kernel.errors          shape_fn returning k > 0 reports errors[k-1]
+
+Importing this package does not import TensorFlow; ``load()`` does.
+"""
+from .api import stitched_kernel
+from .build import BuildError, build, cache_dir, library_path
+from .registry import (RegistrationError, TF_DTYPE_ENUM, is_registered, library, load,
+                       num_registered, register, registered_kernel, set_compiler)
+
+__all__ = ["stitched_kernel", "load", "library", "register", "set_compiler",
+           "is_registered", "num_registered", "registered_kernel", "build",
+           "library_path", "cache_dir", "BuildError", "RegistrationError",
+           "TF_DTYPE_ENUM"]

@@ -1,0 +1,130 @@
+"""Build (once) and locate the StitchedKernel op library.
+
+Design
+------
+``op.cc`` is compiled with the system C++ compiler against the installed TensorFlow's
+headers, so the library must match that TensorFlow exactly.  The output is cached under
+``$STITCHING_CACHE_DIR/ops`` (default ``~/.cache/stitching/ops``) with a file name that
+hashes everything the binary depends on: TF version, the source text, the compiler
+command and flags, and the machine.  Changing any of them builds a new file next to
+the old one instead of loading a stale binary.
+
+Two processes may start at the same moment (pytest-xdist, several workers): an
+exclusive ``flock`` on a per-key lock file serializes the build, the compiler writes
+to a private temporary name, and ``os.replace`` publishes it atomically, so a reader
+never sees a half-written ``.so``.
+
+Prebuild (setup.py / CI):  ``python -m stitching.runtime.build [--force]``.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("op.cc")
+LIB_PREFIX = "stitching_ops"
+# Warnings from TF's own headers that say nothing about our code.
+QUIET = ["-Wno-deprecated-declarations", "-Wno-interference-size"]
+STDERR_TAIL = 4000
+
+
+class BuildError(RuntimeError):
+    """The op library could not be built (message carries the compiler's stderr tail)."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("STITCHING_CACHE_DIR") or os.path.join("~", ".cache", "stitching")
+    return Path(root).expanduser() / "ops"
+
+
+def compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def _tf_flags() -> tuple[list, list, str]:
+    import tensorflow as tf  # local: importing this module must stay cheap
+    return (list(tf.sysconfig.get_compile_flags()), list(tf.sysconfig.get_link_flags()),
+            tf.__version__)
+
+
+def command(source: Path, output: Path) -> list:
+    """The full compiler command line for building ``source`` into ``output``."""
+    cflags, lflags, _ = _tf_flags()
+    return ([*shlex.split(compiler()), "-shared", "-fPIC", "-O2", *QUIET, str(source),
+             "-o", str(output)] + cflags + lflags)
+
+
+def library_path() -> Path:
+    """Where the library for the current TF/source/flags lives (built or not)."""
+    cflags, lflags, tf_version = _tf_flags()
+    h = hashlib.sha256()
+    for part in (tf_version, platform.machine(), compiler(), " ".join(QUIET),
+                 " ".join(cflags), " ".join(lflags)):
+        h.update(part.encode() + b"\0")
+    h.update(SOURCE.read_bytes())
+    return cache_dir() / f"{LIB_PREFIX}-tf{tf_version}-{h.hexdigest()[:16]}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Return the path of the op library, compiling it first if it is not cached."""
+    path = library_path()
+    if path.exists() and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.exists() and not force:   # another process built it while we waited
+            return path
+        _compile_to(path)
+    return path
+
+
+def _compile_to(path: Path) -> None:
+    cxx = shlex.split(compiler())[0]
+    if shutil.which(cxx) is None:
+        raise BuildError(f"stitching needs a C++ compiler to build its TensorFlow op "
+                         f"library, and {cxx!r} was not found (install g++ or set CXX)")
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = command(SOURCE, Path(tmp))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = proc.stderr[-STDERR_TAIL:]
+            raise BuildError(f"building the StitchedKernel op library failed "
+                             f"(exit {proc.returncode}):\n  {shlex.join(cmd)}\n{tail}")
+        os.replace(tmp, path)  # atomic publish
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m stitching.runtime.build",
+                                description="Prebuild the stitching TensorFlow op library.")
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.add_argument("--print-path", action="store_true",
+                   help="print where the library would live and exit")
+    args = p.parse_args(argv)
+    if args.print_path:
+        print(library_path())
+        return 0
+    try:
+        print(build(force=args.force))
+    except BuildError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

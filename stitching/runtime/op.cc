@@ -1,0 +1,449 @@
+// StitchedKernel: one generic TensorFlow op that runs a fused kernel compiled by Numba.
+//
+// Design
+// ------
+// A graph node carries its fused region as a serialized spec (an opaque string to this
+// file).  Native code cannot live in a graph, so code is resolved *in the running
+// process*: a process-wide registry maps the exact spec string to an Entry holding two
+// C function pointers produced by Numba `@cfunc`s plus the kernel's signature:
+//
+//   int64 shape_fn(const int64* in_dims, int64* params, int64* out_dims, int64* sched)
+//   void  body(int64 begin, int64 end, void** ins, void** outs, const int64* params)
+//
+// The OpKernel constructor looks the spec up once (compiling on a miss through an
+// optional Python callback) and checks the node's declared dtypes/ranks against the
+// entry, so a tampered or stale graph fails with a TF error instead of running native
+// code on the wrong buffers.  Compute() asks shape_fn for output shapes, kernel
+// parameters and a work decomposition [0, sched[0]) with a per-unit cost, allocates the
+// outputs, and runs body over that range on TF's intra-op pool.  Inputs are passed by
+// their buffer pointers (no copy) and the body runs without the Python GIL.
+//
+// The registry and the compiler hook are exported with C linkage so that Python can
+// drive them through ctypes on the same dlopen image that tf.load_op_library loaded.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/platform/threadpool.h"
+#include "tsl/profiler/lib/traceme_encode.h"
+
+namespace stitching {
+namespace {
+
+using tensorflow::DataType;
+using tensorflow::DataTypeVector;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::PartialTensorShape;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+// ---- ABI ----------------------------------------------------------------------------
+
+using BodyFn = void (*)(int64_t begin, int64_t end, void** ins, void** outs,
+                        const int64_t* params);
+using ShapeFn = int64_t (*)(const int64_t* in_dims, int64_t* params, int64_t* out_dims,
+                            int64_t* sched);
+using CompilerFn = int (*)(const char* spec);
+
+constexpr int kAbiVersion = 1;
+constexpr int kMaxParams = 32;      // size of the params array shape_fn may fill
+constexpr int kMaxRank = 64;        // sanity bound; the IR itself stops at 8
+constexpr int kMaxTensors = 1024;   // sanity bound on inputs/outputs per kernel
+
+// Everything needed to run one compiled kernel.  Immutable once registered; kernels
+// share it through shared_ptr so it outlives any registry change.
+struct Entry {
+  BodyFn body = nullptr;
+  ShapeFn shape_fn = nullptr;
+  std::vector<int> in_ranks, out_ranks;
+  DataTypeVector in_dtypes, out_dtypes;
+  std::vector<std::string> errors;
+  int in_dims_total = 0, out_dims_total = 0;
+};
+
+// ---- Registry -----------------------------------------------------------------------
+
+class Registry {
+ public:
+  // Function-static and leaked on purpose: kernels may still run during static
+  // destruction at process exit.
+  static Registry& Get() {
+    static Registry* r = new Registry;
+    return *r;
+  }
+
+  // Returns true if newly inserted; an existing entry for the same spec is kept, so
+  // registration is idempotent and a running kernel never sees its entry replaced.
+  bool Insert(const std::string& spec, std::shared_ptr<const Entry> e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return map_.emplace(spec, std::move(e)).second;
+  }
+
+  std::shared_ptr<const Entry> Find(const std::string& spec) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = map_.find(spec);
+    return it == map_.end() ? nullptr : it->second;
+  }
+
+  int64_t Size() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(map_.size());
+  }
+
+  void SetCompiler(CompilerFn fn) { compiler_.store(fn); }
+  CompilerFn compiler() const { return compiler_.load(); }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<std::string, std::shared_ptr<const Entry>> map_;
+  std::atomic<CompilerFn> compiler_{nullptr};
+};
+
+// The compiler callback reports a failure message through this thread-local buffer
+// (stitching_set_compile_error); the callback runs on the thread that called it, so
+// the message cannot be confused with another thread's.
+thread_local std::string tls_compile_error;
+
+absl::Status StatusFromCode(int code, const std::string& msg) {
+  if (code <= 0 || code > static_cast<int>(absl::StatusCode::kUnauthenticated)) {
+    code = static_cast<int>(absl::StatusCode::kInternal);
+  }
+  return absl::Status(static_cast<absl::StatusCode>(code), msg);
+}
+
+// Finds the entry for `spec`, asking the compiler callback on a miss.  The callback
+// runs outside the registry mutex: it takes the Python GIL and calls back into
+// stitching_register, which takes the mutex itself.
+absl::Status Lookup(const std::string& spec, std::shared_ptr<const Entry>* out) {
+  Registry& reg = Registry::Get();
+  *out = reg.Find(spec);
+  if (*out) return absl::OkStatus();
+
+  CompilerFn compile = reg.compiler();
+  if (compile != nullptr) {
+    tls_compile_error.clear();
+    int rc = compile(spec.c_str());
+    if (rc != 0) {
+      return StatusFromCode(
+          rc, absl::StrCat("StitchedKernel: compiling the kernel spec failed: ",
+                           tls_compile_error.empty() ? "(no message)"
+                                                     : tls_compile_error));
+    }
+    *out = reg.Find(spec);
+    if (*out) return absl::OkStatus();
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "StitchedKernel: no compiled kernel for this spec in this process",
+      compile ? " (the compiler callback returned without registering it)" : "",
+      "; import stitching and register the kernel (stitching.runtime.register) or "
+      "install a compiler (stitching.runtime.set_compiler) before running this graph. "
+      "Spec starts with: ",
+      spec.substr(0, 120)));
+}
+
+std::string DtypesString(const DataTypeVector& v) {
+  return absl::StrJoin(v, ",", [](std::string* s, DataType t) {
+    absl::StrAppend(s, tensorflow::DataTypeString(t));
+  });
+}
+
+// ---- Op -----------------------------------------------------------------------------
+
+absl::Status StitchedShapeFn(tensorflow::shape_inference::InferenceContext* c) {
+  std::vector<PartialTensorShape> shapes;
+  DataTypeVector tout;
+  TF_RETURN_IF_ERROR(c->GetAttr("output_shapes", &shapes));
+  TF_RETURN_IF_ERROR(c->GetAttr("Tout", &tout));
+  if (shapes.size() != tout.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("StitchedKernel: output_shapes has ", shapes.size(),
+                     " entries but Tout has ", tout.size()));
+  }
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    tensorflow::shape_inference::ShapeHandle h;
+    TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shapes[i], &h));
+    c->set_output(static_cast<int>(i), h);
+  }
+  return absl::OkStatus();
+}
+
+REGISTER_OP("StitchedKernel")
+    .Input("args: Tin")
+    .Output("results: Tout")
+    .Attr("spec: string")
+    .Attr("Tin: list(type) >= 0")
+    .Attr("Tout: list(type) >= 1")
+    .Attr("output_shapes: list(shape) >= 1")
+    .Attr("label: string = ''")
+    .SetShapeFn(StitchedShapeFn)
+    .Doc(R"doc(
+A fused region compiled to native code by stitching. `spec` is the serialized kernel
+spec; the process resolves it to compiled code (stitching.runtime), so the graph stays
+portable. `output_shapes` are static shapes for graph shape inference; `label` names the
+region in reports and profiles.
+)doc");
+
+class StitchedKernelOp : public OpKernel {
+ public:
+  explicit StitchedKernelOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string spec;
+    DataTypeVector tin, tout;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("spec", &spec));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("label", &label_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("Tin", &tin));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("Tout", &tout));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("output_shapes", &static_shapes_));
+    OP_REQUIRES(ctx, static_shapes_.size() == tout.size(),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedKernel: output_shapes has ", static_shapes_.size(),
+                    " entries but Tout has ", tout.size())));
+    OP_REQUIRES_OK(ctx, Lookup(spec, &entry_));
+    OP_REQUIRES_OK(ctx, CheckSignature(tin, tout));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Entry& e = *entry_;
+    const int n_in = static_cast<int>(e.in_ranks.size());
+    const int n_out = static_cast<int>(e.out_ranks.size());
+
+    // Gather input dims (checking ranks: the graph's shapes are only claims).
+    std::vector<int64_t> in_dims;
+    in_dims.reserve(e.in_dims_total);
+    std::vector<void*> ins(n_in + 1, nullptr);
+    for (int i = 0; i < n_in; ++i) {
+      const Tensor& t = ctx->input(i);
+      OP_REQUIRES(ctx, t.dims() == e.in_ranks[i],
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "StitchedKernel ", label_, ": input ", i, " has shape ",
+                      t.shape().DebugString(), " but the kernel expects rank ",
+                      e.in_ranks[i])));
+      for (int d = 0; d < t.dims(); ++d) in_dims.push_back(t.dim_size(d));
+      // No copy: the kernel reads the input tensor's own buffer (never written).
+      ins[i] = const_cast<char*>(t.tensor_data().data());
+    }
+
+    // Shapes, kernel parameters and the work decomposition come from shape_fn.
+    int64_t params[kMaxParams] = {0};
+    std::vector<int64_t> out_dims(e.out_dims_total + 1, 0);
+    int64_t sched[2] = {0, 1};
+    const int64_t rc = e.shape_fn(in_dims.data(), params, out_dims.data(), sched);
+    OP_REQUIRES_OK(ctx, ShapeFnStatus(ctx, rc));
+    OP_REQUIRES(ctx, sched[0] >= 0,
+                absl::InternalError(absl::StrCat("StitchedKernel ", label_,
+                                                 ": shape function returned ",
+                                                 sched[0], " work units")));
+
+    std::vector<void*> outs(n_out + 1, nullptr);
+    const int64_t* od = out_dims.data();
+    for (int i = 0; i < n_out; ++i) {
+      TensorShape shape;
+      OP_REQUIRES_OK(ctx, OutputShape(i, od, &shape));
+      od += e.out_ranks[i];
+      Tensor* t = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, shape, &t));  // not zero-filled
+      outs[i] = const_cast<char*>(t->tensor_data().data());
+    }
+    if (sched[0] == 0) return;  // zero-size tensors: nothing to do
+
+    // Split [0, total) across the intra-op pool; ParallelFor sizes the shards from
+    // the per-unit cost and runs small totals inline on this thread.
+    const BodyFn body = e.body;
+    void** in_ptrs = ins.data();
+    void** out_ptrs = outs.data();
+    auto run = [body, in_ptrs, out_ptrs, &params](int64_t begin, int64_t end) {
+      body(begin, end, in_ptrs, out_ptrs, params);
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    pool->ParallelFor(
+        sched[0],
+        tsl::thread::ThreadPool::SchedulingParams::Adaptive(std::max<int64_t>(1, sched[1])),
+        run);
+  }
+
+  // Profiles show the region's label next to the node name.
+  std::string TraceString(const OpKernelContext& ctx, bool verbose) const override {
+    std::string base = OpKernel::TraceString(ctx, verbose);
+    if (label_.empty()) return base;
+    return tsl::profiler::TraceMeEncode(std::move(base), {{"label", label_}});
+  }
+
+ private:
+  // The node's declared signature must be exactly the compiled kernel's.
+  absl::Status CheckSignature(const DataTypeVector& tin, const DataTypeVector& tout) {
+    const Entry& e = *entry_;
+    if (tin != e.in_dtypes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "StitchedKernel ", label_, ": node input dtypes [", DtypesString(tin),
+          "] do not match the compiled kernel's [", DtypesString(e.in_dtypes), "]"));
+    }
+    if (tout != e.out_dtypes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "StitchedKernel ", label_, ": node output dtypes [", DtypesString(tout),
+          "] do not match the compiled kernel's [", DtypesString(e.out_dtypes), "]"));
+    }
+    for (size_t i = 0; i < static_shapes_.size(); ++i) {
+      const PartialTensorShape& s = static_shapes_[i];
+      if (!s.unknown_rank() && s.dims() != e.out_ranks[i]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "StitchedKernel ", label_, ": output_shapes[", i, "] is ", s.DebugString(),
+            " but the compiled kernel's output ", i, " has rank ", e.out_ranks[i]));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ShapeFnStatus(OpKernelContext* ctx, int64_t rc) const {
+    if (rc == 0) return absl::OkStatus();
+    const Entry& e = *entry_;
+    std::vector<std::string> shapes;
+    for (int i = 0; i < ctx->num_inputs(); ++i) {
+      shapes.push_back(ctx->input(i).shape().DebugString());
+    }
+    std::string what =
+        (rc > 0 && rc <= static_cast<int64_t>(e.errors.size()))
+            ? e.errors[rc - 1]
+            : absl::StrCat("shape function returned unknown error code ", rc);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "StitchedKernel ", label_, ": ", what, "; input shapes: ",
+        absl::StrJoin(shapes, ", ")));
+  }
+
+  // Builds output i's shape from shape_fn's dims and checks it against the static
+  // shape the graph was told about (shape inference downstream relied on it).
+  absl::Status OutputShape(int i, const int64_t* dims, TensorShape* shape) const {
+    const int rank = entry_->out_ranks[i];
+    absl::Status s = TensorShape::BuildTensorShape(
+        absl::Span<const int64_t>(dims, rank), shape);
+    if (!s.ok()) {
+      return absl::InternalError(absl::StrCat("StitchedKernel ", label_,
+                                              ": shape function gave output ", i,
+                                              " an invalid shape: ", s.message()));
+    }
+    if (!static_shapes_[i].IsCompatibleWith(*shape)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "StitchedKernel ", label_, ": output ", i, " has shape ",
+          shape->DebugString(), ", incompatible with the declared ",
+          static_shapes_[i].DebugString()));
+    }
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<const Entry> entry_;
+  std::vector<PartialTensorShape> static_shapes_;
+  std::string label_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("StitchedKernel").Device(tensorflow::DEVICE_CPU),
+                        StitchedKernelOp);
+
+// ---- Registration helpers for the C exports -----------------------------------------
+
+bool SupportedDtype(int t) {
+  switch (t) {
+    case tensorflow::DT_HALF:
+    case tensorflow::DT_BFLOAT16:
+    case tensorflow::DT_FLOAT:
+    case tensorflow::DT_DOUBLE:
+    case tensorflow::DT_INT32:
+    case tensorflow::DT_INT64:
+    case tensorflow::DT_BOOL:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Copies one side of the signature (ranks + dtypes); returns a negative code on bad
+// input so the Python side can name the problem.
+int CopySignature(int n, const int* ranks, const int* dtypes, std::vector<int>* r,
+                  DataTypeVector* d, int* total) {
+  if (n < 0 || n > kMaxTensors || (n > 0 && (ranks == nullptr || dtypes == nullptr))) {
+    return -2;
+  }
+  *total = 0;
+  for (int i = 0; i < n; ++i) {
+    if (ranks[i] < 0 || ranks[i] > kMaxRank) return -3;
+    if (!SupportedDtype(dtypes[i])) return -4;
+    r->push_back(ranks[i]);
+    d->push_back(static_cast<DataType>(dtypes[i]));
+    *total += ranks[i];
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace stitching
+
+// ---- C exports (ctypes) -------------------------------------------------------------
+
+extern "C" {
+
+// Version of the kernel ABI this library implements.
+__attribute__((visibility("default"))) int stitching_abi_version() {
+  return stitching::kAbiVersion;
+}
+
+// Registers a compiled kernel under the exact spec string.  Returns 0 if newly
+// registered, 1 if the spec was already registered (the existing entry is kept),
+// and a negative code on invalid arguments: -1 null spec/function, -2 bad tensor
+// count, -3 bad rank, -4 unsupported dtype, -5 bad error list.
+__attribute__((visibility("default"))) int stitching_register(
+    const char* spec, void* body, void* shape_fn, int n_in, const int* in_ranks,
+    const int* in_dtypes, int n_out, const int* out_ranks, const int* out_dtypes,
+    const char* const* errors, int n_errors) {
+  using stitching::Entry;
+  if (spec == nullptr || body == nullptr || shape_fn == nullptr) return -1;
+  if (n_out < 1) return -2;
+  auto e = std::make_shared<Entry>();
+  e->body = reinterpret_cast<stitching::BodyFn>(body);
+  e->shape_fn = reinterpret_cast<stitching::ShapeFn>(shape_fn);
+  int rc = stitching::CopySignature(n_in, in_ranks, in_dtypes, &e->in_ranks,
+                                    &e->in_dtypes, &e->in_dims_total);
+  if (rc != 0) return rc;
+  rc = stitching::CopySignature(n_out, out_ranks, out_dtypes, &e->out_ranks,
+                                &e->out_dtypes, &e->out_dims_total);
+  if (rc != 0) return rc;
+  if (n_errors < 0 || (n_errors > 0 && errors == nullptr)) return -5;
+  for (int i = 0; i < n_errors; ++i) {
+    e->errors.emplace_back(errors[i] ? errors[i] : "");
+  }
+  return stitching::Registry::Get().Insert(spec, std::move(e)) ? 0 : 1;
+}
+
+// Installs (or, with NULL, removes) the compiler called on a registry miss.  It must
+// register the kernel under the exact string it was given and return 0, or call
+// stitching_set_compile_error and return a nonzero absl::StatusCode.
+__attribute__((visibility("default"))) void stitching_set_compiler(
+    int (*cb)(const char* spec)) {
+  stitching::Registry::Get().SetCompiler(cb);
+}
+
+// Error message for the compiler callback's current failure (this thread only).
+__attribute__((visibility("default"))) void stitching_set_compile_error(const char* msg) {
+  stitching::tls_compile_error = msg ? msg : "";
+}
+
+__attribute__((visibility("default"))) int64_t stitching_num_registered() {
+  return stitching::Registry::Get().Size();
+}
+
+__attribute__((visibility("default"))) int stitching_is_registered(const char* spec) {
+  return spec != nullptr && stitching::Registry::Get().Find(spec) != nullptr;
+}
+
+}  // extern "C"

@@ -1,0 +1,252 @@
+"""Load the op library and drive its kernel registry from Python.
+
+Design
+------
+``load()`` builds (if needed) and loads the op library twice over the *same* dlopen
+image: ``tf.load_op_library`` registers the op and kernel with TensorFlow, and ctypes
+opens the same path to reach the C exports (``stitching_register`` & co.).  dlopen
+returns the already-loaded image for a path it knows, so both views share the one
+function-static registry inside the ``.so``; ``load()`` proves it by reopening with
+``RTLD_NOLOAD``, which fails unless the image is already resident.
+
+A compiled kernel is duck-typed (see ``register``).  The registry keys it by the exact
+spec string a graph node carries, and holds the Python kernel object for the life of
+the process, because the registry stores raw addresses of Numba cfuncs that would
+dangle if the cfunc objects were collected.
+
+``set_compiler(fn)`` installs a ctypes callback that the op calls on a registry miss
+(from whatever TF thread constructs the kernel).  ctypes takes the GIL for the call;
+this cannot deadlock while the thread that started the TF execution is blocked in TF,
+because TF's Python bindings release the GIL around op and function execution (tested
+in tests/test_runtime.py, eagerly and inside ``tf.function``).  The callback must not
+run TensorFlow ops itself: TF may be holding internal locks while it builds kernels.
+Registering kernels before running a graph (what ``stitched_kernel`` does for kernel
+objects) remains the main path; the callback serves graphs loaded from files.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import threading
+
+from . import build as _build
+
+# TF DataType enum values (tensorflow/core/framework/types.proto).
+TF_DTYPE_ENUM = {"float32": 1, "float64": 2, "int32": 3, "int64": 9, "bool": 10,
+                 "bfloat16": 14, "float16": 19}
+
+# absl::StatusCode values the compiler callback may return.
+_INVALID_ARGUMENT = 3
+_INTERNAL = 13
+_UNIMPLEMENTED = 12
+
+_REGISTER_ERRORS = {-1: "null spec or function address", -2: "bad number of tensors",
+                    -3: "bad rank", -4: "unsupported dtype", -5: "bad error list"}
+
+_CompilerCallback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p)
+
+_load_lock = threading.Lock()
+_reg_lock = threading.RLock()
+_module = None          # the tf.load_op_library module
+_lib = None             # ctypes view of the same image
+_kernels: dict = {}     # exact spec string -> kernel object (kept alive forever)
+_callbacks: list = []   # every compiler callback ever installed (kept alive forever)
+
+
+class RegistrationError(ValueError):
+    """A compiled kernel object that does not follow the runtime ABI."""
+
+
+def no_autograph(fn):
+    """Have ``tf.function``'s AutoGraph call ``fn`` as plain Python.
+
+    AutoGraph re-creates converted functions in a namespace of its own, where our
+    ``global`` writes (the loaded library) would land in the wrong module.  The marker
+    is the one ``tf.autograph.experimental.do_not_convert`` sets; setting it directly
+    keeps this module importable without TensorFlow.
+    """
+    fn.autograph_info__ = frozenset()
+    return fn
+
+
+# ---- loading ---------------------------------------------------------------------
+
+@no_autograph
+def load():
+    """The loaded op module (``tf.load_op_library``); builds the library on first use."""
+    global _module, _lib
+    with _load_lock:
+        if _module is None:
+            import tensorflow as tf
+            path = str(_build.build())
+            module = tf.load_op_library(path)
+            _lib = _open_same_image(path)
+            _module = module
+            atexit.register(_uninstall_compiler)
+    return _module
+
+
+@no_autograph
+def library():
+    """ctypes handle on the op library's C exports (loads it first)."""
+    load()
+    return _lib
+
+
+def _open_same_image(path: str):
+    """Open the image TF already loaded; fail loudly if it would be a second copy."""
+    try:
+        ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    except OSError as e:  # pragma: no cover - would mean dlopen made a second image
+        raise RuntimeError(f"op library {path} is not the image TensorFlow loaded: {e}")
+    lib = ctypes.CDLL(path)
+    lib.stitching_register.restype = ctypes.c_int
+    lib.stitching_register.argtypes = [
+        ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
+        ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
+        ctypes.POINTER(ctypes.c_char_p), ctypes.c_int]
+    lib.stitching_set_compiler.restype = None
+    lib.stitching_set_compiler.argtypes = [_CompilerCallback]
+    lib.stitching_set_compile_error.restype = None
+    lib.stitching_set_compile_error.argtypes = [ctypes.c_char_p]
+    lib.stitching_num_registered.restype = ctypes.c_int64
+    lib.stitching_num_registered.argtypes = []
+    lib.stitching_is_registered.restype = ctypes.c_int
+    lib.stitching_is_registered.argtypes = [ctypes.c_char_p]
+    lib.stitching_abi_version.restype = ctypes.c_int
+    return lib
+
+
+# ---- registration ----------------------------------------------------------------
+
+@no_autograph
+def register(kernel, spec: str | None = None) -> bool:
+    """Register a compiled kernel under ``spec`` (default ``kernel.spec.to_json()``).
+
+    ``kernel`` needs: ``spec`` (with ``to_json()``), ``body_address``,
+    ``shape_address``, ``in_ranks``, ``out_ranks``, ``in_dtypes``, ``out_dtypes``
+    (dtype names) and ``errors`` (list of str).  Idempotent per spec string: returns
+    True if this call registered it, False if the spec was already registered.
+    """
+    if spec is None:
+        spec = kernel.spec.to_json()
+    if not isinstance(spec, str):
+        raise RegistrationError("spec must be a str")
+    lib = library()
+    with _reg_lock:
+        if spec in _kernels:
+            return False
+        args = _abi_arguments(kernel)
+        rc = lib.stitching_register(spec.encode("utf-8"), *args)
+        if rc < 0:
+            raise RegistrationError(f"op library rejected the kernel: "
+                                    f"{_REGISTER_ERRORS.get(rc, rc)}")
+        _kernels[spec] = kernel
+        return rc == 0
+
+
+def _abi_arguments(kernel) -> tuple:
+    """Validate a duck-typed kernel and convert it to stitching_register's arguments."""
+    in_ranks, out_ranks = _int_list(kernel.in_ranks, "in_ranks"), \
+        _int_list(kernel.out_ranks, "out_ranks")
+    in_dtypes = [_dtype_enum(d) for d in kernel.in_dtypes]
+    out_dtypes = [_dtype_enum(d) for d in kernel.out_dtypes]
+    if len(in_ranks) != len(in_dtypes) or len(out_ranks) != len(out_dtypes):
+        raise RegistrationError("in/out ranks and dtypes have different lengths")
+    if not out_ranks:
+        raise RegistrationError("a kernel needs at least one output")
+    body, shape = int(kernel.body_address), int(kernel.shape_address)
+    if not body or not shape:
+        raise RegistrationError("body_address and shape_address must be nonzero")
+    errors = [str(m).encode("utf-8", "replace") for m in kernel.errors]
+
+    def ints(xs):
+        return (ctypes.c_int * max(1, len(xs)))(*xs)
+    return (body, shape, len(in_ranks), ints(in_ranks), ints(in_dtypes),
+            len(out_ranks), ints(out_ranks), ints(out_dtypes),
+            (ctypes.c_char_p * max(1, len(errors)))(*errors), len(errors))
+
+
+def _int_list(xs, what) -> list:
+    xs = list(xs)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs):
+        raise RegistrationError(f"{what} must be non-negative ints, got {xs!r}")
+    return xs
+
+
+def _dtype_enum(name) -> int:
+    if name not in TF_DTYPE_ENUM:
+        raise RegistrationError(f"unsupported dtype {name!r}; supported: "
+                                f"{', '.join(TF_DTYPE_ENUM)}")
+    return TF_DTYPE_ENUM[name]
+
+
+@no_autograph
+def registered_kernel(spec: str):
+    """The kernel object registered from Python under ``spec``, or None."""
+    return _kernels.get(spec)
+
+
+@no_autograph
+def is_registered(spec: str) -> bool:
+    return bool(library().stitching_is_registered(spec.encode("utf-8")))
+
+
+@no_autograph
+def num_registered() -> int:
+    return int(library().stitching_num_registered())
+
+
+# ---- compile on miss -------------------------------------------------------------
+
+@no_autograph
+def set_compiler(fn) -> None:
+    """Install ``fn(spec_json: str) -> kernel`` as the compiler for registry misses.
+
+    The op calls it (through ctypes, holding the GIL) when it meets a spec nobody
+    registered, typically in a graph loaded from a file; the result is registered under
+    the exact string given.  Exceptions become the TF error's message: ValueError ->
+    InvalidArgument, NotImplementedError -> Unimplemented, anything else -> Internal.
+    ``fn=None`` removes the compiler.
+    """
+    lib = library()
+    if fn is None:
+        lib.stitching_set_compiler(_CompilerCallback())
+        return
+    cb = _CompilerCallback(_make_trampoline(fn, lib))
+    _callbacks.append(cb)  # a TF thread may still be inside an older one
+    lib.stitching_set_compiler(cb)
+
+
+def _make_trampoline(fn, lib):
+    def trampoline(spec_bytes) -> int:
+        # Nothing may escape a ctypes callback: ctypes would print it and return 0,
+        # which the op would read as success.
+        try:
+            spec = spec_bytes.decode("utf-8")
+            register(fn(spec), spec=spec)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - reported through TF instead
+            try:
+                msg = f"{type(e).__name__}: {e}"
+                lib.stitching_set_compile_error(msg.encode("utf-8", "replace"))
+            except BaseException:  # noqa: BLE001
+                pass
+            return _status_code(e)
+    return trampoline
+
+
+def _status_code(e: BaseException) -> int:
+    if isinstance(e, NotImplementedError):
+        return _UNIMPLEMENTED
+    if isinstance(e, ValueError):
+        return _INVALID_ARGUMENT
+    return _INTERNAL
+
+
+def _uninstall_compiler() -> None:
+    """At exit, stop TF threads from calling into a finalizing interpreter."""
+    if _lib is not None:
+        _lib.stitching_set_compiler(_CompilerCallback())
