@@ -1,0 +1,224 @@
+"""stitching.function end to end: kernel counts, numerics vs TF and float64, behaviour."""
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+import stitching  # noqa: E402
+from stitching.testing import patterns  # noqa: E402
+
+ONE_KERNEL = ["layernorm_manual", "layernorm_keras", "add_layernorm", "rmsnorm", "softmax_tf",
+              "softmax_manual", "attention_softmax", "log_softmax", "bias_gelu_erf",
+              "bias_gelu_tanh", "bn_swish", "leading_axis_reduction"]
+
+
+def _pattern(name):
+    if name not in patterns.PATTERNS:
+        pytest.skip(f"pattern {name} not in the zoo")
+    return patterns.PATTERNS[name]
+
+
+@pytest.mark.parametrize("name", ONE_KERNEL)
+def test_pattern_is_exactly_one_kernel_and_matches_tf(name):
+    p = _pattern(name)
+    sig = p.input_signature("small")
+    sf = stitching.function(p.fn, input_signature=sig)
+    ref_fn = tf.function(p.fn, input_signature=sig)
+    for batch in (p.shapes["small"][0][0], 3):           # one compile serves both
+        args = [a[:batch] if a.shape[0] >= batch else np.concatenate([a] * batch)[:batch]
+                for a in p.inputs("small")]
+        got, ref = sf(*args), ref_fn(*args)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    rep = sf.report.to_dict()
+    assert rep["kernels"] == p.expected_kernels, sf.report.summary()
+    assert not rep["unfused"], sf.report.summary()
+
+
+@pytest.mark.parametrize("name", ["layernorm_manual", "softmax_manual", "bias_gelu_tanh"])
+def test_pattern_float32_error_is_no_worse_than_tf_against_float64(name):
+    p = _pattern(name)
+    args32 = p.inputs("small")
+    args64 = [a.astype(np.float64) if a.dtype == np.float32 else a for a in args32]
+    exact = tf.function(p.make_fn(tf.float64))(*args64).numpy()
+    tf_err = np.max(np.abs(tf.function(p.fn)(*args32).numpy() - exact))
+    st_err = np.max(np.abs(stitching.function(p.fn)(*args32).numpy() - exact))
+    assert st_err <= 4 * tf_err + 1e-6
+
+
+def test_variables_stay_variables():
+    w = tf.Variable(np.ones(16, np.float32))
+
+    @stitching.function
+    def f(x):
+        return tf.nn.relu(x * w + 1.0)
+
+    x = np.full((2, 16), 2.0, np.float32)
+    np.testing.assert_allclose(f(x), 3.0)
+    w.assign(np.full(16, -1.0, np.float32))
+    np.testing.assert_allclose(f(x), 0.0)        # same trace, new weight value
+    assert f.report.to_dict()["kernels"] == 1
+
+
+def test_stateful_ops_keep_their_order():
+    v = tf.Variable(1.0)
+
+    @stitching.function
+    def f(x):
+        v.assign_add(1.0)
+        y = tf.exp(x * v) + 1.0
+        v.assign(10.0)
+        return y
+
+    out = f(tf.zeros([3]))
+    np.testing.assert_allclose(out, 2.0)
+    assert float(v.numpy()) == 10.0
+
+
+def test_jit_compile_is_refused_clearly():
+    with pytest.raises(ValueError, match="jit_compile"):
+        stitching.function(tf.function(lambda x: x + 1, jit_compile=True))
+    with pytest.raises(ValueError, match="jit_compile"):
+        stitching.function(lambda x: x, jit_compile=True)
+
+
+def test_call_with_wrong_shape_fails_like_tf():
+    f = stitching.function(lambda x: tf.nn.softmax(x * 2.0),
+                           input_signature=[tf.TensorSpec([None, 8], tf.float32)])
+    with pytest.raises((TypeError, ValueError, tf.errors.InvalidArgumentError)):
+        f(np.zeros((2, 9), np.float32))
+
+
+def test_runtime_broadcast_mismatch_is_an_error_not_a_wrong_answer():
+    f = stitching.function(lambda x, y: tf.exp(x + y) * 2.0,
+                           input_signature=[tf.TensorSpec([None, 4]), tf.TensorSpec([None, 4])])
+    np.testing.assert_allclose(f(np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32)), 2.0)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        f(np.zeros((3, 4), np.float32), np.zeros((5, 4), np.float32))
+
+
+def test_nan_inf_and_zero_size():
+    f = stitching.function(lambda x: tf.nn.softmax(x * 1.0),
+                           input_signature=[tf.TensorSpec([None, 4])])
+    x = np.array([[np.nan, 1, 2, 3], [np.inf, 0, 0, 0], [-np.inf, 0, 0, 0]], np.float32)
+    ref = tf.nn.softmax(x).numpy()
+    np.testing.assert_array_equal(np.isnan(f(x).numpy()), np.isnan(ref))
+    np.testing.assert_allclose(f(x).numpy(), ref, equal_nan=True, rtol=1e-6)
+    assert f(np.zeros((0, 4), np.float32)).shape == (0, 4)
+
+
+def test_kernel_that_fails_to_compile_leaves_region_to_tf(monkeypatch):
+    from stitching.tf import pipeline
+
+    def broken(spec):
+        raise RuntimeError("simulated codegen failure")
+
+    monkeypatch.setattr(pipeline, "compile_spec", broken)
+    f = stitching.function(lambda x: tf.tanh(x) * 2.0 + 1.0)
+    np.testing.assert_allclose(f(tf.zeros([4])), 1.0)
+    rep = f.report.to_dict()
+    assert rep["kernels"] == 0
+    assert any("simulated codegen failure" in why for _, why in rep["unfused"])
+
+
+def test_retraces_per_signature_and_reports_each_trace():
+    f = stitching.function(lambda x: tf.nn.relu(x) + 1.0)
+    f(tf.zeros([2, 3]))
+    f(tf.zeros([2, 3], tf.float64))
+    assert len(f.reports) == 2
+    assert f(tf.zeros([2, 3], tf.float64)).dtype == tf.float64
+
+
+def test_decorates_methods_and_keras_models():
+    import keras
+    layer = keras.layers.LayerNormalization()
+    f = stitching.function(layer, input_signature=[tf.TensorSpec([None, 32])])
+    x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
+    np.testing.assert_allclose(f(x), layer(x), rtol=1e-5, atol=1e-5)
+    assert f.report.to_dict()["kernels"] == 1
+
+    class M(tf.Module):
+        @stitching.function
+        def __call__(self, x):
+            return tf.sigmoid(x) * x
+
+    np.testing.assert_allclose(M()(tf.ones([3])), tf.sigmoid(1.0) * 1.0, rtol=1e-6)
+
+
+def test_report_names_what_was_not_fused():
+    f = stitching.function(lambda x: tf.transpose(tf.exp(x) + 1.0) * 2.0)
+    f(tf.ones([3, 4]))
+    rep = f.report.to_dict()
+    assert ("Transpose", "Transpose is not supported by the fuser yet") in rep["unfused"]
+    assert "not fused" in f.report.summary()
+
+
+def test_graph_def_rewrite_tool_round_trip(tmp_path):
+    from stitching.tf import cli
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
+        y = tf.nn.softmax(x * 3.0, name="y")
+    src, dst = tmp_path / "g.pb", tmp_path / "out.pb"
+    src.write_bytes(g.as_graph_def().SerializeToString())
+    assert cli.main([str(src), str(dst), "--outputs", "y"]) == 0
+    gd = tf.compat.v1.GraphDef.FromString(dst.read_bytes())
+    assert sum(n.op == "StitchedKernel" for n in gd.node) == 1
+    run = tf.compat.v1.wrap_function(
+        lambda a: tf.graph_util.import_graph_def(gd, {"x:0": a}, ["y:0"], name=""),
+        [tf.TensorSpec([None, 16], tf.float32)])
+    xv = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    np.testing.assert_allclose(run(xv)[0], tf.nn.softmax(xv * 3.0), rtol=1e-5, atol=1e-6)
+    assert cli.main([str(tmp_path / "missing.pb"), str(dst)]) == 1
+
+
+def test_saved_model_rewrite_and_load(tmp_path):
+    from stitching.tf.saved_model import load_saved_model, rewrite_saved_model
+
+    class M(tf.Module):
+        def __init__(self):
+            self.g = tf.Variable(np.linspace(0.5, 1.5, 8).astype(np.float32))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x")])
+        def serve(self, x):
+            m = tf.reduce_mean(x, -1, keepdims=True)
+            return {"y": (x - m) * self.g}
+
+    m = M()
+    tf.saved_model.save(m, str(tmp_path / "src"), signatures={"serving_default": m.serve})
+    reports = rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))
+    assert reports["serving_default"].to_dict()["kernels"] == 1
+    loaded = load_saved_model(str(tmp_path / "dst"))
+    xv = np.arange(16, dtype=np.float32).reshape(2, 8)
+    np.testing.assert_allclose(loaded.signatures["serving_default"](x=xv)["y"],
+                               m.serve(xv)["y"], rtol=1e-6)
+
+
+def _coverage_and_check(model, shape, batch=2, tol=1e-4):
+    sig = [tf.TensorSpec((None,) + shape, tf.float32)]
+    f = stitching.function(lambda x: model(x, training=False), input_signature=sig)
+    x = np.random.default_rng(0).standard_normal((batch,) + shape).astype(np.float32)
+    ref = tf.function(lambda x: model(x, training=False), input_signature=sig)(x)
+    np.testing.assert_allclose(f(x), ref, rtol=tol, atol=tol)
+    return f.report
+
+
+def test_transformer_encoder_coverage():
+    from stitching.testing.models import transformer_encoder
+    m = transformer_encoder(num_layers=2, d_model=64, heads=4, ff=128, seq_len=16)
+    rep = _coverage_and_check(m, (16, 64))
+    assert rep.coverage >= 0.85, rep.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("app", ["MobileNetV2", "EfficientNetB0"])
+def test_keras_application_coverage(app):
+    import keras
+    m = getattr(keras.applications, app)(weights=None, input_shape=(96, 96, 3))
+    rep = _coverage_and_check(m, (96, 96, 3), tol=2e-3)
+    assert rep.coverage >= 0.85, rep.summary()
+
+
+def test_small_keras_cnn_coverage():
+    import keras
+    m = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), alpha=0.35)
+    rep = _coverage_and_check(m, (32, 32, 3), tol=2e-3)
+    assert rep.coverage >= 0.85, rep.summary()

@@ -1,0 +1,166 @@
+"""Every op in the table, through stitching.function, against stock TF, per dtype.
+
+Each op is wrapped between two cheap ops so the planner forms a region of it
+(``Options(min_ops=1)`` keeps even lone ops), inputs include broadcasting and
+NaN/±Inf, and results must equal TF's within float rounding (NaN where TF has NaN).
+"""
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+import stitching  # noqa: E402
+
+OPTS = stitching.Options(min_ops=1)
+RNG = np.random.default_rng(0)
+FLOATS = [tf.float32, tf.float64, tf.float16, tf.bfloat16]
+SPECIAL = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3.5, 1e-30, 80.0, -80.0])
+
+UNARY = {
+    "Neg": tf.negative, "Abs": tf.abs, "Square": tf.square, "Sqrt": tf.sqrt,
+    "Rsqrt": tf.math.rsqrt, "Reciprocal": tf.math.reciprocal, "Exp": tf.exp,
+    "Expm1": tf.math.expm1, "Log": tf.math.log, "Log1p": tf.math.log1p, "Tanh": tf.tanh,
+    "Sigmoid": tf.sigmoid, "Relu": tf.nn.relu, "Relu6": tf.nn.relu6,
+    "LeakyRelu": lambda x: tf.nn.leaky_relu(x, 0.15), "Elu": tf.nn.elu, "Selu": tf.nn.selu,
+    "Softplus": tf.nn.softplus, "Softsign": tf.nn.softsign, "Erf": tf.math.erf,
+    "Erfc": tf.math.erfc, "Sign": tf.sign, "Floor": tf.floor, "Ceil": tf.math.ceil,
+    "Round": tf.round, "Sin": tf.sin, "Cos": tf.cos,
+}
+BINARY = {
+    "Add": tf.add, "Sub": tf.subtract, "Mul": tf.multiply, "Div": tf.math.truediv,
+    "DivNoNan": tf.math.divide_no_nan, "Maximum": tf.maximum, "Minimum": tf.minimum,
+    "SquaredDifference": tf.math.squared_difference, "Pow": tf.pow,
+}
+COMPARE = {"Equal": tf.equal, "NotEqual": tf.not_equal, "Less": tf.less,
+           "LessEqual": tf.less_equal, "Greater": tf.greater, "GreaterEqual": tf.greater_equal}
+
+
+def _floats(shape, dtype):
+    x = RNG.standard_normal(shape) * 3
+    flat = x.reshape(-1)
+    flat[: min(len(SPECIAL), flat.size)] = SPECIAL[: flat.size]
+    return tf.constant(x, tf.float64).numpy().astype(dtype.as_numpy_dtype)
+
+
+def _tol(dtype):
+    return {tf.float16: 2e-3, tf.bfloat16: 1.6e-2, tf.float32: 2e-6, tf.float64: 1e-12}[dtype]
+
+
+def check(fn, *args, sig=None, tol=None):
+    """Run fn under tf.function and stitching.function; compare outputs."""
+    sig = sig or [tf.TensorSpec([None] + list(a.shape[1:]), tf.as_dtype(a.dtype)) for a in args]
+    ref = tf.function(fn, input_signature=sig)(*args)
+    sf = stitching.function(fn, input_signature=sig, options=OPTS)
+    got = sf(*args)
+    assert sf.report.kernels, f"nothing was fused: {sf.report.summary()}"
+    ref_np, got_np = np.asarray(ref, np.float64) if ref.dtype != tf.bool else ref.numpy(), \
+        np.asarray(got, np.float64) if got.dtype != tf.bool else got.numpy()
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    if ref.dtype == tf.bool or ref.dtype.is_integer:
+        np.testing.assert_array_equal(got_np, ref_np)
+    else:
+        t = tol if tol is not None else _tol(ref.dtype)
+        np.testing.assert_allclose(got_np, ref_np, rtol=t, atol=t, equal_nan=True)
+    return sf
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary(name, dtype):
+    x = _floats((6, 33), dtype)
+    op = UNARY[name]
+    # multiplying by one keeps TF's semantics and gives the region a second op
+    check(lambda a: op(a * tf.constant(1, dtype)), x, tol=_unary_tol(name, dtype))
+
+
+def _unary_tol(name, dtype):
+    # polynomial forms are a few ulp in float32; TF's own half ops round each step
+    base = _tol(dtype)
+    if dtype == tf.float32 and name in ("Exp", "Expm1", "Log", "Log1p", "Tanh", "Sigmoid",
+                                        "Elu", "Selu", "Softplus", "Erf", "Erfc", "Sin",
+                                        "Cos", "Pow"):
+        return 2e-6 * 4
+    return base
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary_with_broadcasting(name, dtype):
+    x = _floats((5, 7, 9), dtype)
+    y = _floats((7, 1), dtype)
+    op = BINARY[name]
+    sig = [tf.TensorSpec([None, 7, 9], dtype), tf.TensorSpec([7, 1], dtype)]
+    check(lambda a, b: op(a * tf.constant(1, dtype), b), x, y, sig=sig,
+          tol=_tol(dtype) * (8 if name == "Pow" else 1))
+
+
+@pytest.mark.parametrize("dtype", [tf.int32, tf.int64], ids=lambda d: d.name)
+@pytest.mark.parametrize("name", ["Add", "Sub", "Mul", "Maximum", "Minimum",
+                                  "SquaredDifference"])
+def test_integer_binary(name, dtype):
+    x = RNG.integers(-1000, 1000, (4, 9)).astype(dtype.as_numpy_dtype)
+    y = RNG.integers(-1000, 1000, (1, 9)).astype(dtype.as_numpy_dtype)
+    op = BINARY[name]
+    check(lambda a, b: op(tf.abs(a), b), x, y,
+          sig=[tf.TensorSpec([None, 9], dtype), tf.TensorSpec([1, 9], dtype)])
+
+
+@pytest.mark.parametrize("name", sorted(COMPARE))
+def test_comparisons_and_select(name):
+    x = _floats((4, 16), tf.float32)
+    y = _floats((4, 16), tf.float32)[::-1].copy()
+    cmp = COMPARE[name]
+    check(lambda a, b: tf.where(cmp(a, b), a, b * 2.0), x, y)
+
+
+def test_logical_ops():
+    x = _floats((4, 16), tf.float32)
+    check(lambda a: tf.cast(tf.logical_or(tf.logical_and(a > 0, a < 2), tf.logical_not(a < 5)),
+                            tf.float32), x)
+
+
+@pytest.mark.parametrize("src,dst", [
+    (tf.float32, tf.int32), (tf.float32, tf.float64), (tf.float64, tf.float16),
+    (tf.float32, tf.bfloat16), (tf.int32, tf.float32), (tf.int64, tf.int32),
+    (tf.float32, tf.bool), (tf.bool, tf.float32), (tf.float16, tf.float32)],
+    ids=lambda d: d.name)
+def test_cast(src, dst):
+    if src == tf.bool:
+        x = RNG.standard_normal((4, 8)) > 0
+    elif src.is_integer:
+        x = RNG.integers(-2 ** 31, 2 ** 31 - 1, (4, 8)).astype(src.as_numpy_dtype)
+    else:
+        x = (RNG.standard_normal((4, 8)) * 100).astype(src.as_numpy_dtype)
+    check(lambda a: tf.cast(tf.identity(a), dst) if src == tf.bool else
+          tf.cast(tf.abs(a) if src.is_integer and dst == tf.int32 and src == tf.int64
+                  else a * tf.constant(1, src), dst), x)
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64, tf.float16], ids=lambda d: d.name)
+@pytest.mark.parametrize("red", ["reduce_sum", "reduce_mean", "reduce_max", "reduce_min",
+                                 "reduce_prod"])
+@pytest.mark.parametrize("axis,keep", [(-1, True), (-1, False), (0, True), (0, False)])
+def test_reductions(red, dtype, axis, keep):
+    x = (RNG.standard_normal((6, 40)) * (0.5 if red == "reduce_prod" else 2)) \
+        .astype(dtype.as_numpy_dtype)
+    x[1, 3] = np.nan
+    op = getattr(tf, red)
+    tol = _tol(dtype) * (40 if dtype == tf.float16 else 8)
+    check(lambda a: op(a * tf.constant(1, dtype), axis=axis, keepdims=keep) + tf.constant(1, dtype),
+          x, tol=tol)
+
+
+def test_softmax_logsoftmax_batchnorm_biasadd():
+    x = _floats((5, 32), tf.float32)
+    check(lambda a: tf.nn.softmax(a * 2.0), x, tol=1e-5)
+    check(lambda a: tf.nn.log_softmax(a * 2.0), x, tol=1e-5)
+    b = RNG.standard_normal(32).astype(np.float32)
+    check(lambda a: tf.nn.relu(tf.nn.bias_add(a, b)), x)
+    img = RNG.standard_normal((2, 4, 4, 8)).astype(np.float32)
+    sc, off, mu, var = (RNG.random(8).astype(np.float32) + 0.5 for _ in range(4))
+    check(lambda a: tf.nn.relu6(tf.compat.v1.nn.fused_batch_norm(
+        a, sc, off, mu, var, epsilon=1e-3, is_training=False)[0]), img, tol=1e-5)
+
+
+def test_fill_likes_and_clip():
+    x = _floats((3, 10), tf.float32)
+    check(lambda a: tf.clip_by_value(a + tf.ones_like(a), -1.0, 2.0) + tf.zeros_like(a), x)
