@@ -46,6 +46,8 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
                      name: str = "?", resources: dict | None = None) -> StitchResult:
     """``resources``: variable shapes from the live graph (frontend.resource_shapes)."""
     t0 = time.perf_counter()
+    from . import ensure_runtime
+    ensure_runtime()
     gdef = frontend.inline_functions(graph_def, list(fetches) + list(keep))
     tf_graph = frontend.import_for_shapes(gdef, resources)
     ir = frontend.to_ir(tf_graph, list(fetches))
