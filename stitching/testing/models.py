@@ -1,0 +1,135 @@
+"""Whole models for end-to-end benchmarks: a Keras Transformer encoder and a few
+keras.applications CNNs (``weights=None``: nothing is downloaded, and random weights run
+exactly as fast as trained ones).
+
+Sizes are chosen for the project's 2-core CPU machine: real input resolutions (224x224)
+and the batch sizes a server would use (1 and 8), but few enough models that the whole
+suite stays under about ten minutes with three modes side by side.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+
+def transformer_encoder(num_layers: int = 4, d_model: int = 256, heads: int = 4,
+                        ff: int = 1024, seq_len: int = 128, *, epsilon: float = 1e-12,
+                        name: str = "transformer_encoder"):
+    """A BERT-style (post-LayerNorm) encoder over [batch, seq_len, d_model] embeddings.
+
+    Built from keras.layers.MultiHeadAttention, LayerNormalization and
+    Dense(activation="gelu"), as Keras users write it; the batch dim is unknown.
+    Embedding lookup is left out (the input is already embedded), so the model is all
+    matmuls plus the memory-intensive glue between them: attention softmax, residual
+    adds, LayerNorms, bias + GELU.
+    """
+    import keras
+    if d_model % heads:
+        raise ValueError(f"d_model={d_model} is not divisible by heads={heads}")
+    inp = keras.Input(shape=(seq_len, d_model), name="embeddings")
+    x = inp
+    for i in range(num_layers):
+        attn = keras.layers.MultiHeadAttention(num_heads=heads, key_dim=d_model // heads,
+                                               name=f"layer{i}_attention")(x, x)
+        x = keras.layers.LayerNormalization(epsilon=epsilon, name=f"layer{i}_attn_ln")(x + attn)
+        h = keras.layers.Dense(ff, activation="gelu", name=f"layer{i}_ff1")(x)
+        h = keras.layers.Dense(d_model, name=f"layer{i}_ff2")(h)
+        x = keras.layers.LayerNormalization(epsilon=epsilon, name=f"layer{i}_ff_ln")(x + h)
+    return keras.Model(inp, x, name=name)
+
+
+@dataclass
+class ModelCase:
+    """A model at one input shape, for benchmarks.
+
+    name: short id used on the command line (``--only``) and in tables.
+    build: ``build() -> keras.Model`` (fresh random weights, seeded).
+    input_shape: per-example shape (no batch dim).
+    batch_sizes: the batch sizes to benchmark.
+    kind: "cnn" or "transformer" (the targets treat the Transformer specially).
+    """
+    name: str
+    description: str
+    build: Callable[[], object]
+    input_shape: tuple
+    batch_sizes: Sequence[int] = (1, 8)
+    kind: str = "cnn"
+    _model: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def model(self):
+        """The Keras model, built once."""
+        if self._model is None:
+            import keras
+            keras.utils.set_random_seed(zlib.crc32(self.name.encode()) & 0x7FFFFFFF)
+            self._model = self.build()
+        return self._model
+
+    def make_fn(self) -> Callable:
+        """``fn(x)``: inference call of the model (training=False), for tf.function."""
+        model = self.model
+
+        def fn(x):
+            return model(x, training=False)
+        fn.__name__ = self.name.replace("-", "_")
+        return fn
+
+    def input_signature(self) -> tuple:
+        return (tf.TensorSpec((None,) + tuple(self.input_shape), tf.float32),)
+
+    def inputs(self, batch: int) -> tuple:
+        rng = np.random.default_rng(zlib.crc32(f"{self.name}/{batch}".encode()))
+        x = rng.standard_normal((batch,) + tuple(self.input_shape), dtype=np.float32)
+        if self.kind == "cnn":
+            # Images: keras.applications preprocessing expects pixel-like ranges.
+            x = np.clip(127.5 + 60.0 * x, 0.0, 255.0).astype(np.float32)
+        return (x,)
+
+
+def _app(ctor_name):
+    def build():
+        import keras
+        ctor = getattr(keras.applications, ctor_name)
+        return ctor(weights=None, input_shape=(224, 224, 3))
+    return build
+
+
+TRANSFORMER_CONFIG = dict(num_layers=4, d_model=256, heads=4, ff=1024, seq_len=128)
+
+MODELS: dict[str, ModelCase] = {}
+
+
+def _register(case: ModelCase):
+    MODELS[case.name] = case
+
+
+_register(ModelCase("resnet50", "keras.applications.ResNet50, 224x224, weights=None",
+                    _app("ResNet50"), (224, 224, 3)))
+_register(ModelCase("mobilenet_v2", "keras.applications.MobileNetV2, 224x224, weights=None",
+                    _app("MobileNetV2"), (224, 224, 3)))
+_register(ModelCase("efficientnet_b0", "keras.applications.EfficientNetB0, 224x224, weights=None",
+                    _app("EfficientNetB0"), (224, 224, 3)))
+_register(ModelCase(
+    "transformer",
+    "Keras Transformer encoder, post-LN, {num_layers} layers, d_model {d_model}, "
+    "{heads} heads, ff {ff}, seq {seq_len}".format(**TRANSFORMER_CONFIG),
+    lambda: transformer_encoder(**TRANSFORMER_CONFIG),
+    (TRANSFORMER_CONFIG["seq_len"], TRANSFORMER_CONFIG["d_model"]),
+    kind="transformer"))
+
+CNN_MODELS = [m for m in MODELS.values() if m.kind == "cnn"]
+
+
+def get(name: str) -> ModelCase:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise KeyError(f"no model {name!r}; known: {', '.join(MODELS)}") from None
+
+
+def all_models() -> list[ModelCase]:
+    return list(MODELS.values())

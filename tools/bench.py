@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""Benchmark harness: stock tf.function vs XLA vs stitching, side by side in one run.
+
+    python tools/bench.py --suite patterns --sizes small --repeats 5
+    python tools/bench.py --suite all --json bench_out/all.json --png bench_out/all.png \\
+        --markdown BENCHMARKS.md
+
+Suites: ``patterns`` (stitching.testing.patterns, large = bandwidth-bound and small =
+latency-bound), ``models`` (keras.applications CNNs + a Keras Transformer encoder),
+``compile`` (first call in fresh processes: TF, XLA, stitching with an empty and then a
+filled STITCHING_CACHE_DIR).  A mode that fails (stitching not importable, a trace
+error...) is shown as FAILED with its error's first line; the run goes on.
+
+TF's intra-op thread count is left at its default for every mode (one thread per core).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+for p in (REPO, HERE):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", default="patterns",
+                    choices=["patterns", "models", "compile", "all"])
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed repeats per mode (default: 10 patterns, 5 models)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed calls after the first (default: 2 patterns, 1 models)")
+    ap.add_argument("--min-time", type=float, default=0.02,
+                    help="patterns: seconds per timed repeat; fast calls are looped")
+    ap.add_argument("--only", nargs="+", metavar="NAME",
+                    help="pattern or model names (see --list)")
+    ap.add_argument("--sizes", default="large,small", help="patterns: large,small")
+    ap.add_argument("--batches", default=None,
+                    help="models: comma-separated batch sizes (default: each model's)")
+    ap.add_argument("--batch", type=int, default=1, help="compile suite: batch size")
+    ap.add_argument("--modes", default="tf,xla,stitching",
+                    help="subset of tf,xla,stitching (tf is the reference for checks)")
+    ap.add_argument("--planner", choices=["baseline", "full"], default=None,
+                    help="passed as stitching.Options(planner=...) when supported")
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--png", metavar="PATH")
+    ap.add_argument("--markdown", metavar="PATH",
+                    help="regenerate this file's sections for the suites run")
+    ap.add_argument("--list", action="store_true", help="list patterns and models")
+    ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from bench_lib import suites
+
+    if args._child:
+        suites.compile_child(args._child, args.only[0], args.batch, args.planner)
+        return 0
+    if args.list:
+        from stitching.testing import all_models, all_patterns
+        for p in all_patterns():
+            print(f"pattern  {p.name:24s} {p.description}")
+        for m in all_models():
+            print(f"model    {m.name:24s} {m.description}")
+        return 0
+
+    from bench_lib import machine, output
+    mode_list = tuple(m for m in args.modes.split(",") if m)
+    bad = set(mode_list) - {"tf", "xla", "stitching"}
+    if bad:
+        raise SystemExit(f"unknown modes: {sorted(bad)}")
+    run = ["patterns", "models", "compile"] if args.suite == "all" else [args.suite]
+    _check_only(args.only, run)
+
+    meta = machine.machine_info()
+    meta["command"] = "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta["notes"] = []
+    threads = meta["cores"]
+    if "patterns" in run:
+        print("[bench] measuring copy bandwidth", file=sys.stderr, flush=True)
+        meta["copy_bandwidth"] = machine.copy_bandwidth(threads)
+    _stitching_note(meta, mode_list)
+
+    results = {}
+    t0 = time.time()
+    if "patterns" in run:
+        sizes = [s for s in args.sizes.split(",") if s]
+        results["patterns"] = suites.run_patterns(
+            only=args.only, sizes=sizes, mode_list=mode_list, planner=args.planner,
+            repeats=args.repeats or 10, warmup=2 if args.warmup is None else args.warmup,
+            min_time=args.min_time)
+    if "models" in run:
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+        results["models"] = suites.run_models(
+            only=args.only, batches=batches, mode_list=mode_list, planner=args.planner,
+            repeats=args.repeats or 5, warmup=1 if args.warmup is None else args.warmup)
+    if "compile" in run:
+        results["compile"] = suites.run_compile(only=args.only, batch=args.batch,
+                                                planner=args.planner, mode_list=mode_list)
+    meta["elapsed_s"] = round(time.time() - t0, 1)
+
+    output.print_report(results, meta)
+    if args.json:
+        _ensure_dir(args.json)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
+    if args.png:
+        _ensure_dir(args.png)
+        output.write_png(args.png, results)
+    if args.markdown:
+        output.write_markdown(args.markdown, results, meta)
+    print(f"\n[bench] done in {meta['elapsed_s']} s", file=sys.stderr)
+    return 0
+
+
+def _stitching_note(meta, mode_list):
+    """Say up front if stitching cannot even be imported (rows will show it too)."""
+    if "stitching" not in mode_list:
+        return
+    try:
+        import stitching
+        stitching.function  # noqa: B018  (lazy attribute: imports the TF frontend)
+    except Exception as e:
+        from bench_lib.modes import first_line
+        meta["notes"].append(f"stitching unavailable: {first_line(e)}")
+
+
+def _check_only(only, run):
+    if not only:
+        return
+    from stitching.testing import MODELS, PATTERNS
+    known = set()
+    if "patterns" in run:
+        known |= set(PATTERNS)
+    if "models" in run or "compile" in run:
+        known |= set(MODELS)
+    unknown = [n for n in only if n not in known]
+    if unknown:
+        raise SystemExit(f"--only: unknown {unknown}; known: {sorted(known)}")
+
+
+def _ensure_dir(path):
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""What the numbers were measured on, and the machine's copy bandwidth (the roofline
+the memory-bound patterns are judged against)."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import threading
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git(*args) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except Exception:   # no git, not a checkout: metadata only
+        return ""
+
+
+def git_rev() -> str:
+    """Short HEAD, with "+dirty" when stitching/ has uncommitted changes (engineers work
+    in the same tree, so what ran may be newer than the commit)."""
+    rev = _git("rev-parse", "--short", "HEAD") or "unknown"
+    if _git("status", "--porcelain", "--", "stitching"):
+        rev += "+dirty"
+    return rev
+
+
+def machine_info() -> dict:
+    import numba
+    import tensorflow as tf
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    intra = tf.config.threading.get_intra_op_parallelism_threads()
+    mem_gib = None
+    try:
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cpu": _cpu_model(),
+        "cores": cores,
+        "memory_gib": mem_gib,
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "numba": numba.__version__,
+        "numpy": np.__version__,
+        "stitching_rev": git_rev(),
+        # 0 means TF's default (one thread per core); all modes share it.
+        "tf_intra_op_threads": intra if intra else f"default ({cores})",
+    }
+
+
+# ---- copy bandwidth
+
+COPY_MIB = 256   # per buffer; far bigger than any cache
+
+
+def _numba_copy_gbs(src, dst, threads, repeats):
+    import numba
+
+    @numba.njit(parallel=True, nogil=True, cache=False)
+    def pcopy(a, b):
+        n = a.shape[0]
+        nchunks = numba.get_num_threads() * 8
+        step = (n + nchunks - 1) // nchunks
+        for c in numba.prange(nchunks):
+            lo = c * step
+            hi = min(n, lo + step)
+            for i in range(lo, hi):
+                b[i] = a[i]
+
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        pcopy(src, dst)          # compile + first touch
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            pcopy(src, dst)
+            times.append(time.perf_counter() - t0)
+    finally:
+        numba.set_num_threads(old)
+    return 2 * src.nbytes / float(np.median(times)) / 1e9
+
+
+def _numpy_threads_copy_gbs(src, dst, threads, repeats):
+    # np.copyto releases the GIL for contiguous copies, so threads copy in parallel.
+    parts = np.array_split(np.arange(src.shape[0]), threads)
+    bounds = [(p[0], p[-1] + 1) for p in parts if len(p)]
+
+    def work(lo, hi):
+        np.copyto(dst[lo:hi], src[lo:hi])
+
+    def once():
+        ts = [threading.Thread(target=work, args=b) for b in bounds]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    once()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    return 2 * src.nbytes / float(np.median(times)) / 1e9
+
+
+def copy_bandwidth(threads: int, repeats: int = 10) -> dict:
+    """Multi-threaded copy of a COPY_MIB buffer, bytes read + written per second (the
+    STREAM "copy" convention; write-allocate traffic is not counted, as it is not for
+    the kernels either).  Two methods; the higher is the reference, so the "% of copy"
+    target is not made easier by a slow copy."""
+    n = COPY_MIB * 2**20 // 4
+    src = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+    dst = np.empty_like(src)
+    out = {"buffer_mib": COPY_MIB, "threads": threads, "repeats": repeats}
+    try:
+        out["numba_prange_gbs"] = round(_numba_copy_gbs(src, dst, threads, repeats), 2)
+    except Exception as e:   # numba missing / broken: the numpy method still works
+        out["numba_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    out["numpy_threads_gbs"] = round(_numpy_threads_copy_gbs(src, dst, threads, repeats), 2)
+    best = max(v for k, v in out.items() if k.endswith("_gbs"))
+    out["gbs"] = best
+    out["method"] = (f"max of numba prange copy and numpy.copyto in {threads} threads, "
+                     f"{COPY_MIB} MiB float32 buffer, median of {repeats}, "
+                     "bytes read + written")
+    return out

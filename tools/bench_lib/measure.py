@@ -1,0 +1,103 @@
+"""Timing modes side by side, and checking their outputs against stock TF.
+
+Modes are timed round-robin, one repeat of each in turn with the order rotated every
+repeat, so a noisy neighbour on this shared 2-core machine slows all modes alike
+instead of whichever happened to run during the noise.  A repeat of a fast function
+is a loop of n calls (n calibrated so a repeat lasts about ``min_time``), so
+perf_counter resolution and per-repeat jitter do not dominate microsecond timings;
+the reported time is per call.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from .modes import Runner, first_line
+
+
+def _stats(samples):
+    a = np.asarray(samples, dtype=np.float64)
+    q1, med, q3 = np.percentile(a, [25, 50, 75])
+    return {"median_s": float(med), "q1_s": float(q1), "q3_s": float(q3),
+            "min_s": float(a.min()), "max_s": float(a.max()), "n": int(a.size)}
+
+
+def time_modes(runners: list[Runner], args, *, repeats: int, warmup: int,
+               min_time: float = 0.02) -> dict:
+    """{mode: stats} for the runners that are ok; a runner failing here is marked failed."""
+    live = [r for r in runners if r.ok]
+    inner = {}
+    for r in list(live):
+        try:
+            for _ in range(warmup):
+                r.fn(*args)
+            t0 = time.perf_counter()
+            r.fn(*args)
+            one = time.perf_counter() - t0
+            inner[r.mode] = max(1, min(1000, math.ceil(min_time / max(one, 1e-7))))
+        except Exception as e:
+            r.fail(e, "warm-up")
+            live.remove(r)
+    samples = {r.mode: [] for r in live}
+    for rep in range(repeats):
+        k = rep % max(1, len(live))
+        for r in live[k:] + live[:k]:
+            if not r.ok:
+                continue
+            n = inner[r.mode]
+            f = r.fn
+            try:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    f(*args)
+                samples[r.mode].append((time.perf_counter() - t0) / n)
+            except Exception as e:
+                r.fail(e, "timing")
+    out = {}
+    for r in live:
+        if r.ok and samples[r.mode]:
+            out[r.mode] = _stats(samples[r.mode])
+            out[r.mode]["calls_per_repeat"] = inner[r.mode]
+    return out
+
+
+def to_numpy(out) -> list:
+    return [np.asarray(t) for t in tf.nest.flatten(out)]
+
+
+def nbytes(values) -> int:
+    return int(sum(np.asarray(v).nbytes for v in tf.nest.flatten(values)))
+
+
+def compare(ref: list, got: list, rtol: float, atol_rel: float) -> dict:
+    """allclose(got, ref) with atol = atol_rel * max|ref| (scale-aware: a ResNet's
+    softmax and a logsumexp differ by orders of magnitude)."""
+    if got is None:
+        return {"ok": None}
+    try:
+        if len(ref) != len(got):
+            return {"ok": False, "why": f"{len(got)} outputs, stock TF has {len(ref)}"}
+        worst_abs, worst_rel, ok = 0.0, 0.0, True
+        for a, b in zip(ref, got):
+            if a.shape != b.shape:
+                return {"ok": False, "why": f"shape {b.shape} != {a.shape}"}
+            if a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer):
+                ok &= bool(np.array_equal(a, b))
+                continue
+            a64, b64 = a.astype(np.float64), b.astype(np.float64)
+            scale = float(np.max(np.abs(a64))) if a64.size else 0.0
+            atol = atol_rel * max(scale, 1e-30)
+            diff = np.abs(a64 - b64)
+            if not np.all(np.isfinite(b64) == np.isfinite(a64)):
+                ok = False
+            fin = np.isfinite(diff)
+            if fin.any():
+                worst_abs = max(worst_abs, float(diff[fin].max()))
+                worst_rel = max(worst_rel, float((diff[fin] / (np.abs(a64[fin]) + atol)).max()))
+            ok &= bool(np.allclose(b64, a64, rtol=rtol, atol=atol, equal_nan=True))
+        return {"ok": ok, "max_abs_err": worst_abs, "max_rel_err": worst_rel}
+    except Exception as e:
+        return {"ok": False, "why": first_line(e)}

@@ -1,0 +1,130 @@
+"""The three ways to run one function: stock tf.function, XLA, stitching.
+
+A mode that cannot be built or called becomes a failed Runner carrying the first line
+of its error; the harness keeps going (stitching is being written while this runs).
+"""
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import tensorflow as tf
+
+MODES = ("tf", "xla", "stitching")
+LABELS = {"tf": "TF", "xla": "XLA", "stitching": "stitched"}
+
+
+def first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}".strip()
+
+
+@dataclass
+class Runner:
+    mode: str
+    fn: object = None            # the callable, None when building failed
+    error: str | None = None     # first line of the error that made the mode fail
+    first_call_s: float | None = None
+    info: dict = field(default_factory=dict)   # kernel counts, notes
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def fail(self, e: BaseException, where: str):
+        self.error = f"{where}: {first_line(e)}"
+        self.info["traceback"] = traceback.format_exc(limit=6)
+        self.fn = None
+
+
+def _stitching_options(planner: str | None, notes: list):
+    """``stitching.Options(planner=...)`` when asked for and supported; None otherwise."""
+    if not planner:
+        return None
+    import stitching
+    try:
+        Options = stitching.Options
+    except (AttributeError, ImportError) as e:
+        notes.append(f"--planner {planner} ignored: no stitching.Options ({first_line(e)})")
+        return None
+    import dataclasses
+    import inspect
+    fields = ({f.name for f in dataclasses.fields(Options)} if dataclasses.is_dataclass(Options)
+              else set(inspect.signature(Options).parameters))
+    if "planner" not in fields:
+        notes.append(f"--planner {planner} ignored: stitching.Options has no planner")
+        return None
+    return Options(planner=planner)   # an unknown planner value fails the mode, loudly
+
+
+def build(mode: str, fn, signature, planner: str | None = None) -> Runner:
+    r = Runner(mode)
+    try:
+        if mode == "tf":
+            r.fn = tf.function(fn, input_signature=signature)
+        elif mode == "xla":
+            r.fn = tf.function(fn, input_signature=signature, jit_compile=True)
+        elif mode == "stitching":
+            import stitching
+            notes = r.info.setdefault("notes", [])
+            opts = _stitching_options(planner, notes)
+            kwargs = {"options": opts} if opts is not None else {}
+            r.fn = stitching.function(fn, input_signature=signature, **kwargs)
+            if opts is not None:
+                r.info["planner"] = planner
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+    except Exception as e:
+        r.fail(e, "build")
+    return r
+
+
+def first_call(r: Runner, args) -> object:
+    """Call once (trace + compile + run), timing it; returns the output or None."""
+    if not r.ok:
+        return None
+    try:
+        t0 = time.perf_counter()
+        out = r.fn(*args)
+        _block(out)
+        r.first_call_s = time.perf_counter() - t0
+        return out
+    except Exception as e:
+        r.fail(e, "call")
+        return None
+
+
+def _block(out):
+    # Eager CPU calls are synchronous; touching the outputs keeps that true if a
+    # future TF makes them async.
+    for t in tf.nest.flatten(out):
+        if hasattr(t, "_numpy"):
+            t._numpy()
+
+
+def collect_counts(r: Runner, args, tf_runner: Runner | None = None):
+    """Kernel counts for the row: memory-intensive TF ops (from the stock trace), XLA
+    kernels (optimized HLO), stitched kernels (the report)."""
+    from stitching.testing.counting import count_memory_intensive_ops, count_xla_kernels
+    try:
+        if r.mode == "tf":
+            cf = r.fn.get_concrete_function(*args)
+            r.info["memory_intensive_ops"] = count_memory_intensive_ops(cf)
+        elif r.mode == "xla":
+            hlo = r.fn.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
+            r.info["xla"] = count_xla_kernels(hlo)
+            r.info["kernels"] = r.info["xla"]["memory_kernels"]
+        elif r.mode == "stitching":
+            rep = getattr(r.fn, "report", None)
+            if rep is None:
+                r.info.setdefault("notes", []).append("no report after the first call")
+                return
+            d = rep.to_dict()
+            r.info["report"] = {k: d.get(k) for k in
+                                ("memory_intensive_ops", "fused_ops", "kernels",
+                                 "unique_kernels", "coverage", "unfused",
+                                 "compile_seconds", "notes")}
+            r.info["kernels"] = d.get("kernels")
+    except Exception as e:   # counting is information, not a reason to drop timings
+        r.info.setdefault("notes", []).append(f"count failed: {first_line(e)}")

@@ -1,0 +1,457 @@
+"""Tables, targets, BENCHMARKS.md and the chart, from the rows the suites return."""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from .modes import LABELS, MODES
+
+# ---- numbers
+
+def med(row, mode):
+    m = row["modes"].get(mode)
+    return m["time"]["median_s"] if m and m.get("time") else None
+
+
+def speedup(row, mode, base):
+    a, b = med(row, base), med(row, mode)
+    return a / b if a and b else None
+
+
+def geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def _ms(s):
+    if s is None:
+        return "-"
+    ms = s * 1e3
+    return f"{ms:.1f}" if ms >= 100 else f"{ms:.2f}" if ms >= 10 else f"{ms:.3f}"
+
+
+def _time_cell(row, mode):
+    m = row["modes"].get(mode)
+    if m is None:
+        return "-"
+    if not m.get("time"):
+        return "FAILED"
+    t = m["time"]
+    half_iqr = (t["q3_s"] - t["q1_s"]) / 2 / t["median_s"] * 100
+    return f"{_ms(t['median_s'])} ±{half_iqr:.0f}%"
+
+
+def _x(v):
+    return f"{v:.2f}x" if v else "-"
+
+
+def _int(v):
+    return "-" if v is None else str(v)
+
+
+def _check_cell(row):
+    bad = [LABELS[m] for m, v in row["modes"].items()
+           if v.get("check") and v["check"].get("ok") is False]
+    return "MISMATCH " + ",".join(bad) if bad else "ok"
+
+
+def _bw_cell(row, mode, copy_gbs):
+    m = row["modes"].get(mode)
+    if not m or not m.get("bw_gbs") or not copy_gbs:
+        return "-"
+    return f"{100 * m['bw_gbs'] / copy_gbs:.0f}%"
+
+
+# ---- tables (list of header + rows of strings; rendered as text or markdown)
+
+def perf_table(rows, copy_gbs=None, bandwidth=True):
+    """Patterns and models: times, ratios, kernel counts, bandwidth, check."""
+    key = "size" if rows and "size" in rows[0] else "batch"
+    head = ["case", key, "TF ms", "XLA ms", "stitched ms", "XLA vs TF", "st vs TF",
+            "st vs XLA", "mem ops TF", "XLA kernels", "st kernels"]
+    if bandwidth:
+        head += ["BW TF", "BW XLA", "BW st"]
+    head += ["check"]
+    body = []
+    for r in rows:
+        cells = [r["name"], str(r.get(key)), _time_cell(r, "tf"), _time_cell(r, "xla"),
+                 _time_cell(r, "stitching"), _x(speedup(r, "xla", "tf")),
+                 _x(speedup(r, "stitching", "tf")), _x(speedup(r, "stitching", "xla")),
+                 _int(r.get("memory_intensive_ops")),
+                 _int((r["modes"].get("xla") or {}).get("kernels")),
+                 _int((r["modes"].get("stitching") or {}).get("kernels"))]
+        if bandwidth:
+            cells += [_bw_cell(r, m, copy_gbs) for m in MODES]
+        cells.append(_check_cell(r))
+        body.append(cells)
+    return head, body
+
+
+def compile_table(rows):
+    head = ["model", "batch", "TF first s", "XLA first s", "st cold s", "st warm s",
+            "cold vs XLA", "warm - TF first", "st kernels"]
+    body = []
+    for r in rows:
+        s = r["steps"]
+
+        def t(k):
+            v = s.get(k)
+            if v is None:
+                return None
+            return v.get("first_call_s") if v.get("ok") else None
+
+        def cell(k):
+            v = s.get(k)
+            if v is None:
+                return "-"
+            return f"{v['first_call_s']:.2f}" if v.get("ok") else "FAILED"
+        cold, warm, xla, tf_ = t("stitching_cold"), t("stitching_warm"), t("xla_first"), t("tf_first")
+        body.append([r["name"], str(r["batch"]), cell("tf_first"), cell("xla_first"),
+                     cell("stitching_cold"), cell("stitching_warm"),
+                     _x(xla / cold) if cold and xla else "-",
+                     f"{warm - tf_:+.2f} s" if warm is not None and tf_ is not None else "-",
+                     _int((s.get("stitching_cold") or {}).get("kernels"))])
+    return head, body
+
+
+def render_text(head, body):
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
+              for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    out = [line(head), "  ".join("-" * w for w in widths)]
+    out += [line(b) for b in body]
+    return "\n".join(out)
+
+
+def render_markdown(head, body):
+    out = ["| " + " | ".join(head) + " |",
+           "|" + "|".join("---" if i < 2 else "---:" for i in range(len(head))) + "|"]
+    out += ["| " + " | ".join(b) + " |" for b in body]
+    return "\n".join(out)
+
+
+# ---- failures and mismatches, listed once under the table
+
+def failure_lines(rows):
+    by_err = {}
+    for r in rows:
+        items = r["modes"].items() if "modes" in r else r.get("steps", {}).items()
+        for mode, m in items:
+            if m and not m.get("ok", True) and m.get("error"):
+                tag = r["name"] + (f"/{r['size']}" if "size" in r else f"/b{r.get('batch')}")
+                by_err.setdefault((mode, m["error"]), []).append(tag)
+    lines = []
+    for (mode, err), tags in by_err.items():
+        shown = ", ".join(tags[:4]) + (f" (+{len(tags) - 4} more)" if len(tags) > 4 else "")
+        lines.append(f"{mode} FAILED on {len(tags)} row(s) [{shown}]: {err}")
+    return lines
+
+
+def mismatch_lines(rows):
+    out = []
+    for r in rows:
+        for mode, m in r.get("modes", {}).items():
+            c = m.get("check")
+            if c and c.get("ok") is False:
+                tag = r["name"] + (f"/{r['size']}" if "size" in r else f"/b{r.get('batch')}")
+                detail = c.get("why") or (f"max abs err {c.get('max_abs_err'):.3g}, "
+                                          f"max rel err {c.get('max_rel_err'):.3g}")
+                out.append(f"!!! MISMATCH {LABELS[mode]} vs stock TF on {tag}: {detail}")
+    return out
+
+
+# ---- summaries and targets
+
+def summaries(results) -> list[str]:
+    """Geomeans and worst cases the targets are stated in (informational lines)."""
+    out = []
+    pats = results.get("patterns") or []
+    for size in ("large", "small"):
+        rs = [r for r in pats if r.get("size") == size]
+        if not rs:
+            continue
+        for mode, base in (("xla", "tf"), ("stitching", "tf"), ("stitching", "xla")):
+            sp = [speedup(r, mode, base) for r in rs]
+            g = geomean(sp)
+            if g:
+                worst = min((s, r["name"]) for s, r in zip(sp, rs) if s)
+                out.append(f"patterns {size}: {LABELS[mode]} vs {LABELS[base]} geomean "
+                           f"{g:.2f}x, worst {worst[0]:.2f}x ({worst[1]}), over "
+                           f"{sum(1 for s in sp if s)}/{len(rs)} rows")
+    mods = results.get("models") or []
+    for mode in ("xla", "stitching"):
+        sp = [speedup(r, mode, "tf") for r in mods]
+        if geomean(sp):
+            out.append(f"models: {LABELS[mode]} vs TF geomean {geomean(sp):.2f}x over "
+                       f"{sum(1 for s in sp if s)}/{len(mods)} rows")
+    return out
+
+
+def _verdict(ok, text):
+    return ("PASS" if ok else "FAIL") + "  " + text
+
+
+def targets(results, copy_gbs) -> list[str]:
+    """One PASS/FAIL line per target of the issue (SKIP when the suite did not run)."""
+    lines = []
+    pats = results.get("patterns")
+    if pats is not None:
+        large = [r for r in pats if r.get("size") == "large"]
+        small = [r for r in pats if r.get("size") == "small"]
+        if large:
+            sx = [speedup(r, "stitching", "xla") for r in large]
+            st = [speedup(r, "stitching", "tf") for r in large]
+            missing = sum(1 for s in st if not s)
+            gx, gt = geomean(sx), geomean(st)
+            sfx = f" ({missing}/{len(large)} rows without a stitched time)" if missing else ""
+            lines.append(_verdict(gx and not missing and gx >= 1.5,
+                                  f"patterns large: geomean stitched vs XLA >= 1.5x: "
+                                  f"{_x(gx)}{sfx}"))
+            lines.append(_verdict(gt and not missing and gt >= 2.0,
+                                  f"patterns large: geomean stitched vs TF >= 2x: {_x(gt)}{sfx}"))
+            fr = []
+            for r in large:
+                bw = (r["modes"].get("stitching") or {}).get("bw_gbs")
+                fr.append((bw / copy_gbs if bw and copy_gbs else 0.0, r["name"]))
+            worst = min(fr) if fr else (0.0, "-")
+            lines.append(_verdict(worst[0] >= 0.5,
+                                  f"patterns large: every pattern >= 50% of copy bandwidth "
+                                  f"({copy_gbs:.1f} GB/s): worst {100 * worst[0]:.0f}% "
+                                  f"({worst[1]})" if copy_gbs else "no copy bandwidth"))
+        if small:
+            st = [(speedup(r, "stitching", "tf") or 0.0, r["name"]) for r in small]
+            worst = min(st)
+            lines.append(_verdict(worst[0] >= 1.0,
+                                  f"patterns small: stitched no slower than TF: worst "
+                                  f"{_x(worst[0]) if worst[0] else 'n/a'} ({worst[1]})"))
+    else:
+        lines.append("SKIP  patterns: suite not run")
+    mods = results.get("models")
+    if mods is not None and mods:
+        st = [(speedup(r, "stitching", "tf") or 0.0, f"{r['name']}/b{r['batch']}") for r in mods]
+        worst = min(st)
+        lines.append(_verdict(worst[0] >= 1.0,
+                              f"models: none slower than TF: worst "
+                              f"{_x(worst[0]) if worst[0] else 'n/a'} ({worst[1]})"))
+        tr = [(s, n) for (s, n), r in zip(st, mods) if r.get("kind") == "transformer"]
+        if tr:
+            w = min(tr)
+            lines.append(_verdict(w[0] >= 1.15,
+                                  f"models: Transformer >= 1.15x TF: "
+                                  + ", ".join(f"{n} {_x(s) if s else 'n/a'}" for s, n in tr)))
+    else:
+        lines.append("SKIP  models: suite not run")
+    comp = results.get("compile")
+    if comp is not None and comp:
+        cold_ok, warm_ok, cold_txt, warm_txt = True, True, [], []
+        for r in comp:
+            s = r["steps"]
+            get = lambda k: (s.get(k) or {}).get("first_call_s") if (s.get(k) or {}).get("ok") else None
+            cold, warm, xla, tf_ = get("stitching_cold"), get("stitching_warm"), get("xla_first"), get("tf_first")
+            cold_ok &= bool(cold is not None and xla is not None and cold <= xla)
+            warm_ok &= bool(warm is not None and tf_ is not None and warm - tf_ < 2.0)
+            cold_txt.append(f"{r['name']} {cold:.1f}s vs {xla:.1f}s" if cold is not None and xla
+                            else f"{r['name']} n/a")
+            warm_txt.append(f"{r['name']} {warm - tf_:+.1f}s" if warm is not None and tf_ is not None
+                            else f"{r['name']} n/a")
+        lines.append(_verdict(cold_ok, "compile: cold stitching <= XLA first call: "
+                              + ", ".join(cold_txt)))
+        lines.append(_verdict(warm_ok, "compile: warm second process < TF first call + 2 s: "
+                              + ", ".join(warm_txt)))
+    else:
+        lines.append("SKIP  compile: suite not run")
+    allrows = [r for v in results.values() if v for r in v]
+    mism = mismatch_lines(allrows)
+    lines.append(_verdict(not mism, f"outputs equal stock TF (allclose): "
+                          f"{len(mism)} mismatch(es)"))
+    return lines
+
+
+def kernel_count_lines(results) -> list[str]:
+    """Patterns whose stitched kernel count differs from expected_kernels (info)."""
+    out = []
+    for r in results.get("patterns") or []:
+        k = (r["modes"].get("stitching") or {}).get("kernels")
+        if k is not None and k != r.get("expected_kernels"):
+            out.append(f"{r['name']}/{r['size']}: {k} stitched kernels, expected "
+                       f"{r.get('expected_kernels')}")
+    return out
+
+
+# ---- terminal
+
+def print_report(results, meta):
+    copy = meta.get("copy_bandwidth", {})
+    gbs = copy.get("gbs")
+    print()
+    print(f"machine: {meta['cpu']}, {meta['cores']} cores; python {meta['python']}, "
+          f"tensorflow {meta['tensorflow']}, numba {meta['numba']}, stitching "
+          f"{meta['stitching_rev']}; TF intra-op threads {meta['tf_intra_op_threads']}")
+    if gbs:
+        print(f"copy bandwidth: {gbs:.1f} GB/s ({copy['method']}; numba "
+              f"{copy.get('numba_prange_gbs', 'n/a')}, numpy {copy.get('numpy_threads_gbs')})")
+    for note in meta.get("notes", []):
+        print(f"note: {note}")
+    for suite, rows in results.items():
+        if not rows:
+            continue
+        print(f"\n== {suite} ==")
+        if suite == "compile":
+            print(render_text(*compile_table(rows)))
+        elif suite == "patterns":
+            for size in ("large", "small"):
+                rs = [r for r in rows if r.get("size") == size]
+                if rs:
+                    print(f"-- {size} --")
+                    print(render_text(*perf_table(rs, gbs)))
+        else:
+            print(render_text(*perf_table(rows, gbs, bandwidth=False)))
+        for line in failure_lines(rows):
+            print(line)
+    print("\ntimes: median per call; ± is half the interquartile range, as % of the median. "
+          "'X vs Y' is Y's time / X's time (> 1: X is faster). BW: (input + output bytes) "
+          "/ time as % of copy bandwidth.")
+    print()
+    for line in summaries(results):
+        print(line)
+    for line in kernel_count_lines(results):
+        print(f"kernels: {line}")
+    print()
+    for line in targets(results, gbs):
+        print(line)
+    mism = mismatch_lines([r for v in results.values() if v for r in v])
+    if mism:
+        print()
+        for line in mism:
+            print(line)
+
+
+# ---- BENCHMARKS.md: one section per suite, regenerated independently
+
+_SECTION = re.compile(r"<!-- suite:(\w+) -->.*?<!-- /suite:\1 -->", re.S)
+SUITE_ORDER = ("patterns", "models", "compile")
+
+_HEADER = """# Benchmarks
+
+Generated by `python tools/bench.py --markdown BENCHMARKS.md` (do not edit by hand;
+each suite's section is replaced when that suite is re-run, the others are kept).
+Stock `tf.function`, XLA (`jit_compile=True`) and `stitching.function` are run side by
+side in one process on the same inputs; times are medians per call, ± is half the
+interquartile range; "X vs Y" is Y's time / X's time (> 1: X is faster). Kernel counts:
+memory-intensive TF ops in the traced graph / XLA memory-intensive kernels in the
+optimized HLO (fusions without a dot or convolution, plus unfused memory ops) /
+stitched kernels from the report. BW: (input + output bytes) / time, as % of the
+machine's copy bandwidth measured in the same run.
+"""
+
+
+def _suite_markdown(suite, rows, meta, results):
+    copy = meta.get("copy_bandwidth", {})
+    gbs = copy.get("gbs")
+    out = [f"<!-- suite:{suite} -->", f"## {suite}", ""]
+    out.append(f"Measured {meta['date']} on {meta['cpu']} ({meta['cores']} cores, "
+               f"{meta.get('memory_gib')} GiB); Python {meta['python']}, TensorFlow "
+               f"{meta['tensorflow']}, Numba {meta['numba']}, stitching "
+               f"`{meta['stitching_rev']}`; TF intra-op threads "
+               f"{meta['tf_intra_op_threads']}; command `{meta.get('command', '')}`.")
+    if gbs and suite == "patterns":
+        out.append(f"Copy bandwidth {gbs:.1f} GB/s ({copy['method']}).")
+    for note in meta.get("notes", []):
+        out.append(f"Note: {note}")
+    out.append("")
+    if suite == "compile":
+        out.append("First call in a fresh process (model built before the clock starts): "
+                   "stock TF, XLA, stitching with an empty `STITCHING_CACHE_DIR` (cold), "
+                   "and a second process reusing that cache (warm).")
+        out.append("")
+        out.append(render_markdown(*compile_table(rows)))
+    elif suite == "patterns":
+        for size in ("large", "small"):
+            rs = [r for r in rows if r.get("size") == size]
+            if rs:
+                out += [f"### {size}", "", render_markdown(*perf_table(rs, gbs)), ""]
+    else:
+        out.append(render_markdown(*perf_table(rows, gbs, bandwidth=False)))
+    fails = failure_lines(rows) + mismatch_lines(rows)
+    if fails:
+        out.append("")
+        out += [f"- {f}" for f in fails]
+    sub = {suite: rows}
+    summ = [s for s in summaries(sub)]
+    tgt = [t for t in targets(sub, gbs) if not t.startswith("SKIP")
+           and not (suite != "patterns" and "patterns" in t)]
+    out.append("")
+    out += [f"- {s}" for s in summ]
+    out += [f"- **{t[:4]}** {t[4:].strip()}" for t in tgt]
+    out.append(f"<!-- /suite:{suite} -->")
+    return "\n".join(out)
+
+
+def write_markdown(path, results, meta):
+    old = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+    sections = {m.group(1): m.group(0) for m in _SECTION.finditer(old)}
+    for suite, rows in results.items():
+        if rows:
+            sections[suite] = _suite_markdown(suite, rows, meta, results)
+    body = [_HEADER]
+    for suite in SUITE_ORDER:
+        if suite in sections:
+            body.append(sections[suite])
+            body.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(body).rstrip() + "\n")
+
+
+# ---- chart
+
+def write_png(path, results):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    groups = []
+    for size in ("large", "small"):
+        rs = [r for r in results.get("patterns") or [] if r.get("size") == size]
+        if rs:
+            groups.append((f"patterns ({size})", rs, lambda r: r["name"]))
+    if results.get("models"):
+        groups.append(("models", results["models"], lambda r: f"{r['name']} b{r['batch']}"))
+    if not groups:
+        return
+    heights = [max(2.0, 0.32 * len(g[1]) + 1.0) for g in groups]
+    fig, axes = plt.subplots(len(groups), 1, figsize=(9, sum(heights)),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, (title, rs, label) in zip(axes[:, 0], groups):
+        names = [label(r) for r in rs]
+        y = range(len(rs))
+        seen = [1.0]
+        for off, mode, color in ((-0.2, "xla", "tab:orange"), (0.2, "stitching", "tab:blue")):
+            vals = [speedup(r, mode, "tf") for r in rs]
+            seen += [v for v in vals if v]
+            # Bars grow from 1x (parity with TF) to the speedup, left for slower.
+            ax.barh([i + off for i in y], [(v - 1.0) if v else 0.0 for v in vals], left=1.0,
+                    height=0.38, color=color, label=f"{LABELS[mode]} vs TF")
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_xscale("log")
+        lo, hi = min(0.5, min(seen) / 1.2), max(2.0, max(seen) * 1.2)
+        ax.set_xlim(lo, hi)
+        ticks = [t for t in (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32) if lo <= t <= hi]
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t:g}x" for t in ticks])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_yticks(list(y))
+        ax.set_yticklabels(names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{title}: speedup over stock tf.function (log scale, > 1 is faster)",
+                     fontsize=9)
+        ax.legend(fontsize=8, loc="lower right")
+        ax.grid(axis="x", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,223 @@
+"""The three suites: patterns (both sizes), models, compile (fresh processes)."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from . import measure, modes
+from .machine import REPO
+
+# allclose tolerances vs stock TF: (rtol, atol as a fraction of max|ref|).  XLA and
+# stitching both use their own exp/tanh/erf approximations and summation orders; a
+# real bug (wrong axis, missing term) is off by far more than this.
+PATTERN_TOL = (1e-3, 1e-4)
+# Whole networks: 50+ layers of reordered float sums; a wrong kernel still shows as
+# errors of order max|ref|.
+MODEL_TOL = (1e-2, 1e-3)
+
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_case(*, suite, name, fn, signature, args_np, mode_list, planner, repeats,
+             warmup, min_time, tol, extra=None, bandwidth=True) -> dict:
+    """One row: build every mode, call once, check against stock TF, count kernels,
+    time side by side."""
+    args = [tf.constant(a) for a in args_np]
+    runners = [modes.build(m, fn, signature, planner) for m in mode_list]
+    outputs = {r.mode: modes.first_call(r, args) for r in runners}
+    by_mode = {r.mode: r for r in runners}
+
+    ref = None
+    if by_mode.get("tf") is not None and by_mode["tf"].ok:
+        ref = measure.to_numpy(outputs["tf"])
+    for r in runners:
+        if r.ok:
+            modes.collect_counts(r, args)
+
+    checks = {}
+    for r in runners:
+        if r.mode == "tf" or not r.ok:
+            continue
+        checks[r.mode] = (measure.compare(ref, measure.to_numpy(outputs[r.mode]), *tol)
+                          if ref is not None else {"ok": None, "why": "no stock TF output"})
+
+    bytes_in = measure.nbytes(args_np)
+    bytes_out = measure.nbytes(ref) if ref is not None else None
+    del outputs
+    times = measure.time_modes(runners, args, repeats=repeats, warmup=warmup,
+                               min_time=min_time)
+
+    row = {"suite": suite, "name": name, "bytes_in": bytes_in, "bytes_out": bytes_out,
+           "shapes": [list(np.shape(a)) for a in args_np], "modes": {}}
+    row.update(extra or {})
+    for r in runners:
+        m = {"ok": r.ok, "error": r.error, "first_call_s": r.first_call_s,
+             "time": times.get(r.mode), "check": checks.get(r.mode)}
+        m.update({k: v for k, v in r.info.items() if k != "traceback"})
+        if r.error and "traceback" in r.info:
+            m["traceback"] = r.info["traceback"]
+        if bandwidth and m["time"] and bytes_out is not None:
+            m["bw_gbs"] = (bytes_in + bytes_out) / m["time"]["median_s"] / 1e9
+        row["modes"][r.mode] = m
+    if "tf" in row["modes"]:
+        row["memory_intensive_ops"] = row["modes"]["tf"].get("memory_intensive_ops")
+    _log_row(row)
+    return row
+
+
+def _log_row(row):
+    parts = []
+    for mode, m in row["modes"].items():
+        if m["time"]:
+            parts.append(f"{mode} {m['time']['median_s'] * 1e3:.3f} ms")
+        else:
+            parts.append(f"{mode} FAILED ({m['error']})")
+        if m.get("check") and m["check"].get("ok") is False:
+            parts.append(f"!! {mode} MISMATCH vs TF {m['check']}")
+    tag = row["name"] + (f"/{row['size']}" if "size" in row else f"/b{row.get('batch')}")
+    _log(f"  {tag}: " + ", ".join(parts))
+
+
+# ---- patterns
+
+def run_patterns(*, only=None, sizes=("large", "small"), mode_list=modes.MODES,
+                 planner=None, repeats=10, warmup=2, min_time=0.02) -> list[dict]:
+    from stitching.testing import patterns as P
+    rows = []
+    for p in P.all_patterns():
+        if only and p.name not in only:
+            continue
+        for size in sizes:
+            _log(f"[patterns] {p.name} {size}")
+            rows.append(run_case(
+                suite="patterns", name=p.name, fn=p.fn, signature=p.input_signature(size),
+                args_np=p.inputs(size), mode_list=mode_list, planner=planner,
+                repeats=repeats, warmup=warmup, min_time=min_time, tol=PATTERN_TOL,
+                extra={"size": size, "expected_kernels": p.expected_kernels,
+                       "description": p.description}))
+            gc.collect()
+    return rows
+
+
+# ---- models
+
+def run_models(*, only=None, batches=None, mode_list=modes.MODES, planner=None,
+               repeats=5, warmup=1, min_time=0.0) -> list[dict]:
+    from stitching.testing import models as M
+    rows = []
+    for case in M.all_models():
+        if only and case.name not in only:
+            continue
+        fn = case.make_fn()
+        for batch in (batches or case.batch_sizes):
+            _log(f"[models] {case.name} batch {batch}")
+            rows.append(run_case(
+                suite="models", name=case.name, fn=fn, signature=case.input_signature(),
+                args_np=case.inputs(batch), mode_list=mode_list, planner=planner,
+                repeats=repeats, warmup=warmup, min_time=min_time, tol=MODEL_TOL,
+                extra={"batch": batch, "kind": case.kind, "description": case.description},
+                bandwidth=False))
+            gc.collect()
+    return rows
+
+
+# ---- compile: first calls in fresh processes
+
+COMPILE_STEPS = (
+    # (row key, mode, cache: "fresh" | "reuse" | None)
+    ("tf_first", "tf", None),
+    ("xla_first", "xla", None),
+    ("stitching_cold", "stitching", "fresh"),
+    ("stitching_warm", "stitching", "reuse"),
+)
+_MARK = "@@BENCH_CHILD@@"
+
+
+def run_compile(*, only=None, batch=1, planner=None, mode_list=modes.MODES,
+                timeout=600) -> list[dict]:
+    from stitching.testing import models as M
+    rows = []
+    for case in M.all_models():
+        if only and case.name not in only:
+            continue
+        row = {"suite": "compile", "name": case.name, "batch": batch, "kind": case.kind,
+               "steps": {}}
+        with tempfile.TemporaryDirectory(prefix="stitching-bench-cache-") as cache:
+            for key, mode, cache_use in COMPILE_STEPS:
+                if mode not in mode_list:
+                    continue
+                _log(f"[compile] {case.name} {key}")
+                env = dict(os.environ)
+                if cache_use:
+                    env["STITCHING_CACHE_DIR"] = cache
+                row["steps"][key] = _child(mode, case.name, batch, planner, env, timeout)
+                s = row["steps"][key]
+                _log(f"  {key}: " + (f"{s['first_call_s']:.2f} s" if s.get("ok")
+                                     else f"FAILED ({s.get('error')})"))
+        rows.append(row)
+    return rows
+
+
+def _child(mode, model, batch, planner, env, timeout) -> dict:
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench.py"), "--_child", mode,
+           "--only", model, "--batch", str(batch)]
+    if planner:
+        cmd += ["--planner", planner]
+    env = dict(env)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"child timed out after {timeout} s"}
+    wall = time.perf_counter() - t0
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith(_MARK):
+            res = json.loads(line[len(_MARK):])
+            res["process_wall_s"] = wall
+            return res
+    tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return {"ok": False, "error": f"child exited {p.returncode}: {tail}",
+            "process_wall_s": wall}
+
+
+def compile_child(mode, model, batch, planner) -> None:
+    """Runs in a fresh process: build the model (not timed), then time the first call
+    (trace + graph optimization / XLA compile / stitching plan + kernel compile + run)
+    and one more call for reference."""
+    from stitching.testing import models as M
+    case = M.get(model)
+    res = {"mode": mode, "model": model, "batch": batch}
+    try:
+        fn = case.make_fn()
+        args = [tf.constant(a) for a in case.inputs(batch)]
+        r = modes.build(mode, fn, case.input_signature(), planner)
+        modes.first_call(r, args)
+        res["ok"] = r.ok
+        res["error"] = r.error
+        res["first_call_s"] = r.first_call_s
+        if r.ok:
+            t0 = time.perf_counter()
+            r.fn(*args)
+            res["second_call_s"] = time.perf_counter() - t0
+            if mode == "stitching":
+                modes.collect_counts(r, args)
+                rep = r.info.get("report") or {}
+                res["kernels"] = rep.get("kernels")
+                res["compile_seconds"] = rep.get("compile_seconds")
+            res["notes"] = r.info.get("notes", [])
+    except Exception as e:
+        res["ok"] = False
+        res["error"] = modes.first_line(e)
+    print(_MARK + json.dumps(res), flush=True)
