@@ -13,7 +13,7 @@ which the op's shape function reports to graph shape inference.
 """
 from __future__ import annotations
 
-from .registry import load, no_autograph, register, registered_kernel
+from .registry import load, no_autograph, register, registered_kernel, spec_of
 
 
 @no_autograph
@@ -49,8 +49,8 @@ def _resolve(kernel_or_spec_json):
             spec = spec.decode("utf-8")
         return spec, registered_kernel(spec)
     kernel = kernel_or_spec_json
-    spec = kernel.spec.to_json()
-    register(kernel, spec)
+    register(kernel)
+    spec = spec_of(kernel)
     return spec, kernel
 
 
@@ -63,8 +63,8 @@ def _default_dtypes(spec, kernel):
 def _default_shapes(spec, kernel):
     if kernel is not None and hasattr(kernel.spec, "output_types"):
         return [t.shape for t in kernel.spec.output_types]
-    if kernel is not None:
-        raise ValueError("out_shapes is required: the kernel's spec has no output types")
+    if kernel is not None:  # no static knowledge beyond the ranks
+        return [[None] * r for r in kernel.out_ranks]
     return [t.shape for t in _parse(spec).output_types]
 
 

@@ -14,6 +14,11 @@ exclusive ``flock`` on a per-key lock file serializes the build, the compiler wr
 to a private temporary name, and ``os.replace`` publishes it atomically, so a reader
 never sees a half-written ``.so``.
 
+A library already built in the *default* cache (``~/.cache/stitching/ops``, where CI's
+prebuild puts it) is reused when ``$STITCHING_CACHE_DIR`` points elsewhere (the test
+suite gives every session a fresh kernel cache): the file name is a hash of every input
+of the build, so a file with the right name is the right binary wherever it lies.
+
 Prebuild (setup.py / CI):  ``python -m stitching.runtime.build [--force]``.
 """
 from __future__ import annotations
@@ -41,9 +46,19 @@ class BuildError(RuntimeError):
     """The op library could not be built (message carries the compiler's stderr tail)."""
 
 
+DEFAULT_ROOT = os.path.join("~", ".cache", "stitching")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("STITCHING_CACHE_DIR") or os.path.join("~", ".cache", "stitching")
+    """Where this process builds the op library."""
+    root = os.environ.get("STITCHING_CACHE_DIR") or DEFAULT_ROOT
     return Path(root).expanduser() / "ops"
+
+
+def _prebuilt(path: Path) -> Path | None:
+    """The same library (same hashed name) in the default cache, if it is there."""
+    other = Path(DEFAULT_ROOT).expanduser() / "ops" / path.name
+    return other if other != path and other.is_file() else None
 
 
 def compiler() -> str:
@@ -77,8 +92,12 @@ def library_path() -> Path:
 def build(force: bool = False) -> Path:
     """Return the path of the op library, compiling it first if it is not cached."""
     path = library_path()
-    if path.exists() and not force:
-        return path
+    if not force:
+        if path.exists():
+            return path
+        prebuilt = _prebuilt(path)
+        if prebuilt is not None:
+            return prebuilt
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes

@@ -51,6 +51,8 @@ _reg_lock = threading.RLock()
 _module = None          # the tf.load_op_library module
 _lib = None             # ctypes view of the same image
 _kernels: dict = {}     # exact spec string -> kernel object (kept alive forever)
+_spec_by_id: dict = {}  # id(registered kernel) -> its spec string (ids stay unique:
+                        # registered kernels are never freed)
 _callbacks: list = []   # every compiler callback ever installed (kept alive forever)
 
 
@@ -130,8 +132,9 @@ def register(kernel, spec: str | None = None) -> bool:
     (dtype names) and ``errors`` (list of str).  Idempotent per spec string: returns
     True if this call registered it, False if the spec was already registered.
     """
-    if spec is None:
-        spec = kernel.spec.to_json()
+    canonical = spec is None
+    if canonical:
+        spec = spec_of(kernel)
     if not isinstance(spec, str):
         raise RegistrationError("spec must be a str")
     lib = library()
@@ -144,7 +147,17 @@ def register(kernel, spec: str | None = None) -> bool:
             raise RegistrationError(f"op library rejected the kernel: "
                                     f"{_REGISTER_ERRORS.get(rc, rc)}")
         _kernels[spec] = kernel
+        if canonical:
+            _spec_by_id[id(kernel)] = spec
         return rc == 0
+
+
+def spec_of(kernel) -> str:
+    """``kernel.spec.to_json()``, memoized for registered kernels (eager calls repeat)."""
+    spec = _spec_by_id.get(id(kernel))
+    if spec is not None and _kernels.get(spec) is kernel:
+        return spec
+    return kernel.spec.to_json()
 
 
 def _abi_arguments(kernel) -> tuple:
