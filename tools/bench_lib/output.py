@@ -292,6 +292,9 @@ def print_report(results, meta):
     if gbs:
         print(f"copy bandwidth: {gbs:.1f} GB/s ({copy['method']}; numba "
               f"{copy.get('numba_prange_gbs', 'n/a')}, numpy {copy.get('numpy_threads_gbs')})")
+    print(f"load average (1 min): {meta.get('load_avg_start')} at start, "
+          f"{meta.get('load_avg_end')} at end" + ("  -- machine busy, expect noise"
+          if max(meta.get("load_avg_start") or 0, meta.get("load_avg_end") or 0) > 0.5 else ""))
     for note in meta.get("notes", []):
         print(f"note: {note}")
     for suite, rows in results.items():
@@ -355,7 +358,9 @@ def _suite_markdown(suite, rows, meta, results):
                f"{meta.get('memory_gib')} GiB); Python {meta['python']}, TensorFlow "
                f"{meta['tensorflow']}, Numba {meta['numba']}, stitching "
                f"`{meta['stitching_rev']}`; TF intra-op threads "
-               f"{meta['tf_intra_op_threads']}; command `{meta.get('command', '')}`.")
+               f"{meta['tf_intra_op_threads']}; load average {meta.get('load_avg_start')} "
+               f"at start, {meta.get('load_avg_end')} at end; command "
+               f"`{meta.get('command', '')}`.")
     if gbs and suite == "patterns":
         out.append(f"Copy bandwidth {gbs:.1f} GB/s ({copy['method']}).")
     for note in meta.get("notes", []):
