@@ -212,3 +212,42 @@ def test_bench_harness_smoke(tmp_path):
     assert "softmax_manual" in md.read_text()
     output.write_png(str(tmp_path / "b.png"), results)
     assert (tmp_path / "b.png").stat().st_size > 0
+
+
+class _FakeReport:
+    def to_dict(self):
+        return {"memory_intensive_ops": 5, "fused_ops": 5, "kernels": 1, "unfused": []}
+
+
+def _fake_stitching(transform):
+    """A stand-in for stitching.function: tf.function plus a report, with its output
+    passed through ``transform`` (identity, or a bug to be caught)."""
+    class Fake:
+        def __init__(self, fn, input_signature=None, options=None):
+            self._f = tf.function(lambda *a: transform(fn(*a)), input_signature=input_signature)
+            self.report = None
+
+        def __call__(self, *args):
+            out = self._f(*args)
+            self.report = _FakeReport()
+            return out
+    return Fake
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_bench_stitched_column_and_mismatch_flag(monkeypatch, bug):
+    import stitching
+    from bench_lib import output, suites
+    monkeypatch.setattr(stitching, "function",
+                        _fake_stitching((lambda y: y * 1.01) if bug else (lambda y: y)),
+                        raising=False)
+    rows = suites.run_patterns(only=["softmax_manual"], sizes=["small"], repeats=2,
+                               warmup=0, min_time=0.0)
+    st = rows[0]["modes"]["stitching"]
+    assert st["ok"] and st["kernels"] == 1 and st["report"]["fused_ops"] == 5
+    assert output.speedup(rows[0], "stitching", "tf") > 0
+    assert st["check"]["ok"] is (not bug)
+    mism = output.mismatch_lines(rows)
+    assert bool(mism) is bug
+    verdict = [l for l in output.targets({"patterns": rows}, 10.0) if "outputs equal" in l][0]
+    assert verdict.startswith("FAIL" if bug else "PASS")

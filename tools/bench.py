@@ -135,7 +135,9 @@ def main(argv=None):
     if args.markdown:
         output.write_markdown(args.markdown, results, meta)
     print(f"\n[bench] done in {meta['elapsed_s']} s", file=sys.stderr)
-    return 0
+    # Wrong answers make the exit status non-zero (targets missed do not: they are
+    # goals, not errors).
+    return 1 if output.mismatch_lines([r for v in results.values() if v for r in v]) else 0
 
 
 def _stitching_note(meta, mode_list):
