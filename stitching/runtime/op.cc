@@ -268,8 +268,12 @@ class StitchedKernelOp : public OpKernel {
     auto run = [body, in_ptrs, out_ptrs, &params](int64_t begin, int64_t end) {
       body(begin, end, in_ptrs, out_ptrs, params);
     };
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    pool->ParallelFor(
+    const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+    if (workers == nullptr || workers->workers == nullptr) {
+      run(0, sched[0]);  // a device without a CPU pool: run inline
+      return;
+    }
+    workers->workers->ParallelFor(
         sched[0],
         tsl::thread::ThreadPool::SchedulingParams::Adaptive(std::max<int64_t>(1, sched[1])),
         run);

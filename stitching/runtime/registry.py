@@ -78,6 +78,8 @@ def no_autograph(fn):
 def load():
     """The loaded op module (``tf.load_op_library``); builds the library on first use."""
     global _module, _lib
+    if _module is not None:  # fast path: every stitched_kernel call comes through here
+        return _module
     with _load_lock:
         if _module is None:
             import tensorflow as tf
