@@ -55,6 +55,8 @@ def parse_args(argv=None):
     ap.add_argument("--markdown", metavar="PATH",
                     help="regenerate this file's sections for the suites run")
     ap.add_argument("--list", action="store_true", help="list patterns and models")
+    ap.add_argument("--from-json", metavar="PATH",
+                    help="re-render the report/--markdown/--png from a --json file, no runs")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -75,6 +77,10 @@ def main(argv=None):
         return 0
 
     from bench_lib import machine, output
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        return _emit(args, saved["results"], saved["meta"], write_json=False)
     mode_list = tuple(m for m in args.modes.split(",") if m)
     bad = set(mode_list) - {"tf", "xla", "stitching"}
     if bad:
@@ -124,8 +130,13 @@ def main(argv=None):
     meta["elapsed_s"] = round(time.time() - t0, 1)
     meta["load_avg_end"] = machine.load_avg()
 
+    return _emit(args, results, meta)
+
+
+def _emit(args, results, meta, write_json=True):
+    from bench_lib import output
     output.print_report(results, meta)
-    if args.json:
+    if args.json and write_json:
         _ensure_dir(args.json)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
@@ -134,7 +145,7 @@ def main(argv=None):
         output.write_png(args.png, results)
     if args.markdown:
         output.write_markdown(args.markdown, results, meta)
-    print(f"\n[bench] done in {meta['elapsed_s']} s", file=sys.stderr)
+    print(f"\n[bench] done in {meta.get('elapsed_s')} s", file=sys.stderr)
     # Wrong answers make the exit status non-zero (targets missed do not: they are
     # goals, not errors).
     return 1 if output.mismatch_lines([r for v in results.values() if v for r in v]) else 0
