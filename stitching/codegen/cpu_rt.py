@@ -1,0 +1,80 @@
+"""The helper namespace ``h`` that generated CPU kernels import.
+
+Every name the scalar lowering (lower.py) or the CPU emitter (cpu.py) writes as
+``h.<name>`` is defined here, either re-exported from intrinsics.py / fastmath.py
+or as a small inlined Numba function.  A CUDA emitter provides the same names in
+its own helper module.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import types
+
+from . import intrinsics as _I
+from .fastmath import helper
+from .fastmath import (elu_f32, elu_f64, erf_f32, erf_f64, erfc_f32, erfc_f64,  # noqa: F401
+                       exp_f32, exp_f64, expm1_f32, expm1_f64, log1p_f32, log1p_f64,
+                       log_f32, log_f64, selu_f32, selu_f64, sigmoid_f32, sigmoid_f64,
+                       softplus_f32, softplus_f64, tanh_f32, tanh_f64)
+from .intrinsics import (acc_add, acc_max, acc_min, acc_mul, aligned_alloc,  # noqa: F401
+                         bf16_to_f32, ceil, copysign, f2i32, f2i64, f16_to_f32,
+                         f32_to_bf16, f32_to_f16, fabs, floor, free, maximum, minimum,
+                         ptr_float32, ptr_float64, ptr_int32, ptr_int64, ptr_uint8,
+                         ptr_uint16, roundeven, sqrt)
+
+# C ABI of the two entry points (see codegen/__init__.py).
+BODY_SIG = types.void(types.int64, types.int64, types.CPointer(types.voidptr),
+                      types.CPointer(types.voidptr), types.CPointer(types.int64))
+SHAPE_SIG = types.int64(types.CPointer(types.int64), types.CPointer(types.int64),
+                        types.CPointer(types.int64), types.CPointer(types.int64))
+
+# Kernel-wide fast-math flags: only FMA contraction.  Reductions get reassoc/nsz on
+# their accumulator instructions alone (intrinsics.acc_*); no nnan/ninf anywhere, no
+# arcp/afn (1/x estimates change results near 0, Inf and subnormals).
+FASTMATH = {"contract"}
+
+_F0, _F1 = np.float32(0.0), np.float32(1.0)
+
+
+@helper
+def quant_f16(x):
+    """Round a float32 to float16 precision (Cast to float16 inside a kernel)."""
+    return _I.f16_to_f32(_I.f32_to_f16(x))
+
+
+@helper
+def quant_bf16(x):
+    return _I.bf16_to_f32(_I.f32_to_bf16(x))
+
+
+@helper
+def b2u8(b):
+    return np.uint8(1) if b else np.uint8(0)
+
+
+@helper
+def floormod(x, y):
+    """TF FloorMod on floats: fmod, then shifted into y's sign."""
+    m = math.fmod(x, y)
+    return m + y if (m != 0 and ((y < 0) != (m < 0))) else m
+
+
+@helper
+def pow_f32(x, y):
+    return np.float32(math.pow(np.float64(x), np.float64(y)))
+
+
+@helper
+def pow_f64(x, y):
+    return math.pow(x, y)
+
+
+@helper
+def mean_int(s, n):
+    """Integer mean as TF: truncating division; an empty mean is 0."""
+    if n == 0:
+        return np.int64(0)
+    q = s // n
+    return q + 1 if (q < 0 and q * n != s) else q

@@ -1,0 +1,324 @@
+"""Small LLVM-level helpers for generated kernels (numba ``@intrinsic``).
+
+Why intrinsics and not plain Numba code:
+
+* typed pointers from ``void*`` with no index wrap-around checks, so a load
+  ``x[base + j]`` is one affine GEP the loop vectorizer understands;
+* exact control of fast-math flags *per instruction*: kernels compile with only
+  ``contract``; the reduction accumulators alone carry ``reassoc nsz`` (what the
+  vectorizer needs to split a sum or a max into lanes), so user arithmetic is never
+  reassociated and NaN/Inf semantics stay IEEE;
+* NaN-propagating ``llvm.maximum``/``llvm.minimum`` (TF's Maximum and reduce_max
+  propagate NaN; LLVM 20 vectorizes these reductions);
+* bit casts and 16-bit float encode/decode written as integer ops on i32 lanes
+  (Numba's own integer typing would widen everything to int64 and stop
+  vectorization).
+
+Every helper here is branch-free and inlines into the caller's loop.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.errors import TypingError
+from numba.extending import intrinsic
+
+_F32, _F64 = ir.FloatType(), ir.DoubleType()
+_I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_ACC_FLAGS = ("reassoc", "nsz")
+
+# ---- typed pointers ----------------------------------------------------------------
+
+
+def _ptr_intrinsic(elem):
+    @intrinsic
+    def cast(typingctx, p):
+        if not isinstance(p, (types.RawPointer, types.CPointer)):
+            raise TypingError("expected a pointer")
+        sig = types.CPointer(elem)(p)
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], context.get_value_type(sig.return_type))
+        return sig, codegen
+    return cast
+
+
+ptr_float32 = _ptr_intrinsic(types.float32)
+ptr_float64 = _ptr_intrinsic(types.float64)
+ptr_int32 = _ptr_intrinsic(types.int32)
+ptr_int64 = _ptr_intrinsic(types.int64)
+ptr_uint8 = _ptr_intrinsic(types.uint8)
+ptr_uint16 = _ptr_intrinsic(types.uint16)
+
+
+@intrinsic
+def aligned_alloc(typingctx, nbytes):
+    """64-byte aligned heap block of at least ``nbytes`` (never zero-initialized)."""
+    sig = types.voidptr(types.int64)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(cgutils.voidptr_t, [_I64, _I64])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "aligned_alloc")
+        n = builder.add(args[0], ir.Constant(_I64, 127))
+        n = builder.and_(n, ir.Constant(_I64, ~63))        # multiple of 64, >= 64
+        return builder.call(fn, [ir.Constant(_I64, 64), n])
+    return sig, codegen
+
+
+@intrinsic
+def free(typingctx, p):
+    sig = types.void(types.voidptr)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "free")
+        builder.call(fn, [args[0]])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+# ---- LLVM math intrinsics on float32/float64 ---------------------------------------
+
+def _check_floats(*tys):
+    if not all(isinstance(t, types.Float) for t in tys) or len(set(tys)) != 1:
+        raise TypingError(f"expected matching float arguments, got {tys}")
+    return tys[0]
+
+
+def _llvm_fn(name, nargs, flags=()):
+    def typer(typingctx, *args):
+        t = _check_floats(*args)
+        sig = t(*args)
+
+        def codegen(context, builder, sig, llargs):
+            ty = llargs[0].type
+            f = builder.module.declare_intrinsic(name, [ty], ir.FunctionType(ty, [ty] * nargs))
+            return builder.call(f, llargs, fastmath=flags)
+        return sig, codegen
+
+    # numba's @intrinsic needs a fixed arity in the Python signature
+    if nargs == 1:
+        def fn(typingctx, a):
+            return typer(typingctx, a)
+    elif nargs == 2:
+        def fn(typingctx, a, b):
+            return typer(typingctx, a, b)
+    else:
+        def fn(typingctx, a, b, c):
+            return typer(typingctx, a, b, c)
+    fn.__name__ = name.replace(".", "_")
+    return intrinsic(fn)
+
+
+fabs = _llvm_fn("llvm.fabs", 1)
+sqrt = _llvm_fn("llvm.sqrt", 1)
+floor = _llvm_fn("llvm.floor", 1)
+ceil = _llvm_fn("llvm.ceil", 1)
+trunc = _llvm_fn("llvm.trunc", 1)
+roundeven = _llvm_fn("llvm.roundeven", 1)   # half to even (TF Round)
+fma = _llvm_fn("llvm.fma", 3)                # one rounding; never re-associated
+copysign = _llvm_fn("llvm.copysign", 2)
+maximum = _llvm_fn("llvm.maximum", 2)        # NaN-propagating max (TF Maximum)
+minimum = _llvm_fn("llvm.minimum", 2)
+acc_max = _llvm_fn("llvm.maximum", 2, _ACC_FLAGS)
+acc_min = _llvm_fn("llvm.minimum", 2, _ACC_FLAGS)
+
+
+def _acc_binop(op):
+    @intrinsic
+    def fn(typingctx, a, b):
+        t = _check_floats(a, b)
+        sig = t(a, b)
+
+        def codegen(context, builder, sig, args):
+            return getattr(builder, op)(args[0], args[1], flags=_ACC_FLAGS)
+        return sig, codegen
+    return fn
+
+
+acc_add = _acc_binop("fadd")   # reduction step: may be split into vector lanes
+acc_mul = _acc_binop("fmul")
+
+
+# ---- bit casts -----------------------------------------------------------------------
+
+def _bitcast(src, dst):
+    @intrinsic
+    def fn(typingctx, x):
+        if x != src:
+            raise TypingError(f"expected {src}, got {x}")
+        sig = dst(x)
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], context.get_value_type(dst))
+        return sig, codegen
+    return fn
+
+
+f32_bits = _bitcast(types.float32, types.int32)
+bits_f32 = _bitcast(types.int32, types.float32)
+f64_bits = _bitcast(types.float64, types.int64)
+bits_f64 = _bitcast(types.int64, types.float64)
+
+
+def _pow2_bits(builder, n):
+    """float32 2**n from an i32 n in [-126, 127] (exponent field)."""
+    e = builder.shl(builder.add(n, ir.Constant(_I32, 127)), ir.Constant(_I32, 23))
+    return builder.bitcast(e, _F32)
+
+
+@intrinsic
+def exp2i_f32(typingctx, n_f):
+    """2.0**n for a float32 n holding an integer in [-126, 127]."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, sig, args):
+        return _pow2_bits(builder, builder.fptosi(args[0], _I32))
+    return sig, codegen
+
+
+@intrinsic
+def ldexp_f32(typingctx, y, n_f):
+    """y * 2**n for a float32 n holding an integer in [-252, 254], in two exact
+    power-of-two steps so neither intermediate overflows (subnormal results are
+    rounded once, by the second step)."""
+    sig = types.float32(types.float32, types.float32)
+
+    def codegen(context, builder, sig, args):
+        n = builder.fptosi(args[1], _I32)
+        n1 = builder.ashr(n, ir.Constant(_I32, 1))
+        n2 = builder.sub(n, n1)
+        t = builder.fmul(args[0], _pow2_bits(builder, n1))
+        return builder.fmul(t, _pow2_bits(builder, n2))
+    return sig, codegen
+
+
+@intrinsic
+def f32_exponent(typingctx, x):
+    """Unbiased exponent + 1 of a normal float32, as float32 (x = m 2^e, m in [.5, 1))."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, sig, args):
+        b = builder.bitcast(args[0], _I32)
+        e = builder.and_(builder.lshr(b, ir.Constant(_I32, 23)), ir.Constant(_I32, 0xFF))
+        return builder.sitofp(builder.sub(e, ir.Constant(_I32, 126)), _F32)
+    return sig, codegen
+
+
+@intrinsic
+def f32_mantissa_half(typingctx, x):
+    """float32 with x's mantissa and exponent of 0.5: m in [0.5, 1) for normal x > 0."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, sig, args):
+        b = builder.bitcast(args[0], _I32)
+        b = builder.and_(b, ir.Constant(_I32, 0x007FFFFF))
+        b = builder.or_(b, ir.Constant(_I32, 0x3F000000))
+        return builder.bitcast(b, _F32)
+    return sig, codegen
+
+
+# ---- float -> int with TF's x86 semantics ----------------------------------------------
+
+def _f2i(dst):
+    bits = dst.bitwidth
+
+    @intrinsic
+    def fn(typingctx, x):
+        if not isinstance(x, types.Float):
+            raise TypingError("expected a float")
+        sig = dst(x)
+
+        def codegen(context, builder, sig, args):
+            v = args[0]
+            lo = ir.Constant(v.type, -float(2 ** (bits - 1)))
+            hi = ir.Constant(v.type, float(2 ** (bits - 1)))
+            ok = builder.and_(builder.fcmp_ordered(">=", v, lo),
+                              builder.fcmp_ordered("<", v, hi))
+            safe = builder.select(ok, v, ir.Constant(v.type, 0.0))
+            i = builder.fptosi(safe, ir.IntType(bits))
+            return builder.select(ok, i, ir.Constant(ir.IntType(bits), -(2 ** (bits - 1))))
+        return sig, codegen
+    return fn
+
+
+f2i32 = _f2i(types.int32)   # truncates; NaN / out of range -> INT32_MIN (as TF on x86)
+f2i64 = _f2i(types.int64)
+
+
+# ---- 16-bit floats (storage only; compute is float32) ----------------------------------
+
+@intrinsic
+def bf16_to_f32(typingctx, h):
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, sig, args):
+        w = builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16))
+        return builder.bitcast(w, _F32)
+    return sig, codegen
+
+
+@intrinsic
+def f32_to_bf16(typingctx, x):
+    """Round to nearest even; NaN stays a quiet NaN with its sign."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, sig, args):
+        c = lambda v: ir.Constant(_I32, v)   # noqa: E731
+        u = builder.bitcast(args[0], _I32)
+        lsb = builder.and_(builder.lshr(u, c(16)), c(1))
+        r = builder.lshr(builder.add(builder.add(u, c(0x7FFF)), lsb), c(16))
+        q = builder.or_(builder.lshr(u, c(16)), c(0x40))
+        isnan = builder.fcmp_unordered("uno", args[0], args[0])
+        return builder.trunc(builder.select(isnan, q, r), _I16)
+    return sig, codegen
+
+
+@intrinsic
+def f16_to_f32(typingctx, h):
+    """IEEE half bits -> float32, exact (normals, subnormals, Inf, NaN)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, sig, args):
+        c = lambda v: ir.Constant(_I32, v)   # noqa: E731
+        w = builder.shl(builder.zext(args[0], _I32), c(16))
+        sign = builder.and_(w, c(0x80000000 - 2 ** 32))
+        two_w = builder.add(w, w)
+        norm = builder.bitcast(builder.add(builder.lshr(two_w, c(4)), c(0xE0 << 23)), _F32)
+        norm = builder.fmul(norm, ir.Constant(_F32, 2.0 ** -112))
+        den = builder.bitcast(builder.or_(builder.lshr(two_w, c(17)), c(126 << 23)), _F32)
+        den = builder.fsub(den, ir.Constant(_F32, 0.5))
+        small = builder.icmp_unsigned("<", two_w, c(1 << 27))
+        mag = builder.select(small, builder.bitcast(den, _I32), builder.bitcast(norm, _I32))
+        return builder.bitcast(builder.or_(sign, mag), _F32)
+    return sig, codegen
+
+
+@intrinsic
+def f32_to_f16(typingctx, x):
+    """float32 -> IEEE half bits, round to nearest even, overflow to Inf, NaN kept."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, sig, args):
+        c = lambda v: ir.Constant(_I32, v if v < 2 ** 31 else v - 2 ** 32)   # noqa: E731
+        f = args[0]
+        fabs_fn = builder.module.declare_intrinsic("llvm.fabs", [_F32],
+                                                   ir.FunctionType(_F32, [_F32]))
+        base = builder.fmul(builder.call(fabs_fn, [f]), ir.Constant(_F32, 2.0 ** 112))
+        base = builder.fmul(base, ir.Constant(_F32, 2.0 ** -110))
+        w = builder.bitcast(f, _I32)
+        shl1 = builder.add(w, w)
+        sign = builder.and_(w, c(0x80000000))
+        bias = builder.and_(shl1, c(0xFF000000))
+        low = builder.icmp_unsigned("<", bias, c(0x71000000))
+        bias = builder.select(low, c(0x71000000), bias)
+        adj = builder.bitcast(builder.add(builder.lshr(bias, c(1)), c(0x07800000)), _F32)
+        base = builder.bitcast(builder.fadd(adj, base), _I32)
+        exp_bits = builder.and_(builder.lshr(base, c(13)), c(0x7C00))
+        mant = builder.and_(base, c(0x0FFF))
+        nonsign = builder.add(exp_bits, mant)
+        isnan = builder.icmp_unsigned(">", shl1, c(0xFF000000))
+        mag = builder.select(isnan, c(0x7E00), nonsign)
+        return builder.trunc(builder.or_(builder.lshr(sign, c(16)), mag), _I16)
+    return sig, codegen

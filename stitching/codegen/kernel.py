@@ -1,0 +1,212 @@
+"""compile_kernel: spec -> schedule -> source -> Numba cfuncs, cached twice.
+
+    spec ─validate─► build_schedule ─cpu.emit─► source text
+         └ in-process cache by spec.hash (one CompiledKernel per distinct spec)
+    source ─► $STITCHING_CACHE_DIR/kernels/<toolchain>/k_<spec hash>_<source hash>.py
+           ─► import it: its @cfunc(cache=True) load from __pycache__ when present
+
+The file name carries the hash of the generated text and the directory a hash of
+the toolchain (Numba/llvmlite versions and the helper modules the kernels inline),
+so a changed emitter or helper never picks up stale machine code; Numba's own
+index adds the CPU name and features.  Files are written atomically (temp file +
+rename), so concurrent processes at worst compile the same kernel twice.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..ir import dtypes as dt
+from ..ir.spec import KernelSpec, validate
+from ..schedule import build_schedule
+from . import cpu
+
+_lock = threading.RLock()
+_kernels: dict = {}          # spec hash -> CompiledKernel
+
+_BODY_T = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64,
+                           ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+                           ctypes.POINTER(ctypes.c_int64))
+_SHAPE_T = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.POINTER(ctypes.c_int64),
+                            ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64),
+                            ctypes.POINTER(ctypes.c_int64))
+MAX_PARAMS = 32
+
+
+def cache_root() -> Path:
+    d = os.environ.get("STITCHING_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "stitching")
+    return Path(d)
+
+
+def _toolchain_tag() -> str:
+    import llvmlite
+    import numba
+    h = hashlib.sha256(f"{numba.__version__}|{llvmlite.__version__}|{sys.version_info[:2]}"
+                       .encode())
+    here = Path(__file__).parent
+    for name in ("cpu_rt.py", "fastmath.py", "intrinsics.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+_TOOLCHAIN = None
+
+
+def kernel_dir() -> Path:
+    global _TOOLCHAIN
+    if _TOOLCHAIN is None:
+        _TOOLCHAIN = _toolchain_tag()
+    return cache_root() / "kernels" / _TOOLCHAIN
+
+
+def _user_dtype(name: str):
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+            return np.dtype(ml_dtypes.bfloat16)
+        except ImportError:          # storage is 16 bits either way
+            return np.dtype(np.uint16)
+    return np.dtype({"float16": np.float16, "bool": np.bool_}.get(name, name))
+
+
+class CompiledKernel:
+    """A compiled kernel: addresses for the TF op, and a TF-free ``__call__``."""
+
+    def __init__(self, spec, schedule, source, module, compile_seconds):
+        self.spec = spec
+        self.schedule = schedule
+        self.source = source.text
+        self.errors = list(source.errors)
+        self._module = module              # keeps the cfuncs (and their code) alive
+        self.body_address = module.body.address
+        self.shape_address = module.shape_fn.address
+        self.in_ranks = [len(t.shape) for t in spec.inputs]
+        self.out_ranks = [len(t.shape) for t in spec.output_types]
+        self.in_dtypes = [t.dtype for t in spec.inputs]
+        self.out_dtypes = [t.dtype for t in spec.output_types]
+        self.compile_seconds = compile_seconds
+        self.cache_hits = module.body.cache_hits + module.shape_fn.cache_hits
+        self._body = _BODY_T(self.body_address)
+        self._shape = _SHAPE_T(self.shape_address)
+
+    def __repr__(self):
+        return f"<CompiledKernel {self.spec.hash} {self.schedule.kind.value}>"
+
+    def shapes(self, in_shapes):
+        """(rc, dims, out_shapes, units, cost) from the shape function."""
+        in_dims = np.array([d for s in in_shapes for d in s] + [0], np.int64)
+        dims = np.zeros(MAX_PARAMS, np.int64)
+        out_dims = np.zeros(sum(self.out_ranks) + 1, np.int64)
+        sched = np.zeros(2, np.int64)
+        p = lambda a: a.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))   # noqa: E731
+        rc = self._shape(p(in_dims), p(dims), p(out_dims), p(sched))
+        shapes, o = [], 0
+        for r in self.out_ranks:
+            shapes.append(tuple(int(d) for d in out_dims[o:o + r]))
+            o += r
+        return int(rc), dims, shapes, int(sched[0]), int(sched[1])
+
+    def format_error(self, rc: int, in_shapes) -> str:
+        what = self.errors[rc - 1] if 0 < rc <= len(self.errors) else f"error code {rc}"
+        return f"{what}; input shapes: {', '.join(str(tuple(s)) for s in in_shapes)}"
+
+    def __call__(self, *arrays):
+        """Run on NumPy arrays (units one after another, this thread); returns outputs."""
+        if len(arrays) != len(self.in_dtypes):
+            raise TypeError(f"kernel takes {len(self.in_dtypes)} inputs, got {len(arrays)}")
+        ins = [self._as_input(i, a) for i, a in enumerate(arrays)]
+        rc, dims, out_shapes, units, _ = self.shapes([a.shape for a in ins])
+        if rc:
+            raise ValueError(self.format_error(rc, [a.shape for a in ins]))
+        outs = [np.empty(s, _user_dtype(d)) for s, d in zip(out_shapes, self.out_dtypes)]
+        if units:
+            ip = (ctypes.c_void_p * max(1, len(ins)))(*[a.ctypes.data for a in ins])
+            op = (ctypes.c_void_p * len(outs))(*[o.ctypes.data for o in outs])
+            self._body(0, units, ip, op, dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+        return outs
+
+    def _as_input(self, i, a):
+        want = _user_dtype(self.in_dtypes[i])
+        if not isinstance(a, np.ndarray):
+            a = np.asarray(a, dtype=want)
+        if a.dtype != want and not (a.dtype.itemsize == want.itemsize and
+                                    dt.STORAGE[self.in_dtypes[i]] == a.dtype):
+            raise TypeError(f"input {i} has dtype {a.dtype}, kernel expects "
+                            f"{self.in_dtypes[i]}")
+        if a.ndim != self.in_ranks[i]:
+            raise ValueError(f"input {i} has rank {a.ndim}, kernel expects "
+                             f"{self.in_ranks[i]}")
+        return np.ascontiguousarray(a)
+
+
+def _load_module(text: str, spec_hash: str):
+    src_hash = hashlib.sha256(text.encode()).hexdigest()[:12]
+    d = kernel_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"k_{spec_hash}_{src_hash}"
+    path = d / f"{name}.py"
+    if not path.exists():
+        tmp = d / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    modname = f"stitching_kernel_{name}"
+    if modname in sys.modules:
+        return sys.modules[modname]
+    mspec = importlib.util.spec_from_file_location(modname, path)
+    module = importlib.util.module_from_spec(mspec)
+    # Registered before running it: Numba names the module of each cfunc, and a
+    # cache hit re-imports that module by name to rebuild the function environment.
+    sys.modules[modname] = module
+    try:
+        mspec.loader.exec_module(module)      # compiles, or loads Numba's cache
+    except BaseException:
+        del sys.modules[modname]
+        raise
+    return module
+
+
+def compile_kernel(spec: KernelSpec) -> CompiledKernel:
+    """Compiled kernel for a spec (raises ScheduleError if it is not one kernel)."""
+    spec = validate(spec)
+    key = spec.hash
+    with _lock:
+        k = _kernels.get(key)
+        if k is not None:
+            return k
+        t0 = time.perf_counter()
+        sched = build_schedule(spec)
+        source = cpu.emit(sched)
+        module = _load_module(source.text, key)
+        k = CompiledKernel(spec, sched, source, module, time.perf_counter() - t0)
+        _kernels[key] = k
+        return k
+
+
+def compile_kernels(specs, progress=None) -> list:
+    """Compile many specs, each distinct spec once; ``progress(i, n, spec)`` is
+    called before each distinct compile.  Returns kernels aligned with ``specs``."""
+    specs = [validate(s) for s in specs]
+    distinct = {}
+    for s in specs:
+        distinct.setdefault(s.hash, s)
+    done = {}
+    for i, (h, s) in enumerate(distinct.items()):
+        if progress is not None:
+            progress(i, len(distinct), s)
+        done[h] = compile_kernel(s)
+    return [done[s.hash] for s in specs]
+
+
+def clear_memory_cache() -> None:
+    """Forget in-process kernels (tests); modules stay imported."""
+    with _lock:
+        _kernels.clear()

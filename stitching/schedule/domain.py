@@ -1,0 +1,279 @@
+"""Iteration domain of one kernel: which loop axis each tensor dimension runs along.
+
+Algorithm
+---------
+1. **Unify dims** (union-find).  Every dimension of every value (kernel inputs and
+   nodes) that is not a static 1 gets a variable.  Each op says which dims are the
+   same loop axis::
+
+       Add(x[?,768], b[768]) -> y[?,768]        x.0 = y.0, x.1 = b.0 = y.1
+       Mean(x[?,768], axes=[1], keep_dims)      x.0 = m.0; x.1 is reduced
+       Reshape(x[?,1,768] -> [?,768])           non-1 dims pair up in order
+
+   A static size-1 dim broadcasts and takes part in nothing.  Unknown vs unknown is
+   assumed equal (the shape function checks it at run time); unknown vs n is n
+   (also checked).  A class pinned to size 1 (an unknown dim that a node claims is
+   1) is *degenerate*: no axis, but its input dims are checked to be 1 at run time.
+
+2. **Order** the classes so that every value's dims appear in increasing order, i.e.
+   every value is a row-major sub-array of the domain.  Each value adds edges
+   dim i -> dim i+1; a topological sort (smallest first-seen class first, so the
+   result is deterministic) gives the order.  A cycle means some value is a
+   transpose of another: refused.
+
+3. **Collapse** adjacent axes that every value carries together or not at all and
+   every reduction reduces together or not at all (XLA/TVM dim collapse)::
+
+       x[N,H,W,C] - mean(x, axes=[1,2]) -> axes (N, H*W, C)
+
+Nothing here knows about loops; ``passes.py`` decides the kernel kind from the
+collapsed axes and ``reduced`` sets.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from ..ir.ops import OPS, Kind
+
+MAX_DOMAIN_RANK = 16   # arbitrary: dims[] holds the collapsed sizes plus a few params
+
+
+class Refusal(Exception):
+    """This spec cannot be one kernel; the message is the user-facing reason."""
+
+
+@dataclass(frozen=True)
+class DimClass:
+    size: int            # static size, 1 for a degenerate class, or -1 (run time)
+    input_dims: tuple    # ((input j, dim i), ...) in this class, first one = size source
+
+
+@dataclass(frozen=True)
+class Axis:
+    classes: tuple       # dim classes merged into this axis, outer to inner
+    size: int            # static product, or -1 when some class is unknown
+
+
+@dataclass(frozen=True)
+class Domain:
+    classes: tuple       # DimClass per class id
+    axes: tuple          # collapsed Axis, outer to inner
+    value_dims: dict     # ref -> tuple(class id or None per dim); None = static 1
+    carries: dict        # ref -> tuple of collapsed axis indices, increasing
+    reduced: dict        # reduction node -> tuple of collapsed axes it reduces
+
+    @property
+    def rank(self) -> int:
+        return len(self.axes)
+
+    def axis_size_text(self, a: int) -> str:
+        s = self.axes[a].size
+        return "?" if s < 0 else str(s)
+
+
+# ---- step 1: union-find over dims ---------------------------------------------------
+
+class _Union:
+    def __init__(self):
+        self.parent: list[int] = []
+        self.size: list[int] = []
+
+    def new(self, size: int) -> int:
+        self.parent.append(len(self.parent))
+        self.size.append(size)
+        return len(self.parent) - 1
+
+    def find(self, v: int) -> int:
+        while self.parent[v] != v:
+            self.parent[v] = self.parent[self.parent[v]]
+            v = self.parent[v]
+        return v
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return
+        sa, sb = self.size[ra], self.size[rb]
+        if sa >= 0 and sb >= 0 and sa != sb:
+            raise Refusal(f"dimensions of size {sa} and {sb} meet on one axis")
+        lo, hi = min(ra, rb), max(ra, rb)   # keep the older root: stable numbering
+        self.parent[hi] = lo
+        self.size[lo] = sa if sa >= 0 else sb
+
+    def pin_one(self, v: int) -> None:
+        r = self.find(v)
+        if self.size[r] not in (-1, 1):
+            raise Refusal(f"a dimension of size {self.size[r]} is broadcast to size 1")
+        self.size[r] = 1
+
+
+def _vars(uf: _Union, shape) -> list:
+    return [None if d == 1 else uf.new(d) for d in shape]
+
+
+def _bind(uf: _Union, src, dst) -> None:
+    """src dim and dst dim are the same axis (dst None = static 1: src must be 1)."""
+    if src is None:
+        return
+    if dst is None:
+        uf.pin_one(src)
+    else:
+        uf.union(src, dst)
+
+
+def _bind_node(uf, node, arg_vars, out) -> list:
+    """Unify one node's output dims with its arguments'; returns reduced dim vars."""
+    kind = OPS[node.op].kind
+    if kind == Kind.ELEMENTWISE or node.op == "FillLike":
+        for av in arg_vars:
+            off = len(out) - len(av)
+            for i, v in enumerate(av):
+                _bind(uf, v, out[i + off])
+        return []
+    if kind == Kind.REDUCTION:
+        (av,) = arg_vars
+        axes, keep = node.attrs["axes"], node.attrs["keep_dims"]
+        kept = [v for i, v in enumerate(av) if i not in axes]
+        outs = [o for i, o in enumerate(out) if i not in axes] if keep else out
+        for v, o in zip(kept, outs):
+            _bind(uf, v, o)
+        return [av[i] for i in axes if av[i] is not None]
+    if node.op == "Reshape":
+        (av,) = arg_vars
+        src = [v for v in av if v is not None]
+        target = node.attrs["shape"]
+        dst = [out[i] for i, s in enumerate(target) if s != 1]
+        for v, o in zip(src, dst):
+            _bind(uf, v, o)
+        return []
+    return []   # Const: its own static dims only
+
+
+def _unify(spec):
+    uf = _Union()
+    dims = {-(j + 1): _vars(uf, t.shape) for j, t in enumerate(spec.inputs)}
+    reduced_vars = {}
+    for k, n in enumerate(spec.nodes):
+        out = _vars(uf, n.type.shape)
+        dims[k] = out
+        red = _bind_node(uf, n, [dims[a] for a in n.args], out)
+        if OPS[n.op].kind == Kind.REDUCTION:
+            reduced_vars[k] = red
+    return uf, dims, reduced_vars
+
+
+# ---- step 2: classes and their order ------------------------------------------------
+
+def _classes(uf, dims):
+    """Number the non-degenerate roots by first appearance; build DimClass records."""
+    ids: dict[int, int] = {}
+    sizes, members = [], []
+    value_dims = {}
+    for ref in sorted(dims, key=lambda r: (r >= 0, abs(r))):   # inputs first, then nodes
+        vd = []
+        for i, v in enumerate(dims[ref]):
+            if v is None:
+                vd.append(None)
+                continue
+            r = uf.find(v)
+            if r not in ids:
+                ids[r] = len(sizes)
+                sizes.append(uf.size[r])
+                members.append([])
+            c = ids[r]
+            if ref < 0:
+                members[c].append((-ref - 1, i))
+            vd.append(c)
+        value_dims[ref] = tuple(vd)
+    classes = tuple(DimClass(s, tuple(m)) for s, m in zip(sizes, members))
+    for c, cl in enumerate(classes):
+        if cl.size < 0 and not cl.input_dims:
+            raise Refusal("a dimension of unknown size is not set by any kernel input")
+    return classes, value_dims, ids
+
+
+def _live_axes(classes, vd) -> list:
+    return [c for c in vd if c is not None and classes[c].size != 1]
+
+
+def _order(classes, value_dims) -> list:
+    """Topological order of the non-degenerate classes (step 2)."""
+    succ = {c: set() for c in range(len(classes)) if classes[c].size != 1}
+    indeg = dict.fromkeys(succ, 0)
+    for ref, vd in value_dims.items():
+        live = _live_axes(classes, vd)
+        if len(set(live)) != len(live):
+            raise Refusal(f"{_name(ref)} has two dimensions on one loop axis "
+                          "(a transpose-like layout)")
+        for a, b in zip(live, live[1:]):
+            if b not in succ[a]:
+                succ[a].add(b)
+                indeg[b] += 1
+    ready = [c for c, d in indeg.items() if d == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        c = heapq.heappop(ready)
+        order.append(c)
+        for s in sorted(succ[c]):
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(ready, s)
+    if len(order) != len(succ):
+        raise Refusal("values disagree on the order of their dimensions "
+                      "(a transpose-like layout); only broadcasts and size-1 reshapes "
+                      "are fused")
+    return order
+
+
+# ---- step 3: collapse ----------------------------------------------------------------
+
+def _collapse(classes, order, value_dims, reduced_classes):
+    pos = {c: i for i, c in enumerate(order)}
+    carried = [frozenset(pos[c] for c in _live_axes(classes, vd))
+               for vd in value_dims.values()]
+    reds = [frozenset(pos[c] for c in cs) for cs in reduced_classes.values()]
+
+    def together(p):  # may axis p and p+1 merge?
+        return all((p in s) == (p + 1 in s) for s in carried + reds)
+
+    groups = [[0]] if order else []
+    for p in range(len(order) - 1):
+        if together(p):
+            groups[-1].append(p + 1)
+        else:
+            groups.append([p + 1])
+    axes = []
+    for g in groups:
+        cls = tuple(order[p] for p in g)
+        sz = 1
+        for c in cls:
+            sz = -1 if (sz < 0 or classes[c].size < 0) else sz * classes[c].size
+        axes.append(Axis(cls, sz))
+    axis_of = {c: a for a, ax in enumerate(axes) for c in ax.classes}
+    return tuple(axes), axis_of
+
+
+def analyze(spec) -> Domain:
+    """Build the collapsed iteration domain of a validated spec (raises Refusal)."""
+    uf, dims, reduced_vars = _unify(spec)
+    classes, value_dims, ids = _classes(uf, dims)
+    reduced_classes = {
+        k: sorted({ids[uf.find(v)] for v in vs if ids.get(uf.find(v)) is not None
+                   and classes[ids[uf.find(v)]].size != 1})
+        for k, vs in reduced_vars.items()}
+    order = _order(classes, value_dims)
+    if len(order) > MAX_DOMAIN_RANK:
+        raise Refusal(f"the kernel would loop over {len(order)} independent axes "
+                      f"(limit {MAX_DOMAIN_RANK})")
+    axes, axis_of = _collapse(classes, order, value_dims, reduced_classes)
+    carries = {ref: tuple(sorted({axis_of[c] for c in _live_axes(classes, vd)}))
+               for ref, vd in value_dims.items()}
+    reduced = {k: tuple(sorted({axis_of[c] for c in cs}))
+               for k, cs in reduced_classes.items()}
+    return Domain(classes, axes, value_dims, carries, reduced)
+
+
+def _name(ref: int) -> str:
+    return f"input {-ref - 1}" if ref < 0 else f"node {ref}"

@@ -1,0 +1,189 @@
+"""The schedule of one kernel, and the legality check the planner calls.
+
+    spec ──domain.analyze──► Domain (collapsed axes)
+         ──passes.classify─► kind (elementwise | row | column), reduced axes
+         ──stages/scratch──► home of every value, recompute-or-scratch choices
+         ──contents────────► Schedule: passes, scalar stages, edge placements, units
+
+``check(spec)`` runs the same steps and returns a ``Decision`` (falsy = legal,
+otherwise ``.reason`` is a sentence for the user's report).  ``build_schedule``
+returns the ``Schedule`` or raises ``ScheduleError`` with that reason.  Both are
+deterministic: same spec, same schedule.  Nothing here is target specific: the CPU
+emitter (codegen/cpu.py) and a CUDA emitter walk the same Schedule.
+
+Work units (the op splits [0, units) across threads)::
+
+    elementwise  rows x column blocks: a unit is rows_per_task whole rows when rows
+                 are short, else one block of col_block elements of one row
+    row          a unit is rows_per_task rows; each row runs every pass
+    column       a unit is one index of the kept outer axes x col_block columns;
+                 each unit loops over the reduced axes once per pass
+
+``rows_per_task`` / ``col_block`` come from spec.schedule when the cost model set
+them, else the shape function picks them at run time (defaults below).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir import dtypes as dt
+from . import passes as P
+from .domain import Domain, Refusal, analyze
+from .passes import KernelKind, Placement
+
+ROW_UNIT_ELEMS = 4096     # tuned: a row unit touches >= ~16 KiB, per-unit overhead < 1%
+EW_BLOCK = 16384          # tuned: elements per element-wise unit (64 KiB of float32)
+COL_BLOCK = 256           # arbitrary: columns per column unit (1 KiB rows of float32)
+
+
+class ScheduleError(ValueError):
+    """The spec cannot be one kernel; str(e) is the reason."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Falsy when legal (like XLA's FusionDecision); else ``reason`` says why not."""
+    reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+    def __bool__(self) -> bool:
+        return self.reason is not None
+
+    def __str__(self) -> str:
+        return "ok" if self.ok else self.reason
+
+
+@dataclass(frozen=True)
+class Pass:
+    index: int
+    compute: tuple          # vector nodes evaluated in the loop, SSA order
+    recomputed: tuple       # of those, the ones whose home is an earlier pass
+    loads: tuple            # kernel inputs read in the loop
+    scratch_loads: tuple    # values of earlier passes read back from scratch
+    scratch_stores: tuple   # values written to scratch for later passes
+    accumulate: tuple       # reductions fed in this pass
+    stores: tuple           # outputs written in this pass
+
+
+@dataclass(frozen=True)
+class ScalarStage:
+    index: int              # runs before pass `index`; index == len(passes): epilogue
+    compute: tuple          # row scalars / column-block values (reductions finalized)
+    loads: tuple
+    stores: tuple
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: int                # ref: node k >= 0 or input -(j + 1)
+    dst: int                # node
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class Schedule:
+    spec: object
+    domain: Domain
+    kind: KernelKind
+    reduce_axes: tuple      # collapsed axes reduced (row: (R-1,); column: S)
+    live: tuple             # nodes some output needs, SSA order
+    stage: dict             # node -> stage
+    vector: frozenset       # refs (nodes and inputs) that live inside the pass loops
+    passes: tuple
+    scalars: tuple          # ScalarStage per position 0..len(passes)
+    edges: tuple
+    scratch: tuple          # nodes kept in per-row scratch (row kind)
+    blocks: tuple           # nodes kept in column blocks (column kind)
+    rows_per_task: int | None
+    col_block: int | None
+    notes: tuple = field(default=())
+
+    # -- queries the emitters use -----------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.domain.rank
+
+    @property
+    def parallel_axes(self) -> tuple:
+        return tuple(a for a in range(self.rank) if a not in self.reduce_axes)
+
+    def is_vector(self, ref: int) -> bool:
+        return ref in self.vector
+
+    def carries(self, ref: int) -> tuple:
+        return self.domain.carries[ref]
+
+    def placement(self, src: int, dst: int) -> Placement:
+        for e in self.edges:
+            if e.src == src and e.dst == dst:
+                return e.placement
+        raise KeyError((src, dst))
+
+    def placement_counts(self) -> dict:
+        out: dict = {}
+        for e in self.edges:
+            out[e.placement.value] = out.get(e.placement.value, 0) + 1
+        return out
+
+    def describe(self) -> str:
+        from .describe import describe
+        return describe(self)
+
+
+def build_schedule(spec) -> Schedule:
+    """Schedule of a validated spec; raises ScheduleError with the reason."""
+    try:
+        return _build(spec)
+    except Refusal as e:
+        raise ScheduleError(str(e)) from None
+
+
+def check(spec) -> Decision:
+    """Can this spec be one kernel?  Decision() if yes, Decision(reason) if not."""
+    try:
+        _build(spec)
+    except Refusal as e:
+        return Decision(str(e))
+    return Decision()
+
+
+def _build(spec) -> Schedule:
+    _check_dtypes(spec)
+    dom = analyze(spec)
+    live = P.live_nodes(spec)
+    kind, S = P.classify(spec, dom, live)
+    st = P.stages(spec, dom, live)
+    vec = P.vector_test(kind, dom, S)
+    reds = [k for k in live if P.is_reduction(spec.nodes[k]) and dom.reduced[k]]
+    n_passes = 1 + max([st[k] for k in live if vec(k)] +
+                       [P._accum_pass(spec, k, st) for k in reds] + [0])
+    if n_passes > P.MAX_PASSES:
+        raise Refusal(f"{n_passes} dependent reductions in one kernel "
+                      f"(limit {P.MAX_PASSES})")
+    scratch, notes = P.choose_scratch(spec, dom, kind, live, st, vec, S)
+    passes = tuple(Pass(p, *c) for p, c in enumerate(
+        P.pass_contents(spec, live, st, vec, reds, scratch, n_passes)))
+    scalars = tuple(ScalarStage(s, *c) for s, c in enumerate(
+        P.scalar_contents(spec, live, st, vec, n_passes)))
+    if kind == KernelKind.ELEMENTWISE:
+        scalars = ()
+    edges = tuple(Edge(*e) for e in P.edge_placements(spec, kind, dom, live, st, vec,
+                                                        scratch))
+    blocks = tuple(sorted({e.src for e in edges
+                           if e.placement == Placement.COLUMN_BLOCK}))
+    refs = [-(j + 1) for j in range(len(spec.inputs))] + list(live)
+    return Schedule(
+        spec=spec, domain=dom, kind=kind, reduce_axes=tuple(S), live=tuple(live),
+        stage=st, vector=frozenset(r for r in refs if vec(r)), passes=passes,
+        scalars=scalars, edges=edges, scratch=tuple(sorted(scratch)), blocks=blocks,
+        rows_per_task=spec.schedule.get("rows_per_task"),
+        col_block=spec.schedule.get("col_block"), notes=tuple(notes))
+
+
+def _check_dtypes(spec):
+    for t in list(spec.inputs) + [n.type for n in spec.nodes]:
+        if t.dtype not in dt.ALL_DTYPES:
+            raise Refusal(f"dtype {t.dtype} is not supported in generated kernels")
