@@ -1,54 +1,8 @@
 """Planner on tiny hand-built IR graphs: expected regions, cycles, reasons (TF-free)."""
 import pytest
 
-from stitching.ir import Graph, Node, TensorType, ValueRef, infer
+from irbuild import F, G, allow_all, layernorm, ln_chain, regions
 from stitching.plan import planner
-
-F = "float32"
-
-
-class G:
-    """Tiny builder: G().input('x', [-1, 8]).op('m', 'Mean', ['x'], axes=[1], keep_dims=True)"""
-
-    def __init__(self):
-        self.g = Graph()
-
-    def input(self, name, shape, dtype=F):
-        self.g.add(Node(name, "Placeholder", [], {}, [TensorType(dtype, tuple(shape))]))
-        return self
-
-    def opaque(self, name, inputs, shape, dtype=F):
-        self.g.add(Node(name, "MatMul", [ValueRef(i) for i in inputs], {},
-                        [TensorType(dtype, tuple(shape))]))
-        return self
-
-    def op(self, name, op, inputs, **attrs):
-        refs = [ValueRef(i) for i in inputs]
-        t = infer(op, attrs, [self.g.type_of(r) for r in refs])
-        self.g.add(Node(name, op, refs, attrs, [t]))
-        return self
-
-    def build(self, *outputs):
-        self.g.outputs = [ValueRef(o) for o in outputs]
-        self.g.verify()
-        return self.g
-
-
-def regions(p):
-    return [sorted(r.nodes) for r in p.regions]
-
-
-def allow_all(spec):
-    return None
-
-
-def layernorm(b, x="x"):
-    return (b.op("mean", "Mean", [x], axes=[1], keep_dims=True)
-             .op("d", "Sub", [x, "mean"]).op("sq", "Square", ["d"])
-             .op("var", "Mean", ["sq"], axes=[1], keep_dims=True)
-             .op("eps", "Const", [], value=1e-5, dtype=F, shape=[])
-             .op("ve", "Add", ["var", "eps"]).op("inv", "Rsqrt", ["ve"])
-             .op("y", "Mul", ["d", "inv"]))
 
 
 def test_layernorm_is_one_region_with_shared_producer():
@@ -107,19 +61,7 @@ def test_identical_regions_share_one_spec_hash():
 
 def test_two_thousand_node_graph_plans_into_one_region_per_block():
     # 2,000-node chain of LayerNorm-like blocks separated by opaque ops plans quickly
-    b = G().input("x", [-1, 64])
-    prev = "x"
-    for i in range(150):
-        b.op(f"m{i}", "Mean", [prev], axes=[1], keep_dims=True)
-        b.op(f"s{i}", "Sub", [prev, f"m{i}"]).op(f"q{i}", "Square", [f"s{i}"])
-        b.op(f"v{i}", "Mean", [f"q{i}"], axes=[1], keep_dims=True)
-        b.op(f"r{i}", "Rsqrt", [f"v{i}"]).op(f"y{i}", "Mul", [f"s{i}", f"r{i}"])
-        b.op(f"t{i}", "Tanh", [f"y{i}"]).op(f"u{i}", "Exp", [f"t{i}"])
-        b.op(f"w{i}", "Add", [f"u{i}", f"y{i}"]).op(f"z{i}", "Relu", [f"w{i}"])
-        b.op(f"k{i}", "Sigmoid", [f"z{i}"]).op(f"l{i}", "Mul", [f"k{i}", f"z{i}"])
-        b.opaque(f"mm{i}", [f"l{i}"], [-1, 64])
-        prev = f"mm{i}"
-    g = b.op("out", "Identity", [prev]).build("out")
+    g = ln_chain(150)
     assert len(g) > 1900
     p = planner.plan(g, allow_all)
     assert len(p.regions) == 150

@@ -32,6 +32,10 @@ class Plan:
     regions: list = field(default_factory=list)          # list[Region]
     unfused: list = field(default_factory=list)          # list[(node, op, reason)]
     boundaries: list = field(default_factory=list)       # list[(node, reason)] merges refused
+    # Filled by the search planner (search.py); empty from this one:
+    alternatives: list = field(default_factory=list)     # list[search.KernelChoice] (explain)
+    skipped: list = field(default_factory=list)          # [(nodes, reason)] left alone by cost
+    notes: list = field(default_factory=list)            # plan-wide remarks for the report
 
 
 def plan(graph: Graph, legal: Legal, min_ops: int = 2) -> Plan:

@@ -1,0 +1,533 @@
+"""The cost model: how long a kernel takes and what fusing saves.  No correctness here.
+
+Legality (may we fuse?) lives in legality.py, the schedule stage and the planner's cycle
+check; this module only answers "should we?", in seconds, from a DeviceProfile.  Two
+levels, as in FusionStitching:
+
+  delta evaluator  GraphCosts.delta(pattern)        during search, O(|pattern|), memoized
+  ─────────────────────────────────────────────────────────────────────────────────────
+    gain(P)      = Σ unfused(op ∈ P) − fused(P)                       (> 0: fusing pays)
+    unfused(op)  = launch + max(bytes in+out / bw(lanes(op)), transcendentals / rate)
+    fused(P)     = launch + max(io(P) / bw(active(P)), transcendentals / rate)
+                   + scratch(P) + register spills(P)
+    io(P)        distinct values read from outside P + values leaving P, each once
+    active(P)    lanes P keeps busy: all for element-wise work; the row count when a
+                 reduction's result is consumed inside P            ("lost parallelism")
+    scratch(P)   values that must survive a reduction barrier (LayerNorm's x - mean):
+                 2·bytes / cache bandwidth while a row fits the per-task scratch budget,
+                 else 2·bytes / bw — a second pass through memory ("resource pressure")
+    registers    values live at once beyond the register file: CPU spills to L1, GPU
+                 loses occupancy (fewer active lanes)                ("resource pressure")
+
+  latency evaluator  choose_launch(spec)            once per final kernel, from its spec
+  ─────────────────────────────────────────────────────────────────────────────────────
+      R rows ─▶ ┌─────────────── L ───────────────┐
+                │ r = rows_per_task  │ c = col_block ≤ L
+                └──────────────────────────────────┘
+      tasks = ⌈R/r⌉·⌈L/c⌉        waves = ⌈tasks / resident tasks⌉
+      t = launch + waves·(task overhead + max(task bytes / lane bw, compute))
+          + scratch or spill + (c < L ? combine pass : 0)
+    The fastest candidate wins: many short rows packed per task, a long row split across
+    tasks when too few rows would leave lanes idle (AStitch's adaptive thread mapping).
+    Where barrier values live comes from the schedule stage (stitching.schedule.placements)
+    when it provides them, else from this module's own estimate.
+
+Unknown dims (-1) are assumed DEFAULT_DIM; every other constant is labelled below.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..ir import OPS, Kind, TensorType
+from ..ir.dtypes import ITEMSIZE
+from . import legality as _leg
+from .profiles import DeviceProfile
+
+DEFAULT_DIM = 32              # arbitrary: size assumed for a dim unknown until run time
+CPU_GRAIN = 16384             # tuned (Eigen-like): elements per shard; smaller ops stay on
+                              # one core, unfused or fused alike
+GPU_ROW_VALUES_PER_THREAD = 8  # arbitrary: row values one thread keeps in registers
+GPU_BASE_REGS = 16            # arbitrary: registers a thread needs besides live values
+MIN_COL_BLOCK = 1024          # arbitrary: a row is never split into pieces shorter
+GPU_THREADS = (32, 64, 128, 256, 512, 1024)
+_SOFTMAX = ("Softmax", "LogSoftmax")
+
+
+# ---- shapes -----------------------------------------------------------------------------
+
+def elems(t: TensorType) -> int:
+    if t.shape is None:
+        return DEFAULT_DIM
+    n = 1
+    for d in t.shape:
+        n *= d if d >= 0 else DEFAULT_DIM
+    return n
+
+
+def nbytes(t: TensorType) -> int:
+    return elems(t) * ITEMSIZE.get(t.dtype, 4)
+
+
+def _known(t: TensorType) -> bool:
+    return t.shape is not None and all(d >= 0 for d in t.shape)
+
+
+class Geometry(NamedTuple):
+    rows: int        # independent rows (kept elements)
+    row_len: int     # elements reduced per row
+    internal: bool   # the op itself consumes its reduction (Softmax)
+
+
+def geometry(op: str, attrs: dict, x: TensorType) -> Geometry | None:
+    """Rows x row length of a reduction (or Softmax), None for anything else."""
+    n = elems(x)
+    if op in _SOFTMAX:
+        last = x.shape[-1] if x.shape else 1
+        last = last if last >= 0 else DEFAULT_DIM
+        return Geometry(max(1, n // max(1, last)), last, True)
+    d = OPS.get(op)
+    if d is None or d.kind != Kind.REDUCTION or x.shape is None:
+        return None
+    row = 1
+    for a in attrs.get("axes", ()):
+        if 0 <= a < len(x.shape):
+            row *= x.shape[a] if x.shape[a] >= 0 else DEFAULT_DIM
+    return Geometry(max(1, n // max(1, row)), row, False)
+
+
+def elementwise_lanes(p: DeviceProfile, n: int) -> int:
+    """Lanes an element-wise loop over n elements keeps busy."""
+    if p.backend == "cpu":
+        return max(1, min(p.lanes, -(-n // CPU_GRAIN)))
+    return max(1, min(p.lanes, n))
+
+
+def row_lanes(p: DeviceProfile, rows: int, row_len: int) -> int:
+    """Lanes a kernel parallel over rows keeps busy (a row is not split)."""
+    if p.backend == "cpu":
+        return max(1, min(p.lanes, rows))
+    return max(1, min(p.lanes, rows * min(row_len, p.max_threads_per_task)))
+
+
+def _compute_s(p: DeviceProfile, transcendentals: int, active: float) -> float:
+    return transcendentals / (p.transcendental_per_s * min(1.0, active / p.lanes))
+
+
+# ---- delta evaluator --------------------------------------------------------------------
+
+class Delta(NamedTuple):
+    gain_s: float              # unfused_s - fused_s
+    fused_s: float
+    unfused_s: float
+    bytes_saved: int           # memory traffic the kernel avoids
+    launches_saved: int
+    parallel_penalty_s: float  # time lost to lanes left idle
+    pressure_penalty_s: float  # scratch, spills and occupancy
+
+    def describe(self) -> str:
+        return (f"gain {self.gain_s * 1e6:+.1f} µs (saves {self.bytes_saved / 1024:.1f} KiB, "
+                f"{self.launches_saved} launch(es); penalties: parallelism "
+                f"{self.parallel_penalty_s * 1e6:.1f} µs, pressure "
+                f"{self.pressure_penalty_s * 1e6:.1f} µs)")
+
+
+class GraphCosts:
+    """Per-node facts of one graph, precomputed once; ``delta(P)`` for node-index sets.
+
+    Nodes are addressed by their index in ``order`` (a topological order); a pattern is a
+    frozenset of indices.  Constants read by a pattern are folded into it (no traffic).
+    """
+
+    def __init__(self, graph, profile: DeviceProfile, order: list):
+        self.profile = profile
+        self.index = {n: i for i, n in enumerate(order)}
+        self.names = list(order)
+        fetched = {(r.node, r.index) for r in graph.outputs}
+        cons = graph.consumers()
+        size, ins, outs, pinned, unf, work, red, tr, item = ([] for _ in range(9))
+        for name in order:
+            node = graph[name]
+            ins.append(self._inputs(graph, node))
+            size.append(nbytes(node.outputs[0]) if node.outputs else 0)
+            item.append(ITEMSIZE.get(node.outputs[0].dtype, 4) if node.outputs else 4)
+            pinned.append((name, 0) in fetched)
+            work.append(_leg.work(node))
+            red.append(geometry(node.op, node.attrs, graph.type_of(node.inputs[0]))
+                       if node.inputs else None)
+            tr.append(self._transcendentals(node))
+            outs.append(sum(nbytes(t) for t in node.outputs))
+        self.size, self.ins, self.pinned, self.work = size, ins, pinned, work
+        self.red, self.tr, self.item = red, tr, item
+        self.cons = [frozenset(self.index[c] for c in cons[n]) for n in order]
+        self.count = [max(1, size[i] // item[i]) for i in range(len(order))]
+        self.io_bytes = [sum(b for _, b, _ in ins[i]) + outs[i] for i in range(len(order))]
+        self.unfused = [self._unfused(i) for i in range(len(order))]
+        self._free_values = (profile.registers_per_unit if profile.backend == "cpu" else
+                             profile.registers_per_unit // profile.max_threads_per_unit
+                             - GPU_BASE_REGS)   # live values that cost nothing
+        self._memo: dict = {}
+
+    def _inputs(self, graph, node) -> tuple:
+        """((value id, bytes, producer index), ...): distinct non-constant inputs."""
+        seen, out = set(), []
+        for r in node.inputs:
+            if r in seen or graph[r.node].op == "Const":
+                continue
+            seen.add(r)
+            out.append(((self.index[r.node] << 4) | min(r.index, 15),
+                        nbytes(graph.type_of(r)), self.index[r.node]))
+        return tuple(out)
+
+    @staticmethod
+    def _transcendentals(node) -> int:
+        d = OPS.get(node.op)
+        if node.op in _SOFTMAX or (d is not None and d.transcendental):
+            return elems(node.outputs[0])
+        return 0
+
+    def _unfused(self, i: int) -> float:
+        """One TF op on its own: a launch plus its traffic at its own parallelism."""
+        if not self.work[i]:
+            return 0.0
+        p = self.profile
+        big = max(self.size[i] // self.item[i], 1)
+        g = self.red[i]
+        lanes = elementwise_lanes(p, big * (g.row_len if g and not g.internal else 1))
+        mem = self.io_bytes[i] / p.bw_at(lanes)
+        return p.launch_s + max(mem, _compute_s(p, self.tr[i], lanes))
+
+    def unfused_s(self, members) -> float:
+        return sum(self.unfused[v] for v in members)
+
+    def delta(self, P: frozenset) -> Delta:
+        d = self._memo.get(P)
+        if d is None:
+            d = self._memo[P] = self._delta(P)
+        return d
+
+    def gain(self, P: frozenset) -> float:
+        return self.delta(P).gain_s
+
+    def _delta(self, P: frozenset) -> Delta:
+        p, red, cons = self.profile, self.red, self.cons
+        seen, io, unf_bytes, work, tr, big, unfused, stitched = set(), 0, 0, 0, 0, 1, 0.0, []
+        for v in P:
+            for val, b, u in self.ins[v]:
+                if u not in P and val not in seen:
+                    seen.add(val)
+                    io += b
+            if self.pinned[v] or not P.issuperset(cons[v]):
+                io += self.size[v]
+            if self.work[v]:
+                work += self.work[v]
+                unf_bytes += self.io_bytes[v]
+                unfused += self.unfused[v]
+            tr += self.tr[v]
+            big = max(big, self.count[v])
+            if red[v] is not None and (red[v].internal or not P.isdisjoint(cons[v])):
+                stitched.append(v)
+        active = (min(row_lanes(p, red[v].rows, red[v].row_len) for v in stitched)
+                  if stitched else elementwise_lanes(p, big))
+        scratch_s = self._scratch_s(P, stitched, active) if stitched else 0.0
+        spill_s, active_p = self._register_pressure(P, big, active)
+        mem = io / p.bw_at(active_p)
+        fused = p.launch_s + max(mem, _compute_s(p, tr, active_p)) + scratch_s + spill_s
+        full = io / p.bw_at(elementwise_lanes(p, big))
+        return Delta(unfused - fused, fused, unfused, unf_bytes - io, max(0, work - 1),
+                     max(0.0, io / p.bw_at(active) - full),
+                     scratch_s + spill_s + mem - io / p.bw_at(active))
+
+    def _scratch_s(self, P, stitched, active) -> float:
+        """Values that cross a reduction barrier: kept on chip per row, or a second pass."""
+        p = self.profile
+        total, per_row = 0, 0.0
+        for r in stitched:
+            g = self.red[r]
+            before = self._ancestors(P, r)
+            after = P - before - {r}
+            kept = {val: b for v in before | {r} for val, b, u in self.ins[v]
+                    if (v == r and g.internal) or any(
+                        val in (x for x, _, _ in self.ins[c]) for c in after)}
+            total += sum(kept.values())
+            per_row += sum(kept.values()) / g.rows
+        if not total:
+            return 0.0
+        if p.backend == "cuda" and all(
+                self.red[r].row_len <= p.max_threads_per_task * GPU_ROW_VALUES_PER_THREAD
+                for r in stitched):
+            return 0.0                       # the row stays in registers
+        if per_row <= p.scratch_per_task:
+            return 2 * total / p.cache_bandwidth
+        return 2 * total / p.bw_at(active)   # a second pass through memory
+
+    def _ancestors(self, P, r) -> frozenset:
+        """Members of P that r depends on (through members only)."""
+        out, stack = set(), [u for _, _, u in self.ins[r] if u in P]
+        while stack:
+            v = stack.pop()
+            if v not in out:
+                out.add(v)
+                stack.extend(u for _, _, u in self.ins[v] if u in P)
+        return frozenset(out)
+
+    def _register_pressure(self, P, big, active):
+        """(spill seconds, active lanes after occupancy) from values live at once."""
+        p = self.profile
+        if len(P) <= self._free_values:
+            return 0.0, active          # too few values to press on the register file
+        live = _max_live(sorted(P), lambda v: [c for c in self.cons[v] if c in P])
+        if p.backend == "cpu":
+            extra = max(0, live - p.registers_per_unit)
+            return 2 * extra * big * 4 / p.cache_bandwidth, active
+        regs = GPU_BASE_REGS + live
+        per_unit = min(p.max_threads_per_unit, p.registers_per_unit // regs)
+        return 0.0, min(active, p.units * per_unit)
+
+
+def _max_live(order: list, users) -> int:
+    """Most values alive at once when ``order`` runs front to back."""
+    import heapq
+    pos = {v: i for i, v in enumerate(order)}
+    best, alive = 0, []
+    for i, v in enumerate(order):
+        while alive and alive[0] < i:
+            heapq.heappop(alive)
+        heapq.heappush(alive, max((pos[u] for u in users(v)), default=i))
+        best = max(best, len(alive))
+    return best
+
+
+# ---- latency evaluator ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelShape:
+    """What the latency evaluator needs to know about one kernel spec.
+
+    rows x row_len is the work-unit grid: a unit is ``rows_per_task`` rows, or one
+    ``col_block`` piece of a row.  kind follows the schedule stage: "row" (reductions over
+    the last axis), "column" (reductions over outer axes; rows = kept outer index, row_len
+    = kept inner columns), "elementwise".
+    """
+    kind: str
+    rows: int
+    row_len: int
+    rows_known: bool
+    in_bytes: int
+    out_bytes: int
+    transcendentals: int
+    reuse_bytes: int        # traffic re-read in later passes (scratch, re-loaded inputs)
+    footprint_row: float    # bytes per row that must stay resident for that reuse
+    live: int               # values alive at once
+    split: str              # splitting a row across units: "free" | "combine" | "no"
+    source: str             # "schedule" (stitching.schedule's placements) | "estimate"
+
+    @property
+    def io_bytes(self) -> int:
+        return self.in_bytes + self.out_bytes
+
+
+def kernel_shape(spec) -> KernelShape:
+    sched = _schedule_of(spec)
+    users = _spec_users(spec)
+    base = dict(in_bytes=sum(nbytes(t) for t in spec.inputs),
+                out_bytes=sum(nbytes(t) for t in spec.output_types),
+                transcendentals=sum(elems(n.type) for n in spec.nodes
+                                    if OPS[n.op].transcendental),
+                live=_max_live(list(range(len(spec.nodes))), users.__getitem__))
+    if sched is not None:
+        try:
+            return KernelShape(**base, **_from_schedule(spec, sched), source="schedule")
+        except Exception:   # noqa: BLE001 — a stage under construction must not break us
+            pass
+    return KernelShape(**base, **_estimate(spec), source="estimate")
+
+
+def _schedule_of(spec):
+    """The schedule stage's Schedule for spec, or None (missing, refused, or broken)."""
+    try:
+        from ..schedule import build_schedule
+        return build_schedule(spec)
+    except Exception:   # noqa: BLE001
+        return None
+
+
+def _from_schedule(spec, sched) -> dict:
+    axes = [a.size for a in sched.domain.axes] or [1]
+    size = [a if a >= 0 else DEFAULT_DIM for a in axes]
+    kind = str(getattr(sched.kind, "value", sched.kind))
+    S = sorted(sched.reduce_axes)
+    if kind == "column":
+        row_axes, L = range(S[0]), math.prod(size[S[-1] + 1:])
+    else:
+        row_axes, L = range(len(size) - 1), size[-1]
+    R = math.prod(size[a] for a in row_axes)
+    reuse = foot = 0
+    for p in sched.passes:
+        later = p.index > 0
+        for j in (p.loads if later else ()):
+            reuse += nbytes(spec.inputs[j])
+            foot += nbytes(spec.inputs[j])
+        for k in p.scratch_stores + p.scratch_loads:
+            reuse += nbytes(spec.nodes[k].type)
+    foot += sum(nbytes(spec.nodes[k].type) for k in sched.scratch)
+    return dict(kind=kind, rows=max(1, R), row_len=max(1, L),
+                rows_known=all(axes[a] >= 0 for a in row_axes), reuse_bytes=reuse,
+                footprint_row=foot / max(1, R),
+                split="no" if kind == "row" else "free")
+
+
+def _estimate(spec) -> dict:
+    """Without a schedule: rows from the reductions, reuse from barrier-crossing values."""
+    users = _spec_users(spec)
+    reds = [(i, geometry(n.op, n.attrs, spec.type_of(n.args[0])), spec.type_of(n.args[0]))
+            for i, n in enumerate(spec.nodes)
+            if n.args and OPS[n.op].kind == Kind.REDUCTION]
+    stitched = [r for r in reds if users[r[0]]]
+    if stitched or reds:
+        _, g, dom = (min(stitched, key=lambda r: r[1].rows) if stitched
+                     else max(reds, key=lambda r: elems(r[2])))
+        R, L = g.rows, g.row_len
+    else:
+        dom = max((n.type for n in spec.nodes), key=elems)
+        L = elems(TensorType(dom.dtype, dom.shape[-1:])) if dom.shape else 1
+        R = max(1, elems(dom) // max(1, L))
+    kept = _barrier_values(spec, users, stitched)
+    reuse = sum(nbytes(spec.type_of(a)) * (1 if a < 0 else 2) for a in kept)
+    return dict(kind="row" if reds else "elementwise", rows=R, row_len=max(1, L),
+                rows_known=_known(dom), reuse_bytes=reuse,
+                footprint_row=sum(nbytes(spec.type_of(a)) for a in kept) / max(1, R),
+                split="combine" if stitched else "free")
+
+
+def _spec_users(spec) -> dict:
+    """ref (node index, or negative input ref) -> indices of the nodes reading it."""
+    users = {i: [] for i in range(len(spec.nodes))}
+    users.update({-(j + 1): [] for j in range(len(spec.inputs))})
+    for i, n in enumerate(spec.nodes):
+        for a in set(n.args):
+            users[a].append(i)
+    return users
+
+
+def _barrier_values(spec, users, stitched) -> set:
+    """Refs read both before and after some reduction barrier."""
+    kept = set()
+    for r, _, _ in stitched:
+        before, stack = set(), [a for a in spec.nodes[r].args if a >= 0]
+        while stack:
+            v = stack.pop()
+            if v not in before:
+                before.add(v)
+                stack.extend(a for a in spec.nodes[v].args if a >= 0)
+        for a in {a for v in before | {r} for a in spec.nodes[v].args}:
+            if any(u not in before and u != r for u in users[a]):
+                kept.add(a)
+    return kept
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The latency evaluator's choice for one kernel."""
+    params: dict             # schedule parameters (SCHEDULE_PARAMS keys); {} = run time
+    threads: int             # GPU threads per block (CPU: 1)
+    time_s: float
+    tasks: int
+    alternatives: tuple = ()  # ((params, threads, time_s), ...) fastest first
+    shape: KernelShape | None = None
+
+    def describe(self) -> str:
+        if self.params:
+            unit = ", ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        else:
+            unit = "unit chosen at run time (rows unknown until then)"
+        t = f", {self.threads} threads" if self.threads > 1 else ""
+        return f"{unit}{t}: {self.tasks} task(s), {self.time_s * 1e6:.1f} µs"
+
+
+def choose_launch(spec, profile: DeviceProfile, keep: int = 5) -> Launch:
+    """Time every launch candidate; the fastest wins.
+
+    With rows unknown until run time the time is estimated at DEFAULT_DIM but no
+    parameters are fixed: the kernel's shape function picks the unit when it knows them.
+    """
+    ks = kernel_shape(spec)
+    timer = _time_cpu if profile.backend == "cpu" else _time_gpu
+    scored = []
+    for r, c, threads in _candidates(ks, profile):
+        t, tasks = timer(ks, profile, r, c, threads)
+        if math.isfinite(t):
+            scored.append((t, tasks, {"rows_per_task": r, "col_block": c}, threads))
+    scored.sort(key=lambda s: (s[0], -s[2]["col_block"], s[2]["rows_per_task"], s[3]))
+    t, tasks, params, threads = scored[0]
+    alts = tuple((p, th, tt) for tt, _, p, th in scored[:keep])
+    if not ks.rows_known:
+        return Launch({}, threads, t, tasks, (), ks)
+    return Launch(params, threads, t, tasks, alts, ks)
+
+
+def _candidates(ks: KernelShape, p: DeviceProfile):
+    """(rows_per_task, col_block, threads): whole rows packed r at a time, or one row cut
+    into col_block pieces (where the schedule can split rows)."""
+    R, L = ks.rows, ks.row_len
+    splits = []
+    if ks.split == "free" or (ks.split == "combine" and ks.rows_known and R < 2 * p.units):
+        c = L // 2
+        while c >= MIN_COL_BLOCK:
+            splits.append(c)
+            c //= 2
+    threads = (1,) if p.backend == "cpu" else GPU_THREADS
+    for th in threads:
+        for c in splits:
+            yield 1, c, th
+        r = 1
+        while r <= R:
+            if p.backend == "cpu" or r * min(L, th) <= 4 * th:
+                yield r, L, th
+            r *= 2
+
+
+def _time_cpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, _th: int):
+    R, L = ks.rows, ks.row_len
+    tasks = -(-R // r) * -(-L // c)
+    active = min(tasks, p.lanes)
+    frac = min(r, R) * min(c, L) / (R * L)
+    lane_bw = p.bw_at(active) / active
+    on_chip = ks.footprint_row * min(r, R) * c / L <= p.scratch_per_task
+    reuse = ks.reuse_bytes * frac / ((p.cache_bandwidth / p.lanes) if on_chip else lane_bw)
+    compute = ks.transcendentals * frac / (p.transcendental_per_s / p.lanes)
+    task = p.task_s + max(ks.io_bytes * frac / lane_bw, compute) + reuse
+    return p.launch_s + -(-tasks // active) * task + _split_s(ks, p, c, active), tasks
+
+
+def _time_gpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, th: int):
+    R, L = ks.rows, ks.row_len
+    blocks = -(-R // r) * -(-L // c)
+    useful = min(th, min(r, R) * min(c, L))
+    in_regs = c <= th * GPU_ROW_VALUES_PER_THREAD
+    smem = 0 if in_regs else ks.footprint_row * min(r, R) * c / L
+    spill = smem > p.scratch_per_task
+    regs = GPU_BASE_REGS + ks.live + (GPU_ROW_VALUES_PER_THREAD if ks.reuse_bytes else 0)
+    per_unit = min(p.max_threads_per_unit // th, 32, p.registers_per_unit // (regs * th),
+                   p.scratch_per_unit // smem if smem and not spill else 32)
+    if per_unit < 1:
+        return math.inf, blocks
+    resident = p.units * per_unit
+    active_blocks = min(blocks, resident)
+    waves = -(-blocks // resident)
+    active = active_blocks * useful
+    bw = p.bw_at(active)
+    mem = ks.io_bytes / bw * (waves * active_blocks / blocks)
+    reuse = 0.0 if in_regs else ks.reuse_bytes / (bw if spill else p.cache_bandwidth)
+    compute = _compute_s(p, ks.transcendentals, active)
+    return (p.launch_s + waves * p.task_s + max(mem, compute) + reuse
+            + _split_s(ks, p, c, active), blocks)
+
+
+def _split_s(ks: KernelShape, p: DeviceProfile, c: int, active) -> float:
+    """A reduction row split across units needs a combine step, and its consumers in the
+    kernel then read the row again; element-wise and column splits are free."""
+    if c >= ks.row_len or ks.split != "combine":
+        return 0.0
+    return p.launch_s + ks.in_bytes / p.bw_at(active)

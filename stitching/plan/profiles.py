@@ -1,0 +1,294 @@
+"""Device profiles: the numbers the cost model reads, and nothing else.
+
+    DeviceProfile ── bandwidth, lanes, on-chip scratch, registers, launch overhead
+      │
+      ├── pinned "v100" / "a100" / "h100"   published specs (CUDA backend, deterministic tests)
+      ├── pinned "cpu-reference"            this project's 2-core VM, written down once
+      │                                     (deterministic CPU-branch tests)
+      └── measured "cpu"                    the running machine, measured once (~0.5 s) and
+                                            cached as JSON under $STITCHING_CACHE_DIR or
+                                            ~/.cache/stitching (device-profile-cpu.json)
+
+A *lane* is the unit of parallelism that pulls memory bandwidth: a core on the CPU, a
+resident thread on a GPU.  ``bw_at(active_lanes)`` is the bandwidth that many active lanes
+reach: linear in lanes until the device saturates.  ``STITCHING_PROFILE=<name>`` pins the
+profile the pipeline plans with (e.g. ``v100`` to plan for the CUDA backend).
+
+No TensorFlow here; NumPy only inside ``measure_cpu``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+
+PROFILE_VERSION = 1
+CACHE_FILE = "device-profile-cpu.json"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    backend: str                 # "cpu" | "cuda"
+    bandwidth: float             # bytes/s, DRAM/HBM, whole device
+    lanes: int                   # lanes needed to saturate ``bandwidth``
+    bw_per_lane: float           # bytes/s one lane reaches alone
+    units: int                   # cores (CPU) or SMs (GPU)
+    cache_bandwidth: float       # bytes/s, on-chip scratch (L2 per-row buffers / shared memory)
+    scratch_per_task: int        # bytes one task (CPU) / block (GPU) may keep on chip
+    scratch_per_unit: int        # bytes per core / per SM
+    registers_per_unit: int      # GPU: 32-bit registers per SM; CPU: vector registers per core
+    max_threads_per_task: int    # GPU: threads per block; CPU: 1
+    max_threads_per_unit: int    # GPU: resident threads per SM; CPU: 1
+    vector_bytes: int            # GPU: warp (32 lanes x 4 B); CPU: SIMD register width
+    launch_s: float              # one kernel / one TF op dispatch
+    task_s: float                # one task (CPU ParallelFor shard) or block
+    transcendental_per_s: float  # exp/tanh/erf evaluations per second, whole device
+    caches: dict = field(default_factory=dict)   # level -> bytes (informational)
+    measured: bool = False
+
+    def bw_at(self, active_lanes: float) -> float:
+        """Bandwidth with ``active_lanes`` lanes busy (at least one)."""
+        return min(self.bandwidth, max(1.0, active_lanes) * self.bw_per_lane)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeviceProfile":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# ---- pinned GPU profiles --------------------------------------------------------------
+# Datasheet / CUDA programming guide numbers: bandwidth, SM count, shared memory per SM
+# and per block (opt-in maximum), 64 K registers per SM, 2048 resident threads per SM,
+# 1024 threads per block, SFU throughput 16 per SM per clock at boost clock.
+# Not datasheet numbers, labelled:
+_GPU_SATURATING_THREADS_PER_SM = 1024  # arbitrary: half occupancy hides DRAM latency
+                                       # (rule of thumb for Volta and later)
+_GPU_LAUNCH_S = 5e-6                   # approximate: commonly measured launch + dispatch
+_GPU_BLOCK_S = 0.0                     # block scheduling is free at this granularity
+
+
+def _gpu(name, bw_gbs, sms, smem_sm_kb, smem_block_kb, clock_ghz, l2_mb):
+    lanes = sms * _GPU_SATURATING_THREADS_PER_SM
+    return DeviceProfile(
+        name=name, backend="cuda", bandwidth=bw_gbs * 1e9, lanes=lanes,
+        bw_per_lane=bw_gbs * 1e9 / lanes, units=sms,
+        cache_bandwidth=sms * 128 * clock_ghz * 1e9,   # 32 banks x 4 B per clock per SM
+        scratch_per_task=smem_block_kb * 1024, scratch_per_unit=smem_sm_kb * 1024,
+        registers_per_unit=65536, max_threads_per_task=1024, max_threads_per_unit=2048,
+        vector_bytes=128, launch_s=_GPU_LAUNCH_S, task_s=_GPU_BLOCK_S,
+        transcendental_per_s=sms * 16 * clock_ghz * 1e9,
+        caches={"l2": l2_mb << 20})
+
+
+PINNED = {
+    # V100 SXM2: 900 GB/s HBM2, 80 SMs, 96 KB shared/SM (96 KB per block opt-in), 6 MB L2
+    "v100": _gpu("v100", 900, 80, 96, 96, 1.53, 6),
+    # A100 SXM4 40 GB: 1555 GB/s, 108 SMs, 164 KB shared/SM, 163 KB per block, 40 MB L2
+    "a100": _gpu("a100", 1555, 108, 164, 163, 1.41, 40),
+    # H100 SXM5: 3350 GB/s HBM3, 132 SMs, 228 KB shared/SM, 227 KB per block, 50 MB L2
+    "h100": _gpu("h100", 3350, 132, 228, 227, 1.83, 50),
+    # This project's 2-core AMD EPYC VM as measured once (2026-11); deterministic CPU tests.
+    "cpu-reference": DeviceProfile(
+        name="cpu-reference", backend="cpu", bandwidth=20e9, lanes=2, bw_per_lane=12e9,
+        units=2, cache_bandwidth=150e9, scratch_per_task=512 << 10,
+        scratch_per_unit=512 << 10, registers_per_unit=16, max_threads_per_task=1,
+        max_threads_per_unit=1, vector_bytes=32, launch_s=5e-6, task_s=1e-6,
+        transcendental_per_s=1.2e9,
+        caches={"l1": 32 << 10, "l2": 512 << 10, "l3": 32 << 20}),
+}
+
+# CPU constants the measurement cannot see from NumPy (labelled):
+_CPU_LAUNCH_S = 5e-6   # arbitrary: a few µs per TF op dispatch in graph mode
+_CPU_TASK_S = 1e-6     # arbitrary: one ParallelFor shard (wake-up + bookkeeping)
+
+
+def get(name: str) -> DeviceProfile:
+    """A pinned profile by name, or ``"cpu"`` for the measured running machine."""
+    key = name.lower()
+    if key == "cpu":
+        return measured_cpu()
+    if key not in PINNED:
+        raise ValueError(f"unknown device profile {name!r}; choose one of "
+                         f"{sorted(PINNED) + ['cpu']}")
+    return PINNED[key]
+
+
+def default() -> DeviceProfile:
+    """What the pipeline plans with: $STITCHING_PROFILE, else the measured CPU."""
+    return get(os.environ.get("STITCHING_PROFILE") or "cpu")
+
+
+# ---- the measured CPU profile -------------------------------------------------------------
+
+_lock = threading.Lock()
+_memo: dict = {}
+
+
+def cache_path() -> str:
+    root = os.environ.get("STITCHING_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "stitching")
+    return os.path.join(root, CACHE_FILE)
+
+
+def measured_cpu(remeasure: bool = False) -> DeviceProfile:
+    """Measured once per machine; later calls read the cache (in memory, then disk)."""
+    path = cache_path()
+    fp = _fingerprint()
+    with _lock:
+        if not remeasure and path in _memo and _memo[path][0] == fp:
+            return _memo[path][1]
+        prof = None if remeasure else _read_cache(path, fp)
+        if prof is None:
+            prof = measure_cpu()
+            _write_cache(path, fp, prof)
+        _memo[path] = (fp, prof)
+        return prof
+
+
+def _read_cache(path, fp):
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("version") != PROFILE_VERSION or d.get("fingerprint") != fp:
+            return None
+        return DeviceProfile.from_dict(d["profile"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_cache(path, fp, prof):
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"version": PROFILE_VERSION, "fingerprint": fp,
+                       "profile": prof.to_dict()}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass   # a read-only home: measure again next process, no harm done
+
+
+def _fingerprint() -> str:
+    model = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}|{_cores()}|{sorted(_cache_sizes().items())}"
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _cache_sizes() -> dict:
+    """level -> bytes per core (L1 data, L2) or shared (L3), from sysfs."""
+    out = {}
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for idx in sorted(os.listdir(base)):
+            d = os.path.join(base, idx)
+            with open(os.path.join(d, "type")) as f:
+                kind = f.read().strip()
+            if kind == "Instruction":
+                continue
+            with open(os.path.join(d, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(d, "size")) as f:
+                s = f.read().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+            out[f"l{level}"] = int(s.rstrip("KMG")) * mult
+    except (OSError, ValueError):
+        pass
+    return out or {"l1": 32 << 10, "l2": 512 << 10, "l3": 8 << 20}   # arbitrary fallback
+
+
+def measure_cpu() -> DeviceProfile:
+    """Copy bandwidth (one core, all cores), cache bandwidth, exp throughput: ~0.5 s.
+
+    STREAM-style accounting: a copy moves 2 x its size.  A shared machine under load
+    measures low; delete the cache file (or ``measured_cpu(remeasure=True)``) to redo it.
+    """
+    import numpy as np
+    cores = _cores()
+    caches = _cache_sizes()
+    big = 8 << 20                                   # 32 MB of float32 per lane
+    one = _copy_bw(np, big, threads=1)
+    allc = max(one, _copy_bw(np, big, threads=cores)) if cores > 1 else one
+    l2 = caches.get("l2", 512 << 10)
+    cache_bw = _cache_bw(np, max(4096, l2 // 4)) * cores   # a quarter of L2
+    exp_rate = _exp_rate(np) * cores
+    return DeviceProfile(
+        name="cpu", backend="cpu", bandwidth=allc, lanes=cores, bw_per_lane=one,
+        units=cores, cache_bandwidth=max(cache_bw, allc), scratch_per_task=l2,
+        scratch_per_unit=l2, registers_per_unit=16, max_threads_per_task=1,
+        max_threads_per_unit=1, vector_bytes=32, launch_s=_CPU_LAUNCH_S, task_s=_CPU_TASK_S,
+        transcendental_per_s=exp_rate, caches=caches, measured=True)
+
+
+def _best(fn, reps=3) -> float:
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return max(best, 1e-9)
+
+
+def _copy_bw(np, n, threads) -> float:
+    srcs = [np.ones(n, np.float32) for _ in range(threads)]
+    dsts = [np.empty(n, np.float32) for _ in range(threads)]
+
+    def run():
+        if threads == 1:
+            np.copyto(dsts[0], srcs[0])
+            return
+        ts = [threading.Thread(target=np.copyto, args=(d, s)) for d, s in zip(dsts, srcs)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    run()   # fault the pages in
+    return 2 * 4 * n * threads / _best(run)
+
+
+def _cache_bw(np, nbytes) -> float:
+    """Re-read one cache-resident block ``reps`` times in a single NumPy call (a stride-0
+    view summed over its first axis): a Python loop of small copies measures the
+    interpreter, not the cache."""
+    from numpy.lib.stride_tricks import as_strided
+    n = nbytes // 4
+    a, b = np.ones(n, np.float32), np.empty(n, np.float32)
+    reps = 400
+    view = as_strided(a, shape=(reps, n), strides=(0, 4))
+
+    def run():
+        np.add.reduce(view, axis=0, out=b)
+    run()
+    return 2 * 4 * n * reps / _best(run)
+
+
+def _exp_rate(np) -> float:
+    a = np.linspace(-4, 4, 1 << 20, dtype=np.float32)
+    out = np.empty_like(a)
+    np.exp(a, out=out)
+    return a.size / _best(lambda: np.exp(a, out=out))
+
+
+def with_overrides(profile: DeviceProfile, **kw) -> DeviceProfile:
+    """A copy with some fields changed (tests, what-if studies)."""
+    return replace(profile, **kw)

@@ -1,0 +1,542 @@
+"""Plan search: FusionStitching's candidate DP, a beam over plans, remote fusion, and
+selective deployment, scored by cost.py.
+
+  ┌──────────────────────┐  ┌──────────────────────┐  ┌──────────────────────┐  ┌─────────────┐
+  │1 candidates          │  │2 beam                │  │3 merge               │  │4 deploy     │
+  │consumers first: grow │─▶│topological order:    │─▶│stitch neighbours;    │─▶│latency      │
+  │{v} ∪ top-k patterns  │  │pick disjoint pattern │  │pack independent      │  │evaluator;   │
+  │of each consumer; keep│  │per vertex, keep B    │  │kernels (remote       │  │keep kernels │
+  │top-k by delta gain   │  │plans by Σ gain       │  │fusion) while it pays │  │that pay     │
+  └──────────────────────┘  └──────────────────────┘  └──────────────────────┘  └─────────────┘
+
+1. Candidate patterns (approximate dynamic program).  Visit fusible vertices consumers
+   first.  A pattern of v is {v} plus, for each fusible consumer c, nothing, c alone, or
+   one of c's kept patterns.  Consumers are added one at a time; after each, the `width`
+   best partial unions by delta gain survive.  The best `top_k` convex ones are v's
+   candidates (a few more are held in reserve for when legality refuses one).
+
+       v ──▶ c1     C(c1) = {c1,e} {c1}        C(v) ⊆ {v} ∪ ({} | {c1} | {c1,e})
+       └───▶ c2     C(c2) = {c2,e} {c2}                    ∪ ({} | {c2} | {c2,e})
+
+2. Beam search over plans.  Walk fusible vertices in topological order; a state is the
+   set of decided nodes plus the chosen patterns and their summed gain.  At an undecided
+   vertex each state branches into "leave it" and each disjoint candidate of positive
+   gain; the `beam` best states survive (one per decided set).  The winning plan's
+   patterns are then checked for legality (region extraction + the schedule's `legal`,
+   memoized): a refused pattern is banned, an op that is illegal even alone is taken out
+   of the search, and the search reruns (at most `rounds` times).
+
+3. Merge.  With the chosen patterns contracted (acyclic.Contraction), repeatedly take the
+   best merge of two kernels: *stitch* a kernel with a neighbour (catches producers that
+   the consumers-only DP cannot reach: d = b + c with b, c from different inputs), or
+   *remote* fusion — kernel packing of independent kernels (no path between them) that
+   share an input or sit close in topological order.  Taken when the union's delta gain
+   beats the two apart, no cycle results and the union is legal.
+
+4. Deploy (selective).  The latency evaluator picks each kernel's launch parameters; a
+   kernel whose estimated time is no better than its ops left to TF is left alone, and
+   the numbers go into the reason.  `Plan.alternatives` keeps, per kernel, the patterns,
+   merges and launch parameters considered with their scores, for `Report.explain()`.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field, replace
+
+from ..ir import SpecError
+from ..ir.spec import SCHEDULE_PARAMS
+from . import legality as _fus
+from .acyclic import Contraction, CycleError, Reach, mask_of
+from .cost import Delta, GraphCosts, Launch, choose_launch
+from .planner import Plan
+from .profiles import DeviceProfile
+from .profiles import default as _default_profile
+from .region import extract
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    top_k: int = 3            # candidates kept per vertex (FusionStitching keeps 3)
+    width: int = 6            # arbitrary: partial unions kept while consumers are added
+    beam: int = 4             # arbitrary: plans kept by the beam search
+    max_pattern: int = 64     # arbitrary: DP pattern size cap (merges may grow kernels)
+    max_kernel: int = 1024    # arbitrary: merge phase kernel size cap
+    max_packed: int = 64      # arbitrary: kernels built by packing (remote fusion) stay
+                              # this small: compile time, and identical small kernels
+                              # share one compiled spec
+    remote_window: int = 3    # arbitrary: kernels either side considered for packing
+    rounds: int = 4           # arbitrary: legality repair rounds
+    launch_tries: int = 3     # arbitrary: launch candidates offered to legality
+    profile: DeviceProfile | None = None   # None: profiles.default()
+
+
+@dataclass
+class KernelChoice:
+    """Why one kernel looks the way it does (for Report.explain)."""
+    nodes: list
+    deployed: bool
+    reason: str = ""
+    delta: Delta | None = None
+    unfused_s: float = 0.0
+    launch: Launch | None = None
+    alternatives: list = field(default_factory=list)   # [(kind, description, score_s, outcome)]
+    region: object = None                               # the Region when deployed
+
+    def to_dict(self) -> dict:
+        return {"nodes": list(self.nodes), "deployed": self.deployed, "reason": self.reason,
+                "score": self.delta.describe() if self.delta else "",
+                "fused_us": round(self.launch.time_s * 1e6, 2) if self.launch else None,
+                "unfused_us": round(self.unfused_s * 1e6, 2),
+                "launch": self.launch.describe() if self.launch else "",
+                "alternatives": [{"kind": k, "what": w, "score_us": round(s * 1e6, 2),
+                                  "outcome": o} for k, w, s, o in self.alternatives]}
+
+
+def plan(graph, legal, min_ops: int = 2, config: SearchConfig | None = None) -> Plan:
+    """Same contract as planner.plan; see the module note for the four steps."""
+    ctx = _Context(graph, legal, config or SearchConfig())
+    chosen = _choose(ctx)
+    groups = _merge(ctx, chosen)
+    return _deploy(ctx, groups, min_ops)
+
+
+class _Context:
+    """The graph in index form plus the memo tables every step shares."""
+
+    def __init__(self, graph, legal, cfg: SearchConfig):
+        self.graph, self.legal, self.cfg = graph, legal, cfg
+        self.profile = cfg.profile or _default_profile()
+        self.names = graph.topo_order()
+        self.order = {n: i for i, n in enumerate(self.names)}
+        self.consumers = graph.consumers()
+        self.fetched = set(graph.outputs)
+        self.costs = GraphCosts(graph, self.profile, self.names)
+        succ = [set() for _ in self.names]
+        for n in graph:
+            for p in graph.predecessors(n.name):
+                succ[self.order[p]].add(self.order[n.name])
+        self.succ = [tuple(sorted(s)) for s in succ]
+        self.reach = Reach(self.succ)
+        fetch_nodes = {r.node for r in graph.outputs}
+        self.excluded: set = set()          # fusible ops found illegal even alone
+        self.fusible = [i for i, n in enumerate(self.names) if n not in fetch_nodes
+                        and _fus.is_candidate(graph, graph[n])]
+        self.side_users = self._side_users()
+        self.boundaries: dict = {}         # (node, reason) -> None, insertion ordered
+        self.log: dict = {}                # node -> [(kind, pattern, score_s, outcome)]
+        self.C: dict = {}                  # vertex -> candidate patterns (last DP run)
+        self._legal: dict = {}
+        self._masks: dict = {}
+        self._launch: dict = {}
+        self._readers: dict = {}
+        self._refresh_fusible()
+
+    def _refresh_fusible(self):
+        fs = set(self.fusible) - self.excluded
+        self.is_fusible = fs
+        self.fcons = {v: sorted(c for c in self.costs.cons[v] if c in fs) for v in fs}
+        self.fprod = {v: sorted({u for _, _, u in self.costs.ins[v] if u in fs}) for v in fs}
+
+    def _side_users(self) -> dict:
+        """node -> readers of its outputs other than the first (they cannot leave a kernel)."""
+        out = {}
+        for n in self.graph:
+            for r in n.inputs:
+                if r.index != 0:
+                    out.setdefault(self.order[r.node], set()).add(self.order[n.name])
+        for r in self.graph.outputs:
+            if r.index != 0:
+                out.setdefault(self.order[r.node], set()).add(-1)
+        return out
+
+    def readers(self, u: int) -> list:
+        """Consumers of node u, sorted (memoized)."""
+        r = self._readers.get(u)
+        if r is None:
+            r = self._readers[u] = sorted(self.costs.cons[u])
+        return r
+
+    def mask(self, P) -> int:
+        m = self._masks.get(P)
+        if m is None:
+            m = self._masks[P] = mask_of(P)
+        return m
+
+    def gain(self, P) -> float:
+        return self.costs.gain(P)
+
+    def side_reason(self, P) -> str | None:
+        for v in P:
+            if any(u not in P for u in self.side_users.get(v, ())):
+                return "only the first output of a fused node can leave a kernel"
+        return None
+
+    def shape_reason(self, P) -> str | None:
+        """Cheap structural refusals (before any spec is built): None when fine."""
+        why = self.side_reason(P)
+        if why is None and len(P) > 1 and not self.reach.convex(P, self.mask(P)):
+            why = "merging would create a cycle through an unfused op"
+        return why
+
+    def check(self, P) -> str | None:
+        """Legality of one kernel: region extraction + the schedule's verdict (memoized)."""
+        hit = self._legal.get(P)
+        if hit is None:
+            try:
+                reg = extract(self.graph, [self.names[v] for v in P], self.consumers,
+                              self.fetched, self.order)
+                why = self.legal(reg.spec)
+            except ValueError as e:
+                reg, why = None, str(e)
+            hit = self._legal[P] = (reg if why is None else None, why)
+        return hit[1]
+
+    def region(self, P):
+        self.check(P)
+        return self._legal[P][0]
+
+    def refuse(self, v: int, reason: str):
+        self.boundaries.setdefault((self.names[v], reason), None)
+
+    def note(self, kind: str, P, score: float, outcome: str):
+        """Remember a decision for Report.explain (indexed by the pattern's first node)."""
+        self.log.setdefault(min(P), []).append((kind, P, score, outcome))
+
+    def describe(self, P) -> str:
+        names = [self.names[v] for v in sorted(P)]
+        shown = ", ".join(names[:4])
+        return "{" + shown + (f", … +{len(names) - 4}" if len(names) > 4 else "") + "}"
+
+
+# ---- 1. candidate patterns ------------------------------------------------------------------
+
+def _candidates(ctx: _Context) -> dict:
+    """vertex -> its candidate patterns, best delta gain first (top_k + reserve)."""
+    cfg, gain = ctx.cfg, ctx.gain
+    C = {}
+    for v in sorted(ctx.is_fusible, reverse=True):
+        partial = [frozenset((v,))]
+        for c in ctx.fcons[v]:
+            opts = C[c][:cfg.top_k] + [frozenset((c,))]
+            grown = set(partial)
+            for p in partial:
+                for q in opts:
+                    u = p | q
+                    if len(u) <= cfg.max_pattern:
+                        grown.add(u)
+            partial = sorted(grown, key=lambda P: (-gain(P), -len(P)))[:cfg.width]
+        C[v] = _keep(ctx, v, partial)
+    return C
+
+
+def _keep(ctx: _Context, v: int, partial: list) -> list:
+    """The structurally valid partials, best first; refusals become boundaries."""
+    kept, refused = [], []
+    for P in partial:
+        why = ctx.shape_reason(P)
+        if why is None:
+            kept.append(P)
+        elif ctx.gain(P) > 0:
+            refused.append((P, why))
+    for P, why in refused:       # a refusal that a kept superset works around is no boundary
+        if not any(P <= K for K in kept):
+            ctx.refuse(v, why)
+    return kept
+
+
+# ---- 2. beam search over plans --------------------------------------------------------------
+
+def _beam(ctx: _Context, C: dict, banned: set) -> list:
+    """Disjoint patterns maximizing Σ gain (approximately: `beam` states kept)."""
+    k, gain = ctx.cfg.top_k, ctx.gain
+    states = {0: (0.0, None)}          # decided-nodes bitset -> (Σ gain, chosen list)
+    for v in sorted(ctx.is_fusible):
+        opts = [(P, ctx.mask(P), gain(P)) for P in C.get(v, ())
+                if P not in banned and gain(P) > 0][:k]
+        if not opts:
+            continue
+        bit, nxt = 1 << v, {}
+        for mask, (score, chosen) in states.items():
+            if mask & bit:
+                _put(nxt, mask, score, chosen)
+                continue
+            _put(nxt, mask | bit, score, chosen)
+            for P, pm, g in opts:
+                if not pm & mask:
+                    _put(nxt, mask | pm, score + g, (P, chosen))
+        states = dict(heapq.nlargest(ctx.cfg.beam, nxt.items(), key=lambda kv: kv[1][0]))
+    _, chosen = max(states.values(), key=lambda s: s[0])
+    out = []
+    while chosen is not None:
+        out.append(chosen[0])
+        chosen = chosen[1]
+    return out[::-1]
+
+
+def _put(states: dict, mask: int, score: float, chosen):
+    old = states.get(mask)
+    if old is None or score > old[0]:
+        states[mask] = (score, chosen)
+
+
+def _choose(ctx: _Context) -> list:
+    """DP + beam, rerun while legality refuses the winners."""
+    banned: set = set()
+    C = ctx.C = _candidates(ctx)
+    for _ in range(ctx.cfg.rounds):
+        chosen = _beam(ctx, C, banned)
+        bad = [P for P in chosen if ctx.check(P) is not None]
+        if not bad:
+            break
+        if _learn(ctx, bad, banned):
+            C = ctx.C = _candidates(ctx)
+    else:
+        chosen = [P for P in _beam(ctx, C, banned) if ctx.check(P) is None]
+    for P in chosen:
+        ctx.note("pattern", P, ctx.gain(P), "chosen by the beam search")
+    return chosen
+
+
+def _learn(ctx: _Context, bad: list, banned: set) -> bool:
+    """Ban refused patterns; exclude ops refused even alone.  True if the DP must rerun."""
+    rerun = False
+    for P in bad:
+        why = ctx.check(P)
+        banned.add(P)
+        ctx.refuse(min(P), why)
+        ctx.note("pattern", P, ctx.gain(P), f"refused: {why}")
+        for v in P:
+            if v not in ctx.excluded and ctx.check(frozenset((v,))):
+                ctx.excluded.add(v)
+                rerun = True
+    if rerun:
+        ctx._refresh_fusible()
+    return rerun
+
+
+# ---- 3. merge: stitch neighbours, pack independent kernels ---------------------------------
+
+class _Merger:
+    """Best-first pairwise merging over the contracted graph.
+
+    Stitch merges are checked for legality when taken.  Packing merges are checked once,
+    on the final kernel (most are legal, and a check builds a spec): a refused pack is
+    split back along the merges that built it until its parts are legal.
+    """
+
+    def __init__(self, ctx: _Context, chosen: list):
+        self.ctx = ctx
+        self.con, kept = _contract(ctx, chosen)
+        n = len(ctx.names)
+        self.cur = {n + j: ctx.gain(P) for j, P in enumerate(kept)}
+        self.kernels = sorted((min(self.con.members[g]), g) for g in self.cur)
+        self.heap, self.seq = [], 0
+        self.packed: dict = {}          # group -> (members of part a, of part b), unchecked
+
+    def run(self) -> list:
+        for g in list(self.cur):
+            self.push_pairs(g)
+        while self.heap:
+            _, _, a, b, kind = heapq.heappop(self.heap)
+            if a in self.con.members and b in self.con.members:
+                self.try_merge(a, b, kind)
+        out = []
+        for g in self.cur:
+            out.extend(self.unpack(self.members(g)))
+        return out
+
+    def unpack(self, P) -> list:
+        parts = self.packed.get(P)
+        if parts is None or self.ctx.check(P) is None:
+            return [P]
+        self.ctx.note("remote", P, self.ctx.gain(P), f"split again: {self.ctx.check(P)}")
+        return self.unpack(parts[0]) + self.unpack(parts[1])
+
+    def members(self, g) -> frozenset:
+        return frozenset(self.con.members[g])
+
+    def push_pairs(self, g):
+        cfg = self.ctx.cfg
+        for h, kind in self.partners(g):
+            U = self.members(g) | self.members(h)
+            if len(U) > (cfg.max_kernel if kind == "stitch" else cfg.max_packed):
+                continue
+            better = self.ctx.gain(U) - self.cur.get(g, 0.0) - self.cur.get(h, 0.0)
+            if better > 0:
+                self.seq += 1
+                heapq.heappush(self.heap, (-better, self.seq, g, h, kind))
+
+    def partners(self, g):
+        """(group, "stitch" | "remote") pairs worth scoring for group g: neighbours by an
+        edge; independent kernels reading one of g's inputs or close in topological
+        order (the `remote_window` nearest each side, of each kind)."""
+        ctx, con, out = self.ctx, self.con, {}
+        w, first = ctx.cfg.remote_window, min(con.members[g])
+        inputs = set()
+        for v in con.members[g]:
+            for u in ctx.fcons.get(v, ()) + ctx.fprod.get(v, []):
+                if con.group_of[u] != g:
+                    out[con.group_of[u]] = "stitch"
+            inputs.update(u for _, _, u in ctx.costs.ins[v])
+        near = []
+        for u in sorted(inputs):
+            readers = ctx.readers(u)
+            i = bisect.bisect_left(readers, first)
+            near += [con.group_of[s] for s in readers[max(0, i - w): i + w + 1]]
+        i = bisect.bisect_left(self.kernels, (first, g))
+        near += [h for _, h in self.kernels[max(0, i - w): i + w + 1]]
+        for h in near:
+            if h != g and h in self.cur and h not in out and not con.related(g, h):
+                out[h] = "remote"
+        return sorted(out.items())
+
+    def try_merge(self, a, b, kind):
+        ctx, con = self.ctx, self.con
+        A, B = self.members(a), self.members(b)
+        U = A | B
+        if con.would_cycle((a, b)):
+            why = "merging would create a cycle through another kernel or an unfused op"
+        else:
+            why = ctx.side_reason(U) or (ctx.check(U) if kind == "stitch" else None)
+        better = ctx.gain(U) - self.cur.get(a, 0.0) - self.cur.get(b, 0.0)
+        if why is not None:
+            ctx.note(kind, U, better, f"refused: {why}")
+            if kind == "stitch":
+                ctx.refuse(min(U), why)
+            return
+        ctx.note(kind, U, better, "merged")
+        if kind == "remote":
+            self.packed[U] = (A, B)
+        for g in (a, b):
+            if g in self.cur:
+                del self.cur[g]
+                self.kernels.remove((min(con.members[g]), g))
+        new = con.merge((a, b))
+        self.cur[new] = ctx.gain(U)
+        bisect.insort(self.kernels, (min(U), new))
+        self.push_pairs(new)
+
+
+def _contract(ctx: _Context, chosen: list) -> Contraction:
+    """Contract the chosen patterns; drop the least valuable one while a cycle remains."""
+    chosen = list(chosen)
+    while True:
+        try:
+            return Contraction(ctx.succ, chosen), chosen
+        except CycleError as e:
+            n = len(ctx.names)
+            on_cycle = [chosen[g - n] for g in e.groups if g >= n]
+            worst = min(on_cycle, key=ctx.gain)
+            ctx.note("pattern", worst, ctx.gain(worst),
+                     "dropped: with the other kernels it closes a cycle")
+            ctx.refuse(min(worst), "kernels would form a cycle through each other")
+            chosen.remove(worst)
+
+
+def _merge(ctx: _Context, chosen: list) -> list:
+    return _Merger(ctx, chosen).run()
+
+
+# ---- 4. deploy: launch parameters, selective deployment ------------------------------------
+
+def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
+    result = Plan()
+    placed: dict = {}                       # node -> why it is not in a kernel
+    for P in sorted(groups, key=min):
+        names = [ctx.names[v] for v in sorted(P)]
+        work = sum(_fus.work(ctx.graph[n]) for n in names)
+        if work < min_ops:
+            for n in names:
+                placed[n] = "a lone op: fusing it alone saves nothing"
+            continue
+        choice = _schedule(ctx, P)
+        result.alternatives.append(choice)
+        if choice.deployed:
+            result.regions.append(choice.region)
+        else:
+            result.skipped.append((names, choice.reason))
+            for n in names:
+                placed[n] = choice.reason
+    if groups and not result.regions and result.skipped:
+        result.notes.append("function left alone: the cost model predicts no kernel pays")
+    fused = {n for r in result.regions for n in r.nodes}
+    for v in sorted(ctx.fusible):
+        n = ctx.names[v]
+        if n not in fused and _fus.work(ctx.graph[n]):
+            result.unfused.append((n, ctx.graph[n].op, _unfused_reason(ctx, v, placed)))
+    result.boundaries = list(ctx.boundaries)
+    return result
+
+
+def _unfused_reason(ctx: _Context, v: int, placed: dict) -> str:
+    alone = ctx.check(frozenset((v,)))
+    if alone is not None:
+        return alone
+    return placed.get(ctx.names[v], "a lone op: fusing it alone saves nothing")
+
+
+def _schedule(ctx: _Context, P) -> "KernelChoice":
+    """Launch parameters from the latency evaluator, offered to legality best first."""
+    region, delta = ctx.region(P), ctx.costs.delta(P)
+    unfused = ctx.costs.unfused_s(P)
+    choice = KernelChoice([ctx.names[v] for v in sorted(P)], False, delta=delta,
+                          unfused_s=unfused, alternatives=_alternatives(ctx, P))
+    launch, spec = _launch_for(ctx, region.spec)
+    choice.launch = launch
+    for params, threads, t in launch.alternatives:
+        choice.alternatives.append(("launch", _params(params, threads), t,
+                                    "chosen" if spec.schedule == _schedule_params(params)
+                                    else "slower"))
+    if launch.time_s >= unfused:
+        choice.reason = (f"cost model predicts no gain: fused {launch.time_s * 1e6:.1f} µs "
+                         f">= unfused {unfused * 1e6:.1f} µs")
+        return choice
+    choice.deployed = True
+    choice.region = replace(region, spec=spec)
+    return choice
+
+
+def _launch_for(ctx: _Context, spec):
+    """(Launch, scheduled spec); memoized per spec so identical kernels agree."""
+    hit = ctx._launch.get(spec.hash)
+    if hit is not None:
+        return hit
+    launch = choose_launch(spec, ctx.profile, keep=max(5, ctx.cfg.launch_tries))
+    chosen = spec
+    for params, threads, t in launch.alternatives[:ctx.cfg.launch_tries]:
+        try:
+            cand = spec.with_schedule(**_schedule_params(params))
+        except SpecError:
+            continue
+        if ctx.legal(cand) is None:
+            chosen = cand
+            launch = replace(launch, params=params, threads=threads, time_s=t)
+            break
+    ctx._launch[spec.hash] = (launch, chosen)
+    return launch, chosen
+
+
+def _schedule_params(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k in SCHEDULE_PARAMS}
+
+
+def _params(params: dict, threads: int) -> str:
+    s = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
+    return s + (f", threads={threads}" if threads > 1 else "")
+
+
+def _alternatives(ctx: _Context, P) -> list:
+    """Patterns and merges considered that start at P's nodes, best score first."""
+    seen, out = set(), []
+    for v in sorted(P):
+        for kind, Q, score, outcome in ctx.log.get(v, ()):
+            seen.add(Q)
+            out.append((kind, ctx.describe(Q), score, outcome))
+        for Q in ctx.C.get(v, ())[:ctx.cfg.top_k]:
+            if Q not in seen:
+                seen.add(Q)
+                out.append(("pattern", ctx.describe(Q), ctx.gain(Q),
+                            "kept in the kernel" if Q == P else "candidate, not chosen"))
+    out.sort(key=lambda a: -a[2])
+    return out[:10]
