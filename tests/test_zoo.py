@@ -251,3 +251,19 @@ def test_bench_stitched_column_and_mismatch_flag(monkeypatch, bug):
     assert bool(mism) is bug
     verdict = [l for l in output.targets({"patterns": rows}, 10.0) if "outputs equal" in l][0]
     assert verdict.startswith("FAIL" if bug else "PASS")
+
+
+def test_bench_worker_crash_is_a_failed_row(monkeypatch):
+    # A segfault in native code must not end the run: the row is re-run without
+    # stitching and stitching shows as FAILED with the signal.
+    from bench_lib import isolate
+    monkeypatch.setenv("STITCHING_BENCH_TEST_CRASH_ON", "softmax_manual/small")
+    rows = isolate.run_isolated("patterns", ["softmax_manual/small", "rmsnorm/small"],
+                                mode_list=("tf", "stitching"), repeats=1, warmup=0,
+                                min_time=0.0, row_timeout=300)
+    assert [r["name"] for r in rows] == ["softmax_manual", "rmsnorm"]
+    crashed = rows[0]["modes"]
+    assert crashed["tf"]["ok"] and crashed["tf"]["time"]
+    assert not crashed["stitching"]["ok"]
+    assert "SIGSEGV" in crashed["stitching"]["error"]
+    assert rows[1]["modes"]["tf"]["ok"]

@@ -57,7 +57,13 @@ def parse_args(argv=None):
     ap.add_argument("--list", action="store_true", help="list patterns and models")
     ap.add_argument("--from-json", metavar="PATH",
                     help="re-render the report/--markdown/--png from a --json file, no runs")
+    ap.add_argument("--no-isolate", action="store_true",
+                    help="run patterns/models in this process (default: a worker process, "
+                         "so a crash in native code shows as a failed row)")
+    ap.add_argument("--row-timeout", type=float, default=900,
+                    help="seconds without progress before a worker is declared hung")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -65,6 +71,10 @@ def main(argv=None):
     args = parse_args(argv)
     from bench_lib import suites
 
+    if args._worker:
+        from bench_lib import isolate
+        isolate.worker_main(args._worker)
+        return 0
     if args._child:
         suites.compile_child(args._child, args.only[0], args.batch, args.planner)
         return 0
@@ -99,11 +109,19 @@ def main(argv=None):
 
     results = {}
     t0 = time.time()
+    common = dict(mode_list=mode_list, planner=args.planner, repeats=args.repeats,
+                  warmup=args.warmup)
+
+    def rows_of(suite, keys, **kw):
+        if args.no_isolate:
+            return suites.run_rows(suite, keys, **common, **kw)
+        from bench_lib import isolate
+        return isolate.run_isolated(suite, keys, row_timeout=args.row_timeout, **common, **kw)
+
     if "patterns" in run:
         sizes = [s for s in args.sizes.split(",") if s]
-        results["patterns"] = suites.run_patterns(
-            only=args.only, sizes=sizes, mode_list=mode_list, planner=args.planner,
-            repeats=args.repeats or 10, warmup=2 if args.warmup is None else args.warmup,
+        results["patterns"] = rows_of(
+            "patterns", suites.case_keys("patterns", only=args.only, sizes=sizes),
             min_time=args.min_time)
         # Again after the suite: on a shared machine the first figure may have been
         # taken during someone else's burst; the higher of the two is the reference.
@@ -114,9 +132,8 @@ def main(argv=None):
         cb["method"] += ", measured before and after the suite, higher kept"
     if "models" in run:
         batches = [int(b) for b in args.batches.split(",")] if args.batches else None
-        results["models"] = suites.run_models(
-            only=args.only, batches=batches, mode_list=mode_list, planner=args.planner,
-            repeats=args.repeats or 5, warmup=1 if args.warmup is None else args.warmup)
+        results["models"] = rows_of(
+            "models", suites.case_keys("models", only=args.only, batches=batches))
     if "compile" in run:
         results["compile"] = suites.run_compile(only=args.only, batch=args.batch,
                                                 planner=args.planner, mode_list=mode_list)

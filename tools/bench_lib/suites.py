@@ -88,47 +88,76 @@ def _log_row(row):
     _log(f"  {tag}: " + ", ".join(parts))
 
 
-# ---- patterns
+# ---- patterns and models: rows named by keys ("softmax_tf/large", "resnet50/b8")
 
-def run_patterns(*, only=None, sizes=("large", "small"), mode_list=modes.MODES,
-                 planner=None, repeats=10, warmup=2, min_time=0.02) -> list[dict]:
-    from stitching.testing import patterns as P
-    rows = []
-    for p in P.all_patterns():
-        if only and p.name not in only:
-            continue
-        for size in sizes:
-            _log(f"[patterns] {p.name} {size}")
-            rows.append(run_case(
-                suite="patterns", name=p.name, fn=p.fn, signature=p.input_signature(size),
-                args_np=p.inputs(size), mode_list=mode_list, planner=planner,
-                repeats=repeats, warmup=warmup, min_time=min_time, tol=PATTERN_TOL,
-                extra={"size": size, "expected_kernels": p.expected_kernels,
-                       "description": p.description}))
-            gc.collect()
-    return rows
+def case_keys(suite, *, only=None, sizes=("large", "small"), batches=None) -> list[str]:
+    """The rows a suite run covers, in order."""
+    if suite == "patterns":
+        from stitching.testing import patterns as P
+        return [f"{p.name}/{size}" for p in P.all_patterns()
+                if not only or p.name in only for size in sizes]
+    if suite == "models":
+        from stitching.testing import models as M
+        return [f"{m.name}/b{b}" for m in M.all_models() if not only or m.name in only
+                for b in (batches or m.batch_sizes)]
+    raise ValueError(f"suite {suite!r} has no rows by key")
 
 
-# ---- models
-
-def run_models(*, only=None, batches=None, mode_list=modes.MODES, planner=None,
-               repeats=5, warmup=1, min_time=0.0) -> list[dict]:
+def run_rows(suite, keys, *, mode_list=modes.MODES, planner=None, repeats=None,
+             warmup=None, min_time=None, drop_stitching=None, on_start=None,
+             on_row=None) -> list[dict]:
+    """Run the rows ``keys`` of ``suite`` in this process.  ``drop_stitching``: keys to
+    run without the stitching mode (it crashed the process on them before)."""
     from stitching.testing import models as M
+    from stitching.testing import patterns as P
+    drop = drop_stitching or {}
     rows = []
-    for case in M.all_models():
-        if only and case.name not in only:
-            continue
-        fn = case.make_fn()
-        for batch in (batches or case.batch_sizes):
-            _log(f"[models] {case.name} batch {batch}")
-            rows.append(run_case(
-                suite="models", name=case.name, fn=fn, signature=case.input_signature(),
-                args_np=case.inputs(batch), mode_list=mode_list, planner=planner,
-                repeats=repeats, warmup=warmup, min_time=min_time, tol=MODEL_TOL,
-                extra={"batch": batch, "kind": case.kind, "description": case.description},
-                bandwidth=False))
-            gc.collect()
+    model_fns = {}
+    for key in keys:
+        name, variant = key.rsplit("/", 1)
+        ml = tuple(m for m in mode_list if not (m == "stitching" and key in drop))
+        if on_start:
+            on_start(key)
+        _log(f"[{suite}] {key}")
+        if suite == "patterns":
+            p = P.get(name)
+            row = run_case(
+                suite="patterns", name=name, fn=p.fn, signature=p.input_signature(variant),
+                args_np=p.inputs(variant), mode_list=ml, planner=planner,
+                repeats=10 if repeats is None else repeats,
+                warmup=2 if warmup is None else warmup,
+                min_time=0.02 if min_time is None else min_time, tol=PATTERN_TOL,
+                extra={"size": variant, "expected_kernels": p.expected_kernels,
+                       "description": p.description})
+        else:
+            case = M.get(name)
+            if name not in model_fns:
+                model_fns[name] = case.make_fn()
+            row = run_case(
+                suite="models", name=name, fn=model_fns[name],
+                signature=case.input_signature(), args_np=case.inputs(int(variant[1:])),
+                mode_list=ml, planner=planner, repeats=5 if repeats is None else repeats,
+                warmup=1 if warmup is None else warmup,
+                min_time=0.0 if min_time is None else min_time, tol=MODEL_TOL,
+                extra={"batch": int(variant[1:]), "kind": case.kind,
+                       "description": case.description},
+                bandwidth=False)
+        if key in drop and "stitching" in mode_list:
+            row["modes"]["stitching"] = {"ok": False, "error": drop[key], "time": None,
+                                         "check": None, "first_call_s": None}
+        rows.append(row)
+        if on_row:
+            on_row(key, row)
+        gc.collect()
     return rows
+
+
+def run_patterns(*, only=None, sizes=("large", "small"), **kw) -> list[dict]:
+    return run_rows("patterns", case_keys("patterns", only=only, sizes=sizes), **kw)
+
+
+def run_models(*, only=None, batches=None, **kw) -> list[dict]:
+    return run_rows("models", case_keys("models", only=only, batches=batches), **kw)
 
 
 # ---- compile: first calls in fresh processes
