@@ -90,7 +90,7 @@ def perf_table(rows, copy_gbs=None, bandwidth=True):
 
 def compile_table(rows):
     head = ["model", "batch", "TF first s", "XLA first s", "st cold s", "st warm s",
-            "cold vs XLA", "warm - TF first", "st kernels"]
+            "cold vs XLA", "warm - TF first", "st kernels", "st compile s (cold/warm)"]
     body = []
     for r in rows:
         s = r["steps"]
@@ -111,7 +111,10 @@ def compile_table(rows):
                      cell("stitching_cold"), cell("stitching_warm"),
                      _x(xla / cold) if cold and xla else "-",
                      f"{warm - tf_:+.2f} s" if warm is not None and tf_ is not None else "-",
-                     _int((s.get("stitching_cold") or {}).get("kernels"))])
+                     _int((s.get("stitching_cold") or {}).get("kernels")),
+                     "/".join(f"{v:.2f}" if isinstance(v, (int, float)) else "-" for v in (
+                         (s.get("stitching_cold") or {}).get("compile_seconds"),
+                         (s.get("stitching_warm") or {}).get("compile_seconds")))])
     return head, body
 
 
@@ -189,6 +192,20 @@ def summaries(results) -> list[str]:
     return out
 
 
+def _x3(v):
+    return f"{v:.3f}x" if v else "n/a"
+
+
+def _noise(row, mode="stitching", base="tf"):
+    """', within noise' when the two medians differ by less than their spreads."""
+    a, b = row["modes"].get(base) or {}, row["modes"].get(mode) or {}
+    if not a.get("time") or not b.get("time"):
+        return ""
+    ta, tb = a["time"], b["time"]
+    spread = ((ta["q3_s"] - ta["q1_s"]) / ta["median_s"] + (tb["q3_s"] - tb["q1_s"]) / tb["median_s"]) / 2
+    return ", within noise" if abs(ta["median_s"] / tb["median_s"] - 1) <= spread else ""
+
+
 def _verdict(ok, text):
     return ("PASS" if ok else "FAIL") + "  " + text
 
@@ -208,9 +225,9 @@ def targets(results, copy_gbs) -> list[str]:
             sfx = f" ({missing}/{len(large)} rows without a stitched time)" if missing else ""
             lines.append(_verdict(gx and not missing and gx >= 1.5,
                                   f"patterns large: geomean stitched vs XLA >= 1.5x: "
-                                  f"{_x(gx)}{sfx}"))
+                                  f"{_x3(gx)}{sfx}"))
             lines.append(_verdict(gt and not missing and gt >= 2.0,
-                                  f"patterns large: geomean stitched vs TF >= 2x: {_x(gt)}{sfx}"))
+                                  f"patterns large: geomean stitched vs TF >= 2x: {_x3(gt)}{sfx}"))
             fr = []
             for r in large:
                 bw = (r["modes"].get("stitching") or {}).get("bw_gbs")
@@ -230,30 +247,33 @@ def targets(results, copy_gbs) -> list[str]:
                     f"({copy_gbs:.1f} GB/s): worst {100 * worst[0]:.0f}% ({worst[1]})"
                     + (f", {len(fr) - len(have)} row(s) n/a" if len(have) < len(fr) else "")))
         if small:
-            st = [(speedup(r, "stitching", "tf") or 0.0, r["name"]) for r in small]
+            st = [(speedup(r, "stitching", "tf") or 0.0, r["name"], i) for i, r in enumerate(small)]
             worst = min(st)
             lines.append(_verdict(worst[0] >= 1.0,
                                   f"patterns small: stitched no slower than TF: worst "
-                                  + (f"{_x(worst[0])} ({worst[1]})" if worst[0] else
-                                     f"n/a ({sum(1 for s, _ in st if not s)} row(s) without "
+                                  + (f"{_x3(worst[0])} ({worst[1]}{_noise(small[worst[2]])})"
+                                     if worst[0] else
+                                     f"n/a ({sum(1 for s, *_ in st if not s)} row(s) without "
                                      "a stitched time)")))
     else:
         lines.append("SKIP  patterns: suite not run")
     mods = results.get("models")
     if mods is not None and mods:
-        st = [(speedup(r, "stitching", "tf") or 0.0, f"{r['name']}/b{r['batch']}") for r in mods]
+        st = [(speedup(r, "stitching", "tf") or 0.0, f"{r['name']}/b{r['batch']}", i)
+              for i, r in enumerate(mods)]
         worst = min(st)
         lines.append(_verdict(worst[0] >= 1.0,
                               f"models: none slower than TF: worst "
-                              + (f"{_x(worst[0])} ({worst[1]})" if worst[0] else
-                                 f"n/a ({sum(1 for s, _ in st if not s)} row(s) without a "
+                              + (f"{_x3(worst[0])} ({worst[1]}{_noise(mods[worst[2]])})"
+                                 if worst[0] else
+                                 f"n/a ({sum(1 for s, *_ in st if not s)} row(s) without a "
                                  "stitched time)")))
-        tr = [(s, n) for (s, n), r in zip(st, mods) if r.get("kind") == "transformer"]
+        tr = [(s, n) for (s, n, _), r in zip(st, mods) if r.get("kind") == "transformer"]
         if tr:
             w = min(tr)
             lines.append(_verdict(w[0] >= 1.15,
                                   f"models: Transformer >= 1.15x TF: "
-                                  + ", ".join(f"{n} {_x(s) if s else 'n/a'}" for s, n in tr)))
+                                  + ", ".join(f"{n} {_x3(s)}" for s, n in tr)))
     else:
         lines.append("SKIP  models: suite not run")
     comp = results.get("compile")
@@ -287,10 +307,13 @@ def kernel_count_lines(results) -> list[str]:
     """Patterns whose stitched kernel count differs from expected_kernels (info)."""
     out = []
     for r in results.get("patterns") or []:
-        k = (r["modes"].get("stitching") or {}).get("kernels")
+        st = r["modes"].get("stitching") or {}
+        k = st.get("kernels")
         if k is not None and k != r.get("expected_kernels"):
+            unfused = (st.get("report") or {}).get("unfused") or []
+            why = "; ".join(f"{op}: {reason}" for op, reason in unfused[:2])
             out.append(f"{r['name']}/{r['size']}: {k} stitched kernels, expected "
-                       f"{r.get('expected_kernels')}")
+                       f"{r.get('expected_kernels')}" + (f" (not fused: {why})" if why else ""))
     return out
 
 
@@ -327,9 +350,10 @@ def print_report(results, meta):
             print(render_text(*perf_table(rows, gbs, bandwidth=False)))
         for line in failure_lines(rows):
             print(line)
-    print("\ntimes: median per call; ± is half the interquartile range, as % of the median. "
-          "'X vs Y' is Y's time / X's time (> 1: X is faster). BW: (input + output bytes) "
-          "/ time as % of copy bandwidth.")
+    if results.get("patterns") or results.get("models"):
+        print("\ntimes: median per call; ± is half the interquartile range, as % of the "
+              "median. 'X vs Y' is Y's time / X's time (> 1: X is faster). BW: (input + "
+              "output bytes) / time as % of copy bandwidth.")
     print()
     for line in summaries(results):
         print(line)
@@ -407,6 +431,7 @@ def _suite_markdown(suite, rows, meta, results):
            and not (suite != "patterns" and "patterns" in t)]
     out.append("")
     out += [f"- {s}" for s in summ]
+    out += [f"- kernels: {k}" for k in kernel_count_lines(sub)]
     out += [f"- **{t[:4]}** {t[4:].strip()}" for t in tgt]
     out.append(f"<!-- /suite:{suite} -->")
     return "\n".join(out)
