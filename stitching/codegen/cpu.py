@@ -43,6 +43,7 @@ from ..schedule.schedule import COL_BLOCK, EW_BLOCK, ROW_UNIT_ELEMS
 from . import lower
 
 MAX_ELEMS = 1 << 48    # arbitrary sanity bound on any product of dims (no int64 overflow)
+ROW_CHUNK = 1024       # tuned: float32 partial sums per 1024 elements of a row
 
 _PTR = {"float32": "float32", "float64": "float64", "int32": "int32", "int64": "int64",
         "float16": "uint16", "bfloat16": "uint16", "bool": "uint8"}
@@ -404,9 +405,17 @@ class _Emitter:
         return {k for p in self.s.passes for k in p.accumulate}
 
     def _row_pass(self, w, p) -> None:
+        reds = {k: lower.reduction(self.spec, k, self.C) for k in p.accumulate}
         for k in p.accumulate:
-            w(f"a{k} = {lower.reduction(self.spec, k, self.C).init}")
-        with w.block("for j in range(L):"):
+            w(f"a{k} = {reds[k].init}")
+        chunked = [k for k in p.accumulate if reds[k].part]
+        if chunked:
+            w(f"for j0 in range(0, L, {ROW_CHUNK}):")
+            w.depth += 1
+            for k in chunked:
+                w(f"s{k} = {reds[k].part_init}")
+        with w.block(f"for j in range(j0, min(j0 + {ROW_CHUNK}, L)):" if chunked
+                     else "for j in range(L):"):
             for j in p.loads:
                 if self.s.is_vector(-(j + 1)):
                     self.load_input(w, -(j + 1), f"b_i{j} + j")
@@ -415,13 +424,19 @@ class _Emitter:
             for k in p.compute:
                 self.compute(w, k)
             for k in p.accumulate:
-                r = lower.reduction(self.spec, k, self.C)
                 v = self.var(self.spec.nodes[k].args[0])
-                w(f"a{k} = {r.step.format(a=f'a{k}', v=v)}")
+                if reds[k].part:
+                    w(f"s{k} = {reds[k].part_step.format(p=f's{k}', v=v)}")
+                else:
+                    w(f"a{k} = {reds[k].step.format(a=f'a{k}', v=v)}")
             for k in p.scratch_stores:
                 w(f"sc{k}[j] = {store_value(self._scratch_dtype(k), f'v{k}')}")
             for k in p.stores:
                 self.store_output(w, k, f"b_{self.tag(k)} + j")
+        if chunked:
+            for k in chunked:
+                w(f"a{k} = {reds[k].merge.format(a=f'a{k}', p=f's{k}')}")
+            w.depth -= 1
 
     def _scratch_dtype(self, k) -> str:
         cd = dt.COMPUTE[self.dtype(k)]

@@ -68,12 +68,14 @@ def aligned_alloc(typingctx, nbytes):
 
 @intrinsic
 def free(typingctx, p):
-    sig = types.void(types.voidptr)
+    if not isinstance(p, (types.RawPointer, types.CPointer)):
+        raise TypingError("expected a pointer")
+    sig = types.void(p)
 
     def codegen(context, builder, sig, args):
         fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "free")
-        builder.call(fn, [args[0]])
+        builder.call(fn, [builder.bitcast(args[0], cgutils.voidptr_t)])
         return context.get_dummy_value()
     return sig, codegen
 

@@ -275,6 +275,13 @@ class Reduction:
     init: str         # constant name
     step: str         # template: {a} accumulator, {v} value
     final: str        # template: {a} accumulator, {n} element count (int64 expr)
+    # Optional chunked form (float32 sums): a float32 partial per chunk of a row,
+    # merged into the float64 accumulator.  Keeps the loop 8 lanes wide (a float64
+    # accumulator would make it 4) while bounding the float32 error to one chunk.
+    part: str | None = None        # partial accumulator dtype
+    part_init: str | None = None
+    part_step: str | None = None   # template: {p} partial, {v} value
+    merge: str | None = None       # template: {a} accumulator, {p} partial
 
 
 def reduction(spec, k: int, C) -> Reduction:
@@ -288,9 +295,12 @@ def reduction(spec, k: int, C) -> Reduction:
             step = "h.acc_add({a}, np.float64({v}))" if cd == "float32" else \
                 "h.acc_add({a}, {v})"
             final = "{a} / np.float64({n})" if op == "Mean" else "{a}"
-            if cd == "float32":
-                final = f"np.float32({final})"
-            return Reduction("float64", C(0.0, "float64"), step, final)
+            if cd == "float64":
+                return Reduction("float64", C(0.0, "float64"), step, final)
+            return Reduction("float64", C(0.0, "float64"), step, f"np.float32({final})",
+                             part="float32", part_init=C(0.0, "float32"),
+                             part_step="h.acc_add({p}, {v})",
+                             merge="{a} + np.float64({p})")
         if op == "Prod":
             return Reduction(cd, C(1.0, cd), "h.acc_mul({a}, {v})", "{a}")
         init = C(-math.inf if op == "Max" else math.inf, cd)
