@@ -319,7 +319,18 @@ def test_shape_fn_error_reports_message_and_shapes():
         rt.stitched_kernel([tf.zeros([4, 3]), tf.zeros([2])], biasrow_kernel())
 
 
-def test_unknown_spec_without_compiler_is_not_found():
+@pytest.fixture
+def no_compiler():
+    """Other tests (stitching.function) install the compile-on-miss hook; remove it here."""
+    rt.set_compiler(None)
+    yield
+    import stitching.tf as stf
+    if stf._READY:                 # put stitching's hook back for the tests that follow
+        stf._READY = False
+        stf.ensure_runtime()
+
+
+def test_unknown_spec_without_compiler_is_not_found(no_compiler):
     with pytest.raises(tf.errors.NotFoundError, match="no compiled kernel for this spec"):
         rt.stitched_kernel([tf.ones([3])], fresh())
     with pytest.raises(tf.errors.NotFoundError, match="no compiled kernel"):
