@@ -1,0 +1,420 @@
+"""CUDA emitter: Schedule -> Python source of numba-cuda kernels (+ a host shape function).
+
+The CPU emitter (cpu.py) and this one walk the same Schedule; this class inherits its
+per-element lowering (``compute``, ``load_input``, ``store_output``, ``decompose``,
+``bases``, ``finalize`` over lower.py) and the host shape function, and owns only the
+thread mapping.  Buffers are 1-D device arrays ``p_<tag>``; every domain size ``D<a>``
+and launch parameter is a kernel argument, so one compiled kernel serves every value
+of the unknown dims.
+
+Thread mapping per kind (``tid`` = threadIdx.x; names as in the generated code)::
+
+  elementwise  k_ew: grid-stride over chunks of EW_VEC consecutive elements of one row
+               (chunk v: row r = v // nc, columns j0 = (v % nc) * EW_VEC ...); inputs
+               that do not carry the last axis are loaded once per chunk.
+
+  row          k_row[_regs|_smem|_global]: a group of ``tpr`` threads (power of two) per
+               row, ``rpb = blockDim / tpr`` rows per block, grid-stride over row groups.
+                 tpr <  32  several rows per warp (very short rows)
+                 tpr == 32  one warp per row
+                 tpr >  32  one block (or part of one) per row
+               Each pass: thread ``lane`` takes j = lane, lane + tpr, ...; reductions are
+               combined by an xor-butterfly of warp shuffles (every lane ends with the
+               row value: a row scalar lives in registers, reached by warp shuffle) and,
+               for tpr > 32, through 32 shared slots per reduction.  A value the
+               schedule keeps across passes (Placement.SCRATCH) is owned by the thread
+               that computed it, so it needs no barrier; it lives in
+                 _regs    a per-thread array of REG_SLOTS registers (L <= tpr * REG_SLOTS)
+                 _smem    dynamic shared memory (rpb rows fit the block's budget)
+                 _global  a global workspace of one row per resident row group
+               Placement.RECOMPUTE and LOAD re-evaluate / re-read (L1/L2 hits).
+
+  column       k_col (one launch) or k_col_p<q> (one launch per pass, "split"):
+               block = tx_n columns x ny row slices; unit u = (kept index ko, column
+               tile, split sp); thread (tx, ty) owns column c and reduced rows
+               s = sp*ny + ty, + ny*nsplit, ...  A pass accumulates per thread, then the
+               ny partials of a column are combined through shared memory (the combine
+               step); values of a column (column_block / unit_scalar placements) stay
+               in the owning thread's registers.  When kept x tiles blocks cannot fill
+               the GPU the reduced axis is also split across ``nsplit`` blocks: each pass
+               is its own launch and block partials go through a global workspace
+               ``wa<k>[(sp * kept + ko) * L + c]`` (AStitch's global stitching, the launch
+               boundary being the grid barrier); the next phase re-combines them.
+
+Every thread of a block runs the same number of unit/row-group iterations (inactive
+ones with empty loops), so ``syncthreads`` and full-mask shuffles are always reached
+uniformly.
+
+Generated text is built only from this module's templates, identifiers it makes and
+numbers re-formatted from validated values, as in cpu.py.
+"""
+from __future__ import annotations
+
+import hashlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..ir import dtypes as dt
+from ..plan.cost import GPU_ROW_VALUES_PER_THREAD
+from ..schedule import KernelKind
+from . import lower
+from .cpu import _Emitter, _Writer, load_expr, store_value
+
+EW_VEC = 4            # arbitrary: elements per thread per step (4 x 4 B = one 16-byte chunk)
+REG_SLOTS = GPU_ROW_VALUES_PER_THREAD   # row values a thread keeps in registers (cost.py)
+WARP = 32
+MAX_THREADS = 1024    # CUDA: threads per block
+ROW_VARIANTS = ("regs", "smem", "global")
+
+# numpy dtype of on-chip / workspace arrays holding compute values (bool as bytes)
+_NP = {"float32": "np.float32", "float64": "np.float64", "int32": "np.int32",
+       "int64": "np.int64", "bool": "np.uint8"}
+
+
+@dataclass(frozen=True)
+class CudaSource:
+    text: str
+    errors: tuple
+    kernels: dict                 # kernel name -> argument names, in order
+    scratch: tuple = ()           # row kind: (node, compute dtype) kept across passes
+    accumulators: tuple = ()      # column kind: (node, accumulator dtype) per reduction
+    phases: tuple = ()            # column kind, split: phase kernels launched in order
+    passes: int = 1
+
+
+def helper_tag() -> str:
+    """Hash of the helper modules kernels call: part of the source text, so a changed
+    helper gives a new file and never reuses numba-cuda's cache of the old one."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in ("cuda_rt.py", "cuda_gpu.py", "cuda_sim.py", "lower.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def emit(sched) -> CudaSource:
+    e = _CudaEmitter(sched)
+    text = e.module_text()
+    return CudaSource(text, tuple(e.errors), dict(e.kernels), tuple(e.scratch_types()),
+                      tuple(e.acc_types()), tuple(e.phases), len(sched.passes))
+
+
+class _CudaEmitter(_Emitter):
+    def __init__(self, sched):
+        super().__init__(sched)
+        self.kernels: dict = {}
+        self.phases: list = []
+
+    # -- module -------------------------------------------------------------------------
+    def module_text(self) -> str:
+        shape = _Writer()
+        self.shape_fn(shape)
+        # the CPU cfunc's decorator is dropped: the same checks run as host Python
+        shape.lines = [ln for ln in shape.lines if not ln.startswith("@cfunc(")]
+        body = _Writer()
+        {KernelKind.ELEMENTWISE: self._elementwise, KernelKind.ROW: self._rows,
+         KernelKind.COLUMN: self._columns}[self.s.kind](body)
+        head = ["# Generated by stitching.codegen.cuda; do not edit.",
+                f"# spec {self.spec.hash}: {self.s.describe().splitlines()[0]}",
+                f"# helpers {helper_tag()}",
+                "import numpy as np", "from numba import cuda",
+                "from stitching.codegen import cuda_rt as h", "", "math = h.math", ""]
+        return "\n".join(head + self.C.definitions() + ["", ""] + shape.lines +
+                         ["", ""] + body.lines) + "\n"
+
+    def scratch_types(self) -> list:
+        return [(k, dt.COMPUTE[self.dtype(k)]) for k in self.s.scratch]
+
+    def acc_types(self) -> list:
+        return [(k, lower.reduction(self.spec, k, self.C).acc) for k in self._accumulated()]
+
+    # -- shared pieces ------------------------------------------------------------------
+    def kernel(self, w, name: str, extra: list):
+        """Decorator + def line; records the argument list for the host."""
+        refs = self.input_refs() + list(self.spec.outputs)
+        args = [f"p_{self.tag(r)}" for r in refs] + [f"D{a}" for a in range(self.R)] + extra
+        self.kernels[name] = tuple(args)
+        w("")
+        w("@cuda.jit(cache=True)")
+        return w.block(f"def {name}({', '.join(args)}):")
+
+    def prologue(self, w) -> None:
+        for ref in self.input_refs() + list(self.spec.outputs):
+            t = self.tag(ref)
+            car = self.dom.carries[ref]
+            for n, a in enumerate(car):   # row-major strides over the carried axes (as cpu.py)
+                rest = " * ".join(f"D{b}" for b in car[n + 1:]) or "1"
+                w(f"st_{t}_{a} = {rest}")
+        w(f"L = {'D' + str(self.R - 1) if self.R else '1'}")
+        w("tid = cuda.threadIdx.x")
+
+    def reduction(self, k):
+        return lower.reduction(self.spec, k, self.C)
+
+    def step(self, k, a: str, v: str) -> str:
+        return self.reduction(k).step.format(a=a, v=v)
+
+    def load_inputs_of(self, w, nodes, base: str, done: set) -> None:
+        """Load the kernel inputs ``nodes`` read at ``<base>_<tag>`` (+ c when the input
+        carries the last axis)."""
+        for k in nodes:
+            for a in self.spec.nodes[k].args:
+                if a < 0 and a not in done:
+                    done.add(a)
+                    self.load_input(w, a, self._inner(a, f"{base}_{self.tag(a)}"))
+
+    # -- element-wise -------------------------------------------------------------------
+    def _elementwise(self, w) -> None:
+        p, R = self.s.passes[0], self.R
+        with self.kernel(w, "k_ew", ["rows", "nc"]):
+            self.prologue(w)
+            w("step = cuda.gridsize(1)")
+            with w.block("for v in range(cuda.grid(1), rows * nc, step):"):
+                w("r = v // nc")
+                w(f"j0 = (v - r * nc) * {EW_VEC}")
+                self.bases(w, self.decompose(w, "r", list(range(R - 1))))
+                lasts = [j for j in p.loads if self.carries_last(-(j + 1))]
+                for j in p.loads:          # broadcast along the row: once per chunk
+                    if j not in lasts:
+                        self.load_input(w, -(j + 1), f"b_i{j}")
+                with w.block(f"for e in range({EW_VEC}):"):
+                    w("j = j0 + e")
+                    with w.block("if j < L:"):
+                        for j in lasts:
+                            self.load_input(w, -(j + 1), f"b_i{j} + j")
+                        for k in p.compute:
+                            self.compute(w, k)
+                        for k in p.stores:
+                            self.store_output(w, k, f"b_{self.tag(k)} + j")
+
+    # -- row -----------------------------------------------------------------------------
+    def _rows(self, w) -> None:
+        for variant in (ROW_VARIANTS if self.s.scratch else (None,)):
+            self._row_kernel(w, variant)
+
+    def _row_kernel(self, w, variant) -> None:
+        s, R = self.s, self.R
+        name = "k_row" + (f"_{variant}" if variant else "")
+        extra = ["rows", "tpr"] + {"smem": [f"so{k}" for k in s.scratch],
+                                   "global": [f"ws{k}" for k in s.scratch]}.get(variant, [])
+        with self.kernel(w, name, extra):
+            self.prologue(w)
+            w("g = tid // tpr")
+            w("lane = tid - g * tpr")
+            w("rpb = cuda.blockDim.x // tpr")
+            self._row_buffers(w, variant)
+            with w.block("for rb in range(cuda.blockIdx.x * rpb, rows, cuda.gridDim.x * rpb):"):
+                w("r = rb + g")
+                w("act = r < rows")
+                w("Lr = L if act else 0")          # an idle row group loops over nothing
+                w("rr = r if act else rb")         # ... and reads a valid row
+                self.bases(w, self.decompose(w, "rr", list(range(R - 1))))
+                for j in self._row_scalar_inputs():
+                    self.load_input(w, -(j + 1), f"b_i{j}")
+                self._row_stage(w, s.scalars[0])
+                for p in s.passes:
+                    self._row_pass(w, p, variant)
+                    self._row_stage(w, s.scalars[p.index + 1])
+
+    def _row_scalar_inputs(self) -> list:
+        s = self.s
+        return sorted({j for p in s.passes for j in p.loads if not s.is_vector(-(j + 1))} |
+                      {j for st in s.scalars for j in st.loads})
+
+    def _row_buffers(self, w, variant) -> None:
+        for k in self._accumulated():      # one warp partial per slot (tpr > 32)
+            w(f"sr{k} = cuda.shared.array({MAX_THREADS // WARP}, "
+              f"{_NP[self.reduction(k).acc]})")
+        for k in self.s.scratch:
+            npt = _NP[dt.COMPUTE[self.dtype(k)]]
+            if variant == "regs":
+                w(f"sc{k} = cuda.local.array({REG_SLOTS}, {npt})")
+            elif variant == "smem":   # dynamic shared arrays alias: so<k> offsets them
+                w(f"sm{k} = cuda.shared.array(0, {npt})")
+                w(f"sb{k} = so{k} + g * L")
+        if variant == "global":
+            w("gb = (cuda.blockIdx.x * rpb + g) * L")
+
+    def _scratch_at(self, k, variant) -> tuple:
+        """(buffer, index) of element j of scratch value k."""
+        return {"regs": (f"sc{k}", "ti"), "smem": (f"sm{k}", f"sb{k} + j"),
+                "global": (f"ws{k}", "gb + j")}[variant]
+
+    def _row_stage(self, w, stage) -> None:
+        self.row_values(w, stage)
+        if stage.stores:
+            with w.block("if act and lane == 0:"):
+                for k in stage.stores:
+                    self.store_output(w, k, f"b_{self.tag(k)}")
+
+    def row_values(self, w, stage) -> None:
+        for k in stage.compute:
+            if k in self._accumulated():
+                self.finalize(w, k, f"a{k}", "L")
+            else:
+                self.compute(w, k)
+
+    def _row_pass(self, w, p, variant) -> None:
+        for k in p.accumulate:
+            w(f"a{k} = {self.reduction(k).init}")
+        if variant == "regs":      # constant trip count: the slots stay in registers
+            with w.block(f"for ti in range({REG_SLOTS}):"):
+                w("j = lane + ti * tpr")
+                with w.block("if j < Lr:"):
+                    self._row_element(w, p, variant)
+        else:
+            with w.block("for j in range(lane, Lr, tpr):"):
+                self._row_element(w, p, variant)
+        self._row_allreduce(w, p.accumulate)
+
+    def _row_element(self, w, p, variant) -> None:
+        for j in p.loads:
+            if self.s.is_vector(-(j + 1)):
+                self.load_input(w, -(j + 1), f"b_i{j} + j")
+        for k in p.scratch_loads:
+            buf, idx = self._scratch_at(k, variant)
+            w(f"v{k} = {load_expr(self._scratch_dtype(k), buf, idx)}")
+        for k in p.compute:
+            self.compute(w, k)
+        for k in p.accumulate:
+            w(f"a{k} = {self.step(k, f'a{k}', self.var(self.spec.nodes[k].args[0]))}")
+        for k in p.scratch_stores:
+            buf, idx = self._scratch_at(k, variant)
+            w(f"{buf}[{idx}] = {store_value(self._scratch_dtype(k), f'v{k}')}")
+        for k in p.stores:
+            self.store_output(w, k, f"b_{self.tag(k)} + j")
+
+    def _shfl(self, k, v: str) -> str:
+        fn = "shfl_xor_bool" if self.reduction(k).acc == "bool" else "shfl_xor"
+        return f"h.{fn}({v}, off)"
+
+    def _row_allreduce(self, w, ks) -> None:
+        """Every thread of a row group ends with the row's value (bitwise identical:
+        the butterfly and the slot order are the same for every lane)."""
+        if not ks:
+            return
+        w(f"off = (tpr if tpr < {WARP} else {WARP}) // 2")
+        with w.block("while off > 0:"):
+            for k in ks:
+                w(f"a{k} = {self.step(k, f'a{k}', self._shfl(k, f'a{k}'))}")
+            w("off = off // 2")
+        with w.block(f"if tpr > {WARP}:"):         # uniform: tpr is a kernel argument
+            with w.block(f"if lane % {WARP} == 0:"):
+                for k in ks:
+                    acc = self.reduction(k).acc
+                    w(f"sr{k}[tid // {WARP}] = {store_value(acc, f'a{k}')}")
+            w("cuda.syncthreads()")
+            w(f"w0 = g * (tpr // {WARP})")
+            for k in ks:
+                w(f"a{k} = {self.reduction(k).init}")
+            with w.block(f"for wi in range(w0, w0 + tpr // {WARP}):"):
+                for k in ks:
+                    part = load_expr(self.reduction(k).acc, f"sr{k}", "wi")
+                    w(f"a{k} = {self.step(k, f'a{k}', part)}")
+            w("cuda.syncthreads()")
+
+    # -- column --------------------------------------------------------------------------
+    def _columns(self, w) -> None:
+        P = len(self.s.passes)
+        accs = self._accumulated()
+        with self.kernel(w, "k_col", ["kept", "rows", "nct", "usplit", "nsplit", "tx_n"]), \
+                self._col_unit(w):
+            self._col_stage(w, 0, from_ws=False, store=True)
+            for p in self.s.passes:
+                self._col_pass(w, p)
+                self._col_stage(w, p.index + 1, from_ws=False, store=True)
+        last = P + (1 if self.s.scalars[P].compute else 0)
+        for q in range(last):
+            name = f"k_col_p{q}"
+            self.phases.append(name)
+            with self.kernel(w, name, ["kept", "rows", "nct", "usplit", "nsplit", "tx_n"] +
+                             [f"wa{k}" for k in sorted(accs)]), self._col_unit(w):
+                for st in range(q + 1):
+                    self._col_stage(w, st, from_ws=True, store=st == q)
+                if q < P:
+                    self._col_pass(w, self.s.passes[q], split=True)
+
+    @contextmanager
+    def _col_unit(self, w):
+        """Prologue and the unit loop; the caller's lines go inside the loop."""
+        R, s = self.R, self.s
+        self.prologue(w)
+        w("ty = tid // tx_n")
+        w("tx = tid - ty * tx_n")
+        w("ny = cuda.blockDim.x // tx_n")
+        for acc in sorted({self.reduction(k).acc for k in self._accumulated()}):
+            w(f"sc_{acc} = cuda.shared.array({MAX_THREADS}, {_NP[acc]})")
+        with w.block("for u in range(cuda.blockIdx.x, kept * nct * usplit, cuda.gridDim.x):"):
+            w("sp = u % usplit")
+            w("t = u // usplit")
+            w("ko = t // nct")
+            w("cx = (t - ko * nct) * tx_n + tx")
+            w("act = cx < L")
+            w("c = cx if act else L - 1")      # idle columns read a valid column
+            w("nr = rows if act else 0")
+            idx = self.decompose(w, "ko", [a for a in s.parallel_axes if a != R - 1])
+            for ref in self.input_refs() + list(self.spec.outputs):
+                w(f"k_{self.tag(ref)} = {self.offset(ref, idx)}")
+            yield
+
+    def _col_stage(self, w, st: int, from_ws: bool, store: bool) -> None:
+        """Column values of stage ``st``: per thread, for its column c."""
+        stage = self.s.scalars[st]
+        done: set = set()
+        for k in stage.compute:
+            if k in self._accumulated():
+                if from_ws:
+                    self._col_gather(w, k)
+                self.finalize(w, k, f"a{k}", "rows")
+            else:
+                self.load_inputs_of(w, [k], "k", done)
+                self.compute(w, k)
+        if store and stage.stores:
+            with w.block("if act and ty == 0 and sp == 0:"):
+                for k in stage.stores:
+                    self.store_output(w, k, self._inner(k, f"k_{self.tag(k)}"))
+
+    def _col_gather(self, w, k) -> None:
+        """Combine the nsplit block partials of reduction k from the workspace."""
+        r = self.reduction(k)
+        w(f"a{k} = {r.init}")
+        with w.block("for s2 in range(nsplit):"):
+            part = load_expr(r.acc, f"wa{k}", "(s2 * kept + ko) * L + c")
+            w(f"a{k} = {self.step(k, f'a{k}', part)}")
+
+    def _col_pass(self, w, p, split: bool = False) -> None:
+        for k in p.accumulate:
+            w(f"a{k} = {self.reduction(k).init}")
+        with w.block("for s in range(sp * ny + ty, nr, ny * usplit):"):
+            idx = self.decompose(w, "s", list(self.s.reduce_axes))
+            for ref in self.input_refs() + list(self.spec.outputs):
+                extra = self.offset(ref, idx)
+                w(f"b_{self.tag(ref)} = k_{self.tag(ref)}" +
+                  (f" + {extra}" if extra != "0" else ""))
+            for j in p.loads:
+                self.load_input(w, -(j + 1), self._inner(-(j + 1), f"b_i{j}"))
+            for k in p.compute:
+                self.compute(w, k)
+            for k in p.accumulate:
+                w(f"a{k} = {self.step(k, f'a{k}', self.var(self.spec.nodes[k].args[0]))}")
+            for k in p.stores:
+                self.store_output(w, k, self._inner(k, f"b_{self.tag(k)}"))
+        for k in p.accumulate:
+            self._col_combine(w, k)
+            if split:
+                acc = self.reduction(k).acc
+                with w.block("if ty == 0 and act:"):
+                    w(f"wa{k}[(sp * kept + ko) * L + c] = {store_value(acc, f'a{k}')}")
+
+    def _col_combine(self, w, k) -> None:
+        """The combine step: the ny partials of each column, through shared memory, in
+        slot order (every thread of the column gets the same value)."""
+        r = self.reduction(k)
+        w(f"sc_{r.acc}[tid] = {store_value(r.acc, f'a{k}')}")
+        w("cuda.syncthreads()")
+        w(f"a{k} = {r.init}")
+        with w.block("for y in range(ny):"):
+            part = load_expr(r.acc, f"sc_{r.acc}", "y * tx_n + tx")
+            w(f"a{k} = {self.step(k, f'a{k}', part)}")
+        w("cuda.syncthreads()")

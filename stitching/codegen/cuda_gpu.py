@@ -1,0 +1,128 @@
+"""GPU leaves of the CUDA helper namespace (see cuda_rt.py): one line each.
+
+``math.*`` on float32 lowers to libdevice's single-precision function (``expf``,
+``erff``, ...) and on float64 to the double one, so one definition serves both
+types.  libdevice follows C99 on special values (exp(-inf) = 0, log(0) = -inf,
+log(-1) = NaN, sqrt(-1) = NaN), which is what TF's kernels give; accuracy is the
+CUDA Math API's (expf 2 ulp, erff 2 ulp, tanhf 2 ulp, powf 4 ulp; double ~1-2 ulp).
+
+Not imported under the CUDA simulator (``numba.cuda.libdevice`` does not exist
+there); cuda_sim.py has the same names.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+from numba.cuda import libdevice
+from numba.cuda.extending import overload
+
+FULL_MASK = 0xFFFFFFFF   # every lane of the warp takes part in each shuffle
+
+device = cuda.jit(device=True, inline=True)
+
+
+@device
+def exp(x):
+    return math.exp(x)
+
+
+@device
+def expm1(x):
+    return math.expm1(x)
+
+
+@device
+def log(x):
+    return math.log(x)
+
+
+@device
+def log1p(x):
+    return math.log1p(x)
+
+
+@device
+def tanh(x):
+    return math.tanh(x)
+
+
+@device
+def erf(x):
+    return math.erf(x)
+
+
+@device
+def erfc(x):
+    return math.erfc(x)
+
+
+@device
+def sqrt(x):
+    return math.sqrt(x)
+
+
+@device
+def fabs(x):
+    return math.fabs(x)
+
+
+@device
+def floor(x):      # numba-cuda's math.floor keeps the float type (CPU numba gives int)
+    return math.floor(x)
+
+
+@device
+def ceil(x):
+    return math.ceil(x)
+
+
+@device
+def fmod(x, y):
+    return math.fmod(x, y)
+
+
+@device
+def copysign(x, y):
+    return math.copysign(x, y)
+
+
+@device
+def pow(x, y):     # noqa: A001 - the name lower.py's pow_f32/pow_f64 map to
+    return math.pow(x, y)
+
+
+def roundeven(x):
+    """Half-to-even rounding (TF Round): rintf / rint by type."""
+
+
+@overload(roundeven, target="cuda")
+def _roundeven(x):
+    if x == np.float32 or str(x) == "float32":
+        return lambda x: libdevice.rintf(x)
+    return lambda x: libdevice.rint(x)
+
+
+@device
+def shfl_xor(v, off):
+    return cuda.shfl_xor_sync(FULL_MASK, v, off)
+
+
+@device
+def shfl_xor_bool(v, off):
+    return cuda.shfl_xor_sync(FULL_MASK, np.int32(1) if v else np.int32(0), off) != 0
+
+
+@device
+def bf16_to_f32(u):
+    return libdevice.int_as_float(np.int32(np.int64(u) << 16))
+
+
+@device
+def f32_to_bf16(x):
+    """Round to nearest even; NaN stays a quiet NaN with its sign."""
+    u = np.int64(libdevice.float_as_int(x))
+    if x != x:
+        return np.uint16(((u >> 16) | 0x40) & 0xFFFF)
+    return np.uint16(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF)

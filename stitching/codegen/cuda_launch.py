@@ -1,0 +1,231 @@
+"""Launch dimensions for the CUDA kernels of one schedule, at the run-time sizes.
+
+    sizes ──pin_shapes──► spec with those sizes ──plan.cost.choose_launch(profile)──►
+          threads per block, rows per block (the latency evaluator, pinned GPU profiles)
+          ──map onto the kernel kind──► CudaLaunch: kernels, grid, block, shared bytes,
+                                        scalar arguments, global workspaces
+
+The latency evaluator (stitching/plan/cost.py) scores (rows_per_task, col_block, threads)
+candidates for a kernel of R rows x L columns on a DeviceProfile; we take its threads and
+rows per block and map them as follows (names as in cuda_emit.py):
+
+  elementwise  block = threads; grid = chunks of EW_VEC elements / threads, capped
+  row          tpr (threads per row) = threads / rows_per_task, at most the next power
+               of two >= L (no idle lanes past the row end); rpb = threads / tpr.
+               Scratch rows: registers if L <= tpr * REG_SLOTS, else shared memory if
+               rpb rows fit SMEM_LIMIT, else a global workspace.
+  column       tile tx_n = min(32, pow2 >= L) columns (a warp reads 128 contiguous
+               bytes), ny = threads / tx_n row slices.  The evaluator does not model
+               splitting the reduced axis across blocks; a local rule does: when
+               kept x tiles < COL_BLOCKS_PER_SM x SMs, split it ``nsplit`` ways (one
+               launch per pass, partials through global memory).
+
+Memoized per kernel on the input shapes, so a steady-state call costs a dict lookup.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..ir.graph import TensorType
+from ..ir.ops import infer
+from ..ir.spec import KernelSpec, SpecNode
+from ..plan import cost
+from ..schedule import KernelKind
+from .cuda_emit import EW_VEC, REG_SLOTS, WARP
+
+SMEM_LIMIT = 48 << 10        # CUDA: dynamic shared memory per block without the opt-in
+GRID_WAVES = 8               # arbitrary: grid-stride kernels launch at most 8 full waves
+COL_BLOCKS_PER_SM = 2        # arbitrary: below this many column blocks per SM, split rows
+MIN_ROWS_PER_THREAD = 8      # arbitrary: a split leaves each thread at least 8 rows
+MAX_SPLIT = 64               # arbitrary: bounds the partials each column re-combines
+DEFAULT_THREADS = 256        # fallback when the evaluator has no finite candidate
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a launch may use.  The simulator runs one Python thread per CUDA thread and
+    blocks one after another, so its limits are small; they change speed, not results."""
+    max_threads: int = 1024
+    max_blocks: int | None = None    # None: GRID_WAVES waves of the profile's device
+    smem: int = SMEM_LIMIT
+
+
+SIMULATOR_LIMITS = Limits(max_threads=64, max_blocks=4)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    D: tuple          # collapsed domain sizes
+    rows: int         # CPU dims[R+3]: outer rows (row/elementwise) or reduced count (column)
+    L: int            # last-axis length
+    kept: int = 1     # column kind: product of the kept outer axes
+
+
+@dataclass(frozen=True)
+class CudaLaunch:
+    kind: str
+    strategy: str                 # one line, e.g. "one warp per row, 4 rows per block"
+    steps: tuple                  # ((kernel, grid, block, shared bytes, {arg: value}), ...)
+    args: dict                    # scalar kernel arguments shared by every step
+    workspace: tuple = ()         # ((arg name, numpy dtype, elements), ...)
+    threads: int = 0
+    source: str = ""              # where the numbers came from
+    alternatives: tuple = field(default=())
+
+
+def _pow2ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def pin_shapes(spec, in_shapes) -> KernelSpec:
+    """The spec with its inputs at ``in_shapes`` and every node's type re-inferred."""
+    ins = tuple(TensorType(t.dtype, tuple(int(d) for d in s))
+                for t, s in zip(spec.inputs, in_shapes))
+    nodes = []
+    for n in spec.nodes:
+        args = [ins[-a - 1] if a < 0 else nodes[a].type for a in n.args]
+        attrs = n.attrs
+        if n.op == "Reshape":     # the unknown target dims are the input's, in order
+            src = iter(d for d in args[0].shape if d != 1)
+            attrs = dict(attrs, shape=tuple(next(src) if d == -1 else d
+                                            for d in attrs["shape"]))
+        nodes.append(SpecNode(n.op, n.args, attrs, infer(n.op, attrs, args)))
+    return KernelSpec(ins, tuple(nodes), spec.outputs, {})
+
+
+def evaluate(spec, in_shapes, profile) -> tuple:
+    """(threads, rows_per_task, col_block, source) from the latency evaluator."""
+    try:
+        lau = cost.choose_launch(pin_shapes(spec, in_shapes), profile)
+    except (ValueError, IndexError, StopIteration) as e:   # no finite candidate / odd sizes
+        return DEFAULT_THREADS, 1, None, f"default ({type(e).__name__})"
+    p = lau.params
+    return (lau.threads, p.get("rows_per_task", 1), p.get("col_block"),
+            f"latency evaluator ({profile.name}): {lau.describe()}")
+
+
+def plan(src, kind, sizes: Sizes, evaluated: tuple, profile, limits: Limits,
+         force: dict | None = None) -> CudaLaunch:
+    """Map the evaluator's choice (or ``force``: threads, tpr, variant, tx, split) onto
+    the kernels of ``src`` (a cuda_emit.CudaSource of a ``kind`` schedule)."""
+    force = dict(force or {})
+    threads, rpt, _cb, source = evaluated
+    th = force.pop("threads", None) or threads
+    if force:
+        source = "forced " + ", ".join(f"{k}={v}" for k, v in sorted(force.items()))
+    th = max(WARP, min(int(th), limits.max_threads))
+    if th % WARP or th & (th - 1):
+        raise ValueError(f"threads per block must be a power of two >= {WARP}, got {th}")
+    cap = limits.max_blocks or profile.units * max(1, profile.max_threads_per_unit // th) \
+        * GRID_WAVES
+    fn = {KernelKind.ELEMENTWISE: _elementwise, KernelKind.ROW: _row,
+          KernelKind.COLUMN: _column}[kind]
+    return fn(src, sizes, th, rpt, cap, profile, limits, force, source)
+
+
+def _grid(work: int, per_block: int, cap: int) -> int:
+    return max(1, min(-(-work // per_block), cap))
+
+
+def _elementwise(_src, z, th, _rpt, cap, _profile, _limits, force, source):
+    nc = -(-z.L // EW_VEC)
+    chunks = z.rows * nc
+    steps = (("k_ew", _grid(chunks, th, cap), th, 0, {}),) if chunks else ()
+    return CudaLaunch("elementwise", f"grid-stride, {EW_VEC} elements per thread per step",
+                      steps, {"rows": z.rows, "nc": nc}, (), th, source)
+
+
+def _row(src, z, th, rpt, cap, _profile, limits, force, source):
+    tpr = int(force.get("tpr") or min(max(1, th // max(1, rpt)), _pow2ceil(max(z.L, 1))))
+    if tpr & (tpr - 1) or tpr > th:
+        raise ValueError(f"threads per row must be a power of two <= {th}, got {tpr}")
+    rpb = th // tpr
+    scratch = [(k, _np_dtype(cd)) for k, cd in src.scratch]
+    variant = force.get("variant") or _row_variant(scratch, z.L, tpr, rpb, limits.smem)
+    args = {"rows": z.rows, "tpr": tpr}
+    smem, ws = 0, ()
+    grid = _grid(z.rows, rpb, cap)
+    if variant == "smem":
+        offs, smem = _smem_layout(scratch, rpb * z.L)
+        args.update({f"so{k}": o for (k, _), o in zip(scratch, offs)})
+    elif variant == "global":
+        ws = tuple((f"ws{k}", d, grid * rpb * max(z.L, 1)) for k, d in scratch)
+    name = "k_row" + (f"_{variant}" if variant else "")
+    steps = ((name, grid, th, smem, {}),) if z.rows else ()
+    return CudaLaunch("row", _row_text(tpr, rpb, variant), steps, args, ws, th, source)
+
+
+def _np_dtype(compute_dtype: str) -> np.dtype:
+    """On-chip / workspace arrays hold compute values; bool as bytes."""
+    return np.dtype("uint8" if compute_dtype == "bool" else compute_dtype)
+
+
+def _row_variant(scratch, L, tpr, rpb, smem_limit):
+    if not scratch:
+        return None
+    if L <= tpr * REG_SLOTS:
+        return "regs"
+    return "smem" if _smem_layout(scratch, rpb * L)[1] <= smem_limit else "global"
+
+
+def _smem_layout(scratch, elems_each):
+    """Element offsets of each scratch region in the one dynamic shared buffer (regions
+    8-byte aligned, so float64 views of it stay aligned) and the total bytes."""
+    offs, at = [], 0
+    for _k, d in scratch:
+        offs.append(at // d.itemsize)
+        at = -(-(at + elems_each * d.itemsize) // 8) * 8
+    return offs, at
+
+
+def _row_text(tpr, rpb, variant) -> str:
+    if tpr < WARP:
+        who = f"{tpr} threads per row, {WARP // tpr} rows per warp"
+    elif tpr == WARP:
+        who = "one warp per row (shuffles)"
+    else:
+        who = f"{tpr} threads per row (shuffles + shared-memory combine)"
+    where = {None: "", "regs": "; row values kept in registers",
+             "smem": "; row values kept in shared memory",
+             "global": "; row values kept in a global workspace"}[variant]
+    return f"{who}, {rpb} row(s) per block{where}"
+
+
+def _column(src, z, th, _rpt, cap, profile, _limits, force, source):
+    tx = int(force.get("tx") or min(WARP, _pow2ceil(max(z.L, 1)), th))
+    if tx & (tx - 1) or tx > th:
+        raise ValueError(f"column tile must be a power of two <= {th}, got {tx}")
+    ny = th // tx
+    nct = -(-z.L // tx) if z.L else 0
+    base = z.kept * nct
+    nsplit = int(force.get("split") or _auto_split(base, z.rows, ny, profile))
+    args = {"kept": z.kept, "rows": z.rows, "nct": nct, "nsplit": nsplit, "tx_n": tx}
+    if not base:
+        return CudaLaunch("column", "empty", (), args, (), th, source)
+    if nsplit == 1:
+        steps = (("k_col", _grid(base, 1, cap), th, 0, {"usplit": 1}),)
+        text = f"{tx} columns x {ny} row slices per block, shared-memory combine"
+        return CudaLaunch("column", text, steps, args, (), th, source)
+    ws = tuple((f"wa{k}", _np_dtype(acc), nsplit * z.kept * z.L)
+               for k, acc in sorted(src.accumulators))
+    steps = tuple((name, _grid(base * (nsplit if q < src.passes else 1), 1, cap), th, 0,
+                   {"usplit": nsplit if q < src.passes else 1})
+                  for q, name in enumerate(src.phases))
+    text = (f"{tx} columns x {ny} row slices per block, reduced axis split {nsplit} ways: "
+            f"{len(steps)} launches, partials through global memory")
+    return CudaLaunch("column", text, steps, args, ws, th, source)
+
+
+def _auto_split(base, rows, ny, profile) -> int:
+    target = COL_BLOCKS_PER_SM * profile.units
+    if base >= target or rows <= ny * MIN_ROWS_PER_THREAD:
+        return 1
+    return max(1, min(-(-target // base), rows // (ny * MIN_ROWS_PER_THREAD), MAX_SPLIT))
+
+
+def describe(launch: CudaLaunch) -> str:
+    grids = ", ".join(f"{n}<<<{g}, {b}{', ' + str(s) + ' B' if s else ''}>>>"
+                      for n, g, b, s, _ in launch.steps)
+    return f"{launch.kind}: {launch.strategy}; {grids or 'nothing to launch'} [{launch.source}]"
