@@ -153,14 +153,49 @@ def _bind_node(uf, node, arg_vars, out) -> list:
 def _unify(spec):
     uf = _Union()
     dims = {-(j + 1): _vars(uf, t.shape) for j, t in enumerate(spec.inputs)}
+    ghosts = {r: [None] * len(v) for r, v in dims.items()}
     reduced_vars = {}
     for k, n in enumerate(spec.nodes):
         out = _vars(uf, n.type.shape)
         dims[k] = out
         red = _bind_node(uf, n, [dims[a] for a in n.args], out)
+        ghosts[k] = _bind_ghosts(uf, n, [dims[a] for a in n.args],
+                                 [ghosts[a] for a in n.args], out)
         if OPS[n.op].kind == Kind.REDUCTION:
             reduced_vars[k] = red
     return uf, dims, reduced_vars
+
+
+def _bind_ghosts(uf, node, arg_vars, arg_ghosts, out) -> list:
+    """Reduce-then-broadcast-back: the size-1 dim a keep_dims reduction leaves *is*
+    the reduced axis.  When such a dim (a "ghost") meets a real dim of the same
+    static size in an element-wise op (LayerNorm's rsqrt(var)[?,1] * gamma[1,64]),
+    the two are the same loop axis; without this, gamma's axis would be a new axis
+    and the region an outer product the row schedule must refuse.  Only equal static
+    sizes are unified: with unknown sizes TF would broadcast an outer product.
+    Returns the output's ghosts (one var or None per output dim).
+    """
+    kind = OPS[node.op].kind
+    if kind == Kind.REDUCTION:
+        if not node.attrs["keep_dims"]:
+            return [None] * len(out)
+        (av,) = arg_vars
+        return [av[i] if i in node.attrs["axes"] else None for i in range(len(out))]
+    if kind != Kind.ELEMENTWISE:
+        return [None] * len(out)
+    res = [None] * len(out)
+    for i in range(len(out)):
+        real = out[i]
+        for av, ag in zip(arg_vars, arg_ghosts):
+            j = i - (len(out) - len(av))
+            if j < 0 or av[j] is not None or ag[j] is None:
+                continue
+            g = uf.find(ag[j])
+            if real is None:
+                res[i] = res[i] if res[i] is not None else g
+            elif uf.size[g] >= 0 and uf.size[g] == uf.size[uf.find(real)]:
+                uf.union(g, real)
+    return res
 
 
 # ---- step 2: classes and their order ------------------------------------------------
