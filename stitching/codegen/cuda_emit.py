@@ -119,7 +119,10 @@ class _CudaEmitter(_Emitter):
                 f"# spec {self.spec.hash}: {self.s.describe().splitlines()[0]}",
                 f"# helpers {helper_tag()}",
                 "import numpy as np", "from numba import cuda",
-                "from stitching.codegen import cuda_rt as h", "", "math = h.math", ""]
+                "from stitching.codegen import cuda_rt as h", "", "math = h.math"]
+        # dtype objects for dynamic shared arrays (the simulator needs .itemsize)
+        head += [f"DT_{n} = np.dtype(np.{n})" for n in sorted({
+            _NP[dt.COMPUTE[self.dtype(k)]][3:] for k in self.s.scratch})] + [""]
         return "\n".join(head + self.C.definitions() + ["", ""] + shape.lines +
                          ["", ""] + body.lines) + "\n"
 
@@ -231,7 +234,7 @@ class _CudaEmitter(_Emitter):
             if variant == "regs":
                 w(f"sc{k} = cuda.local.array({REG_SLOTS}, {npt})")
             elif variant == "smem":   # dynamic shared arrays alias: so<k> offsets them
-                w(f"sm{k} = cuda.shared.array(0, {npt})")
+                w(f"sm{k} = cuda.shared.array(0, DT_{npt[3:]})")
                 w(f"sb{k} = so{k} + g * L")
         if variant == "global":
             w("gb = (cuda.blockIdx.x * rpb + g) * L")

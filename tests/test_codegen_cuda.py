@@ -1,0 +1,267 @@
+"""CUDA backend under the numba-cuda simulator (no GPU, no TensorFlow needed).
+
+Every test checks kernel outputs against the float64 NumPy interpreter (cuda_ref.py).
+Launch strategies are forced where a test is about one (``k(..., launch=k.plan(...,
+threads=, tpr=, variant=, tx=, split=))``); the simulator runs one Python thread per
+CUDA thread, so shapes stay small.  The PTX test compiles the same kernels for sm_80
+with the real NVVM when libnvvm is installed (no GPU needed), in a subprocess without
+the simulator.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+if "numba.cuda" not in sys.modules:       # the flag is read when numba.cuda is imported
+    from numba.cuda.core import config as _cfg
+    _cfg.ENABLE_CUDASIM = int(os.environ["NUMBA_ENABLE_CUDASIM"])
+
+from stitching.codegen.cuda_rt import SIMULATOR  # noqa: E402
+
+if not SIMULATOR:   # numba.cuda was imported earlier in this process without the simulator
+    pytest.skip("numba.cuda already imported without NUMBA_ENABLE_CUDASIM=1",
+                allow_module_level=True)
+
+from stitching.codegen import cuda_launch  # noqa: E402
+from stitching.codegen.cuda import compile_cuda_kernel  # noqa: E402
+from stitching.codegen.cuda_ref import compare, evaluate  # noqa: E402
+from stitching.ir.builder import SpecBuilder  # noqa: E402
+from stitching.plan import profiles  # noqa: E402
+
+F = "float32"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def check(spec, arrays, tol=1.0, rtol=2e-5, atol=2e-6, **force):
+    """Run the CUDA kernel (optionally with a forced launch); compare with float64."""
+    k = compile_cuda_kernel(spec)
+    launch = k.plan([np.shape(a) for a in arrays], **force) if force else None
+    outs = k(*arrays, launch=launch)
+    refs = evaluate(spec, arrays)
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert o.shape == r.shape, (i, o.shape, r.shape)
+        err = compare(o, r, rtol=rtol, atol=atol)
+        assert err <= tol, f"output {i}: error {err:.3g} x tolerance\n{o}\n{r}"
+    return k, outs
+
+
+def data(*shape, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def softmax_spec(L=-1):
+    b = SpecBuilder()
+    x = b.input(F, (-1, L))
+    m = b.Max(x, axes=[1], keep_dims=True)
+    e = b.Exp(b.Sub(x, m))
+    y = b.Div(e, b.Sum(e, axes=[1], keep_dims=True))
+    return b.build([y, m])          # multi-output: a row vector and a row scalar
+
+
+def layernorm_spec():
+    b = SpecBuilder()
+    x, g = b.input(F, (-1, -1)), b.input(F, (-1,))
+    m = b.Mean(x, axes=[1], keep_dims=True)
+    d = b.Sub(x, m)
+    v = b.Mean(b.Square(d), axes=[1], keep_dims=True)
+    y = b.Mul(b.Mul(d, b.Rsqrt(b.Add(v, b.const(1e-5)))), g)
+    return b.build([y])
+
+
+# ---- element-wise --------------------------------------------------------------------
+
+def gelu_spec():
+    b = SpecBuilder()
+    x, bias = b.input(F, (-1, -1)), b.input(F, (-1,))
+    h = b.Add(x, bias)
+    y = b.Mul(b.Mul(b.const(0.5), h), b.Add(b.const(1.0), b.Erf(b.Mul(h, b.const(0.7071067811865476)))))
+    return b.build([y, b.Relu6(h)])
+
+
+@pytest.mark.parametrize("rows,L", [(1, 1), (3, 31), (2, 33), (1, 1025)])
+def test_elementwise_odd_sizes(rows, L):
+    check(gelu_spec(), [data(rows, L), data(L, seed=1)])
+
+
+def test_elementwise_broadcast_inner_and_rank0():
+    b = SpecBuilder()
+    x, s = b.input(F, (-1, 3, -1)), b.input(F, (3, 1))      # s broadcasts along the last axis
+    y = b.Maximum(b.Mul(x, s), b.const(0.0))               # NaN-propagating max
+    x_ = data(2, 3, 5)
+    x_[0, 1, 2] = np.nan
+    _, (o,) = check(b.build([y]), [x_, data(3, 1, seed=2)], threads=32)
+    assert np.isnan(o[0, 1, 2])
+    b = SpecBuilder()
+    p, q = b.input(F, ()), b.input(F, ())
+    check(b.build([b.Sub(b.Exp(p), q)]), [np.float32(0.5), np.float32(2.0)])
+
+
+def test_elementwise_dtypes_casts_and_bool():
+    b = SpecBuilder()
+    x, i = b.input("float16", (-1,)), b.input("int32", (-1,))
+    f = b.Cast(x, to="float32")
+    y = b.Cast(b.Mul(f, b.Cast(i, to="float32")), to="float16")
+    z = b.Cast(b.Round(f), to="int32")                       # half to even, truncation
+    c = b.LogicalAnd(b.Greater(f, b.const(0.0)), b.IsFinite(f))
+    xs = np.array([0.5, 1.5, 2.5, -0.5, np.inf, np.nan, 3.25, -7.0, 1e4], np.float16)
+    check(b.build([y, z, c]), [xs, np.arange(9, dtype=np.int32)], rtol=1e-3, atol=1e-3)
+
+
+# ---- row -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads,tpr", [(32, 4), (32, 32), (64, 64), (64, 16)])
+def test_row_thread_mappings(threads, tpr):
+    """several rows per warp (4), one warp per row (32), a row over two warps with the
+    shared-memory combine (64), several rows per block (16 x 4)."""
+    check(softmax_spec(), [data(5, 37)], threads=threads, tpr=tpr)
+
+
+@pytest.mark.parametrize("variant", ["regs", "smem", "global"])
+def test_row_scratch_placements(variant):
+    k, _ = check(softmax_spec(), [data(3, 33)], threads=32, tpr=8, variant=variant)
+    assert k.schedule.scratch                       # exp(x - max) is kept across passes
+
+
+@pytest.mark.parametrize("rows,L", [(1, 1), (2, 31), (3, 33), (1, 1025)])
+def test_row_odd_sizes_default_launch(rows, L):
+    check(softmax_spec(), [data(rows, L, seed=L)])
+    check(layernorm_spec(), [data(rows, L, seed=L + 1), data(L, seed=7)], atol=1e-5)
+
+
+def test_row_nan_propagates():
+    x = data(4, 9)
+    x[1, 3] = np.nan
+    _, (y, m) = check(softmax_spec(), [x], threads=32, tpr=8)
+    assert np.isnan(m[1, 0]) and np.isnan(y[1]).all() and not np.isnan(y[[0, 2, 3]]).any()
+
+
+def test_row_bool_and_int_reductions():
+    b = SpecBuilder()
+    x, i = b.input(F, (-1, 70)), b.input("int32", (-1, 70))
+    xi = b.Mul(x, b.Cast(i, to=F))                          # ties the two inputs' dims
+    anyneg = b.Any(b.Less(xi, b.const(0.0)), axes=[1])
+    allpos = b.All(b.Greater(i, b.const(0, "int32")), axes=[1])
+    s = b.Sum(i, axes=[1], keep_dims=True)
+    y = b.Sub(i, b.Max(i, axes=[1], keep_dims=True))
+    rng = np.random.default_rng(3)
+    ii = rng.integers(-5, 50, size=(6, 70)).astype(np.int32)
+    ii[2] = np.abs(ii[2]) + 1
+    ii[ii == 0] = 1
+    xs = np.sign(ii).astype(np.float32)                      # xi >= 0 ...
+    xs[1, 5] *= -1.0                                         # ... but in row 1
+    check(b.build([anyneg, allpos, s, y]), [xs, ii], threads=64, tpr=64)
+
+
+# ---- column --------------------------------------------------------------------------
+
+def center_spec():
+    b = SpecBuilder()
+    x = b.input(F, (-1, -1))
+    m = b.Mean(x, axes=[0], keep_dims=True)
+    d = b.Sub(x, m)
+    v = b.Mean(b.Square(d), axes=[0], keep_dims=True)     # a second, dependent reduction
+    return b.build([b.Div(d, b.Sqrt(b.Add(v, b.const(1e-3)))), m])
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_column_fused_and_split(split):
+    k, _ = check(center_spec(), [data(37, 9)], threads=32, tx=8, split=split, atol=1e-5)
+    lau = k.plan([(37, 9)], threads=32, tx=8, split=split)
+    assert len(lau.steps) == (1 if split == 1 else 3)      # two passes + the epilogue
+
+
+def test_column_nhwc_pool_and_odd_sizes():
+    b = SpecBuilder()
+    x = b.input(F, (-1, -1, -1, -1))
+    s = b.Mean(x, axes=[1, 2], keep_dims=True)
+    mx = b.Max(x, axes=[1, 2], keep_dims=True)
+    spec = b.build([b.Mul(x, b.Sigmoid(s)), mx])
+    xs = data(2, 3, 5, 33)
+    xs[1, 2, 4, 7] = np.nan
+    check(spec, [xs], atol=1e-5)
+    check(spec, [data(1, 1, 1, 1)])
+    check(spec, [data(2, 4, 5, 3)], threads=64, tx=4, split=2, atol=1e-5)
+
+
+# ---- API, launch choice, TF-free path ---------------------------------------------
+
+def test_shape_errors_and_one_kernel_for_all_sizes():
+    spec = layernorm_spec()
+    k = compile_cuda_kernel(spec)
+    with pytest.raises(ValueError, match="input 1 dim 0 differs from input 0 dim 1"):
+        k(data(2, 5), data(4))
+    for shape in [(1, 3), (4, 40)]:
+        check(spec, [data(*shape), data(shape[1])], atol=1e-5)
+    assert compile_cuda_kernel(spec) is k
+    assert set(k.source.kernels) == {"k_row"}        # sizes are arguments, not constants
+    assert {"D0", "D1", "rows", "tpr"} <= set(k.source.kernels["k_row"])
+
+
+def test_device_arrays_in_device_arrays_out():
+    from numba import cuda
+    k = compile_cuda_kernel(softmax_spec())
+    x = data(3, 8)
+    y, m = k(cuda.to_device(x))
+    assert not isinstance(y, np.ndarray)
+    ref_y, ref_m = evaluate(k.spec, [x])
+    assert compare(y.copy_to_host(), ref_y) <= 1 and compare(m.copy_to_host(), ref_m) <= 1
+
+
+def test_launch_from_pinned_profiles():
+    """Real-GPU limits (no launch): the evaluator's threads mapped onto the row kernel."""
+    k = compile_cuda_kernel(softmax_spec())
+    for name in ("v100", "a100", "h100"):
+        prof = profiles.get(name)
+        for rows, L in [(4096, 8), (4096, 32), (64, 4096)]:
+            sizes = cuda_launch.Sizes((rows, L), rows, L)
+            lau = cuda_launch.plan(k.source, k.schedule.kind, sizes,
+                                   cuda_launch.evaluate(k.spec, [(rows, L)], prof),
+                                   prof, cuda_launch.Limits())
+            tpr, th = lau.args["tpr"], lau.threads
+            assert tpr & (tpr - 1) == 0 and th % tpr == 0 and th % 32 == 0
+            assert tpr <= max(L, 1) or tpr == 1
+            if L == 8:
+                assert tpr <= 8                      # several rows per warp
+            assert "latency evaluator" in lau.source
+            assert lau.steps[0][2] == th
+
+
+def test_tensorflow_free_path():
+    code = textwrap.dedent("""
+        import os, sys
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        import numpy as np
+        from stitching.ir.builder import SpecBuilder
+        from stitching.codegen.cuda import compile_cuda_kernel
+        b = SpecBuilder()
+        x = b.input("float32", (-1, -1))
+        y = b.Div(x, b.Sum(b.Exp(x), axes=[1], keep_dims=True))
+        (out,) = compile_cuda_kernel(b.build([y]))(np.ones((2, 3), np.float32))
+        assert abs(out[0, 0] - 1 / (3 * np.e)) < 1e-6, out
+        assert "tensorflow" not in sys.modules, "tensorflow was imported"
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def _have_nvvm() -> bool:
+    return any(os.path.exists(os.path.join(d, "libnvvm.so"))
+               for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/nvvm/lib64"))
+
+
+@pytest.mark.skipif(not _have_nvvm(), reason="libnvvm not installed")
+def test_kernels_compile_to_ptx():
+    """The kernels the simulator ran also type-check and compile for a real GPU."""
+    r = subprocess.run([sys.executable, "tools/gpu_bench.py", "--ptx", "--only",
+                        "softmax_tf,center_axis0,bias_gelu_erf,dien_masked_softmax"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items()
+                            if k != "NUMBA_ENABLE_CUDASIM"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "shfl.sync" in r.stdout and "FAIL" not in r.stdout
