@@ -6,13 +6,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Options:
-    planner: str = "greedy"        # "greedy" (simple, correct) — see stitching/plan/
+    planner: str = "search"        # "search" | "greedy" | "baseline" (XLA-like); see plan/
     min_ops: int = 2               # a region must hold at least this many ops that do work
     progress: bool | None = None   # print compile progress; None: only when many kernels
     verify: bool = False           # run IR/plan/spec verifiers between stages (debug)
 
     def __post_init__(self):
-        if self.planner not in ("greedy",):
-            raise ValueError(f"unknown planner {self.planner!r}; choose 'greedy'")
+        from .plan import ALIASES, PLANNERS
+        if self.planner not in PLANNERS and self.planner not in ALIASES:
+            raise ValueError(f"unknown planner {self.planner!r}; choose one of "
+                             f"{', '.join(PLANNERS)}")
         if not isinstance(self.min_ops, int) or self.min_ops < 1:
             raise ValueError("min_ops must be a positive int")

@@ -31,6 +31,7 @@ class Report:
     compile_seconds: float = 0.0
     unique_kernels: int = 0
     notes: list = field(default_factory=list)
+    explanation: list = field(default_factory=list)   # per kernel: alternatives and scores
 
     @property
     def coverage(self) -> float:
@@ -55,6 +56,7 @@ class Report:
             "boundaries": [{"node": n, "reason": r} for n, r in self.boundaries],
             "compile_seconds": round(self.compile_seconds, 3),
             "notes": list(self.notes),
+            "explanation": list(self.explanation),
         }
 
     def summary(self) -> str:
@@ -76,6 +78,27 @@ class Report:
                 lines.append(f"    {reason}: {shown}")
         for n in self.notes:
             lines.append(f"  note: {n}")
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """Per kernel the planner considered: decision, scores, alternatives (search planner)."""
+        if not self.explanation:
+            return f"no explanation for {self.function}: the planner records none"
+        lines = [f"stitching plan for {self.function}"]
+        for e in self.explanation:
+            head = e.get("kernel") or ("fused" if e["deployed"] else "left alone")
+            lines.append(f"{head}: {len(e['nodes'])} ops [{', '.join(e['nodes'][:6])}"
+                         f"{', …' if len(e['nodes']) > 6 else ''}]")
+            lines.append(f"    predicted {e['fused_us']} µs fused vs {e['unfused_us']} µs "
+                         f"unfused; {e['score']}")
+            if e["launch"]:
+                lines.append(f"    launch: {e['launch']}")
+            if e["reason"]:
+                lines.append(f"    left alone: {e['reason']}")
+            for a in e["alternatives"]:
+                what = "time" if a["kind"] == "launch" else "gain"
+                lines.append(f"    {a['kind']:8} {what} {a['score_us']:+9.1f} µs  "
+                             f"{a['what']}  ({a['outcome']})")
         return "\n".join(lines)
 
     def __str__(self):

@@ -7,8 +7,10 @@ levels, as in FusionStitching:
   delta evaluator  GraphCosts.delta(pattern)        during search, O(|pattern|), memoized
   ─────────────────────────────────────────────────────────────────────────────────────
     gain(P)      = Σ unfused(op ∈ P) − fused(P)                       (> 0: fusing pays)
-    unfused(op)  = launch + max(bytes in+out / bw(lanes(op)), transcendentals / rate)
-    fused(P)     = launch + max(io(P) / bw(active(P)), transcendentals / rate)
+    unfused(op)  = launch + task + max(passes · bytes in+out / bw(lanes(op)), transc. / rate)
+                   passes = legality.work(op): 1, or 2 for a composite TF op (Softmax,
+                   FusedBatchNorm) whose TF kernel walks its data more than once
+    fused(P)     = launch + task + max(io(P) / bw(active(P)), transcendentals / rate)
                    + scratch(P) + register spills(P)
     io(P)        distinct values read from outside P + values leaving P, each once
     active(P)    lanes P keeps busy: all for element-wise work; the row count when a
@@ -162,7 +164,8 @@ class GraphCosts:
         self.red, self.tr, self.item = red, tr, item
         self.cons = [frozenset(self.index[c] for c in cons[n]) for n in order]
         self.count = [max(1, size[i] // item[i]) for i in range(len(order))]
-        self.io_bytes = [sum(b for _, b, _ in ins[i]) + outs[i] for i in range(len(order))]
+        self.io_bytes = [(sum(b for _, b, _ in ins[i]) + outs[i]) * max(1, work[i])
+                         for i in range(len(order))]   # traffic of the op left to TF
         self.unfused = [self._unfused(i) for i in range(len(order))]
         self._free_values = (profile.registers_per_unit if profile.backend == "cpu" else
                              profile.registers_per_unit // profile.max_threads_per_unit
@@ -188,7 +191,8 @@ class GraphCosts:
         return 0
 
     def _unfused(self, i: int) -> float:
-        """One TF op on its own: a launch plus its traffic at its own parallelism."""
+        """One TF op on its own: a launch plus its traffic (all its passes) at its own
+        parallelism."""
         if not self.work[i]:
             return 0.0
         p = self.profile
@@ -196,7 +200,7 @@ class GraphCosts:
         g = self.red[i]
         lanes = elementwise_lanes(p, big * (g.row_len if g and not g.internal else 1))
         mem = self.io_bytes[i] / p.bw_at(lanes)
-        return p.launch_s + max(mem, _compute_s(p, self.tr[i], lanes))
+        return p.launch_s + p.task_s + max(mem, _compute_s(p, self.tr[i], lanes))
 
     def unfused_s(self, members) -> float:
         return sum(self.unfused[v] for v in members)
@@ -221,7 +225,7 @@ class GraphCosts:
             if self.pinned[v] or not P.issuperset(cons[v]):
                 io += self.size[v]
             if self.work[v]:
-                work += self.work[v]
+                work += 1
                 unf_bytes += self.io_bytes[v]
                 unfused += self.unfused[v]
             tr += self.tr[v]
@@ -233,7 +237,8 @@ class GraphCosts:
         scratch_s = self._scratch_s(P, stitched, active) if stitched else 0.0
         spill_s, active_p = self._register_pressure(P, big, active)
         mem = io / p.bw_at(active_p)
-        fused = p.launch_s + max(mem, _compute_s(p, tr, active_p)) + scratch_s + spill_s
+        fused = (p.launch_s + p.task_s + max(mem, _compute_s(p, tr, active_p))
+                 + scratch_s + spill_s)
         full = io / p.bw_at(elementwise_lanes(p, big))
         return Delta(unfused - fused, fused, unfused, unf_bytes - io, max(0, work - 1),
                      max(0.0, io / p.bw_at(active) - full),

@@ -107,6 +107,8 @@ PINNED = {
 # CPU constants the measurement cannot see from NumPy (labelled):
 _CPU_LAUNCH_S = 5e-6   # arbitrary: a few µs per TF op dispatch in graph mode
 _CPU_TASK_S = 1e-6     # arbitrary: one ParallelFor shard (wake-up + bookkeeping)
+_CACHE_OVER_DRAM = 4   # arbitrary floor: on-chip bandwidth is at least 4x DRAM's on any
+                       # recent CPU (a measurement under load may say otherwise)
 
 
 def get(name: str) -> DeviceProfile:
@@ -232,9 +234,11 @@ def measure_cpu() -> DeviceProfile:
     l2 = caches.get("l2", 512 << 10)
     cache_bw = _cache_bw(np, max(4096, l2 // 4)) * cores   # a quarter of L2
     exp_rate = _exp_rate(np) * cores
+    # A loaded machine can measure anything; keep the profile physically sensible.
+    cache_bw = max(cache_bw, _CACHE_OVER_DRAM * allc)
     return DeviceProfile(
-        name="cpu", backend="cpu", bandwidth=allc, lanes=cores, bw_per_lane=one,
-        units=cores, cache_bandwidth=max(cache_bw, allc), scratch_per_task=l2,
+        name="cpu", backend="cpu", bandwidth=allc, lanes=cores, bw_per_lane=min(one, allc),
+        units=cores, cache_bandwidth=cache_bw, scratch_per_task=l2,
         scratch_per_unit=l2, registers_per_unit=16, max_threads_per_task=1,
         max_threads_per_unit=1, vector_bytes=32, launch_s=_CPU_LAUNCH_S, task_s=_CPU_TASK_S,
         transcendental_per_s=exp_rate, caches=caches, measured=True)

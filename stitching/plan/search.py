@@ -3,9 +3,9 @@ selective deployment, scored by cost.py.
 
   ┌──────────────────────┐  ┌──────────────────────┐  ┌──────────────────────┐  ┌─────────────┐
   │1 candidates          │  │2 beam                │  │3 merge               │  │4 deploy     │
-  │consumers first: grow │─▶│topological order:    │─▶│stitch neighbours;    │─▶│latency      │
-  │{v} ∪ top-k patterns  │  │pick disjoint pattern │  │pack independent      │  │evaluator;   │
-  │of each consumer; keep│  │per vertex, keep B    │  │kernels (remote       │  │keep kernels │
+  │consumers first: grow │─▶│best gain first: pick │─▶│stitch neighbours;    │─▶│latency      │
+  │{v} ∪ top-k patterns  │  │disjoint pattern per  │  │pack independent      │  │evaluator;   │
+  │of each consumer; keep│  │vertex, keep B        │  │kernels (remote       │  │keep kernels │
   │top-k by delta gain   │  │plans by Σ gain       │  │fusion) while it pays │  │that pay     │
   └──────────────────────┘  └──────────────────────┘  └──────────────────────┘  └─────────────┘
 
@@ -18,10 +18,10 @@ selective deployment, scored by cost.py.
        v ──▶ c1     C(c1) = {c1,e} {c1}        C(v) ⊆ {v} ∪ ({} | {c1} | {c1,e})
        └───▶ c2     C(c2) = {c2,e} {c2}                    ∪ ({} | {c2} | {c2,e})
 
-2. Beam search over plans.  Walk fusible vertices in topological order; a state is the
+2. Beam search over plans.  Walk fusible vertices best candidate first; a state is the
    set of decided nodes plus the chosen patterns and their summed gain.  At an undecided
    vertex each state branches into "leave it" and each disjoint candidate of positive
-   gain; the `beam` best states survive (one per decided set).  The winning plan's
+   gain (up to top_k); the `beam` best states survive (one per decided set).  The winning plan's
    patterns are then checked for legality (region extraction + the schedule's `legal`,
    memoized): a refused pattern is banned, an op that is illegal even alone is taken out
    of the search, and the search reruns (at most `rounds` times).
@@ -53,6 +53,11 @@ from .planner import Plan
 from .profiles import DeviceProfile
 from .profiles import default as _default_profile
 from .region import extract
+
+
+_FREE_SLACK_S = 1e-9   # arbitrary: a view joins a neighbour's kernel when that costs < 1 ns
+MIN_PACK_ELEMS = 256   # arbitrary: smaller lone ops (shape arithmetic, scalars) are not
+                       # packed: TF folds or places them itself
 
 
 @dataclass(frozen=True)
@@ -118,10 +123,9 @@ class _Context:
                 succ[self.order[p]].add(self.order[n.name])
         self.succ = [tuple(sorted(s)) for s in succ]
         self.reach = Reach(self.succ)
-        fetch_nodes = {r.node for r in graph.outputs}
         self.excluded: set = set()          # fusible ops found illegal even alone
-        self.fusible = [i for i, n in enumerate(self.names) if n not in fetch_nodes
-                        and _fus.is_candidate(graph, graph[n])]
+        self.fusible = [i for i, n in enumerate(self.names)
+                        if _fus.is_candidate(graph, graph[n])]
         self.side_users = self._side_users()
         self.boundaries: dict = {}         # (node, reason) -> None, insertion ordered
         self.log: dict = {}                # node -> [(kind, pattern, score_s, outcome)]
@@ -248,30 +252,37 @@ def _keep(ctx: _Context, v: int, partial: list) -> list:
 # ---- 2. beam search over plans --------------------------------------------------------------
 
 def _beam(ctx: _Context, C: dict, banned: set) -> list:
-    """Disjoint patterns maximizing Σ gain (approximately: `beam` states kept)."""
+    """Disjoint patterns maximizing Σ gain (approximately: `beam` states kept).
+
+    Vertices are decided best candidate first, not in graph order: a state that took a
+    small pattern early must not crowd out, by its head start, the state that keeps
+    room for a larger one overlapping it (a LayerNorm's gamma Reshape, say, whose own
+    pattern would steal half the LayerNorm).
+    """
     k, gain = ctx.cfg.top_k, ctx.gain
+    opts = {v: [(P, ctx.mask(P), gain(P)) for P in C.get(v, ())
+                if P not in banned and gain(P) > 0] for v in ctx.is_fusible}
+    order = sorted((v for v in opts if opts[v]), key=lambda v: (-opts[v][0][2], v))
     states = {0: (0.0, None)}          # decided-nodes bitset -> (Σ gain, chosen list)
-    for v in sorted(ctx.is_fusible):
-        opts = [(P, ctx.mask(P), gain(P)) for P in C.get(v, ())
-                if P not in banned and gain(P) > 0][:k]
-        if not opts:
-            continue
+    for v in order:
         bit, nxt = 1 << v, {}
         for mask, (score, chosen) in states.items():
             if mask & bit:
                 _put(nxt, mask, score, chosen)
                 continue
             _put(nxt, mask | bit, score, chosen)
-            for P, pm, g in opts:
-                if not pm & mask:
+            taken = 0
+            for P, pm, g in opts[v]:
+                if taken < k and not pm & mask:
                     _put(nxt, mask | pm, score + g, (P, chosen))
+                    taken += 1
         states = dict(heapq.nlargest(ctx.cfg.beam, nxt.items(), key=lambda kv: kv[1][0]))
     _, chosen = max(states.values(), key=lambda s: s[0])
     out = []
     while chosen is not None:
         out.append(chosen[0])
         chosen = chosen[1]
-    return out[::-1]
+    return sorted(out, key=min)
 
 
 def _put(states: dict, mask: int, score: float, chosen):
@@ -330,6 +341,10 @@ class _Merger:
         self.con, kept = _contract(ctx, chosen)
         n = len(ctx.names)
         self.cur = {n + j: ctx.gain(P) for j, P in enumerate(kept)}
+        covered = set().union(*kept) if kept else set()
+        for v in sorted(ctx.is_fusible - covered):       # lone ops may be packed too
+            if ctx.costs.work[v] and ctx.costs.count[v] >= MIN_PACK_ELEMS:
+                self.cur[v] = 0.0
         self.kernels = sorted((min(self.con.members[g]), g) for g in self.cur)
         self.heap, self.seq = [], 0
         self.packed: dict = {}          # group -> (members of part a, of part b), unchecked
@@ -356,6 +371,11 @@ class _Merger:
     def members(self, g) -> frozenset:
         return frozenset(self.con.members[g])
 
+    def free(self, g, h) -> bool:
+        """One side is a lone op that moves no data (its TF op costs nothing)."""
+        return any(len(self.con.members[x]) == 1
+                   and not self.ctx.costs.work[self.con.members[x][0]] for x in (g, h))
+
     def push_pairs(self, g):
         cfg = self.ctx.cfg
         for h, kind in self.partners(g):
@@ -363,6 +383,8 @@ class _Merger:
             if len(U) > (cfg.max_kernel if kind == "stitch" else cfg.max_packed):
                 continue
             better = self.ctx.gain(U) - self.cur.get(g, 0.0) - self.cur.get(h, 0.0)
+            if kind == "stitch" and better > -_FREE_SLACK_S and self.free(g, h):
+                better = max(better, _FREE_SLACK_S)      # absorb a view (Reshape, Identity)
             if better > 0:
                 self.seq += 1
                 heapq.heappush(self.heap, (-better, self.seq, g, h, kind))
@@ -441,8 +463,12 @@ def _merge(ctx: _Context, chosen: list) -> list:
 # ---- 4. deploy: launch parameters, selective deployment ------------------------------------
 
 def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
+    """Kernels that pay (or lone ops, when min_ops < 2 asks for them) become regions."""
     result = Plan()
     placed: dict = {}                       # node -> why it is not in a kernel
+    if min_ops < 2:
+        covered = set().union(*groups) if groups else set()
+        groups = list(groups) + [frozenset((v,)) for v in sorted(ctx.is_fusible - covered)]
     for P in sorted(groups, key=min):
         names = [ctx.names[v] for v in sorted(P)]
         work = sum(_fus.work(ctx.graph[n]) for n in names)
@@ -450,7 +476,11 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
             for n in names:
                 placed[n] = "a lone op: fusing it alone saves nothing"
             continue
-        choice = _schedule(ctx, P)
+        why = ctx.check(P)
+        if why is not None:                 # only lone ops added above get here
+            placed.update((n, why) for n in names)
+            continue
+        choice = _schedule(ctx, P, forced=work < 2)
         result.alternatives.append(choice)
         if choice.deployed:
             result.regions.append(choice.region)
@@ -476,8 +506,10 @@ def _unfused_reason(ctx: _Context, v: int, placed: dict) -> str:
     return placed.get(ctx.names[v], "a lone op: fusing it alone saves nothing")
 
 
-def _schedule(ctx: _Context, P) -> "KernelChoice":
-    """Launch parameters from the latency evaluator, offered to legality best first."""
+def _schedule(ctx: _Context, P, forced: bool = False) -> "KernelChoice":
+    """Launch parameters from the latency evaluator, offered to legality best first;
+    deployed if predicted faster than its ops left to TF (or ``forced``: a lone op that
+    min_ops < 2 asks for — the model cannot say it pays)."""
     region, delta = ctx.region(P), ctx.costs.delta(P)
     unfused = ctx.costs.unfused_s(P)
     choice = KernelChoice([ctx.names[v] for v in sorted(P)], False, delta=delta,
@@ -488,7 +520,7 @@ def _schedule(ctx: _Context, P) -> "KernelChoice":
         choice.alternatives.append(("launch", _params(params, threads), t,
                                     "chosen" if spec.schedule == _schedule_params(params)
                                     else "slower"))
-    if launch.time_s >= unfused:
+    if launch.time_s >= unfused and not forced:
         choice.reason = (f"cost model predicts no gain: fused {launch.time_s * 1e6:.1f} µs "
                          f">= unfused {unfused * 1e6:.1f} µs")
         return choice

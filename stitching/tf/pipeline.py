@@ -3,7 +3,7 @@
     inline   frontend.inline_functions   (Grappler function inlining only)
     import   frontend.import_for_shapes   (TF shape inference)
     lift     frontend.to_ir               (TF nodes -> IR nodes)
-    plan     plan.planner.plan            (regions; legality from schedule.check)
+    plan     plan.get_planner(options.planner)  (regions; legality from schedule.check)
     compile  codegen.compile_kernels      (Numba, cached in memory and on disk)
     register runtime.register             (kernel addresses for the StitchedKernel op)
     rewrite  tf.rewrite.rewrite           (one StitchedKernel node per region)
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .. import report as _report
 from ..options import Options
-from ..plan import legality, planner
+from ..plan import get_planner, legality
 from . import frontend, opnames, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
@@ -53,7 +53,7 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     ir = frontend.to_ir(tf_graph, list(fetches))
     if options.verify:
         ir.verify()
-    the_plan = planner.plan(ir, legal=legal, min_ops=options.min_ops)
+    the_plan = get_planner(options.planner)(ir, legal=legal, min_ops=options.min_ops)
     regions, kernels, failed = _compile(the_plan.regions, options)
     new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions)
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
@@ -114,7 +114,24 @@ def _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, faile
             ("a function output" if n in fetches else "left to TF by the planner")
         rep.unfused.append((n, tf_op[n], why))
     rep.boundaries = list(the_plan.boundaries)
+    rep.notes.extend(the_plan.notes)
+    rep.explanation = _explanation(the_plan, regions, kernel_names, failed)
     return rep
+
+
+def _explanation(the_plan, regions, kernel_names, failed) -> list:
+    """The search planner's per-kernel alternatives, named as the rewrite named them."""
+    names = {tuple(r.nodes): k for r, k in zip(regions, kernel_names)}
+    broken = {tuple(r.nodes): why for r, why in failed}
+    out = []
+    for choice in the_plan.alternatives:
+        d = choice.to_dict()
+        key = tuple(choice.region.nodes) if choice.region is not None else None
+        d["kernel"] = names.get(key, "")
+        if key in broken:
+            d["deployed"], d["reason"] = False, broken[key]
+        out.append(d)
+    return out
 
 
 _SHAPE_SOURCES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
