@@ -42,7 +42,6 @@ def plan(graph: Graph, legal: Legal, min_ops: int = 2) -> Plan:
     order = {n: i for i, n in enumerate(graph.topo_order())}
     consumers = graph.consumers()
     fetched = set(graph.outputs)
-    fetch_nodes = {r.node for r in graph.outputs}
     succ = _successors(graph)
     region_of: dict[str, int] = {}
     regions: dict[int, set] = {}
@@ -62,7 +61,7 @@ def plan(graph: Graph, legal: Legal, min_ops: int = 2) -> Plan:
 
     for name in sorted(graph.nodes, key=order.__getitem__):
         node = graph[name]
-        if name in fetch_nodes or not _fus.is_candidate(graph, node):
+        if not _fus.is_candidate(graph, node):
             continue
         prod = sorted({region_of[r.node] for r in node.inputs if r.node in region_of},
                       key=lambda i: -len(regions[i]))

@@ -171,7 +171,10 @@ def _convert(op) -> Node:
         return _opaque(op, reason)
     # Re-derive the output type with the op table: a node we cannot type is not fusible.
     out_types = [tensor_type(t) for t in op.outputs]
-    for t in out_types + [tensor_type(t) for t in op.inputs]:
+    # A composite's extra outputs (FusedBatchNorm's statistics and reserve space,
+    # of unknown rank) are never read when it is fused: check only output 0.
+    checked = out_types[:1] if node.op in COMPOSITE_OPS else out_types
+    for t in checked + [tensor_type(t) for t in op.inputs]:
         if t.dtype.startswith("opaque:"):
             return _opaque(op, f"dtype {t.dtype[7:]} is not supported")
         if t.shape is None:

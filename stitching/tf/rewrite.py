@@ -60,7 +60,21 @@ def rewrite(graph_def, ir_graph, regions, labels=None):
     for i, (reg, name) in enumerate(zip(regions, kernels)):
         out.node.append(_kernel_node(name, reg, ir_graph, remap,
                                      labels[i] if labels else name))
+    _keep_fetched_names(out, ir_graph, member_of, value_map)
     return out, kernels
+
+
+def _keep_fetched_names(out, ir_graph, member_of, value_map):
+    """A fetched node that was fused away stays fetchable by name: it becomes an
+    Identity of the kernel output that now holds its value."""
+    for ref in ir_graph.outputs:
+        if ref.node not in member_of or ref.index != 0:
+            continue
+        if any(n.name == ref.node for n in out.node):
+            continue
+        nd = out.node.add(name=ref.node, op="Identity")
+        nd.input.append(value_map[(ref.node, 0)])
+        nd.attr["T"].type = frontend.TF_DTYPE[ir_graph.type_of(ref).dtype].as_datatype_enum
 
 
 def _kernel_node(name, reg, ir_graph, remap, label):
