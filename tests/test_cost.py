@@ -1,0 +1,218 @@
+"""Cost model against pinned device profiles (TF-free): delta and latency evaluators."""
+import json
+
+import pytest
+
+from irbuild import F, G, layernorm
+from stitching.ir.builder import SpecBuilder
+from stitching.plan import cost, profiles
+from stitching.plan.cost import GraphCosts, choose_launch, kernel_shape
+
+CPU = profiles.get("cpu-reference")
+V100, A100, H100 = (profiles.get(n) for n in ("v100", "a100", "h100"))
+
+
+def costs(g, profile=CPU):
+    return GraphCosts(g, profile, g.topo_order())
+
+
+def pattern(c, *names):
+    return frozenset(c.index[n] for n in names)
+
+
+def ln_spec(rows, cols):
+    b = SpecBuilder()
+    x = b.input(F, (rows, cols))
+    m = b.Mean(x, axes=[1], keep_dims=True)
+    d = b.Sub(x, m)
+    v = b.Mean(b.Square(d), axes=[1], keep_dims=True)
+    return b.build([b.Mul(d, b.Rsqrt(b.Add(v, b.const(1e-5))))])
+
+
+def ew_spec(rows, cols):
+    b = SpecBuilder()
+    x = b.input(F, (rows, cols))
+    return b.build([b.Neg(b.Exp(x))])
+
+
+# ---- profiles ------------------------------------------------------------------------
+
+def test_pinned_gpu_profiles_carry_published_specs():
+    assert (V100.bandwidth, V100.units, V100.scratch_per_unit) == (900e9, 80, 96 << 10)
+    assert (A100.bandwidth, A100.units, A100.scratch_per_task) == (1555e9, 108, 163 << 10)
+    assert (H100.bandwidth, H100.units, H100.scratch_per_unit) == (3350e9, 132, 228 << 10)
+    for p in (V100, A100, H100):
+        assert p.backend == "cuda" and p.registers_per_unit == 65536
+        assert p.max_threads_per_task == 1024 and p.max_threads_per_unit == 2048
+
+
+def test_bandwidth_grows_with_active_lanes_until_the_device_saturates():
+    assert V100.bw_at(1) == pytest.approx(V100.bw_per_lane)
+    assert V100.bw_at(V100.lanes // 2) == pytest.approx(V100.bandwidth / 2)
+    assert V100.bw_at(10 * V100.lanes) == V100.bandwidth
+    assert CPU.bw_at(1) == CPU.bw_per_lane < CPU.bw_at(2) == CPU.bandwidth
+
+
+def test_unknown_profile_name_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="v100"):
+        profiles.get("tpu")
+
+
+def test_measured_cpu_profile_is_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    calls = []
+    fake = profiles.with_overrides(CPU, name="cpu", measured=True)
+    monkeypatch.setattr(profiles, "measure_cpu", lambda: calls.append(1) or fake)
+    monkeypatch.setattr(profiles, "_memo", {})
+    assert profiles.measured_cpu() == fake and len(calls) == 1
+    saved = json.loads((tmp_path / profiles.CACHE_FILE).read_text())
+    assert saved["profile"]["bandwidth"] == CPU.bandwidth
+    monkeypatch.setattr(profiles, "_memo", {})          # a new process: read from disk
+    assert profiles.measured_cpu() == fake and len(calls) == 1
+    saved["fingerprint"] = "another machine"
+    (tmp_path / profiles.CACHE_FILE).write_text(json.dumps(saved))
+    monkeypatch.setattr(profiles, "_memo", {})
+    profiles.measured_cpu()
+    assert len(calls) == 2                              # remeasured for this machine
+
+
+def test_real_cpu_measurement_is_physically_sensible(tmp_path, monkeypatch):
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    p = profiles.measure_cpu()
+    assert p.backend == "cpu" and p.measured and p.lanes == p.units >= 1
+    assert 0 < p.bw_per_lane <= p.bandwidth <= p.cache_bandwidth / 4
+    assert p.transcendental_per_s > 0 and p.caches.get("l2", 0) > 0
+
+
+def test_environment_pins_the_default_profile(monkeypatch):
+    monkeypatch.setenv("STITCHING_PROFILE", "h100")
+    assert profiles.default() is H100
+
+
+# ---- delta evaluator -----------------------------------------------------------------
+
+def test_fusing_a_chain_saves_the_intermediate_traffic_and_a_launch():
+    g = (G().input("x", [1024, 256]).op("a", "Exp", ["x"]).op("b", "Neg", ["a"])
+         .opaque("m", ["b"], [1024, 256]).build("m"))
+    for p in (CPU, V100, A100, H100):
+        d = costs(g, p).delta(pattern(costs(g, p), "a", "b"))
+        assert d.bytes_saved == 2 * 1024 * 256 * 4       # a written once, read once: gone
+        assert d.launches_saved == 1
+        assert d.gain_s > p.launch_s                      # a launch plus the bytes
+        assert d.gain_s == pytest.approx(d.unfused_s - d.fused_s)
+
+
+def test_a_shared_input_is_read_once_by_the_kernel():
+    g = layernorm(G().input("x", [512, 1024])).op("out", "Identity", ["y"]).build("out")
+    c = costs(g)
+    ln = pattern(c, "mean", "d", "sq", "var", "ve", "inv", "y")
+    # unfused: x read by mean and d, d by sq and y, ...; fused: x in, y out
+    assert c.delta(ln).bytes_saved > 5 * 512 * 1024 * 4
+    assert c.delta(ln).launches_saved == 6
+
+
+def test_too_few_rows_for_the_device_is_a_parallelism_penalty():
+    few = layernorm(G().input("x", [4, 65536])).op("out", "Identity", ["y"]).build("out")
+    many = layernorm(G().input("x", [4096, 64])).op("out", "Identity", ["y"]).build("out")
+    names = ("mean", "d", "sq", "var", "ve", "inv", "y")
+    cf, cm = costs(few, V100), costs(many, V100)
+    assert cf.delta(pattern(cf, *names)).parallel_penalty_s > 0
+    assert cm.delta(pattern(cm, *names)).parallel_penalty_s == 0
+    # element-wise work keeps every lane busy whatever the shape
+    assert cf.delta(pattern(cf, "ve", "inv")).parallel_penalty_s == 0
+
+
+def test_a_row_too_long_for_scratch_costs_a_second_pass():
+    names = ("mean", "d", "sq", "var", "ve", "inv", "y")
+    fits = layernorm(G().input("x", [64, 4096])).op("out", "Identity", ["y"]).build("out")
+    spills = layernorm(G().input("x", [1, 262144])).op("out", "Identity", ["y"]).build("out")
+    cf, cs = costs(fits), costs(spills)       # same bytes; 16 KiB vs 1 MiB rows, 512 KiB L2
+    pf = cf.delta(pattern(cf, *names)).pressure_penalty_s
+    ps = cs.delta(pattern(cs, *names)).pressure_penalty_s
+    assert 0 < pf < ps
+    assert ps == pytest.approx(pf * CPU.cache_bandwidth / CPU.bw_at(1), rel=0.05)
+
+
+def test_a_lone_composite_op_pays_when_memory_bound_as_tf_walks_its_data_twice():
+    g = G().input("x", [256, 1024]).composite("s", "Softmax", ["x"]) \
+        .op("out", "Identity", ["s"]).build("out")
+    fast_exp = profiles.with_overrides(CPU, transcendental_per_s=1e12)
+    c = costs(g, fast_exp)
+    d = c.delta(pattern(c, "s"))
+    assert d.launches_saved == 0 and d.bytes_saved == 2 * 256 * 1024 * 4   # one pass less
+    assert d.gain_s > 0
+    c = costs(g, CPU)                      # exp-bound at 1.2e9/s: both sides wait on exp
+    assert c.delta(pattern(c, "s")).gain_s <= 0
+
+
+def test_a_lone_elementwise_op_saves_nothing():
+    g = G().input("x", [256, 1024]).op("a", "Exp", ["x"]).op("out", "Identity", ["a"]) \
+        .build("out")
+    c = costs(g)
+    assert c.delta(pattern(c, "a")).gain_s == pytest.approx(0.0, abs=1e-12)
+
+
+# ---- latency evaluator ---------------------------------------------------------------
+
+def test_many_short_rows_are_packed_into_few_tasks():
+    lau = choose_launch(ln_spec(4096, 64), CPU)
+    assert lau.params["col_block"] == 64
+    assert lau.params["rows_per_task"] >= 64 and lau.tasks >= CPU.lanes
+    assert lau.alternatives[0][2] == lau.time_s
+    assert all(t >= lau.time_s for _, _, t in lau.alternatives)
+
+
+def test_long_rows_split_across_tasks_when_there_are_too_few_rows():
+    lau = choose_launch(ew_spec(1, 1 << 20), CPU)     # element-wise: a split is free
+    assert lau.params["rows_per_task"] == 1 and lau.params["col_block"] < 1 << 20
+    assert lau.tasks >= CPU.lanes
+
+
+def test_a_row_reduction_is_split_only_where_the_schedule_can_combine(monkeypatch):
+    spec = ln_spec(2, 1 << 22)
+    assert kernel_shape(spec).source == "schedule"       # the row kind cannot split
+    assert choose_launch(spec, V100).params["col_block"] == 1 << 22
+    monkeypatch.setattr(cost, "_schedule_of", lambda spec: None)
+    ks = kernel_shape(spec)
+    assert ks.source == "estimate" and ks.split == "combine"
+    assert choose_launch(spec, V100).params["col_block"] < 1 << 22   # 2 rows, 80 SMs
+
+
+def test_rows_unknown_until_run_time_leave_the_unit_to_the_kernel():
+    lau = choose_launch(ln_spec(-1, 768), CPU)
+    assert lau.params == {} and lau.time_s > 0
+    assert "run time" in lau.describe()
+
+
+def test_gpu_launch_picks_a_block_that_fits_the_row():
+    short = choose_launch(ln_spec(65536, 8), A100)
+    long = choose_launch(ln_spec(1024, 8192), A100)
+    assert short.threads in cost.GPU_THREADS and long.threads in cost.GPU_THREADS
+    assert short.params["rows_per_task"] * 8 >= 32           # rows packed to fill a warp
+    assert long.params["rows_per_task"] == 1 and long.threads >= 256
+    assert choose_launch(ln_spec(1024, 8192), A100) == long  # deterministic
+
+
+def test_faster_memory_gives_a_faster_kernel():
+    times = [choose_launch(ln_spec(8192, 1024), p).time_s for p in (V100, A100, H100)]
+    assert times[0] > times[1] > times[2]
+
+
+def test_schedule_placements_feed_the_reuse_estimate():
+    b = SpecBuilder()
+    x = b.input(F, (256, 1024))
+    e = b.Exp(b.Sub(x, b.Max(x, axes=[1], keep_dims=True)))
+    spec = b.build([b.Div(e, b.Sum(e, axes=[1], keep_dims=True))])
+    ks = kernel_shape(spec)
+    assert ks.source == "schedule" and ks.kind == "row"
+    assert ks.reuse_bytes > 0 and ks.footprint_row > 0      # exp(x - max) kept per row
+
+
+def test_a_broken_schedule_stage_falls_back_to_the_estimate(monkeypatch):
+    import stitching.schedule as sched
+
+    def boom(spec):
+        raise RuntimeError("under construction")
+    monkeypatch.setattr(sched, "build_schedule", boom)
+    ks = kernel_shape(ln_spec(64, 1024))
+    assert ks.source == "estimate" and ks.kind == "row" and ks.rows == 64
