@@ -57,7 +57,7 @@ def b2u8(b):
 @helper
 def floormod(x, y):
     """TF FloorMod on floats: fmod, then shifted into y's sign."""
-    m = math.fmod(x, y)
+    m = _I.fmod(x, y)
     return m + y if (m != 0 and ((y < 0) != (m < 0))) else m
 
 

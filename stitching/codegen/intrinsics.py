@@ -139,6 +139,17 @@ def _acc_binop(op):
     return fn
 
 
+@intrinsic
+def fmod(typingctx, a, b):
+    """C fmod (LLVM frem): exact remainder with the sign of a."""
+    t = _check_floats(a, b)
+    sig = t(a, b)
+
+    def codegen(context, builder, sig, args):
+        return builder.frem(args[0], args[1])
+    return sig, codegen
+
+
 acc_add = _acc_binop("fadd")   # reduction step: may be split into vector lanes
 acc_mul = _acc_binop("fmul")
 

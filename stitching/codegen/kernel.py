@@ -101,6 +101,17 @@ class CompiledKernel:
     def __repr__(self):
         return f"<CompiledKernel {self.spec.hash} {self.schedule.kind.value}>"
 
+    def inspect_llvm(self):
+        """Optimized LLVM IR of the body, or None when it was loaded from the disk
+        cache (Numba keeps no IR for cached code)."""
+        return None if self._module.body.cache_hits else \
+            self._module.body._library.get_llvm_str()
+
+    def inspect_asm(self):
+        """Machine code of the body (same caveat as inspect_llvm)."""
+        return None if self._module.body.cache_hits else \
+            self._module.body._library.get_asm_str()
+
     def shapes(self, in_shapes):
         """(rc, dims, out_shapes, units, cost) from the shape function."""
         in_dims = np.array([d for s in in_shapes for d in s] + [0], np.int64)

@@ -1,0 +1,700 @@
+"""CPU codegen end to end, TF-free: every op per dtype against float64 NumPy with
+TF's semantics, the fused patterns, zero-size and unknown dims, shape-function
+errors, vectorization, threads, and the on-disk cache in a fresh process.
+
+Kernels are packed (many ops -> one multi-output kernel) to keep compiles few.
+"""
+import ctypes
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+from stitching.codegen import compile_kernel, compile_kernels
+from stitching.ir.builder import SpecBuilder
+from stitching.schedule import KernelKind, ScheduleError
+
+try:
+    import ml_dtypes
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:                       # pragma: no cover
+    BF16 = None
+
+FLOATS = ["float32", "float64", "float16", "bfloat16"]
+INTS = ["int32", "int64"]
+NP = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
+      "int32": np.int32, "int64": np.int64, "bool": np.bool_}
+# relative / absolute tolerance of a kernel output against float64 rounded to its dtype
+TOL = {"float32": (6e-7, 1e-37), "float64": (1e-13, 1e-300),
+       "float16": (2.0 ** -10, 1.2e-7), "bfloat16": (2.0 ** -7, 1e-38)}
+RNG = np.random.default_rng(1234)
+SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 0.5, 1.5, 2.5, -0.5, -2.5, 1e-3, 100.0,
+           -100.0, 3.0, -3.0, 1e-30, 7.0, 0.25]
+
+
+def npdtype(d):
+    return BF16 if d == "bfloat16" else np.dtype(NP[d])
+
+
+def data(dtype, shape, special=True, scale=3.0):
+    n = int(np.prod(shape))
+    if dtype == "bool":
+        return RNG.random(shape) < 0.5
+    if dtype in INTS:
+        v = RNG.integers(-1000, 1000, n).astype(np.int64)
+        if special:
+            info = np.iinfo(NP[dtype])
+            ext = [info.min, info.max, 0, -1, 1, 65536, -65536, 7]
+            v[:min(n, len(ext))] = ext[:n]
+        return v.astype(NP[dtype]).reshape(shape)
+    v = RNG.standard_normal(n) * scale
+    if special:
+        v[:min(n, len(SPECIAL))] = SPECIAL[:n]
+    return v.astype(np.float32).astype(npdtype(dtype)).reshape(shape)
+
+
+def f64(a):
+    return np.asarray(a).astype(np.float32).astype(np.float64) \
+        if np.asarray(a).dtype == BF16 else np.asarray(a).astype(np.float64)
+
+
+def rounded(ref, dtype):
+    """A float64 reference as the kernel's output dtype stores it."""
+    with np.errstate(all="ignore"):
+        if dtype == "bool":
+            return np.asarray(ref).astype(bool)
+        if dtype in INTS:
+            return np.asarray(ref)
+        return f64(np.asarray(ref, np.float64).astype(np.float32).astype(npdtype(dtype))
+                   if dtype == "bfloat16" else np.asarray(ref).astype(npdtype(dtype)))
+
+
+def assert_matches(out, ref, dtype, what, rtol=None, atol=None):
+    ref = rounded(ref, dtype)
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    assert out.dtype == npdtype(dtype), (what, out.dtype, dtype)
+    if dtype == "bool" or dtype in INTS:
+        bad = out != ref
+        assert not bad.any(), f"{what}: {out[bad][:5]} != {ref[bad][:5]}"
+        return
+    o = f64(out)
+    r_tol, a_tol = TOL[dtype]
+    r_tol, a_tol = rtol or r_tol, atol or a_tol
+    assert np.array_equal(np.isnan(o), np.isnan(ref)), \
+        f"{what}: NaN mismatch at {np.argwhere(np.isnan(o) != np.isnan(ref))[:3].tolist()}"
+    ok = ~np.isnan(ref)
+    inf = np.isinf(ref) & ok
+    assert np.array_equal(o[inf], ref[inf]), f"{what}: inf mismatch {o[inf]} {ref[inf]}"
+    fin = ok & ~inf
+    err = np.abs(o[fin] - ref[fin]) - (a_tol + r_tol * np.abs(ref[fin]))
+    if err.size and err.max() > 0:
+        i = int(np.argmax(err))
+        raise AssertionError(f"{what}: got {o[fin][i]!r}, want {ref[fin][i]!r}")
+
+
+def build(b, outs, **kw):
+    return compile_kernel(b.build(outs, **kw))
+
+
+# ---- reference semantics (TensorFlow's, in float64) -------------------------------------
+
+def tf_softplus(x, dtype):
+    eps = {"float64": 2.0 ** -52, "bfloat16": 2.0 ** -7}.get(dtype, 2.0 ** -23)
+    t = math.log(eps) + 2.0
+    return np.where(x > -t, x, np.where(x < t, np.exp(x), np.log1p(np.exp(x))))
+
+
+SELU_S, SELU_A = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+_erfc = np.vectorize(math.erfc, otypes=[np.float64])
+
+UNARY_FLOAT = {
+    "Neg": np.negative, "Abs": np.abs, "Square": np.square, "Sign": np.sign,
+    "Sqrt": np.sqrt, "Rsqrt": lambda x: 1 / np.sqrt(x), "Reciprocal": lambda x: 1 / x,
+    "Floor": np.floor, "Ceil": np.ceil, "Round": np.round,
+    "Relu": lambda x: np.maximum(x, 0), "Relu6": lambda x: np.minimum(np.maximum(x, 0), 6),
+    "Softsign": lambda x: x / (1 + np.abs(x)), "Exp": np.exp, "Expm1": np.expm1,
+    "Log": np.log, "Log1p": np.log1p, "Tanh": np.tanh,
+    "Sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+    "Elu": lambda x: np.where(x > 0, x, np.expm1(x)),
+    "Selu": lambda x: SELU_S * np.where(x > 0, x, SELU_A * np.expm1(x)),
+    "Erf": _erf, "Erfc": _erfc, "Sin": np.sin, "Cos": np.cos,
+    "IsNan": np.isnan, "IsInf": np.isinf, "IsFinite": np.isfinite, "Identity": lambda x: x,
+}
+
+
+def floor_mod(x, y):
+    m = np.fmod(x, y)
+    return np.where((m != 0) & ((y < 0) != (m < 0)), m + y, m)
+
+
+BINARY_FLOAT = {
+    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Maximum": np.maximum,
+    "Minimum": np.minimum, "SquaredDifference": lambda x, y: (x - y) ** 2,
+    "Div": np.divide, "DivNoNan": lambda x, y: np.where(y == 0, 0.0, x / y),
+    "Pow": np.power, "FloorDiv": lambda x, y: np.floor(x / y), "FloorMod": floor_mod,
+    "Equal": np.equal, "NotEqual": np.not_equal, "Less": np.less,
+    "LessEqual": np.less_equal, "Greater": np.greater, "GreaterEqual": np.greater_equal,
+}
+
+
+# ---- every op, per dtype ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_unary_float_ops(dtype):
+    b = SpecBuilder()
+    x = b.input(dtype, (-1, 37))
+    ops = list(UNARY_FLOAT) + ["Softplus", "LeakyRelu"]
+    outs = [b.op(op, x, **({"alpha": 0.2} if op == "LeakyRelu" else {})) for op in ops]
+    k = build(b, outs)
+    X = data(dtype, (5, 37))
+    res = k(X)
+    x64 = f64(X)
+    with np.errstate(all="ignore"):
+        for op, out in zip(ops, res):
+            if op == "Softplus":
+                ref = tf_softplus(x64, dtype)
+            elif op == "LeakyRelu":
+                ref = np.where(x64 > 0, x64, x64 * 0.2)
+            else:
+                ref = UNARY_FLOAT[op](x64)
+            if op == "Erf" and dtype == "float64":     # TF's double Erf: NaN at +-inf
+                ref = np.where(np.isinf(x64), np.nan, ref)
+            out_dtype = "bool" if op in ("IsNan", "IsInf", "IsFinite") else dtype
+            rtol = 2e-6 if dtype == "float32" and op in ("Sin", "Cos") else None
+            assert_matches(out, ref, out_dtype, f"{op}[{dtype}]", rtol)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_binary_and_ternary_float_ops(dtype):
+    b = SpecBuilder()
+    x = b.input(dtype, (-1, 37))
+    y = b.input(dtype, (37,))                 # broadcast along rows
+    c = b.input("bool", (-1, 1))              # broadcast along columns
+    hi = b.input(dtype, ())
+    ops = list(BINARY_FLOAT)
+    outs = [b.op(op, x, y) for op in ops]
+    outs += [b.Select(c, x, y), b.ClipByValue(x, y, hi)]
+    k = build(b, outs)
+    X, Y = data(dtype, (6, 37)), data(dtype, (37,))
+    Y[3] = 0                                   # x / 0 and DivNoNan
+    C, H = data("bool", (6, 1)), np.array(2.0, npdtype(dtype))
+    res = k(X, Y, C, H)
+    x64, y64, h64 = f64(X), f64(Y), f64(H)
+    with np.errstate(all="ignore"):
+        for op, out in zip(ops, res):
+            cmp = op in ("Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual")
+            assert_matches(out, BINARY_FLOAT[op](x64, y64), "bool" if cmp else dtype,
+                           f"{op}[{dtype}]")
+        assert_matches(res[-2], np.where(C, x64, y64), dtype, "Select")
+        assert_matches(res[-1], np.minimum(np.maximum(x64, y64), h64), dtype, "Clip")
+
+
+def wrap(v, dtype):
+    return np.asarray(v).astype(NP[dtype])    # two's complement wrap, like TF
+
+
+@pytest.mark.parametrize("dtype", INTS)
+def test_integer_ops_wrap_like_tf(dtype):
+    b = SpecBuilder()
+    x = b.input(dtype, (-1, 16))
+    y = b.input(dtype, (-1, 16))
+    un = ["Neg", "Abs", "Square", "Sign", "Relu", "Relu6", "Identity"]
+    bi = ["Add", "Sub", "Mul", "Maximum", "Minimum", "SquaredDifference", "Equal",
+          "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual"]
+    outs = [b.op(o, x) for o in un] + [b.op(o, x, y) for o in bi]
+    outs.append(b.ClipByValue(x, b.const(-5, dtype), y))
+    k = build(b, outs)
+    X, Y = data(dtype, (3, 16)), data(dtype, (3, 16), special=False)
+    res = k(X, Y)
+    x, y = X.astype(object), Y.astype(object)          # exact Python ints
+    sign = np.vectorize(lambda v: (v > 0) - (v < 0))
+    refs = {"Neg": -x, "Abs": abs(x), "Square": x * x, "Sign": sign(x),
+            "Relu": np.maximum(x, 0), "Relu6": np.minimum(np.maximum(x, 0), 6),
+            "Identity": x, "Add": x + y, "Sub": x - y, "Mul": x * y,
+            "Maximum": np.maximum(x, y), "Minimum": np.minimum(x, y),
+            "SquaredDifference": (x - y) * (x - y)}
+    bits = 32 if dtype == "int32" else 64
+    for op, out in zip(un + bi, res):
+        if op in refs:
+            ref = np.vectorize(lambda v: (int(v) + 2 ** (bits - 1)) % 2 ** bits
+                               - 2 ** (bits - 1))(refs[op]).astype(NP[dtype])
+            assert_matches(out, ref, dtype, f"{op}[{dtype}]")
+        else:
+            assert_matches(out, BINARY_FLOAT[op](X, Y), "bool", f"{op}[{dtype}]")
+    assert_matches(res[-1], np.minimum(np.maximum(X, -5), Y), dtype, "Clip")
+
+
+def test_bool_ops():
+    b = SpecBuilder()
+    x = b.input("bool", (-1, 9))
+    y = b.input("bool", (9,))
+    outs = [b.LogicalNot(x), b.LogicalAnd(x, y), b.LogicalOr(x, y), b.Equal(x, y),
+            b.NotEqual(x, y), b.Select(y, x, b.LogicalNot(x))]
+    k = build(b, outs)
+    X, Y = data("bool", (4, 9)), data("bool", (9,))
+    for out, ref in zip(k(X, Y), [~X, X & Y, X | Y, X == Y, X != Y, np.where(Y, X, ~X)]):
+        assert_matches(out, ref, "bool", "bool op")
+
+
+ALL = FLOATS + INTS + ["bool"]
+
+
+def cast_ref(x64, src, dst):
+    if dst == "bool":
+        return x64 != 0
+    if dst in INTS:
+        if src in FLOATS:
+            bits = 32 if dst == "int32" else 64
+            lo, hi = -2.0 ** (bits - 1), 2.0 ** (bits - 1)
+            with np.errstate(invalid="ignore"):
+                ok = (x64 >= lo) & (x64 < hi)
+            return np.where(ok, np.trunc(np.where(ok, x64, 0)), lo).astype(NP[dst])
+        return wrap(x64.astype(np.int64), dst)
+    return x64
+
+
+@pytest.mark.parametrize("src", ALL)
+def test_casts(src):
+    b = SpecBuilder()
+    x = b.input(src, (-1, 24))
+    dsts = [d for d in ALL if d != src]
+    k = build(b, [b.Cast(x, to=d) for d in dsts])
+    X = data(src, (3, 24))
+    if src in INTS:
+        X.flat[:4] = [2 ** 20 + 1, -77, 123456, 65505] if src == "int32" else \
+            [2 ** 40 + 3, -77, 2 ** 33 + 5, 65505]
+    src64 = X.astype(np.int64) if src in INTS else (X if src == "bool" else f64(X))
+    for d, out in zip(dsts, k(X)):
+        if src in INTS and d in FLOATS:
+            ref = X.astype(np.float32 if d != "float64" else np.float64).astype(np.float64)
+        else:
+            ref = cast_ref(src64, src, d)
+        assert_matches(out, ref, d, f"Cast {src}->{d}")
+
+
+# ---- reductions -------------------------------------------------------------------------
+
+def reduce_ref(op, x, axis, dtype):
+    if dtype == "bool":
+        return (np.all if op == "All" else np.any)(x, axis=axis)
+    if dtype in INTS:
+        bits = 32 if dtype == "int32" else 64
+        info = np.iinfo(NP[dtype])
+        xs = np.moveaxis(x, axis, -1)
+        out = np.empty(xs.shape[:-1], NP[dtype])
+        for idx in np.ndindex(out.shape):
+            row = [int(v) for v in xs[idx]]
+            if op == "Sum":
+                r = sum(row)
+            elif op == "Mean":   # TF: int32 sums do not wrap, int64 sums do; truncating
+                s = sum(row)     # division; an empty mean is 0
+                if bits == 64:
+                    s = (s + 2 ** 63) % 2 ** 64 - 2 ** 63
+                r = 0 if not row else (abs(s) // len(row)) * (1 if s >= 0 else -1)
+            elif op == "Prod":
+                r = math.prod(row)
+            else:
+                r = (max if op == "Max" else min)(row, default=info.min if op == "Max"
+                                                  else info.max)
+            out[idx] = (r + 2 ** (bits - 1)) % 2 ** bits - 2 ** (bits - 1)
+        return out
+    with np.errstate(all="ignore"):
+        if op in ("Max", "Min") and x.shape[axis] == 0:
+            return np.full(np.delete(x.shape, axis), -np.inf if op == "Max" else np.inf)
+        return {"Sum": np.sum, "Mean": np.mean, "Prod": np.prod, "Max": np.max,
+                "Min": np.min}[op](x, axis=axis)
+
+
+@pytest.mark.parametrize("kind", ["row", "column"])
+@pytest.mark.parametrize("dtype", ALL)
+def test_reductions(dtype, kind):
+    axis = 1 if kind == "row" else 0
+    b = SpecBuilder()
+    x = b.input(dtype, (-1, -1))
+    ops = ["All", "Any"] if dtype == "bool" else ["Sum", "Mean", "Max", "Min"]
+    outs = [b.op(o, x, axes=[axis]) for o in ops]
+    if dtype != "bool":
+        p = b.input(dtype, (-1, -1))
+        same = b.Equal(x, x)                   # ties p's dims to x's (values unused)
+        outs.append(b.Prod(b.Select(same, p, p), axes=[axis]))
+        ops = ops + ["Prod"]
+    k = build(b, outs)
+    assert k.schedule.kind == (KernelKind.ROW if kind == "row" else KernelKind.COLUMN)
+    for shape in [(4, 300), (37, 3), (0, 5), (5, 0), (1, 1)]:
+        X = data(dtype, shape)
+        if dtype in FLOATS:
+            X.flat[len(SPECIAL):] = RNG.standard_normal(X.size - len(SPECIAL)).astype(
+                np.float32) if X.size > len(SPECIAL) else X.flat[len(SPECIAL):]
+        args = [X]
+        if dtype != "bool":
+            P = data(dtype, shape, special=False, scale=0.3)
+            if dtype in FLOATS:
+                P = (1 + f64(P)).astype(np.float32).astype(npdtype(dtype))
+            args.append(P)
+        res = k(*args)
+        for op, out in zip(ops, res):
+            src = args[1] if op == "Prod" else X
+            src64 = src if dtype == "bool" else (src if dtype in INTS else f64(src))
+            ref = reduce_ref(op, src64, axis, dtype)
+            rtol = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-6}.get(dtype)
+            assert_matches(out, ref, dtype, f"{op}[{dtype}] {kind} {shape}", rtol)
+
+
+def test_reductions_propagate_nan_and_inf():
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 40))
+    k = build(b, [b.Max(x, axes=[1]), b.Min(x, axes=[1]), b.Sum(x, axes=[1]),
+                  b.Max(b.Neg(x), axes=[1])])
+    X = np.ones((4, 40), np.float32)
+    X[0, 17] = np.nan
+    X[1, 3] = np.inf
+    X[2, 5], X[2, 6] = np.inf, -np.inf
+    X[3, 39] = np.nan
+    mx, mn, s, nmx = k(X)
+    assert np.isnan(mx[0]) and np.isnan(mn[0]) and np.isnan(s[0]) and np.isnan(mx[3])
+    assert mx[1] == np.inf and s[1] == np.inf and np.isnan(s[2]) and nmx[2] == np.inf
+
+
+# ---- fused patterns vs float64 ------------------------------------------------------------
+
+def layernorm_spec(d=-1, dtype="float32", outs_stats=False):
+    b = SpecBuilder()
+    x = b.input(dtype, (-1, d))
+    g = b.input(dtype, (d,))
+    be = b.input(dtype, (d,))
+    m = b.Mean(x, axes=[1], keep_dims=True)
+    c = b.Sub(x, m)
+    v = b.Mean(b.Square(c), axes=[1], keep_dims=True)
+    y = b.Add(b.Mul(b.Mul(c, b.Rsqrt(b.Add(v, b.const(1e-5, dtype)))), g), be)
+    return b.build([y, m, v] if outs_stats else [y])
+
+
+def layernorm_ref(x, g, be):
+    x, g, be = f64(x), f64(g), f64(be)
+    m = x.mean(1, keepdims=True)
+    v = ((x - m) ** 2).mean(1, keepdims=True)
+    return (x - m) / np.sqrt(v + 1e-5) * g + be, m, v
+
+
+def test_layernorm_unknown_dims_one_compile():
+    k = compile_kernel(layernorm_spec(-1, outs_stats=True))
+    assert k.schedule.kind == KernelKind.ROW
+    for n, d in [(1, 1), (3, 7), (5, 1024), (2, 5000), (0, 8), (3, 0)]:
+        X = RNG.standard_normal((n, d)).astype(np.float32) * 4 + 1
+        G = RNG.standard_normal(d).astype(np.float32)
+        B = RNG.standard_normal(d).astype(np.float32)
+        y, m, v = k(X, G, B)
+        ry, rm, rv = layernorm_ref(X, G, B)
+        assert_matches(y, ry, "float32", f"LN y {n}x{d}", 5e-6, 3e-6)
+        assert_matches(m, rm, "float32", "LN mean", 5e-6)
+        assert_matches(v, rv, "float32", "LN var", 5e-6)
+        assert compile_kernel(layernorm_spec(-1, outs_stats=True)) is k
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_layernorm_low_and_high_precision(dtype):
+    k = compile_kernel(layernorm_spec(96, dtype))
+    X, G, B = data(dtype, (7, 96), special=False), data(dtype, (96,), special=False), \
+        data(dtype, (96,), special=False)
+    (y,) = k(X, G, B)
+    ry, _, _ = layernorm_ref(X, G, B)
+    rtol = {"float16": 4e-3, "bfloat16": 3e-2, "float64": 1e-12}[dtype]
+    assert_matches(y, ry, dtype, f"LN {dtype}", rtol)
+
+
+def softmax_spec(shape, log=False, dtype="float32", **sched):
+    b = SpecBuilder()
+    x = b.input(dtype, shape)
+    ax = len(shape) - 1
+    m = b.Max(x, axes=[ax], keep_dims=True)
+    sh = b.Sub(x, m)
+    e = b.Exp(sh)
+    s = b.Sum(e, axes=[ax], keep_dims=True)
+    y = b.Sub(sh, b.Log(s)) if log else b.Div(e, s)
+    return b.build([y], **sched)
+
+
+def softmax_ref(x, log=False):
+    x = f64(x)
+    sh = x - x.max(-1, keepdims=True)
+    lse = np.log(np.exp(sh).sum(-1, keepdims=True))
+    return sh - lse if log else np.exp(sh - lse)
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("scratch", [None, 0])
+def test_softmax_and_log_softmax(log, scratch):
+    sched = {} if scratch is None else {"scratch": scratch}
+    k = compile_kernel(softmax_spec((-1, -1, 100), log, **sched))
+    assert bool(k.schedule.scratch) == (scratch is None and not log)
+    for shape in [(2, 3, 100), (1, 1, 100), (4, 0, 100)]:
+        X = RNG.standard_normal(shape).astype(np.float32) * 5
+        (y,) = k(X)
+        assert_matches(y, softmax_ref(X, log), "float32", f"softmax {shape}", 4e-6, 2e-6)
+    X = np.zeros((1, 2, 100), np.float32)
+    X[0, 0, 7] = np.nan
+    X[0, 1, 9] = np.inf
+    (y,) = k(X)
+    assert np.isnan(y[0, 0]).all() and np.isnan(y[0, 1, 9])      # as TF
+
+
+def test_softmax_rows_shorter_than_a_vector_and_rows_per_task():
+    k = compile_kernel(softmax_spec((-1, 3), rows_per_task=5))
+    X = RNG.standard_normal((23, 3)).astype(np.float32)
+    assert_matches(k(X)[0], softmax_ref(X), "float32", "softmax 3", 4e-6)
+    assert k.shapes([X.shape])[3] == 5        # ceil(23 / 5) units
+
+
+def test_rmsnorm():
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 512))
+    g = b.input("float32", (512,))
+    ms = b.Mean(b.Square(x), axes=[1], keep_dims=True)
+    y = b.Mul(b.Mul(x, b.Rsqrt(b.Add(ms, b.const(1e-6)))), g)
+    k = build(b, [y])
+    X, G = RNG.standard_normal((9, 512)).astype(np.float32), RNG.standard_normal(512).astype(
+        np.float32)
+    x64 = f64(X)
+    ref = x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + 1e-6) * G
+    assert_matches(k(X, G)[0], ref, "float32", "rmsnorm", 4e-6)
+
+
+@pytest.mark.parametrize("form", ["erf", "tanh"])
+def test_bias_gelu(form):
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 256))
+    bias = b.input("float32", (256,))
+    h = b.Add(x, bias)
+    if form == "erf":
+        t = b.Erf(b.Mul(h, b.const(0.7071067811865476)))
+    else:
+        cube = b.Pow(h, b.const(3.0))
+        t = b.Tanh(b.Mul(b.const(0.7978845608028654),
+                         b.Add(h, b.Mul(b.const(0.044715), cube))))
+    y = b.Mul(b.Mul(h, b.const(0.5)), b.Add(t, b.const(1.0)))
+    k = build(b, [y])
+    X = RNG.standard_normal((33, 256)).astype(np.float32) * 3
+    B = RNG.standard_normal(256).astype(np.float32)
+    h64 = f64(X) + f64(B)
+    if form == "erf":
+        ref = 0.5 * h64 * (1 + _erf(h64 / math.sqrt(2)))
+    else:
+        ref = 0.5 * h64 * (1 + np.tanh(0.7978845608028654 * (h64 + 0.044715 * h64 ** 3)))
+    (y,) = k(X, B)
+    np.testing.assert_allclose(y, ref, rtol=2e-6, atol=3e-7)
+
+
+def test_column_reduction_with_consumers_batchnorm():
+    b = SpecBuilder()
+    x = b.input("float32", (-1, -1, 300))
+    g = b.input("float32", (300,))
+    m = b.Mean(x, axes=[0, 1], keep_dims=True)
+    c = b.Sub(x, m)
+    v = b.Mean(b.Square(c), axes=[0, 1], keep_dims=True)
+    y = b.Add(b.Mul(b.Mul(c, b.Rsqrt(b.Add(v, b.const(1e-3)))), g), b.const(0.5))
+    k = build(b, [y, m, v], col_block=64)
+    assert k.schedule.kind == KernelKind.COLUMN and len(k.schedule.passes) == 3
+    for shape in [(8, 50, 300), (1, 1, 300), (0, 4, 300)]:
+        X = RNG.standard_normal(shape).astype(np.float32) * 2 + 3
+        G = RNG.standard_normal(300).astype(np.float32)
+        ry, rm, rv = y_, m_, v_ = None, None, None
+        x64 = f64(X)
+        with np.errstate(all="ignore"):
+            rm = x64.mean((0, 1), keepdims=True)
+            rv = ((x64 - rm) ** 2).mean((0, 1), keepdims=True)
+            ry = (x64 - rm) / np.sqrt(rv + 1e-3) * G + 0.5
+        yo, mo, vo = k(X, G)
+        assert_matches(yo, ry, "float32", f"bn y {shape}", 5e-6, 3e-6)
+        assert_matches(mo, rm, "float32", "bn mean", 5e-6)
+        assert_matches(vo, rv, "float32", "bn var", 5e-6)
+
+
+def test_nhwc_global_pool_and_scale():
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 7, 7, 64))
+    s = b.input("float32", (-1, 1, 1, 64))
+    m = b.Mean(b.Mul(x, s), axes=[1, 2])
+    mx = b.Max(x, axes=[1, 2], keep_dims=True)
+    k = build(b, [m, mx])
+    X = RNG.standard_normal((3, 7, 7, 64)).astype(np.float32)
+    S = RNG.standard_normal((3, 1, 1, 64)).astype(np.float32)
+    mo, mxo = k(X, S)
+    assert_matches(mo, (f64(X) * f64(S)).mean((1, 2)), "float32", "pool", 4e-6, 1e-6)
+    assert_matches(mxo, X.max((1, 2), keepdims=True), "float32", "maxpool")
+
+
+def test_multi_output_mixed_dtypes_and_broadcasts():
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 4, 16))
+    y = b.input("float16", (-1, 1, 16))
+    h = b.Cast(y, to="float32")
+    s = b.Add(x, h)
+    outs = [s, b.Cast(s, to="bfloat16"), b.Greater(s, b.const(0.0)),
+            b.Cast(b.Mul(s, b.const(8.0)), to="int32"), b.Reshape(s, shape=[-1, 4, 1, 16])]
+    k = build(b, outs)
+    X = RNG.standard_normal((3, 4, 16)).astype(np.float32)
+    Y = RNG.standard_normal((3, 1, 16)).astype(np.float16)
+    r = f64(X) + f64(Y)
+    o = k(X, Y)
+    assert_matches(o[0], r, "float32", "add")
+    assert_matches(o[1], r, "bfloat16", "bf16 out")
+    assert_matches(o[2], r > 0, "bool", "greater")
+    assert_matches(o[3], np.trunc(r.astype(np.float32) * 8).astype(np.int32), "int32", "i32")
+    assert o[4].shape == (3, 4, 1, 16) and np.array_equal(o[4][:, :, 0], o[0])
+
+
+def test_pow_by_small_constants_and_consts_of_every_dtype():
+    b = SpecBuilder()
+    x = b.input("float32", (-1,))
+    outs = [b.Pow(x, b.const(v)) for v in (0.0, 1.0, 2.0, 3.0, -1.0, 0.5)]
+    outs += [b.Add(x, b.FillLike(x, value="nan", dtype="float32")),
+             b.Add(b.FillLike(x, value=0.0, dtype="float32"),
+                   b.Cast(b.const(70000.0, "float16"), to="float32"))]
+    k = build(b, outs)
+    X = np.array([np.nan, 0.0, -0.0, 2.0, -3.0, np.inf, 1e20], np.float32)
+    res = k(X)
+    with np.errstate(all="ignore"):
+        for v, out in zip((0.0, 1.0, 2.0, 3.0, -1.0, 0.5), res):
+            assert_matches(out, np.power(f64(X), v), "float32", f"pow {v}")
+    assert np.isnan(res[6]).all() and (res[7] == np.inf).all()   # 70000 overflows float16
+
+
+def test_int32_mean_uses_wide_accumulator_and_truncates():
+    b = SpecBuilder()
+    x = b.input("int32", (-1, -1))
+    k = build(b, [b.Mean(x, axes=[1]), b.Sum(x, axes=[1])])
+    X = np.array([[2 ** 31 - 1, 1], [-7, 0], [-2 ** 31, -1]], np.int32)
+    mean, total = k(X)
+    assert mean.tolist() == [2 ** 30, -3, -2 ** 30]            # TF: no wrap, truncation
+    assert total.tolist() == [-2 ** 31, -7, 2 ** 31 - 1]       # TF: int32 wraps
+
+
+def test_scalar_and_zero_size_domains():
+    b = SpecBuilder()
+    x = b.input("float32", ())
+    k = build(b, [b.Mul(x, b.const(2.0))])
+    assert k(np.array(3.0, np.float32))[0] == 6.0
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 37))
+    k = build(b, [b.Exp(x), b.Sum(b.Exp(x), axes=[0])])
+    e, s = k(np.zeros((0, 37), np.float32))
+    assert e.shape == (0, 37) and s.shape == (37,) and (s == 0).all()
+
+
+# ---- shape function -----------------------------------------------------------------------
+
+def test_shape_fn_errors_name_the_problem():
+    k = compile_kernel(layernorm_spec(768))
+    rc, *_ = k.shapes([(4, 767), (768,), (768,)])
+    assert rc > 0 and "input 0 dim 1 must be 768" in k.errors[rc - 1]
+    with pytest.raises(ValueError, match="input 0 dim 1 must be 768.*input shapes"):
+        k(np.zeros((4, 767), np.float32), np.zeros(768, np.float32),
+          np.zeros(768, np.float32))
+    b = SpecBuilder()
+    x = b.input("float32", (-1, -1))
+    y = b.input("float32", (-1, -1))
+    k = build(b, [b.Add(x, y)])
+    rc, *_ = k.shapes([(3, 4), (3, 5)])
+    assert "input 1 dim 1 differs from input 0 dim 1: shapes do not broadcast" in \
+        k.errors[rc - 1]
+    rc, _, shapes, units, cost = k.shapes([(3, 4), (3, 4)])
+    assert rc == 0 and shapes == [(3, 4)] and units >= 1 and cost >= 1
+    with pytest.raises(TypeError, match="dtype"):
+        k(np.zeros((3, 4), np.float64), np.zeros((3, 4), np.float32))
+
+
+def test_shape_fn_checks_dims_pinned_to_one():
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 5))
+    k = build(b, [b.Neg(x, out_shape=(1, 5))])
+    assert k(np.ones((1, 5), np.float32))[0].shape == (1, 5)
+    with pytest.raises(ValueError, match="must be 1"):
+        k(np.ones((2, 5), np.float32))
+
+
+def test_refused_spec_raises_schedule_error():
+    b = SpecBuilder()
+    x = b.input("float32", (4, 5, 6))
+    with pytest.raises(ScheduleError, match="neither a row"):
+        build(b, [b.Sum(x, axes=[0, 2])])
+
+
+# ---- machine code, threads, caching ---------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["layernorm", "softmax"])
+def test_hot_loops_are_vectorized(which):
+    spec = layernorm_spec(1024) if which == "layernorm" else softmax_spec((-1, 1024))
+    k = compile_kernel(spec.with_schedule(rows_per_task=3))   # a fresh compile
+    ir = k.inspect_llvm()
+    if ir is None:
+        pytest.skip("kernel came from a pre-existing disk cache")
+    assert "<8 x float>" in ir
+    asm = k.inspect_asm()
+    assert "ymm" in asm and ("vfmadd" in asm or "vmulps" in asm)
+
+
+def test_units_run_in_parallel_threads_like_the_op():
+    k = compile_kernel(softmax_spec((-1, 700)))
+    X = RNG.standard_normal((64, 700)).astype(np.float32)
+    rc, dims, shapes, units, _ = k.shapes([X.shape])
+    out = np.empty(shapes[0], np.float32)
+    ip = (ctypes.c_void_p * 1)(X.ctypes.data)
+    op = (ctypes.c_void_p * 1)(out.ctypes.data)
+    dp = dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
+    cuts = np.linspace(0, units, 5).astype(int)
+    ts = [threading.Thread(target=k._body, args=(int(a), int(c), ip, op, dp))
+          for a, c in zip(cuts[:-1], cuts[1:])]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert_matches(out, softmax_ref(X), "float32", "threaded softmax", 4e-6)
+
+
+def test_compile_kernels_dedupes_and_reports_progress():
+    specs = [softmax_spec((-1, 11)), layernorm_spec(11), softmax_spec((-1, 11))]
+    seen = []
+    ks = compile_kernels(specs, progress=lambda i, n, s: seen.append((i, n, s.hash)))
+    assert ks[0] is ks[2] and ks[0] is not ks[1]
+    assert [(i, n) for i, n, _ in seen] == [(0, 2), (1, 2)]
+
+
+def test_disk_cache_hits_in_a_new_process(tmp_path):
+    script = textwrap.dedent("""
+        import json, time
+        t0 = time.perf_counter()
+        import numpy as np
+        from stitching.codegen import compile_kernel
+        from stitching.ir.builder import SpecBuilder
+        b = SpecBuilder()
+        x = b.input("float32", (-1, 48))
+        m = b.Max(x, axes=[1], keep_dims=True)
+        e = b.Exp(b.Sub(x, m))
+        y = b.Div(e, b.Sum(e, axes=[1], keep_dims=True))
+        t1 = time.perf_counter()
+        k = compile_kernel(b.build([y]))
+        t2 = time.perf_counter()
+        out = k(np.zeros((2, 48), np.float32))[0]
+        print(json.dumps({"hits": k.cache_hits, "compile": t2 - t1,
+                          "ok": bool(np.allclose(out, 1 / 48))}))
+    """)
+    env = dict(os.environ, STITCHING_CACHE_DIR=str(tmp_path))
+    env.pop("NUMBA_CACHE_DIR", None)
+    runs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, timeout=300,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["ok"] and warm["ok"]
+    assert cold["hits"] == 0 and warm["hits"] == 2       # body and shape_fn from disk
+    assert list(tmp_path.glob("kernels/*/k_*.py"))

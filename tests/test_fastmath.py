@@ -1,0 +1,222 @@
+"""Fast float32 math (stitching/codegen/fastmath.py): error bounds over dense sweeps
+against float64, special values, and that a loop calling each helper vectorizes."""
+import math
+
+import numba
+import numpy as np
+import pytest
+
+from stitching.codegen import fastmath as F
+from stitching.codegen import intrinsics as I
+
+try:
+    from scipy import special as _sp
+except ImportError:   # the GPU machines may lack scipy: math.* is exact enough
+    _sp = None
+
+
+def _vec(fn):
+    return np.vectorize(fn, otypes=[np.float64])
+
+
+REF = {
+    "exp": np.exp, "expm1": np.expm1, "log": np.log, "log1p": np.log1p, "tanh": np.tanh,
+    "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "erf": _sp.erf if _sp else _vec(math.erf),
+    "erfc": _sp.erfc if _sp else _vec(math.erfc),
+}
+
+# (function, [(lo, hi) ranges of |x| or x], max ulp) -- the bounds the docstrings state
+BOUNDS = {
+    "exp": ([(-87.3, 88.7)], 1.5),
+    "expm1": ([(-88.0, 88.7)], 2.0),
+    "log": ([(1e-45, 3.4e38)], 1.0),
+    "log1p": ([(-0.99999994, 3.0e38)], 3.0),
+    "tanh": ([(-20.0, 20.0)], 3.0),
+    "sigmoid": ([(-87.0, 87.0)], 3.0),
+    "erf": ([(-6.0, 6.0)], 3.0),
+    "erfc": ([(-6.0, 9.2)], 5.0),
+}
+
+_runners = {}
+
+
+def run(name, x):
+    """Evaluate fastmath.<name>_f32 over x in one compiled loop."""
+    if name not in _runners:
+        f = getattr(F, f"{name}_f32")
+
+        @numba.njit(fastmath={"contract"}, error_model="numpy", nogil=True)
+        def loop(x, out):
+            for i in range(x.size):
+                out[i] = f(x[i])
+        _runners[name] = loop
+    out = np.empty_like(x)
+    _runners[name](x, out)
+    return out
+
+
+def sweep(lo, hi, n=600_000):
+    """Float32 values spread evenly in *bit pattern* between lo and hi (every binade
+    sampled alike), both signs handled by splitting at 0."""
+    def pos(a, b):
+        ia = np.float32(a).view(np.int32)
+        ib = np.float32(b).view(np.int32)
+        return np.unique(np.linspace(ia, ib, n).astype(np.int64)).astype(np.int32) \
+            .view(np.float32)
+    parts = []
+    if lo < 0:
+        parts.append(-pos(1e-30, -lo) if hi > 0 else -pos(-hi, -lo))
+    if hi > 0:
+        parts.append(pos(max(lo, 1e-30), hi))
+    return np.concatenate(parts)
+
+
+def ulp_error(y, ref):
+    r32 = ref.astype(np.float32)
+    spacing = np.maximum(np.spacing(np.abs(r32)).astype(np.float64), 2.0 ** -149)
+    return np.abs(y.astype(np.float64) - ref) / spacing
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_error_bound_dense_sweep(name):
+    ranges, bound = BOUNDS[name]
+    for lo, hi in ranges:
+        x = sweep(lo, hi)
+        y = run(name, x)
+        ref = REF[name](x.astype(np.float64))
+        err = ulp_error(y, ref)
+        worst = int(np.argmax(err))
+        assert err[worst] <= bound, (
+            f"{name}({x[worst]!r}) = {y[worst]!r}, float64 {ref[worst]!r}: "
+            f"{err[worst]:.2f} ulp > {bound}")
+
+
+def test_erf_absolute_error():
+    x = sweep(-8.0, 8.0)
+    assert np.abs(run("erf", x) - REF["erf"](x.astype(np.float64))).max() <= 1.5e-7
+
+
+SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 1e-30, -1e-30],
+                    np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_special_values(name):
+    y = run(name, SPECIALS)
+    with np.errstate(all="ignore"):
+        ref = REF[name](SPECIALS.astype(np.float64)).astype(np.float32)
+    assert np.array_equal(np.isnan(y), np.isnan(ref)), (name, y, ref)
+    ok = ~np.isnan(ref)
+    np.testing.assert_allclose(y[ok], ref[ok], rtol=3e-7, atol=1e-44, err_msg=name)
+
+
+def test_exp_overflow_and_underflow_thresholds():
+    big = np.array([88.72283, 88.7229, 89.0, 1e30], np.float32)
+    y = run("exp", big)
+    assert np.isfinite(y[0]) and np.all(np.isinf(y[1:]))
+    small = np.array([-87.33, -100.0, -103.9, -104.0, -1e30], np.float32)
+    y = run("exp", small)
+    ref = np.exp(small.astype(np.float64))
+    assert np.all(np.abs(y - ref) <= 2.0 ** -149) and y[-1] == 0.0     # subnormals
+    assert run("expm1", np.array([-20.0, -100.0], np.float32)).tolist() == [-1.0, -1.0]
+
+
+def test_log_domain_edges():
+    x = np.array([0.0, -0.0, -1.0, -np.inf, np.inf, 1.0, 1e-45, 1.17549435e-38],
+                 np.float32)
+    y = run("log", x)
+    assert y[0] == -np.inf and y[1] == -np.inf
+    assert np.isnan(y[2]) and np.isnan(y[3]) and y[4] == np.inf and y[5] == 0.0
+    np.testing.assert_allclose(y[6:], np.log(x[6:].astype(np.float64)), rtol=1e-7)
+    z = run("log1p", np.array([-1.0, -2.0, np.inf, 1e-30], np.float32))
+    assert z[0] == -np.inf and np.isnan(z[1]) and z[2] == np.inf and z[3] == np.float32(1e-30)
+
+
+def test_saturating_functions():
+    t = run("tanh", np.array([10.0, -10.0, 9.1, -0.0], np.float32))
+    assert t[:3].tolist() == [1.0, -1.0, 1.0] and np.signbit(t[3])
+    s = run("sigmoid", np.array([100.0, -100.0, -104.0, 0.0], np.float32))
+    assert s[0] == 1.0 and 0 < s[1] < 1e-43 and s[2] == 0.0 and s[3] == 0.5
+    e = run("erfc", np.array([10.0, 11.0, 50.0, -5.0, -50.0], np.float32))
+    assert 0 < e[0] < 3e-44 and e[1] == 0.0 and e[2] == 0.0 and e[3] == 2.0 and e[4] == 2.0
+
+
+@numba.njit(fastmath={"contract"}, error_model="numpy")
+def _softplus(x, thr, out):
+    for i in range(x.size):
+        out[i] = F.softplus_f32(x[i], thr)
+
+
+def test_softplus_uses_tf_thresholds():
+    thr = np.float32(math.log(2.0 ** -23) + 2.0)          # float32: about -13.94
+    x = np.array([-100, -20, -14, -13, 0, 10, 13.9, 14, 20, np.nan, np.inf, -np.inf],
+                 np.float32)
+    out = np.empty_like(x)
+    _softplus(x, thr, out)
+    x64 = x.astype(np.float64)
+    with np.errstate(all="ignore"):
+        ref = np.where(x64 > -thr, x64, np.where(x64 < thr, np.exp(x64), np.log1p(np.exp(x64))))
+    np.testing.assert_allclose(out, ref, rtol=3e-7, atol=1e-44)
+    assert out[7] == 14.0 and np.isnan(out[9]) and out[10] == np.inf and out[11] == 0.0
+
+
+@pytest.mark.parametrize("name", ["exp", "tanh", "erf", "log", "sigmoid"])
+def test_loops_vectorize(name):
+    """A loop over the helper compiles to 8-lane float vectors (AVX2) or at least
+    4-lane ones: the whole point of these helpers."""
+    run(name, np.ones(16, np.float32))
+    llvm = _runners[name].inspect_llvm(_runners[name].signatures[0])
+    assert "<8 x float>" in llvm or "<4 x float>" in llvm
+
+
+def test_f16_and_bf16_roundtrips_are_exact():
+    @numba.njit
+    def dec16(h, out):
+        for i in range(h.size):
+            out[i] = I.f16_to_f32(h[i])
+
+    @numba.njit
+    def enc(x, o16, ob):
+        for i in range(x.size):
+            o16[i] = I.f32_to_f16(x[i])
+            ob[i] = I.f32_to_bf16(x[i])
+
+    h = np.arange(65536, dtype=np.uint16)
+    out = np.empty(65536, np.float32)
+    dec16(h, out)
+    ref = h.view(np.float16).astype(np.float32)
+    same = (out.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(out) & np.isnan(ref))
+    assert same.all()
+    rng = np.random.default_rng(1)
+    x = np.concatenate([
+        rng.integers(0, 2 ** 32, 400_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        np.array([65504, 65520, 65519.996, 2.98e-8, 6e-8, -0.0, np.inf, -np.inf], np.float32)])
+    o16 = np.empty(x.size, np.uint16)
+    ob = np.empty(x.size, np.uint16)
+    enc(x, o16, ob)
+    fin = ~np.isnan(x)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(o16[fin], x[fin].astype(np.float16).view(np.uint16))
+    assert np.isnan(o16[~fin].view(np.float16)).all()
+    bf = ((x.view(np.uint32).astype(np.uint64) + 0x7FFF +
+           ((x.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)   # RNE by hand
+    assert np.array_equal(ob[fin], bf[fin])
+    assert (ob[~fin] & 0x7FC0 == 0x7FC0).all()
+
+
+def test_float_to_int_follows_tf_on_x86():
+    @numba.njit
+    def conv(x, o32, o64):
+        for i in range(x.size):
+            o32[i] = I.f2i32(x[i])
+            o64[i] = I.f2i64(x[i])
+
+    x = np.array([np.nan, np.inf, -np.inf, 3e9, -3e9, -1.7, 1.7, -2147483648.0, 3e19],
+                 np.float32)
+    o32 = np.empty(x.size, np.int32)
+    o64 = np.empty(x.size, np.int64)
+    conv(x, o32, o64)
+    m32, m64 = -2 ** 31, -2 ** 63
+    assert o32.tolist() == [m32, m32, m32, m32, m32, -1, 1, m32, m32]
+    assert o64.tolist() == [m64, m64, m64, 3000000000, -3000000000, -1, 1, -2 ** 31, m64]
