@@ -133,8 +133,10 @@ for _n in ("Add", "Sub", "Mul", "Maximum", "Minimum", "SquaredDifference"):
     _reg(_n, E, 2, in_dtypes=NUMERIC)
 for _n in ("Div", "DivNoNan", "Pow"):
     _reg(_n, E, 2, in_dtypes=FLOATS, transcendental=(_n == "Pow"))
+# Floats only: TF raises "Integer division by zero" for int FloorDiv/FloorMod, which
+# a kernel body cannot do, so integer ones stay TF ops.
 for _n in ("FloorDiv", "FloorMod"):
-    _reg(_n, E, 2, in_dtypes=NUMERIC)
+    _reg(_n, E, 2, in_dtypes=FLOATS)
 for _n in ("Equal", "NotEqual"):
     _reg(_n, E, 2, in_dtypes=ANY, out_dtype="bool")
 for _n in ("Less", "LessEqual", "Greater", "GreaterEqual"):
