@@ -293,3 +293,15 @@ def test_builder_reports_bad_ops_early():
         b.op("Conv2D", x)
     y = b.Sum(x, axes=[1])                    # keep_dims defaults to False
     assert b.type_of(y).shape == (4,)
+
+
+def test_unused_input_adds_no_axis():
+    """Regression: an input no live node reads made its dims domain axes, and the
+    kernel was refused ("does not span the kernel's parallel axes")."""
+    b = SpecBuilder()
+    x = b.input("float32", (64, 1024))
+    y = b.input("float32", (64, 1024))
+    b.input("float32", (64, 1024))                       # unused
+    s = sched_of(b, [b.Mul(x, y)])
+    assert s.kind == KernelKind.ELEMENTWISE and s.rank == 1
+    assert s.carries(-3) == () and s.domain.value_dims[-3] != (None, None)

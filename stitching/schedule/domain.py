@@ -150,12 +150,22 @@ def _bind_node(uf, node, arg_vars, out) -> list:
     return []   # Const: its own static dims only
 
 
-def _unify(spec):
+def live_nodes(spec) -> list:
+    """Nodes that some output depends on, in SSA order (dead nodes shape nothing)."""
+    live = set(spec.outputs)
+    for k in range(len(spec.nodes) - 1, -1, -1):
+        if k in live:
+            live.update(a for a in spec.nodes[k].args if a >= 0)
+    return sorted(live)
+
+
+def _unify(spec, live):
     uf = _Union()
     dims = {-(j + 1): _vars(uf, t.shape) for j, t in enumerate(spec.inputs)}
     ghosts = {r: [None] * len(v) for r, v in dims.items()}
     reduced_vars = {}
-    for k, n in enumerate(spec.nodes):
+    for k in live:
+        n = spec.nodes[k]
         out = _vars(uf, n.type.shape)
         dims[k] = out
         red = _bind_node(uf, n, [dims[a] for a in n.args], out)
@@ -233,8 +243,8 @@ def _live_axes(classes, vd) -> list:
 
 
 def _order(classes, value_dims) -> list:
-    """Topological order of the non-degenerate classes (step 2)."""
-    succ = {c: set() for c in range(len(classes)) if classes[c].size != 1}
+    """Topological order of the non-degenerate classes of ``value_dims`` (step 2)."""
+    succ = {c: set() for vd in value_dims.values() for c in _live_axes(classes, vd)}
     indeg = dict.fromkeys(succ, 0)
     for ref, vd in value_dims.items():
         live = _live_axes(classes, vd)
@@ -291,19 +301,27 @@ def _collapse(classes, order, value_dims, reduced_classes):
 
 
 def analyze(spec) -> Domain:
-    """Build the collapsed iteration domain of a validated spec (raises Refusal)."""
-    uf, dims, reduced_vars = _unify(spec)
+    """Build the collapsed iteration domain of a validated spec (raises Refusal).
+
+    Only live values (nodes an output needs, inputs they read) make axes; every
+    input keeps its dim classes so the shape function still checks it."""
+    live = live_nodes(spec)
+    uf, dims, reduced_vars = _unify(spec, live)
     classes, value_dims, ids = _classes(uf, dims)
     reduced_classes = {
         k: sorted({ids[uf.find(v)] for v in vs if ids.get(uf.find(v)) is not None
                    and classes[ids[uf.find(v)]].size != 1})
         for k, vs in reduced_vars.items()}
-    order = _order(classes, value_dims)
+    used = set(live) | {a for k in live for a in spec.nodes[k].args if a < 0}
+    order = _order(classes, {r: vd for r, vd in value_dims.items() if r in used})
     if len(order) > MAX_DOMAIN_RANK:
         raise Refusal(f"the kernel would loop over {len(order)} independent axes "
                       f"(limit {MAX_DOMAIN_RANK})")
-    axes, axis_of = _collapse(classes, order, value_dims, reduced_classes)
-    carries = {ref: tuple(sorted({axis_of[c] for c in _live_axes(classes, vd)}))
+    axes, axis_of = _collapse(classes, order,
+                              {r: vd for r, vd in value_dims.items() if r in used},
+                              reduced_classes)
+    carries = {ref: tuple(sorted({axis_of[c] for c in _live_axes(classes, vd)
+                                  if c in axis_of}))
                for ref, vd in value_dims.items()}
     reduced = {k: tuple(sorted({axis_of[c] for c in cs}))
                for k, cs in reduced_classes.items()}

@@ -41,6 +41,7 @@ import enum
 from ..ir import dtypes as dt
 from ..ir.ops import OPS, Kind
 from .domain import Refusal
+from .domain import live_nodes as domain_live_nodes
 
 MAX_PASSES = 8                 # arbitrary: deeper reduction chains are split by the planner
 RECOMPUTE_MAX_COST = 4         # tuned on LayerNorm (recompute x-mean) vs softmax (keep exp)
@@ -68,13 +69,7 @@ def is_reduction(node) -> bool:
     return OPS[node.op].kind == Kind.REDUCTION
 
 
-def live_nodes(spec) -> list:
-    """Nodes that some output depends on, in SSA order."""
-    live = set(spec.outputs)
-    for k in range(len(spec.nodes) - 1, -1, -1):
-        if k in live:
-            live.update(a for a in spec.nodes[k].args if a >= 0)
-    return sorted(live)
+live_nodes = domain_live_nodes
 
 
 # ---- kind -------------------------------------------------------------------------
