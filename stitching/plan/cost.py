@@ -16,8 +16,9 @@ levels, as in FusionStitching:
     active(P)    lanes P keeps busy: all for element-wise work; the row count when a
                  reduction's result is consumed inside P            ("lost parallelism")
     scratch(P)   values that must survive a reduction barrier (LayerNorm's x - mean):
-                 2·bytes / cache bandwidth while a row fits the per-task scratch budget,
-                 else 2·bytes / bw — a second pass through memory ("resource pressure")
+                 made in P: stored and loaded (2·bytes), inputs of P: loaded again (bytes);
+                 at cache bandwidth while a row fits the per-task scratch budget, else at
+                 bw — a second pass through memory ("resource pressure")
     registers    values live at once beyond the register file: CPU spills to L1, GPU
                  loses occupancy (fewer active lanes)                ("resource pressure")
 
@@ -163,7 +164,9 @@ class GraphCosts:
         self.size, self.ins, self.pinned, self.work = size, ins, pinned, work
         self.red, self.tr, self.item = red, tr, item
         self.cons = [frozenset(self.index[c] for c in cons[n]) for n in order]
-        self.count = [max(1, size[i] // item[i]) for i in range(len(order))]
+        # elements of the largest value an op touches (a reduction's is its input)
+        self.count = [max([max(1, size[i] // item[i])] + [b // item[i] for _, b, _ in ins[i]])
+                      for i in range(len(order))]
         self.io_bytes = [(sum(b for _, b, _ in ins[i]) + outs[i]) * max(1, work[i])
                          for i in range(len(order))]   # traffic of the op left to TF
         self.unfused = [self._unfused(i) for i in range(len(order))]
@@ -196,9 +199,7 @@ class GraphCosts:
         if not self.work[i]:
             return 0.0
         p = self.profile
-        big = max(self.size[i] // self.item[i], 1)
-        g = self.red[i]
-        lanes = elementwise_lanes(p, big * (g.row_len if g and not g.internal else 1))
+        lanes = elementwise_lanes(p, self.count[i])
         mem = self.io_bytes[i] / p.bw_at(lanes)
         return p.launch_s + p.task_s + max(mem, _compute_s(p, self.tr[i], lanes))
 
@@ -245,27 +246,28 @@ class GraphCosts:
                      scratch_s + spill_s + mem - io / p.bw_at(active))
 
     def _scratch_s(self, P, stitched, active) -> float:
-        """Values that cross a reduction barrier: kept on chip per row, or a second pass."""
+        """Values that cross a reduction barrier: kept on chip per row, or a second pass
+        (a value made in P is stored and loaded again, an input of P loaded again)."""
         p = self.profile
-        total, per_row = 0, 0.0
+        traffic, per_row = 0, 0.0
         for r in stitched:
             g = self.red[r]
             before = self._ancestors(P, r)
             after = P - before - {r}
-            kept = {val: b for v in before | {r} for val, b, u in self.ins[v]
+            kept = {(val, u): b for v in before | {r} for val, b, u in self.ins[v]
                     if (v == r and g.internal) or any(
                         val in (x for x, _, _ in self.ins[c]) for c in after)}
-            total += sum(kept.values())
+            traffic += sum(b * (2 if u in P else 1) for (_, u), b in kept.items())
             per_row += sum(kept.values()) / g.rows
-        if not total:
+        if not traffic:
             return 0.0
         if p.backend == "cuda" and all(
                 self.red[r].row_len <= p.max_threads_per_task * GPU_ROW_VALUES_PER_THREAD
                 for r in stitched):
             return 0.0                       # the row stays in registers
         if per_row <= p.scratch_per_task:
-            return 2 * total / p.cache_bandwidth
-        return 2 * total / p.bw_at(active)   # a second pass through memory
+            return traffic / p.cache_bandwidth
+        return traffic / p.bw_at(active)     # a second pass through memory
 
     def _ancestors(self, P, r) -> frozenset:
         """Members of P that r depends on (through members only)."""

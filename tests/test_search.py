@@ -1,0 +1,264 @@
+"""Search planner on tiny hand-built IR graphs: expected plans, cycles, reasons (TF-free)."""
+import networkx as nx
+import pytest
+
+from irbuild import F, G, allow_all, encoder, layernorm, ln_chain, regions, wide
+from stitching.ir import ValueRef
+from stitching.plan import ALIASES, PLANNERS, baseline, get_planner, planner, profiles, search
+from stitching.plan.acyclic import Contraction, CycleError, Reach, mask_of
+from stitching.plan.cost import Launch
+
+CPU = search.SearchConfig(profile=profiles.get("cpu-reference"))
+V100 = search.SearchConfig(profile=profiles.get("v100"))
+
+
+def plan(g, legal=allow_all, config=CPU, min_ops=2):
+    return search.plan(g, legal, min_ops, config)
+
+
+def quotient_is_acyclic(g, p) -> bool:
+    """Independent oracle: contract every region with networkx and look for a cycle."""
+    kernel = {n: f"k{i}" for i, r in enumerate(p.regions) for n in r.nodes}
+    q = nx.DiGraph()
+    for n in g:
+        q.add_node(kernel.get(n.name, n.name))
+        for pred in g.predecessors(n.name):
+            a, b = kernel.get(pred, pred), kernel.get(n.name, n.name)
+            if a != b:
+                q.add_edge(a, b)
+    return nx.is_directed_acyclic_graph(q)
+
+
+# ---- expected plans ------------------------------------------------------------------
+
+def test_layernorm_with_its_fetched_output_is_one_kernel():
+    g = layernorm(G().input("x", [-1, 64])).op("out", "Identity", ["y"]).build("out")
+    (r,) = plan(g).regions
+    assert sorted(r.nodes) == sorted(["mean", "d", "sq", "var", "ve", "inv", "y", "out"])
+    assert len(r.spec.inputs) == 1 and [n.op for n in r.spec.nodes].count("Const") == 1
+
+
+def test_diamond_is_one_kernel():
+    g = (G().input("x", [64, 256]).op("a", "Exp", ["x"]).op("b", "Neg", ["a"])
+         .op("c", "Abs", ["a"]).op("d", "Add", ["b", "c"]).opaque("m", ["d"], [64, 256])
+         .build("m"))
+    assert regions(plan(g)) == [["a", "b", "c", "d"]]
+
+
+def test_shared_producer_with_two_consumers_outside_is_a_multi_output_kernel():
+    g = (G().input("x", [64, 256]).op("a", "Exp", ["x"]).op("b", "Neg", ["a"])
+         .opaque("m1", ["a"], [64, 256]).opaque("m2", ["b"], [64, 256]).build("m1", "m2"))
+    (r,) = plan(g).regions
+    assert [str(o) for o in r.outputs] == ["a", "b"] and len(r.spec.outputs) == 2
+
+
+def test_producers_from_different_inputs_join_their_consumer():
+    # d = exp(x) + exp(y): the consumers-first DP grows from one root; the merge phase
+    # stitches the other producer in.
+    g = (G().input("x", [64, 256]).input("y", [64, 256]).op("b", "Exp", ["x"])
+         .op("c", "Exp", ["y"]).op("d", "Add", ["b", "c"]).opaque("m", ["d"], [64, 256])
+         .build("m"))
+    assert regions(plan(g)) == [["b", "c", "d"]]
+
+
+def test_candidate_that_would_create_a_cycle_is_refused():
+    g = (G().input("x", [64, 256]).op("a", "Exp", ["x"]).op("a2", "Neg", ["a"])
+         .opaque("m", ["a2"], [64, 256]).op("d", "Add", ["a2", "m"]).op("e", "Tanh", ["d"])
+         .opaque("out", ["e"], [64, 256]).build("out"))
+    p = plan(g)
+    assert regions(p) == [["a", "a2"], ["d", "e"]]
+    assert any("cycle" in why for _, why in p.boundaries)
+
+
+def test_two_convex_patterns_that_feed_each_other_never_both_become_kernels():
+    # P1 = {a1, a2, j}, P2 = {b1, b2, k}: each convex, but a1 -> m1 -> b1 and
+    # b2 -> m2 -> a2 make P1 and P2 feed each other through the opaque ops.
+    g = (G().input("x", [64, 256]).input("y", [64, 256])
+         .op("a1", "Exp", ["x"]).op("b2", "Exp", ["y"])
+         .opaque("m1", ["a1"], [64, 256]).opaque("m2", ["b2"], [64, 256])
+         .op("b1", "Neg", ["m1"]).op("a2", "Neg", ["m2"])
+         .op("j", "Add", ["a1", "a2"]).op("k", "Add", ["b1", "b2"])
+         .opaque("o1", ["j"], [64, 256]).opaque("o2", ["k"], [64, 256]).build("o1", "o2"))
+    p = plan(g)
+    assert quotient_is_acyclic(g, p)
+    assert p.regions and any("cycle" in why for _, why in p.boundaries)
+
+
+def test_independent_branches_reading_one_input_are_packed_into_one_kernel():
+    b = G().input("x", [64, 256])
+    for i in (1, 2):
+        b.op(f"e{i}", "Exp", ["x"]).op(f"n{i}", "Neg", [f"e{i}"])
+        b.opaque(f"m{i}", [f"n{i}"], [64, 256])
+    p = plan(b.build("m1", "m2"))
+    assert regions(p) == [["e1", "e2", "n1", "n2"]]
+    (choice,) = p.alternatives
+    assert any(k == "remote" and o == "merged" for k, _, _, o in choice.alternatives)
+
+
+def test_dependent_branches_are_not_packed():
+    g = (G().input("x", [64, 256]).op("e1", "Exp", ["x"]).op("n1", "Neg", ["e1"])
+         .opaque("m1", ["n1"], [64, 256]).op("e2", "Exp", ["m1"]).op("n2", "Neg", ["e2"])
+         .opaque("m2", ["n2"], [64, 256]).build("m2"))
+    assert regions(plan(g)) == [["e1", "n1"], ["e2", "n2"]]
+
+
+def test_a_view_joins_the_kernel_that_reads_it():
+    # gamma's Reshape costs nothing in TF; it should not stay outside as a boundary
+    g = (G().input("x", [64, 256]).input("gamma", [256])
+         .op("gr", "Reshape", ["gamma"], shape=[1, 256]).op("a", "Exp", ["x"])
+         .op("b", "Mul", ["a", "gr"]).opaque("m", ["b"], [64, 256]).build("m"))
+    assert regions(plan(g)) == [["a", "b", "gr"]]
+
+
+def test_identical_blocks_give_identical_specs():
+    p = plan(ln_chain(3, shape=(256, 512)))
+    assert len(p.regions) == 3 and len({r.spec.hash for r in p.regions}) == 1
+    assert all(r.spec.schedule for r in p.regions)         # static rows: launch chosen
+
+
+# ---- legality and its reasons --------------------------------------------------------
+
+def test_an_op_illegal_even_alone_is_left_with_the_legality_reason():
+    def no_reductions(spec):
+        return "no reductions in this test" if any(
+            n.op == "Mean" for n in spec.nodes) else None
+    g = layernorm(G().input("x", [-1, 64])).op("out", "Identity", ["y"]).build("out")
+    p = plan(g, no_reductions)
+    assert ("mean", "Mean", "no reductions in this test") in p.unfused
+    assert ("var", "Mean", "no reductions in this test") in p.unfused
+    assert p.regions and all("Mean" not in [n.op for n in r.spec.nodes] for r in p.regions)
+    assert quotient_is_acyclic(g, p)
+
+
+def test_a_refused_kernel_falls_back_to_smaller_legal_ones():
+    def small(spec):
+        return "more than 4 ops in one kernel" if len(spec.nodes) > 4 else None
+    g = ln_chain(1, shape=(256, 512))
+    p = plan(g, small)
+    assert len(p.regions) >= 2 and all(len(r.spec.nodes) <= 4 for r in p.regions)
+    assert ("m0", "more than 4 ops in one kernel") in p.boundaries
+    assert quotient_is_acyclic(g, p)
+
+
+def test_only_the_first_output_of_a_fused_node_may_leave_a_kernel():
+    from stitching.ir import Node, TensorType
+    b = G().input("x", [64, 256])
+    b.g.add(Node("bn", "FusedBatchNorm", [ValueRef("x")] * 5,
+                 {"epsilon": 1e-3, "data_format": "NHWC"},
+                 [TensorType(F, (64, 256)), TensorType(F, (256,))]))
+    b.op("r", "Relu", ["bn"]).opaque("m", ["r"], [64, 256])
+    b.g.add(Node("s", "MatMul", [ValueRef("bn", 1)], {}, [TensorType(F, (256,))]))
+    g = b.build("m", "s")
+    p = plan(g)
+    assert all("bn" not in r.nodes for r in p.regions)
+
+
+# ---- cost-driven decisions -----------------------------------------------------------
+
+def test_lost_parallelism_keeps_a_two_row_reduction_out_of_its_consumers_kernel():
+    # two rows on 80 SMs: the stitched kernel would run on two blocks; on 2 cores it's fine
+    g = (G().input("x", [2, 1 << 20]).op("m", "Mean", ["x"], axes=[1], keep_dims=True)
+         .op("d", "Sub", ["x", "m"]).op("e", "Exp", ["d"]).opaque("o", ["e"], [2, 1 << 20])
+         .build("o"))
+    assert not any({"m", "d"} <= set(r.nodes) for r in plan(g, config=V100).regions)
+    assert any({"m", "d"} <= set(r.nodes) for r in plan(g, config=CPU).regions)
+
+
+def test_a_kernel_the_latency_evaluator_finds_slower_is_left_alone(monkeypatch):
+    def slow(spec, profile, keep=5):
+        return Launch({"rows_per_task": 1, "col_block": 8}, 1, 1.0, 1,
+                      (({"rows_per_task": 1, "col_block": 8}, 1, 1.0),))
+    monkeypatch.setattr(search, "choose_launch", slow)
+    g = (G().input("x", [4, 8]).op("a", "Exp", ["x"]).op("b", "Neg", ["a"])
+         .opaque("m", ["b"], [4, 8]).build("m"))
+    p = plan(g)
+    assert p.regions == [] and p.skipped == [(["a", "b"], p.unfused[0][2])]
+    assert p.unfused[0][2].startswith("cost model predicts no gain: fused 1000000.0 µs")
+    assert p.notes == ["function left alone: the cost model predicts no kernel pays"]
+    assert p.alternatives[0].deployed is False
+
+
+def test_min_ops_one_keeps_lone_ops_the_model_cannot_justify():
+    g = G().input("x", [4, 8]).op("a", "Exp", ["x"]).opaque("m", ["a"], [4, 8]).build("m")
+    assert plan(g).regions == []
+    assert regions(plan(g, min_ops=1)) == [["a"]]
+
+
+# ---- explain -------------------------------------------------------------------------
+
+def test_every_kernel_explains_its_alternatives_and_scores():
+    from stitching.report import Report
+    g = layernorm(G().input("x", [256, 512])).op("out", "Identity", ["y"]).build("out")
+    p = plan(g)
+    (choice,) = p.alternatives
+    d = choice.to_dict()
+    assert d["deployed"] and d["fused_us"] < d["unfused_us"]
+    kinds = {a["kind"] for a in d["alternatives"]}
+    assert {"pattern", "launch"} <= kinds
+    assert any(a["outcome"] == "chosen by the beam search" for a in d["alternatives"])
+    text = Report(function="f", explanation=[dict(d, kernel="k0")]).explain()
+    assert "k0: 8 ops" in text and "launch" in text and "gain" in text
+
+
+# ---- planners side by side -----------------------------------------------------------
+
+def test_planner_names_and_options():
+    import stitching.options as opts
+    assert PLANNERS == ("baseline", "greedy", "search") and ALIASES["full"] == "search"
+    assert get_planner("greedy") is planner.plan and get_planner("full") is search.plan
+    assert opts.Options().planner == "search"
+    with pytest.raises(ValueError, match="baseline"):
+        opts.Options(planner="xla")
+
+
+def test_baseline_ends_every_kernel_at_a_reduction():
+    g = layernorm(G().input("x", [256, 512])).op("out", "Identity", ["y"]).build("out")
+    p = baseline.plan(g, allow_all)
+    for r in p.regions:
+        assert baseline.xla_rule(r.spec) is None
+    assert len(p.regions) > len(plan(g).regions) == 1
+
+
+@pytest.mark.parametrize("make", [lambda: ln_chain(20), lambda: encoder(4),
+                                  lambda: wide(40)])
+def test_search_is_never_worse_than_greedy(make):
+    g = make()
+    s, gr = plan(g), planner.plan(g, allow_all)
+    fused = lambda p: sum(len(r.nodes) for r in p.regions)  # noqa: E731
+    assert len(s.regions) <= len(gr.regions) and fused(s) >= fused(gr)
+    assert quotient_is_acyclic(g, s)
+
+
+def test_plans_are_deterministic():
+    g = encoder(2)
+    assert [r.nodes for r in plan(g).regions] == [r.nodes for r in plan(g).regions]
+
+
+def test_two_thousand_node_graph_plans_one_kernel_per_block():
+    g = ln_chain(154)
+    assert len(g) > 2000
+    assert len(plan(g).regions) == 154
+
+
+# ---- cycle-freedom by reachability bitsets --------------------------------------------
+
+def test_reach_and_contraction_agree_with_paths():
+    # 0 -> 1 -> 3, 0 -> 2 -> 3, 4 -> 5
+    succ = [(1, 2), (3,), (3,), (), (5,), ()]
+    r = Reach(succ)
+    assert r.convex({0, 1, 2, 3}, mask_of({0, 1, 2, 3}))
+    assert not r.convex({0, 3}, mask_of({0, 3}))            # 0 -> 1 -> 3 leaves and returns
+    c = Contraction(succ, [frozenset({1})])
+    g1 = c.group_of[1]
+    assert c.would_cycle((0, 3)) and not c.would_cycle((0, g1))
+    assert not c.related(0, 4)
+    m = c.merge((0, 4))
+    assert c.related(m, 3) and c.would_cycle((m, 3)) is True
+    assert c.related(m, 5)
+
+
+def test_contracting_groups_that_feed_each_other_raises():
+    succ = [(2,), (3,), (), ()]          # 0 -> 2 and 1 -> 3; groups {0, 3} and {1, 2}
+    with pytest.raises(CycleError):
+        Contraction(succ, [frozenset({0, 3}), frozenset({1, 2})])
+    Contraction(succ, [frozenset({0, 1}), frozenset({2, 3})])      # fine
