@@ -82,9 +82,26 @@ def gelu_spec():
     return b.build([y, b.Relu6(h)])
 
 
-@pytest.mark.parametrize("rows,L", [(1, 1), (3, 31), (2, 33), (1, 1025)])
+@pytest.mark.parametrize("rows,L", [(1, 1), (3, 31), (2, 33), (1, 1025), (3, 36)])
 def test_elementwise_odd_sizes(rows, L):
-    check(gelu_spec(), [data(rows, L), data(L, seed=1)])
+    k, _ = check(gelu_spec(), [data(rows, L), data(L, seed=1)])
+    wide = k.plan([(rows, L), (L,)]).steps[0][0] == "k_ew_v4"
+    assert wide == (L % 4 == 0)        # 16-byte accesses only when every chunk is whole
+
+
+def test_elementwise_wide_with_narrow_buffers():
+    """k_ew_v4 moves the float32 buffers 16 bytes at a time and the float16 / bool ones
+    element by element, in the same chunk."""
+    b = SpecBuilder()
+    x, hx, m = b.input(F, (-1, -1)), b.input("float16", (-1, -1)), b.input("bool", (-1, -1))
+    y = b.Select(m, b.Add(x, b.Cast(hx, to=F)), b.const(-1.0))
+    spec = b.build([y, b.Cast(y, to="float16"), b.Greater(y, b.const(0.0))])
+    k = compile_cuda_kernel(spec)
+    assert k.source.wide == ("p_i0", "p_o0")
+    rng = np.random.default_rng(5)
+    arrays = [data(3, 8), data(3, 8, seed=6).astype(np.float16), rng.random((3, 8)) < 0.7]
+    for wide in (True, False):
+        check(spec, arrays, rtol=1e-3, atol=1e-3, threads=32, wide=wide)
 
 
 def test_elementwise_broadcast_inner_and_rank0():

@@ -53,6 +53,11 @@ def _as_device(a):
     return a if getattr(a, "__cuda_ndarray__", False) else _cuda().as_cuda_array(a)
 
 
+def _aligned16(a) -> bool:
+    iface = getattr(a, "__cuda_array_interface__", None)
+    return iface is None or iface["data"][0] % 16 == 0   # the simulator has no addresses
+
+
 def simulated() -> bool:
     from .cuda_rt import SIMULATOR
     return SIMULATOR
@@ -152,23 +157,42 @@ class CudaKernel:
         return f"void({', '.join(args)})"
 
     # -- running ------------------------------------------------------------------------
-    def __call__(self, *arrays, launch=None, stream=0):
+    def __call__(self, *arrays, launch=None, stream=0, out=None):
         """Run on NumPy arrays (copied to the device and back) or device arrays (any
-        ``__cuda_array_interface__`` object; outputs stay on the device)."""
+        ``__cuda_array_interface__`` object; outputs stay on the device).  ``out``:
+        preallocated C-contiguous device outputs (as a TF op is handed its outputs)."""
         if len(arrays) != len(self.in_dtypes):
             raise TypeError(f"kernel takes {len(self.in_dtypes)} inputs, got {len(arrays)}")
-        cuda = _cuda()
         on_host = not any(_on_device(a) for a in arrays)
         ins = [self._input(i, a) for i, a in enumerate(arrays)]
         shapes = [s for _, s in ins]
         sizes, out_shapes = self.sizes(shapes)
         launch = launch or self.plan(shapes)
-        outs = [cuda.device_array(max(1, int(np.prod(s))), self._device_dtype(d),
-                                  stream=stream)
-                for s, d in zip(out_shapes, self.out_dtypes)]
+        outs = self._outputs(out_shapes, out, stream)
         self._launch(launch, sizes, [a for a, _ in ins], outs, stream)
+        if out is not None:
+            return list(out)
         return [self._output(o, s, d, on_host, stream)
                 for o, s, d in zip(outs, out_shapes, self.out_dtypes)]
+
+    def _outputs(self, shapes, out, stream) -> list:
+        """Flat device buffers for the outputs (never zero-length: a launch needs one)."""
+        if out is None:
+            return [_cuda().device_array(max(1, int(np.prod(s))), self._device_dtype(d),
+                                         stream=stream)
+                    for s, d in zip(shapes, self.out_dtypes)]
+        if len(out) != len(shapes):
+            raise TypeError(f"kernel has {len(shapes)} outputs, got {len(out)} in out=")
+        flat = []
+        for m, (o, s, d) in enumerate(zip(out, shapes, self.out_dtypes)):
+            o = _as_device(o)
+            if tuple(o.shape) != tuple(s) or not o.is_c_contiguous():
+                raise ValueError(f"out[{m}] must be C-contiguous of shape {s}")
+            n = int(np.prod(s))
+            o = o.reshape(n) if n else _cuda().device_array(1, self._device_dtype(d))
+            want = self._device_dtype(d)
+            flat.append(o if o.dtype == want else o.view(want))
+        return flat
 
     def _launch(self, launch, sizes, ins, outs, stream) -> None:
         vals = dict(launch.args)
@@ -181,6 +205,8 @@ class CudaKernel:
             # the simulator evaluates in NumPy, which warns on overflow/NaN like C doesn't
             warnings.simplefilter("ignore", RuntimeWarning)
             for name, grid, block, smem, extra in launch.steps:
+                if name == "k_ew_v4" and not all(_aligned16(vals[a]) for a in self.source.wide):
+                    name = "k_ew"     # a view at an odd offset: same chunks, scalar accesses
                 fn = getattr(self._module, name)
                 args = [extra[a] if a in extra else vals[a]
                         for a in self.source.kernels[name]]

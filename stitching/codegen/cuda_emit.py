@@ -12,6 +12,9 @@ Thread mapping per kind (``tid`` = threadIdx.x; names as in the generated code):
   elementwise  k_ew: grid-stride over chunks of EW_VEC consecutive elements of one row
                (chunk v: row r = v // nc, columns j0 = (v % nc) * EW_VEC ...); inputs
                that do not carry the last axis are loaded once per chunk.
+               k_ew_v4 (rows a multiple of 4 long, buffers 16-byte aligned): the same
+               chunks, float32/int32 buffers moved with one 16-byte load/store
+               (h.load4/h.store4: ld.global.v4 / st.global.v4).
 
   row          k_row[_regs|_smem|_global]: a group of ``tpr`` threads (power of two) per
                row, ``rpb = blockDim / tpr`` rows per block, grid-stride over row groups.
@@ -81,6 +84,7 @@ class CudaSource:
     accumulators: tuple = ()      # column kind: (node, accumulator dtype) per reduction
     phases: tuple = ()            # column kind, split: phase kernels launched in order
     passes: int = 1
+    wide: tuple = ()              # element-wise: arguments k_ew_v4 moves 16 B at a time
 
 
 def helper_tag() -> str:
@@ -97,7 +101,8 @@ def emit(sched) -> CudaSource:
     e = _CudaEmitter(sched)
     text = e.module_text()
     return CudaSource(text, tuple(e.errors), dict(e.kernels), tuple(e.scratch_types()),
-                      tuple(e.acc_types()), tuple(e.phases), len(sched.passes))
+                      tuple(e.acc_types()), tuple(e.phases), len(sched.passes),
+                      tuple(f"p_{e.tag(r)}" for r in e.wide_refs()))
 
 
 class _CudaEmitter(_Emitter):
@@ -168,7 +173,63 @@ class _CudaEmitter(_Emitter):
                     self.load_input(w, a, self._inner(a, f"{base}_{self.tag(a)}"))
 
     # -- element-wise -------------------------------------------------------------------
+    def wide_refs(self) -> list:
+        """Buffers the wide kernel moves 16 bytes at a time: 4-byte dtypes along the row."""
+        if self.s.kind != KernelKind.ELEMENTWISE:
+            return []
+        p = self.s.passes[0]
+        refs = [-(j + 1) for j in p.loads] + list(p.stores)
+        return [r for r in refs if self.carries_last(r) and dt.ITEMSIZE[self.dtype(r)] == 4
+                and self.dtype(r) in ("float32", "int32")]
+
     def _elementwise(self, w) -> None:
+        self._ew_scalar(w)
+        if self.wide_refs():
+            self._ew_wide(w)
+
+    def _ew_wide(self, w) -> None:
+        """k_ew_v4: as k_ew for rows whose length is a multiple of 4 (every chunk whole
+        and 16-byte aligned in every wide buffer, which the host checks)."""
+        p, R, wide = self.s.passes[0], self.R, set(self.wide_refs())
+        with self.kernel(w, "k_ew_v4", ["rows", "nc"]):
+            self.prologue(w)
+            w("step = cuda.gridsize(1)")
+            with w.block("for v in range(cuda.grid(1), rows * nc, step):"):
+                w("r = v // nc")
+                w(f"j0 = (v - r * nc) * {EW_VEC}")
+                self.bases(w, self.decompose(w, "r", list(range(R - 1))))
+                for j in p.loads:
+                    ref = -(j + 1)
+                    if ref in wide:
+                        w(f"{', '.join(f'x{j}_{e}' for e in range(4))} = "
+                          f"h.load4(p_i{j}, b_i{j} + j0)")
+                    elif not self.carries_last(ref):
+                        self.load_input(w, ref, f"b_i{j}")
+                for e in range(4):
+                    self._ew_wide_element(w, p, wide, e)
+                for k in p.stores:
+                    if k in wide:
+                        t = self.tag(k)
+                        w(f"h.store4(p_{t}, b_{t} + j0, "
+                          f"{', '.join(f'y{t}_{e}' for e in range(4))})")
+
+    def _ew_wide_element(self, w, p, wide, e) -> None:
+        w(f"j = j0 + {e}")
+        for j in p.loads:
+            ref = -(j + 1)
+            if ref in wide:
+                w(f"x{j} = x{j}_{e}")
+            elif self.carries_last(ref):
+                self.load_input(w, ref, f"b_i{j} + j")
+        for k in p.compute:
+            self.compute(w, k)
+        for k in p.stores:
+            if k in wide:
+                w(f"y{self.tag(k)}_{e} = {store_value(self.dtype(k), self.var(k))}")
+            else:
+                self.store_output(w, k, f"b_{self.tag(k)} + j")
+
+    def _ew_scalar(self, w) -> None:
         p, R = self.s.passes[0], self.R
         with self.kernel(w, "k_ew", ["rows", "nc"]):
             self.prologue(w)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from llvmlite import ir
 from numba import cuda
-from numba.cuda import libdevice
-from numba.cuda.extending import overload
+from numba.cuda import libdevice, types
+from numba.cuda.core.errors import TypingError
+from numba.cuda.extending import intrinsic, overload
 
 FULL_MASK = 0xFFFFFFFF   # every lane of the warp takes part in each shuffle
 
@@ -126,3 +128,45 @@ def f32_to_bf16(x):
     if x != x:
         return np.uint16(((u >> 16) | 0x40) & 0xFFFF)
     return np.uint16(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF)
+
+
+# ---- 16-byte vector loads and stores (the element-wise kernel's wide path) -------------
+# numba-cuda loads one array element per instruction; these load/store four 4-byte
+# elements as one <4 x T> with align 16, which NVPTX emits as ld.global.v4 / st.global.v4.
+# The caller guarantees the element index is a multiple of 4 and the buffer's base is
+# 16-byte aligned (cuda_launch checks both before choosing the kernel that calls them).
+
+def _vec_ptr(context, builder, aryty, ary, index):
+    data = context.make_array(aryty)(context, builder, value=ary).data
+    vty = ir.VectorType(context.get_data_type(aryty.dtype), 4)
+    return builder.bitcast(builder.gep(data, [index]), vty.as_pointer())
+
+
+@intrinsic
+def load4(typingctx, ary, index):
+    if not isinstance(ary, types.Array) or ary.dtype.bitwidth != 32 or ary.ndim != 1:
+        raise TypingError("load4 needs a 1-D array of a 32-bit type")
+    sig = types.UniTuple(ary.dtype, 4)(ary, index)
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_vec_ptr(context, builder, sig.args[0], *args), align=16)
+        vals = [builder.extract_element(v, ir.Constant(ir.IntType(32), e)) for e in range(4)]
+        return context.make_tuple(builder, sig.return_type, vals)
+    return sig, codegen
+
+
+@intrinsic
+def store4(typingctx, ary, index, a, b, c, d):
+    if not isinstance(ary, types.Array) or ary.dtype.bitwidth != 32 or ary.ndim != 1:
+        raise TypingError("store4 needs a 1-D array of a 32-bit type")
+    sig = types.void(ary, index, a, b, c, d)
+
+    def codegen(context, builder, sig, args):
+        ptr = _vec_ptr(context, builder, sig.args[0], args[0], args[1])
+        v = ir.Constant(ptr.type.pointee, ir.Undefined)
+        for e, (val, ty) in enumerate(zip(args[2:], sig.args[2:])):
+            val = context.cast(builder, val, ty, sig.args[0].dtype)
+            v = builder.insert_element(v, val, ir.Constant(ir.IntType(32), e))
+        builder.store(v, ptr, align=16)
+        return context.get_dummy_value()
+    return sig, codegen

@@ -9,7 +9,9 @@ The latency evaluator (stitching/plan/cost.py) scores (rows_per_task, col_block,
 candidates for a kernel of R rows x L columns on a DeviceProfile; we take its threads and
 rows per block and map them as follows (names as in cuda_emit.py):
 
-  elementwise  block = threads; grid = chunks of EW_VEC elements / threads, capped
+  elementwise  block = threads; grid = chunks of EW_VEC elements / threads, capped;
+               the 16-byte kernel when rows are a multiple of 4 long (the caller falls
+               back to the scalar one for a buffer that is not 16-byte aligned)
   row          tpr (threads per row) = threads / rows_per_task, at most the next power
                of two >= L (no idle lanes past the row end); rpb = threads / tpr.
                Scratch rows: registers if L <= tpr * REG_SLOTS, else shared memory if
@@ -129,12 +131,15 @@ def _grid(work: int, per_block: int, cap: int) -> int:
     return max(1, min(-(-work // per_block), cap))
 
 
-def _elementwise(_src, z, th, _rpt, cap, _profile, _limits, force, source):
+def _elementwise(src, z, th, _rpt, cap, _profile, _limits, force, source):
     nc = -(-z.L // EW_VEC)
     chunks = z.rows * nc
-    steps = (("k_ew", _grid(chunks, th, cap), th, 0, {}),) if chunks else ()
-    return CudaLaunch("elementwise", f"grid-stride, {EW_VEC} elements per thread per step",
-                      steps, {"rows": z.rows, "nc": nc}, (), th, source)
+    wide = bool(src.wide) and z.L % 4 == 0 and force.get("wide", True)
+    name = "k_ew_v4" if wide else "k_ew"
+    steps = ((name, _grid(chunks, th, cap), th, 0, {}),) if chunks else ()
+    how = "16-byte loads/stores" if wide else "scalar loads"
+    return CudaLaunch("elementwise", f"grid-stride, {EW_VEC} elements per thread per step, "
+                      f"{how}", steps, {"rows": z.rows, "nc": nc}, (), th, source)
 
 
 def _row(src, z, th, rpt, cap, _profile, limits, force, source):

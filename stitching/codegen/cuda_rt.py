@@ -15,6 +15,9 @@ Two layers, so that the simulator tests the code that runs on the GPU wherever i
   casts.  Under the simulator they run as plain Python; on a GPU each is wrapped
   as an inlined device function at import.
 
+``load4``/``store4`` move four 4-byte elements as one 16-byte access (one line in the
+simulator; an LLVM vector load/store on the GPU).
+
 Storage as the kernels see it: float16 buffers are float16 arrays (``f16_to_f32`` /
 ``f32_to_f16`` convert values, not bit patterns as on the CPU), bfloat16 buffers
 are uint16 bit patterns, bool buffers are uint8.
@@ -29,12 +32,12 @@ SIMULATOR = bool(_config.ENABLE_CUDASIM)
 
 if SIMULATOR:
     from .cuda_sim import (bf16_to_f32, ceil, copysign, erf, erfc, exp, expm1,  # noqa: F401
-                           f32_to_bf16, fabs, floor, fmod, log, log1p, math, pow,
-                           roundeven, shfl_xor, shfl_xor_bool, sqrt, tanh)
+                           f32_to_bf16, fabs, floor, fmod, load4, log, log1p, math, pow,
+                           roundeven, shfl_xor, shfl_xor_bool, sqrt, store4, tanh)
 else:
     from .cuda_gpu import (bf16_to_f32, ceil, copysign, erf, erfc, exp, expm1,  # noqa: F401
-                           f32_to_bf16, fabs, floor, fmod, log, log1p, math, pow,
-                           roundeven, shfl_xor, shfl_xor_bool, sqrt, tanh)
+                           f32_to_bf16, fabs, floor, fmod, load4, log, log1p, math, pow,
+                           roundeven, shfl_xor, shfl_xor_bool, sqrt, store4, tanh)
 
 _F32_0, _F32_1 = np.float32(0.0), np.float32(1.0)
 _F64_0, _F64_1 = np.float64(0.0), np.float64(1.0)

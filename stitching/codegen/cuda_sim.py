@@ -81,3 +81,12 @@ def shfl_xor(v, off):
 
 def shfl_xor_bool(v, off):
     return bool(shfl_xor(bool(v), off))
+
+
+def load4(a, i):
+    """Four consecutive elements (on a GPU: one 16-byte vector load)."""
+    return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+
+def store4(a, i, x0, x1, x2, x3):
+    a[i], a[i + 1], a[i + 2], a[i + 3] = x0, x1, x2, x3

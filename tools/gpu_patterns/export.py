@@ -2,20 +2,21 @@
 
     python tools/gpu_patterns/export.py          # rewrites tools/gpu_patterns/*.json
 
-Each pattern of ``stitching.testing.patterns`` is traced at its "small" signature (batch
-dim unknown), run through the same frontend + planner as ``stitching.function``
-(``stitching.tf.pipeline.stitch_graph_def``), and every planned region's spec is written
-as ``<pattern>.json``::
+Each pattern of ``stitching.testing.patterns`` is traced at each size's signature (batch
+dim unknown, the other dims as that size has them), run through the same frontend +
+planner as ``stitching.function`` (``stitching.tf.pipeline.stitch_graph_def``), and
+every planned region's spec is written to ``<pattern>.json``::
 
     {"name": ..., "description": ..., "source": ..., "expected_kernels": 1,
-     "shapes": {"small": [[8, 1024]], "large": [[8192, 1024]]},   # the pattern's inputs
-     "kernels": [{"spec": <KernelSpec.to_dict()>,
-                  "inputs": ["x", "ln_manual/gamma", ...]}]}      # what each spec input is
+     "args": ["x"], "input_kinds": ["float"],                      # the pattern's arguments
+     "shapes": {"small": [[8, 1024]], "large": [[8192, 1024]]},
+     "kernels": {"small": [{"spec": <KernelSpec.to_dict()>,
+                            "inputs": ["x", "mul_1/ReadVariableOp/resource", ...]}],
+                 "large": [...]}}
 
-``inputs`` names the graph value behind each spec input: a pattern argument (``arg0``,
-``arg1``, ...) or the variable / constant it reads, so tools/gpu_bench.py can feed the
-same data to the kernel and to its hand-written PyTorch equivalent.  Needs TensorFlow;
-run it here, commit the JSON.
+``inputs`` names the graph value behind each spec input (a pattern argument, or the
+variable / constant / op output it reads), so tools/gpu_bench.py knows which inputs are
+activations and which are weights.  Needs TensorFlow; run it here, commit the JSON.
 """
 from __future__ import annotations
 
@@ -61,23 +62,27 @@ def _origin(nodes, name, depth=0) -> str:
     return n.name
 
 
-def export(pattern) -> dict:
+def _kernels(pattern, size) -> list:
     import tensorflow as tf
     from stitching.options import Options
     from stitching.tf import frontend, pipeline
-    cf = tf.function(pattern.fn).get_concrete_function(*pattern.input_signature("small"))
+    cf = tf.function(pattern.fn).get_concrete_function(*pattern.input_signature(size))
     gdef = cf.graph.as_graph_def()
     res = pipeline.stitch_graph_def(
         gdef, [t.name for t in cf.outputs], [op.name for op in cf.graph.control_outputs],
         Options(), name=pattern.name, resources=frontend.resource_shapes(cf.graph))
-    wiring = _input_names(res, gdef)
-    kernels = []
-    for k, (_node, names) in zip(res.kernels, wiring):
-        kernels.append({"spec": k.spec.to_dict(), "inputs": names})
+    return [{"spec": k.spec.to_dict(), "inputs": names}
+            for k, (_node, names) in zip(res.kernels, _input_names(res, gdef))]
+
+
+def export(pattern) -> dict:
+    import inspect
     return {"name": pattern.name, "description": pattern.description,
             "source": pattern.source, "expected_kernels": pattern.expected_kernels,
+            "args": list(inspect.signature(pattern.fn).parameters),
+            "input_kinds": list(pattern.input_kinds),
             "shapes": {s: [list(x) for x in pattern.shapes[s]] for s in pattern.shapes},
-            "input_kinds": list(pattern.input_kinds), "kernels": kernels}
+            "kernels": {s: _kernels(pattern, s) for s in pattern.shapes}}
 
 
 def main() -> int:
@@ -86,7 +91,7 @@ def main() -> int:
         d = export(p)
         path = HERE / f"{p.name}.json"
         path.write_text(json.dumps(d, indent=1, sort_keys=True) + "\n")
-        print(f"{p.name}: {len(d['kernels'])} kernel(s) -> {path.name}")
+        print(f"{p.name}: {len(d['kernels']['small'])} kernel(s) -> {path.name}")
     return 0
 
 

@@ -1,0 +1,331 @@
+#!/usr/bin/env python
+"""CUDA backend bench: the pattern suite as serialized KernelSpecs, no TensorFlow needed.
+
+    python tools/gpu_bench.py --simulator           # no GPU: small shapes, numba-cuda simulator
+    python tools/gpu_bench.py --ptx [--cc 8.0]      # no GPU: compile every kernel to PTX (libnvvm)
+    python tools/gpu_bench.py [--size large]        # on a GPU, with PyTorch for the baselines
+
+Specs come from tools/gpu_patterns/*.json (written with TensorFlow by
+tools/gpu_patterns/export.py from stitching.testing.patterns).  Every mode checks every
+output against a float64 NumPy interpreter of the op table (stitching/codegen/cuda_ref.py,
+written independently of the generated code) and exits 1 on any mismatch.
+
+Inputs: activations (spec inputs with the unknown batch dim) are standard normal, the
+pattern's boolean / 0-1 mask arguments are 90% true, static-shaped weights are uniform in
+[0.5, 1.5] (so a variance stays positive).
+
+On a GPU each pattern is also timed against a hand-written PyTorch equivalent, eager and
+under torch.compile, on the same device buffers; bandwidth is compulsory bytes (inputs
+read once + outputs written once) / time, next to the device's measured copy bandwidth.
+Times are per call (N back-to-back calls, one synchronize), host overhead included for
+every column.  The simulator and --ptx modes measure no speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+PATTERNS = os.path.join(HERE, "gpu_patterns")
+sys.path.insert(0, REPO)
+
+SIM_BATCH = 1          # arbitrary: batch in --simulator (one Python thread per CUDA thread)
+WEIGHT_LO, WEIGHT_HI = 0.5, 1.5
+MASK_TRUE = 0.9
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--simulator", action="store_true",
+                      help="run under NUMBA_ENABLE_CUDASIM=1 (no GPU), small shapes")
+    mode.add_argument("--ptx", action="store_true",
+                      help="compile every kernel to PTX with libnvvm (no GPU), report")
+    ap.add_argument("--cc", default="8.0", help="--ptx: compute capability (e.g. 7.0, 9.0)")
+    ap.add_argument("--size", default="large", choices=["small", "large"],
+                    help="GPU mode: shapes to time (correctness is also checked at small)")
+    ap.add_argument("--only", default="", help="comma-separated pattern names")
+    ap.add_argument("--repeats", type=int, default=20, help="GPU mode: calls per timing")
+    ap.add_argument("--profile", default=None, help="v100 | a100 | h100 (default: detect)")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    return ap.parse_args(argv)
+
+
+# ---- the suite --------------------------------------------------------------------------
+
+def load_patterns(only: str) -> list:
+    names = [n for n in only.split(",") if n]
+    pats = []
+    for f in sorted(os.listdir(PATTERNS)):
+        if f.endswith(".json"):
+            with open(os.path.join(PATTERNS, f)) as fh:
+                d = json.load(fh)
+            if not names or d["name"] in names:
+                pats.append(d)
+    missing = set(names) - {p["name"] for p in pats}
+    if missing:
+        raise SystemExit(f"unknown pattern(s): {', '.join(sorted(missing))}")
+    return pats
+
+
+def kernels(pat, size) -> list:
+    """[(KernelSpec, spec input names)] of one pattern at one size."""
+    from stitching.ir.spec import KernelSpec
+    return [(KernelSpec.from_dict(k["spec"]), k["inputs"]) for k in pat["kernels"][size]]
+
+
+def make_inputs(spec, names, pat, batch, seed=0) -> list:
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    kinds = dict(zip(pat["args"], pat["input_kinds"]))
+    out = []
+    for t, name in zip(spec.inputs, names):
+        shape = tuple(batch if d == -1 else d for d in t.shape)
+        kind = kinds.get(name, "float" if -1 in t.shape else "weight")
+        if t.dtype == "bool" or kind in ("bool", "mask01"):
+            a = rng.random(shape) < MASK_TRUE
+            a = a if t.dtype == "bool" else a.astype(t.dtype)
+        elif kind == "weight":
+            a = rng.uniform(WEIGHT_LO, WEIGHT_HI, shape).astype(t.dtype)
+        else:
+            a = rng.standard_normal(shape).astype(t.dtype)
+        out.append(a)
+    return out
+
+
+def batch_of(pat, size) -> int:
+    return pat["shapes"][size][0][0]
+
+
+def check(kernel, spec, arrays, outs=None) -> float:
+    """Worst error over the outputs, in units of the tolerance (<= 1 passes)."""
+    from stitching.codegen.cuda_ref import compare, evaluate
+    outs = kernel(*arrays) if outs is None else outs
+    return max(compare(o, r) for o, r in zip(outs, evaluate(spec, arrays)))
+
+
+# ---- --simulator ------------------------------------------------------------------------
+
+def run_simulator(pats) -> list:
+    from stitching.codegen.cuda import compile_cuda_kernel
+    from stitching.codegen.cuda_launch import describe
+    rows = []
+    for pat in pats:
+        for i, (spec, names) in enumerate(kernels(pat, "small")):
+            t0 = time.perf_counter()
+            k = compile_cuda_kernel(spec)
+            arrays = make_inputs(spec, names, pat, min(SIM_BATCH, batch_of(pat, "small")))
+            err = check(k, spec, arrays)
+            lau = k.plan([a.shape for a in arrays])
+            rows.append({"pattern": pat["name"], "kernel": i, "kind": k.schedule.kind.value,
+                         "shapes": [list(a.shape) for a in arrays], "error": err,
+                         "ok": err <= 1.0, "launch": describe(lau),
+                         "seconds": time.perf_counter() - t0})
+            print(f"{pat['name']:<22} {'ok ' if err <= 1 else 'BAD'} err {err:6.3f}  "
+                  f"{time.perf_counter() - t0:5.1f} s  {describe(lau)}", flush=True)
+    return rows
+
+
+# ---- --ptx ------------------------------------------------------------------------------
+
+def allow_ptx_without_gpu() -> None:
+    """numba-cuda asks NVRTC only for the list of supported architectures before
+    handing the IR to libnvvm; with no NVRTC installed, answer that list ourselves."""
+    from numba.cuda import cuda_paths
+    from numba.cuda.cudadrv import nvrtc
+    try:
+        cuda_paths.get_cuda_paths()
+    except Exception:   # noqa: BLE001 - NVRTC missing: the path lookup raises
+        cuda_paths._get_nvrtc_path = lambda: cuda_paths._env_path_tuple("absent", None)
+        nvrtc.get_supported_ccs = lambda: ((7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0))
+
+
+# what the PTX says about each kernel: shuffles, barriers, local memory (spills or arrays
+# not in registers), 16-byte global accesses
+PTX_FEATURES = ("shfl.sync", "bar.sync", "ld.local", "ld.global.v4", "st.global.v4")
+
+
+def run_ptx(pats, cc) -> list:
+    from numba import cuda
+    from stitching.codegen.cuda import compile_cuda_kernel
+    allow_ptx_without_gpu()
+    cc = tuple(int(x) for x in cc.split("."))
+    rows = []
+    for pat in pats:
+        for spec, _ in kernels(pat, "small"):
+            k = compile_cuda_kernel(spec, profile="a100")
+            for name in k.source.kernels:
+                row = {"pattern": pat["name"], "kernel": name, "ok": True}
+                try:
+                    t0 = time.perf_counter()
+                    ptx, _ = cuda.compile_ptx(getattr(k._module, name).py_func,
+                                              k.signature(name), cc=cc)
+                    row.update(seconds=time.perf_counter() - t0,
+                               **{f: ptx.count(f) for f in PTX_FEATURES})
+                    desc = " ".join(f"{f}={row[f]}" for f in PTX_FEATURES)
+                    print(f"PTX {pat['name']:<22} {name:<12} ok   {desc}", flush=True)
+                except Exception as e:   # noqa: BLE001 - report every kernel
+                    row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
+                    print(f"PTX {pat['name']:<22} {name:<12} FAIL {row['error']}", flush=True)
+                rows.append(row)
+    return rows
+
+
+# ---- GPU: timings against PyTorch ---------------------------------------------------------
+
+def torch_equivalents():
+    """Hand-written PyTorch for what each pattern's kernel computes; arguments are the
+    spec inputs in spec order (see the JSON's "inputs").  gpu_bench checks each against
+    the float64 reference, so a reordered export shows up as a torch mismatch."""
+    import torch
+    import torch.nn.functional as F
+
+    def ln(x, g, b, eps):
+        return F.layer_norm(x, x.shape[-1:], g, b, eps)
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w
+
+    def lse(x):
+        s = torch.logsumexp(x, -1)
+        return [s - x.amax(-1), s]
+
+    def bn_relu6(var, gamma, x, mean, beta):
+        scale = gamma * torch.rsqrt(var + 1e-3)
+        return torch.clamp(x * scale + (beta - mean * scale), 0.0, 6.0)
+
+    return {
+        "layernorm_manual": lambda x, g, b: ln(x, g, b, 1e-6),
+        "layernorm_keras": lambda x, g, b: ln(x, g, b, 1e-6),
+        "add_layernorm": lambda x, bias, r, g, b: ln(x + bias + r, g, b, 1e-12),
+        "rmsnorm": rms,
+        "softmax_tf": lambda x: torch.softmax(x, -1),
+        "softmax_manual": lambda x: torch.softmax(x, -1),
+        "attention_softmax": lambda m, s: torch.softmax(s * 0.125 + (1.0 - m) * -10000.0, -1),
+        "log_softmax": lambda x: torch.log_softmax(x, -1),
+        "logsumexp": lse,
+        "bias_gelu_erf": lambda x, b: F.gelu(x + b),
+        "bias_gelu_tanh": lambda x, b: F.gelu(x + b, approximate="tanh"),
+        "bias_gelu_tanh_manual": lambda x, b: F.gelu(x + b, approximate="tanh"),
+        "bias_gelu_residual": lambda x, b, r: F.gelu(x + b) + r,
+        "swiglu": F.silu,
+        "bn_swish": F.silu,
+        "bn_relu6": bn_relu6,
+        "squeeze_excite": lambda x: x * torch.sigmoid(x.mean((1, 2), keepdim=True)),
+        "l2_normalize": lambda x: F.normalize(x, dim=-1, eps=1e-6),
+        "center_axis0": lambda x: x - x.mean(0, keepdim=True),
+        "dien_masked_softmax": lambda s, m: torch.softmax(
+            torch.where(m, s, torch.full_like(s, -4294967296.0)), -1),
+    }
+
+
+def per_call(fn, repeats) -> float:
+    """Seconds per call: ``repeats`` back-to-back calls, one synchronize (best of 3)."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / repeats)
+    return best
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 256 MiB, bytes read + written per second."""
+    import torch
+    src = torch.empty(64 << 20, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / per_call(lambda: dst.copy_(src), 10)
+
+
+def run_gpu(pats, size, repeats, profile) -> list:
+    import torch
+    from stitching.codegen.cuda import compile_cuda_kernel
+    from stitching.codegen.cuda_launch import describe
+    eq = torch_equivalents()
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s")
+    rows = []
+    for pat in pats:
+        for spec, names in kernels(pat, size):
+            k = compile_cuda_kernel(spec, profile=profile)
+            small = kernels(pat, "small")[0]
+            small_arrays = make_inputs(small[0], small[1], pat, batch_of(pat, "small"))
+            err_small = check(compile_cuda_kernel(small[0], profile=profile), small[0],
+                              small_arrays)
+            row = _time_pattern(pat, spec, names, k, size, repeats, eq.get(pat["name"]), bw)
+            row.update(error_small=err_small, launch=describe(k.plan(row.pop("_shapes"))))
+            row["ok"] = row["ok"] and err_small <= 1.0
+            rows.append(row)
+            _print_gpu_row(row)
+    return rows
+
+
+def _time_pattern(pat, spec, names, k, size, repeats, tfn, bw) -> dict:
+    import torch
+    from numba import cuda
+    arrays = make_inputs(spec, names, pat, batch_of(pat, size))
+    dev = [cuda.to_device(a) for a in arrays]
+    outs = k(*dev)
+    ours = [o.copy_to_host() for o in outs]
+    err = check(k, spec, arrays, outs=ours)
+    nbytes = sum(a.nbytes for a in arrays) + sum(o.nbytes for o in ours)
+    t_ours = per_call(lambda: k(*dev, out=outs), repeats)
+    row = {"pattern": pat["name"], "kind": k.schedule.kind.value, "error": err,
+           "ok": err <= 1.0, "bytes": nbytes, "ours_s": t_ours, "ours_gbs": nbytes / t_ours / 1e9,
+           "copy_gbs": bw / 1e9, "_shapes": [a.shape for a in arrays]}
+    if tfn is not None:
+        tens = [torch.as_tensor(d, device="cuda") for d in dev]
+        row["torch_eager_s"] = per_call(lambda: tfn(*tens), repeats)
+        try:
+            comp = torch.compile(tfn)
+            comp(*tens)
+            row["torch_compile_s"] = per_call(lambda: comp(*tens), repeats)
+        except Exception as e:   # noqa: BLE001 - no Triton / compiler: report, go on
+            row["torch_compile_error"] = f"{type(e).__name__}: {e}"[:200]
+    return row
+
+
+def _print_gpu_row(r) -> None:
+    def us(key):
+        return f"{r[key] * 1e6:9.1f}" if key in r else "      n/a"
+    print(f"{r['pattern']:<22} {'ok ' if r['ok'] else 'BAD'} {us('ours_s')} {us('torch_eager_s')}"
+          f" {us('torch_compile_s')}   {r['ours_gbs']:7.0f} GB/s "
+          f"({100 * r['ours_gbs'] / r['copy_gbs']:3.0f}% of copy)  {r['launch']}", flush=True)
+
+
+# ---- main ---------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.simulator:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"    # before numba.cuda is first imported
+    pats = load_patterns(args.only)
+    t0 = time.perf_counter()
+    if args.simulator:
+        rows = run_simulator(pats)
+    elif args.ptx:
+        rows = run_ptx(pats, args.cc)
+    else:
+        print(f"{'pattern':<22} ok  {'ours µs':>9} {'eager µs':>9} {'compile µs':>9}")
+        rows = run_gpu(pats, args.size, args.repeats, args.profile)
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(bad)}/{len(rows)} ok in {time.perf_counter() - t0:.1f} s"
+          + (f"; FAILED: {', '.join(sorted({r['pattern'] for r in bad}))}" if bad else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
