@@ -262,3 +262,33 @@ def test_contracting_groups_that_feed_each_other_raises():
     with pytest.raises(CycleError):
         Contraction(succ, [frozenset({0, 3}), frozenset({1, 2})])
     Contraction(succ, [frozenset({0, 1}), frozenset({2, 3})])      # fine
+
+
+# ---- through the pipeline (TensorFlow) -------------------------------------------------
+
+def test_options_planner_ablation_end_to_end():
+    tf = pytest.importorskip("tensorflow")
+    import numpy as np
+
+    import stitching
+
+    def fn(x, g):
+        m = tf.reduce_mean(x, axis=-1, keepdims=True)
+        v = tf.reduce_mean(tf.square(x - m), axis=-1, keepdims=True)
+        return tf.nn.softmax((x - m) * tf.math.rsqrt(v + 1e-5) * g)
+
+    sig = [tf.TensorSpec([64, 256], tf.float32), tf.TensorSpec([256], tf.float32)]
+    rng = np.random.default_rng(0)
+    x, g = rng.standard_normal((64, 256), np.float32), rng.standard_normal(256, np.float32)
+    ref = tf.function(fn, input_signature=sig)(x, g).numpy()
+    kernels = {}
+    for name in ("baseline", "greedy", "search"):
+        f = stitching.function(fn, input_signature=sig,
+                               options=stitching.Options(planner=name))
+        np.testing.assert_allclose(f(x, g).numpy(), ref, rtol=1e-5, atol=1e-6)
+        kernels[name] = len(f.report.kernels)
+        if name == "search":
+            text = f.report.explain()
+            assert f.report.kernels[0].name in text and "launch:" in text
+            assert f.report.to_dict()["explanation"][0]["deployed"]
+    assert kernels["search"] == kernels["greedy"] == 1 < kernels["baseline"]

@@ -71,7 +71,8 @@ class Contraction:
                 del self.members[v]
                 self.group_of[v] = gid
             self.members[gid] = tuple(sorted(g))
-        self.mask = {g: mask_of(m) for g, m in self.members.items()}
+        self.mask = {g: (1 << m[0]) if len(m) == 1 else mask_of(m)
+                     for g, m in self.members.items()}
         self.gsucc = {g: set() for g in self.members}
         self.gpred = {g: set() for g in self.members}
         for v, ss in enumerate(succ):

@@ -167,7 +167,7 @@ class GraphCosts:
         # elements of the largest value an op touches (a reduction's is its input)
         self.count = [max([max(1, size[i] // item[i])] + [b // item[i] for _, b, _ in ins[i]])
                       for i in range(len(order))]
-        self.io_bytes = [(sum(b for _, b, _ in ins[i]) + outs[i]) * max(1, work[i])
+        self.io_bytes = [(sum(b for _, b, _ in ins[i]) + outs[i]) * work[i]
                          for i in range(len(order))]   # traffic of the op left to TF
         self.unfused = [self._unfused(i) for i in range(len(order))]
         self._free_values = (profile.registers_per_unit if profile.backend == "cpu" else
@@ -216,23 +216,22 @@ class GraphCosts:
         return self.delta(P).gain_s
 
     def _delta(self, P: frozenset) -> Delta:
-        p, red, cons = self.profile, self.red, self.cons
-        seen, io, unf_bytes, work, tr, big, unfused, stitched = set(), 0, 0, 0, 0, 1, 0.0, []
+        p, red, cons, size, pinned = self.profile, self.red, self.cons, self.size, self.pinned
+        seen, io, stitched = set(), 0, []
         for v in P:
             for val, b, u in self.ins[v]:
                 if u not in P and val not in seen:
                     seen.add(val)
                     io += b
-            if self.pinned[v] or not P.issuperset(cons[v]):
-                io += self.size[v]
-            if self.work[v]:
-                work += 1
-                unf_bytes += self.io_bytes[v]
-                unfused += self.unfused[v]
-            tr += self.tr[v]
-            big = max(big, self.count[v])
+            if pinned[v] or not P.issuperset(cons[v]):
+                io += size[v]
             if red[v] is not None and (red[v].internal or not P.isdisjoint(cons[v])):
                 stitched.append(v)
+        work = sum(map(bool, map(self.work.__getitem__, P)))
+        unf_bytes = sum(map(self.io_bytes.__getitem__, P))    # 0 for ops that move nothing
+        unfused = sum(map(self.unfused.__getitem__, P))
+        tr = sum(map(self.tr.__getitem__, P))
+        big = max(map(self.count.__getitem__, P))
         active = (min(row_lanes(p, red[v].rows, red[v].row_len) for v in stitched)
                   if stitched else elementwise_lanes(p, big))
         scratch_s = self._scratch_s(P, stitched, active) if stitched else 0.0
@@ -254,9 +253,9 @@ class GraphCosts:
             g = self.red[r]
             before = self._ancestors(P, r)
             after = P - before - {r}
+            read_after = {val for c in after for val, _, _ in self.ins[c]}
             kept = {(val, u): b for v in before | {r} for val, b, u in self.ins[v]
-                    if (v == r and g.internal) or any(
-                        val in (x for x, _, _ in self.ins[c]) for c in after)}
+                    if (v == r and g.internal) or val in read_after}
             traffic += sum(b * (2 if u in P else 1) for (_, u), b in kept.items())
             per_row += sum(kept.values()) / g.rows
         if not traffic:
@@ -284,7 +283,8 @@ class GraphCosts:
         p = self.profile
         if len(P) <= self._free_values:
             return 0.0, active          # too few values to press on the register file
-        live = _max_live(sorted(P), lambda v: [c for c in self.cons[v] if c in P])
+        cons = self.cons
+        live = _max_live(sorted(P), lambda v: cons[v] & P)
         if p.backend == "cpu":
             extra = max(0, live - p.registers_per_unit)
             return 2 * extra * big * 4 / p.cache_bandwidth, active
@@ -301,8 +301,9 @@ def _max_live(order: list, users) -> int:
     for i, v in enumerate(order):
         while alive and alive[0] < i:
             heapq.heappop(alive)
-        heapq.heappush(alive, max((pos[u] for u in users(v)), default=i))
-        best = max(best, len(alive))
+        heapq.heappush(alive, max(map(pos.__getitem__, users(v)), default=i))
+        if len(alive) > best:
+            best = len(alive)
     return best
 
 
