@@ -204,6 +204,37 @@ def test_column_nhwc_pool_and_odd_sizes():
     check(spec, [data(2, 4, 5, 3)], threads=64, tx=4, split=2, atol=1e-5)
 
 
+# ---- zero sizes, 16-bit floats --------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0)])
+def test_zero_sizes(shape):
+    check(gelu_spec(), [data(*shape), data(shape[1], seed=1)])
+    check(softmax_spec(), [data(*shape)])            # max of an empty row: -inf
+    check(center_spec(), [data(*shape)])             # column mean over no rows: NaN
+
+
+def test_reshape_unknown_dim_of_size_one():
+    """logsumexp at batch 1: Reshape [?,1] -> [?] with the unknown dim 1 at run time."""
+    b = SpecBuilder()
+    x = b.input(F, (-1, -1))
+    m = b.Max(x, axes=[1], keep_dims=True)
+    s = b.Sum(b.Exp(b.Sub(x, m)), axes=[1])
+    spec = b.build([b.Add(b.Log(s), b.Reshape(m, shape=[-1]))])
+    check(spec, [data(1, 6)])
+    check(spec, [data(3, 6)])
+
+
+def test_bfloat16_storage():
+    import ml_dtypes
+    b = SpecBuilder()
+    x = b.input("bfloat16", (-1, -1))
+    f = b.Cast(x, to=F)
+    m = b.Max(f, axes=[1], keep_dims=True)
+    spec = b.build([b.Cast(b.Sub(f, m), to="bfloat16"), m])
+    xs = (data(3, 7) * 10).astype(ml_dtypes.bfloat16)
+    check(spec, [xs], threads=32, tpr=8)
+
+
 # ---- API, launch choice, TF-free path ---------------------------------------------
 
 def test_shape_errors_and_one_kernel_for_all_sizes():

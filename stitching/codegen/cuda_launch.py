@@ -89,12 +89,29 @@ def pin_shapes(spec, in_shapes) -> KernelSpec:
     for n in spec.nodes:
         args = [ins[-a - 1] if a < 0 else nodes[a].type for a in n.args]
         attrs = n.attrs
-        if n.op == "Reshape":     # the unknown target dims are the input's, in order
-            src = iter(d for d in args[0].shape if d != 1)
-            attrs = dict(attrs, shape=tuple(next(src) if d == -1 else d
-                                            for d in attrs["shape"]))
+        if n.op == "Reshape":
+            attrs = dict(attrs, shape=reshape_target(args[0].shape, attrs["shape"]))
         nodes.append(SpecNode(n.op, n.args, attrs, infer(n.op, attrs, args)))
     return KernelSpec(ins, tuple(nodes), spec.outputs, {})
+
+
+def reshape_target(shape, target) -> tuple:
+    """A Reshape's target with its unknown (-1) dims filled in for a concrete input
+    ``shape``.  Reshapes only add or drop size-1 dims, so the input's non-1 dims must
+    line up with the target's; an unknown target dim takes the next one while more remain
+    than the target's later static non-1 dims need, else it is 1."""
+    src = [d for d in shape if d != 1]
+    out, at = [], 0
+    for i, d in enumerate(target):
+        if d == -1:
+            later = sum(1 for e in target[i + 1:] if e not in (1, -1))
+            take = len(src) - at > later
+            out.append(src[at] if take else 1)
+            at += take
+        else:
+            at += d != 1
+            out.append(d)
+    return tuple(out)
 
 
 def evaluate(spec, in_shapes, profile) -> tuple:

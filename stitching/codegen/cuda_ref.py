@@ -16,6 +16,7 @@ the kernels, so a bug in lower.py does not hide itself.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -37,7 +38,8 @@ def evaluate(spec, arrays) -> list:
         if t.dtype == "bfloat16" and a.dtype == np.uint16:
             a = (a.astype(np.uint32) << 16).view(np.float32)
         vals[-(j + 1)] = a.astype(_np(t.dtype))
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)      # mean of an empty slice
         for k, n in enumerate(spec.nodes):
             vals[k] = np.asarray(_node(n, [vals[a] for a in n.args]),
                                  dtype=_np(n.type.dtype))
@@ -51,8 +53,8 @@ def _node(n, a):
         axes, keep = tuple(n.attrs["axes"]), n.attrs["keep_dims"]
         return _REDUCE[op](x, axis=axes, keepdims=keep)
     if op == "Reshape":
-        src = iter(d for d in a[0].shape if d != 1)
-        return a[0].reshape([next(src) if d == -1 else d for d in n.attrs["shape"]])
+        from .cuda_launch import reshape_target
+        return a[0].reshape(reshape_target(a[0].shape, n.attrs["shape"]))
     if op == "Const":
         return np.full(n.attrs["shape"], n.attrs["value"])
     if op == "FillLike":
@@ -95,8 +97,20 @@ def _mean(x, axis, keepdims):
     return x.mean(axis=axis, keepdims=keepdims)
 
 
-_REDUCE = {"Sum": np.sum, "Mean": _mean, "Prod": np.prod, "Max": np.max, "Min": np.min,
-           "All": np.all, "Any": np.any}
+def _extreme(fn, lowest: bool):
+    """Max / Min starting from TF's value for an empty reduction (lowest / highest)."""
+    def red(x, axis, keepdims):
+        if x.dtype.kind == "f":
+            init = -np.inf if lowest else np.inf
+        else:
+            info = np.iinfo(x.dtype)
+            init = info.min if lowest else info.max
+        return fn(x, axis=axis, keepdims=keepdims, initial=init)
+    return red
+
+
+_REDUCE = {"Sum": np.sum, "Mean": _mean, "Prod": np.prod, "Max": _extreme(np.max, True),
+           "Min": _extreme(np.min, False), "All": np.all, "Any": np.any}
 
 
 def _floordiv(x, y):
