@@ -31,16 +31,20 @@ levels, as in FusionStitching:
       t = launch + waves·(task overhead + max(task bytes / lane bw, compute))
           + scratch or spill + (c < L ? combine pass : 0)
     The fastest candidate wins: many short rows packed per task, a long row split across
-    tasks when too few rows would leave lanes idle (AStitch's adaptive thread mapping).
-    Where barrier values live comes from the schedule stage (stitching.schedule.placements)
-    when it provides them, else from this module's own estimate.
+    tasks when too few rows would leave lanes idle (AStitch's adaptive thread mapping) —
+    where the schedule can split a row (element-wise and column kernels; a row-reduction
+    split needs a combine pass, modelled, which the schedule stage does not offer yet).
+    Where values live (which are re-loaded in later passes, which sit in per-row scratch)
+    comes from the schedule stage (stitching.schedule.build_schedule) when it builds one,
+    else from this module's own estimate.  Rows unknown until run time: the time is
+    estimated at DEFAULT_DIM, but no parameters are fixed (the kernel picks at run time).
 
 Unknown dims (-1) are assumed DEFAULT_DIM; every other constant is labelled below.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..ir import OPS, Kind, TensorType
@@ -49,8 +53,8 @@ from . import legality as _leg
 from .profiles import DeviceProfile
 
 DEFAULT_DIM = 32              # arbitrary: size assumed for a dim unknown until run time
-CPU_GRAIN = 16384             # tuned (Eigen-like): elements per shard; smaller ops stay on
-                              # one core, unfused or fused alike
+CPU_GRAIN = 16384             # arbitrary (the schedule's EW_BLOCK): elements per shard;
+                              # smaller ops stay on one core, unfused or fused alike
 GPU_ROW_VALUES_PER_THREAD = 8  # arbitrary: row values one thread keeps in registers
 GPU_BASE_REGS = 16            # arbitrary: registers a thread needs besides live values
 MIN_COL_BLOCK = 1024          # arbitrary: a row is never split into pieces shorter
