@@ -48,8 +48,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=1, help="compile suite: batch size")
     ap.add_argument("--modes", default="tf,xla,stitching",
                     help="subset of tf,xla,stitching (tf is the reference for checks)")
-    ap.add_argument("--planner", choices=["baseline", "full"], default=None,
-                    help="passed as stitching.Options(planner=...) when supported")
+    ap.add_argument("--planner", default=None, metavar="baseline|full|...",
+                    help="ablation: passed as stitching.Options(planner=...) when "
+                         "stitching.Options has that field (the value is checked there)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--png", metavar="PATH")
     ap.add_argument("--markdown", metavar="PATH",
@@ -101,6 +102,7 @@ def main(argv=None):
     meta = machine.machine_info()
     meta["command"] = "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     meta["notes"] = []
+    meta["planner"] = args.planner or "default"
     threads = meta["cores"]
     if "patterns" in run:
         print("[bench] measuring copy bandwidth", file=sys.stderr, flush=True)

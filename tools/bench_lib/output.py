@@ -325,7 +325,8 @@ def print_report(results, meta):
     print()
     print(f"machine: {meta['cpu']}, {meta['cores']} cores; python {meta['python']}, "
           f"tensorflow {meta['tensorflow']}, numba {meta['numba']}, stitching "
-          f"{meta['stitching_rev']}; TF intra-op threads {meta['tf_intra_op_threads']}")
+          f"{meta['stitching_rev']} (planner {meta.get('planner', 'default')}); "
+          f"TF intra-op threads {meta['tf_intra_op_threads']}")
     if gbs:
         print(f"copy bandwidth: {gbs:.1f} GB/s ({copy['method']}; numba "
               f"{copy.get('numba_prange_gbs', 'n/a')}, numpy {copy.get('numpy_threads_gbs')})")
@@ -395,7 +396,8 @@ def _suite_markdown(suite, rows, meta, results):
     out.append(f"Measured {meta['date']} on {meta['cpu']} ({meta['cores']} cores, "
                f"{meta.get('memory_gib')} GiB); Python {meta['python']}, TensorFlow "
                f"{meta['tensorflow']}, Numba {meta['numba']}, stitching "
-               f"`{meta['stitching_rev']}`; TF intra-op threads "
+               f"`{meta['stitching_rev']}` (planner {meta.get('planner', 'default')}); "
+               f"TF intra-op threads "
                f"{meta['tf_intra_op_threads']}; load average {meta.get('load_avg_start')} "
                f"at start, {meta.get('load_avg_end')} at end; command "
                f"`{meta.get('command', '')}`.")
