@@ -488,7 +488,9 @@ def test_bias_gelu(form):
     else:
         ref = 0.5 * h64 * (1 + np.tanh(0.7978845608028654 * (h64 + 0.044715 * h64 ** 3)))
     (y,) = k(X, B)
-    np.testing.assert_allclose(y, ref, rtol=2e-6, atol=3e-7)
+    # 1 + erf cancels for x << 0: the output carries erf's absolute error (3.2e-7)
+    # times |x| / 2, as in any float32 GELU built on erf
+    np.testing.assert_allclose(y, ref, rtol=2e-6, atol=2e-6 if form == "erf" else 3e-7)
 
 
 def test_column_reduction_with_consumers_batchnorm():

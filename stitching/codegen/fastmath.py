@@ -19,9 +19,9 @@ Conventions
 
 Polynomial coefficients: exp/expm1 use Taylor coefficients (degree 7 on
 |r| <= ln2/2, truncation < 0.1 ulp); log uses the atanh series in s = f/(2+f);
-erf and erfcx are our own minimax fits (Lawson's iteratively reweighted least
-squares against scipy in float64; stitching/codegen/fastmath_fit.py regenerates
-them).
+erf (rational) and erfcx are our own minimax fits (Lawson's iteratively reweighted
+least squares / Sanathanan-Koerner against scipy in float64;
+stitching/codegen/fastmath_fit.py regenerates them).
 """
 from __future__ import annotations
 
@@ -68,8 +68,7 @@ def exp_f32(x):
     -87.3 (within 1 subnormal step); exp(-inf) = 0, exp(nan) = nan."""
     xc = _EXP_HI if x > _EXP_HI else x
     xc = _EXP_LO if xc < _EXP_LO else xc
-    safe = xc if xc == xc else _ZERO
-    n, q = _expm1_reduced(safe)
+    n, q = _expm1_reduced(xc)          # NaN lanes compute garbage, replaced below
     y = I.ldexp_f32(q + _ONE, n)
     return y if x == x else x
 
@@ -176,16 +175,29 @@ def _erfc_big(a):
     return (e - e * lo) * q
 
 
+# erf(x) = x P(x^2) / Q(x^2) on |x| <= 3.925 (rational minimax, refit after rounding
+# the coefficients to float32); one division, no exp: 3.5x cheaper than
+# 1 - erfc, which matters for GELU.
+_ERF_RP = (f32(1.1283792), f32(0.18514182), f32(0.05424942), f32(0.0038394765),
+           f32(0.00037696472), f32(4.6147e-06), f32(-1.2829477e-08))
+_ERF_RQ = (f32(1.0), f32(0.49741107), f32(0.11388051), f32(0.01543248),
+           f32(0.0013019731), f32(6.245038e-05))
+_RP0, _RP1, _RP2, _RP3, _RP4, _RP5, _RP6 = _ERF_RP
+_RQ0, _RQ1, _RQ2, _RQ3, _RQ4, _RQ5 = _ERF_RQ
+_ERF_CLAMP = f32(3.925)
+
+
 @helper
 def erf_f32(x):
-    """erf(x).  <= 3 ulp (absolute error <= 1.5e-7 everywhere); +-1 past 3.92."""
-    a = I.fabs(x)
-    big = a >= _ONE
-    ac = f32(11.0) if a > f32(11.0) else a
-    ab = ac if big else _ONE
-    y_big = I.copysign(_ONE - _erfc_big(ab), x)
-    y_small = _erf_small(x if not big else _ZERO)
-    return y_big if big else (y_small if x == x else x)
+    """erf(x).  <= 5.5 ulp, absolute error <= 3.2e-7; exactly +-1 past 3.925."""
+    xc = _ERF_CLAMP if x > _ERF_CLAMP else x
+    xc = -_ERF_CLAMP if xc < -_ERF_CLAMP else xc
+    z = xc * xc
+    p = I.fma(I.fma(I.fma(I.fma(I.fma(I.fma(_RP6, z, _RP5), z, _RP4), z, _RP3), z, _RP2),
+                    z, _RP1), z, _RP0)
+    q = I.fma(I.fma(I.fma(I.fma(I.fma(_RQ5, z, _RQ4), z, _RQ3), z, _RQ2), z, _RQ1), z, _RQ0)
+    y = xc * p / q
+    return I.copysign(_ONE, x) if I.fabs(x) > _ERF_CLAMP else y
 
 
 @helper

@@ -1,11 +1,13 @@
-"""Regenerate the erf / erfcx polynomial coefficients of fastmath.py (dev tool).
+"""Regenerate the erf / erfcx coefficients of fastmath.py (dev tool).
 
     python -m stitching.codegen.fastmath_fit
 
-Lawson's algorithm (iteratively reweighted least squares) approximates the minimax
-polynomial for the *relative* error against scipy's float64 erf/erfcx on a dense
-grid; coefficients are then rounded to float32.  Needs scipy; never imported by
-the kernels.
+Polynomials: Lawson's algorithm (iteratively reweighted least squares) approximates
+the minimax polynomial for the *relative* error against scipy's float64 erf/erfcx.
+Rational erf: Sanathanan-Koerner iterations (linearized P - g Q with weights
+1/|g Q_prev|) plus Lawson reweighting, then alternate "round one polynomial to
+float32, refit the other" keeping the pair with the fewest float32 ulps.  Needs
+scipy; never imported by the kernels.
 """
 from __future__ import annotations
 
@@ -28,6 +30,60 @@ def lawson(A, y, iters=200):
     return best
 
 
+def _horner32(c, z):
+    acc = np.full_like(z, np.float32(c[-1]))
+    for ck in c[-2::-1]:          # fma: one rounding per step
+        acc = (acc.astype(np.float64) * z + np.float64(np.float32(ck))).astype(np.float32)
+    return acc
+
+
+def _rational_ulps(f, p, q, x, hi):
+    x = np.minimum(x, np.float32(hi))
+    z = (x * x).astype(np.float32)
+    y = (x * _horner32(p, z)).astype(np.float32) / _horner32(q, z)
+    ref = f(x.astype(np.float64))
+    return (np.abs(y - ref) / np.spacing(np.abs(ref).astype(np.float32))).max()
+
+
+def fit_rational(f, hi, m, n, iters=300):
+    """f(x) ~ x P(x^2) / Q(x^2) on [0, hi]; returns (float32 ulps, P, Q)."""
+    x = np.concatenate([np.linspace(1e-3, hi, 30000), np.geomspace(1e-5, hi, 3000)])
+    z, g = x * x, f(x) / x
+    Vp, Vq = np.vander(z, m + 1, increasing=True), np.vander(z, n + 1, increasing=True)
+    A = np.hstack([Vp, -(g[:, None] * Vq[:, 1:])])
+    Q, w, best = np.ones_like(z), np.ones_like(z), None
+    for it in range(iters):                        # Sanathanan-Koerner + Lawson
+        wt = np.sqrt(w) / np.abs(g * Q)
+        c, *_ = np.linalg.lstsq(A * wt[:, None], g * wt, rcond=None)
+        p, q = c[:m + 1], np.concatenate([[1.0], c[m + 1:]])
+        Q = Vq @ q
+        err = (Vp @ p) / Q / g - 1
+        if np.all(Q > 0) and (best is None or np.abs(err).max() < best[0]):
+            best = (np.abs(err).max(), p, q)
+        if it >= 30:
+            w = w * (np.abs(err) + 1e-3 * np.abs(err).max())
+            w /= w.sum()
+    _, p, q = best
+    xt = np.linspace(0, hi + 1, 400001).astype(np.float32)[1:]
+    f32 = lambda v: np.array([np.float32(c) for c in v], np.float64)   # noqa: E731
+    out = (_rational_ulps(f, f32(p), f32(q), xt, hi), f32(p), f32(q))
+    w = np.ones_like(z)
+    for _ in range(120):                           # refit around float32 rounding
+        P = Vp @ f32(p)
+        q, *_ = np.linalg.lstsq((g[:, None] * Vq) * (np.sqrt(w) / np.abs(P))[:, None],
+                                P * np.sqrt(w) / np.abs(P), rcond=None)
+        Q = Vq @ f32(q)
+        wt = np.sqrt(w) / np.abs(g * Q)
+        p, *_ = np.linalg.lstsq(Vp * wt[:, None], g * Q * wt, rcond=None)
+        err = (Vp @ f32(p)) / Q / g - 1
+        w = w * (np.abs(err) + 1e-3 * np.abs(err).max())
+        w /= w.sum()
+        u = _rational_ulps(f, f32(p), f32(q), xt, hi)
+        if u < out[0]:
+            out = (u, f32(p), f32(q))
+    return out
+
+
 def fit():
     from scipy import special
     k = np.arange(4000)
@@ -40,6 +96,10 @@ def fit():
 
 
 if __name__ == "__main__":
+    from scipy import special
+    u, rp, rq = fit_rational(special.erf, 3.925, 6, 5)
+    print(f"erf(x) = x P(x^2)/Q(x^2), |x| <= 3.925: {u:.2f} ulp in float32\n"
+          f"  P {[repr(np.float32(c)) for c in rp]}\n  Q {[repr(np.float32(c)) for c in rq]}")
     (m1, p), (m2, q) = fit()
     print(f"erf(x) = x P(x^2), |x| < 1: max rel error {m1:.2e}\n  {[repr(c) for c in p]}")
     print(f"erfcx(x) = Q(2/(2+x)), 0.5 <= x <= 11: max rel error {m2:.2e}\n"
