@@ -78,7 +78,8 @@ def gelu_spec():
     b = SpecBuilder()
     x, bias = b.input(F, (-1, -1)), b.input(F, (-1,))
     h = b.Add(x, bias)
-    y = b.Mul(b.Mul(b.const(0.5), h), b.Add(b.const(1.0), b.Erf(b.Mul(h, b.const(0.7071067811865476)))))
+    erf = b.Erf(b.Mul(h, b.const(0.7071067811865476)))
+    y = b.Mul(b.Mul(b.const(0.5), h), b.Add(b.const(1.0), erf))
     return b.build([y, b.Relu6(h)])
 
 
@@ -257,6 +258,11 @@ def test_device_arrays_in_device_arrays_out():
     assert not isinstance(y, np.ndarray)
     ref_y, ref_m = evaluate(k.spec, [x])
     assert compare(y.copy_to_host(), ref_y) <= 1 and compare(m.copy_to_host(), ref_m) <= 1
+    outs = [cuda.device_array((3, 8), np.float32), cuda.device_array((3, 1), np.float32)]
+    assert k(cuda.to_device(x), out=outs) == outs             # written in place
+    assert compare(outs[0].copy_to_host(), ref_y) <= 1
+    with pytest.raises(ValueError, match="out\\[1\\] must be C-contiguous of shape"):
+        k(x, out=[outs[0], cuda.device_array((3, 2), np.float32)])
 
 
 def test_launch_from_pinned_profiles():

@@ -95,7 +95,10 @@ class CudaKernel:
         self.out_ranks = [len(t.shape) for t in spec.output_types]
         self._sizes: dict = {}         # input shapes -> (Sizes, output shapes)
         self._plans: dict = {}         # input shapes -> CudaLaunch
-        self._workspaces: dict = {}    # (name, dtype, n) -> device array
+        # (name, dtype, n) -> device array, reused by later calls: safe on one stream
+        # (calls are ordered), not for concurrent calls on different streams
+        self._workspaces: dict = {}
+        self._specialized: dict = {}   # kernel name -> dispatcher specialized to its types
 
     def __repr__(self):
         return f"<CudaKernel {self.spec.hash} {self.schedule.kind.value}>"
@@ -150,8 +153,8 @@ class CudaKernel:
         """numba type signature of kernel ``name`` (for ``cuda.compile_ptx`` without a GPU)."""
         arrays = {f"p_i{j}": self._device_dtype(d) for j, d in enumerate(self.in_dtypes)}
         arrays.update({f"p_o{m}": self._device_dtype(d) for m, d in enumerate(self.out_dtypes)})
-        arrays.update({f"ws{k}": cuda_launch._np_dtype(cd) for k, cd in self.source.scratch})
-        arrays.update({f"wa{k}": cuda_launch._np_dtype(a) for k, a in self.source.accumulators})
+        arrays.update({f"ws{k}": cuda_launch.np_dtype(cd) for k, cd in self.source.scratch})
+        arrays.update({f"wa{k}": cuda_launch.np_dtype(a) for k, a in self.source.accumulators})
         args = [f"{np.dtype(arrays[a]).name}[::1]" if a in arrays else "int64"
                 for a in self.source.kernels[name]]
         return f"void({', '.join(args)})"
@@ -207,10 +210,18 @@ class CudaKernel:
             for name, grid, block, smem, extra in launch.steps:
                 if name == "k_ew_v4" and not all(_aligned16(vals[a]) for a in self.source.wide):
                     name = "k_ew"     # a view at an odd offset: same chunks, scalar accesses
-                fn = getattr(self._module, name)
                 args = [extra[a] if a in extra else vals[a]
                         for a in self.source.kernels[name]]
-                fn[grid, block, stream, smem](*args)
+                self._kernel(name, args)[grid, block, stream, smem](*args)
+
+    def _kernel(self, name, args):
+        """Kernel ``name`` specialized to its argument types on first use: the types
+        never change (1-D C-contiguous arrays of the spec's dtypes, int64 sizes), so
+        later launches skip numba-cuda's per-call type dispatch."""
+        fn = self._specialized.get(name)
+        if fn is None:
+            fn = self._specialized[name] = getattr(self._module, name).specialize(*args)
+        return fn
 
     def _workspace(self, name, dtype, n):
         key = (name, np.dtype(dtype).str, n)

@@ -26,7 +26,7 @@ Memoized per kernel on the input shapes, so a steady-state call costs a dict loo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -74,7 +74,6 @@ class CudaLaunch:
     workspace: tuple = ()         # ((arg name, numpy dtype, elements), ...)
     threads: int = 0
     source: str = ""              # where the numbers came from
-    alternatives: tuple = field(default=())
 
 
 def _pow2ceil(n: int) -> int:
@@ -115,13 +114,12 @@ def reshape_target(shape, target) -> tuple:
 
 
 def evaluate(spec, in_shapes, profile) -> tuple:
-    """(threads, rows_per_task, col_block, source) from the latency evaluator."""
+    """(threads per block, rows per block, where from) from the latency evaluator."""
     try:
         lau = cost.choose_launch(pin_shapes(spec, in_shapes), profile)
-    except (ValueError, IndexError, StopIteration) as e:   # no finite candidate / odd sizes
-        return DEFAULT_THREADS, 1, None, f"default ({type(e).__name__})"
-    p = lau.params
-    return (lau.threads, p.get("rows_per_task", 1), p.get("col_block"),
+    except (ValueError, IndexError) as e:   # shapes that do not infer / no finite candidate
+        return DEFAULT_THREADS, 1, f"default ({type(e).__name__}: {e})"[:200]
+    return (lau.threads, lau.params.get("rows_per_task", 1),
             f"latency evaluator ({profile.name}): {lau.describe()}")
 
 
@@ -130,10 +128,10 @@ def plan(src, kind, sizes: Sizes, evaluated: tuple, profile, limits: Limits,
     """Map the evaluator's choice (or ``force``: threads, tpr, variant, tx, split) onto
     the kernels of ``src`` (a cuda_emit.CudaSource of a ``kind`` schedule)."""
     force = dict(force or {})
-    threads, rpt, _cb, source = evaluated
-    th = force.pop("threads", None) or threads
+    threads, rpt, source = evaluated
     if force:
         source = "forced " + ", ".join(f"{k}={v}" for k, v in sorted(force.items()))
+    th = force.pop("threads", None) or threads
     th = max(WARP, min(int(th), limits.max_threads))
     if th % WARP or th & (th - 1):
         raise ValueError(f"threads per block must be a power of two >= {WARP}, got {th}")
@@ -164,7 +162,7 @@ def _row(src, z, th, rpt, cap, _profile, limits, force, source):
     if tpr & (tpr - 1) or tpr > th:
         raise ValueError(f"threads per row must be a power of two <= {th}, got {tpr}")
     rpb = th // tpr
-    scratch = [(k, _np_dtype(cd)) for k, cd in src.scratch]
+    scratch = [(k, np_dtype(cd)) for k, cd in src.scratch]
     variant = force.get("variant") or _row_variant(scratch, z.L, tpr, rpb, limits.smem)
     args = {"rows": z.rows, "tpr": tpr}
     smem, ws = 0, ()
@@ -179,7 +177,7 @@ def _row(src, z, th, rpt, cap, _profile, limits, force, source):
     return CudaLaunch("row", _row_text(tpr, rpb, variant), steps, args, ws, th, source)
 
 
-def _np_dtype(compute_dtype: str) -> np.dtype:
+def np_dtype(compute_dtype: str) -> np.dtype:
     """On-chip / workspace arrays hold compute values; bool as bytes."""
     return np.dtype("uint8" if compute_dtype == "bool" else compute_dtype)
 
@@ -230,7 +228,7 @@ def _column(src, z, th, _rpt, cap, profile, _limits, force, source):
         steps = (("k_col", _grid(base, 1, cap), th, 0, {"usplit": 1}),)
         text = f"{tx} columns x {ny} row slices per block, shared-memory combine"
         return CudaLaunch("column", text, steps, args, (), th, source)
-    ws = tuple((f"wa{k}", _np_dtype(acc), nsplit * z.kept * z.L)
+    ws = tuple((f"wa{k}", np_dtype(acc), nsplit * z.kept * z.L)
                for k, acc in sorted(src.accumulators))
     steps = tuple((name, _grid(base * (nsplit if q < src.passes else 1), 1, cap), th, 0,
                    {"usplit": nsplit if q < src.passes else 1})
