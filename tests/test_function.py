@@ -44,6 +44,13 @@ def test_pattern_float32_error_is_no_worse_than_tf_against_float64(name):
     assert st_err <= 4 * tf_err + 1e-6
 
 
+def test_rewrite_keeps_repeated_inputs_of_unfused_nodes():
+    # regression: the rewriter deduplicated data inputs, turning Add(x, x) into Add(x)
+    f = stitching.function(lambda x: tf.transpose(tf.exp(x) * 2.0) + tf.transpose(tf.exp(x) * 2.0))
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_allclose(f(x), 2 * np.transpose(np.exp(x) * 2.0), rtol=1e-6)
+
+
 def test_variables_stay_variables():
     w = tf.Variable(np.ones(16, np.float32))
 

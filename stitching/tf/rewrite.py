@@ -55,7 +55,11 @@ def rewrite(graph_def, ir_graph, regions, labels=None):
         new = out.node.add()
         new.CopyFrom(nd)
         del new.input[:]
-        new.input.extend(_dedupe(remap(x) for x in nd.input))
+        ins = [remap(x) for x in nd.input]
+        # data inputs keep their positions (Add(x, x) has two); only ^control edges,
+        # which several fused members may map onto one kernel, are deduplicated
+        new.input.extend([x for x in ins if not x.startswith("^")]
+                         + _dedupe(x for x in ins if x.startswith("^")))
         new.attr.pop("_output_shapes", None)
     for i, (reg, name) in enumerate(zip(regions, kernels)):
         out.node.append(_kernel_node(name, reg, ir_graph, remap,
