@@ -39,11 +39,13 @@ from dataclasses import dataclass
 
 from ..ir import dtypes as dt
 from ..schedule import KernelKind, Placement
-from ..schedule.schedule import COL_BLOCK, EW_BLOCK, ROW_UNIT_ELEMS
+from ..schedule.schedule import (COL_BLOCK, COL_BLOCK_MIN, COL_UNITS, EW_BLOCK,
+                                 ROW_UNIT_ELEMS)
 from . import lower
 
 MAX_ELEMS = 1 << 48    # arbitrary sanity bound on any product of dims (no int64 overflow)
 ROW_CHUNK = 1024       # tuned: float32 partial sums per 1024 elements of a row
+COL_UNROLL = 4         # tuned: rows of a column pass per trip of its column loop
 
 _PTR = {"float32": "float32", "float64": "float64", "int32": "int32", "int64": "int64",
         "float16": "uint16", "bfloat16": "uint16", "bool": "uint8"}
@@ -129,8 +131,11 @@ class _Emitter:
         return len(self.errors)
 
     # -- names ------------------------------------------------------------------------
+    _sfx = ""   # column passes: suffix of the unrolled row being emitted
+
     def var(self, ref: int) -> str:
-        return f"x{-ref - 1}" if ref < 0 else f"v{ref}"
+        name = f"x{-ref - 1}" if ref < 0 else f"v{ref}"
+        return name + self._sfx if self._sfx and self.s.is_vector(ref) else name
 
     def tag(self, ref: int) -> str:
         """Buffer tag of a kernel input or output value."""
@@ -221,7 +226,12 @@ class _Emitter:
             kept = [f"D{a}" for a in s.parallel_axes if a != R - 1]
             self._product(w, "kept", kept, big)
             self._product(w, "rows", [f"D{a}" for a in s.reduce_axes], big)
-            w(f"cb = {s.col_block or COL_BLOCK}")
+            if s.col_block:
+                w(f"cb = {s.col_block}")
+            else:   # widest block that still gives COL_UNITS units
+                w(f"want = ({COL_UNITS} + max(kept, 1) - 1) // max(kept, 1)")
+                w(f"cb = min({COL_BLOCK}, max({COL_BLOCK_MIN}, (L + want - 1) // want))")
+                w("cb = (cb + 15) // 16 * 16")
             w("if L > 0 and cb > L:")
             w("    cb = L")
             w("nb = (L + cb - 1) // cb")
@@ -315,7 +325,7 @@ class _Emitter:
     def compute(self, w, k: int) -> None:
         args = [self.var(a) for a in self.spec.nodes[k].args]
         cd = dt.COMPUTE[self.dtype(k)]
-        w(f"v{k} = {_typed(cd, lower.node_expr(self.spec, k, args, self.C))}")
+        w(f"{self.var(k)} = {_typed(cd, lower.node_expr(self.spec, k, args, self.C))}")
 
     def finalize(self, w, k: int, acc: str, count: str) -> None:
         r = lower.reduction(self.spec, k, self.C)
@@ -489,7 +499,8 @@ class _Emitter:
         if not block:
             return
         with w.block("for c in range(n):"):
-            self._column_args(w, block, set(block))
+            done = self._accumulated()      # finalized from acc, their input is not read
+            self._column_args(w, [k for k in block if k not in done], set(block))
             for k in block:
                 if k in self._accumulated():
                     r = lower.reduction(self.spec, k, self.C)
@@ -508,49 +519,80 @@ class _Emitter:
             if k in unit:
                 self.store_output(w, k, f"k_{self.tag(k)}")
 
-    def _column_args(self, w, nodes, here: set, bases: str = "k") -> None:
+    def _column_args(self, w, nodes, here: set, vector=None) -> None:
         """Load what ``nodes`` read that is not computed in this loop: kernel inputs
-        and column-block values of earlier loops."""
+        and column-block values of earlier loops.  ``vector``: only the refs that
+        carry a reduced axis (True; per-row bases ``b_``), only those that do not
+        (False; unit bases ``k_``), or all (None, between passes: ``k_``)."""
         seen = set()
         for k in nodes:
             for a in self.spec.nodes[k].args:
                 if a in seen or a in here:
                     continue
                 seen.add(a)
+                if vector is not None and self.s.is_vector(a) != vector:
+                    continue
                 if a < 0:
-                    self.load_input(w, a, self._inner(a, f"{bases}_{self.tag(a)}"))
+                    base = f"b_{self.tag(a)}{self._sfx}" if vector else f"k_{self.tag(a)}"
+                    self.load_input(w, a, self._inner(a, base))
                 elif a in self.s.blocks:
                     cd = dt.COMPUTE[self.dtype(a)]
                     w(f"v{a} = {load_expr(cd, f'kb{a}', 'c')}")
 
     def _column_pass(self, w, p) -> None:
+        """Accumulate over the reduced axes.  The innermost reduced axis runs
+        COL_UNROLL rows per trip of the column loop (fewer loop entries and
+        accumulator round trips), then the remaining rows one at a time."""
         s = self.s
         for k in p.accumulate:
             r = lower.reduction(self.spec, k, self.C)
             with w.block("for c in range(n):"):
                 w(f"acc{k}[c] = {store_value(r.acc, r.init)}")
         red = list(s.reduce_axes)
-        for a in red:                      # one loop per reduced axis, outer first
+        last = red[-1]
+        for a in red[:-1]:                 # one loop per reduced axis, outer first
             w(f"for q{a} in range(D{a}):")
             w.depth += 1
-        idx = {a: f"q{a}" for a in red}
-        for ref in self.input_refs() + list(self.spec.outputs):
-            extra = self.offset(ref, idx)
-            w(f"b_{self.tag(ref)} = k_{self.tag(ref)}" +
-              (f" + {extra}" if extra != "0" else ""))
+        U = COL_UNROLL
+        with w.block(f"for t{last} in range(0, D{last} - {U - 1}, {U}):"):
+            self._column_rows(w, p, [(f"_{u}", f"t{last} + {u}") for u in range(U)])
+        with w.block(f"for t{last} in range(D{last} - D{last} % {U}, D{last}):"):
+            self._column_rows(w, p, [("", f"t{last}")])
+        w.depth -= len(red) - 1
+
+    def _column_rows(self, w, p, rows) -> None:
+        """One trip of the column loop over the rows ``[(suffix, index of the
+        innermost reduced axis)]``: shared loads once, each row's vector values
+        under its suffix, the accumulators folded over the rows in order."""
+        s = self.s
+        idx = {a: f"q{a}" for a in s.reduce_axes}
+        for sfx, q in rows:
+            idx[s.reduce_axes[-1]] = f"({q})"
+            for ref in self.input_refs() + list(self.spec.outputs):
+                extra = self.offset(ref, idx)
+                w(f"b_{self.tag(ref)}{sfx} = k_{self.tag(ref)}" +
+                  (f" + {extra}" if extra != "0" else ""))
         with w.block("for c in range(n):"):
             here = set(p.compute)
-            self._column_args(w, list(p.compute) + list(p.accumulate), here, "b")
-            for k in p.compute:
-                self.compute(w, k)
+            readers = list(p.compute) + list(p.accumulate)
+            self._column_args(w, readers, here, vector=False)
+            for sfx, _ in rows:
+                self._sfx = sfx
+                self._column_args(w, readers, here, vector=True)
+                for k in p.compute:
+                    self.compute(w, k)
+                for k in p.stores:
+                    self.store_output(w, k, self._inner(k, f"b_{self.tag(k)}{sfx}"))
+            self._sfx = ""
             for k in p.accumulate:
                 r = lower.reduction(self.spec, k, self.C)
-                v = self.var(self.spec.nodes[k].args[0])
                 acc = load_expr(r.acc, f"acc{k}", "c") if r.acc == "bool" else f"acc{k}[c]"
-                w(f"acc{k}[c] = {store_value(r.acc, r.step.format(a=acc, v=v))}")
-            for k in p.stores:
-                self.store_output(w, k, self._inner(k, f"b_{self.tag(k)}"))
-        w.depth -= len(red)
+                for sfx, _ in rows:
+                    self._sfx = sfx
+                    acc = (r.block_step or r.step).format(
+                        a=acc, v=self.var(self.spec.nodes[k].args[0]))
+                self._sfx = ""
+                w(f"acc{k}[c] = {store_value(r.acc, acc)}")
 
 
 def _fmt(shape) -> str:

@@ -20,9 +20,13 @@ from .fastmath import (elu_f32, elu_f64, erf_f32, erf_f64, erfc_f32, erfc_f64,  
                        softplus_f32, softplus_f64, tanh_f32, tanh_f64)
 from .intrinsics import (acc_add, acc_max, acc_min, acc_mul, aligned_alloc,  # noqa: F401
                          bf16_to_f32, ceil, copysign, f2i32, f2i64, f16_to_f32,
-                         f32_to_bf16, f32_to_f16, fabs, floor, free, maximum, minimum,
+                         f32_to_bf16, f32_to_f16, fabs, floor, free,
                          ptr_float32, ptr_float64, ptr_int32, ptr_int64, ptr_uint8,
                          ptr_uint16, roundeven, sqrt)
+
+# column-block accumulator steps (see lower.Reduction.block_step)
+block_max = _I.maximum
+block_min = _I.minimum
 
 # C ABI of the two entry points (see codegen/__init__.py).
 BODY_SIG = types.void(types.int64, types.int64, types.CPointer(types.voidptr),
@@ -36,6 +40,18 @@ SHAPE_SIG = types.int64(types.CPointer(types.int64), types.CPointer(types.int64)
 FASTMATH = {"contract"}
 
 _F0, _F1 = np.float32(0.0), np.float32(1.0)
+
+
+@helper
+def maximum(x, y):
+    """TF Maximum: NaN if either is NaN.  A compare-select (3 vector ops) rather than
+    llvm.maximum, whose AVX2 expansion also orders -0 < +0 (TF does not care)."""
+    return x if (x > y) | (x != x) else y
+
+
+@helper
+def minimum(x, y):
+    return x if (x < y) | (x != x) else y
 
 
 @helper

@@ -282,6 +282,9 @@ class Reduction:
     part_init: str | None = None
     part_step: str | None = None   # template: {p} partial, {v} value
     merge: str | None = None       # template: {a} accumulator, {p} partial
+    # Step for a block of independent accumulators (column kernels: acc[c] updated
+    # in place, no cross-lane reduction); None means ``step``.
+    block_step: str | None = None
 
 
 def reduction(spec, k: int, C) -> Reduction:
@@ -304,7 +307,11 @@ def reduction(spec, k: int, C) -> Reduction:
         if op == "Prod":
             return Reduction(cd, C(1.0, cd), "h.acc_mul({a}, {v})", "{a}")
         init = C(-math.inf if op == "Max" else math.inf, cd)
-        return Reduction(cd, init, f"h.acc_{op.lower()}({{a}}, {{v}})", "{a}")
+        # Row reduction: llvm.maximum with reassoc (vectorizes across lanes).  Column
+        # block: the flag-free llvm.maximum; with nsz, or as a compare-select, LLVM
+        # turns acc[c] = max(acc[c], v) into a masked store (microcoded on AMD, 5x).
+        return Reduction(cd, init, f"h.acc_{op.lower()}({{a}}, {{v}})", "{a}",
+                         block_step=f"h.block_{op.lower()}({{a}}, {{v}})")
     # integers: sums and products in int64 (wraps to int32 at the end, like TF's
     # int32 accumulator); Mean of int32 does not wrap in TF (wider accumulator).
     if op in ("Sum", "Mean", "Prod"):

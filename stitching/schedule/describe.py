@@ -27,7 +27,7 @@ def _unit_text(sched) -> str:
     if sched.kind == KernelKind.ROW:
         return f"{rpt} row(s)" if rpt else "auto rows (~4096 elements)"
     if sched.kind == KernelKind.COLUMN:
-        return f"kept index x {cb or 'auto (256)'} columns"
+        return f"kept index x {cb or 'auto (64..2048)'} columns"
     rows = f"{rpt} row(s)" if rpt else "auto rows"
     return f"{rows} or blocks of {cb or 'auto (16384)'} elements"
 

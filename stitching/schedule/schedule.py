@@ -33,7 +33,9 @@ from .passes import KernelKind, Placement
 
 ROW_UNIT_ELEMS = 4096     # tuned: a row unit touches >= ~16 KiB, per-unit overhead < 1%
 EW_BLOCK = 16384          # tuned: elements per element-wise unit (64 KiB of float32)
-COL_BLOCK = 256           # arbitrary: columns per column unit (1 KiB rows of float32)
+COL_BLOCK = 2048          # tuned: widest column block (the per-row loop entry cost
+COL_UNITS = 4             #   amortizes over wide blocks) ... narrowed until a column
+COL_BLOCK_MIN = 64        #   kernel has COL_UNITS units (2 threads x 2), not below 64
 
 
 class ScheduleError(ValueError):
