@@ -700,3 +700,34 @@ def test_disk_cache_hits_in_a_new_process(tmp_path):
     assert cold["ok"] and warm["ok"]
     assert cold["hits"] == 0 and warm["hits"] == 2       # body and shape_fn from disk
     assert list(tmp_path.glob("kernels/*/k_*.py"))
+
+
+def test_row_kernel_with_two_outer_axes_and_broadcasts():
+    """x[A,B,L] * s[A,1,L] keeps A and B apart (s does not carry B): each row's
+    index is split into (a, b) and s is read at (a, j)."""
+    b = SpecBuilder()
+    x = b.input("float32", (-1, -1, 40))
+    s = b.input("float32", (-1, 1, 40))
+    t = b.input("float32", (-1, 1))             # per-b column, broadcast over A and L
+    h = b.Add(b.Mul(x, s), t)
+    m = b.Max(h, axes=[2], keep_dims=True)
+    e = b.Exp(b.Sub(h, m))
+    y = b.Div(e, b.Sum(e, axes=[2], keep_dims=True))
+    k = build(b, [y, m])
+    assert k.schedule.kind == KernelKind.ROW and k.schedule.rank == 3
+    X = RNG.standard_normal((3, 5, 40)).astype(np.float32)
+    S = RNG.standard_normal((3, 1, 40)).astype(np.float32)
+    T = RNG.standard_normal((5, 1)).astype(np.float32)
+    h64 = f64(X) * f64(S) + f64(T)
+    yo, mo = k(X, S, T)
+    assert_matches(yo, softmax_ref(h64), "float32", "row 2 outer axes", 4e-6, 1e-7)
+    assert_matches(mo, h64.max(2, keepdims=True), "float32", "row max", 2e-7)
+    b = SpecBuilder()
+    x = b.input("float32", (2, 3, 4, 5))
+    y = b.input("float32", (2, 1, 4, 1))
+    z = b.input("float32", (3, 1, 5))
+    k = build(b, [b.Sub(b.Mul(x, y), z)])
+    assert k.schedule.kind == KernelKind.ELEMENTWISE and k.schedule.rank == 4
+    X, Y, Z = (RNG.standard_normal(s).astype(np.float32) for s in
+               [(2, 3, 4, 5), (2, 1, 4, 1), (3, 1, 5)])
+    assert_matches(k(X, Y, Z)[0], f64(X) * f64(Y) - f64(Z), "float32", "4-d broadcast")
