@@ -62,15 +62,34 @@ def _expm1_reduced(x):
     return n_f, q
 
 
+_EXP_MAX = f32(88.72283935546875)      # ln(FLT_MAX): above, +inf
+_EXP_MIN = f32(-87.33654022216797)     # ln(FLT_MIN): below, 0 (TF's Eigen exp flushes)
+_N_MAX = f32(127.0)
+_E8 = f32(1 / 40320)
+
+
 @helper
 def exp_f32(x):
-    """exp(x).  <= 1.5 ulp for normal results; inf above 88.72, subnormal or 0 below
-    -87.3 (within 1 subnormal step); exp(-inf) = 0, exp(nan) = nan."""
-    xc = _EXP_HI if x > _EXP_HI else x
-    xc = _EXP_LO if xc < _EXP_LO else xc
-    n, q = _expm1_reduced(xc)          # NaN lanes compute garbage, replaced below
-    y = I.ldexp_f32(q + _ONE, n)
-    return y if x == x else x
+    """exp(x).  <= 2 ulp; +inf above 88.7228, 0 below -87.3365 (results under
+    FLT_MIN flush to zero, as TF's float exp does); exp(nan) = nan.
+
+    One exponent step: n = min(round(x / ln2), 127) keeps 2**n a normal float, so
+    r = x - n ln2 lies in [-ln2/2, ln2]; a degree-8 Taylor polynomial covers that
+    (truncation < 0.5 ulp)."""
+    xc = _EXP_MAX if x > _EXP_MAX else x
+    xc = _EXP_MIN if xc < _EXP_MIN else xc
+    n = I.roundeven(xc * _LOG2E)
+    n = n if n < _N_MAX else _N_MAX        # also maps NaN to 127: no poison below
+    r = I.fma(n, -_LN2_HI, xc)
+    r = I.fma(n, -_LN2_LO, r)
+    # Estrin's scheme: dependency depth 4 instead of Horner's 7 (the loop is
+    # latency-bound otherwise)
+    r2 = r * r
+    p = I.fma(I.fma(I.fma(_E8, r2, I.fma(_E7, r, _E6)), r2, I.fma(_E5, r, _E4)), r2,
+              I.fma(_E3, r, _E2))
+    y = (I.fma(p, r2, r) + _ONE) * I.exp2i_f32(n)
+    y = _INF if x > _EXP_MAX else y
+    return _ZERO if x < _EXP_MIN else y
 
 
 @helper
@@ -202,8 +221,8 @@ def erf_f32(x):
 
 @helper
 def erfc_f32(x):
-    """erfc(x) = 1 - erf(x) without cancellation.  <= 5 ulp for x < 9.2 (relative),
-    subnormal results within 1e-44 absolute; erfc(-inf) = 2, erfc(inf) = 0."""
+    """erfc(x) = 1 - erf(x) without cancellation.  <= 5 ulp for x < 9.2 (relative);
+    results below FLT_MIN (x > 9.2) flush to 0 like TF; erfc(-inf) = 2, erfc(inf) = 0."""
     a = I.fabs(x)
     big = a >= _HALF
     ac = f32(11.0) if a > f32(11.0) else a
