@@ -18,10 +18,14 @@ returns 0 or k > 0 for ``errors[k-1]``.  ``body`` runs units [begin, end).
 
 Loop nests, per kind (names as in the generated code)::
 
-    elementwise: for u: rows [r0,r1) x cols [c0,c1)   for r: for j in [c0,c1): ...
+    elementwise: rank <= 1: one flat loop over the units' elements
+                 else     : for u: rows [r0,r1) x cols [c0,c1): for r: for j: ...
     row:         for u: for r in rows(u):  scalars0; pass0 for j<L; scalars1; pass1 ...
+                 (float32 sums: per 1024-element chunk a float32 partial, merged
+                 into a float64 accumulator, so the loop stays 8 lanes wide)
     column:      for u: (kept index, block [c0,c0+n)):
-                     block0; pass0: for s in reduced axes: for c<n: ...; block1; ...
+                     block0; pass0: for s in reduced axes (innermost 4 rows per
+                     trip): for c<n: acc[c] = step(acc[c], v); block1; pass1 ...
 
 Every loop body indexes typed pointers as ``p[base + j]`` with ``j`` the loop
 variable and ``base`` loop-invariant, the form LLVM's loop vectorizer turns into
@@ -219,51 +223,59 @@ class _Emitter:
             w(f"{name} = {name} * {f}")
 
     def _units(self, w, big) -> None:
+        """Work decomposition: rows per unit, column block, units, cost."""
         s, R = self.s, self.R
-        cpe = lower.cycles_per_element(self.spec, s.live)
+        cost = len(s.passes) * lower.cycles_per_element(self.spec, s.live)
         w(f"L = {'D' + str(R - 1) if R else '1'}")
         if s.kind == KernelKind.COLUMN:
-            kept = [f"D{a}" for a in s.parallel_axes if a != R - 1]
-            self._product(w, "kept", kept, big)
-            self._product(w, "rows", [f"D{a}" for a in s.reduce_axes], big)
-            if s.col_block:
-                w(f"cb = {s.col_block}")
-            else:   # widest block that still gives COL_UNITS units
-                w(f"want = ({COL_UNITS} + max(kept, 1) - 1) // max(kept, 1)")
-                w(f"cb = min({COL_BLOCK}, max({COL_BLOCK_MIN}, (L + want - 1) // want))")
-                w("cb = (cb + 15) // 16 * 16")
-            w("if L > 0 and cb > L:")
-            w("    cb = L")
-            w("nb = (L + cb - 1) // cb")
-            w("rpt = 1")
-            w("units = kept * nb")
-            w(f"cost = cb * rows * {len(s.passes) * cpe}")
+            self._column_units(w, big, cost)
         else:
-            self._product(w, "rows", [f"D{a}" for a in range(R - 1)], big)
-            self._product(w, "total", ["rows", "L"], big)
-            if s.kind == KernelKind.ROW:
-                w("nb = 1")
-                w("cb = L")
-                w(f"rpt = {s.rows_per_task}" if s.rows_per_task else
-                  f"rpt = max(1, {ROW_UNIT_ELEMS} // max(L, 1))")
-            else:
-                w(f"cb = {s.col_block or EW_BLOCK}")
-                with w.block("if L > cb:"):
-                    w("nb = (L + cb - 1) // cb")
-                    w("rpt = 1")
-                with w.block("else:"):
-                    w("nb = 1 if L > 0 else 0")
-                    w(f"rpt = {s.rows_per_task}" if s.rows_per_task else
-                      "rpt = max(1, cb // max(L, 1))")
-            w("units = ((rows + rpt - 1) // rpt) * nb")
-            w(f"cost = rpt * min(L, cb) * {len(s.passes) * cpe}")
-        R = self.R
+            self._row_units(w, big, cost)
         w(f"dims[{R}] = rpt")
         w(f"dims[{R + 1}] = cb")
         w(f"dims[{R + 2}] = nb")
         w(f"dims[{R + 3}] = rows")
         w("sched[0] = units")
         w("sched[1] = max(1, min(cost, 1 << 40))")
+
+    def _column_units(self, w, big, cost) -> None:
+        s, R = self.s, self.R
+        kept = [f"D{a}" for a in s.parallel_axes if a != R - 1]
+        self._product(w, "kept", kept, big)
+        self._product(w, "rows", [f"D{a}" for a in s.reduce_axes], big)
+        if s.col_block:
+            w(f"cb = {s.col_block}")
+        else:   # widest block that still gives COL_UNITS units
+            w(f"want = ({COL_UNITS} + max(kept, 1) - 1) // max(kept, 1)")
+            w(f"cb = min({COL_BLOCK}, max({COL_BLOCK_MIN}, (L + want - 1) // want))")
+            w("cb = (cb + 15) // 16 * 16")
+        w("if L > 0 and cb > L:")
+        w("    cb = L")
+        w("nb = (L + cb - 1) // cb")
+        w("rpt = 1")
+        w("units = kept * nb")
+        w(f"cost = cb * rows * {cost}")
+
+    def _row_units(self, w, big, cost) -> None:
+        s, R = self.s, self.R
+        self._product(w, "rows", [f"D{a}" for a in range(R - 1)], big)
+        self._product(w, "total", ["rows", "L"], big)
+        if s.kind == KernelKind.ROW:
+            w("nb = 1")
+            w("cb = L")
+            w(f"rpt = {s.rows_per_task}" if s.rows_per_task else
+              f"rpt = max(1, {ROW_UNIT_ELEMS} // max(L, 1))")
+        else:
+            w(f"cb = {s.col_block or EW_BLOCK}")
+            with w.block("if L > cb:"):
+                w("nb = (L + cb - 1) // cb")
+                w("rpt = 1")
+            with w.block("else:"):
+                w("nb = 1 if L > 0 else 0")
+                w(f"rpt = {s.rows_per_task}" if s.rows_per_task else
+                  "rpt = max(1, cb // max(L, 1))")
+        w("units = ((rows + rpt - 1) // rpt) * nb")
+        w(f"cost = rpt * min(L, cb) * {cost}")
 
     def _out_dims(self, w) -> None:
         pos = 0
