@@ -298,8 +298,9 @@ class _Emitter:
 
     def _prologue(self, w) -> None:
         R = self.R
-        for a in range(R):
-            w(f"D{a} = dims[{a}]")
+        for a in range(R):   # static sizes are compile-time constants: known trip counts
+            size = self.dom.axes[a].size
+            w(f"D{a} = {size}" if size >= 0 else f"D{a} = dims[{a}]")
         w(f"rpt = dims[{R}]")
         w(f"cb = dims[{R + 1}]")
         w(f"nb = dims[{R + 2}]")

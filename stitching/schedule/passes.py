@@ -152,26 +152,30 @@ def _op_cost(node) -> int:
     return TRANSCENDENTAL_COST if OPS[node.op].transcendental else 1
 
 
+def _rebuild_costs(spec, live, vec, scratch) -> dict:
+    """node -> cost of evaluating it again from inputs, row scalars and scratch
+    (one forward sweep in SSA order; shared ancestors count once per path, a
+    deliberate over-estimate that favours scratch for deep chains)."""
+    cost: dict = {}
+    for u in live:
+        if vec(u) and u not in scratch:
+            cost[u] = _op_cost(spec.nodes[u]) + sum(cost.get(a, 0)
+                                                    for a in spec.nodes[u].args)
+    return cost
+
+
 def choose_scratch(spec, dom, kind, live, st, vec, S):
     """Vector values consumed in a later pass -> (scratch set, notes)."""
     if kind != KernelKind.ROW:
         return set(), []
-    later = [u for u in live if vec(u) and any(
-        vec(v) and st[v] > st[u] for v in live if u in spec.nodes[v].args)]
+    later = sorted({a for v in live if vec(v) for a in spec.nodes[v].args
+                    if a >= 0 and vec(a) and st[v] > st[a]})
     mode = spec.schedule.get("scratch")
     L = dom.axes[S[0]].size
     scratch, notes, used = set(), [], 0
-    memo: dict = {}
-
-    def cost(u):  # cost of rebuilding u from inputs, row scalars and scratch
-        if u < 0 or not vec(u) or u in scratch:
-            return 0
-        if u not in memo:
-            memo[u] = _op_cost(spec.nodes[u]) + sum(cost(a) for a in spec.nodes[u].args)
-        return memo[u]
-
+    cost = _rebuild_costs(spec, live, vec, scratch)
     for u in later:
-        want = mode == 1 or (mode is None and cost(u) > RECOMPUTE_MAX_COST)
+        want = mode == 1 or (mode is None and cost[u] > RECOMPUTE_MAX_COST)
         if not want:
             continue
         size = dt.ITEMSIZE[dt.COMPUTE[spec.nodes[u].type.dtype]]
@@ -181,7 +185,7 @@ def choose_scratch(spec, dom, kind, live, st, vec, S):
             continue
         scratch.add(u)
         used += max(L, 0) * size
-        memo.clear()
+        cost = _rebuild_costs(spec, live, vec, scratch)
     if scratch and L < 0:
         notes.append("scratch rows have run-time length: "
                      f"{len(scratch)} buffer(s) of one row per thread")
@@ -198,31 +202,28 @@ def pass_contents(spec, live, st, vec, reds, scratch, n_passes):
     outs = set(spec.outputs)
     result = []
     for p in range(n_passes):
-        compute, recomputed, loads, sloads = set(), set(), set(), set()
-
-        def need(a):
-            if a < 0:
-                loads.add(-a - 1)
-                return
-            if not vec(a) or a in compute or a in sloads:
-                return
-            if st[a] < p and a in scratch:
-                sloads.add(a)
-                return
-            compute.add(a)
-            if st[a] < p:
-                recomputed.add(a)
-            for b in nodes[a].args:
-                need(b)
-
         accumulate = [k for k in reds if _accum_pass(spec, k, st) == p]
         stores = [k for k in live if k in outs and vec(k) and st[k] == p]
         sstores = [k for k in scratch if st[k] == p]
-        for k in accumulate:
-            need(nodes[k].args[0])
-        for k in stores + sstores:
-            need(k)
-        result.append(tuple(tuple(sorted(s)) for s in (
+        wanted = set(stores + sstores) | {nodes[k].args[0] for k in accumulate}
+        compute, loads, sloads = set(), set(), set()
+        # one backward sweep: a node needed here pulls in its arguments (args have
+        # smaller SSA indices, so every pull is seen later in the sweep)
+        for a in range(len(nodes) - 1, -1, -1):
+            if a not in wanted or not vec(a):
+                continue
+            if st[a] < p and a in scratch:
+                sloads.add(a)
+                continue
+            compute.add(a)
+            for b in nodes[a].args:
+                if b < 0:
+                    loads.add(-b - 1)
+                else:
+                    wanted.add(b)
+        loads |= {-a - 1 for a in wanted if a < 0}
+        recomputed = {a for a in compute if st[a] < p}
+        result.append(tuple(tuple(sorted(x)) for x in (
             compute, recomputed, loads, sloads, sstores, accumulate, stores)))
     return result
 
