@@ -731,3 +731,17 @@ def test_row_kernel_with_two_outer_axes_and_broadcasts():
     X, Y, Z = (RNG.standard_normal(s).astype(np.float32) for s in
                [(2, 3, 4, 5), (2, 1, 4, 1), (3, 1, 5)])
     assert_matches(k(X, Y, Z)[0], f64(X) * f64(Y) - f64(Z), "float32", "4-d broadcast")
+
+
+@pytest.mark.parametrize("op", ["Exp", "Expm1", "Log", "Log1p", "Tanh", "Sigmoid", "Erf",
+                                "Erfc", "Elu", "Selu", "Softplus"])
+def test_transcendental_kernels_vectorize(op):
+    """Regression: helpers too big for LLVM's inliner (Erfc, Softplus) stayed calls
+    and the loop ran scalar (22 cycles/element instead of 3.8)."""
+    b = SpecBuilder()
+    x = b.input("float32", (-1,))
+    k = build(b, [b.op(op, x)], col_block=4099)      # a fresh compile
+    ir = k.inspect_llvm()
+    if ir is None:
+        pytest.skip("kernel came from a pre-existing disk cache")
+    assert "<8 x float>" in ir

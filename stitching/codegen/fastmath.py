@@ -32,9 +32,16 @@ from numba import njit
 
 from . import intrinsics as I
 
-# Inlined into the kernel at Numba-IR level, so the helper body joins the caller's
-# loop and vectorizes with it; the kernel's fast-math flags (contract only) apply.
-helper = njit(inline="always", nogil=True, error_model="numpy")
+# Compiled once per process (and cached on disk) as ordinary Numba functions; LLVM's
+# inliner then inlines them into the kernel loop, which vectorizes with them.  This
+# is measured 20x cheaper to compile than Numba-IR inlining (inline="always": a
+# kernel with 60 tanh calls took 36 s, now 1.7 s) with the same machine code.
+# Helpers use the kernels' fast-math flags (contract only).
+helper = njit(nogil=True, error_model="numpy", fastmath={"contract"}, cache=True)
+# Helpers built from several others exceed LLVM's inline budget and would stay a
+# call (no vectorization): those are inlined at Numba-IR level instead; the calls
+# inside them are small helpers that LLVM then inlines.
+big_helper = njit(inline="always", nogil=True, error_model="numpy", fastmath={"contract"})
 
 f32 = np.float32
 _ZERO, _HALF, _ONE, _TWO = f32(0.0), f32(0.5), f32(1.0), f32(2.0)
@@ -219,7 +226,7 @@ def erf_f32(x):
     return I.copysign(_ONE, x) if I.fabs(x) > _ERF_CLAMP else y
 
 
-@helper
+@big_helper
 def erfc_f32(x):
     """erfc(x) = 1 - erf(x) without cancellation.  <= 5 ulp for x < 9.2 (relative);
     results below FLT_MIN (x > 9.2) flush to 0 like TF; erfc(-inf) = 2, erfc(inf) = 0."""
@@ -232,7 +239,7 @@ def erfc_f32(x):
     return y_big if big else (y_small if x == x else x)
 
 
-@helper
+@big_helper
 def softplus_f32(x, threshold):
     """TF's Softplus: x if x > -threshold, exp(x) if x < threshold, else
     log1p(exp(x)); threshold = log(epsilon) + 2 of the tensor's dtype."""
