@@ -32,12 +32,13 @@ from numba import njit
 
 from . import intrinsics as I
 
-# Compiled once per process (and cached on disk) as ordinary Numba functions; LLVM's
-# inliner then inlines them into the kernel loop, which vectorizes with them.  This
-# is measured 20x cheaper to compile than Numba-IR inlining (inline="always": a
-# kernel with 60 tanh calls took 36 s, now 1.7 s) with the same machine code.
-# Helpers use the kernels' fast-math flags (contract only).
-helper = njit(nogil=True, error_model="numpy", fastmath={"contract"}, cache=True)
+# Compiled once per process as ordinary Numba functions; LLVM's inliner then inlines
+# them into the kernel loop, which vectorizes with them.  This is measured 20x
+# cheaper to compile than Numba-IR inlining (inline="always": a kernel with 60 tanh
+# calls took 36 s, now 1.7 s) with the same machine code.  Not cached on disk:
+# Numba's cache would not see an edit to intrinsics.py (kernels loaded from the
+# kernel cache already contain the inlined helpers).  Fast-math: contract only.
+helper = njit(nogil=True, error_model="numpy", fastmath={"contract"})
 # Helpers built from several others exceed LLVM's inline budget and would stay a
 # call (no vectorization): those are inlined at Numba-IR level instead; the calls
 # inside them are small helpers that LLVM then inlines.
