@@ -136,20 +136,12 @@ class Graph:
 
     def topo_order(self) -> list[str]:
         """Kahn's algorithm, stable w.r.t. insertion order. Raises on a cycle."""
-        indeg = {n: 0 for n in self.nodes}
+        pred = {n: set(self.predecessors(n)) for n in self.nodes}
         succ: dict[str, list[str]] = {n: [] for n in self.nodes}
-        for n in self.nodes.values():
-            for p in set(self.predecessors(n.name)):
-                indeg[n.name] += 1
-                succ[p].append(n.name)
-        order = [n for n, d in indeg.items() if d == 0]
-        i = 0
-        while i < len(order):
-            for s in succ[order[i]]:
-                indeg[s] -= 1
-                if indeg[s] == 0:
-                    order.append(s)
-            i += 1
+        for n, ps in pred.items():
+            for p in ps:
+                succ[p].append(n)
+        order = kahn_order(succ, pred)
         if len(order) != len(self.nodes):
             raise GraphError("graph has a cycle")
         return order
@@ -184,6 +176,24 @@ class Graph:
             attrs = "".join(f" {k}={v}" for k, v in sorted(n.attrs.items()) if k != "value")
             lines.append(f"{n.name} = {n.op}({ins}){attrs} -> {outs}")
         return "\n".join(lines)
+
+
+def kahn_order(succ: dict, pred: dict) -> list:
+    """Kahn's algorithm over any DAG given as successor and predecessor maps.
+
+    Sources are taken in ``pred``'s key order, so callers choose the tie-break.  A
+    result shorter than ``pred`` means the rest lies on a cycle.
+    """
+    indeg = {v: len(p) for v, p in pred.items()}
+    order = [v for v, d in indeg.items() if d == 0]
+    i = 0
+    while i < len(order):
+        for s in succ[order[i]]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                order.append(s)
+        i += 1
+    return order
 
 
 def broadcast_shapes(a: tuple, b: tuple) -> tuple:

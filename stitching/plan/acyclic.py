@@ -14,13 +14,26 @@ used as a bitset over topological indices), both questions are a few big-int AND
         a ──▶ m (opaque) ──▶ d        {a, d} is not convex: a's successor m reaches d;
         └──────────────────▲          kernel(a, d) would both feed and read m.
 
-This is planner._creates_cycle's question (a DFS bounded by topological position) answered
-without a walk, and extended to already-contracted groups, which a node-level walk cannot
+This answers convexity without a walk (both planners use it), and extends it to already-contracted groups, which a node-level walk cannot
 see: two convex groups can still form a cycle between them (A → B and B → A through
 different members).  Memory is one bitset per vertex: n²/8 bytes at worst (0.5 MB for
 2,000 nodes).  Edges are data and control edges.
 """
 from __future__ import annotations
+
+from ..ir.graph import kahn_order
+
+
+def indexed(graph):
+    """The graph in index form: topological names, name -> index, and each vertex's
+    successors (data and control edges) as sorted index tuples."""
+    names = graph.topo_order()
+    order = {n: i for i, n in enumerate(names)}
+    succ = [set() for _ in names]
+    for n in graph:
+        for p in graph.predecessors(n.name):
+            succ[order[p]].add(order[n.name])
+    return names, order, [tuple(sorted(x)) for x in succ]
 
 
 class Reach:
@@ -86,7 +99,7 @@ class Contraction:
         self.reach = self._sweep()
 
     def _sweep(self) -> dict:
-        order = _kahn(self.gsucc, self.gpred)
+        order = kahn_order(self.gsucc, {g: self.gpred[g] for g in sorted(self.gpred)})
         if len(order) != len(self.gsucc):
             placed = set(order)
             raise CycleError(sorted(g for g in self.gsucc if g not in placed))
@@ -160,16 +173,3 @@ class CycleError(ValueError):
     def __init__(self, groups):
         super().__init__(f"contracted graph has a cycle through groups {groups[:8]}")
         self.groups = groups
-
-
-def _kahn(succ: dict, pred: dict) -> list:
-    indeg = {g: len(p) for g, p in pred.items()}
-    order = sorted(g for g, d in indeg.items() if d == 0)
-    i = 0
-    while i < len(order):
-        for h in succ[order[i]]:
-            indeg[h] -= 1
-            if indeg[h] == 0:
-                order.append(h)
-        i += 1
-    return order

@@ -5,7 +5,7 @@ For each fusible node n (in topological order):
     2. else n ∪ (one producer region), largest first
     3. else n starts a region of its own
 A merge is taken only if it is *legal*: the contracted graph stays acyclic
-(``_creates_cycle``) and the schedule stage can generate one kernel for the
+(``acyclic.Reach.convex``) and the schedule stage can generate one kernel for the
 merged region (``legal(spec)`` returns None; otherwise a reason).
 
 Regions with fewer than two ops that do work are dropped: one TF op replaced by
@@ -22,6 +22,7 @@ from typing import Callable
 
 from ..ir import Graph, ValueRef
 from . import legality as _fus
+from .acyclic import Reach, indexed, mask_of
 from .region import Region, extract
 
 Legal = Callable[["KernelSpec"], "str | None"]
@@ -39,10 +40,10 @@ class Plan:
 
 
 def plan(graph: Graph, legal: Legal, min_ops: int = 2) -> Plan:
-    order = {n: i for i, n in enumerate(graph.topo_order())}
+    names, order, succ = indexed(graph)
+    reach = Reach(succ)
     consumers = graph.consumers()
     fetched = set(graph.outputs)
-    succ = _successors(graph)
     region_of: dict[str, int] = {}
     regions: dict[int, set] = {}
     result = Plan()
@@ -50,7 +51,8 @@ def plan(graph: Graph, legal: Legal, min_ops: int = 2) -> Plan:
 
     def try_merge(ids, n):
         members = set().union(*(regions[i] for i in ids), {n})
-        if _creates_cycle(members, succ, order):
+        idx = {order[m] for m in members}
+        if not reach.convex(idx, mask_of(idx)):
             return None, "merging would create a cycle through an unfused op"
         try:
             reg = extract(graph, list(members), consumers, fetched, order)
@@ -59,7 +61,7 @@ def plan(graph: Graph, legal: Legal, min_ops: int = 2) -> Plan:
         reason = legal(reg.spec)
         return (members, reason) if reason is None else (None, reason)
 
-    for name in sorted(graph.nodes, key=order.__getitem__):
+    for name in names:
         node = graph[name]
         if not _fus.is_candidate(graph, node):
             continue
@@ -97,31 +99,3 @@ def plan(graph: Graph, legal: Legal, min_ops: int = 2) -> Plan:
             continue
         result.regions.append(extract(graph, list(members), consumers, fetched, order))
     return result
-
-
-def _successors(graph: Graph) -> dict:
-    succ = {n: set() for n in graph.nodes}
-    for n in graph:
-        for p in graph.predecessors(n.name):
-            succ[p].add(n.name)
-    return succ
-
-
-def _creates_cycle(members: set, succ: dict, order: dict) -> bool:
-    """True if some node outside ``members`` is both reachable from and reaches it.
-
-    Only nodes between the region's first and last topological positions can be
-    on such a path, which bounds the search.
-    """
-    hi = max(order[m] for m in members)
-    stack = [s for m in members for s in succ[m] if s not in members and order[s] < hi]
-    seen = set(stack)
-    while stack:
-        v = stack.pop()
-        for s in succ[v]:
-            if s in members:
-                return True
-            if s not in seen and order[s] < hi:
-                seen.add(s)
-                stack.append(s)
-    return False

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from ..ir import SpecError
 from ..ir.spec import SCHEDULE_PARAMS
 from . import legality as _fus
-from .acyclic import Contraction, CycleError, Reach, mask_of
+from .acyclic import Contraction, CycleError, Reach, indexed, mask_of
 from .cost import Delta, GraphCosts, Launch, choose_launch
 from .planner import Plan
 from .profiles import DeviceProfile
@@ -112,16 +112,10 @@ class _Context:
     def __init__(self, graph, legal, cfg: SearchConfig):
         self.graph, self.legal, self.cfg = graph, legal, cfg
         self.profile = cfg.profile or _default_profile()
-        self.names = graph.topo_order()
-        self.order = {n: i for i, n in enumerate(self.names)}
+        self.names, self.order, self.succ = indexed(graph)
         self.consumers = graph.consumers()
         self.fetched = set(graph.outputs)
         self.costs = GraphCosts(graph, self.profile, self.names)
-        succ = [set() for _ in self.names]
-        for n in graph:
-            for p in graph.predecessors(n.name):
-                succ[self.order[p]].add(self.order[n.name])
-        self.succ = [tuple(sorted(s)) for s in succ]
         self.reach = Reach(self.succ)
         self.excluded: set = set()          # fusible ops found illegal even alone
         self.fusible = [i for i, n in enumerate(self.names)
