@@ -547,6 +547,43 @@ def test_inputs_are_not_copied():
     assert pb.numpy()[0] == pa.numpy()[1]
 
 
+def test_large_outputs_reuse_pooled_buffers():
+    """Outputs of 1 MiB or more come from the op's pool: a freed output's buffer is
+    handed to the next output of its size (no fresh, page-faulting allocation), and a
+    buffer still referenced is never handed out again."""
+    n = 1 << 19                                   # 2 MiB of float32: pooled
+    x = tf.random.uniform([n])
+    y1, p1 = rt.stitched_kernel([x], PTRS)
+    before = rt.pool_stats()
+    y2, p2 = rt.stitched_kernel([x], PTRS)        # y1 alive: must get another buffer
+    out1, out2 = int(p1.numpy()[1]), int(p2.numpy()[1])
+    assert out1 != out2 and out1 % 64 == 0 and out2 % 64 == 0
+    np.testing.assert_array_equal(y1.numpy(), x.numpy())
+    np.testing.assert_array_equal(y2.numpy(), x.numpy())
+    del y1                                        # back to the pool
+    y3, p3 = rt.stitched_kernel([x], PTRS)
+    assert int(p3.numpy()[1]) == out1
+    np.testing.assert_array_equal(y3.numpy(), x.numpy())
+    after = rt.pool_stats()
+    assert after["hits"] >= before["hits"] + 1
+    assert after["held_bytes"] >= 2 * n * 4
+
+    small_before = rt.pool_stats()
+    rt.stitched_kernel([tf.random.uniform([1000])], PTRS)  # 4 KB: TF's allocator
+    small_after = rt.pool_stats()
+    assert (small_after["hits"], small_after["misses"]) == (small_before["hits"],
+                                                            small_before["misses"])
+
+
+def test_pool_trim_releases_idle_buffers():
+    y, _ = rt.stitched_kernel([tf.random.uniform([1 << 19])], PTRS)
+    del y, _
+    assert rt.pool_stats()["idle_bytes"] > 0
+    rt.pool_trim()
+    stats = rt.pool_stats()
+    assert stats["idle_bytes"] == 0 and stats["held_bytes"] >= 0
+
+
 # ---- build and loading -------------------------------------------------------------
 
 def test_library_is_one_image_and_cached():

@@ -120,6 +120,10 @@ def _open_same_image(path: str):
     lib.stitching_is_registered.restype = ctypes.c_int
     lib.stitching_is_registered.argtypes = [ctypes.c_char_p]
     lib.stitching_abi_version.restype = ctypes.c_int
+    lib.stitching_pool_stats.restype = None
+    lib.stitching_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.stitching_pool_trim.restype = None
+    lib.stitching_pool_trim.argtypes = []
     return lib
 
 
@@ -212,6 +216,24 @@ def is_registered(spec: str) -> bool:
 @no_autograph
 def num_registered() -> int:
     return int(library().stitching_num_registered())
+
+
+_POOL_FIELDS = ("hits", "misses", "held_bytes", "idle_bytes", "idle_cap_bytes")
+
+
+def pool_stats() -> dict:
+    """Counters of the op's output pool (large outputs reuse cached buffers instead of
+    fresh, page-faulting ones; see op.cc).  ``held_bytes`` is memory the pool holds,
+    live and idle; the idle part is capped by ``STITCHING_OUTPUT_POOL_MB`` (read once
+    per process; 0 disables the pool)."""
+    out = (ctypes.c_int64 * len(_POOL_FIELDS))()
+    library().stitching_pool_stats(out)
+    return dict(zip(_POOL_FIELDS, (int(v) for v in out)))
+
+
+def pool_trim() -> None:
+    """Return the output pool's idle buffers to the OS."""
+    library().stitching_pool_trim()
 
 
 # ---- compile on miss -------------------------------------------------------------

@@ -73,8 +73,20 @@ def machine_info() -> dict:
         "stitching_rev": git_rev(),
         # 0 means TF's default (one thread per core); all modes share it.
         "tf_intra_op_threads": intra if intra else f"default ({cores})",
+        # Allocation of large outputs dominates memory-bound ops on some machines
+        # (fresh mmap + page faults): say which allocators this run used.
+        "allocators": allocators(),
         "load_avg_start": load_avg(),
     }
+
+
+def allocators() -> str:
+    """TF's CPU allocator (``TF_CPU_ALLOCATOR_USE_BFC=true`` selects TF's caching BFC
+    allocator for every mode) and the StitchedKernel output pool's idle cap."""
+    bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
+    pool = os.environ.get("STITCHING_OUTPUT_POOL_MB", "1024")
+    return (f"TF CPU allocator {'BFC' if bfc else 'default (malloc)'}, "
+            f"stitching output pool {pool} MiB")
 
 
 def load_avg():

@@ -326,7 +326,8 @@ def print_report(results, meta):
     print(f"machine: {meta['cpu']}, {meta['cores']} cores; python {meta['python']}, "
           f"tensorflow {meta['tensorflow']}, numba {meta['numba']}, stitching "
           f"{meta['stitching_rev']} (planner {meta.get('planner', 'default')}); "
-          f"TF intra-op threads {meta['tf_intra_op_threads']}")
+          f"TF intra-op threads {meta['tf_intra_op_threads']}; "
+          f"{meta.get('allocators', 'allocators not recorded')}")
     if gbs:
         print(f"copy bandwidth: {gbs:.1f} GB/s ({copy['method']}; numba "
               f"{copy.get('numba_prange_gbs', 'n/a')}, numpy {copy.get('numpy_threads_gbs')})")
@@ -398,7 +399,8 @@ def _suite_markdown(suite, rows, meta, results):
                f"{meta['tensorflow']}, Numba {meta['numba']}, stitching "
                f"`{meta['stitching_rev']}` (planner {meta.get('planner', 'default')}); "
                f"TF intra-op threads "
-               f"{meta['tf_intra_op_threads']}; load average {meta.get('load_avg_start')} "
+               f"{meta['tf_intra_op_threads']}; {meta.get('allocators', 'allocators not recorded')}; "
+               f"load average {meta.get('load_avg_start')} "
                f"at start, {meta.get('load_avg_end')} at end; command "
                f"`{meta.get('command', '')}`.")
     if gbs and suite == "patterns":
