@@ -668,6 +668,42 @@ def test_compile_kernels_dedupes_and_reports_progress():
     assert [(i, n) for i, n, _ in seen] == [(0, 2), (1, 2)]
 
 
+def test_uncached_kernels_compile_in_worker_processes(tmp_path, monkeypatch):
+    """Cold batches go to worker processes that fill the disk cache; this process
+    then loads every kernel from it, and the kernels compute the right thing."""
+    from stitching.codegen import is_cached, parallel
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    specs = [softmax_spec((-1, 13)), layernorm_spec(13), softmax_spec((-1, 14)),
+             layernorm_spec(14)]
+    assert not any(is_cached(s) for s in specs)
+    seen = []
+    assert parallel.warm_cache(specs, jobs=2, progress=lambda d, n: seen.append((d, n))) == 4
+    assert seen[-1] == (4, 4) and all(is_cached(s) for s in specs)
+    ks = compile_kernels(specs, jobs=2)
+    assert all(k.cache_hits for k in ks)             # loaded, not compiled, here
+    x = np.random.default_rng(0).standard_normal((5, 13)).astype(np.float32)
+    assert_matches(ks[0](x)[0], softmax_ref(x), "float32", "worker-built softmax", 4e-6)
+    assert parallel.warm_cache(specs, jobs=2) == 0   # nothing left to compile
+
+
+def test_compile_kernels_on_error_keeps_going(monkeypatch):
+    from stitching.codegen import kernel
+    bad, good = softmax_spec((-1, 15)), layernorm_spec(15)
+    real = kernel.compile_kernel
+
+    def flaky(spec):
+        if spec.hash == bad.hash:
+            raise RuntimeError("boom")
+        return real(spec)
+    monkeypatch.setattr(kernel, "compile_kernel", flaky)
+    errors = []
+    ks = compile_kernels([bad, good], jobs=1, on_error=lambda s, e: errors.append((s.hash, e)))
+    assert ks[0] is None and ks[1] is not None
+    assert [h for h, _ in errors] == [bad.hash] and "boom" in str(errors[0][1])
+    with pytest.raises(RuntimeError, match="boom"):
+        compile_kernels([bad], jobs=1)
+
+
 def test_disk_cache_hits_in_a_new_process(tmp_path):
     script = textwrap.dedent("""
         import json, time

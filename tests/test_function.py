@@ -117,12 +117,12 @@ def test_nan_inf_and_zero_size():
 
 
 def test_kernel_that_fails_to_compile_leaves_region_to_tf(monkeypatch):
-    from stitching.tf import pipeline
+    from stitching.codegen import kernel
 
     def broken(spec):
         raise RuntimeError("simulated codegen failure")
 
-    monkeypatch.setattr(pipeline, "compile_spec", broken)
+    monkeypatch.setattr(kernel, "compile_kernel", broken)
     f = stitching.function(lambda x: tf.tanh(x) * 2.0 + 1.0)
     np.testing.assert_allclose(f(tf.zeros([4])), 1.0)
     rep = f.report.to_dict()

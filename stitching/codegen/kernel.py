@@ -159,11 +159,14 @@ class CompiledKernel:
         return np.ascontiguousarray(a)
 
 
+def _module_name(text: str, spec_hash: str) -> str:
+    return f"k_{spec_hash}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
 def _load_module(text: str, spec_hash: str):
-    src_hash = hashlib.sha256(text.encode()).hexdigest()[:12]
     d = kernel_dir()
     d.mkdir(parents=True, exist_ok=True)
-    name = f"k_{spec_hash}_{src_hash}"
+    name = _module_name(text, spec_hash)
     path = d / f"{name}.py"
     if not path.exists():
         tmp = d / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -185,6 +188,21 @@ def _load_module(text: str, spec_hash: str):
     return module
 
 
+def is_cached(spec: KernelSpec) -> bool:
+    """True if compiling ``spec`` (validated) needs no Numba compile: it is in memory,
+    or both its cfuncs are in the disk cache.  A spec that cannot be scheduled counts
+    as cached (there is nothing to compile; compile_kernel raises the reason)."""
+    if spec.hash in _kernels:
+        return True
+    try:
+        text = cpu.emit(build_schedule(spec)).text
+    except Exception:  # noqa: BLE001 - compile_kernel reports it
+        return True
+    name = _module_name(text, spec.hash)
+    pycache = kernel_dir() / "__pycache__"
+    return all(any(pycache.glob(f"{name}.{fn}-*.nbi")) for fn in ("body", "shape_fn"))
+
+
 def compile_kernel(spec: KernelSpec) -> CompiledKernel:
     """Compiled kernel for a spec (raises ScheduleError if it is not one kernel)."""
     spec = validate(spec)
@@ -202,18 +220,37 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
         return k
 
 
-def compile_kernels(specs, progress=None) -> list:
-    """Compile many specs, each distinct spec once; ``progress(i, n, spec)`` is
-    called before each distinct compile.  Returns kernels aligned with ``specs``."""
+def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None) -> list:
+    """Compile many specs, each distinct spec once.  Returns kernels aligned with
+    ``specs``.
+
+    Kernels missing from the disk cache are first compiled by ``jobs`` worker
+    processes (parallel.py; default: the usable cores, ``STITCHING_COMPILE_JOBS``
+    overrides, 1 compiles in this process only); this process then loads them.
+    ``progress(i, n, spec)`` is called before each distinct kernel is taken in, and
+    during the parallel phase as ``progress(done, n, None)``.  ``on_error(spec, exc)``,
+    if given, is called for a spec that fails and its slot is None; without it the
+    first failure raises."""
+    from .parallel import warm_cache
     specs = [validate(s) for s in specs]
     distinct = {}
     for s in specs:
         distinct.setdefault(s.hash, s)
+    n = len(distinct)
+    warm_cache(list(distinct.values()), jobs=jobs,
+               progress=None if progress is None else
+               (lambda done, total: progress(done, n, None)))
     done = {}
     for i, (h, s) in enumerate(distinct.items()):
         if progress is not None:
-            progress(i, len(distinct), s)
-        done[h] = compile_kernel(s)
+            progress(i, n, s)
+        try:
+            done[h] = compile_kernel(s)
+        except Exception as e:
+            if on_error is None:
+                raise
+            on_error(s, e)
+            done[h] = None
     return [done[s.hash] for s in specs]
 
 

@@ -4,7 +4,8 @@
     import   frontend.import_for_shapes   (TF shape inference)
     lift     frontend.to_ir               (TF nodes -> IR nodes)
     plan     plan.get_planner(options.planner)  (regions; legality from schedule.check)
-    compile  codegen.compile_kernels      (Numba, cached in memory and on disk)
+    compile  codegen.compile_kernels      (Numba; uncached kernels in parallel worker
+                                          processes; cached in memory and on disk)
     register runtime.register             (kernel addresses for the StitchedKernel op)
     rewrite  tf.rewrite.rewrite           (one StitchedKernel node per region)
     report   report.Report
@@ -37,11 +38,6 @@ def legal(spec):
     return None if decision.ok else decision.reason
 
 
-def compile_spec(spec):
-    from ..codegen import compile_kernel
-    return compile_kernel(spec)
-
-
 def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
                      name: str = "?", resources: dict | None = None) -> StitchResult:
     """``resources``: variable shapes from the live graph (frontend.resource_shapes)."""
@@ -62,30 +58,41 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
 
 
 def _compile(regions, options):
-    """Compile each distinct spec once; a region whose kernel fails stays unfused."""
+    """Compile each distinct spec once (in parallel worker processes when many are
+    not cached yet); a region whose kernel fails stays unfused, with the reason."""
     from .. import runtime
-    distinct = {}
-    for reg in regions:
-        distinct.setdefault(reg.spec.hash, reg.spec)
+    from ..codegen import compile_kernels
+    n_distinct = len({reg.spec.hash for reg in regions})
     show = options.progress if options.progress is not None else \
-        len(distinct) >= _PROGRESS_MIN_KERNELS
-    by_hash, errors = {}, {}
-    for i, (h, spec) in enumerate(distinct.items()):
-        if show:
-            print(f"\rstitching: compiling kernel {i + 1}/{len(distinct)}", end="",
-                  file=sys.stderr, flush=True)
-        try:
-            k = compile_spec(spec)
-            runtime.register(k)
-            by_hash[h] = k
-        except Exception as e:  # noqa: BLE001 — any compile failure leaves the region to TF
-            errors[h] = f"kernel failed to compile: {type(e).__name__}: {str(e)[:200]}"
-    if show and distinct:
+        n_distinct >= _PROGRESS_MIN_KERNELS
+    errors = {}
+
+    def progress(i, n, spec):
+        # parallel phase: (done, n, None) as workers finish; then (i, n, spec) per load
+        what = "compiling" if spec is None else "loading"
+        count = i if spec is None else i + 1
+        print(f"\rstitching: {what} kernel {count}/{n}", end="", file=sys.stderr,
+              flush=True)
+
+    def failed_compile(spec, e):
+        errors[spec.hash] = f"kernel failed to compile: {type(e).__name__}: {str(e)[:200]}"
+
+    kernels = compile_kernels([reg.spec for reg in regions],
+                              progress=progress if show else None, on_error=failed_compile)
+    if show and regions:
         print(file=sys.stderr)
+    by_hash = {}
+    for k in kernels:
+        if k is None or k.spec.hash in by_hash:
+            continue
+        try:
+            runtime.register(k)
+            by_hash[k.spec.hash] = k
+        except Exception as e:  # noqa: BLE001 — a kernel TF cannot take stays unfused
+            errors[k.spec.hash] = f"kernel failed to register: {type(e).__name__}: {e}"
     ok = [r for r in regions if r.spec.hash in by_hash]
-    kernels = [by_hash[r.spec.hash] for r in ok]
     failed = [(r, errors[r.spec.hash]) for r in regions if r.spec.hash in errors]
-    return ok, kernels, failed
+    return ok, [by_hash[r.spec.hash] for r in ok], failed
 
 
 def _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed):

@@ -1,0 +1,37 @@
+"""Compile worker: ``python -m stitching.codegen.worker`` (see parallel.py).
+
+Reads a JSON list of spec strings on stdin, compiles each into the disk cache named by
+STITCHING_CACHE_DIR and prints one JSON line per spec: {"hash", "ok", "seconds"} and,
+on failure, "error".  Specs are parsed with KernelSpec.from_json, which validates the
+whole structure; nothing in them is evaluated.  Imports no TensorFlow.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main() -> int:
+    from ..ir.spec import KernelSpec
+    from .kernel import compile_kernel
+    texts = json.load(sys.stdin)
+    if not isinstance(texts, list):
+        print(json.dumps({"ok": False, "error": "expected a JSON list of specs"}), flush=True)
+        return 2
+    for text in texts:
+        t0 = time.perf_counter()
+        out = {"hash": None, "ok": True}
+        try:
+            spec = KernelSpec.from_json(text)
+            out["hash"] = spec.hash
+            compile_kernel(spec)
+        except Exception as e:  # noqa: BLE001 - reported; the parent compiles it again
+            out.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+        out["seconds"] = round(time.perf_counter() - t0, 3)
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
