@@ -417,6 +417,12 @@ class StitchedKernelOp : public OpKernel {
         run);
   }
 
+  // Run on the executor's thread instead of being handed to the inter-op pool: the
+  // work itself is split over the intra-op pool in Compute, and at small sizes the
+  // hand-off (a thread wake-up) cost more than the kernel (8x1024 LayerNorm: 19.7 ->
+  // 9.5 us per op measured).
+  bool IsExpensive() override { return false; }
+
   // Profiles show the region's label next to the node name.
   std::string TraceString(const OpKernelContext& ctx, bool verbose) const override {
     std::string base = OpKernel::TraceString(ctx, verbose);
