@@ -67,19 +67,23 @@ def _compile(regions, options):
         n_distinct >= _PROGRESS_MIN_KERNELS
     errors = {}
 
+    tty = sys.stderr.isatty()
+
     def progress(i, n, spec):
         # parallel phase: (done, n, None) as workers finish; then (i, n, spec) per load
-        what = "compiling" if spec is None else "loading"
+        what = "compiled in workers" if spec is None else "kernel"
         count = i if spec is None else i + 1
-        print(f"\rstitching: {what} kernel {count}/{n}", end="", file=sys.stderr,
-              flush=True)
+        if tty:
+            print(f"\rstitching: {what} {count}/{n}", end="", file=sys.stderr, flush=True)
+        elif count == n or count % max(1, n // 4) == 0:    # a log: a few lines, not n
+            print(f"stitching: {what} {count}/{n}", file=sys.stderr, flush=True)
 
     def failed_compile(spec, e):
         errors[spec.hash] = f"kernel failed to compile: {type(e).__name__}: {str(e)[:200]}"
 
     kernels = compile_kernels([reg.spec for reg in regions],
                               progress=progress if show else None, on_error=failed_compile)
-    if show and regions:
+    if show and regions and tty:
         print(file=sys.stderr)
     by_hash = {}
     for k in kernels:
