@@ -373,7 +373,14 @@ def print_report(results, meta):
 
 # ---- BENCHMARKS.md: one section per suite, regenerated independently
 
-_SECTION = re.compile(r"<!-- suite:(\w+) -->.*?<!-- /suite:\1 -->", re.S)
+_SECTION = re.compile(r"<!-- suite:([\w@]+) -->.*?<!-- /suite:\1 -->", re.S)
+
+
+def section_key(suite, meta) -> str:
+    """A run with a non-default planner (the ablation) gets its own section,
+    ``patterns@baseline``, so it never replaces the default run's."""
+    planner = meta.get("planner") or "default"
+    return suite if planner == "default" else f"{suite}@{planner}"
 SUITE_ORDER = ("patterns", "models", "compile")
 
 _HEADER = """# Benchmarks
@@ -393,7 +400,9 @@ machine's copy bandwidth measured in the same run.
 def _suite_markdown(suite, rows, meta, results):
     copy = meta.get("copy_bandwidth", {})
     gbs = copy.get("gbs")
-    out = [f"<!-- suite:{suite} -->", f"## {suite}", ""]
+    key = section_key(suite, meta)
+    title = suite if key == suite else f"{suite} (ablation: planner {meta['planner']})"
+    out = [f"<!-- suite:{key} -->", f"## {title}", ""]
     out.append(f"Measured {meta['date']} on {meta['cpu']} ({meta['cores']} cores, "
                f"{meta.get('memory_gib')} GiB); Python {meta['python']}, TensorFlow "
                f"{meta['tensorflow']}, Numba {meta['numba']}, stitching "
@@ -437,7 +446,7 @@ def _suite_markdown(suite, rows, meta, results):
     out += [f"- {s}" for s in summ]
     out += [f"- kernels: {k}" for k in kernel_count_lines(sub)]
     out += [f"- **{t[:4]}** {t[4:].strip()}" for t in tgt]
-    out.append(f"<!-- /suite:{suite} -->")
+    out.append(f"<!-- /suite:{key} -->")
     return "\n".join(out)
 
 
@@ -449,12 +458,12 @@ def write_markdown(path, results, meta):
     sections = {m.group(1): m.group(0) for m in _SECTION.finditer(old)}
     for suite, rows in results.items():
         if rows:
-            sections[suite] = _suite_markdown(suite, rows, meta, results)
+            sections[section_key(suite, meta)] = _suite_markdown(suite, rows, meta, results)
     body = [_HEADER]
-    for suite in SUITE_ORDER:
-        if suite in sections:
-            body.append(sections[suite])
-            body.append("")
+    order = {s: i for i, s in enumerate(SUITE_ORDER)}
+    for key in sorted(sections, key=lambda k: (order.get(k.split("@")[0], 99), k)):
+        body.append(sections[key])
+        body.append("")
     with open(path, "w") as f:
         f.write("\n".join(body).rstrip() + "\n")
 
