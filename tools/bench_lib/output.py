@@ -377,10 +377,30 @@ _SECTION = re.compile(r"<!-- suite:([\w@]+) -->.*?<!-- /suite:\1 -->", re.S)
 
 
 def section_key(suite, meta) -> str:
-    """A run with a non-default planner (the ablation) gets its own section,
-    ``patterns@baseline``, so it never replaces the default run's."""
+    """A run with a non-default planner (the ablation) or with TF's BFC allocator gets
+    its own section (``patterns@baseline``, ``patterns@tf_bfc``), so it never replaces
+    the default run's."""
+    tags = []
     planner = meta.get("planner") or "default"
-    return suite if planner == "default" else f"{suite}@{planner}"
+    if planner != "default":
+        tags.append(planner)
+    if str(meta.get("allocators", "")).startswith("TF CPU allocator BFC"):
+        tags.append("tf_bfc")
+    return "@".join([suite] + tags)
+
+
+def section_title(suite, meta) -> str:
+    key = section_key(suite, meta)
+    if key == suite:
+        return suite
+    what = []
+    if "@" in key and (meta.get("planner") or "default") != "default":
+        what.append(f"ablation: planner {meta['planner']}")
+    if key.endswith("@tf_bfc"):
+        what.append("TF_CPU_ALLOCATOR_USE_BFC=true for every mode")
+    return f"{suite} ({'; '.join(what)})"
+
+
 SUITE_ORDER = ("patterns", "models", "compile")
 
 _HEADER = """# Benchmarks
@@ -408,8 +428,7 @@ def _suite_markdown(suite, rows, meta, results):
     copy = meta.get("copy_bandwidth", {})
     gbs = copy.get("gbs")
     key = section_key(suite, meta)
-    title = suite if key == suite else f"{suite} (ablation: planner {meta['planner']})"
-    out = [f"<!-- suite:{key} -->", f"## {title}", ""]
+    out = [f"<!-- suite:{key} -->", f"## {section_title(suite, meta)}", ""]
     out.append(f"Measured {meta['date']} on {meta['cpu']} ({meta['cores']} cores, "
                f"{meta.get('memory_gib')} GiB); Python {meta['python']}, TensorFlow "
                f"{meta['tensorflow']}, Numba {meta['numba']}, stitching "
