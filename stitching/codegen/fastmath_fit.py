@@ -1,4 +1,4 @@
-"""Regenerate the erf / erfcx coefficients of fastmath.py (dev tool).
+"""Regenerate the erf / erfcx / tanh coefficients of fastmath.py (dev tool).
 
     python -m stitching.codegen.fastmath_fit
 
@@ -8,6 +8,12 @@ Rational erf: Sanathanan-Koerner iterations (linearized P - g Q with weights
 1/|g Q_prev|) plus Lawson reweighting, then alternate "round one polynomial to
 float32, refit the other" keeping the pair with the fewest float32 ulps.  Needs
 scipy; never imported by the kernels.
+
+tanh: expm1(2u)/2 = u + u^2 P(u) on |u| <= ln2/4, minimax in relative error
+(fit_tanh_poly: Lawson, coefficients rounded to float32 one at a time, refitting
+the rest each time).  fit_tanh_rational fits the Eigen/XLA-style alternative
+tanh(x) = x P(x^2)/Q(x^2) and reports its float32 error, which is why it is not
+used (see tanh_f32's docstring).
 """
 from __future__ import annotations
 
@@ -84,6 +90,73 @@ def fit_rational(f, hi, m, n, iters=300):
     return out
 
 
+def _lawson_fixed(A, y, rel, fixed, iters=300):
+    """Lawson for max |A c - y| / |rel| with c[:len(fixed)] = fixed."""
+    k = len(fixed)
+    y = y - A[:, :k] @ np.asarray(fixed, np.float64)
+    A = A[:, k:]
+    w, best = np.ones(len(y)), None
+    for _ in range(iters):
+        sw = np.sqrt(w) / np.abs(rel)
+        c, *_ = np.linalg.lstsq(A * sw[:, None], y * sw, rcond=None)
+        err = (A @ c - y) / rel
+        m = np.abs(err).max()
+        if best is None or m < best[0]:
+            best = (m, c)
+        w = w * np.abs(err)
+        w = np.maximum(w / w.sum(), 1e-300)
+    return best[0], np.concatenate([np.asarray(fixed, np.float64), best[1]])
+
+
+def fit_tanh_poly(deg=5):
+    """P with expm1(2u)/2 ~ u + u^2 P(u) on |u| <= ln2/4 (a little wider for the
+    range reduction's rounding), minimax relative error; float32 coefficients.
+    Returns (max relative error with the rounded coefficients, [P0..Pdeg])."""
+    half = np.log(2.0) / 4 * (1 + 2.0 ** -10)
+    k = np.arange(8000)
+    u = half * np.cos(np.pi * (2 * k + 1) / 16000)
+    u = u[np.abs(u) > 1e-7]
+    h = np.expm1(2 * u) / 2
+    A = (u * u)[:, None] * np.vander(u, deg + 1, increasing=True)
+    fixed = []
+    for i in range(deg + 1):                      # round one coefficient, refit the rest
+        _, c = _lawson_fixed(A, h - u, h, fixed)
+        fixed.append(float(np.float32(c[i])))
+    c = np.array(fixed)
+    return np.abs((u + A @ c - h) / h).max(), [np.float32(v) for v in c]
+
+
+def fit_tanh_rational(m=6, n=3, hi=9.0, iters=200):
+    """tanh(x) ~ x P(z)/Q(z), z = x^2, P(0) = Q(0) = 1 (tanh(x) = x for tiny x), on
+    [0, hi]: Sanathanan-Koerner + Lawson in t = z / hi^2 (monomials in z are too
+    ill-conditioned).  Returns (rel. error, float32 ulps over a dense grid when
+    evaluated in float32 with fma Horner steps, P, Q) with float32 coefficients."""
+    x = np.concatenate([np.linspace(0, hi, 40001)[1:], np.geomspace(1e-4, hi, 4000)])
+    t, g = (x / hi) ** 2, np.tanh(x) / x
+    Vp = np.vander(t, m + 1, increasing=True)[:, 1:]
+    Vq = np.vander(t, n + 1, increasing=True)[:, 1:]
+    A = np.hstack([Vp, -(g[:, None] * Vq)])
+    Q, w, best = np.ones_like(t), np.ones_like(t), None
+    for it in range(iters):
+        wt = np.sqrt(w) / np.abs(g * Q)
+        c, *_ = np.linalg.lstsq(A * wt[:, None], (g - 1) * wt, rcond=None)
+        Q = 1 + Vq @ c[m:]
+        err = (1 + Vp @ c[:m]) / Q / g - 1
+        e = np.abs(err).max()
+        if np.all(Q > 0) and (best is None or e < best[0]):
+            best = (e, c)
+        if it >= 30:
+            w = w * (np.abs(err) + 1e-3 * e)
+            w /= w.sum()
+    e, c = best
+    s = float(hi) ** -2
+    p = [np.float32(v) for v in np.concatenate([[1.0], c[:m] * s ** np.arange(1, m + 1)])]
+    q = [np.float32(v) for v in np.concatenate([[1.0], c[m:] * s ** np.arange(1, n + 1)])]
+    xt = np.linspace(0, hi, 2_000_001).astype(np.float32)[1:]
+    u = _rational_ulps(np.tanh, np.array(p, np.float64), np.array(q, np.float64), xt, hi)
+    return e, u, p, q
+
+
 def fit():
     from scipy import special
     k = np.arange(4000)
@@ -100,6 +173,12 @@ if __name__ == "__main__":
     u, rp, rq = fit_rational(special.erf, 3.925, 6, 5)
     print(f"erf(x) = x P(x^2)/Q(x^2), |x| <= 3.925: {u:.2f} ulp in float32\n"
           f"  P {[repr(np.float32(c)) for c in rp]}\n  Q {[repr(np.float32(c)) for c in rq]}")
+    m, p = fit_tanh_poly()
+    print(f"tanh: expm1(2u)/2 = u + u^2 P(u), |u| <= ln2/4: max rel error {m:.2e}\n"
+          f"  P {[repr(c) for c in p]}")
+    e, u, rp, rq = fit_tanh_rational()
+    print(f"(not used) tanh(x) = x P(x^2)/Q(x^2), |x| <= 9: rel error {e:.2e}, but "
+          f"{u:.2f} ulp in float32\n  P {[repr(c) for c in rp]}\n  Q {[repr(c) for c in rq]}")
     (m1, p), (m2, q) = fit()
     print(f"erf(x) = x P(x^2), |x| < 1: max rel error {m1:.2e}\n  {[repr(c) for c in p]}")
     print(f"erfcx(x) = Q(2/(2+x)), 0.5 <= x <= 11: max rel error {m2:.2e}\n"
