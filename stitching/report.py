@@ -30,6 +30,7 @@ class Report:
     boundaries: list = field(default_factory=list)    # [(tf node, reason)] merges refused
     compile_seconds: float = 0.0
     unique_kernels: int = 0
+    code_objects: int = 0      # distinct compiled code: generic twins serve many specs
     notes: list = field(default_factory=list)
     explanation: list = field(default_factory=list)   # per kernel: alternatives and scores
 
@@ -46,6 +47,7 @@ class Report:
             "fused_ops": self.fused_ops,
             "kernels": len(self.kernels),
             "unique_kernels": self.unique_kernels,
+            "code_objects": self.code_objects,
             "coverage": round(self.coverage, 4),
             "unfused": [(op, reason) for _, op, reason in self.unfused],
             "unfused_nodes": [{"node": n, "op": op, "reason": r} for n, op, r in self.unfused],
@@ -63,7 +65,8 @@ class Report:
         lines = [f"stitching report for {self.function}",
                  f"  memory-intensive TF ops: {self.memory_intensive_ops}, fused: "
                  f"{self.fused_ops} ({100 * self.coverage:.0f}%) into {len(self.kernels)} "
-                 f"kernel(s) ({self.unique_kernels} distinct, compiled in "
+                 f"kernel(s) ({self.unique_kernels} distinct specs served by "
+                 f"{self.code_objects} compiled kernel(s); planned and compiled in "
                  f"{self.compile_seconds:.1f}s)"]
         for k in self.kernels:
             ops = ", ".join(t for _, t in k.ops)

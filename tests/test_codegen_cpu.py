@@ -673,8 +673,10 @@ def test_uncached_kernels_compile_in_worker_processes(tmp_path, monkeypatch):
     then loads every kernel from it, and the kernels compute the right thing."""
     from stitching.codegen import is_cached, parallel
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
-    specs = [softmax_spec((-1, 13)), layernorm_spec(13), softmax_spec((-1, 14)),
-             layernorm_spec(14)]
+    # structurally different (their generic twins differ), and never compiled before
+    specs = [s.with_schedule(rows_per_task=977) for s in (
+        softmax_spec((-1, 13)), softmax_spec((-1, 13), log=True), layernorm_spec(13),
+        layernorm_spec(13, outs_stats=True))]
     assert not any(is_cached(s) for s in specs)
     seen = []
     assert parallel.warm_cache(specs, jobs=2, progress=lambda d, n: seen.append((d, n))) == 4
@@ -684,6 +686,35 @@ def test_uncached_kernels_compile_in_worker_processes(tmp_path, monkeypatch):
     x = np.random.default_rng(0).standard_normal((5, 13)).astype(np.float32)
     assert_matches(ks[0](x)[0], softmax_ref(x), "float32", "worker-built softmax", 4e-6)
     assert parallel.warm_cache(specs, jobs=2) == 0   # nothing left to compile
+
+
+def test_specs_differing_in_static_sizes_share_one_compiled_kernel():
+    """LayerNorm at D=24 and D=40 run the code of one shape-generic twin, and each
+    still enforces its own static sizes."""
+    k24, k40 = compile_kernel(layernorm_spec(24)), compile_kernel(layernorm_spec(40))
+    assert k24.body_address == k40.body_address and k24.generic == k40.generic
+    assert k24.spec.hash != k40.spec.hash
+    rng = np.random.default_rng(1)
+    for k, d in ((k24, 24), (k40, 40)):
+        x, g, b = (rng.standard_normal(s).astype(np.float32) for s in ((6, d), (d,), (d,)))
+        assert_matches(k(x, g, b)[0], layernorm_ref(x, g, b)[0], "float32",
+                       f"generic layernorm D={d}", 5e-6, 3e-6)
+    rc, *_ = k24.shapes([(4, 40), (40,), (40,)])
+    assert k24.format_error(rc, []).startswith("input 0 dim 1 must be 24")
+    with pytest.raises(ValueError, match="input 0 dim 1 must be 24"):
+        k24(np.zeros((2, 40), np.float32), np.zeros(40, np.float32), np.zeros(40, np.float32))
+
+
+def test_node_pinned_to_a_size_keeps_the_spec_concrete():
+    from stitching.codegen.specialize import compile_target, generic_twin
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 5))
+    pinned = b.build([b.Neg(x, out_shape=(7, 5))])
+    assert generic_twin(pinned) is None and compile_target(pinned) is pinned
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 5))
+    ones = b.build([b.Neg(x, out_shape=(1, 5))])
+    assert [n.type.shape for n in generic_twin(ones).nodes] == [(1, -1)]
 
 
 def test_compile_kernels_on_error_keeps_going(monkeypatch):

@@ -28,6 +28,7 @@ from ..ir import dtypes as dt
 from ..ir.spec import KernelSpec, validate
 from ..schedule import build_schedule
 from . import cpu
+from .specialize import compile_target
 
 _lock = threading.RLock()
 _kernels: dict = {}          # spec hash -> CompiledKernel
@@ -97,6 +98,28 @@ class CompiledKernel:
         self.cache_hits = module.body.cache_hits + module.shape_fn.cache_hits
         self._body = _BODY_T(self.body_address)
         self._shape = _SHAPE_T(self.shape_address)
+        self.generic = None                # hash of the generic spec whose code this is
+        self.in_static_dims = None         # set when the code does not check them itself
+
+    def serving(self, spec, schedule) -> "CompiledKernel":
+        """This code registered for a concrete ``spec`` it was compiled generically
+        for (specialize.py): same addresses, the concrete spec and its schedule.  The
+        generic shape function accepts other sizes, so the spec's static input dims
+        are checked by the op (``in_static_dims``) and by ``shapes``."""
+        k = object.__new__(CompiledKernel)
+        k.__dict__.update(self.__dict__)
+        k.spec, k.schedule, k.generic = spec, schedule, self.spec.hash
+        k.in_static_dims = [d for t in spec.inputs for d in t.shape]
+        k.errors = list(self.errors)
+        k._static_checks = []              # (position in the flat dims, rc)
+        flat = 0
+        for i, t in enumerate(spec.inputs):
+            for d, n in enumerate(t.shape):
+                if n >= 0:
+                    k.errors.append(f"input {i} dim {d} must be {n}")
+                    k._static_checks.append((flat, n, len(k.errors)))
+                flat += 1
+        return k
 
     def __repr__(self):
         return f"<CompiledKernel {self.spec.hash} {self.schedule.kind.value}>"
@@ -114,6 +137,11 @@ class CompiledKernel:
 
     def shapes(self, in_shapes):
         """(rc, dims, out_shapes, units, cost) from the shape function."""
+        if self.in_static_dims is not None:
+            got = [d for s in in_shapes for d in s]
+            for pos, want, rc in self._static_checks:
+                if pos < len(got) and got[pos] != want:
+                    return rc, None, [], 0, 0
         in_dims = np.array([d for s in in_shapes for d in s] + [0], np.int64)
         dims = np.zeros(MAX_PARAMS, np.int64)
         out_dims = np.zeros(sum(self.out_ranks) + 1, np.int64)
@@ -190,34 +218,51 @@ def _load_module(text: str, spec_hash: str):
 
 def is_cached(spec: KernelSpec) -> bool:
     """True if compiling ``spec`` (validated) needs no Numba compile: it is in memory,
-    or both its cfuncs are in the disk cache.  A spec that cannot be scheduled counts
-    as cached (there is nothing to compile; compile_kernel raises the reason)."""
+    or both cfuncs of the code serving it are in the disk cache.  A spec that cannot
+    be scheduled counts as cached (there is nothing to compile; compile_kernel raises
+    the reason)."""
     if spec.hash in _kernels:
         return True
     try:
-        text = cpu.emit(build_schedule(spec)).text
+        target = compile_target(spec)
+        if target.hash in _kernels:
+            return True
+        text = cpu.emit(build_schedule(target)).text
     except Exception:  # noqa: BLE001 - compile_kernel reports it
         return True
-    name = _module_name(text, spec.hash)
+    name = _module_name(text, target.hash)
     pycache = kernel_dir() / "__pycache__"
     return all(any(pycache.glob(f"{name}.{fn}-*.nbi")) for fn in ("body", "shape_fn"))
 
 
 def compile_kernel(spec: KernelSpec) -> CompiledKernel:
-    """Compiled kernel for a spec (raises ScheduleError if it is not one kernel)."""
+    """Compiled kernel for a spec (raises ScheduleError if it is not one kernel).
+
+    The code may be that of the spec's shape-generic twin (specialize.py), shared by
+    every spec that differs from it only in static sizes."""
     spec = validate(spec)
     key = spec.hash
     with _lock:
         k = _kernels.get(key)
         if k is not None:
             return k
-        t0 = time.perf_counter()
-        sched = build_schedule(spec)
-        source = cpu.emit(sched)
-        module = _load_module(source.text, key)
-        k = CompiledKernel(spec, sched, source, module, time.perf_counter() - t0)
+        target = compile_target(spec)
+        if target.hash == key:
+            k = _compile_exact(spec)
+        else:
+            base = _kernels.get(target.hash) or _compile_exact(target)
+            _kernels[target.hash] = base
+            k = base.serving(spec, build_schedule(spec))
         _kernels[key] = k
         return k
+
+
+def _compile_exact(spec: KernelSpec) -> CompiledKernel:
+    t0 = time.perf_counter()
+    sched = build_schedule(spec)
+    source = cpu.emit(sched)
+    module = _load_module(source.text, spec.hash)
+    return CompiledKernel(spec, sched, source, module, time.perf_counter() - t0)
 
 
 def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None) -> list:

@@ -63,7 +63,7 @@ using ShapeFn = int64_t (*)(const int64_t* in_dims, int64_t* params, int64_t* ou
                             int64_t* sched);
 using CompilerFn = int (*)(const char* spec);
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 constexpr int kMaxParams = 32;      // size of the params array shape_fn may fill
 constexpr int kMaxRank = 64;        // sanity bound; the IR itself stops at 8
 constexpr int kMaxTensors = 1024;   // sanity bound on inputs/outputs per kernel
@@ -76,6 +76,9 @@ struct Entry {
   std::vector<int> in_ranks, out_ranks;
   DataTypeVector in_dtypes, out_dtypes;
   std::vector<std::string> errors;
+  // Static input dims the spec promises (-1: unknown), flattened like in_dims.  A
+  // kernel compiled for a shape-generic twin does not check them itself.
+  std::vector<int64_t> in_static;
   int in_dims_total = 0, out_dims_total = 0;
 };
 
@@ -375,6 +378,17 @@ class StitchedKernelOp : public OpKernel {
       ins[i] = const_cast<char*>(t.tensor_data().data());
     }
 
+    // The spec's static dims (shape_fn of a generic kernel would accept others).
+    for (int i = 0, k = 0; i < n_in && !e.in_static.empty(); ++i) {
+      for (int d = 0; d < e.in_ranks[i]; ++d, ++k) {
+        OP_REQUIRES(ctx, e.in_static[k] < 0 || in_dims[k] == e.in_static[k],
+                    absl::InvalidArgumentError(absl::StrCat(
+                        "StitchedKernel ", label_, ": input ", i, " dim ", d,
+                        " must be ", e.in_static[k], "; input shapes: ",
+                        ctx->input(i).shape().DebugString())));
+      }
+    }
+
     // Shapes, kernel parameters and the work decomposition come from shape_fn.
     int64_t params[kMaxParams] = {0};
     std::vector<int64_t> out_dims(e.out_dims_total + 1, 0);
@@ -549,11 +563,12 @@ __attribute__((visibility("default"))) int stitching_abi_version() {
 // Registers a compiled kernel under the exact spec string.  Returns 0 if newly
 // registered, 1 if the spec was already registered (the existing entry is kept),
 // and a negative code on invalid arguments: -1 null spec/function, -2 bad tensor
-// count, -3 bad rank, -4 unsupported dtype, -5 bad error list.
+// count, -3 bad rank, -4 unsupported dtype, -5 bad error list, -6 bad static dim.
+// `in_static` (may be NULL): the spec's static input dims, flattened, -1 unknown.
 __attribute__((visibility("default"))) int stitching_register(
     const char* spec, void* body, void* shape_fn, int n_in, const int* in_ranks,
     const int* in_dtypes, int n_out, const int* out_ranks, const int* out_dtypes,
-    const char* const* errors, int n_errors) {
+    const char* const* errors, int n_errors, const int64_t* in_static) {
   using stitching::Entry;
   if (spec == nullptr || body == nullptr || shape_fn == nullptr) return -1;
   if (n_out < 1) return -2;
@@ -569,6 +584,12 @@ __attribute__((visibility("default"))) int stitching_register(
   if (n_errors < 0 || (n_errors > 0 && errors == nullptr)) return -5;
   for (int i = 0; i < n_errors; ++i) {
     e->errors.emplace_back(errors[i] ? errors[i] : "");
+  }
+  if (in_static != nullptr) {
+    for (int k = 0; k < e->in_dims_total; ++k) {
+      if (in_static[k] < -1) return -6;
+      e->in_static.push_back(in_static[k]);
+    }
   }
   return stitching::Registry::Get().Insert(spec, std::move(e)) ? 0 : 1;
 }

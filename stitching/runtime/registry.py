@@ -42,7 +42,8 @@ _INTERNAL = 13
 _UNIMPLEMENTED = 12
 
 _REGISTER_ERRORS = {-1: "null spec or function address", -2: "bad number of tensors",
-                    -3: "bad rank", -4: "unsupported dtype", -5: "bad error list"}
+                    -3: "bad rank", -4: "unsupported dtype", -5: "bad error list",
+                    -6: "bad static dim"}
 
 _CompilerCallback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p)
 
@@ -98,6 +99,9 @@ def library():
     return _lib
 
 
+ABI_VERSION = 2   # op.cc's kAbiVersion: the stitching_register signature
+
+
 def _open_same_image(path: str):
     """Open the image TF already loaded; fail loudly if it would be a second copy."""
     try:
@@ -110,7 +114,7 @@ def _open_same_image(path: str):
         ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
         ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
-        ctypes.POINTER(ctypes.c_char_p), ctypes.c_int]
+        ctypes.POINTER(ctypes.c_char_p), ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
     lib.stitching_set_compiler.restype = None
     lib.stitching_set_compiler.argtypes = [_CompilerCallback]
     lib.stitching_set_compile_error.restype = None
@@ -180,12 +184,20 @@ def _abi_arguments(kernel) -> tuple:
     if not body or not shape:
         raise RegistrationError("body_address and shape_address must be nonzero")
     errors = [str(m).encode("utf-8", "replace") for m in kernel.errors]
+    # Optional: the spec's static input dims, for kernels whose own shape function
+    # is generic over them (codegen/specialize.py); the op checks them.
+    static = getattr(kernel, "in_static_dims", None)
+    if static is not None:
+        static = [int(d) for d in static]
+        if len(static) != sum(in_ranks) or any(d < -1 for d in static):
+            raise RegistrationError("in_static_dims must hold one int >= -1 per input dim")
+        static = (ctypes.c_int64 * max(1, len(static)))(*static)
 
     def ints(xs):
         return (ctypes.c_int * max(1, len(xs)))(*xs)
     return (body, shape, len(in_ranks), ints(in_ranks), ints(in_dtypes),
             len(out_ranks), ints(out_ranks), ints(out_dtypes),
-            (ctypes.c_char_p * max(1, len(errors)))(*errors), len(errors))
+            (ctypes.c_char_p * max(1, len(errors)))(*errors), len(errors), static)
 
 
 def _int_list(xs, what) -> list:

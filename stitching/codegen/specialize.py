@@ -1,0 +1,76 @@
+"""Which spec is compiled for a region: the region's own, or a shape-generic twin.
+
+A CNN repeats the same fused region at many channel counts and image sizes
+(ResNet50: 50 kernels, 15 distinct specs, 6 distinct up to static dims; EfficientNetB0:
+37 distinct, 7 up to static dims).  Each distinct spec costs a Numba compile (~0.7 s),
+so cold compile time is dominated by copies that differ only in numbers.  Kernels are
+already shape-generic in their unknown dims, so we compile the *generic twin* of a
+spec -- every static dim greater than 1 made unknown -- and register that code under
+the concrete spec string.  Size-1 dims stay static (they mean broadcasting), and so
+do pins of a node's unknown dim to 1; a node pinned to a larger size keeps the spec
+concrete; constants keep their shapes.
+
+The twin is used only when it is exactly as good: it must validate, and its schedule
+must have the same structure as the concrete one (kind, reduced axes, passes, where
+each value lives, scratch and column blocks).  Static sizes can change those
+decisions (a scratch budget, a dim collapse), and then the concrete spec is compiled.
+Safety does not depend on the twin: its shape function checks every input against the
+others at run time (unknown dims broadcast together must agree), and the op checks
+outputs against the graph's static shapes.
+"""
+from __future__ import annotations
+
+from ..ir.ops import infer
+from ..ir.spec import KernelSpec, SpecError, SpecNode, validate
+from ..schedule import ScheduleError, build_schedule
+
+
+def _generic_shape(shape):
+    return tuple(-1 if d > 1 else d for d in shape)
+
+
+def generic_twin(spec: KernelSpec) -> KernelSpec | None:
+    """``spec`` with static dims > 1 made unknown (validated), or None if that changes
+    nothing or does not validate."""
+    inputs = tuple(type(t)(t.dtype, _generic_shape(t.shape)) for t in spec.inputs)
+    nodes = []
+    for n in spec.nodes:
+        # A node may claim a size its inputs leave unknown (a pin the shape function
+        # checks): a pin to 1 is kept, a pin to a larger size keeps the spec concrete.
+        implied = infer(n.op, n.attrs, [spec.type_of(a) for a in n.args]).shape
+        if any(c > 1 and i < 0 for c, i in zip(n.type.shape, implied)):
+            return None
+        attrs = dict(n.attrs)
+        if n.op == "Reshape":
+            attrs["shape"] = _generic_shape(attrs["shape"])
+        args = [inputs[-a - 1] if a < 0 else nodes[a].type for a in n.args]
+        try:
+            t = infer(n.op, attrs, args)
+        except ValueError:
+            return None
+        pinned = tuple(1 if c == 1 and d < 0 else d for c, d in zip(n.type.shape, t.shape))
+        nodes.append(SpecNode(n.op, n.args, attrs, type(t)(t.dtype, pinned)))
+    try:
+        twin = validate(KernelSpec(inputs, tuple(nodes), spec.outputs, dict(spec.schedule)))
+    except SpecError:
+        return None
+    return None if twin.to_json() == spec.to_json() else twin
+
+
+def _structure(sched) -> tuple:
+    return (sched.kind, sched.reduce_axes, sched.domain.rank, len(sched.passes),
+            tuple((e.src, e.dst, e.placement) for e in sched.edges),
+            tuple(sched.scratch), tuple(sched.blocks), sched.live)
+
+
+def compile_target(spec: KernelSpec) -> KernelSpec:
+    """The spec whose code serves ``spec`` (validated): its generic twin when that
+    schedules the same way, else ``spec`` itself."""
+    twin = generic_twin(spec)
+    if twin is None:
+        return spec
+    try:
+        mine, theirs = build_schedule(spec), build_schedule(twin)
+    except ScheduleError:
+        return spec
+    return twin if _structure(mine) == _structure(theirs) else spec
