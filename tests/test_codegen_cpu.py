@@ -705,6 +705,32 @@ def test_specs_differing_in_static_sizes_share_one_compiled_kernel():
         k24(np.zeros((2, 40), np.float32), np.zeros(40, np.float32), np.zeros(40, np.float32))
 
 
+def test_per_channel_parameter_math_is_hoisted_out_of_the_element_loop():
+    """Inference batch norm + swish: rsqrt(var + eps) * gamma and beta - mean * scale
+    vary along the channel only; they are computed once per call into a per-column
+    scratch, and the kernel still matches float64 (NaN in a parameter included)."""
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 7, 16))
+    g, be, mu, var = (b.input("float32", (16,)) for _ in range(4))
+    scale = b.Mul(g, b.Rsqrt(b.Add(var, b.const(1e-3, "float32"))))
+    y = b.Add(b.Mul(x, scale), b.Sub(be, b.Mul(mu, scale)))
+    k = compile_kernel(b.build([b.Mul(y, b.Sigmoid(y))]))
+    hoist, front = k.schedule.hoisted()
+    assert len(front) == 2 and "per column" in k.schedule.describe()
+    assert "hz" in k.source
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((5, 7, 16)).astype(np.float32)
+    G, B, M = (rng.standard_normal(16).astype(np.float32) for _ in range(3))
+    V = rng.random(16).astype(np.float32)
+    V[3] = np.nan
+    s64 = f64(G) / np.sqrt(f64(V) + np.float32(1e-3))
+    y64 = f64(X) * s64 + (f64(B) - f64(M) * s64)
+    ref = y64 / (1 + np.exp(-y64))
+    out = k(X, G, B, M, V)[0]
+    assert np.isnan(out[..., 3]).all() and not np.isnan(np.delete(out, 3, -1)).any()
+    assert_matches(out, ref, "float32", "hoisted BN + swish", 2e-6, 1e-6)
+
+
 def test_node_pinned_to_a_size_keeps_the_spec_concrete():
     from stitching.codegen.specialize import compile_target, generic_twin
     b = SpecBuilder()

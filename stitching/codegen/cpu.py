@@ -324,6 +324,9 @@ class _Emitter:
         for k in self._column_accs():
             r = lower.reduction(self.spec, k, self.C)
             w(f"acc{k} = h.ptr_{_PTR[r.acc]}(h.aligned_alloc(cb * {dt.ITEMSIZE[r.acc]}))")
+        for k in self.s.hoisted()[1]:
+            cd = dt.COMPUTE[self.dtype(k)]
+            w(f"hz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
 
     def _column_accs(self) -> list:
         if self.s.kind != KernelKind.COLUMN:
@@ -332,7 +335,8 @@ class _Emitter:
 
     def _buffers(self) -> list:
         return ([f"sc{k}" for k in self.s.scratch] + [f"kb{k}" for k in self.s.blocks] +
-                [f"acc{k}" for k in self._column_accs()])
+                [f"acc{k}" for k in self._column_accs()] +
+                [f"hz{k}" for k in self.s.hoisted()[1]])
 
     # -- node evaluation ------------------------------------------------------------------
     def compute(self, w, k: int) -> None:
@@ -384,6 +388,19 @@ class _Emitter:
             with w.block("for j in range(begin * cb, min(end * cb, L)):"):
                 self._ew_body(w, p, {}, flat=True)
             return
+        hoist, front = self.s.hoisted()
+        if front:
+            # per-column values once per call (Schedule.hoisted), over the whole row
+            with w.block("for j in range(L):"):
+                hoist_set = set(hoist)
+                for j in p.loads:
+                    if self._used_by(-(j + 1), hoist_set):
+                        self.load_input(w, -(j + 1), "j" if self.carries_last(-(j + 1))
+                                        else "0")
+                for k in hoist:
+                    self.compute(w, k)
+                for k in front:
+                    w(f"hz{k}[j] = v{k}")
         with w.block("for u in range(begin, end):"):
             w("rg = u // nb")
             w("c0 = (u - rg * nb) * cb")
@@ -393,21 +410,34 @@ class _Emitter:
                 idx = self.decompose(w, "r", list(range(R - 1)))
                 self.bases(w, idx)
                 with w.block("for j in range(c0, c1):"):
-                    self._ew_body(w, p, idx, flat=False)
+                    self._ew_body(w, p, idx, flat=False, hoisted=(hoist, front))
 
-    def _ew_body(self, w, p, idx, flat: bool) -> None:
-        """Loads, computes and stores of one element; ``flat``: no row bases."""
+    def _used_by(self, ref: int, nodes) -> bool:
+        return any(ref in self.spec.nodes[k].args for k in nodes)
+
+    def _ew_body(self, w, p, idx, flat: bool, hoisted=((), ())) -> None:
+        """Loads, computes and stores of one element; ``flat``: no row bases;
+        ``hoisted``: (nodes computed in the per-column prologue, those to read back)."""
         def at(ref):
             base = "" if flat else f"b_{self.tag(ref)}"
             if self.carries_last(ref):
                 return "j" if flat else f"{base} + j"
             return "0" if flat else base
+        hoist, front = set(hoisted[0]), hoisted[1]
+        rest = [k for k in p.compute if k not in hoist or k not in self._hoisted_vectors(hoist)]
+        for k in front:
+            w(f"v{k} = hz{k}[j]")
         for j in p.loads:
-            self.load_input(w, -(j + 1), at(-(j + 1)))
-        for k in p.compute:
+            if not hoist or self._used_by(-(j + 1), rest):
+                self.load_input(w, -(j + 1), at(-(j + 1)))
+        for k in rest:
             self.compute(w, k)
         for k in p.stores:
             self.store_output(w, k, at(k))
+
+    def _hoisted_vectors(self, hoist) -> set:
+        last = (self.R - 1,)
+        return {k for k in hoist if self.dom.carries[k] == last}
 
     # -- row ---------------------------------------------------------------------------------
     def _row(self, w) -> None:

@@ -59,6 +59,10 @@ def describe(sched) -> str:
                                   Placement.COLUMN_BLOCK)]
     for e in special:
         lines.append(f"  {_node(sched, e.src)} -> {_node(sched, e.dst)}: {e.placement.value}")
+    _, front = sched.hoisted()
+    if front:
+        lines.append("  once per call, per column (last-axis scratch): " +
+                     " ".join(_node(sched, k) for k in front))
     lines.extend(f"  note: {n}" for n in sched.notes)
     return "\n".join(lines)
 

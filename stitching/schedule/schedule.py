@@ -85,6 +85,11 @@ class Edge:
     placement: Placement
 
 
+# Ops that cost nothing per element (views and casts of a loaded value): hoisting a
+# region made only of these would replace a load with a load.
+_FREE_OPS = frozenset({"Reshape", "Identity", "Cast"})
+
+
 @dataclass(frozen=True)
 class Schedule:
     spec: object
@@ -117,6 +122,32 @@ class Schedule:
 
     def carries(self, ref: int) -> tuple:
         return self.domain.carries[ref]
+
+    def hoisted(self) -> tuple:
+        """Element-wise kernels over rank >= 2: the values that vary along the last
+        axis only -- per-channel parameter math such as inference batch norm's
+        ``rsqrt(var + eps) * gamma`` -- are computed once per call into a last-axis
+        scratch instead of once per element.  Returns (nodes computed in that
+        prologue, SSA order; the ones the element loop reads back from the scratch).
+        Empty for other kinds: row/column kernels already evaluate values that do
+        not carry the parallel axes outside their element loops."""
+        if self.kind != KernelKind.ELEMENTWISE or self.rank < 2:
+            return (), ()
+        last = (self.rank - 1,)
+        p = self.passes[0]
+        inner = [k for k in p.compute if self.carries(k) in ((), last)]
+        vec = {k for k in inner if self.carries(k) == last}
+        if not vec:
+            return (), ()
+        inner_set = set(inner)
+        used_outside = {a for k in p.compute if k not in inner_set
+                        for a in self.spec.nodes[k].args}
+        outputs = set(self.spec.outputs)
+        front = tuple(k for k in inner if k in vec and (k in used_outside or k in outputs))
+        # only worth it when the element loop stops computing something
+        if all(self.spec.nodes[k].op in _FREE_OPS for k in vec):
+            return (), ()
+        return tuple(inner), front
 
     def placement(self, src: int, dst: int) -> Placement:
         for e in self.edges:
