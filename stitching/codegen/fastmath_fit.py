@@ -20,14 +20,18 @@ from __future__ import annotations
 import numpy as np
 
 
-def lawson(A, y, iters=200):
-    """Coefficients c minimizing max |A c - y| / |y| (approximately)."""
+def lawson(A, y, iters=200, rel=None):
+    """Coefficients c minimizing max |A c - y| / |rel| (approximately; rel defaults
+    to y, i.e. relative error, and then the least-squares weights are not scaled by
+    it).  Returns (max error, c)."""
+    scale = 1.0 if rel is None else np.abs(rel)
+    rel = y if rel is None else rel
     w = np.ones(len(y))
     best = None
     for _ in range(iters):
-        sw = np.sqrt(w)
+        sw = np.sqrt(w) / scale
         c, *_ = np.linalg.lstsq(A * sw[:, None], y * sw, rcond=None)
-        err = (A @ c - y) / y
+        err = (A @ c - y) / rel
         m = np.abs(err).max()
         if best is None or m < best[0]:
             best = (m, c)
@@ -93,19 +97,8 @@ def fit_rational(f, hi, m, n, iters=300):
 def _lawson_fixed(A, y, rel, fixed, iters=300):
     """Lawson for max |A c - y| / |rel| with c[:len(fixed)] = fixed."""
     k = len(fixed)
-    y = y - A[:, :k] @ np.asarray(fixed, np.float64)
-    A = A[:, k:]
-    w, best = np.ones(len(y)), None
-    for _ in range(iters):
-        sw = np.sqrt(w) / np.abs(rel)
-        c, *_ = np.linalg.lstsq(A * sw[:, None], y * sw, rcond=None)
-        err = (A @ c - y) / rel
-        m = np.abs(err).max()
-        if best is None or m < best[0]:
-            best = (m, c)
-        w = w * np.abs(err)
-        w = np.maximum(w / w.sum(), 1e-300)
-    return best[0], np.concatenate([np.asarray(fixed, np.float64), best[1]])
+    m, c = lawson(A[:, k:], y - A[:, :k] @ np.asarray(fixed, np.float64), iters, rel)
+    return m, np.concatenate([np.asarray(fixed, np.float64), c])
 
 
 def fit_tanh_poly(deg=5):
