@@ -143,6 +143,15 @@ def busy_shape(in_dims, params, out_dims, sched):
     return 0
 
 
+@cfunc(SHAPE, nopython=True, nogil=True)
+def light_shape(in_dims, params, out_dims, sched):
+    n = busy_shape(in_dims, params, out_dims, sched)
+    # 16 units x 20k: Eigen's cost model alone would split this over the pool; the
+    # op's inline threshold (400k) keeps it on the calling thread
+    sched[1] = 20_000
+    return n
+
+
 @cfunc(BODY, nopython=True, nogil=True)
 def busy_body(begin, end, ins, outs, params):
     n = params[0]
@@ -216,6 +225,8 @@ PTRS = HandKernel(OpaqueSpec('{"test":"ptrs"}'), ptrs_body, ptrs_shape, [1], ["f
                   [1, 1], ["float32", "int64"])
 BUSY = HandKernel(OpaqueSpec('{"test":"busy"}'), busy_body, busy_shape, [1], ["float64"],
                   [1, 1, 1], ["int64", "int64", "float64"])
+LIGHT = HandKernel(OpaqueSpec('{"test":"light"}'), busy_body, light_shape, [1], ["float64"],
+                   [1, 1, 1], ["int64", "int64", "float64"])
 
 
 def hand_compiler(text):
@@ -502,6 +513,14 @@ def test_work_is_split_across_calls_and_threads():
     assert len(calls) > 1, "ParallelFor ran the whole range in one call"
     assert len(threads) > 1, "all work units ran on one thread"
     assert np.all(res.numpy() > 0)
+
+
+def test_small_work_runs_inline_in_one_call():
+    """Below the inline threshold the op does not hand work to the pool (a thread
+    wake-up costs more than a small kernel): one call, on one thread."""
+    tid, first, _ = rt.stitched_kernel([tf.fill([16], tf.constant(10.0, tf.float64))], LIGHT)
+    assert set(first.numpy().tolist()) == {0}
+    assert len(set(tid.numpy().tolist())) == 1
 
 
 def test_gil_released_while_kernel_runs():

@@ -305,6 +305,24 @@ absl::Status AllocateOutput(OpKernelContext* ctx, int i, const TensorShape& shap
 
 // ---- Op -----------------------------------------------------------------------------
 
+// Work below this estimated cost (shape_fn's units x cost per unit, roughly cycles)
+// runs on the calling thread: waking a pool thread costs tens of microseconds on
+// the machines measured, more than small kernels take.  STITCHING_INLINE_COST
+// overrides it (read once).
+int64_t InlineCost() {
+  static const int64_t cost = [] {
+    int64_t v = 400000;
+    if (const char* env = std::getenv("STITCHING_INLINE_COST")) {
+      char* end = nullptr;
+      const long long x = std::strtoll(env, &end, 10);
+      if (end != env && *end == '\0' && x >= 0) v = x;
+    }
+    return v;
+  }();
+  return cost;
+}
+
+
 absl::Status StitchedShapeFn(tensorflow::shape_inference::InferenceContext* c) {
   std::vector<PartialTensorShape> shapes;
   DataTypeVector tout;
@@ -421,8 +439,9 @@ class StitchedKernelOp : public OpKernel {
       body(begin, end, in_ptrs, out_ptrs, params);
     };
     const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    if (workers == nullptr || workers->workers == nullptr) {
-      run(0, sched[0]);  // a device without a CPU pool: run inline
+    if (workers == nullptr || workers->workers == nullptr ||
+        sched[0] * std::max<int64_t>(1, sched[1]) < InlineCost()) {
+      run(0, sched[0]);  // no CPU pool, or too little work to pay for a hand-off
       return;
     }
     workers->workers->ParallelFor(
