@@ -48,6 +48,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=1, help="compile suite: batch size")
     ap.add_argument("--modes", default="tf,xla,stitching",
                     help="subset of tf,xla,stitching (tf is the reference for checks)")
+    ap.add_argument("--ablation", action="store_true",
+                    help="add mode 'baseline' (stitching with the XLA-like baseline "
+                         "planner) beside the full planner, with an ablation table")
     ap.add_argument("--planner", default=None, metavar="baseline|full|...",
                     help="ablation: passed as stitching.Options(planner=...) when "
                          "stitching.Options has that field (the value is checked there)")
@@ -93,7 +96,9 @@ def main(argv=None):
             saved = json.load(f)
         return _emit(args, saved["results"], saved["meta"], write_json=False)
     mode_list = tuple(m for m in args.modes.split(",") if m)
-    bad = set(mode_list) - {"tf", "xla", "stitching"}
+    if args.ablation and "baseline" not in mode_list:
+        mode_list += ("baseline",)
+    bad = set(mode_list) - {"tf", "xla", "stitching", "baseline"}
     if bad:
         raise SystemExit(f"unknown modes: {sorted(bad)}")
     run = ["patterns", "models", "compile"] if args.suite == "all" else [args.suite]

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 MODES = ("tf", "xla", "stitching")
-LABELS = {"tf": "TF", "xla": "XLA", "stitching": "stitched"}
+# Optional fourth mode (--modes ...,baseline or --ablation): stitching with the XLA-like
+# baseline planner, timed side by side with the full planner for the ablation.
+EXTRA_MODES = ("baseline",)
+LABELS = {"tf": "TF", "xla": "XLA", "stitching": "stitched", "baseline": "baseline"}
 
 
 def first_line(e: BaseException) -> str:
@@ -65,10 +68,10 @@ def build(mode: str, fn, signature, planner: str | None = None) -> Runner:
             r.fn = tf.function(fn, input_signature=signature)
         elif mode == "xla":
             r.fn = tf.function(fn, input_signature=signature, jit_compile=True)
-        elif mode == "stitching":
+        elif mode in ("stitching", "baseline"):
             import stitching
             notes = r.info.setdefault("notes", [])
-            opts = _stitching_options(planner, notes)
+            opts = _stitching_options("baseline" if mode == "baseline" else planner, notes)
             kwargs = {"options": opts} if opts is not None else {}
             r.fn = stitching.function(fn, input_signature=signature, **kwargs)
             if opts is not None:
@@ -115,7 +118,7 @@ def collect_counts(r: Runner, args, tf_runner: Runner | None = None):
             hlo = r.fn.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
             r.info["xla"] = count_xla_kernels(hlo)
             r.info["kernels"] = r.info["xla"]["memory_kernels"]
-        elif r.mode == "stitching":
+        elif r.mode in ("stitching", "baseline"):
             rep = getattr(r.fn, "report", None)
             if rep is None:
                 r.info.setdefault("notes", []).append("no report after the first call")

@@ -88,6 +88,36 @@ def perf_table(rows, copy_gbs=None, bandwidth=True):
     return head, body
 
 
+def ablation_table(rows):
+    """Rows timed with the 'baseline' mode: full planner vs the XLA-like baseline,
+    same process, same inputs."""
+    key = "size" if rows and "size" in rows[0] else "batch"
+    head = ["case", key, "full ms", "baseline ms", "full vs baseline", "full kernels",
+            "baseline kernels"]
+    body = [[r["name"], str(r.get(key)), _time_cell(r, "stitching"),
+             _time_cell(r, "baseline"), _x(speedup(r, "stitching", "baseline")),
+             _int((r["modes"].get("stitching") or {}).get("kernels")),
+             _int((r["modes"].get("baseline") or {}).get("kernels"))]
+            for r in rows if "baseline" in r["modes"]]
+    return head, body
+
+
+def ablation_lines(rows) -> list[str]:
+    """The ablation verdict: is the full planner ever slower than the baseline by
+    more than the rows' own spread?"""
+    rs = [(speedup(r, "stitching", "baseline"), r) for r in rows if "baseline" in r["modes"]]
+    rs = [(x, r) for x, r in rs if x]
+    if not rs:
+        return []
+    worst, wr = min(rs, key=lambda t: t[0])
+    name = f"{wr['name']}/{wr.get('size') or 'b' + str(wr.get('batch'))}"
+    return [f"ablation: full planner vs baseline geomean {geomean([x for x, _ in rs]):.2f}x, "
+            f"worst {worst:.2f}x ({name})",
+            _verdict(worst >= 1.0, f"ablation: full planner never slower than the baseline: "
+                                   f"worst {worst:.3f}x ({name}"
+                                   f"{_noise(wr, 'stitching', 'baseline')})")]
+
+
 def compile_table(rows):
     head = ["model", "batch", "TF first s", "XLA first s", "st cold s", "st warm s",
             "cold vs XLA", "warm - TF first", "st kernels", "st compile s (cold/warm)"]
@@ -350,6 +380,11 @@ def print_report(results, meta):
                     print(render_text(*perf_table(rs, gbs)))
         else:
             print(render_text(*perf_table(rows, gbs, bandwidth=False)))
+        if suite != "compile" and any("baseline" in r["modes"] for r in rows):
+            print(f"-- ablation ({suite}) --")
+            print(render_text(*ablation_table(rows)))
+            for line in ablation_lines(rows):
+                print(line)
         for line in failure_lines(rows):
             print(line)
     if results.get("patterns") or results.get("models"):
@@ -460,6 +495,10 @@ def _suite_markdown(suite, rows, meta, results):
                 out += [f"### {size}", "", render_markdown(*perf_table(rs, gbs)), ""]
     else:
         out.append(render_markdown(*perf_table(rows, gbs, bandwidth=False)))
+    if suite != "compile" and any("baseline" in r["modes"] for r in rows):
+        out += ["", "### ablation: full planner vs XLA-like baseline planner (same run)", "",
+                render_markdown(*ablation_table(rows)), ""]
+        out += [f"- {line}" for line in ablation_lines(rows)]
     fails = failure_lines(rows) + mismatch_lines(rows)
     if fails:
         out.append("")
