@@ -15,8 +15,11 @@ must have the same structure as the concrete one (kind, reduced axes, passes, wh
 each value lives, scratch and column blocks).  Static sizes can change those
 decisions (a scratch budget, a dim collapse), and then the concrete spec is compiled.
 Safety does not depend on the twin: its shape function checks every input against the
-others at run time (unknown dims broadcast together must agree), and the op checks
-outputs against the graph's static shapes.
+others at run time (unknown dims broadcast together must agree); the served kernel
+carries the concrete spec's static input dims, which the op (and
+``CompiledKernel.shapes``) check before running it, with the same "input i dim d must
+be n" error the concrete kernel would give; and the op checks outputs against the
+graph's static shapes.
 """
 from __future__ import annotations
 
