@@ -743,6 +743,18 @@ def test_node_pinned_to_a_size_keeps_the_spec_concrete():
     assert [n.type.shape for n in generic_twin(ones).nodes] == [(1, -1)]
 
 
+def test_workers_past_their_budget_are_killed_and_work_is_done_here(tmp_path, monkeypatch):
+    from stitching.codegen import parallel
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(parallel, "WORKER_SECONDS_PER_KERNEL", 0.001)
+    specs = [s.with_schedule(rows_per_task=979) for s in (
+        softmax_spec((-1, 17)), softmax_spec((-1, 17), log=True), layernorm_spec(17))]
+    ks = compile_kernels(specs, jobs=2)              # workers killed; compiled here
+    x = np.random.default_rng(3).standard_normal((4, 17)).astype(np.float32)
+    assert_matches(ks[0](x)[0], softmax_ref(x), "float32", "softmax after killed workers",
+                   4e-6)
+
+
 def test_compile_kernels_on_error_keeps_going(monkeypatch):
     from stitching.codegen import kernel
     bad, good = softmax_spec((-1, 15)), layernorm_spec(15)

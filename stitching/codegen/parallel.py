@@ -22,12 +22,14 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 from .kernel import cache_root, is_cached
 from .specialize import compile_target
 
 MIN_PARALLEL = 3
 MAX_JOBS = 8
+WORKER_SECONDS_PER_KERNEL = 120   # ~0.7 s is typical; only a hung worker gets near it
 
 
 def default_jobs() -> int:
@@ -91,8 +93,14 @@ def warm_cache(specs, jobs: int | None = None, progress=None) -> int:
     readers = [threading.Thread(target=read, args=(p,), daemon=True) for p in procs]
     for r in readers:
         r.start()
-    for r in readers:
-        r.join()
+    # A worker that hangs must not hang the caller: past a generous budget it is
+    # killed and whatever it did not finish compiles in this process.
+    deadline = time.monotonic() + WORKER_SECONDS_PER_KERNEL * max(len(sh) for sh in shards)
+    for p, r in zip(procs, readers):
+        r.join(max(0.0, deadline - time.monotonic()))
+        if r.is_alive():
+            p.kill()
+            r.join()
     return len(todo)
 
 
