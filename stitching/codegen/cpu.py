@@ -116,6 +116,11 @@ class _Emitter:
         self.C = lower.Consts()
         self.errors: list = []
         self.out_index = {k: m for m, k in enumerate(self.spec.outputs)}
+        # element-wise per-column prologue (Schedule.hoisted): all its nodes, the ones
+        # read back from scratch, and the vector ones the element loop no longer computes
+        self.hoist, self.front = sched.hoisted()
+        last = (self.R - 1,)
+        self.hoisted_vectors = {k for k in self.hoist if self.dom.carries[k] == last}
 
     # -- module ---------------------------------------------------------------------
     def module_text(self) -> str:
@@ -324,7 +329,7 @@ class _Emitter:
         for k in self._column_accs():
             r = lower.reduction(self.spec, k, self.C)
             w(f"acc{k} = h.ptr_{_PTR[r.acc]}(h.aligned_alloc(cb * {dt.ITEMSIZE[r.acc]}))")
-        for k in self.s.hoisted()[1]:
+        for k in self.front:
             cd = dt.COMPUTE[self.dtype(k)]
             w(f"hz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
 
@@ -336,7 +341,7 @@ class _Emitter:
     def _buffers(self) -> list:
         return ([f"sc{k}" for k in self.s.scratch] + [f"kb{k}" for k in self.s.blocks] +
                 [f"acc{k}" for k in self._column_accs()] +
-                [f"hz{k}" for k in self.s.hoisted()[1]])
+                [f"hz{k}" for k in self.front])
 
     # -- node evaluation ------------------------------------------------------------------
     def compute(self, w, k: int) -> None:
@@ -388,18 +393,16 @@ class _Emitter:
             with w.block("for j in range(begin * cb, min(end * cb, L)):"):
                 self._ew_body(w, p, {}, flat=True)
             return
-        hoist, front = self.s.hoisted()
-        if front:
+        if self.front:
             # per-column values once per call (Schedule.hoisted), over the whole row
             with w.block("for j in range(L):"):
-                hoist_set = set(hoist)
                 for j in p.loads:
-                    if self._used_by(-(j + 1), hoist_set):
+                    if self._used_by(-(j + 1), self.hoist):
                         self.load_input(w, -(j + 1), "j" if self.carries_last(-(j + 1))
                                         else "0")
-                for k in hoist:
+                for k in self.hoist:
                     self.compute(w, k)
-                for k in front:
+                for k in self.front:
                     w(f"hz{k}[j] = v{k}")
         with w.block("for u in range(begin, end):"):
             w("rg = u // nb")
@@ -410,34 +413,29 @@ class _Emitter:
                 idx = self.decompose(w, "r", list(range(R - 1)))
                 self.bases(w, idx)
                 with w.block("for j in range(c0, c1):"):
-                    self._ew_body(w, p, idx, flat=False, hoisted=(hoist, front))
+                    self._ew_body(w, p, idx, flat=False)
 
     def _used_by(self, ref: int, nodes) -> bool:
         return any(ref in self.spec.nodes[k].args for k in nodes)
 
-    def _ew_body(self, w, p, idx, flat: bool, hoisted=((), ())) -> None:
-        """Loads, computes and stores of one element; ``flat``: no row bases;
-        ``hoisted``: (nodes computed in the per-column prologue, those to read back)."""
+    def _ew_body(self, w, p, idx, flat: bool) -> None:
+        """Loads, computes and stores of one element; ``flat``: no row bases.  Values
+        of the per-column prologue are read back from its scratch, not recomputed."""
         def at(ref):
             base = "" if flat else f"b_{self.tag(ref)}"
             if self.carries_last(ref):
                 return "j" if flat else f"{base} + j"
             return "0" if flat else base
-        hoist, front = set(hoisted[0]), hoisted[1]
-        rest = [k for k in p.compute if k not in hoist or k not in self._hoisted_vectors(hoist)]
-        for k in front:
+        rest = [k for k in p.compute if k not in self.hoisted_vectors]
+        for k in self.front:
             w(f"v{k} = hz{k}[j]")
         for j in p.loads:
-            if not hoist or self._used_by(-(j + 1), rest):
+            if not self.hoist or self._used_by(-(j + 1), rest):
                 self.load_input(w, -(j + 1), at(-(j + 1)))
         for k in rest:
             self.compute(w, k)
         for k in p.stores:
             self.store_output(w, k, at(k))
-
-    def _hoisted_vectors(self, hoist) -> set:
-        last = (self.R - 1,)
-        return {k for k in hoist if self.dom.carries[k] == last}
 
     # -- row ---------------------------------------------------------------------------------
     def _row(self, w) -> None:
