@@ -66,9 +66,20 @@ def _structure(sched) -> tuple:
             tuple(sched.scratch), tuple(sched.blocks), sched.live)
 
 
+_targets: dict = {}   # spec hash -> its compile target (pure in the spec: memoized)
+
+
 def compile_target(spec: KernelSpec) -> KernelSpec:
     """The spec whose code serves ``spec`` (validated): its generic twin when that
-    schedules the same way, else ``spec`` itself."""
+    schedules the same way, else ``spec`` itself.  The disk-cache probe, the parallel
+    compiler and compile_kernel all ask, so the answer is remembered per spec."""
+    target = _targets.get(spec.hash)
+    if target is None:
+        target = _targets[spec.hash] = _decide(spec)
+    return target
+
+
+def _decide(spec: KernelSpec) -> KernelSpec:
     twin = generic_twin(spec)
     if twin is None:
         return spec
