@@ -105,17 +105,29 @@ def ablation_table(rows):
 def ablation_lines(rows) -> list[str]:
     """The ablation verdict: is the full planner ever slower than the baseline by
     more than the rows' own spread?"""
-    rs = [(speedup(r, "stitching", "baseline"), r) for r in rows if "baseline" in r["modes"]]
-    rs = [(x, r) for x, r in rs if x]
+    rows = [r for r in rows if "baseline" in r["modes"]]
+    rs = [x for x in (speedup(r, "stitching", "baseline") for r in rows) if x]
     if not rs:
         return []
-    worst, wr = min(rs, key=lambda t: t[0])
-    name = f"{wr['name']}/{wr.get('size') or 'b' + str(wr.get('batch'))}"
-    return [f"ablation: full planner vs baseline geomean {geomean([x for x, _ in rs]):.2f}x, "
-            f"worst {worst:.2f}x ({name})",
-            _verdict(worst >= 1.0, f"ablation: full planner never slower than the baseline: "
-                                   f"worst {worst:.3f}x ({name}"
-                                   f"{_noise(wr, 'stitching', 'baseline')})")]
+    name = lambda r: f"{r['name']}/{r.get('size') or 'b' + str(r.get('batch'))}"  # noqa: E731
+    worst = min(range(len(rows)), key=lambda i: speedup(rows[i], "stitching", "baseline") or 0.0)
+    return [f"ablation: full planner vs baseline geomean {geomean(rs):.2f}x, worst "
+            f"{min(rs):.2f}x ({name(rows[worst])})",
+            _no_slower(rows, "ablation: full planner never slower than the baseline", name,
+                       base="baseline")]
+
+
+def _no_slower(rows, label, name, mode="stitching", base="tf") -> str:
+    """PASS/FAIL line: no row where ``mode`` is slower than ``base``; names the worst
+    row, with ', within noise' when its difference is inside the rows' spread."""
+    st = [(speedup(r, mode, base) or 0.0, name(r), i) for i, r in enumerate(rows)]
+    worst = min(st)
+    return _verdict(worst[0] >= 1.0,
+                    f"{label}: worst "
+                    + (f"{_x3(worst[0])} ({worst[1]}{_noise(rows[worst[2]], mode, base)})"
+                       if worst[0] else
+                       f"n/a ({sum(1 for s, *_ in st if not s)} row(s) without a "
+                       f"{LABELS.get(mode, mode)} time)"))
 
 
 def compile_table(rows):
@@ -277,28 +289,16 @@ def targets(results, copy_gbs) -> list[str]:
                     f"({copy_gbs:.1f} GB/s): worst {100 * worst[0]:.0f}% ({worst[1]})"
                     + (f", {len(fr) - len(have)} row(s) n/a" if len(have) < len(fr) else "")))
         if small:
-            st = [(speedup(r, "stitching", "tf") or 0.0, r["name"], i) for i, r in enumerate(small)]
-            worst = min(st)
-            lines.append(_verdict(worst[0] >= 1.0,
-                                  f"patterns small: stitched no slower than TF: worst "
-                                  + (f"{_x3(worst[0])} ({worst[1]}{_noise(small[worst[2]])})"
-                                     if worst[0] else
-                                     f"n/a ({sum(1 for s, *_ in st if not s)} row(s) without "
-                                     "a stitched time)")))
+            lines.append(_no_slower(small, "patterns small: stitched no slower than TF",
+                                    lambda r: r["name"]))
     else:
         lines.append("SKIP  patterns: suite not run")
     mods = results.get("models")
     if mods is not None and mods:
-        st = [(speedup(r, "stitching", "tf") or 0.0, f"{r['name']}/b{r['batch']}", i)
-              for i, r in enumerate(mods)]
-        worst = min(st)
-        lines.append(_verdict(worst[0] >= 1.0,
-                              f"models: none slower than TF: worst "
-                              + (f"{_x3(worst[0])} ({worst[1]}{_noise(mods[worst[2]])})"
-                                 if worst[0] else
-                                 f"n/a ({sum(1 for s, *_ in st if not s)} row(s) without a "
-                                 "stitched time)")))
-        tr = [(s, n) for (s, n, _), r in zip(st, mods) if r.get("kind") == "transformer"]
+        lines.append(_no_slower(mods, "models: none slower than TF",
+                                lambda r: f"{r['name']}/b{r['batch']}"))
+        tr = [(speedup(r, "stitching", "tf") or 0.0, f"{r['name']}/b{r['batch']}")
+              for r in mods if r.get("kind") == "transformer"]
         if tr:
             w = min(tr)
             lines.append(_verdict(w[0] >= 1.15,
