@@ -53,13 +53,15 @@ def warm_cache(specs, jobs: int | None = None, progress=None) -> int:
     ``specs``: validated KernelSpecs, distinct.  ``progress(done, total)`` is called
     from this thread as workers finish kernels.  Returns how many specs were sent to
     workers (0 when the batch was compiled in-process instead)."""
+    jobs = default_jobs() if jobs is None else jobs
+    if jobs < 2 or len(specs) < MIN_PARALLEL:
+        return 0                    # in-process anyway: no need to probe the cache
     todo = {}
     for s in specs:                 # one compile per generic twin (specialize.py)
         if not is_cached(s):
             t = compile_target(s)
             todo.setdefault(t.hash, t)
     todo = list(todo.values())
-    jobs = default_jobs() if jobs is None else jobs
     jobs = min(jobs, len(todo))
     if jobs < 2 or len(todo) < MIN_PARALLEL:
         return 0
