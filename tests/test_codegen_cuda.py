@@ -1,4 +1,5 @@
-"""CUDA backend under the numba-cuda simulator (no GPU, no TensorFlow needed).
+"""CUDA backend under the numba-cuda simulator (no GPU, no TensorFlow needed); with
+NUMBA_ENABLE_CUDASIM=0 the same tests run on a real GPU.
 
 Every test checks kernel outputs against the float64 NumPy interpreter (cuda_ref.py).
 Launch strategies are forced where a test is about one (``k(..., launch=k.plan(...,
@@ -22,7 +23,9 @@ if "numba.cuda" not in sys.modules:       # the flag is read when numba.cuda is 
 
 from stitching.codegen.cuda_rt import SIMULATOR  # noqa: E402
 
-if not SIMULATOR:   # numba.cuda was imported earlier in this process without the simulator
+# NUMBA_ENABLE_CUDASIM=0 runs these same tests on a real GPU (tools/gpu_bench.py's machine)
+if not SIMULATOR and os.environ["NUMBA_ENABLE_CUDASIM"] != "0":
+    # numba.cuda was imported earlier in this process without the simulator
     pytest.skip("numba.cuda already imported without NUMBA_ENABLE_CUDASIM=1",
                 allow_module_level=True)
 

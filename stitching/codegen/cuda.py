@@ -16,6 +16,7 @@ matched from the device name, else a100.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -29,6 +30,11 @@ from ..plan import profiles
 from ..schedule import KernelKind, build_schedule
 from . import cuda_emit, cuda_launch
 from .kernel import _load_module, _user_dtype
+
+# numba-cuda 0.30 registers an overload for np.row_stack, which NumPy 2.5 removed (an
+# alias of vstack since 2.0): without the alias its first kernel compile fails to import.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
 
 _lock = threading.RLock()
 _kernels: dict = {}           # (spec hash, profile name) -> CudaKernel
@@ -76,6 +82,15 @@ def device_profile() -> profiles.DeviceProfile:
             if key in dev:
                 return profiles.get(prof)
     return profiles.get("a100")
+
+
+class _BlockTooLarge(Exception):
+    """A planned block exceeds what a compiled kernel can launch with (registers)."""
+
+    def __init__(self, launch, most):
+        super().__init__(f"block of {max(b for _, _, b, _, _ in launch.steps)} threads; "
+                         f"the kernel launches at most {most}")
+        self.cap = max(cuda_launch.WARP, 1 << (int(most).bit_length() - 1))  # power of two
 
 
 class CudaKernel:
@@ -170,9 +185,20 @@ class CudaKernel:
         ins = [self._input(i, a) for i, a in enumerate(arrays)]
         shapes = [s for _, s in ins]
         sizes, out_shapes = self.sizes(shapes)
+        planned = launch is None
         launch = launch or self.plan(shapes)
         outs = self._outputs(out_shapes, out, stream)
-        self._launch(launch, sizes, [a for a, _ in ins], outs, stream)
+        try:
+            self._launch(launch, sizes, [a for a, _ in ins], outs, stream)
+        except _BlockTooLarge as e:
+            if not planned:
+                raise ValueError(f"launch= does not fit the compiled kernel: {e}") from None
+            # the compiled kernel holds too many registers for the block the plan chose
+            # (its limit is known only once compiled): plan again under that limit,
+            # which later plans keep; nothing was launched yet
+            self.limits = dataclasses.replace(self.limits, max_threads=e.cap)
+            self._plans.clear()
+            self._launch(self.plan(shapes), sizes, [a for a, _ in ins], outs, stream)
         if out is not None:
             return list(out)
         return [self._output(o, s, d, on_host, stream)
@@ -204,15 +230,22 @@ class CudaKernel:
         vals.update({f"D{a}": d for a, d in enumerate(sizes.D)})
         for name, dtype, n in launch.workspace:
             vals[name] = self._workspace(name, dtype, n)
+        steps = []
+        for name, grid, block, smem, extra in launch.steps:
+            if name == "k_ew_v4" and not all(_aligned16(vals[a]) for a in self.source.wide):
+                name = "k_ew"     # a view at an odd offset: same chunks, scalar accesses
+            args = [extra[a] if a in extra else vals[a] for a in self.source.kernels[name]]
+            fn = self._kernel(name, args)
+            if not simulated():
+                most = fn.get_max_threads_per_block()
+                if block > most:
+                    raise _BlockTooLarge(launch, most)
+            steps.append((fn, grid, block, smem, args))
         with warnings.catch_warnings():
             # the simulator evaluates in NumPy, which warns on overflow/NaN like C doesn't
             warnings.simplefilter("ignore", RuntimeWarning)
-            for name, grid, block, smem, extra in launch.steps:
-                if name == "k_ew_v4" and not all(_aligned16(vals[a]) for a in self.source.wide):
-                    name = "k_ew"     # a view at an odd offset: same chunks, scalar accesses
-                args = [extra[a] if a in extra else vals[a]
-                        for a in self.source.kernels[name]]
-                self._kernel(name, args)[grid, block, stream, smem](*args)
+            for fn, grid, block, smem, args in steps:
+                fn[grid, block, stream, smem](*args)
 
     def _kernel(self, name, args):
         """Kernel ``name`` specialized to its argument types on first use: the types
