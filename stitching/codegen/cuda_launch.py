@@ -12,8 +12,14 @@ rows per block and map them as follows (names as in cuda_emit.py):
   elementwise  block = threads; grid = chunks of EW_VEC elements / threads, capped;
                the 16-byte kernel when rows are a multiple of 4 long (the caller falls
                back to the scalar one for a buffer that is not 16-byte aligned)
-  row          tpr (threads per row) = threads / rows_per_task, at most the next power
-               of two >= L (no idle lanes past the row end); rpb = threads / tpr.
+  row          tpr (threads per row) = the power of two that leaves each thread at most
+               ROW_ELEMS of the row, at least a warp (a warp load is 128 contiguous bytes)
+               unless the row is shorter, up to the block limit: a warp per row up to
+               1024, no block-wide combine; block = max(threads, tpr), rpb = block / tpr.
+               Measured on an H100 (softmax, 8192 x 1024): the evaluator's rows_per_task,
+               a CPU task size, happened to give this (54 µs); 128 threads per row with 8
+               values each in registers ran 87 µs (a block combine per row, 85 registers),
+               a warp per row with 32 register slots 106 µs (170 registers).
                Scratch rows: registers if L <= tpr * REG_SLOTS, else shared memory if
                rpb rows fit SMEM_LIMIT, else a global workspace.
   column       tile tx_n = min(32, pow2 >= L) columns (a warp reads 128 contiguous
@@ -42,7 +48,12 @@ GRID_WAVES = 8               # arbitrary: grid-stride kernels launch at most 8 f
 COL_BLOCKS_PER_SM = 2        # arbitrary: below this many column blocks per SM, split rows
 MIN_ROWS_PER_THREAD = 8      # arbitrary: a split leaves each thread at least 8 rows
 MAX_SPLIT = 64               # arbitrary: bounds the partials each column re-combines
+ROW_ELEMS = 32               # row elements per thread (see "row" above)
 DEFAULT_THREADS = 256        # fallback when the evaluator has no finite candidate
+# An SM holds at most 32 blocks (sm_80, sm_90): smaller blocks than 4 warps cap occupancy
+# below 100% however many are launched.  Measured on an H100: 32-thread blocks ran an
+# element-wise kernel at 52% of copy bandwidth.
+MIN_THREADS = 128
 
 
 @dataclass(frozen=True)
@@ -131,15 +142,20 @@ def plan(src, kind, sizes: Sizes, evaluated: tuple, profile, limits: Limits,
     threads, rpt, source = evaluated
     if force:
         source = "forced " + ", ".join(f"{k}={v}" for k, v in sorted(force.items()))
-    th = force.pop("threads", None) or threads
+    th = force.get("threads") or max(int(threads), MIN_THREADS)
     th = max(WARP, min(int(th), limits.max_threads))
     if th % WARP or th & (th - 1):
         raise ValueError(f"threads per block must be a power of two >= {WARP}, got {th}")
-    cap = limits.max_blocks or profile.units * max(1, profile.max_threads_per_unit // th) \
-        * GRID_WAVES
+    cap = _blocks_cap(th, profile, limits)
     fn = {KernelKind.ELEMENTWISE: _elementwise, KernelKind.ROW: _row,
           KernelKind.COLUMN: _column}[kind]
     return fn(src, sizes, th, rpt, cap, profile, limits, force, source)
+
+
+def _blocks_cap(th, profile, limits) -> int:
+    """Most blocks a grid-stride launch of ``th``-thread blocks uses."""
+    return limits.max_blocks or \
+        profile.units * max(1, profile.max_threads_per_unit // th) * GRID_WAVES
 
 
 def _grid(work: int, per_block: int, cap: int) -> int:
@@ -157,8 +173,15 @@ def _elementwise(src, z, th, _rpt, cap, _profile, _limits, force, source):
                       f"{how}", steps, {"rows": z.rows, "nc": nc}, (), th, source)
 
 
-def _row(src, z, th, rpt, cap, _profile, limits, force, source):
-    tpr = int(force.get("tpr") or min(max(1, th // max(1, rpt)), _pow2ceil(max(z.L, 1))))
+def _row(src, z, th, _rpt, cap, profile, limits, force, source):
+    tpr = force.get("tpr")
+    if tpr is None:
+        tpr = max(_pow2ceil(-(-max(z.L, 1) // ROW_ELEMS)), min(WARP, _pow2ceil(z.L)))
+        tpr = min(tpr, limits.max_threads)
+        if "threads" not in force:
+            th = max(th, tpr)
+            cap = _blocks_cap(th, profile, limits)
+    tpr = int(tpr)
     if tpr & (tpr - 1) or tpr > th:
         raise ValueError(f"threads per row must be a power of two <= {th}, got {tpr}")
     rpb = th // tpr

@@ -1,0 +1,59 @@
+#!/usr/bin/env python
+"""Run a few patterns' CUDA kernels at the large size for a profiler (no PyTorch, no TF).
+
+    python tools/gpu_profile.py softmax_tf layernorm_keras            # resources + timing
+    ncu --kernel-name regex:^k_ --launch-skip 3 --launch-count 1 \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats \\
+        --section WarpStateStats python tools/gpu_profile.py softmax_tf
+
+For each pattern: the launch plan, and per compiled kernel the registers per thread,
+local (spill) bytes per thread, static shared bytes and the most threads a block of it
+can have; then ``--calls`` launches on the default stream.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("patterns", nargs="+")
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--size", default="large", choices=["small", "large"])
+    args = ap.parse_args(argv)
+    from numba import cuda
+
+    import gpu_bench
+    from stitching.codegen.cuda import compile_cuda_kernel
+    from stitching.codegen.cuda_launch import describe
+    for pat in gpu_bench.load_patterns(",".join(args.patterns)):
+        for spec, names in gpu_bench.kernels(pat, args.size):
+            k = compile_cuda_kernel(spec)
+            arrays = gpu_bench.make_inputs(spec, names, pat, gpu_bench.batch_of(pat, args.size))
+            dev = [cuda.to_device(a) for a in arrays]
+            outs = k(*dev)
+            cuda.synchronize()
+            print(f"{pat['name']}: {describe(k.plan([a.shape for a in arrays]))}")
+            for name, fn in k._specialized.items():
+                print(f"  {name}: {fn.get_regs_per_thread()} registers/thread, "
+                      f"{fn.get_local_mem_per_thread()} B local/thread, "
+                      f"{fn.get_shared_mem_per_block()} B static shared, "
+                      f"at most {fn.get_max_threads_per_block()} threads/block")
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                k(*dev, out=outs)
+            cuda.synchronize()
+            print(f"  {args.calls} calls: {(time.perf_counter() - t0) / args.calls * 1e6:.1f} "
+                  f"µs each (wall, host overhead included)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
