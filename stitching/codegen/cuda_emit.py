@@ -58,6 +58,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..ir import dtypes as dt
 from ..plan.cost import GPU_ROW_VALUES_PER_THREAD
 from ..schedule import KernelKind
@@ -89,6 +91,16 @@ class CudaSource:
     phases: tuple = ()            # column kind, split: phase kernels launched in order
     passes: int = 1
     wide: tuple = ()              # element-wise: arguments k_ew_v4 moves 16 B at a time
+
+    @property
+    def scratch_np(self) -> list:
+        """[(node, numpy dtype)] of the scratch values as on-chip / workspace arrays."""
+        return [(k, np_dtype(cd)) for k, cd in self.scratch]
+
+
+def np_dtype(compute_dtype: str) -> np.dtype:
+    """On-chip / workspace arrays hold compute values; bool as bytes."""
+    return np.dtype("uint8" if compute_dtype == "bool" else compute_dtype)
 
 
 def helper_tag() -> str:

@@ -13,17 +13,19 @@ rows per block and map them as follows (names as in cuda_emit.py):
                the 16-byte kernel when rows are a multiple of 4 long (the caller falls
                back to the scalar one for a buffer that is not 16-byte aligned)
   row          tpr (threads per row) = the power of two that leaves each thread at most
-               ROW_ELEMS of the row, at least a warp (a warp load is 128 contiguous bytes)
-               unless the row is shorter, up to the block limit: a warp per row up to
-               1024, no block-wide combine; block = max(threads, tpr), rpb = block / tpr.
-               Measured on an H100 (softmax, 8192 x 1024): the evaluator's rows_per_task,
-               a CPU task size, happened to give this (54 µs); 128 threads per row with 8
-               values each in registers ran 87 µs (a block combine per row, 85 registers),
-               a warp per row with 32 register slots 106 µs (170 registers).
+               ROW_ELEMS of the row, at least ROW_MIN_TPR (their loads cover a 32-byte
+               sector) unless the row is shorter, up to the block limit: a warp per row
+               at 1024, no block-wide combine below 2048; block = max(threads, tpr),
+               rpb = block / tpr.  From tools/gpu_sweep.py on an H100 (blocks of 128 to
+               512 x tpr 4 to 128; BENCHMARKS.md): 8192 x 1024 softmax and layer norm were
+               fastest at tpr 32 (softmax 51 µs; 128 threads per row, 8 values each in
+               registers: 68 µs), a 128-long softmax and a 256-long masked softmax at tpr
+               8 (50 and 66 µs; a warp per row: 89 and 81 µs).
                Scratch rows: registers if L <= tpr * REG_SLOTS, else shared memory if
                rpb rows fit SMEM_LIMIT, else a global workspace.
-  column       tile tx_n = min(32, pow2 >= L) columns (a warp reads 128 contiguous
-               bytes), ny = threads / tx_n row slices.  The evaluator does not model
+  column       block = COL_THREADS (not the evaluator's: see the constant);
+               tile tx_n = min(32, pow2 >= L) columns (a warp reads 128 contiguous
+               bytes), ny = block / tx_n row slices.  The evaluator does not model
                splitting the reduced axis across blocks; a local rule does: when
                kept x tiles < COL_BLOCKS_PER_SM x SMs, split it ``nsplit`` ways (one
                launch per pass, partials through global memory).
@@ -41,14 +43,19 @@ from ..ir.ops import infer
 from ..ir.spec import KernelSpec, SpecNode
 from ..plan import cost
 from ..schedule import KernelKind
-from .cuda_emit import EW_VEC, REG_SLOTS, WARP
+from .cuda_emit import EW_VEC, REG_SLOTS, WARP, np_dtype
 
 SMEM_LIMIT = 48 << 10        # CUDA: dynamic shared memory per block without the opt-in
 GRID_WAVES = 8               # arbitrary: grid-stride kernels launch at most 8 full waves
-COL_BLOCKS_PER_SM = 2        # arbitrary: below this many column blocks per SM, split rows
+COL_BLOCKS_PER_SM = 4        # below this many column blocks per SM, split rows
+COL_THREADS = 256            # column blocks: 32 columns x 8 row slices
+# (tools/gpu_sweep.py on an H100, blocks of 256/512/1024 x splits 1..32: a mean over axis
+# 0 of 8192 x 1024 ran 68 µs at 256 threads x 16 ways, 91 µs at the evaluator's 512-1024
+# x 9; a squeeze-excite mean 53 µs at 256 x 9, 59 µs at 256 x 5: 4 blocks per SM)
 MIN_ROWS_PER_THREAD = 8      # arbitrary: a split leaves each thread at least 8 rows
 MAX_SPLIT = 64               # arbitrary: bounds the partials each column re-combines
 ROW_ELEMS = 32               # row elements per thread (see "row" above)
+ROW_MIN_TPR = 8              # fewest threads per row (see "row" above)
 DEFAULT_THREADS = 256        # fallback when the evaluator has no finite candidate
 # An SM holds at most 32 blocks (sm_80, sm_90): smaller blocks than 4 warps cap occupancy
 # below 100% however many are launched.  Measured on an H100: 32-thread blocks ran an
@@ -176,16 +183,22 @@ def _elementwise(src, z, th, _rpt, cap, _profile, _limits, force, source):
 def _row(src, z, th, _rpt, cap, profile, limits, force, source):
     tpr = force.get("tpr")
     if tpr is None:
-        tpr = max(_pow2ceil(-(-max(z.L, 1) // ROW_ELEMS)), min(WARP, _pow2ceil(z.L)))
+        tpr = max(_pow2ceil(-(-max(z.L, 1) // ROW_ELEMS)), min(ROW_MIN_TPR, _pow2ceil(z.L)))
         tpr = min(tpr, limits.max_threads)
         if "threads" not in force:
             th = max(th, tpr)
+            # fewer rows per block rather than scratch rows in global memory (an H100:
+            # 512-thread blocks of a 256-long masked softmax through global memory ran
+            # 87 µs, 128-thread blocks through shared memory 66 µs)
+            while th > max(tpr, MIN_THREADS) and src.scratch and \
+                    _smem_layout(src.scratch_np, th // tpr * z.L)[1] > limits.smem:
+                th //= 2
             cap = _blocks_cap(th, profile, limits)
     tpr = int(tpr)
     if tpr & (tpr - 1) or tpr > th:
         raise ValueError(f"threads per row must be a power of two <= {th}, got {tpr}")
     rpb = th // tpr
-    scratch = [(k, np_dtype(cd)) for k, cd in src.scratch]
+    scratch = src.scratch_np
     variant = force.get("variant") or _row_variant(scratch, z.L, tpr, rpb, limits.smem)
     args = {"rows": z.rows, "tpr": tpr}
     smem, ws = 0, ()
@@ -198,11 +211,6 @@ def _row(src, z, th, _rpt, cap, profile, limits, force, source):
     name = "k_row" + (f"_{variant}" if variant else "")
     steps = ((name, grid, th, smem, {}),) if z.rows else ()
     return CudaLaunch("row", _row_text(tpr, rpb, variant), steps, args, ws, th, source)
-
-
-def np_dtype(compute_dtype: str) -> np.dtype:
-    """On-chip / workspace arrays hold compute values; bool as bytes."""
-    return np.dtype("uint8" if compute_dtype == "bool" else compute_dtype)
 
 
 def _row_variant(scratch, L, tpr, rpb, smem_limit):
@@ -236,7 +244,10 @@ def _row_text(tpr, rpb, variant) -> str:
     return f"{who}, {rpb} row(s) per block{where}"
 
 
-def _column(src, z, th, _rpt, cap, profile, _limits, force, source):
+def _column(src, z, th, _rpt, cap, profile, limits, force, source):
+    if "threads" not in force:
+        th = min(COL_THREADS, limits.max_threads)
+        cap = _blocks_cap(th, profile, limits)
     tx = int(force.get("tx") or min(WARP, _pow2ceil(max(z.L, 1)), th))
     if tx & (tx - 1) or tx > th:
         raise ValueError(f"column tile must be a power of two <= {th}, got {tx}")
