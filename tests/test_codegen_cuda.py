@@ -287,6 +287,74 @@ def test_launch_from_pinned_profiles():
             assert lau.steps[0][2] == th
 
 
+def _real_plan(k, shapes, prof="h100"):
+    sizes, _ = k.sizes(shapes)
+    prof = profiles.get(prof)
+    return cuda_launch.plan(k.source, k.schedule.kind, sizes,
+                            cuda_launch.evaluate(k.spec, shapes, prof), prof,
+                            cuda_launch.Limits())
+
+
+@pytest.mark.parametrize("L,tpr", [(8, 8), (128, 8), (256, 8), (1024, 32), (4096, 128),
+                                   (32768, 1024)])
+def test_row_launch_rule_at_gpu_limits(L, tpr):
+    """The rules measured on an H100 (cuda_launch docstring): at most 32 elements per
+    thread, at least 8 threads per row, blocks of 128+, scratch kept on chip."""
+    lau = _real_plan(compile_cuda_kernel(softmax_spec()), [(4096, L)])
+    assert lau.args["tpr"] == tpr, lau.strategy
+    assert lau.threads >= 128 and lau.threads % tpr == 0
+    assert "global" not in lau.strategy or L == 32768   # 128 KB rows outgrow 48 KB
+
+
+def test_column_launch_rule_at_gpu_limits():
+    b = SpecBuilder()
+    x = b.input(F, (-1, 1024))
+    spec = b.build([b.Sub(x, b.Mean(x, axes=[0], keep_dims=True))])
+    lau = _real_plan(compile_cuda_kernel(spec), [(8192, 1024)])
+    # 256-thread blocks (32 columns x 8 row slices); 32 column tiles split until 4 blocks
+    # per SM of the H100 profile's 132
+    assert lau.threads == 256 and lau.args["tx_n"] == 32
+    assert lau.args["nsplit"] == -(-4 * profiles.get("h100").units // 32)
+    assert all(step[2] == 256 for step in lau.steps)
+
+
+def test_block_too_large_for_the_compiled_kernel_is_replanned(monkeypatch):
+    """On a GPU a kernel's register count can forbid the planned block (seen on an H100:
+    1024 threads, 68 registers): the kernel is re-planned under its limit, not failed."""
+    from stitching.codegen import cuda as cuda_mod
+    k = compile_cuda_kernel(softmax_spec(L=40))
+    x = data(6, 40, seed=3)
+    k.plan([x.shape])
+    limited = {}
+
+    class Limited:         # the compiled kernel, launching at most 32 threads per block
+        def __init__(self, fn):
+            self.fn = fn
+
+        def get_max_threads_per_block(self):
+            return 32
+
+        def __getitem__(self, cfg):
+            limited.setdefault("blocks", []).append(cfg[1])
+            assert cfg[1] <= 32, cfg
+            return self.fn[cfg]
+
+    real = cuda_mod.CudaKernel._kernel
+    monkeypatch.setattr(cuda_mod, "simulated", lambda: False)
+    monkeypatch.setattr(cuda_mod.CudaKernel, "_kernel",
+                        lambda self, name, args: Limited(real(self, name, args)))
+    monkeypatch.setattr(k, "limits", cuda_launch.Limits(max_threads=64, max_blocks=4))
+    k._plans.clear()
+    big = k.plan([x.shape], threads=64, tpr=32)     # made before the limit is known
+    outs = k(x)
+    assert limited["blocks"] and max(limited["blocks"]) <= 32
+    assert k.limits.max_threads == 32           # later plans keep the kernel's limit
+    for out, ref in zip(outs, evaluate(k.spec, [x])):
+        assert compare(out, ref) <= 1.0
+    with pytest.raises(ValueError, match="does not fit the compiled kernel"):
+        k(x, launch=big)                       # a caller's launch is not re-planned
+
+
 def test_tensorflow_free_path():
     code = textwrap.dedent("""
         import os, sys

@@ -60,7 +60,11 @@ def parse_args(argv=None):
     ap.add_argument("--only", default="", help="comma-separated pattern names")
     ap.add_argument("--repeats", type=int, default=20, help="GPU mode: calls per host timing")
     ap.add_argument("--profile", default=None, help="v100 | a100 | h100 (default: detect)")
-    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--json", metavar="PATH", help="write the rows (and run facts) as JSON")
+    ap.add_argument("--markdown", metavar="PATH",
+                    help="GPU mode: write the 'gpu' section of this BENCHMARKS.md")
+    ap.add_argument("--render", metavar="JSON",
+                    help="no runs: write --markdown from a --json file of a GPU run")
     return ap.parse_args(argv)
 
 
@@ -222,7 +226,7 @@ def torch_equivalents():
         "bias_gelu_tanh_manual": lambda x, b: F.gelu(x + b, approximate="tanh"),
         "bias_gelu_residual": lambda x, b, r: F.gelu(x + b) + r,
         "swiglu": F.silu,
-        "bn_swish": F.silu,
+        "bn_swish": lambda x, g, b, m, v: F.silu((x - m) * torch.rsqrt(v + 1e-3) * g + b),
         "bn_relu6": bn_relu6,
         "squeeze_excite": lambda x: x * torch.sigmoid(x.mean((1, 2), keepdim=True)),
         "l2_normalize": lambda x: F.normalize(x, dim=-1, eps=1e-6),
@@ -300,12 +304,39 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / t
 
 
-def run_gpu(pats, size, repeats, profile, json_path=None) -> list:
+def gpu_meta(bw, size) -> dict:
+    """What a GPU run ran on: device, versions, commit, date, command."""
+    import subprocess
+
+    import numba
+    import torch
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "device": torch.cuda.get_device_name(), "copy_gbs": bw / 1e9, "size": size,
+            "numba": numba.__version__, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "command": " ".join(["python"] + sys.argv)}
+    for mod in ("numba_cuda", "triton"):
+        try:
+            meta[mod] = __import__(mod).__version__
+        except Exception:   # noqa: BLE001 - not installed: leave it out
+            pass
+    try:
+        meta["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30).stdout.strip()
+        meta["rev"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                     capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return meta
+
+
+def run_gpu(pats, size, repeats, profile, json_path=None) -> tuple:
     import torch
     from stitching.codegen.cuda import compile_cuda_kernel
     from stitching.codegen.cuda_launch import describe
     eq = torch_equivalents()
     bw = copy_bandwidth()
+    meta = gpu_meta(bw, size)
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s "
           f"(device time of a 256 MiB copy, read + write)")
     _print_gpu_header()
@@ -331,9 +362,10 @@ def run_gpu(pats, size, repeats, profile, json_path=None) -> list:
             rows.append(row)
             _print_gpu_row(row)
             if json_path:                  # after every row: a cut-off run keeps its rows
-                _write_json(json_path, rows)
-    _print_gpu_summary(rows)
-    return rows
+                _write_json(json_path, rows, meta)
+    for line in summary_lines(rows):
+        print(line)
+    return rows, meta
 
 
 def _time_pattern(pat, spec, names, k, size, repeats, tfn, bw) -> dict:
@@ -365,6 +397,14 @@ def _time_pattern(pat, spec, names, k, size, repeats, tfn, bw) -> dict:
     if tfn is not None:
         tsets = [[torch.as_tensor(x, device="cuda") for x in d] for d, _ in sets]
         with torch.no_grad():
+            got = tfn(*tsets[0])
+            got = got if isinstance(got, (list, tuple)) else [got]
+            row["torch_error"] = check(None, spec, arrays,
+                                       outs=[g.detach().cpu().numpy() for g in got])
+            if row["torch_error"] > 1.0:   # the timing compares different functions
+                row["ok"] = False
+                print(f"  {pat['name']}: the PyTorch equivalent disagrees with the "
+                      f"reference (error {row['torch_error']:.3g} x tolerance)")
             row["torch_eager_s"], row["eager_graph"] = device_per_call(
                 [(lambda t=t: tfn(*t)) for t in tsets])
             try:
@@ -378,9 +418,10 @@ def _time_pattern(pat, spec, names, k, size, repeats, tfn, bw) -> dict:
     return row
 
 
-def _write_json(path, rows) -> None:
+def _write_json(path, rows, meta=None) -> None:
     with open(path, "w") as f:
-        json.dump(rows, f, indent=1, default=str)
+        json.dump({"meta": meta or {}, "rows": rows} if meta is not None else rows, f,
+                  indent=1, default=str)
 
 
 def _print_gpu_header() -> None:
@@ -399,42 +440,114 @@ def _print_gpu_row(r) -> None:
           f"{r['ours_host_s'] * 1e6:8.1f}  {r['launch']}", flush=True)
 
 
-def _print_gpu_summary(rows) -> None:
-    """Geomean speedups over eager and torch.compile; bandwidth of the row reductions."""
-    def geo(key):
-        xs = [r[key] / r["ours_s"] for r in rows if key in r and "ours_s" in r]
-        return (math.exp(sum(map(math.log, xs)) / len(xs)), len(xs)) if xs else (math.nan, 0)
-    ge, ne = geo("torch_eager_s")
-    gc, nc = geo("torch_compile_s")
-    print(f"geomean speedup: {ge:.2f}x over PyTorch eager ({ne} patterns), "
-          f"{gc:.2f}x over torch.compile ({nc})")
-    rowred = [r for r in rows if r["kind"] == "row" and "ours_gbs" in r]
-    if rowred:
-        worst = min(rowred, key=lambda r: r["ours_gbs"])
-        print(f"row reductions: worst {100 * worst['ours_gbs'] / worst['copy_gbs']:.0f}% of "
-              f"copy bandwidth ({worst['pattern']}), median "
-              f"{100 * sorted(r['ours_gbs'] for r in rowred)[len(rowred) // 2] / rowred[0]['copy_gbs']:.0f}%")
+def _geomean(rows, key) -> tuple:
+    """(geomean of ``key`` time / our time, patterns counted)."""
+    xs = [r[key] / r["ours_s"] for r in rows if key in r and "ours_s" in r]
+    return (math.exp(sum(map(math.log, xs)) / len(xs)), len(xs)) if xs else (math.nan, 0)
+
+
+def summary_lines(rows) -> list:
+    """Geomean speedups and row-reduction bandwidth, then the issue's targets."""
+    ge, ne = _geomean(rows, "torch_eager_s")
+    gc, nc = _geomean(rows, "torch_compile_s")
+    out = [f"geomean speedup: {ge:.2f}x over PyTorch eager ({ne} patterns), "
+           f"{gc:.2f}x over torch.compile ({nc})"]
+    pct = sorted((100 * r["ours_gbs"] / r["copy_gbs"], r["pattern"]) for r in rows
+                 if r["kind"] == "row" and "ours_gbs" in r)
+    if pct:
+        out.append(f"row reductions: worst {pct[0][0]:.0f}% of copy bandwidth ({pct[0][1]}), "
+                   f"median {pct[len(pct) // 2][0]:.0f}%")
+
+    def verdict(ok, text):
+        return f"{'PASS' if ok else 'FAIL'} {text}"
+    out.append(verdict(gc >= 1.3, f"geomean >= 1.3x torch.compile: {gc:.2f}x"))
+    out.append(verdict(ge >= 3.0, f"geomean >= 3x PyTorch eager: {ge:.2f}x"))
+    if pct:
+        out.append(verdict(pct[0][0] >= 70, f"row reductions >= 70% of copy bandwidth: "
+                           f"worst {pct[0][0]:.0f}% ({pct[0][1]})"))
+    return out
+
+
+def markdown_section(rows, meta) -> str:
+    """The 'gpu' section of BENCHMARKS.md."""
+    from bench_lib.output import render_markdown
+
+    def us(r, key, graph):
+        return f"{r[key] * 1e6:.1f}" + ("" if r.get(graph, True) else "*") if key in r \
+            else "n/a"
+    versions = ", ".join(f"{k} {meta[k]}" for k in ("numba", "numba_cuda", "torch", "triton",
+                                                    "cuda", "driver") if meta.get(k))
+    out = ["<!-- suite:gpu -->", "## gpu (CUDA backend, pattern suite, no TensorFlow)", "",
+           f"Measured {meta.get('date')} on {meta.get('device')} ({versions}); stitching "
+           f"`{meta.get('rev', '?')}`; command `{meta.get('command', '')}`. Copy bandwidth "
+           f"{meta.get('copy_gbs', 0):.0f} GB/s (device-to-device copy of 256 MiB, bytes "
+           f"read + written).", "",
+           "Device time per call, every column timed the same way: back-to-back calls "
+           "captured into one CUDA graph, replays timed with CUDA events (median of 7), "
+           "successive calls cycling through enough input/output sets to leave L2. PyTorch "
+           "columns are hand-written equivalents of each pattern on the same data (checked "
+           "against the same float64 reference as ours). \"host µs\" is this harness's "
+           "Python launch cost per call (numba-cuda dispatch and shape checks), which the "
+           "TF op would not pay (docs/gpu.md). BW: compulsory bytes / our time.", ""]
+    header = ["pattern", "kind", "ours µs", "eager µs", "compile µs", "vs eager",
+              "vs compile", "BW % copy", "host µs", "launch"]
+    body = []
+    for r in rows:
+        if "ours_s" not in r:
+            body.append([r["pattern"], r.get("kind", ""), "FAIL", "", "", "", "", "", "",
+                         r.get("error", "")])
+            continue
+        ratio = [f"{r[k] / r['ours_s']:.2f}x" if k in r else "n/a"
+                 for k in ("torch_eager_s", "torch_compile_s")]
+        launch = r.get("launch", "").split(" [")[0]
+        body.append([r["pattern"], r["kind"], us(r, "ours_s", "ours_graph"),
+                     us(r, "torch_eager_s", "eager_graph"),
+                     us(r, "torch_compile_s", "compile_graph"), *ratio,
+                     f"{100 * r['ours_gbs'] / r['copy_gbs']:.0f}%",
+                     f"{r['ours_host_s'] * 1e6:.0f}", launch])
+    out.append(render_markdown(header, body))
+    out.append("")
+    for line in summary_lines(rows):
+        out.append(f"- **{line[:4]}** {line[5:]}" if line[:4] in ("PASS", "FAIL")
+                   else f"- {line}")
+    out.append("<!-- /suite:gpu -->")
+    return "\n".join(out)
+
+
+def write_markdown(path, rows, meta) -> None:
+    from bench_lib.output import replace_sections
+    replace_sections(path, {"gpu": markdown_section(rows, meta)})
 
 
 # ---- main ---------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            data = json.load(f)
+        if not args.markdown or not isinstance(data, dict):
+            raise SystemExit("--render needs --markdown and a JSON written by a GPU run")
+        write_markdown(args.markdown, data["rows"], data["meta"])
+        return 0
     if args.simulator:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"    # before numba.cuda is first imported
     pats = load_patterns(args.only)
     t0 = time.perf_counter()
+    meta = None
     if args.simulator:
         rows = run_simulator(pats)
     elif args.ptx:
         rows = run_ptx(pats, args.cc)
     else:
-        rows = run_gpu(pats, args.size, args.repeats, args.profile, args.json)
+        rows, meta = run_gpu(pats, args.size, args.repeats, args.profile, args.json)
+        if args.markdown:
+            write_markdown(args.markdown, rows, meta)
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)}/{len(rows)} ok in {time.perf_counter() - t0:.1f} s"
           + (f"; FAILED: {', '.join(sorted({r['pattern'] for r in bad}))}" if bad else ""))
     if args.json:
-        _write_json(args.json, rows)
+        _write_json(args.json, rows, meta)
     return 1 if bad else 0
 
 

@@ -11,11 +11,7 @@ from dataclasses import dataclass, field
 
 import tensorflow as tf
 
-MODES = ("tf", "xla", "stitching")
-# Optional fourth mode (--modes ...,baseline or --ablation): stitching with the XLA-like
-# baseline planner, timed side by side with the full planner for the ablation.
-EXTRA_MODES = ("baseline",)
-LABELS = {"tf": "TF", "xla": "XLA", "stitching": "stitched", "baseline": "baseline"}
+from .names import EXTRA_MODES, LABELS, MODES  # noqa: F401 - re-exported
 
 
 def first_line(e: BaseException) -> str:

@@ -5,7 +5,7 @@ import math
 import os
 import re
 
-from .modes import LABELS, MODES
+from .names import LABELS, MODES
 
 # ---- numbers
 
@@ -436,7 +436,7 @@ def section_title(suite, meta) -> str:
     return f"{suite} ({'; '.join(what)})"
 
 
-SUITE_ORDER = ("patterns", "models", "compile")
+SUITE_ORDER = ("patterns", "models", "compile", "gpu")   # "gpu": tools/gpu_bench.py
 
 _HEADER = """# Benchmarks
 
@@ -456,6 +456,9 @@ which costs more than a bandwidth-bound kernel on this machine. Stitched kernels
 large outputs from their own cached pool; stock TF and XLA do not. Each section says
 which allocators it ran with; a section measured with `TF_CPU_ALLOCATOR_USE_BFC=true`
 (TF's caching allocator for every mode) shows the comparison without that advantage.
+
+The `gpu` section is written by `tools/gpu_bench.py --markdown` (CUDA backend, no
+TensorFlow; its method is in that section).
 """
 
 
@@ -516,14 +519,19 @@ def _suite_markdown(suite, rows, meta, results):
 
 
 def write_markdown(path, results, meta):
+    replace_sections(path, {section_key(suite, meta): _suite_markdown(suite, rows, meta, results)
+                            for suite, rows in results.items() if rows})
+
+
+def replace_sections(path, new: dict) -> None:
+    """Rewrite ``path`` with its ``<!-- suite:KEY -->`` sections, those in ``new``
+    (key -> section text, markers included) replacing or joining the old ones."""
     old = ""
     if os.path.exists(path):
         with open(path) as f:
             old = f.read()
     sections = {m.group(1): m.group(0) for m in _SECTION.finditer(old)}
-    for suite, rows in results.items():
-        if rows:
-            sections[section_key(suite, meta)] = _suite_markdown(suite, rows, meta, results)
+    sections.update(new)
     body = [_HEADER]
     order = {s: i for i, s in enumerate(SUITE_ORDER)}
     for key in sorted(sections, key=lambda k: (order.get(k.split("@")[0], 99), k)):
