@@ -153,6 +153,37 @@ def test_row_odd_sizes_default_launch(rows, L):
     check(layernorm_spec(), [data(rows, L, seed=L + 1), data(L, seed=7)], atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", [None, "smem", "global"])
+@pytest.mark.parametrize("rows,L,tpr", [(3, 4, 1), (5, 36, 4), (2, 132, 8), (2, 1028, 32)])
+def test_row_16_byte_passes(variant, rows, L, tpr):
+    """k_row*_v4: 4 consecutive elements per thread per step, several 32-element float32
+    partials per thread (L=1028 at tpr 4... 32), scratch in shared or global memory."""
+    spec = softmax_spec() if variant else layernorm_spec()
+    args = [data(rows, L, seed=L)] + ([] if variant else [data(L, seed=1)])
+    args[0][0, 1] = np.nan if rows > 1 else args[0][0, 1]
+    force = {"tpr": tpr, "threads": max(32, tpr)}
+    if variant:
+        force["variant"] = variant
+    k, _ = check(spec, args, atol=1e-5, **force)
+    lau = k.plan([a.shape for a in args], **force)
+    assert lau.steps[0][0].endswith("_v4"), lau.steps
+    assert "16-byte" in lau.strategy
+
+
+def test_row_16_byte_falls_back_for_odd_lengths_and_offsets():
+    from numba import cuda
+    spec = softmax_spec()
+    k = compile_cuda_kernel(spec)
+    x = data(3, 30)
+    assert not k.plan([x.shape]).steps[0][0].endswith("_v4")     # 30 % 4 != 0
+    check(spec, [x])
+    flat = cuda.to_device(data(3 * 32 + 1))                      # a view 4 bytes in
+    view = flat[1:].reshape(3, 32)
+    y, m = k(view)
+    ref_y, ref_m = evaluate(spec, [flat.copy_to_host()[1:].reshape(3, 32)])
+    assert compare(y.copy_to_host(), ref_y) <= 1 and compare(m.copy_to_host(), ref_m) <= 1
+
+
 def test_row_nan_propagates():
     x = data(4, 9)
     x[1, 3] = np.nan
@@ -249,8 +280,10 @@ def test_shape_errors_and_one_kernel_for_all_sizes():
     for shape in [(1, 3), (4, 40)]:
         check(spec, [data(*shape), data(shape[1])], atol=1e-5)
     assert compile_cuda_kernel(spec) is k
-    assert set(k.source.kernels) == {"k_row"}        # sizes are arguments, not constants
+    # sizes are arguments, not constants; one 16-byte twin for rows of a multiple of 4
+    assert set(k.source.kernels) == {"k_row", "k_row_v4"}
     assert {"D0", "D1", "rows", "tpr"} <= set(k.source.kernels["k_row"])
+    assert k.source.kernels["k_row_v4"] == k.source.kernels["k_row"]
 
 
 def test_device_arrays_in_device_arrays_out():

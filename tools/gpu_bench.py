@@ -384,15 +384,22 @@ def _time_pattern(pat, spec, names, k, size, repeats, tfn, bw) -> dict:
                              [cuda.device_array_like(o) for o in outs])
                             for s in range(1, nsets)]
 
-    def ours_call(d, o):
-        return lambda: k(*d, out=o, stream=cuda.external_stream(
+    def ours_call(d, o, launch=None):
+        return lambda: k(*d, out=o, launch=launch, stream=cuda.external_stream(
             torch.cuda.current_stream().cuda_stream))
 
     t_ours, cap = device_per_call([ours_call(d, o) for d, o in sets])
+    plan = k.plan([a.shape for a in arrays])
+    scalar = None
+    if any(step[0].endswith("_v4") for step in plan.steps):
+        # the same launch with 4-byte accesses, for the record of what 16 bytes bought
+        narrow = k.plan([a.shape for a in arrays], wide=False)
+        scalar = device_per_call([ours_call(d, o, narrow) for d, o in sets])[0]
     row = {"pattern": pat["name"], "kind": k.schedule.kind.value, "error": err,
            "ok": err <= 1.0, "bytes": nbytes, "ours_s": t_ours, "ours_graph": cap,
            "ours_gbs": nbytes / t_ours / 1e9, "copy_gbs": bw / 1e9, "data_sets": nsets,
            "ours_host_s": host_per_call(ours_call(dev, outs), repeats),
+           **({"ours_scalar_s": scalar} if scalar else {}),
            "_shapes": [a.shape for a in arrays]}
     if tfn is not None:
         tsets = [[torch.as_tensor(x, device="cuda") for x in d] for d, _ in sets]
@@ -488,14 +495,16 @@ def markdown_section(rows, meta) -> str:
            "columns are hand-written equivalents of each pattern on the same data (checked "
            "against the same float64 reference as ours). \"host µs\" is this harness's "
            "Python launch cost per call (numba-cuda dispatch and shape checks), which the "
-           "TF op would not pay (docs/gpu.md). BW: compulsory bytes / our time.", ""]
+           "TF op would not pay (docs/gpu.md). BW: compulsory bytes / our time. \"4-byte "
+           "accesses\": the same launch with the scalar-access kernel, where ours used a "
+           "16-byte one.", ""]
     header = ["pattern", "kind", "ours µs", "eager µs", "compile µs", "vs eager",
-              "vs compile", "BW % copy", "host µs", "launch"]
+              "vs compile", "BW % copy", "ours, 4-byte accesses µs", "host µs", "launch"]
     body = []
     for r in rows:
         if "ours_s" not in r:
             body.append([r["pattern"], r.get("kind", ""), "FAIL", "", "", "", "", "", "",
-                         r.get("error", "")])
+                         "", r.get("error", "")])
             continue
         ratio = [f"{r[k] / r['ours_s']:.2f}x" if k in r else "n/a"
                  for k in ("torch_eager_s", "torch_compile_s")]
@@ -504,6 +513,7 @@ def markdown_section(rows, meta) -> str:
                      us(r, "torch_eager_s", "eager_graph"),
                      us(r, "torch_compile_s", "compile_graph"), *ratio,
                      f"{100 * r['ours_gbs'] / r['copy_gbs']:.0f}%",
+                     us(r, "ours_scalar_s", "ours_graph"),
                      f"{r['ours_host_s'] * 1e6:.0f}", launch])
     out.append(render_markdown(header, body))
     out.append("")

@@ -232,8 +232,8 @@ class CudaKernel:
             vals[name] = self._workspace(name, dtype, n)
         steps = []
         for name, grid, block, smem, extra in launch.steps:
-            if name == "k_ew_v4" and not all(_aligned16(vals[a]) for a in self.source.wide):
-                name = "k_ew"     # a view at an odd offset: same chunks, scalar accesses
+            if name.endswith("_v4") and not all(_aligned16(vals[a]) for a in self.source.wide):
+                name = name[:-3]  # a view at an odd offset: scalar accesses, same results
             args = [extra[a] if a in extra else vals[a] for a in self.source.kernels[name]]
             fn = self._kernel(name, args)
             if not simulated():

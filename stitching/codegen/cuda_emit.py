@@ -74,6 +74,7 @@ MAX_THREADS = 1024    # CUDA: threads per block
 # flight (one, before: 22% of copy bandwidth on an H100 for a mean over axis 0)
 COL_UNROLL = 4
 PART_ELEMS = 32       # row passes: float32 values a thread sums before a float64 merge
+ROW_PART_CHUNKS = PART_ELEMS // EW_VEC   # wide row passes: 16-byte chunks per partial
 ROW_VARIANTS = ("regs", "smem", "global")
 
 # numpy dtype of on-chip / workspace arrays holding compute values (bool as bytes)
@@ -199,13 +200,16 @@ class _CudaEmitter(_Emitter):
 
     # -- element-wise -------------------------------------------------------------------
     def wide_refs(self) -> list:
-        """Buffers the wide kernel moves 16 bytes at a time: 4-byte dtypes along the row."""
-        if self.s.kind != KernelKind.ELEMENTWISE:
+        """Buffers the wide kernels (k_ew_v4, k_row*_v4) move 16 bytes at a time: 4-byte
+        dtypes along the row."""
+        if self.s.kind == KernelKind.COLUMN:
             return []
-        p = self.s.passes[0]
-        refs = [-(j + 1) for j in p.loads] + list(p.stores)
-        return [r for r in refs if self.carries_last(r) and dt.ITEMSIZE[self.dtype(r)] == 4
-                and self.dtype(r) in ("float32", "int32")]
+        refs = [-(j + 1) for p in self.s.passes for j in p.loads] + \
+            [k for p in self.s.passes for k in p.stores]
+        if self.s.kind == KernelKind.ROW:
+            refs = [r for r in refs if r >= 0 or self.s.is_vector(r)]
+        return [r for r in dict.fromkeys(refs) if self.carries_last(r) and
+                self.dtype(r) in ("float32", "int32")]
 
     def _elementwise(self, w) -> None:
         self._ew_scalar(w)
@@ -280,11 +284,13 @@ class _CudaEmitter(_Emitter):
     # -- row -----------------------------------------------------------------------------
     def _rows(self, w) -> None:
         for variant in (ROW_VARIANTS if self.s.scratch else (None,)):
-            self._row_kernel(w, variant)
+            self._row_kernel(w, variant, False)
+            if variant != "regs" and self.wide_refs():
+                self._row_kernel(w, variant, True)
 
-    def _row_kernel(self, w, variant) -> None:
+    def _row_kernel(self, w, variant, wide: bool) -> None:
         s, R = self.s, self.R
-        name = "k_row" + (f"_{variant}" if variant else "")
+        name = "k_row" + (f"_{variant}" if variant else "") + ("_v4" if wide else "")
         extra = ["rows", "tpr"] + {"smem": [f"so{k}" for k in s.scratch],
                                    "global": [f"ws{k}" for k in s.scratch]}.get(variant, [])
         with self.kernel(w, name, extra):
@@ -303,7 +309,10 @@ class _CudaEmitter(_Emitter):
                     self.load_input(w, -(j + 1), f"b_i{j}")
                 self._row_stage(w, s.scalars[0])
                 for p in s.passes:
-                    self._row_pass(w, p, variant)
+                    if wide:
+                        self._row_pass_wide(w, p, variant)
+                    else:
+                        self._row_pass(w, p, variant)
                     self._row_stage(w, s.scalars[p.index + 1])
 
     def _row_scalar_inputs(self) -> list:
@@ -366,6 +375,34 @@ class _CudaEmitter(_Emitter):
                 self._row_element(w, p, variant, parts)
         self._row_allreduce(w, p.accumulate)
 
+    def _row_pass_wide(self, w, p, variant) -> None:
+        """A row pass over 16-byte chunks: each thread takes 4 consecutive elements per
+        step (one vector load per 4-byte buffer along the row, the element work 4 times
+        in the source), ROW_PART_CHUNKS steps into each float32 partial.  Rows of a
+        multiple of 4 elements, every wide buffer 16-byte aligned (the host checks)."""
+        parts = self._parts(p)
+        wide = set(self.wide_refs())
+        for k in p.accumulate:
+            w(f"a{k} = {self.reduction(k).init}")
+        span = f"tpr * {EW_VEC * ROW_PART_CHUNKS}"
+        with w.block(f"for jc in range(lane * {EW_VEC}, Lr, {span}):"):
+            self._part_init(w, parts)
+            with w.block(f"for j0 in range(jc, min(jc + {span}, Lr), tpr * {EW_VEC}):"):
+                for j in p.loads:
+                    if -(j + 1) in wide:
+                        w(f"{', '.join(f'x{j}_{e}' for e in range(EW_VEC))} = "
+                          f"h.load4(p_i{j}, np.uint64(b_i{j} + j0))")
+                for e in range(EW_VEC):
+                    w(f"j = j0 + {e}")
+                    self._row_element(w, p, variant, parts, wide, e)
+                for k in p.stores:
+                    if k in wide:
+                        t = self.tag(k)
+                        w(f"h.store4(p_{t}, np.uint64(b_{t} + j0), "
+                          f"{', '.join(f'y{t}_{e}' for e in range(EW_VEC))})")
+            self._part_merge(w, parts)
+        self._row_allreduce(w, p.accumulate)
+
     def _parts(self, p) -> dict:
         """Reductions of the pass that sum float32 values: each thread adds a few into a
         float32 partial, merged into the float64 accumulator (no float64 add per
@@ -380,9 +417,13 @@ class _CudaEmitter(_Emitter):
         for k, r in parts.items():
             w(f"a{k} = {r.merge.format(a=f'a{k}', p=f's{k}')}")
 
-    def _row_element(self, w, p, variant, parts) -> None:
+    def _row_element(self, w, p, variant, parts, wide=(), e=0) -> None:
+        """One element j of a row pass; refs in ``wide`` are element ``e`` of the
+        16-byte chunk loaded (or stored) by the wide pass."""
         for j in p.loads:
-            if self.s.is_vector(-(j + 1)):
+            if -(j + 1) in wide:
+                w(f"x{j} = x{j}_{e}")
+            elif self.s.is_vector(-(j + 1)):
                 self.load_input(w, -(j + 1), f"b_i{j} + j")
         for k in p.scratch_loads:
             buf, idx = self._scratch_at(k, variant)
@@ -397,7 +438,10 @@ class _CudaEmitter(_Emitter):
             buf, idx = self._scratch_at(k, variant)
             w(f"{buf}[{idx}] = {store_value(self._scratch_dtype(k), f'v{k}')}")
         for k in p.stores:
-            self.store_output(w, k, f"b_{self.tag(k)} + j")
+            if k in wide:
+                w(f"y{self.tag(k)}_{e} = {store_value(self.dtype(k), self.var(k))}")
+            else:
+                self.store_output(w, k, f"b_{self.tag(k)} + j")
 
     def _shfl(self, k, v: str) -> str:
         fn = "shfl_xor_bool" if self.reduction(k).acc == "bool" else "shfl_xor"

@@ -22,7 +22,9 @@ rows per block and map them as follows (names as in cuda_emit.py):
                registers: 68 µs), a 128-long softmax and a 256-long masked softmax at tpr
                8 (50 and 66 µs; a warp per row: 89 and 81 µs).
                Scratch rows: registers if L <= tpr * REG_SLOTS, else shared memory if
-               rpb rows fit SMEM_LIMIT, else a global workspace.
+               rpb rows fit SMEM_LIMIT, else a global workspace.  Rows of a multiple
+               of 4 run the _v4 kernel (4 consecutive elements per thread per step,
+               16-byte accesses; the caller falls back as for element-wise).
   column       block = COL_THREADS (not the evaluator's: see the constant);
                tile tx_n = min(32, pow2 >= L) columns (a warp reads 128 contiguous
                bytes), ny = block / tx_n row slices.  The evaluator does not model
@@ -208,9 +210,12 @@ def _row(src, z, th, _rpt, cap, profile, limits, force, source):
         args.update({f"so{k}": o for (k, _), o in zip(scratch, offs)})
     elif variant == "global":
         ws = tuple((f"ws{k}", d, grid * rpb * max(z.L, 1)) for k, d in scratch)
-    name = "k_row" + (f"_{variant}" if variant else "")
+    wide = bool(src.wide) and variant != "regs" and z.L % EW_VEC == 0 and \
+        force.get("wide", True)
+    name = "k_row" + (f"_{variant}" if variant else "") + ("_v4" if wide else "")
     steps = ((name, grid, th, smem, {}),) if z.rows else ()
-    return CudaLaunch("row", _row_text(tpr, rpb, variant), steps, args, ws, th, source)
+    text = _row_text(tpr, rpb, variant) + ("; 16-byte loads/stores" if wide else "")
+    return CudaLaunch("row", text, steps, args, ws, th, source)
 
 
 def _row_variant(scratch, L, tpr, rpb, smem_limit):
