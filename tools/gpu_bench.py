@@ -63,6 +63,8 @@ def parse_args(argv=None):
     ap.add_argument("--json", metavar="PATH", help="write the rows (and run facts) as JSON")
     ap.add_argument("--markdown", metavar="PATH",
                     help="GPU mode: write the 'gpu' section of this BENCHMARKS.md")
+    ap.add_argument("--digest", action="store_true",
+                    help="print the digest of stitching/ a GPU run records, and exit")
     ap.add_argument("--render", metavar="JSON",
                     help="no runs: write --markdown from a --json file of a GPU run")
     return ap.parse_args(argv)
@@ -323,11 +325,24 @@ def gpu_meta(bw, size) -> dict:
         meta["driver"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
             capture_output=True, text=True, timeout=30).stdout.strip()
-        meta["rev"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                     capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
+    # a copied checkout's git metadata can be stale (the device machines'), so the run
+    # names the sources it ran by content: `python tools/gpu_bench.py --digest` here
+    meta["source_digest"] = source_digest()
     return meta
+
+
+def source_digest() -> str:
+    """sha256 (12 hex) of stitching/**/*.py, for matching a run to a commit."""
+    import glob
+    import hashlib
+    h = hashlib.sha256()
+    for f in sorted(glob.glob(os.path.join(REPO, "stitching", "**", "*.py"), recursive=True)):
+        h.update(os.path.relpath(f, REPO).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()[:12]
 
 
 def run_gpu(pats, size, repeats, profile, json_path=None) -> tuple:
@@ -486,7 +501,8 @@ def markdown_section(rows, meta) -> str:
                                                     "cuda", "driver") if meta.get(k))
     out = ["<!-- suite:gpu -->", "## gpu (CUDA backend, pattern suite, no TensorFlow)", "",
            f"Measured {meta.get('date')} on {meta.get('device')} ({versions}); stitching "
-           f"`{meta.get('rev', '?')}`; command `{meta.get('command', '')}`. Copy bandwidth "
+           f"`{meta.get('rev') or meta.get('source_digest', '?')}`; command "
+           f"`{meta.get('command', '')}`. Copy bandwidth "
            f"{meta.get('copy_gbs', 0):.0f} GB/s (device-to-device copy of 256 MiB, bytes "
            f"read + written).", "",
            "Device time per call, every column timed the same way: back-to-back calls "
@@ -533,6 +549,9 @@ def write_markdown(path, rows, meta) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.digest:
+        print(source_digest())
+        return 0
     if args.render:
         with open(args.render) as f:
             data = json.load(f)
