@@ -13,13 +13,10 @@ can have; then ``--calls`` launches on the default stream.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+import gpu_bench   # this folder is on sys.path when run as a script; it adds the repo
 
 
 def main(argv=None) -> int:
@@ -30,7 +27,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from numba import cuda
 
-    import gpu_bench
     from stitching.codegen.cuda import compile_cuda_kernel
     from stitching.codegen.cuda_launch import describe
     for pat in gpu_bench.load_patterns(",".join(args.patterns)):

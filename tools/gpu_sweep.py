@@ -12,12 +12,9 @@ is printed next to the best.  Data for the rule in stitching/codegen/cuda_launch
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+import gpu_bench   # this folder is on sys.path when run as a script; it adds the repo
 
 
 def main(argv=None) -> int:
@@ -30,7 +27,6 @@ def main(argv=None) -> int:
     import torch
     from numba import cuda
 
-    import gpu_bench
     from stitching.codegen.cuda import compile_cuda_kernel
     bad = 0
     for pat in gpu_bench.load_patterns(",".join(args.patterns)):
