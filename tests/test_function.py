@@ -138,6 +138,43 @@ def test_retraces_per_signature_and_reports_each_trace():
     assert f(tf.zeros([2, 3], tf.float64)).dtype == tf.float64
 
 
+def test_eager_tensor_calls_take_the_concrete_function_and_match_tf_function():
+    """The fast call (eager tensors straight to the exact-signature ConcreteFunction)
+    gives what tf.function gives: structured outputs, variables read at call time,
+    stateful ops run, gradients, one trace per signature, and tf.function's errors."""
+    w = tf.Variable(2.0)
+    calls = tf.Variable(0)
+
+    def fn(x, y):
+        calls.assign_add(1)
+        return {"a": tf.nn.softmax(x * w), "b": (tf.reduce_sum(x, axis=0) + y,)}
+
+    st, ref = stitching.function(fn), tf.function(fn)
+    x = tf.constant(np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32))
+    y = tf.constant(1.5)
+    for _ in range(2):
+        got, want = st(x, y), ref(x, y)
+        assert set(got) == {"a", "b"} and isinstance(got["b"], tuple)
+        np.testing.assert_allclose(got["a"], want["a"], rtol=1e-6)
+        np.testing.assert_allclose(got["b"][0], want["b"][0], rtol=1e-6)
+    assert len(st._concrete) == 1 and len(st.reports) == 1
+    w.assign(-1.0)
+    np.testing.assert_allclose(st(x, y)["a"], ref(x, y)["a"], rtol=1e-6)
+    assert int(calls.numpy()) == 6                     # 3 stitched + 3 stock calls ran
+    st(tf.zeros([2, 8]), y)                            # a new shape: a new trace
+    assert len(st._concrete) == 2 and len(st.reports) == 2
+    for call in (lambda: st(x, y), lambda: st(x=x, y=y)):   # fast path, tf.function path
+        # no gradient yet (README: Limits): the same error either way
+        with pytest.raises(LookupError, match="StitchedKernel"), tf.GradientTape() as tape:
+            tape.watch(y)
+            tape.gradient(call()["b"][0], y)
+    f = stitching.function(lambda x: x + 1.0,
+                           input_signature=[tf.TensorSpec([None, 8], tf.float32)])
+    with pytest.raises((TypeError, ValueError)):
+        f(tf.zeros([2, 9]))                            # tf.function's error, fast path too
+    assert not f._concrete
+
+
 def test_decorates_methods_and_keras_models():
     import keras
     layer = keras.layers.LayerNormalization()

@@ -130,6 +130,8 @@ def main(argv=None):
         results["patterns"] = rows_of(
             "patterns", suites.case_keys("patterns", only=args.only, sizes=sizes),
             min_time=args.min_time)
+        if "small" in sizes:
+            meta["call_overhead_s"] = suites.call_overhead(mode_list, args.planner)
         # Again after the suite: on a shared machine the first figure may have been
         # taken during someone else's burst; the higher of the two is the reference.
         again = machine.copy_bandwidth(threads)

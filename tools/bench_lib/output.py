@@ -209,10 +209,15 @@ def mismatch_lines(rows):
 
 # ---- summaries and targets
 
-def summaries(results) -> list[str]:
+def summaries(results, meta=None) -> list[str]:
     """Geomeans and worst cases the targets are stated in (informational lines)."""
     out = []
     pats = results.get("patterns") or []
+    overhead = (meta or {}).get("call_overhead_s") or {}
+    if overhead and any(r.get("size") == "small" for r in pats):
+        out.append("per-call overhead (tf.identity, 8x1024): " + ", ".join(
+            f"{LABELS[m]} {v * 1e6:.0f} µs" for m, v in overhead.items()) +
+            ": most of the small-size difference is this dispatch cost")
     for size in ("large", "small"):
         rs = [r for r in pats if r.get("size") == size]
         if not rs:
@@ -392,7 +397,7 @@ def print_report(results, meta):
               "median. 'X vs Y' is Y's time / X's time (> 1: X is faster). BW: (input + "
               "output bytes) / time as % of copy bandwidth.")
     print()
-    for line in summaries(results):
+    for line in summaries(results, meta):
         print(line)
     for line in kernel_count_lines(results):
         print(f"kernels: {line}")
@@ -478,6 +483,13 @@ def _suite_markdown(suite, rows, meta, results):
                f"`{meta.get('command', '')}`.")
     if gbs and suite == "patterns":
         out.append(f"Copy bandwidth {gbs:.1f} GB/s ({copy['method']}).")
+    ovh = meta.get("call_overhead_s") or {}
+    if ovh and suite == "patterns":
+        out.append("Per-call overhead of each mode, a `tf.identity` of 8x1024 float32: " +
+                   ", ".join(f"{LABELS[m]} {v * 1e6:.0f} µs" for m, v in ovh.items()) +
+                   ". Part of every small-size ratio is this: `stitching.function` hands "
+                   "eager tensors straight to the traced concrete function, `tf.function` "
+                   "canonicalises its arguments first.")
     for note in meta.get("notes", []):
         # "compile: ..." notes belong to that suite's section only.
         owner = note.split(":", 1)[0]
@@ -507,7 +519,7 @@ def _suite_markdown(suite, rows, meta, results):
         out.append("")
         out += [f"- {f}" for f in fails]
     sub = {suite: rows}
-    summ = [s for s in summaries(sub)]
+    summ = summaries(sub, meta)
     tgt = [t for t in targets(sub, gbs) if not t.startswith("SKIP")
            and not (suite != "patterns" and "patterns" in t)]
     out.append("")

@@ -152,6 +152,19 @@ def run_rows(suite, keys, *, mode_list=modes.MODES, planner=None, repeats=None,
     return rows
 
 
+def call_overhead(mode_list, planner=None, repeats=10) -> dict:
+    """{mode: median seconds per call} of ``tf.identity`` on an 8x1024 float32 tensor:
+    what each mode costs per call before any kernel runs (stitching.function sends
+    eager tensors straight to the concrete function; tf.function canonicalises first)."""
+    x = tf.constant(np.zeros((8, 1024), np.float32))
+    sig = [tf.TensorSpec([None, 1024], tf.float32)]
+    runners = [modes.build(m, lambda t: tf.identity(t), sig, planner) for m in mode_list]
+    for r in runners:
+        modes.first_call(r, [x])
+    times = measure.time_modes(runners, [x], repeats=repeats, warmup=20)
+    return {m: t["median_s"] for m, t in times.items()}
+
+
 def run_patterns(*, only=None, sizes=("large", "small"), **kw) -> list[dict]:
     return run_rows("patterns", case_keys("patterns", only=only, sizes=sizes), **kw)
 
