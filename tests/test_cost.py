@@ -133,16 +133,19 @@ def test_a_row_too_long_for_scratch_costs_a_second_pass():
     assert ps == pytest.approx(pf * CPU.cache_bandwidth / CPU.bw_at(1), rel=0.05)
 
 
-def test_a_lone_composite_op_pays_when_memory_bound_as_tf_walks_its_data_twice():
+def test_a_lone_softmax_pays_as_tf_walks_its_data_four_times():
+    """legality.COMPOSITE_PASSES: TF's CPU Softmax is 4 read+write passes (measured 3.6x
+    the fused kernel at 8192x1024), the fused kernel one."""
     g = G().input("x", [256, 1024]).composite("s", "Softmax", ["x"]) \
         .op("out", "Identity", ["s"]).build("out")
     fast_exp = profiles.with_overrides(CPU, transcendental_per_s=1e12)
     c = costs(g, fast_exp)
     d = c.delta(pattern(c, "s"))
-    assert d.launches_saved == 0 and d.bytes_saved == 2 * 256 * 1024 * 4   # one pass less
+    assert d.launches_saved == 0 and d.bytes_saved == 3 * 2 * 256 * 1024 * 4  # 3 passes less
     assert d.gain_s > 0
-    c = costs(g, CPU)                      # exp-bound at 1.2e9/s: both sides wait on exp
-    assert c.delta(pattern(c, "s")).gain_s <= 0
+    c = costs(g, CPU)          # exp at 1.2e9/s: still TF's four passes cost more than exp
+    d = c.delta(pattern(c, "s"))
+    assert 0 < d.gain_s < c.unfused_s(pattern(c, "s"))
 
 
 def test_a_lone_elementwise_op_saves_nothing():

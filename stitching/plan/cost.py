@@ -8,8 +8,9 @@ levels, as in FusionStitching:
   ─────────────────────────────────────────────────────────────────────────────────────
     gain(P)      = Σ unfused(op ∈ P) − fused(P)                       (> 0: fusing pays)
     unfused(op)  = launch + task + max(passes · bytes in+out / bw(lanes(op)), transc. / rate)
-                   passes = legality.work(op): 1, or 2 for a composite TF op (Softmax,
-                   FusedBatchNorm) whose TF kernel walks its data more than once
+                   passes = legality.work(op): 1, or more for a composite TF op (Softmax
+                   4, FusedBatchNorm 2: legality.COMPOSITE_PASSES) whose TF kernel walks
+                   its data more than once
     fused(P)     = launch + task + max(io(P) / bw(active(P)), transcendentals / rate)
                    + scratch(P) + register spills(P)
     io(P)        distinct values read from outside P + values leaving P, each once
