@@ -125,5 +125,8 @@ def collect_counts(r: Runner, args, tf_runner: Runner | None = None):
                                  "unique_kernels", "coverage", "unfused",
                                  "compile_seconds", "notes")}
             r.info["kernels"] = d.get("kernels")
+            # what the plan is, for the ablation: the same multiset of kernel specs in
+            # two modes means the same generated code, whatever the planner
+            r.info["kernel_specs"] = sorted(k["spec_hash"] for k in d.get("kernel_details", []))
     except Exception as e:   # counting is information, not a reason to drop timings
         r.info.setdefault("notes", []).append(f"count failed: {first_line(e)}")
