@@ -377,6 +377,7 @@ def test_block_too_large_for_the_compiled_kernel_is_replanned(monkeypatch):
     monkeypatch.setattr(cuda_mod.CudaKernel, "_kernel",
                         lambda self, name, args: Limited(real(self, name, args)))
     monkeypatch.setattr(k, "limits", cuda_launch.Limits(max_threads=64, max_blocks=4))
+    monkeypatch.setattr(k, "_max_threads", {})
     k._plans.clear()
     big = k.plan([x.shape], threads=64, tpr=32)     # made before the limit is known
     outs = k(x)

@@ -114,6 +114,7 @@ class CudaKernel:
         # (calls are ordered), not for concurrent calls on different streams
         self._workspaces: dict = {}
         self._specialized: dict = {}   # kernel name -> dispatcher specialized to its types
+        self._max_threads: dict = {}   # kernel name -> largest block it launches with
 
     def __repr__(self):
         return f"<CudaKernel {self.spec.hash} {self.schedule.kind.value}>"
@@ -188,17 +189,21 @@ class CudaKernel:
         planned = launch is None
         launch = launch or self.plan(shapes)
         outs = self._outputs(out_shapes, out, stream)
-        try:
-            self._launch(launch, sizes, [a for a, _ in ins], outs, stream)
-        except _BlockTooLarge as e:
-            if not planned:
-                raise ValueError(f"launch= does not fit the compiled kernel: {e}") from None
-            # the compiled kernel holds too many registers for the block the plan chose
-            # (its limit is known only once compiled): plan again under that limit,
-            # which later plans keep; nothing was launched yet
-            self.limits = dataclasses.replace(self.limits, max_threads=e.cap)
-            self._plans.clear()
-            self._launch(self.plan(shapes), sizes, [a for a, _ in ins], outs, stream)
+        while True:
+            try:
+                self._launch(launch, sizes, [a for a, _ in ins], outs, stream)
+                break
+            except _BlockTooLarge as e:
+                if not planned:
+                    raise ValueError(f"launch= does not fit the compiled kernel: {e}") \
+                        from None
+                # the compiled kernel holds too many registers for the block the plan
+                # chose (its limit is known only once compiled): plan again under that
+                # limit, which later plans keep; nothing was launched yet.  The cap only
+                # falls, so this ends (at a warp, which every kernel launches).
+                self.limits = dataclasses.replace(self.limits, max_threads=e.cap)
+                self._plans.clear()
+                launch = self.plan(shapes)
         if out is not None:
             return list(out)
         return [self._output(o, s, d, on_host, stream)
@@ -236,10 +241,12 @@ class CudaKernel:
                 name = name[:-3]  # a view at an odd offset: scalar accesses, same results
             args = [extra[a] if a in extra else vals[a] for a in self.source.kernels[name]]
             fn = self._kernel(name, args)
-            if not simulated():
-                most = fn.get_max_threads_per_block()
-                if block > most:
-                    raise _BlockTooLarge(launch, most)
+            most = self._max_threads.get(name)
+            if most is None:
+                most = self._max_threads[name] = (
+                    cuda_emit.MAX_THREADS if simulated() else fn.get_max_threads_per_block())
+            if block > most:
+                raise _BlockTooLarge(launch, most)
             steps.append((fn, grid, block, smem, args))
         with warnings.catch_warnings():
             # the simulator evaluates in NumPy, which warns on overflow/NaN like C doesn't
