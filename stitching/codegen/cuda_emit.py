@@ -216,31 +216,46 @@ class _CudaEmitter(_Emitter):
         if self.wide_refs():
             self._ew_wide(w)
 
-    def _ew_wide(self, w) -> None:
-        """k_ew_v4: as k_ew for rows whose length is a multiple of 4 (every chunk whole
-        and 16-byte aligned in every wide buffer, which the host checks)."""
-        p, R, wide = self.s.passes[0], self.R, set(self.wide_refs())
-        with self.kernel(w, "k_ew_v4", ["rows", "nc"]):
+    @contextmanager
+    def _ew_chunks(self, w, name: str):
+        """An element-wise kernel's grid-stride loop over EW_VEC-element chunks of rows;
+        the body sees r (row), j0 (first element of the chunk) and the row bases."""
+        with self.kernel(w, name, ["rows", "nc"]):
             self.prologue(w)
             w("step = cuda.gridsize(1)")
             with w.block("for v in range(cuda.grid(1), rows * nc, step):"):
                 w("r = v // nc")
                 w(f"j0 = (v - r * nc) * {EW_VEC}")
-                self.bases(w, self.decompose(w, "r", list(range(R - 1))))
-                for j in p.loads:
-                    ref = -(j + 1)
-                    if ref in wide:
-                        w(f"{', '.join(f'x{j}_{e}' for e in range(4))} = "
-                          f"h.load4(p_i{j}, b_i{j} + j0)")
-                    elif not self.carries_last(ref):
-                        self.load_input(w, ref, f"b_i{j}")
-                for e in range(4):
-                    self._ew_wide_element(w, p, wide, e)
-                for k in p.stores:
-                    if k in wide:
-                        t = self.tag(k)
-                        w(f"h.store4(p_{t}, b_{t} + j0, "
-                          f"{', '.join(f'y{t}_{e}' for e in range(4))})")
+                self.bases(w, self.decompose(w, "r", list(range(self.R - 1))))
+                yield
+
+    def _load_chunks(self, w, p, wide) -> None:
+        """x<j>_0..3: one 16-byte load per wide input of pass ``p``, at element j0."""
+        for j in p.loads:
+            if -(j + 1) in wide:
+                w(f"{', '.join(f'x{j}_{e}' for e in range(EW_VEC))} = "
+                  f"h.load4(p_i{j}, b_i{j} + j0)")
+
+    def _store_chunks(self, w, p, wide) -> None:
+        """One 16-byte store per wide output of pass ``p`` from y<tag>_0..3."""
+        for k in p.stores:
+            if k in wide:
+                t = self.tag(k)
+                w(f"h.store4(p_{t}, b_{t} + j0, "
+                  f"{', '.join(f'y{t}_{e}' for e in range(EW_VEC))})")
+
+    def _ew_wide(self, w) -> None:
+        """k_ew_v4: as k_ew for rows whose length is a multiple of 4 (every chunk whole
+        and 16-byte aligned in every wide buffer, which the host checks)."""
+        p, wide = self.s.passes[0], set(self.wide_refs())
+        with self._ew_chunks(w, "k_ew_v4"):
+            self._load_chunks(w, p, wide)
+            for j in p.loads:
+                if -(j + 1) not in wide and not self.carries_last(-(j + 1)):
+                    self.load_input(w, -(j + 1), f"b_i{j}")
+            for e in range(EW_VEC):
+                self._ew_wide_element(w, p, wide, e)
+            self._store_chunks(w, p, wide)
 
     def _ew_wide_element(self, w, p, wide, e) -> None:
         w(f"j = j0 + {e}")
@@ -259,27 +274,21 @@ class _CudaEmitter(_Emitter):
                 self.store_output(w, k, f"b_{self.tag(k)} + j")
 
     def _ew_scalar(self, w) -> None:
-        p, R = self.s.passes[0], self.R
-        with self.kernel(w, "k_ew", ["rows", "nc"]):
-            self.prologue(w)
-            w("step = cuda.gridsize(1)")
-            with w.block("for v in range(cuda.grid(1), rows * nc, step):"):
-                w("r = v // nc")
-                w(f"j0 = (v - r * nc) * {EW_VEC}")
-                self.bases(w, self.decompose(w, "r", list(range(R - 1))))
-                lasts = [j for j in p.loads if self.carries_last(-(j + 1))]
-                for j in p.loads:          # broadcast along the row: once per chunk
-                    if j not in lasts:
-                        self.load_input(w, -(j + 1), f"b_i{j}")
-                with w.block(f"for e in range({EW_VEC}):"):
-                    w("j = j0 + e")
-                    with w.block("if j < L:"):
-                        for j in lasts:
-                            self.load_input(w, -(j + 1), f"b_i{j} + j")
-                        for k in p.compute:
-                            self.compute(w, k)
-                        for k in p.stores:
-                            self.store_output(w, k, f"b_{self.tag(k)} + j")
+        p = self.s.passes[0]
+        with self._ew_chunks(w, "k_ew"):
+            lasts = [j for j in p.loads if self.carries_last(-(j + 1))]
+            for j in p.loads:          # broadcast along the row: once per chunk
+                if j not in lasts:
+                    self.load_input(w, -(j + 1), f"b_i{j}")
+            with w.block(f"for e in range({EW_VEC}):"):
+                w("j = j0 + e")
+                with w.block("if j < L:"):
+                    for j in lasts:
+                        self.load_input(w, -(j + 1), f"b_i{j} + j")
+                    for k in p.compute:
+                        self.compute(w, k)
+                    for k in p.stores:
+                        self.store_output(w, k, f"b_{self.tag(k)} + j")
 
     # -- row -----------------------------------------------------------------------------
     def _rows(self, w) -> None:
@@ -388,18 +397,11 @@ class _CudaEmitter(_Emitter):
         with w.block(f"for jc in range(lane * {EW_VEC}, Lr, {span}):"):
             self._part_init(w, parts)
             with w.block(f"for j0 in range(jc, min(jc + {span}, Lr), tpr * {EW_VEC}):"):
-                for j in p.loads:
-                    if -(j + 1) in wide:
-                        w(f"{', '.join(f'x{j}_{e}' for e in range(EW_VEC))} = "
-                          f"h.load4(p_i{j}, np.uint64(b_i{j} + j0))")
+                self._load_chunks(w, p, wide)
                 for e in range(EW_VEC):
                     w(f"j = j0 + {e}")
                     self._row_element(w, p, variant, parts, wide, e)
-                for k in p.stores:
-                    if k in wide:
-                        t = self.tag(k)
-                        w(f"h.store4(p_{t}, np.uint64(b_{t} + j0), "
-                          f"{', '.join(f'y{t}_{e}' for e in range(EW_VEC))})")
+                self._store_chunks(w, p, wide)
             self._part_merge(w, parts)
         self._row_allreduce(w, p.accumulate)
 
