@@ -268,10 +268,15 @@ class _CudaEmitter(_Emitter):
         for k in p.compute:
             self.compute(w, k)
         for k in p.stores:
-            if k in wide:
-                w(f"y{self.tag(k)}_{e} = {store_value(self.dtype(k), self.var(k))}")
-            else:
-                self.store_output(w, k, f"b_{self.tag(k)} + j")
+            self._store_element(w, k, wide, e)
+
+    def _store_element(self, w, k, wide, e) -> None:
+        """Element j of output k: into lane e of its 16-byte chunk (stored by
+        _store_chunks) when k is wide, else straight to memory."""
+        if k in wide:
+            w(f"y{self.tag(k)}_{e} = {store_value(self.dtype(k), self.var(k))}")
+        else:
+            self.store_output(w, k, f"b_{self.tag(k)} + j")
 
     def _ew_scalar(self, w) -> None:
         p = self.s.passes[0]
@@ -440,10 +445,7 @@ class _CudaEmitter(_Emitter):
             buf, idx = self._scratch_at(k, variant)
             w(f"{buf}[{idx}] = {store_value(self._scratch_dtype(k), f'v{k}')}")
         for k in p.stores:
-            if k in wide:
-                w(f"y{self.tag(k)}_{e} = {store_value(self.dtype(k), self.var(k))}")
-            else:
-                self.store_output(w, k, f"b_{self.tag(k)} + j")
+            self._store_element(w, k, wide, e)
 
     def _shfl(self, k, v: str) -> str:
         fn = "shfl_xor_bool" if self.reduction(k).acc == "bool" else "shfl_xor"

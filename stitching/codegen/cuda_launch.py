@@ -6,8 +6,9 @@
                                         scalar arguments, global workspaces
 
 The latency evaluator (stitching/plan/cost.py) scores (rows_per_task, col_block, threads)
-candidates for a kernel of R rows x L columns on a DeviceProfile; we take its threads and
-rows per block and map them as follows (names as in cuda_emit.py):
+candidates for a kernel of R rows x L columns on a DeviceProfile; we take its threads per
+block (at least MIN_THREADS) and map them as follows, with local rules measured on an
+H100 where its CPU-shaped rows per task did not fit (names as in cuda_emit.py):
 
   elementwise  block = threads; grid = chunks of EW_VEC elements / threads, capped;
                the 16-byte kernel when rows are a multiple of 4 long (the caller falls
@@ -16,7 +17,8 @@ rows per block and map them as follows (names as in cuda_emit.py):
                ROW_ELEMS of the row, at least ROW_MIN_TPR (their loads cover a 32-byte
                sector) unless the row is shorter, up to the block limit: a warp per row
                at 1024, no block-wide combine below 2048; block = max(threads, tpr),
-               rpb = block / tpr.  From tools/gpu_sweep.py on an H100 (blocks of 128 to
+               halved while its rows' scratch would not fit shared memory; rpb = block /
+               tpr.  From tools/gpu_sweep.py on an H100 (blocks of 128 to
                512 x tpr 4 to 128; BENCHMARKS.md): 8192 x 1024 softmax and layer norm were
                fastest at tpr 32 (softmax 51 µs; 128 threads per row, 8 values each in
                registers: 68 µs), a 128-long softmax and a 256-long masked softmax at tpr
@@ -183,6 +185,7 @@ def _elementwise(src, z, th, _rpt, cap, _profile, _limits, force, source):
 
 
 def _row(src, z, th, _rpt, cap, profile, limits, force, source):
+    scratch = src.scratch_np
     tpr = force.get("tpr")
     if tpr is None:
         tpr = max(_pow2ceil(-(-max(z.L, 1) // ROW_ELEMS)), min(ROW_MIN_TPR, _pow2ceil(z.L)))
@@ -192,15 +195,14 @@ def _row(src, z, th, _rpt, cap, profile, limits, force, source):
             # fewer rows per block rather than scratch rows in global memory (an H100:
             # 512-thread blocks of a 256-long masked softmax through global memory ran
             # 87 µs, 128-thread blocks through shared memory 66 µs)
-            while th > max(tpr, MIN_THREADS) and src.scratch and \
-                    _smem_layout(src.scratch_np, th // tpr * z.L)[1] > limits.smem:
+            while th > max(tpr, MIN_THREADS) and scratch and \
+                    _smem_layout(scratch, th // tpr * z.L)[1] > limits.smem:
                 th //= 2
             cap = _blocks_cap(th, profile, limits)
     tpr = int(tpr)
     if tpr & (tpr - 1) or tpr > th:
         raise ValueError(f"threads per row must be a power of two <= {th}, got {tpr}")
     rpb = th // tpr
-    scratch = src.scratch_np
     variant = force.get("variant") or _row_variant(scratch, z.L, tpr, rpb, limits.smem)
     args = {"rows": z.rows, "tpr": tpr}
     smem, ws = 0, ()

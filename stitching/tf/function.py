@@ -27,11 +27,11 @@ import functools
 
 import tensorflow as tf
 
-_EAGER_TENSOR = type(tf.constant(0))
-FAST_CALL_SIGNATURES = 64      # exact (dtype, shape) signatures kept per function
-
 from ..options import Options
 from . import frontend, pipeline
+
+_EAGER_TENSOR = type(tf.constant(0))
+FAST_CALL_SIGNATURES = 64      # exact (dtype, shape) signatures kept per function
 
 
 class StitchedFunction:
