@@ -169,6 +169,24 @@ def busy_body(begin, end, ins, outs, params):
         res[u] = acc
 
 
+# x [n] float32 -> [2] int64: the launch hint the op handed the shape function.
+@cfunc(SHAPE, nopython=True, nogil=True)
+def hint_shape(in_dims, params, out_dims, sched):
+    params[0] = sched[0]
+    params[1] = sched[1]
+    out_dims[0] = 2
+    sched[0] = 1
+    sched[1] = 1
+    return 0
+
+
+@cfunc(BODY, nopython=True, nogil=True)
+def hint_body(begin, end, ins, outs, params):
+    h = carray(outs[0], (2,), np.int64)
+    h[0] = params[0]
+    h[1] = params[1]
+
+
 # ---- kernel objects ----------------------------------------------------------------
 
 class OpaqueSpec:
@@ -313,6 +331,24 @@ def test_multiple_outputs_and_inputs():
         y, s = fn([x, b], biasrow_kernel())
         np.testing.assert_allclose(y.numpy(), x.numpy() + b.numpy(), rtol=1e-6)
         np.testing.assert_allclose(s.numpy(), x.numpy().sum(axis=1), rtol=1e-5)
+
+
+def test_launch_hint_reaches_the_shape_function():
+    """The registered launch hint (rows per unit, column block) is what the op hands the
+    shape function in sched[0..1] on every call; without one it hands zeros."""
+    hinted = HandKernel(OpaqueSpec('{"test":"hint","n":1}'), hint_body, hint_shape, [1],
+                        ["float32"], [1], ["int64"])
+    hinted.launch = (5, 96)
+    plain = HandKernel(OpaqueSpec('{"test":"hint","n":2}'), hint_body, hint_shape, [1],
+                       ["float32"], [1], ["int64"])
+    x = tf.zeros([7])
+    assert rt.stitched_kernel([x], hinted)[0].numpy().tolist() == [5, 96]
+    assert rt.stitched_kernel([x], plain)[0].numpy().tolist() == [0, 0]
+    bad = HandKernel(OpaqueSpec('{"test":"hint","n":3}'), hint_body, hint_shape, [1],
+                     ["float32"], [1], ["int64"])
+    bad.launch = (-1, 0)
+    with pytest.raises(rt.RegistrationError, match="launch must be two ints >= 0"):
+        rt.register(bad)
 
 
 def test_default_output_types_from_spec_string():
@@ -629,7 +665,7 @@ def test_library_is_one_image_and_cached():
     assert rt.build_library() == path and path.stat().st_mtime_ns == mtime  # reused
     import ctypes
     ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)  # same image TF loaded
-    assert rt.library().stitching_abi_version() == rt.registry.ABI_VERSION == 2
+    assert rt.library().stitching_abi_version() == rt.registry.ABI_VERSION == 3
 
 
 def test_build_errors_are_clear(tmp_path, monkeypatch):

@@ -9,6 +9,10 @@ ABI (fixed; stitching/runtime/op.cc is written against it)::
 ``dims`` (layout below; passed verbatim to ``body``), every output's dims into
 ``out_dims`` and ``sched[0]`` = work units, ``sched[1]`` = cycles per unit; it
 returns 0 or k > 0 for ``errors[k-1]``.  ``body`` runs units [begin, end).
+On entry ``sched`` holds the launch hint: rows per unit and column block the cost
+model chose for the calling node's spec (0: none, the shape function picks from
+the run-time sizes).  The hint is data, not code, so specs that differ only in it
+share one compiled kernel.
 
     dims[0 .. R-1]   collapsed domain sizes D0..D{R-1}
     dims[R]          rows per unit (row / element-wise kinds)
@@ -231,6 +235,8 @@ class _Emitter:
         """Work decomposition: rows per unit, column block, units, cost."""
         s, R = self.s, self.R
         cost = len(s.passes) * lower.cycles_per_element(self.spec, s.live)
+        w("rh = sched[0]")      # launch hint (see the module docstring); <= 0: none
+        w("ch = sched[1]")
         w(f"L = {'D' + str(R - 1) if R else '1'}")
         if s.kind == KernelKind.COLUMN:
             self._column_units(w, big, cost)
@@ -248,9 +254,9 @@ class _Emitter:
         kept = [f"D{a}" for a in s.parallel_axes if a != R - 1]
         self._product(w, "kept", kept, big)
         self._product(w, "rows", [f"D{a}" for a in s.reduce_axes], big)
-        if s.col_block:
-            w(f"cb = {s.col_block}")
-        else:   # widest block that still gives COL_UNITS units
+        with w.block("if ch > 0:"):
+            w("cb = ch")
+        with w.block("else:"):   # widest block that still gives COL_UNITS units
             w(f"want = ({COL_UNITS} + max(kept, 1) - 1) // max(kept, 1)")
             w(f"cb = min({COL_BLOCK}, max({COL_BLOCK_MIN}, (L + want - 1) // want))")
             w("cb = (cb + 15) // 16 * 16")
@@ -268,17 +274,15 @@ class _Emitter:
         if s.kind == KernelKind.ROW:
             w("nb = 1")
             w("cb = L")
-            w(f"rpt = {s.rows_per_task}" if s.rows_per_task else
-              f"rpt = max(1, {ROW_UNIT_ELEMS} // max(L, 1))")
+            w(f"rpt = rh if rh > 0 else max(1, {ROW_UNIT_ELEMS} // max(L, 1))")
         else:
-            w(f"cb = {s.col_block or EW_BLOCK}")
+            w(f"cb = ch if ch > 0 else {EW_BLOCK}")
             with w.block("if L > cb:"):
                 w("nb = (L + cb - 1) // cb")
                 w("rpt = 1")
             with w.block("else:"):
                 w("nb = 1 if L > 0 else 0")
-                w(f"rpt = {s.rows_per_task}" if s.rows_per_task else
-                  "rpt = max(1, cb // max(L, 1))")
+                w("rpt = rh if rh > 0 else max(1, cb // max(L, 1))")
         w("units = ((rows + rpt - 1) // rpt) * nb")
         w(f"cost = rpt * min(L, cb) * {cost}")
 

@@ -100,6 +100,7 @@ class CompiledKernel:
         self._shape = _SHAPE_T(self.shape_address)
         self.generic = None                # hash of the generic spec whose code this is
         self.in_static_dims = None         # set when the code does not check them itself
+        self.launch = launch_hint(spec)
 
     def serving(self, spec, schedule) -> "CompiledKernel":
         """This code registered for a concrete ``spec`` it was compiled generically
@@ -109,6 +110,7 @@ class CompiledKernel:
         k = object.__new__(CompiledKernel)
         k.__dict__.update(self.__dict__)
         k.spec, k.schedule, k.generic = spec, schedule, self.spec.hash
+        k.launch = launch_hint(spec)
         k.in_static_dims = [d for t in spec.inputs for d in t.shape]
         k.errors = list(self.errors)
         k._static_checks = []              # (position in the flat dims, rc)
@@ -145,7 +147,7 @@ class CompiledKernel:
         in_dims = np.array([d for s in in_shapes for d in s] + [0], np.int64)
         dims = np.zeros(MAX_PARAMS, np.int64)
         out_dims = np.zeros(sum(self.out_ranks) + 1, np.int64)
-        sched = np.zeros(2, np.int64)
+        sched = np.array(self.launch, np.int64)
         p = lambda a: a.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))   # noqa: E731
         rc = self._shape(p(in_dims), p(dims), p(out_dims), p(sched))
         shapes, o = [], 0
@@ -185,6 +187,12 @@ class CompiledKernel:
             raise ValueError(f"input {i} has rank {a.ndim}, kernel expects "
                              f"{self.in_ranks[i]}")
         return np.ascontiguousarray(a)
+
+
+def launch_hint(spec) -> tuple:
+    """(rows per unit, column block) the cost model chose for ``spec``, 0 where it left
+    the choice to the shape function; passed to the shape function at run time."""
+    return (int(spec.schedule.get("rows_per_task", 0)), int(spec.schedule.get("col_block", 0)))
 
 
 def _module_name(text: str, spec_hash: str) -> str:

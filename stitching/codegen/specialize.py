@@ -10,6 +10,10 @@ the concrete spec string.  Size-1 dims stay static (they mean broadcasting), and
 do pins of a node's unknown dim to 1; a node pinned to a larger size keeps the spec
 concrete; constants keep their shapes.
 
+Launch parameters (rows per unit, column block) are not part of the code either: the
+cost model picks them per concrete shape, and the op hands them to the shape function
+at run time (cpu.py), so every target is stripped of them (``LAUNCH_PARAMS``).
+
 The twin is used only when it is exactly as good: it must validate, and its schedule
 must have the same structure as the concrete one (kind, reduced axes, passes, where
 each value lives, scratch and column blocks).  Static sizes can change those
@@ -26,6 +30,14 @@ from __future__ import annotations
 from ..ir.ops import infer
 from ..ir.spec import KernelSpec, SpecError, SpecNode, validate
 from ..schedule import ScheduleError, build_schedule
+
+
+LAUNCH_PARAMS = ("rows_per_task", "col_block")   # run-time data, not code
+
+
+def _code_schedule(schedule: dict) -> dict:
+    """The schedule parameters the generated code depends on."""
+    return {k: v for k, v in schedule.items() if k not in LAUNCH_PARAMS}
 
 
 def _generic_shape(shape):
@@ -54,7 +66,8 @@ def generic_twin(spec: KernelSpec) -> KernelSpec | None:
         pinned = tuple(1 if c == 1 and d < 0 else d for c, d in zip(n.type.shape, t.shape))
         nodes.append(SpecNode(n.op, n.args, attrs, type(t)(t.dtype, pinned)))
     try:
-        twin = validate(KernelSpec(inputs, tuple(nodes), spec.outputs, dict(spec.schedule)))
+        twin = validate(KernelSpec(inputs, tuple(nodes), spec.outputs,
+                                   _code_schedule(spec.schedule)))
     except SpecError:
         return None
     return None if twin.to_json() == spec.to_json() else twin
@@ -80,11 +93,15 @@ def compile_target(spec: KernelSpec) -> KernelSpec:
 
 
 def _decide(spec: KernelSpec) -> KernelSpec:
+    own = spec
+    if any(k in spec.schedule for k in LAUNCH_PARAMS):
+        own = validate(KernelSpec(spec.inputs, spec.nodes, spec.outputs,
+                                  _code_schedule(spec.schedule)))
     twin = generic_twin(spec)
     if twin is None:
-        return spec
+        return own
     try:
         mine, theirs = build_schedule(spec), build_schedule(twin)
     except ScheduleError:
-        return spec
-    return twin if _structure(mine) == _structure(theirs) else spec
+        return own
+    return twin if _structure(mine) == _structure(theirs) else own

@@ -10,6 +10,11 @@
 //   int64 shape_fn(const int64* in_dims, int64* params, int64* out_dims, int64* sched)
 //   void  body(int64 begin, int64 end, void** ins, void** outs, const int64* params)
 //
+// `sched` is in/out: on entry the entry's launch hint (rows per work unit, column
+// block; 0 = let shape_fn choose), on return the work units and the cost per unit.
+// The hint is the cost model's choice for the node's own spec; the code may be shared
+// with specs that chose differently (a shape-generic twin), so it is data, not code.
+//
 // The OpKernel constructor looks the spec up once (compiling on a miss through an
 // optional Python callback) and checks the node's declared dtypes/ranks against the
 // entry, so a tampered or stale graph fails with a TF error instead of running native
@@ -63,7 +68,7 @@ using ShapeFn = int64_t (*)(const int64_t* in_dims, int64_t* params, int64_t* ou
                             int64_t* sched);
 using CompilerFn = int (*)(const char* spec);
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 constexpr int kMaxParams = 32;      // size of the params array shape_fn may fill
 constexpr int kMaxRank = 64;        // sanity bound; the IR itself stops at 8
 constexpr int kMaxTensors = 1024;   // sanity bound on inputs/outputs per kernel
@@ -79,6 +84,8 @@ struct Entry {
   // Static input dims the spec promises (-1: unknown), flattened like in_dims.  A
   // kernel compiled for a shape-generic twin does not check them itself.
   std::vector<int64_t> in_static;
+  // Launch hint passed to shape_fn in sched[0..1]: rows per unit, column block.
+  int64_t launch[2] = {0, 0};
   int in_dims_total = 0, out_dims_total = 0;
 };
 
@@ -410,7 +417,7 @@ class StitchedKernelOp : public OpKernel {
     // Shapes, kernel parameters and the work decomposition come from shape_fn.
     int64_t params[kMaxParams] = {0};
     std::vector<int64_t> out_dims(e.out_dims_total + 1, 0);
-    int64_t sched[2] = {0, 1};
+    int64_t sched[2] = {e.launch[0], e.launch[1]};
     const int64_t rc = e.shape_fn(in_dims.data(), params, out_dims.data(), sched);
     OP_REQUIRES_OK(ctx, ShapeFnStatus(ctx, rc));
     OP_REQUIRES(ctx, sched[0] >= 0,
@@ -582,12 +589,15 @@ __attribute__((visibility("default"))) int stitching_abi_version() {
 // Registers a compiled kernel under the exact spec string.  Returns 0 if newly
 // registered, 1 if the spec was already registered (the existing entry is kept),
 // and a negative code on invalid arguments: -1 null spec/function, -2 bad tensor
-// count, -3 bad rank, -4 unsupported dtype, -5 bad error list, -6 bad static dim.
+// count, -3 bad rank, -4 unsupported dtype, -5 bad error list, -6 bad static dim,
+// -7 bad launch hint.
 // `in_static` (may be NULL): the spec's static input dims, flattened, -1 unknown.
+// `launch` (may be NULL): rows per unit and column block for shape_fn, 0 = its choice.
 __attribute__((visibility("default"))) int stitching_register(
     const char* spec, void* body, void* shape_fn, int n_in, const int* in_ranks,
     const int* in_dtypes, int n_out, const int* out_ranks, const int* out_dtypes,
-    const char* const* errors, int n_errors, const int64_t* in_static) {
+    const char* const* errors, int n_errors, const int64_t* in_static,
+    const int64_t* launch) {
   using stitching::Entry;
   if (spec == nullptr || body == nullptr || shape_fn == nullptr) return -1;
   if (n_out < 1) return -2;
@@ -608,6 +618,12 @@ __attribute__((visibility("default"))) int stitching_register(
     for (int k = 0; k < e->in_dims_total; ++k) {
       if (in_static[k] < -1) return -6;
       e->in_static.push_back(in_static[k]);
+    }
+  }
+  if (launch != nullptr) {
+    for (int k = 0; k < 2; ++k) {
+      if (launch[k] < 0) return -7;
+      e->launch[k] = launch[k];
     }
   }
   return stitching::Registry::Get().Insert(spec, std::move(e)) ? 0 : 1;

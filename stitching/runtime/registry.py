@@ -43,7 +43,7 @@ _UNIMPLEMENTED = 12
 
 _REGISTER_ERRORS = {-1: "null spec or function address", -2: "bad number of tensors",
                     -3: "bad rank", -4: "unsupported dtype", -5: "bad error list",
-                    -6: "bad static dim"}
+                    -6: "bad static dim", -7: "bad launch hint"}
 
 _CompilerCallback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p)
 
@@ -99,7 +99,7 @@ def library():
     return _lib
 
 
-ABI_VERSION = 2   # op.cc's kAbiVersion: the stitching_register signature
+ABI_VERSION = 3   # op.cc's kAbiVersion: the stitching_register signature
 
 
 def _open_same_image(path: str):
@@ -114,7 +114,8 @@ def _open_same_image(path: str):
         ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
         ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
-        ctypes.POINTER(ctypes.c_char_p), ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+        ctypes.POINTER(ctypes.c_char_p), ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
+        ctypes.POINTER(ctypes.c_int64)]
     lib.stitching_set_compiler.restype = None
     lib.stitching_set_compiler.argtypes = [_CompilerCallback]
     lib.stitching_set_compile_error.restype = None
@@ -128,6 +129,10 @@ def _open_same_image(path: str):
     lib.stitching_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.stitching_pool_trim.restype = None
     lib.stitching_pool_trim.argtypes = []
+    if lib.stitching_abi_version() != ABI_VERSION:   # a library built from other sources
+        raise RuntimeError(f"op library {path} implements kernel ABI "
+                           f"{lib.stitching_abi_version()}, this stitching needs "
+                           f"{ABI_VERSION}; rebuild it (python -m stitching.runtime.build)")
     return lib
 
 
@@ -192,12 +197,21 @@ def _abi_arguments(kernel) -> tuple:
         if len(static) != sum(in_ranks) or any(d < -1 for d in static):
             raise RegistrationError("in_static_dims must hold one int >= -1 per input dim")
         static = (ctypes.c_int64 * max(1, len(static)))(*static)
+    # Optional: the launch hint (rows per unit, column block; 0 = the shape function
+    # chooses) the op passes to the shape function on every call.
+    launch = getattr(kernel, "launch", None)
+    if launch is not None:
+        launch = [int(v) for v in launch]
+        if len(launch) != 2 or any(v < 0 for v in launch):
+            raise RegistrationError("launch must be two ints >= 0 (rows per unit, "
+                                    "column block)")
+        launch = (ctypes.c_int64 * 2)(*launch)
 
     def ints(xs):
         return (ctypes.c_int * max(1, len(xs)))(*xs)
     return (body, shape, len(in_ranks), ints(in_ranks), ints(in_dtypes),
             len(out_ranks), ints(out_ranks), ints(out_dtypes),
-            (ctypes.c_char_p * max(1, len(errors)))(*errors), len(errors), static)
+            (ctypes.c_char_p * max(1, len(errors)))(*errors), len(errors), static, launch)
 
 
 def _int_list(xs, what) -> list:
