@@ -468,6 +468,38 @@ def test_specs_differing_only_in_launch_parameters_share_one_compiled_kernel():
     assert_matches(k7(X)[0], softmax_ref(X), "float32", "softmax 3, 7 rows a unit", 4e-6)
 
 
+def test_shape_function_is_a_program_run_by_one_interpreter():
+    """The per-kernel shape function is a call of shape_program.run on an int64 program;
+    the compiled interpreter and its plain-Python form (the CUDA host's) agree, launch
+    hint included, and a word that is no opcode stops it with -1."""
+    from stitching.codegen import cpu, shape_program
+    from stitching.schedule import build_schedule
+    spec = layernorm_spec(-1)
+    k = compile_kernel(spec)
+    assert "h.run_shape_program(SHAPE_PROGRAM" in k.source
+    prog = np.array(cpu._Emitter(build_schedule(spec)).shape_program(), np.int64)
+    cases = [(((9, 40), (40,), (40,)), (0, 0)), (((9, 40), (40,), (41,)), (3, 0)),
+             (((0, 7), (7,), (7,)), (2, 0))]
+    for shapes, hint in cases:
+        in_dims = np.array([d for s in shapes for d in s] + [0], np.int64)
+        outs = []
+        for run in (shape_program.run, shape_program.run.py_func):
+            dims, od, sched = np.zeros(32, np.int64), np.zeros(3, np.int64), np.array(hint)
+            outs.append((run(prog, in_dims, dims, od, sched), dims.tolist(), od.tolist(),
+                         sched.tolist()))
+        assert outs[0] == outs[1]
+        rc, dims, _, sched = outs[0]
+        if shapes[2][0] != shapes[0][1]:
+            assert k.errors[rc - 1].startswith("input 2 dim 0 differs from input 0 dim 1")
+        else:
+            assert rc == 0 and dims[:2] == list(shapes[0])
+            if hint[0]:
+                assert dims[2] == hint[0] and sched[0] == 0   # 0 rows: no units
+    bad = np.array([99], np.int64)
+    z = np.zeros(4, np.int64)
+    assert shape_program.run(bad, z, z.copy(), z.copy(), z.copy()) == -1
+
+
 def test_rmsnorm():
     b = SpecBuilder()
     x = b.input("float32", (-1, 512))

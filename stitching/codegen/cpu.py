@@ -47,11 +47,9 @@ from dataclasses import dataclass
 
 from ..ir import dtypes as dt
 from ..schedule import KernelKind, Placement
-from ..schedule.schedule import (COL_BLOCK, COL_BLOCK_MIN, COL_UNITS, EW_BLOCK,
-                                 ROW_UNIT_ELEMS)
 from . import lower
+from . import shape_program as SP
 
-MAX_ELEMS = 1 << 48    # arbitrary sanity bound on any product of dims (no int64 overflow)
 ROW_CHUNK = 1024       # tuned: float32 partial sums per 1024 elements of a row
 COL_UNROLL = 4         # tuned: rows of a column pass per trip of its column loop
 
@@ -169,46 +167,37 @@ class _Emitter:
 
     # -- shape function ---------------------------------------------------------------
     def shape_fn(self, w: _Writer) -> None:
-        spec, dom = self.spec, self.dom
+        """A one-line cfunc running this kernel's shape program (shape_program.py)."""
+        prog = self.shape_program()
+        w(f"SHAPE_PROGRAM = np.array({prog}, np.int64)")
+        w("")
+        w("")
+        w("@cfunc(h.SHAPE_SIG, nogil=True, cache=True, error_model='numpy')")
+        with w.block("def shape_fn(in_dims, dims, out_dims, sched):"):
+            w("return h.run_shape_program(SHAPE_PROGRAM, in_dims, dims, out_dims, sched)")
+
+    def shape_program(self) -> list:
+        """Checks, domain sizes, work decomposition and output dims, as an int64 program
+        (encoding in shape_program.py); error codes index ``self.errors``."""
+        spec, dom, P = self.spec, self.dom, []
         off, o = [], 0
         for t in spec.inputs:
             off.append(o)
             o += len(t.shape)
-        w("@cfunc(h.SHAPE_SIG, nogil=True, cache=True, error_model='numpy')")
-        with w.block("def shape_fn(in_dims, dims, out_dims, sched):"):
-            self._static_checks(w, off)
-            for c, cl in enumerate(dom.classes):
-                if cl.size >= 0:
-                    w(f"c{c} = {cl.size}")
-                else:
-                    j, i = cl.input_dims[0]
-                    w(f"c{c} = in_dims[{off[j] + i}]")
-            self._class_checks(w, off)
-            big = self.error(f"a dimension product exceeds 2^48 elements")
-            for a, ax in enumerate(dom.axes):
-                self._product(w, f"D{a}", [f"c{c}" for c in ax.classes], big)
-                w(f"dims[{a}] = D{a}")
-            self._units(w, big)
-            self._out_dims(w)
-            w("return 0")
-
-    def _static_checks(self, w, off) -> None:
-        for j, t in enumerate(self.spec.inputs):
+        for j, t in enumerate(spec.inputs):
             for i, d in enumerate(t.shape):
                 if d >= 0:
-                    k = self.error(f"input {j} dim {i} must be {d} (the kernel was built "
-                                   f"for input {j} of shape {_fmt(t.shape)})")
-                    w(f"if in_dims[{off[j] + i}] != {d}:")
-                    w(f"    return {k}")
+                    P += [SP.EQ, off[j] + i, d, self.error(
+                        f"input {j} dim {i} must be {d} (the kernel was built for input "
+                        f"{j} of shape {_fmt(t.shape)})")]
                 else:
-                    k = self.error(f"input {j} dim {i} is negative")
-                    w(f"if in_dims[{off[j] + i}] < 0:")
-                    w(f"    return {k}")
-
-    def _class_checks(self, w, off) -> None:
-        for c, cl in enumerate(self.dom.classes):
+                    P += [SP.NONNEG, off[j] + i, self.error(f"input {j} dim {i} is negative")]
+        # a dim class's value: its static size, or the first input dim that carries it
+        cls = [cl.size if cl.size >= 0 else -(off[cl.input_dims[0][0]] + cl.input_dims[0][1] + 1)
+               for cl in dom.classes]
+        for c, cl in enumerate(dom.classes):
             for n, (j, i) in enumerate(cl.input_dims):
-                if self.spec.inputs[j].shape[i] >= 0 or (cl.size < 0 and n == 0):
+                if spec.inputs[j].shape[i] >= 0 or (cl.size < 0 and n == 0):
                     continue
                 if cl.size == 1:
                     msg = f"input {j} dim {i} must be 1 (the kernel broadcasts it)"
@@ -220,79 +209,25 @@ class _Emitter:
                     msg = (f"input {j} dim {i} differs from input {j0} dim {i0}: shapes "
                            "do not broadcast (unknown dims are assumed equal; a size-1 "
                            "unknown dim is not broadcast at run time)")
-                k = self.error(msg)
-                w(f"if in_dims[{off[j] + i}] != c{c}:")
-                w(f"    return {k}")
-
-    def _product(self, w, name, factors, err) -> None:
-        w(f"{name} = 1")
-        for f in factors:
-            w(f"if {f} != 0 and {name} > {MAX_ELEMS} // {f}:")
-            w(f"    return {err}")
-            w(f"{name} = {name} * {f}")
-
-    def _units(self, w, big) -> None:
-        """Work decomposition: rows per unit, column block, units, cost."""
+                P += [SP.EQ, off[j] + i, cls[c], self.error(msg)]
+        big = self.error("a dimension product exceeds 2^48 elements")
+        for a, ax in enumerate(dom.axes):
+            P += [SP.AXIS, a, len(ax.classes), *[cls[c] for c in ax.classes], big]
         s, R = self.s, self.R
         cost = len(s.passes) * lower.cycles_per_element(self.spec, s.live)
-        w("rh = sched[0]")      # launch hint (see the module docstring); <= 0: none
-        w("ch = sched[1]")
-        w(f"L = {'D' + str(R - 1) if R else '1'}")
         if s.kind == KernelKind.COLUMN:
-            self._column_units(w, big, cost)
+            kind, kept = SP.COLUMN, [a for a in s.parallel_axes if a != R - 1]
+            red = list(s.reduce_axes)
         else:
-            self._row_units(w, big, cost)
-        w(f"dims[{R}] = rpt")
-        w(f"dims[{R + 1}] = cb")
-        w(f"dims[{R + 2}] = nb")
-        w(f"dims[{R + 3}] = rows")
-        w("sched[0] = units")
-        w("sched[1] = max(1, min(cost, 1 << 40))")
-
-    def _column_units(self, w, big, cost) -> None:
-        s, R = self.s, self.R
-        kept = [f"D{a}" for a in s.parallel_axes if a != R - 1]
-        self._product(w, "kept", kept, big)
-        self._product(w, "rows", [f"D{a}" for a in s.reduce_axes], big)
-        with w.block("if ch > 0:"):
-            w("cb = ch")
-        with w.block("else:"):   # widest block that still gives COL_UNITS units
-            w(f"want = ({COL_UNITS} + max(kept, 1) - 1) // max(kept, 1)")
-            w(f"cb = min({COL_BLOCK}, max({COL_BLOCK_MIN}, (L + want - 1) // want))")
-            w("cb = (cb + 15) // 16 * 16")
-        w("if L > 0 and cb > L:")
-        w("    cb = L")
-        w("nb = (L + cb - 1) // cb")
-        w("rpt = 1")
-        w("units = kept * nb")
-        w(f"cost = cb * rows * {cost}")
-
-    def _row_units(self, w, big, cost) -> None:
-        s, R = self.s, self.R
-        self._product(w, "rows", [f"D{a}" for a in range(R - 1)], big)
-        self._product(w, "total", ["rows", "L"], big)
-        if s.kind == KernelKind.ROW:
-            w("nb = 1")
-            w("cb = L")
-            w(f"rpt = rh if rh > 0 else max(1, {ROW_UNIT_ELEMS} // max(L, 1))")
-        else:
-            w(f"cb = ch if ch > 0 else {EW_BLOCK}")
-            with w.block("if L > cb:"):
-                w("nb = (L + cb - 1) // cb")
-                w("rpt = 1")
-            with w.block("else:"):
-                w("nb = 1 if L > 0 else 0")
-                w("rpt = rh if rh > 0 else max(1, cb // max(L, 1))")
-        w("units = ((rows + rpt - 1) // rpt) * nb")
-        w(f"cost = rpt * min(L, cb) * {cost}")
-
-    def _out_dims(self, w) -> None:
+            kind, kept, red = (SP.ROW if s.kind == KernelKind.ROW else SP.ELEMENTWISE,
+                               list(range(R - 1)), [])
+        P += [SP.UNITS, kind, R, cost, big, len(kept), *kept, len(red), *red]
         pos = 0
-        for o in self.spec.outputs:
-            for i, d in enumerate(self.spec.nodes[o].type.shape):
-                c = self.dom.value_dims[o][i]
-                w(f"out_dims[{pos}] = {d if d >= 0 else f'c{c}'}")
+        for k in spec.outputs:
+            for i, d in enumerate(spec.nodes[k].type.shape):
+                P += [SP.OUT, pos, d if d >= 0 else cls[dom.value_dims[k][i]]]
                 pos += 1
+        return P + [SP.END]
 
     # -- body: prologue -----------------------------------------------------------------
     def body(self, w: _Writer) -> None:

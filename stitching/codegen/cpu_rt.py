@@ -23,6 +23,7 @@ from .intrinsics import (acc_add, acc_max, acc_min, acc_mul, aligned_alloc,  # n
                          f32_to_bf16, f32_to_f16, fabs, floor, free,
                          ptr_float32, ptr_float64, ptr_int32, ptr_int64, ptr_uint8,
                          ptr_uint16, roundeven, sqrt)
+from .shape_program import run as run_shape_program  # noqa: F401
 
 # column-block accumulator steps (see lower.Reduction.block_step)
 block_max = _I.maximum

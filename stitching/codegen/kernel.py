@@ -54,7 +54,7 @@ def _toolchain_tag() -> str:
     h = hashlib.sha256(f"{numba.__version__}|{llvmlite.__version__}|{sys.version_info[:2]}"
                        .encode())
     here = Path(__file__).parent
-    for name in ("cpu_rt.py", "fastmath.py", "intrinsics.py"):
+    for name in ("cpu_rt.py", "fastmath.py", "intrinsics.py", "shape_program.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 

@@ -129,7 +129,8 @@ def _compile_to(path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m stitching.runtime.build",
-                                description="Prebuild the stitching TensorFlow op library.")
+                                description="Prebuild the stitching TensorFlow op library (and the "
+                                "shape-program interpreter kernels link).")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     p.add_argument("--print-path", action="store_true",
                    help="print where the library would live and exit")
@@ -142,6 +143,10 @@ def main(argv=None) -> int:
     except BuildError as e:
         print(e, file=sys.stderr)
         return 1
+    # The shape-program interpreter every kernel links (codegen/shape_program.py) is
+    # compiled once per installation into Numba's cache; do it here, at install time.
+    from ..codegen import shape_program
+    shape_program.precompile()
     return 0
 
 

@@ -1,0 +1,157 @@
+"""Shape functions as data: one interpreter, a small int64 program per kernel.
+
+A kernel's shape function (the ``shape_fn`` of the ABI in cpu.py) checks the run-time
+input dims, computes the collapsed domain sizes, the work decomposition and the output
+dims.  It used to be generated as straight-line code per kernel, and Numba took as long
+to compile it as the kernel body (0.15-0.4 s each).  Now the emitter writes a program
+(``ShapeProgram``) and the generated ``shape_fn`` is one call to ``run``, compiled once
+per process; per kernel only a one-line trampoline is compiled.  The same ``run`` is
+plain Python for the CUDA host (cuda.py) and ``CompiledKernel.shapes`` callers.
+
+Program encoding (int64 words; a *value* ``v`` is the constant ``v`` when ``v >= 0``,
+else ``in_dims[-v - 1]``)::
+
+    EQ     pos value err      in_dims[pos] must equal value, else return err
+    NONNEG pos err            in_dims[pos] must be >= 0, else return err
+    AXIS   a n v1..vn err     dims[a] = v1 * .. * vn (err if over MAX_ELEMS)
+    UNITS  kind R cost err nk k1..knk nr r1..rnr
+                              work decomposition (cpu.py's module docstring)
+    OUT    pos value          out_dims[pos] = value
+    END                       return 0
+
+Programs are built by the emitter from a validated schedule, never read from a graph.
+"""
+from __future__ import annotations
+
+from numba import njit
+
+_jit = njit(cache=True, nogil=True, error_model="numpy")
+
+from ..schedule.schedule import COL_BLOCK, COL_BLOCK_MIN, COL_UNITS, EW_BLOCK, ROW_UNIT_ELEMS
+
+END, EQ, NONNEG, AXIS, UNITS, OUT = 0, 1, 2, 3, 4, 5
+ELEMENTWISE, ROW, COLUMN = 0, 1, 2
+
+MAX_ELEMS = 1 << 48    # arbitrary sanity bound on any product of dims (no int64 overflow)
+MAX_COST = 1 << 40     # cycles per unit, saturated
+
+
+def value(v: int) -> str:
+    """Human form of an encoded value (for generated comments and tests)."""
+    return str(v) if v >= 0 else f"in_dims[{-v - 1}]"
+
+
+@_jit
+def _val(v, in_dims):
+    return v if v >= 0 else in_dims[-v - 1]
+
+
+@_jit
+def _product(prog, at, n, in_dims, dims, axes):
+    """Product of n values at prog[at:] (values, or with ``axes`` domain axes in dims);
+    -1 if it exceeds MAX_ELEMS."""
+    p = 1
+    for k in range(n):
+        f = dims[prog[at + k]] if axes else _val(prog[at + k], in_dims)
+        if f != 0 and p > MAX_ELEMS // f:
+            return -1
+        p = p * f
+    return p
+
+
+@_jit
+def _cost(a, b, c):
+    """a * b * c saturated at MAX_COST (all >= 0)."""
+    p = c
+    for f in (a, b):
+        if f != 0 and p > MAX_COST // f:
+            return MAX_COST
+        p = p * f
+    return p
+
+
+@_jit
+def run(prog, in_dims, dims, out_dims, sched):
+    """Interpret ``prog``; returns 0 or the 1-based error code it names."""
+    rh = sched[0]       # launch hint (rows per unit, column block); <= 0: none
+    ch = sched[1]
+    i = 0
+    while True:
+        op = prog[i]
+        if op == END:
+            return 0
+        if op == EQ:
+            if in_dims[prog[i + 1]] != _val(prog[i + 2], in_dims):
+                return prog[i + 3]
+            i += 4
+        elif op == NONNEG:
+            if in_dims[prog[i + 1]] < 0:
+                return prog[i + 2]
+            i += 3
+        elif op == AXIS:
+            n = prog[i + 2]
+            p = _product(prog, i + 3, n, in_dims, dims, False)
+            if p < 0:
+                return prog[i + 3 + n]
+            dims[prog[i + 1]] = p
+            i += 4 + n
+        elif op == UNITS:
+            kind, R, cost, err = prog[i + 1], prog[i + 2], prog[i + 3], prog[i + 4]
+            nk = prog[i + 5]
+            nr = prog[i + 6 + nk]
+            L = dims[R - 1] if R > 0 else 1
+            if kind == COLUMN:
+                kept = _product(prog, i + 6, nk, in_dims, dims, True)
+                rows = _product(prog, i + 7 + nk, nr, in_dims, dims, True)
+                if kept < 0 or rows < 0:
+                    return err
+                if ch > 0:
+                    cb = ch
+                else:   # widest block that still gives COL_UNITS units
+                    want = (COL_UNITS + max(kept, 1) - 1) // max(kept, 1)
+                    cb = min(COL_BLOCK, max(COL_BLOCK_MIN, (L + want - 1) // want))
+                    cb = (cb + 15) // 16 * 16
+                if L > 0 and cb > L:
+                    cb = L
+                nb = (L + cb - 1) // cb
+                rpt = 1
+                units = kept * nb
+                work = _cost(cb, rows, cost)
+            else:
+                rows = _product(prog, i + 6, nk, in_dims, dims, True)
+                if rows < 0 or (L != 0 and rows > MAX_ELEMS // L):
+                    return err
+                if kind == ROW:
+                    nb = 1
+                    cb = L
+                    rpt = rh if rh > 0 else max(1, ROW_UNIT_ELEMS // max(L, 1))
+                else:
+                    cb = ch if ch > 0 else EW_BLOCK
+                    if L > cb:
+                        nb = (L + cb - 1) // cb
+                        rpt = 1
+                    else:
+                        nb = 1 if L > 0 else 0
+                        rpt = rh if rh > 0 else max(1, cb // max(L, 1))
+                units = ((rows + rpt - 1) // rpt) * nb
+                work = _cost(rpt, min(L, cb), cost)
+            dims[R] = rpt
+            dims[R + 1] = cb
+            dims[R + 2] = nb
+            dims[R + 3] = rows
+            sched[0] = units
+            sched[1] = max(1, work)
+            i += 7 + nk + nr
+        elif op == OUT:
+            out_dims[prog[i + 1]] = _val(prog[i + 2], in_dims)
+            i += 3
+        else:
+            return -1   # not a program this module wrote
+
+
+def precompile() -> None:
+    """Compile ``run`` for the kernels' argument types into Numba's on-disk cache (the
+    first kernel of a process then loads it instead of compiling it, ~0.9 s)."""
+    from numba import types
+    ptr = types.CPointer(types.int64)
+    run.compile((types.Array(types.int64, 1, "C", readonly=True), ptr, ptr, ptr, ptr))
