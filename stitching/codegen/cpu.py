@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 from ..ir import dtypes as dt
 from ..schedule import KernelKind, Placement
+from ..schedule.schedule import (COL_BLOCK, COL_BLOCK_MIN, COL_UNITS, EW_BLOCK,
+                                 ROW_UNIT_ELEMS)
 from . import lower
 from . import shape_program as SP
 
@@ -221,7 +223,8 @@ class _Emitter:
         else:
             kind, kept, red = (SP.ROW if s.kind == KernelKind.ROW else SP.ELEMENTWISE,
                                list(range(R - 1)), [])
-        P += [SP.UNITS, kind, R, cost, big, len(kept), *kept, len(red), *red]
+        P += [SP.UNITS, kind, R, cost, big, ROW_UNIT_ELEMS, EW_BLOCK, COL_UNITS, COL_BLOCK,
+              COL_BLOCK_MIN, len(kept), *kept, len(red), *red]
         pos = 0
         for k in spec.outputs:
             for i, d in enumerate(spec.nodes[k].type.shape):

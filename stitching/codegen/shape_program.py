@@ -4,9 +4,9 @@ A kernel's shape function (the ``shape_fn`` of the ABI in cpu.py) checks the run
 input dims, computes the collapsed domain sizes, the work decomposition and the output
 dims.  It used to be generated as straight-line code per kernel, and Numba took as long
 to compile it as the kernel body (0.15-0.4 s each).  Now the emitter writes a program
-(``ShapeProgram``) and the generated ``shape_fn`` is one call to ``run``, compiled once
-per process; per kernel only a one-line trampoline is compiled.  The same ``run`` is
-plain Python for the CUDA host (cuda.py) and ``CompiledKernel.shapes`` callers.
+and the generated ``shape_fn`` is one call to ``run``, compiled once per installation
+(Numba's disk cache; ``precompile`` at install); per kernel only a one-line trampoline
+is compiled (~0.1 s).  The CUDA host (cuda.py) calls the same ``run`` from Python.
 
 Program encoding (int64 words; a *value* ``v`` is the constant ``v`` when ``v >= 0``,
 else ``in_dims[-v - 1]``)::
@@ -14,8 +14,12 @@ else ``in_dims[-v - 1]``)::
     EQ     pos value err      in_dims[pos] must equal value, else return err
     NONNEG pos err            in_dims[pos] must be >= 0, else return err
     AXIS   a n v1..vn err     dims[a] = v1 * .. * vn (err if over MAX_ELEMS)
-    UNITS  kind R cost err nk k1..knk nr r1..rnr
-                              work decomposition (cpu.py's module docstring)
+    UNITS  kind R cost err row_elems ew_block col_units col_block col_min
+           nk k1..knk nr r1..rnr
+                              work decomposition (cpu.py's module docstring); the
+                              defaults used without a launch hint are words of the
+                              program (schedule.py tunes them), so this cached code
+                              holds no constant that lives in another file
     OUT    pos value          out_dims[pos] = value
     END                       return 0
 
@@ -25,9 +29,9 @@ from __future__ import annotations
 
 from numba import njit
 
+# Cached on disk by Numba (keyed on this file): everything the code depends on is in
+# this file or in the program it runs.
 _jit = njit(cache=True, nogil=True, error_model="numpy")
-
-from ..schedule.schedule import COL_BLOCK, COL_BLOCK_MIN, COL_UNITS, EW_BLOCK, ROW_UNIT_ELEMS
 
 END, EQ, NONNEG, AXIS, UNITS, OUT = 0, 1, 2, 3, 4, 5
 ELEMENTWISE, ROW, COLUMN = 0, 1, 2
@@ -97,19 +101,21 @@ def run(prog, in_dims, dims, out_dims, sched):
             i += 4 + n
         elif op == UNITS:
             kind, R, cost, err = prog[i + 1], prog[i + 2], prog[i + 3], prog[i + 4]
-            nk = prog[i + 5]
-            nr = prog[i + 6 + nk]
+            row_elems, ew_block, col_units = prog[i + 5], prog[i + 6], prog[i + 7]
+            col_block, col_min = prog[i + 8], prog[i + 9]
+            nk = prog[i + 10]
+            nr = prog[i + 11 + nk]
             L = dims[R - 1] if R > 0 else 1
             if kind == COLUMN:
-                kept = _product(prog, i + 6, nk, in_dims, dims, True)
-                rows = _product(prog, i + 7 + nk, nr, in_dims, dims, True)
+                kept = _product(prog, i + 11, nk, in_dims, dims, True)
+                rows = _product(prog, i + 12 + nk, nr, in_dims, dims, True)
                 if kept < 0 or rows < 0:
                     return err
                 if ch > 0:
                     cb = ch
-                else:   # widest block that still gives COL_UNITS units
-                    want = (COL_UNITS + max(kept, 1) - 1) // max(kept, 1)
-                    cb = min(COL_BLOCK, max(COL_BLOCK_MIN, (L + want - 1) // want))
+                else:   # widest block that still gives col_units units
+                    want = (col_units + max(kept, 1) - 1) // max(kept, 1)
+                    cb = min(col_block, max(col_min, (L + want - 1) // want))
                     cb = (cb + 15) // 16 * 16
                 if L > 0 and cb > L:
                     cb = L
@@ -118,15 +124,15 @@ def run(prog, in_dims, dims, out_dims, sched):
                 units = kept * nb
                 work = _cost(cb, rows, cost)
             else:
-                rows = _product(prog, i + 6, nk, in_dims, dims, True)
+                rows = _product(prog, i + 11, nk, in_dims, dims, True)
                 if rows < 0 or (L != 0 and rows > MAX_ELEMS // L):
                     return err
                 if kind == ROW:
                     nb = 1
                     cb = L
-                    rpt = rh if rh > 0 else max(1, ROW_UNIT_ELEMS // max(L, 1))
+                    rpt = rh if rh > 0 else max(1, row_elems // max(L, 1))
                 else:
-                    cb = ch if ch > 0 else EW_BLOCK
+                    cb = ch if ch > 0 else ew_block
                     if L > cb:
                         nb = (L + cb - 1) // cb
                         rpt = 1
@@ -141,7 +147,7 @@ def run(prog, in_dims, dims, out_dims, sched):
             dims[R + 3] = rows
             sched[0] = units
             sched[1] = max(1, work)
-            i += 7 + nk + nr
+            i += 12 + nk + nr
         elif op == OUT:
             out_dims[prog[i + 1]] = _val(prog[i + 2], in_dims)
             i += 3
