@@ -69,6 +69,21 @@ def kernel_dir() -> Path:
     return cache_root() / "kernels" / _TOOLCHAIN
 
 
+def graph_seen(key: str) -> bool:
+    """True if a graph with this key (pipeline._graph_key) was compiled with this
+    toolchain before: its kernels are likely in the disk cache."""
+    return (kernel_dir() / "graphs" / key).exists()
+
+
+def remember_graph(key: str) -> None:
+    d = kernel_dir() / "graphs"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / key).touch()
+    except OSError:    # a read-only cache only costs the next process a prestart
+        pass
+
+
 def _user_dtype(name: str):
     if name == "bfloat16":
         try:
@@ -273,7 +288,8 @@ def _compile_exact(spec: KernelSpec) -> CompiledKernel:
     return CompiledKernel(spec, sched, source, module, time.perf_counter() - t0)
 
 
-def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None) -> list:
+def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None,
+                    workers=None) -> list:
     """Compile many specs, each distinct spec once.  Returns kernels aligned with
     ``specs``.
 
@@ -281,7 +297,9 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
     processes (parallel.py; default: the usable cores, ``STITCHING_COMPILE_JOBS``
     overrides, 1 compiles in this process only); this process then loads them.
     ``progress(i, n, spec)`` is called before each distinct kernel is taken in, and
-    during the parallel phase as ``progress(done, n, None)``.  ``on_error(spec, exc)``,
+    during the parallel phase as ``progress(done, total, None)`` (total: the compiles
+    the workers do, one per distinct code).  ``workers``: pre-started workers
+    (parallel.prestart) to use, or to close when nothing needs compiling.  ``on_error(spec, exc)``,
     if given, is called for a spec that fails and its slot is None; without it the
     first failure raises."""
     from .parallel import warm_cache
@@ -290,9 +308,9 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
     for s in specs:
         distinct.setdefault(s.hash, s)
     n = len(distinct)
-    warm_cache(list(distinct.values()), jobs=jobs,
+    warm_cache(list(distinct.values()), jobs=jobs, workers=workers,
                progress=None if progress is None else
-               (lambda done, total: progress(done, n, None)))
+               (lambda done, total: progress(done, total, None)))
     done = {}
     for i, (h, s) in enumerate(distinct.items()):
         if progress is not None:

@@ -14,6 +14,11 @@ where its error surfaces the usual way; a worker that dies costs time, never res
 ``jobs``: ``STITCHING_COMPILE_JOBS`` if set, else the usable cores (at most 8); small
 batches (fewer than ``MIN_PARALLEL`` uncached kernels) compile in-process, where the
 ~1 s start-up of a worker would not pay.
+
+A worker's start-up (Python, Numba, its first compile: ~0.9 s) can be paid before the
+specs exist: ``prestart`` launches warmed workers that wait on stdin while the caller
+plans (pipeline.py does, for graphs it has not compiled before), and ``warm_cache``
+feeds them, or closes them when nothing needs compiling.
 """
 from __future__ import annotations
 
@@ -47,14 +52,62 @@ def default_jobs() -> int:
     return max(1, min(cores, MAX_JOBS))
 
 
-def warm_cache(specs, jobs: int | None = None, progress=None) -> int:
-    """Compile the specs that are not in the disk cache in ``jobs`` worker processes.
+def _spawn():
+    env = dict(os.environ, STITCHING_CACHE_DIR=str(cache_root()))
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen([sys.executable, "-m", "stitching.codegen.worker"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+
+
+class Workers:
+    """Worker processes started ahead of their specs (they warm up, then wait on
+    stdin).  Hand them to ``warm_cache``, which uses or closes them; ``close`` is
+    idempotent and also runs when the object is collected."""
+
+    def __init__(self, jobs: int):
+        self.procs = [_spawn() for _ in range(jobs)]
+
+    def take(self, n: int) -> list:
+        """n workers for the caller; the others are closed."""
+        got, rest = self.procs[:n], self.procs[n:]
+        self.procs = []
+        for p in rest:
+            _feed(p, [])            # an empty batch: the worker exits
+        return got
+
+    def close(self) -> None:
+        self.take(0)
+
+    __del__ = close
+
+
+def prestart(jobs: int | None = None) -> Workers | None:
+    """Start ``jobs`` (default: default_jobs()) warmed workers now, or None for one job."""
+    jobs = default_jobs() if jobs is None else jobs
+    return Workers(jobs) if jobs >= 2 else None
+
+
+def warm_cache(specs, jobs: int | None = None, progress=None,
+               workers: Workers | None = None) -> int:
+    """Compile the specs that are not in the disk cache in ``jobs`` worker processes
+    (``workers``' if given: any number of uncached specs goes to them).
 
     ``specs``: validated KernelSpecs, distinct.  ``progress(done, total)`` is called
-    from this thread as workers finish kernels.  Returns how many specs were sent to
-    workers (0 when the batch was compiled in-process instead)."""
+    from this thread as workers finish kernels (total: the kernels to compile).
+    Returns how many specs were sent to workers (0 when the batch was compiled
+    in-process instead)."""
+    try:
+        return _warm_cache(specs, jobs, progress, workers)
+    finally:
+        if workers is not None:
+            workers.close()
+
+
+def _warm_cache(specs, jobs, progress, workers) -> int:
     jobs = default_jobs() if jobs is None else jobs
-    if jobs < 2 or len(specs) < MIN_PARALLEL:
+    if workers is None and (jobs < 2 or len(specs) < MIN_PARALLEL):
         return 0                    # in-process anyway: no need to probe the cache
     todo = {}
     for s in specs:                 # one compile per generic twin (specialize.py)
@@ -62,19 +115,15 @@ def warm_cache(specs, jobs: int | None = None, progress=None) -> int:
             t = compile_target(s)
             todo.setdefault(t.hash, t)
     todo = list(todo.values())
-    jobs = min(jobs, len(todo))
-    if jobs < 2 or len(todo) < MIN_PARALLEL:
-        return 0
-    shards = [todo[i::jobs] for i in range(jobs)]
-    env = dict(os.environ, STITCHING_CACHE_DIR=str(cache_root()))
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
-    procs = []
-    for shard in shards:
-        p = subprocess.Popen([sys.executable, "-m", "stitching.codegen.worker"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, env=env)
-        procs.append(p)
+    if workers is not None and workers.procs and todo:
+        procs = workers.take(min(len(workers.procs), len(todo)))
+    else:
+        jobs = min(jobs, len(todo))
+        if jobs < 2 or len(todo) < MIN_PARALLEL:
+            return 0
+        procs = [_spawn() for _ in range(jobs)]
+    shards = [todo[i::len(procs)] for i in range(len(procs))]
+    for p, shard in zip(procs, shards):
         feed = threading.Thread(target=_feed, args=(p, [s.to_json() for s in shard]),
                                 daemon=True)
         feed.start()

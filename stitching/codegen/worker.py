@@ -15,6 +15,7 @@ import time
 def main() -> int:
     from ..ir.spec import KernelSpec
     from .kernel import compile_kernel
+    _warm_up()          # a worker may be started before its specs exist (parallel.prestart)
     texts = json.load(sys.stdin)
     if not isinstance(texts, list):
         print(json.dumps({"ok": False, "error": "expected a JSON list of specs"}), flush=True)
@@ -31,6 +32,12 @@ def main() -> int:
         out["seconds"] = round(time.perf_counter() - t0, 3)
         print(json.dumps(out), flush=True)
     return 0
+
+
+def _warm_up() -> None:
+    """Numba's first compile in a process sets up its target (~0.4 s); do it now."""
+    from numba import cfunc
+    cfunc("int64(int64)")(lambda x: x + 1)
 
 
 if __name__ == "__main__":

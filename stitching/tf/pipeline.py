@@ -43,21 +43,40 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     """``resources``: variable shapes from the live graph (frontend.resource_shapes)."""
     t0 = time.perf_counter()
     from . import ensure_runtime
+    from ..codegen import kernel as kernel_cache
+    from ..codegen import parallel
     ensure_runtime()
-    gdef = frontend.inline_functions(graph_def, list(fetches) + list(keep))
-    tf_graph = frontend.import_for_shapes(gdef, resources)
-    ir = frontend.to_ir(tf_graph, list(fetches))
-    if options.verify:
-        ir.verify()
-    the_plan = get_planner(options.planner)(ir, legal=legal, min_ops=options.min_ops)
-    regions, kernels, failed = _compile(the_plan.regions, options)
+    # A graph not compiled before will likely need Numba: start the compile workers
+    # now, so their start-up overlaps planning (warm_cache closes them if unneeded).
+    key = _graph_key(graph_def, fetches, keep, options)
+    workers = None if kernel_cache.graph_seen(key) else parallel.prestart()
+    try:
+        gdef = frontend.inline_functions(graph_def, list(fetches) + list(keep))
+        tf_graph = frontend.import_for_shapes(gdef, resources)
+        ir = frontend.to_ir(tf_graph, list(fetches))
+        if options.verify:
+            ir.verify()
+        the_plan = get_planner(options.planner)(ir, legal=legal, min_ops=options.min_ops)
+        regions, kernels, failed = _compile(the_plan.regions, options, workers)
+    finally:
+        if workers is not None:
+            workers.close()
+    if not failed:
+        kernel_cache.remember_graph(key)
     new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions)
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
     rep.compile_seconds = time.perf_counter() - t0
     return StitchResult(new_gdef, rep, kernels)
 
 
-def _compile(regions, options):
+def _graph_key(graph_def, fetches, keep, options) -> str:
+    import hashlib
+    h = hashlib.sha256(graph_def.SerializeToString(deterministic=True))
+    h.update(repr((list(fetches), sorted(keep), options)).encode())   # keep: a set's order
+    return h.hexdigest()[:32]
+
+
+def _compile(regions, options, workers=None):
     """Compile each distinct spec once (in parallel worker processes when many are
     not cached yet); a region whose kernel fails stays unfused, with the reason."""
     from .. import runtime
@@ -81,7 +100,7 @@ def _compile(regions, options):
     def failed_compile(spec, e):
         errors[spec.hash] = f"kernel failed to compile: {type(e).__name__}: {str(e)[:200]}"
 
-    kernels = compile_kernels([reg.spec for reg in regions],
+    kernels = compile_kernels([reg.spec for reg in regions], workers=workers,
                               progress=progress if show else None, on_error=failed_compile)
     if show and regions and tty:
         print(file=sys.stderr)
