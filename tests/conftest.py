@@ -1,6 +1,10 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The CUDA tests run under Numba's simulator unless NUMBA_ENABLE_CUDASIM=0 (a GPU).
+# Numba reads the flag once, when numba itself is first imported, so it is set here,
+# before any test module imports numba.
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 # Each test session gets its own kernel cache unless the caller chose one, so tests
 # never depend on what an earlier run left on disk.
 if "STITCHING_CACHE_DIR" not in os.environ:
