@@ -23,6 +23,7 @@ JSON layout::
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -84,8 +85,9 @@ class KernelSpec:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"),
                           allow_nan=False)
 
-    @property
+    @functools.cached_property
     def hash(self) -> str:
+        """Content hash (memoized: a spec is never changed after it is built)."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:24]
 
     @property

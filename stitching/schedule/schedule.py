@@ -168,19 +168,35 @@ class Schedule:
 
 def build_schedule(spec) -> Schedule:
     """Schedule of a validated spec; raises ScheduleError with the reason."""
-    try:
-        return _build(spec)
-    except Refusal as e:
-        raise ScheduleError(str(e)) from None
+    got = _memo_build(spec)
+    if isinstance(got, str):
+        raise ScheduleError(got)
+    return got
 
 
 def check(spec) -> Decision:
     """Can this spec be one kernel?  Decision() if yes, Decision(reason) if not."""
-    try:
-        _build(spec)
-    except Refusal as e:
-        return Decision(str(e))
-    return Decision()
+    got = _memo_build(spec)
+    return Decision(got) if isinstance(got, str) else Decision()
+
+
+_MEMO: dict = {}        # spec hash -> Schedule, or the refusal's reason
+_MEMO_MAX = 8192        # arbitrary: the planner asks again about the same regions
+
+
+def _memo_build(spec):
+    """The Schedule, or the reason it is refused; memoized by content hash (the
+    planner checks the same region structure many times: ResNet50 repeats its blocks)."""
+    got = _MEMO.get(spec.hash)
+    if got is None:
+        try:
+            got = _build(spec)
+        except Refusal as e:
+            got = str(e)
+        if len(_MEMO) >= _MEMO_MAX:
+            _MEMO.clear()
+        _MEMO[spec.hash] = got
+    return got
 
 
 def _build(spec) -> Schedule:

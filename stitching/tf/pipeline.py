@@ -22,6 +22,7 @@ from ..plan import get_planner, legality
 from . import frontend, opnames, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
+_PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
 
 
 @dataclass
@@ -46,14 +47,17 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     from ..codegen import kernel as kernel_cache
     from ..codegen import parallel
     ensure_runtime()
-    # A graph not compiled before will likely need Numba: start the compile workers
-    # now, so their start-up overlaps planning (warm_cache closes them if unneeded).
-    key = _graph_key(graph_def, fetches, keep, options)
-    workers = None if kernel_cache.graph_seen(key) else parallel.prestart()
+    workers = None
     try:
         gdef = frontend.inline_functions(graph_def, list(fetches) + list(keep))
         tf_graph = frontend.import_for_shapes(gdef, resources)
         ir = frontend.to_ir(tf_graph, list(fetches))
+        # A large graph not compiled before will likely need Numba: start the compile
+        # workers now, so their start-up overlaps planning (warm_cache closes them if
+        # nothing needs compiling).  Small graphs compile few kernels, often in-process.
+        key = _graph_key(graph_def, fetches, keep, options)
+        if len(ir) >= _PRESTART_MIN_NODES and not kernel_cache.graph_seen(key):
+            workers = parallel.prestart()
         if options.verify:
             ir.verify()
         the_plan = get_planner(options.planner)(ir, legal=legal, min_ops=options.min_ops)
