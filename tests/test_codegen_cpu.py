@@ -500,6 +500,41 @@ def test_shape_function_is_a_program_run_by_one_interpreter():
     assert shape_program.run(bad, z, z.copy(), z.copy(), z.copy()) == -1
 
 
+@pytest.mark.parametrize("L,cb,rows", [(1025, 100, 1), (1000, 333, 3), (7, 2, 3),
+                                       (5000, 1024, 2)])
+def test_split_rows_run_in_phases_and_match_float64(L, cb, rows):
+    """split_rows=1 with a column-block hint shorter than the row: each row is cut into
+    nb pieces, one unit each, run in (passes + 1) phases with partial reductions in a
+    temp buffer; results equal float64 (statistics outputs included), NaN stays in its
+    row, and a hint as long as the row runs the same code unsplit."""
+    k = compile_kernel(layernorm_spec(L, outs_stats=True).with_schedule(
+        split_rows=1, col_block=cb, rows_per_task=1))
+    assert k.schedule.split_rows and not k.schedule.scratch
+    x = RNG.standard_normal((rows, L)).astype(np.float32) * 3 + 1
+    g, b = RNG.standard_normal(L).astype(np.float32), RNG.standard_normal(L).astype(np.float32)
+    rc, _, _, units, _, phases, temp = k.shapes([x.shape, g.shape, b.shape])
+    nb = -(-L // cb)
+    assert (rc, units, phases, temp) == (0, rows * nb, 4, 2 * rows * nb * 8)
+    y, m, v = k(x, g, b)
+    ry, rm, rv = layernorm_ref(x, g, b)
+    assert_matches(y, ry, "float32", f"split layernorm {L}/{cb}", 5e-6, 3e-6)
+    assert_matches(m, rm, "float32", "split mean", 5e-6, 3e-6)
+    assert_matches(v, rv, "float32", "split variance", 5e-6, 3e-6)
+    ks = compile_kernel(softmax_spec((-1, L), log=True).with_schedule(
+        split_rows=1, col_block=cb, rows_per_task=1))
+    xs = RNG.standard_normal((rows + 1, L)).astype(np.float32)
+    xs[-1, L // 2] = np.nan
+    out = ks(xs)[0]
+    assert_matches(out[:-1], softmax_ref(xs[:-1], log=True), "float32", "split log_softmax",
+                   4e-6)
+    assert np.isnan(out[-1]).all()
+    whole = compile_kernel(softmax_spec((-1, L), log=True).with_schedule(
+        split_rows=1, col_block=L, rows_per_task=1))
+    assert whole.body_address == ks.body_address and whole.shapes([xs.shape])[5] == 1
+    assert_matches(whole(xs)[0][:-1], softmax_ref(xs[:-1], log=True), "float32",
+                   "log_softmax, hint as long as the row", 4e-6)
+
+
 def test_rmsnorm():
     b = SpecBuilder()
     x = b.input("float32", (-1, 512))
@@ -654,7 +689,7 @@ def test_shape_fn_errors_name_the_problem():
     rc, *_ = k.shapes([(3, 4), (3, 5)])
     assert "input 1 dim 1 differs from input 0 dim 1: shapes do not broadcast" in \
         k.errors[rc - 1]
-    rc, _, shapes, units, cost = k.shapes([(3, 4), (3, 4)])
+    rc, _, shapes, units, cost, *_ = k.shapes([(3, 4), (3, 4)])
     assert rc == 0 and shapes == [(3, 4)] and units >= 1 and cost >= 1
     with pytest.raises(TypeError, match="dtype"):
         k(np.zeros((3, 4), np.float64), np.zeros((3, 4), np.float32))
@@ -694,7 +729,7 @@ def test_hot_loops_are_vectorized(which):
 def test_units_run_in_parallel_threads_like_the_op():
     k = compile_kernel(softmax_spec((-1, 700)))
     X = RNG.standard_normal((64, 700)).astype(np.float32)
-    rc, dims, shapes, units, _ = k.shapes([X.shape])
+    rc, dims, shapes, units, *_ = k.shapes([X.shape])
     out = np.empty(shapes[0], np.float32)
     ip = (ctypes.c_void_p * 1)(X.ctypes.data)
     op = (ctypes.c_void_p * 1)(out.ctypes.data)

@@ -130,7 +130,9 @@ def test_a_row_too_long_for_scratch_costs_a_second_pass():
     pf = cf.delta(pattern(cf, *names)).pressure_penalty_s
     ps = cs.delta(pattern(cs, *names)).pressure_penalty_s
     assert 0 < pf < ps
-    assert ps == pytest.approx(pf * CPU.cache_bandwidth / CPU.bw_at(1), rel=0.05)
+    # the one long row is split across both lanes (cost.row_lanes), each re-reading its
+    # piece from memory
+    assert ps == pytest.approx(pf * CPU.cache_bandwidth / CPU.bw_at(2), rel=0.05)
 
 
 def test_a_lone_softmax_pays_as_tf_walks_its_data_four_times():
@@ -173,8 +175,12 @@ def test_long_rows_split_across_tasks_when_there_are_too_few_rows():
 
 def test_a_row_reduction_is_split_only_where_the_schedule_can_combine(monkeypatch):
     spec = ln_spec(2, 1 << 22)
-    assert kernel_shape(spec).source == "schedule"       # the row kind cannot split
+    assert kernel_shape(spec).source == "schedule"       # the CUDA rows do not split
     assert choose_launch(spec, V100).params["col_block"] == 1 << 22
+    # the CPU splits a row (in phases, split_rows=1) only when rows leave lanes idle
+    one = choose_launch(ln_spec(1, 1 << 22), CPU).params
+    assert one["col_block"] < 1 << 22 and one["split_rows"] == 1
+    assert "split_rows" not in choose_launch(ln_spec(CPU.lanes, 1 << 22), CPU).params
     monkeypatch.setattr(cost, "_schedule_of", lambda spec: None)
     ks = kernel_shape(spec)
     assert ks.source == "estimate" and ks.split == "combine"

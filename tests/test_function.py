@@ -280,3 +280,26 @@ def test_small_keras_cnn_coverage():
     m = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), alpha=0.35)
     rep = _coverage_and_check(m, (32, 32, 3), tol=2e-3)
     assert rep.coverage >= 0.85, rep.summary()
+
+
+@pytest.mark.parametrize("which", ["layernorm", "log_softmax"])
+def test_a_single_long_row_is_split_across_threads_in_phases(which):
+    """One row of 256K: the cost model splits it across units (split_rows=1) and the op
+    runs the kernel in phases (partial reductions, then their consumers); the result
+    equals TF's and NaN in a row still poisons that row only."""
+    def ln(x):
+        m = tf.reduce_mean(x, -1, keepdims=True)
+        v = tf.reduce_mean(tf.square(x - m), -1, keepdims=True)
+        return (x - m) * tf.math.rsqrt(v + 1e-5)
+    fn = ln if which == "layernorm" else tf.nn.log_softmax
+    x = np.random.default_rng(5).standard_normal((1, 1 << 18)).astype(np.float32) * 2 + 1
+    f = stitching.function(fn)
+    got = f(tf.constant(x)).numpy()
+    rep = f.report.to_dict()
+    assert rep["kernels"] == 1 and "split_rows=1" in f.report.explain(), f.report.explain()
+    want = fn(tf.constant(x.astype(np.float64))).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got, tf.function(fn)(tf.constant(x)).numpy(), rtol=2e-5,
+                               atol=2e-5)
+    x[0, 12345] = np.nan
+    assert np.isnan(f(tf.constant(x)).numpy()).all()

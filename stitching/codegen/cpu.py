@@ -53,6 +53,7 @@ from . import lower
 from . import shape_program as SP
 
 ROW_CHUNK = 1024       # tuned: float32 partial sums per 1024 elements of a row
+PHASE_SLOT = 31        # dims[31]: the phase the op is running (op.cc kPhaseSlot)
 COL_UNROLL = 4         # tuned: rows of a column pass per trip of its column loop
 
 _PTR = {"float32": "float32", "float64": "float64", "int32": "int32", "int64": "int64",
@@ -224,7 +225,8 @@ class _Emitter:
             kind, kept, red = (SP.ROW if s.kind == KernelKind.ROW else SP.ELEMENTWISE,
                                list(range(R - 1)), [])
         P += [SP.UNITS, kind, R, cost, big, ROW_UNIT_ELEMS, EW_BLOCK, COL_UNITS, COL_BLOCK,
-              COL_BLOCK_MIN, len(kept), *kept, len(red), *red]
+              COL_BLOCK_MIN, int(s.split_rows), len(s.passes), len(self._split_reds()),
+              len(kept), *kept, len(red), *red]
         pos = 0
         for k in spec.outputs:
             for i, d in enumerate(spec.nodes[k].type.shape):
@@ -381,11 +383,20 @@ class _Emitter:
 
     # -- row ---------------------------------------------------------------------------------
     def _row(self, w) -> None:
-        R = self.R
         s = self.s
         scalar_inputs = sorted({j for p in s.passes for j in p.loads
                                 if not s.is_vector(-(j + 1))} |
                                {j for st in s.scalars for j in st.loads})
+        if not s.split_rows:
+            self._row_whole(w, scalar_inputs)
+            return
+        with w.block("if nb > 1:"):
+            self._row_split(w, scalar_inputs)
+        with w.block("else:"):
+            self._row_whole(w, scalar_inputs)
+
+    def _row_whole(self, w, scalar_inputs) -> None:
+        R, s = self.R, self.s
         with w.block("for u in range(begin, end):"):
             w("r0 = u * rpt")
             with w.block("for r in range(r0, min(r0 + rpt, rows)):"):
@@ -398,30 +409,76 @@ class _Emitter:
                     self._row_pass(w, p)
                     self._row_scalars(w, s.scalars[p.index + 1])
 
-    def _row_scalars(self, w, stage) -> None:
+    def _row_split(self, w, scalar_inputs) -> None:
+        """Rows cut into nb pieces of cb, one unit each, run by the op in phases:
+        phase p runs pass p over the piece and writes its reductions' partials (one
+        8-byte slot per reduction, row and piece, in the op's temp buffer, outs[n]);
+        later phases first combine a row's partials, then go on.  The last phase
+        stores the per-row results (from the row's first piece)."""
+        R, s = self.R, self.s
+        reds = self._split_reds()
+        acc = {k: lower.reduction(self.spec, k, self.C) for k in reds}
+        w(f"phase = dims[{PHASE_SLOT}]")
+        for i, k in enumerate(reds):
+            w(f"pp{k} = h.ptr_{_PTR[acc[k].acc]}(outs[{len(self.spec.outputs)}])")
+            w(f"po{k} = {i} * rows * nb * {8 // dt.ITEMSIZE[acc[k].acc]}")
+        with w.block("for u in range(begin, end):"):
+            w("r = u // nb")
+            w("c = u - r * nb")
+            with w.block(f"if phase == {len(s.passes)} and c != 0:"):
+                w("continue")
+            w("jb = c * cb")
+            w("je = min(L, jb + cb)")
+            idx = self.decompose(w, "r", list(range(R - 1)))
+            self.bases(w, idx)
+            for j in scalar_inputs:
+                self.load_input(w, -(j + 1), f"b_i{j}")
+            self._row_scalars(w, s.scalars[0], stores=False)
+            for p in s.passes:
+                with w.block(f"if phase == {p.index}:"):
+                    self._row_pass(w, p, "jb", "je")
+                    for k in p.accumulate:
+                        w(f"pp{k}[po{k} + r * nb + c] = "
+                          f"{store_value(acc[k].acc, f'a{k}')}")
+                    w("continue")
+                for k in p.accumulate:
+                    w(f"a{k} = {acc[k].init}")
+                    with w.block("for cc in range(nb):"):
+                        part = load_expr(acc[k].acc, f"pp{k}", f"po{k} + r * nb + cc")
+                        w(f"a{k} = {acc[k].step.format(a=f'a{k}', v=part)}")
+                self._row_scalars(w, s.scalars[p.index + 1], stores=False)
+            for st in s.scalars:        # the last phase, first piece of the row
+                for k in st.stores:
+                    self.store_output(w, k, f"b_{self.tag(k)}")
+
+    def _split_reds(self) -> list:
+        """Reductions whose partials a split row passes between phases, in pass order."""
+        return [k for p in self.s.passes for k in p.accumulate] if self.s.split_rows else []
+
+    def _row_scalars(self, w, stage, stores: bool = True) -> None:
         for k in stage.compute:
             if k in self._accumulated():
                 self.finalize(w, k, f"a{k}", "L")
             else:
                 self.compute(w, k)
-        for k in stage.stores:
+        for k in stage.stores if stores else ():
             self.store_output(w, k, f"b_{self.tag(k)}")
 
     def _accumulated(self) -> set:
         return {k for p in self.s.passes for k in p.accumulate}
 
-    def _row_pass(self, w, p) -> None:
+    def _row_pass(self, w, p, lo: str = "0", hi: str = "L") -> None:
         reds = {k: lower.reduction(self.spec, k, self.C) for k in p.accumulate}
         for k in p.accumulate:
             w(f"a{k} = {reds[k].init}")
         chunked = [k for k in p.accumulate if reds[k].part]
         if chunked:
-            w(f"for j0 in range(0, L, {ROW_CHUNK}):")
+            w(f"for j0 in range({lo}, {hi}, {ROW_CHUNK}):")
             w.depth += 1
             for k in chunked:
                 w(f"s{k} = {reds[k].part_init}")
-        with w.block(f"for j in range(j0, min(j0 + {ROW_CHUNK}, L)):" if chunked
-                     else "for j in range(L):"):
+        with w.block(f"for j in range(j0, min(j0 + {ROW_CHUNK}, {hi})):" if chunked
+                     else f"for j in range({lo}, {hi}):"):
             for j in p.loads:
                 if self.s.is_vector(-(j + 1)):
                     self.load_input(w, -(j + 1), f"b_i{j} + j")

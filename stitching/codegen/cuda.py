@@ -132,7 +132,7 @@ class CudaKernel:
         in_dims = np.array([d for s in shapes for d in s] + [0], np.int64)
         dims = np.zeros(64, np.int64)
         out_dims = np.zeros(sum(self.out_ranks) + 1, np.int64)
-        rc = int(self._module.shape_fn(in_dims, dims, out_dims, np.zeros(2, np.int64)))
+        rc = int(self._module.shape_fn(in_dims, dims, out_dims, np.array([0, 0, 1, 0])))
         if rc:
             what = self.errors[rc - 1] if 0 < rc <= len(self.errors) else f"error code {rc}"
             raise ValueError(f"{what}; input shapes: {', '.join(map(str, shapes))}")

@@ -153,23 +153,25 @@ class CompiledKernel:
             self._module.body._library.get_asm_str()
 
     def shapes(self, in_shapes):
-        """(rc, dims, out_shapes, units, cost) from the shape function."""
+        """(rc, dims, out_shapes, units, cost, phases, temp_bytes) from the shape
+        function."""
         if self.in_static_dims is not None:
             got = [d for s in in_shapes for d in s]
             for pos, want, rc in self._static_checks:
                 if pos < len(got) and got[pos] != want:
-                    return rc, None, [], 0, 0
+                    return rc, None, [], 0, 0, 1, 0
         in_dims = np.array([d for s in in_shapes for d in s] + [0], np.int64)
         dims = np.zeros(MAX_PARAMS, np.int64)
         out_dims = np.zeros(sum(self.out_ranks) + 1, np.int64)
-        sched = np.array(self.launch, np.int64)
+        sched = np.array(list(self.launch) + [1, 0], np.int64)
         p = lambda a: a.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))   # noqa: E731
         rc = self._shape(p(in_dims), p(dims), p(out_dims), p(sched))
         shapes, o = [], 0
         for r in self.out_ranks:
             shapes.append(tuple(int(d) for d in out_dims[o:o + r]))
             o += r
-        return int(rc), dims, shapes, int(sched[0]), int(sched[1])
+        return int(rc), dims, shapes, int(sched[0]), int(sched[1]), int(sched[2]), \
+            int(sched[3])
 
     def format_error(self, rc: int, in_shapes) -> str:
         what = self.errors[rc - 1] if 0 < rc <= len(self.errors) else f"error code {rc}"
@@ -180,14 +182,19 @@ class CompiledKernel:
         if len(arrays) != len(self.in_dtypes):
             raise TypeError(f"kernel takes {len(self.in_dtypes)} inputs, got {len(arrays)}")
         ins = [self._as_input(i, a) for i, a in enumerate(arrays)]
-        rc, dims, out_shapes, units, _ = self.shapes([a.shape for a in ins])
+        rc, dims, out_shapes, units, _, phases, temp = self.shapes([a.shape for a in ins])
         if rc:
             raise ValueError(self.format_error(rc, [a.shape for a in ins]))
         outs = [np.empty(s, _user_dtype(d)) for s, d in zip(out_shapes, self.out_dtypes)]
         if units:
+            scratch = np.empty(max(1, temp), np.uint8)     # split rows' partials
             ip = (ctypes.c_void_p * max(1, len(ins)))(*[a.ctypes.data for a in ins])
-            op = (ctypes.c_void_p * len(outs))(*[o.ctypes.data for o in outs])
-            self._body(0, units, ip, op, dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+            op = (ctypes.c_void_p * (len(outs) + 1))(*[o.ctypes.data for o in outs],
+                                                     scratch.ctypes.data)
+            for phase in range(phases):
+                dims[cpu.PHASE_SLOT] = phase
+                self._body(0, units, ip, op,
+                           dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
         return outs
 
     def _as_input(self, i, a):

@@ -15,11 +15,15 @@ else ``in_dims[-v - 1]``)::
     NONNEG pos err            in_dims[pos] must be >= 0, else return err
     AXIS   a n v1..vn err     dims[a] = v1 * .. * vn (err if over MAX_ELEMS)
     UNITS  kind R cost err row_elems ew_block col_units col_block col_min
-           nk k1..knk nr r1..rnr
+           split passes reds nk k1..knk nr r1..rnr
                               work decomposition (cpu.py's module docstring); the
                               defaults used without a launch hint are words of the
                               program (schedule.py tunes them), so this cached code
-                              holds no constant that lives in another file
+                              holds no constant that lives in another file.
+                              split = 1 (row kind): a column-block hint shorter than
+                              the row splits it into nb pieces, one unit each, run in
+                              passes + 1 phases with reds x rows x nb 8-byte partials
+                              (sched[2] = phases, sched[3] = temp bytes)
     OUT    pos value          out_dims[pos] = value
     END                       return 0
 
@@ -103,12 +107,14 @@ def run(prog, in_dims, dims, out_dims, sched):
             kind, R, cost, err = prog[i + 1], prog[i + 2], prog[i + 3], prog[i + 4]
             row_elems, ew_block, col_units = prog[i + 5], prog[i + 6], prog[i + 7]
             col_block, col_min = prog[i + 8], prog[i + 9]
-            nk = prog[i + 10]
-            nr = prog[i + 11 + nk]
+            split, passes, reds = prog[i + 10], prog[i + 11], prog[i + 12]
+            nk = prog[i + 13]
+            nr = prog[i + 14 + nk]
+            phases, temp = 1, 0
             L = dims[R - 1] if R > 0 else 1
             if kind == COLUMN:
-                kept = _product(prog, i + 11, nk, in_dims, dims, True)
-                rows = _product(prog, i + 12 + nk, nr, in_dims, dims, True)
+                kept = _product(prog, i + 14, nk, in_dims, dims, True)
+                rows = _product(prog, i + 15 + nk, nr, in_dims, dims, True)
                 if kept < 0 or rows < 0:
                     return err
                 if ch > 0:
@@ -124,10 +130,16 @@ def run(prog, in_dims, dims, out_dims, sched):
                 units = kept * nb
                 work = _cost(cb, rows, cost)
             else:
-                rows = _product(prog, i + 11, nk, in_dims, dims, True)
+                rows = _product(prog, i + 14, nk, in_dims, dims, True)
                 if rows < 0 or (L != 0 and rows > MAX_ELEMS // L):
                     return err
-                if kind == ROW:
+                if kind == ROW and split == 1 and 0 < ch < L:
+                    cb = ch                 # pieces of a row; partials combined in phases
+                    nb = (L + cb - 1) // cb
+                    rpt = 1
+                    phases = passes + 1
+                    temp = reds * rows * nb * 8
+                elif kind == ROW:
                     nb = 1
                     cb = L
                     rpt = rh if rh > 0 else max(1, row_elems // max(L, 1))
@@ -147,7 +159,9 @@ def run(prog, in_dims, dims, out_dims, sched):
             dims[R + 3] = rows
             sched[0] = units
             sched[1] = max(1, work)
-            i += 12 + nk + nr
+            sched[2] = phases
+            sched[3] = temp
+            i += 15 + nk + nr
         elif op == OUT:
             out_dims[prog[i + 1]] = _val(prog[i + 2], in_dims)
             i += 3

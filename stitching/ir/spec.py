@@ -46,6 +46,7 @@ SCHEDULE_PARAMS = {
     "rows_per_task": (1, 1 << 20),
     "col_block": (1, 1 << 24),
     "scratch": (0, 1),          # 1: keep values reused across passes in per-row scratch
+    "split_rows": (0, 1),       # 1: a row may be split across units (row kind; phases)
 }
 
 

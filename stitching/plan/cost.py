@@ -33,8 +33,9 @@ levels, as in FusionStitching:
           + scratch or spill + (c < L ? combine pass : 0)
     The fastest candidate wins: many short rows packed per task, a long row split across
     tasks when too few rows would leave lanes idle (AStitch's adaptive thread mapping) —
-    where the schedule can split a row (element-wise and column kernels; a row-reduction
-    split needs a combine pass, modelled, which the schedule stage does not offer yet).
+    where the schedule can split a row (element-wise and column kernels freely; a row
+    reduction in phases: partial reductions per piece, combined before the consumers
+    read the row again — the spec then asks for code that can, ``split_rows=1``).
     Where values live (which are re-loaded in later passes, which sit in per-row scratch)
     comes from the schedule stage (stitching.schedule.build_schedule) when it builds one,
     else from this module's own estimate.  Rows unknown until run time: the time is
@@ -113,9 +114,11 @@ def elementwise_lanes(p: DeviceProfile, n: int) -> int:
 
 
 def row_lanes(p: DeviceProfile, rows: int, row_len: int) -> int:
-    """Lanes a kernel parallel over rows keeps busy (a row is not split)."""
+    """Lanes a kernel parallel over rows keeps busy.  On the CPU fewer rows than lanes
+    are split into pieces of at least MIN_COL_BLOCK (cpu.py's split rows, in phases)."""
     if p.backend == "cpu":
-        return max(1, min(p.lanes, rows))
+        pieces = rows if rows >= p.lanes else rows * max(1, row_len // MIN_COL_BLOCK)
+        return max(1, min(p.lanes, pieces))
     return max(1, min(p.lanes, rows * min(row_len, p.max_threads_per_task)))
 
 
@@ -388,7 +391,7 @@ def _from_schedule(spec, sched) -> dict:
     return dict(kind=kind, rows=max(1, R), row_len=max(1, L),
                 rows_known=all(axes[a] >= 0 for a in row_axes), reuse_bytes=reuse,
                 footprint_row=foot / max(1, R),
-                split="no" if kind == "row" else "free")
+                split="combine" if kind == "row" else "free")
 
 
 def _estimate(spec) -> dict:
@@ -471,7 +474,10 @@ def choose_launch(spec, profile: DeviceProfile, keep: int = 5) -> Launch:
     for r, c, threads in _candidates(ks, profile):
         t, tasks = timer(ks, profile, r, c, threads)
         if math.isfinite(t):
-            scored.append((t, tasks, {"rows_per_task": r, "col_block": c}, threads))
+            params = {"rows_per_task": r, "col_block": c}
+            if ks.kind == "row" and c < ks.row_len:   # code that splits rows
+                params["split_rows"] = 1
+            scored.append((t, tasks, params, threads))
     scored.sort(key=lambda s: (s[0], -s[2]["col_block"], s[2]["rows_per_task"], s[3]))
     t, tasks, params, threads = scored[0]
     alts = tuple((p, th, tt) for tt, _, p, th in scored[:keep])
@@ -485,7 +491,11 @@ def _candidates(ks: KernelShape, p: DeviceProfile):
     into col_block pieces (where the schedule can split rows)."""
     R, L = ks.rows, ks.row_len
     splits = []
-    if ks.split == "free" or (ks.split == "combine" and ks.rows_known and R < 2 * p.units):
+    combine = ks.split == "combine" and ks.rows_known and R < 2 * p.units
+    if ks.kind == "row" and ks.source == "schedule":   # cpu.py splits rows in phases,
+        # only to fill idle lanes; the CUDA emitter maps rows its own way (cuda_launch)
+        combine = combine and R < p.lanes and p.backend == "cpu"
+    if ks.split == "free" or combine:
         c = L // 2
         while c >= MIN_COL_BLOCK:
             splits.append(c)

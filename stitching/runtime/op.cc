@@ -10,8 +10,12 @@
 //   int64 shape_fn(const int64* in_dims, int64* params, int64* out_dims, int64* sched)
 //   void  body(int64 begin, int64 end, void** ins, void** outs, const int64* params)
 //
-// `sched` is in/out: on entry the entry's launch hint (rows per work unit, column
-// block; 0 = let shape_fn choose), on return the work units and the cost per unit.
+// `sched` is in/out (4 words): on entry the entry's launch hint (rows per work unit,
+// column block; 0 = let shape_fn choose), then 1, 0; on return the work units, the
+// cost per unit, the number of phases and the bytes of temp memory the body needs.
+// A kernel with phases > 1 (a row reduction split across units) is run over all its
+// units once per phase, params[kPhaseSlot] = phase, each phase after the previous
+// one finished; its temp buffer (partial reductions) is passed as outs[n_out].
 // The hint is the cost model's choice for the node's own spec; the code may be shared
 // with specs that chose differently (a shape-generic twin), so it is data, not code.
 //
@@ -68,8 +72,10 @@ using ShapeFn = int64_t (*)(const int64_t* in_dims, int64_t* params, int64_t* ou
                             int64_t* sched);
 using CompilerFn = int (*)(const char* spec);
 
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 constexpr int kMaxParams = 32;      // size of the params array shape_fn may fill
+constexpr int kPhaseSlot = kMaxParams - 1;   // params[31]: the phase being run
+constexpr int64_t kMaxPhases = 64;  // sanity bound (the codegen stops at 9)
 constexpr int kMaxRank = 64;        // sanity bound; the IR itself stops at 8
 constexpr int kMaxTensors = 1024;   // sanity bound on inputs/outputs per kernel
 
@@ -417,13 +423,14 @@ class StitchedKernelOp : public OpKernel {
     // Shapes, kernel parameters and the work decomposition come from shape_fn.
     int64_t params[kMaxParams] = {0};
     std::vector<int64_t> out_dims(e.out_dims_total + 1, 0);
-    int64_t sched[2] = {e.launch[0], e.launch[1]};
+    int64_t sched[4] = {e.launch[0], e.launch[1], 1, 0};
     const int64_t rc = e.shape_fn(in_dims.data(), params, out_dims.data(), sched);
     OP_REQUIRES_OK(ctx, ShapeFnStatus(ctx, rc));
-    OP_REQUIRES(ctx, sched[0] >= 0,
-                absl::InternalError(absl::StrCat("StitchedKernel ", label_,
-                                                 ": shape function returned ",
-                                                 sched[0], " work units")));
+    OP_REQUIRES(ctx, sched[0] >= 0 && sched[2] >= 1 && sched[2] <= kMaxPhases &&
+                         sched[3] >= 0,
+                absl::InternalError(absl::StrCat(
+                    "StitchedKernel ", label_, ": shape function returned ", sched[0],
+                    " work units, ", sched[2], " phases, ", sched[3], " temp bytes")));
 
     std::vector<void*> outs(n_out + 1, nullptr);
     const int64_t* od = out_dims.data();
@@ -436,6 +443,12 @@ class StitchedKernelOp : public OpKernel {
       outs[i] = const_cast<char*>(t->tensor_data().data());
     }
     if (sched[0] == 0) return;  // zero-size tensors: nothing to do
+    Tensor temp;
+    if (sched[3] > 0) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT8, TensorShape({sched[3]}),
+                                             &temp));
+      outs[n_out] = const_cast<char*>(temp.tensor_data().data());
+    }
 
     // Split [0, total) across the intra-op pool; ParallelFor sizes the shards from
     // the per-unit cost and runs small totals inline on this thread.
@@ -446,15 +459,20 @@ class StitchedKernelOp : public OpKernel {
       body(begin, end, in_ptrs, out_ptrs, params);
     };
     const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    if (workers == nullptr || workers->workers == nullptr ||
-        sched[0] * std::max<int64_t>(1, sched[1]) < InlineCost()) {
-      run(0, sched[0]);  // no CPU pool, or too little work to pay for a hand-off
-      return;
+    const bool inline_run = workers == nullptr || workers->workers == nullptr ||
+                            sched[0] * std::max<int64_t>(1, sched[1]) < InlineCost();
+    for (int64_t phase = 0; phase < sched[2]; ++phase) {
+      params[kPhaseSlot] = phase;  // ParallelFor returns when every unit is done
+      if (inline_run) {
+        run(0, sched[0]);  // no CPU pool, or too little work to pay for a hand-off
+      } else {
+        workers->workers->ParallelFor(
+            sched[0],
+            tsl::thread::ThreadPool::SchedulingParams::Adaptive(
+                std::max<int64_t>(1, sched[1])),
+            run);
+      }
     }
-    workers->workers->ParallelFor(
-        sched[0],
-        tsl::thread::ThreadPool::SchedulingParams::Adaptive(std::max<int64_t>(1, sched[1])),
-        run);
   }
 
   // Run on the executor's thread instead of being handed to the inter-op pool: the

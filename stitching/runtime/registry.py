@@ -99,7 +99,7 @@ def library():
     return _lib
 
 
-ABI_VERSION = 3   # op.cc's kAbiVersion: the stitching_register signature
+ABI_VERSION = 4   # op.cc's kAbiVersion: the stitching_register signature
 
 
 def _open_same_image(path: str):

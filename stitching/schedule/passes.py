@@ -168,6 +168,10 @@ def choose_scratch(spec, dom, kind, live, st, vec, S):
     """Vector values consumed in a later pass -> (scratch set, notes)."""
     if kind != KernelKind.ROW:
         return set(), []
+    if spec.schedule.get("split_rows") == 1:
+        # pieces of one row run in different units and phases: nothing stays per row
+        return set(), ["rows may be split across units: values reused across passes "
+                       "are recomputed"]
     later = sorted({a for v in live if vec(v) for a in spec.nodes[v].args
                     if a >= 0 and vec(a) and st[v] > st[a]})
     mode = spec.schedule.get("scratch")

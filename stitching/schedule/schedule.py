@@ -107,6 +107,7 @@ class Schedule:
     rows_per_task: int | None
     col_block: int | None
     notes: tuple = field(default=())
+    split_rows: bool = False   # row kind: the code can split a row across units
 
     # -- queries the emitters use -----------------------------------------------------
     @property
@@ -229,7 +230,8 @@ def _build(spec) -> Schedule:
         stage=st, vector=frozenset(r for r in refs if vec(r)), passes=passes,
         scalars=scalars, edges=edges, scratch=tuple(sorted(scratch)), blocks=blocks,
         rows_per_task=spec.schedule.get("rows_per_task"),
-        col_block=spec.schedule.get("col_block"), notes=tuple(notes))
+        col_block=spec.schedule.get("col_block"), notes=tuple(notes),
+        split_rows=kind == KernelKind.ROW and spec.schedule.get("split_rows") == 1)
 
 
 def _check_dtypes(spec):
