@@ -7,12 +7,15 @@ ABI (fixed; stitching/runtime/op.cc is written against it)::
 
 ``shape_fn`` validates the run-time input dims, writes the kernel parameters into
 ``dims`` (layout below; passed verbatim to ``body``), every output's dims into
-``out_dims`` and ``sched[0]`` = work units, ``sched[1]`` = cycles per unit; it
-returns 0 or k > 0 for ``errors[k-1]``.  ``body`` runs units [begin, end).
-On entry ``sched`` holds the launch hint: rows per unit and column block the cost
-model chose for the calling node's spec (0: none, the shape function picks from
-the run-time sizes).  The hint is data, not code, so specs that differ only in it
-share one compiled kernel.
+``out_dims`` and ``sched[0]`` = work units, ``sched[1]`` = cycles per unit,
+``sched[2]`` = phases, ``sched[3]`` = temp bytes; it returns 0 or k > 0 for
+``errors[k-1]``.  ``body`` runs units [begin, end) of phase ``dims[31]``; the caller
+runs every unit of a phase before the next, with a temp buffer of sched[3] bytes as
+``outs[n_outputs]``.  On entry ``sched`` holds the launch hint (rows per unit and
+column block the cost model chose for the calling node's spec; 0: none, the shape
+function picks from the run-time sizes), 1, 0.  The hint is data, not code, so specs
+that differ only in it share one compiled kernel.  The shape function itself is an
+int64 program run by one interpreter (shape_program.py).
 
     dims[0 .. R-1]   collapsed domain sizes D0..D{R-1}
     dims[R]          rows per unit (row / element-wise kinds)
@@ -27,6 +30,10 @@ Loop nests, per kind (names as in the generated code)::
     row:         for u: for r in rows(u):  scalars0; pass0 for j<L; scalars1; pass1 ...
                  (float32 sums: per 1024-element chunk a float32 partial, merged
                  into a float64 accumulator, so the loop stays 8 lanes wide)
+    row, split:  (split_rows=1 and a hint cb < L; fewer rows than threads) a unit is
+                 one piece [jb, je) of a row; phase p runs pass p over the piece and
+                 stores its partial reductions, later phases combine them first;
+                 the last phase stores the per-row results
     column:      for u: (kept index, block [c0,c0+n)):
                      block0; pass0: for s in reduced axes (innermost 4 rows per
                      trip): for c<n: acc[c] = step(acc[c], v); block1; pass1 ...
