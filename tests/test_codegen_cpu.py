@@ -484,7 +484,8 @@ def test_shape_function_is_a_program_run_by_one_interpreter():
         in_dims = np.array([d for s in shapes for d in s] + [0], np.int64)
         outs = []
         for run in (shape_program.run, shape_program.run.py_func):
-            dims, od, sched = np.zeros(32, np.int64), np.zeros(3, np.int64), np.array(hint)
+            dims, od = np.zeros(32, np.int64), np.zeros(3, np.int64)
+            sched = np.array(list(hint) + [1, 0], np.int64)     # the ABI's 4 words
             outs.append((run(prog, in_dims, dims, od, sched), dims.tolist(), od.tolist(),
                          sched.tolist()))
         assert outs[0] == outs[1]
@@ -498,6 +499,7 @@ def test_shape_function_is_a_program_run_by_one_interpreter():
     bad = np.array([99], np.int64)
     z = np.zeros(4, np.int64)
     assert shape_program.run(bad, z, z.copy(), z.copy(), z.copy()) == -1
+    assert outs[0][3][2:] == [1, 0]           # not split: one phase, no temp memory
 
 
 @pytest.mark.parametrize("L,cb,rows", [(1025, 100, 1), (1000, 333, 3), (7, 2, 3),
