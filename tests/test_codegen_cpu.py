@@ -842,6 +842,26 @@ def test_workers_past_their_budget_are_killed_and_work_is_done_here(tmp_path, mo
                    "softmax after killed workers", 4e-6)
 
 
+def test_prestarted_workers_compile_what_is_missing_and_are_closed(tmp_path, monkeypatch):
+    """Workers started before the specs exist (parallel.prestart) take the uncached
+    specs, however few; handed a batch with nothing to compile, they are closed."""
+    from stitching.codegen import is_cached, parallel
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    specs = [softmax_spec((-1, 19), scale=0.983), layernorm_spec(19, scale=0.983)]
+    w = parallel.prestart(2)
+    procs = list(w.procs)
+    assert parallel.warm_cache(specs, workers=w) == 2 and all(is_cached(s) for s in specs)
+    assert all(p.wait(timeout=60) == 0 for p in procs) and not w.procs
+    w = parallel.prestart(2)
+    procs = list(w.procs)
+    assert parallel.warm_cache(specs, workers=w) == 0        # all cached: closed unused
+    assert all(p.wait(timeout=60) == 0 for p in procs)
+    x = np.random.default_rng(4).standard_normal((3, 19)).astype(np.float32)
+    k = compile_kernels(specs[:1])[0]
+    assert k.cache_hits
+    assert_matches(k(x)[0], softmax_ref(x) * 0.983, "float32", "prestarted softmax", 4e-6)
+
+
 def test_compile_kernels_on_error_keeps_going(monkeypatch):
     from stitching.codegen import kernel
     bad, good = softmax_spec((-1, 15)), layernorm_spec(15)

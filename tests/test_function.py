@@ -303,3 +303,26 @@ def test_a_single_long_row_is_split_across_threads_in_phases(which):
                                atol=2e-5)
     x[0, 12345] = np.nan
     assert np.isnan(f(tf.constant(x)).numpy()).all()
+
+
+def test_compile_workers_start_early_only_for_large_graphs_not_seen_before(monkeypatch):
+    """pipeline: a graph of >= 300 nodes not compiled before prestarts the compile
+    workers while it is planned; the same graph again (a new process would see the
+    marker in the kernel cache too) and small graphs do not."""
+    from stitching.codegen import parallel
+    calls = []
+    real = parallel.prestart
+    monkeypatch.setattr(parallel, "prestart", lambda *a: calls.append(1) or real(*a))
+
+    def chain(x):
+        for i in range(160):            # ~2 nodes a step: over the 300-node threshold
+            x = x * (1.0 + i * 1e-4) + 0.5
+        return tf.nn.relu(x)
+    x = tf.constant(np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8))
+    want = tf.function(chain)(x).numpy()
+    np.testing.assert_allclose(stitching.function(chain)(x).numpy(), want, rtol=1e-5)
+    assert len(calls) == 1
+    np.testing.assert_allclose(stitching.function(chain)(x).numpy(), want, rtol=1e-5)
+    assert len(calls) == 1                          # seen: no workers started
+    stitching.function(lambda x: tf.nn.relu(x * 2.0))(x)
+    assert len(calls) == 1                          # small graph
