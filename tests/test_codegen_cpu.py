@@ -469,15 +469,16 @@ def test_specs_differing_only_in_launch_parameters_share_one_compiled_kernel():
 
 
 def test_shape_function_is_a_program_run_by_one_interpreter():
-    """The per-kernel shape function is a call of shape_program.run on an int64 program;
-    the compiled interpreter and its plain-Python form (the CUDA host's) agree, launch
-    hint included, and a word that is no opcode stops it with -1."""
-    from stitching.codegen import cpu, shape_program
-    from stitching.schedule import build_schedule
+    """A kernel's shape function is the shared interpreter (one address for every
+    kernel) on the kernel's int64 program; no shape code is generated per kernel.  The
+    compiled interpreter and its plain-Python form agree, launch hint included, and a
+    word that is no opcode stops it with -1."""
+    from stitching.codegen import shape_program
     spec = layernorm_spec(-1)
     k = compile_kernel(spec)
-    assert "h.run_shape_program(SHAPE_PROGRAM" in k.source
-    prog = np.array(cpu._Emitter(build_schedule(spec)).shape_program(), np.int64)
+    assert "shape_fn" not in k.source and k.shape_program[-1] == shape_program.END
+    assert k.shape_address == compile_kernel(softmax_spec((-1, 5))).shape_address
+    prog = k.shape_program
     cases = [(((9, 40), (40,), (40,)), (0, 0)), (((9, 40), (40,), (41,)), (3, 0)),
              (((0, 7), (7,), (7,)), (2, 0))]
     for shapes, hint in cases:
@@ -910,7 +911,7 @@ def test_disk_cache_hits_in_a_new_process(tmp_path):
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     cold, warm = runs
     assert cold["ok"] and warm["ok"]
-    assert cold["hits"] == 0 and warm["hits"] == 2       # body and shape_fn from disk
+    assert cold["hits"] == 0 and warm["hits"] == 1       # the body from disk
     assert list(tmp_path.glob("kernels/*/k_*.py"))
 
 

@@ -23,17 +23,15 @@ from .intrinsics import (acc_add, acc_max, acc_min, acc_mul, aligned_alloc,  # n
                          f32_to_bf16, f32_to_f16, fabs, floor, free,
                          ptr_float32, ptr_float64, ptr_int32, ptr_int64, ptr_uint8,
                          ptr_uint16, roundeven, sqrt)
-from .shape_program import run as run_shape_program  # noqa: F401
 
 # column-block accumulator steps (see lower.Reduction.block_step)
 block_max = _I.maximum
 block_min = _I.minimum
 
-# C ABI of the two entry points (see codegen/__init__.py).
+# C ABI of a generated kernel's body (cpu.py; its shape function is
+# shape_program.interp, shared by all kernels).
 BODY_SIG = types.void(types.int64, types.int64, types.CPointer(types.voidptr),
                       types.CPointer(types.voidptr), types.CPointer(types.int64))
-SHAPE_SIG = types.int64(types.CPointer(types.int64), types.CPointer(types.int64),
-                        types.CPointer(types.int64), types.CPointer(types.int64))
 
 # Kernel-wide fast-math flags: only FMA contraction.  Reductions get reassoc/nsz on
 # their accumulator instructions alone (intrinsics.acc_*); no nnan/ninf anywhere, no

@@ -92,6 +92,7 @@ class CudaSource:
     phases: tuple = ()            # column kind, split: phase kernels launched in order
     passes: int = 1
     wide: tuple = ()              # element-wise: arguments k_ew_v4 moves 16 B at a time
+    program: tuple = ()           # the shape function (shape_program.py), run on the host
 
     @property
     def scratch_np(self) -> list:
@@ -116,10 +117,11 @@ def helper_tag() -> str:
 
 def emit(sched) -> CudaSource:
     e = _CudaEmitter(sched)
+    program = tuple(e.shape_program())      # first: its error codes come first
     text = e.module_text()
     return CudaSource(text, tuple(e.errors), dict(e.kernels), tuple(e.scratch_types()),
                       tuple(e.acc_types()), tuple(e.phases), len(sched.passes),
-                      tuple(f"p_{e.tag(r)}" for r in e.wide_refs()))
+                      tuple(f"p_{e.tag(r)}" for r in e.wide_refs()), program)
 
 
 class _CudaEmitter(_Emitter):
@@ -139,10 +141,6 @@ class _CudaEmitter(_Emitter):
 
     # -- module -------------------------------------------------------------------------
     def module_text(self) -> str:
-        shape = _Writer()
-        self.shape_fn(shape)
-        # the CPU cfunc's decorator is dropped: the same checks run as host Python
-        shape.lines = [ln for ln in shape.lines if not ln.startswith("@cfunc(")]
         body = _Writer()
         {KernelKind.ELEMENTWISE: self._elementwise, KernelKind.ROW: self._rows,
          KernelKind.COLUMN: self._columns}[self.s.kind](body)
@@ -154,8 +152,7 @@ class _CudaEmitter(_Emitter):
         # dtype objects for dynamic shared arrays (the simulator needs .itemsize)
         head += [f"DT_{n} = np.dtype(np.{n})" for n in sorted({
             _NP[dt.COMPUTE[self.dtype(k)]][3:] for k in self.s.scratch})] + [""]
-        return "\n".join(head + self.C.definitions() + ["", ""] + shape.lines +
-                         ["", ""] + body.lines) + "\n"
+        return "\n".join(head + self.C.definitions() + ["", ""] + body.lines) + "\n"
 
     def scratch_types(self) -> list:
         return [(k, dt.COMPUTE[self.dtype(k)]) for k in self.s.scratch]

@@ -27,8 +27,6 @@ from __future__ import annotations
 import numpy as np
 from numba.cuda.core import config as _config
 
-from .shape_program import run as run_shape_program  # noqa: F401  (host Python)
-
 # numba.cuda chose the simulator or the driver from this flag when it was imported.
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
 

@@ -28,6 +28,7 @@ from ..ir import dtypes as dt
 from ..ir.spec import KernelSpec, validate
 from ..schedule import build_schedule
 from . import cpu
+from . import shape_program
 from .specialize import compile_target
 
 _lock = threading.RLock()
@@ -36,9 +37,7 @@ _kernels: dict = {}          # spec hash -> CompiledKernel
 _BODY_T = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64,
                            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                            ctypes.POINTER(ctypes.c_int64))
-_SHAPE_T = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.POINTER(ctypes.c_int64),
-                            ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64),
-                            ctypes.POINTER(ctypes.c_int64))
+_INTERP_T = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.POINTER(ctypes.c_int64)] * 5)
 MAX_PARAMS = 32
 
 
@@ -102,17 +101,19 @@ class CompiledKernel:
         self.schedule = schedule
         self.source = source.text
         self.errors = list(source.errors)
-        self._module = module              # keeps the cfuncs (and their code) alive
+        self._module = module              # keeps the cfunc (and its code) alive
         self.body_address = module.body.address
-        self.shape_address = module.shape_fn.address
+        # the shape function: the shared interpreter, run on this kernel's program
+        self.shape_program = np.array(source.program, np.int64)
+        self.shape_address = shape_program.interp_address()
         self.in_ranks = [len(t.shape) for t in spec.inputs]
         self.out_ranks = [len(t.shape) for t in spec.output_types]
         self.in_dtypes = [t.dtype for t in spec.inputs]
         self.out_dtypes = [t.dtype for t in spec.output_types]
         self.compile_seconds = compile_seconds
-        self.cache_hits = module.body.cache_hits + module.shape_fn.cache_hits
+        self.cache_hits = module.body.cache_hits
         self._body = _BODY_T(self.body_address)
-        self._shape = _SHAPE_T(self.shape_address)
+        self._shape = _INTERP_T(self.shape_address)
         self.generic = None                # hash of the generic spec whose code this is
         self.in_static_dims = None         # set when the code does not check them itself
         self.launch = launch_hint(spec)
@@ -165,7 +166,7 @@ class CompiledKernel:
         out_dims = np.zeros(sum(self.out_ranks) + 1, np.int64)
         sched = np.array(list(self.launch) + [1, 0], np.int64)
         p = lambda a: a.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))   # noqa: E731
-        rc = self._shape(p(in_dims), p(dims), p(out_dims), p(sched))
+        rc = self._shape(p(self.shape_program), p(in_dims), p(dims), p(out_dims), p(sched))
         shapes, o = [], 0
         for r in self.out_ranks:
             shapes.append(tuple(int(d) for d in out_dims[o:o + r]))
@@ -248,7 +249,7 @@ def _load_module(text: str, spec_hash: str):
 
 def is_cached(spec: KernelSpec) -> bool:
     """True if compiling ``spec`` (validated) needs no Numba compile: it is in memory,
-    or both cfuncs of the code serving it are in the disk cache.  A spec that cannot
+    or the body cfunc of the code serving it is in the disk cache.  A spec that cannot
     be scheduled counts as cached (there is nothing to compile; compile_kernel raises
     the reason)."""
     if spec.hash in _kernels:
@@ -262,7 +263,7 @@ def is_cached(spec: KernelSpec) -> bool:
         return True
     name = _module_name(text, target.hash)
     pycache = kernel_dir() / "__pycache__"
-    return all(any(pycache.glob(f"{name}.{fn}-*.nbi")) for fn in ("body", "shape_fn"))
+    return any(pycache.glob(f"{name}.body-*.nbi"))
 
 
 def compile_kernel(spec: KernelSpec) -> CompiledKernel:

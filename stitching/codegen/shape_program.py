@@ -3,10 +3,11 @@
 A kernel's shape function (the ``shape_fn`` of the ABI in cpu.py) checks the run-time
 input dims, computes the collapsed domain sizes, the work decomposition and the output
 dims.  It used to be generated as straight-line code per kernel, and Numba took as long
-to compile it as the kernel body (0.15-0.4 s each).  Now the emitter writes a program
-and the generated ``shape_fn`` is one call to ``run``, compiled once per installation
-(Numba's disk cache; ``precompile`` at install); per kernel only a one-line trampoline
-is compiled (~0.1 s).  The CUDA host (cuda.py) calls the same ``run`` from Python.
+to compile it as the kernel body (0.15-0.4 s each, and as long again to load from the
+disk cache).  Now the emitter writes a program and one interpreter runs every kernel's:
+the ``interp`` cfunc, compiled once per installation (Numba's disk cache;
+``precompile`` at install), which the op calls with the kernel's program (op.cc,
+ABI 5).  The CUDA host (cuda.py) calls ``run`` from Python.
 
 Program encoding (int64 words; a *value* ``v`` is the constant ``v`` when ``v >= 0``,
 else ``in_dims[-v - 1]``)::
@@ -169,9 +170,28 @@ def run(prog, in_dims, dims, out_dims, sched):
             return -1   # not a program this module wrote
 
 
+def _interp(prog, in_dims, dims, out_dims, sched):
+    return run(prog, in_dims, dims, out_dims, sched)
+
+
+_INTERP = None
+
+
+def interp_address() -> int:
+    """Address of the C entry point every generated kernel's shape function is:
+    ``int64 interp(const int64* prog, const int64* in_dims, int64* dims,
+    int64* out_dims, int64* sched)``.  Compiled on first use (or loaded from Numba's
+    disk cache, ~40 ms)."""
+    global _INTERP
+    if _INTERP is None:
+        from numba import cfunc, types
+        ptr = types.CPointer(types.int64)
+        _INTERP = cfunc(types.int64(ptr, ptr, ptr, ptr, ptr), nogil=True, cache=True,
+                        error_model="numpy")(_interp)
+    return _INTERP.address
+
+
 def precompile() -> None:
-    """Compile ``run`` for the kernels' argument types into Numba's on-disk cache (the
-    first kernel of a process then loads it instead of compiling it, ~0.9 s)."""
-    from numba import types
-    ptr = types.CPointer(types.int64)
-    run.compile((types.Array(types.int64, 1, "C", readonly=True), ptr, ptr, ptr, ptr))
+    """Compile the interpreter into Numba's on-disk cache (a process then loads it
+    instead of compiling it, ~0.9 s)."""
+    interp_address()

@@ -17,8 +17,11 @@ Kernel ABI (what codegen produces; duck-typed object)::
                                       const int64* params)
     kernel.shape_address   int64 shape_fn(const int64* in_dims, int64* params,
                                           int64* out_dims, int64* sched)
+                           or, with kernel.shape_program (int64s), the interpreter
+                           int64 interp(const int64* program, <the same four>)
     kernel.in_ranks, kernel.out_ranks, kernel.in_dtypes, kernel.out_dtypes
     kernel.errors          shape_fn returning k > 0 reports errors[k-1]
+    optional: kernel.in_static_dims, kernel.launch (op.cc says what they mean)
 
 Importing this package does not import TensorFlow; ``load()`` does.
 """

@@ -10,6 +10,12 @@
 //   int64 shape_fn(const int64* in_dims, int64* params, int64* out_dims, int64* sched)
 //   void  body(int64 begin, int64 end, void** ins, void** outs, const int64* params)
 //
+// or, for a kernel registered with a shape *program* (an int64 array the code generator
+// wrote), the shape function is an interpreter shared by all such kernels:
+//
+//   int64 interp(const int64* program, const int64* in_dims, int64* params,
+//                int64* out_dims, int64* sched)
+//
 // `sched` is in/out (4 words): on entry the entry's launch hint (rows per work unit,
 // column block; 0 = let shape_fn choose), then 1, 0; on return the work units, the
 // cost per unit, the number of phases and the bytes of temp memory the body needs.
@@ -70,9 +76,12 @@ using BodyFn = void (*)(int64_t begin, int64_t end, void** ins, void** outs,
                         const int64_t* params);
 using ShapeFn = int64_t (*)(const int64_t* in_dims, int64_t* params, int64_t* out_dims,
                             int64_t* sched);
+using InterpFn = int64_t (*)(const int64_t* program, const int64_t* in_dims,
+                            int64_t* params, int64_t* out_dims, int64_t* sched);
 using CompilerFn = int (*)(const char* spec);
 
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
+constexpr int64_t kMaxProgram = 1 << 20;   // sanity bound on a shape program's words
 constexpr int kMaxParams = 32;      // size of the params array shape_fn may fill
 constexpr int kPhaseSlot = kMaxParams - 1;   // params[31]: the phase being run
 constexpr int64_t kMaxPhases = 64;  // sanity bound (the codegen stops at 9)
@@ -83,7 +92,9 @@ constexpr int kMaxTensors = 1024;   // sanity bound on inputs/outputs per kernel
 // share it through shared_ptr so it outlives any registry change.
 struct Entry {
   BodyFn body = nullptr;
-  ShapeFn shape_fn = nullptr;
+  ShapeFn shape_fn = nullptr;       // with an empty `program`
+  InterpFn interp = nullptr;        // with a non-empty `program`
+  std::vector<int64_t> program;
   std::vector<int> in_ranks, out_ranks;
   DataTypeVector in_dtypes, out_dtypes;
   std::vector<std::string> errors;
@@ -424,7 +435,10 @@ class StitchedKernelOp : public OpKernel {
     int64_t params[kMaxParams] = {0};
     std::vector<int64_t> out_dims(e.out_dims_total + 1, 0);
     int64_t sched[4] = {e.launch[0], e.launch[1], 1, 0};
-    const int64_t rc = e.shape_fn(in_dims.data(), params, out_dims.data(), sched);
+    const int64_t rc =
+        e.program.empty()
+            ? e.shape_fn(in_dims.data(), params, out_dims.data(), sched)
+            : e.interp(e.program.data(), in_dims.data(), params, out_dims.data(), sched);
     OP_REQUIRES_OK(ctx, ShapeFnStatus(ctx, rc));
     OP_REQUIRES(ctx, sched[0] >= 0 && sched[2] >= 1 && sched[2] <= kMaxPhases &&
                          sched[3] >= 0,
@@ -608,20 +622,28 @@ __attribute__((visibility("default"))) int stitching_abi_version() {
 // registered, 1 if the spec was already registered (the existing entry is kept),
 // and a negative code on invalid arguments: -1 null spec/function, -2 bad tensor
 // count, -3 bad rank, -4 unsupported dtype, -5 bad error list, -6 bad static dim,
-// -7 bad launch hint.
+// -7 bad launch hint, -8 bad shape program.
 // `in_static` (may be NULL): the spec's static input dims, flattened, -1 unknown.
 // `launch` (may be NULL): rows per unit and column block for shape_fn, 0 = its choice.
+// `program` (may be NULL): the kernel's shape program; `shape_fn` is then the shared
+// interpreter (InterpFn) run on it.
 __attribute__((visibility("default"))) int stitching_register(
     const char* spec, void* body, void* shape_fn, int n_in, const int* in_ranks,
     const int* in_dtypes, int n_out, const int* out_ranks, const int* out_dtypes,
     const char* const* errors, int n_errors, const int64_t* in_static,
-    const int64_t* launch) {
+    const int64_t* launch, const int64_t* program, int64_t program_len) {
   using stitching::Entry;
   if (spec == nullptr || body == nullptr || shape_fn == nullptr) return -1;
   if (n_out < 1) return -2;
   auto e = std::make_shared<Entry>();
   e->body = reinterpret_cast<stitching::BodyFn>(body);
-  e->shape_fn = reinterpret_cast<stitching::ShapeFn>(shape_fn);
+  if (program != nullptr) {
+    if (program_len < 1 || program_len > stitching::kMaxProgram) return -8;
+    e->interp = reinterpret_cast<stitching::InterpFn>(shape_fn);
+    e->program.assign(program, program + program_len);
+  } else {
+    e->shape_fn = reinterpret_cast<stitching::ShapeFn>(shape_fn);
+  }
   int rc = stitching::CopySignature(n_in, in_ranks, in_dtypes, &e->in_ranks,
                                     &e->in_dtypes, &e->in_dims_total);
   if (rc != 0) return rc;

@@ -43,7 +43,7 @@ _UNIMPLEMENTED = 12
 
 _REGISTER_ERRORS = {-1: "null spec or function address", -2: "bad number of tensors",
                     -3: "bad rank", -4: "unsupported dtype", -5: "bad error list",
-                    -6: "bad static dim", -7: "bad launch hint"}
+                    -6: "bad static dim", -7: "bad launch hint", -8: "bad shape program"}
 
 _CompilerCallback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p)
 
@@ -99,7 +99,7 @@ def library():
     return _lib
 
 
-ABI_VERSION = 4   # op.cc's kAbiVersion: the stitching_register signature
+ABI_VERSION = 5   # op.cc's kAbiVersion: the stitching_register signature
 
 
 def _open_same_image(path: str):
@@ -115,7 +115,7 @@ def _open_same_image(path: str):
         ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
         ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
         ctypes.POINTER(ctypes.c_char_p), ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
-        ctypes.POINTER(ctypes.c_int64)]
+        ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
     lib.stitching_set_compiler.restype = None
     lib.stitching_set_compiler.argtypes = [_CompilerCallback]
     lib.stitching_set_compile_error.restype = None
@@ -206,12 +206,23 @@ def _abi_arguments(kernel) -> tuple:
             raise RegistrationError("launch must be two ints >= 0 (rows per unit, "
                                     "column block)")
         launch = (ctypes.c_int64 * 2)(*launch)
+    # Optional: a shape program (codegen/shape_program.py); shape_address is then the
+    # interpreter that runs it.  The op keeps its own copy.
+    program = getattr(kernel, "shape_program", None)
+    n_program = 0
+    if program is not None:
+        program = [int(v) for v in program]
+        if not program:
+            raise RegistrationError("shape_program must not be empty")
+        n_program = len(program)
+        program = (ctypes.c_int64 * n_program)(*program)
 
     def ints(xs):
         return (ctypes.c_int * max(1, len(xs)))(*xs)
     return (body, shape, len(in_ranks), ints(in_ranks), ints(in_dtypes),
             len(out_ranks), ints(out_ranks), ints(out_dtypes),
-            (ctypes.c_char_p * max(1, len(errors)))(*errors), len(errors), static, launch)
+            (ctypes.c_char_p * max(1, len(errors)))(*errors), len(errors), static, launch,
+            program, n_program)
 
 
 def _int_list(xs, what) -> list:
