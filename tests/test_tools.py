@@ -33,3 +33,20 @@ def test_gpu_section_renders_from_a_recorded_run_without_tensorflow(tmp_path):
     assert "geomean speedup:" in section and "row reductions: worst" in section
     # the verdicts are computed from the rows, not copied
     assert "**FAIL** geomean >= 1.3x torch.compile: 0.70x" in section
+
+
+def test_ablation_verdict_counts_a_row_slower_only_beyond_its_spread():
+    """The ablation's "never slower" line fails on a row whose median is slower by more
+    than the two rows' spread, not on one inside it; the strict lines (vs TF) are kept."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from bench_lib import output
+
+    def row(full, base, spread):
+        t = lambda m: {"time": {"median_s": m, "q1_s": m * (1 - spread), "q3_s": m * (1 + spread)}}  # noqa: E731
+        return {"modes": {"stitching": t(full), "baseline": t(base), "tf": t(base)}}
+    name = lambda r: "case"  # noqa: E731
+    within = [row(1.05, 1.0, 0.05)]          # 0.95x, spreads 10% wide
+    beyond = [row(1.30, 1.0, 0.05)]          # 0.77x
+    assert output._no_slower(within, "l", name, base="baseline", noise_ok=True).startswith("PASS")
+    assert output._no_slower(beyond, "l", name, base="baseline", noise_ok=True).startswith("FAIL")
+    assert output._no_slower(within, "l", name).startswith("FAIL")      # strict by default

@@ -46,6 +46,9 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default=None,
                     help="models: comma-separated batch sizes (default: each model's)")
     ap.add_argument("--batch", type=int, default=1, help="compile suite: batch size")
+    ap.add_argument("--compile-rounds", type=int, default=3,
+                    help="compile suite: rounds of fresh processes; each cell is the "
+                         "round with the median first call (default 3)")
     ap.add_argument("--modes", default="tf,xla,stitching",
                     help="subset of tf,xla,stitching (tf is the reference for checks)")
     ap.add_argument("--ablation", action="store_true",
@@ -145,7 +148,8 @@ def main(argv=None):
             "models", suites.case_keys("models", only=args.only, batches=batches))
     if "compile" in run:
         results["compile"] = suites.run_compile(only=args.only, batch=args.batch,
-                                                planner=args.planner, mode_list=mode_list)
+                                                planner=args.planner, mode_list=mode_list,
+                                                rounds=args.compile_rounds)
         pre = next((r.get("op_library_prebuild") for r in results["compile"]
                     if r.get("op_library_prebuild")), None)
         if pre:

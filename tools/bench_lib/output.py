@@ -134,17 +134,24 @@ def ablation_lines(rows) -> list[str]:
         if sp:
             out.append(f"ablation: {len(differ)} row(s) with different plans: full vs "
                        f"baseline geomean {geomean(sp):.2f}x")
+        # Noise-aware: the two planners' plans are often the same kernels with other
+        # launch hints, whose timings differ by this machine's noise (±5-15% on models)
         out.append(_no_slower(differ, "ablation: full planner never slower than the "
-                              "baseline where the plans differ", name, base="baseline"))
+                              "baseline where the plans differ (slower: medians apart by "
+                              "more than the rows' spread)", name, base="baseline",
+                              noise_ok=True))
     return out
 
 
-def _no_slower(rows, label, name, mode="stitching", base="tf") -> str:
+def _no_slower(rows, label, name, mode="stitching", base="tf", noise_ok=False) -> str:
     """PASS/FAIL line: no row where ``mode`` is slower than ``base``; names the worst
-    row, with ', within noise' when its difference is inside the rows' spread."""
+    row, with ', within noise' when its difference is inside the rows' spread.
+    ``noise_ok``: a row slower within its spread does not fail the line."""
     st = [(speedup(r, mode, base) or 0.0, name(r), i) for i, r in enumerate(rows)]
     worst = min(st)
-    return _verdict(worst[0] >= 1.0,
+    ok = all(s >= 1.0 or (noise_ok and s and _noise(rows[i], mode, base))
+             for s, _, i in st)
+    return _verdict(ok and worst[0] > 0,
                     f"{label}: worst "
                     + (f"{_x3(worst[0])} ({worst[1]}{_noise(rows[worst[2]], mode, base)})"
                        if worst[0] else
@@ -523,9 +530,12 @@ def _suite_markdown(suite, rows, meta, results):
         out.append(f"Note: {note}")
     out.append("")
     if suite == "compile":
+        rounds = max((r.get("rounds") or 1) for r in rows) if rows else 1
         out.append("First call in a fresh process (model built before the clock starts): "
                    "stock TF, XLA, stitching with an empty `STITCHING_CACHE_DIR` (cold), "
-                   "and a second process reusing that cache (warm).")
+                   "and a second process reusing that cache (warm)"
+                   + (f"; {rounds} rounds, each cell the median round." if rounds > 1
+                      else "."))
         out.append("")
         out.append(render_markdown(*compile_table(rows)))
     elif suite == "patterns":
