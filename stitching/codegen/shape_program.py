@@ -139,6 +139,8 @@ def run(prog, in_dims, dims, out_dims, sched):
                     nb = (L + cb - 1) // cb
                     rpt = 1
                     phases = passes + 1
+                    if rows * nb > MAX_ELEMS // max(1, reds * 8):
+                        return err          # the partials would not fit any memory
                     temp = reds * rows * nb * 8
                 elif kind == ROW:
                     nb = 1
