@@ -392,15 +392,18 @@ class _Emitter:
         with w.block("else:"):
             self._row_whole(w, scalar_inputs)
 
+    def _row_start(self, w, scalar_inputs) -> None:
+        """Row r's base offsets and the inputs read once per row."""
+        self.bases(w, self.decompose(w, "r", list(range(self.R - 1))))
+        for j in scalar_inputs:
+            self.load_input(w, -(j + 1), f"b_i{j}")
+
     def _row_whole(self, w, scalar_inputs) -> None:
-        R, s = self.R, self.s
+        s = self.s
         with w.block("for u in range(begin, end):"):
             w("r0 = u * rpt")
             with w.block("for r in range(r0, min(r0 + rpt, rows)):"):
-                idx = self.decompose(w, "r", list(range(R - 1)))
-                self.bases(w, idx)
-                for j in scalar_inputs:
-                    self.load_input(w, -(j + 1), f"b_i{j}")
+                self._row_start(w, scalar_inputs)
                 self._row_scalars(w, s.scalars[0])
                 for p in s.passes:
                     self._row_pass(w, p)
@@ -412,7 +415,7 @@ class _Emitter:
         8-byte slot per reduction, row and piece, in the op's temp buffer, outs[n]);
         later phases first combine a row's partials, then go on.  The last phase
         stores the per-row results (from the row's first piece)."""
-        R, s = self.R, self.s
+        s = self.s
         reds = self._split_reds()
         acc = {k: lower.reduction(self.spec, k, self.C) for k in reds}
         w(f"phase = dims[{PHASE_SLOT}]")
@@ -426,10 +429,7 @@ class _Emitter:
                 w("continue")
             w("jb = c * cb")
             w("je = min(L, jb + cb)")
-            idx = self.decompose(w, "r", list(range(R - 1)))
-            self.bases(w, idx)
-            for j in scalar_inputs:
-                self.load_input(w, -(j + 1), f"b_i{j}")
+            self._row_start(w, scalar_inputs)
             self._row_scalars(w, s.scalars[0], stores=False)
             for p in s.passes:
                 with w.block(f"if phase == {p.index}:"):

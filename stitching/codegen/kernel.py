@@ -29,7 +29,7 @@ from ..ir.spec import KernelSpec, validate
 from ..schedule import build_schedule
 from . import cpu
 from . import shape_program
-from .specialize import compile_target
+from .specialize import LAUNCH_PARAMS, compile_target
 
 _lock = threading.RLock()
 _kernels: dict = {}          # spec hash -> CompiledKernel
@@ -215,7 +215,7 @@ class CompiledKernel:
 def launch_hint(spec) -> tuple:
     """(rows per unit, column block) the cost model chose for ``spec``, 0 where it left
     the choice to the shape function; passed to the shape function at run time."""
-    return (int(spec.schedule.get("rows_per_task", 0)), int(spec.schedule.get("col_block", 0)))
+    return tuple(int(spec.schedule.get(k, 0)) for k in LAUNCH_PARAMS)
 
 
 def _module_name(text: str, spec_hash: str) -> str:

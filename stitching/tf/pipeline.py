@@ -54,9 +54,11 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
         ir = frontend.to_ir(tf_graph, list(fetches))
         # A large graph not compiled before will likely need Numba: start the compile
         # workers now, so their start-up overlaps planning (warm_cache closes them if
-        # nothing needs compiling).  Small graphs compile few kernels, often in-process.
-        key = _graph_key(graph_def, fetches, keep, options)
-        if len(ir) >= _PRESTART_MIN_NODES and not kernel_cache.graph_seen(key):
+        # nothing needs compiling).  Small graphs compile few kernels, often in-process,
+        # and are not keyed at all.
+        key = (_graph_key(graph_def, fetches, keep, options)
+               if len(ir) >= _PRESTART_MIN_NODES else None)
+        if key is not None and not kernel_cache.graph_seen(key):
             workers = parallel.prestart()
         if options.verify:
             ir.verify()
@@ -65,7 +67,7 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     finally:
         if workers is not None:
             workers.close()
-    if not failed:
+    if key is not None and not failed:
         kernel_cache.remember_graph(key)
     new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions)
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
