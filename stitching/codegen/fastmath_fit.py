@@ -1,4 +1,4 @@
-"""Regenerate the erf / erfcx / tanh coefficients of fastmath.py (dev tool).
+"""Regenerate the exp / erf / erfcx / tanh coefficients of fastmath.py (dev tool).
 
     python -m stitching.codegen.fastmath_fit
 
@@ -9,6 +9,7 @@ Rational erf: Sanathanan-Koerner iterations (linearized P - g Q with weights
 float32, refit the other" keeping the pair with the fewest float32 ulps.  Needs
 scipy; never imported by the kernels.
 
+exp: exp(r) = 1 + r + r^2 P(r) on [-ln2/2, ln2] (fit_exp_poly, same method).
 tanh: expm1(2u)/2 = u + u^2 P(u) on |u| <= ln2/4, minimax in relative error
 (fit_tanh_poly: Lawson, coefficients rounded to float32 one at a time, refitting
 the rest each time).  fit_tanh_rational fits the Eigen/XLA-style alternative
@@ -119,6 +120,24 @@ def fit_tanh_poly(deg=5):
     return np.abs((u + A @ c - h) / h).max(), [np.float32(v) for v in c]
 
 
+def fit_exp_poly(deg=5):
+    """P with exp(r) ~ 1 + r + r^2 P(r) on [-ln2/2, ln2] (exp_f32's reduced range:
+    n = round(x / ln2) is capped at 127), minimax relative error, float32
+    coefficients rounded one at a time.  Returns (max relative error, [P0..Pdeg])."""
+    a, b = -np.log(2.0) / 2 * (1 + 2.0 ** -10), np.log(2.0) * (1 + 2.0 ** -10)
+    k = np.arange(16000)
+    r = (a + b) / 2 + (b - a) / 2 * np.cos(np.pi * (2 * k + 1) / 32000)
+    r = r[np.abs(r) > 1e-7]
+    e = np.expm1(r)
+    A = (r * r)[:, None] * np.vander(r, deg + 1, increasing=True)
+    fixed = []
+    for i in range(deg + 1):
+        _, c = _lawson_fixed(A, e - r, np.exp(r), fixed)
+        fixed.append(float(np.float32(c[i])))
+    c = np.array(fixed)
+    return np.abs((r + A @ c - e) / np.exp(r)).max(), [np.float32(v) for v in c]
+
+
 def fit_tanh_rational(m=6, n=3, hi=9.0, iters=200):
     """tanh(x) ~ x P(z)/Q(z), z = x^2, P(0) = Q(0) = 1 (tanh(x) = x for tiny x), on
     [0, hi]: Sanathanan-Koerner + Lawson in t = z / hi^2 (monomials in z are too
@@ -166,6 +185,9 @@ if __name__ == "__main__":
     u, rp, rq = fit_rational(special.erf, 3.925, 6, 5)
     print(f"erf(x) = x P(x^2)/Q(x^2), |x| <= 3.925: {u:.2f} ulp in float32\n"
           f"  P {[repr(np.float32(c)) for c in rp]}\n  Q {[repr(np.float32(c)) for c in rq]}")
+    m, p = fit_exp_poly()
+    print(f"exp: exp(r) = 1 + r + r^2 P(r), -ln2/2 <= r <= ln2: max rel error {m:.2e}\n"
+          f"  P {[repr(c) for c in p]}")
     m, p = fit_tanh_poly()
     print(f"tanh: expm1(2u)/2 = u + u^2 P(u), |u| <= ln2/4: max rel error {m:.2e}\n"
           f"  P {[repr(c) for c in p]}")

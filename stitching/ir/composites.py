@@ -4,7 +4,8 @@ The planner sees one node per TF node (so a region never holds half a Softmax);
 ``expand`` turns a composite node into primitive spec nodes.  Each expansion is
 the textbook formula TF's own kernel computes:
 
-  Softmax(x)      = e / sum(e),            e = exp(x - max(x))     (last axis)
+  Softmax(x)      = e * (1 / sum(e)),      e = exp(x - max(x))     (last axis;
+                    TF's kernel multiplies by the inverse, it does not divide)
   LogSoftmax(x)   = s - log(sum(exp(s))),  s = x - max(x)
   BiasAdd(x, b)   = x + b                  (b broadcast on the channel axis)
   FusedBatchNorm  = x * k + (offset - mean * k),  k = scale * rsqrt(var + eps)
@@ -39,7 +40,7 @@ def expand(op: str, attrs: dict, args: list, types: list, emit) -> int:
         e = emit("Exp", [s], {})
         z = emit("Sum", [e], last)
         if op == "Softmax":
-            return emit("Div", [e, z], {})
+            return emit("Mul", [e, emit("Reciprocal", [z], {})], {})
         return emit("Sub", [s, emit("Log", [z], {})], {})
     if op == "BiasAdd":
         b = _to_channel(args[1], types[1], rank, attrs["data_format"], emit)
