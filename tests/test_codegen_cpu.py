@@ -456,6 +456,33 @@ def test_softmax_rows_shorter_than_a_vector_and_rows_per_task():
     assert k.shapes([X.shape])[3] == 5        # ceil(23 / 5) units
 
 
+def test_long_rows_prefetch_the_next_row_and_stay_exact():
+    """Row kernels whose later passes are transcendental (softmax) prefetch row r + 1
+    after streaming row r; LayerNorm's light passes do not.  The prefetch is a hint:
+    results must not change, the last row of the tensor included."""
+    k = compile_kernel(softmax_spec((-1, 700), rows_per_task=3))
+    assert "h.prefetch(p_i0" in k.source
+    assert "h.prefetch" not in compile_kernel(layernorm_spec(700)).source
+    X = RNG.standard_normal((10, 700)).astype(np.float32) * 4
+    X[9, 5] = np.nan
+    (y,) = k(X)
+    assert_matches(y[:9], softmax_ref(X[:9]), "float32", "softmax 700", 4e-6, 2e-6)
+    assert np.isnan(y[9]).all()
+
+
+def test_float_operand_constants_are_opaque_and_reduction_starts_literal():
+    """Loop constants go through h.opaque (hoisted, not re-made each iteration);
+    a reduction's start value stays a literal the vectorizer can split."""
+    k = compile_kernel(softmax_spec((-1, 1024), scale=0.37))
+    src = k.source
+    scale = next(line.split()[0] for line in src.splitlines()
+                 if line.startswith("_K") and "0.37" in line)
+    start = next(line.split()[0] for line in src.splitlines()
+                 if line.startswith("_K") and "-math.inf" in line)
+    assert f"{scale[1:]} = h.opaque({scale})" in src
+    assert f"{start[1:]} = {start}" in src
+
+
 def test_specs_differing_only_in_launch_parameters_share_one_compiled_kernel():
     """rows_per_task / col_block are the cost model's per-shape choice: the op hands
     them to the shape function at run time, so they never make a new compile."""

@@ -62,10 +62,12 @@ _E5, _E6, _E7 = f32(1 / 120), f32(1 / 720), f32(1 / 5040)
 @helper
 def _expm1_reduced(x):
     """(n, q) with x = n ln2 + r and q = expm1(r); x finite, |x| <= 104."""
-    n_f = I.roundeven(x * _LOG2E)
-    r = I.fma(n_f, -_LN2_HI, x)
-    r = I.fma(n_f, -_LN2_LO, r)
-    p = I.fma(I.fma(I.fma(I.fma(I.fma(_E7, r, _E6), r, _E5), r, _E4), r, _E3), r, _E2)
+    K = I.opaque
+    n_f = I.roundeven(x * K(_LOG2E))
+    r = I.fma(n_f, K(-_LN2_HI), x)
+    r = I.fma(n_f, K(-_LN2_LO), r)
+    p = I.fma(I.fma(I.fma(I.fma(I.fma(K(_E7), r, K(_E6)), r, K(_E5)), r, K(_E4)), r,
+                    K(_E3)), r, K(_E2))
     q = I.fma(p, r * r, r)
     return n_f, q
 
@@ -93,17 +95,19 @@ def exp_f32(x):
     selects replace; NaN flows through), Estrin's scheme keeps the polynomial three
     steps deep after r^2, and 2^n (1 + q) is one fma.  26% cheaper than clamping x
     and a degree-8 Taylor polynomial with an add and a multiply at the end."""
-    n = I.roundeven(x * _LOG2E)
-    n = n if n < _N_MAX else _N_MAX        # also maps NaN to 127: no poison below
-    r = I.fma(n, -_LN2_HI, x)
-    r = I.fma(n, -_LN2_LO, r)
+    K = I.opaque           # constants stay loop-invariant values (see I.opaque)
+    n = I.roundeven(x * K(_LOG2E))
+    nmax = K(_N_MAX)
+    n = n if n < nmax else nmax            # also maps NaN to 127: no poison below
+    r = I.fma(n, K(-_LN2_HI), x)
+    r = I.fma(n, K(-_LN2_LO), r)
     r2 = r * r
-    p = I.fma(I.fma(I.fma(_XP5, r, _XP4), r2, I.fma(_XP3, r, _XP2)), r2,
-              I.fma(_XP1, r, _XP0))
+    p = I.fma(I.fma(I.fma(K(_XP5), r, K(_XP4)), r2, I.fma(K(_XP3), r, K(_XP2))), r2,
+              I.fma(K(_XP1), r, K(_XP0)))
     s = I.exp2i_f32(n)
     y = I.fma(I.fma(p, r2, r), s, s)      # 2^n (1 + expm1(r))
-    y = _INF if x > _EXP_MAX else y
-    return _ZERO if x < _EXP_MIN else y
+    y = _INF if x > K(_EXP_MAX) else y
+    return _ZERO if x < K(_EXP_MIN) else y
 
 
 @helper
@@ -139,11 +143,12 @@ def log_f32(x):
     m = m + m if lowm else m
     ef = e - _ONE if lowm else e
     f = m - _ONE
-    s = f / (_TWO + f)
+    K = I.opaque
+    s = f / (K(_TWO) + f)
     z = s * s
-    R = z * I.fma(I.fma(I.fma(_L9, z, _L7), z, _L5), z, _L3)
+    R = z * I.fma(I.fma(I.fma(K(_L9), z, K(_L7)), z, K(_L5)), z, K(_L3))
     l1 = f - s * (f - R)
-    y = I.fma(ef, _LN2_HI, I.fma(ef, _LN2_LO, l1))
+    y = I.fma(ef, K(_LN2_HI), I.fma(ef, K(_LN2_LO), l1))
     y = -_INF if x == _ZERO else y
     y = x if x == _INF else y
     return _NAN if x < _ZERO else (y if x == x else x)
@@ -187,18 +192,22 @@ def tanh_f32(x):
     cheaper still, but in float32 its 9 rounded Horner steps reach the result in full
     where tanh is near +-1: 5.3 ulp measured for a (6, 3) minimax fit, see
     fastmath_fit.fit_tanh_rational.)"""
+    K = I.opaque
     a = I.fabs(x)
-    a = _TANH_CLAMP if a > _TANH_CLAMP else a        # nan stays nan
-    sh = I.fma(a, _TWO_LOG2E, _TANH_SHIFT)
-    n = sh - _TANH_SHIFT
-    u = I.fma(n, -_HALF_LN2_HI, a)
-    u = I.fma(n, -_HALF_LN2_LO, u)
+    clamp = K(_TANH_CLAMP)
+    a = clamp if a > clamp else a                     # nan stays nan
+    shift = K(_TANH_SHIFT)
+    sh = I.fma(a, K(_TWO_LOG2E), shift)
+    n = sh - shift
+    u = I.fma(n, K(-_HALF_LN2_HI), a)
+    u = I.fma(n, K(-_HALF_LN2_LO), u)
     u2 = u * u
-    p = I.fma(u2, I.fma(u2, I.fma(_TP5, u, _TP4), I.fma(_TP3, u, _TP2)), I.fma(_TP1, u, _TP0))
+    p = I.fma(u2, I.fma(u2, I.fma(K(_TP5), u, K(_TP4)), I.fma(K(_TP3), u, K(_TP2))),
+              I.fma(K(_TP1), u, K(_TP0)))
     h = I.fma(u2, p, u)                               # expm1(2u) / 2
     s2 = I.bits_f32(np.int32(I.f32_bits(sh) << 23))   # 2^(n+1)
-    t = I.fma(s2, h, I.fma(s2, _HALF, -_ONE))         # 2^n (1 + 2h) - 1 = expm1(2a) >= 0
-    y = t / (t + _TWO)
+    t = I.fma(s2, h, I.fma(s2, K(_HALF), K(-_ONE)))  # 2^n (1 + 2h) - 1 = expm1(2a) >= 0
+    y = t / (t + K(_TWO))
     return I.bits_f32(np.int32(I.f32_bits(y) | (I.f32_bits(x) & _SIGN_BIT)))
 
 
@@ -223,10 +232,11 @@ _ERFCX_Q = (f32(2.2764732e-06), f32(0.28202128), f32(0.28312847), f32(0.23850909
 
 @helper
 def _erf_small(x):
+    K = I.opaque
     z = x * x
     z2 = z * z
-    p = I.fma(I.fma(I.fma(_EP6, z, _EP5), z2, I.fma(_EP4, z, _EP3)), z2 * z,
-              I.fma(I.fma(_EP2, z, _EP1), z, _EP0))
+    p = I.fma(I.fma(I.fma(K(_EP6), z, K(_EP5)), z2, I.fma(K(_EP4), z, K(_EP3))), z2 * z,
+              I.fma(I.fma(K(_EP2), z, K(_EP1)), z, K(_EP0)))
     return x * p
 
 
@@ -234,13 +244,15 @@ def _erf_small(x):
 def _erfc_big(a):
     """erfc(a) for a in [0.5, 11]: exp(-a^2) erfcx(a); a^2's rounding error is
     folded back in with an fma so exp(-a^2) keeps float32 accuracy."""
-    u = _TWO / (_TWO + a)
+    K = I.opaque
+    two = K(_TWO)
+    u = two / (two + a)
     # high-order terms by Estrin (short dependency chain: the loop calling this is
     # latency-bound), the last four by Horner (they set the rounding error)
     u2 = u * u
-    q = I.fma(I.fma(I.fma(_EQ10, u, _EQ9), u2, I.fma(_EQ8, u, _EQ7)), u2 * u2,
-              I.fma(I.fma(_EQ6, u, _EQ5), u2, I.fma(_EQ4, u, _EQ3)))
-    q = I.fma(I.fma(I.fma(q, u, _EQ2), u, _EQ1), u, _EQ0)
+    q = I.fma(I.fma(I.fma(K(_EQ10), u, K(_EQ9)), u2, I.fma(K(_EQ8), u, K(_EQ7))), u2 * u2,
+              I.fma(I.fma(K(_EQ6), u, K(_EQ5)), u2, I.fma(K(_EQ4), u, K(_EQ3))))
+    q = I.fma(I.fma(I.fma(q, u, K(_EQ2)), u, K(_EQ1)), u, K(_EQ0))
     a2 = a * a
     lo = I.fma(a, a, -a2)                       # a*a = a2 + lo exactly
     e = exp_f32(-a2)
@@ -262,14 +274,17 @@ _ERF_CLAMP = f32(3.925)
 @helper
 def erf_f32(x):
     """erf(x).  <= 5.5 ulp, absolute error <= 3.2e-7; exactly +-1 past 3.925."""
-    xc = _ERF_CLAMP if x > _ERF_CLAMP else x
-    xc = -_ERF_CLAMP if xc < -_ERF_CLAMP else xc
+    K = I.opaque
+    hi, lo = K(_ERF_CLAMP), K(-_ERF_CLAMP)
+    xc = hi if x > hi else x
+    xc = lo if xc < lo else xc
     z = xc * xc
-    p = I.fma(I.fma(I.fma(I.fma(I.fma(I.fma(_RP6, z, _RP5), z, _RP4), z, _RP3), z, _RP2),
-                    z, _RP1), z, _RP0)
-    q = I.fma(I.fma(I.fma(I.fma(I.fma(_RQ5, z, _RQ4), z, _RQ3), z, _RQ2), z, _RQ1), z, _RQ0)
+    p = I.fma(I.fma(I.fma(I.fma(I.fma(I.fma(K(_RP6), z, K(_RP5)), z, K(_RP4)), z, K(_RP3)),
+                            z, K(_RP2)), z, K(_RP1)), z, K(_RP0))
+    q = I.fma(I.fma(I.fma(I.fma(I.fma(K(_RQ5), z, K(_RQ4)), z, K(_RQ3)), z, K(_RQ2)), z,
+                    K(_RQ1)), z, _RQ0)
     y = xc * p / q
-    return I.copysign(_ONE, x) if I.fabs(x) > _ERF_CLAMP else y
+    return I.copysign(_ONE, x) if I.fabs(x) > hi else y
 
 
 @big_helper

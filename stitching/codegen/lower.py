@@ -31,21 +31,32 @@ CD = dt.COMPUTE     # storage dtype -> compute dtype
 
 
 class Consts:
-    """Typed module-level constants: ``name(value, compute_dtype)`` -> identifier."""
+    """Typed module-level constants: ``name(value, compute_dtype)`` -> identifier.
+
+    ``init=True`` marks a reduction's start value: the CPU emitter passes operands
+    of the loop arithmetic through ``h.opaque`` (so LLVM hoists them, see
+    intrinsics.opaque) but leaves start values literal, which the vectorizer
+    needs to see to split a reduction into lanes."""
 
     def __init__(self):
         self.names: dict = {}
 
-    def __call__(self, value, cdtype: str) -> str:
+    def __call__(self, value, cdtype: str, init: bool = False) -> str:
         text = _literal(value, cdtype)
-        key = (cdtype, text)
+        key = (cdtype, text, init)
         if key not in self.names:
             self.names[key] = f"K{len(self.names)}"
         return self.names[key]
 
-    def definitions(self) -> list:
-        return [f"{name} = np.{cd}({text})" if cd != "bool" else f"{name} = {text}"
-                for (cd, text), name in self.names.items()]
+    def definitions(self, prefix: str = "") -> list:
+        return [f"{prefix}{name} = np.{cd}({text})" if cd != "bool"
+                else f"{prefix}{name} = {text}"
+                for (cd, text, _), name in self.names.items()]
+
+    def operands(self) -> list:
+        """Names of the float constants that are not reduction start values."""
+        return [name for (cd, _, init), name in self.names.items()
+                if cd.startswith("float") and not init]
 
 
 def _literal(value, cdtype: str) -> str:
@@ -291,7 +302,7 @@ def reduction(spec, k: int, C) -> Reduction:
     n = spec.nodes[k]
     op, cd = n.op, CD[n.type.dtype]
     if cd == "bool":
-        init = C(op == "All", "bool")
+        init = C(op == "All", "bool", init=True)
         return Reduction("bool", init, "{a} & {v}" if op == "All" else "{a} | {v}", "{a}")
     if cd in ("float32", "float64"):
         if op in ("Sum", "Mean"):   # float32 sums accumulate in float64
@@ -299,14 +310,15 @@ def reduction(spec, k: int, C) -> Reduction:
                 "h.acc_add({a}, {v})"
             final = "{a} / np.float64({n})" if op == "Mean" else "{a}"
             if cd == "float64":
-                return Reduction("float64", C(0.0, "float64"), step, final)
-            return Reduction("float64", C(0.0, "float64"), step, f"np.float32({final})",
-                             part="float32", part_init=C(0.0, "float32"),
+                return Reduction("float64", C(0.0, "float64", init=True), step, final)
+            return Reduction("float64", C(0.0, "float64", init=True), step,
+                             f"np.float32({final})",
+                             part="float32", part_init=C(0.0, "float32", init=True),
                              part_step="h.acc_add({p}, {v})",
                              merge="{a} + np.float64({p})")
         if op == "Prod":
-            return Reduction(cd, C(1.0, cd), "h.acc_mul({a}, {v})", "{a}")
-        init = C(-math.inf if op == "Max" else math.inf, cd)
+            return Reduction(cd, C(1.0, cd, init=True), "h.acc_mul({a}, {v})", "{a}")
+        init = C(-math.inf if op == "Max" else math.inf, cd, init=True)
         # Row reduction: llvm.maximum with reassoc (vectorizes across lanes).  Column
         # block: the flag-free llvm.maximum; with nsz, or as a compare-select, LLVM
         # turns acc[c] = max(acc[c], v) into a masked store (microcoded on AMD, 5x).
@@ -315,12 +327,12 @@ def reduction(spec, k: int, C) -> Reduction:
     # integers: sums and products in int64 (wraps to int32 at the end, like TF's
     # int32 accumulator); Mean of int32 does not wrap in TF (wider accumulator).
     if op in ("Sum", "Mean", "Prod"):
-        init = C(1 if op == "Prod" else 0, "int64")
+        init = C(1 if op == "Prod" else 0, "int64", init=True)
         step = "{a} * np.int64({v})" if op == "Prod" else "{a} + np.int64({v})"
         final = "h.mean_int({a}, {n})" if op == "Mean" else "{a}"
         return Reduction("int64", init, step, _wrap(cd, final))
     bits = 32 if cd == "int32" else 64
-    init = C(-(2 ** (bits - 1)) if op == "Max" else 2 ** (bits - 1) - 1, cd)
+    init = C(-(2 ** (bits - 1)) if op == "Max" else 2 ** (bits - 1) - 1, cd, init=True)
     step = _wrap(cd, f"{'max' if op == 'Max' else 'min'}({{a}}, {{v}})")
     return Reduction(cd, init, step, "{a}")
 
