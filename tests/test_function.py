@@ -1,4 +1,6 @@
 """stitching.function end to end: kernel counts, numerics vs TF and float64, behaviour."""
+import json
+
 import numpy as np
 import pytest
 
@@ -326,3 +328,45 @@ def test_compile_workers_start_early_only_for_large_graphs_not_seen_before(monke
     assert len(calls) == 1                          # seen: no workers started
     stitching.function(lambda x: tf.nn.relu(x * 2.0))(x)
     assert len(calls) == 1                          # small graph
+
+
+def test_large_graph_plan_is_stored_and_reused_after_checking_it(monkeypatch, tmp_path):
+    """A large graph's plan is stored under its key; the same graph stitched again
+    (as a new process would) rebuilds the regions from the stored node lists without
+    running the planner, with the same kernels, report and numerics.  A stored plan
+    that does not fit the graph is ignored, not trusted."""
+    from stitching.plan import cache as plan_cache
+    from stitching.tf import pipeline
+    monkeypatch.setattr(plan_cache, "_path", lambda key: tmp_path / f"{key}.json")
+
+    def chain(x):
+        for i in range(160):            # over the 300-node threshold
+            x = x * (1.0 + i * 3e-4) + 0.25
+        return tf.nn.relu(x) + tf.nn.softmax(x)
+    x = tf.constant(np.linspace(-2, 2, 96, dtype=np.float32).reshape(6, 16))
+    want = tf.function(chain)(x).numpy()
+    f1 = stitching.function(chain)
+    np.testing.assert_allclose(f1(x).numpy(), want, rtol=1e-5, atol=1e-6)
+    stored = list(tmp_path.glob("*.json"))
+    assert len(stored) == 1
+
+    real_planner = pipeline.get_planner
+
+    def refuse(name):
+        raise AssertionError("planned again")
+    monkeypatch.setattr(pipeline, "get_planner", refuse)
+    f2 = stitching.function(chain)
+    np.testing.assert_allclose(f2(x).numpy(), want, rtol=1e-5, atol=1e-6)
+    r1, r2 = f1.report.to_dict(), f2.report.to_dict()
+    for k in ("kernels", "kernel_details", "unfused_nodes", "boundaries", "notes",
+              "explanation", "fused_ops"):
+        assert r1[k] == r2[k], k
+
+    # a plan naming a node the graph does not have: planned afresh
+    doc = json.loads(stored[0].read_text())
+    doc["regions"][0]["nodes"][0] = "no_such_node"
+    stored[0].write_text(json.dumps(doc))
+    monkeypatch.setattr(pipeline, "get_planner", real_planner)
+    f3 = stitching.function(chain)
+    np.testing.assert_allclose(f3(x).numpy(), want, rtol=1e-5, atol=1e-6)
+    assert f3.report.to_dict()["kernel_details"] == r1["kernel_details"]

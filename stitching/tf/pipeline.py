@@ -3,7 +3,8 @@
     inline   frontend.inline_functions   (Grappler function inlining only)
     import   frontend.import_for_shapes   (TF shape inference)
     lift     frontend.to_ir               (TF nodes -> IR nodes)
-    plan     plan.get_planner(options.planner)  (regions; legality from schedule.check)
+    plan     plan.get_planner(options.planner)  (regions; legality from schedule.check;
+                                          large graphs: stored per graph, plan/cache.py)
     compile  codegen.compile_kernels      (Numba; uncached kernels in parallel worker
                                           processes; cached in memory and on disk)
     register runtime.register             (kernel addresses for the StitchedKernel op)
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 from .. import report as _report
 from ..options import Options
+from ..plan import cache as plan_cache
 from ..plan import get_planner, legality
 from . import frontend, opnames, rewrite
 
@@ -56,13 +58,20 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
         # workers now, so their start-up overlaps planning (warm_cache closes them if
         # nothing needs compiling).  Small graphs compile few kernels, often in-process,
         # and are not keyed at all.
-        key = (_graph_key(graph_def, fetches, keep, options)
+        key = (_graph_key(graph_def, fetches, keep, options, resources)
                if len(ir) >= _PRESTART_MIN_NODES else None)
         if key is not None and not kernel_cache.graph_seen(key):
             workers = parallel.prestart()
         if options.verify:
             ir.verify()
-        the_plan = get_planner(options.planner)(ir, legal=legal, min_ops=options.min_ops)
+        # a graph planned before (another process, same planner code and machine):
+        # its stored plan, rebuilt and re-checked against this IR (plan/cache.py)
+        the_plan = plan_cache.load(key, ir, legal) if key is not None else None
+        if the_plan is None:
+            the_plan = get_planner(options.planner)(ir, legal=legal,
+                                                    min_ops=options.min_ops)
+            if key is not None:
+                plan_cache.save(key, the_plan)
         regions, kernels, failed = _compile(the_plan.regions, options, workers)
     finally:
         if workers is not None:
@@ -75,10 +84,11 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     return StitchResult(new_gdef, rep, kernels)
 
 
-def _graph_key(graph_def, fetches, keep, options) -> str:
+def _graph_key(graph_def, fetches, keep, options, resources=None) -> str:
     import hashlib
     h = hashlib.sha256(graph_def.SerializeToString(deterministic=True))
     h.update(repr((list(fetches), sorted(keep), options)).encode())   # keep: a set's order
+    h.update(repr(sorted((resources or {}).items())).encode())
     return h.hexdigest()[:32]
 
 

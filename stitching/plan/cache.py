@@ -1,0 +1,141 @@
+"""Plans remembered per graph, so a second process skips the search.
+
+A warm process (kernels already in the disk cache) still paid the planner's search
+every time: ~0.5 s of the ~1.5 s stitching added to ResNet50's first call.  The plan
+of a graph is a pure function of the graph, the options, the planner's code and the
+device profile, so it is stored under the graph's key:
+
+    $STITCHING_CACHE_DIR/kernels/<toolchain>/plans/<graph key>_<planner salt>.json
+
+The salt hashes the plan and schedule packages' sources and the device profile; a
+changed cost model or another machine never reads an old plan.
+
+What is stored is data only (JSON): each region's node names and schedule
+parameters, the unfused/boundary/skipped reasons, notes and the explanation
+dicts.  Loading trusts none of it: every region is rebuilt from the *current* IR
+with ``region.extract`` (which validates the spec), its schedule parameters go
+through ``KernelSpec.with_schedule`` (validated ranges), and ``legal`` checks it
+again.  Anything that does not fit -- unknown node, wrong type, a spec the schedule
+stage refuses -- makes ``load`` return None and the caller plans afresh.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .planner import Plan
+from .region import extract
+
+FORMAT = 1
+_SALT = None
+
+
+def _salt() -> str:
+    global _SALT
+    if _SALT is None:
+        from . import profiles
+        h = hashlib.sha256(str(FORMAT).encode())
+        root = Path(__file__).parent.parent
+        for pkg in ("plan", "schedule"):
+            for f in sorted((root / pkg).glob("*.py")):
+                h.update(f.name.encode())
+                h.update(f.read_bytes())
+        h.update(repr(profiles.default()).encode())
+        _SALT = h.hexdigest()[:12]
+    return _SALT
+
+
+def _path(key: str) -> Path:
+    from ..codegen.kernel import kernel_dir
+    return kernel_dir() / "plans" / f"{key}_{_salt()}.json"
+
+
+@dataclass
+class StoredChoice:
+    """A search.KernelChoice as the report reads it back (to_dict and region.nodes)."""
+    data: dict
+    region: object = None
+
+    def to_dict(self) -> dict:
+        return dict(self.data)
+
+
+def save(key: str, plan: Plan) -> None:
+    """Write ``plan`` for ``key`` (best effort: a read-only cache only costs time)."""
+    doc = {
+        "format": FORMAT,
+        "regions": [{"nodes": list(r.nodes), "schedule": dict(r.spec.schedule)}
+                    for r in plan.regions],
+        "unfused": [list(u) for u in plan.unfused],
+        "boundaries": [list(b) for b in plan.boundaries],
+        "skipped": [[list(nodes), why] for nodes, why in plan.skipped],
+        "notes": list(plan.notes),
+        "alternatives": [dict(c.to_dict(), region=list(c.region.nodes)
+                              if c.region is not None else None)
+                         for c in plan.alternatives],
+    }
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def load(key: str, graph, legal) -> Plan | None:
+    """The plan stored for ``key``, rebuilt against ``graph``; None if there is none or
+    it does not fit the graph (see the module note)."""
+    try:
+        doc = json.loads(_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        return _rebuild(doc, graph, legal)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def _strs(xs) -> list:
+    if not isinstance(xs, list) or not all(isinstance(x, str) for x in xs):
+        raise TypeError("expected a list of strings")
+    return xs
+
+
+def _rebuild(doc, graph, legal) -> Plan | None:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return None
+    from ..plan.acyclic import indexed
+    names, order, _ = indexed(graph)
+    consumers, fetched = graph.consumers(), set(graph.outputs)
+    plan = Plan()
+    by_nodes = {}
+    for r in doc["regions"]:
+        nodes = _strs(r["nodes"])
+        sched = r["schedule"]
+        if not nodes or not isinstance(sched, dict) or any(n not in order for n in nodes):
+            return None
+        if not all(isinstance(k, str) and type(v) is int for k, v in sched.items()):
+            return None
+        reg = extract(graph, nodes, consumers, fetched, order)
+        spec = reg.spec.with_schedule(**sched)
+        if legal(spec) is not None:
+            return None
+        reg.spec = spec
+        plan.regions.append(reg)
+        by_nodes[tuple(reg.nodes)] = reg
+    plan.unfused = [tuple(_strs(u)) for u in doc["unfused"]]
+    plan.boundaries = [tuple(_strs(b)) for b in doc["boundaries"]]
+    plan.skipped = [(_strs(nodes), str(why)) for nodes, why in doc["skipped"]]
+    plan.notes = _strs(doc["notes"])
+    for d in doc["alternatives"]:
+        if not isinstance(d, dict):
+            return None
+        nodes = d.pop("region", None)
+        region = by_nodes.get(tuple(_strs(nodes))) if nodes is not None else None
+        plan.alternatives.append(StoredChoice(d, region))
+    return plan
