@@ -98,7 +98,8 @@ def exp_f32(x):
     K = I.opaque           # constants stay loop-invariant values (see I.opaque)
     n = I.roundeven(x * K(_LOG2E))
     nmax = K(_N_MAX)
-    n = n if n < nmax else nmax            # also maps NaN to 127: no poison below
+    n = n if n < nmax else nmax            # NaN -> 127; lanes with x < -87.34 (even an
+    # out-of-int32-range n) compute garbage that the final select replaces with 0
     r = I.fma(n, K(-_LN2_HI), x)
     r = I.fma(n, K(-_LN2_LO), r)
     r2 = r * r

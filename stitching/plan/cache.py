@@ -7,8 +7,8 @@ device profile, so it is stored under the graph's key:
 
     $STITCHING_CACHE_DIR/kernels/<toolchain>/plans/<graph key>_<planner salt>.json
 
-The salt hashes the plan and schedule packages' sources and the device profile; a
-changed cost model or another machine never reads an old plan.
+The salt hashes the ir, plan and schedule packages' sources and the device profile;
+a changed op table, cost model or another machine never reads an old plan.
 
 What is stored is data only (JSON): each region's node names and schedule
 parameters, the unfused/boundary/skipped reasons, notes and the explanation
@@ -39,7 +39,7 @@ def _salt() -> str:
         from . import profiles
         h = hashlib.sha256(str(FORMAT).encode())
         root = Path(__file__).parent.parent
-        for pkg in ("plan", "schedule"):
+        for pkg in ("ir", "plan", "schedule"):
             for f in sorted((root / pkg).glob("*.py")):
                 h.update(f.name.encode())
                 h.update(f.read_bytes())
