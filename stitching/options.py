@@ -10,6 +10,7 @@ class Options:
     min_ops: int = 2               # a region must hold at least this many ops that do work
     progress: bool | None = None   # print compile progress; None: only when many kernels
     verify: bool = False           # run IR/plan/spec verifiers between stages (debug)
+    gemm: bool = True              # BatchMatMul x[..., M, K] @ W[K, N] as one MatMul (tf/gemm.py)
 
     def __post_init__(self):
         from .plan import ALIASES, PLANNERS

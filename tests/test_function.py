@@ -370,3 +370,41 @@ def test_large_graph_plan_is_stored_and_reused_after_checking_it(monkeypatch, tm
     f3 = stitching.function(chain)
     np.testing.assert_allclose(f3(x).numpy(), want, rtol=1e-5, atol=1e-6)
     assert f3.report.to_dict()["kernel_details"] == r1["kernel_details"]
+
+
+def test_batch_matmul_against_a_2d_weight_runs_as_one_matmul():
+    """tf/gemm.py: BatchMatMulV2(x[B, T, D], W[D, E]) (Keras 3's EinsumDense) becomes
+    Reshape-MatMul-Reshape, for every batch size and with adj_y; an adj_x product or
+    a batched right operand stays a BatchMatMul.  Numerics match TF and float64."""
+    from stitching.tf import pipeline
+    rng = np.random.default_rng(7)
+    w = tf.constant(rng.standard_normal((16, 12)).astype(np.float32))
+    wt = tf.constant(rng.standard_normal((12, 16)).astype(np.float32))
+    wb = tf.constant(rng.standard_normal((1, 16, 4)).astype(np.float32))
+
+    def fn(x):
+        a = tf.linalg.matmul(x, w)                        # rewritten
+        b = tf.linalg.matmul(x, wt, adjoint_b=True)       # rewritten, transpose_b
+        c = tf.linalg.matmul(x, x, adjoint_a=True)        # adj_x: kept
+        d = tf.linalg.matmul(x, wb)                       # batched weight: kept
+        return tf.nn.relu(a) + b, c, d
+    sig = [tf.TensorSpec([None, 5, 16], tf.float32)]
+    cf = tf.function(fn, input_signature=sig).get_concrete_function()
+    res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs])
+    ops = [n.op for n in res.graph_def.node]
+    assert ops.count("BatchMatMulV2") == 2 and ops.count("MatMul") == 2, ops
+    assert any("2 BatchMatMul node(s)" in n for n in res.report.notes)
+    sf = stitching.function(fn, input_signature=sig)
+    for batch in (1, 3):
+        x = rng.standard_normal((batch, 5, 16)).astype(np.float32)
+        got, want = sf(x), tf.function(fn, input_signature=sig)(x)
+        x64 = tf.constant(x.astype(np.float64))
+        ref64 = tf.nn.relu(x64 @ tf.cast(w, tf.float64)) + \
+            tf.linalg.matmul(x64, tf.cast(wt, tf.float64), adjoint_b=True)
+        for g, r in zip(got, want):
+            assert g.shape == r.shape
+            np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[0].numpy(), ref64.numpy(), rtol=1e-4, atol=1e-4)
+    off = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs],
+                                    options=stitching.Options(gemm=False))
+    assert [n.op for n in off.graph_def.node].count("BatchMatMulV2") == 4

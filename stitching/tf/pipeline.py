@@ -9,6 +9,7 @@
                                           processes; cached in memory and on disk)
     register runtime.register             (kernel addresses for the StitchedKernel op)
     rewrite  tf.rewrite.rewrite           (one StitchedKernel node per region)
+    gemm     tf.gemm.rewrite              (BatchMatMul against a 2-D weight -> one MatMul)
     report   report.Report
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .. import report as _report
 from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality
-from . import frontend, opnames, rewrite
+from . import frontend, gemm, opnames, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -79,7 +80,13 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     if key is not None and not failed:
         kernel_cache.remember_graph(key)
     new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions)
+    gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
+    if gemms:
+        new_gdef = gemm.rewrite(new_gdef, gemms)
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
+    if gemms:
+        rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
+                         f"MatMul each (tf/gemm.py; Options(gemm=False) keeps them)")
     rep.compile_seconds = time.perf_counter() - t0
     return StitchResult(new_gdef, rep, kernels)
 
