@@ -74,7 +74,10 @@ def _expm1_reduced(x):
 
 _EXP_MAX = f32(88.72283935546875)      # ln(FLT_MAX): above, +inf
 _EXP_MIN = f32(-87.33654022216797)     # ln(FLT_MIN): below, 0 (TF's Eigen exp flushes)
-_N_MAX = f32(127.0)
+# fma(x, 1/ln2, _EXP_SHIFT) rounds x/ln2 to an integer n (half to even; |x/ln2| < 2^22)
+# and holds n + 127 in its low mantissa bits; capped at _EXP_SHIFT_MAX (n = 127)
+_EXP_SHIFT = f32(1.5 * 2 ** 23 + 127)
+_EXP_SHIFT_MAX = f32(1.5 * 2 ** 23 + 254)
 # exp(r) = 1 + r + r^2 P(r) on [-ln2/2, ln2], minimax in relative error with float32
 # coefficients (fastmath_fit.fit_exp_poly; 1.6e-9 before rounding)
 _XP = (f32(0.49999994), f32(0.16666697), f32(0.041668184), f32(0.008326931),
@@ -89,23 +92,28 @@ def exp_f32(x):
 
     One exponent step: n = min(round(x / ln2), 127) keeps 2**n a normal float, so
     r = x - n ln2 lies in [-ln2/2, ln2] (the upper half only for x > 88.37); a
-    degree-7 minimax polynomial covers that.  Written for latency, which is what
-    bounds a vectorized loop of it (the out-of-order window holds a few iterations):
-    x is not clamped first (out-of-range lanes compute garbage that the two final
-    selects replace; NaN flows through), Estrin's scheme keeps the polynomial three
-    steps deep after r^2, and 2^n (1 + q) is one fma.  26% cheaper than clamping x
-    and a degree-8 Taylor polynomial with an add and a multiply at the end."""
+    degree-7 minimax polynomial covers that.  Written for the few instructions and
+    the short dependency chain that bound a vectorized loop of it (the out-of-order
+    window holds a few iterations): x is not clamped first (out-of-range lanes
+    compute garbage that the two final selects replace; NaN flows through), one fma
+    with a shifter constant rounds x / ln2 and leaves n + 127 in the low mantissa
+    bits, from which 2^n is one shift (no round, no float-to-int conversion),
+    Estrin's scheme keeps the polynomial three steps deep after r^2, and
+    2^n (1 + q) is one fma.  0.68 -> 0.41 ns/element per core against clamping x,
+    a degree-8 Taylor polynomial and an add and a multiply at the end
+    (tools/fastmath_bench.py)."""
     K = I.opaque           # constants stay loop-invariant values (see I.opaque)
-    n = I.roundeven(x * K(_LOG2E))
-    nmax = K(_N_MAX)
-    n = n if n < nmax else nmax            # NaN -> 127; lanes with x < -87.34 (even an
-    # out-of-int32-range n) compute garbage that the final select replaces with 0
+    shift = K(_EXP_SHIFT)
+    sh = I.fma(x, K(_LOG2E), shift)       # 1.5 * 2^23 + 127 + round(x / ln2)
+    top = K(_EXP_SHIFT_MAX)
+    sh = sh if sh < top else top           # n <= 127; NaN -> 127.  Lanes with
+    n = sh - shift                         # x < -87.34 get garbage, replaced below
     r = I.fma(n, K(-_LN2_HI), x)
     r = I.fma(n, K(-_LN2_LO), r)
     r2 = r * r
     p = I.fma(I.fma(I.fma(K(_XP5), r, K(_XP4)), r2, I.fma(K(_XP3), r, K(_XP2))), r2,
               I.fma(K(_XP1), r, K(_XP0)))
-    s = I.exp2i_f32(n)
+    s = I.bits_f32(np.int32(I.f32_bits(sh) << 23))   # 2^n: n + 127 into the exponent
     y = I.fma(I.fma(p, r2, r), s, s)      # 2^n (1 + expm1(r))
     y = _INF if x > K(_EXP_MAX) else y
     return _ZERO if x < K(_EXP_MIN) else y
