@@ -193,6 +193,15 @@ def test_rows_unknown_until_run_time_leave_the_unit_to_the_kernel():
     assert "run time" in lau.describe()
 
 
+def test_an_unknown_row_length_leaves_the_column_block_to_the_kernel():
+    """A flat [?] element-wise kernel has one (known) row of unknown length: a column
+    block sized for the DEFAULT_DIM guess (32 elements) must not be fixed."""
+    b = SpecBuilder()
+    x = b.input(F, (-1,))
+    lau = choose_launch(b.build([b.Neg(b.Exp(x))]), CPU)
+    assert lau.params == {} and "run time" in lau.describe()
+
+
 def test_gpu_launch_picks_a_block_that_fits_the_row():
     short = choose_launch(ln_spec(65536, 8), A100)
     long = choose_launch(ln_spec(1024, 8192), A100)

@@ -388,8 +388,11 @@ def _from_schedule(spec, sched) -> dict:
         for k in p.scratch_stores + p.scratch_loads:
             reuse += nbytes(spec.nodes[k].type)
     foot += sum(nbytes(spec.nodes[k].type) for k in sched.scratch)
+    # launch parameters are fixed only when every axis is known: an unknown row length
+    # (a flat [?] element-wise kernel) would otherwise fix a column block sized for the
+    # DEFAULT_DIM guess (it chose 32-element blocks for 8M-element SwiGLU)
     return dict(kind=kind, rows=max(1, R), row_len=max(1, L),
-                rows_known=all(axes[a] >= 0 for a in row_axes), reuse_bytes=reuse,
+                rows_known=all(a >= 0 for a in axes), reuse_bytes=reuse,
                 footprint_row=foot / max(1, R),
                 split="combine" if kind == "row" else "free")
 
