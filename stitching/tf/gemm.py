@@ -11,8 +11,8 @@ Measured on the 2-core CI machine, x [8, 128, 256] x W [256, 256]: 2.10 -> 1.08 
 (results equal within float32 rounding: the dot products are the same, summed by a
 different kernel).  XLA gets the same effect from its dot canonicalization.
 
-Applied to ``BatchMatMul``/``BatchMatMulV2``/``BatchMatMulV3`` nodes outside fused
-regions with ``adj_x`` false, a right operand of static rank-2 shape, a left operand
+Applied to ``BatchMatMul``/``BatchMatMulV2`` nodes outside fused regions with
+``adj_x`` false, a right operand of static rank-2 shape, a left operand
 of known rank >= 3 and a float dtype; ``adj_y`` becomes ``transpose_b``.  The node
 keeps its name (as the output Reshape), so consumers and fetches are untouched.
 """
@@ -22,7 +22,7 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2, types_pb2
 from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2
 
 
-BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2")
 _FLOATS = {types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
 
 
@@ -32,10 +32,7 @@ def candidates(graph_def, ir_graph) -> dict:
     for nd in graph_def.node:
         if nd.op not in BATCH_MATMULS or nd.name not in ir_graph:
             continue
-        if nd.attr["adj_x"].b or nd.attr["T"].type not in _FLOATS:
-            continue
-        if nd.op == "BatchMatMulV3" and not (nd.attr["Ta"].type == nd.attr["Tb"].type
-                                             == nd.attr["Tout"].type):
+        if _flag(nd, "adj_x") or "T" not in nd.attr or nd.attr["T"].type not in _FLOATS:
             continue
         node = ir_graph[nd.name]
         if len(node.inputs) != 2:
@@ -44,7 +41,7 @@ def candidates(graph_def, ir_graph) -> dict:
         if x.shape is None or len(x.shape) < 3 or y.shape is None or len(y.shape) != 2 \
                 or min(y.shape) < 0:
             continue
-        k, n = (y.shape[1], y.shape[0]) if nd.attr["adj_y"].b else y.shape
+        k, n = (y.shape[1], y.shape[0]) if _flag(nd, "adj_y") else y.shape
         if x.shape[-1] not in (-1, k):
             continue
         out[nd.name] = (k, n)
@@ -80,7 +77,7 @@ def rewrite(graph_def, todo: dict):
                  T=_type(t), Tshape=i32)
         mm = add("matmul", "MatMul", [x2, y] + control, T=_type(t),
                  transpose_a=attr_value_pb2.AttrValue(b=False),
-                 transpose_b=attr_value_pb2.AttrValue(b=nd.attr["adj_y"].b))
+                 transpose_b=attr_value_pb2.AttrValue(b=_flag(nd, "adj_y")))
         shape = add("x_shape", "Shape", [x], T=_type(t), out_type=i32)
         lead = add("lead", "StridedSlice",
                    [shape, add("begin", "Const", [], dtype=i32, value=_int_tensor([0])),
@@ -95,6 +92,12 @@ def rewrite(graph_def, todo: dict):
                      N=attr_value_pb2.AttrValue(i=2), T=i32, Tidx=i32)
         add("", "Reshape", [mm, oshape], T=_type(t), Tshape=i32)
     return out
+
+
+def _flag(nd, name) -> bool:
+    """A bool attr, False when absent (GraphDefs may strip default-valued attrs; indexing
+    the map would insert an empty AttrValue into the node)."""
+    return name in nd.attr and nd.attr[name].b
 
 
 def _type(t):
