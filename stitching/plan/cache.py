@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .acyclic import indexed
 from .planner import Plan
 from .region import extract
 
@@ -109,8 +110,7 @@ def _strs(xs) -> list:
 def _rebuild(doc, graph, legal) -> Plan | None:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         return None
-    from ..plan.acyclic import indexed
-    names, order, _ = indexed(graph)
+    _, order, _ = indexed(graph)
     consumers, fetched = graph.consumers(), set(graph.outputs)
     plan = Plan()
     by_nodes = {}

@@ -18,8 +18,8 @@ keeps its name (as the output Reshape), so consumers and fetches are untouched.
 """
 from __future__ import annotations
 
-from tensorflow.core.framework import attr_value_pb2, graph_pb2, types_pb2
-from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 
 BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2")
@@ -48,50 +48,45 @@ def candidates(graph_def, ir_graph) -> dict:
     return out
 
 
-def rewrite(graph_def, todo: dict):
-    """A copy of ``graph_def`` with each node in ``todo`` (from ``candidates``) as a GEMM."""
-    out = graph_pb2.GraphDef()
-    out.versions.CopyFrom(graph_def.versions)
-    out.library.CopyFrom(graph_def.library)
-    for nd in graph_def.node:
-        if nd.name not in todo:
-            out.node.add().CopyFrom(nd)
-            continue
+def rewrite(graph_def, todo: dict) -> None:
+    """Turn each node in ``todo`` (from ``candidates``) into a GEMM, in place: the node
+    itself becomes the output Reshape; its helper nodes are appended."""
+    i32 = _type(types_pb2.DT_INT32)
+    for nd in [nd for nd in graph_def.node if nd.name in todo]:
         k, n = todo[nd.name]
-        data = [i for i in nd.input if not i.startswith("^")]
+        x, y = [i for i in nd.input if not i.startswith("^")]
         control = [i for i in nd.input if i.startswith("^")]
-        x, y = data
-        name, dev, t = nd.name, nd.device, nd.attr["T"].type
+        name, dev, t, adj_y = nd.name, nd.device, _type(nd.attr["T"].type), _flag(nd, "adj_y")
 
         def add(suffix, op, inputs, **attrs):
-            new = out.node.add(name=f"{name}/gemm/{suffix}" if suffix else name, op=op,
-                               device=dev)
+            new = graph_def.node.add(name=f"{name}/gemm/{suffix}", op=op, device=dev)
             new.input.extend(inputs)
             for key, value in attrs.items():
                 new.attr[key].CopyFrom(value)
             return new.name
 
-        i32 = _type(types_pb2.DT_INT32)
-        x2 = add("x2d", "Reshape", [x, add("x2d_shape", "Const", [], dtype=i32,
-                                            value=_int_tensor([-1, k]))],
-                 T=_type(t), Tshape=i32)
-        mm = add("matmul", "MatMul", [x2, y] + control, T=_type(t),
+        def const(suffix, value):
+            return add(suffix, "Const", [], dtype=i32, value=attr_value_pb2.AttrValue(
+                tensor=tf.make_tensor_proto(value, tf.int32)))
+
+        x2 = add("x2d", "Reshape", [x, const("x2d_shape", [-1, k])], T=t, Tshape=i32)
+        mm = add("matmul", "MatMul", [x2, y] + control, T=t,
                  transpose_a=attr_value_pb2.AttrValue(b=False),
-                 transpose_b=attr_value_pb2.AttrValue(b=_flag(nd, "adj_y")))
-        shape = add("x_shape", "Shape", [x], T=_type(t), out_type=i32)
+                 transpose_b=attr_value_pb2.AttrValue(b=adj_y))
         lead = add("lead", "StridedSlice",
-                   [shape, add("begin", "Const", [], dtype=i32, value=_int_tensor([0])),
-                    add("end", "Const", [], dtype=i32, value=_int_tensor([-1])),
-                    add("stride", "Const", [], dtype=i32, value=_int_tensor([1]))],
+                   [add("x_shape", "Shape", [x], T=t, out_type=i32),
+                    const("begin", [0]), const("end", [-1]), const("stride", [1])],
                    T=i32, Index=i32, **{m: attr_value_pb2.AttrValue(i=0) for m in (
                        "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
                        "shrink_axis_mask")})
-        oshape = add("out_shape", "ConcatV2",
-                     [lead, add("n", "Const", [], dtype=i32, value=_int_tensor([n])),
-                      add("axis", "Const", [], dtype=i32, value=_int_tensor(0))],
+        oshape = add("out_shape", "ConcatV2", [lead, const("n", [n]), const("axis", 0)],
                      N=attr_value_pb2.AttrValue(i=2), T=i32, Tidx=i32)
-        add("", "Reshape", [mm, oshape], T=_type(t), Tshape=i32)
-    return out
+        nd.op = "Reshape"
+        del nd.input[:]
+        nd.input.extend([mm, oshape])
+        nd.attr.clear()
+        nd.attr["T"].CopyFrom(t)
+        nd.attr["Tshape"].CopyFrom(i32)
 
 
 def _flag(nd, name) -> bool:
@@ -102,15 +97,3 @@ def _flag(nd, name) -> bool:
 
 def _type(t):
     return attr_value_pb2.AttrValue(type=t)
-
-
-def _int_tensor(values):
-    scalar = not isinstance(values, list)
-    vals = [values] if scalar else values
-    proto = tensor_pb2.TensorProto(dtype=types_pb2.DT_INT32)
-    if not scalar:
-        proto.tensor_shape.CopyFrom(tensor_shape_pb2.TensorShapeProto(
-            dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=len(vals))]))
-    proto.int_val.extend(vals)
-    return attr_value_pb2.AttrValue(tensor=proto)
-

@@ -82,7 +82,7 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions)
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
-        new_gdef = gemm.rewrite(new_gdef, gemms)
+        gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
     if gemms:
         rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
