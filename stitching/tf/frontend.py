@@ -64,6 +64,49 @@ def inline_functions(graph_def, fetches: list[str]):
     return tf_optimizer.OptimizeGraph(config, meta)
 
 
+def bypass_identity_n(graph_def, keep):
+    """Consumers of an ``IdentityN`` output read the IdentityN's input directly.
+
+    ``tf.custom_gradient`` (``tf.nn.silu``, ``tf.nn.swish``, Keras activations built on
+    it) routes its forward values through an IdentityN that matters only to the
+    gradient; in the forward graph it is a no-op node that would cut a fusion region in
+    two (SwiGLU's ``silu(gate) * up`` became a kernel plus a lone TF Mul).  An IdentityN
+    with control inputs, or named in ``keep`` (fetches, nodes that must survive), is
+    left alone; one nothing refers to afterwards is dropped.  Returns ``graph_def``
+    itself when there is nothing to do, else a new GraphDef.
+    """
+    bypass = {n.name: n for n in graph_def.node if n.op == "IdentityN" and n.name not in keep
+              and not any(i.startswith("^") for i in n.input)}
+    if not bypass:
+        return graph_def
+
+    def resolve(ref):
+        if ref.startswith("^"):
+            return ref
+        name, _, idx = ref.partition(":")
+        for _ in range(64):                        # IdentityN of IdentityN ...
+            if name not in bypass:
+                break
+            ins = bypass[name].input
+            k = int(idx or 0)
+            if k >= len(ins):
+                return ref                          # malformed: leave it to TF's import
+            name, _, idx = ins[k].partition(":")
+        return name if idx in ("", "0") else f"{name}:{idx}"
+
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    for nd in out.node:
+        if nd.name not in bypass:
+            nd.input[:] = [resolve(i) for i in nd.input]
+    used = {i.lstrip("^").partition(":")[0] for nd in out.node if nd.name not in bypass
+            for i in nd.input}
+    dead = [i for i, nd in enumerate(out.node) if nd.name in bypass and nd.name not in used]
+    for i in reversed(dead):
+        del out.node[i]
+    return out
+
+
 def resource_shapes(func_graph) -> dict:
     """Resource placeholder name -> (dtype, shape) of the variable it holds.
 

@@ -1,6 +1,7 @@
 """The driver: one GraphDef in, one rewritten GraphDef and a report out.
 
-    inline   frontend.inline_functions   (Grappler function inlining only)
+    inline   frontend.inline_functions   (Grappler function inlining only;
+                                          then frontend.bypass_identity_n)
     import   frontend.import_for_shapes   (TF shape inference)
     lift     frontend.to_ir               (TF nodes -> IR nodes)
     plan     plan.get_planner(options.planner)  (regions; legality from schedule.check;
@@ -53,6 +54,8 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     workers = None
     try:
         gdef = frontend.inline_functions(graph_def, list(fetches) + list(keep))
+        gdef = frontend.bypass_identity_n(
+            gdef, {f.split(":")[0] for f in fetches} | {k.split(":")[0] for k in keep})
         tf_graph = frontend.import_for_shapes(gdef, resources)
         ir = frontend.to_ir(tf_graph, list(fetches))
         # A large graph not compiled before will likely need Numba: start the compile
