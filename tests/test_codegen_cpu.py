@@ -631,6 +631,67 @@ def test_column_reduction_with_consumers_batchnorm():
         assert_matches(vo, rv, "float32", "bn var", 5e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int32", "bool"])
+def test_column_reductions_with_few_columns_split_their_rows_in_phases(dtype):
+    """Fewer column units than COL_UNITS and >= 2 x COL_CHUNK_ROWS rows: the shape
+    function cuts the rows into chunks of full-width blocks (rpt > 1), run in
+    passes + 1 phases with 8-byte partials per reduction, chunk and column; results
+    equal float64 / exact integers, NaN and Inf included; a short column stays whole."""
+    from stitching.schedule.schedule import COL_CHUNK_ROWS, COL_SPLIT_UNITS
+    b = SpecBuilder()
+    x = b.input(dtype, (-1, -1))
+    ops = ["All", "Any"] if dtype == "bool" else ["Sum", "Mean", "Max", "Min"]
+    k = build(b, [b.op(o, x, axes=[0]) for o in ops])
+    assert k.schedule.kind == KernelKind.COLUMN
+    for shape in [(1000, 33), (4099, 3), (300, 40), (257, 1), (255, 7), (300, 0)]:
+        X = data(dtype, shape)
+        if dtype == "float32" and X.size:
+            X.flat[len(SPECIAL):] = RNG.standard_normal(X.size - len(SPECIAL))
+            X[:, -1] = RNG.standard_normal(shape[0]) * 1e3      # a column without NaN
+        rc, dims, _, units, _, phases, temp = k.shapes([shape])
+        chunks = min(COL_SPLIT_UNITS, shape[0] // COL_CHUNK_ROWS)
+        if shape[1] == 0:
+            assert (rc, units) == (0, 0)
+        elif shape[0] >= 2 * COL_CHUNK_ROWS:
+            assert (rc, units, phases, temp) == (0, chunks, 2, len(ops) * chunks * shape[1] * 8)
+            assert dims[2] == chunks and dims[3] == shape[1], dims[:6]
+        else:
+            assert (units, phases, temp) == (1, 1, 0), (units, phases, temp)
+        src = X if dtype != "float32" else f64(X)
+        for op, out in zip(ops, k(X)):
+            assert_matches(out, reduce_ref(op, src, 0, dtype), dtype,
+                           f"{op}[{dtype}] split column {shape}", 2e-6)
+
+
+def test_split_column_kernel_with_consumers_matches_float64():
+    """Batch-norm statistics (3 passes, mean and variance stored: a last phase) and
+    centring (2 passes, nothing stored per column: no last phase), chunked."""
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 300))
+    m = b.Mean(x, axes=[0], keep_dims=True)
+    c = b.Sub(x, m)
+    v = b.Mean(b.Square(c), axes=[0], keep_dims=True)
+    y = b.Mul(c, b.Rsqrt(b.Add(v, b.const(1e-3))))
+    k = build(b, [y, m, v])
+    b2 = SpecBuilder()
+    x2 = b2.input("float32", (-1, -1))
+    k2 = build(b2, [b2.Sub(x2, b2.Mean(x2, axes=[0], keep_dims=True))])
+    X = RNG.standard_normal((2000, 300)).astype(np.float32) * 2 + 3
+    X[77, 5] = np.nan
+    x64 = f64(X)
+    with np.errstate(all="ignore"):
+        rm = x64.mean(0, keepdims=True)
+        rv = ((x64 - rm) ** 2).mean(0, keepdims=True)
+        ry = (x64 - rm) / np.sqrt(rv + 1e-3)
+    assert k.shapes([X.shape])[5] == 4 and k2.shapes([X.shape])[5] == 2
+    yo, mo, vo = k(X)
+    assert_matches(yo, ry, "float32", "split bn y", 5e-6, 3e-6)
+    assert_matches(mo, rm, "float32", "split bn mean", 5e-6)
+    assert_matches(vo, rv, "float32", "split bn var", 5e-6)
+    assert np.isnan(yo[:, 5]).all() and np.isnan(mo[0, 5])
+    assert_matches(k2(X)[0], x64 - rm, "float32", "split centring", 5e-6, 3e-6)
+
+
 def test_nhwc_global_pool_and_scale():
     b = SpecBuilder()
     x = b.input("float32", (-1, 7, 7, 64))

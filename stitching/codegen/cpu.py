@@ -56,8 +56,8 @@ from dataclasses import dataclass
 from ..ir import dtypes as dt
 from ..ir.ops import OPS
 from ..schedule import KernelKind, Placement
-from ..schedule.schedule import (COL_BLOCK, COL_BLOCK_MIN, COL_UNITS, EW_BLOCK,
-                                 ROW_UNIT_ELEMS)
+from ..schedule.schedule import (COL_BLOCK, COL_BLOCK_MIN, COL_CHUNK_ROWS, COL_SPLIT_UNITS,
+                                 COL_UNITS, EW_BLOCK, ROW_UNIT_ELEMS)
 from . import lower
 from . import shape_program as SP
 
@@ -232,9 +232,10 @@ class _Emitter:
         else:
             kind, kept, red = (SP.ROW if s.kind == KernelKind.ROW else SP.ELEMENTWISE,
                                list(range(R - 1)), [])
+        split = self.column_split() if s.kind == KernelKind.COLUMN else int(s.split_rows)
         P += [SP.UNITS, kind, R, cost, big, ROW_UNIT_ELEMS, EW_BLOCK, COL_UNITS, COL_BLOCK,
-              COL_BLOCK_MIN, int(s.split_rows), len(s.passes), len(self._split_reds()),
-              len(kept), *kept, len(red), *red]
+              COL_BLOCK_MIN, COL_SPLIT_UNITS, COL_CHUNK_ROWS, split, len(s.passes),
+              len(self._split_reds()), len(kept), *kept, len(red), *red]
         pos = 0
         for k in spec.outputs:
             for i, d in enumerate(spec.nodes[k].type.shape):
@@ -491,8 +492,10 @@ class _Emitter:
                     self.store_output(w, k, f"b_{self.tag(k)}")
 
     def _split_reds(self) -> list:
-        """Reductions whose partials a split row passes between phases, in pass order."""
-        return [k for p in self.s.passes for k in p.accumulate] if self.s.split_rows else []
+        """Reductions whose partials a split row (or split column kernel) passes between
+        phases, in pass order."""
+        split = self.s.split_rows or (self.s.kind == KernelKind.COLUMN and self.column_split())
+        return [k for p in self.s.passes for k in p.accumulate] if split else []
 
     def _row_scalars(self, w, stage, stores: bool = True) -> None:
         for k in stage.compute:
@@ -545,27 +548,107 @@ class _Emitter:
         return cd   # scratch holds compute values (float16 rows are float32 there)
 
     # -- column ------------------------------------------------------------------------------
+    def column_split(self) -> int:
+        """How the shape program may cut this column kernel's reduced rows into chunks
+        (split = 1: a last phase stores the per-column results; 2: the last pass is the
+        last phase); 0: never."""
+        if not self.s.reduce_axes:
+            return 0
+        return 1 if any(st.stores for st in self.s.scalars) else 2
+
     def _column(self, w) -> None:
-        s, R = self.s, self.R
-        kept = [a for a in s.parallel_axes if a != R - 1]
+        if not self.column_split():
+            self._column_whole(w)
+            return
+        with w.block("if rpt > 1:"):
+            self._column_split(w)
+        with w.block("else:"):
+            self._column_whole(w)
+
+    def _column_unit(self, w, unit: str) -> None:
+        """Unit ``unit``'s kept index, column block [c0, c0 + n) and unit bases."""
+        kept = [a for a in self.s.parallel_axes if a != self.R - 1]
+        w(f"ko = {unit} // nb")
+        w(f"c0 = ({unit} - ko * nb) * cb")
+        w("n = min(cb, L - c0)")
+        idx = self.decompose(w, "ko", kept)
+        for ref in self.input_refs() + list(self.spec.outputs):
+            off = self.offset(ref, idx)
+            last = " + c0" if self.carries_last(ref) else ""
+            w(f"k_{self.tag(ref)} = {off}{last}")
+
+    def _column_whole(self, w) -> None:
+        s = self.s
         with w.block("for u in range(begin, end):"):
-            w("ko = u // nb")
-            w("c0 = (u - ko * nb) * cb")
-            w("n = min(cb, L - c0)")
-            idx = self.decompose(w, "ko", kept)
-            for ref in self.input_refs() + list(self.spec.outputs):
-                off = self.offset(ref, idx)
-                last = " + c0" if self.carries_last(ref) else ""
-                w(f"k_{self.tag(ref)} = {off}{last}")
+            self._column_unit(w, "u")
             self._column_block(w, s.scalars[0])
             for p in s.passes:
                 self._column_pass(w, p)
                 self._column_block(w, s.scalars[p.index + 1])
 
+    def _column_split(self, w) -> None:
+        """The outermost reduced axis cut into rpt chunks (rows [lo, hi)), a unit per
+        (column unit, chunk), run by the op in phases as a split row is: phase p runs
+        pass p over the unit's rows and writes its accumulators (one 8-byte slot per
+        reduction, column unit, chunk and column, in the op's temp buffer, outs[n]);
+        later phases first combine all chunks' partials, then go on.  Per-column
+        results are stored by the first chunk in the last phase."""
+        s = self.s
+        reds = self._split_reds()
+        acc = {k: lower.reduction(self.spec, k, self.C) for k in reds}
+        kept = [a for a in s.parallel_axes if a != self.R - 1]
+        final = self.column_split() == 1
+        w(f"phase = dims[{PHASE_SLOT}]")
+        w(f"nu = {' * '.join([f'D{a}' for a in kept] + ['nb'])}")
+        for i, k in enumerate(reds):
+            w(f"pp{k} = h.ptr_{_PTR[acc[k].acc]}(outs[{len(self.spec.outputs)}])")
+            w(f"po{k} = {i} * nu * rpt * cb")
+        outer = s.reduce_axes[0]
+        with w.block("for u in range(begin, end):"):
+            w("ch = u % rpt")
+            w("uc = u // rpt")
+            if final:
+                with w.block(f"if phase == {len(s.passes)} and ch != 0:"):
+                    w("continue")
+            self._column_unit(w, "uc")
+            w(f"lo = ch * D{outer} // rpt")
+            w(f"hi = (ch + 1) * D{outer} // rpt")
+            w(f"sv = phase == {len(s.passes)}")
+            self._column_block(w, s.scalars[0], stores="sv")
+            for p in s.passes:
+                with w.block(f"if phase == {p.index}:"):
+                    self._column_pass(w, p, "lo", "hi")
+                    for k in p.accumulate:
+                        w(f"ps = po{k} + (uc * rpt + ch) * cb")
+                        self._partials(w, k, acc[k], store=True)
+                    w("continue")
+                for k in p.accumulate:
+                    with w.block("for c in range(n):"):
+                        w(f"acc{k}[c] = {store_value(acc[k].acc, acc[k].init)}")
+                    with w.block("for cc in range(rpt):"):
+                        w(f"ps = po{k} + (uc * rpt + cc) * cb")
+                        self._partials(w, k, acc[k], store=False)
+                self._column_block(w, s.scalars[p.index + 1], stores="sv")
+
+    def _partials(self, w, k, r, store: bool) -> None:
+        """acc{k}[c] to (store) or folded with (not store) the 8-byte partial slots
+        from ``ps`` on, for c < n."""
+        scale = 8 // dt.ITEMSIZE[r.acc]
+        slot = f"(ps + c) * {scale}" if scale > 1 else "ps + c"
+        cur = load_expr(r.acc, f"acc{k}", "c") if r.acc == "bool" else f"acc{k}[c]"
+        with w.block("for c in range(n):"):
+            if store:
+                w(f"pp{k}[{slot}] = {store_value(r.acc, cur)}")
+            else:
+                part = load_expr(r.acc, f"pp{k}", slot)
+                w(f"acc{k}[c] = {store_value(r.acc, r.step.format(a=cur, v=part))}")
+
     def _inner(self, ref: int, base: str) -> str:
         return f"{base} + c" if self.carries_last(ref) else base
 
-    def _column_block(self, w, stage) -> None:
+    def _column_block(self, w, stage, stores: str | None = None) -> None:
+        """A stage between column passes; ``stores``: a condition its stores run
+        under (split kernels store per-column results once)."""
         if not stage.compute:
             return
         unit = [k for k in stage.compute if not self.carries_last(k)]
@@ -591,12 +674,21 @@ class _Emitter:
                 if k in self.s.blocks:
                     cd = dt.COMPUTE[self.dtype(k)]
                     w(f"kb{k}[c] = {store_value(cd, f'v{k}')}")
-            for k in stage.stores:
-                if k in block:
-                    self.store_output(w, k, self._inner(k, f"k_{self.tag(k)}"))
-        for k in stage.stores:
-            if k in unit:
-                self.store_output(w, k, f"k_{self.tag(k)}")
+            self._guarded(w, [k for k in stage.stores if k in block], stores,
+                          lambda k: self._inner(k, f"k_{self.tag(k)}"))
+        self._guarded(w, [k for k in stage.stores if k in unit], stores,
+                      lambda k: f"k_{self.tag(k)}")
+
+    def _guarded(self, w, nodes, cond, index) -> None:
+        if not nodes:
+            return
+        if cond is not None:
+            w(f"if {cond}:")
+            w.depth += 1
+        for k in nodes:
+            self.store_output(w, k, index(k))
+        if cond is not None:
+            w.depth -= 1
 
     def _column_args(self, w, nodes, here: set, vector=None) -> None:
         """Load what ``nodes`` read that is not computed in this loop: kernel inputs
@@ -618,10 +710,11 @@ class _Emitter:
                     cd = dt.COMPUTE[self.dtype(a)]
                     w(f"v{a} = {load_expr(cd, f'kb{a}', 'c')}")
 
-    def _column_pass(self, w, p) -> None:
-        """Accumulate over the reduced axes.  The innermost reduced axis runs
-        COL_UNROLL rows per trip of the column loop (fewer loop entries and
-        accumulator round trips), then the remaining rows one at a time."""
+    def _column_pass(self, w, p, lo: str | None = None, hi: str | None = None) -> None:
+        """Accumulate over the reduced axes (the outermost over [lo, hi) when given).
+        The innermost reduced axis runs COL_UNROLL rows per trip of the column loop
+        (fewer loop entries and accumulator round trips), then the remaining rows one
+        at a time."""
         s = self.s
         for k in p.accumulate:
             r = lower.reduction(self.spec, k, self.C)
@@ -629,13 +722,18 @@ class _Emitter:
                 w(f"acc{k}[c] = {store_value(r.acc, r.init)}")
         red = list(s.reduce_axes)
         last = red[-1]
+        bounds = {a: ("0", f"D{a}") for a in red}
+        if lo is not None:
+            bounds[red[0]] = (lo, hi)
         for a in red[:-1]:                 # one loop per reduced axis, outer first
-            w(f"for q{a} in range(D{a}):")
+            w(f"for q{a} in range({bounds[a][0]}, {bounds[a][1]}):")
             w.depth += 1
         U = COL_UNROLL
-        with w.block(f"for t{last} in range(0, D{last} - {U - 1}, {U}):"):
+        b0, b1 = bounds[last]
+        with w.block(f"for t{last} in range({b0}, {b1} - {U - 1}, {U}):"):
             self._column_rows(w, p, [(f"_{u}", f"t{last} + {u}") for u in range(U)])
-        with w.block(f"for t{last} in range(D{last} - D{last} % {U}, D{last}):"):
+        rest = f"D{last} - D{last} % {U}" if b0 == "0" else f"{b1} - ({b1} - {b0}) % {U}"
+        with w.block(f"for t{last} in range({rest}, {b1}):"):
             self._column_rows(w, p, [("", f"t{last}")])
         w.depth -= len(red) - 1
 

@@ -125,6 +125,11 @@ def emit(sched) -> CudaSource:
 
 
 class _CudaEmitter(_Emitter):
+    def column_split(self) -> int:
+        """Column kernels here have their own tiling (cuda_launch); the CPU's
+        chunked column split is not in this code."""
+        return 0
+
     # Global accesses index with an unsigned value: numba then skips its negative-index
     # wraparound (a compare, select and two 64-bit adds per access; indices here are
     # never negative).

@@ -36,6 +36,8 @@ EW_BLOCK = 16384          # tuned: elements per element-wise unit (64 KiB of flo
 COL_BLOCK = 2048          # tuned: widest column block (the per-row loop entry cost
 COL_UNITS = 4             #   amortizes over wide blocks) ... narrowed until a column
 COL_BLOCK_MIN = 64        #   kernel has COL_UNITS units (2 threads x 2), not below 64
+COL_SPLIT_UNITS = 16      # tuned: fewer column units than COL_UNITS: cut the reduced
+COL_CHUNK_ROWS = 128      #   rows into chunks for ~16 units, each >= 128 rows (cpu.py)
 
 
 class ScheduleError(ValueError):
