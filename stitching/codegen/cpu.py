@@ -248,6 +248,7 @@ class _Emitter:
         w("@cfunc(h.BODY_SIG, nogil=True, cache=True, fastmath=h.FASTMATH, "
           "error_model='numpy')")
         with w.block("def body(begin, end, ins, outs, dims):"):
+            w("h.wide_vectors()")
             self._prologue(w)
             {KernelKind.ELEMENTWISE: self._elementwise, KernelKind.ROW: self._row,
              KernelKind.COLUMN: self._column}[self.s.kind](w)

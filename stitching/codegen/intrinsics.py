@@ -147,6 +147,24 @@ def prefetch(typingctx, p, i):
 
 
 @intrinsic
+def wide_vectors(typingctx):
+    """Let LLVM vectorize the calling function with the CPU's widest registers.
+
+    LLVM's tuning for recent Intel server cores (Skylake-SP on) prefers 256-bit
+    vectors even where AVX-512 exists; this sets the calling function's
+    ``"prefer-vector-width"="512"`` attribute (per function, not Numba's process-wide
+    target options, which the user's own Numba code shares).  On CPUs without
+    AVX-512 it changes nothing.  Measured on a 2-core Xeon (Emerald Rapids): exp over
+    L1-resident floats 0.40 -> 0.30 ns per element."""
+    def codegen(context, builder, sig, args):
+        # llvmlite knows only enum attributes by name; a string attribute is
+        # printed as given, so it goes into the set directly
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
 def opaque(typingctx, a):
     """``a`` itself, as a value LLVM cannot fold (``llvm.arithmetic.fence``).
 
