@@ -142,6 +142,44 @@ def test_custom_gradient_identity_n_does_not_split_a_region():
     assert all(not i.startswith(tuple(idn)) for n in out.node for i in n.input)
 
 
+def test_background_compile_serves_stock_tf_first_then_the_stitched_graph():
+    """Options(background_compile=True): the first call with a new signature returns
+    stock TF's result at once (no report yet); after wait() the same signature runs the
+    stitched graph, with the same numbers; a second signature does the same."""
+    def fn(x):
+        return tf.nn.softmax(x * 2.0) + 1.0
+    f = stitching.function(fn, options=stitching.Options(background_compile=True))
+    x = np.random.default_rng(7).standard_normal((6, 40)).astype(np.float32)
+    first = f(tf.constant(x)).numpy()
+    key = ((tf.float32, (6, 40)),)
+    ops = lambda: {op.type for op in f._concrete[key].graph.get_operations()}  # noqa: E731
+    assert f.wait(timeout=300)
+    assert "StitchedKernel" in ops() and f.report.kernels, f.report
+    second = f(tf.constant(x)).numpy()
+    ref = tf.function(fn)(tf.constant(x)).numpy()
+    np.testing.assert_allclose(first, ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(second, ref, rtol=2e-6, atol=2e-6)
+    y = np.random.default_rng(8).standard_normal((3, 40)).astype(np.float32)
+    np.testing.assert_allclose(f(tf.constant(y)).numpy(), tf.function(fn)(y).numpy(),
+                               rtol=2e-6, atol=2e-6)
+    assert f.wait(timeout=300) and len(f.reports) == 2 and not f.background_errors
+
+
+def test_background_compile_failure_keeps_stock_tf(monkeypatch):
+    from stitching.tf import pipeline
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated planner failure")
+    monkeypatch.setattr(pipeline, "stitch_graph_def", broken)
+    f = stitching.function(lambda x: tf.exp(x) * 2.0,
+                           options=stitching.Options(background_compile=True))
+    x = tf.constant(np.ones((2, 3), np.float32))
+    np.testing.assert_allclose(f(x).numpy(), np.exp(1.0) * 2, rtol=1e-6)
+    assert not f.wait(timeout=300)
+    assert "simulated planner failure" in str(f.background_errors[0])
+    np.testing.assert_allclose(f(x).numpy(), np.exp(1.0) * 2, rtol=1e-6)
+
+
 def test_nan_inf_and_zero_size():
     f = stitching.function(lambda x: tf.nn.softmax(x * 1.0),
                            input_signature=[tf.TensorSpec([None, 4])])

@@ -13,6 +13,12 @@ The outer tf.function owns tracing, caching and signatures, so behaviour matches
 tf.function; the inner graph already carries TF's automatic control dependencies
 as explicit control edges, which the rewrite keeps.
 
+Background compilation (``Options(background_compile=True)``, as XLA's
+``--tf_xla_async_compilation``): the first call with a new eager signature traces the
+function for stock TF and returns its result while a background thread stitches the
+same signature (plan, Numba compile, rewrite); the call after that thread finished runs
+the stitched graph.  ``wait()`` blocks until every pending signature is stitched.
+
 Calls: a call with only eager tensors as positional arguments goes straight to the
 ConcreteFunction traced for exactly those dtypes and shapes (found once through the
 tf.function, so tracing and its errors are tf.function's), skipping tf.function's
@@ -23,7 +29,10 @@ through the tf.function.
 """
 from __future__ import annotations
 
+import atexit
 import functools
+import threading
+import weakref
 
 import tensorflow as tf
 
@@ -47,6 +56,9 @@ class StitchedFunction:
         self._tf_function = tf.function(self._trace, input_signature=input_signature,
                                         autograph=False, reduce_retracing=reduce_retracing)
         self._concrete = {}          # ((dtype, shape), ...) of eager args -> ConcreteFunction
+        self._pending = {}           # key -> background thread stitching it
+        self._lock = threading.Lock()
+        self.background_errors = []  # exceptions of background compiles (stock TF kept)
         functools.update_wrapper(self, python_fn, updated=())
 
     def __call__(self, *args, **kwargs):
@@ -55,10 +67,48 @@ class StitchedFunction:
             if key is not None:
                 cf = self._concrete.get(key)
                 if cf is None and len(self._concrete) < FAST_CALL_SIGNATURES:
-                    cf = self._concrete[key] = self._tf_function.get_concrete_function(*args)
+                    cf = self._concrete[key] = (
+                        self._stock_then_stitch(key, args) if self.options.background_compile
+                        else self._tf_function.get_concrete_function(*args))
                 if cf is not None:
                     return _call_concrete(cf, args)
         return self._tf_function(*args, **kwargs)
+
+    # -- background compilation ----------------------------------------------------
+    def _stock_then_stitch(self, key, args):
+        """Stock TF's ConcreteFunction for ``args`` now; the stitched one replaces it in
+        ``_concrete`` when a background thread has built it."""
+        stock = tf.function(self._python_fn, autograph=self._autograph) \
+            .get_concrete_function(*args)
+        specs = [tf.TensorSpec(a.shape, a.dtype) for a in args]
+        t = threading.Thread(target=self._stitch_in_background, args=(key, specs),
+                             name="stitching-compile", daemon=True)
+        with self._lock:
+            self._pending[key] = t
+        _LIVE.add(self)
+        t.start()
+        return stock
+
+    def _stitch_in_background(self, key, specs):
+        try:
+            cf = self._tf_function.get_concrete_function(*specs)
+            self._concrete[key] = cf            # one dict store: calls see old or new
+        except Exception as e:  # noqa: BLE001 — the stock graph keeps serving this key
+            self.background_errors.append(e)
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until background compiles are done (or ``timeout`` seconds passed);
+        True when none is pending and none failed.  Synchronous functions return at
+        once."""
+        with self._lock:
+            threads = list(self._pending.values())
+        for t in threads:
+            t.join(timeout)
+        with self._lock:
+            return not self._pending and not self.background_errors
 
     def __get__(self, instance, owner):
         """Support decorating methods: bind like a function does."""
@@ -121,6 +171,16 @@ class StitchedFunction:
                 tensors = [tf.identity(t) for t in tensors]
         return tf.nest.pack_sequence_as(cf.structured_outputs, tensors,
                                         expand_composites=True)
+
+
+_LIVE = weakref.WeakSet()        # functions that started background compiles
+
+
+@atexit.register
+def _join_background_compiles():
+    """Let background compiles finish before the interpreter tears TF down under them."""
+    for f in list(_LIVE):
+        f.wait()
 
 
 def _eager_key(args):

@@ -64,10 +64,14 @@ def build(mode: str, fn, signature, planner: str | None = None) -> Runner:
             r.fn = tf.function(fn, input_signature=signature)
         elif mode == "xla":
             r.fn = tf.function(fn, input_signature=signature, jit_compile=True)
-        elif mode in ("stitching", "baseline"):
+        elif mode in ("stitching", "baseline", "stitching_bg"):
             import stitching
             notes = r.info.setdefault("notes", [])
             opts = _stitching_options("baseline" if mode == "baseline" else planner, notes)
+            if mode == "stitching_bg":    # compile suite: first call on stock TF meanwhile
+                import dataclasses
+                opts = dataclasses.replace(opts or stitching.Options(),
+                                           background_compile=True)
             kwargs = {"options": opts} if opts is not None else {}
             r.fn = stitching.function(fn, input_signature=signature, **kwargs)
             if opts is not None:
@@ -114,7 +118,7 @@ def collect_counts(r: Runner, args, tf_runner: Runner | None = None):
             hlo = r.fn.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
             r.info["xla"] = count_xla_kernels(hlo)
             r.info["kernels"] = r.info["xla"]["memory_kernels"]
-        elif r.mode in ("stitching", "baseline"):
+        elif r.mode in ("stitching", "baseline", "stitching_bg"):
             rep = getattr(r.fn, "report", None)
             if rep is None:
                 r.info.setdefault("notes", []).append("no report after the first call")
