@@ -869,20 +869,37 @@ def test_uncached_kernels_compile_in_worker_processes(tmp_path, monkeypatch):
 
 
 def test_specs_differing_in_static_sizes_share_one_compiled_kernel():
-    """LayerNorm at D=24 and D=40 run the code of one shape-generic twin, and each
+    """LayerNorm at D=624 and D=640 run the code of one shape-generic twin, and each
     still enforces its own static sizes."""
-    k24, k40 = compile_kernel(layernorm_spec(24)), compile_kernel(layernorm_spec(40))
+    k24, k40 = compile_kernel(layernorm_spec(624)), compile_kernel(layernorm_spec(640))
     assert k24.body_address == k40.body_address and k24.generic == k40.generic
     assert k24.spec.hash != k40.spec.hash
     rng = np.random.default_rng(1)
-    for k, d in ((k24, 24), (k40, 40)):
+    for k, d in ((k24, 624), (k40, 640)):
         x, g, b = (rng.standard_normal(s).astype(np.float32) for s in ((6, d), (d,), (d,)))
         assert_matches(k(x, g, b)[0], layernorm_ref(x, g, b)[0], "float32",
                        f"generic layernorm D={d}", 5e-6, 3e-6)
-    rc, *_ = k24.shapes([(4, 40), (40,), (40,)])
-    assert k24.format_error(rc, []).startswith("input 0 dim 1 must be 24")
-    with pytest.raises(ValueError, match="input 0 dim 1 must be 24"):
-        k24(np.zeros((2, 40), np.float32), np.zeros(40, np.float32), np.zeros(40, np.float32))
+    rc, *_ = k24.shapes([(4, 640), (640,), (640,)])
+    assert k24.format_error(rc, []).startswith("input 0 dim 1 must be 624")
+    with pytest.raises(ValueError, match="input 0 dim 1 must be 624"):
+        k24(np.zeros((2, 640), np.float32), np.zeros(640, np.float32),
+            np.zeros(640, np.float32))
+
+
+def test_short_static_rows_compile_with_their_length():
+    """Row kernels over static rows of at most STATIC_ROW_MAX elements are compiled
+    concrete (known trip counts), so softmax at 128 and 100 are two code objects."""
+    from stitching.codegen.specialize import STATIC_ROW_MAX
+    k128 = compile_kernel(softmax_spec((-1, 128)))
+    k100 = compile_kernel(softmax_spec((-1, 100)))
+    assert k128.body_address != k100.body_address and k128.generic is None
+    assert "D1 = 128" in k128.source
+    long_a = compile_kernel(softmax_spec((-1, STATIC_ROW_MAX + 16)))
+    long_b = compile_kernel(softmax_spec((-1, STATIC_ROW_MAX + 32)))
+    assert long_a.body_address == long_b.body_address
+    for k, n in ((k128, 128), (k100, 100)):
+        x = RNG.standard_normal((7, n)).astype(np.float32)
+        assert_matches(k(x)[0], softmax_ref(x), "float32", f"softmax {n}", 4e-6)
 
 
 def test_per_channel_parameter_math_is_hoisted_out_of_the_element_loop():
