@@ -133,20 +133,29 @@ _lock = threading.Lock()
 _memo: dict = {}
 
 
+_DEFAULT_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "stitching")
+
+
 def cache_path() -> str:
-    root = os.environ.get("STITCHING_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "stitching")
+    root = os.environ.get("STITCHING_CACHE_DIR") or _DEFAULT_ROOT
     return os.path.join(root, CACHE_FILE)
 
 
 def measured_cpu(remeasure: bool = False) -> DeviceProfile:
-    """Measured once per machine; later calls read the cache (in memory, then disk)."""
+    """Measured once per machine; later calls read the cache (in memory, then disk).
+
+    A profile in the *default* cache (``python -m stitching.runtime.build`` measures one
+    at install) serves when ``$STITCHING_CACHE_DIR`` points elsewhere and has none: it
+    describes the machine, not a model (its fingerprint must still match)."""
     path = cache_path()
     fp = _fingerprint()
     with _lock:
         if not remeasure and path in _memo and _memo[path][0] == fp:
             return _memo[path][1]
         prof = None if remeasure else _read_cache(path, fp)
+        default = os.path.join(_DEFAULT_ROOT, CACHE_FILE)
+        if prof is None and not remeasure and default != path:
+            prof = _read_cache(default, fp)
         if prof is None:
             prof = measure_cpu()
             _write_cache(path, fp, prof)

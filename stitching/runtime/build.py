@@ -143,6 +143,10 @@ def main(argv=None) -> int:
     except BuildError as e:
         print(e, file=sys.stderr)
         return 1
+    # The machine's profile for the cost model (~0.5 s of measurement), like the
+    # library an install-time product reused by every kernel cache (plan/profiles.py).
+    from ..plan import profiles
+    profiles.measured_cpu()
     # The shape-program interpreter every kernel links (codegen/shape_program.py) is
     # compiled once per installation into Numba's cache; do it here, at install time.
     from ..codegen import shape_program
