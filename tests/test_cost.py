@@ -60,6 +60,7 @@ def test_unknown_profile_name_is_refused_with_the_choices():
 
 def test_measured_cpu_profile_is_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profiles, "_DEFAULT_ROOT", str(tmp_path / "no-default"))
     calls = []
     fake = profiles.with_overrides(CPU, name="cpu", measured=True)
     monkeypatch.setattr(profiles, "measure_cpu", lambda: calls.append(1) or fake)
@@ -74,6 +75,11 @@ def test_measured_cpu_profile_is_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(profiles, "_memo", {})
     profiles.measured_cpu()
     assert len(calls) == 2                              # remeasured for this machine
+    # an install-time profile in the default cache serves an empty kernel cache
+    monkeypatch.setattr(profiles, "_DEFAULT_ROOT", str(tmp_path))
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setattr(profiles, "_memo", {})
+    assert profiles.measured_cpu() == fake and len(calls) == 2
 
 
 def test_real_cpu_measurement_is_physically_sensible(tmp_path, monkeypatch):
