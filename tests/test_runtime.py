@@ -603,10 +603,12 @@ def test_inputs_are_not_copied():
 
 
 def test_large_outputs_reuse_pooled_buffers():
-    """Outputs of 1 MiB or more come from the op's pool: a freed output's buffer is
-    handed to the next output of its size (no fresh, page-faulting allocation), and a
-    buffer still referenced is never handed out again."""
-    n = 1 << 19                                   # 2 MiB of float32: pooled
+    """Outputs of min_bytes (32 MiB) or more come from the op's pool: a freed output's
+    buffer is handed to the next output of its size (no fresh, page-faulting
+    allocation), and a buffer still referenced is never handed out again; smaller
+    outputs come from TF's allocator."""
+    assert rt.pool_stats()["min_bytes"] == 32 << 20
+    n = 1 << 23                                   # 32 MiB of float32: pooled
     x = tf.random.uniform([n])
     y1, p1 = rt.stitched_kernel([x], PTRS)
     before = rt.pool_stats()
@@ -624,7 +626,7 @@ def test_large_outputs_reuse_pooled_buffers():
     assert after["held_bytes"] >= 2 * n * 4
 
     small_before = rt.pool_stats()
-    rt.stitched_kernel([tf.random.uniform([1000])], PTRS)  # 4 KB: TF's allocator
+    rt.stitched_kernel([tf.random.uniform([1 << 19])], PTRS)  # 2 MiB: TF's allocator
     small_after = rt.pool_stats()
     assert (small_after["hits"], small_after["misses"]) == (small_before["hits"],
                                                             small_before["misses"])
@@ -648,7 +650,7 @@ def test_op_enforces_static_dims_of_a_generic_kernel():
 
 
 def test_pool_trim_releases_idle_buffers():
-    y, _ = rt.stitched_kernel([tf.random.uniform([1 << 19])], PTRS)
+    y, _ = rt.stitched_kernel([tf.random.uniform([1 << 23])], PTRS)
     del y, _
     assert rt.pool_stats()["idle_bytes"] > 0
     rt.pool_trim()

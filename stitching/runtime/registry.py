@@ -255,14 +255,16 @@ def num_registered() -> int:
     return int(library().stitching_num_registered())
 
 
-_POOL_FIELDS = ("hits", "misses", "held_bytes", "idle_bytes", "idle_cap_bytes")
+_POOL_FIELDS = ("hits", "misses", "held_bytes", "idle_bytes", "idle_cap_bytes",
+                "min_bytes")
 
 
 def pool_stats() -> dict:
     """Counters of the op's output pool (large outputs reuse cached buffers instead of
     fresh, page-faulting ones; see op.cc).  ``held_bytes`` is memory the pool holds,
     live and idle; the idle part is capped by ``STITCHING_OUTPUT_POOL_MB`` (read once
-    per process; 0 disables the pool)."""
+    per process; 0 disables the pool).  ``min_bytes``: smaller outputs come from TF's
+    allocator (``STITCHING_OUTPUT_POOL_MIN_MB``, default 32)."""
     out = (ctypes.c_int64 * len(_POOL_FIELDS))()
     library().stitching_pool_stats(out)
     return dict(zip(_POOL_FIELDS, (int(v) for v in out)))

@@ -85,8 +85,9 @@ def allocators() -> str:
     allocator for every mode) and the StitchedKernel output pool's idle cap."""
     bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
     pool = os.environ.get("STITCHING_OUTPUT_POOL_MB", "1024")
+    least = os.environ.get("STITCHING_OUTPUT_POOL_MIN_MB", "32")
     return (f"TF CPU allocator {'BFC' if bfc else 'default (malloc)'}, "
-            f"stitching output pool {pool} MiB")
+            f"stitching output pool {pool} MiB for outputs >= {least} MiB")
 
 
 def load_avg():
