@@ -509,9 +509,10 @@ stitched kernels from the report. BW: (input + output bytes) / time, as % of the
 machine's copy bandwidth measured in the same run.
 
 Allocators matter at the large sizes: with TF's default CPU allocator (malloc) every
-output over malloc's mmap threshold is a fresh mapping that page-faults on first write,
-which costs more than a bandwidth-bound kernel on this machine. Stitched kernels take
-large outputs from their own cached pool; stock TF and XLA do not. Each section says
+output over malloc's mmap threshold (at most 32 MiB) is a fresh mapping that
+page-faults on first write, which costs more than a bandwidth-bound kernel on this
+machine. Stitched kernels take outputs of 32 MiB or more from their own cached pool;
+stock TF and XLA do not. Each section says
 which allocators it ran with; a section measured with `TF_CPU_ALLOCATOR_USE_BFC=true`
 (TF's caching allocator for every mode) shows the comparison without that advantage.
 
