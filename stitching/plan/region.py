@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..ir import Graph, KernelSpec, SpecNode, TensorType, ValueRef, infer, validate
 from ..ir.composites import COMPOSITE_OPS, expand
+from .legality import PLANNER_ATTRS
 
 
 @dataclass
@@ -63,7 +64,7 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
     for name in names:
         node = graph[name]
         args = [ref_of(r) for r in node.inputs]
-        attrs = {k: v for k, v in node.attrs.items() if k != "unfusible"}
+        attrs = {k: v for k, v in node.attrs.items() if k not in PLANNER_ATTRS}
         if node.op in COMPOSITE_OPS:
             env[ValueRef(name, 0)] = expand(node.op, attrs, args,
                                             [b.type_of(a) for a in args], b.emit)
