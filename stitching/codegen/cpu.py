@@ -227,8 +227,7 @@ class _Emitter:
         s, R = self.s, self.R
         cost = len(s.passes) * lower.cycles_per_element(self.spec, s.live)
         if s.kind == KernelKind.COLUMN:
-            kind, kept = SP.COLUMN, [a for a in s.parallel_axes if a != R - 1]
-            red = list(s.reduce_axes)
+            kind, kept, red = SP.COLUMN, self._kept_axes(), list(s.reduce_axes)
         else:
             kind, kept, red = (SP.ROW if s.kind == KernelKind.ROW else SP.ELEMENTWISE,
                                list(range(R - 1)), [])
@@ -566,9 +565,13 @@ class _Emitter:
         with w.block("else:"):
             self._column_whole(w)
 
+    def _kept_axes(self) -> list:
+        """A column kernel's parallel axes other than the last (its columns)."""
+        return [a for a in self.s.parallel_axes if a != self.R - 1]
+
     def _column_unit(self, w, unit: str) -> None:
         """Unit ``unit``'s kept index, column block [c0, c0 + n) and unit bases."""
-        kept = [a for a in self.s.parallel_axes if a != self.R - 1]
+        kept = self._kept_axes()
         w(f"ko = {unit} // nb")
         w(f"c0 = ({unit} - ko * nb) * cb")
         w("n = min(cb, L - c0)")
@@ -597,10 +600,9 @@ class _Emitter:
         s = self.s
         reds = self._split_reds()
         acc = {k: lower.reduction(self.spec, k, self.C) for k in reds}
-        kept = [a for a in s.parallel_axes if a != self.R - 1]
         final = self.column_split() == 1
         w(f"phase = dims[{PHASE_SLOT}]")
-        w(f"nu = {' * '.join([f'D{a}' for a in kept] + ['nb'])}")
+        w(f"nu = {' * '.join([f'D{a}' for a in self._kept_axes()] + ['nb'])}")
         for i, k in enumerate(reds):
             w(f"pp{k} = h.ptr_{_PTR[acc[k].acc]}(outs[{len(self.spec.outputs)}])")
             w(f"po{k} = {i} * nu * rpt * cb")
@@ -614,8 +616,11 @@ class _Emitter:
             self._column_unit(w, "uc")
             w(f"lo = ch * D{outer} // rpt")
             w(f"hi = (ch + 1) * D{outer} // rpt")
-            w(f"sv = phase == {len(s.passes)}")
-            self._column_block(w, s.scalars[0], stores="sv")
+            sv = None                   # no last phase: the stages store nothing
+            if final:
+                sv = "sv"
+                w(f"sv = phase == {len(s.passes)}")
+            self._column_block(w, s.scalars[0], stores=sv)
             for p in s.passes:
                 with w.block(f"if phase == {p.index}:"):
                     self._column_pass(w, p, "lo", "hi")
@@ -629,7 +634,7 @@ class _Emitter:
                     with w.block("for cc in range(rpt):"):
                         w(f"ps = po{k} + (uc * rpt + cc) * cb")
                         self._partials(w, k, acc[k], store=False)
-                self._column_block(w, s.scalars[p.index + 1], stores="sv")
+                self._column_block(w, s.scalars[p.index + 1], stores=sv)
 
     def _partials(self, w, k, r, store: bool) -> None:
         """acc{k}[c] to (store) or folded with (not store) the 8-byte partial slots

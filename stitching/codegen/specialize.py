@@ -108,9 +108,10 @@ def _decide(spec: KernelSpec) -> KernelSpec:
     if twin is None:
         return own
     try:
-        mine, theirs = build_schedule(spec), build_schedule(twin)
+        mine = build_schedule(spec)
+        if mine.kind == KernelKind.ROW and 0 <= mine.domain.axes[-1].size <= STATIC_ROW_MAX:
+            return own                  # short static rows: no twin's schedule needed
+        theirs = build_schedule(twin)
     except ScheduleError:
-        return own
-    if mine.kind == KernelKind.ROW and 0 <= mine.domain.axes[-1].size <= STATIC_ROW_MAX:
         return own
     return twin if _structure(mine) == _structure(theirs) else own

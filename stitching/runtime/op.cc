@@ -295,20 +295,18 @@ class OutputPool : public tensorflow::Allocator {
 
  private:
   OutputPool() {
-    int64_t mb = 1024;
-    if (const char* env = std::getenv("STITCHING_OUTPUT_POOL_MB")) {
+    cap_bytes_ = EnvMiB("STITCHING_OUTPUT_POOL_MB", 1024);
+    min_bytes_ = std::max<size_t>(size_t{1} << 20, EnvMiB("STITCHING_OUTPUT_POOL_MIN_MB", 32));
+  }
+
+  // $name as a non-negative whole number of MiB, in bytes; `mib` when unset or invalid.
+  static size_t EnvMiB(const char* name, int64_t mib) {
+    if (const char* env = std::getenv(name)) {
       char* end = nullptr;
       const long long v = std::strtoll(env, &end, 10);
-      if (end != env && *end == '\0' && v >= 0) mb = v;
+      if (end != env && *end == '\0' && v >= 0) mib = v;
     }
-    cap_bytes_ = static_cast<size_t>(mb) << 20;
-    int64_t min_mb = 32;
-    if (const char* env = std::getenv("STITCHING_OUTPUT_POOL_MIN_MB")) {
-      char* end = nullptr;
-      const long long v = std::strtoll(env, &end, 10);
-      if (end != env && *end == '\0' && v >= 0) min_mb = v;
-    }
-    min_bytes_ = std::max<size_t>(size_t{1} << 20, static_cast<size_t>(min_mb) << 20);
+    return static_cast<size_t>(mib) << 20;
   }
 
   static size_t SizeClass(size_t n) { return (n + kGranule - 1) / kGranule * kGranule; }
@@ -316,7 +314,7 @@ class OutputPool : public tensorflow::Allocator {
   std::mutex mu_;
   std::unordered_map<size_t, std::vector<void*>> free_;
   std::unordered_map<void*, size_t> live_;
-  size_t cap_bytes_ = 0, held_bytes_ = 0, idle_bytes_ = 0, min_bytes_ = size_t{32} << 20;
+  size_t cap_bytes_ = 0, held_bytes_ = 0, idle_bytes_ = 0, min_bytes_ = 0;
   int64_t hits_ = 0, misses_ = 0;
 };
 

@@ -16,6 +16,8 @@ fusible carry ``attrs["unfusible"]``: the reason the report will show.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
@@ -196,19 +198,15 @@ def _inputs(op, which=None) -> list[ValueRef]:
     return [ValueRef(t.op.name, t.value_index) for t in ins]
 
 
-_ONEDNN = []
-
-
+@functools.cache
 def onednn_enabled() -> bool:
     """Whether this TF runs oneDNN kernels (its Softmax among them): on by default on
     x86 CPUs with AVX-512 VNNI/BF16 or AMX, off with TF_ENABLE_ONEDNN_OPTS=0."""
-    if not _ONEDNN:
-        try:
-            from tensorflow.python.util import _pywrap_util_port
-            _ONEDNN.append(bool(_pywrap_util_port.IsMklEnabled()))
-        except (ImportError, AttributeError):
-            _ONEDNN.append(False)
-    return _ONEDNN[0]
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return False
 
 
 def _opaque(op, reason: str | None = None) -> Node:
