@@ -161,13 +161,53 @@ def test_row_16_byte_passes(variant, rows, L, tpr):
     spec = softmax_spec() if variant else layernorm_spec()
     args = [data(rows, L, seed=L)] + ([] if variant else [data(L, seed=1)])
     args[0][0, 1] = np.nan if rows > 1 else args[0][0, 1]
-    force = {"tpr": tpr, "threads": max(32, tpr)}
+    force = {"tpr": tpr, "threads": max(32, tpr), "chunks": False}
     if variant:
         force["variant"] = variant
     k, _ = check(spec, args, atol=1e-5, **force)
     lau = k.plan([a.shape for a in args], **force)
     assert lau.steps[0][0].endswith("_v4"), lau.steps
     assert "16-byte" in lau.strategy
+
+
+def masked_softmax_spec():
+    """A bool mask along the row (a 1-byte buffer: element-wise loads in the chunked
+    kernels) and a row-scalar output."""
+    b = SpecBuilder()
+    x, keep = b.input(F, (-1, -1)), b.input("bool", (-1, -1))
+    z = b.Select(keep, b.Mul(x, b.const(0.125)), b.const(-1e9))
+    m = b.Max(z, axes=[1], keep_dims=True)
+    e = b.Exp(b.Sub(z, m))
+    return b.build([b.Div(e, b.Sum(e, axes=[1], keep_dims=True)), b.Max(x, axes=[1])])
+
+
+@pytest.mark.parametrize("rows,L,threads,tpr,chunks", [
+    (3, 4, 32, 1, 1), (5, 36, 32, 4, 4), (3, 132, 32, 8, 8), (2, 128, 32, 32, 1),
+    (2, 1024, 32, 32, 8), (3, 256, 64, 64, 1), (2, 520, 64, 64, 4)])
+def test_row_chunks_in_registers(rows, L, threads, tpr, chunks):
+    """k_row_r<C>_v4: the row in registers, C chunks of 4 per thread (idle chunks where
+    the row is not a multiple of tpr x 4), several rows per block (tpr < threads), a
+    row over two warps (tpr 64); scratch (softmax), inputs cached across passes and a
+    broadcast weight (layer norm), a bool mask loaded element-wise; NaN in a row."""
+    x = data(rows, L, seed=L)
+    x[rows - 1, L // 3] = np.nan
+    keep = np.random.default_rng(L).random((rows, L)) < 0.8
+    force = {"threads": threads, "tpr": tpr, "variant": "chunks"}
+    for spec, args in [(softmax_spec(), [x]), (layernorm_spec(), [x, data(L, seed=1)]),
+                       (masked_softmax_spec(), [x, keep])]:
+        k, _ = check(spec, args, atol=1e-5, **force)
+        name = k.plan([a.shape for a in args], **force).steps[0][0]
+        assert name == f"k_row_r{chunks}_v4", name
+
+
+def test_row_chunks_default_and_limits():
+    k = compile_cuda_kernel(softmax_spec())
+    assert k.plan([(4, 64)]).steps[0][0].startswith("k_row_r")       # the default
+    assert "in registers" in k.plan([(4, 64)]).strategy
+    assert not k.plan([(4, 66)]).steps[0][0].startswith("k_row_r")   # 66 % 4 != 0
+    with pytest.raises(ValueError, match="no k_row_r<C> kernel holds rows of 1028"):
+        k.plan([(2, 1028)], threads=32, tpr=32, variant="chunks")
+    check(softmax_spec(), [data(2, 1028)], threads=32, tpr=32)        # the looped kernel
 
 
 def test_row_16_byte_falls_back_for_odd_lengths_and_offsets():
@@ -280,10 +320,13 @@ def test_shape_errors_and_one_kernel_for_all_sizes():
     for shape in [(1, 3), (4, 40)]:
         check(spec, [data(*shape), data(shape[1])], atol=1e-5)
     assert compile_cuda_kernel(spec) is k
-    # sizes are arguments, not constants; one 16-byte twin for rows of a multiple of 4
-    assert set(k.source.kernels) == {"k_row", "k_row_v4"}
+    # sizes are arguments, not constants; 16-byte twins for rows of a multiple of 4, and
+    # the whole-row-in-registers kernels (C chunks per thread) with theirs
+    chunked = {f"k_row_r{c}{v}" for c in cuda_launch.ROW_CHUNKS for v in ("", "_v4")}
+    assert set(k.source.kernels) == {"k_row", "k_row_v4"} | chunked
     assert {"D0", "D1", "rows", "tpr"} <= set(k.source.kernels["k_row"])
-    assert k.source.kernels["k_row_v4"] == k.source.kernels["k_row"]
+    for name in chunked | {"k_row_v4"}:
+        assert k.source.kernels[name] == k.source.kernels["k_row"]
 
 
 def test_device_arrays_in_device_arrays_out():

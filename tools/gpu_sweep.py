@@ -23,6 +23,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="128,256,512")
     ap.add_argument("--tpr", default="4,8,16,32,64,128", help="row kernels")
     ap.add_argument("--split", default="1,2,4,9,16,32", help="column kernels")
+    ap.add_argument("--variant", default=None,
+                    help="row kernels: chunks | regs | smem | global | looped (the "
+                         "looped kernels' own choice; default: the planner's)")
     args = ap.parse_args(argv)
     import torch
     from numba import cuda
@@ -56,7 +59,12 @@ def main(argv=None) -> int:
                 if second[0] == "tpr" and v > th:
                     continue
                 try:
-                    lau = k.plan(shapes, threads=th, **{second[0]: v})
+                    force = {"threads": th, second[0]: v}
+                    if second[0] == "tpr" and args.variant == "looped":
+                        force["chunks"] = False
+                    elif second[0] == "tpr" and args.variant:
+                        force["variant"] = args.variant
+                    lau = k.plan(shapes, **force)
                     outs = k(*sets[0][1], launch=lau)
                     err = gpu_bench.check(None, spec, sets[0][0],
                                           outs=[o.copy_to_host() for o in outs])

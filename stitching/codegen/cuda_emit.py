@@ -76,6 +76,7 @@ COL_UNROLL = 4
 PART_ELEMS = 32       # row passes: float32 values a thread sums before a float64 merge
 ROW_PART_CHUNKS = PART_ELEMS // EW_VEC   # wide row passes: 16-byte chunks per partial
 ROW_VARIANTS = ("regs", "smem", "global")
+ROW_CHUNKS = (1, 2, 4, 8)   # k_row_r<C>: 16-byte chunks of its row each thread keeps
 
 # numpy dtype of on-chip / workspace arrays holding compute values (bool as bytes)
 _NP = {"float32": "np.float32", "float64": "np.float64", "int32": "np.int32",
@@ -303,13 +304,17 @@ class _CudaEmitter(_Emitter):
             self._row_kernel(w, variant, False)
             if variant != "regs" and self.wide_refs():
                 self._row_kernel(w, variant, True)
+        if self.wide_refs():
+            for chunks in ROW_CHUNKS:
+                self._row_chunked(w, chunks, False)
+                self._row_chunked(w, chunks, True)
 
-    def _row_kernel(self, w, variant, wide: bool) -> None:
-        s, R = self.s, self.R
-        name = "k_row" + (f"_{variant}" if variant else "") + ("_v4" if wide else "")
-        extra = ["rows", "tpr"] + {"smem": [f"so{k}" for k in s.scratch],
-                                   "global": [f"ws{k}" for k in s.scratch]}.get(variant, [])
-        with self.kernel(w, name, extra):
+    @contextmanager
+    def _row_groups(self, w, name: str, extra: list, variant):
+        """A row kernel's prologue and its grid-stride loop over groups of rpb rows; the
+        caller's lines go inside the loop, where r / act / Lr / the row bases and the
+        row-scalar inputs are set."""
+        with self.kernel(w, name, ["rows", "tpr"] + extra):
             self.prologue(w)
             w("g = tid // tpr")
             w("lane = tid - g * tpr")
@@ -320,16 +325,101 @@ class _CudaEmitter(_Emitter):
                 w("act = r < rows")
                 w("Lr = L if act else 0")          # an idle row group loops over nothing
                 w("rr = r if act else rb")         # ... and reads a valid row
-                self.bases(w, self.decompose(w, "rr", list(range(R - 1))))
+                self.bases(w, self.decompose(w, "rr", list(range(self.R - 1))))
                 for j in self._row_scalar_inputs():
                     self.load_input(w, -(j + 1), f"b_i{j}")
-                self._row_stage(w, s.scalars[0])
-                for p in s.passes:
-                    if wide:
-                        self._row_pass_wide(w, p, variant)
+                yield
+
+    def _row_kernel(self, w, variant, wide: bool) -> None:
+        s = self.s
+        name = "k_row" + (f"_{variant}" if variant else "") + ("_v4" if wide else "")
+        extra = {"smem": [f"so{k}" for k in s.scratch],
+                 "global": [f"ws{k}" for k in s.scratch]}.get(variant, [])
+        with self._row_groups(w, name, extra, variant):
+            self._row_stage(w, s.scalars[0])
+            for p in s.passes:
+                if wide:
+                    self._row_pass_wide(w, p, variant)
+                else:
+                    self._row_pass(w, p, variant)
+                self._row_stage(w, s.scalars[p.index + 1])
+
+    # -- row, whole row in registers ---------------------------------------------------
+    def _row_chunked(self, w, chunks: int, wide: bool) -> None:
+        """k_row_r<C>[_v4]: each thread owns C chunks of 4 consecutive elements of its
+        row, chunk c at (lane + c * tpr) * 4 (a warp's chunks are contiguous), for rows
+        of a multiple of 4 up to tpr * 4 * C long.  The chunks are unrolled in the
+        source, so every value a later pass needs stays in named registers: the
+        schedule's scratch values and, unlike the other row kernels, the inputs a later
+        pass would re-read (loaded once per row).  An idle chunk (past the row's end)
+        re-reads element 0..3 of the row, computes, and is masked out of reductions and
+        stores.  _v4: one 16-byte load/store per chunk of each wide buffer (16-byte
+        aligned, which the host checks; the twin without _v4 loads element-wise)."""
+        name = f"k_row_r{chunks}" + ("_v4" if wide else "")
+        with self._row_groups(w, name, [], None):
+            for c in range(chunks):
+                w(f"jl{c} = (lane + {c} * tpr) * {EW_VEC}")
+                w(f"ok{c} = jl{c} < Lr")
+                w(f"jl{c} = jl{c} if ok{c} else 0")
+            self._row_stage(w, self.s.scalars[0])
+            cached: set = set()
+            for p in self.s.passes:
+                self._row_pass_chunked(w, p, chunks, wide, cached)
+                self._row_stage(w, self.s.scalars[p.index + 1])
+
+    def _row_pass_chunked(self, w, p, chunks: int, wide: bool, cached: set) -> None:
+        parts = self._parts(p)
+        wset = set(self.wide_refs()) if wide else set()
+        vec = [j for j in p.loads if self.s.is_vector(-(j + 1))]
+        for k in p.accumulate:
+            w(f"a{k} = {self.reduction(k).init}")
+        self._part_init(w, parts)
+        for c in range(chunks):
+            for j in vec:                       # this chunk of each input, once per row
+                if j in cached:
+                    continue
+                ref = -(j + 1)
+                names = [f"x{j}_{c}_{e}" for e in range(EW_VEC)]
+                if ref in wset:
+                    w(f"{', '.join(names)} = h.load4(p_i{j}, b_i{j} + jl{c})")
+                else:
+                    for e, n in enumerate(names):
+                        w(f"{n} = " + load_expr(self.dtype(ref), f"p_i{j}",
+                                                f"np.uint64(b_i{j} + jl{c} + {e})"))
+            for e in range(EW_VEC):
+                self._row_chunk_element(w, p, parts, vec, c, e)
+            for k in p.stores:
+                t = self.tag(k)
+                with w.block(f"if ok{c}:"):
+                    if k in wset:
+                        w(f"h.store4(p_{t}, b_{t} + jl{c}, "
+                          f"{', '.join(f'y{t}_{e}' for e in range(EW_VEC))})")
                     else:
-                        self._row_pass(w, p, variant)
-                    self._row_stage(w, s.scalars[p.index + 1])
+                        for e in range(EW_VEC):
+                            w(f"p_{t}[np.uint64(b_{t} + jl{c} + {e})] = y{t}_{e}")
+        cached.update(vec)
+        self._part_merge(w, parts)
+        self._row_allreduce(w, p.accumulate)
+
+    def _row_chunk_element(self, w, p, parts, vec, c, e) -> None:
+        """Element e of chunk c: inputs and scratch values from their registers,
+        reductions masked by the chunk's ok flag, stores into y<tag>_<e>."""
+        for j in vec:
+            w(f"x{j} = x{j}_{c}_{e}")
+        for k in p.scratch_loads:
+            w(f"v{k} = sc{k}_{c}_{e}")
+        for k in p.compute:
+            self.compute(w, k)
+        for k in p.accumulate:
+            v = self.var(self.spec.nodes[k].args[0])
+            if k in parts:
+                w(f"s{k} = {parts[k].part_step.format(p=f's{k}', v=v)} if ok{c} else s{k}")
+            else:
+                w(f"a{k} = {self.step(k, f'a{k}', v)} if ok{c} else a{k}")
+        for k in p.scratch_stores:
+            w(f"sc{k}_{c}_{e} = v{k}")
+        for k in p.stores:
+            w(f"y{self.tag(k)}_{e} = {store_value(self.dtype(k), self.var(k))}")
 
     def _row_scalar_inputs(self) -> list:
         s = self.s

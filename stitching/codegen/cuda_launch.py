@@ -47,7 +47,7 @@ from ..ir.ops import infer
 from ..ir.spec import KernelSpec, SpecNode
 from ..plan import cost
 from ..schedule import KernelKind
-from .cuda_emit import EW_VEC, REG_SLOTS, WARP, np_dtype
+from .cuda_emit import EW_VEC, REG_SLOTS, ROW_CHUNKS, WARP, np_dtype
 
 SMEM_LIMIT = 48 << 10        # CUDA: dynamic shared memory per block without the opt-in
 GRID_WAVES = 8               # arbitrary: grid-stride kernels launch at most 8 full waves
@@ -192,17 +192,32 @@ def _row(src, z, th, _rpt, cap, profile, limits, force, source):
         tpr = min(tpr, limits.max_threads)
         if "threads" not in force:
             th = max(th, tpr)
+        if "threads" not in force and not (force.get("chunks", True) and
+                                           _row_chunks(src, z.L, tpr)):
             # fewer rows per block rather than scratch rows in global memory (an H100:
             # 512-thread blocks of a 256-long masked softmax through global memory ran
             # 87 µs, 128-thread blocks through shared memory 66 µs)
             while th > max(tpr, MIN_THREADS) and scratch and \
                     _smem_layout(scratch, th // tpr * z.L)[1] > limits.smem:
                 th //= 2
-            cap = _blocks_cap(th, profile, limits)
+    cap = _blocks_cap(th, profile, limits)
     tpr = int(tpr)
     if tpr & (tpr - 1) or tpr > th:
         raise ValueError(f"threads per row must be a power of two <= {th}, got {tpr}")
     rpb = th // tpr
+    chunks = _row_chunks(src, z.L, tpr) if force.get("chunks", True) else 0
+    if force.get("variant") == "chunks" and not chunks:
+        raise ValueError(f"no k_row_r<C> kernel holds rows of {z.L} at {tpr} threads per "
+                         f"row (rows of a multiple of {EW_VEC}, at most "
+                         f"{tpr * EW_VEC * ROW_CHUNKS[-1]} long, 4-byte buffers)")
+    if chunks and force.get("variant") in (None, "chunks"):
+        wide = force.get("wide", True)
+        name = f"k_row_r{chunks}" + ("_v4" if wide else "")
+        steps = ((name, _grid(z.rows, rpb, cap), th, 0, {}),) if z.rows else ()
+        text = _row_text(tpr, rpb, None) + \
+            f"; the row in registers, {chunks} chunk(s) of {EW_VEC} per thread" + \
+            ("; 16-byte loads/stores" if wide else "")
+        return CudaLaunch("row", text, steps, {"rows": z.rows, "tpr": tpr}, (), th, source)
     variant = force.get("variant") or _row_variant(scratch, z.L, tpr, rpb, limits.smem)
     args = {"rows": z.rows, "tpr": tpr}
     smem, ws = 0, ()
@@ -218,6 +233,16 @@ def _row(src, z, th, _rpt, cap, profile, limits, force, source):
     steps = ((name, grid, th, smem, {}),) if z.rows else ()
     text = _row_text(tpr, rpb, variant) + ("; 16-byte loads/stores" if wide else "")
     return CudaLaunch("row", text, steps, args, ws, th, source)
+
+
+def _row_chunks(src, L, tpr) -> int:
+    """Chunks per thread of the k_row_r<C> kernel that holds a row of L at tpr threads
+    per row (the fewest that do), or 0 where none does (empty rows too: an idle chunk
+    reads the row's first 4 elements)."""
+    if L <= 0 or L % EW_VEC or f"k_row_r{ROW_CHUNKS[0]}" not in src.kernels:
+        return 0
+    need = -(-L // (tpr * EW_VEC))
+    return next((c for c in ROW_CHUNKS if c >= need), 0)
 
 
 def _row_variant(scratch, L, tpr, rpb, smem_limit):
