@@ -371,15 +371,19 @@ def _real_plan(k, shapes, prof="h100"):
                             cuda_launch.Limits())
 
 
-@pytest.mark.parametrize("L,tpr", [(8, 8), (128, 8), (256, 8), (1024, 32), (4096, 128),
-                                   (32768, 1024)])
-def test_row_launch_rule_at_gpu_limits(L, tpr):
-    """The rules measured on an H100 (cuda_launch docstring): at most 32 elements per
-    thread, at least 8 threads per row, blocks of 128+, scratch kept on chip."""
+@pytest.mark.parametrize("L,tpr,kernel", [
+    (8, 1, "k_row_r2_v4"), (128, 8, "k_row_r4_v4"), (256, 16, "k_row_r4_v4"),
+    (1024, 64, "k_row_r4_v4"), (4096, 256, "k_row_r4_v4"), (32768, 1024, "k_row_r8_v4"),
+    (1030, 64, "k_row_smem"), (65536, 1024, "k_row_global_v4")])
+def test_row_launch_rule_at_gpu_limits(L, tpr, kernel):
+    """The rules measured on an H100 (cuda_launch docstring): rows of a multiple of 4 in
+    registers, 16 elements per thread, in 128-thread blocks (up to 32 per thread at
+    the block limit); other rows at most 32 elements per thread, blocks of 128+,
+    scratch kept on chip where it fits."""
     lau = _real_plan(compile_cuda_kernel(softmax_spec()), [(4096, L)])
-    assert lau.args["tpr"] == tpr, lau.strategy
+    assert lau.args["tpr"] == tpr and lau.steps[0][0] == kernel, lau.strategy
     assert lau.threads >= 128 and lau.threads % tpr == 0
-    assert "global" not in lau.strategy or L == 32768   # 128 KB rows outgrow 48 KB
+    assert "global" not in lau.strategy or L == 65536   # 256 KB rows outgrow 48 KB
 
 
 def test_column_launch_rule_at_gpu_limits():

@@ -60,6 +60,13 @@ MIN_ROWS_PER_THREAD = 8      # arbitrary: a split leaves each thread at least 8 
 MAX_SPLIT = 64               # arbitrary: bounds the partials each column re-combines
 ROW_ELEMS = 32               # row elements per thread (see "row" above)
 ROW_MIN_TPR = 8              # fewest threads per row (see "row" above)
+# k_row_r<C> kernels: row elements per thread, in blocks of MIN_THREADS (not the
+# evaluator's threads).  tools/gpu_sweep.py --variant chunks on an H100, blocks of 128 /
+# 256 x tpr 4..64: 16 per thread (4 chunks) was fastest at every length: a 128-long
+# softmax 28.8 µs (8 per thread 34.1, 32 per thread 35.4), a 256-long masked softmax
+# 42.0 µs (32 per thread 51.8), a 1024-long softmax 30.9 µs (32: 32.8) and logsumexp
+# 20.6 µs (32: 22.4); 256-thread blocks 2-17% slower throughout
+ROW_CHUNK_ELEMS = 16
 DEFAULT_THREADS = 256        # fallback when the evaluator has no finite candidate
 # An SM holds at most 32 blocks (sm_80, sm_90): smaller blocks than 4 warps cap occupancy
 # below 100% however many are launched.  Measured on an H100: 32-thread blocks ran an
@@ -187,13 +194,17 @@ def _elementwise(src, z, th, _rpt, cap, _profile, _limits, force, source):
 def _row(src, z, th, _rpt, cap, profile, limits, force, source):
     scratch = src.scratch_np
     tpr = force.get("tpr")
-    if tpr is None:
+    ctpr = min(_pow2ceil(-(-z.L // ROW_CHUNK_ELEMS)), limits.max_threads)
+    if tpr is None and force.get("chunks", True) and force.get("variant") in (None, "chunks") \
+            and _row_chunks(src, z.L, ctpr):
+        tpr = ctpr
+        if "threads" not in force:
+            th = min(max(MIN_THREADS, tpr), limits.max_threads)
+    elif tpr is None:
         tpr = max(_pow2ceil(-(-max(z.L, 1) // ROW_ELEMS)), min(ROW_MIN_TPR, _pow2ceil(z.L)))
         tpr = min(tpr, limits.max_threads)
         if "threads" not in force:
             th = max(th, tpr)
-        if "threads" not in force and not (force.get("chunks", True) and
-                                           _row_chunks(src, z.L, tpr)):
             # fewer rows per block rather than scratch rows in global memory (an H100:
             # 512-thread blocks of a 256-long masked softmax through global memory ran
             # 87 µs, 128-thread blocks through shared memory 66 µs)
