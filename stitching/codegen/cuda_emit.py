@@ -31,6 +31,10 @@ Thread mapping per kind (``tid`` = threadIdx.x; names as in the generated code):
                  _smem    dynamic shared memory (rpb rows fit the block's budget)
                  _global  a global workspace of one row per resident row group
                Placement.RECOMPUTE and LOAD re-evaluate / re-read (L1/L2 hits).
+               k_row_r<C>[_v4] (rows of a multiple of 4, up to tpr * 4 * C long): the
+               same row groups, each thread owning C unrolled chunks of 4 consecutive
+               elements, so inputs are read once per row and scratch values are named
+               registers whatever the placement said (_row_chunked).
 
   column       k_col (one launch) or k_col_p<q> (one launch per pass, "split"):
                block = tx_n columns x ny row slices; unit u = (kept index ko, column

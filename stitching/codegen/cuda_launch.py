@@ -13,7 +13,10 @@ H100 where its CPU-shaped rows per task did not fit (names as in cuda_emit.py):
   elementwise  block = threads; grid = chunks of EW_VEC elements / threads, capped;
                the 16-byte kernel when rows are a multiple of 4 long (the caller falls
                back to the scalar one for a buffer that is not 16-byte aligned)
-  row          tpr (threads per row) = the power of two that leaves each thread at most
+  row          rows of a multiple of 4 that fit (k_row_r<C>, the row in registers):
+               tpr = the power of two that leaves each thread ROW_CHUNK_ELEMS, in
+               MIN_THREADS blocks.  Other rows (the looped kernels):
+               tpr (threads per row) = the power of two that leaves each thread at most
                ROW_ELEMS of the row, at least ROW_MIN_TPR (their loads cover a 32-byte
                sector) unless the row is shorter, up to the block limit: a warp per row
                at 1024, no block-wide combine below 2048; block = max(threads, tpr),
