@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -55,6 +56,8 @@ def parse_args(argv=None):
     mode.add_argument("--ptx", action="store_true",
                       help="compile every kernel to PTX with libnvvm (no GPU), report")
     ap.add_argument("--cc", default="8.0", help="--ptx: compute capability (e.g. 7.0, 9.0)")
+    ap.add_argument("--kernels", default="", metavar="REGEX",
+                    help="--ptx: only kernels whose name matches (re.search)")
     ap.add_argument("--size", default="large", choices=["small", "large"],
                     help="GPU mode: shapes to time (correctness is also checked at small)")
     ap.add_argument("--only", default="", help="comma-separated pattern names")
@@ -164,7 +167,7 @@ def allow_ptx_without_gpu() -> None:
 PTX_FEATURES = ("shfl.sync", "bar.sync", "ld.local", "ld.global.v4", "st.global.v4")
 
 
-def run_ptx(pats, cc) -> list:
+def run_ptx(pats, cc, only_kernels="") -> list:
     from numba import cuda
     from stitching.codegen.cuda import compile_cuda_kernel
     allow_ptx_without_gpu()
@@ -174,6 +177,8 @@ def run_ptx(pats, cc) -> list:
         for spec, _ in kernels(pat, "small"):
             k = compile_cuda_kernel(spec, profile="a100")
             for name in k.source.kernels:
+                if only_kernels and not re.search(only_kernels, name):
+                    continue
                 row = {"pattern": pat["name"], "kernel": name, "ok": True}
                 try:
                     t0 = time.perf_counter()
@@ -567,7 +572,7 @@ def main(argv=None) -> int:
     if args.simulator:
         rows = run_simulator(pats)
     elif args.ptx:
-        rows = run_ptx(pats, args.cc)
+        rows = run_ptx(pats, args.cc, args.kernels)
     else:
         rows, meta = run_gpu(pats, args.size, args.repeats, args.profile, args.json)
         if args.markdown:
