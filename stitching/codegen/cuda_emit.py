@@ -375,8 +375,7 @@ class _CudaEmitter(_Emitter):
         parts = self._parts(p)
         wset = set(self.wide_refs()) if wide else set()
         vec = [j for j in p.loads if self.s.is_vector(-(j + 1))]
-        for k in p.accumulate:
-            w(f"a{k} = {self.reduction(k).init}")
+        self._acc_init(w, p)
         self._part_init(w, parts)
         for c in range(chunks):
             for j in vec:                       # this chunk of each input, once per row
@@ -415,11 +414,7 @@ class _CudaEmitter(_Emitter):
         for k in p.compute:
             self.compute(w, k)
         for k in p.accumulate:
-            v = self.var(self.spec.nodes[k].args[0])
-            if k in parts:
-                w(f"s{k} = {parts[k].part_step.format(p=f's{k}', v=v)} if ok{c} else s{k}")
-            else:
-                w(f"a{k} = {self.step(k, f'a{k}', v)} if ok{c} else a{k}")
+            w(self._accumulate(k, parts, f"ok{c}"))
         for k in p.scratch_stores:
             w(f"sc{k}_{c}_{e} = v{k}")
         for k in p.stores:
@@ -465,8 +460,7 @@ class _CudaEmitter(_Emitter):
 
     def _row_pass(self, w, p, variant) -> None:
         parts = self._parts(p)
-        for k in p.accumulate:
-            w(f"a{k} = {self.reduction(k).init}")
+        self._acc_init(w, p)
         if variant == "regs":      # constant trip count: the slots stay in registers
             self._part_init(w, parts)
             with w.block(f"for ti in range({REG_SLOTS}):"):
@@ -492,8 +486,7 @@ class _CudaEmitter(_Emitter):
         multiple of 4 elements, every wide buffer 16-byte aligned (the host checks)."""
         parts = self._parts(p)
         wide = set(self.wide_refs())
-        for k in p.accumulate:
-            w(f"a{k} = {self.reduction(k).init}")
+        self._acc_init(w, p)
         span = f"tpr * {EW_VEC * ROW_PART_CHUNKS}"
         with w.block(f"for jc in range(lane * {EW_VEC}, Lr, {span}):"):
             self._part_init(w, parts)
@@ -511,6 +504,18 @@ class _CudaEmitter(_Emitter):
         float32 partial, merged into the float64 accumulator (no float64 add per
         element; the CPU's vector lanes do the same)."""
         return {k: r for k in p.accumulate if (r := self.reduction(k)).part}
+
+    def _accumulate(self, k, parts, ok: str = "") -> str:
+        """The line adding this element into reduction k: into its float32 partial where
+        it has one, else its accumulator; ``ok`` names a flag that masks it out."""
+        v = self.var(self.spec.nodes[k].args[0])
+        dst, new = (f"s{k}", parts[k].part_step.format(p=f"s{k}", v=v)) if k in parts \
+            else (f"a{k}", self.step(k, f"a{k}", v))
+        return f"{dst} = {new} if {ok} else {dst}" if ok else f"{dst} = {new}"
+
+    def _acc_init(self, w, p) -> None:
+        for k in p.accumulate:
+            w(f"a{k} = {self.reduction(k).init}")
 
     def _part_init(self, w, parts) -> None:
         for k, r in parts.items():
@@ -534,9 +539,7 @@ class _CudaEmitter(_Emitter):
         for k in p.compute:
             self.compute(w, k)
         for k in p.accumulate:
-            v = self.var(self.spec.nodes[k].args[0])
-            w(f"s{k} = {parts[k].part_step.format(p=f's{k}', v=v)}" if k in parts else
-              f"a{k} = {self.step(k, f'a{k}', v)}")
+            w(self._accumulate(k, parts))
         for k in p.scratch_stores:
             buf, idx = self._scratch_at(k, variant)
             w(f"{buf}[{idx}] = {store_value(self._scratch_dtype(k), f'v{k}')}")
@@ -642,8 +645,7 @@ class _CudaEmitter(_Emitter):
             w(f"a{k} = {self.step(k, f'a{k}', part)}")
 
     def _col_pass(self, w, p, split: bool = False) -> None:
-        for k in p.accumulate:
-            w(f"a{k} = {self.reduction(k).init}")
+        self._acc_init(w, p)
         # COL_UNROLL rows per trip, a constant inner trip count that the compiler unrolls:
         # that many independent loads in flight per thread (rows in the same order)
         with w.block(f"for s0 in range(sp * ny + ty, nr, ny * usplit * {COL_UNROLL}):"), \
