@@ -629,8 +629,7 @@ class _Emitter:
                         self._partials(w, k, acc[k], store=True)
                     w("continue")
                 for k in p.accumulate:
-                    with w.block("for c in range(n):"):
-                        w(f"acc{k}[c] = {store_value(acc[k].acc, acc[k].init)}")
+                    self._column_acc_init(w, k)
                     with w.block("for cc in range(rpt):"):
                         w(f"ps = po{k} + (uc * rpt + cc) * cb")
                         self._partials(w, k, acc[k], store=False)
@@ -716,6 +715,12 @@ class _Emitter:
                     cd = dt.COMPUTE[self.dtype(a)]
                     w(f"v{a} = {load_expr(cd, f'kb{a}', 'c')}")
 
+    def _column_acc_init(self, w, k) -> None:
+        """Reduction k's per-column accumulators of the block set to its start value."""
+        r = lower.reduction(self.spec, k, self.C)
+        with w.block("for c in range(n):"):
+            w(f"acc{k}[c] = {store_value(r.acc, r.init)}")
+
     def _column_pass(self, w, p, lo: str | None = None, hi: str | None = None) -> None:
         """Accumulate over the reduced axes (the outermost over [lo, hi) when given).
         The innermost reduced axis runs COL_UNROLL rows per trip of the column loop
@@ -723,9 +728,7 @@ class _Emitter:
         at a time."""
         s = self.s
         for k in p.accumulate:
-            r = lower.reduction(self.spec, k, self.C)
-            with w.block("for c in range(n):"):
-                w(f"acc{k}[c] = {store_value(r.acc, r.init)}")
+            self._column_acc_init(w, k)
         red = list(s.reduce_axes)
         last = red[-1]
         bounds = {a: ("0", f"D{a}") for a in red}
