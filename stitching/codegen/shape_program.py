@@ -116,17 +116,18 @@ def run(prog, in_dims, dims, out_dims, sched):
             col_block, col_min = prog[i + 8], prog[i + 9]
             col_split, col_chunk = prog[i + 10], prog[i + 11]
             split, passes, reds = prog[i + 12], prog[i + 13], prog[i + 14]
-            i += 2      # from here on, offsets as in the layout without the two col_ words
-            nk = prog[i + 13]
-            nr = prog[i + 14 + nk]
+            ka = i + 16                 # the kept axes, after their count nk
+            nk = prog[ka - 1]
+            ra = ka + nk + 1            # the reduced axes, after their count nr
+            nr = prog[ra - 1]
             phases, temp = 1, 0
             L = dims[R - 1] if R > 0 else 1
             if kind == COLUMN:
-                kept = _product(prog, i + 14, nk, in_dims, dims, True)
-                rows = _product(prog, i + 15 + nk, nr, in_dims, dims, True)
+                kept = _product(prog, ka, nk, in_dims, dims, True)
+                rows = _product(prog, ra, nr, in_dims, dims, True)
                 if kept < 0 or rows < 0:
                     return err
-                outer = dims[prog[i + 15 + nk]] if nr > 0 else 0
+                outer = dims[prog[ra]] if nr > 0 else 0
                 rpt = 1
                 if ch > 0:
                     cb = ch
@@ -152,7 +153,7 @@ def run(prog, in_dims, dims, out_dims, sched):
                 units = kept * nb * rpt
                 work = _cost(cb, rows // rpt, cost)
             else:
-                rows = _product(prog, i + 14, nk, in_dims, dims, True)
+                rows = _product(prog, ka, nk, in_dims, dims, True)
                 if rows < 0 or (L != 0 and rows > MAX_ELEMS // L):
                     return err
                 if kind == ROW and split == 1 and 0 < ch < L:
@@ -185,7 +186,7 @@ def run(prog, in_dims, dims, out_dims, sched):
             sched[1] = max(1, work)
             sched[2] = phases
             sched[3] = temp
-            i += 15 + nk + nr
+            i = ra + nr
         elif op == OUT:
             out_dims[prog[i + 1]] = _val(prog[i + 2], in_dims)
             i += 3
