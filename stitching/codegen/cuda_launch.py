@@ -197,9 +197,10 @@ def _elementwise(src, z, th, _rpt, cap, _profile, _limits, force, source):
 def _row(src, z, th, _rpt, cap, profile, limits, force, source):
     scratch = src.scratch_np
     tpr = force.get("tpr")
+    # the register-resident kernels unless forced off (chunks=False, another variant)
+    in_regs = force.get("chunks", True) and force.get("variant") in (None, "chunks")
     ctpr = min(_pow2ceil(-(-z.L // ROW_CHUNK_ELEMS)), limits.max_threads)
-    if tpr is None and force.get("chunks", True) and force.get("variant") in (None, "chunks") \
-            and _row_chunks(src, z.L, ctpr):
+    if tpr is None and in_regs and _row_chunks(src, z.L, ctpr):
         tpr = ctpr
         if "threads" not in force:
             th = min(max(MIN_THREADS, tpr), limits.max_threads)
@@ -219,12 +220,12 @@ def _row(src, z, th, _rpt, cap, profile, limits, force, source):
     if tpr & (tpr - 1) or tpr > th:
         raise ValueError(f"threads per row must be a power of two <= {th}, got {tpr}")
     rpb = th // tpr
-    chunks = _row_chunks(src, z.L, tpr) if force.get("chunks", True) else 0
+    chunks = _row_chunks(src, z.L, tpr) if in_regs else 0
     if force.get("variant") == "chunks" and not chunks:
         raise ValueError(f"no k_row_r<C> kernel holds rows of {z.L} at {tpr} threads per "
                          f"row (rows of a multiple of {EW_VEC}, at most "
                          f"{tpr * EW_VEC * ROW_CHUNKS[-1]} long, 4-byte buffers)")
-    if chunks and force.get("variant") in (None, "chunks"):
+    if chunks:
         wide = force.get("wide", True)
         name = f"k_row_r{chunks}" + ("_v4" if wide else "")
         steps = ((name, _grid(z.rows, rpb, cap), th, 0, {}),) if z.rows else ()
