@@ -503,7 +503,7 @@ def test_shape_function_is_a_program_run_by_one_interpreter():
     kernel) on the kernel's int64 program; no shape code is generated per kernel.  The
     compiled interpreter and its plain-Python form agree, launch hint included, and a
     word that is no opcode stops it with -1."""
-    from stitching.codegen import shape_program
+    from stitching.codegen import shape_interp, shape_program
     spec = layernorm_spec(-1)
     k = compile_kernel(spec)
     assert "shape_fn" not in k.source and k.shape_program[-1] == shape_program.END
@@ -514,7 +514,7 @@ def test_shape_function_is_a_program_run_by_one_interpreter():
     for shapes, hint in cases:
         in_dims = np.array([d for s in shapes for d in s] + [0], np.int64)
         outs = []
-        for run in (shape_program.run, shape_program.run.py_func):
+        for run in (shape_interp.run, shape_interp.run.py_func):
             dims, od = np.zeros(32, np.int64), np.zeros(3, np.int64)
             sched = np.array(list(hint) + [1, 0], np.int64)     # the ABI's 4 words
             outs.append((run(prog, in_dims, dims, od, sched), dims.tolist(), od.tolist(),
@@ -529,7 +529,7 @@ def test_shape_function_is_a_program_run_by_one_interpreter():
                 assert dims[2] == hint[0] and sched[0] == 0   # 0 rows: no units
     bad = np.array([99], np.int64)
     z = np.zeros(4, np.int64)
-    assert shape_program.run(bad, z, z.copy(), z.copy(), z.copy()) == -1
+    assert shape_interp.run(bad, z, z.copy(), z.copy(), z.copy()) == -1
     assert outs[0][3][2:] == [1, 0]           # not split: one phase, no temp memory
 
 
@@ -992,7 +992,7 @@ def test_compile_kernels_on_error_keeps_going(monkeypatch):
 
 def test_disk_cache_hits_in_a_new_process(tmp_path):
     script = textwrap.dedent("""
-        import json, time
+        import json, sys, time
         t0 = time.perf_counter()
         import numpy as np
         from stitching.codegen import compile_kernel
@@ -1007,7 +1007,8 @@ def test_disk_cache_hits_in_a_new_process(tmp_path):
         t2 = time.perf_counter()
         out = k(np.zeros((2, 48), np.float32))[0]
         print(json.dumps({"hits": k.cache_hits, "compile": t2 - t1,
-                          "ok": bool(np.allclose(out, 1 / 48))}))
+                          "ok": bool(np.allclose(out, 1 / 48)),
+                          "numba": "numba" in sys.modules}))
     """)
     env = dict(os.environ, STITCHING_CACHE_DIR=str(tmp_path))
     env.pop("NUMBA_CACHE_DIR", None)
@@ -1021,7 +1022,52 @@ def test_disk_cache_hits_in_a_new_process(tmp_path):
     cold, warm = runs
     assert cold["ok"] and warm["ok"]
     assert cold["hits"] == 0 and warm["hits"] == 1       # the body from disk
-    assert list(tmp_path.glob("kernels/*/k_*.py"))
+    assert cold["numba"] and not warm["numba"]           # loaded as shared objects
+    for ext in ("py", "so", "ll"):
+        assert list(tmp_path.glob(f"kernels/*/k_*.{ext}")), ext
+    assert list(tmp_path.glob("kernels/*/interp.so"))
+
+
+def test_native_export_refuses_code_that_needs_numbas_runtime(tmp_path):
+    """A cfunc that can raise needs Numba's exception machinery at run time: export
+    names it instead of writing a shared object that would not load."""
+    from numba import cfunc
+    from stitching.codegen import native
+
+    @cfunc("int64(int64)", error_model="numpy")
+    def check(n):
+        if n < 0:
+            raise ValueError("negative")
+        return n
+
+    with pytest.raises(native.NativeError, match="Numba's runtime.*numba_"):
+        native.export(check, tmp_path / "check", "check")
+    assert not native.built(tmp_path / "check")
+
+    @cfunc("int64(int64)", error_model="numpy")
+    def twice(n):
+        return 2 * n
+
+    native.export(twice, tmp_path / "twice", "twice")
+    f = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(native.load(tmp_path / "twice",
+                                                                     "twice"))
+    assert f(21) == 42
+    with pytest.raises(native.NativeError, match="no symbol nope"):
+        native.load(tmp_path / "twice", "nope")
+
+
+def test_without_a_linker_kernels_run_from_numbas_code_with_a_warning(tmp_path,
+                                                                       monkeypatch):
+    from stitching.codegen import kernel
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(kernel, "_TOOLCHAIN", None)
+    monkeypatch.setattr(kernel, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="linking stitching_body failed.*nonexistent"):
+        k = compile_kernel(softmax_spec((-1, 23), scale=0.77))
+    assert not k.cache_hits and not list(tmp_path.glob("kernels/*/k_*.so"))
+    x = RNG.standard_normal((4, 23)).astype(np.float32)
+    assert_matches(k(x)[0], softmax_ref(f64(x)) * 0.77, "float32", "no linker", 4e-6)
 
 
 def test_row_kernel_with_two_outer_axes_and_broadcasts():

@@ -244,7 +244,7 @@ class _Emitter:
 
     # -- body: prologue -----------------------------------------------------------------
     def body(self, w: _Writer) -> None:
-        w("@cfunc(h.BODY_SIG, nogil=True, cache=True, fastmath=h.FASTMATH, "
+        w("@cfunc(h.BODY_SIG, nogil=True, fastmath=h.FASTMATH, "
           "error_model='numpy')")
         with w.block("def body(begin, end, ins, outs, dims):"):
             w("h.wide_vectors()")

@@ -6,7 +6,7 @@
     spec ─validate─► build_schedule ─cuda_emit.emit─► source (kernels + shape program)
          └ written under the CPU kernel directory and imported (numba-cuda compiles each
            kernel lazily, once: dtypes are fixed by the spec, sizes are arguments)
-    call ─shape program (the CPU kernel's checks, shape_program.run)─► sizes, shapes
+    call ─shape program (the CPU kernel's checks, shape_interp.run)─► sizes, shapes
          ─cuda_launch.plan (latency evaluator, pinned GPU profile)─► grid/block/shared
          ─► allocate outputs (+ workspaces) ─► launch each step on ``stream``
 
@@ -28,7 +28,7 @@ from ..ir import dtypes as dt
 from ..ir.spec import KernelSpec, validate
 from ..plan import profiles
 from ..schedule import KernelKind, build_schedule
-from . import cuda_emit, cuda_launch, shape_program
+from . import cuda_emit, cuda_launch, shape_interp
 from .kernel import _load_module, _user_dtype
 
 # numba-cuda 0.30 registers an overload for np.row_stack, which NumPy 2.5 removed (an
@@ -132,8 +132,8 @@ class CudaKernel:
         in_dims = np.array([d for s in shapes for d in s] + [0], np.int64)
         dims = np.zeros(64, np.int64)
         out_dims = np.zeros(sum(self.out_ranks) + 1, np.int64)
-        rc = int(shape_program.run(np.array(self.source.program, np.int64), in_dims, dims,
-                                   out_dims, np.array([0, 0, 1, 0], np.int64)))
+        rc = int(shape_interp.run(np.array(self.source.program, np.int64), in_dims, dims,
+                                  out_dims, np.array([0, 0, 1, 0], np.int64)))
         if rc:
             what = self.errors[rc - 1] if 0 < rc <= len(self.errors) else f"error code {rc}"
             raise ValueError(f"{what}; input shapes: {', '.join(map(str, shapes))}")

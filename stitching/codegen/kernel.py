@@ -1,15 +1,20 @@
-"""compile_kernel: spec -> schedule -> source -> Numba cfuncs, cached twice.
+"""compile_kernel: spec -> schedule -> source -> native code, cached twice.
 
     spec ─validate─► build_schedule ─cpu.emit─► source text
          └ in-process cache by spec.hash (one CompiledKernel per distinct spec)
-    source ─► $STITCHING_CACHE_DIR/kernels/<toolchain>/k_<spec hash>_<source hash>.py
-           ─► import it: its @cfunc(cache=True) load from __pycache__ when present
+    $STITCHING_CACHE_DIR/kernels/<toolchain>/k_<spec hash>_<source hash>
+        .so  present: dlopen it, take the body's address (no Numba in this process)
+             absent:  write .py, import it (Numba compiles its @cfunc), export the
+                      cfunc as .so + .ll (native.py), dlopen that
+    .../<toolchain>/interp.so: the shape-program interpreter, built the same way
 
 The file name carries the hash of the generated text and the directory a hash of
-the toolchain (Numba/llvmlite versions and the helper modules the kernels inline),
-so a changed emitter or helper never picks up stale machine code; Numba's own
-index adds the CPU name and features.  Files are written atomically (temp file +
-rename), so concurrent processes at worst compile the same kernel twice.
+the toolchain (Numba/llvmlite versions, the helper modules the kernels inline and
+the CPU the code is generated for), so a changed emitter, helper or machine never
+picks up stale machine code.  Files are written atomically (temp file + rename), so
+concurrent processes at worst compile the same kernel twice.  Where no shared object
+can be built (no compiler driver), a kernel runs from Numba's in-memory code, with a
+warning: it works, but every process compiles it again.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +33,7 @@ import numpy as np
 from ..ir import dtypes as dt
 from ..ir.spec import KernelSpec, validate
 from ..schedule import build_schedule
-from . import cpu
-from . import shape_program
+from . import cpu, native
 from .specialize import LAUNCH_PARAMS, compile_target
 
 _lock = threading.RLock()
@@ -39,6 +44,8 @@ _BODY_T = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64,
                            ctypes.POINTER(ctypes.c_int64))
 _INTERP_T = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.POINTER(ctypes.c_int64)] * 5)
 MAX_PARAMS = 32
+BODY_SYMBOL = "stitching_body"        # what native.py exports each body cfunc as
+INTERP_SYMBOL = "stitching_interp"    # and the shape-program interpreter
 
 
 def cache_root() -> Path:
@@ -48,12 +55,14 @@ def cache_root() -> Path:
 
 
 def _toolchain_tag() -> str:
+    from importlib.metadata import version
+
     import llvmlite
-    import numba
-    h = hashlib.sha256(f"{numba.__version__}|{llvmlite.__version__}|{sys.version_info[:2]}"
-                       .encode())
+    h = hashlib.sha256(f"{version('numba')}|{llvmlite.__version__}|{sys.version_info[:2]}|"
+                       f"{native.host_tag()}".encode())
     here = Path(__file__).parent
-    for name in ("cpu_rt.py", "fastmath.py", "intrinsics.py", "shape_program.py"):
+    for name in ("cpu_rt.py", "fastmath.py", "intrinsics.py", "shape_program.py",
+                 "shape_interp.py", "native.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -96,22 +105,22 @@ def _user_dtype(name: str):
 class CompiledKernel:
     """A compiled kernel: addresses for the TF op, and a TF-free ``__call__``."""
 
-    def __init__(self, spec, schedule, source, module, compile_seconds):
+    def __init__(self, spec, schedule, source, code, compile_seconds):
         self.spec = spec
         self.schedule = schedule
         self.source = source.text
         self.errors = list(source.errors)
-        self._module = module              # keeps the cfunc (and its code) alive
-        self.body_address = module.body.address
+        self._code = code                  # keeps the code alive
+        self.body_address = code.address
         # the shape function: the shared interpreter, run on this kernel's program
         self.shape_program = np.array(source.program, np.int64)
-        self.shape_address = shape_program.interp_address()
+        self.shape_address = interp_address()
         self.in_ranks = [len(t.shape) for t in spec.inputs]
         self.out_ranks = [len(t.shape) for t in spec.output_types]
         self.in_dtypes = [t.dtype for t in spec.inputs]
         self.out_dtypes = [t.dtype for t in spec.output_types]
         self.compile_seconds = compile_seconds
-        self.cache_hits = module.body.cache_hits
+        self.cache_hits = code.cache_hit      # loaded, not compiled, in this process
         self._body = _BODY_T(self.body_address)
         self._shape = _INTERP_T(self.shape_address)
         self.generic = None                # hash of the generic spec whose code this is
@@ -143,15 +152,12 @@ class CompiledKernel:
         return f"<CompiledKernel {self.spec.hash} {self.schedule.kind.value}>"
 
     def inspect_llvm(self):
-        """Optimized LLVM IR of the body, or None when it was loaded from the disk
-        cache (Numba keeps no IR for cached code)."""
-        return None if self._module.body.cache_hits else \
-            self._module.body._library.get_llvm_str()
+        """Optimized LLVM IR of the body (the module its native code was made from)."""
+        return self._code.llvm_ir()
 
     def inspect_asm(self):
-        """Machine code of the body (same caveat as inspect_llvm)."""
-        return None if self._module.body.cache_hits else \
-            self._module.body._library.get_asm_str()
+        """Machine code of the body, as assembly."""
+        return self._code.assembly()
 
     def shapes(self, in_shapes):
         """(rc, dims, out_shapes, units, cost, phases, temp_bytes) from the shape
@@ -222,6 +228,65 @@ def _module_name(text: str, spec_hash: str) -> str:
     return f"k_{spec_hash}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
+class _Code:
+    """A cfunc's native code: loaded from ``stem``.so, or (no shared object could be
+    built) Numba's in-memory code."""
+
+    def __init__(self, stem: Path, symbol: str, compile_cfunc):
+        self.stem, self.cfunc, self.cache_hit = stem, None, False
+        if native.built(stem):
+            try:
+                self.address = native.load(stem, symbol)
+                self.cache_hit = True
+                return
+            except native.NativeError as e:    # unreadable: built again below
+                _warn_native(e)
+        self.cfunc = compile_cfunc()
+        try:
+            native.export(self.cfunc, stem, symbol)
+            self.address = native.load(stem, symbol)
+        except native.NativeError as e:
+            _warn_native(e)
+            self.address = self.cfunc.address
+
+    def llvm_ir(self):
+        if self.cfunc is not None:
+            return self.cfunc._library.get_llvm_str()
+        return native.llvm_ir(self.stem)
+
+    def assembly(self):
+        if self.cfunc is not None:
+            return self.cfunc._library.get_asm_str()
+        return native.assembly(self.stem)
+
+
+_warned = set()
+
+
+def _warn_native(e) -> None:
+    if str(e) not in _warned:
+        _warned.add(str(e))
+        warnings.warn(f"stitching: {e}; kernels run from code compiled in this process, "
+                      f"which the next process compiles again", RuntimeWarning,
+                      stacklevel=3)
+
+
+_INTERP = None
+
+
+def interp_address() -> int:
+    """Address of the C entry point every generated kernel's shape function is
+    (shape_interp.py): loaded from the kernel cache, built there on first use."""
+    global _INTERP
+    with _lock:
+        if _INTERP is None:
+            def compile_interp():
+                from .shape_interp import entry
+                return entry()
+            _INTERP = _Code(kernel_dir() / "interp", INTERP_SYMBOL, compile_interp)
+        return _INTERP.address
+
+
 def _load_module(text: str, spec_hash: str):
     d = kernel_dir()
     d.mkdir(parents=True, exist_ok=True)
@@ -249,7 +314,7 @@ def _load_module(text: str, spec_hash: str):
 
 def is_cached(spec: KernelSpec) -> bool:
     """True if compiling ``spec`` (validated) needs no Numba compile: it is in memory,
-    or the body cfunc of the code serving it is in the disk cache.  A spec that cannot
+    or the shared object of the code serving it is in the disk cache.  A spec that cannot
     be scheduled counts as cached (there is nothing to compile; compile_kernel raises
     the reason)."""
     if spec.hash in _kernels:
@@ -261,9 +326,7 @@ def is_cached(spec: KernelSpec) -> bool:
         text = cpu.emit(build_schedule(target)).text
     except Exception:  # noqa: BLE001 - compile_kernel reports it
         return True
-    name = _module_name(text, target.hash)
-    pycache = kernel_dir() / "__pycache__"
-    return any(pycache.glob(f"{name}.body-*.nbi"))
+    return native.built(kernel_dir() / _module_name(text, target.hash))
 
 
 def compile_kernel(spec: KernelSpec) -> CompiledKernel:
@@ -292,8 +355,9 @@ def _compile_exact(spec: KernelSpec) -> CompiledKernel:
     t0 = time.perf_counter()
     sched = build_schedule(spec)
     source = cpu.emit(sched)
-    module = _load_module(source.text, spec.hash)
-    return CompiledKernel(spec, sched, source, module, time.perf_counter() - t0)
+    code = _Code(kernel_dir() / _module_name(source.text, spec.hash), BODY_SYMBOL,
+                 lambda: _load_module(source.text, spec.hash).body)
+    return CompiledKernel(spec, sched, source, code, time.perf_counter() - t0)
 
 
 def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None,

@@ -1,5 +1,5 @@
 """Parallel cold compiles: kernels missing from the disk cache are compiled by worker
-processes into that cache, then this process loads each from it (~10 ms apiece).
+processes into that cache, then this process loads each from it (a dlopen, ~1 ms).
 
 Numba compiles under the GIL (~0.7 s per kernel here), so a model with 15 distinct
 kernels pays ~11 s in one process.  Workers are fresh interpreters started with
@@ -144,7 +144,6 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
     readers = [threading.Thread(target=read, args=(p,), daemon=True) for p in procs]
     for r in readers:
         r.start()
-    _ready_loader()
     # A worker that hangs must not hang the caller: past a generous budget it is
     # killed and whatever it did not finish compiles in this process.
     deadline = time.monotonic() + WORKER_SECONDS_PER_KERNEL * max(len(sh) for sh in shards)
@@ -154,17 +153,6 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
             p.kill()
             r.join()
     return len(todo)
-
-
-def _ready_loader() -> None:
-    """While the workers compile, ready this process's Numba for loading their kernels
-    from the disk cache: the first cached load in a process builds Numba's target
-    context (~0.6-0.8 s here), which otherwise starts only after the last worker."""
-    try:
-        from .shape_program import interp_address
-        interp_address()            # every kernel needs it; a cached cfunc load
-    except Exception:  # noqa: BLE001 — loading the kernels later reports any real error
-        pass
 
 
 def _feed(p, texts):

@@ -35,8 +35,12 @@ def main() -> int:
 
 
 def _warm_up() -> None:
-    """Numba's first compile in a process sets up its target (~0.4 s); do it now."""
+    """Numba's first compile in a process sets up its target (~0.4 s); do it now, on
+    the shape-program interpreter every kernel needs: built into the cache here when
+    it is missing, so the parent loads it instead of importing Numba to build it."""
     from numba import cfunc
+    from .kernel import interp_address
+    interp_address()
     cfunc("int64(int64)")(lambda x: x + 1)
 
 

@@ -147,10 +147,10 @@ def main(argv=None) -> int:
     # library an install-time product reused by every kernel cache (plan/profiles.py).
     from ..plan import profiles
     profiles.measured_cpu()
-    # The shape-program interpreter every kernel links (codegen/shape_program.py) is
-    # compiled once per installation into Numba's cache; do it here, at install time.
-    from ..codegen import shape_program
-    shape_program.precompile()
+    # The shape-program interpreter every kernel links (codegen/shape_interp.py) is
+    # built once per toolchain into the kernel cache; do it here, at install time.
+    from ..codegen.kernel import interp_address
+    interp_address()
     return 0
 
 

@@ -1,0 +1,179 @@
+"""Kernels as shared objects: built once from Numba's code, loaded without Numba.
+
+    Numba cfunc ─its optimized LLVM IR─► position-independent object (llvmlite)
+                ─system compiler driver, -shared─► <stem>.so + <stem>.ll (the IR)
+    <stem>.so ─dlopen (ctypes)─► address of ``symbol``
+
+Why: loading a kernel from Numba's own disk cache needs Numba in the process -- its
+import and the target set-up cost ~0.6 s before the first kernel, then ~70 ms per
+kernel -- and the TF op only ever needs an address.  A shared object loads in about a
+millisecond, so a process that finds its kernels in the cache (a warm start, or a cold
+one whose kernels the compile workers built) imports no Numba at all.
+
+The object is generated from the IR Numba already optimized, with the same CPU name
+and features (``codegen.magic_tuple()``), so the machine code is Numba's own, only
+position independent.  The cfunc wrapper Numba puts around the function is kept: on
+an error status (which the kernels, built with ``error_model='numpy'``, do not
+return) it reports through the Python C API under the GIL, like Numba does.  Its two
+helpers from Numba's extension module are defined here, in the object itself
+(``_GIL_IR``), so a kernel needs nothing from Numba at run time; code that would need
+more of Numba's runtime (its exception machinery, NRT) is refused at export.
+Everything else it references is libc or the Python C API, both in every Python
+process; the .so is loaded RTLD_NOW, so a missing symbol is an error at load, never at
+a call.  Where export or load fails, kernel.py runs Numba's in-memory code instead.
+
+The cache key (kernel.py's toolchain tag) includes ``host_tag()``: the CPU the code
+was generated for, so a cache shared between machines never runs code built for
+another CPU.  Files are written atomically (temp file + rename).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shlex
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+_lock = threading.Lock()
+_loaded: dict = {}          # path -> CDLL: kernels are never unloaded
+
+# numba_gil_ensure/release as Numba's helperlib defines them (PyGILState_STATE is an
+# enum: i32); linked into every kernel and made internal.
+_GIL_IR = """
+declare i32 @PyGILState_Ensure()
+declare void @PyGILState_Release(i32)
+define void @numba_gil_ensure(ptr %state) {
+  %s = call i32 @PyGILState_Ensure()
+  store i32 %s, ptr %state
+  ret void
+}
+define void @numba_gil_release(ptr %state) {
+  %s = load i32, ptr %state
+  call void @PyGILState_Release(i32 %s)
+  ret void
+}
+"""
+
+_NUMBA_RUNTIME = ("numba_", "NRT_")     # symbols of Numba's extension modules
+
+
+class NativeError(RuntimeError):
+    """A kernel could not be turned into a shared object (names the step and why)."""
+
+
+def host_tag() -> str:
+    """The CPU code is generated for, as Numba picks it: host name and features, and
+    the environment variables that override them."""
+    import llvmlite.binding as llvm
+    try:
+        features = llvm.get_host_cpu_features().flatten()
+    except RuntimeError:
+        features = ""
+    env = [os.environ.get(k, "") for k in
+           ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "NUMBA_ENABLE_AVX", "NUMBA_OPT")]
+    return "|".join([llvm.get_process_triple(), llvm.get_host_cpu_name(), features, *env])
+
+
+def linker() -> list:
+    """The compiler driver that links objects into shared objects: the one that
+    builds the op library (runtime/build.py; ``CXX``, default g++)."""
+    from ..runtime.build import compiler
+    return shlex.split(compiler())
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def export(cfunc, stem: Path, symbol: str) -> None:
+    """Write ``stem``.so exporting the compiled ``cfunc`` as ``symbol`` (and
+    ``stem``.ll, its LLVM IR)."""
+    import llvmlite.binding as llvm
+    lib = cfunc._library
+    try:
+        mod = llvm.parse_assembly(lib.get_llvm_str())
+        mod.get_function(cfunc.native_name).name = symbol
+        mod.link_in(llvm.parse_assembly(_GIL_IR))
+        for name in ("numba_gil_ensure", "numba_gil_release"):
+            mod.get_function(name).linkage = "internal"
+        mod.verify()
+        runtime = sorted(f.name for f in mod.functions if f.is_declaration
+                         and f.name.startswith(_NUMBA_RUNTIME))
+        if runtime:
+            raise NativeError(f"{symbol} calls Numba's runtime ({', '.join(runtime)}), "
+                              f"which only a process with Numba loaded has")
+        triple, cpu, features = lib.codegen.magic_tuple()
+        tm = llvm.Target.from_triple(triple).create_target_machine(
+            cpu=cpu, features=features, opt=3, reloc="pic", codemodel="default")
+        obj = tm.emit_object(mod)
+    except NativeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the step named
+        raise NativeError(f"generating the object code of {symbol} failed: "
+                          f"{type(e).__name__}: {e}") from e
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=stem.parent, prefix=".link-") as tmp:
+        o, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
+        o.write_bytes(obj)
+        # -nostdlib: no start files or C++ runtime; libc and the Python C API resolve
+        # from the process at load time
+        cmd = [*linker(), "-shared", "-nostdlib", "-o", str(so), str(o)]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise NativeError(f"linking {symbol} failed: {shlex.join(cmd)}: {e}") from e
+        if r.returncode:
+            raise NativeError(f"linking {symbol} failed: {shlex.join(cmd)}: "
+                              f"{r.stderr.strip()[-1000:]}")
+        _atomic_write(stem.with_suffix(".ll"), str(mod).encode())
+        os.replace(so, stem.with_suffix(".so"))
+
+
+def built(stem: Path) -> bool:
+    return stem.with_suffix(".so").exists()
+
+
+def load(stem: Path, symbol: str) -> int:
+    """Address of ``symbol`` in ``stem``.so (loaded once per process)."""
+    path = str(stem.with_suffix(".so"))
+    with _lock:
+        lib = _loaded.get(path)
+        if lib is None:
+            try:
+                lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+            except OSError as e:
+                raise NativeError(f"loading kernel object {path} failed: {e}") from e
+            _loaded[path] = lib
+    try:
+        return ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
+    except AttributeError:
+        raise NativeError(f"kernel object {path} has no symbol {symbol}") from None
+
+
+def llvm_ir(stem: Path) -> str | None:
+    """The LLVM IR ``stem``.so was generated from, if it was kept."""
+    try:
+        return stem.with_suffix(".ll").read_text()
+    except OSError:
+        return None
+
+
+def assembly(stem: Path) -> str | None:
+    """Machine code of ``stem``.so as assembly, regenerated from its IR for this CPU."""
+    text = llvm_ir(stem)
+    if text is None:
+        return None
+    import llvmlite.binding as llvm
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    mod = llvm.parse_assembly(text)
+    target = llvm.Target.from_triple(mod.triple)
+    features = os.environ.get("NUMBA_CPU_FEATURES") or llvm.get_host_cpu_features().flatten()
+    tm = target.create_target_machine(
+        cpu=os.environ.get("NUMBA_CPU_NAME") or llvm.get_host_cpu_name(),
+        features=features, opt=3, reloc="pic", codemodel="default")
+    return tm.emit_assembly(mod)
