@@ -1025,7 +1025,28 @@ def test_disk_cache_hits_in_a_new_process(tmp_path):
     assert cold["numba"] and not warm["numba"]           # loaded as shared objects
     for ext in ("py", "so", "ll"):
         assert list(tmp_path.glob(f"kernels/*/k_*.{ext}")), ext
-    assert list(tmp_path.glob("kernels/*/interp.so"))
+
+
+def test_the_installed_shape_interpreter_serves_any_cache_dir(tmp_path):
+    """The interpreter is an install-time product like the op library: built into
+    the default cache, a process with another STITCHING_CACHE_DIR loads it from there
+    (no Numba) instead of building its own."""
+    script = ("import sys; from stitching.codegen.kernel import interp_address; "
+              "interp_address(); print('numba' in sys.modules)")
+    env = dict(os.environ, HOME=str(tmp_path / "home"))
+    env.pop("STITCHING_CACHE_DIR", None)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = []
+    for cache in (None, tmp_path / "elsewhere"):
+        if cache is not None:
+            env["STITCHING_CACHE_DIR"] = str(cache)
+        p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, timeout=300, cwd=repo)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs.append(p.stdout.split()[-1])
+    assert runs == ["True", "False"]          # built (Numba), then loaded
+    assert list(tmp_path.glob("home/.cache/stitching/kernels/*/interp.so"))
+    assert not list(tmp_path.glob("elsewhere/kernels/*/interp.so"))
 
 
 def test_native_export_refuses_code_that_needs_numbas_runtime(tmp_path):

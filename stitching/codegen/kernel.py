@@ -48,10 +48,11 @@ BODY_SYMBOL = "stitching_body"        # what native.py exports each body cfunc a
 INTERP_SYMBOL = "stitching_interp"    # and the shape-program interpreter
 
 
+DEFAULT_CACHE = os.path.join("~", ".cache", "stitching")
+
+
 def cache_root() -> Path:
-    d = os.environ.get("STITCHING_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "stitching")
-    return Path(d)
+    return Path(os.environ.get("STITCHING_CACHE_DIR") or DEFAULT_CACHE).expanduser()
 
 
 def _toolchain_tag() -> str:
@@ -276,14 +277,24 @@ _INTERP = None
 
 def interp_address() -> int:
     """Address of the C entry point every generated kernel's shape function is
-    (shape_interp.py): loaded from the kernel cache, built there on first use."""
+    (shape_interp.py): loaded from the kernel cache, built there on first use.
+
+    Like the op library (runtime/build.py), it is an install-time product
+    (``python -m stitching.runtime.build`` builds it): one in the default cache's
+    directory for this toolchain is used when ``STITCHING_CACHE_DIR`` points
+    elsewhere (the toolchain tag names every input of the build)."""
     global _INTERP
     with _lock:
         if _INTERP is None:
             def compile_interp():
                 from .shape_interp import entry
                 return entry()
-            _INTERP = _Code(kernel_dir() / "interp", INTERP_SYMBOL, compile_interp)
+            stem = kernel_dir() / "interp"
+            installed = (Path(DEFAULT_CACHE).expanduser() / "kernels" / _TOOLCHAIN
+                         / "interp")
+            if not native.built(stem) and native.built(installed):
+                stem = installed
+            _INTERP = _Code(stem, INTERP_SYMBOL, compile_interp)
         return _INTERP.address
 
 
@@ -314,19 +325,26 @@ def _load_module(text: str, spec_hash: str):
 
 def is_cached(spec: KernelSpec) -> bool:
     """True if compiling ``spec`` (validated) needs no Numba compile: it is in memory,
-    or the shared object of the code serving it is in the disk cache.  A spec that cannot
-    be scheduled counts as cached (there is nothing to compile; compile_kernel raises
-    the reason)."""
+    or the shared object of the code serving it is in the disk cache.  A spec that
+    cannot be scheduled counts as cached (there is nothing to compile; compile_kernel
+    raises the reason)."""
+    return uncached_code(spec) is None
+
+
+def uncached_code(spec: KernelSpec):
+    """(the spec compiled for ``spec``, its generated source) if that code is neither
+    in memory nor in the disk cache, else None (as ``is_cached``)."""
     if spec.hash in _kernels:
-        return True
+        return None
     try:
         target = compile_target(spec)
         if target.hash in _kernels:
-            return True
+            return None
         text = cpu.emit(build_schedule(target)).text
     except Exception:  # noqa: BLE001 - compile_kernel reports it
-        return True
-    return native.built(kernel_dir() / _module_name(text, target.hash))
+        return None
+    return None if native.built(kernel_dir() / _module_name(text, target.hash)) \
+        else (target, text)
 
 
 def compile_kernel(spec: KernelSpec) -> CompiledKernel:

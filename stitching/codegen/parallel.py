@@ -6,10 +6,11 @@ kernels pays ~11 s in one process.  Workers are fresh interpreters started with
 ``python -m stitching.codegen.worker`` -- not ``multiprocessing``: spawn would
 re-import the user's ``__main__`` (re-running an unguarded script, importing TF) and
 fork is unsafe once TF's threads exist.  A worker imports Numba and stitching's TF-free
-codegen only, reads spec strings (one JSON document on stdin), validates and compiles
-each (``compile_kernel``, which writes the shared cache), and prints one JSON line per
-spec.  A spec a worker could not compile is simply compiled again in this process,
-where its error surfaces the usual way; a worker that dies costs time, never results.
+codegen only, reads specs (one JSON line each on stdin, handed out largest first as
+workers free up), validates and compiles each (``compile_kernel``, which writes the
+shared cache), and answers each with one JSON line.  A spec a worker could not compile
+is simply compiled again in this process, where its error surfaces the usual way; a
+worker that dies costs time, never results.
 
 ``jobs``: ``STITCHING_COMPILE_JOBS`` if set, else the usable cores (at most 8); small
 batches (fewer than ``MIN_PARALLEL`` uncached kernels) compile in-process, where the
@@ -29,8 +30,7 @@ import sys
 import threading
 import time
 
-from .kernel import cache_root, is_cached
-from .specialize import compile_target
+from .kernel import cache_root, uncached_code
 
 MIN_PARALLEL = 3
 MAX_JOBS = 8
@@ -74,7 +74,7 @@ class Workers:
         got, rest = self.procs[:n], self.procs[n:]
         self.procs = []
         for p in rest:
-            _feed(p, [])            # an empty batch: the worker exits
+            _close(p)               # no specs: the worker exits
         return got
 
     def close(self) -> None:
@@ -111,10 +111,12 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
         return 0                    # in-process anyway: no need to probe the cache
     todo = {}
     for s in specs:                 # one compile per generic twin (specialize.py)
-        if not is_cached(s):
-            t = compile_target(s)
-            todo.setdefault(t.hash, t)
-    todo = list(todo.values())
+        code = uncached_code(s)
+        if code is not None and code[0].hash not in todo:
+            todo[code[0].hash] = code
+    # Largest first (generated source length: compile time grows with it), handed out
+    # as workers free up: one big kernel does not leave the others idle at the end.
+    todo = [t for t, text in sorted(todo.values(), key=lambda c: -len(c[1]))]
     if workers is not None and workers.procs and todo:
         procs = workers.take(min(len(workers.procs), len(todo)))
     else:
@@ -122,42 +124,49 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
         if jobs < 2 or len(todo) < MIN_PARALLEL:
             return 0
         procs = [_spawn() for _ in range(jobs)]
-    shards = [todo[i::len(procs)] for i in range(len(procs))]
-    for p, shard in zip(procs, shards):
-        feed = threading.Thread(target=_feed, args=(p, [s.to_json() for s in shard]),
-                                daemon=True)
-        feed.start()
+    queue = list(reversed(todo))    # pop() takes the largest
     done = 0
     lock = threading.Lock()
 
-    def read(p):
+    def drive(p):
         nonlocal done
-        for line in p.stdout:
-            if not line.startswith("{"):
-                continue
-            with lock:
-                done += 1
-                if progress is not None:
-                    progress(done, len(todo))
+        try:
+            while True:
+                with lock:
+                    spec = queue.pop() if queue else None
+                if spec is None:
+                    break
+                p.stdin.write(json.dumps(spec.to_json()) + "\n")
+                p.stdin.flush()
+                line = p.stdout.readline()
+                if not line:
+                    break           # it died: what it did not finish compiles here
+                with lock:
+                    done += 1
+                    if progress is not None:
+                        progress(done, len(todo))
+        except (BrokenPipeError, OSError, ValueError):
+            pass                    # it died or was killed
+        _close(p)
         p.wait()
 
-    readers = [threading.Thread(target=read, args=(p,), daemon=True) for p in procs]
-    for r in readers:
-        r.start()
+    drivers = [threading.Thread(target=drive, args=(p,), daemon=True) for p in procs]
+    for d in drivers:
+        d.start()
     # A worker that hangs must not hang the caller: past a generous budget it is
     # killed and whatever it did not finish compiles in this process.
-    deadline = time.monotonic() + WORKER_SECONDS_PER_KERNEL * max(len(sh) for sh in shards)
-    for p, r in zip(procs, readers):
-        r.join(max(0.0, deadline - time.monotonic()))
-        if r.is_alive():
+    per_worker = -(-len(todo) // len(procs))
+    deadline = time.monotonic() + WORKER_SECONDS_PER_KERNEL * per_worker
+    for p, d in zip(procs, drivers):
+        d.join(max(0.0, deadline - time.monotonic()))
+        if d.is_alive():
             p.kill()
-            r.join()
+            d.join()
     return len(todo)
 
 
-def _feed(p, texts):
+def _close(p):
     try:
-        p.stdin.write(json.dumps(texts))
         p.stdin.close()
     except (BrokenPipeError, OSError):
         pass  # the worker died; its specs compile in-process afterwards

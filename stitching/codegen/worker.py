@@ -1,9 +1,12 @@
 """Compile worker: ``python -m stitching.codegen.worker`` (see parallel.py).
 
-Reads a JSON list of spec strings on stdin, compiles each into the disk cache named by
-STITCHING_CACHE_DIR and prints one JSON line per spec: {"hash", "ok", "seconds"} and,
-on failure, "error".  Specs are parsed with KernelSpec.from_json, which validates the
-whole structure; nothing in them is evaluated.  Imports no TensorFlow.
+Reads specs from stdin, one per line (each a JSON string holding a spec's JSON text),
+compiles each into the disk cache named by STITCHING_CACHE_DIR and answers each with
+one JSON line: {"hash", "ok", "seconds"} and, on failure, "error".  The parent sends
+the next spec when an answer comes (work is handed out as workers free up) and closes
+stdin when there is none left; the worker then exits.  Specs are parsed with
+KernelSpec.from_json, which validates the whole structure; nothing in them is
+evaluated.  Imports no TensorFlow.
 """
 from __future__ import annotations
 
@@ -16,14 +19,13 @@ def main() -> int:
     from ..ir.spec import KernelSpec
     from .kernel import compile_kernel
     _warm_up()          # a worker may be started before its specs exist (parallel.prestart)
-    texts = json.load(sys.stdin)
-    if not isinstance(texts, list):
-        print(json.dumps({"ok": False, "error": "expected a JSON list of specs"}), flush=True)
-        return 2
-    for text in texts:
+    for line in sys.stdin:
         t0 = time.perf_counter()
         out = {"hash": None, "ok": True}
         try:
+            text = json.loads(line)
+            if not isinstance(text, str):
+                raise TypeError("expected a JSON string holding a spec")
             spec = KernelSpec.from_json(text)
             out["hash"] = spec.hash
             compile_kernel(spec)
