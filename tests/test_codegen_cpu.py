@@ -1049,32 +1049,33 @@ def test_the_installed_shape_interpreter_serves_any_cache_dir(tmp_path):
     assert not list(tmp_path.glob("elsewhere/kernels/*/interp.so"))
 
 
-def test_native_export_refuses_code_that_needs_numbas_runtime(tmp_path):
-    """A cfunc that can raise needs Numba's exception machinery at run time: export
-    names it instead of writing a shared object that would not load."""
-    from numba import cfunc
+def test_native_build_refuses_code_that_needs_numbas_runtime(tmp_path):
+    """A function that can raise needs Numba's exception machinery at run time: the
+    build names it instead of writing a shared object that would not load."""
+    from numba import types
     from stitching.codegen import native
+    sig = types.int64(types.int64)
 
-    @cfunc("int64(int64)", error_model="numpy")
     def check(n):
         if n < 0:
             raise ValueError("negative")
         return n
 
     with pytest.raises(native.NativeError, match="Numba's runtime.*numba_"):
-        native.export(check, tmp_path / "check", "check")
+        native.build(check, sig, {"error_model": "numpy"}, tmp_path / "check", "check")
     assert not native.built(tmp_path / "check")
 
-    @cfunc("int64(int64)", error_model="numpy")
     def twice(n):
         return 2 * n
 
-    native.export(twice, tmp_path / "twice", "twice")
+    native.build(twice, sig, {"error_model": "numpy"}, tmp_path / "twice", "twice")
     f = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(native.load(tmp_path / "twice",
                                                                      "twice"))
     assert f(21) == 42
     with pytest.raises(native.NativeError, match="no symbol nope"):
         native.load(tmp_path / "twice", "nope")
+    with pytest.raises(native.NativeError, match="compiling bad ahead of time failed"):
+        native.build(lambda n: n.nope, sig, {}, tmp_path / "bad", "bad")
 
 
 def test_without_a_linker_kernels_run_from_numbas_code_with_a_warning(tmp_path,

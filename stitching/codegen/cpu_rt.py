@@ -28,8 +28,8 @@ from .intrinsics import (acc_add, acc_max, acc_min, acc_mul, aligned_alloc,  # n
 block_max = _I.maximum
 block_min = _I.minimum
 
-# C ABI of a generated kernel's body (cpu.py; its shape function is
-# shape_program.interp, shared by all kernels).
+# C ABI of a generated kernel's body (cpu.py; its shape function is the shared
+# interpreter, shape_interp.py), and the cfunc options it is compiled with (kernel.py).
 BODY_SIG = types.void(types.int64, types.int64, types.CPointer(types.voidptr),
                       types.CPointer(types.voidptr), types.CPointer(types.int64))
 
@@ -37,6 +37,7 @@ BODY_SIG = types.void(types.int64, types.int64, types.CPointer(types.voidptr),
 # their accumulator instructions alone (intrinsics.acc_*); no nnan/ninf anywhere, no
 # arcp/afn (1/x estimates change results near 0, Inf and subnormals).
 FASTMATH = {"contract"}
+BODY_OPTIONS = {"nogil": True, "fastmath": FASTMATH, "error_model": "numpy"}
 
 _F0, _F1 = np.float32(0.0), np.float32(1.0)
 

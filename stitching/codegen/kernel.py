@@ -230,10 +230,12 @@ def _module_name(text: str, spec_hash: str) -> str:
 
 
 class _Code:
-    """A cfunc's native code: loaded from ``stem``.so, or (no shared object could be
-    built) Numba's in-memory code."""
+    """A C entry point's native code: loaded from ``stem``.so, or built there first
+    (native.build); where no shared object can be built, Numba's JIT code for it.
+    ``source()`` gives (Python function, cfunc signature, cfunc options); it is called
+    only to build, so a cache hit imports no Numba."""
 
-    def __init__(self, stem: Path, symbol: str, compile_cfunc):
+    def __init__(self, stem: Path, symbol: str, source):
         self.stem, self.cfunc, self.cache_hit = stem, None, False
         if native.built(stem):
             try:
@@ -242,12 +244,14 @@ class _Code:
                 return
             except native.NativeError as e:    # unreadable: built again below
                 _warn_native(e)
-        self.cfunc = compile_cfunc()
+        pyfunc, sig, options = source()
         try:
-            native.export(self.cfunc, stem, symbol)
+            native.build(pyfunc, sig, options, stem, symbol)
             self.address = native.load(stem, symbol)
         except native.NativeError as e:
             _warn_native(e)
+            from numba import cfunc
+            self.cfunc = cfunc(sig, **options)(pyfunc)
             self.address = self.cfunc.address
 
     def llvm_ir(self):
@@ -286,15 +290,15 @@ def interp_address() -> int:
     global _INTERP
     with _lock:
         if _INTERP is None:
-            def compile_interp():
-                from .shape_interp import entry
-                return entry()
+            def interp_source():
+                from . import shape_interp
+                return shape_interp.run.py_func, shape_interp.SIG, shape_interp.OPTIONS
             stem = kernel_dir() / "interp"
             installed = (Path(DEFAULT_CACHE).expanduser() / "kernels" / _TOOLCHAIN
                          / "interp")
             if not native.built(stem) and native.built(installed):
                 stem = installed
-            _INTERP = _Code(stem, INTERP_SYMBOL, compile_interp)
+            _INTERP = _Code(stem, INTERP_SYMBOL, interp_source)
         return _INTERP.address
 
 
@@ -373,8 +377,12 @@ def _compile_exact(spec: KernelSpec) -> CompiledKernel:
     t0 = time.perf_counter()
     sched = build_schedule(spec)
     source = cpu.emit(sched)
+    def body_source():
+        module = _load_module(source.text, spec.hash)
+        return module.body, module.h.BODY_SIG, module.h.BODY_OPTIONS
+
     code = _Code(kernel_dir() / _module_name(source.text, spec.hash), BODY_SYMBOL,
-                 lambda: _load_module(source.text, spec.hash).body)
+                 body_source)
     return CompiledKernel(spec, sched, source, code, time.perf_counter() - t0)
 
 

@@ -1,7 +1,8 @@
-"""Kernels as shared objects: built once from Numba's code, loaded without Numba.
+"""Kernels as shared objects: compiled once by Numba, loaded without it.
 
-    Numba cfunc ─its optimized LLVM IR─► position-independent object (llvmlite)
-                ─system compiler driver, -shared─► <stem>.so + <stem>.ll (the IR)
+    Python function ─Numba, ahead-of-time target (no JIT)─► optimized LLVM IR + the
+        cfunc wrapper ─llvmlite, position independent─► object
+        ─system compiler driver, -shared─► <stem>.so + <stem>.ll (the IR)
     <stem>.so ─dlopen (ctypes)─► address of ``symbol``
 
 Why: loading a kernel from Numba's own disk cache needs Numba in the process -- its
@@ -10,17 +11,24 @@ kernel -- and the TF op only ever needs an address.  A shared object loads in ab
 millisecond, so a process that finds its kernels in the cache (a warm start, or a cold
 one whose kernels the compile workers built) imports no Numba at all.
 
-The object is generated from the IR Numba already optimized, with the same CPU name
-and features (``codegen.magic_tuple()``), so the machine code is Numba's own, only
-position independent.  The cfunc wrapper Numba puts around the function is kept: on
-an error status (which the kernels, built with ``error_model='numpy'``, do not
-return) it reports through the Python C API under the GIL, like Numba does.  Its two
-helpers from Numba's extension module are defined here, in the object itself
-(``_GIL_IR``), so a kernel needs nothing from Numba at run time; code that would need
-more of Numba's runtime (its exception machinery, NRT) is refused at export.
+``build`` runs Numba's own cfunc compiler (typing, lowering, the cfunc wrapper, the
+same optimization pipeline) on a target context whose code generator is Numba's
+ahead-of-time one (``AOTCPUCodegen``, the pycc back end), set up for this CPU: host
+name and features, as the JIT would use.  That target does not JIT the code, so the
+machine code is generated once, here, as a position-independent object -- not once by
+Numba's JIT and again for the file (for a large column kernel that second pass alone
+measured 0.36 s).  This leans on Numba internals (``ccallback.CFunc``, the AOT code
+generator); should they change, ``build`` raises NativeError and kernel.py falls back
+to an ordinary JIT cfunc with a warning.
+
+Numba's cfunc wrapper is kept: on an error status (which the kernels, built with
+``error_model='numpy'``, do not return) it reports through the Python C API under the
+GIL, like Numba does.  Its two helpers from Numba's extension module are defined here,
+in the object itself (``_GIL_IR``), so a kernel needs nothing from Numba at run time;
+code that would need more of Numba's runtime (its exception machinery, NRT) is refused.
 Everything else it references is libc or the Python C API, both in every Python
 process; the .so is loaded RTLD_NOW, so a missing symbol is an error at load, never at
-a call.  Where export or load fails, kernel.py runs Numba's in-memory code instead.
+a call.
 
 The cache key (kernel.py's toolchain tag) includes ``host_tag()``: the CPU the code
 was generated for, so a cache shared between machines never runs code built for
@@ -89,14 +97,68 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def export(cfunc, stem: Path, symbol: str) -> None:
-    """Write ``stem``.so exporting the compiled ``cfunc`` as ``symbol`` (and
-    ``stem``.ll, its LLVM IR)."""
-    import llvmlite.binding as llvm
-    lib = cfunc._library
+def build(pyfunc, sig, options: dict, stem: Path, symbol: str) -> None:
+    """Compile ``pyfunc`` as a C callback of signature ``sig`` (``@cfunc`` options)
+    and write ``stem``.so exporting it as ``symbol``, and ``stem``.ll (its IR)."""
     try:
-        mod = llvm.parse_assembly(lib.get_llvm_str())
-        mod.get_function(cfunc.native_name).name = symbol
+        lib, wrapper = _compile(pyfunc, sig, options)
+        text, target = lib.get_llvm_str(), lib.codegen.magic_tuple()
+    except Exception as e:  # noqa: BLE001 - a typing error, or Numba internals moved
+        raise NativeError(f"compiling {symbol} ahead of time failed: "
+                          f"{type(e).__name__}: {e}") from e
+    export_ir(text, wrapper, target, stem, symbol)
+
+
+def _compile(pyfunc, sig, options):
+    """(the CodeLibrary, the cfunc wrapper's name): Numba's cfunc compiler on the AOT
+    target, nothing JIT-compiled."""
+    from numba.core import sigutils
+    from numba.core.compiler_lock import global_compiler_lock
+    args, ret = sigutils.normalize_signature(sig)
+    cf = _aot_cfunc_class()(pyfunc, (args, ret), {}, dict(options))
+    with global_compiler_lock:
+        cres = cf._compile_uncached()
+        cres.library.finalize()             # the optimization pipeline; no codegen
+    return cres.library, cres.fndesc.llvm_cfunc_wrapper_name
+
+
+_AOT_CFUNC = None
+
+
+def _aot_cfunc_class():
+    """Numba's CFunc on Numba's CPU target with the AOT code generator for this CPU."""
+    global _AOT_CFUNC
+    if _AOT_CFUNC is None:
+        from numba.core import codegen, registry
+        from numba.core.ccallback import CFunc
+
+        class HostAOTCodegen(codegen.AOTCPUCodegen):
+            # the JIT's choice of CPU features (AOT's default is the CPU model's)
+            def _customize_tm_features(self):
+                return self._get_host_cpu_features()
+
+        base = registry.cpu_target
+
+        class Target:
+            options = base.options
+            typing_context = base.typing_context
+            target_context = base.target_context.subtarget(
+                _internal_codegen=HostAOTCodegen("stitching", cpu_name="host"),
+                aot_mode=True)
+
+        class AOTCFunc(CFunc):
+            _targetdescr = Target()
+        _AOT_CFUNC = AOTCFunc
+    return _AOT_CFUNC
+
+
+def export_ir(text: str, wrapper: str, target: tuple, stem: Path, symbol: str) -> None:
+    """Object code for the optimized module ``text`` (for ``target``: triple, CPU name,
+    features), its C entry ``wrapper`` exported as ``symbol``, linked into ``stem``.so."""
+    import llvmlite.binding as llvm
+    try:
+        mod = llvm.parse_assembly(text)
+        mod.get_function(wrapper).name = symbol
         mod.link_in(llvm.parse_assembly(_GIL_IR))
         for name in ("numba_gil_ensure", "numba_gil_release"):
             mod.get_function(name).linkage = "internal"
@@ -106,7 +168,7 @@ def export(cfunc, stem: Path, symbol: str) -> None:
         if runtime:
             raise NativeError(f"{symbol} calls Numba's runtime ({', '.join(runtime)}), "
                               f"which only a process with Numba loaded has")
-        triple, cpu, features = lib.codegen.magic_tuple()
+        triple, cpu, features = target
         tm = llvm.Target.from_triple(triple).create_target_machine(
             cpu=cpu, features=features, opt=3, reloc="pic", codemodel="default")
         obj = tm.emit_object(mod)

@@ -1,23 +1,29 @@
 """The shape-program interpreter (encoding: shape_program.py), in Numba.
 
-``run`` is a jitted function (the CUDA host calls it from Python); ``entry`` is the
-C entry point every CPU kernel's shape function is::
+``run`` is a jitted function (the CUDA host calls it from Python); compiled as a C
+callback of ``SIG`` (native.build, from ``run.py_func``) it is the entry point every
+CPU kernel's shape function is::
 
     int64 stitching_interp(const int64* prog, const int64* in_dims, int64* dims,
                            int64* out_dims, int64* sched)
 
-kernel.interp_address() loads it (as INTERP_SYMBOL) as native code from the kernel cache (native.py),
-building it here only when the cache has none for this toolchain; this module is
-imported only then, so a process that loads cached kernels imports no Numba.
+kernel.interp_address() loads that from the kernel cache, building it from here only
+when the cache has none for this toolchain; this module is imported only then, so a
+process that loads cached kernels imports no Numba.  ``run`` itself is the entry, not
+a function calling it: then Numba's wrapper has no path that re-raises an exception
+from a callee, which would need Numba's runtime (native.py).
 """
 from __future__ import annotations
 
-from numba import cfunc, njit, types
+from numba import njit, types
 
 from .shape_program import (AXIS, COLUMN, END, EQ, MAX_COST, MAX_ELEMS, NONNEG, OUT,
                             ROW, UNITS)
 
-_jit = njit(nogil=True, error_model="numpy")
+OPTIONS = {"nogil": True, "error_model": "numpy"}
+_jit = njit(**OPTIONS)
+_ptr = types.CPointer(types.int64)
+SIG = types.int64(_ptr, _ptr, _ptr, _ptr, _ptr)     # of the C entry point: ``run``
 
 
 @_jit
@@ -156,12 +162,3 @@ def run(prog, in_dims, dims, out_dims, sched):
             i += 3
         else:
             return -1   # not a program this module wrote
-
-
-def entry():
-    """The interpreter as a C-callable cfunc (compiled now, ~0.4 s).  ``run`` itself,
-    not a function calling it: then Numba's wrapper has no path that re-raises an
-    exception from a callee, which would need Numba's runtime (native.py)."""
-    ptr = types.CPointer(types.int64)
-    return cfunc(types.int64(ptr, ptr, ptr, ptr, ptr), nogil=True,
-                 error_model="numpy")(run.py_func)
