@@ -109,6 +109,11 @@ def build(pyfunc, sig, options: dict, stem: Path, symbol: str) -> None:
     export_ir(text, wrapper, target, stem, symbol)
 
 
+def compile_only(pyfunc, sig, options: dict) -> None:
+    """Compile without writing anything (a worker's warm-up)."""
+    _compile(pyfunc, sig, options)
+
+
 def _compile(pyfunc, sig, options):
     """(the CodeLibrary, the cfunc wrapper's name): Numba's cfunc compiler on the AOT
     target, nothing JIT-compiled."""

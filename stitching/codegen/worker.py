@@ -37,13 +37,14 @@ def main() -> int:
 
 
 def _warm_up() -> None:
-    """Numba's first compile in a process sets up its target (~0.4 s); do it now, on
-    the shape-program interpreter every kernel needs: built into the cache here when
-    it is missing, so the parent loads it instead of importing Numba to build it."""
-    from numba import cfunc
+    """Numba's first compile in a process sets up its target (~0.4 s); do it now.  The
+    shape-program interpreter every kernel needs is built into the cache here when it
+    is missing (not installed), so the parent loads it instead of building it; then a
+    trivial function through native.py's compiler readies that path."""
+    from . import native
     from .kernel import interp_address
     interp_address()
-    cfunc("int64(int64)")(lambda x: x + 1)
+    native.compile_only(lambda x: x + 1, "int64(int64)", {})
 
 
 if __name__ == "__main__":
