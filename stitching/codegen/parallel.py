@@ -1,8 +1,8 @@
 """Parallel cold compiles: kernels missing from the disk cache are compiled by worker
 processes into that cache, then this process loads each from it (a dlopen, ~1 ms).
 
-Numba compiles under the GIL (~0.7 s per kernel here), so a model with 15 distinct
-kernels pays ~11 s in one process.  Workers are fresh interpreters started with
+Numba compiles under the GIL (0.3-1.2 s per kernel here), so a model with 15 distinct
+kernels pays several seconds in one process.  Workers are fresh interpreters started with
 ``python -m stitching.codegen.worker`` -- not ``multiprocessing``: spawn would
 re-import the user's ``__main__`` (re-running an unguarded script, importing TF) and
 fork is unsafe once TF's threads exist.  A worker imports Numba and stitching's TF-free
