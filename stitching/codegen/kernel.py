@@ -4,8 +4,8 @@
          └ in-process cache by spec.hash (one CompiledKernel per distinct spec)
     $STITCHING_CACHE_DIR/kernels/<toolchain>/k_<spec hash>_<source hash>
         .so  present: dlopen it, take the body's address (no Numba in this process)
-             absent:  write .py, import it (Numba compiles its @cfunc), export the
-                      cfunc as .so + .ll (native.py), dlopen that
+             absent:  write .py, import it (it defines ``body``), compile that as a
+                      C callback into .so + .ll (native.build), dlopen the .so
     .../<toolchain>/interp.so: the shape-program interpreter, built the same way
 
 The file name carries the hash of the generated text and the directory a hash of
