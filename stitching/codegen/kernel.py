@@ -32,6 +32,7 @@ import numpy as np
 
 from ..ir import dtypes as dt
 from ..ir.spec import KernelSpec, validate
+from ..runtime.build import DEFAULT_ROOT
 from ..schedule import build_schedule
 from . import cpu, native
 from .specialize import LAUNCH_PARAMS, compile_target
@@ -48,11 +49,8 @@ BODY_SYMBOL = "stitching_body"        # what native.py exports each body cfunc a
 INTERP_SYMBOL = "stitching_interp"    # and the shape-program interpreter
 
 
-DEFAULT_CACHE = os.path.join("~", ".cache", "stitching")
-
-
 def cache_root() -> Path:
-    return Path(os.environ.get("STITCHING_CACHE_DIR") or DEFAULT_CACHE).expanduser()
+    return Path(os.environ.get("STITCHING_CACHE_DIR") or DEFAULT_ROOT).expanduser()
 
 
 def _toolchain_tag() -> str:
@@ -294,7 +292,7 @@ def interp_address() -> int:
                 from . import shape_interp
                 return shape_interp.run.py_func, shape_interp.SIG, shape_interp.OPTIONS
             stem = kernel_dir() / "interp"
-            installed = (Path(DEFAULT_CACHE).expanduser() / "kernels" / _TOOLCHAIN
+            installed = (Path(DEFAULT_ROOT).expanduser() / "kernels" / stem.parent.name
                          / "interp")
             if not native.built(stem) and native.built(installed):
                 stem = installed
@@ -308,9 +306,7 @@ def _load_module(text: str, spec_hash: str):
     name = _module_name(text, spec_hash)
     path = d / f"{name}.py"
     if not path.exists():
-        tmp = d / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        native.atomic_write(path, text.encode())
     modname = f"stitching_kernel_{name}"
     if modname in sys.modules:
         return sys.modules[modname]

@@ -71,17 +71,32 @@ class NativeError(RuntimeError):
     """A kernel could not be turned into a shared object (names the step and why)."""
 
 
-def host_tag() -> str:
-    """The CPU code is generated for, as Numba picks it: host name and features, and
-    the environment variables that override them."""
+def _host_cpu() -> tuple:
+    """(CPU name, features) code is generated for, as Numba picks them: the host's,
+    unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise."""
     import llvmlite.binding as llvm
-    try:
-        features = llvm.get_host_cpu_features().flatten()
-    except RuntimeError:
-        features = ""
-    env = [os.environ.get(k, "") for k in
-           ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "NUMBA_ENABLE_AVX", "NUMBA_OPT")]
-    return "|".join([llvm.get_process_triple(), llvm.get_host_cpu_name(), features, *env])
+    features = os.environ.get("NUMBA_CPU_FEATURES")
+    if not features:
+        try:
+            features = llvm.get_host_cpu_features().flatten()
+        except RuntimeError:
+            features = ""
+    return os.environ.get("NUMBA_CPU_NAME") or llvm.get_host_cpu_name(), features
+
+
+def host_tag() -> str:
+    """The CPU code is generated for, and the environment variables that change the
+    code Numba generates for it."""
+    import llvmlite.binding as llvm
+    env = [os.environ.get(k, "") for k in ("NUMBA_ENABLE_AVX", "NUMBA_OPT")]
+    return "|".join([llvm.get_process_triple(), *_host_cpu(), *env])
+
+
+def _target_machine(triple: str, cpu: str, features: str):
+    """The machine object code is generated with: position independent, for ``cpu``."""
+    import llvmlite.binding as llvm
+    return llvm.Target.from_triple(triple).create_target_machine(
+        cpu=cpu, features=features, opt=3, reloc="pic", codemodel="default")
 
 
 def linker() -> list:
@@ -91,7 +106,8 @@ def linker() -> list:
     return shlex.split(compiler())
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``path`` so that no reader ever sees it half-written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
@@ -173,10 +189,7 @@ def export_ir(text: str, wrapper: str, target: tuple, stem: Path, symbol: str) -
         if runtime:
             raise NativeError(f"{symbol} calls Numba's runtime ({', '.join(runtime)}), "
                               f"which only a process with Numba loaded has")
-        triple, cpu, features = target
-        tm = llvm.Target.from_triple(triple).create_target_machine(
-            cpu=cpu, features=features, opt=3, reloc="pic", codemodel="default")
-        obj = tm.emit_object(mod)
+        obj = _target_machine(*target).emit_object(mod)
     except NativeError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the step named
@@ -196,7 +209,7 @@ def export_ir(text: str, wrapper: str, target: tuple, stem: Path, symbol: str) -
         if r.returncode:
             raise NativeError(f"linking {symbol} failed: {shlex.join(cmd)}: "
                               f"{r.stderr.strip()[-1000:]}")
-        _atomic_write(stem.with_suffix(".ll"), str(mod).encode())
+        atomic_write(stem.with_suffix(".ll"), str(mod).encode())
         os.replace(so, stem.with_suffix(".so"))
 
 
@@ -238,9 +251,4 @@ def assembly(stem: Path) -> str | None:
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     mod = llvm.parse_assembly(text)
-    target = llvm.Target.from_triple(mod.triple)
-    features = os.environ.get("NUMBA_CPU_FEATURES") or llvm.get_host_cpu_features().flatten()
-    tm = target.create_target_machine(
-        cpu=os.environ.get("NUMBA_CPU_NAME") or llvm.get_host_cpu_name(),
-        features=features, opt=3, reloc="pic", codemodel="default")
-    return tm.emit_assembly(mod)
+    return _target_machine(mod.triple, *_host_cpu()).emit_assembly(mod)

@@ -1,11 +1,11 @@
 """Parallel cold compiles: kernels missing from the disk cache are compiled by worker
 processes into that cache, then this process loads each from it (a dlopen, ~1 ms).
 
-Numba compiles under the GIL (0.3-1.2 s per kernel here), so a model with 15 distinct
-kernels pays several seconds in one process.  Workers are fresh interpreters started with
-``python -m stitching.codegen.worker`` -- not ``multiprocessing``: spawn would
-re-import the user's ``__main__`` (re-running an unguarded script, importing TF) and
-fork is unsafe once TF's threads exist.  A worker imports Numba and stitching's TF-free
+Numba compiles under the GIL (0.3-1.2 s per kernel here), so a model with 15
+distinct kernels pays several seconds in one process.  Workers are fresh interpreters
+started with ``python -m stitching.codegen.worker`` -- not ``multiprocessing``: spawn
+would re-import the user's ``__main__`` (re-running an unguarded script, importing TF)
+and fork is unsafe once TF's threads exist.  A worker imports Numba and stitching's TF-free
 codegen only, reads specs (one JSON line each on stdin, handed out largest first as
 workers free up), validates and compiles each (``compile_kernel``, which writes the
 shared cache), and answers each with one JSON line.  A spec a worker could not compile
@@ -139,6 +139,8 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
                 p.stdin.write(json.dumps(spec.to_json()) + "\n")
                 p.stdin.flush()
                 line = p.stdout.readline()
+                while line and not line.startswith("{"):   # not an answer: skipped
+                    line = p.stdout.readline()
                 if not line:
                     break           # it died: what it did not finish compiles here
                 with lock:
