@@ -596,12 +596,9 @@ class _Emitter:
         return 1 if any(st.stores for st in self.s.scalars) else 2
 
     def _column(self, w) -> None:
-        if not self.column_split():
-            self._column_whole(w)
-            return
-        with w.block("if rpt > 1:"):
-            self._column_split(w)
-        with w.private_block("else:", "_w"):
+        if self.column_split():
+            self._column_phased(w)
+        else:
             self._column_whole(w)
 
     def _kept_axes(self) -> list:
@@ -629,18 +626,25 @@ class _Emitter:
                 self._column_pass(w, p)
                 self._column_block(w, s.scalars[p.index + 1])
 
-    def _column_split(self, w) -> None:
-        """The outermost reduced axis cut into rpt chunks (rows [lo, hi)), a unit per
-        (column unit, chunk), run by the op in phases as a split row is: phase p runs
-        pass p over the unit's rows and writes its accumulators (one 8-byte slot per
-        reduction, column unit, chunk and column, in the op's temp buffer, outs[n]);
-        later phases first combine all chunks' partials, then go on.  Per-column
-        results are stored by the first chunk in the last phase."""
+    def _column_phased(self, w) -> None:
+        """Column kernels with reductions, whole or split, one copy of each pass.
+
+        Split (rpt > 1): the outermost reduced axis cut into rpt chunks (rows [lo,
+        hi)), a unit per (column unit, chunk), run by the op in phases as a split row
+        is: phase p runs pass p over the unit's rows and writes its accumulators (one
+        8-byte slot per reduction, column unit, chunk and column, in the op's temp
+        buffer, outs[n]); later phases first combine all chunks' partials, then go
+        on.  Per-column results are stored by the first chunk in the last phase.
+        Whole (rpt = 1, one phase): a unit runs every pass over all rows in turn.
+        The passes are written once for both (a second copy doubled the kernel's
+        compile time)."""
         s = self.s
         reds = self._split_reds()
         acc = {k: lower.reduction(self.spec, k, self.C) for k in reds}
         final = self.column_split() == 1
+        last = len(s.passes)
         w(f"phase = dims[{PHASE_SLOT}]")
+        w("split = rpt > 1")
         w(f"nu = {' * '.join([f'D{a}' for a in self._kept_axes()] + ['nb'])}")
         for i, k in enumerate(reds):
             w(f"pp{k} = h.ptr_{_PTR[acc[k].acc]}(outs[{len(self.spec.outputs)}])")
@@ -650,7 +654,7 @@ class _Emitter:
             w("ch = u % rpt")
             w("uc = u // rpt")
             if final:
-                with w.block(f"if phase == {len(s.passes)} and ch != 0:"):
+                with w.block(f"if phase == {last} and ch != 0:"):
                     w("continue")
             self._column_unit(w, "uc")
             w(f"lo = ch * D{outer} // rpt")
@@ -658,20 +662,23 @@ class _Emitter:
             sv = None                   # no last phase: the stages store nothing
             if final:
                 sv = "sv"
-                w(f"sv = phase == {len(s.passes)}")
+                w(f"sv = not split or phase == {last}")
             self._column_block(w, s.scalars[0], stores=sv)
             for p in s.passes:
-                with w.block(f"if phase == {p.index}:"):
+                with w.block(f"if not split or phase == {p.index}:"):
                     self._column_pass(w, p, "lo", "hi")
-                    for k in p.accumulate:
-                        w(f"ps = po{k} + (uc * rpt + ch) * cb")
-                        self._partials(w, k, acc[k], store=True)
-                    w("continue")
-                for k in p.accumulate:
-                    self._column_acc_init(w, k)
-                    with w.block("for cc in range(rpt):"):
-                        w(f"ps = po{k} + (uc * rpt + cc) * cb")
-                        self._partials(w, k, acc[k], store=False)
+                    with w.block("if split:"):
+                        for k in p.accumulate:
+                            w(f"ps = po{k} + (uc * rpt + ch) * cb")
+                            self._partials(w, k, acc[k], store=True)
+                        w("continue")
+                if p.accumulate:        # split, a later phase: the chunks' partials
+                    with w.block("else:"):
+                        for k in p.accumulate:
+                            self._column_acc_init(w, k)
+                            with w.block("for cc in range(rpt):"):
+                                w(f"ps = po{k} + (uc * rpt + cc) * cb")
+                                self._partials(w, k, acc[k], store=False)
                 self._column_block(w, s.scalars[p.index + 1], stores=sv)
 
     def _partials(self, w, k, r, store: bool) -> None:
