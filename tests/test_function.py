@@ -395,7 +395,8 @@ def test_compile_workers_start_early_only_for_large_graphs_not_seen_before(monke
     from stitching.codegen import parallel
     calls = []
     real = parallel.prestart
-    monkeypatch.setattr(parallel, "prestart", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(parallel, "prestart",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def chain(x):
         for i in range(160):            # ~2 nodes a step: over the 300-node threshold
@@ -409,6 +410,65 @@ def test_compile_workers_start_early_only_for_large_graphs_not_seen_before(monke
     assert len(calls) == 1                          # seen: no workers started
     stitching.function(lambda x: tf.nn.relu(x * 2.0))(x)
     assert len(calls) == 1                          # small graph
+
+
+def test_an_empty_kernel_cache_starts_one_worker_while_tf_traces(monkeypatch, tmp_path):
+    """With no kernel in the disk cache, one compile worker starts before the function
+    is traced; the graph's kernel is compiled there (its shared object lands in the
+    cache) and the worker is closed.  Once the cache holds a kernel, a new function
+    starts none early."""
+    from stitching.codegen import kernel, parallel
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    started = []
+
+    class Spy(parallel.Workers):
+        def __init__(self, jobs):
+            super().__init__(jobs)
+            started.append(self)
+    monkeypatch.setattr(parallel, "Workers", Spy)
+    monkeypatch.setattr(parallel, "default_jobs", lambda: 2)
+    kernel.clear_memory_cache()
+    x = tf.constant(np.linspace(-3, 3, 96, dtype=np.float32).reshape(8, 12))
+
+    def fn(x):
+        return tf.nn.relu(x * 1.7 - 0.3) + 0.123
+    assert kernel.cache_is_empty()
+    got = stitching.function(fn)(x).numpy()
+    np.testing.assert_allclose(got, tf.function(fn)(x).numpy(), rtol=1e-6)
+    assert len(started) == 1 and started[0].procs == []     # one, used and closed
+    assert not kernel.cache_is_empty()                       # the worker built it
+    stitching.function(lambda x: tf.nn.relu(x * 2.5) - 1.0)(x)
+    assert len(started) == 1
+
+
+def test_stitching_pauses_the_garbage_collector_and_restores_it():
+    """The collector is off while a graph is stitched and as it was afterwards, on
+    or off, also when stitching fails."""
+    import gc
+
+    from stitching.tf import pipeline
+    seen = []
+    real = pipeline._stitch
+
+    def spy(*a, **k):
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+    x = tf.constant(np.ones((4, 4), np.float32))
+    try:
+        pipeline._stitch = spy
+        stitching.function(lambda x: tf.nn.relu(x * 3.0) + 2.0)(x)
+        assert seen == [False] and gc.isenabled()
+        gc.disable()
+        stitching.function(lambda x: tf.nn.relu(x * 4.0) + 2.0)(x)
+        assert seen == [False, False] and not gc.isenabled()
+        gc.enable()
+        pipeline._stitch = lambda *a, **k: 1 / 0
+        with pytest.raises(ZeroDivisionError):
+            stitching.function(lambda x: tf.nn.relu(x * 5.0))(x)
+        assert gc.isenabled()
+    finally:
+        pipeline._stitch = real
+        gc.enable()
 
 
 def test_large_graph_plan_is_stored_and_reused_after_checking_it(monkeypatch, tmp_path):

@@ -82,6 +82,15 @@ def graph_seen(key: str) -> bool:
     return (kernel_dir() / "graphs" / key).exists()
 
 
+def cache_is_empty() -> bool:
+    """No kernel of this toolchain in the disk cache yet (a new machine, container or
+    cache directory): whatever is traced next compiles all of its kernels."""
+    try:
+        return not any(kernel_dir().glob("k_*.so"))
+    except OSError:
+        return True
+
+
 def remember_graph(key: str) -> None:
     d = kernel_dir() / "graphs"
     try:

@@ -69,6 +69,10 @@ class Workers:
     def __init__(self, jobs: int):
         self.procs = [_spawn() for _ in range(jobs)]
 
+    def grow(self, jobs: int) -> None:
+        """Start more workers, up to ``jobs`` in all."""
+        self.procs += [_spawn() for _ in range(jobs - len(self.procs))]
+
     def take(self, n: int) -> list:
         """n workers for the caller; the others are closed."""
         got, rest = self.procs[:n], self.procs[n:]
@@ -83,9 +87,14 @@ class Workers:
     __del__ = close
 
 
-def prestart(jobs: int | None = None) -> Workers | None:
-    """Start ``jobs`` (default: default_jobs()) warmed workers now, or None for one job."""
+def prestart(jobs: int | None = None, workers: Workers | None = None) -> Workers | None:
+    """Start ``jobs`` (default: default_jobs()) warmed workers now, or None where
+    compiles run in this process (one job).  ``workers``: ones already started, to
+    top up to ``jobs``."""
     jobs = default_jobs() if jobs is None else jobs
+    if workers is not None:
+        workers.grow(jobs)
+        return workers
     return Workers(jobs) if jobs >= 2 else None
 
 

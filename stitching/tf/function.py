@@ -143,13 +143,18 @@ class StitchedFunction:
             return self._python_fn(*a, **k)
 
         inner_fn = tf.function(inner, autograph=self._autograph)
-        cf = inner_fn.get_concrete_function(*specs)
-        fetches = [t.name for t in cf.outputs]
-        keep = [op.name for op in cf.graph.control_outputs]
-        result = pipeline.stitch_graph_def(
-            cf.graph.as_graph_def(), fetches, keep, self.options,
-            name=getattr(self._python_fn, "__name__", type(self._python_fn).__name__),
-            resources=frontend.resource_shapes(cf.graph))
+        workers = pipeline.early_workers()      # warming up while TF traces
+        try:
+            cf = inner_fn.get_concrete_function(*specs)
+            fetches = [t.name for t in cf.outputs]
+            keep = [op.name for op in cf.graph.control_outputs]
+            result = pipeline.stitch_graph_def(
+                cf.graph.as_graph_def(), fetches, keep, self.options,
+                name=getattr(self._python_fn, "__name__", type(self._python_fn).__name__),
+                resources=frontend.resource_shapes(cf.graph), workers=workers)
+        finally:
+            if workers is not None:
+                workers.close()
         self.report = result.report
         self.reports.append(result.report)
 
