@@ -169,15 +169,25 @@ def fit_tanh_rational(m=6, n=3, hi=9.0, iters=200):
     return e, u, p, q
 
 
-def fit():
+def fit_erfcx(deg=11, hi=11.0):
+    """Q with erfcx(x) ~ Q(2 / (2 + x)) on [0, hi] (erfc_f32 = exp(-x^2) Q), minimax in
+    ulps of the float32 erfc(x) (whose spacing halves just below 1, near x = 0),
+    float32 coefficients rounded one at a time, lowest first.  Returns (max error
+    in erfc ulps with the rounded coefficients, [Q0..Qdeg])."""
     from scipy import special
-    k = np.arange(4000)
-    cheb = 0.5 + 0.5 * np.cos(np.pi * (2 * k + 1) / 8000)        # nodes on (0, 1)
-    x = np.concatenate([np.maximum(cheb, 1e-4), np.linspace(1e-4, 1, 4000)])
-    m1, erf_p = lawson(np.vander(x * x, 7, increasing=True), special.erf(x) / x)
-    x = np.linspace(0.5, 11.0, 30000)
-    m2, erfcx_q = lawson(np.vander(2 / (2 + x), 11, increasing=True), special.erfcx(x))
-    return (m1, [np.float32(c) for c in erf_p]), (m2, [np.float32(c) for c in erfcx_q])
+    x = np.concatenate([np.linspace(0.0, hi, 40000), np.geomspace(1e-6, 0.05, 4000)])
+    u = 2 / (2 + x)
+    y = special.erfcx(x)
+    ec = special.erfc(x)
+    ulp = np.spacing(ec.astype(np.float32)).astype(np.float64)
+    rel = ulp / ec * y                  # an erfc ulp, as an error in Q
+    A = np.vander(u, deg + 1, increasing=True)
+    fixed = []
+    for i in range(deg + 1):
+        _, c = _lawson_fixed(A, y, rel, fixed)
+        fixed.append(float(np.float32(c[i])))
+    c = np.array(fixed)
+    return np.abs((A @ c - y) / rel).max(), [np.float32(v) for v in c]
 
 
 if __name__ == "__main__":
@@ -194,7 +204,6 @@ if __name__ == "__main__":
     e, u, rp, rq = fit_tanh_rational()
     print(f"(not used) tanh(x) = x P(x^2)/Q(x^2), |x| <= 9: rel error {e:.2e}, but "
           f"{u:.2f} ulp in float32\n  P {[repr(c) for c in rp]}\n  Q {[repr(c) for c in rq]}")
-    (m1, p), (m2, q) = fit()
-    print(f"erf(x) = x P(x^2), |x| < 1: max rel error {m1:.2e}\n  {[repr(c) for c in p]}")
-    print(f"erfcx(x) = Q(2/(2+x)), 0.5 <= x <= 11: max rel error {m2:.2e}\n"
+    m, q = fit_erfcx()
+    print(f"erfcx(x) = Q(2/(2+x)), 0 <= x <= 11: max error {m:.2f} erfc ulp\n"
           f"  {[repr(c) for c in q]}")
