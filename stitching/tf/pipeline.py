@@ -84,7 +84,7 @@ def early_workers():
     s of CPU) then runs beside tracing instead of beside planning; the others start
     once the graph is known to need them.  Cold ResNet50 first call, 3 runs each:
     3.90-3.98 s with no early worker, 3.82-3.84 s with two (they slowed tracing
-    down as much as they sped planning up), 3.51-3.56 s with one.  Pass it to
+    down as much as they sped planning up), 3.42-3.62 s with one.  Pass it to
     ``stitch_graph_def``, which uses or closes it."""
     from ..codegen import kernel as kernel_cache
     from ..codegen import parallel
