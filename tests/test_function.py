@@ -439,6 +439,14 @@ def test_an_empty_kernel_cache_starts_one_worker_while_tf_traces(monkeypatch, tm
     assert not kernel.cache_is_empty()                       # the worker built it
     stitching.function(lambda x: tf.nn.relu(x * 2.5) - 1.0)(x)
     assert len(started) == 1
+    # behind a background compile stock TF's first call has the cores: no early worker
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path / "bg"))
+    assert kernel.cache_is_empty()
+    g = stitching.function(lambda x: tf.nn.relu(x * 3.5) - 2.0,
+                           options=stitching.Options(background_compile=True))
+    g(x)
+    assert g.wait(timeout=300)
+    assert len(started) == 1
 
 
 def test_stitching_pauses_the_garbage_collector_and_restores_it():

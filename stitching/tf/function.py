@@ -143,7 +143,9 @@ class StitchedFunction:
             return self._python_fn(*a, **k)
 
         inner_fn = tf.function(inner, autograph=self._autograph)
-        workers = pipeline.early_workers()      # warming up while TF traces
+        # a compile worker warming up while TF traces; not behind a background
+        # compile, where stock TF's first call is running and needs the cores
+        workers = None if self.options.background_compile else pipeline.early_workers()
         try:
             cf = inner_fn.get_concrete_function(*specs)
             fetches = [t.name for t in cf.outputs]
