@@ -1009,6 +1009,31 @@ def test_workers_past_their_budget_are_killed_and_work_is_done_here(tmp_path, mo
                    "softmax after killed workers", 4e-6)
 
 
+def test_worker_compiles_kernels_without_importing_scipy(tmp_path):
+    """A compile worker hides SciPy from Numba (whose import probes SciPy's BLAS) and
+    still compiles a kernel with transcendental helpers into the cache.  (Without
+    SciPy installed only the second half can fail.)"""
+    code = textwrap.dedent("""
+        import sys
+        from stitching.codegen import worker
+        worker._hide_scipy()
+        from stitching.codegen import compile_kernel
+        from stitching.ir.builder import SpecBuilder
+        import numpy as np
+        b = SpecBuilder()
+        x = b.input("float32", (-1, 16))
+        k = compile_kernel(b.build([b.Erfc(b.Exp(x))]))
+        y = k(np.zeros((2, 16), np.float32))[0]
+        assert abs(float(y[0, 0]) - 0.15729921) < 1e-6, y[0, 0]
+        assert "scipy.linalg" not in sys.modules
+        print("ok")
+    """)
+    env = dict(os.environ, STITCHING_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_prestarted_workers_compile_what_is_missing_and_are_closed(tmp_path, monkeypatch):
     """Workers started before the specs exist (parallel.prestart) take the uncached
     specs, however few; handed a batch with nothing to compile, they are closed."""
