@@ -593,16 +593,8 @@ class _Emitter:
     def column_split(self) -> int:
         """How the shape program may cut this column kernel's reduced rows into chunks
         (split = 1: a last phase stores the per-column results; 2: the last pass is the
-        last phase); 0: never."""
-        if not self.s.reduce_axes:
-            return 0
+        last phase).  A column kernel always reduces (schedule/passes.py)."""
         return 1 if any(st.stores for st in self.s.scalars) else 2
-
-    def _column(self, w) -> None:
-        if self.column_split():
-            self._column_phased(w)
-        else:
-            self._column_whole(w)
 
     def _kept_axes(self) -> list:
         """A column kernel's parallel axes other than the last (its columns)."""
@@ -620,17 +612,8 @@ class _Emitter:
             last = " + c0" if self.carries_last(ref) else ""
             w(f"k_{self.tag(ref)} = {off}{last}")
 
-    def _column_whole(self, w) -> None:
-        s = self.s
-        with w.block("for u in range(begin, end):"):
-            self._column_unit(w, "u")
-            self._column_block(w, s.scalars[0])
-            for p in s.passes:
-                self._column_pass(w, p)
-                self._column_block(w, s.scalars[p.index + 1])
-
-    def _column_phased(self, w) -> None:
-        """Column kernels with reductions, whole or split, one copy of each pass.
+    def _column(self, w) -> None:
+        """A column kernel, whole or split, with one copy of each pass.
 
         Split (rpt > 1): the outermost reduced axis cut into rpt chunks (rows [lo,
         hi)), a unit per (column unit, chunk), run by the op in phases as a split row
