@@ -67,7 +67,8 @@ class Workers:
     idempotent and also runs when the object is collected."""
 
     def __init__(self, jobs: int):
-        self.procs = [_spawn() for _ in range(jobs)]
+        self.procs = []
+        self.grow(jobs)
 
     def grow(self, jobs: int) -> None:
         """Start more workers, up to ``jobs`` in all."""
