@@ -3,13 +3,15 @@
     python -m stitching.codegen.fastmath_fit
 
 Polynomials: Lawson's algorithm (iteratively reweighted least squares) approximates
-the minimax polynomial for the *relative* error against scipy's float64 erf/erfcx.
+the minimax polynomial for the *relative* error against scipy's float64 functions.
 Rational erf: Sanathanan-Koerner iterations (linearized P - g Q with weights
 1/|g Q_prev|) plus Lawson reweighting, then alternate "round one polynomial to
 float32, refit the other" keeping the pair with the fewest float32 ulps.  Needs
 scipy; never imported by the kernels.
 
 exp: exp(r) = 1 + r + r^2 P(r) on [-ln2/2, ln2] (fit_exp_poly, same method).
+erfcx: erfcx(x) = Q(2/(2+x)) on [0, 11] (fit_erfcx), minimax in ulps of the float32
+erfc(x) rather than relative error, coefficients rounded one at a time.
 tanh: expm1(2u)/2 = u + u^2 P(u) on |u| <= ln2/4, minimax in relative error
 (fit_tanh_poly: Lawson, coefficients rounded to float32 one at a time, refitting
 the rest each time).  fit_tanh_rational fits the Eigen/XLA-style alternative
