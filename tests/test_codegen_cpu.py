@@ -943,6 +943,61 @@ def test_specs_differing_in_static_sizes_share_one_compiled_kernel():
             np.zeros(640, np.float32))
 
 
+def _bn_add_relu_spec(residual_first):
+    """Inference BN over a residual sum, its nodes listed in one of two orders (as two
+    ResNet50 blocks came out of the planner): the per-channel scale and shift are
+    hoisted in front of the element loop either way, so only the numbering differs."""
+    b = SpecBuilder()
+    x, r = b.input("float32", (-1, 40)), b.input("float32", (-1, 40))
+    g, mu, var, beta = (b.input("float32", (40,)) for _ in range(4))
+    eps = b.const(1e-3, "float32")
+    if residual_first:
+        s = b.Add(x, r)
+    sc = b.Mul(b.Rsqrt(b.Add(var, eps)), g)
+    sh = b.Sub(beta, b.Mul(mu, sc))
+    if not residual_first:
+        s = b.Add(x, r)
+    return b.build([b.Relu(b.Add(b.Mul(s, sc), sh))])
+
+
+def test_specs_equal_up_to_node_numbering_share_one_compiled_kernel(tmp_path, monkeypatch):
+    """Code is cached by its canonical text (comments dropped, emitter-made names
+    renumbered in order of appearance): two specs whose kernels differ only in node
+    numbering compile once, and the shared code is right for both."""
+    from stitching.codegen import cpu, kernel
+    from stitching.schedule import build_schedule
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    a, b = _bn_add_relu_spec(False), _bn_add_relu_spec(True)
+    ta, tb = (cpu.emit(build_schedule(s)).text for s in (a, b))
+    assert a.hash != b.hash and ta != tb            # really two texts
+    assert cpu.canonical(ta) == cpu.canonical(tb)
+    assert kernel.code_name(ta) == kernel.code_name(tb)
+    ka = compile_kernel(a)
+    kb = compile_kernel(b)                          # loaded: a built its code
+    assert not ka.cache_hits and kb.cache_hits
+    assert ka.body_address == kb.body_address and ka.source != kb.source
+    rng = np.random.default_rng(3)
+    x, r = (rng.standard_normal((9, 40)).astype(np.float32) for _ in range(2))
+    g, mu, beta = (rng.standard_normal(40).astype(np.float32) for _ in range(3))
+    var = rng.uniform(0.5, 2, 40).astype(np.float32)
+    want = np.maximum((f64(x) + r - mu) / np.sqrt(f64(var) + 1e-3) * g + beta, 0)
+    for k in (ka, kb):
+        assert_matches(k(x, r, g, mu, var, beta)[0], want, "float32", "bn+add+relu", 4e-6,
+                       4e-6)
+
+
+def test_canonical_text_renames_within_families_only():
+    """Renaming is per family of names (the letters before the number), leaves
+    attributes and numbers alone, and a text it cannot rename safely (a string
+    literal) is kept as it is."""
+    from stitching.codegen.cpu import canonical
+    text = ("# spec abc\nK7 = np.float32(1e-05)\ndef body():\n    v12 = v3 + K7\n"
+            "    v3_w = h.exp_f32(v12)\n    hz12 = v3\n")
+    assert canonical(text) == ("K0 = np.float32(1e-05)\ndef body():\n    v0 = v1 + K0\n"
+                               "    v1_w = h.exp_f32(v0)\n    hz0 = v1")
+    assert canonical("x1 = 'v2'") == "x1 = 'v2'"
+
+
 def test_short_static_rows_compile_with_their_length():
     """Row kernels over static rows of at most STATIC_ROW_MAX elements are compiled
     concrete (known trip counts), so softmax at 128 and 100 are two code objects."""

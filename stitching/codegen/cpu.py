@@ -156,6 +156,34 @@ def store_value(dtype: str, v: str) -> str:
     return v
 
 
+# An identifier the emitter made: letters/underscores, a number, then anything; not an
+# attribute (``np.float32``) and not inside a number (``1e-05``).
+_NUMBERED = re.compile(r"(?<![.\w])([A-Za-z_]+?)(\d+)(\w*)")
+
+
+def canonical(text: str) -> str:
+    """``text`` up to the names the emitter chose: comment lines dropped, and in each
+    family of numbered identifiers (``v12``, ``hz3``, ``b_i5_0``...: same letters
+    before the number) the numbers replaced by their order of first appearance.
+
+    Two specs whose kernels differ only in how their nodes were numbered (the same
+    region found twice in a graph, its nodes listed in another topological order), or
+    in the spec hash of the header comment, get the same canonical text and so share
+    one compiled kernel (kernel.code_name).  The renaming is a bijection within each
+    family and keeps the family, so the result is the same program.  Generated text
+    holds no string literals (everything is built from this module's templates); a
+    text with a quote character is returned unchanged rather than renamed blindly."""
+    if "'" in text or '"' in text:
+        return text
+    kept = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    families: dict = {}
+
+    def rename(m):
+        numbers = families.setdefault(m.group(1), {})
+        return f"{m.group(1)}{numbers.setdefault(m.group(2), len(numbers))}{m.group(3)}"
+    return _NUMBERED.sub(rename, kept)
+
+
 def _typed(cd: str, expr: str) -> str:
     """Pin the compute dtype of a node's value (guards against silent promotion)."""
     return expr if cd == "bool" or expr.startswith(f"np.{cd}(") else f"np.{cd}({expr})"

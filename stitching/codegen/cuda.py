@@ -29,7 +29,7 @@ from ..ir.spec import KernelSpec, validate
 from ..plan import profiles
 from ..schedule import KernelKind, build_schedule
 from . import cuda_emit, cuda_launch, shape_interp
-from .kernel import _load_module, _user_dtype
+from .kernel import _load_module, _module_name, _user_dtype
 
 # numba-cuda 0.30 registers an overload for np.row_stack, which NumPy 2.5 removed (an
 # alias of vstack since 2.0): without the alias its first kernel compile fails to import.
@@ -322,7 +322,7 @@ def compile_cuda_kernel(spec: KernelSpec, profile=None) -> CudaKernel:
             t0 = time.perf_counter()
             sched = build_schedule(spec)
             src = cuda_emit.emit(sched)
-            module = _load_module(src.text, f"cuda_{spec.hash}")
+            module = _load_module(src.text, _module_name(src.text, f"cuda_{spec.hash}"))
             k = _kernels[key] = CudaKernel(spec, sched, src, module, prof,
                                            time.perf_counter() - t0)
         return k
