@@ -925,6 +925,23 @@ def test_uncached_kernels_compile_in_worker_processes(tmp_path, monkeypatch):
     assert parallel.warm_cache(specs, jobs=2) == 0   # nothing left to compile
 
 
+def test_a_lone_early_worker_gets_company_for_three_kernels(tmp_path, monkeypatch):
+    """Handed one pre-started worker (an early worker, a small graph) and three codes
+    to compile, warm_cache starts the others (up to ``jobs``), which join the queue;
+    every kernel is then in the disk cache."""
+    from stitching.codegen import is_cached, parallel
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    spawned = []
+    real = parallel._spawn
+    monkeypatch.setattr(parallel, "_spawn", lambda: spawned.append(1) or real())
+    specs = [softmax_spec((-1, 17), scale=0.931), layernorm_spec(17, scale=0.931),
+             softmax_spec((-1, 17), log=True, scale=0.931)]
+    early = parallel.Workers(1)
+    assert parallel.warm_cache(specs, jobs=2, workers=early) == 3
+    assert len(spawned) == 2 and all(is_cached(s) for s in specs)
+    assert early.procs == []                        # handed over, nothing left open
+
+
 def test_specs_differing_in_static_sizes_share_one_compiled_kernel():
     """LayerNorm at D=624 and D=640 run the code of one shape-generic twin, and each
     still enforces its own static sizes."""

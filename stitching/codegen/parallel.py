@@ -128,6 +128,11 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
     # as workers free up: one big kernel does not leave the others idle at the end.
     todo = [t for t, text in sorted(todo.values(), key=lambda c: -len(c[1]))]
     if workers is not None and workers.procs and todo:
+        if len(todo) >= MIN_PARALLEL:
+            # an early worker alone (pipeline.early_workers, and no prestart for a
+            # small graph) would compile them one by one: the others start now and
+            # join the queue once warm
+            workers.grow(min(jobs, len(todo)))
         procs = workers.take(min(len(workers.procs), len(todo)))
     else:
         jobs = min(jobs, len(todo))
@@ -159,8 +164,10 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
                         progress(done, len(todo))
         except (BrokenPipeError, OSError, ValueError):
             pass                    # it died or was killed
-        _close(p)
-        p.wait()
+        _close(p)                   # no more specs: it exits
+        # Reaped on a thread of its own: an exiting worker tears down Python with
+        # LLVM loaded (~0.15 s), which the caller has no reason to wait for.
+        threading.Thread(target=p.wait, daemon=True).start()
 
     drivers = [threading.Thread(target=drive, args=(p,), daemon=True) for p in procs]
     for d in drivers:
