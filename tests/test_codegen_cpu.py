@@ -1081,14 +1081,17 @@ def test_workers_past_their_budget_are_killed_and_work_is_done_here(tmp_path, mo
                    "softmax after killed workers", 4e-6)
 
 
-def test_worker_compiles_kernels_without_importing_scipy(tmp_path):
+def test_worker_compiles_kernels_with_a_lean_numba(tmp_path):
     """A compile worker hides SciPy from Numba (whose import probes SciPy's BLAS) and
-    still compiles a kernel with transcendental helpers into the cache.  (Without
-    SciPy installed only the second half can fail.)"""
+    turns Numba's error highlighting off, and still compiles a kernel with
+    transcendental helpers into the cache.  (Without SciPy installed the SciPy half
+    cannot fail.)"""
     code = textwrap.dedent("""
         import sys
         from stitching.codegen import worker
-        worker._hide_scipy()
+        worker._lean_numba()
+        import numba.core.errors
+        assert type(numba.core.errors.termcolor()).__name__ == "NOPColorScheme"
         from stitching.codegen import compile_kernel
         from stitching.ir.builder import SpecBuilder
         import numpy as np
