@@ -50,3 +50,23 @@ def test_ablation_verdict_counts_a_row_slower_only_beyond_its_spread():
     assert output._no_slower(within, "l", name, base="baseline", noise_ok=True).startswith("PASS")
     assert output._no_slower(beyond, "l", name, base="baseline", noise_ok=True).startswith("FAIL")
     assert output._no_slower(within, "l", name).startswith("FAIL")      # strict by default
+
+
+def test_modes_are_timed_with_changing_predecessors():
+    """time_modes shuffles the order of the modes every repeat: each mode is timed
+    `repeats` times, and no mode always runs right after the same other one (with a
+    rotation 'stitching' always followed 'xla' and paid for what XLA left behind)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from bench_lib import measure
+    from bench_lib.modes import Runner
+    calls = []
+
+    def fn_for(mode):
+        return lambda *a: calls.append(mode)
+    modes = ["tf", "xla", "stitching", "baseline"]
+    runners = [Runner(m, fn_for(m)) for m in modes]
+    out = measure.time_modes(runners, (), repeats=12, warmup=0, min_time=0.0)
+    assert sorted(out) == sorted(modes) and all(out[m]["n"] == 12 for m in modes)
+    timed = calls[len(modes):]               # after the one calibration call each
+    before = {m: {p for p, c in zip(timed, timed[1:]) if c == m} for m in modes}
+    assert all(len(before[m]) >= 2 for m in modes), before
