@@ -68,5 +68,7 @@ def test_modes_are_timed_with_changing_predecessors():
     out = measure.time_modes(runners, (), repeats=12, warmup=0, min_time=0.0)
     assert sorted(out) == sorted(modes) and all(out[m]["n"] == 12 for m in modes)
     timed = calls[len(modes):]               # after the one calibration call each
-    before = {m: {p for p, c in zip(timed, timed[1:]) if c == m} for m in modes}
-    assert all(len(before[m]) >= 2 for m in modes), before
+    for m in modes:
+        before = [p for p, c in zip(timed, timed[1:]) if c == m]
+        most = max(before.count(p) for p in set(before))
+        assert most <= 0.6 * len(before), (m, before)   # rotated: 75% the same one
