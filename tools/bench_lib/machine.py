@@ -156,6 +156,21 @@ def _numpy_threads_copy_gbs(src, dst, threads, repeats):
     return 2 * src.nbytes / min(times) / 1e9
 
 
+_SPOT_BUFFERS = None
+
+
+def spot_copy_gbs(threads: int, repeats: int = 3) -> float:
+    """The threaded numpy copy again, quickly (buffers kept between calls): taken
+    after each large pattern row, so the reference is the best the machine did at any
+    point of the run, not at its two ends only (a shared machine's bandwidth drifts
+    by 20-30% within a suite)."""
+    global _SPOT_BUFFERS
+    if _SPOT_BUFFERS is None:
+        n = COPY_MIB * 2**20 // 4
+        _SPOT_BUFFERS = np.ones(n, np.float32), np.empty(n, np.float32)
+    return _numpy_threads_copy_gbs(*_SPOT_BUFFERS, threads, repeats)
+
+
 def copy_bandwidth(threads: int, repeats: int = 10) -> dict:
     """Multi-threaded copy of a COPY_MIB buffer, bytes read + written per second (the
     STREAM "copy" convention; write-allocate traffic is not counted, as it is not for

@@ -418,7 +418,8 @@ def print_report(results, meta):
           f"{meta.get('allocators', 'allocators not recorded')}")
     if gbs:
         print(f"copy bandwidth: {gbs:.1f} GB/s ({copy['method']}; numba "
-              f"{copy.get('numba_prange_gbs', 'n/a')}, numpy {copy.get('numpy_threads_gbs')})")
+              f"{copy.get('numba_prange_gbs', 'n/a')}, numpy {copy.get('numpy_threads_gbs')}"
+              f"{_copy_range(copy)})")
     print(f"load average (1 min): {meta.get('load_avg_start')} at start, "
           f"{meta.get('load_avg_end')} at end" + ("  -- machine busy, expect noise"
           if max(meta.get("load_avg_start") or 0, meta.get("load_avg_end") or 0) > 0.5 else ""))
@@ -521,6 +522,15 @@ TensorFlow; its method is in that section).
 """
 
 
+def _copy_range(copy) -> str:
+    """The spread of the copy measurements taken during the run, if any."""
+    during = [g for g in [copy.get("gbs_before"), copy.get("gbs_after")]
+              + list(copy.get("gbs_during") or []) if g]
+    if len(during) < 2:
+        return ""
+    return f"; {len(during)} measurements, {min(during):.1f} to {max(during):.1f} GB/s"
+
+
 def _suite_markdown(suite, rows, meta, results):
     copy = meta.get("copy_bandwidth", {})
     gbs = copy.get("gbs")
@@ -536,7 +546,7 @@ def _suite_markdown(suite, rows, meta, results):
                f"at start, {meta.get('load_avg_end')} at end; command "
                f"`{meta.get('command', '')}`.")
     if gbs and suite == "patterns":
-        out.append(f"Copy bandwidth {gbs:.1f} GB/s ({copy['method']}).")
+        out.append(f"Copy bandwidth {gbs:.1f} GB/s ({copy['method']}{_copy_range(copy)}).")
     ovh = meta.get("call_overhead_s") or {}
     if ovh and suite == "patterns":
         out.append("Per-call overhead of each mode, a `tf.identity` of 8x1024 float32: " +
