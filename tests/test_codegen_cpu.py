@@ -1015,6 +1015,39 @@ def test_canonical_text_renames_within_families_only():
     assert canonical("x1 = 'v2'") == "x1 = 'v2'"
 
 
+def _add_layernorm_spec(affine=True):
+    b = SpecBuilder()
+    x, r = b.input("float32", (-1, 256)), b.input("float32", (-1, 256))
+    h = b.Add(x, r)
+    m = b.Mean(h, axes=[1], keep_dims=True)
+    c = b.Sub(h, m)
+    v = b.Mean(b.Square(c), axes=[1], keep_dims=True)
+    y = b.Mul(c, b.Rsqrt(b.Add(v, b.const(1e-12, "float32"))))
+    if affine:
+        y = b.Add(b.Mul(y, b.input("float32", (256,))), b.input("float32", (256,)))
+    return b.build([y])
+
+
+def test_work_estimate_counts_streamed_bytes_once_and_runs_small_work_inline():
+    """The per-element cost the shape function reports (ParallelFor's shard size, and
+    op.cc's inline threshold of 400000) counts a row's bytes once, not once per pass,
+    and not the per-channel vectors: the Transformer's add + LayerNorm at batch 1
+    (128 x 256) runs on the calling thread, at batch 8 it goes to the pool."""
+    from stitching.codegen import lower
+    from stitching.schedule import build_schedule
+    k = compile_kernel(_add_layernorm_spec())
+    inline_cost = 400000
+    for rows, inline in ((128, True), (1024, False)):
+        rc, _, _, units, cost, phases, _ = k.shapes([(rows, 256), (rows, 256), (256,),
+                                                     (256,)])
+        assert rc == 0 and phases == 1
+        assert (units * cost < inline_cost) == inline, (rows, units, cost)
+    plain = _add_layernorm_spec(affine=False)
+    with_affine = _add_layernorm_spec()
+    per = [lower.cycles_per_element(s, build_schedule(s).passes) for s in (plain, with_affine)]
+    assert per[1] - per[0] <= 1 and per[1] <= 8, per    # gamma, beta: cached, not streamed
+
+
 def test_short_static_rows_compile_with_their_length():
     """Row kernels over static rows of at most STATIC_ROW_MAX elements are compiled
     concrete (known trip counts), so softmax at 128 and 100 are two code objects."""

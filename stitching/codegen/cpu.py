@@ -312,7 +312,7 @@ class _Emitter:
         for a, ax in enumerate(dom.axes):
             P += [SP.AXIS, a, len(ax.classes), *[cls[c] for c in ax.classes], big]
         s, R = self.s, self.R
-        cost = len(s.passes) * lower.cycles_per_element(self.spec, s.live)
+        cost = lower.cycles_per_element(self.spec, s.passes)
         if s.kind == KernelKind.COLUMN:
             kind, kept, red = SP.COLUMN, self._kept_axes(), list(s.reduce_axes)
         else:
