@@ -1048,6 +1048,26 @@ def test_work_estimate_counts_streamed_bytes_once_and_runs_small_work_inline():
     assert per[1] - per[0] <= 1 and per[1] <= 8, per    # gamma, beta: cached, not streamed
 
 
+def test_exp_of_logits_minus_their_max_skips_the_overflow_steps():
+    """Softmax's exp(x - max(x)) lowers to exp_nonpos (no overflow path); an exp of
+    x minus the max of another tensor, or of where(is_finite(max), max, 0) as TF's
+    reduce_logsumexp writes it, keeps the full exp."""
+    assert "h.exp_nonpos_f32(" in compile_kernel(softmax_spec((-1, 40))).source
+    b = SpecBuilder()
+    x, y = b.input("float32", (-1, 40)), b.input("float32", (-1, 40))
+    m = b.Max(y, axes=[1], keep_dims=True)
+    e = b.Exp(b.Sub(x, m))
+    mx = b.Max(x, axes=[1], keep_dims=True)
+    guarded = b.Select(b.IsFinite(mx), mx, b.const(0.0, "float32"))
+    k = compile_kernel(b.build([e, b.Exp(b.Sub(x, guarded))]))
+    assert "exp_nonpos" not in k.source and k.source.count("h.exp_f32(") == 2
+    xs = np.array([[np.inf] + [1.0] * 39, [2.0] * 40], np.float32)
+    ys = np.zeros((2, 40), np.float32)
+    out = k(xs, ys)
+    assert np.isinf(out[0][0, 0]) and np.isinf(out[1][0, 0])     # large x stays exp(x)
+    np.testing.assert_allclose(out[1][1], np.ones(40), rtol=0)
+
+
 def test_short_static_rows_compile_with_their_length():
     """Row kernels over static rows of at most STATIC_ROW_MAX elements are compiled
     concrete (known trip counts), so softmax at 128 and 100 are two code objects."""

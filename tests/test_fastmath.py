@@ -124,6 +124,14 @@ def test_exp_overflow_and_underflow_thresholds():
     assert run("expm1", np.array([-20.0, -100.0], np.float32)).tolist() == [-1.0, -1.0]
 
 
+def test_exp_of_a_nonpositive_argument_is_bit_identical_to_exp():
+    """exp_nonpos_f32 (softmax's exp(x - max x)) drops exp_f32's steps for large x
+    and must give the very same bits on x <= 0, NaN and -inf included."""
+    x = np.concatenate([-sweep(1e-30, 110.0), np.array(
+        [0.0, -0.0, -np.inf, np.nan, -87.33, -87.3365, -87.34, -1e30], np.float32)])
+    assert np.array_equal(run("exp_nonpos", x).view(np.uint32), run("exp", x).view(np.uint32))
+
+
 def test_log_domain_edges():
     x = np.array([0.0, -0.0, -1.0, -np.inf, np.inf, 1.0, 1e-45, 1.17549435e-38],
                  np.float32)

@@ -15,7 +15,8 @@ from numba import types
 from . import intrinsics as _I
 from .fastmath import helper
 from .fastmath import (elu_f32, elu_f64, erf_f32, erf_f64, erfc_f32, erfc_f64,  # noqa: F401
-                       exp_f32, exp_f64, expm1_f32, expm1_f64, log1p_f32, log1p_f64,
+                       exp_f32, exp_f64, exp_nonpos_f32, exp_nonpos_f64, expm1_f32,
+                       expm1_f64, log1p_f32, log1p_f64,
                        log_f32, log_f64, selu_f32, selu_f64, sigmoid_f32, sigmoid_f64,
                        softplus_f32, softplus_f64, tanh_f32, tanh_f64)
 from .intrinsics import (acc_add, acc_max, acc_min, acc_mul, aligned_alloc,  # noqa: F401

@@ -156,7 +156,7 @@ if not SIMULATOR:
 # The names lower.py writes, mapped onto the helpers above.  float32 and float64
 # share one (type-generic) definition where the math does not depend on the type.
 acc_max, acc_min = maximum, minimum
-exp_f32 = exp_f64 = exp
+exp_f32 = exp_f64 = exp_nonpos_f32 = exp_nonpos_f64 = exp
 expm1_f32 = expm1_f64 = expm1
 log_f32 = log_f64 = log
 log1p_f32 = log1p_f64 = log1p

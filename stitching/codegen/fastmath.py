@@ -120,6 +120,28 @@ def exp_f32(x):
 
 
 @helper
+def exp_nonpos_f32(x):
+    """exp(x) for x <= 0 or NaN (softmax's x - max(x)): bit-identical to exp_f32
+    there, without its two steps for large x (n capped at 127, +inf above 88.72):
+    0.215 -> 0.159 ns/element per core.  n = round(x / ln2) <= 0 keeps n + 127
+    in range down to x = -87.34, below which the select gives 0, as exp_f32's; a
+    NaN flows through the arithmetic.  lower.py writes it only where the argument
+    is provably <= 0 (x minus a max of x over some axes)."""
+    K = I.opaque
+    shift = K(_EXP_SHIFT)
+    sh = I.fma(x, K(_LOG2E), shift)       # 1.5 * 2^23 + 127 + round(x / ln2)
+    n = sh - shift
+    r = I.fma(n, K(-_LN2_HI), x)
+    r = I.fma(n, K(-_LN2_LO), r)
+    r2 = r * r
+    p = I.fma(I.fma(I.fma(K(_XP5), r, K(_XP4)), r2, I.fma(K(_XP3), r, K(_XP2))), r2,
+              I.fma(K(_XP1), r, K(_XP0)))
+    s = I.bits_f32(np.int32(I.f32_bits(sh) << 23))   # 2^n: n + 127 into the exponent
+    y = I.fma(I.fma(p, r2, r), s, s)      # 2^n (1 + expm1(r))
+    return _ZERO if x < K(_EXP_MIN) else y
+
+
+@helper
 def expm1_f32(x):
     """exp(x) - 1 without cancellation near 0.  <= 2 ulp; -1 below -17, inf above 88.72."""
     xc = _EXP_HI if x > _EXP_HI else x
@@ -333,6 +355,11 @@ _SELU_SA64 = 1.0507009873554804934193349852946 * 1.67326324235437728481704299167
 
 @helper
 def exp_f64(x):
+    return math.exp(x)
+
+
+@helper
+def exp_nonpos_f64(x):
     return math.exp(x)
 
 

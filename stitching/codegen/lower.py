@@ -244,6 +244,8 @@ def node_expr(spec, k: int, args: list, C) -> str:
         return args[0]
     if op == "Pow" and _const_exponent(spec, n) is not None:
         return _pow_const(args[0], _const_exponent(spec, n), cd, C)
+    if op == "Exp" and cd in ("float32", "float64") and _nonpositive(spec, n.args[0]):
+        return f"h.exp_nonpos_{'f32' if cd == 'float32' else 'f64'}({args[0]})"
     arity = len(args)
     if arity == 1 and op not in _REDUCTIONS:
         return _unary(op, args, cd, ad, n, C)
@@ -252,6 +254,24 @@ def node_expr(spec, k: int, args: list, C) -> str:
     if arity == 2:
         return _binary(op, args, cd, ad, n, C)
     return _ternary(op, args, cd, ad, n, C)
+
+
+def _nonpositive(spec, ref) -> bool:
+    """Whether value ``ref`` is <= 0 (or NaN) wherever it is defined: ``a - m`` with
+    ``m`` a Max of ``a`` itself kept at rank (keep_dims: each element minus the max
+    of the elements it was reduced with), Identity in between allowed.  Softmax's
+    shifted logits, as TF's Softmax composite and hand-written softmaxes build
+    them; TF's reduce_logsumexp subtracts where(is_finite(max), max, 0) instead,
+    which is not this (an infinite max leaves x itself)."""
+    if ref < 0 or spec.nodes[ref].op != "Sub":
+        return False
+    a, m = spec.nodes[ref].args
+    while m >= 0 and spec.nodes[m].op == "Identity":
+        m = spec.nodes[m].args[0]
+    if m < 0:
+        return False
+    mx = spec.nodes[m]
+    return mx.op == "Max" and mx.args[0] == a and bool(mx.attrs.get("keep_dims"))
 
 
 def _const_exponent(spec, n):
