@@ -86,6 +86,21 @@ _XP0, _XP1, _XP2, _XP3, _XP4, _XP5 = _XP
 
 
 @helper
+def _exp_shifted(x, sh):
+    """2^n (1 + expm1(r)), r = x - n ln2, where ``sh`` holds n + 127 in its low
+    mantissa bits (sh = fma(x, 1/ln2, _EXP_SHIFT), capped by the caller if needed)."""
+    K = I.opaque           # constants stay loop-invariant values (see I.opaque)
+    n = sh - K(_EXP_SHIFT)
+    r = I.fma(n, K(-_LN2_HI), x)
+    r = I.fma(n, K(-_LN2_LO), r)
+    r2 = r * r
+    p = I.fma(I.fma(I.fma(K(_XP5), r, K(_XP4)), r2, I.fma(K(_XP3), r, K(_XP2))), r2,
+              I.fma(K(_XP1), r, K(_XP0)))
+    s = I.bits_f32(np.int32(I.f32_bits(sh) << 23))   # 2^n: n + 127 into the exponent
+    return I.fma(I.fma(p, r2, r), s, s)
+
+
+@helper
 def exp_f32(x):
     """exp(x).  <= 1.1 ulp (1.02 measured); +inf above 88.7228, 0 below -87.3365
     (results under FLT_MIN flush to zero, as TF's float exp does); exp(nan) = nan.
@@ -102,19 +117,11 @@ def exp_f32(x):
     2^n (1 + q) is one fma.  0.68 -> 0.41 ns/element per core against clamping x,
     a degree-8 Taylor polynomial and an add and a multiply at the end
     (tools/fastmath_bench.py)."""
-    K = I.opaque           # constants stay loop-invariant values (see I.opaque)
-    shift = K(_EXP_SHIFT)
-    sh = I.fma(x, K(_LOG2E), shift)       # 1.5 * 2^23 + 127 + round(x / ln2)
+    K = I.opaque
+    sh = I.fma(x, K(_LOG2E), K(_EXP_SHIFT))   # 1.5 * 2^23 + 127 + round(x / ln2)
     top = K(_EXP_SHIFT_MAX)
-    sh = sh if sh < top else top           # n <= 127; NaN -> 127.  Lanes with
-    n = sh - shift                         # x < -87.34 get garbage, replaced below
-    r = I.fma(n, K(-_LN2_HI), x)
-    r = I.fma(n, K(-_LN2_LO), r)
-    r2 = r * r
-    p = I.fma(I.fma(I.fma(K(_XP5), r, K(_XP4)), r2, I.fma(K(_XP3), r, K(_XP2))), r2,
-              I.fma(K(_XP1), r, K(_XP0)))
-    s = I.bits_f32(np.int32(I.f32_bits(sh) << 23))   # 2^n: n + 127 into the exponent
-    y = I.fma(I.fma(p, r2, r), s, s)      # 2^n (1 + expm1(r))
+    # n <= 127; NaN -> 127.  Lanes with x < -87.34 get garbage, replaced below
+    y = _exp_shifted(x, sh if sh < top else top)
     y = _INF if x > K(_EXP_MAX) else y
     return _ZERO if x < K(_EXP_MIN) else y
 
@@ -128,16 +135,7 @@ def exp_nonpos_f32(x):
     NaN flows through the arithmetic.  lower.py writes it only where the argument
     is provably <= 0 (x minus a max of x over some axes)."""
     K = I.opaque
-    shift = K(_EXP_SHIFT)
-    sh = I.fma(x, K(_LOG2E), shift)       # 1.5 * 2^23 + 127 + round(x / ln2)
-    n = sh - shift
-    r = I.fma(n, K(-_LN2_HI), x)
-    r = I.fma(n, K(-_LN2_LO), r)
-    r2 = r * r
-    p = I.fma(I.fma(I.fma(K(_XP5), r, K(_XP4)), r2, I.fma(K(_XP3), r, K(_XP2))), r2,
-              I.fma(K(_XP1), r, K(_XP0)))
-    s = I.bits_f32(np.int32(I.f32_bits(sh) << 23))   # 2^n: n + 127 into the exponent
-    y = I.fma(I.fma(p, r2, r), s, s)      # 2^n (1 + expm1(r))
+    y = _exp_shifted(x, I.fma(x, K(_LOG2E), K(_EXP_SHIFT)))
     return _ZERO if x < K(_EXP_MIN) else y
 
 
