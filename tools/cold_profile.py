@@ -109,7 +109,7 @@ def kernels(model) -> None:
     for s in captured:
         code = kernel.uncached_code(s)
         if code is not None:
-            todo.setdefault(kernel.code_name(code[1]), code)
+            todo.setdefault(code[2], code[:2])
     split = {}
     compile_ = native._compile
 

@@ -350,8 +350,9 @@ def is_cached(spec: KernelSpec) -> bool:
 
 
 def uncached_code(spec: KernelSpec):
-    """(the spec compiled for ``spec``, its generated source) if that code is neither
-    in memory nor in the disk cache, else None (as ``is_cached``)."""
+    """(the spec compiled for ``spec``, its generated source, the code's cache name
+    ``code_name``) if that code is neither in memory nor in the disk cache, else None
+    (as ``is_cached``)."""
     if spec.hash in _kernels:
         return None
     try:
@@ -361,8 +362,8 @@ def uncached_code(spec: KernelSpec):
         text = cpu.emit(build_schedule(target)).text
     except Exception:  # noqa: BLE001 - compile_kernel reports it
         return None
-    return None if native.built(kernel_dir() / code_name(text)) \
-        else (target, text)
+    name = code_name(text)
+    return None if native.built(kernel_dir() / name) else (target, text, name)
 
 
 def compile_kernel(spec: KernelSpec) -> CompiledKernel:

@@ -357,7 +357,7 @@ def reduction(spec, k: int, C) -> Reduction:
     return Reduction(cd, init, step, "{a}")
 
 
-# ---- cost (cycles per element, rough: only orders TF's ParallelFor shards) ------------
+# ---- cost (cycles per element, rough: ParallelFor's shards, inline or pool) ------------
 
 def cycles_per_element(spec, passes) -> int:
     """Rough cycles per element of the domain, summed over the schedule's passes: a

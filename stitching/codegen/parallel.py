@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from .kernel import cache_root, code_name, uncached_code
+from .kernel import cache_root, uncached_code
 
 MIN_PARALLEL = 3
 MAX_JOBS = 8
@@ -123,7 +123,7 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
     for s in specs:                 # one compile per code: generic twins (specialize.py)
         code = uncached_code(s)     # and specs equal up to naming (kernel.code_name)
         if code is not None:
-            todo.setdefault(code_name(code[1]), code)
+            todo.setdefault(code[2], code[:2])
     # Largest first (generated source length: compile time grows with it), handed out
     # as workers free up: one big kernel does not leave the others idle at the end.
     todo = [t for t, text in sorted(todo.values(), key=lambda c: -len(c[1]))]

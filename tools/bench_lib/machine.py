@@ -48,13 +48,18 @@ def git_rev() -> str:
     return rev
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count()
+
+
 def machine_info() -> dict:
     import numba
     import tensorflow as tf
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count()
+    n_cores = cores()
     intra = tf.config.threading.get_intra_op_parallelism_threads()
     mem_gib = None
     try:
@@ -64,7 +69,7 @@ def machine_info() -> dict:
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cpu": _cpu_model(),
-        "cores": cores,
+        "cores": n_cores,
         "memory_gib": mem_gib,
         "python": platform.python_version(),
         "tensorflow": tf.__version__,
@@ -72,7 +77,7 @@ def machine_info() -> dict:
         "numpy": np.__version__,
         "stitching_rev": git_rev(),
         # 0 means TF's default (one thread per core); all modes share it.
-        "tf_intra_op_threads": intra if intra else f"default ({cores})",
+        "tf_intra_op_threads": intra if intra else f"default ({n_cores})",
         # Allocation of large outputs dominates memory-bound ops on some machines
         # (fresh mmap + page faults): say which allocators this run used.
         "allocators": allocators(),
@@ -162,8 +167,8 @@ _SPOT_BUFFERS = None
 def spot_copy_gbs(threads: int, repeats: int = 3) -> float:
     """The threaded numpy copy again, quickly (buffers kept between calls): taken
     after each large pattern row, so the reference is the best the machine did at any
-    point of the run, not at its two ends only (a shared machine's bandwidth drifts
-    by 20-30% within a suite)."""
+    point of the run, not at its two ends only (a shared machine's copy bandwidth
+    measured 22-41 GB/s within one patterns run)."""
     global _SPOT_BUFFERS
     if _SPOT_BUFFERS is None:
         n = COPY_MIB * 2**20 // 4

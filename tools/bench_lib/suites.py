@@ -130,8 +130,8 @@ def run_rows(suite, keys, *, mode_list=modes.MODES, planner=None, repeats=None,
                 extra={"size": variant, "expected_kernels": p.expected_kernels,
                        "description": p.description})
             if variant == "large":
-                from .machine import spot_copy_gbs
-                row["copy_gbs"] = round(spot_copy_gbs(len(os.sched_getaffinity(0))), 2)
+                from .machine import cores, spot_copy_gbs
+                row["copy_gbs"] = round(spot_copy_gbs(cores()), 2)
         else:
             case = M.get(name)
             if name not in model_fns:
