@@ -1068,6 +1068,56 @@ def test_exp_of_logits_minus_their_max_skips_the_overflow_steps():
     np.testing.assert_allclose(out[1][1], np.ones(40), rtol=0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_division_by_a_constant_multiplies_by_its_reciprocal(dtype):
+    """x / c lowers to x * (1/c) when 1/c is a normal number: bit-exact for a power
+    of two, within 2 ulp otherwise, NaN/Inf/0/subnormal x included; a zero, Inf,
+    subnormal or huge c keeps the division (identical to TF's)."""
+    nt = npdtype(dtype)
+    tiny, huge = float(np.finfo(nt).tiny), float(np.finfo(nt).max) / 2
+    consts = [1.4142135623730951, -4.0, 0.0, tiny / 8, huge, math.inf]
+    b = SpecBuilder()
+    x = b.input(dtype, (-1, 33))
+    k = compile_kernel(b.build([b.Div(x, b.const(c, dtype)) for c in consts]))
+    body = k.source.split("def body(")[1]
+    assert len(re.findall(r"= x0 \* K\d+$", body, re.M)) == 2
+    assert len(re.findall(r"= x0 / v\d+$", body, re.M)) == 4
+    xs = data(dtype, (5, 33))
+    xs[0, :6] = [tiny / 4, -tiny * 3, huge, -0.0, np.inf, np.nan]
+    outs = k(xs)
+    with np.errstate(all="ignore"):
+        refs = [xs / nt.type(c) for c in consts]
+    np.testing.assert_array_max_ulp(outs[0], refs[0], maxulp=2)
+    for out, ref in zip(outs[1:], refs[1:]):
+        np.testing.assert_array_equal(out, ref)
+
+
+def test_division_by_a_row_scalar_takes_its_reciprocal_once_per_row():
+    """x / sum(x) in a row kernel multiplies by 1/sum, taken once per row, within
+    2 ulp of the division; rows whose sum is 0, subnormal, above 2^126, Inf or NaN
+    divide, exactly as TF does."""
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 40))
+    s = b.Sum(x, axes=[1], keep_dims=True)
+    k = compile_kernel(b.build([b.Div(x, s), s]))
+    assert k.schedule.kind == KernelKind.ROW
+    assert re.search(r"^ +rc\d+ = K\d+ / v\d+$", k.source, re.M)
+    assert re.search(r"= x0 \* rc\d+ if ok\d+ else x0 / v\d+$", k.source, re.M)
+    xs = np.abs(RNG.standard_normal((9, 40))).astype(np.float32) + 0.1
+    xs[1] = 0.0
+    xs[2] = 1e-41                                       # subnormal sum
+    xs[3] = 3e36                                        # sum 1.2e38 > 2^126
+    xs[4, 5], xs[5, 7], xs[6, 0] = np.inf, np.nan, -np.inf
+    xs[7] = np.linspace(-1, 1, 40, dtype=np.float32)    # sum ~0, both signs
+    y, sums = k(xs)
+    with np.errstate(all="ignore"):
+        ref = xs / sums
+    plain = [1, 2, 3, 4, 5, 6]
+    np.testing.assert_array_equal(y[plain], ref[plain])
+    fast = [0, 7, 8]
+    np.testing.assert_array_max_ulp(y[fast], ref[fast], maxulp=2)
+
+
 def test_short_static_rows_compile_with_their_length():
     """Row kernels over static rows of at most STATIC_ROW_MAX elements are compiled
     concrete (known trip counts), so softmax at 128 and 100 are two code objects."""

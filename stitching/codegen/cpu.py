@@ -383,10 +383,17 @@ class _Emitter:
                 [f"hz{k}" for k in self.front])
 
     # -- node evaluation ------------------------------------------------------------------
+    _recip: dict = {}   # row passes: Div node -> its divisor's reciprocal variables
+
     def compute(self, w, k: int) -> None:
         node = self.spec.nodes[k]
         args = [self.var(a) for a in node.args]
         cd = dt.COMPUTE[self.dtype(k)]
+        if k in self._recip:
+            x, d = args
+            rc, ok = self._recip[k]
+            w(f"{self.var(k)} = {x} * {rc} if {ok} else {x} / {d}")
+            return
         expr = lower.node_expr(self.spec, k, args, self.C)
         # values of cd: the arguments of that compute dtype (every variable holds its
         # node's compute dtype) and the constants typed as cd
@@ -601,7 +608,42 @@ class _Emitter:
     def _accumulated(self) -> set:
         return {k for p in self.s.passes for k in p.accumulate}
 
+    def _row_reciprocals(self, w, p) -> dict:
+        """Divisions in pass ``p`` by a value fixed for the row (a row scalar: a
+        finished reduction such as softmax's sum, or what was computed from one) become
+        multiplies by its reciprocal, taken once per row: a divide per element costs
+        ~7x a multiply in a vectorized loop (0.21 against 0.03 ns per float32), and a
+        hand-written softmax's e / sum(e) is the costliest step of its last pass.
+        The row divides as before unless the reciprocal is a normal number (divisor
+        not 0, Inf, NaN, subnormal or near the top of the range: lower.RECIPROCAL_RANGE),
+        so x * (1/d) stays within rounding (1.5 ulp) of x / d, NaN and Inf included.
+        The test is loop-invariant; LLVM unswitches the loop on it (measured: 0.06 ns
+        per element with the select in the loop, 0.04 with two hand-written loops)."""
+        before = {k for st in self.s.scalars[:p.index + 1] for k in st.compute}
+        out = {}
+        for k in p.compute:
+            node = self.spec.nodes[k]
+            cd = dt.COMPUTE[self.dtype(k)]
+            if node.op != "Div" or cd not in lower.RECIPROCAL_RANGE:
+                continue
+            d = node.args[1]
+            if d not in before or dt.COMPUTE[self.dtype(d)] != cd:
+                continue
+            lo, hi = lower.RECIPROCAL_RANGE[cd]
+            dv = self.var(d)
+            w(f"rc{k} = {self.C(1, cd)} / {dv}")
+            w(f"ok{k} = {self.C(lo, cd)} <= h.fabs({dv}) <= {self.C(hi, cd)}")
+            out[k] = (f"rc{k}", f"ok{k}")
+        return out
+
     def _row_pass(self, w, p, lo: str = "0", hi: str = "L") -> None:
+        self._recip = self._row_reciprocals(w, p)
+        try:
+            self._row_pass_loops(w, p, lo, hi)
+        finally:
+            self._recip = {}
+
+    def _row_pass_loops(self, w, p, lo: str, hi: str) -> None:
         reds = {k: lower.reduction(self.spec, k, self.C) for k in p.accumulate}
         for k in p.accumulate:
             w(f"a{k} = {reds[k].init}")

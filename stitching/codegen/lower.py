@@ -244,6 +244,10 @@ def node_expr(spec, k: int, args: list, C) -> str:
         return args[0]
     if op == "Pow" and _const_exponent(spec, n) is not None:
         return _pow_const(args[0], _const_exponent(spec, n), cd, C)
+    if op == "Div" and cd in ("float32", "float64"):
+        r = const_reciprocal(spec, n.args[1], cd)
+        if r is not None:
+            return f"{args[0]} * {C(r, cd)}"
     if op == "Exp" and cd in ("float32", "float64") and _nonpositive(spec, n.args[0]):
         return f"h.exp_nonpos_{'f32' if cd == 'float32' else 'f64'}({args[0]})"
     arity = len(args)
@@ -254,6 +258,31 @@ def node_expr(spec, k: int, args: list, C) -> str:
     if arity == 2:
         return _binary(op, args, cd, ad, n, C)
     return _ternary(op, args, cd, ad, n, C)
+
+
+# Divisors whose reciprocal is a normal number of the compute dtype (so that
+# x * (1/d) is x / d up to rounding): 2^-(emax-1) <= |d| <= 2^(emax-1).
+RECIPROCAL_RANGE = {"float32": (2.0 ** -126, 2.0 ** 126), "float64": (2.0 ** -1022, 2.0 ** 1022)}
+
+
+def const_reciprocal(spec, ref, cd: str):
+    """1/c (a Python float, rounded to ``cd``) when value ``ref`` is a constant c whose
+    reciprocal is normal, else None.  Div(x, c) then lowers to x * (1/c), a multiply
+    instead of a divide per element (divides are ~7x a multiply's cost in a vectorized
+    loop here: 0.21 against 0.03 ns per float32).  Within rounding of x / c: exact
+    when c is a power of two, else within 1.5 ulp (the rounding of 1/c and of the
+    product); NaN, +-Inf and +-0 in x give what x / c gives.  XLA's algebraic
+    simplifier makes the same rewrite (BERT's erf GELU divides by sqrt(2); in XLA's
+    optimized HLO of it that is a multiply)."""
+    if ref < 0 or spec.nodes[ref].op != "Const":
+        return None
+    c = quantize(spec.nodes[ref].attrs["value"], spec.nodes[ref].attrs["dtype"])
+    ftype = np.float32 if cd == "float32" else np.float64
+    c = ftype(c)
+    lo, hi = RECIPROCAL_RANGE[cd]
+    if not lo <= abs(float(c)) <= hi:       # NaN, 0, Inf, tiny or huge: divide
+        return None
+    return float(ftype(1) / c)
 
 
 def _nonpositive(spec, ref) -> bool:
