@@ -1050,8 +1050,9 @@ def test_work_estimate_counts_streamed_bytes_once_and_runs_small_work_inline():
 
 def test_exp_of_logits_minus_their_max_skips_the_overflow_steps():
     """Softmax's exp(x - max(x)) lowers to exp_nonpos (no overflow path); an exp of
-    x minus the max of another tensor, or of where(is_finite(max), max, 0) as TF's
-    reduce_logsumexp writes it, keeps the full exp."""
+    x minus the max of another tensor keeps the full exp; TF's reduce_logsumexp,
+    exp(x - where(is_finite(max), max, 0)), takes exp_nonpos in the rows whose max is
+    finite and the full exp in the others (+Inf, NaN: x itself is the argument)."""
     assert "h.exp_nonpos_f32(" in compile_kernel(softmax_spec((-1, 40))).source
     b = SpecBuilder()
     x, y = b.input("float32", (-1, 40)), b.input("float32", (-1, 40))
@@ -1060,12 +1061,21 @@ def test_exp_of_logits_minus_their_max_skips_the_overflow_steps():
     mx = b.Max(x, axes=[1], keep_dims=True)
     guarded = b.Select(b.IsFinite(mx), mx, b.const(0.0, "float32"))
     k = compile_kernel(b.build([e, b.Exp(b.Sub(x, guarded))]))
-    assert "exp_nonpos" not in k.source and k.source.count("h.exp_f32(") == 2
-    xs = np.array([[np.inf] + [1.0] * 39, [2.0] * 40], np.float32)
-    ys = np.zeros((2, 40), np.float32)
+    assert k.schedule.kind == KernelKind.ROW
+    body = k.source.split("def body(")[1]
+    assert body.count("h.exp_nonpos_f32(") == 1 and body.count("h.exp_f32(") == 2
+    assert re.search(r"= h\.exp_nonpos_f32\((v\d+)\) if v\d+ else h\.exp_f32\(\1\)$",
+                     body, re.M)
+    xs = np.array([[np.inf] + [1.0] * 39, [2.0] * 40, [np.nan] + [3.0] * 39,
+                   RNG.standard_normal(40)], np.float32)
+    ys = np.zeros((4, 40), np.float32)
     out = k(xs, ys)
     assert np.isinf(out[0][0, 0]) and np.isinf(out[1][0, 0])     # large x stays exp(x)
     np.testing.assert_allclose(out[1][1], np.ones(40), rtol=0)
+    # the NaN row: max NaN -> not finite -> exp(x): exp(3) in the full exp, not 1
+    assert np.isnan(out[1][2, 0])
+    np.testing.assert_allclose(out[1][2, 1:], np.exp(np.float32(3)), rtol=2e-7)
+    np.testing.assert_array_max_ulp(out[1][3], np.exp(xs[3] - xs[3].max()), maxulp=2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -383,7 +383,10 @@ class _Emitter:
                 [f"hz{k}" for k in self.front])
 
     # -- node evaluation ------------------------------------------------------------------
-    _recip: dict = {}   # row passes: Div node -> its divisor's reciprocal variables
+    # row passes: Div node -> its divisor's reciprocal variables (_row_reciprocals);
+    # Exp node -> the row scalar under which its argument is <= 0 (_row_exp_guards)
+    _recip: dict = {}
+    _exp_guard: dict = {}
 
     def compute(self, w, k: int) -> None:
         node = self.spec.nodes[k]
@@ -393,6 +396,11 @@ class _Emitter:
             x, d = args
             rc, ok = self._recip[k]
             w(f"{self.var(k)} = {x} * {rc} if {ok} else {x} / {d}")
+            return
+        if k in self._exp_guard:
+            f = "f32" if cd == "float32" else "f64"
+            w(f"{self.var(k)} = h.exp_nonpos_{f}({args[0]}) if "
+              f"{self.var(self._exp_guard[k])} else h.exp_{f}({args[0]})")
             return
         expr = lower.node_expr(self.spec, k, args, self.C)
         # values of cd: the arguments of that compute dtype (every variable holds its
@@ -619,7 +627,7 @@ class _Emitter:
         so x * (1/d) stays within rounding (1.5 ulp) of x / d, NaN and Inf included.
         The test is loop-invariant; LLVM unswitches the loop on it (measured: 0.06 ns
         per element with the select in the loop, 0.04 with two hand-written loops)."""
-        before = {k for st in self.s.scalars[:p.index + 1] for k in st.compute}
+        before = self._row_scalars_before(p)
         out = {}
         for k in p.compute:
             node = self.spec.nodes[k]
@@ -636,12 +644,34 @@ class _Emitter:
             out[k] = (f"rc{k}", f"ok{k}")
         return out
 
+    def _row_scalars_before(self, p) -> set:
+        """Nodes computed once per row before pass ``p`` runs."""
+        return {k for st in self.s.scalars[:p.index + 1] for k in st.compute}
+
+    def _row_exp_guards(self, p) -> dict:
+        """Exps in pass ``p`` of ``x - where(is_finite(max), max, c)`` (TF's
+        reduce_logsumexp): where the row's max is finite the argument is <= 0, and the
+        shorter exp_nonpos (bit-identical there) serves; else the full exp.  The
+        condition is a row scalar, and LLVM unswitches the loop on it (logsumexp
+        8192x1024, 2 threads: 1.90 -> 1.68 ms)."""
+        before = self._row_scalars_before(p)
+        out = {}
+        for k in p.compute:
+            node = self.spec.nodes[k]
+            if node.op != "Exp" or dt.COMPUTE[self.dtype(k)] not in ("float32", "float64"):
+                continue
+            c = lower.nonpositive_when(self.spec, node.args[0])
+            if c is not None and c is not True and c in before:
+                out[k] = c
+        return out
+
     def _row_pass(self, w, p, lo: str = "0", hi: str = "L") -> None:
         self._recip = self._row_reciprocals(w, p)
+        self._exp_guard = self._row_exp_guards(p)
         try:
             self._row_pass_loops(w, p, lo, hi)
         finally:
-            self._recip = {}
+            self._recip, self._exp_guard = {}, {}
 
     def _row_pass_loops(self, w, p, lo: str, hi: str) -> None:
         reds = {k: lower.reduction(self.spec, k, self.C) for k in p.accumulate}

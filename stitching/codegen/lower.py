@@ -290,17 +290,39 @@ def _nonpositive(spec, ref) -> bool:
     ``m`` a Max of ``a`` itself kept at rank (keep_dims: each element minus the max
     of the elements it was reduced with), Identity in between allowed.  Softmax's
     shifted logits, as TF's Softmax composite and hand-written softmaxes build
-    them; TF's reduce_logsumexp subtracts where(is_finite(max), max, 0) instead,
-    which is not this (an infinite max leaves x itself)."""
+    them."""
+    return nonpositive_when(spec, ref) is True
+
+
+def nonpositive_when(spec, ref):
+    """True if value ``ref`` is <= 0 (or NaN) everywhere (``_nonpositive``); the ref of
+    a boolean value under which it is, for ``a - where(is_finite(m), m, c)`` with
+    ``m`` the kept-rank Max of ``a`` (TF's reduce_logsumexp: where the row's max is
+    finite that is ``a - max``; an infinite or NaN max leaves ``a - c``, which may be
+    positive); else None."""
+    def through(r):
+        while r >= 0 and spec.nodes[r].op == "Identity":
+            r = spec.nodes[r].args[0]
+        return r
+
+    def is_max_of(m, a):
+        return (m >= 0 and spec.nodes[m].op == "Max" and spec.nodes[m].args[0] == a
+                and bool(spec.nodes[m].attrs.get("keep_dims")))
+
     if ref < 0 or spec.nodes[ref].op != "Sub":
-        return False
-    a, m = spec.nodes[ref].args
-    while m >= 0 and spec.nodes[m].op == "Identity":
-        m = spec.nodes[m].args[0]
-    if m < 0:
-        return False
-    mx = spec.nodes[m]
-    return mx.op == "Max" and mx.args[0] == a and bool(mx.attrs.get("keep_dims"))
+        return None
+    a, s = spec.nodes[ref].args
+    s = through(s)
+    if is_max_of(s, a):
+        return True
+    if s < 0 or spec.nodes[s].op != "Select":
+        return None
+    c, m, _ = spec.nodes[s].args
+    m = through(m)
+    if (is_max_of(m, a) and c >= 0 and spec.nodes[c].op == "IsFinite"
+            and through(spec.nodes[c].args[0]) == m):
+        return c
+    return None
 
 
 def _const_exponent(spec, n):
