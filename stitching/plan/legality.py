@@ -43,11 +43,14 @@ def is_candidate(graph: Graph, node: Node) -> bool:
 # 19.2 ms, LogSoftmax 23.3 ms, one read+write pass at the measured bandwidth 2.6 ms.
 # (With 2, a lone Softmax was predicted 10% slower fused and left to TF, which ran it
 # 3.6x slower than the fused kernel.)
+# Where TF runs float32 Softmax as one oneDNN kernel (Intel CPUs) a lone Softmax is
+# still fused: through stitching.function on a 2-core Xeon, oneDNN's against the fused
+# kernel, 8x1024 170 vs 99 us, 64x1024 230 vs 137, 512x128 247 vs 156, 2048x128 325 vs
+# 264, 49152x128 2.41 vs 1.80 ms, 8192x1024 2.9-3.0 ms both (it was left to TF while
+# the fused kernel measured 3.05 against 2.87 ms there, before exp_nonpos and the
+# next-row prefetch).
 COMPOSITE_PASSES = {"Softmax": 4, "LogSoftmax": 4}
-# A frontend that knows better sets a node's ``tf_passes``: TF with oneDNN (Intel CPUs)
-# runs float32 Softmax as one oneDNN kernel, 2.87 ms at 8192x1024 against the fused
-# kernel's 3.05 ms on a 2-core Xeon, so a lone one is TF's to run.
-PLANNER_ATTRS = ("unfusible", "tf_passes")   # for planning only, never in a KernelSpec
+PLANNER_ATTRS = ("unfusible",)   # for planning only, never in a KernelSpec
 
 
 def work(node: Node) -> int:
@@ -57,7 +60,7 @@ def work(node: Node) -> int:
     is one TF op but several passes of work, so fusing it alone still pays.
     """
     if node.op in COMPOSITE_OPS:
-        return int(node.attrs.get("tf_passes", COMPOSITE_PASSES.get(node.op, 2)))
+        return COMPOSITE_PASSES.get(node.op, 2)
     d = OPS.get(node.op)
     return int(d is not None and d.kind not in (Kind.LAYOUT, Kind.SOURCE)
                and node.op != "Identity")

@@ -16,7 +16,6 @@ fusible carry ``attrs["unfusible"]``: the reason the report will show.
 """
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import tensorflow as tf
@@ -198,17 +197,6 @@ def _inputs(op, which=None) -> list[ValueRef]:
     return [ValueRef(t.op.name, t.value_index) for t in ins]
 
 
-@functools.cache
-def onednn_enabled() -> bool:
-    """Whether this TF runs oneDNN kernels (its Softmax among them): on by default on
-    x86 CPUs with AVX-512 VNNI/BF16 or AMX, off with TF_ENABLE_ONEDNN_OPTS=0."""
-    try:
-        from tensorflow.python.util import _pywrap_util_port
-        return bool(_pywrap_util_port.IsMklEnabled())
-    except (ImportError, AttributeError):
-        return False
-
-
 def _opaque(op, reason: str | None = None) -> Node:
     attrs = {} if reason is None else {"unfusible": reason}
     return Node(op.name, op.type, _inputs(op), attrs,
@@ -326,11 +314,7 @@ def _py_scalar(v):
 def _convert_composite(op) -> Node | None:
     t = op.type
     if t in ("Softmax", "LogSoftmax"):
-        attrs = {}
-        if t == "Softmax" and op.outputs[0].dtype in (tf.float32, tf.bfloat16) \
-                and onednn_enabled():
-            attrs["tf_passes"] = 1      # one oneDNN kernel in TF (plan/legality.py)
-        return Node(op.name, t, _inputs(op), attrs)
+        return Node(op.name, t, _inputs(op), {})
     if t in ("BiasAdd", "BiasAddV1"):
         fmt = op.get_attr("data_format").decode() if t == "BiasAdd" else "NHWC"
         return Node(op.name, "BiasAdd", _inputs(op), {"data_format": fmt})
