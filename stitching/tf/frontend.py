@@ -16,7 +16,6 @@ fusible carry ``attrs["unfusible"]``: the reason the report will show.
 """
 from __future__ import annotations
 
-
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
