@@ -1405,3 +1405,98 @@ def test_transcendental_kernels_vectorize(op):
     if ir is None:
         pytest.skip("kernel came from a pre-existing disk cache")
     assert WIDE.search(ir)
+
+
+# ---- non-temporal stores of large outputs ----------------------------------------------------
+
+@pytest.fixture
+def stream_everything(monkeypatch):
+    """Kernels built with a 1-byte streaming threshold (every vector output streamed),
+    in a fresh in-memory kernel table (the threshold is part of the generated text)."""
+    from stitching.codegen import kernel
+    monkeypatch.setattr(kernel, "_kernels", {})
+    monkeypatch.setenv("STITCHING_STREAM_MIN_MIB", "1e-6")
+
+
+def test_streamed_outputs_match_float64_in_every_kernel_kind(stream_everything):
+    """Row (whole and split), element-wise (flat and broadcast, outputs of four dtypes)
+    and column (whole and split) kernels staging their outputs and copying them out
+    with non-temporal stores: the same results as float64, for rows shorter than a
+    64-byte line, ragged against the staging chunk and spanning several chunks."""
+    ln = compile_kernel(layernorm_spec(-1, "float64", outs_stats=True))
+    split = compile_kernel(layernorm_spec(-1, outs_stats=True).with_schedule(
+        split_rows=1, col_block=333, rows_per_task=1))
+    for k in (ln, split):
+        assert "h.stream(p_o0" in k.source and "h.store_fence()" in k.source
+        assert "h.stream(p_o1" not in k.source       # row statistics are not streamed
+    for n, d in [(3, 1000), (5, 37), (2, 5000), (4, 3)]:
+        X = RNG.standard_normal((n, d)) * 4 + 1
+        G, B = RNG.standard_normal(d), RNG.standard_normal(d)
+        ry, rm, rv = layernorm_ref(X, G, B)
+        y, m, v = ln(X, G, B)
+        assert_matches(y, ry, "float64", f"streamed LN {n}x{d}", 1e-12, 1e-13)
+        X32, G32, B32 = (a.astype(np.float32) for a in (X, G, B))
+        ry, _, _ = layernorm_ref(X32, G32, B32)
+        assert_matches(split(X32, G32, B32)[0], ry, "float32", f"split LN {n}x{d}", 5e-6, 3e-6)
+
+    b = SpecBuilder()
+    x = b.input("float32", (-1, -1, 1000))
+    y = b.input("float16", (-1, 1, 1000))
+    s = b.Add(x, b.Cast(y, to="float32"))
+    bc = build(b, [s, b.Cast(s, to="bfloat16"), b.Greater(s, b.const(0.0)),
+                   b.Cast(b.Mul(s, b.const(8.0)), to="int32")])
+    X = data("float32", (3, 5, 1000))
+    Y = RNG.standard_normal((3, 1, 1000)).astype(np.float16)
+    r = f64(X) + f64(Y)
+    o = bc(X, Y)
+    assert bc.source.count("h.stream(") == 4
+    assert_matches(o[0], r, "float32", "streamed add")
+    assert_matches(o[1], r, "bfloat16", "streamed bf16")
+    assert_matches(o[2], r > 0, "bool", "streamed greater")
+    with np.errstate(invalid="ignore"):
+        want = np.trunc(r.astype(np.float32) * 8)
+    fin = np.isfinite(want)
+    assert np.array_equal(o[3][fin], want[fin].astype(np.int32)), "streamed int32"
+
+    b = SpecBuilder()
+    x = b.input("float64", (-1,))
+    flat = build(b, [b.Add(b.Mul(x, b.const(3.0, "float64")), b.const(1.0, "float64"))])
+    X = data("float64", (40000,))
+    assert "h.stream(" in flat.source
+    assert_matches(flat(X)[0], f64(X) * 3 + 1, "float64", "streamed flat")
+
+    b = SpecBuilder()
+    x = b.input("float32", (-1, -1))
+    centre = build(b, [b.Sub(x, b.Mean(x, axes=[0], keep_dims=True))])
+    assert centre.schedule.kind == KernelKind.COLUMN and "h.stream(" in centre.source
+    for shape in [(2000, 300), (7, 5), (1031, 2100)]:
+        X = RNG.standard_normal(shape).astype(np.float32) * 2 + 3
+        X[3, 1] = np.nan
+        rc, _, _, units, _, phases, _ = centre.shapes([shape])
+        x64 = f64(X)
+        assert_matches(centre(X)[0], x64 - x64.mean(0, keepdims=True), "float32",
+                       f"streamed centring {shape} ({phases} phases)", 5e-6, 3e-6)
+
+
+def test_only_memory_bound_kernels_stream_and_the_threshold_is_a_setting(monkeypatch):
+    """An element loop computing a transcendental keeps ordinary stores (staging costs
+    it more than it saves); a kernel whose outputs are statically below the threshold
+    has no staging code; 0 turns streaming off; a bad value is refused by name."""
+    from stitching.codegen import cpu, kernel
+    from stitching.schedule import build_schedule
+    monkeypatch.setattr(kernel, "_kernels", {})
+    monkeypatch.setenv("STITCHING_STREAM_MIN_MIB", "1e-6")
+    text = cpu.emit(build_schedule(softmax_spec((-1, 1000)))).text
+    assert "h.stream(" not in text
+    monkeypatch.delenv("STITCHING_STREAM_MIN_MIB")
+    assert cpu._stream_min_bytes() == 16 << 20
+    assert "ns_o0 = D0 * D1 >= 4194304" in cpu.emit(build_schedule(layernorm_spec(-1))).text
+    b = SpecBuilder()
+    x = b.input("float32", (2048, 2047))             # just under 16 MiB
+    below = b.build([b.Mul(x, b.const(2.0))])
+    assert "h.stream(" not in cpu.emit(build_schedule(below)).text
+    monkeypatch.setenv("STITCHING_STREAM_MIN_MIB", "0")
+    assert "h.stream(" not in cpu.emit(build_schedule(layernorm_spec(-1))).text
+    monkeypatch.setenv("STITCHING_STREAM_MIN_MIB", "lots")
+    with pytest.raises(ValueError, match="STITCHING_STREAM_MIN_MIB"):
+        cpu.emit(build_schedule(layernorm_spec(-1)))

@@ -146,6 +146,89 @@ def prefetch(typingctx, p, i):
     return sig, codegen
 
 
+# ---- non-temporal (streaming) stores ------------------------------------------------
+# A kernel writing a large output stages each chunk of it in a small buffer that stays
+# in L1, then copies the chunk out with these (cpu_rt.stream): a 64-byte store that
+# bypasses the caches skips the read for ownership a normal store pays for a line that
+# is not cached, a third of a streaming kernel's memory traffic (codegen/cpu.py,
+# STREAM_MIN_BYTES, has the measurements).
+
+LINE = 64   # bytes per non-temporal store: a cache line (one AVX-512 register)
+
+
+def _check_pointer(p):
+    if not isinstance(p, types.CPointer):
+        raise TypingError(f"expected a typed pointer, got {p}")
+    return p.dtype.bitwidth // 8
+
+
+@intrinsic
+def stream(typingctx, dst, i, src, j, n):
+    """``dst[i : i + n] = src[j : j + n]``: the 64-byte lines of ``dst`` that the
+    range covers whole as non-temporal stores (``!nontemporal``: vmovntps and the
+    like on x86), the ragged ends as ordinary ones; ``src`` may be unaligned.  These
+    stores are not ordered with others: the kernel ends with ``store_fence``.
+
+    Written as IR loops, not as a Numba function: a call to one returns a status the
+    caller must check, which links Numba's exception runtime into the kernel."""
+    size = _check_pointer(dst)
+    if src != dst or not all(isinstance(t, types.Integer) for t in (i, j, n)):
+        raise TypingError("expected (pointer, index, pointer of the same type, index, "
+                          "count)")
+    sig = types.void(dst, i, src, j, n)
+
+    def codegen(context, builder, sig, args):
+        d, di, s, si, cnt = [context.cast(builder, a, t, types.int64)
+                             if isinstance(t, types.Integer) else a
+                             for a, t in zip(args, sig.args)]
+        zero = ir.Constant(_I64, 0)
+        cnt = builder.select(builder.icmp_signed("<", cnt, zero), zero, cnt)
+        elem = context.get_value_type(sig.args[0].dtype)
+        vec = ir.VectorType(elem, LINE // size)
+        shift = ir.Constant(_I64, size.bit_length() - 1)
+
+        def copy(c):              # one element, an ordinary store
+            v = builder.load(builder.gep(s, [builder.add(si, c)]), align=size)
+            builder.store(v, builder.gep(d, [builder.add(di, c)]), align=size)
+
+        # elements up to the first 64-byte boundary of dst (all of them when dst is not
+        # aligned to its element size: then no element ever starts a line)
+        a = builder.add(builder.ptrtoint(d, _I64), builder.shl(di, shift))
+        gap = builder.lshr(builder.and_(builder.sub(zero, a), ir.Constant(_I64, LINE - 1)),
+                           shift)
+        odd = builder.icmp_unsigned("!=", builder.and_(a, ir.Constant(_I64, size - 1)), zero)
+        head = builder.select(odd, cnt, gap)
+        head = builder.select(builder.icmp_signed("<", head, cnt), head, cnt)
+        with cgutils.for_range(builder, head) as loop:
+            copy(loop.index)
+        lshift = ir.Constant(_I64, (LINE // size).bit_length() - 1)
+        lines = builder.ashr(builder.sub(cnt, head), lshift)
+        with cgutils.for_range(builder, lines) as loop:
+            c = builder.add(head, builder.shl(loop.index, lshift))
+            v = builder.load(builder.bitcast(builder.gep(s, [builder.add(si, c)]),
+                                             vec.as_pointer()), align=size)
+            st = builder.store(v, builder.bitcast(builder.gep(d, [builder.add(di, c)]),
+                                                  vec.as_pointer()), align=LINE)
+            st.set_metadata("nontemporal",
+                            builder.module.add_metadata([ir.Constant(_I32, 1)]))
+        done = builder.add(head, builder.shl(lines, lshift))
+        with cgutils.for_range(builder, builder.sub(cnt, done)) as loop:
+            copy(builder.add(done, loop.index))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """A full fence (``mfence`` on x86): this thread's non-temporal stores are
+    visible before anything it stores after, so before the op's thread pool reports
+    the work done."""
+    def codegen(context, builder, sig, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
 @intrinsic
 def wide_vectors(typingctx):
     """Let LLVM vectorize the calling function with the CPU's widest registers.
