@@ -192,7 +192,7 @@ def _stream_function(module, ptr, size: int):
     """The copy loops of ``stream`` as one internal function per module and element
     type: written out at every call site (five in a column kernel), the copies of
     its three loops added ~0.03 s of LLVM time to each kernel's compile."""
-    name = f"stitching_stream_{size * 8}"
+    name = "stitching_stream_" + "".join(ch if ch.isalnum() else "_" for ch in str(ptr.pointee))
     try:
         fn = module.get_global(name)
     except KeyError:
