@@ -416,7 +416,10 @@ class _Emitter:
         loop computes a transcendental (exp, erf, tanh...), staging the output costs
         more than the read it saves (bias + GELU(erf) over 2048x4096, kernel alone,
         2 threads: 2.09 -> 2.69 ms with its output streamed, 2.87 ms staged and
-        copied out with ordinary stores; a chunked loop without staging 2.09)."""
+        copied out with ordinary stores; a chunked loop without staging 2.09).
+        Through the op, streamed against not (2 rounds): bias + GELU + residual
+        3.96 -> 4.46 ms, swiglu 2.66 -> 3.01, bn + swish 1.98 -> 2.30, softmax 2.24
+        -> 2.40."""
         if self.stream_min <= 0 or self.R == 0:
             return {}
         if any(OPS[self.spec.nodes[k].op].transcendental and self.s.is_vector(k)
