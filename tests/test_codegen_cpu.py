@@ -459,18 +459,55 @@ def test_softmax_rows_shorter_than_a_vector_and_rows_per_task():
     assert k.shapes([X.shape])[3] == 5        # ceil(23 / 5) units
 
 
-def test_long_rows_prefetch_the_next_row_and_stay_exact():
-    """Row kernels whose later passes are transcendental (softmax) prefetch row r + 1
-    after streaming row r; LayerNorm's light passes do not.  The prefetch is a hint:
-    results must not change, the last row of the tensor included."""
+def run_in_shards(k, X, cuts):
+    """The kernel's units split at ``cuts`` (fractions), each shard one body call, in
+    order, as the op's thread pool would split them."""
+    rc, dims, shapes, units, *_ = k.shapes([X.shape])
+    assert rc == 0
+    out = [np.empty(s, np.float32) for s in shapes]
+    ip = (ctypes.c_void_p * 1)(X.ctypes.data)
+    op = (ctypes.c_void_p * (len(out) + 1))(*[o.ctypes.data for o in out], None)
+    dp = dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
+    bounds = sorted({0, units, *(int(c * units) for c in cuts)})
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        k._body(lo, hi, ip, op, dp)
+    return out
+
+
+def test_first_pass_of_the_next_row_runs_in_the_second_pass_and_stays_exact():
+    """Row kernels whose second pass computes a transcendental (softmax, logsumexp)
+    run row r + 1's first pass (the max) inside row r's second (the exps), across the
+    rows of a body call; LayerNorm's passes do not, nor does a first pass that sums.
+    Results equal float64 whatever the shards: one row, rows with NaN, +Inf and -Inf
+    at a shard's first and last row, one shard per unit or one for all."""
     k = compile_kernel(softmax_spec((-1, 700), rows_per_task=3))
-    assert "h.prefetch(p_i0" in k.source
-    assert "h.prefetch" not in compile_kernel(layernorm_spec(700)).source
-    X = RNG.standard_normal((10, 700)).astype(np.float32) * 4
-    X[9, 5] = np.nan
-    (y,) = k(X)
-    assert_matches(y[:9], softmax_ref(X[:9]), "float32", "softmax 700", 4e-6, 2e-6)
-    assert np.isnan(y[9]).all()
+    assert "rn = r + 1 if r + 1 < r1 else r" in k.source and "an0 = h.acc_max" in k.source
+    assert "h.prefetch" not in k.source
+    assert "an0" not in compile_kernel(layernorm_spec(700)).source
+    lse = SpecBuilder()
+    x = lse.input("float32", (-1, -1))
+    m = lse.Max(x, axes=[1], keep_dims=True)
+    fm = lse.Select(lse.IsFinite(m), m, lse.const(0.0))
+    out = lse.Add(lse.Log(lse.Sum(lse.Exp(lse.Sub(x, fm)), axes=[1], keep_dims=True)), fm)
+    kl = build(lse, [out], rows_per_task=2)
+    assert "an0" in kl.source
+    for rows in (1, 2, 7, 12):
+        X = RNG.standard_normal((rows, 700)).astype(np.float32) * 4
+        if rows > 2:
+            X[0, 3], X[rows // 2, 9], X[-1, 0] = np.nan, np.inf, -np.inf
+            X[1, :] = -np.inf
+        x64 = f64(X)
+        with np.errstate(all="ignore"):
+            mx = x64.max(1, keepdims=True)
+            fm = np.where(np.isfinite(mx), mx, 0)
+            ref = np.log(np.exp(x64 - fm).sum(1, keepdims=True)) + fm
+        for cuts in ([], [0.5], [0.25, 0.5, 0.75], [i / 12 for i in range(12)]):
+            with np.errstate(all="ignore"):
+                want = softmax_ref(X)
+            assert_matches(run_in_shards(k, X, cuts)[0], want, "float32",
+                           f"softmax {rows} {cuts}", 4e-6, 2e-6)
+            assert_matches(run_in_shards(kl, X, cuts)[0], ref, "float32",
+                           f"logsumexp {rows} {cuts}", 4e-6, 2e-6)
 
 
 def test_float_operand_constants_are_opaque_and_reduction_starts_literal():
