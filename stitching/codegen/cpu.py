@@ -31,6 +31,9 @@ Loop nests, per kind (names as in the generated code)::
     row:         for u: for r in rows(u):  scalars0; pass0 for j<L; scalars1; pass1 ...
                  (float32 sums: per 1024-element chunk a float32 partial, merged
                  into a float64 accumulator, so the loop stays 8 lanes wide)
+    row, piped:  (pass 0 a max-like reduction, a later pass transcendental: softmax)
+                 over all rows of [begin, end): pass0(r0); for r: pass1(r) and
+                 pass0(r + 1) in one loop; pass2(r) ...
     row, split:  (split_rows=1 and a hint cb < L; fewer rows than threads) a unit is
                  one piece [jb, je) of a row; phase p runs pass p over the piece and
                  stores its partial reductions, later phases combine them first;
@@ -38,6 +41,9 @@ Loop nests, per kind (names as in the generated code)::
     column:      for u: (kept index, block [c0,c0+n)):
                      block0; pass0: for s in reduced axes (innermost 4 rows per
                      trip): for c<n: acc[c] = step(acc[c], v); block1; pass1 ...
+
+A vector output that may reach 16 MiB (_stream_min_bytes; memory-bound kernels only) is stored
+through an L1 staging chunk and copied out with non-temporal stores (_staged).
 
 Every loop body indexes typed pointers as ``p[base + j]`` with ``j`` the loop
 variable and ``base`` loop-invariant, the form LLVM's loop vectorizer turns into
@@ -89,7 +95,8 @@ def _stream_min_bytes() -> int:
     try:
         mib = float(env) if env else 16.0
     except ValueError:
-        raise ValueError(f"STITCHING_STREAM_MIN_MIB must be a number of MiB, got {env!r}")
+        raise ValueError(f"STITCHING_STREAM_MIN_MIB must be a number of MiB, got "
+                         f"{env!r}") from None
     return int(mib * 2**20) if mib > 0 else 0
 
 _PTR = {"float32": "float32", "float64": "float64", "int32": "int32", "int64": "int64",
