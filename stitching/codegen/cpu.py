@@ -666,8 +666,9 @@ class _Emitter:
         """Whether row r + 1's first pass runs inside row r's second (_row_whole_
         pipelined): the first pass only reduces (max, min...: no chunked partial sums)
         what it computes from inputs that vary per row, nothing it reads is computed
-        per row before it, and a later pass computes a transcendental (the passes that leave
-        memory idle; the same condition as _prefetch_next_row, which this replaces)."""
+        per row before it, and a later pass computes a transcendental (the passes that
+        leave memory idle).  Where it holds, this is done instead of
+        _prefetch_next_row."""
         s = self.s
         if len(s.passes) < 2 or self.R < 2:
             return False
@@ -681,14 +682,24 @@ class _Emitter:
             return False
         if any(lower.reduction(self.spec, k, self.C).part for k in p0.accumulate):
             return False
-        refs = [-(j + 1) for j in p0.loads]
-        if not refs or not all(s.is_vector(r) and any(a < self.R - 1 for a in self.dom.carries[r])
-                               for r in refs):
+        if not p0.loads or len(self._row_inputs_of_first_pass()) != len(p0.loads):
             return False
         if not all(s.is_vector(k) for k in p0.compute):
             return False
-        ops = (self.spec.nodes[k].op for p in s.passes[1:] for k in p.compute)
+        return self._later_pass_transcendental()
+
+    def _later_pass_transcendental(self) -> bool:
+        """A row pass after the first computes exp, erf, tanh..."""
+        ops = (self.spec.nodes[k].op for p in self.s.passes[1:] for k in p.compute)
         return any(op in OPS and OPS[op].transcendental for op in ops)
+
+    def _row_inputs_of_first_pass(self) -> list:
+        """The inputs (refs) the first pass streams in per row: vector inputs that
+        carry a row axis."""
+        s = self.s
+        return [-(j + 1) for j in s.passes[0].loads
+                if s.is_vector(-(j + 1)) and any(a < self.R - 1
+                                                 for a in self.dom.carries[-(j + 1)])]
 
     def _row_whole_pipelined(self, w, scalar_inputs) -> None:
         """Rows [begin * rpt, end * rpt) in one software pipeline: the first pass of
@@ -703,7 +714,7 @@ class _Emitter:
         s = self.s
         p0 = s.passes[0]
         axes = list(range(self.R - 1))
-        refs = [-(j + 1) for j in p0.loads]
+        refs = self._row_inputs_of_first_pass()      # all of its loads (_pipelined...)
         w("r0 = begin * rpt")
         w("r1 = min(end * rpt, rows)")
         for k in p0.accumulate:
@@ -751,13 +762,9 @@ class _Emitter:
         softmax, log-softmax and logsumexp 5-14% faster (A/B over 4-5 process pairs),
         while LayerNorm's light passes and 128-element attention rows were ~5% slower
         with it.  Only inputs that pass 0 streams per row."""
-        s = self.s
-        ops = (self.spec.nodes[k].op for p in s.passes[1:] for k in p.compute)
-        if not any(op in OPS and OPS[op].transcendental for op in ops):
+        if not self._later_pass_transcendental():
             return
-        refs = [-(j + 1) for j in s.passes[0].loads
-                if s.is_vector(-(j + 1)) and any(a < self.R - 1
-                                                 for a in self.dom.carries[-(j + 1)])]
+        refs = self._row_inputs_of_first_pass()
         if not refs:
             return
         with w.block(f"if r + 1 < rows and L >= {PREFETCH_MIN_ROW}:"):
