@@ -1358,7 +1358,9 @@ def test_the_installed_shape_interpreter_serves_any_cache_dir(tmp_path):
 
 def test_native_build_refuses_code_that_needs_numbas_runtime(tmp_path):
     """A function that can raise needs Numba's exception machinery at run time: the
-    build names it instead of writing a shared object that would not load."""
+    build names it instead of writing a shared object that would not load.  (Through
+    Numba's default pipeline: the lean one generated kernels take has no pass for
+    ``raise``, which they never contain, and refuses it as a typing error.)"""
     from numba import types
     from stitching.codegen import native
     sig = types.int64(types.int64)
@@ -1369,8 +1371,11 @@ def test_native_build_refuses_code_that_needs_numbas_runtime(tmp_path):
         return n
 
     with pytest.raises(native.NativeError, match="Numba's runtime.*numba_"):
-        native.build(check, sig, {"error_model": "numpy"}, tmp_path / "check", "check")
+        native.build(check, sig, {"error_model": "numpy"}, tmp_path / "check", "check",
+                     lean=False)
     assert not native.built(tmp_path / "check")
+    with pytest.raises(native.NativeError, match="compiling check ahead of time failed"):
+        native.build(check, sig, {"error_model": "numpy"}, tmp_path / "check", "check")
 
     def twice(n):
         return 2 * n
@@ -1383,6 +1388,45 @@ def test_native_build_refuses_code_that_needs_numbas_runtime(tmp_path):
         native.load(tmp_path / "twice", "nope")
     with pytest.raises(native.NativeError, match="compiling bad ahead of time failed"):
         native.build(lambda n: n.nope, sig, {}, tmp_path / "bad", "bad")
+
+
+def test_lean_numba_pipeline_gives_the_default_pipelines_machine_code(stream_everything):
+    """native.py compiles generated code through a shortened Numba pipeline (no
+    closure inlining, rewrites, SSA...): for every kind of kernel -- pipelined row
+    passes, staged non-temporal outputs, split and column schedules, casts to
+    bfloat16/int32/bool -- the assembly is the very same as Numba's default pipeline
+    gives (up to the per-compile counter in the mangled names)."""
+    from numba.core.compiler import Compiler
+    from numba.core.compiler_lock import global_compiler_lock
+
+    from stitching.codegen import kernel, native
+
+    b = SpecBuilder()
+    x = b.input("float32", (-1, -1))
+    centre = b.build([b.Sub(x, b.Mean(x, axes=[0], keep_dims=True))])
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 1000))
+    s = b.Mul(x, b.const(3.0))
+    casts = b.build([b.Cast(s, to="bfloat16"), b.Greater(s, b.const(0.0)),
+                     b.Cast(s, to="int32")])
+    specs = [softmax_spec((-1, 700), rows_per_task=3), layernorm_spec(outs_stats=True),
+             layernorm_spec().with_schedule(split_rows=1, col_block=333, rows_per_task=1),
+             centre, casts]
+    funcs = []
+    for spec in specs:
+        text = compile_kernel(spec).source
+        m = kernel._load_module(text, kernel.code_name(text))
+        funcs.append((m.body, m.h.BODY_SIG, m.h.BODY_OPTIONS))
+
+    def assembly(f, sig, options, pipeline):
+        lib, _ = native._compile(f, sig, options, pipeline)
+        with global_compiler_lock:
+            return re.sub(r"B\d+v\d+B", "B_v_B", lib.get_asm_str())
+
+    for f, sig, options in funcs:
+        lean = assembly(f, sig, options, None)
+        assert len(lean) > 2000
+        assert lean == assembly(f, sig, options, Compiler), f.__module__
 
 
 def test_without_a_linker_kernels_run_from_numbas_code_with_a_warning(tmp_path,

@@ -868,7 +868,7 @@ class _Emitter:
     def _row_exp_guards(self, p) -> dict:
         """Exps in pass ``p`` of ``x - where(is_finite(max), max, c)`` (TF's
         reduce_logsumexp): where the row's max is finite the argument is <= 0, and the
-        shorter exp_nonpos (bit-identical there) serves; else the full exp.  The
+        shorter exp_nonpos (as accurate there) serves; else the full exp.  The
         condition is a row scalar, and LLVM unswitches the loop on it (logsumexp
         8192x1024, 2 threads: 1.90 -> 1.68 ms)."""
         before = self._row_scalars_before(p)

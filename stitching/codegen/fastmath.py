@@ -83,20 +83,32 @@ _EXP_SHIFT_MAX = f32(1.5 * 2 ** 23 + 254)
 _XP = (f32(0.49999994), f32(0.16666697), f32(0.041668184), f32(0.008326931),
        f32(0.0013833477), f32(0.0002328099))
 _XP0, _XP1, _XP2, _XP3, _XP4, _XP5 = _XP
+# the same on |r| <= ln2/2 only (n uncapped: exp_nonpos_f32), one degree less
+# (fit_exp_poly(4, symmetric=True); 3.1e-9 before rounding)
+_XS = (f32(0.49999994), f32(0.16666521), f32(0.041668274), f32(0.008368684),
+       f32(0.0013820089))
+_XS0, _XS1, _XS2, _XS3, _XS4 = _XS
 
 
 @helper
-def _exp_shifted(x, sh):
-    """2^n (1 + expm1(r)), r = x - n ln2, where ``sh`` holds n + 127 in its low
-    mantissa bits (sh = fma(x, 1/ln2, _EXP_SHIFT), capped by the caller if needed)."""
+def _exp_reduced(x, sh):
+    """(r, 2^n) with r = x - n ln2, where ``sh`` holds n + 127 in its low mantissa
+    bits (sh = fma(x, 1/ln2, _EXP_SHIFT), capped by the caller if needed)."""
     K = I.opaque           # constants stay loop-invariant values (see I.opaque)
     n = sh - K(_EXP_SHIFT)
     r = I.fma(n, K(-_LN2_HI), x)
     r = I.fma(n, K(-_LN2_LO), r)
+    return r, I.bits_f32(np.int32(I.f32_bits(sh) << 23))   # n + 127 into the exponent
+
+
+@helper
+def _exp_shifted(x, sh):
+    """2^n (1 + expm1(r)) for r in [-ln2/2, ln2] (see _exp_reduced)."""
+    K = I.opaque
+    r, s = _exp_reduced(x, sh)
     r2 = r * r
     p = I.fma(I.fma(I.fma(K(_XP5), r, K(_XP4)), r2, I.fma(K(_XP3), r, K(_XP2))), r2,
               I.fma(K(_XP1), r, K(_XP0)))
-    s = I.bits_f32(np.int32(I.f32_bits(sh) << 23))   # 2^n: n + 127 into the exponent
     return I.fma(I.fma(p, r2, r), s, s)
 
 
@@ -128,14 +140,20 @@ def exp_f32(x):
 
 @helper
 def exp_nonpos_f32(x):
-    """exp(x) for x <= 0 or NaN (softmax's x - max(x)): bit-identical to exp_f32
-    there, without its two steps for large x (n capped at 127, +inf above 88.72):
-    0.215 -> 0.159 ns/element per core.  n = round(x / ln2) <= 0 keeps n + 127
-    in range down to x = -87.34, below which the select gives 0, as exp_f32's; a
-    NaN flows through the arithmetic.  lower.py writes it only where the argument
-    is provably <= 0 (x minus a max of x over some axes)."""
+    """exp(x) for x <= 0 or NaN (softmax's x - max(x)), <= 1 ulp (0.96 measured, as
+    exp_f32) without exp_f32's two steps for large x (n capped at 127, +inf above
+    88.72), and with n uncapped r = x - n ln2 stays in [-ln2/2, ln2/2], where a
+    polynomial one degree shorter than exp_f32's is as accurate (_XS).  Per core,
+    tools/fastmath_bench.py-style loop: exp_f32 0.31, with exp_f32's polynomial
+    0.254, this 0.233 ns/element.  n = round(x / ln2) <= 0 keeps n + 127 in range
+    down to x = -87.34, below which the select gives 0, as exp_f32's; a NaN flows
+    through the arithmetic.  lower.py writes it only where the argument is provably
+    <= 0 (x minus a max of x over some axes)."""
     K = I.opaque
-    y = _exp_shifted(x, I.fma(x, K(_LOG2E), K(_EXP_SHIFT)))
+    r, s = _exp_reduced(x, I.fma(x, K(_LOG2E), K(_EXP_SHIFT)))
+    r2 = r * r
+    p = I.fma(I.fma(K(_XS4), r2, I.fma(K(_XS3), r, K(_XS2))), r2, I.fma(K(_XS1), r, K(_XS0)))
+    y = I.fma(I.fma(p, r2, r), s, s)
     return _ZERO if x < K(_EXP_MIN) else y
 
 
@@ -415,3 +433,4 @@ def elu_f64(x):
 @helper
 def selu_f64(x):
     return _SELU_SCALE64 * x if x > 0.0 else _SELU_SA64 * math.expm1(x)
+

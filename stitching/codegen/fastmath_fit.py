@@ -9,7 +9,8 @@ Rational erf: Sanathanan-Koerner iterations (linearized P - g Q with weights
 float32, refit the other" keeping the pair with the fewest float32 ulps.  Needs
 scipy; never imported by the kernels.
 
-exp: exp(r) = 1 + r + r^2 P(r) on [-ln2/2, ln2] (fit_exp_poly, same method).
+exp: exp(r) = 1 + r + r^2 P(r) on [-ln2/2, ln2] (fit_exp_poly, same method), and on
+[-ln2/2, ln2/2] for exp_nonpos (one degree less).
 erfcx: erfcx(x) = Q(2/(2+x)) on [0, 11] (fit_erfcx), minimax in ulps of the float32
 erfc(x) rather than relative error, coefficients rounded one at a time.
 tanh: expm1(2u)/2 = u + u^2 P(u) on |u| <= ln2/4, minimax in relative error
@@ -122,11 +123,13 @@ def fit_tanh_poly(deg=5):
     return np.abs((u + A @ c - h) / h).max(), [np.float32(v) for v in c]
 
 
-def fit_exp_poly(deg=5):
+def fit_exp_poly(deg=5, symmetric=False):
     """P with exp(r) ~ 1 + r + r^2 P(r) on [-ln2/2, ln2] (exp_f32's reduced range:
-    n = round(x / ln2) is capped at 127), minimax relative error, float32
-    coefficients rounded one at a time.  Returns (max relative error, [P0..Pdeg])."""
-    a, b = -np.log(2.0) / 2 * (1 + 2.0 ** -10), np.log(2.0) * (1 + 2.0 ** -10)
+    n = round(x / ln2) is capped at 127), or on [-ln2/2, ln2/2] if ``symmetric``
+    (exp_nonpos_f32: n uncapped), minimax relative error, float32 coefficients
+    rounded one at a time.  Returns (max relative error, [P0..Pdeg])."""
+    a = -np.log(2.0) / 2 * (1 + 2.0 ** -10)
+    b = -a if symmetric else np.log(2.0) * (1 + 2.0 ** -10)
     k = np.arange(16000)
     r = (a + b) / 2 + (b - a) / 2 * np.cos(np.pi * (2 * k + 1) / 32000)
     r = r[np.abs(r) > 1e-7]
@@ -199,6 +202,9 @@ if __name__ == "__main__":
           f"  P {[repr(np.float32(c)) for c in rp]}\n  Q {[repr(np.float32(c)) for c in rq]}")
     m, p = fit_exp_poly()
     print(f"exp: exp(r) = 1 + r + r^2 P(r), -ln2/2 <= r <= ln2: max rel error {m:.2e}\n"
+          f"  P {[repr(c) for c in p]}")
+    m, p = fit_exp_poly(4, symmetric=True)
+    print(f"exp_nonpos: the same, |r| <= ln2/2: max rel error {m:.2e}\n"
           f"  P {[repr(c) for c in p]}")
     m, p = fit_tanh_poly()
     print(f"tanh: expm1(2u)/2 = u + u^2 P(u), |u| <= ln2/4: max rel error {m:.2e}\n"

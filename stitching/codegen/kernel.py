@@ -249,9 +249,10 @@ class _Code:
     """A C entry point's native code: loaded from ``stem``.so, or built there first
     (native.build); where no shared object can be built, Numba's JIT code for it.
     ``source()`` gives (Python function, cfunc signature, cfunc options); it is called
-    only to build, so a cache hit imports no Numba."""
+    only to build, so a cache hit imports no Numba.  ``lean``: generated code, built
+    through native._lean_pipeline()."""
 
-    def __init__(self, stem: Path, symbol: str, source):
+    def __init__(self, stem: Path, symbol: str, source, lean: bool = True):
         self.stem, self.cfunc, self.cache_hit = stem, None, False
         if native.built(stem):
             try:
@@ -262,7 +263,7 @@ class _Code:
                 _warn_native(e)
         pyfunc, sig, options = source()
         try:
-            native.build(pyfunc, sig, options, stem, symbol)
+            native.build(pyfunc, sig, options, stem, symbol, lean)
             self.address = native.load(stem, symbol)
         except native.NativeError as e:
             _warn_native(e)
@@ -314,7 +315,7 @@ def interp_address() -> int:
                          / "interp")
             if not native.built(stem) and native.built(installed):
                 stem = installed
-            _INTERP = _Code(stem, INTERP_SYMBOL, interp_source)
+            _INTERP = _Code(stem, INTERP_SYMBOL, interp_source, lean=False)
         return _INTERP.address
 
 
