@@ -113,16 +113,18 @@ def kernels(model) -> None:
     split = {}
     compile_ = native._compile
 
-    def timed_compile(pyfunc, sig, options):
+    def timed_compile(pyfunc, sig, options, pipeline=None):
         from numba.core import sigutils
         from numba.core.compiler_lock import global_compiler_lock
         a, r = sigutils.normalize_signature(sig)
-        cf = native._aot_cfunc_class()(pyfunc, (a, r), {}, dict(options))
+        cf = native._aot_cfunc_class()(pyfunc, (a, r), {}, dict(options),
+                                       pipeline_class=pipeline or native._lean_pipeline())
         with global_compiler_lock:
             t = time.perf_counter()
             cres = cf._compile_uncached()
             split["front"] = time.perf_counter() - t
-            passes = cres.metadata.get("pipeline_times", {}).get("nopython", {})
+            times = cres.metadata.get("pipeline_times", {})
+            passes = times.get("stitching", times.get("nopython", {}))
             split["passes"] = sorted(((v.init + v.run + v.finalize, k.split("_", 1)[-1])
                                       for k, v in passes.items()), reverse=True)[:3]
             t = time.perf_counter()

@@ -170,10 +170,13 @@ def _lean_pipeline():
     one).  Most of the dropped time is the variable-lifetime analysis each of those
     passes reruns, and typing and lowering the extra SSA variables.  ResNet50's five
     kernels, compiled in one process: 3.3-4.3 s -> 2.75-2.8 s (keeping SSA: 3.0-4.4
-    s), with the very same machine code: tests/test_codegen_cpu.py compares the
-    assembly of representative kernels with the default pipeline's, and every
-    kernel the test suite and the benchmark models generate compared equal when
-    this was written.  Callees (fastmath helpers) still compile with the default.
+    s), with the same machine code: tests/test_codegen_cpu.py compares the
+    assembly of representative kernels with the default pipeline's; of the 383
+    kernels the test suite generates, 382 compared identical when this was written
+    and one differed in block order and register choice only (the same
+    instructions), and compiling all 83 of one sample took 23.3 s with the default
+    pipeline against 18.1 s.  Callees (fastmath helpers) still compile with the
+    default.
     The shape interpreter (compiled once, at install) is not generated code: its
     loops compile to slightly different code without SSA, so it keeps the default."""
     global _LEAN
