@@ -1356,6 +1356,60 @@ def test_the_installed_shape_interpreter_serves_any_cache_dir(tmp_path):
     assert not list(tmp_path.glob("elsewhere/kernels/*/interp.so"))
 
 
+def test_math_helpers_load_from_their_disk_cache_into_the_same_machine_code(tmp_path):
+    """helper_cache.py: a process compiles exp/tanh/erf once and saves them; the next
+    one loads them and inlines them into the very same kernel assembly; a process
+    with another STITCHING_CACHE_DIR reads the default (installed) cache without
+    writing to it."""
+    script = textwrap.dedent("""
+        import hashlib, json, re
+        from stitching.codegen import compile_kernel, fastmath, helper_cache
+        from stitching.ir.builder import SpecBuilder
+        b = SpecBuilder()
+        x = b.input("float32", (-1, 64))
+        k = compile_kernel(b.build([b.Add(b.Mul(b.Exp(x), b.Tanh(x)), b.Erf(x))]))
+        asm = re.sub(r"B\\d+v\\d+B", "B_v_B", k._code.assembly())
+        used = {d.py_func.__name__: (sum(d._cache_hits.values()),
+                                     sum(d._cache_misses.values()))
+                for d in fastmath.HELPERS if d.py_func.__name__ in
+                ("exp_f32", "tanh_f32", "erf_f32")}
+        print(json.dumps({"asm": hashlib.sha256(asm.encode()).hexdigest(),
+                          "vector": "zmm" in asm or "ymm" in asm, "used": used,
+                          "dir": str(helper_cache.enabled_dir())}))
+    """)
+    env = dict(os.environ, HOME=str(tmp_path / "home"))
+    env.pop("STITCHING_CACHE_DIR", None)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = []
+    for cache in (None, None, tmp_path / "elsewhere"):
+        if cache is not None:
+            env["STITCHING_CACHE_DIR"] = str(cache)
+        for so in tmp_path.glob("home/.cache/stitching/kernels/*/k_*.so"):
+            so.unlink()                   # the kernel itself is compiled each time
+        p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, timeout=300, cwd=repo)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    first, again, elsewhere = runs
+    installed = str(next(tmp_path.glob("home/.cache/stitching/kernels/*/helpers")))
+    assert first["dir"] == again["dir"] == elsewhere["dir"] == installed
+    assert all(hits == 0 and misses == 1 for hits, misses in first["used"].values())
+    for run in (again, elsewhere):
+        assert all(hits == 1 and misses == 0 for hits, misses in run["used"].values())
+        assert run["asm"] == first["asm"]
+    assert first["vector"]
+    assert not list(tmp_path.glob("elsewhere/kernels/*/helpers"))
+    for f in tmp_path.glob("home/.cache/stitching/kernels/*/helpers/*.nbc"):
+        f.write_bytes(f.read_bytes()[:40])      # truncated: a miss, compiled again
+    del env["STITCHING_CACHE_DIR"]
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                       text=True, timeout=300, cwd=repo)
+    assert p.returncode == 0, p.stderr[-2000:]
+    broken = json.loads(p.stdout.strip().splitlines()[-1])
+    assert broken["asm"] == first["asm"]
+    assert all(misses == 1 for hits, misses in broken["used"].values())
+
+
 def test_native_build_refuses_code_that_needs_numbas_runtime(tmp_path):
     """A function that can raise needs Numba's exception machinery at run time: the
     build names it instead of writing a shared object that would not load.  (Through

@@ -35,10 +35,20 @@ from . import intrinsics as I
 # Compiled once per process as ordinary Numba functions; LLVM's inliner then inlines
 # them into the kernel loop, which vectorizes with them.  This is measured 20x
 # cheaper to compile than Numba-IR inlining (inline="always": a kernel with 60 tanh
-# calls took 36 s, now 1.7 s) with the same machine code.  Not cached on disk:
-# Numba's cache would not see an edit to intrinsics.py (kernels loaded from the
-# kernel cache already contain the inlined helpers).  Fast-math: contract only.
-helper = njit(nogil=True, error_model="numpy", fastmath={"contract"})
+# calls took 36 s, now 1.7 s) with the same machine code.  Their compiled code is
+# kept on disk by helper_cache.py, in a directory named by the toolchain tag (which
+# hashes this file and intrinsics.py), so a new process loads each in ~2 ms instead
+# of compiling it (0.05-0.2 s each).  Fast-math: contract only.
+_helper = njit(nogil=True, error_model="numpy", fastmath={"contract"})
+HELPERS = []        # every ``helper`` (here and in cpu_rt.py): what helper_cache.py caches
+
+
+def helper(fn):
+    d = _helper(fn)
+    HELPERS.append(d)
+    return d
+
+
 # Helpers built from several others exceed LLVM's inline budget and would stay a
 # call (no vectorization): those are inlined at Numba-IR level instead; the calls
 # inside them are small helpers that LLVM then inlines.

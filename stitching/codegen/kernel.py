@@ -261,6 +261,7 @@ class _Code:
                 return
             except native.NativeError as e:    # unreadable: built again below
                 _warn_native(e)
+        use_helper_cache()
         pyfunc, sig, options = source()
         try:
             native.build(pyfunc, sig, options, stem, symbol, lean)
@@ -317,6 +318,21 @@ def interp_address() -> int:
                 stem = installed
             _INTERP = _Code(stem, INTERP_SYMBOL, interp_source, lean=False)
         return _INTERP.address
+
+
+def use_helper_cache() -> None:
+    """Keep the math helpers' compiled code on disk (helper_cache.py): in this cache's
+    ``helpers`` directory for this toolchain, or, while that holds nothing, in the
+    one the install step filled in the default cache (read-only)."""
+    from . import helper_cache
+    if helper_cache.enabled_dir() is not None:
+        return
+    own = kernel_dir() / "helpers"
+    installed = Path(DEFAULT_ROOT).expanduser() / "kernels" / own.parent.name / "helpers"
+    if installed != own and not own.exists() and installed.is_dir():
+        helper_cache.enable(installed, read_only=True)
+    else:
+        helper_cache.enable(own)
 
 
 def _load_module(text: str, name: str):

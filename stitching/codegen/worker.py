@@ -63,10 +63,12 @@ def _warm_up() -> None:
     shape-program interpreter every kernel needs is built into the cache here when it
     is missing (not installed), so the parent loads it instead of building it; then a
     trivial function through native.py's compiler readies that path."""
-    from . import native
-    from .kernel import interp_address
+    from . import helper_cache, native
+    from .kernel import interp_address, use_helper_cache
     interp_address()
     native.compile_only(lambda x: x + 1, "int64(int64)", {})
+    use_helper_cache()
+    helper_cache.preload()
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def _compile_to(path: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m stitching.runtime.build",
                                 description="Prebuild the stitching TensorFlow op library (and the "
-                                "shape-program interpreter kernels link).")
+                                "shape-program interpreter and the math helpers kernels link).")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     p.add_argument("--print-path", action="store_true",
                    help="print where the library would live and exit")
@@ -151,6 +151,11 @@ def main(argv=None) -> int:
     # built once per toolchain into the kernel cache; do it here, at install time.
     from ..codegen.kernel import interp_address
     interp_address()
+    # So are the compiled math helpers kernels call (codegen/helper_cache.py).
+    from ..codegen import helper_cache
+    from ..codegen.kernel import use_helper_cache
+    use_helper_cache()
+    helper_cache.prebuild()
     return 0
 
 

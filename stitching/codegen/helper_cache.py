@@ -1,0 +1,145 @@
+"""The compiled code of the math helpers kernels call, kept on disk between processes.
+
+Every generated kernel calls small Numba functions (fastmath.py's ``exp_f32``,
+``tanh_f32``, ..., cpu_rt.py's ``maximum``; ``fastmath.HELPERS`` lists them).  Numba
+compiles each once per process, the first time a kernel's typing reaches it: 0.05-0.2
+s apiece (``exp_f32`` with its callees ~0.2 s), paid again by every compile worker.
+Numba's own on-disk cache keeps a compiled function as object code plus the LLVM
+bitcode other libraries link in, so a kernel that calls a helper loaded from it still
+inlines it and vectorizes the same (tests/test_codegen_cpu.py checks the machine
+code); loading one takes ~2 ms.
+
+Where: ``<kernel dir>/helpers`` -- the kernel cache's directory for this toolchain,
+whose tag hashes fastmath.py, intrinsics.py and cpu_rt.py (kernel._toolchain_tag),
+so an edit to any helper, or to an intrinsic one of them uses, lands in a new
+directory instead of loading stale code (Numba's own staleness check sees only the
+helper's own file).  Like the shape interpreter, the helpers are an install-time
+product: ``python -m stitching.runtime.build`` compiles them into the default cache
+(``prebuild``), and a process whose ``STITCHING_CACHE_DIR`` holds none yet loads
+those, read-only; a helper missing there is compiled, and saved to its own cache.
+
+Numba's cache files hold pickles of its own compile results: they are trusted like
+the kernel shared objects beside them (this process or the install step wrote them),
+and nothing read from a graph ever goes into one.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from numba import types
+from numba.core.caching import (CompileResultCacheImpl, FunctionCache,
+                                _CacheLocator)
+
+from . import cpu_rt, fastmath   # cpu_rt: its helpers join fastmath.HELPERS on import
+
+_lock = threading.Lock()
+_dir: Path | None = None        # where the helpers' cache is, once enabled
+_read_only = False
+
+
+class _Locator(_CacheLocator):
+    def __init__(self, py_func):
+        self._lineno = py_func.__code__.co_firstlineno
+
+    def get_cache_path(self):
+        return str(_dir)
+
+    def get_source_stamp(self):
+        return _dir.parent.name         # the toolchain tag: the directory's name
+
+    def get_disambiguator(self):
+        return str(self._lineno)
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        self = cls(py_func)
+        try:
+            if not _read_only:
+                self.ensure_cache_path()
+        except OSError:
+            return None                 # not writable: Numba then declines to cache
+        return self
+
+
+class _Impl(CompileResultCacheImpl):
+    _locator_classes = [_Locator]
+
+
+class _Cache(FunctionCache):
+    _impl_class = _Impl
+
+    # A cache that cannot be read or written (removed, full, truncated by a crash)
+    # costs a compile, never the kernel: a miss, and an unsaved helper.
+    def load_overload(self, sig, target_context):
+        try:
+            return super().load_overload(sig, target_context)
+        except Exception:  # noqa: BLE001 - any unreadable entry is a miss
+            return None
+
+    def save_overload(self, sig, data):
+        if _read_only:                  # the installed cache is the install step's
+            return
+        try:
+            super().save_overload(sig, data)
+        except OSError:
+            pass
+
+
+def enable(path: Path, read_only: bool = False) -> bool:
+    """Cache every helper's compiled code in ``path`` (once per process; later calls
+    are no-ops).  Returns False where the directory cannot be used (then helpers are
+    compiled in each process, as without this module)."""
+    global _dir, _read_only
+    with _lock:
+        if _dir is not None:
+            return True
+        _dir, _read_only = Path(path), read_only
+        try:
+            caches = [_Cache(d.py_func) for d in fastmath.HELPERS]
+        except RuntimeError:            # no usable locator: the directory is not writable
+            _dir = None
+            return False
+        for d, c in zip(fastmath.HELPERS, caches):
+            d._cache = c
+        return True
+
+
+def enabled_dir() -> Path | None:
+    return _dir
+
+
+def prebuild() -> int:
+    """Compile (or load) the helpers for the signatures kernels use most: each
+    ``*_f32``/``*_f64`` helper with all arguments of that type, ``maximum``/``minimum``
+    of two float32 or float64.  Returns how many signatures are in the cache."""
+    import inspect
+    todo = []
+    for d in fastmath.HELPERS:
+        name = d.py_func.__name__
+        n = len(inspect.signature(d.py_func).parameters)
+        for suffix, ty in (("_f32", types.float32), ("_f64", types.float64)):
+            if name.endswith(suffix):
+                todo.append((d, (ty,) * n))
+    for d in (cpu_rt.maximum, cpu_rt.minimum):
+        todo += [(d, (ty, ty)) for ty in (types.float32, types.float64)]
+    for d, sig in todo:
+        d.compile(sig)
+    return len(todo)
+
+
+def preload() -> int:
+    """Load the float32 helpers whose cache files exist (a compile worker's warm-up:
+    ~15 ms in all where they were prebuilt), so no kernel pays for them.  Returns how
+    many were loaded."""
+    import inspect
+    if _dir is None:
+        return 0
+    n = 0
+    for d in fastmath.HELPERS:
+        if d.py_func.__name__.endswith("_f32") and isinstance(d._cache, _Cache):
+            index = Path(d._cache.cache_path) / f"{d._cache._impl.filename_base}.nbi"
+            if index.exists():
+                d.compile((types.float32,) * len(inspect.signature(d.py_func).parameters))
+                n += 1
+    return n
