@@ -158,8 +158,9 @@ def main(argv=None):
                     if r.get("op_library_prebuild")), None)
         if pre:
             meta["notes"].append(
-                "compile: StitchedKernel op library prebuilt into the default cache before "
-                "the cold runs (install step, untimed): "
+                "compile: install step (`python -m stitching.runtime.build`: the "
+                "StitchedKernel op library, the shape interpreter, the compiled math helpers) "
+                "run into the default cache before the cold runs, untimed: "
                 + ("ok" if pre.get("ok") else f"FAILED ({pre.get('error')})"))
     meta["elapsed_s"] = round(time.time() - t0, 1)
     meta["load_avg_end"] = machine.load_avg()

@@ -238,12 +238,14 @@ def _median_run(results: list) -> dict:
 
 
 def _prebuild_op_library() -> dict:
-    """Build the StitchedKernel op library into the default cache first (untimed).
+    """Run the install step into the default cache first (untimed).
 
-    It is an install step (``python -m stitching.runtime.build``, like a wheel's
-    compiled extension), not per-model compilation; stitching reuses a library from the
-    default cache when STITCHING_CACHE_DIR points elsewhere, so the cold runs below
-    start with an empty *kernel* cache but do not pay for g++ on op.cc."""
+    ``python -m stitching.runtime.build`` (like a wheel's compiled extension) builds
+    the StitchedKernel op library, the shape-program interpreter and the math helpers
+    kernels call (codegen/helper_cache.py): none is per-model compilation, and
+    stitching reuses them from the default cache when STITCHING_CACHE_DIR points
+    elsewhere, so the cold runs below start with an empty *kernel* cache but do not
+    pay for g++ on op.cc or for compiling exp/tanh/erf."""
     env = dict(os.environ)
     env.pop("STITCHING_CACHE_DIR", None)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
