@@ -36,6 +36,7 @@ from . import cpu_rt, fastmath   # cpu_rt: its helpers join fastmath.HELPERS on 
 _lock = threading.Lock()
 _dir: Path | None = None        # where the helpers' cache is, once enabled
 _read_only = False
+_tried = False                  # enable() ran (it decides once per process)
 
 
 class _Locator(_CacheLocator):
@@ -87,13 +88,14 @@ class _Cache(FunctionCache):
 
 
 def enable(path: Path, read_only: bool = False) -> bool:
-    """Cache every helper's compiled code in ``path`` (once per process; later calls
-    are no-ops).  Returns False where the directory cannot be used (then helpers are
+    """Cache every helper's compiled code in ``path`` (decided once per process;
+    later calls only report that decision).  Returns False where the directory cannot be used (then helpers are
     compiled in each process, as without this module)."""
-    global _dir, _read_only
+    global _dir, _read_only, _tried
     with _lock:
-        if _dir is not None:
-            return True
+        if _tried:
+            return _dir is not None
+        _tried = True
         _dir, _read_only = Path(path), read_only
         try:
             caches = [_Cache(d.py_func) for d in fastmath.HELPERS]
@@ -107,6 +109,11 @@ def enable(path: Path, read_only: bool = False) -> bool:
 
 def enabled_dir() -> Path | None:
     return _dir
+
+
+def decided() -> bool:
+    """enable() has run in this process (whether or not the cache could be used)."""
+    return _tried
 
 
 def prebuild() -> int:

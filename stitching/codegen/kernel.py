@@ -325,7 +325,7 @@ def use_helper_cache() -> None:
     ``helpers`` directory for this toolchain, or, while that holds nothing, in the
     one the install step filled in the default cache (read-only)."""
     from . import helper_cache
-    if helper_cache.enabled_dir() is not None:
+    if helper_cache.decided():
         return
     own = kernel_dir() / "helpers"
     installed = Path(DEFAULT_ROOT).expanduser() / "kernels" / own.parent.name / "helpers"
