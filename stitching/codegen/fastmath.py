@@ -443,4 +443,3 @@ def elu_f64(x):
 @helper
 def selu_f64(x):
     return _SELU_SCALE64 * x if x > 0.0 else _SELU_SA64 * math.expm1(x)
-

@@ -89,8 +89,9 @@ class _Cache(FunctionCache):
 
 def enable(path: Path, read_only: bool = False) -> bool:
     """Cache every helper's compiled code in ``path`` (decided once per process;
-    later calls only report that decision).  Returns False where the directory cannot be used (then helpers are
-    compiled in each process, as without this module)."""
+    later calls only report that decision).  Returns False where the directory
+    cannot be used (then helpers are compiled in each process, as without this
+    module)."""
     global _dir, _read_only, _tried
     with _lock:
         if _tried:
@@ -116,20 +117,22 @@ def decided() -> bool:
     return _tried
 
 
+def _all(d, ty) -> tuple:
+    """The signature of helper ``d`` with every argument of type ``ty``."""
+    return (ty,) * d.py_func.__code__.co_argcount
+
+
 def prebuild() -> int:
     """Compile (or load) the helpers for the signatures kernels use most: each
     ``*_f32``/``*_f64`` helper with all arguments of that type, ``maximum``/``minimum``
     of two float32 or float64.  Returns how many signatures are in the cache."""
-    import inspect
     todo = []
     for d in fastmath.HELPERS:
-        name = d.py_func.__name__
-        n = len(inspect.signature(d.py_func).parameters)
         for suffix, ty in (("_f32", types.float32), ("_f64", types.float64)):
-            if name.endswith(suffix):
-                todo.append((d, (ty,) * n))
+            if d.py_func.__name__.endswith(suffix):
+                todo.append((d, _all(d, ty)))
     for d in (cpu_rt.maximum, cpu_rt.minimum):
-        todo += [(d, (ty, ty)) for ty in (types.float32, types.float64)]
+        todo += [(d, _all(d, ty)) for ty in (types.float32, types.float64)]
     for d, sig in todo:
         d.compile(sig)
     return len(todo)
@@ -139,14 +142,12 @@ def preload() -> int:
     """Load the float32 helpers whose cache files exist (a compile worker's warm-up:
     ~15 ms in all where they were prebuilt), so no kernel pays for them.  Returns how
     many were loaded."""
-    import inspect
     if _dir is None:
         return 0
     n = 0
-    for d in fastmath.HELPERS:
-        if d.py_func.__name__.endswith("_f32") and isinstance(d._cache, _Cache):
-            index = Path(d._cache.cache_path) / f"{d._cache._impl.filename_base}.nbi"
-            if index.exists():
-                d.compile((types.float32,) * len(inspect.signature(d.py_func).parameters))
+    for d in fastmath.HELPERS:          # enable() gave each its _Cache
+        if d.py_func.__name__.endswith("_f32"):
+            if (_dir / f"{d._cache._impl.filename_base}.nbi").exists():
+                d.compile(_all(d, types.float32))
                 n += 1
     return n
