@@ -1066,7 +1066,7 @@ def _add_layernorm_spec(affine=True):
 
 
 def test_work_estimate_counts_streamed_bytes_once_and_runs_small_work_inline():
-    """The per-element cost the shape function reports (ParallelFor's shard size, and
+    """The per-element cost the shape function reports (the op's smallest share, and
     op.cc's inline threshold of 400000) counts a row's bytes once, not once per pass,
     and not the per-channel vectors: the Transformer's add + LayerNorm at batch 1
     (128 x 256) runs on the calling thread, at batch 8 it goes to the pool."""

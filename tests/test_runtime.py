@@ -146,8 +146,8 @@ def busy_shape(in_dims, params, out_dims, sched):
 @cfunc(SHAPE, nopython=True, nogil=True)
 def light_shape(in_dims, params, out_dims, sched):
     n = busy_shape(in_dims, params, out_dims, sched)
-    # 16 units x 20k: Eigen's cost model alone would split this over the pool; the
-    # op's inline threshold (400k) keeps it on the calling thread
+    # 16 units x 20k: the op's inline threshold (400k) keeps it on the calling thread,
+    # where the pool would otherwise take some of the 16 units
     sched[1] = 20_000
     return n
 
@@ -167,6 +167,33 @@ def busy_body(begin, end, ins, outs, params):
         tid[u] = me
         first[u] = begin
         res[u] = acc
+
+
+# x [n] float64 -> (begin, end) of the call that ran each unit: n cheap units, above
+# the op's inline threshold in all, so the calling thread and the pool share them.
+@cfunc(SHAPE, nopython=True, nogil=True)
+def span_shape(in_dims, params, out_dims, sched):
+    n = in_dims[0]
+    params[0] = n
+    out_dims[0] = n
+    out_dims[1] = n
+    sched[0] = n
+    sched[1] = 2000
+    return 0
+
+
+@cfunc(BODY, nopython=True, nogil=True)
+def span_body(begin, end, ins, outs, params):
+    n = params[0]
+    x = carray(ins[0], (n,), np.float64)
+    b = carray(outs[0], (n,), np.int64)
+    e = carray(outs[1], (n,), np.int64)
+    for u in range(begin, end):
+        acc = x[u]
+        for _ in range(200):
+            acc = acc * 0.999999 + 1e-7
+        b[u] = begin if acc > -1.0 else -1
+        e[u] = end
 
 
 # x [n] float32 -> [2] int64: the launch hint the op handed the shape function.
@@ -245,6 +272,8 @@ BUSY = HandKernel(OpaqueSpec('{"test":"busy"}'), busy_body, busy_shape, [1], ["f
                   [1, 1, 1], ["int64", "int64", "float64"])
 LIGHT = HandKernel(OpaqueSpec('{"test":"light"}'), busy_body, light_shape, [1], ["float64"],
                    [1, 1, 1], ["int64", "int64", "float64"])
+SPAN = HandKernel(OpaqueSpec('{"test":"span"}'), span_body, span_shape, [1], ["float64"],
+                  [1, 1], ["int64", "int64"])
 
 
 def hand_compiler(text):
@@ -546,9 +575,30 @@ def test_work_is_split_across_calls_and_threads():
         threads, calls = set(tid.numpy().tolist()), set(first.numpy().tolist())
         if len(threads) > 1:
             break
-    assert len(calls) > 1, "ParallelFor ran the whole range in one call"
+    assert len(calls) > 1, "the op ran the whole range in one call"
     assert len(threads) > 1, "all work units ran on one thread"
     assert np.all(res.numpy() > 0)
+
+
+def test_the_calls_of_one_run_tile_the_units_exactly_once():
+    """The calling thread and pool threads take shares of the units from one queue
+    (op.cc, UnitQueue): every unit is run by exactly one call, the calls' ranges tile
+    [0, n) without overlap, and the shares shrink towards the end (guided), so there
+    are several of them.  A unit run twice would record a range that its neighbours
+    in that range do not."""
+    for n in (1000, 4097, 30000):
+        for _ in range(3):
+            b, e = (t.numpy() for t in rt.stitched_kernel([tf.zeros([n], tf.float64)], SPAN))
+            assert np.all(b >= 0) and np.all(b <= np.arange(n)) and np.all(np.arange(n) < e)
+            starts = np.unique(b)
+            ends = np.array([e[s] for s in starts])
+            assert starts[0] == 0 and ends[-1] == n
+            assert np.array_equal(starts[1:], ends[:-1]), "ranges overlap or leave a gap"
+            for s0, e0 in zip(starts, ends):      # each range was run by one call
+                assert np.all(b[s0:e0] == s0) and np.all(e[s0:e0] == e0)
+            assert len(starts) >= 4
+            sizes = ends - starts
+            assert sizes[0] >= sizes[-1]
 
 
 def test_small_work_runs_inline_in_one_call():

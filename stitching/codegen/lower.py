@@ -408,7 +408,7 @@ def reduction(spec, k: int, C) -> Reduction:
     return Reduction(cd, init, step, "{a}")
 
 
-# ---- cost (cycles per element, rough: ParallelFor's shards, inline or pool) ------------
+# ---- cost (cycles per element, rough: the op's shares of work, inline or pool) ---------
 
 def cycles_per_element(spec, passes) -> int:
     """Rough cycles per element of the domain, summed over the schedule's passes: a
@@ -418,9 +418,9 @@ def cycles_per_element(spec, passes) -> int:
     block from cache: a quarter cycle, like an op); per-channel vectors and row
     statistics stay in cache and are not streamed.
 
-    It sizes ParallelFor's shards and, against op.cc's InlineCost, decides when work
-    is too small to wake the pool for, so a fused kernel must not cost more than the
-    kernels it replaces.  The former estimate (every live node and every input's
+    It sizes the op's smallest share of work (op.cc, RunUnits) and, against op.cc's
+    InlineCost, decides when work is too small to wake the pool for, so a fused
+    kernel must not cost more than the kernels it replaces.  The former estimate (every live node and every input's
     item size, times the number of passes) put the Transformer block's add +
     LayerNorm at 33 cycles per element against 6 + 4 for two of the three kernels an
     unfused plan makes: at batch 1 (128 x 256) the fused kernel woke the pool and

@@ -45,7 +45,7 @@ class DeviceProfile:
     max_threads_per_unit: int    # GPU: resident threads per SM; CPU: 1
     vector_bytes: int            # GPU: warp (32 lanes x 4 B); CPU: SIMD register width
     launch_s: float              # one kernel / one TF op dispatch
-    task_s: float                # one task (CPU ParallelFor shard) or block
+    task_s: float                # one task (a CPU share of work, op.cc) or block
     transcendental_per_s: float  # exp/tanh/erf evaluations per second, whole device
     caches: dict = field(default_factory=dict)   # level -> bytes (informational)
     measured: bool = False
@@ -106,7 +106,7 @@ PINNED = {
 
 # CPU constants the measurement cannot see from NumPy (labelled):
 _CPU_LAUNCH_S = 5e-6   # arbitrary: a few µs per TF op dispatch in graph mode
-_CPU_TASK_S = 1e-6     # arbitrary: one ParallelFor shard (wake-up + bookkeeping)
+_CPU_TASK_S = 1e-6     # arbitrary: one share of work (wake-up + bookkeeping)
 _CACHE_OVER_DRAM = 4   # arbitrary floor: on-chip bandwidth is at least 4x DRAM's on any
                        # recent CPU (a measurement under load may say otherwise)
 
