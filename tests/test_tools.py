@@ -65,9 +65,15 @@ def test_modes_are_timed_with_changing_predecessors():
         return lambda *a: calls.append(mode)
     modes = ["tf", "xla", "stitching", "baseline"]
     runners = [Runner(m, fn_for(m)) for m in modes]
-    out = measure.time_modes(runners, (), repeats=12, warmup=0, min_time=0.0)
+    out = measure.time_modes(runners, (), repeats=12, warmup=0, min_time=0.0,
+                             lead_time=0.0)
     assert sorted(out) == sorted(modes) and all(out[m]["n"] == 12 for m in modes)
-    timed = calls[len(modes):]               # after the one calibration call each
+    # after the one calibration call each, every repeat is one untimed lead-in call
+    # (lead_time=0: at least one) and then the timed one, of the same mode
+    assert len(calls) == len(modes) + 12 * len(modes) * 2
+    runs = calls[len(modes):]
+    assert runs[0::2] == runs[1::2]
+    timed = runs[1::2]
     for m in modes:
         before = [p for p, c in zip(timed, timed[1:]) if c == m]
         most = max(before.count(p) for p in set(before))

@@ -365,7 +365,10 @@ int64_t InlineCost() {
 // wake-up delays part of the work instead of all of it, and the shrinking shares end
 // the threads together.  A pool thread that wakes after the last share was taken
 // returns without touching the kernel's buffers (the queue itself is kept alive by
-// its shared_ptr); the caller returns only when every unit is done.
+// its shared_ptr); the caller returns only when every unit is done.  Numerics do not
+// depend on which thread runs a share: the caller is inside the executor's
+// ScopedFlushDenormal (FTZ/DAZ, round to nearest) and TF's pool threads run under the
+// same modes for their whole life.
 //
 // Why not ParallelFor: its Adaptive scheduling parks the caller while pool threads
 // run every block.  logsumexp 8192x1024 took 1.5 ms through the op (0.2-0.3 ms of
