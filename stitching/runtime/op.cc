@@ -394,8 +394,7 @@ class UnitQueue {
       body_(begin, end, ins_, outs_, params_);
       if (done_.fetch_add(end - begin, std::memory_order_acq_rel) + (end - begin) ==
           total_) {
-        std::lock_guard<std::mutex> lock(mu_);
-        finished_ = true;
+        std::lock_guard<std::mutex> lock(mu_);  // so a waiter cannot miss it
         cv_.notify_all();
       }
     }
@@ -407,7 +406,7 @@ class UnitQueue {
       if (done_.load(std::memory_order_acquire) == total_) return;
     }
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return finished_; });
+    cv_.wait(lock, [this] { return done_.load(std::memory_order_acquire) == total_; });
   }
 
  private:
@@ -419,7 +418,6 @@ class UnitQueue {
   std::atomic<int64_t> next_{0}, done_{0};
   std::mutex mu_;
   std::condition_variable cv_;
-  bool finished_ = false;
 };
 
 // Runs units [0, total) over the calling thread and NumThreads() - 1 pool threads

@@ -40,6 +40,11 @@ def _stats(samples):
             "min_s": float(a.min()), "max_s": float(a.max()), "n": int(a.size)}
 
 
+def _calls(seconds: float, one: float) -> int:
+    """How many calls of ``one`` seconds last about ``seconds`` (1 to 1000)."""
+    return max(1, min(1000, math.ceil(seconds / max(one, 1e-7))))
+
+
 def time_modes(runners: list[Runner], args, *, repeats: int, warmup: int,
                min_time: float = 0.02, lead_time: float = 0.015) -> dict:
     """{mode: stats} for the runners that are ok; a runner failing here is marked failed."""
@@ -52,8 +57,8 @@ def time_modes(runners: list[Runner], args, *, repeats: int, warmup: int,
             t0 = time.perf_counter()
             r.fn(*args)
             one = time.perf_counter() - t0
-            inner[r.mode] = max(1, min(1000, math.ceil(min_time / max(one, 1e-7))))
-            lead[r.mode] = max(1, min(1000, math.ceil(lead_time / max(one, 1e-7))))
+            inner[r.mode] = _calls(min_time, one)
+            lead[r.mode] = _calls(lead_time, one)
         except Exception as e:
             r.fail(e, "warm-up")
             live.remove(r)
