@@ -30,7 +30,7 @@ class Report:
     boundaries: list = field(default_factory=list)    # [(tf node, reason)] merges refused
     compile_seconds: float = 0.0
     unique_kernels: int = 0
-    code_objects: int = 0      # distinct compiled code: generic twins serve many specs
+    code_objects: int = 0      # distinct native codes (kernel.code_name) serving them
     notes: list = field(default_factory=list)
     explanation: list = field(default_factory=list)   # per kernel: alternatives and scores
 

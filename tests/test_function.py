@@ -335,6 +335,12 @@ def test_transformer_encoder_coverage():
     m = transformer_encoder(num_layers=2, d_model=64, heads=4, ff=128, seq_len=16)
     rep = _coverage_and_check(m, (16, 64))
     assert rep.coverage >= 0.85, rep.summary()
+    # 2 layers x (add + LayerNorm after attention and after the FF, masked softmax,
+    # bias + GELU): 8 kernels.  The last FF add + LayerNorm ends in the model's output
+    # Identity, which adds no node: it has layer 0's FF spec (4 specs), and the two
+    # add + LayerNorm specs compile to one native code (3)
+    assert (len(rep.kernels), rep.unique_kernels, rep.code_objects) == (8, 4, 3), \
+        rep.summary()
 
 
 @pytest.mark.slow

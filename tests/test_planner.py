@@ -60,6 +60,64 @@ def test_identical_regions_share_one_spec_hash():
     assert p.regions[0].spec.hash == p.regions[1].spec.hash
 
 
+def _scale_shift(b, p, x):
+    """(x - mu) * s + t with per-column mu, s, t (an inference BatchNorm)."""
+    return (b.op(p + "c", "Sub", [x, "mu"]).op(p + "m", "Mul", [p + "c", "s"])
+             .op(p + "o", "Add", [p + "m", "t"]))
+
+
+def test_same_structure_in_interleaved_order_gives_the_same_spec():
+    # two copies of one subgraph whose nodes TF listed in different topological orders
+    # (the Mul's operands created the other way round): the spec numbers nodes and
+    # inputs by structure, so both get one spec and one compiled kernel
+    def graph(swapped):
+        b = G().input("x", [-1, 64]).input("t", [64])
+        if swapped:
+            b.op("q", "Exp", ["x"]).op("c", "Neg", ["x"])
+        else:
+            b.op("c", "Neg", ["x"]).op("q", "Exp", ["x"])
+        b.op("m", "Mul", ["c", "q"]).op("o", "Add", ["m", "t"])
+        return b.opaque("out", ["o"], [-1, 64]).build("out")
+    specs = []
+    for swapped in (False, True):
+        (r,) = planner.plan(graph(swapped), allow_all).regions
+        assert [n.op for n in r.spec.nodes] == ["Neg", "Exp", "Mul", "Add"]
+        assert r.nodes.index("c") < r.nodes.index("m")      # still topological
+        specs.append(r.spec)
+    assert specs[0].hash == specs[1].hash
+
+
+def test_a_fused_identity_adds_no_node():
+    def graph(identity):
+        b = G().input("x", [-1, 64]).op("e", "Exp", ["x"]).op("n", "Neg", ["e"])
+        if identity:
+            b.op("i", "Identity", ["n"])
+        return b.opaque("out", ["i" if identity else "n"], [-1, 64]).build("out")
+    (with_id,) = planner.plan(graph(True), allow_all).regions
+    (without,) = planner.plan(graph(False), allow_all).regions
+    assert "i" in with_id.nodes
+    assert [n.op for n in with_id.spec.nodes] == ["Exp", "Neg"]
+    assert with_id.spec.hash == without.spec.hash
+
+
+def test_identity_outputs_of_an_input_or_of_another_output_get_a_node():
+    from stitching.plan.region import extract
+    b = G().input("x", [-1, 64]).op("e", "Exp", ["x"]).op("n", "Neg", ["e"])
+    b.op("i", "Identity", ["n"]).op("ix", "Identity", ["x"])
+    g = b.opaque("u", ["n"], [-1, 64]).opaque("v", ["i"], [-1, 64]) \
+        .opaque("w", ["ix"], [-1, 64]).build("u", "v", "w")
+    order = {name: k for k, name in enumerate(g.topo_order())}
+    reg = extract(g, ["e", "n", "i", "ix"], g.consumers(), set(g.outputs), order)
+    spec = reg.spec
+    out = {o.node: spec.outputs[k] for k, o in enumerate(reg.outputs)}
+    assert sorted(out) == ["i", "ix", "n"] and len(set(out.values())) == 3
+    # n and i are one value read outside twice: the second output is a copy of it;
+    # ix is a copy of the kernel input x
+    assert sorted(n.op for n in spec.nodes) == ["Exp", "Identity", "Identity", "Neg"]
+    assert spec.nodes[out["i"]].op == "Identity" and spec.nodes[out["i"]].args == (out["n"],)
+    assert spec.nodes[out["ix"]].op == "Identity" and spec.nodes[out["ix"]].args == (-1,)
+
+
 def test_two_thousand_node_graph_plans_into_one_region_per_block():
     # 2,000-node chain of LayerNorm-like blocks separated by opaque ops plans quickly
     g = ln_chain(150)

@@ -135,6 +135,12 @@ class CompiledKernel:
         self.in_static_dims = None         # set when the code does not check them itself
         self.launch = launch_hint(spec)
 
+    @property
+    def code_name(self) -> str:
+        """The cache name of the native code this kernel runs (code_name): kernels of
+        specs equal up to naming, or of one generic twin, share it."""
+        return self._code.stem.name
+
     def serving(self, spec, schedule) -> "CompiledKernel":
         """This code registered for a concrete ``spec`` it was compiled generically
         for (specialize.py): same addresses, the concrete spec and its schedule.  The

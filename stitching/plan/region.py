@@ -5,9 +5,11 @@
                      ──▶ spec nodes    (composites expanded into primitives)
                      ──▶ kernel outputs (region values read outside or fetched)
 
-The order of inputs, nodes and outputs depends only on the region's structure,
-so structurally identical regions (twelve LayerNorms) give the same spec and
-share one compiled kernel.
+The order of inputs, nodes and outputs depends only on the region's structure
+(_structural_order), so structurally identical regions (twelve LayerNorms) give the
+same spec and share one compiled kernel.  A fused Identity is its argument's value:
+it adds no node (one more copy statement would make another compile of the same
+program).
 """
 from __future__ import annotations
 
@@ -44,7 +46,12 @@ def region_outputs(graph: Graph, members: set, consumers: dict, fetched: set) ->
 def extract(graph: Graph, names: list, consumers: dict, fetched: set,
             order: dict) -> Region:
     members = set(names)
-    names = sorted(names, key=order.__getitem__)
+    outputs = region_outputs(graph, members, consumers, fetched)
+    outputs.sort(key=lambda r: (order[r.node], r.index))
+    for o in outputs:
+        if o.index != 0:
+            raise ValueError(f"{o}: only the first output of a fused node can leave a kernel")
+    names = _structural_order(graph, members, outputs, order)
     b = _SpecBuilder()
     env: dict[ValueRef, int] = {}
     inputs: list[ValueRef] = []
@@ -65,27 +72,48 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
         node = graph[name]
         args = [ref_of(r) for r in node.inputs]
         attrs = {k: v for k, v in node.attrs.items() if k not in PLANNER_ATTRS}
-        if node.op in COMPOSITE_OPS:
+        if node.op == "Identity":
+            env[ValueRef(name, 0)] = args[0]    # the same value: no node, no code
+        elif node.op in COMPOSITE_OPS:
             env[ValueRef(name, 0)] = expand(node.op, attrs, args,
                                             [b.type_of(a) for a in args], b.emit)
         else:
             env[ValueRef(name, 0)] = b.emit(node.op, args, attrs)
-    outputs = [o for o in region_outputs(graph, members, consumers, fetched)]
-    outputs.sort(key=lambda r: (order[r.node], r.index))
+    # An output that is a kernel input (a fused Identity of one), or a value already
+    # written by an earlier output (an Identity of it), needs a node of its own.
+    out_refs = []
     for o in outputs:
-        if o.index != 0:
-            raise ValueError(f"{o}: only the first output of a fused node can leave a kernel")
-    out_refs = [env[o] for o in outputs]
-    # An output that is just a kernel input (a fused Identity) needs a node to write it.
-    out_refs = [r if r >= 0 else b.emit("Identity", [r], {}) for r in out_refs]
+        r = env[o]
+        out_refs.append(b.emit("Identity", [r], {}) if r < 0 or r in out_refs else r)
     spec = validate(KernelSpec(tuple(b.inputs), tuple(b.nodes), tuple(out_refs)))
-    return Region(names, inputs, outputs, _dedupe_outputs(spec))
+    return Region(names, inputs, outputs, spec)
 
 
-def _dedupe_outputs(spec: KernelSpec) -> KernelSpec:
-    if len(set(spec.outputs)) == len(spec.outputs):
-        return spec
-    raise ValueError("two kernel outputs are the same value")
+def _structural_order(graph: Graph, members: set, outputs: list, order: dict) -> list:
+    """The members in post-order of a depth-first walk from the outputs (in their
+    order) through each node's inputs (in argument order): topological, and fixed by
+    the region's structure rather than by where its nodes sit in the graph.  Two
+    copies of one subgraph whose nodes TF listed interleaved differently (MobileNetV2's
+    BN + ReLU6 blocks) then number their nodes and inputs alike and share one compiled
+    kernel.  Members no output depends on come last, in graph order."""
+    seen, out = set(), []
+    for o in outputs:
+        if o.node in seen:
+            continue
+        seen.add(o.node)
+        stack = [(o.node, iter(graph[o.node].inputs))]
+        while stack:
+            name, args = stack[-1]
+            for r in args:
+                if r.node in members and r.node not in seen:
+                    seen.add(r.node)
+                    stack.append((r.node, iter(graph[r.node].inputs)))
+                    break
+            else:
+                stack.pop()
+                out.append(name)
+    out.extend(sorted(members - seen, key=order.__getitem__))
+    return out
 
 
 class _SpecBuilder:

@@ -211,7 +211,7 @@ def _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, faile
     rep.memory_intensive_ops = len(mem)
     rep.fused_ops = len(mem & fused)
     rep.unique_kernels = len({r.spec.hash for r in regions})
-    rep.code_objects = len({k.generic or k.spec.hash for k in kernels})
+    rep.code_objects = len({k.code_name for k in kernels})
     for reg, kname, k in zip(regions, kernel_names, kernels):
         sched = getattr(k, "schedule", None)
         desc = sched.describe() if hasattr(sched, "describe") else ""
