@@ -124,3 +124,15 @@ def test_two_thousand_node_graph_plans_into_one_region_per_block():
     assert len(g) > 1900
     p = planner.plan(g, allow_all)
     assert len(p.regions) == 150
+
+
+def test_extracted_specs_are_already_canonical():
+    # extract builds specs without re-running validate(): what validate returns for
+    # them must be the same spec (same attrs, types and hash)
+    from irbuild import encoder
+    from stitching.ir.spec import validate
+    p = planner.plan(encoder(3), allow_all)
+    assert p.regions
+    for r in p.regions:
+        v = validate(r.spec)
+        assert v == r.spec and v.hash == r.spec.hash
