@@ -52,6 +52,20 @@ def test_ablation_verdict_counts_a_row_slower_only_beyond_its_spread():
     assert output._no_slower(within, "l", name).startswith("FAIL")      # strict by default
 
 
+def test_compile_table_shows_kernels_and_the_codes_compiled_for_them():
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from bench_lib import output
+
+    def row(codes):
+        cold = {"ok": True, "first_call_s": 3.0, "kernels": 50, "compile_seconds": 1.8}
+        if codes is not None:
+            cold["codes"] = codes
+        return {"name": "m", "batch": 1, "steps": {"stitching_cold": cold}}
+    head, body = output.compile_table([row(5), row(None)])
+    col = head.index("st kernels (codes)")
+    assert [b[col] for b in body] == ["50 (5)", "50"]     # a run from before codes: kernels
+
+
 def test_modes_are_timed_with_changing_predecessors():
     """time_modes shuffles the order of the modes every repeat: each mode is timed
     `repeats` times, and no mode always runs right after the same other one (with a

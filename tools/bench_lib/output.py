@@ -161,7 +161,7 @@ def _no_slower(rows, label, name, mode="stitching", base="tf", noise_ok=False) -
 
 def compile_table(rows):
     head = ["model", "batch", "TF first s", "XLA first s", "st cold s", "st warm s",
-            "cold vs XLA", "warm - TF first", "st kernels", "st compile s (cold/warm)",
+            "cold vs XLA", "warm - TF first", "st kernels (codes)", "st compile s (cold/warm)",
             "bg first s", "bg ready s"]
     body = []
     for r in rows:
@@ -183,13 +183,20 @@ def compile_table(rows):
                      cell("stitching_cold"), cell("stitching_warm"),
                      _x(xla / cold) if cold and xla else "-",
                      f"{warm - tf_:+.2f} s" if warm is not None and tf_ is not None else "-",
-                     _int((s.get("stitching_cold") or {}).get("kernels")),
+                     _kernels_and_codes(s.get("stitching_cold") or {}),
                      "/".join(f"{v:.2f}" if isinstance(v, (int, float)) else "-" for v in (
                          (s.get("stitching_cold") or {}).get("compile_seconds"),
                          (s.get("stitching_warm") or {}).get("compile_seconds"))),
                      cell("stitching_background"),
                      _sec((s.get("stitching_background") or {}).get("ready_s"))])
     return head, body
+
+
+def _kernels_and_codes(step):
+    """'50 (5)': kernels in the graph (native codes compiled for them: specs equal up
+    to naming and shape-generic twins share one)."""
+    k, c = step.get("kernels"), step.get("codes")
+    return _int(k) if c is None else f"{_int(k)} ({c})"
 
 
 def _sec(v):
@@ -568,7 +575,9 @@ def _suite_markdown(suite, rows, meta, results):
         rounds = max((r.get("rounds") or 1) for r in rows) if rows else 1
         out.append("First call in a fresh process (model built before the clock starts): "
                    "stock TF, XLA, stitching with an empty `STITCHING_CACHE_DIR` (cold), "
-                   "and a second process reusing that cache (warm)"
+                   "and a second process reusing that cache (warm). 'st kernels (codes)': "
+                   "stitched kernels in the graph and the native codes compiled for them "
+                   "(specs equal up to naming, and shape-generic twins, share one)"
                    + (f"; {rounds} rounds, each cell the median round." if rounds > 1
                       else "."))
         out.append("")

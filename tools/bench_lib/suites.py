@@ -316,6 +316,7 @@ def compile_child(mode, model, batch, planner) -> None:
                 modes.collect_counts(r, args)
                 rep = r.info.get("report") or {}
                 res["kernels"] = rep.get("kernels")
+                res["codes"] = rep.get("code_objects")
                 res["compile_seconds"] = rep.get("compile_seconds")
             res["notes"] = r.info.get("notes", [])
     except Exception as e:
