@@ -126,7 +126,7 @@ def collect_counts(r: Runner, args, tf_runner: Runner | None = None):
             d = rep.to_dict()
             r.info["report"] = {k: d.get(k) for k in
                                 ("memory_intensive_ops", "fused_ops", "kernels",
-                                 "unique_kernels", "coverage", "unfused",
+                                 "unique_kernels", "code_objects", "coverage", "unfused",
                                  "compile_seconds", "notes")}
             r.info["kernels"] = d.get("kernels")
             # what the plan is, for the ablation: the same multiset of kernel specs in
