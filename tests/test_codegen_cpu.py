@@ -1259,6 +1259,23 @@ def test_worker_compiles_kernels_with_a_lean_numba(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+def test_worker_answers_every_spec_then_exits_cleanly(tmp_path, monkeypatch):
+    """A worker leaves with os._exit (no interpreter teardown): every answer written
+    before stdin closed still reaches the parent, a bad spec is answered with its
+    error, and the exit status is 0."""
+    from stitching.codegen import is_cached, parallel
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    spec = softmax_spec((-1, 21), scale=0.971)
+    p = parallel._spawn()
+    out, _ = p.communicate(json.dumps(spec.to_json()) + "\n" + json.dumps({"op": "x"}) + "\n",
+                           timeout=300)
+    answers = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert p.returncode == 0
+    assert [a["ok"] for a in answers] == [True, False]
+    assert answers[0]["hash"] == spec.hash and is_cached(spec)
+    assert "expected a JSON string" in answers[1]["error"]
+
+
 def test_prestarted_workers_compile_what_is_missing_and_are_closed(tmp_path, monkeypatch):
     """Workers started before the specs exist (parallel.prestart) take the uncached
     specs, however few; handed a batch with nothing to compile, they are closed."""
