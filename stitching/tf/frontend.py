@@ -209,7 +209,13 @@ def _convert(op) -> Node:
         return _opaque(op, str(e))
     if node is None:
         reason = None
-        if opnames.is_memory_intensive(op.type):
+        if _identity_transpose(op):
+            # Keras' Tensordot (Dense on a 3-D input) emits these; TF's Grappler drops
+            # them (ArithmeticOptimizer, RemoveIdentityTranspose), so they cost nothing
+            perm = _const_value(op.inputs[1]).reshape(-1).tolist()
+            reason = f"a Transpose with the identity permutation {perm}: a no-op, which " \
+                     "TF's Grappler removes"
+        elif opnames.is_memory_intensive(op.type):
             reason = f"{op.type} is not supported by the fuser yet"
         return _opaque(op, reason)
     # Re-derive the output type with the op table: a node we cannot type is not fusible.
@@ -229,6 +235,16 @@ def _convert(op) -> Node:
 
 class _Unfusible(Exception):
     pass
+
+
+def _identity_transpose(op) -> bool:
+    if op.type not in ("Transpose", "ConjugateTranspose") or len(op.inputs) != 2:
+        return False
+    try:
+        perm = _const_value(op.inputs[1]).reshape(-1).tolist()
+    except _Unfusible:
+        return False
+    return perm == list(range(len(perm)))
 
 
 def _const_value(t: tf.Tensor):
