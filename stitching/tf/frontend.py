@@ -209,10 +209,10 @@ def _convert(op) -> Node:
         return _opaque(op, str(e))
     if node is None:
         reason = None
-        if _identity_transpose(op):
+        perm = _identity_perm(op)
+        if perm is not None:
             # Keras' Tensordot (Dense on a 3-D input) emits these; TF's Grappler drops
             # them (ArithmeticOptimizer, RemoveIdentityTranspose), so they cost nothing
-            perm = _const_value(op.inputs[1]).reshape(-1).tolist()
             reason = f"a Transpose with the identity permutation {perm}: a no-op, which " \
                      "TF's Grappler removes"
         elif opnames.is_memory_intensive(op.type):
@@ -237,14 +237,15 @@ class _Unfusible(Exception):
     pass
 
 
-def _identity_transpose(op) -> bool:
-    if op.type not in ("Transpose", "ConjugateTranspose") or len(op.inputs) != 2:
-        return False
+def _identity_perm(op) -> list | None:
+    """The permutation of a Transpose that keeps every axis in place, else None."""
+    if op.type != "Transpose" or len(op.inputs) != 2:
+        return None
     try:
         perm = _const_value(op.inputs[1]).reshape(-1).tolist()
     except _Unfusible:
-        return False
-    return perm == list(range(len(perm)))
+        return None
+    return perm if perm == list(range(len(perm))) else None
 
 
 def _const_value(t: tf.Tensor):
