@@ -6,8 +6,8 @@ import numba
 import numpy as np
 import pytest
 
-from stitching.codegen import fastmath as F
-from stitching.codegen import intrinsics as I
+from stitching.codegen.cpu import fastmath as F
+from stitching.codegen.cpu import intrinsics as I
 
 try:
     from scipy import special as _sp

@@ -198,7 +198,7 @@ def test_nan_inf_and_zero_size():
 
 
 def test_kernel_that_fails_to_compile_leaves_region_to_tf(monkeypatch):
-    from stitching.codegen import kernel
+    from stitching.compile import kernel
 
     def broken(spec):
         raise RuntimeError("simulated codegen failure")
@@ -400,7 +400,7 @@ def test_compile_workers_start_early_only_for_large_graphs_not_seen_before(monke
     """pipeline: a graph of >= 300 nodes not compiled before prestarts the compile
     workers while it is planned; the same graph again (a new process would see the
     marker in the kernel cache too) and small graphs do not."""
-    from stitching.codegen import parallel
+    from stitching.compile import parallel
     calls = []
     real = parallel.prestart
     monkeypatch.setattr(parallel, "prestart",
@@ -425,7 +425,7 @@ def test_an_empty_kernel_cache_starts_one_worker_while_tf_traces(monkeypatch, tm
     is traced; the graph's kernel is compiled there (its shared object lands in the
     cache) and the worker is closed.  Once the cache holds a kernel, a new function
     starts none early."""
-    from stitching.codegen import kernel, parallel
+    from stitching.compile import kernel, parallel
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     started = []
 

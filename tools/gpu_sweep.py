@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     import torch
     from numba import cuda
 
-    from stitching.codegen.cuda import compile_cuda_kernel
+    from stitching.compile.cuda import compile_cuda_kernel
     bad = 0
     for pat in gpu_bench.load_patterns(",".join(args.patterns)):
         spec, names = gpu_bench.kernels(pat, "large")[0]

@@ -33,9 +33,9 @@ graph's static shapes.
 """
 from __future__ import annotations
 
-from ..ir.ops import infer
-from ..ir.spec import KernelSpec, SpecError, SpecNode, validate
-from ..schedule import KernelKind, ScheduleError, build_schedule
+from ...ir.ops import infer
+from ...ir.spec import KernelSpec, SpecError, SpecNode, validate
+from ...schedule import KernelKind, ScheduleError, build_schedule
 
 
 LAUNCH_PARAMS = ("rows_per_task", "col_block")   # run-time data, not code

@@ -45,12 +45,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.graph import TensorType
-from ..ir.ops import infer
-from ..ir.spec import KernelSpec, SpecNode
-from ..plan import cost
-from ..schedule import KernelKind
-from .cuda_emit import EW_VEC, REG_SLOTS, ROW_CHUNKS, WARP, np_dtype
+from ...ir.graph import TensorType
+from ...ir.ops import infer
+from ...ir.spec import KernelSpec, SpecNode
+from ...plan import cost
+from ...schedule import KernelKind
+from .emitter import EW_VEC, REG_SLOTS, ROW_CHUNKS, WARP, np_dtype
 
 SMEM_LIMIT = 48 << 10        # CUDA: dynamic shared memory per block without the opt-in
 GRID_WAVES = 8               # arbitrary: grid-stride kernels launch at most 8 full waves

@@ -31,7 +31,7 @@ from numba import types
 from numba.core.caching import (CompileResultCacheImpl, FunctionCache,
                                 _CacheLocator)
 
-from . import cpu_rt, fastmath   # cpu_rt: its helpers join fastmath.HELPERS on import
+from ..codegen.cpu import rt as cpu_rt, fastmath  # cpu_rt: its helpers join fastmath.HELPERS on import
 
 _lock = threading.Lock()
 _dir: Path | None = None        # where the helpers' cache is, once enabled

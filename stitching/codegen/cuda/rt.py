@@ -31,13 +31,13 @@ from numba.cuda.core import config as _config
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
 
 if SIMULATOR:
-    from .cuda_sim import (bf16_to_f32, ceil, copysign, erf, erfc, exp, expm1,  # noqa: F401
-                           f32_to_bf16, fabs, floor, fmod, load4, log, log1p, math, pow,
-                           roundeven, shfl_xor, shfl_xor_bool, sqrt, store4, tanh)
+    from .sim import (bf16_to_f32, ceil, copysign, erf, erfc, exp, expm1, f32_to_bf16, fabs,  # noqa: F401
+                      floor, fmod, load4, log, log1p, math, pow, roundeven, shfl_xor,
+                      shfl_xor_bool, sqrt, store4, tanh)
 else:
-    from .cuda_gpu import (bf16_to_f32, ceil, copysign, erf, erfc, exp, expm1,  # noqa: F401
-                           f32_to_bf16, fabs, floor, fmod, load4, log, log1p, math, pow,
-                           roundeven, shfl_xor, shfl_xor_bool, sqrt, store4, tanh)
+    from .gpu import (bf16_to_f32, ceil, copysign, erf, erfc, exp, expm1, f32_to_bf16, fabs,  # noqa: F401
+                      floor, fmod, load4, log, log1p, math, pow, roundeven, shfl_xor,
+                      shfl_xor_bool, sqrt, store4, tanh)
 
 _F32_0, _F32_1 = np.float32(0.0), np.float32(1.0)
 _F64_0, _F64_1 = np.float64(0.0), np.float64(1.0)

@@ -20,7 +20,7 @@ import warnings
 
 import numpy as np
 
-from ..ir import dtypes as dt
+from ...ir import dtypes as dt
 
 _erf = np.frompyfunc(math.erf, 1, 1)
 _erfc = np.frompyfunc(math.erfc, 1, 1)
@@ -53,7 +53,7 @@ def _node(n, a):
         axes, keep = tuple(n.attrs["axes"]), n.attrs["keep_dims"]
         return _REDUCE[op](x, axis=axes, keepdims=keep)
     if op == "Reshape":
-        from .cuda_launch import reshape_target
+        from .launch import reshape_target
         return a[0].reshape(reshape_target(a[0].shape, n.attrs["shape"]))
     if op == "Const":
         return np.full(n.attrs["shape"], n.attrs["value"])
