@@ -39,7 +39,7 @@ setup(
                       "numba-cuda>=0.20"],
         # tools/gpu_bench.py on the GPU machine: PyTorch eager and torch.compile as references.
         "gpu-bench": ["torch>=2.4", "numba-cuda>=0.20"],
-        # codegen/fastmath_fit.py refits the polynomial coefficients (scipy's special functions
+        # codegen/cpu/fastmath_fit.py refits the polynomial coefficients (scipy's special functions
         # as the oracle); tests/test_fastmath.py uses it when present.
         "fit": ["scipy>=1.11"],
     },

@@ -1240,11 +1240,11 @@ def test_worker_compiles_kernels_with_a_lean_numba(tmp_path):
     cannot fail.)"""
     code = textwrap.dedent("""
         import sys
-        from stitching.codegen import worker
+        from stitching.compile import worker
         worker._lean_numba()
         import numba.core.errors
         assert type(numba.core.errors.termcolor()).__name__ == "NOPColorScheme"
-        from stitching.codegen import compile_kernel
+        from stitching.compile import compile_kernel
         from stitching.ir.builder import SpecBuilder
         import numpy as np
         b = SpecBuilder()
@@ -1321,7 +1321,7 @@ def test_disk_cache_hits_in_a_new_process(tmp_path):
         import json, sys, time
         t0 = time.perf_counter()
         import numpy as np
-        from stitching.codegen import compile_kernel
+        from stitching.compile import compile_kernel
         from stitching.ir.builder import SpecBuilder
         b = SpecBuilder()
         x = b.input("float32", (-1, 48))
@@ -1382,7 +1382,8 @@ def test_math_helpers_load_from_their_disk_cache_into_the_same_machine_code(tmp_
     writing to it."""
     script = textwrap.dedent("""
         import hashlib, json, re
-        from stitching.codegen import compile_kernel, fastmath, helper_cache
+        from stitching.codegen.cpu import fastmath
+        from stitching.compile import compile_kernel, helper_cache
         from stitching.ir.builder import SpecBuilder
         b = SpecBuilder()
         x = b.input("float32", (-1, 64))

@@ -1,4 +1,4 @@
-"""Fast float32 math (stitching/codegen/fastmath.py): error bounds over dense sweeps
+"""Fast float32 math (stitching/codegen/cpu/fastmath.py): error bounds over dense sweeps
 against float64, special values, and that a loop calling each helper vectorizes."""
 import math
 

@@ -1,4 +1,4 @@
-"""Throughput of the fastmath helpers (stitching/codegen/fastmath.py), one core.
+"""Throughput of the fastmath helpers (stitching/codegen/cpu/fastmath.py), one core.
 
     python tools/fastmath_bench.py [exp tanh erf ...]
 

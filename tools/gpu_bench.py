@@ -7,7 +7,7 @@
 
 Specs come from tools/gpu_patterns/*.json (written with TensorFlow by
 tools/gpu_patterns/export.py from stitching.testing.patterns).  Every mode checks every
-output against a float64 NumPy interpreter of the op table (stitching/codegen/cuda_ref.py,
+output against a float64 NumPy interpreter of the op table (stitching/codegen/cuda/ref.py,
 written independently of the generated code) and exits 1 on any mismatch.
 
 Inputs: activations (spec inputs with the unknown batch dim) are standard normal, the

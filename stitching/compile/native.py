@@ -162,7 +162,7 @@ def _lean_pipeline():
     """Numba's nopython pipeline less the passes that only rewrite Python constructs
     generated code never contains.
 
-    Kernel modules (cpu.py) and the shape interpreter are plain loops over scalars:
+    Kernel modules (cpu/emitter.py) and the shape interpreter are plain loops over scalars:
     no closures, ``with`` blocks, ``literal_unroll``, ``literally``, array
     expressions or dead constant branches, and every variable is assigned values of
     one type.  So from Numba's default pipeline this keeps bytecode analysis, IR

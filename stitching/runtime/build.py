@@ -142,11 +142,11 @@ def main(argv=None) -> int:
     # library an install-time product reused by every kernel cache (plan/profiles.py).
     from ..plan import profiles
     profiles.measured_cpu()
-    # The shape-program interpreter every kernel links (codegen/shape_interp.py) is
+    # The shape-program interpreter every kernel links (codegen/lower/shape_interp.py) is
     # built once per toolchain into the kernel cache; do it here, at install time.
     from ..compile.kernel import interp_address
     interp_address()
-    # So are the compiled math helpers kernels call (codegen/helper_cache.py).
+    # So are the compiled math helpers kernels call (compile/helper_cache.py).
     from ..compile import helper_cache
     from ..compile.kernel import use_helper_cache
     use_helper_cache()

@@ -6,7 +6,7 @@
     lift     frontend.to_ir               (TF nodes -> IR nodes)
     plan     plan.get_planner(options.planner)  (regions; legality from schedule.check;
                                           large graphs: stored per graph, plan/cache.py)
-    compile  codegen.compile_kernels      (Numba; uncached kernels in parallel worker
+    compile  compile.compile_kernels      (Numba; uncached kernels in parallel worker
                                           processes; cached in memory and on disk)
     register runtime.register             (kernel addresses for the StitchedKernel op)
     rewrite  tf.rewrite.rewrite           (one StitchedKernel node per region)

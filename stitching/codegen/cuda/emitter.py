@@ -1,9 +1,9 @@
 """CUDA emitter: Schedule -> Python source of numba-cuda kernels (+ a host shape function).
 
-The CPU emitter (cpu.py) and this one walk the same Schedule; this class inherits its
-per-element lowering (``compute``, ``load_input``, ``store_output``, ``decompose``,
-``bases``, ``finalize`` over lower.py) and the host shape function, and owns only the
-thread mapping.  Buffers are 1-D device arrays ``p_<tag>``; every domain size ``D<a>``
+The CPU emitter (cpu/emitter.py) and this one walk the same Schedule over the shared
+base emitter (lower/emitter.py: per-element lowering ``compute``, ``load_input``,
+``store_output``, ``decompose``, ``bases``, ``finalize`` over lower/exprs.py, and the host
+shape function); this one owns only the thread mapping.  Buffers are 1-D device arrays ``p_<tag>``; every domain size ``D<a>``
 and launch parameter is a kernel argument, so one compiled kernel serves every value
 of the unknown dims.
 

@@ -6,12 +6,12 @@ against (tests/test_codegen_cuda.py, tools/gpu_bench.py).
 Floating values are computed in float64 whatever their dtype (a float32 kernel is then
 compared with a tolerance); integers and bools keep their dtype.  Explicit Casts to
 float16 / bfloat16 still round, because that rounding is the op's meaning.  TF's
-semantics as lower.py documents them: NaN propagates through Maximum/Minimum/Relu/
+semantics as lower/exprs.py documents them: NaN propagates through Maximum/Minimum/Relu/
 ClipByValue and reductions, Round is half-to-even, float->int casts truncate with NaN
 and out of range giving INT_MIN, DivNoNan(x, 0) = 0, Softplus is log(1 + e^x).
 
 Independent of the generated code on purpose: whole-array NumPy, no helper shared with
-the kernels, so a bug in lower.py does not hide itself.
+the kernels, so a bug in lower/exprs.py does not hide itself.
 """
 from __future__ import annotations
 

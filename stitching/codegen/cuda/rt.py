@@ -1,6 +1,6 @@
 """The helper namespace ``h`` that generated CUDA kernels import.
 
-Same names as cpu_rt.py (the scalar lowering in lower.py writes ``h.<name>``), plus
+Same names as cpu/rt.py (the scalar lowering in lower/exprs.py writes ``h.<name>``), plus
 the CUDA-only ones the emitter uses (``shfl_xor``, ``shfl_xor_bool``, ``math``).
 
 Two layers, so that the simulator tests the code that runs on the GPU wherever it can:
@@ -153,7 +153,7 @@ if not SIMULATOR:
     for _name in _WRITTEN_ONCE:
         globals()[_name] = _cuda.jit(device=True, inline=True)(globals()[_name])
 
-# The names lower.py writes, mapped onto the helpers above.  float32 and float64
+# The names lower/exprs.py writes, mapped onto the helpers above.  float32 and float64
 # share one (type-generic) definition where the math does not depend on the type.
 acc_max, acc_min = maximum, minimum
 exp_f32 = exp_f64 = exp_nonpos_f32 = exp_nonpos_f64 = exp

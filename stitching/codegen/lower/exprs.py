@@ -4,7 +4,7 @@ The emitters (cpu.py today, a CUDA emitter later) own the loop structure; this
 module owns *what each op computes* on one element, as a Python expression over
 argument variable names, typed constants, and helper functions reached as
 ``h.<name>``.  Each target supplies a helper module with the same names
-(cpu_rt.py for the CPU): fabs, sqrt, floor, ceil, roundeven, maximum, minimum,
+(cpu/rt.py for the CPU): fabs, sqrt, floor, ceil, roundeven, maximum, minimum,
 copysign, the fast-math functions ``<fn>_f32``/``<fn>_f64``, casts ``f2i32``/
 ``f2i64``/``quant_f16``/``quant_bf16``, ``acc_*`` reduction steps, ``mean_int``.
 
