@@ -625,3 +625,22 @@ def test_a_slow_first_call_names_background_compile_once(monkeypatch, capsys):
     monkeypatch.setenv("STITCHING_NO_HINTS", "1")
     stitching.function(lambda x: tf.exp(x) * 3.0 + 1.0)(tf.zeros([2, 3]))
     assert "background_compile" not in capsys.readouterr().err
+
+
+def test_a_new_rank_is_traced_exactly_not_relaxed_to_unknown_rank():
+    # regression: relaxing through tf.function(reduce_retracing=True) turned a rank
+    # change into an unknown-rank trace, which fuses nothing
+    traces = []
+
+    @stitching.function
+    def f(x):
+        traces.append(x.shape.rank)
+        return tf.tanh(x) * 2.0 + 1.0
+
+    f(tf.zeros([2, 8]))
+    f(tf.zeros([3, 8, 4]))
+    assert traces == [2, 3] and len(f.report.kernels) == 1
+    g = stitching.function(lambda x: tf.tanh(x) * 2.0 + 1.0)
+    g(x=tf.zeros([2, 8]))              # keyword calls take tf.function's path
+    g(x=tf.zeros([3, 8, 4]))
+    assert len(g.report.kernels) == 1

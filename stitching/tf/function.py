@@ -67,8 +67,12 @@ class StitchedFunction:
         # None: relax shapes (module docstring); a fixed input_signature leaves nothing to
         self._relax = input_signature is None and reduce_retracing is not False
         self._reduce_retracing = reduce_retracing
+        # Calls that do not take the eager fast path keep tf.function's own rule: its
+        # reduce_retracing would relax a rank change to an unknown rank, which no kernel
+        # can serve (only an explicit True asks for it).
         self._tf_function = tf.function(self._trace, input_signature=input_signature,
-                                        autograph=False, reduce_retracing=self._relax)
+                                        autograph=False,
+                                        reduce_retracing=bool(reduce_retracing))
         self._concrete = {}          # ((dtype, shape), ...) of eager args -> ConcreteFunction
         self._shapes = {}            # family ((dtype, rank), ...) -> shapes seen
         self._general = {}           # family -> [(relaxed shapes, ConcreteFunction)]
