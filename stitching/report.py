@@ -33,6 +33,7 @@ class Report:
     code_objects: int = 0      # distinct native codes (kernel.code_name) serving them
     notes: list = field(default_factory=list)
     explanation: list = field(default_factory=list)   # per kernel: alternatives and scores
+    profile: str = ""          # the device profile the cost model planned with (its source)
 
     @property
     def coverage(self) -> float:
@@ -59,6 +60,7 @@ class Report:
             "compile_seconds": round(self.compile_seconds, 3),
             "notes": list(self.notes),
             "explanation": list(self.explanation),
+            "profile": self.profile,
         }
 
     def summary(self) -> str:
@@ -68,6 +70,8 @@ class Report:
                  f"kernel(s) ({self.unique_kernels} distinct specs served by "
                  f"{self.code_objects} compiled kernel(s); planned and compiled in "
                  f"{self.compile_seconds:.1f}s)"]
+        if self.profile:
+            lines.append(f"  cost model's device profile: {self.profile}")
         for k in self.kernels:
             ops = ", ".join(t for _, t in k.ops)
             lines.append(f"  {k.name}: {len(k.ops)} ops [{ops}] — {k.schedule}")

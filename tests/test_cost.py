@@ -250,3 +250,83 @@ def test_the_schedule_stage_gives_the_cost_model_its_schedules(monkeypatch):
     assert cost._scheduler is build_schedule
     monkeypatch.setattr(cost, "_scheduler", None)
     assert kernel_shape(ln_spec(64, 1024)).source == "estimate"
+
+
+# ---- calibration (tools/calibrate.py writes these profiles) ---------------------------
+
+def _center_cols():
+    """x - mean(x, axis 0) over [4096, 64]: a column reduction and its broadcast consumer."""
+    return (G().input("x", [4096, 64]).op("m", "Mean", ["x"], axes=[0], keep_dims=True)
+            .op("d", "Sub", ["x", "m"]).op("e", "Exp", ["x"]).op("s", "Sum", ["x"], axes=[1], keep_dims=False)
+            .build("d", "e", "s"))
+
+
+def test_tf_classes_follow_the_reduced_axes():
+    t = lambda *s: cost.TensorType(F, s)     # noqa: E731
+    assert cost.tf_class("Sum", {"axes": [1]}, t(8, 64), False) == "row_reduction"
+    assert cost.tf_class("Mean", {"axes": [-2, -1]}, t(2, 8, 64), False) == "row_reduction"
+    assert cost.tf_class("Sum", {"axes": [0]}, t(8, 64), False) == "column_reduction"
+    assert cost.tf_class("Max", {"axes": [0, 1]}, t(2, 8, 64), False) == "column_reduction"
+    assert cost.tf_class("Softmax", {}, t(8, 64), True) == "softmax"
+    assert cost.tf_class("Exp", {}, t(8, 64), True) == "transcendental"
+    assert cost.tf_class("Add", {}, t(8, 64), False) == "elementwise"
+
+
+def test_a_class_factor_scales_only_that_class_of_unfused_ops():
+    g = _center_cols()
+    plain = costs(g)
+    scaled = costs(g, profiles.with_overrides(CPU, tf_time_scale={"column_reduction": 3.5}))
+    i = {n: plain.index[n] for n in ("m", "d", "e", "s")}
+    assert scaled.unfused[i["m"]] == pytest.approx(3.5 * plain.unfused[i["m"]])
+    for n in ("d", "e", "s"):
+        assert scaled.unfused[i[n]] == plain.unfused[i[n]]
+    # what fusing the column reduction with its consumer gains grows by what TF loses
+    P = pattern(plain, "m", "d")
+    assert scaled.gain(P) == pytest.approx(plain.gain(P) + 2.5 * plain.unfused[i["m"]])
+
+
+def test_profile_file_round_trip_and_env_override(tmp_path, monkeypatch):
+    path = str(tmp_path / "p.json")
+    prof = profiles.with_overrides(CPU, name="mine", tf_time_scale={"softmax": 0.5})
+    profiles.save_file(prof, path, note="test")
+    got = profiles.load_file(path)
+    assert got.tf_time_scale == {"softmax": 0.5} and got.bandwidth == CPU.bandwidth
+    assert got.source == f"mine from {path}"
+    monkeypatch.delenv("STITCHING_PROFILE", raising=False)
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", path)
+    assert profiles.default() == got
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: "not json", "not JSON"),
+    (lambda d: {**d, "version": 99}, "expected version"),
+    (lambda d: {**d, "profile": {**d["profile"], "bogus": 1}}, "unknown fields"),
+    (lambda d: {**d, "profile": {**d["profile"], "bandwidth": -1}}, "bandwidth must be"),
+    (lambda d: {**d, "profile": {**d["profile"], "launch_s": float("nan")}}, "launch_s must"),
+    (lambda d: {**d, "profile": {k: v for k, v in d["profile"].items() if k != "lanes"}},
+     "missing fields"),
+    (lambda d: {**d, "profile": {**d["profile"], "tf_time_scale": {"matmul": 2}}},
+     "unknown class"),
+    (lambda d: {**d, "profile": {**d["profile"], "tf_time_scale": {"softmax": 1e6}}},
+     "outside"),
+    (lambda d: {**d, "profile": {**d["profile"], "backend": "tpu"}}, "backend must be"),
+])
+def test_a_bad_profile_file_is_refused_naming_the_problem(tmp_path, change, message):
+    good = str(tmp_path / "good.json")
+    profiles.save_file(CPU, good)
+    doc = change(json.load(open(good)))
+    bad = tmp_path / "bad.json"
+    bad.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    with pytest.raises(profiles.ProfileFileError, match=message) as e:
+        profiles.load_file(str(bad))
+    assert str(bad) in str(e.value)
+
+
+def test_the_shipped_calibration_applies_to_the_measured_cpu_only(monkeypatch):
+    monkeypatch.setattr(profiles, "_SHIPPED", {"column_reduction": 3.0})
+    got = profiles.calibrated(profiles.with_overrides(CPU, name="cpu", source="measured"))
+    assert got.tf_time_scale == {"column_reduction": 3.0}
+    assert got.source == "measured + shipped calibration"
+    assert profiles.calibrated(V100) is V100                 # GPU profiles: as pinned
+    mine = profiles.with_overrides(CPU, tf_time_scale={"softmax": 2.0})
+    assert profiles.calibrated(mine) is mine                 # its own factors win

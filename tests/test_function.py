@@ -644,3 +644,18 @@ def test_a_new_rank_is_traced_exactly_not_relaxed_to_unknown_rank():
     g(x=tf.zeros([2, 8]))              # keyword calls take tf.function's path
     g(x=tf.zeros([3, 8, 4]))
     assert len(g.report.kernels) == 1
+
+
+def test_the_report_names_the_device_profile_it_planned_with(tmp_path, monkeypatch):
+    from stitching.plan import profiles
+    f = stitching.function(lambda x: tf.tanh(x) * 2.0 + 1.0)
+    f(tf.zeros([2, 3]))
+    assert "cpu" in f.report.profile and f.report.profile in f.report.summary()
+    path = str(tmp_path / "mine.json")
+    profiles.save_file(profiles.with_overrides(profiles.get("cpu-reference"), name="mine"),
+                       path)
+    monkeypatch.delenv("STITCHING_PROFILE", raising=False)
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", path)
+    g = stitching.function(lambda x: tf.tanh(x) * 3.0 + 1.0)
+    g(tf.zeros([2, 3]))
+    assert g.report.profile == f"mine from {path}"

@@ -7,7 +7,10 @@ levels, as in FusionStitching:
   delta evaluator  GraphCosts.delta(pattern)        during search, O(|pattern|), memoized
   ─────────────────────────────────────────────────────────────────────────────────────
     gain(P)      = Σ unfused(op ∈ P) − fused(P)                       (> 0: fusing pays)
-    unfused(op)  = launch + task + max(passes · bytes in+out / bw(lanes(op)), transc. / rate)
+    unfused(op)  = scale(class(op)) · (launch + task + max(passes · bytes in+out / bw(lanes(op)),
+                                                          transc. / rate))
+                   scale: the profile's measured TF time over this estimate for the op's
+                   class (tf_class; profiles.py "Calibration"), 1 where not calibrated
                    passes = legality.work(op): 1, or more for a composite TF op (Softmax
                    4, FusedBatchNorm 2: legality.COMPOSITE_PASSES) whose TF kernel walks
                    its data more than once
@@ -106,6 +109,20 @@ def geometry(op: str, attrs: dict, x: TensorType) -> Geometry | None:
     return Geometry(max(1, n // max(1, row)), row, False)
 
 
+def tf_class(op: str, attrs: dict, x: TensorType | None, transcendental: bool) -> str:
+    """The calibration class of one op left to TF (profiles.TF_CLASSES)."""
+    if op in _SOFTMAX:
+        return "softmax"
+    d = OPS.get(op)
+    if d is not None and d.kind == Kind.REDUCTION and x is not None and x.shape is not None:
+        rank = len(x.shape)
+        axes = sorted({a % rank for a in attrs.get("axes", ()) if -rank <= a < rank}) \
+            if rank else []
+        trailing = axes == list(range(rank - len(axes), rank))
+        return "row_reduction" if trailing else "column_reduction"
+    return "transcendental" if transcendental else "elementwise"
+
+
 def elementwise_lanes(p: DeviceProfile, n: int) -> int:
     """Lanes an element-wise loop over n elements keeps busy."""
     if p.backend == "cpu":
@@ -157,7 +174,8 @@ class GraphCosts:
         self.names = list(order)
         fetched = {(r.node, r.index) for r in graph.outputs}
         cons = graph.consumers()
-        size, ins, outs, pinned, unf, work, red, tr, item = ([] for _ in range(9))
+        size, ins, outs, pinned, unf, work, red, tr, item, scale = ([] for _ in range(10))
+        factors = profile.tf_time_scale
         for name in order:
             node = graph[name]
             ins.append(self._inputs(graph, node))
@@ -169,7 +187,11 @@ class GraphCosts:
                        if node.inputs else None)
             tr.append(self._transcendentals(node))
             outs.append(sum(nbytes(t) for t in node.outputs))
+            scale.append(factors.get(tf_class(
+                node.op, node.attrs, graph.type_of(node.inputs[0]) if node.inputs else None,
+                tr[-1] > 0), 1.0) if factors else 1.0)
         self.size, self.ins, self.pinned, self.work = size, ins, pinned, work
+        self.scale = scale
         self.red, self.tr, self.item = red, tr, item
         self.cons = [frozenset(self.index[c] for c in cons[n]) for n in order]
         # elements of the largest value an op touches (a reduction's is its input)
@@ -209,7 +231,7 @@ class GraphCosts:
         p = self.profile
         lanes = elementwise_lanes(p, self.count[i])
         mem = self.io_bytes[i] / p.bw_at(lanes)
-        return p.launch_s + p.task_s + max(mem, _compute_s(p, self.tr[i], lanes))
+        return self.scale[i] * (p.launch_s + p.task_s + max(mem, _compute_s(p, self.tr[i], lanes)))
 
     def unfused_s(self, members) -> float:
         return sum(self.unfused[v] for v in members)

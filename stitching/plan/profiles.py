@@ -9,6 +9,16 @@
                                             cached as JSON under $STITCHING_CACHE_DIR or
                                             ~/.cache/stitching (device-profile-cpu.json)
 
+Calibration.  The cost model prices an op left to TF as its memory traffic at the
+profile's bandwidth.  TF's kernels do not all reach it (its column reductions measured
+at about a quarter of it here), so a profile carries ``tf_time_scale``: per op class
+(TF_CLASSES), measured TF time over the model's estimate.  ``tools/calibrate.py``
+measures them on the running machine and writes a profile file; the factors it measured
+on this project's 2-core machine ship with the package (``calibration-cpu.json`` beside
+this file) and apply to the measured CPU profile.  ``STITCHING_DEVICE_PROFILE=<file>``
+plans with a profile file instead (one ``tools/calibrate.py`` wrote); the report names the
+profile it planned with (``DeviceProfile.source``).
+
 A *lane* is the unit of parallelism that pulls memory bandwidth: a core on the CPU, a
 resident thread on a GPU.  ``bw_at(active_lanes)`` is the bandwidth that many active lanes
 reach: linear in lanes until the device saturates.  ``STITCHING_PROFILE=<name>`` pins the
@@ -23,12 +33,18 @@ import math
 import os
 import threading
 import time
+from dataclasses import MISSING as dataclasses_MISSING
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .. import cachedir
 
 PROFILE_VERSION = 1
 CACHE_FILE = "device-profile-cpu.json"
+# Op classes whose TF kernels the calibration times (cost.tf_class says which is which).
+TF_CLASSES = ("elementwise", "transcendental", "row_reduction", "column_reduction",
+              "softmax")
+CALIBRATION_FILE = os.path.join(os.path.dirname(__file__), "calibration-cpu.json")
+_SCALE_RANGE = (0.05, 50.0)    # arbitrary sanity bounds on a measured factor
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,8 @@ class DeviceProfile:
     transcendental_per_s: float  # exp/tanh/erf evaluations per second, whole device
     caches: dict = field(default_factory=dict)   # level -> bytes (informational)
     measured: bool = False
+    tf_time_scale: dict = field(default_factory=dict)   # TF_CLASSES -> factor (default 1)
+    source: str = ""             # where the numbers came from (the report shows it)
 
     def bw_at(self, active_lanes: float) -> float:
         """Bandwidth with ``active_lanes`` lanes busy (at least one)."""
@@ -125,8 +143,109 @@ def get(name: str) -> DeviceProfile:
 
 
 def default() -> DeviceProfile:
-    """What the pipeline plans with: $STITCHING_PROFILE, else the measured CPU."""
-    return get(os.environ.get("STITCHING_PROFILE") or "cpu")
+    """What the pipeline plans with: $STITCHING_PROFILE (a pinned name), else the file
+    $STITCHING_DEVICE_PROFILE, else the measured CPU with the shipped calibration."""
+    name = os.environ.get("STITCHING_PROFILE")
+    if name:
+        return get(name)
+    path = os.environ.get("STITCHING_DEVICE_PROFILE")
+    if path:
+        return load_file(path)
+    return calibrated(get("cpu"))
+
+
+# ---- calibration ---------------------------------------------------------------------------
+
+class ProfileFileError(ValueError):
+    """A device profile file that cannot be used (names the file and the problem)."""
+
+
+def calibrated(profile: DeviceProfile) -> DeviceProfile:
+    """``profile`` with the shipped TF time factors where it has none of its own."""
+    if profile.tf_time_scale or profile.backend != "cpu":
+        return profile
+    scale = _shipped_scale()
+    if not scale:
+        return profile
+    return replace(profile, tf_time_scale=scale,
+                   source=(profile.source or profile.name) + " + shipped calibration")
+
+
+_SHIPPED = None
+
+
+def _shipped_scale() -> dict:
+    global _SHIPPED
+    if _SHIPPED is None:
+        try:
+            _SHIPPED = load_file(CALIBRATION_FILE).tf_time_scale
+        except (OSError, ProfileFileError):
+            _SHIPPED = {}
+    return _SHIPPED
+
+
+def load_file(path: str) -> DeviceProfile:
+    """A profile file written by ``save_file`` (tools/calibrate.py), checked field by
+    field: numbers positive and finite, known fields only, factors for known classes."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ProfileFileError(f"device profile {path}: cannot read it ({e.strerror})") \
+            from None
+    except ValueError as e:
+        raise ProfileFileError(f"device profile {path}: not JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("version") != PROFILE_VERSION:
+        raise ProfileFileError(f"device profile {path}: expected version {PROFILE_VERSION}")
+    d = doc.get("profile")
+    known = {f.name for f in fields(DeviceProfile)}
+    if not isinstance(d, dict) or set(d) - known:
+        raise ProfileFileError(f"device profile {path}: unknown fields "
+                               f"{sorted(set(d or {}) - known) if isinstance(d, dict) else d}")
+    missing = {f.name for f in fields(DeviceProfile) if f.default is dataclasses_MISSING} - set(d)
+    if missing:
+        raise ProfileFileError(f"device profile {path}: missing fields {sorted(missing)}")
+    for k, v in d.items():
+        if k in ("name", "backend", "source"):
+            if not isinstance(v, str):
+                raise ProfileFileError(f"device profile {path}: {k} must be a string")
+        elif k == "caches":
+            if not isinstance(v, dict):
+                raise ProfileFileError(f"device profile {path}: caches must be an object")
+        elif k == "tf_time_scale":
+            _check_scale(path, v)
+        elif k != "measured" and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      and math.isfinite(v) and v > 0):
+            raise ProfileFileError(f"device profile {path}: {k} must be a positive number, "
+                                   f"got {v!r}")
+    if d["backend"] not in ("cpu", "cuda"):
+        raise ProfileFileError(f"device profile {path}: backend must be cpu or cuda")
+    prof = DeviceProfile.from_dict(d)
+    return replace(prof, source=f"{prof.name} from {path}")
+
+
+def _check_scale(path, scale) -> None:
+    if not isinstance(scale, dict):
+        raise ProfileFileError(f"device profile {path}: tf_time_scale must be an object")
+    lo, hi = _SCALE_RANGE
+    for k, v in scale.items():
+        if k not in TF_CLASSES:
+            raise ProfileFileError(f"device profile {path}: tf_time_scale has unknown class "
+                                   f"{k!r}; classes are {', '.join(TF_CLASSES)}")
+        if not (isinstance(v, (int, float)) and lo <= v <= hi):
+            raise ProfileFileError(f"device profile {path}: tf_time_scale[{k!r}] = {v!r} is "
+                                   f"outside [{lo}, {hi}]")
+
+
+def save_file(profile: DeviceProfile, path: str, note: str = "") -> None:
+    """Write ``profile`` as a profile file (atomically)."""
+    _check_scale(path, profile.tf_time_scale)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"version": PROFILE_VERSION, "note": note, "profile": profile.to_dict()},
+                  f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 # ---- the measured CPU profile -------------------------------------------------------------
@@ -252,7 +371,8 @@ def measure_cpu() -> DeviceProfile:
         units=cores, cache_bandwidth=cache_bw, scratch_per_task=l2,
         scratch_per_unit=l2, registers_per_unit=16, max_threads_per_task=1,
         max_threads_per_unit=1, vector_bytes=32, launch_s=_CPU_LAUNCH_S, task_s=_CPU_TASK_S,
-        transcendental_per_s=exp_rate, caches=caches, measured=True)
+        transcendental_per_s=exp_rate, caches=caches, measured=True,
+        source="cpu (measured on this machine)")
 
 
 def _best(fn, reps=3) -> float:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from .. import report as _report
 from ..options import Options
 from ..plan import cache as plan_cache
-from ..plan import get_planner, legality
+from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import frontend, gemm, opnames, rewrite
 
@@ -148,6 +148,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
                          f"MatMul each (tf/gemm.py; Options(gemm=False) keeps them)")
     rep.compile_seconds = time.perf_counter() - t0
+    prof = profiles.default()
+    rep.profile = prof.source or prof.name
     return StitchResult(new_gdef, rep, kernels)
 
 

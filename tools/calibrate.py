@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Calibrate the cost model's price of ops left to TF, on this machine.
+
+    python tools/calibrate.py                         # print the table, write nothing
+    python tools/calibrate.py --out my-profile.json   # a profile file for this machine:
+        STITCHING_DEVICE_PROFILE=my-profile.json python ...   plans with it
+    python tools/calibrate.py --ship                  # the package's default factors
+                                                      # (stitching/plan/calibration-cpu.json)
+
+For each op class the cost model tells apart (``plan.cost.tf_class``: element-wise,
+transcendental, row reduction, column reduction, softmax) and each size (1, 4, 16, 64 MiB
+of float32 input), one TF op runs alone in a ``tf.function`` (median of timed repeats,
+after warm-up calls, less the same function's call overhead measured on an identity);
+the cost model prices the same op from the measured device profile
+(``GraphCosts.unfused`` with no calibration).  A class's factor is the median of measured
+over modelled across its shapes and sizes; the profile file holds the measured device
+profile with those factors (``DeviceProfile.tf_time_scale``).  Recalibrate after a
+change of machine, TF version or cost model; on a shared machine run it when idle (it
+prints the copy bandwidth it saw, to judge).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+
+from stitching.ir.graph import Graph, Node, TensorType, ValueRef  # noqa: E402
+from stitching.plan import profiles  # noqa: E402
+from stitching.plan.cost import GraphCosts, tf_class  # noqa: E402
+
+SIZES_MIB = (1, 4, 16, 64)
+
+
+def cases(mib: int):
+    """(class, TF function builder, IR op, attrs, input shape) per op class at one size."""
+    import tensorflow as tf
+    n = mib * (1 << 20) // 4
+    yield ("elementwise", lambda x: x * 1.5 + 0.5, "Mul", {}, (n // 1024, 1024))
+    yield ("transcendental", tf.exp, "Exp", {}, (n // 1024, 1024))
+    for cols in (64, 1024):
+        yield ("row_reduction", lambda x: tf.reduce_sum(x, axis=-1), "Sum",
+               {"axes": [1], "keep_dims": False}, (n // cols, cols))
+        yield ("column_reduction", lambda x: tf.reduce_sum(x, axis=0), "Sum",
+               {"axes": [0], "keep_dims": False}, (n // cols, cols))
+    yield ("softmax", tf.nn.softmax, "Softmax", {}, (n // 1024, 1024))
+
+
+def modelled(profile, op, attrs, shape) -> float:
+    """The cost model's time for ``op`` on a float32 input of ``shape`` left to TF."""
+    x = TensorType("float32", tuple(shape))
+    axes = attrs.get("axes", ())
+    y = TensorType("float32", tuple(d for i, d in enumerate(shape) if i not in axes))
+    g = Graph([Node("x", "Placeholder", outputs=[x]),
+               Node("y", op, [ValueRef("x")], dict(attrs), [y])], [ValueRef("y")])
+    order = g.topo_order()
+    return GraphCosts(g, profile, order).unfused[order.index("y")]
+
+
+def measured(fn, shape, min_time=0.2) -> float:
+    import tensorflow as tf
+    f = tf.function(fn)
+    x = tf.constant(np.random.default_rng(0).standard_normal(shape, np.float32))
+    for _ in range(3):
+        f(x).numpy()
+    reps, times = 1, []
+    t = time.perf_counter()
+    f(x).numpy()
+    reps = max(1, int(0.02 / max(1e-6, time.perf_counter() - t)))
+    deadline = time.perf_counter() + min_time
+    while len(times) < 5 or time.perf_counter() < deadline:
+        t = time.perf_counter()
+        for _ in range(reps):
+            f(x)
+        f(x).numpy()
+        times.append((time.perf_counter() - t) / (reps + 1))
+    return statistics.median(times)
+
+
+def calibrate(sizes=SIZES_MIB, log=print) -> tuple:
+    base = profiles.measured_cpu(remeasure=True)
+    call = measured(lambda x: x + 0.0, (1, 1))      # a tf.function call around the op
+    log(f"device: {base.lanes} cores, copy bandwidth {base.bandwidth / 1e9:.1f} GB/s "
+        f"(measured now); tf.function call overhead {call * 1e6:.0f} us (subtracted)")
+    ratios: dict = {c: [] for c in profiles.TF_CLASSES}
+    log(f"{'class':18s} {'shape':>16s} {'MiB':>4s} {'TF ms':>8s} {'model ms':>9s} {'ratio':>6s}")
+    for mib in sizes:
+        for cls, fn, op, attrs, shape in cases(mib):
+            assert tf_class(op, attrs, TensorType("float32", shape),
+                            op in ("Exp",)) == cls, (op, cls)
+            t_model = modelled(base, op, attrs, shape)
+            t_tf = max(measured(fn, shape) - call, t_model * 0.05)
+            ratios[cls].append(t_tf / t_model)
+            log(f"{cls:18s} {str(shape):>16s} {mib:4d} {t_tf * 1e3:8.3f} {t_model * 1e3:9.3f} "
+                f"{t_tf / t_model:6.2f}")
+    scale = {c: round(min(max(statistics.median(r), 0.05), 50.0), 3)
+             for c, r in ratios.items() if r}
+    return base, scale
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write a profile file for this machine")
+    ap.add_argument("--ship", action="store_true",
+                    help=f"write the package's default factors ({profiles.CALIBRATION_FILE})")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES_MIB)),
+                    help="input sizes in MiB (default %(default)s)")
+    args = ap.parse_args(argv)
+    base, scale = calibrate(tuple(int(s) for s in args.sizes.split(",")))
+    print("tf_time_scale:", scale)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    prof = profiles.with_overrides(base, tf_time_scale=scale, name="cpu-calibrated",
+                                   source=f"tools/calibrate.py, {when}")
+    note = (f"tools/calibrate.py at {when} on {os.cpu_count()} cores, "
+            f"sizes {args.sizes} MiB")
+    for path in filter(None, (args.out, args.ship and profiles.CALIBRATION_FILE)):
+        profiles.save_file(prof, path, note)
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
