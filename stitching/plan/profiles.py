@@ -123,8 +123,15 @@ def get(name: str) -> DeviceProfile:
 
 
 def default() -> DeviceProfile:
-    """What the pipeline plans with: $STITCHING_PROFILE, else the measured CPU."""
-    return get(os.environ.get("STITCHING_PROFILE") or "cpu")
+    """What the pipeline plans with: $STITCHING_PROFILE, else the measured CPU.
+
+    ``STITCHING_PROFILE=1`` (true/on/yes) names no device: it turns on the op's
+    per-kernel timing (runtime.set_profiling) and plans for the measured CPU."""
+    name = os.environ.get("STITCHING_PROFILE") or "cpu"
+    return get("cpu" if name.lower() in _PROFILING_ON else name)
+
+
+_PROFILING_ON = ("1", "true", "on", "yes")   # op.cc's ProfileFromEnv
 
 
 # ---- the measured CPU profile -------------------------------------------------------------
