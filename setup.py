@@ -9,7 +9,8 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["stitching", "stitching.*"]),
-    package_data={"stitching.runtime": ["*.cc", "*.h"]},
+    package_data={"stitching.runtime": ["*.cc", "*.h"],
+                  "stitching.inspect": ["schema/*.json"]},
     python_requires=">=3.10",
     install_requires=[
         "numpy",
@@ -19,8 +20,12 @@ setup(
         # TF is optional for the TF-free layers (IR, schedule, codegen, CUDA harness).
         "tf": ["tensorflow-cpu==2.21.0"],
         "cuda": ["numba-cuda"],
+        # stitching.inspect: drawings, schema validation (the notebooks use these)
+        "inspect": ["networkx", "matplotlib", "jsonschema"],
         "test": ["tensorflow-cpu==2.21.0", "pytest", "hypothesis", "matplotlib",
-                 "numba-cuda"],
+                 "numba-cuda", "networkx", "jsonschema",
+                 # notebooks/ are executed by tests/test_notebooks.py
+                 "nbformat", "nbclient", "ipykernel"],
     },
     entry_points={"console_scripts": ["stitching-rewrite=stitching.tf.cli:main"]},
 )

@@ -33,6 +33,7 @@ class Report:
     code_objects: int = 0      # distinct native codes (kernel.code_name) serving them
     notes: list = field(default_factory=list)
     explanation: list = field(default_factory=list)   # per kernel: alternatives and scores
+    dump_path: str | None = None   # the graph dump of this trace, when dumping is on
 
     @property
     def coverage(self) -> float:
