@@ -145,7 +145,7 @@ def draw_graph(dump, ax=None, layout: str = "auto", labels: bool | None = None):
         # beside the region's middle node: a member far off (a weight's Reshape drawn
         # among the inputs) must not drag the label away from the rest
         x, y = sorted(pts, key=lambda p: p[1])[len(pts) // 2]
-        ax.annotate(k.name.split("/")[-1], (x, y), xytext=(8, 0), textcoords="offset points",
+        ax.annotate(k.name.split("/")[-1], (x, y), xytext=(14, 0), textcoords="offset points",
                     fontsize=8, fontweight="bold", color=colors[k.name], va="center",
                     bbox=dict(boxstyle="round,pad=0.2", fc="white", ec=colors[k.name]))
     legend = [Patch(fc="lightgrey", ec="red", label="memory-intensive, left to TF"),

@@ -96,8 +96,9 @@ def _write(path, name, options, graph_before, graph_after, ir, the_plan, regions
     files["ir"] = _write_text(path, "ir.txt", ir.pretty() + "\n")
     profile = profiles.default()
     costs = _graph_costs(ir, profile)
-    entries = [_kernel_entry(path, reg, kname, label, k, ir, profile, costs)
-               for reg, kname, label, k in zip(regions, kernel_names, labels, kernels)]
+    entries = [_kernel_entry(path, reg, kname, label, k, ir, profile, costs, info)
+               for reg, kname, label, k, info in zip(regions, kernel_names, labels, kernels,
+                                                     report.kernels)]
     doc = {
         "schema": SCHEMA, "version": VERSION,
         "function": name, "id": os.path.basename(path),
@@ -179,7 +180,7 @@ def _graph_costs(ir, profile):
         return None
 
 
-def _kernel_entry(path, reg, kname, label, k, ir, profile, costs) -> dict:
+def _kernel_entry(path, reg, kname, label, k, ir, profile, costs, info) -> dict:
     spec = reg.spec
     d = os.path.join("kernels", _safe(kname))
     files = {"spec": _write_text(path, os.path.join(d, "spec.json"),
@@ -194,7 +195,9 @@ def _kernel_entry(path, reg, kname, label, k, ir, profile, costs) -> dict:
         "name": kname, "label": label, "spec_hash": spec.hash,
         "code_name": getattr(k, "code_name", None),
         "nodes": list(reg.nodes),
-        "ops": [{"node": m, "op": ir[m].op} for m in reg.nodes],
+        # the TF op type as the report names it (the IR's where no TF node has the name)
+        "ops": [{"node": m, "op": op if op != "?" else ir[m].op, "ir_op": ir[m].op}
+                for m, op in info.ops],
         "inputs": [{"ref": str(r), **_type_dict(ir.type_of(r))} for r in reg.inputs],
         "outputs": [{"ref": str(r), **_type_dict(ir.type_of(r))} for r in reg.outputs],
         "kind": str(getattr(getattr(sched, "kind", None), "value", "") or ""),
