@@ -222,3 +222,34 @@ def test_drawings(transformer_dump):
     peaks = {"bandwidth": 1e10, "flops": 1e11}
     ax = si.roofline(d, peaks)
     assert len(ax.lines) >= 1 + len(d.kernels)
+
+
+def test_stitching_profile_1_names_no_device(monkeypatch):
+    """STITCHING_PROFILE=1 turns the op's timing on; it must not be read as a device."""
+    from stitching.plan import profiles
+    monkeypatch.setenv("STITCHING_PROFILE", "1")
+    assert profiles.default() == profiles.get("cpu")
+
+
+_ENV_PROCESS = """
+import tensorflow as tf, stitching
+f = stitching.function(lambda x: tf.nn.softmax(x * 2.0))
+for _ in range(4):
+    f(tf.ones([2, 8]))
+"""
+
+
+def test_environment_dumps_and_profiles_a_process(tmp_path):
+    """STITCHING_DUMP_DIR + STITCHING_PROFILE=1, nothing in the code: the dump gets
+    its profile.json when the process ends."""
+    import subprocess
+    import sys
+    env = dict(os.environ, STITCHING_DUMP_DIR=str(tmp_path), STITCHING_PROFILE="1",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", _ENV_PROCESS], env=env, timeout=240,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = si.load_dump(tmp_path)
+    si.validate_dump(d.path)
+    (k,) = d.kernels
+    assert k.measured["calls"] == 4 and k.measured["bytes"] == 4 * 2 * (2 * 8 * 4)
