@@ -3,6 +3,7 @@ TensorBoard read-back, and what a dump refuses to read."""
 import glob
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -222,6 +223,9 @@ def test_drawings(transformer_dump):
     peaks = {"bandwidth": 1e10, "flops": 1e11}
     ax = si.roofline(d, peaks)
     assert len(ax.lines) >= 1 + len(d.kernels)
+    if shutil.which("dot"):                    # Graphviz's layout, when installed
+        ax = si.draw_graph(d, layout="dot")
+        assert {t.get_text() for t in ax.texts} >= {k.name.split("/")[-1] for k in d.kernels}
 
 
 def test_stitching_profile_1_names_no_device(monkeypatch):

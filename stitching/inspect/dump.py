@@ -225,7 +225,9 @@ def _estimate(spec, reg, ir, profile, costs) -> dict:
     flops = 0
     for n in spec.nodes:
         info = OPS.get(n.op)
-        if info is None or not n.args:
+        # reshapes, identities and casts move or relabel data: no arithmetic
+        if info is None or not n.args or info.kind in (Kind.LAYOUT, Kind.SOURCE) \
+                or n.op in _NO_FLOP:
             continue
         size = (cost.elems(spec.type_of(n.args[0])) if info.kind == Kind.REDUCTION
                 else cost.elems(n.type))
@@ -237,6 +239,9 @@ def _estimate(spec, reg, ir, profile, costs) -> dict:
             "bytes_unfused": unfused_bytes,
             "flops": int(flops), "transcendentals": int(ks.transcendentals) if ks else 0,
             "shapes_known": bool(ks.rows_known) if ks else False}
+
+
+_NO_FLOP = frozenset({"Identity", "Reshape", "Cast", "StopGradient", "Snapshot"})
 
 
 def _plan_dict(the_plan, failed, report) -> dict:
