@@ -257,3 +257,16 @@ def test_environment_dumps_and_profiles_a_process(tmp_path):
     si.validate_dump(d.path)
     (k,) = d.kernels
     assert k.measured["calls"] == 4 and k.measured["bytes"] == 4 * 2 * (2 * 8 * 4)
+
+
+def test_baseline_planner_dump_records_refused_merges(tmp_path):
+    """Planners without a cost model still explain themselves: the merges they refused."""
+    f = stitching.function(lambda x: tf.nn.softmax(x * 2.0) + 1.0,
+                           options=stitching.Options(dump_dir=str(tmp_path),
+                                                     planner="baseline"))
+    f(tf.ones([4, 16]))
+    d = si.load_dump(tmp_path)
+    si.validate_dump(d.path)
+    assert d.plan["planner_decisions"] == []
+    reasons = {m["reason"] for m in d.plan["refused_merges"]}
+    assert "baseline (XLA-like loop fusion): a reduction ends a kernel" in reasons
