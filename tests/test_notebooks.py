@@ -16,20 +16,14 @@ NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 
 def _run(name, tmp_path, env=None):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    try:
-        t = time.perf_counter()
-        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                resources={"metadata": {"path": str(tmp_path)}}).execute()
-        seconds = time.perf_counter() - t
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # the kernel's own environment: inline figures even where MPLBACKEND says Agg
+    kernel_env = dict(os.environ, **(env or {}),
+                      MPLBACKEND="module://matplotlib_inline.backend_inline")
+    t = time.perf_counter()
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}
+                            ).execute(env=kernel_env)
+    seconds = time.perf_counter() - t
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if "image/png" in o.get("data", {})]
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
