@@ -1,31 +1,52 @@
-"""stitching: fuse TensorFlow's memory-intensive ops into generated kernels."""
+"""stitching: fuse TensorFlow's memory-intensive ops into generated kernels.
+
+Dependencies
+------------
+Core (``install_requires``) is what the TF-free layers need (IR, plan, schedule, codegen,
+compile): they run on the GPU machines, which have no TensorFlow.  TensorFlow is pinned
+exactly: the op library is built against its headers and ABI.  Everything else has a lower
+bound at the oldest version this project has run with.  ``tests/test_packaging.py`` reads
+this file (``ast``, so keep the lists literal) and fails when an import in ``stitching/``,
+``tests/``, ``tools/`` or ``notebooks/`` is not declared here.
+"""
+import os
+
 from setuptools import find_packages, setup
+
+TF = ["tensorflow-cpu==2.21.0", "keras>=3.0", "ml_dtypes>=0.4", "protobuf>=4.21"]
 
 setup(
     name="stitching",
     version="0.1.0",
     description="FusionStitching-style fusion of memory-intensive TensorFlow ops into "
                 "Numba-generated kernels that run as a real TF op",
-    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["stitching", "stitching.*"]),
     package_data={"stitching.runtime": ["*.cc", "*.h"],
                   "stitching.inspect": ["schema/*.json"]},
     python_requires=">=3.10",
     install_requires=[
-        "numpy",
+        "numpy>=1.26",
         "numba>=0.60",
+        "llvmlite>=0.43",        # imported directly (native.py); numba's own dependency
+        "networkx>=3.0",         # graph algorithms of the planner
     ],
     extras_require={
         # TF is optional for the TF-free layers (IR, schedule, codegen, CUDA harness).
-        "tf": ["tensorflow-cpu==2.21.0"],
-        "cuda": ["numba-cuda"],
-        # stitching.inspect: drawings, schema validation (the notebooks use these)
-        "inspect": ["networkx", "matplotlib", "jsonschema"],
-        "test": ["tensorflow-cpu==2.21.0", "pytest", "hypothesis", "matplotlib",
-                 "numba-cuda", "networkx", "jsonschema",
-                 # notebooks/ are executed by tests/test_notebooks.py
-                 "nbformat", "nbclient", "ipykernel"],
+        "tf": TF,
+        "cuda": ["numba-cuda>=0.20"],
+        # stitching.inspect: drawings and dump-schema validation (the notebooks use these)
+        "inspect": ["matplotlib>=3.8", "jsonschema>=4.0"],
+        "test": TF + ["pytest>=8.0", "hypothesis>=6.100", "matplotlib>=3.8",
+                      "numba-cuda>=0.20", "jsonschema>=4.0",
+                      # notebooks/ are executed by tests/test_notebooks.py
+                      "nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.0"],
+        # tools/gpu_bench.py on the GPU machine: PyTorch eager and torch.compile as references.
+        "gpu-bench": ["torch>=2.4", "numba-cuda>=0.20"],
+        # codegen/cpu/fastmath_fit.py refits the polynomial coefficients (scipy's special functions
+        # as the oracle); tests/test_fastmath.py uses it when present.
+        "fit": ["scipy>=1.11"],
     },
     entry_points={"console_scripts": ["stitching-rewrite=stitching.tf.cli:main"]},
 )

@@ -10,3 +10,8 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 if "STITCHING_CACHE_DIR" not in os.environ:
     import tempfile
     os.environ["STITCHING_CACHE_DIR"] = tempfile.mkdtemp(prefix="stitching-test-cache-")
+
+# The planner's cost model sees schedules through a hook the schedule stage fills on
+# import (plan/cost.py: use_scheduler), as every driver does; tests that plan without
+# the pipeline get the same cost model.
+import stitching.schedule  # noqa: E402,F401

@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 
-from stitching.codegen import compile_kernel, compile_kernels
+from stitching.compile import compile_kernel, compile_kernels
 from stitching.ir.builder import SpecBuilder
 from stitching.schedule import KernelKind, ScheduleError
 
@@ -540,7 +540,7 @@ def test_shape_function_is_a_program_run_by_one_interpreter():
     kernel) on the kernel's int64 program; no shape code is generated per kernel.  The
     compiled interpreter and its plain-Python form agree, launch hint included, and a
     word that is no opcode stops it with -1."""
-    from stitching.codegen import shape_interp, shape_program
+    from stitching.codegen.lower import shape_interp, shape_program
     spec = layernorm_spec(-1)
     k = compile_kernel(spec)
     assert "shape_fn" not in k.source and k.shape_program[-1] == shape_program.END
@@ -735,7 +735,7 @@ def test_split_column_kernel_with_consumers_matches_float64():
 def test_private_block_renames_only_its_own_names():
     """The second of two exclusive paths gets its own names: what it assigns before
     reading, and nothing read after it or coming in from before it."""
-    from stitching.codegen.cpu import _Writer
+    from stitching.codegen.lower.emitter import Writer as _Writer
     w = _Writer()
     w("L = 3")
     with w.block("if x:"):
@@ -944,7 +944,7 @@ def test_compile_kernels_dedupes_and_reports_progress():
 def test_uncached_kernels_compile_in_worker_processes(tmp_path, monkeypatch):
     """Cold batches go to worker processes that fill the disk cache; this process
     then loads every kernel from it, and the kernels compute the right thing."""
-    from stitching.codegen import is_cached, parallel
+    from stitching.compile import is_cached, parallel
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     # structurally different (their generic twins differ), and never compiled before
     # (a constant of their own: launch parameters would not make new code)
@@ -966,7 +966,7 @@ def test_a_lone_early_worker_gets_company_for_three_kernels(tmp_path, monkeypatc
     """Handed one pre-started worker (an early worker, a small graph) and three codes
     to compile, warm_cache starts the others (up to ``jobs``), which join the queue;
     every kernel is then in the disk cache."""
-    from stitching.codegen import is_cached, parallel
+    from stitching.compile import is_cached, parallel
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     spawned = []
     real = parallel._spawn
@@ -1018,13 +1018,15 @@ def test_specs_equal_up_to_node_numbering_share_one_compiled_kernel(tmp_path, mo
     """Code is cached by its canonical text (comments dropped, emitter-made names
     renumbered in order of appearance): two specs whose kernels differ only in node
     numbering compile once, and the shared code is right for both."""
-    from stitching.codegen import cpu, kernel
+    from stitching.codegen.cpu import emitter as cpu
+    from stitching.codegen.lower.emitter import canonical
+    from stitching.compile import kernel
     from stitching.schedule import build_schedule
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     a, b = _bn_add_relu_spec(False), _bn_add_relu_spec(True)
     ta, tb = (cpu.emit(build_schedule(s)).text for s in (a, b))
     assert a.hash != b.hash and ta != tb            # really two texts
-    assert cpu.canonical(ta) == cpu.canonical(tb)
+    assert canonical(ta) == canonical(tb)
     assert kernel.code_name(ta) == kernel.code_name(tb)
     ka = compile_kernel(a)
     kb = compile_kernel(b)                          # loaded: a built its code
@@ -1044,7 +1046,7 @@ def test_canonical_text_renames_within_families_only():
     """Renaming is per family of names (the letters before the number), leaves
     attributes and numbers alone, and a text it cannot rename safely (a string
     literal) is kept as it is."""
-    from stitching.codegen.cpu import canonical
+    from stitching.codegen.lower.emitter import canonical
     text = ("# spec abc\nK7 = np.float32(1e-05)\ndef body():\n    v12 = v3 + K7\n"
             "    v3_w = h.exp_f32(v12)\n    hz12 = v3\n")
     assert canonical(text) == ("K0 = np.float32(1e-05)\ndef body():\n    v0 = v1 + K0\n"
@@ -1070,7 +1072,7 @@ def test_work_estimate_counts_streamed_bytes_once_and_runs_small_work_inline():
     op.cc's inline threshold of 400000) counts a row's bytes once, not once per pass,
     and not the per-channel vectors: the Transformer's add + LayerNorm at batch 1
     (128 x 256) runs on the calling thread, at batch 8 it goes to the pool."""
-    from stitching.codegen import lower
+    from stitching.codegen.lower import exprs as lower
     from stitching.schedule import build_schedule
     k = compile_kernel(_add_layernorm_spec())
     inline_cost = 400000
@@ -1168,7 +1170,7 @@ def test_division_by_a_row_scalar_takes_its_reciprocal_once_per_row():
 def test_short_static_rows_compile_with_their_length():
     """Row kernels over static rows of at most STATIC_ROW_MAX elements are compiled
     concrete (known trip counts), so softmax at 128 and 100 are two code objects."""
-    from stitching.codegen.specialize import STATIC_ROW_MAX
+    from stitching.codegen.lower.specialize import STATIC_ROW_MAX
     k128 = compile_kernel(softmax_spec((-1, 128)))
     k100 = compile_kernel(softmax_spec((-1, 100)))
     assert k128.body_address != k100.body_address and k128.generic is None
@@ -1208,7 +1210,7 @@ def test_per_channel_parameter_math_is_hoisted_out_of_the_element_loop():
 
 
 def test_node_pinned_to_a_size_keeps_the_spec_concrete():
-    from stitching.codegen.specialize import compile_target, generic_twin
+    from stitching.codegen.lower.specialize import compile_target, generic_twin
     b = SpecBuilder()
     x = b.input("float32", (-1, 5))
     pinned = b.build([b.Neg(x, out_shape=(7, 5))])
@@ -1220,7 +1222,7 @@ def test_node_pinned_to_a_size_keeps_the_spec_concrete():
 
 
 def test_workers_past_their_budget_are_killed_and_work_is_done_here(tmp_path, monkeypatch):
-    from stitching.codegen import parallel
+    from stitching.compile import parallel
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(parallel, "WORKER_SECONDS_PER_KERNEL", 0.001)
     specs = [softmax_spec((-1, 17), scale=0.979), softmax_spec((-1, 17), log=True, scale=0.979),
@@ -1238,11 +1240,11 @@ def test_worker_compiles_kernels_with_a_lean_numba(tmp_path):
     cannot fail.)"""
     code = textwrap.dedent("""
         import sys
-        from stitching.codegen import worker
+        from stitching.compile import worker
         worker._lean_numba()
         import numba.core.errors
         assert type(numba.core.errors.termcolor()).__name__ == "NOPColorScheme"
-        from stitching.codegen import compile_kernel
+        from stitching.compile import compile_kernel
         from stitching.ir.builder import SpecBuilder
         import numpy as np
         b = SpecBuilder()
@@ -1263,7 +1265,7 @@ def test_worker_answers_every_spec_then_exits_cleanly(tmp_path, monkeypatch):
     """A worker leaves with os._exit (no interpreter teardown): every answer written
     before stdin closed still reaches the parent, a bad spec is answered with its
     error, and the exit status is 0."""
-    from stitching.codegen import is_cached, parallel
+    from stitching.compile import is_cached, parallel
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     spec = softmax_spec((-1, 21), scale=0.971)
     p = parallel._spawn()
@@ -1279,7 +1281,7 @@ def test_worker_answers_every_spec_then_exits_cleanly(tmp_path, monkeypatch):
 def test_prestarted_workers_compile_what_is_missing_and_are_closed(tmp_path, monkeypatch):
     """Workers started before the specs exist (parallel.prestart) take the uncached
     specs, however few; handed a batch with nothing to compile, they are closed."""
-    from stitching.codegen import is_cached, parallel
+    from stitching.compile import is_cached, parallel
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     specs = [softmax_spec((-1, 19), scale=0.983), layernorm_spec(19, scale=0.983)]
     w = parallel.prestart(2)
@@ -1297,7 +1299,7 @@ def test_prestarted_workers_compile_what_is_missing_and_are_closed(tmp_path, mon
 
 
 def test_compile_kernels_on_error_keeps_going(monkeypatch):
-    from stitching.codegen import kernel
+    from stitching.compile import kernel
     bad, good = softmax_spec((-1, 15)), layernorm_spec(15)
     real = kernel.compile_kernel
 
@@ -1319,7 +1321,7 @@ def test_disk_cache_hits_in_a_new_process(tmp_path):
         import json, sys, time
         t0 = time.perf_counter()
         import numpy as np
-        from stitching.codegen import compile_kernel
+        from stitching.compile import compile_kernel
         from stitching.ir.builder import SpecBuilder
         b = SpecBuilder()
         x = b.input("float32", (-1, 48))
@@ -1355,7 +1357,7 @@ def test_the_installed_shape_interpreter_serves_any_cache_dir(tmp_path):
     """The interpreter is an install-time product like the op library: built into
     the default cache, a process with another STITCHING_CACHE_DIR loads it from there
     (no Numba) instead of building its own."""
-    script = ("import sys; from stitching.codegen.kernel import interp_address; "
+    script = ("import sys; from stitching.compile.kernel import interp_address; "
               "interp_address(); print('numba' in sys.modules)")
     env = dict(os.environ, HOME=str(tmp_path / "home"))
     env.pop("STITCHING_CACHE_DIR", None)
@@ -1380,7 +1382,8 @@ def test_math_helpers_load_from_their_disk_cache_into_the_same_machine_code(tmp_
     writing to it."""
     script = textwrap.dedent("""
         import hashlib, json, re
-        from stitching.codegen import compile_kernel, fastmath, helper_cache
+        from stitching.codegen.cpu import fastmath
+        from stitching.compile import compile_kernel, helper_cache
         from stitching.ir.builder import SpecBuilder
         b = SpecBuilder()
         x = b.input("float32", (-1, 64))
@@ -1433,7 +1436,7 @@ def test_native_build_refuses_code_that_needs_numbas_runtime(tmp_path):
     Numba's default pipeline: the lean one generated kernels take has no pass for
     ``raise``, which they never contain, and refuses it as a typing error.)"""
     from numba import types
-    from stitching.codegen import native
+    from stitching.compile import native
     sig = types.int64(types.int64)
 
     def check(n):
@@ -1470,7 +1473,7 @@ def test_lean_numba_pipeline_gives_the_default_pipelines_machine_code(stream_eve
     from numba.core.compiler import Compiler
     from numba.core.compiler_lock import global_compiler_lock
 
-    from stitching.codegen import kernel, native
+    from stitching.compile import kernel, native
 
     b = SpecBuilder()
     x = b.input("float32", (-1, -1))
@@ -1502,7 +1505,7 @@ def test_lean_numba_pipeline_gives_the_default_pipelines_machine_code(stream_eve
 
 def test_without_a_linker_kernels_run_from_numbas_code_with_a_warning(tmp_path,
                                                                        monkeypatch):
-    from stitching.codegen import kernel
+    from stitching.compile import kernel
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setattr(kernel, "_TOOLCHAIN", None)
@@ -1565,7 +1568,7 @@ def test_transcendental_kernels_vectorize(op):
 def stream_everything(monkeypatch):
     """Kernels built with a 1-byte streaming threshold (every vector output streamed),
     in a fresh in-memory kernel table (the threshold is part of the generated text)."""
-    from stitching.codegen import kernel
+    from stitching.compile import kernel
     monkeypatch.setattr(kernel, "_kernels", {})
     monkeypatch.setenv("STITCHING_STREAM_MIN_MIB", "1e-6")
 
@@ -1634,7 +1637,8 @@ def test_only_memory_bound_kernels_stream_and_the_threshold_is_a_setting(monkeyp
     """An element loop computing a transcendental keeps ordinary stores (staging costs
     it more than it saves); a kernel whose outputs are statically below the threshold
     has no staging code; 0 turns streaming off; a bad value is refused by name."""
-    from stitching.codegen import cpu, kernel
+    from stitching.codegen.cpu import emitter as cpu
+    from stitching.compile import kernel
     from stitching.schedule import build_schedule
     monkeypatch.setattr(kernel, "_kernels", {})
     monkeypatch.setenv("STITCHING_STREAM_MIN_MIB", "1e-6")

@@ -21,7 +21,7 @@ if "numba.cuda" not in sys.modules:       # the flag is read when numba.cuda is 
     from numba.cuda.core import config as _cfg
     _cfg.ENABLE_CUDASIM = int(os.environ["NUMBA_ENABLE_CUDASIM"])
 
-from stitching.codegen.cuda_rt import SIMULATOR  # noqa: E402
+from stitching.codegen.cuda.rt import SIMULATOR  # noqa: E402
 
 # NUMBA_ENABLE_CUDASIM=0 runs these same tests on a real GPU (tools/gpu_bench.py's machine)
 if not SIMULATOR and os.environ["NUMBA_ENABLE_CUDASIM"] != "0":
@@ -29,9 +29,9 @@ if not SIMULATOR and os.environ["NUMBA_ENABLE_CUDASIM"] != "0":
     pytest.skip("numba.cuda already imported without NUMBA_ENABLE_CUDASIM=1",
                 allow_module_level=True)
 
-from stitching.codegen import cuda_launch  # noqa: E402
-from stitching.codegen.cuda import compile_cuda_kernel  # noqa: E402
-from stitching.codegen.cuda_ref import compare, evaluate  # noqa: E402
+from stitching.codegen.cuda import launch as cuda_launch  # noqa: E402
+from stitching.compile.cuda import compile_cuda_kernel  # noqa: E402
+from stitching.codegen.cuda.ref import compare, evaluate  # noqa: E402
 from stitching.ir.builder import SpecBuilder  # noqa: E402
 from stitching.plan import profiles  # noqa: E402
 
@@ -401,7 +401,7 @@ def test_column_launch_rule_at_gpu_limits():
 def test_block_too_large_for_the_compiled_kernel_is_replanned(monkeypatch):
     """On a GPU a kernel's register count can forbid the planned block (seen on an H100:
     1024 threads, 68 registers): the kernel is re-planned under its limit, not failed."""
-    from stitching.codegen import cuda as cuda_mod
+    from stitching.compile import cuda as cuda_mod
     k = compile_cuda_kernel(softmax_spec(L=40))
     x = data(6, 40, seed=3)
     k.plan([x.shape])
@@ -442,7 +442,7 @@ def test_tensorflow_free_path():
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
         import numpy as np
         from stitching.ir.builder import SpecBuilder
-        from stitching.codegen.cuda import compile_cuda_kernel
+        from stitching.compile.cuda import compile_cuda_kernel
         b = SpecBuilder()
         x = b.input("float32", (-1, -1))
         y = b.Div(x, b.Sum(b.Exp(x), axes=[1], keep_dims=True))

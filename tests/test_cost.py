@@ -233,10 +233,20 @@ def test_schedule_placements_feed_the_reuse_estimate():
 
 
 def test_a_broken_schedule_stage_falls_back_to_the_estimate(monkeypatch):
-    import stitching.schedule as sched
+    from stitching.plan import cost
 
     def boom(spec):
         raise RuntimeError("under construction")
-    monkeypatch.setattr(sched, "build_schedule", boom)
+    monkeypatch.setattr(cost, "_scheduler", boom)      # what use_scheduler sets
     ks = kernel_shape(ln_spec(64, 1024))
     assert ks.source == "estimate" and ks.kind == "row" and ks.rows == 64
+
+
+def test_the_schedule_stage_gives_the_cost_model_its_schedules(monkeypatch):
+    # plan never imports schedule (tests/test_layering.py): the schedule package
+    # registers build_schedule on import; without it the model estimates.
+    from stitching.plan import cost
+    from stitching.schedule import build_schedule
+    assert cost._scheduler is build_schedule
+    monkeypatch.setattr(cost, "_scheduler", None)
+    assert kernel_shape(ln_spec(64, 1024)).source == "estimate"

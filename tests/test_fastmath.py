@@ -1,4 +1,4 @@
-"""Fast float32 math (stitching/codegen/fastmath.py): error bounds over dense sweeps
+"""Fast float32 math (stitching/codegen/cpu/fastmath.py): error bounds over dense sweeps
 against float64, special values, and that a loop calling each helper vectorizes."""
 import math
 
@@ -6,8 +6,8 @@ import numba
 import numpy as np
 import pytest
 
-from stitching.codegen import fastmath as F
-from stitching.codegen import intrinsics as I
+from stitching.codegen.cpu import fastmath as F
+from stitching.codegen.cpu import intrinsics as I
 
 try:
     from scipy import special as _sp

@@ -198,7 +198,7 @@ def test_nan_inf_and_zero_size():
 
 
 def test_kernel_that_fails_to_compile_leaves_region_to_tf(monkeypatch):
-    from stitching.codegen import kernel
+    from stitching.compile import kernel
 
     def broken(spec):
         raise RuntimeError("simulated codegen failure")
@@ -400,7 +400,7 @@ def test_compile_workers_start_early_only_for_large_graphs_not_seen_before(monke
     """pipeline: a graph of >= 300 nodes not compiled before prestarts the compile
     workers while it is planned; the same graph again (a new process would see the
     marker in the kernel cache too) and small graphs do not."""
-    from stitching.codegen import parallel
+    from stitching.compile import parallel
     calls = []
     real = parallel.prestart
     monkeypatch.setattr(parallel, "prestart",
@@ -425,7 +425,7 @@ def test_an_empty_kernel_cache_starts_one_worker_while_tf_traces(monkeypatch, tm
     is traced; the graph's kernel is compiled there (its shared object lands in the
     cache) and the worker is closed.  Once the cache holds a kernel, a new function
     starts none early."""
-    from stitching.codegen import kernel, parallel
+    from stitching.compile import kernel, parallel
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     started = []
 
@@ -576,3 +576,52 @@ def test_batch_matmul_against_a_2d_weight_runs_as_one_matmul():
     assert len(kept) == 2 and [n.op for n in res.graph_def.node].count("MatMul") == 2
     assert not any(len(n.attr[a].ListFields()) == 0 for n in res.graph_def.node
                    for a in n.attr)
+
+
+def test_new_batch_sizes_reuse_one_relaxed_trace():
+    """A server's varying batch sizes: the second size traces once with the batch dim
+    unknown, and every later size runs that trace (no re-plan, no kernel lookup)."""
+    traces = []
+
+    @stitching.function
+    def f(x):
+        traces.append(x.shape.as_list())
+        return tf.nn.softmax(x * 2.0) + 1.0
+
+    for b in (8, 9, 10, 11, 40):
+        x = tf.random.normal([b, 16])
+        np.testing.assert_allclose(f(x).numpy(), (tf.nn.softmax(x * 2.0) + 1.0).numpy(),
+                                   rtol=1e-5, atol=1e-6)
+    assert traces == [[8, 16], [None, 16]]
+    assert len(f.reports) == 2 and len(f.reports[1].kernels) >= 1
+    f(tf.zeros([3, 32]))           # another dim differs: relaxed again, once
+    f(tf.zeros([5, 7]))
+    assert traces[2:] == [[None, None]]
+
+
+def test_reduce_retracing_false_traces_every_shape():
+    traces = []
+
+    @stitching.function(reduce_retracing=False)
+    def f(x):
+        traces.append(x.shape.as_list())
+        return tf.tanh(x) * 2.0 + 1.0
+
+    for b in (2, 3, 4):
+        f(tf.zeros([b, 4]))
+    assert traces == [[2, 4], [3, 4], [4, 4]]
+
+
+def test_a_slow_first_call_names_background_compile_once(monkeypatch, capsys):
+    from stitching.tf import function as fn_module
+    monkeypatch.setattr(fn_module, "HINT_SECONDS", 0.0)
+    monkeypatch.setattr(fn_module, "_hinted", False)
+    monkeypatch.delenv("STITCHING_NO_HINTS", raising=False)
+    stitching.function(lambda x: tf.tanh(x) * 2.0 + 1.0)(tf.zeros([2, 3]))
+    stitching.function(lambda x: tf.sigmoid(x) * 3.0 + 1.0)(tf.zeros([2, 3]))
+    err = capsys.readouterr().err
+    assert err.count("background_compile=True") == 1
+    monkeypatch.setattr(fn_module, "_hinted", False)
+    monkeypatch.setenv("STITCHING_NO_HINTS", "1")
+    stitching.function(lambda x: tf.exp(x) * 3.0 + 1.0)(tf.zeros([2, 3]))
+    assert "background_compile" not in capsys.readouterr().err

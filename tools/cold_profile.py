@@ -55,7 +55,7 @@ def _model_call(model):
 
 
 def timeline(model) -> None:
-    from stitching.codegen import parallel
+    from stitching.compile import parallel
     from stitching.tf import frontend, pipeline, rewrite
     marks = []
     fn, args = _model_call(model)
@@ -90,7 +90,7 @@ def timeline(model) -> None:
 
 
 def kernels(model) -> None:
-    from stitching.codegen import kernel, native, parallel
+    from stitching.compile import kernel, native, parallel
     captured = []
 
     class Planned(BaseException):       # not an Exception: nothing on the way catches it

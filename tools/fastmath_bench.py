@@ -1,4 +1,4 @@
-"""Throughput of the fastmath helpers (stitching/codegen/fastmath.py), one core.
+"""Throughput of the fastmath helpers (stitching/codegen/cpu/fastmath.py), one core.
 
     python tools/fastmath_bench.py [exp tanh erf ...]
 
@@ -16,7 +16,7 @@ import time
 import numpy as np
 from numba import njit
 
-from stitching.codegen import fastmath as F
+from stitching.codegen.cpu import fastmath as F
 
 NAMES = ["exp", "expm1", "log", "log1p", "tanh", "sigmoid", "erf", "erfc"]
 

@@ -7,7 +7,7 @@
 
 Specs come from tools/gpu_patterns/*.json (written with TensorFlow by
 tools/gpu_patterns/export.py from stitching.testing.patterns).  Every mode checks every
-output against a float64 NumPy interpreter of the op table (stitching/codegen/cuda_ref.py,
+output against a float64 NumPy interpreter of the op table (stitching/codegen/cuda/ref.py,
 written independently of the generated code) and exits 1 on any mismatch.
 
 Inputs: activations (spec inputs with the unknown batch dim) are standard normal, the
@@ -121,7 +121,7 @@ def batch_of(pat, size) -> int:
 
 def check(kernel, spec, arrays, outs=None) -> float:
     """Worst error over the outputs, in units of the tolerance (<= 1 passes)."""
-    from stitching.codegen.cuda_ref import compare, evaluate
+    from stitching.codegen.cuda.ref import compare, evaluate
     outs = kernel(*arrays) if outs is None else outs
     return max(compare(o, r) for o, r in zip(outs, evaluate(spec, arrays)))
 
@@ -129,8 +129,8 @@ def check(kernel, spec, arrays, outs=None) -> float:
 # ---- --simulator ------------------------------------------------------------------------
 
 def run_simulator(pats) -> list:
-    from stitching.codegen.cuda import compile_cuda_kernel
-    from stitching.codegen.cuda_launch import describe
+    from stitching.compile.cuda import compile_cuda_kernel
+    from stitching.codegen.cuda.launch import describe
     rows = []
     for pat in pats:
         for i, (spec, names) in enumerate(kernels(pat, "small")):
@@ -169,7 +169,7 @@ PTX_FEATURES = ("shfl.sync", "bar.sync", "ld.local", "ld.global.v4", "st.global.
 
 def run_ptx(pats, cc, only_kernels="") -> list:
     from numba import cuda
-    from stitching.codegen.cuda import compile_cuda_kernel
+    from stitching.compile.cuda import compile_cuda_kernel
     allow_ptx_without_gpu()
     cc = tuple(int(x) for x in cc.split("."))
     rows = []
@@ -352,8 +352,8 @@ def source_digest() -> str:
 
 def run_gpu(pats, size, repeats, profile, json_path=None) -> tuple:
     import torch
-    from stitching.codegen.cuda import compile_cuda_kernel
-    from stitching.codegen.cuda_launch import describe
+    from stitching.compile.cuda import compile_cuda_kernel
+    from stitching.codegen.cuda.launch import describe
     eq = torch_equivalents()
     bw = copy_bandwidth()
     meta = gpu_meta(bw, size)

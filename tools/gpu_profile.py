@@ -27,8 +27,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from numba import cuda
 
-    from stitching.codegen.cuda import compile_cuda_kernel
-    from stitching.codegen.cuda_launch import describe
+    from stitching.compile.cuda import compile_cuda_kernel
+    from stitching.codegen.cuda.launch import describe
     for pat in gpu_bench.load_patterns(",".join(args.patterns)):
         for spec, names in gpu_bench.kernels(pat, args.size):
             k = compile_cuda_kernel(spec)

@@ -7,7 +7,7 @@ or x ways the reduced axis is split (column kernels).
 For each pattern at the large size, every (block, tpr or split) pair that the kernel
 accepts is checked against the float64 reference once and timed the way gpu_bench.py times (device
 time of a captured graph of back-to-back calls, rotating data); the default plan's time
-is printed next to the best.  Data for the rule in stitching/codegen/cuda_launch.py.
+is printed next to the best.  Data for the rule in stitching/codegen/cuda/launch.py.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     import torch
     from numba import cuda
 
-    from stitching.codegen.cuda import compile_cuda_kernel
+    from stitching.compile.cuda import compile_cuda_kernel
     bad = 0
     for pat in gpu_bench.load_patterns(",".join(args.patterns)):
         spec, names = gpu_bench.kernels(pat, "large")[0]

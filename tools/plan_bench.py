@@ -27,6 +27,7 @@ for p in (REPO, os.path.join(REPO, "tests")):
         sys.path.insert(0, p)
 
 import irbuild  # noqa: E402
+import stitching.schedule  # noqa: E402,F401  (gives the cost model its schedules)
 from stitching.plan import baseline, planner, profiles, search  # noqa: E402
 
 GRAPHS = {

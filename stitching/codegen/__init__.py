@@ -1,18 +1,20 @@
-"""Code generation: Schedule -> native kernels (TF-free).
+"""Code generation: Schedule -> kernel source text (TF-free).
 
-    compile_kernel(spec) -> CompiledKernel      cached in memory and on disk
-    compile_kernels(specs, progress=None, jobs=None, on_error=None)
-                                                many, each distinct spec once; kernels
-                                                not in the disk cache are compiled by
-                                                worker processes (parallel.py, worker.py)
-    CompiledKernel: spec, schedule, body_address, shape_address, in_ranks,
-        out_ranks, in_dtypes, out_dtypes, errors, source; __call__(*arrays)
+Backends side by side over one shared lowering::
 
-One lowering, per-target emitters: lower.py (op -> expression, reductions) is
-shared; cpu.py owns the CPU loop nests and cpu_rt.py its helper namespace.
+    lower/     what every backend shares: op -> expression and reductions (exprs.py),
+               the base emitter and source writer (emitter.py), the shape function
+               as data (shape_program.py) and its interpreter (shape_interp.py), and
+               the shape-generic twin a spec compiles as (specialize.py)
+    cpu/       the CPU backend: loop nests over rows / column blocks (emit.py), the
+               helper namespace generated code calls (rt.py), vectorizable fast
+               math (fastmath.py) and LLVM intrinsics (intrinsics.py)
+    cuda/      the CUDA backend: kernels per schedule kind (emit.py), launch
+               choice (launch.py), the device helper namespace (rt.py with gpu.py /
+               sim.py leaves) and a float64 reference interpreter (ref.py)
+
+The contract, the same for each backend: ``<backend>.emit(schedule)`` returns the
+module text, its error messages and its shape program (``lower.emitter.KernelSource``
+for the CPU, ``cuda.emit.CudaSource`` for CUDA).  Turning that text into machine code,
+caching it and running it is the next layer, ``stitching.compile``.
 """
-from .kernel import (CompiledKernel, cache_root, clear_memory_cache, compile_kernel,
-                     compile_kernels, is_cached, kernel_dir)
-
-__all__ = ["compile_kernel", "compile_kernels", "CompiledKernel", "cache_root",
-           "kernel_dir", "clear_memory_cache", "is_cached"]

@@ -181,8 +181,10 @@ class Graph:
 def kahn_order(succ: dict, pred: dict) -> list:
     """Kahn's algorithm over any DAG given as successor and predecessor maps.
 
-    Sources are taken in ``pred``'s key order, so callers choose the tie-break.  A
-    result shorter than ``pred`` means the rest lies on a cycle.
+    Sources are taken in ``pred``'s key order, so callers choose the tie-break (plans
+    and spec numbering depend on it).  A result shorter than ``pred`` means the rest
+    lies on a cycle.  Hand-written rather than ``nx.topological_sort``: 2.5x faster on
+    2,000-node graphs and a tie-break we control (tools/acyclic_bench.py).
     """
     indeg = {v: len(p) for v, p in pred.items()}
     order = [v for v, d in indeg.items() if d == 0]

@@ -3,7 +3,7 @@
 Every op the fuser understands has one row here: its kind, arity, attribute
 schema, which dtypes it accepts, and how its output dtype and shape follow from
 its inputs.  Legality rules in plan/ are small predicates over ``OpDef.kind``;
-code generation has one lowering per op name (codegen/lower.py).  An op type
+code generation has one lowering per op name (codegen/lower/exprs.py).  An op type
 missing from this table is OPAQUE: it stays a TF op.
 
 Canonical names are TF's names where one exists.  The TF frontend maps aliases

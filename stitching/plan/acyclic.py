@@ -18,6 +18,17 @@ This answers convexity without a walk (both planners use it), and extends it to 
 see: two convex groups can still form a cycle between them (A → B and B → A through
 different members).  Memory is one bitset per vertex: n²/8 bytes at worst (0.5 MB for
 2,000 nodes).  Edges are data and control edges.
+
+Why hand-written and not networkx (the project's graph library, used by the tests'
+oracles and the layering check): measured by ``tools/acyclic_bench.py`` on the ~2,000
+node plan-bench graphs, CPU time, this 2-core machine:
+
+    reachability of every vertex    bitsets 0.3 ms    nx.transitive_closure_dag 12-1700 ms
+    2,000 convexity queries         bitsets 2.3 ms    nx.descendants walks 40-2000 ms
+    topological order (ir/graph.py) Kahn    0.45 ms   nx.topological_sort 0.9-1.2 ms
+
+The planner asks these questions hundreds of times per graph against a 1 s budget for
+2,000 nodes (tools/plan_bench.py), so the bitsets stay.
 """
 from __future__ import annotations
 

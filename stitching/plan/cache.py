@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import cachedir
 from .acyclic import indexed
 from .planner import Plan
 from .region import extract
@@ -50,8 +51,7 @@ def _salt() -> str:
 
 
 def _path(key: str) -> Path:
-    from ..codegen.kernel import kernel_dir
-    return kernel_dir() / "plans" / f"{key}_{_salt()}.json"
+    return cachedir.root() / "plans" / f"{key}_{_salt()}.json"
 
 
 @dataclass

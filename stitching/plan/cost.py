@@ -360,11 +360,27 @@ def kernel_shape(spec) -> KernelShape:
     return KernelShape(**base, **_estimate(spec), source="estimate")
 
 
+# The schedule stage comes after planning, but the cost model wants what it would decide
+# for a candidate kernel (its kind, passes, what stays in scratch).  Planning owns this
+# hook and never imports the schedule stage: ``stitching.schedule`` registers its
+# ``build_schedule`` here when it is imported (and every driver imports it: the
+# legality check the planner is given is the schedule's).  Unset, the model estimates.
+_scheduler = None
+
+
+def use_scheduler(build) -> None:
+    """Give the cost model the schedule stage (``build(spec) -> Schedule``, raising
+    when the spec is not one kernel)."""
+    global _scheduler
+    _scheduler = build
+
+
 def _schedule_of(spec):
     """The schedule stage's Schedule for spec, or None (missing, refused, or broken)."""
+    if _scheduler is None:
+        return None
     try:
-        from ..schedule import build_schedule
-        return build_schedule(spec)
+        return _scheduler(spec)
     except Exception:   # noqa: BLE001
         return None
 

@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from .. import cachedir
+
 PROFILE_VERSION = 1
 CACHE_FILE = "device-profile-cpu.json"
 
@@ -140,7 +142,7 @@ _lock = threading.Lock()
 _memo: dict = {}
 
 
-_DEFAULT_ROOT = os.path.join(os.path.expanduser("~"), ".cache", "stitching")
+_DEFAULT_ROOT = str(cachedir.default_root())     # tests move it
 
 
 def cache_path() -> str:

@@ -35,6 +35,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import cachedir
+from ..compile.native import compiler
+
 SOURCE = Path(__file__).with_name("op.cc")
 LIB_PREFIX = "stitching_ops"
 # Warnings from TF's own headers that say nothing about our code.
@@ -46,23 +49,15 @@ class BuildError(RuntimeError):
     """The op library could not be built (message carries the compiler's stderr tail)."""
 
 
-DEFAULT_ROOT = os.path.join("~", ".cache", "stitching")
-
-
 def cache_dir() -> Path:
     """Where this process builds the op library."""
-    root = os.environ.get("STITCHING_CACHE_DIR") or DEFAULT_ROOT
-    return Path(root).expanduser() / "ops"
+    return cachedir.root() / "ops"
 
 
 def _prebuilt(path: Path) -> Path | None:
     """The same library (same hashed name) in the default cache, if it is there."""
-    other = Path(DEFAULT_ROOT).expanduser() / "ops" / path.name
+    other = cachedir.default_root() / "ops" / path.name
     return other if other != path and other.is_file() else None
-
-
-def compiler() -> str:
-    return os.environ.get("CXX", "g++")
 
 
 def _tf_flags() -> tuple[list, list, str]:
@@ -147,13 +142,13 @@ def main(argv=None) -> int:
     # library an install-time product reused by every kernel cache (plan/profiles.py).
     from ..plan import profiles
     profiles.measured_cpu()
-    # The shape-program interpreter every kernel links (codegen/shape_interp.py) is
+    # The shape-program interpreter every kernel links (codegen/lower/shape_interp.py) is
     # built once per toolchain into the kernel cache; do it here, at install time.
-    from ..codegen.kernel import interp_address
+    from ..compile.kernel import interp_address
     interp_address()
-    # So are the compiled math helpers kernels call (codegen/helper_cache.py).
-    from ..codegen import helper_cache
-    from ..codegen.kernel import use_helper_cache
+    # So are the compiled math helpers kernels call (compile/helper_cache.py).
+    from ..compile import helper_cache
+    from ..compile.kernel import use_helper_cache
     use_helper_cache()
     helper_cache.prebuild()
     return 0

@@ -198,7 +198,7 @@ def _abi_arguments(kernel) -> tuple:
         raise RegistrationError("body_address and shape_address must be nonzero")
     errors = [str(m).encode("utf-8", "replace") for m in kernel.errors]
     # Optional: the spec's static input dims, for kernels whose own shape function
-    # is generic over them (codegen/specialize.py); the op checks them.
+    # is generic over them (codegen/lower/specialize.py); the op checks them.
     static = getattr(kernel, "in_static_dims", None)
     if static is not None:
         static = [int(d) for d in static]
@@ -214,7 +214,7 @@ def _abi_arguments(kernel) -> tuple:
             raise RegistrationError("launch must be two ints >= 0 (rows per unit, "
                                     "column block)")
         launch = (ctypes.c_int64 * 2)(*launch)
-    # Optional: a shape program (codegen/shape_program.py); shape_address is then the
+    # Optional: a shape program (codegen/lower/shape_program.py); shape_address is then the
     # interpreter that runs it.  The op keeps its own copy.
     program = getattr(kernel, "shape_program", None)
     n_program = 0

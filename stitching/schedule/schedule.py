@@ -9,7 +9,7 @@
 otherwise ``.reason`` is a sentence for the user's report).  ``build_schedule``
 returns the ``Schedule`` or raises ``ScheduleError`` with that reason.  Both are
 deterministic: same spec, same schedule.  Nothing here is target specific: the CPU
-emitter (codegen/cpu.py) and a CUDA emitter walk the same Schedule.
+emitter (codegen/cpu/emitter.py) and a CUDA emitter walk the same Schedule.
 
 Work units (the op splits [0, units) across threads)::
 
@@ -37,7 +37,7 @@ COL_BLOCK = 2048          # tuned: widest column block (the per-row loop entry c
 COL_UNITS = 4             #   amortizes over wide blocks) ... narrowed until a column
 COL_BLOCK_MIN = 64        #   kernel has COL_UNITS units (2 threads x 2), not below 64
 COL_SPLIT_UNITS = 16      # tuned: fewer column units than COL_UNITS: cut the reduced
-COL_CHUNK_ROWS = 128      #   rows into chunks for ~16 units, each >= 128 rows (cpu.py)
+COL_CHUNK_ROWS = 128      #   rows into chunks for ~16 units, each >= 128 rows (cpu/emitter.py)
 
 
 class ScheduleError(ValueError):

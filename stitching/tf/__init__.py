@@ -14,7 +14,7 @@ def ensure_runtime():
     if _READY:
         return
     from .. import runtime
-    from ..codegen import compile_kernel
+    from ..compile import compile_kernel
     from ..ir import KernelSpec
 
     runtime.load()

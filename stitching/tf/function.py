@@ -19,6 +19,14 @@ function for stock TF and returns its result while a background thread stitches 
 same signature (plan, Numba compile, rewrite); the call after that thread finished runs
 the stitched graph.  ``wait()`` blocks until every pending signature is stitched.
 
+Shapes: a retrace costs a re-plan and a kernel lookup on top of TF's trace, so by
+default (``reduce_retracing=None``) a function relaxes its input shapes the way
+``tf.function(reduce_retracing=True)`` does: the first signature of a family (same
+dtypes and ranks) is traced exactly; the second, different one is traced once with its
+differing dims unknown (the kernels serve every size with one compiled code), and every
+later size that fits is served by that trace with no tracing at all.
+``reduce_retracing=False`` traces every shape exactly, as ``tf.function`` does by default.
+
 Calls: a call with only eager tensors as positional arguments goes straight to the
 ConcreteFunction traced for exactly those dtypes and shapes (found once through the
 tf.function, so tracing and its errors are tf.function's), skipping tf.function's
@@ -31,6 +39,8 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
+import sys
 import threading
 import weakref
 
@@ -41,11 +51,12 @@ from . import frontend, pipeline
 
 _EAGER_TENSOR = type(tf.constant(0))
 FAST_CALL_SIGNATURES = 64      # exact (dtype, shape) signatures kept per function
+HINT_SECONDS = 1.0             # arbitrary: a first call slower than this gets the hint
 
 
 class StitchedFunction:
     def __init__(self, fn, input_signature=None, options: Options | None = None,
-                 autograph: bool = True, reduce_retracing: bool = False,
+                 autograph: bool = True, reduce_retracing: bool | None = None,
                  jit_compile=None):
         python_fn, input_signature = _unwrap(fn, input_signature, jit_compile)
         self._python_fn = python_fn
@@ -53,9 +64,14 @@ class StitchedFunction:
         self._autograph = autograph
         self.report = None
         self.reports = []            # one per trace, oldest first
+        # None: relax shapes (module docstring); a fixed input_signature leaves nothing to
+        self._relax = input_signature is None and reduce_retracing is not False
+        self._reduce_retracing = reduce_retracing
         self._tf_function = tf.function(self._trace, input_signature=input_signature,
-                                        autograph=False, reduce_retracing=reduce_retracing)
+                                        autograph=False, reduce_retracing=self._relax)
         self._concrete = {}          # ((dtype, shape), ...) of eager args -> ConcreteFunction
+        self._shapes = {}            # family ((dtype, rank), ...) -> shapes seen
+        self._general = {}           # family -> [(relaxed shapes, ConcreteFunction)]
         self._pending = {}           # key -> background thread stitching it
         self._lock = threading.Lock()
         self.background_errors = []  # exceptions of background compiles (stock TF kept)
@@ -67,21 +83,41 @@ class StitchedFunction:
             if key is not None:
                 cf = self._concrete.get(key)
                 if cf is None and len(self._concrete) < FAST_CALL_SIGNATURES:
-                    cf = self._concrete[key] = (
-                        self._stock_then_stitch(key, args) if self.options.background_compile
-                        else self._tf_function.get_concrete_function(*args))
+                    cf = self._concrete[key] = self._concrete_for(key, args)
                 if cf is not None:
                     return _call_concrete(cf, args)
         return self._tf_function(*args, **kwargs)
 
+    # -- shapes ---------------------------------------------------------------------
+    def _concrete_for(self, key, args):
+        """The ConcreteFunction a new exact signature runs: a relaxed trace that fits
+        it, else a new trace (relaxed where an earlier shape of its family differs)."""
+        family = tuple((dtype, len(shape)) for dtype, shape in key)
+        shapes = [shape for _, shape in key]
+        for general, cf in self._general.get(family, ()):
+            if all(_fits(g, s) for g, s in zip(general, shapes)):
+                return cf
+        seen = self._shapes.setdefault(family, [])
+        relaxed = _relaxed(seen + [shapes]) if self._relax and seen else None
+        seen.append(shapes)
+        if self.options.background_compile:
+            return self._stock_then_stitch(key, args, family, relaxed)
+        if relaxed is None:
+            return self._tf_function.get_concrete_function(*args)
+        cf = self._tf_function.get_concrete_function(*_specs(key, relaxed))
+        self._general.setdefault(family, []).append((relaxed, cf))
+        return cf
+
     # -- background compilation ----------------------------------------------------
-    def _stock_then_stitch(self, key, args):
-        """Stock TF's ConcreteFunction for ``args`` now; the stitched one replaces it in
-        ``_concrete`` when a background thread has built it."""
+    def _stock_then_stitch(self, key, args, family=None, relaxed=None):
+        """Stock TF's ConcreteFunction for ``args`` now; the stitched one (traced with
+        ``relaxed`` shapes when given) replaces it in ``_concrete`` when a background
+        thread has built it."""
         stock = tf.function(self._python_fn, autograph=self._autograph) \
             .get_concrete_function(*args)
-        specs = [tf.TensorSpec(a.shape, a.dtype) for a in args]
-        t = threading.Thread(target=self._stitch_in_background, args=(key, specs),
+        specs = _specs(key, relaxed or [shape for _, shape in key])
+        general = (family, relaxed) if relaxed is not None else None
+        t = threading.Thread(target=self._stitch_in_background, args=(key, specs, general),
                              name="stitching-compile", daemon=True)
         with self._lock:
             self._pending[key] = t
@@ -89,10 +125,13 @@ class StitchedFunction:
         t.start()
         return stock
 
-    def _stitch_in_background(self, key, specs):
+    def _stitch_in_background(self, key, specs, general=None):
         try:
             cf = self._tf_function.get_concrete_function(*specs)
             self._concrete[key] = cf            # one dict store: calls see old or new
+            if general is not None:
+                family, relaxed = general
+                self._general.setdefault(family, []).append((relaxed, cf))
         except Exception as e:  # noqa: BLE001 — the stock graph keeps serving this key
             self.background_errors.append(e)
         finally:
@@ -117,7 +156,8 @@ class StitchedFunction:
         bound = self.__dict__.get("_bound_" + str(id(instance)))
         if bound is None:
             bound = StitchedFunction(functools.partial(self._python_fn, instance),
-                                     options=self.options, autograph=self._autograph)
+                                     options=self.options, autograph=self._autograph,
+                                     reduce_retracing=self._reduce_retracing)
             self.__dict__["_bound_" + str(id(instance))] = bound
         return bound
 
@@ -159,6 +199,8 @@ class StitchedFunction:
                 workers.close()
         self.report = result.report
         self.reports.append(result.report)
+        if not self.options.background_compile:
+            _hint_background_compile(result.report.compile_seconds)
 
         outer = tf.compat.v1.get_default_graph()
         input_map = {ph.name: flat[i] for ph, i in zip(cf.inputs, where)}
@@ -188,6 +230,35 @@ def _join_background_compiles():
     """Let background compiles finish before the interpreter tears TF down under them."""
     for f in list(_LIVE):
         f.wait()
+
+
+_hinted = False
+
+
+def _hint_background_compile(seconds: float) -> None:
+    """Once per process: a slow first call says that background compile exists."""
+    global _hinted
+    if _hinted or seconds < HINT_SECONDS or os.environ.get("STITCHING_NO_HINTS"):
+        return
+    _hinted = True
+    print(f"stitching: this call waited {seconds:.1f} s to plan and compile its kernels. "
+          "stitching.Options(background_compile=True) serves first calls with stock TF "
+          "while they compile (STITCHING_NO_HINTS=1 hides this line).",
+          file=sys.stderr, flush=True)
+
+
+def _relaxed(shapes_seen) -> list:
+    """Per argument, its shape with every dim that differed between calls unknown."""
+    return [tuple(d[0] if len(set(d)) == 1 else None for d in zip(*arg))
+            for arg in zip(*shapes_seen)]
+
+
+def _fits(general, shape) -> bool:
+    return all(g is None or g == d for g, d in zip(general, shape))
+
+
+def _specs(key, shapes) -> list:
+    return [tf.TensorSpec(shape, dtype) for (dtype, _), shape in zip(key, shapes)]
 
 
 def _eager_key(args):
@@ -232,8 +303,12 @@ _JIT_MESSAGE = ("stitching.function cannot stitch a function compiled with "
 
 
 def function(fn=None, *, input_signature=None, options: Options | None = None,
-             autograph: bool = True, reduce_retracing: bool = False, jit_compile=None):
-    """Like ``tf.function``; bare ``@stitching.function`` or with arguments."""
+             autograph: bool = True, reduce_retracing: bool | None = None, jit_compile=None):
+    """Like ``tf.function``; bare ``@stitching.function`` or with arguments.
+
+    ``reduce_retracing``: None (default) relaxes input shapes after the second distinct
+    shape of the same dtypes and ranks, so a new batch size costs no trace; True as
+    ``tf.function``'s; False traces every shape exactly."""
     if fn is None:
         return functools.partial(function, input_signature=input_signature, options=options,
                                  autograph=autograph, reduce_retracing=reduce_retracing,

@@ -6,7 +6,7 @@
     lift     frontend.to_ir               (TF nodes -> IR nodes)
     plan     plan.get_planner(options.planner)  (regions; legality from schedule.check;
                                           large graphs: stored per graph, plan/cache.py)
-    compile  codegen.compile_kernels      (Numba; uncached kernels in parallel worker
+    compile  compile.compile_kernels      (Numba; uncached kernels in parallel worker
                                           processes; cached in memory and on disk)
     register runtime.register             (kernel addresses for the StitchedKernel op)
     rewrite  tf.rewrite.rewrite           (one StitchedKernel node per region)
@@ -29,6 +29,7 @@ from ..inspect import dump
 from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality
+from .. import schedule     # the planner's legality and its cost model's schedules
 from . import frontend, gemm, opnames, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
@@ -74,8 +75,7 @@ class StitchResult:
 
 def legal(spec):
     """Region legality from the schedule stage: None if one kernel can do it."""
-    from ..schedule import check
-    decision = check(spec)
+    decision = schedule.check(spec)
     return None if decision.ok else decision.reason
 
 
@@ -89,8 +89,8 @@ def early_workers():
     3.90-3.98 s with no early worker, 3.82-3.84 s with two (they slowed tracing
     down as much as they sped planning up), 3.42-3.62 s with one.  Pass it to
     ``stitch_graph_def``, which uses or closes it."""
-    from ..codegen import kernel as kernel_cache
-    from ..codegen import parallel
+    from ..compile import kernel as kernel_cache
+    from ..compile import parallel
     if parallel.default_jobs() < 2 or not kernel_cache.cache_is_empty():
         return None
     return parallel.Workers(1)
@@ -108,8 +108,8 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
 def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> StitchResult:
     t0 = time.perf_counter()
     from . import ensure_runtime
-    from ..codegen import kernel as kernel_cache
-    from ..codegen import parallel
+    from ..compile import kernel as kernel_cache
+    from ..compile import parallel
     try:
         ensure_runtime()
         gdef = frontend.inline_functions(graph_def, list(fetches) + list(keep))
@@ -183,7 +183,7 @@ def _compile(regions, options, workers=None):
     """Compile each distinct spec once (in parallel worker processes when many are
     not cached yet); a region whose kernel fails stays unfused, with the reason."""
     from .. import runtime
-    from ..codegen import compile_kernels
+    from ..compile import compile_kernels
     n_distinct = len({reg.spec.hash for reg in regions})
     show = options.progress if options.progress is not None else \
         n_distinct >= _PROGRESS_MIN_KERNELS

@@ -242,7 +242,7 @@ def _prebuild_op_library() -> dict:
 
     ``python -m stitching.runtime.build`` (like a wheel's compiled extension) builds
     the StitchedKernel op library, the shape-program interpreter and the math helpers
-    kernels call (codegen/helper_cache.py): none is per-model compilation, and
+    kernels call (compile/helper_cache.py): none is per-model compilation, and
     stitching reuses them from the default cache when STITCHING_CACHE_DIR points
     elsewhere, so the cold runs below start with an empty *kernel* cache but do not
     pay for g++ on op.cc or for compiling exp/tanh/erf."""

@@ -3,7 +3,7 @@ processes into that cache, then this process loads each from it (a dlopen, ~1 ms
 
 Numba compiles under the GIL (0.3-1.2 s per kernel here), so a model with 15
 distinct kernels pays several seconds in one process.  Workers are fresh interpreters
-started with ``python -m stitching.codegen.worker`` -- not ``multiprocessing``: spawn
+started with ``python -m stitching.compile.worker`` -- not ``multiprocessing``: spawn
 would re-import the user's ``__main__`` (re-running an unguarded script, importing TF)
 and fork is unsafe once TF's threads exist.  A worker imports Numba and stitching's TF-free
 codegen only, reads specs (one JSON line each on stdin, handed out largest first as
@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+from ..ir.spec import validate
+from . import kernel
 from .kernel import cache_root, uncached_code
 
 MIN_PARALLEL = 3
@@ -56,7 +58,7 @@ def _spawn():
     env = dict(os.environ, STITCHING_CACHE_DIR=str(cache_root()))
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, "-m", "stitching.codegen.worker"],
+    return subprocess.Popen([sys.executable, "-m", "stitching.compile.worker"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env)
 
@@ -189,3 +191,39 @@ def _close(p):
         p.stdin.close()
     except (BrokenPipeError, OSError):
         pass  # the worker died; its specs compile in-process afterwards
+
+
+def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None,
+                    workers=None) -> list:
+    """Compile many specs, each distinct spec once.  Returns kernels aligned with
+    ``specs``.
+
+    Kernels missing from the disk cache are first compiled by ``jobs`` worker
+    processes (parallel.py; default: the usable cores, ``STITCHING_COMPILE_JOBS``
+    overrides, 1 compiles in this process only); this process then loads them.
+    ``progress(i, n, spec)`` is called before each distinct kernel is taken in, and
+    during the parallel phase as ``progress(done, total, None)`` (total: the compiles
+    the workers do, one per distinct code).  ``workers``: pre-started workers
+    (parallel.prestart) to use, or to close when nothing needs compiling.  ``on_error(spec, exc)``,
+    if given, is called for a spec that fails and its slot is None; without it the
+    first failure raises."""
+    specs = [validate(s) for s in specs]
+    distinct = {}
+    for s in specs:
+        distinct.setdefault(s.hash, s)
+    n = len(distinct)
+    warm_cache(list(distinct.values()), jobs=jobs, workers=workers,
+               progress=None if progress is None else
+               (lambda done, total: progress(done, total, None)))
+    done = {}
+    for i, (h, s) in enumerate(distinct.items()):
+        if progress is not None:
+            progress(i, n, s)
+        try:
+            done[h] = kernel.compile_kernel(s)   # through the module: tests patch it
+        except Exception as e:
+            if on_error is None:
+                raise
+            on_error(s, e)
+            done[h] = None
+    return [done[s.hash] for s in specs]

@@ -12,7 +12,7 @@ concrete; constants keep their shapes.
 
 Launch parameters (rows per unit, column block) are not part of the code either: the
 cost model picks them per concrete shape, and the op hands them to the shape function
-at run time (cpu.py), so every target is stripped of them (``LAUNCH_PARAMS``).
+at run time (cpu/emitter.py), so every target is stripped of them (``LAUNCH_PARAMS``).
 
 Short rows keep their length: a row kernel whose reduced (last) axis is static and at
 most ``STATIC_ROW_MAX`` long is compiled concrete, so its row loops have a known trip
@@ -33,9 +33,9 @@ graph's static shapes.
 """
 from __future__ import annotations
 
-from ..ir.ops import infer
-from ..ir.spec import KernelSpec, SpecError, SpecNode, validate
-from ..schedule import KernelKind, ScheduleError, build_schedule
+from ...ir.ops import infer
+from ...ir.spec import KernelSpec, SpecError, SpecNode, validate
+from ...schedule import KernelKind, ScheduleError, build_schedule
 
 
 LAUNCH_PARAMS = ("rows_per_task", "col_block")   # run-time data, not code

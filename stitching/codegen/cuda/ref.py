@@ -6,12 +6,12 @@ against (tests/test_codegen_cuda.py, tools/gpu_bench.py).
 Floating values are computed in float64 whatever their dtype (a float32 kernel is then
 compared with a tolerance); integers and bools keep their dtype.  Explicit Casts to
 float16 / bfloat16 still round, because that rounding is the op's meaning.  TF's
-semantics as lower.py documents them: NaN propagates through Maximum/Minimum/Relu/
+semantics as lower/exprs.py documents them: NaN propagates through Maximum/Minimum/Relu/
 ClipByValue and reductions, Round is half-to-even, float->int casts truncate with NaN
 and out of range giving INT_MIN, DivNoNan(x, 0) = 0, Softplus is log(1 + e^x).
 
 Independent of the generated code on purpose: whole-array NumPy, no helper shared with
-the kernels, so a bug in lower.py does not hide itself.
+the kernels, so a bug in lower/exprs.py does not hide itself.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import warnings
 
 import numpy as np
 
-from ..ir import dtypes as dt
+from ...ir import dtypes as dt
 
 _erf = np.frompyfunc(math.erf, 1, 1)
 _erfc = np.frompyfunc(math.erfc, 1, 1)
@@ -53,7 +53,7 @@ def _node(n, a):
         axes, keep = tuple(n.attrs["axes"]), n.attrs["keep_dims"]
         return _REDUCE[op](x, axis=axes, keepdims=keep)
     if op == "Reshape":
-        from .cuda_launch import reshape_target
+        from .launch import reshape_target
         return a[0].reshape(reshape_target(a[0].shape, n.attrs["shape"]))
     if op == "Const":
         return np.full(n.attrs["shape"], n.attrs["value"])

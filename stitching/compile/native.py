@@ -99,10 +99,14 @@ def _target_machine(triple: str, cpu: str, features: str):
         cpu=cpu, features=features, opt=3, reloc="pic", codemodel="default")
 
 
+def compiler() -> str:
+    """The system C++ compiler driver (``CXX``, default g++): it links kernels' objects
+    into shared objects here, and builds the op library (runtime/build.py)."""
+    return os.environ.get("CXX", "g++")
+
+
 def linker() -> list:
-    """The compiler driver that links objects into shared objects: the one that
-    builds the op library (runtime/build.py; ``CXX``, default g++)."""
-    from ..runtime.build import compiler
+    """The compiler driver that links objects into shared objects."""
     return shlex.split(compiler())
 
 
@@ -158,7 +162,7 @@ def _lean_pipeline():
     """Numba's nopython pipeline less the passes that only rewrite Python constructs
     generated code never contains.
 
-    Kernel modules (cpu.py) and the shape interpreter are plain loops over scalars:
+    Kernel modules (cpu/emitter.py) and the shape interpreter are plain loops over scalars:
     no closures, ``with`` blocks, ``literal_unroll``, ``literally``, array
     expressions or dead constant branches, and every variable is assigned values of
     one type.  So from Numba's default pipeline this keeps bytecode analysis, IR

@@ -8,7 +8,7 @@
 The latency evaluator (stitching/plan/cost.py) scores (rows_per_task, col_block, threads)
 candidates for a kernel of R rows x L columns on a DeviceProfile; we take its threads per
 block (at least MIN_THREADS) and map them as follows, with local rules measured on an
-H100 where its CPU-shaped rows per task did not fit (names as in cuda_emit.py):
+H100 where its CPU-shaped rows per task did not fit (names as in cuda/emitter.py):
 
   elementwise  block = threads; grid = chunks of EW_VEC elements / threads, capped;
                the 16-byte kernel when rows are a multiple of 4 long (the caller falls
@@ -45,12 +45,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.graph import TensorType
-from ..ir.ops import infer
-from ..ir.spec import KernelSpec, SpecNode
-from ..plan import cost
-from ..schedule import KernelKind
-from .cuda_emit import EW_VEC, REG_SLOTS, ROW_CHUNKS, WARP, np_dtype
+from ...ir.graph import TensorType
+from ...ir.ops import infer
+from ...ir.spec import KernelSpec, SpecNode
+from ...plan import cost
+from ...schedule import KernelKind
+from .emitter import EW_VEC, REG_SLOTS, ROW_CHUNKS, WARP, np_dtype
 
 SMEM_LIMIT = 48 << 10        # CUDA: dynamic shared memory per block without the opt-in
 GRID_WAVES = 8               # arbitrary: grid-stride kernels launch at most 8 full waves

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.util
-import os
 import sys
 import threading
 import time
@@ -30,12 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import cachedir
 from ..ir import dtypes as dt
 from ..ir.spec import KernelSpec, validate
-from ..runtime.build import DEFAULT_ROOT
 from ..schedule import build_schedule
-from . import cpu, native
-from .specialize import LAUNCH_PARAMS, compile_target
+from ..codegen.cpu import emitter as cpu
+from ..codegen.lower.emitter import canonical
+from . import native
+from ..codegen.lower.specialize import LAUNCH_PARAMS, compile_target
 
 _lock = threading.RLock()
 _kernels: dict = {}          # spec hash -> CompiledKernel
@@ -50,7 +51,7 @@ INTERP_SYMBOL = "stitching_interp"    # and the shape-program interpreter
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("STITCHING_CACHE_DIR") or DEFAULT_ROOT).expanduser()
+    return cachedir.root()
 
 
 def _toolchain_tag() -> str:
@@ -59,10 +60,11 @@ def _toolchain_tag() -> str:
     import llvmlite
     h = hashlib.sha256(f"{version('numba')}|{llvmlite.__version__}|{sys.version_info[:2]}|"
                        f"{native.host_tag()}".encode())
-    here = Path(__file__).parent
-    for name in ("cpu_rt.py", "fastmath.py", "intrinsics.py", "shape_program.py",
-                 "shape_interp.py", "native.py"):
-        h.update((here / name).read_bytes())
+    pkg = Path(__file__).parent.parent          # read as files: no Numba import here
+    for name in ("codegen/cpu/rt.py", "codegen/cpu/fastmath.py", "codegen/cpu/intrinsics.py",
+                 "codegen/lower/shape_program.py", "codegen/lower/shape_interp.py",
+                 "compile/native.py"):
+        h.update((pkg / name).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -248,7 +250,7 @@ def code_name(text: str) -> str:
     the same program up to naming compile once and share the shared object.  Measured:
     the Transformer block's two LayerNorms and two of ResNet50's BN kernels differed
     only in node numbering or the spec hash in the header: 5 -> 4 and 6 -> 5 compiles."""
-    return f"k_{hashlib.sha256(cpu.canonical(text).encode()).hexdigest()[:24]}"
+    return f"k_{hashlib.sha256(canonical(text).encode()).hexdigest()[:24]}"
 
 
 class _Code:
@@ -315,11 +317,10 @@ def interp_address() -> int:
     with _lock:
         if _INTERP is None:
             def interp_source():
-                from . import shape_interp
+                from ..codegen.lower import shape_interp
                 return shape_interp.run.py_func, shape_interp.SIG, shape_interp.OPTIONS
             stem = kernel_dir() / "interp"
-            installed = (Path(DEFAULT_ROOT).expanduser() / "kernels" / stem.parent.name
-                         / "interp")
+            installed = cachedir.default_root() / "kernels" / stem.parent.name / "interp"
             if not native.built(stem) and native.built(installed):
                 stem = installed
             _INTERP = _Code(stem, INTERP_SYMBOL, interp_source, lean=False)
@@ -334,7 +335,7 @@ def use_helper_cache() -> None:
     if helper_cache.decided():
         return
     own = kernel_dir() / "helpers"
-    installed = Path(DEFAULT_ROOT).expanduser() / "kernels" / own.parent.name / "helpers"
+    installed = cachedir.default_root() / "kernels" / own.parent.name / "helpers"
     if installed != own and not own.exists() and installed.is_dir():
         helper_cache.enable(installed, read_only=True)
     else:
@@ -423,43 +424,6 @@ def _compile_exact(spec: KernelSpec) -> CompiledKernel:
 
     code = _Code(kernel_dir() / name, BODY_SYMBOL, body_source)
     return CompiledKernel(spec, sched, source, code, time.perf_counter() - t0)
-
-
-def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None,
-                    workers=None) -> list:
-    """Compile many specs, each distinct spec once.  Returns kernels aligned with
-    ``specs``.
-
-    Kernels missing from the disk cache are first compiled by ``jobs`` worker
-    processes (parallel.py; default: the usable cores, ``STITCHING_COMPILE_JOBS``
-    overrides, 1 compiles in this process only); this process then loads them.
-    ``progress(i, n, spec)`` is called before each distinct kernel is taken in, and
-    during the parallel phase as ``progress(done, total, None)`` (total: the compiles
-    the workers do, one per distinct code).  ``workers``: pre-started workers
-    (parallel.prestart) to use, or to close when nothing needs compiling.  ``on_error(spec, exc)``,
-    if given, is called for a spec that fails and its slot is None; without it the
-    first failure raises."""
-    from .parallel import warm_cache
-    specs = [validate(s) for s in specs]
-    distinct = {}
-    for s in specs:
-        distinct.setdefault(s.hash, s)
-    n = len(distinct)
-    warm_cache(list(distinct.values()), jobs=jobs, workers=workers,
-               progress=None if progress is None else
-               (lambda done, total: progress(done, total, None)))
-    done = {}
-    for i, (h, s) in enumerate(distinct.items()):
-        if progress is not None:
-            progress(i, n, s)
-        try:
-            done[h] = compile_kernel(s)
-        except Exception as e:
-            if on_error is None:
-                raise
-            on_error(s, e)
-            done[h] = None
-    return [done[s.hash] for s in specs]
 
 
 def clear_memory_cache() -> None:

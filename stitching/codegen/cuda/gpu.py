@@ -1,4 +1,4 @@
-"""GPU leaves of the CUDA helper namespace (see cuda_rt.py): one line each.
+"""GPU leaves of the CUDA helper namespace (see cuda/rt.py): one line each.
 
 ``math.*`` on float32 lowers to libdevice's single-precision function (``expf``,
 ``erff``, ...) and on float64 to the double one, so one definition serves both
@@ -91,7 +91,7 @@ def copysign(x, y):
 
 
 @device
-def pow(x, y):     # noqa: A001 - the name lower.py's pow_f32/pow_f64 map to
+def pow(x, y):     # noqa: A001 - the name lower/exprs.py's pow_f32/pow_f64 map to
     return math.pow(x, y)
 
 

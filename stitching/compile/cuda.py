@@ -28,7 +28,8 @@ from ..ir import dtypes as dt
 from ..ir.spec import KernelSpec, validate
 from ..plan import profiles
 from ..schedule import KernelKind, build_schedule
-from . import cuda_emit, cuda_launch, shape_interp
+from ..codegen.cuda import emitter as cuda_emit, launch as cuda_launch
+from ..codegen.lower import shape_interp
 from .kernel import _load_module, _module_name, _user_dtype
 
 # numba-cuda 0.30 registers an overload for np.row_stack, which NumPy 2.5 removed (an
@@ -65,7 +66,7 @@ def _aligned16(a) -> bool:
 
 
 def simulated() -> bool:
-    from .cuda_rt import SIMULATOR
+    from ..codegen.cuda.rt import SIMULATOR
     return SIMULATOR
 
 

@@ -1,6 +1,6 @@
 """Regenerate the exp / erf / erfcx / tanh coefficients of fastmath.py (dev tool).
 
-    python -m stitching.codegen.fastmath_fit
+    python -m stitching.codegen.cpu.fastmath_fit
 
 Polynomials: Lawson's algorithm (iteratively reweighted least squares) approximates
 the minimax polynomial for the *relative* error against scipy's float64 functions.

@@ -21,7 +21,7 @@ Polynomial coefficients: expm1 uses Taylor coefficients (degree 7 on
 |r| <= ln2/2, truncation < 0.1 ulp); log uses the atanh series in s = f/(2+f);
 exp, erf (rational), erfcx and tanh's expm1(2u) are our own minimax fits (Lawson's
 iteratively reweighted least squares / Sanathanan-Koerner against scipy/numpy in
-float64; stitching/codegen/fastmath_fit.py regenerates them).
+float64; stitching/codegen/cpu/fastmath_fit.py regenerates them).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from . import intrinsics as I
 # hashes this file and intrinsics.py), so a new process loads each in ~2 ms instead
 # of compiling it (0.05-0.2 s each).  Fast-math: contract only.
 _helper = njit(nogil=True, error_model="numpy", fastmath={"contract"})
-HELPERS = []        # every ``helper`` (here and in cpu_rt.py): what helper_cache.py caches
+HELPERS = []        # every ``helper`` (here and in cpu/rt.py): what helper_cache.py caches
 
 
 def helper(fn):
@@ -157,7 +157,7 @@ def exp_nonpos_f32(x):
     tools/fastmath_bench.py-style loop: exp_f32 0.31, with exp_f32's polynomial
     0.254, this 0.233 ns/element.  n = round(x / ln2) <= 0 keeps n + 127 in range
     down to x = -87.34, below which the select gives 0, as exp_f32's; a NaN flows
-    through the arithmetic.  lower.py writes it only where the argument is provably
+    through the arithmetic.  lower/exprs.py writes it only where the argument is provably
     <= 0 (x minus a max of x over some axes)."""
     K = I.opaque
     r, s = _exp_reduced(x, I.fma(x, K(_LOG2E), K(_EXP_SHIFT)))

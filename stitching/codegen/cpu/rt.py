@@ -1,6 +1,6 @@
 """The helper namespace ``h`` that generated CPU kernels import.
 
-Every name the scalar lowering (lower.py) or the CPU emitter (cpu.py) writes as
+Every name the scalar lowering (lower/exprs.py) or the CPU emitter (cpu/emitter.py) writes as
 ``h.<name>`` is defined here, either re-exported from intrinsics.py / fastmath.py
 or as a small inlined Numba function.  A CUDA emitter provides the same names in
 its own helper module.

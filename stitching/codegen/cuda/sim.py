@@ -1,4 +1,4 @@
-"""Simulator leaves of the CUDA helper namespace (see cuda_rt.py).
+"""Simulator leaves of the CUDA helper namespace (see cuda/rt.py).
 
 Under ``NUMBA_ENABLE_CUDASIM=1`` every CUDA thread is a Python thread running the
 kernel's Python source, so the leaves are NumPy scalar functions with the GPU's IEEE
@@ -20,7 +20,7 @@ import types
 
 import numpy as np
 
-# Sin/Cos are written ``math.sin(x)`` by lower.py; kernels see this namespace as math.
+# Sin/Cos are written ``math.sin(x)`` by lower/exprs.py; kernels see this namespace as math.
 math = types.SimpleNamespace(sin=np.sin, cos=np.cos, nan=_math.nan, inf=_math.inf)
 
 exp, expm1, log, log1p, tanh = np.exp, np.expm1, np.log, np.log1p, np.tanh

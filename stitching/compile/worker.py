@@ -1,4 +1,4 @@
-"""Compile worker: ``python -m stitching.codegen.worker`` (see parallel.py).
+"""Compile worker: ``python -m stitching.compile.worker`` (see parallel.py).
 
 Reads specs from stdin, one per line (each a JSON string holding a spec's JSON text),
 compiles each into the disk cache named by STITCHING_CACHE_DIR and answers each with

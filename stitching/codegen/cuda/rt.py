@@ -1,6 +1,6 @@
 """The helper namespace ``h`` that generated CUDA kernels import.
 
-Same names as cpu_rt.py (the scalar lowering in lower.py writes ``h.<name>``), plus
+Same names as cpu/rt.py (the scalar lowering in lower/exprs.py writes ``h.<name>``), plus
 the CUDA-only ones the emitter uses (``shfl_xor``, ``shfl_xor_bool``, ``math``).
 
 Two layers, so that the simulator tests the code that runs on the GPU wherever it can:
@@ -31,13 +31,13 @@ from numba.cuda.core import config as _config
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
 
 if SIMULATOR:
-    from .cuda_sim import (bf16_to_f32, ceil, copysign, erf, erfc, exp, expm1,  # noqa: F401
-                           f32_to_bf16, fabs, floor, fmod, load4, log, log1p, math, pow,
-                           roundeven, shfl_xor, shfl_xor_bool, sqrt, store4, tanh)
+    from .sim import (bf16_to_f32, ceil, copysign, erf, erfc, exp, expm1, f32_to_bf16, fabs,  # noqa: F401
+                      floor, fmod, load4, log, log1p, math, pow, roundeven, shfl_xor,
+                      shfl_xor_bool, sqrt, store4, tanh)
 else:
-    from .cuda_gpu import (bf16_to_f32, ceil, copysign, erf, erfc, exp, expm1,  # noqa: F401
-                           f32_to_bf16, fabs, floor, fmod, load4, log, log1p, math, pow,
-                           roundeven, shfl_xor, shfl_xor_bool, sqrt, store4, tanh)
+    from .gpu import (bf16_to_f32, ceil, copysign, erf, erfc, exp, expm1, f32_to_bf16, fabs,  # noqa: F401
+                      floor, fmod, load4, log, log1p, math, pow, roundeven, shfl_xor,
+                      shfl_xor_bool, sqrt, store4, tanh)
 
 _F32_0, _F32_1 = np.float32(0.0), np.float32(1.0)
 _F64_0, _F64_1 = np.float64(0.0), np.float64(1.0)
@@ -153,7 +153,7 @@ if not SIMULATOR:
     for _name in _WRITTEN_ONCE:
         globals()[_name] = _cuda.jit(device=True, inline=True)(globals()[_name])
 
-# The names lower.py writes, mapped onto the helpers above.  float32 and float64
+# The names lower/exprs.py writes, mapped onto the helpers above.  float32 and float64
 # share one (type-generic) definition where the math does not depend on the type.
 acc_max, acc_min = maximum, minimum
 exp_f32 = exp_f64 = exp_nonpos_f32 = exp_nonpos_f64 = exp

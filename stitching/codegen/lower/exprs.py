@@ -4,7 +4,7 @@ The emitters (cpu.py today, a CUDA emitter later) own the loop structure; this
 module owns *what each op computes* on one element, as a Python expression over
 argument variable names, typed constants, and helper functions reached as
 ``h.<name>``.  Each target supplies a helper module with the same names
-(cpu_rt.py for the CPU): fabs, sqrt, floor, ceil, roundeven, maximum, minimum,
+(cpu/rt.py for the CPU): fabs, sqrt, floor, ceil, roundeven, maximum, minimum,
 copysign, the fast-math functions ``<fn>_f32``/``<fn>_f64``, casts ``f2i32``/
 ``f2i64``/``quant_f16``/``quant_bf16``, ``acc_*`` reduction steps, ``mean_int``.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir import dtypes as dt
+from ...ir import dtypes as dt
 
 CD = dt.COMPUTE     # storage dtype -> compute dtype
 
@@ -425,7 +425,7 @@ def cycles_per_element(spec, passes) -> int:
     LayerNorm at 33 cycles per element against 6 + 4 for two of the three kernels an
     unfused plan makes: at batch 1 (128 x 256) the fused kernel woke the pool and
     took 259 us a call, the three inline ones 188 us in all."""
-    from ..ir.ops import OPS
+    from ...ir.ops import OPS
     rank = max(len(t.shape) for t in list(spec.inputs) + spec.output_types)
 
     def streamed(t) -> bool:

@@ -150,7 +150,7 @@ def prefetch(typingctx, p, i):
 # A kernel writing a large output stages each chunk of it in a small buffer that stays
 # in L1, then copies the chunk out with these (cpu_rt.stream): a 64-byte store that
 # bypasses the caches skips the read for ownership a normal store pays for a line that
-# is not cached, a third of a streaming kernel's memory traffic (codegen/cpu.py,
+# is not cached, a third of a streaming kernel's memory traffic (codegen/cpu/emitter.py,
 # STREAM_MIN_BYTES, has the measurements).
 
 LINE = 64   # bytes per non-temporal store: a cache line (one AVX-512 register)

@@ -1,7 +1,7 @@
 """The compiled code of the math helpers kernels call, kept on disk between processes.
 
 Every generated kernel calls small Numba functions (fastmath.py's ``exp_f32``,
-``tanh_f32``, ..., cpu_rt.py's ``maximum``; ``fastmath.HELPERS`` lists them).  Numba
+``tanh_f32``, ..., cpu/rt.py's ``maximum``; ``fastmath.HELPERS`` lists them).  Numba
 compiles each once per process, the first time a kernel's typing reaches it: 0.05-0.2
 s apiece (``exp_f32`` with its callees ~0.2 s), paid again by every compile worker.
 Numba's own on-disk cache keeps a compiled function as object code plus the LLVM
@@ -10,7 +10,7 @@ inlines it and vectorizes the same (tests/test_codegen_cpu.py checks the machine
 code); loading one takes ~2 ms.
 
 Where: ``<kernel dir>/helpers`` -- the kernel cache's directory for this toolchain,
-whose tag hashes fastmath.py, intrinsics.py and cpu_rt.py (kernel._toolchain_tag),
+whose tag hashes fastmath.py, intrinsics.py and cpu/rt.py (kernel._toolchain_tag),
 so an edit to any helper, or to an intrinsic one of them uses, lands in a new
 directory instead of loading stale code (Numba's own staleness check sees only the
 helper's own file).  Like the shape interpreter, the helpers are an install-time
@@ -31,7 +31,7 @@ from numba import types
 from numba.core.caching import (CompileResultCacheImpl, FunctionCache,
                                 _CacheLocator)
 
-from . import cpu_rt, fastmath   # cpu_rt: its helpers join fastmath.HELPERS on import
+from ..codegen.cpu import rt as cpu_rt, fastmath  # cpu_rt: its helpers join fastmath.HELPERS on import
 
 _lock = threading.Lock()
 _dir: Path | None = None        # where the helpers' cache is, once enabled

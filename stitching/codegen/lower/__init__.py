@@ -1,0 +1,1 @@
+"""The shared lowering every backend builds on (see codegen/__init__.py)."""

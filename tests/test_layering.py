@@ -1,0 +1,130 @@
+"""Imports run one way, down the pipeline, and TensorFlow only at the edge.
+
+    cachedir ─► ir ─► plan ─► schedule ─► codegen (lower ─► cpu | cuda) ─► compile
+             ─► runtime ─► report, options ─► tf ─► testing
+
+A module may import only modules of its own stage or of earlier ones, lazy (function
+level) imports included; a later stage that an earlier one needs is reached through an
+interface the earlier one owns (plan/cost.py's ``use_scheduler``; the planner's
+``legal`` callback).  No import cycle between files either.  TensorFlow is imported only
+by ``stitching/tf``, ``stitching/testing`` and the op's loader (``stitching/runtime``).
+The sources are read with ``ast``: nothing is imported.  The graph algorithms are
+networkx's.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "stitching"
+
+# Stage of each top-level part of the package, in pipeline order.
+STAGES = ["cachedir", "ir", "plan", "schedule", "codegen", "compile", "runtime",
+          ("report", "options"), "tf", "testing", "__init__"]
+RANK = {name: i for i, s in enumerate(STAGES)
+        for name in (s if isinstance(s, tuple) else (s,))}
+# Inside codegen: the shared lowering first, then the backends, side by side.
+CODEGEN = {"lower": 0, "cpu": 1, "cuda": 1}
+TF_EDGE = ("stitching.tf", "stitching.testing", "stitching.runtime")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, modules: dict):
+    """Absolute names this module imports (a ``from P import m`` of a submodule m is
+    an import of P.m), every import statement, module or function level."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                yield sub if sub in modules else target
+
+
+def import_graph() -> nx.DiGraph:
+    modules = _modules()
+    g = nx.DiGraph()
+    g.add_nodes_from(modules)
+    for name, path in modules.items():
+        for target in _imports(name, path, modules):
+            g.add_edge(name, target)
+    return g
+
+
+def _stage(module: str) -> tuple:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    inner = CODEGEN.get(parts[2], -1) if top == "codegen" and len(parts) > 2 else -1
+    return RANK[top], inner, (parts[2] if inner >= 0 else None)
+
+
+def _allowed(src: str, dst: str) -> bool:
+    (rs, cs, bs), (rd, cd, bd) = _stage(src), _stage(dst)
+    if rd != rs:
+        return rd < rs
+    if cs < 0 or cd < 0:        # outside codegen's subpackages, or codegen/__init__
+        return True
+    return cd < cs or bs == bd  # lower before the backends; no backend to backend
+
+
+def test_every_part_of_the_package_has_a_stage():
+    for module in _modules():
+        _stage(module)          # KeyError names a part not placed in STAGES
+
+
+def test_imports_run_down_the_pipeline():
+    g = import_graph()
+    bad = sorted((s, d) for s, d in g.edges if d.startswith("stitching") and d in g
+                 and not _allowed(s, d))
+    assert not bad, "imports against the pipeline's direction:\n" + "\n".join(
+        f"  {s} -> {d}" for s, d in bad)
+
+
+def test_no_import_cycles_between_files():
+    g = import_graph()
+    internal = g.subgraph(n for n in g if n.startswith("stitching"))
+    # A package's __init__ re-exporting its own modules is not a cycle of design (a
+    # module importing from its package's __init__ still counts).
+    edges = [(s, d) for s, d in internal.edges if not d.startswith(s + ".")]
+    cycles = list(nx.simple_cycles(nx.DiGraph(edges)))
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_tensorflow_only_at_the_edge():
+    g = import_graph()
+    bad = sorted((s, d) for s, d in g.edges
+                 if d.split(".")[0] in ("tensorflow", "keras") and not s.startswith(TF_EDGE))
+    assert not bad, f"TensorFlow imported away from the TF edge: {bad}"
+
+
+@pytest.mark.parametrize("src,dst,ok", [
+    ("stitching.plan.cost", "stitching.schedule", False),       # a later stage
+    ("stitching.compile.kernel", "stitching.runtime.build", False),
+    ("stitching.codegen.cuda.emitter", "stitching.codegen.cpu.emitter", False),  # sideways
+    ("stitching.codegen.cpu.emitter", "stitching.codegen.lower.emitter", True),
+    ("stitching.codegen.lower.emitter", "stitching.codegen.cpu.rt", False),
+    ("stitching.runtime.build", "stitching.compile.native", True),
+    ("stitching.schedule", "stitching.plan.cost", True),
+    ("stitching.tf.pipeline", "stitching.compile", True),
+    ("stitching.compile.kernel", "stitching.cachedir", True),
+])
+def test_the_rule_itself(src, dst, ok):
+    assert _allowed(src, dst) is ok
