@@ -41,7 +41,7 @@ setup(
         "test": TF + ["pytest>=8.0", "hypothesis>=6.100", "matplotlib>=3.8",
                       "numba-cuda>=0.20", "jsonschema>=4.0",
                       # notebooks/ are executed by tests/test_notebooks.py
-                      "nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.0"],
+                      "nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.0", "ipython>=8.0"],
         # tools/gpu_bench.py on the GPU machine: PyTorch eager and torch.compile as references.
         "gpu-bench": ["torch>=2.4", "numba-cuda>=0.20"],
         # codegen/cpu/fastmath_fit.py refits the polynomial coefficients (scipy's special functions

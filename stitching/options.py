@@ -16,7 +16,7 @@ class Options:
     #                                    stock TF graph while its kernels compile in a
     #                                    background thread; later calls switch over (wait())
     dump_dir: str | None = None    # write a graph dump per traced function here (also
-    #                                $STITCHING_DUMP_DIR); see stitching/inspect/dump.py
+    #                                $STITCHING_DUMP_DIR); see stitching/tf/dump.py
 
     def __post_init__(self):
         from .plan import ALIASES, PLANNERS

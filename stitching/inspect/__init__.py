@@ -1,7 +1,8 @@
 """See what stitching did: graph dumps, drawings, TensorBoard.
 
     Options(dump_dir=...) / $STITCHING_DUMP_DIR / stitching-rewrite --dump-dir
-        write one directory per traced function (dump.py; format: schema/dump-v1.schema.json)
+        write one directory per traced function (tf/dump.py; format:
+        schema/dump-v1.schema.json)
     load_dump(path)            read one back as objects (load.py)
     list_dumps(root)           the dumps under a root, oldest first
     validate_dump(path)        check it against the JSON schema (needs jsonschema)
@@ -12,7 +13,8 @@
     machine_peaks()            that bandwidth (the cost model's copy measurement) and peak
     write_tensorboard(...)     the rewritten graph for TensorBoard's graph view
 
-Importing this package imports neither TensorFlow nor matplotlib.
+A stage after ``stitching.tf``: it reads what the TF edge wrote, and reaches
+TensorFlow only through it.  Importing it imports neither TensorFlow nor matplotlib.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def write_profile(dumps=None) -> list:
     wrote: all of them, or those of ``dumps`` (dump paths, Dump objects, or a stitched
     function: the dumps of its traces).  Returns the files written.  Kernels not run
     since profiling was turned on have no entry (``KernelDump.measured`` is None)."""
-    from . import dump
+    from ..tf import dump
     paths = None if dumps is None else _paths(dumps)
     return dump.write_profiles(paths)
 

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from . import dump as _dump
+from ..tf import dump as _dump
 
 SCHEMA_FILE = os.path.join(os.path.dirname(__file__), "schema", "dump-v1.schema.json")
 
@@ -119,11 +119,7 @@ class Dump:
         return self._graph("graph_after")
 
     def _graph(self, key):
-        import tensorflow as tf
-        gd = tf.compat.v1.GraphDef()
-        with open(_inside(self.path, self.files[key]["pb"]), "rb") as f:
-            gd.ParseFromString(f.read())
-        return gd
+        return _dump.read_graph(_inside(self.path, self.files[key]["pb"]))
 
     def unfused_by_reason(self) -> dict:
         """reason -> [(node, op)], largest group first."""

@@ -12,7 +12,7 @@
     rewrite  tf.rewrite.rewrite           (one StitchedKernel node per region)
     gemm     tf.gemm.rewrite              (BatchMatMul against a 2-D weight -> one MatMul)
     report   report.Report
-    dump     inspect.dump.write           (only with Options(dump_dir) / $STITCHING_DUMP_DIR)
+    dump     tf.dump.write                (only with Options(dump_dir) / $STITCHING_DUMP_DIR)
 """
 from __future__ import annotations
 
@@ -25,12 +25,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from .. import report as _report
-from ..inspect import dump
 from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import frontend, gemm, opnames, rewrite
+from . import dump, frontend, gemm, opnames, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -163,7 +162,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
 
 
 def _dump_dir(options, name, graph_def):
-    """A fresh dump directory for this call when dumping is on (inspect/dump.py)."""
+    """A fresh dump directory for this call when dumping is on (tf/dump.py)."""
     root = dump.dump_root(options)
     if not root:
         return None

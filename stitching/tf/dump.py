@@ -18,8 +18,8 @@ graph get ``.1``, ``.2`` suffixes from an exclusive mkdir)::
 
 Only a dumping call pays for any of this: ``pipeline`` calls ``write`` when a dump
 root is set, and the estimates here (cost model, bytes, FLOPs) are computed then,
-not during planning.  Nothing here imports TensorFlow (GraphDefs are protobufs
-serialized by their own methods).
+not during planning.  This module writes dumps (it sits at the TF edge, where the
+GraphDefs are); ``stitching.inspect`` reads them back.
 """
 from __future__ import annotations
 
@@ -138,9 +138,14 @@ def _write_text(path, rel, text) -> str:
     return rel
 
 
-def _version() -> str:
-    from .. import __version__
-    return __version__
+def _version() -> str | None:
+    """The installed distribution's version (None when run from a source tree that
+    was never installed)."""
+    from importlib import metadata
+    try:
+        return metadata.version("stitching")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _options_dict(options) -> dict:
@@ -249,6 +254,15 @@ def _plan_dict(the_plan, failed, report) -> dict:
             "refused_merges": [{"node": n, "reason": r} for n, r in the_plan.boundaries],
             "skipped": [{"nodes": list(nodes), "reason": r} for nodes, r in the_plan.skipped],
             "failed": [{"nodes": list(reg.nodes), "reason": why} for reg, why in failed]}
+
+
+def read_graph(path: str):
+    """A GraphDef from a dump's ``.pb`` file."""
+    import tensorflow as tf
+    gd = tf.compat.v1.GraphDef()
+    with open(path, "rb") as f:
+        gd.ParseFromString(f.read())
+    return gd
 
 
 # ---- profile ------------------------------------------------------------------------
