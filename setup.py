@@ -23,7 +23,8 @@ setup(
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["stitching", "stitching.*"]),
-    package_data={"stitching.runtime": ["*.cc", "*.h"]},
+    package_data={"stitching.runtime": ["*.cc", "*.h"],
+                  "stitching.inspect": ["schema/*.json"]},
     python_requires=">=3.10",
     install_requires=[
         "numpy>=1.26",
@@ -35,8 +36,12 @@ setup(
         # TF is optional for the TF-free layers (IR, schedule, codegen, CUDA harness).
         "tf": TF,
         "cuda": ["numba-cuda>=0.20"],
+        # stitching.inspect: drawings and dump-schema validation (the notebooks use these)
+        "inspect": ["matplotlib>=3.8", "jsonschema>=4.0"],
         "test": TF + ["pytest>=8.0", "hypothesis>=6.100", "matplotlib>=3.8",
-                      "numba-cuda>=0.20"],
+                      "numba-cuda>=0.20", "jsonschema>=4.0",
+                      # notebooks/ are executed by tests/test_notebooks.py
+                      "nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.0", "ipython>=8.0"],
         # tools/gpu_bench.py on the GPU machine: PyTorch eager and torch.compile as references.
         "gpu-bench": ["torch>=2.4", "numba-cuda>=0.20"],
         # codegen/cpu/fastmath_fit.py refits the polynomial coefficients (scipy's special functions

@@ -13,10 +13,15 @@ _LAZY = {
     "rewrite_graph_def": ("stitching.tf.rewrite", "rewrite_graph_def"),
     "load_saved_model": ("stitching.tf.saved_model", "load_saved_model"),
     "Report": ("stitching.report", "Report"),
+    "load_dump": ("stitching.inspect.load", "load_dump"),
+    "write_tensorboard": ("stitching.inspect.tensorboard", "write_tensorboard"),
 }
 
 
 def __getattr__(name):
+    if name == "inspect":              # stitching.inspect without importing it first
+        import importlib
+        return importlib.import_module("stitching.inspect")
     if name in _LAZY:
         import importlib
         mod, attr = _LAZY[name]

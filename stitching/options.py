@@ -1,6 +1,7 @@
 """User-facing options for stitching.function and stitching-rewrite."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -14,6 +15,8 @@ class Options:
     background_compile: bool = False   # stitching.function: a new input signature runs the
     #                                    stock TF graph while its kernels compile in a
     #                                    background thread; later calls switch over (wait())
+    dump_dir: str | None = None    # write a graph dump per traced function here (also
+    #                                $STITCHING_DUMP_DIR); see stitching/tf/dump.py
 
     def __post_init__(self):
         from .plan import ALIASES, PLANNERS
@@ -22,3 +25,5 @@ class Options:
                              f"{', '.join(PLANNERS)}")
         if not isinstance(self.min_ops, int) or self.min_ops < 1:
             raise ValueError("min_ops must be a positive int")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise TypeError(f"dump_dir must be a path, got {type(self.dump_dir).__name__}")

@@ -34,6 +34,7 @@ class Report:
     notes: list = field(default_factory=list)
     explanation: list = field(default_factory=list)   # per kernel: alternatives and scores
     profile: str = ""          # the device profile the cost model planned with (its source)
+    dump_path: str | None = None   # the graph dump of this trace, when dumping is on
 
     @property
     def coverage(self) -> float:

@@ -557,8 +557,10 @@ def test_graph_def_in_fresh_process_compiles_via_callback(tmp_path):
     path.write_bytes(_double_graph_def(fresh()).SerializeToString())
     script = _FRESH_PROCESS.format(tests=os.path.dirname(__file__), path=str(path))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(
-                   os.path.abspath(rt.__file__)))] + sys.path))
+               # the directory holding the stitching package (not the package
+               # itself: stitching/inspect would shadow the stdlib's inspect)
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(
+                   os.path.abspath(rt.__file__))))] + sys.path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -717,7 +719,7 @@ def test_library_is_one_image_and_cached():
     assert rt.build_library() == path and path.stat().st_mtime_ns == mtime  # reused
     import ctypes
     ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)  # same image TF loaded
-    assert rt.library().stitching_abi_version() == rt.registry.ABI_VERSION == 5
+    assert rt.library().stitching_abi_version() == rt.registry.ABI_VERSION == 6
 
 
 def test_build_errors_are_clear(tmp_path, monkeypatch):

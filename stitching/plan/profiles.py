@@ -21,8 +21,9 @@ profile it planned with (``DeviceProfile.source``).
 
 A *lane* is the unit of parallelism that pulls memory bandwidth: a core on the CPU, a
 resident thread on a GPU.  ``bw_at(active_lanes)`` is the bandwidth that many active lanes
-reach: linear in lanes until the device saturates.  ``STITCHING_PROFILE=<name>`` pins the
-profile the pipeline plans with (e.g. ``v100`` to plan for the CUDA backend).
+reach: linear in lanes until the device saturates.  ``STITCHING_DEVICE_PROFILE=<name>``
+(older spelling ``STITCHING_PROFILE=<name>``) pins the profile the pipeline plans with
+(e.g. ``v100`` to plan for the CUDA backend).
 
 No TensorFlow here; NumPy only inside ``measure_cpu``.
 """
@@ -143,15 +144,24 @@ def get(name: str) -> DeviceProfile:
 
 
 def default() -> DeviceProfile:
-    """What the pipeline plans with: $STITCHING_PROFILE (a pinned name), else the file
-    $STITCHING_DEVICE_PROFILE, else the measured CPU with the shipped calibration."""
+    """What the pipeline plans with: $STITCHING_DEVICE_PROFILE (a pinned name, "cpu", or a
+    profile file tools/calibrate.py wrote), else $STITCHING_PROFILE naming a pinned device
+    (the older spelling; ``STITCHING_PROFILE=1``/true/on/yes names no device: it turns on
+    the op's per-kernel timing, runtime.set_profiling), else the measured CPU with the
+    shipped calibration."""
+    spec = os.environ.get("STITCHING_DEVICE_PROFILE")
+    if spec:
+        key = spec.lower()
+        if key in PINNED:
+            return PINNED[key]
+        return calibrated(get("cpu")) if key == "cpu" else load_file(spec)
     name = os.environ.get("STITCHING_PROFILE")
-    if name:
+    if name and name.lower() not in _PROFILING_ON and name.lower() != "cpu":
         return get(name)
-    path = os.environ.get("STITCHING_DEVICE_PROFILE")
-    if path:
-        return load_file(path)
     return calibrated(get("cpu"))
+
+
+_PROFILING_ON = ("1", "true", "on", "yes")   # op.cc's ProfileFromEnv
 
 
 # ---- calibration ---------------------------------------------------------------------------

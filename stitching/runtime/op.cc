@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -81,7 +82,7 @@ using InterpFn = int64_t (*)(const int64_t* program, const int64_t* in_dims,
                             int64_t* params, int64_t* out_dims, int64_t* sched);
 using CompilerFn = int (*)(const char* spec);
 
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 constexpr int64_t kMaxProgram = 1 << 20;   // sanity bound on a shape program's words
 constexpr int kMaxParams = 32;      // size of the params array shape_fn may fill
 constexpr int kPhaseSlot = kMaxParams - 1;   // params[31]: the phase being run
@@ -471,6 +472,102 @@ portable. `output_shapes` are static shapes for graph shape inference; `label` n
 region in reports and profiles.
 )doc");
 
+// ---- opt-in profiling -----------------------------------------------------------------
+//
+// STITCHING_PROFILE=1 (or stitching_profile_enable) counts, per node label, the calls,
+// the wall time of Compute and the bytes of its inputs and outputs.  Off, Compute pays
+// one relaxed atomic load.  Slots live for the process (a label is a kernel node of a
+// dumped function; there are few) so an op keeps a plain pointer to its own.
+struct ProfileSlot {
+  std::string label;
+  std::atomic<int64_t> calls{0}, nanos{0}, bytes{0};
+};
+
+bool ProfileFromEnv() {
+  const char* v = std::getenv("STITCHING_PROFILE");
+  if (v == nullptr) return false;
+  const std::string s(v);
+  return s == "1" || s == "true" || s == "on" || s == "yes";
+}
+
+std::atomic<bool> g_profiling{ProfileFromEnv()};
+
+class Profiles {
+ public:
+  static Profiles& Get() {
+    static Profiles* p = new Profiles();  // never destroyed: ops may outlive statics
+    return *p;
+  }
+  ProfileSlot* Slot(const std::string& label) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto& s = slots_[label];
+    if (!s) {
+      s = std::make_unique<ProfileSlot>();
+      s->label = label;
+    }
+    return s.get();
+  }
+  // "label\tcalls\tnanos\tbytes\n" per slot.
+  std::string Text() {
+    std::lock_guard<std::mutex> l(mu_);
+    std::string out;
+    for (const auto& kv : slots_) {
+      const ProfileSlot& s = *kv.second;
+      absl::StrAppend(&out, s.label, "\t", s.calls.load(), "\t", s.nanos.load(), "\t",
+                      s.bytes.load(), "\n");
+    }
+    return out;
+  }
+  void Reset() {
+    std::lock_guard<std::mutex> l(mu_);
+    for (auto& kv : slots_) {
+      kv.second->calls = 0;
+      kv.second->nanos = 0;
+      kv.second->bytes = 0;
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<std::string, std::unique_ptr<ProfileSlot>> slots_;
+};
+
+// Times one Compute (every exit path) when profiling is on.
+class ProfileScope {
+ public:
+  ProfileScope(OpKernelContext* ctx, const std::string& label,
+               std::atomic<ProfileSlot*>* cached)
+      : ctx_(ctx) {
+    if (!g_profiling.load(std::memory_order_relaxed)) return;
+    slot_ = cached->load(std::memory_order_acquire);
+    if (slot_ == nullptr) {
+      slot_ = Profiles::Get().Slot(label.empty() ? "?" : label);
+      cached->store(slot_, std::memory_order_release);
+    }
+    t0_ = std::chrono::steady_clock::now();
+  }
+  ~ProfileScope() {
+    if (slot_ == nullptr) return;
+    const auto dt = std::chrono::steady_clock::now() - t0_;
+    int64_t bytes = 0;
+    for (int i = 0; i < ctx_->num_inputs(); ++i) bytes += ctx_->input(i).TotalBytes();
+    for (int i = 0; i < ctx_->num_outputs(); ++i) {
+      const Tensor* t = ctx_->mutable_output(i);
+      if (t != nullptr) bytes += t->TotalBytes();
+    }
+    slot_->calls.fetch_add(1, std::memory_order_relaxed);
+    slot_->nanos.fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count(),
+        std::memory_order_relaxed);
+    slot_->bytes.fetch_add(bytes, std::memory_order_relaxed);
+  }
+
+ private:
+  OpKernelContext* ctx_;
+  ProfileSlot* slot_ = nullptr;
+  std::chrono::steady_clock::time_point t0_;
+};
+
 class StitchedKernelOp : public OpKernel {
  public:
   explicit StitchedKernelOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -490,6 +587,7 @@ class StitchedKernelOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
+    ProfileScope profile(ctx, label_, &profile_slot_);  // no-op unless profiling is on
     const Entry& e = *entry_;
     const int n_in = static_cast<int>(e.in_ranks.size());
     const int n_out = static_cast<int>(e.out_ranks.size());
@@ -649,6 +747,7 @@ class StitchedKernelOp : public OpKernel {
   std::shared_ptr<const Entry> entry_;
   std::vector<PartialTensorShape> static_shapes_;
   std::string label_;
+  std::atomic<ProfileSlot*> profile_slot_{nullptr};  // set on the first profiled call
 };
 
 REGISTER_KERNEL_BUILDER(Name("StitchedKernel").Device(tensorflow::DEVICE_CPU),
@@ -782,6 +881,32 @@ __attribute__((visibility("default"))) void stitching_pool_trim() {
 
 __attribute__((visibility("default"))) int stitching_is_registered(const char* spec) {
   return spec != nullptr && stitching::Registry::Get().Find(spec) != nullptr;
+}
+
+// Profiling (see ProfileScope): on/off for every StitchedKernel of the process.
+__attribute__((visibility("default"))) void stitching_profile_enable(int on) {
+  stitching::g_profiling.store(on != 0);
+}
+
+__attribute__((visibility("default"))) int stitching_profile_enabled() {
+  return stitching::g_profiling.load() ? 1 : 0;
+}
+
+// Writes the counters as text ("label\tcalls\tnanos\tbytes\n" per label) into buf
+// when it holds them with a NUL; returns the length they need (without the NUL).
+__attribute__((visibility("default"))) int64_t stitching_profile_read(char* buf,
+                                                                      int64_t cap) {
+  const std::string text = stitching::Profiles::Get().Text();
+  const int64_t n = static_cast<int64_t>(text.size());
+  if (buf != nullptr && cap > n) {
+    std::copy(text.begin(), text.end(), buf);
+    buf[n] = '\0';
+  }
+  return n;
+}
+
+__attribute__((visibility("default"))) void stitching_profile_reset() {
+  stitching::Profiles::Get().Reset();
 }
 
 }  // extern "C"

@@ -99,7 +99,7 @@ def library():
     return _lib
 
 
-ABI_VERSION = 5   # op.cc's kAbiVersion: the stitching_register signature
+ABI_VERSION = 6   # op.cc's kAbiVersion: the stitching_register signature (6: profiling exports)
 
 
 def _open_same_image(path: str):
@@ -129,6 +129,14 @@ def _open_same_image(path: str):
     lib.stitching_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.stitching_pool_trim.restype = None
     lib.stitching_pool_trim.argtypes = []
+    lib.stitching_profile_enable.restype = None
+    lib.stitching_profile_enable.argtypes = [ctypes.c_int]
+    lib.stitching_profile_enabled.restype = ctypes.c_int
+    lib.stitching_profile_enabled.argtypes = []
+    lib.stitching_profile_read.restype = ctypes.c_int64
+    lib.stitching_profile_read.argtypes = [ctypes.c_char_p, ctypes.c_int64]
+    lib.stitching_profile_reset.restype = None
+    lib.stitching_profile_reset.argtypes = []
     if lib.stitching_abi_version() != ABI_VERSION:   # a library built from other sources
         raise RuntimeError(f"op library {path} implements kernel ABI "
                            f"{lib.stitching_abi_version()}, this stitching needs "
@@ -273,6 +281,38 @@ def pool_stats() -> dict:
 def pool_trim() -> None:
     """Return the output pool's idle buffers to the OS."""
     library().stitching_pool_trim()
+
+
+def set_profiling(on: bool) -> None:
+    """Count calls, time and bytes per StitchedKernel label from now on (or stop).
+    ``STITCHING_PROFILE=1`` turns it on for the whole process; off, an op pays one
+    relaxed atomic load per call."""
+    library().stitching_profile_enable(1 if on else 0)
+
+
+def profiling() -> bool:
+    return bool(library().stitching_profile_enabled())
+
+
+def profile() -> dict:
+    """label -> {"calls", "seconds", "bytes"} counted since the start (or ``profile_reset``);
+    ``bytes``: the kernel's inputs plus outputs, summed over calls."""
+    lib = library()
+    for _ in range(4):            # labels may appear between the two calls
+        need = int(lib.stitching_profile_read(None, 0))
+        buf = ctypes.create_string_buffer(need + 256)
+        if int(lib.stitching_profile_read(buf, need + 256)) < need + 256:
+            break
+    out = {}
+    for line in buf.value.decode("utf-8", "replace").splitlines():
+        label, calls, nanos, nbytes = line.rsplit("\t", 3)
+        out[label] = {"calls": int(calls), "seconds": int(nanos) * 1e-9, "bytes": int(nbytes)}
+    return out
+
+
+def profile_reset() -> None:
+    """Zero every profile counter (labels stay known)."""
+    library().stitching_profile_reset()
 
 
 # ---- compile on miss -------------------------------------------------------------

@@ -133,3 +133,26 @@ def get(name: str) -> ModelCase:
 
 def all_models() -> list[ModelCase]:
     return list(MODELS.values())
+
+
+def small_cnn(size: int = 16, channels: int = 8, classes: int = 10, name: str = "small_cnn"):
+    """A MobileNet-like CNN small enough for tests (dumps, notebooks): Conv + BN + ReLU6,
+    a depthwise block with a squeeze-excite gate and a residual add, global pooling,
+    Dense + softmax.  Input [batch, size, size, 3]; batch unknown."""
+    import keras
+    L = keras.layers
+    inp = keras.Input(shape=(size, size, 3), name="image")
+    x = L.Conv2D(channels, 3, padding="same", use_bias=False, name="stem")(inp)
+    x = L.BatchNormalization(name="stem_bn")(x)
+    x = L.ReLU(6.0, name="stem_relu6")(x)
+    h = L.DepthwiseConv2D(3, padding="same", use_bias=False, name="dw")(x)
+    h = L.BatchNormalization(name="dw_bn")(h)
+    h = L.Activation("swish", name="dw_swish")(h)
+    s = L.GlobalAveragePooling2D(keepdims=True, name="se_pool")(h)
+    s = L.Conv2D(max(1, channels // 4), 1, activation="relu", name="se_reduce")(s)
+    s = L.Conv2D(channels, 1, activation="sigmoid", name="se_expand")(s)
+    h = L.Multiply(name="se_gate")([h, s])
+    x = L.Add(name="residual")([x, h])
+    x = L.GlobalAveragePooling2D(name="pool")(x)
+    out = L.Dense(classes, activation="softmax", name="logits")(x)
+    return keras.Model(inp, out, name=name)

@@ -54,9 +54,9 @@ def rewrite_graph_def_file(src, dst, outputs=None, options=None):
     return {"graph": res.report}
 
 
-def _options():
+def _options(dump_dir=None):
     from ..options import Options
-    return Options()
+    return Options(dump_dir=dump_dir)
 
 
 def main(argv=None) -> int:
@@ -67,14 +67,18 @@ def main(argv=None) -> int:
     ap.add_argument("--outputs", help="comma-separated output node names (GraphDef only)")
     ap.add_argument("--signature", action="append", help="SavedModel signature key(s)")
     ap.add_argument("--json", help="write the report(s) as JSON here")
+    ap.add_argument("--dump-dir", help="write a graph dump per rewritten graph here "
+                    "(stitching.inspect.load_dump reads it)")
     args = ap.parse_args(argv)
     try:
         if os.path.isdir(args.src):
             from .saved_model import rewrite_saved_model
-            reports = rewrite_saved_model(args.src, args.dst, signature_keys=args.signature)
+            reports = rewrite_saved_model(args.src, args.dst, signature_keys=args.signature,
+                                          options=_options(args.dump_dir))
         elif os.path.isfile(args.src):
             outs = args.outputs.split(",") if args.outputs else None
-            reports = rewrite_graph_def_file(args.src, args.dst, outs)
+            reports = rewrite_graph_def_file(args.src, args.dst, outs,
+                                             options=_options(args.dump_dir))
         else:
             raise FileNotFoundError(f"{args.src}: no such file or directory")
     except Exception as e:  # noqa: BLE001 — a CLI reports, it does not dump a traceback

@@ -265,6 +265,12 @@ def _specs(key, shapes) -> list:
     return [tf.TensorSpec(shape, dtype) for (dtype, _), shape in zip(key, shapes)]
 
 
+def tensor_specs(key) -> list:
+    """TensorSpecs for an exact-signature key (``_eager_key``'s ((dtype, shape), ...)):
+    stitching.inspect traces a function again from the keys it was called with."""
+    return [tf.TensorSpec(shape, dtype) for dtype, shape in key]
+
+
 def _eager_key(args):
     """((dtype, shape), ...) when every argument is an eager tensor, else None."""
     if not tf.executing_eagerly():

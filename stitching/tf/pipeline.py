@@ -12,22 +12,24 @@
     rewrite  tf.rewrite.rewrite           (one StitchedKernel node per region)
     gemm     tf.gemm.rewrite              (BatchMatMul against a 2-D weight -> one MatMul)
     report   report.Report
+    dump     tf.dump.write                (only with Options(dump_dir) / $STITCHING_DUMP_DIR)
 """
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import report as _report
 from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import frontend, gemm, opnames, rewrite
+from . import dump, frontend, gemm, opnames, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -139,7 +141,9 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
             workers.close()
     if key is not None and not failed:
         kernel_cache.remember_graph(key)
-    new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions)
+    dump_path = _dump_dir(options, name, graph_def)
+    labels = dump.labels_for(dump_path, len(regions)) if dump_path else None
+    new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions, labels)
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
@@ -150,13 +154,28 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     rep.compile_seconds = time.perf_counter() - t0
     prof = profiles.default()
     rep.profile = prof.source or prof.name
+    if dump_path:
+        dump.write(dump_path, name=name, options=options, graph_before=graph_def,
+                   graph_after=new_gdef, ir=ir, the_plan=the_plan, regions=regions,
+                   kernels=kernels, kernel_names=kernel_names, labels=labels,
+                   failed=failed, report=rep)
+        rep.dump_path = dump_path
     return StitchResult(new_gdef, rep, kernels)
+
+
+def _dump_dir(options, name, graph_def):
+    """A fresh dump directory for this call when dumping is on (tf/dump.py)."""
+    root = dump.dump_root(options)
+    if not root:
+        return None
+    return dump.make_dir(os.fspath(root), name,
+                         graph_def.SerializeToString(deterministic=True))
 
 
 def _graph_key(graph_def, fetches, keep, options, resources=None) -> str:
     import hashlib
     h = hashlib.sha256(graph_def.SerializeToString(deterministic=True))
-    h.update(repr((list(fetches), sorted(keep), options)).encode())   # keep: a set's order
+    h.update(repr((list(fetches), sorted(keep), replace(options, dump_dir=None))).encode())   # keep: a set's order
     h.update(repr(sorted((resources or {}).items())).encode())
     return h.hexdigest()[:32]
 

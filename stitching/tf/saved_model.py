@@ -35,6 +35,7 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
 
         def call(*args, _cf=cf, _names=names):
             return _cf(**dict(zip(_names, args)))
+        call.__name__ = key           # names the report and the dump directory
 
         sf = StitchedFunction(call, input_signature=sig, options=options)
         new_sigs[key] = sf.get_concrete_function()
