@@ -11,8 +11,8 @@ Conventions
 * NaN in -> NaN out; +-Inf, overflow and underflow follow the C library (checked
   in tests/test_fastmath.py).  Selects use comparisons that are false for NaN so a
   NaN flows through to the result instead of being clamped away.
-* Exact steps (range reduction) use ``fma`` intrinsics: kernels never allow
-  re-association of user arithmetic, but the fma form also survives if they did.
+* Every FMA is an explicit ``fma`` intrinsic (kernels and helpers compile with no
+  fast-math flags, so no multiply-add is contracted implicitly).
 * Error bounds below are measured against float64 over a dense sweep of all float32
   exponents in the stated range (tests/test_fastmath.py asserts them), in ulps of
   the float32 result.
@@ -38,8 +38,10 @@ from . import intrinsics as I
 # calls took 36 s, now 1.7 s) with the same machine code.  Their compiled code is
 # kept on disk by helper_cache.py, in a directory named by the toolchain tag (which
 # hashes this file and intrinsics.py), so a new process loads each in ~2 ms instead
-# of compiling it (0.05-0.2 s each).  Fast-math: contract only.
-_helper = njit(nogil=True, error_model="numpy", fastmath={"contract"})
+# of compiling it (0.05-0.2 s each).  Fast-math: none, not even ``contract`` (the
+# FMAs these need are explicit ``I.fma``): a helper's rounding never depends on where
+# it is inlined (see cpu_rt.FASTMATH).
+_helper = njit(nogil=True, error_model="numpy", fastmath=False)
 HELPERS = []        # every ``helper`` (here and in cpu_rt.py): what helper_cache.py caches
 
 
@@ -52,7 +54,7 @@ def helper(fn):
 # Helpers built from several others exceed LLVM's inline budget and would stay a
 # call (no vectorization): those are inlined at Numba-IR level instead; the calls
 # inside them are small helpers that LLVM then inlines.
-big_helper = njit(inline="always", nogil=True, error_model="numpy", fastmath={"contract"})
+big_helper = njit(inline="always", nogil=True, error_model="numpy", fastmath=False)
 
 f32 = np.float32
 _ZERO, _HALF, _ONE, _TWO = f32(0.0), f32(0.5), f32(1.0), f32(2.0)

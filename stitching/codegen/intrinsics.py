@@ -4,8 +4,8 @@ Why intrinsics and not plain Numba code:
 
 * typed pointers from ``void*`` with no index wrap-around checks, so a load
   ``x[base + j]`` is one affine GEP the loop vectorizer understands;
-* exact control of fast-math flags *per instruction*: kernels compile with only
-  ``contract``; the reduction accumulators alone carry ``reassoc nsz`` (what the
+* exact control of fast-math flags *per instruction*: kernels compile with none
+  (not even ``contract``); the reduction accumulators alone carry ``reassoc nsz`` (what the
   vectorizer needs to split a sum or a max into lanes), so user arithmetic is never
   reassociated and NaN/Inf semantics stay IEEE;
 * NaN-propagating ``llvm.maximum``/``llvm.minimum`` (TF's Maximum and reduce_max
