@@ -65,6 +65,8 @@ from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 from tensorflow.python.grappler import tf_optimizer
 
+from . import opnames
+
 _RC = rewriter_config_pb2.RewriterConfig
 
 OPTIMIZERS = ("function", "constfold", "arithmetic")
@@ -94,7 +96,45 @@ def optimize(graph_def, preserve: list[str]):
     rw.optimizers[:] = list(OPTIMIZERS)
     rw.arithmetic_optimization = _RC.AGGRESSIVE      # assume_valid_feeds: see above
     out = tf_optimizer.OptimizeGraph(config, meta)
-    return expand_tf_internal_ops(out)
+    return drop_dead_fusible(expand_tf_internal_ops(out), preserve)
+
+
+def drop_dead_fusible(graph_def, preserve):
+    """Remove nodes the rewrites left without consumers (``exp(x) - 1`` -> Expm1(x)
+    leaves the Exp behind), if their op is one the fuser maps (stateless math):
+    otherwise the planner would count them, or fuse them and write an output nobody
+    reads.  Stateful and unknown ops stay: TF decides what runs."""
+    keep = {p.split(":")[0].lstrip("^") for p in preserve}
+    nodes = {n.name: n for n in graph_def.node}
+    users: dict[str, int] = {}
+    for n in graph_def.node:
+        for i in n.input:
+            src = i.lstrip("^").split(":")[0]
+            users[src] = users.get(src, 0) + 1
+    dead = set()
+    todo = [n for n in nodes if _removable(nodes[n], keep) and not users.get(n)]
+    while todo:
+        name = todo.pop()
+        if name in dead:
+            continue
+        dead.add(name)
+        for i in nodes[name].input:
+            src = i.lstrip("^").split(":")[0]
+            users[src] -= 1
+            if src in nodes and not users[src] and _removable(nodes[src], keep):
+                todo.append(src)
+    if not dead:
+        return graph_def
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    del out.node[:]
+    out.node.extend(n for n in graph_def.node if n.name not in dead)
+    return out
+
+
+def _removable(nd, keep) -> bool:
+    return nd.name not in keep and (opnames.canonical(nd.op) is not None
+                                    or nd.op in opnames.COMPOSITES)
 
 
 def expand_tf_internal_ops(graph_def):
