@@ -52,8 +52,8 @@ out of them; every op they may emit is either in the op table or stays a TF op:
   ops that are not fused here; they stay TF ops (opaque), as stock TF runs them.
 
 Two emitted ops are not in the op table but are rewritten back into primitives here,
-with the values TF's kernels give: ``AddN`` (TF's CPU kernel adds its inputs left to
-right, so a left-leaning chain of Add is bit-identical) and ``_UnaryOpsComposition``
+with the values TF's kernels give: ``AddN`` (a chain of Add in the order TF's CPU
+kernel adds, so the sum is bit-identical) and ``_UnaryOpsComposition``
 (TF's kernel applies each named op in turn).  The remapper's ``_Fused*`` ops (fused
 matmul/conv epilogues that serve TF's own kernels) are not produced here -- the
 remapper does not run -- and in a graph that already holds them they stay opaque TF
@@ -138,7 +138,7 @@ def _removable(nd, keep) -> bool:
 
 
 def expand_tf_internal_ops(graph_def):
-    """``AddN`` -> a left-leaning chain of ``AddV2``; ``_UnaryOpsComposition`` -> a
+    """``AddN`` -> a chain of ``AddV2`` in TF's order; ``_UnaryOpsComposition`` -> a
     chain of its unary ops.  The last node of a chain keeps the original name (so
     consumers and fetches still resolve) and its control inputs; the others are
     named ``<name>/stitching_expand_<i>``.  Nodes in another form stay as they are."""
@@ -167,19 +167,39 @@ def _expand(nd) -> list:
     data = [i for i in nd.input if not i.startswith("^")]
     ctrl = [i for i in nd.input if i.startswith("^")]
     if nd.op == "AddN":
-        steps = [("AddV2", [data[0], d]) for d in data[1:]]    # ((a + b) + c) + ...
+        steps = _add_n_steps(data)
     else:
-        steps = [(n.decode(), [data[0]]) for n in nd.attr["op_names"].list.s]
+        steps = [(n.decode(), [None]) for n in nd.attr["op_names"].list.s]
+        steps[0] = (steps[0][0], [data[0]])
     nodes = []
-    prev = None
+    names = []
     for i, (op, ins) in enumerate(steps):
         last = i == len(steps) - 1
         n = node_def_pb2.NodeDef(name=nd.name if last else f"{nd.name}/stitching_expand_{i}",
                                  op=op, device=nd.device)
         n.attr["T"].CopyFrom(nd.attr["T"])
-        n.input.extend(([prev] + ins[1:]) if prev is not None else ins)
+        # an int refers to an earlier step's node; None to the step just before
+        n.input.extend(names[-1] if a is None else names[a] if isinstance(a, int) else a
+                       for a in ins)
         if last:
             n.input.extend(ctrl)
         nodes.append(n)
-        prev = n.name
+        names.append(n.name)
     return nodes
+
+
+def _add_n_steps(data):
+    """AddV2 steps that sum like TF's CPU AddN kernel (aggregate_ops.h): the first
+    n % 8 inputs (8 if none, 9 if one) left to right, then ``out += (a + b + ... +
+    h)`` for each next group of 8, each group summed left to right."""
+    n = len(data)
+    first = {0: 8, 1: 9}.get(n % 8, n % 8) if n > 9 else n
+    steps = [("AddV2", [data[0], data[1]])]
+    steps += [("AddV2", [None, d]) for d in data[2:first]]
+    for k in range(first, n, 8):
+        out = len(steps) - 1                       # the running total so far
+        group = data[k:k + 8]
+        steps.append(("AddV2", [group[0], group[1]]))
+        steps += [("AddV2", [None, d]) for d in group[2:]]
+        steps.append(("AddV2", [out, None]))
+    return steps
