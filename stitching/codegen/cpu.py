@@ -168,6 +168,36 @@ class _Writer:
         return lines
 
 
+_H_CALL = re.compile(r"\bh\.(\w+)\(")
+
+
+def _calls_helpers(lines) -> bool:
+    """Whether generated lines call a compiled math helper (a Numba function, which
+    LLVM may decline to inline), not only intrinsics (always inline)."""
+    return any(name in _helper_names() for line in lines for name in _H_CALL.findall(line))
+
+
+_HELPER_NAMES: frozenset | None = None
+
+
+def _helper_names() -> frozenset:
+    """Functions decorated ``@helper``/``@big_helper`` in fastmath.py and cpu_rt.py,
+    read from their source: emitting code must not import Numba (a process that
+    loads cached kernels never does)."""
+    global _HELPER_NAMES
+    if _HELPER_NAMES is None:
+        import ast
+        names = set()
+        for mod in ("fastmath.py", "cpu_rt.py"):
+            with open(os.path.join(os.path.dirname(__file__), mod)) as f:
+                tree = ast.parse(f.read())
+            names |= {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and any(
+                isinstance(d, ast.Name) and d.id in ("helper", "big_helper")
+                for d in n.decorator_list)}
+        _HELPER_NAMES = frozenset(names)
+    return _HELPER_NAMES
+
+
 def load_expr(dtype: str, ptr: str, idx: str) -> str:
     if dtype == "float16":
         return f"h.f16_to_f32({ptr}[{idx}])"
@@ -930,9 +960,45 @@ class _Emitter:
             if nxt is not None:
                 self._next_row_first_pass(w, nxt)
         if chunked or streamed:
+            self._merge_partials(w, p, chunked, reds)
+            w.depth -= 1
+
+    def _merge_partials(self, w, p, chunked, reds) -> None:
+        """Fold each chunk's float32 partial sums into the float64 accumulators.  A
+        partial that is not finite may have overflowed where the float64 sum would
+        not (+-3e38 values; lanes of one sign reach inf first): that chunk's terms
+        are then summed again in float64, which gives the finite sum, or the NaN/Inf
+        an Inf or NaN input makes.  Values recompute bit-identically (no fast-math
+        contraction), so only the accumulation changes.
+
+        Only where the terms recompute without calling a math helper (exp, tanh...):
+        a second call site of a helper can stop LLVM inlining it, which would cost
+        the hot loop its vectorization.  Terms made by helpers keep the plain merge;
+        they overflow a chunk only if each is above FLT_MAX / ROW_CHUNK (3e35) and
+        they cancel afterwards."""
+        if not chunked:
+            return
+        start = len(w.lines)
+        finite = " and ".join(f"s{k} - s{k} == 0.0" for k in chunked)
+        with w.block(f"if {finite}:"):
             for k in chunked:
                 w(f"a{k} = {reds[k].merge.format(a=f'a{k}', p=f's{k}')}")
-            w.depth -= 1
+        fallback = len(w.lines)
+        with w.block("else:"), w.block("for j in range(j0, j1):"):
+            for j in p.loads:
+                if self.s.is_vector(-(j + 1)):
+                    self.load_input(w, -(j + 1), f"b_i{j} + j")
+            for k in p.scratch_loads:
+                w(f"v{k} = {load_expr(self._scratch_dtype(k), f'sc{k}', 'j')}")
+            for k in p.compute:
+                self.compute(w, k)
+            for k in chunked:
+                v = self.var(self.spec.nodes[k].args[0])
+                w(f"a{k} = {reds[k].step.format(a=f'a{k}', v=v)}")
+        if _calls_helpers(w.lines[fallback:]):
+            del w.lines[start:]
+            for k in chunked:
+                w(f"a{k} = {reds[k].merge.format(a=f'a{k}', p=f's{k}')}")
 
     def _scratch_dtype(self, k) -> str:
         cd = dt.COMPUTE[self.dtype(k)]
