@@ -37,7 +37,11 @@ dtype against a float64 run of the same TF graph, for `stitching.function` and f
 stock `tf.function` (which runs Grappler: `exp(x) - 1` becomes Expm1 in both).
 "NaN/Inf like TF": NaN and +-Inf come out in exactly the elements where TF's do.
 Booleans, integers: any mismatch with float64 shows as inf.  Rows flagged **(>2x TF)**
-exceed the bar tests/test_accuracy.py holds (max within 2x TF's, or 4 ulp).
+exceed the bar tests/test_accuracy.py holds (max within 2x TF's, or 4 ulp; for ops
+whose result cancels far below its operands -- signed sums and means, layernorm,
+LogSoftmax, FusedBatchNorm -- in ulps of the operand scale, the "scaled max" column:
+there the error in ulps of a near-zero result is the luck of one rounding, for TF
+as for stitching).
 
 Ranges ({args.n} elements each; binary ops take two independent samples; row ops and
 composites see rows of {A.ROW}):

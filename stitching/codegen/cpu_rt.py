@@ -21,7 +21,7 @@ from .fastmath import (elu_f32, elu_f64, erf_f32, erf_f64, erfc_f32, erfc_f64,  
                        softplus_f32, softplus_f64, tanh_f32, tanh_f64)
 from .intrinsics import (acc_add, acc_max, acc_min, acc_mul, aligned_alloc,  # noqa: F401
                          bf16_to_f32, ceil, copysign, f2i32, f2i64, f16_to_f32,
-                         f32_to_bf16, f32_to_f16, fabs, floor, free, opaque, prefetch,
+                         f32_to_bf16, f32_to_f16, fabs, floor, free, opaque, opaque_int, prefetch,
                          ptr_float32, ptr_float64, ptr_int32, ptr_int64, ptr_uint8,
                          ptr_uint16, roundeven, sqrt, store_fence, stream,
                          wide_vectors)
