@@ -96,7 +96,28 @@ def optimize(graph_def, preserve: list[str]):
     rw.optimizers[:] = list(OPTIMIZERS)
     rw.arithmetic_optimization = _RC.AGGRESSIVE      # assume_valid_feeds: see above
     out = tf_optimizer.OptimizeGraph(config, meta)
+    out = drop_placeholder_control_inputs(out)
     return drop_dead_fusible(expand_tf_internal_ops(out), preserve)
+
+
+def drop_placeholder_control_inputs(graph_def):
+    """Remove control inputs on Placeholders.  Grappler anchors the constants it
+    makes to an input (x + x -> Mul(Const(2) ^x, x)); a function argument exists
+    before anything runs, so the edge orders nothing -- but the rewritten graph is
+    imported with its arguments remapped, and TF's ``input_map`` remaps data edges
+    only: the edge kept the old Placeholder alive ("You must feed a value for
+    placeholder tensor"; found by tests/test_differential.py)."""
+    args = {n.name for n in graph_def.node if n.op == "Placeholder"}
+    if not any(i.startswith("^") and i[1:] in args for n in graph_def.node for i in n.input):
+        return graph_def
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    for nd in out.node:
+        keep = [i for i in nd.input if not (i.startswith("^") and i[1:] in args)]
+        if len(keep) != len(nd.input):
+            del nd.input[:]
+            nd.input.extend(keep)
+    return out
 
 
 def drop_dead_fusible(graph_def, preserve):
