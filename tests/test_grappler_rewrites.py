@@ -185,3 +185,13 @@ def test_remapper_fused_op_in_a_graph_file_stays_a_tf_op():
     feed = {"x:0": RNG.standard_normal((4, 8)).astype(np.float32)}
     np.testing.assert_allclose(_run(res.graph_def, feed, "y:0"), _run(gd, feed, "y:0"),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_constant_grappler_anchors_to_an_argument_does_not_need_feeding():
+    """x + x becomes Mul(Const(2) ^x, x): the control edge on the argument is dropped
+    (it kept the original Placeholder in the rewritten graph, which TF then asked to
+    be fed; found by tests/test_differential.py)."""
+    sig = [tf.TensorSpec([None, 4])]
+    sf = stitching.function(lambda x: (x + x) * 3.0, input_signature=sig)
+    x = RNG.standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_array_equal(sf(x).numpy(), (x + x) * np.float32(3.0))
