@@ -994,34 +994,60 @@ class _Emitter:
         an Inf or NaN input makes.  Values recompute bit-identically (no fast-math
         contraction), so only the accumulation changes.
 
-        Only where the terms recompute without calling a math helper (exp, tanh...):
-        a second call site of a helper can stop LLVM inlining it, which would cost
-        the hot loop its vectorization.  Terms made by helpers keep the plain merge;
-        they overflow a chunk only if each is above FLT_MAX / ROW_CHUNK (3e35) and
-        they cancel afterwards."""
+        Only for reductions whose terms recompute without calling a math helper
+        (exp, tanh...): a second call site of a helper can stop LLVM inlining it,
+        which would cost the hot loop its vectorization.  Terms made by helpers keep
+        the plain merge; they overflow a chunk only if each is above FLT_MAX /
+        ROW_CHUNK (3e35) and they cancel afterwards."""
         if not chunked:
             return
-        start = len(w.lines)
-        finite = " and ".join(f"s{k} - s{k} == 0.0" for k in chunked)
+        safe = [k for k in chunked if not self._cone_calls_helpers(w, p, k)]
+        for k in chunked:
+            if k not in safe:
+                w(f"a{k} = {reds[k].merge.format(a=f'a{k}', p=f's{k}')}")
+        if not safe:
+            return
+        finite = " and ".join(f"s{k} - s{k} == 0.0" for k in safe)
         with w.block(f"if {finite}:"):
-            for k in chunked:
+            for k in safe:
                 w(f"a{k} = {reds[k].merge.format(a=f'a{k}', p=f's{k}')}")
-        fallback = len(w.lines)
         with w.block("else:"), w.block("for j in range(j0, j1):"):
-            for j in p.loads:
-                if self.s.is_vector(-(j + 1)):
-                    self.load_input(w, -(j + 1), f"b_i{j} + j")
-            for k in p.scratch_loads:
-                w(f"v{k} = {load_expr(self._scratch_dtype(k), f'sc{k}', 'j')}")
-            for k in p.compute:
-                self.compute(w, k)
-            for k in chunked:
-                v = self.var(self.spec.nodes[k].args[0])
-                w(f"a{k} = {reds[k].step.format(a=f'a{k}', v=v)}")
-        if _calls_helpers(w.lines[fallback:]):
-            del w.lines[start:]
-            for k in chunked:
-                w(f"a{k} = {reds[k].merge.format(a=f'a{k}', p=f's{k}')}")
+            self._fallback_body(w, p, safe, reds)
+
+    def _cone(self, p, k) -> list:
+        """The nodes of pass ``p``'s compute list that reduction ``k``'s term needs."""
+        todo, need = [self.spec.nodes[k].args[0]], set()
+        compute = set(p.compute)
+        while todo:
+            r = todo.pop()
+            if r >= 0 and r in compute and r not in need:
+                need.add(r)
+                todo.extend(self.spec.nodes[r].args)
+        return [c for c in p.compute if c in need]
+
+    def _fallback_body(self, w, p, ks, reds) -> None:
+        """One element of the float64 re-summation: the terms of reductions ``ks``."""
+        cone = sorted({c for k in ks for c in self._cone(p, k)}, key=list(p.compute).index)
+        for j in p.loads:
+            if self.s.is_vector(-(j + 1)):
+                self.load_input(w, -(j + 1), f"b_i{j} + j")
+        for k in p.scratch_loads:
+            w(f"v{k} = {load_expr(self._scratch_dtype(k), f'sc{k}', 'j')}")
+        for c in cone:
+            self.compute(w, c)
+        for k in ks:
+            v = self.var(self.spec.nodes[k].args[0])
+            w(f"a{k} = {reds[k].step.format(a=f'a{k}', v=v)}")
+
+    def _cone_calls_helpers(self, w, p, k) -> bool:
+        """Whether recomputing reduction ``k``'s term calls a math helper (emitted,
+        inspected, then taken back out of ``w``)."""
+        start = len(w.lines)
+        for c in self._cone(p, k):
+            self.compute(w, c)
+        calls = _calls_helpers(w.lines[start:])
+        del w.lines[start:]
+        return calls
 
     def _scratch_dtype(self, k) -> str:
         cd = dt.COMPUTE[self.dtype(k)]
