@@ -114,3 +114,25 @@ def test_reductions_at_least_as_accurate_as_tf(n, layout):
 def test_reductions_at_least_as_accurate_as_tf_large(n, layout):
     for name, (st, stock) in _reduction_errors(n, layout, "positive").items():
         assert st <= stock + 0.5, (name, st, stock)
+
+
+def test_row_sum_near_overflow_is_finite_where_float64_is():
+    """A chunk's float32 partial sum overflowed on rows of +-3e38 values whose sum
+    fits float32 (a wrong-signed inf where TF gives NaN): such a chunk is summed again
+    in float64.  Also with a sum of exp in the same pass (which keeps the plain
+    merge: its terms come from a math helper)."""
+    rng = np.random.default_rng(7)
+    x = (rng.choice([-1.0, 1.0], (16, 100)) * rng.uniform(1e38, 3e38, (16, 100)))
+    x[:, :50] = np.abs(x[:, :50])
+    x[:, 50:] = -np.abs(x[:, 50:])            # +-: the exact sums stay below FLT_MAX
+    x = rng.permuted(x, axis=1).astype(np.float32)
+    exact = x.astype(np.float64).sum(-1)
+    keep = np.abs(exact) < 3e38
+    assert keep.sum() >= 8
+
+    def f(v):
+        return tf.reduce_sum(v, -1), tf.reduce_logsumexp(v * 1e-38, -1)
+    got, _ = stitching.function(f, options=OPTS, autograph=False)(x)
+    got = got.numpy()
+    assert np.all(np.isfinite(got[keep]))
+    np.testing.assert_allclose(got[keep], exact[keep], rtol=1e-6)
