@@ -27,15 +27,18 @@ out of them; every op they may emit is either in the op table or stays a TF op:
   stage                                 emits                        here
   ConvertExpm1          exp(x)-1       Expm1                        op table
   ConvertLog1p          log(x+1)       Log1p                        op table
-  ConvertPow            pow(x,c)       Square/Sqrt/Rsqrt/Reciprocal/
-                                       Mul(x,Square)/Identity/Const op table
+  ConvertPow            pow(x,c)       Square/Sqrt/Rsqrt/Reciprocal/ op table
+                                       Identity/Const (c = 3 ->
+                                       Mul(x, Square(x)) only for nodes
+                                       placed on a CPU: ours carry no
+                                       device, so Pow(x, 3) stays Pow)
   ReplaceMulWithSquare  x*x            Square                       op table
   FuseSquaredDiff       (x-y)^2        SquaredDifference            op table
   LogSoftmax            log(softmax)   LogSoftmax                   composite
   SqrtDivToRsqrtMul     x/sqrt(y)      Mul(x, Rsqrt(y))             op table
   RemoveNegation        x+(-y), x-(-y) Sub / Add                    op table
   RemoveInvolution      -(-x), 1/(1/x) (removed)                    -
-  RemoveIdempotent      relu(relu(x))  (removed)                    -
+  RemoveIdempotent      f(f(x)) -> f(x) for idempotent ops          -
   RemoveLogicalNot      !(a<b)         GreaterEqual...              op table
   RemoveRedundantCast/Reshape/Bitcast, RemoveIdentityTranspose       (removed)
   ReorderCastLikeAndValuePreserving    Cast moved across a reshape  op table
