@@ -56,10 +56,10 @@ def _model_call(model):
 
 def timeline(model) -> None:
     from stitching.compile import parallel
-    from stitching.tf import frontend, pipeline, rewrite
+    from stitching.tf import frontend, grappler, pipeline, rewrite
     marks = []
     fn, args = _model_call(model)
-    for mod, names in ((frontend, ["inline_functions", "import_for_shapes", "to_ir"]),
+    for mod, names in ((grappler, ["optimize"]), (frontend, ["import_for_shapes", "to_ir"]),
                        (pipeline, ["stitch_graph_def", "get_planner", "_compile"]),
                        (rewrite, ["rewrite"])):
         for n in names:

@@ -1,12 +1,13 @@
 """Frontend: a traced TF function -> inlined GraphDef -> IR graph.
 
-  python fn ──trace──▶ ConcreteFunction ──Grappler (function inlining only)──▶ GraphDef
+  python fn ──trace──▶ ConcreteFunction ──Grappler (tf/grappler.py)──▶ GraphDef
        ──import into a scratch tf.Graph (TF shape inference)──▶ IR Graph (one node per TF node)
 
-Grappler is used only to inline ``PartitionedCall``/``StatefulPartitionedCall``
-bodies (as TF-TRT does); every other optimizer is switched off so the graph we
-rewrite is the graph TF would have run.  Static shapes come from TF's own shape
-inference; unknown dims become -1.
+Grappler (tf/grappler.py) inlines ``PartitionedCall``/``StatefulPartitionedCall``
+bodies (as TF-TRT does) and runs the optimizers of stock ``tf.function`` that change
+values (constant folding, the arithmetic optimizer: ``exp(x) - 1`` -> Expm1 ...), so
+the graph we rewrite is the graph TF would have run.  Static shapes come from TF's
+own shape inference; unknown dims become -1.
 
 Each IR node keeps the TF node's name.  Ops we understand get their canonical
 op-table name (or a composite name from ir/composites.py) and their attributes
@@ -18,9 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 from tensorflow.python.framework import tensor_util
-from tensorflow.python.grappler import tf_optimizer
 
 from ..ir import Graph, Node, TensorType, ValueRef
 from ..ir.composites import COMPOSITE_OPS
@@ -45,24 +44,7 @@ def tensor_type(t: tf.Tensor) -> TensorType:
     return TensorType(dtype_name(t.dtype), shape)
 
 
-# ---------------------------------------------------------------- inlining
-
-def inline_functions(graph_def, fetches: list[str]):
-    """Run Grappler's function optimizer alone: inline every function call."""
-    if not any(n.op in ("PartitionedCall", "StatefulPartitionedCall") for n in graph_def.node):
-        return graph_def
-    meta = meta_graph_pb2.MetaGraphDef()
-    meta.graph_def.CopyFrom(graph_def)
-    fetch_coll = meta_graph_pb2.CollectionDef()
-    fetch_coll.node_list.value.extend(f.split(":")[0] for f in fetches)
-    meta.collection_def["train_op"].CopyFrom(fetch_coll)
-    config = config_pb2.ConfigProto()
-    rw = config.graph_options.rewrite_options
-    rw.min_graph_nodes = -1
-    rw.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
-    rw.optimizers[:] = ["function"]
-    return tf_optimizer.OptimizeGraph(config, meta)
-
+# ---------------------------------------------------------------- IdentityN
 
 def bypass_identity_n(graph_def, keep):
     """Consumers of an ``IdentityN`` output read the IdentityN's input directly.

@@ -1,6 +1,7 @@
 """The driver: one GraphDef in, one rewritten GraphDef and a report out.
 
-    inline   frontend.inline_functions   (Grappler function inlining only;
+    grappler grappler.optimize           (TF's inlining, constant folding and arithmetic
+                                          optimizer, as tf.function runs them;
                                           then frontend.bypass_identity_n)
     import   frontend.import_for_shapes   (TF shape inference)
     lift     frontend.to_ir               (TF nodes -> IR nodes)
@@ -29,7 +30,7 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import dump, frontend, gemm, opnames, rewrite
+from . import dump, frontend, gemm, grappler, opnames, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -111,7 +112,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     from ..compile import parallel
     try:
         ensure_runtime()
-        gdef = frontend.inline_functions(graph_def, list(fetches) + list(keep))
+        gdef = grappler.optimize(graph_def, list(fetches) + list(keep))
         gdef = frontend.bypass_identity_n(
             gdef, {f.split(":")[0] for f in fetches} | {k.split(":")[0] for k in keep})
         tf_graph = frontend.import_for_shapes(gdef, resources)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from contextlib import contextmanager
 
 from ...ir import dtypes as dt
@@ -67,6 +68,8 @@ from ..lower import exprs as lower
 from ..lower.emitter import Emitter, KernelSource, Writer, load_expr, store_value
 
 ROW_CHUNK = 1024       # tuned: float32 partial sums per 1024 elements of a row
+ROW_TAIL = 64          # a row's remainder below a multiple of this is a chunk apart:
+                       # 16 float32 lanes x LLVM's interleave of 4 (_chunk_loop_head)
 PHASE_SLOT = 31        # dims[31]: the phase the op is running (op.cc kPhaseSlot)
 PREFETCH_MIN_ROW = 512  # row kernels prefetch the next row from this length on
 COL_UNROLL = 4         # tuned: rows of a column pass per trip of its column loop
@@ -97,6 +100,36 @@ def _stream_min_bytes() -> int:
 
 _PTR = {"float32": "float32", "float64": "float64", "int32": "int32", "int64": "int64",
         "float16": "uint16", "bfloat16": "uint16", "bool": "uint8"}
+
+
+_H_CALL = re.compile(r"\bh\.(\w+)\(")
+
+
+def _calls_helpers(lines) -> bool:
+    """Whether generated lines call a compiled math helper (a Numba function, which
+    LLVM may decline to inline), not only intrinsics (always inline)."""
+    return any(name in _helper_names() for line in lines for name in _H_CALL.findall(line))
+
+
+_HELPER_NAMES: frozenset | None = None
+
+
+def _helper_names() -> frozenset:
+    """Functions decorated ``@helper``/``@big_helper`` in fastmath.py and rt.py,
+    read from their source: emitting code must not import Numba (a process that
+    loads cached kernels never does)."""
+    global _HELPER_NAMES
+    if _HELPER_NAMES is None:
+        import ast
+        names = set()
+        for mod in ("fastmath.py", "rt.py"):
+            with open(os.path.join(os.path.dirname(__file__), mod)) as f:
+                tree = ast.parse(f.read())
+            names |= {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and any(
+                isinstance(d, ast.Name) and d.id in ("helper", "big_helper")
+                for d in n.decorator_list)}
+        _HELPER_NAMES = frozenset(names)
+    return _HELPER_NAMES
 
 
 def emit(sched) -> KernelSource:
@@ -609,11 +642,13 @@ class _Emitter(Emitter):
             w(f"an{k} = {lower.reduction(self.spec, k, self.C).init}")
         chunked = [k for k in p.accumulate if reds[k].part]
         streamed = any(k in self.streamed for k in p.stores)
-        if chunked or streamed:
-            w(f"for j0 in range({lo}, {hi}, {ROW_CHUNK}):")
-            w.depth += 1
+        if chunked:
+            self._chunk_loop_head(w, lo, hi)
             for k in chunked:
                 w(f"s{k} = {reds[k].part_init}")
+        elif streamed:
+            w(f"for j0 in range({lo}, {hi}, {ROW_CHUNK}):")
+            w.depth += 1
             w(f"j1 = min(j0 + {ROW_CHUNK}, {hi})")
         stores = [(k, "", f"b_{self.tag(k)}", "0") for k in p.stores]
         with self._staged(w, stores, "j", "j0", "j1 - j0"), \
@@ -639,9 +674,91 @@ class _Emitter(Emitter):
             if nxt is not None:
                 self._next_row_first_pass(w, nxt)
         if chunked or streamed:
-            for k in chunked:
-                w(f"a{k} = {reds[k].merge.format(a=f'a{k}', p=f's{k}')}")
+            self._merge_partials(w, p, chunked, reds)
             w.depth -= 1
+
+    @staticmethod
+    def _chunk_loop_head(w, lo: str, hi: str) -> None:
+        """Open the loop over a row's chunks [j0, j1) for float32 partial sums: chunks
+        of ROW_CHUNK, then what is left cut at a multiple of ROW_TAIL, then of 16
+        (one vector), then the last < 16 elements: each a chunk of its own.  The vectorized loop sums a
+        chunk in ROW_TAIL lane-interleaved partials (a short tree), but LLVM adds a
+        loop's remainder one element at a time onto the already reduced partial:
+        with the remainder in a chunk of its own, its rounding errors scale with the
+        remainder's sum, not the row's (a row of 100 positive values: max 4 -> 1.5
+        ulp against float64; TF's 1.8).  The bound is opaque to LLVM, so a row
+        length known at compile time does not unroll the loop into a chain."""
+        w(f"j1 = {lo}")
+        w(f"je1 = h.opaque_int({hi})")      # see intrinsics.opaque_int
+        w("while j1 < je1:")
+        w.depth += 1
+        w("j0 = j1")
+        w(f"j1 = j0 + {ROW_CHUNK} if je1 - j0 >= {ROW_CHUNK} else "
+          f"j0 + ((je1 - j0) & -{ROW_TAIL})")
+        w("j1 = j1 if j1 > j0 else (j0 + ((je1 - j0) & -16) if je1 - j0 >= 16 else je1)")
+
+    def _merge_partials(self, w, p, chunked, reds) -> None:
+        """Fold each chunk's float32 partial sums into the float64 accumulators.  A
+        partial that is not finite may have overflowed where the float64 sum would
+        not (+-3e38 values; lanes of one sign reach inf first): that chunk's terms
+        are then summed again in float64, which gives the finite sum, or the NaN/Inf
+        an Inf or NaN input makes.  Values recompute bit-identically (no fast-math
+        contraction), so only the accumulation changes.
+
+        Only for reductions whose terms recompute without calling a math helper
+        (exp, tanh...): a second call site of a helper can stop LLVM inlining it,
+        which would cost the hot loop its vectorization.  Terms made by helpers keep
+        the plain merge; they overflow a chunk only if each is above FLT_MAX /
+        ROW_CHUNK (3e35) and they cancel afterwards."""
+        if not chunked:
+            return
+        safe = [k for k in chunked if not self._cone_calls_helpers(w, p, k)]
+        for k in chunked:
+            if k not in safe:
+                w(f"a{k} = {reds[k].merge.format(a=f'a{k}', p=f's{k}')}")
+        if not safe:
+            return
+        finite = " and ".join(f"s{k} - s{k} == 0.0" for k in safe)
+        with w.block(f"if {finite}:"):
+            for k in safe:
+                w(f"a{k} = {reds[k].merge.format(a=f'a{k}', p=f's{k}')}")
+        with w.block("else:"), w.block("for j in range(j0, j1):"):
+            self._fallback_body(w, p, safe, reds)
+
+    def _cone(self, p, k) -> list:
+        """The nodes of pass ``p``'s compute list that reduction ``k``'s term needs."""
+        todo, need = [self.spec.nodes[k].args[0]], set()
+        compute = set(p.compute)
+        while todo:
+            r = todo.pop()
+            if r >= 0 and r in compute and r not in need:
+                need.add(r)
+                todo.extend(self.spec.nodes[r].args)
+        return [c for c in p.compute if c in need]
+
+    def _fallback_body(self, w, p, ks, reds) -> None:
+        """One element of the float64 re-summation: the terms of reductions ``ks``."""
+        cone = sorted({c for k in ks for c in self._cone(p, k)}, key=list(p.compute).index)
+        for j in p.loads:
+            if self.s.is_vector(-(j + 1)):
+                self.load_input(w, -(j + 1), f"b_i{j} + j")
+        for k in p.scratch_loads:
+            w(f"v{k} = {load_expr(self._scratch_dtype(k), f'sc{k}', 'j')}")
+        for c in cone:
+            self.compute(w, c)
+        for k in ks:
+            v = self.var(self.spec.nodes[k].args[0])
+            w(f"a{k} = {reds[k].step.format(a=f'a{k}', v=v)}")
+
+    def _cone_calls_helpers(self, w, p, k) -> bool:
+        """Whether recomputing reduction ``k``'s term calls a math helper (emitted,
+        inspected, then taken back out of ``w``)."""
+        start = len(w.lines)
+        for c in self._cone(p, k):
+            self.compute(w, c)
+        calls = _calls_helpers(w.lines[start:])
+        del w.lines[start:]
+        return calls
 
     # -- column ------------------------------------------------------------------------------
     def _column_unit(self, w, unit: str) -> None:

@@ -11,8 +11,8 @@ Conventions
 * NaN in -> NaN out; +-Inf, overflow and underflow follow the C library (checked
   in tests/test_fastmath.py).  Selects use comparisons that are false for NaN so a
   NaN flows through to the result instead of being clamped away.
-* Exact steps (range reduction) use ``fma`` intrinsics: kernels never allow
-  re-association of user arithmetic, but the fma form also survives if they did.
+* Every FMA is an explicit ``fma`` intrinsic (kernels and helpers compile with no
+  fast-math flags, so no multiply-add is contracted implicitly).
 * Error bounds below are measured against float64 over a dense sweep of all float32
   exponents in the stated range (tests/test_fastmath.py asserts them), in ulps of
   the float32 result.
@@ -38,8 +38,10 @@ from . import intrinsics as I
 # calls took 36 s, now 1.7 s) with the same machine code.  Their compiled code is
 # kept on disk by helper_cache.py, in a directory named by the toolchain tag (which
 # hashes this file and intrinsics.py), so a new process loads each in ~2 ms instead
-# of compiling it (0.05-0.2 s each).  Fast-math: contract only.
-_helper = njit(nogil=True, error_model="numpy", fastmath={"contract"})
+# of compiling it (0.05-0.2 s each).  Fast-math: none, not even ``contract`` (the
+# FMAs these need are explicit ``I.fma``): a helper's rounding never depends on where
+# it is inlined (see cpu/rt.py's FASTMATH).
+_helper = njit(nogil=True, error_model="numpy", fastmath=False)
 HELPERS = []        # every ``helper`` (here and in cpu/rt.py): what helper_cache.py caches
 
 
@@ -52,7 +54,7 @@ def helper(fn):
 # Helpers built from several others exceed LLVM's inline budget and would stay a
 # call (no vectorization): those are inlined at Numba-IR level instead; the calls
 # inside them are small helpers that LLVM then inlines.
-big_helper = njit(inline="always", nogil=True, error_model="numpy", fastmath={"contract"})
+big_helper = njit(inline="always", nogil=True, error_model="numpy", fastmath=False)
 
 f32 = np.float32
 _ZERO, _HALF, _ONE, _TWO = f32(0.0), f32(0.5), f32(1.0), f32(2.0)
@@ -167,6 +169,9 @@ def exp_nonpos_f32(x):
     return _ZERO if x < K(_EXP_MIN) else y
 
 
+_TINY_EXPM1 = f32(2.0 ** -25)
+
+
 @helper
 def expm1_f32(x):
     """exp(x) - 1 without cancellation near 0.  <= 2 ulp; -1 below -17, inf above 88.72."""
@@ -179,6 +184,9 @@ def expm1_f32(x):
     near = I.fma(s, q, s - _ONE)              # 2^n (1 + q) - 1, one rounding
     far = I.ldexp_f32(q + _ONE, n)            # -1 is below half an ulp there
     y = near if small else far
+    # |x| < 2^-25: expm1(x) = x exactly (rounded); this also keeps a subnormal x, which
+    # TF returns, where the polynomial under TF's flush-to-zero mode gave 0
+    y = x if I.fabs(x) < _TINY_EXPM1 else y
     return y if x == x else x
 
 
@@ -332,20 +340,31 @@ def erf_f32(x):
     return I.copysign(_ONE, x) if I.fabs(x) > hi else y
 
 
+# erfc near 0: 1 - x (2/sqrt(pi)) (1 - x^2/3 + x^4/10 - x^6/42), Taylor; the next
+# term, x^9/216 * 2/sqrt(pi), is < 1e-11 at |x| = 0.1 (truncation far below an ulp)
+_ERFC_SMALL = f32(0.1)
+_ET0, _ET1 = f32(1.1283791670955126), f32(-1.1283791670955126 / 3)
+_ET2, _ET3 = f32(1.1283791670955126 / 10), f32(-1.1283791670955126 / 42)
+
+
 @big_helper
 def erfc_f32(x):
     """erfc(x) = 1 - erf(x) without cancellation.  <= 5.2 ulp for x < 9.2 (relative;
-    the worst near x = 0.016, where it is 3.1e-7 absolute, as erf_f32's bound);
-    results below FLT_MIN (x > 9.2) flush to 0 like TF; erfc(-inf) = 2, erfc(inf) = 0.
+    the worst near x = 0.1); results below FLT_MIN (x > 9.2) flush to 0 like TF;
+    erfc(-inf) = 2, erfc(inf) = 0.
 
-    One path for every x: erfc(|x|) = exp(-x^2) erfcx(|x|), and 2 - erfc(|x|) for x <
-    0 (in [1, 2], no cancellation).  erfcx is fitted down to 0, so no second
-    polynomial (1 - erf(x) near 0, which kept the worst case at 5 ulp) is evaluated
-    and selected: 0.75 -> 0.62 ns/element per core (TF's exact GELU is
-    0.5 x erfc(-x / sqrt 2))."""
+    erfc(|x|) = exp(-x^2) erfcx(|x|), and 2 - erfc(|x|) for x < 0 (in [1, 2], no
+    cancellation).  For |x| < 0.1 a short Taylor form, 1 - x P(x^2) in one fma, is
+    selected instead: the erfcx fit alone was 3.9 ulp off near 0 (erfc(0) = 1 - 2^-24),
+    which put TF's exact GELU, 0.5 x erfc(-x / sqrt 2), at 4.4 ulp for tiny x
+    against TF's 1.4.  The extra polynomial costs four fmas and a select."""
     a = I.fabs(x)
     e = _erfc_pos(_ERFC_CLAMP if a > _ERFC_CLAMP else a)
     y = _TWO - e if x < _ZERO else e
+    z = x * x
+    p = I.fma(I.fma(I.fma(_ET3, z, _ET2), z, _ET1), z, _ET0)
+    small = I.fma(-x, p, _ONE)
+    y = small if a < _ERFC_SMALL else y
     return y if x == x else x
 
 
@@ -358,9 +377,12 @@ def softplus_f32(x, threshold):
     return x if x > -threshold else (e if x < threshold else mid)
 
 
+# Elu/Selu select on x < 0, as TF's kernels do: under TF's flush-to-zero (denormals-
+# are-zero) mode a subnormal x compares equal to 0, so x > 0 ? x : expm1(x) would
+# return 0 for a positive subnormal where TF returns x.
 @helper
 def elu_f32(x):
-    return x if x > _ZERO else expm1_f32(x)
+    return expm1_f32(x) if x < _ZERO else x
 
 
 _SELU_SCALE = f32(1.0507009873554804934193349852946)
@@ -370,7 +392,7 @@ _SELU_SA = f32(1.0507009873554804934193349852946 * 1.673263242354377284817042991
 
 @helper
 def selu_f32(x):
-    return _SELU_SCALE * x if x > _ZERO else _SELU_SA * expm1_f32(x)
+    return _SELU_SA * expm1_f32(x) if x < _ZERO else _SELU_SCALE * x
 
 
 # ---- float64: libm (scalar; float64 kernels are rare and not vectorized) -----------
@@ -437,9 +459,9 @@ def softplus_f64(x, threshold):
 
 @helper
 def elu_f64(x):
-    return x if x > 0.0 else math.expm1(x)
+    return math.expm1(x) if x < 0.0 else x
 
 
 @helper
 def selu_f64(x):
-    return _SELU_SCALE64 * x if x > 0.0 else _SELU_SA64 * math.expm1(x)
+    return _SELU_SA64 * math.expm1(x) if x < 0.0 else _SELU_SCALE64 * x

@@ -21,7 +21,8 @@ from .fastmath import (elu_f32, elu_f64, erf_f32, erf_f64, erfc_f32, erfc_f64,  
                        softplus_f32, softplus_f64, tanh_f32, tanh_f64)
 from .intrinsics import (acc_add, acc_max, acc_min, acc_mul, aligned_alloc,  # noqa: F401
                          bf16_to_f32, ceil, copysign, f2i32, f2i64, f16_to_f32,
-                         f32_to_bf16, f32_to_f16, fabs, floor, free, opaque, prefetch,
+                         f32_to_bf16, f32_to_f16, fabs, floor, free, opaque, opaque_int,
+                         prefetch,
                          ptr_float32, ptr_float64, ptr_int32, ptr_int64, ptr_uint8,
                          ptr_uint16, roundeven, sqrt, store_fence, stream,
                          wide_vectors)
@@ -35,10 +36,17 @@ block_min = _I.minimum
 BODY_SIG = types.void(types.int64, types.int64, types.CPointer(types.voidptr),
                       types.CPointer(types.voidptr), types.CPointer(types.int64))
 
-# Kernel-wide fast-math flags: only FMA contraction.  Reductions get reassoc/nsz on
-# their accumulator instructions alone (intrinsics.acc_*); no nnan/ninf anywhere, no
-# arcp/afn (1/x estimates change results near 0, Inf and subnormals).
-FASTMATH = {"contract"}
+# Kernel-wide fast-math flags: none.  Reductions get reassoc/nsz on their accumulator
+# instructions alone (intrinsics.acc_*); no nnan/ninf anywhere, no arcp/afn (1/x
+# estimates change results near 0, Inf and subnormals), and no ``contract``: with it,
+# LLVM fuses an IR op's multiply into its consumer's add where it sees both, so a
+# value recomputed in two passes (kept in one, consumed by a Sub in the other) got
+# two different roundings -- silu(x) - reduce_sum(silu(x), 0) over one row gave
+# 1.2e-7, not TF's 0.  Without it every IR op rounds its result, as TF's kernels do
+# (Eigen contracts nothing across ops), and the same IR value has the same bits
+# wherever and in whichever launch variant it is computed.  FMAs we want are
+# explicit (intrinsics.fma in the math helpers).
+FASTMATH = set()
 BODY_OPTIONS = {"nogil": True, "fastmath": FASTMATH, "error_model": "numpy"}
 
 _F0, _F1 = np.float32(0.0), np.float32(1.0)

@@ -1,0 +1,229 @@
+"""TF's own value-changing graph rewrites, run before the frontend reads a graph.
+
+Stock ``tf.function`` runs Grappler over every function it executes, and several of
+Grappler's rewrites change the values a graph computes (usually for the better):
+``exp(x) - 1`` becomes ``Expm1(x)``, ``log(x + 1)`` becomes ``Log1p(x)``.  A stitched
+kernel replaces those nodes before TF's runtime Grappler sees them, so unless the
+same rewrites happen first, ``stitching.function`` would lose them (``exp(x) - 1``
+near 0: 1.6e7 ulp instead of 4).  Rather than re-implement them in the IR, we run
+Grappler itself, with the optimizers that change values or the op set, on the
+GraphDef before it is imported:
+
+  function     inline PartitionedCall / StatefulPartitionedCall bodies (as TF-TRT)
+  constfold    constant folding (also x*1, x+0, shape materialization...)
+  arithmetic   the arithmetic optimizer, every default stage (arithmetic_optimizer.cc)
+
+The arithmetic optimizer runs at AGGRESSIVE, whose only difference from the default
+level is ``assume_valid_feeds``: a GraphDef's argument nodes are Placeholders, which
+Grappler treats as feeds of unknown shape unless told to trust their declared shape,
+and several stages (Log1p, Expm1) need shapes.  Inside ``tf.function`` the arguments
+are ``_Arg`` nodes whose shapes Grappler trusts, so this is the level that reproduces
+stock TF.  Constant folding stays at the default level: its AGGRESSIVE mode also
+folds ``0 / y`` to 0, which stock TF does not do.
+
+Arithmetic-optimizer stages (TF 2.21, ``ArithmeticOptimizerOptions``) and what comes
+out of them; every op they may emit is either in the op table or stays a TF op:
+
+  stage                                 emits                        here
+  ConvertExpm1          exp(x)-1       Expm1                        op table
+  ConvertLog1p          log(x+1)       Log1p                        op table
+  ConvertPow            pow(x,c)       Square/Sqrt/Rsqrt/Reciprocal/ op table
+                                       Identity/Const (c = 3 ->
+                                       Mul(x, Square(x)) only for nodes
+                                       placed on a CPU: ours carry no
+                                       device, so Pow(x, 3) stays Pow)
+  ReplaceMulWithSquare  x*x            Square                       op table
+  FuseSquaredDiff       (x-y)^2        SquaredDifference            op table
+  LogSoftmax            log(softmax)   LogSoftmax                   composite
+  SqrtDivToRsqrtMul     x/sqrt(y)      Mul(x, Rsqrt(y))             op table
+  RemoveNegation        x+(-y), x-(-y) Sub / Add                    op table
+  RemoveInvolution      -(-x), 1/(1/x) (removed)                    -
+  RemoveIdempotent      f(f(x)) -> f(x) for idempotent ops          -
+  RemoveLogicalNot      !(a<b)         GreaterEqual...              op table
+  RemoveRedundantCast/Reshape/Bitcast, RemoveIdentityTranspose       (removed)
+  ReorderCastLikeAndValuePreserving    Cast moved across a reshape  op table
+  HoistCommonFactorOutOfAggregation  x*a+x*b -> x*(a+b)             op table
+  MinimizeBroadcasts    reorders Mul/Add chains                     op table
+  OptimizeMaxOrMinOfMonotonic  max(f(x)) -> f(max(x))               op table
+  SimplifyAggregation   AddN(x,x,x)    Mul(3, x)                    op table
+  AddOpsRewrite         a+b+c          AddN                         expanded below
+  UnaryOpsComposition   chains on CPU  _UnaryOpsComposition         expanded below
+  HoistCWiseUnaryChains, ReplaceMulWithBroadcastByTile (Tile), ReplacePackWithTile-
+  Reshape (Tile), FoldTransposeIntoMatMul, FoldMultiplyIntoConv, RemoveStackSlice-
+  SameAxis, SimplifyEmbeddingLookup, RemoveCastIntoSegmentReduction, Combine-
+  Bitcasts, FoldConjugateIntoTranspose, ReduceUpsamplingDims: layout / matmul / conv
+  ops that are not fused here; they stay TF ops (opaque), as stock TF runs them.
+
+Two emitted ops are not in the op table but are rewritten back into primitives here,
+with the values TF's kernels give: ``AddN`` (a chain of Add in the order TF's CPU
+kernel adds, so the sum is bit-identical) and ``_UnaryOpsComposition``
+(TF's kernel applies each named op in turn).  The remapper's ``_Fused*`` ops (fused
+matmul/conv epilogues that serve TF's own kernels) are not produced here -- the
+remapper does not run -- and in a graph that already holds them they stay opaque TF
+ops.  The tests in tests/test_grappler_rewrites.py check each covered rewrite.
+"""
+from __future__ import annotations
+
+from tensorflow.core.framework import node_def_pb2
+from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
+from tensorflow.python.grappler import tf_optimizer
+
+from . import opnames
+
+_RC = rewriter_config_pb2.RewriterConfig
+
+OPTIMIZERS = ("function", "constfold", "arithmetic")
+
+# _UnaryOpsComposition's op names that are plain unary TF ops (unary_ops_composition.cc)
+_UNARY_COMPOSABLE = frozenset({
+    "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos", "Cosh",
+    "Expm1", "Exp", "Floor", "Inv", "Log", "Log1p", "Neg", "Reciprocal", "Rint", "Round",
+    "Rsqrt", "Sigmoid", "Sin", "Sinh", "Sqrt", "Square", "Tan", "Tanh", "Elu", "Relu",
+    "Relu6", "Selu"})
+
+
+def optimize(graph_def, preserve: list[str]):
+    """Grappler's function inlining, constant folding and arithmetic optimizer, as
+    stock ``tf.function`` runs them; ``preserve``: tensor or node names that must
+    survive (fetches, nodes the caller refers to).  Returns a new GraphDef in which
+    AddN and _UnaryOpsComposition are expanded back into primitive ops."""
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.CopyFrom(graph_def)
+    fetch_coll = meta_graph_pb2.CollectionDef()
+    fetch_coll.node_list.value.extend(sorted({f.split(":")[0] for f in preserve}))
+    meta.collection_def["train_op"].CopyFrom(fetch_coll)
+    config = config_pb2.ConfigProto()
+    rw = config.graph_options.rewrite_options
+    rw.min_graph_nodes = -1
+    rw.meta_optimizer_iterations = _RC.ONE
+    rw.optimizers[:] = list(OPTIMIZERS)
+    rw.arithmetic_optimization = _RC.AGGRESSIVE      # assume_valid_feeds: see above
+    out = tf_optimizer.OptimizeGraph(config, meta)
+    out = drop_placeholder_control_inputs(out)
+    return drop_dead_fusible(expand_tf_internal_ops(out), preserve)
+
+
+def drop_placeholder_control_inputs(graph_def):
+    """Remove control inputs on Placeholders.  Grappler anchors the constants it
+    makes to an input (x + x -> Mul(Const(2) ^x, x)); a function argument exists
+    before anything runs, so the edge orders nothing -- but the rewritten graph is
+    imported with its arguments remapped, and TF's ``input_map`` remaps data edges
+    only: the edge kept the old Placeholder alive ("You must feed a value for
+    placeholder tensor"; found by tests/test_differential.py)."""
+    args = {n.name for n in graph_def.node if n.op == "Placeholder"}
+    if not any(i.startswith("^") and i[1:] in args for n in graph_def.node for i in n.input):
+        return graph_def
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    for nd in out.node:
+        keep = [i for i in nd.input if not (i.startswith("^") and i[1:] in args)]
+        if len(keep) != len(nd.input):
+            del nd.input[:]
+            nd.input.extend(keep)
+    return out
+
+
+def drop_dead_fusible(graph_def, preserve):
+    """Remove nodes the rewrites left without consumers (``exp(x) - 1`` -> Expm1(x)
+    leaves the Exp behind), if their op is one the fuser maps (stateless math):
+    otherwise the planner would count them, or fuse them and write an output nobody
+    reads.  Stateful and unknown ops stay: TF decides what runs."""
+    keep = {p.split(":")[0].lstrip("^") for p in preserve}
+    nodes = {n.name: n for n in graph_def.node}
+    users: dict[str, int] = {}
+    for n in graph_def.node:
+        for i in n.input:
+            src = i.lstrip("^").split(":")[0]
+            users[src] = users.get(src, 0) + 1
+    dead = set()
+    todo = [n for n in nodes if _removable(nodes[n], keep) and not users.get(n)]
+    while todo:
+        name = todo.pop()
+        if name in dead:
+            continue
+        dead.add(name)
+        for i in nodes[name].input:
+            src = i.lstrip("^").split(":")[0]
+            users[src] -= 1
+            if src in nodes and not users[src] and _removable(nodes[src], keep):
+                todo.append(src)
+    if not dead:
+        return graph_def
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    del out.node[:]
+    out.node.extend(n for n in graph_def.node if n.name not in dead)
+    return out
+
+
+def _removable(nd, keep) -> bool:
+    return nd.name not in keep and (opnames.canonical(nd.op) is not None
+                                    or nd.op in opnames.COMPOSITES)
+
+
+def expand_tf_internal_ops(graph_def):
+    """``AddN`` -> a chain of ``AddV2`` in TF's order; ``_UnaryOpsComposition`` -> a
+    chain of its unary ops.  The last node of a chain keeps the original name (so
+    consumers and fetches still resolve) and its control inputs; the others are
+    named ``<name>/stitching_expand_<i>``.  Nodes in another form stay as they are."""
+    if not any(_expandable(n) for n in graph_def.node):
+        return graph_def
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    del out.node[:]
+    for nd in graph_def.node:
+        out.node.extend(_expand(nd) if _expandable(nd) else [nd])
+    return out
+
+
+def _expandable(nd) -> bool:
+    if nd.op == "AddN":
+        data = [i for i in nd.input if not i.startswith("^")]
+        return len(data) >= 2 and "T" in nd.attr
+    if nd.op == "_UnaryOpsComposition":
+        names = list(nd.attr["op_names"].list.s) if "op_names" in nd.attr else []
+        return bool(names) and all(n.decode() in _UNARY_COMPOSABLE for n in names) \
+            and len([i for i in nd.input if not i.startswith("^")]) == 1
+    return False
+
+
+def _expand(nd) -> list:
+    data = [i for i in nd.input if not i.startswith("^")]
+    ctrl = [i for i in nd.input if i.startswith("^")]
+    if nd.op == "AddN":
+        steps = _add_n_steps(data)
+    else:
+        steps = [(n.decode(), [None]) for n in nd.attr["op_names"].list.s]
+        steps[0] = (steps[0][0], [data[0]])
+    nodes = []
+    names = []
+    for i, (op, ins) in enumerate(steps):
+        last = i == len(steps) - 1
+        n = node_def_pb2.NodeDef(name=nd.name if last else f"{nd.name}/stitching_expand_{i}",
+                                 op=op, device=nd.device)
+        n.attr["T"].CopyFrom(nd.attr["T"])
+        # an int refers to an earlier step's node; None to the step just before
+        n.input.extend(names[-1] if a is None else names[a] if isinstance(a, int) else a
+                       for a in ins)
+        if last:
+            n.input.extend(ctrl)
+        nodes.append(n)
+        names.append(n.name)
+    return nodes
+
+
+def _add_n_steps(data):
+    """AddV2 steps that sum like TF's CPU AddN kernel (aggregate_ops.h): the first
+    n % 8 inputs (8 if none, 9 if one) left to right, then ``out += (a + b + ... +
+    h)`` for each next group of 8, each group summed left to right."""
+    n = len(data)
+    first = {0: 8, 1: 9}.get(n % 8, n % 8) if n > 9 else n
+    steps = [("AddV2", [data[0], data[1]])]
+    steps += [("AddV2", [None, d]) for d in data[2:first]]
+    for k in range(first, n, 8):
+        out = len(steps) - 1                       # the running total so far
+        group = data[k:k + 8]
+        steps.append(("AddV2", [group[0], group[1]]))
+        steps += [("AddV2", [None, d]) for d in group[2:]]
+        steps.append(("AddV2", [out, None]))
+    return steps
