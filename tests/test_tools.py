@@ -92,3 +92,25 @@ def test_modes_are_timed_with_changing_predecessors():
         before = [p for p, c in zip(timed, timed[1:]) if c == m]
         most = max(before.count(p) for p in set(before))
         assert most <= 0.6 * len(before), (m, before)   # rotated: 75% the same one
+
+
+def test_plan_audit_names_the_decisions_the_measurements_contradict():
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import plan_audit
+    j = plan_audit.judge
+    assert j(1, 1, 1.0, 0.5, 0.5, 0.1) == []                       # fused and faster
+    assert j(1, 1, 1.0, 1.05, 1.05, 0.1) == []                     # slower within margin
+    assert j(1, 1, 1.0, 1.2, 1.2, 0.1) == ["fused, but stock TF is faster"]
+    assert j(0, 1, 1.0, 1.0, 0.5, 0.1) == ["left ops to TF that fused (greedy) run faster"]
+    assert j(0, 0, 1.0, 1.0, 0.5, 0.1) == []                       # nothing legal to fuse
+
+
+def test_plan_audit_measures_a_pattern_against_the_models_view(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import plan_audit
+    from stitching.testing import patterns
+    r = plan_audit.audit_one(patterns.get("softmax_tf"), "small", repeats=2, margin=0.1,
+                             dump_root=str(tmp_path))
+    assert r["kernels"] == 1 and r["greedy_kernels"] == 1
+    assert r["predicted"] > 0 and r["measured"] > 0 and r["tf_ms"] > 0
+    assert isinstance(r["wrong"], list)

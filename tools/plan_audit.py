@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Plan audit: did the cost model decide right?  Predicted against measured, per pattern.
+
+    python tools/plan_audit.py                         # every pattern, both sizes
+    python tools/plan_audit.py --only softmax_tf center_axis0 --sizes large --repeats 20
+
+For each pattern of the suite (stitching/testing/patterns.py) three runs of the same
+function in one process, their timed calls interleaved so drift hits them alike:
+
+    tf       stock tf.function
+    search   stitching.function as shipped: the cost model decides what to fuse
+    greedy   stitching with the legality-only planner: everything legal fused
+
+The search plan's dump (stitching.inspect) gives the model's view of each kernel: its
+fused time and the time of its ops left to TF (``estimate.fused_us`` / ``unfused_us``).
+A decision is *wrong* when the choice the model did not make measures faster by more
+than ``--margin`` (10%): the model fused and stock TF is faster, or the model left ops
+to TF (search has fewer kernels than greedy) and greedy is faster.  The table also shows
+the model's predicted speed-up next to the measured one, which is what calibration
+(tools/calibrate.py) adjusts.  Exit status 1 when a decision is wrong.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("STITCHING_NO_HINTS", "1")
+
+import tensorflow as tf  # noqa: E402
+
+import stitching  # noqa: E402
+from stitching.testing import patterns as P  # noqa: E402
+
+
+def _timed(fns, args, repeats, min_time=0.05) -> list:
+    """Median seconds per call of each function, repeats interleaved across them."""
+    for f in fns:                                  # warm: traces, compiles, first runs
+        for _ in range(2):
+            f(*args)
+    loops = []
+    for f in fns:
+        t = time.perf_counter()
+        f(*args)
+        loops.append(max(1, int(min_time / max(1e-6, time.perf_counter() - t))))
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, f in enumerate(fns):
+            t = time.perf_counter()
+            for _ in range(loops[i]):
+                out = f(*args)
+            tf.nest.map_structure(lambda x: x.numpy(), out)
+            times[i].append((time.perf_counter() - t) / loops[i])
+    return [statistics.median(t) for t in times]
+
+
+def judge(n_search, n_greedy, t_tf, t_search, t_greedy, margin) -> list:
+    """The model's wrong decisions for one function (empty: none), from the kernel
+    counts of the search and greedy plans and the three measured times."""
+    wrong = []
+    if n_search and t_tf < t_search / (1 + margin):
+        wrong.append("fused, but stock TF is faster")
+    if n_search < n_greedy and t_greedy < t_search / (1 + margin):
+        wrong.append("left ops to TF that fused (greedy) run faster")
+    return wrong
+
+
+def audit_one(pattern, size, repeats, margin, dump_root) -> dict:
+    args = [tf.constant(a) for a in pattern.inputs(size)]
+    fn = pattern.fn
+    stock = tf.function(fn)
+    search = stitching.function(fn, options=stitching.Options(dump_dir=dump_root))
+    greedy = stitching.function(fn, options=stitching.Options(planner="greedy"))
+    t_tf, t_search, t_greedy = _timed([stock, search, greedy], args, repeats)
+    dump = stitching.load_dump(search.report.dump_path)
+    fused = sum(k.estimate.get("fused_us") or 0 for k in dump.kernels)
+    unfused = sum(k.estimate.get("unfused_us") or 0 for k in dump.kernels)
+    n_search, n_greedy = len(search.report.kernels), len(greedy.report.kernels)
+    wrong = judge(n_search, n_greedy, t_tf, t_search, t_greedy, margin)
+    return {"pattern": pattern.name, "size": size, "kernels": n_search,
+            "greedy_kernels": n_greedy, "tf_ms": t_tf * 1e3, "search_ms": t_search * 1e3,
+            "greedy_ms": t_greedy * 1e3,
+            "predicted": unfused / fused if fused and unfused else None,
+            "measured": t_tf / t_search, "wrong": wrong}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="*", help="pattern names (default: all)")
+    ap.add_argument("--sizes", default="large,small")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--margin", type=float, default=0.10)
+    args = ap.parse_args(argv)
+    pats = [P.get(n) for n in args.only] if args.only else P.all_patterns()
+    rows = []
+    print("| pattern | size | kernels (greedy) | TF ms | stitched ms | greedy ms | "
+          "model speed-up | measured | wrong decision |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    with tempfile.TemporaryDirectory(prefix="plan-audit-") as root:
+        for p in pats:
+            for size in args.sizes.split(","):
+                r = audit_one(p, size, args.repeats, args.margin, root)
+                rows.append(r)
+                pred = "-" if r["predicted"] is None else f"{r['predicted']:.2f}x"
+                print(f"| {r['pattern']} | {size} | {r['kernels']} ({r['greedy_kernels']}) | "
+                      f"{r['tf_ms']:.3f} | {r['search_ms']:.3f} | {r['greedy_ms']:.3f} | "
+                      f"{pred} | {r['measured']:.2f}x | {'; '.join(r['wrong'])} |",
+                      flush=True)
+    bad = [r for r in rows if r["wrong"]]
+    print(f"\n{len(bad)} wrong decision(s) of {len(rows)} (margin {args.margin:.0%})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
