@@ -1,0 +1,153 @@
+"""Shipping rewritten models: a fresh process that imports stitching loads them.
+
+Every load runs in a subprocess (a fresh interpreter), because what is under test is
+what ``import stitching`` does to a process that never traced anything: registering
+the StitchedKernel op with TensorFlow, and the compile-on-miss hook.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stitching  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code, env=None, timeout=240):
+    e = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=e)
+
+
+def _keras_cnn():
+    import keras
+    inp = keras.Input((12, 12, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same")(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Activation("gelu")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    out = keras.layers.Softmax()(keras.layers.Dense(5)(h) * 2.0)
+    model = keras.Model(inp, out)
+    rng = np.random.default_rng(1)
+    bn = model.layers[2]
+    bn.moving_mean.assign(rng.standard_normal(8).astype(np.float32) * 0.1)
+    bn.moving_variance.assign(rng.uniform(0.5, 2.0, 8).astype(np.float32))
+    return model
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """Rewritten artifacts and the original's outputs on fixed inputs (as .npy)."""
+    from stitching.tf import cli
+    from stitching.tf.saved_model import rewrite_saved_model
+    d = tmp_path_factory.mktemp("ship")
+    rng = np.random.default_rng(0)
+    # a Keras CNN, exported as Keras serves it
+    model = _keras_cnn()
+    model.export(str(d / "cnn_src"), verbose=False)
+    reports = rewrite_saved_model(str(d / "cnn_src"), str(d / "cnn"))
+    assert reports["serving_default"].to_dict()["kernels"] >= 1
+    x_cnn = rng.standard_normal((2, 12, 12, 3)).astype(np.float32)
+    np.save(d / "x_cnn.npy", x_cnn)
+    np.save(d / "y_cnn.npy", model(x_cnn, training=False).numpy())
+    # a frozen GraphDef, binary and text
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
+        tf.nn.softmax(x * 3.0 - tf.reduce_mean(x, -1, keepdims=True), name="y")
+    (d / "g.pb").write_bytes(g.as_graph_def().SerializeToString())
+    assert cli.main([str(d / "g.pb"), str(d / "out.pb"), "--outputs", "y"]) == 0
+    assert cli.main([str(d / "g.pb"), str(d / "out.pbtxt"), "--outputs", "y"]) == 0
+    x_g = rng.standard_normal((3, 16)).astype(np.float32)
+    np.save(d / "x_g.npy", x_g)
+    np.save(d / "y_g.npy", tf.nn.softmax(x_g * 3.0 - x_g.mean(-1, keepdims=True)).numpy())
+    return d
+
+
+_LOAD_ALL = """
+    import sys, numpy as np
+    {first}
+    import tensorflow as tf
+    {second}
+    from google.protobuf import text_format
+    d = {d!r}
+    out = {{}}
+    x, want = np.load(d + "/x_cnn.npy"), np.load(d + "/y_cnn.npy")
+    m = tf.saved_model.load(d + "/cnn")
+    sig = m.signatures["serving_default"]
+    (got,) = sig(**{{list(sig.structured_input_signature[1])[0]: tf.constant(x)}}).values()
+    out["signature"] = float(np.abs(got.numpy() - want).max())
+    import keras
+    layer = keras.layers.TFSMLayer(d + "/cnn", call_endpoint="serving_default")
+    (got,) = layer(x).values()
+    out["tfsmlayer"] = float(np.abs(np.asarray(got) - want).max())
+    x, want = np.load(d + "/x_g.npy"), np.load(d + "/y_g.npy")
+    for name in ("out.pb", "out.pbtxt"):
+        gd = tf.compat.v1.GraphDef()
+        data = open(d + "/" + name, "rb").read()
+        text_format.Parse(data.decode(), gd) if name.endswith("txt") else gd.ParseFromString(data)
+        run = tf.compat.v1.wrap_function(
+            lambda a: tf.compat.v1.import_graph_def(gd, {{"x:0": a}}, ["y:0"], name=""),
+            [tf.TensorSpec([None, 16], tf.float32)])
+        out[name] = float(np.abs(run(tf.constant(x))[0].numpy() - want).max())
+    out["numba"] = "numba" in sys.modules
+    print("RESULT", __import__("json").dumps(out))
+"""
+
+
+def _result(r):
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("order", ["stitching_first", "tensorflow_first"])
+def test_import_stitching_registers_the_op_for_every_loader(shipped, order):
+    """tf.saved_model.load, TFSMLayer and import_graph_def of .pb and .pbtxt work in a
+    fresh process after a plain `import stitching`, before or after TensorFlow's."""
+    first, second = ("import stitching", "") if order == "stitching_first" else \
+        ("", "import stitching")
+    out = _result(_run(_LOAD_ALL.format(first=first, second=second, d=str(shipped))))
+    for key in ("signature", "tfsmlayer", "out.pb", "out.pbtxt"):
+        assert out[key] < 1e-5, (key, out[key])
+
+
+def test_without_import_stitching_tf_names_the_op(shipped):
+    r = _run(f"""
+        import tensorflow as tf
+        tf.saved_model.load({str(shipped / 'cnn')!r})
+    """)
+    assert r.returncode != 0
+    assert "Op type not registered 'StitchedKernel'" in r.stderr
+
+
+def test_import_stitching_without_tensorflow_stays_tf_free():
+    """A machine without TF (the GPU machines): no import, no hook, no error."""
+    r = _run("""
+        import sys
+        class NoTF:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "tensorflow":
+                    raise ModuleNotFoundError("No module named 'tensorflow'")
+        sys.meta_path.insert(0, NoTF())
+        import stitching, stitching.ir
+        assert "tensorflow" not in sys.modules
+        assert not any(type(f).__name__ == "_TensorFlowWatcher" for f in sys.meta_path)
+        print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_import_stitching_does_not_import_tensorflow():
+    r = _run("""
+        import sys, stitching, stitching.ir
+        assert "tensorflow" not in sys.modules and "numba" not in sys.modules
+        print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
