@@ -15,15 +15,8 @@ import sys
 
 
 def _read_graph_def(path):
-    import tensorflow as tf
-    from google.protobuf import text_format
-    gd = tf.compat.v1.GraphDef()
-    data = open(path, "rb").read()
-    if path.endswith(".pbtxt"):
-        text_format.Parse(data.decode(), gd)
-    else:
-        gd.ParseFromString(data)
-    return gd
+    from .graph_file import read_graph_def
+    return read_graph_def(path)
 
 
 def _default_outputs(gd):
@@ -45,6 +38,8 @@ def rewrite_graph_def_file(src, dst, outputs=None, options=None):
         if o.split(":")[0] not in known:
             raise ValueError(f"{src}: output {o!r} names no node in the graph")
     fetches = [o if ":" in o else o + ":0" for o in outs]
+    from .graph_file import check_graph_def
+    check_graph_def(gd, src, fetches)
     res = stitch_graph_def(gd, fetches, options=options or _options(), name=os.path.basename(src))
     if dst.endswith(".pbtxt"):
         from google.protobuf import text_format
@@ -78,7 +73,8 @@ def main(argv=None) -> int:
         else:
             raise FileNotFoundError(f"{args.src}: no such file or directory")
     except Exception as e:  # noqa: BLE001 — a CLI reports, it does not dump a traceback
-        print(f"stitching-rewrite: error: {type(e).__name__}: {e}", file=sys.stderr)
+        reason = (str(e).strip().splitlines() or [""])[0]   # one line, no traceback
+        print(f"stitching-rewrite: error: {type(e).__name__}: {reason}", file=sys.stderr)
         return 1
     for key, rep in reports.items():
         print(f"[{key}]\n{rep.summary()}")
