@@ -16,6 +16,7 @@ _LAZY = {
     "rewrite_graph_def": ("stitching.tf.rewrite", "rewrite_graph_def"),
     "load_saved_model": ("stitching.tf.saved_model", "load_saved_model"),
     "Report": ("stitching.report", "Report"),
+    "install_kernels": ("stitching.tf.kernel_assets", "install_dir"),
 }
 
 

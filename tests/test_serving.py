@@ -89,6 +89,7 @@ _LOAD_ALL = """
     out["tfsmlayer"] = float(np.abs(np.asarray(got) - want).max())
     x, want = np.load(d + "/x_g.npy"), np.load(d + "/y_g.npy")
     for name in ("out.pb", "out.pbtxt"):
+        out["installed " + name] = stitching.install_kernels(d + "/" + name + ".kernels")
         gd = tf.compat.v1.GraphDef()
         data = open(d + "/" + name, "rb").read()
         text_format.Parse(data.decode(), gd) if name.endswith("txt") else gd.ParseFromString(data)
@@ -97,6 +98,8 @@ _LOAD_ALL = """
             [tf.TensorSpec([None, 16], tf.float32)])
         out[name] = float(np.abs(run(tf.constant(x))[0].numpy() - want).max())
     out["numba"] = "numba" in sys.modules
+    import os
+    out["cache"] = sorted(os.listdir(os.environ["STITCHING_CACHE_DIR"] + "/kernels"))
     print("RESULT", __import__("json").dumps(out))
 """
 
@@ -108,14 +111,85 @@ def _result(r):
 
 
 @pytest.mark.parametrize("order", ["stitching_first", "tensorflow_first"])
-def test_import_stitching_registers_the_op_for_every_loader(shipped, order):
+def test_import_stitching_registers_the_op_for_every_loader(shipped, order, tmp_path):
     """tf.saved_model.load, TFSMLayer and import_graph_def of .pb and .pbtxt work in a
-    fresh process after a plain `import stitching`, before or after TensorFlow's."""
+    fresh process after a plain `import stitching`, before or after TensorFlow's; on
+    an empty kernel cache, from the kernels the artifacts ship, without Numba."""
     first, second = ("import stitching", "") if order == "stitching_first" else \
         ("", "import stitching")
-    out = _result(_run(_LOAD_ALL.format(first=first, second=second, d=str(shipped))))
+    out = _result(_run(_LOAD_ALL.format(first=first, second=second, d=str(shipped)),
+                       env={"STITCHING_CACHE_DIR": str(tmp_path / "empty")}))
     for key in ("signature", "tfsmlayer", "out.pb", "out.pbtxt"):
         assert out[key] < 1e-5, (key, out[key])
+    assert not out["numba"], "loading shipped kernels imported Numba"
+    assert out["installed out.pb"] >= 2       # a kernel and the shape interpreter
+    assert len(out["cache"]) == 1             # one toolchain: the artifacts' = this one
+
+
+def _copy_model(shipped, tmp_path):
+    import shutil
+    dst = tmp_path / "model"
+    shutil.copytree(shipped / "cnn", dst)
+    return dst
+
+
+_LOAD_ONE = """
+    import sys, warnings, numpy as np
+    warnings.simplefilter("always")
+    import stitching, tensorflow as tf
+    m = tf.saved_model.load({path!r})
+    sig = m.signatures["serving_default"]
+    x, want = np.load({d!r} + "/x_cnn.npy"), np.load({d!r} + "/y_cnn.npy")
+    (got,) = sig(**{{list(sig.structured_input_signature[1])[0]: tf.constant(x)}}).values()
+    print("RESULT", __import__("json").dumps(
+        {{"err": float(np.abs(got.numpy() - want).max()), "numba": "numba" in sys.modules}}))
+"""
+
+
+@pytest.mark.parametrize("damage", ["tampered", "missing", "other_toolchain"])
+def test_a_bad_or_foreign_kernel_asset_falls_back_to_compiling(shipped, tmp_path, damage):
+    """A shipped kernel that is not byte for byte the one the rewrite recorded, or is
+    missing, or was built for another CPU/toolchain, is not loaded: the kernel compiles
+    from its spec (with a warning) and the answer is right."""
+    model = _copy_model(shipped, tmp_path)
+    env = {"STITCHING_CACHE_DIR": str(tmp_path / "cache")}
+    (so, *_) = sorted((model / "assets").glob("k_*.so"))
+    if damage == "tampered":   # valid ELF, same size, different code
+        data = bytearray(so.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        so.write_bytes(bytes(data))
+        expect = "does not match the hash recorded at rewrite time"
+    elif damage == "missing":
+        so.unlink()
+        expect = f"kernel file {so.name} is missing"
+    else:                       # NUMBA_OPT is part of the toolchain key, like the CPU
+        env["NUMBA_OPT"] = "2"
+        expect = "built for another CPU or toolchain"
+    r = _run(_LOAD_ONE.format(path=str(model), d=str(shipped)), env=env)
+    out = _result(r)
+    assert out["err"] < 1e-5 and out["numba"]      # compiled here
+    assert expect in r.stderr, r.stderr[-3000:]
+
+
+def test_the_asset_manifest_is_bound_to_the_graph(shipped, tmp_path):
+    """Editing the manifest (to vouch for a replaced kernel) breaks the hash the graph
+    recorded: nothing from the assets is used."""
+    model = _copy_model(shipped, tmp_path)
+    manifest = model / "assets" / "stitching_kernels.json"
+    manifest.write_text(manifest.read_text().replace('"version": 1', '"version":  1'))
+    r = _run(_LOAD_ONE.format(path=str(model), d=str(shipped)),
+             env={"STITCHING_CACHE_DIR": str(tmp_path / "cache")})
+    out = _result(r)
+    assert out["err"] < 1e-5 and out["numba"]
+    assert "does not match the hash recorded in its graph" in r.stderr
+
+
+def test_rewriting_a_rewritten_saved_model_is_refused(shipped, tmp_path, capsys):
+    from stitching.tf import cli
+    assert cli.main([str(shipped / "cnn"), str(tmp_path / "again")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "was rewritten by stitching already" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "again").exists()
 
 
 def test_without_import_stitching_tf_names_the_op(shipped):
@@ -124,7 +198,8 @@ def test_without_import_stitching_tf_names_the_op(shipped):
         tf.saved_model.load({str(shipped / 'cnn')!r})
     """)
     assert r.returncode != 0
-    assert "Op type not registered 'StitchedKernel'" in r.stderr
+    # (StitchedKernelAssets, the kernels' loader, or StitchedKernel itself)
+    assert "Op type not registered 'StitchedKernel" in r.stderr
 
 
 def test_import_stitching_without_tensorflow_stays_tf_free():

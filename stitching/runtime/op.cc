@@ -654,6 +654,63 @@ class StitchedKernelOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("StitchedKernel").Device(tensorflow::DEVICE_CPU),
                         StitchedKernelOp);
 
+// ---- StitchedKernelAssets: kernels shipped inside a SavedModel ------------------------
+//
+// A rewritten SavedModel carries its kernels' shared objects as assets, and a resource
+// whose initializer runs this op on their paths when the model is loaded (TF rewrites
+// asset paths to where the model lies now).  The op hands the paths and the manifest
+// hash recorded in the graph at rewrite time to the process's compiler callback
+// (Python: stitching/tf/kernel_assets.py), which checks every file against the
+// recorded hashes and makes them the kernels of this process.  The payload starts
+// with kAssetsMarker, which no JSON spec does; paths are newline-separated.
+
+constexpr char kAssetsMarker[] = "stitching-assets\n";
+
+REGISTER_OP("StitchedKernelAssets")
+    .Input("paths: string")
+    .Attr("manifest_sha256: string")
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext*) {
+      return absl::OkStatus();   // no outputs
+    })
+    .Doc(R"doc(
+Makes the compiled kernels shipped with a rewritten model (asset files, checked against
+`manifest_sha256`) available to the StitchedKernel nodes of this process.
+)doc");
+
+class StitchedKernelAssetsOp : public OpKernel {
+ public:
+  explicit StitchedKernelAssetsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("manifest_sha256", &manifest_sha256_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    std::string payload = absl::StrCat(kAssetsMarker, manifest_sha256_);
+    auto paths = ctx->input(0).flat<tensorflow::tstring>();
+    for (int64_t i = 0; i < paths.size(); ++i) {
+      absl::StrAppend(&payload, "\n", std::string(paths(i)));
+    }
+    CompilerFn compile = Registry::Get().compiler();
+    OP_REQUIRES(ctx, compile != nullptr,
+                absl::FailedPreconditionError(
+                    "StitchedKernelAssets: no stitching runtime in this process; "
+                    "`import stitching` before loading this model"));
+    tls_compile_error.clear();
+    int rc = compile(payload.c_str());
+    OP_REQUIRES(ctx, rc == 0,
+                StatusFromCode(rc, absl::StrCat("StitchedKernelAssets: ",
+                                                tls_compile_error.empty()
+                                                    ? "(no message)"
+                                                    : tls_compile_error)));
+  }
+
+ private:
+  std::string manifest_sha256_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("StitchedKernelAssets").Device(tensorflow::DEVICE_CPU),
+                        StitchedKernelAssetsOp);
+
 // ---- Registration helpers for the C exports -----------------------------------------
 
 bool SupportedDtype(int t) {

@@ -302,7 +302,9 @@ def _make_trampoline(fn, lib):
         # which the op would read as success.
         try:
             spec = spec_bytes.decode("utf-8")
-            register(fn(spec), spec=spec)
+            kernel = fn(spec)
+            if kernel is not None:     # None: nothing to register (a call that is not
+                register(kernel, spec=spec)    # a miss: StitchedKernelAssets)
             return 0
         except BaseException as e:  # noqa: BLE001 - reported through TF instead
             try:

@@ -2,7 +2,9 @@
 
 A rewritten SavedModel holds StitchedKernel nodes whose ``spec`` attributes are
 the kernels; a process that imports stitching compiles them on first use (or
-finds them in the on-disk kernel cache) through the runtime's compiler hook.
+finds them in the on-disk kernel cache) through the runtime's compiler hook.  It
+also ships the kernels' shared objects for the machine it was rewritten on as assets
+(kernel_assets.py), which a process on the same CPU and toolchain uses instead.
 """
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ from .function import StitchedFunction
 
 
 def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
-                        signature_keys=None) -> dict:
+                        signature_keys=None, embed_kernels: bool = True) -> dict:
     """Rewrite the signatures of ``src`` into a new SavedModel at ``dst``.
 
-    Returns {signature key: Report}.
+    ``embed_kernels``: ship the kernels' shared objects for this machine in the
+    model's assets (kernel_assets.py), so loading it here, or on a machine of the same
+    CPU and toolchain, compiles nothing.  Returns {signature key: Report}.
     """
     from . import ensure_runtime
     ensure_runtime()
@@ -24,6 +28,7 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
     keys = signature_keys or list(model.signatures.keys())
     if not keys:
         raise ValueError(f"{src}: SavedModel has no signatures to rewrite")
+    _refuse_rewritten(src, model)
     new_sigs, reports = {}, {}
     for key in keys:
         if key not in model.signatures:
@@ -41,8 +46,33 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
         reports[key] = sf.report
     module = tf.Module()
     module.model = model            # keeps variables tracked
-    tf.saved_model.save(module, dst, signatures=new_sigs)
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="stitching-kernels-") as staging:
+        if embed_kernels:
+            _embed_kernels(module, new_sigs.values(), staging)
+        tf.saved_model.save(module, dst, signatures=new_sigs)
     return reports
+
+
+def _refuse_rewritten(src, model) -> None:
+    """A model rewritten already is refused: rewriting it again would fuse nothing new
+    and could only double-wrap its kernels."""
+    from .kernel_assets import specs_in
+    for key, cf in model.signatures.items():
+        if specs_in(cf.graph.as_graph_def()):
+            raise ValueError(f"{src}: signature {key!r} holds StitchedKernel nodes: this "
+                             f"SavedModel was rewritten by stitching already (rewrite the "
+                             f"original instead)")
+
+
+def _embed_kernels(module, concrete_functions, staging) -> None:
+    from .kernel_assets import export, kernel_assets_resource, specs_in
+    specs = []
+    for cf in concrete_functions:
+        specs += [s for s in specs_in(cf.graph.as_graph_def()) if s not in specs]
+    manifest, paths, sha = export(specs, staging)
+    if manifest is not None:
+        module.stitching_kernels = kernel_assets_resource(manifest, paths, sha)
 
 
 def load_saved_model(path: str, **kwargs):
