@@ -226,3 +226,58 @@ def test_import_stitching_does_not_import_tensorflow():
         print("ok")
     """)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_rewrite_keeps_signatures_variables_and_assets(tmp_path):
+    """Every signature keeps its input and output names, dtypes, shapes and structure;
+    `--signature` rewrites only the one it names and keeps the others; variables and
+    the original's assets come along."""
+    from stitching.tf import cli
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("a\nb\n")
+
+    class M(tf.Module):
+        def __init__(self):
+            self.g = tf.Variable(np.linspace(0.5, 1.5, 8).astype(np.float32), name="g")
+            self.steps = tf.Variable(3, dtype=tf.int64, name="steps")
+            self.vocab = tf.saved_model.Asset(str(vocab))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x"),
+                                      tf.TensorSpec([None, 8], tf.float32, name="bias")])
+        def norm(self, x, bias):
+            m = tf.reduce_mean(x, -1, keepdims=True)
+            return {"y": (x - m) * self.g + bias, "peak": tf.reduce_max(x, -1)}
+
+        @tf.function(input_signature=[tf.TensorSpec([4, 8], tf.float64, name="z")])
+        def act(self, z):
+            return {"out": tf.nn.relu(z) * 2.0 + tf.cast(self.steps, tf.float64)}
+
+    m = M()
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    tf.saved_model.save(m, str(src), signatures={"norm": m.norm, "act": m.act})
+    assert cli.main([str(src), str(dst), "--signature", "norm",
+                     "--report", str(tmp_path / "r.json")]) == 0
+    assert list(json.loads((tmp_path / "r.json").read_text())) == ["norm"]
+    a, b = tf.saved_model.load(str(src)), tf.saved_model.load(str(dst))
+    for key in ("norm", "act"):
+        sa, sb = a.signatures[key], b.signatures[key]
+        assert sa.structured_input_signature == sb.structured_input_signature
+        assert sa.structured_outputs.keys() == sb.structured_outputs.keys()
+        for k, t in sa.structured_outputs.items():
+            assert (t.dtype, t.shape.as_list()) == \
+                (sb.structured_outputs[k].dtype, sb.structured_outputs[k].shape.as_list())
+    ops = lambda sig: {n.op for f in sig.graph.as_graph_def().library.function  # noqa: E731
+                       for n in f.node_def} | {n.op for n in sig.graph.as_graph_def().node}
+    assert "StitchedKernel" in ops(b.signatures["norm"])
+    assert "StitchedKernel" not in ops(b.signatures["act"])     # not selected: as it was
+    rng = np.random.default_rng(0)
+    x, bias = (rng.standard_normal((3, 8)).astype(np.float32) for _ in range(2))
+    for k, v in a.signatures["norm"](x=x, bias=bias).items():
+        np.testing.assert_allclose(b.signatures["norm"](x=x, bias=bias)[k], v, rtol=1e-6,
+                                   atol=1e-6)
+    z = rng.standard_normal((4, 8))
+    np.testing.assert_allclose(b.signatures["act"](z=z)["out"], a.signatures["act"](z=z)["out"])
+    for name in ("g", "steps"):       # the variables, restored from the new checkpoint
+        va, vb = getattr(a, name), getattr(b.model, name)
+        assert va.dtype == vb.dtype and va.numpy().tolist() == vb.numpy().tolist()
+    assert (dst / "assets" / "vocab.txt").read_text() == "a\nb\n"

@@ -16,7 +16,8 @@ from .function import StitchedFunction
 
 def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
                         signature_keys=None, embed_kernels: bool = True) -> dict:
-    """Rewrite the signatures of ``src`` into a new SavedModel at ``dst``.
+    """Rewrite the signatures of ``src`` (``signature_keys``, default all) into a new
+    SavedModel at ``dst``; the others, the variables and the assets are kept.
 
     ``embed_kernels``: ship the kernels' shared objects for this machine in the
     model's assets (kernel_assets.py), so loading it here, or on a machine of the same
@@ -44,6 +45,8 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
         sf = StitchedFunction(call, input_signature=sig, options=options)
         new_sigs[key] = sf.get_concrete_function()
         reports[key] = sf.report
+    for key in model.signatures.keys():       # the ones not selected stay as they were
+        new_sigs.setdefault(key, model.signatures[key])
     module = tf.Module()
     module.model = model            # keeps variables tracked
     import tempfile
