@@ -8,6 +8,7 @@ names the file or the node, never a wrong answer, a crash, or code run from the 
                 in an error naming the node, or in the result the (mutated) spec means,
                 checked against a float64 NumPy interpreter of the op table
 """
+import hashlib
 import json
 import os
 import subprocess
@@ -101,6 +102,9 @@ def _run_with(files, spec, x, attrs=None):
     (node,) = [n for n in gd.node if n.op == "StitchedKernel"]
     node.attr["spec"].s = spec if isinstance(spec, bytes) else \
         (spec if isinstance(spec, str) else json.dumps(spec)).encode()
+    # as a deliberate edit would: the recorded hash made to match, so that what is
+    # tested is the validation of the spec itself (the hash: its own test below)
+    node.attr["spec_hash"].s = hashlib.sha256(node.attr["spec"].s).hexdigest()[:24].encode()
     for k, fn in (attrs or {}).items():
         fn(node.attr[k])
     run = tf.compat.v1.wrap_function(
@@ -176,6 +180,28 @@ def test_a_tampered_spec_is_a_clear_error_naming_the_node(files, case, tmp_path,
     assert NODE in msg and "StitchedKernel" in msg, msg
     assert expect in msg, msg
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_spec_that_does_not_match_its_recorded_hash_is_refused(files):
+    """The rewrite records each spec's SHA-256 prefix (`spec_hash`); the op checks it
+    before looking the spec up, so an edit is refused even where a kernel for the
+    edited spec is registered -- here, one that differs only in a constant."""
+    d = _spec(files)
+    d["nodes"][_first_op(d, "Const")]["attrs"]["value"] = 5.0
+    edited = json.dumps(d, sort_keys=True, separators=(",", ":"))
+    x = np.ones([2, 16], np.float32)
+    _run_with(files, edited, x)                  # registers the edited spec's kernel
+    gd = tf.compat.v1.GraphDef.FromString((files / "out.pb").read_bytes())
+    (node,) = [n for n in gd.node if n.op == "StitchedKernel"]
+    assert node.attr["spec_hash"].s.decode() == \
+        hashlib.sha256(node.attr["spec"].s).hexdigest()[:24]
+    node.attr["spec"].s = edited.encode()        # the original hash left in place
+    run = tf.compat.v1.wrap_function(
+        lambda a: tf.compat.v1.import_graph_def(gd, {"x:0": a}, ["y:0"], name=""),
+        [tf.TensorSpec([None, 16], tf.float32)])
+    with pytest.raises(tf.errors.InvalidArgumentError) as e:
+        run(tf.constant(x))
+    assert NODE in str(e.value) and "does not match its spec_hash" in str(e.value)
 
 
 def test_tampered_node_attributes_beside_a_valid_spec(files):
@@ -275,6 +301,8 @@ FUZZ = textwrap.dedent('''
         gd = tf.compat.v1.GraphDef()
         gd.CopyFrom(gd0)
         gd.node[k].attr["spec"].s = text.encode()
+        gd.node[k].attr["spec_hash"].s = __import__("hashlib").sha256(
+            text.encode()).hexdigest()[:24].encode()
         try:
             run = tf.compat.v1.wrap_function(
                 lambda a: tf.compat.v1.import_graph_def(gd, {"x:0": a}, ["y:0"], name=""),

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         else:
             raise FileNotFoundError(f"{args.src}: no such file or directory")
     except Exception as e:  # noqa: BLE001 — a CLI reports, it does not dump a traceback
-        reason = (str(e).strip().splitlines() or [""])[0]   # one line, no traceback
+        reason = " ".join(str(e).split())[:800]    # one line (TF's errors have several)
         print(f"stitching-rewrite: error: {type(e).__name__}: {reason}", file=sys.stderr)
         return 1
     for key, rep in reports.items():

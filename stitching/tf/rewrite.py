@@ -92,6 +92,7 @@ def _kernel_node(name, reg, ir_graph, remap, label):
                 ctrl.append(remap("^" + c))
     nd.input.extend(_dedupe(c for c in ctrl if c != "^" + name))
     nd.attr["spec"].s = reg.spec.to_json().encode()
+    nd.attr["spec_hash"].s = reg.spec.hash.encode()   # checked by the op (op.cc)
     nd.attr["label"].s = label.encode()
     nd.attr["Tin"].list.type.extend(
         frontend.TF_DTYPE[t.dtype].as_datatype_enum for t in reg.spec.inputs)
