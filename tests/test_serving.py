@@ -83,6 +83,7 @@ _LOAD_ALL = """
     sig = m.signatures["serving_default"]
     (got,) = sig(**{{list(sig.structured_input_signature[1])[0]: tf.constant(x)}}).values()
     out["signature"] = float(np.abs(got.numpy() - want).max())
+    out["restored function"] = float(np.abs(m.model.serve(x).numpy() - want).max())
     import keras
     layer = keras.layers.TFSMLayer(d + "/cnn", call_endpoint="serving_default")
     (got,) = layer(x).values()
@@ -119,7 +120,7 @@ def test_import_stitching_registers_the_op_for_every_loader(shipped, order, tmp_
         ("", "import stitching")
     out = _result(_run(_LOAD_ALL.format(first=first, second=second, d=str(shipped)),
                        env={"STITCHING_CACHE_DIR": str(tmp_path / "empty")}))
-    for key in ("signature", "tfsmlayer", "out.pb", "out.pbtxt"):
+    for key in ("signature", "restored function", "tfsmlayer", "out.pb", "out.pbtxt"):
         assert out[key] < 1e-5, (key, out[key])
     assert not out["numba"], "loading shipped kernels imported Numba"
     assert out["installed out.pb"] >= 2       # a kernel and the shape interpreter
@@ -281,3 +282,23 @@ def test_rewrite_keeps_signatures_variables_and_assets(tmp_path):
         va, vb = getattr(a, name), getattr(b.model, name)
         assert va.dtype == vb.dtype and va.numpy().tolist() == vb.numpy().tolist()
     assert (dst / "assets" / "vocab.txt").read_text() == "a\nb\n"
+
+
+@pytest.mark.slow
+def test_transformer_saved_model_round_trip_in_a_fresh_process(tmp_path):
+    """The Bars' Transformer: exported by Keras, rewritten, loaded in a fresh process
+    with an empty kernel cache (kernels from the assets, no Numba), against Keras'
+    output (float32, within float rounding of the fused arithmetic)."""
+    from stitching.testing.models import transformer_encoder
+    from stitching.tf.saved_model import rewrite_saved_model
+    model = transformer_encoder(num_layers=2, d_model=64, heads=2, ff=128, seq_len=32)
+    model.export(str(tmp_path / "src"), verbose=False)
+    reports = rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))
+    assert reports["serving_default"].to_dict()["kernels"] >= 4
+    x = np.random.default_rng(3).standard_normal((2, 32, 64)).astype(np.float32)
+    np.save(tmp_path / "x_cnn.npy", x)
+    np.save(tmp_path / "y_cnn.npy", model(x, training=False).numpy())
+    r = _run(_LOAD_ONE.format(path=str(tmp_path / "dst"), d=str(tmp_path)),
+             env={"STITCHING_CACHE_DIR": str(tmp_path / "cache")})
+    out = _result(r)
+    assert out["err"] < 2e-4 and not out["numba"], out
