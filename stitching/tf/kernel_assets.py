@@ -108,7 +108,10 @@ def install(payload: str) -> None:
     path a line (the manifest first).  Never raises for a bad or foreign asset: it
     warns and leaves those kernels to compile from their specs."""
     lines = payload[len(MARKER):].split("\n")
-    install_files(lines[1:], want_manifest_sha=lines[0])
+    try:
+        install_files(lines[1:], want_manifest_sha=lines[0])
+    except Exception as e:  # noqa: BLE001 - e.g. no Numba metadata for the cache key:
+        _skip(f"the model's kernels could not be installed ({type(e).__name__}: {e})")
 
 
 def install_dir(path) -> int:
