@@ -302,3 +302,19 @@ def test_transformer_saved_model_round_trip_in_a_fresh_process(tmp_path):
              env={"STITCHING_CACHE_DIR": str(tmp_path / "cache")})
     out = _result(r)
     assert out["err"] < 2e-4 and not out["numba"], out
+
+
+def test_a_failed_registration_never_breaks_import_tensorflow(tmp_path):
+    """No C++ compiler and no prebuilt op library: `import stitching; import tensorflow`
+    still works (a warning says why the op is missing); TF then names the op."""
+    r = _run("""
+        import warnings
+        warnings.simplefilter("always")
+        import stitching
+        import tensorflow as tf
+        print("ok", tf.constant(2.0).numpy())
+    """, env={"HOME": str(tmp_path), "STITCHING_CACHE_DIR": str(tmp_path / "c"),
+              "CXX": "no-such-compiler-here"})
+    assert r.returncode == 0 and "ok 2.0" in r.stdout, r.stderr[-3000:]
+    assert "could not register the StitchedKernel op" in r.stderr
+    assert "no-such-compiler-here" in r.stderr
