@@ -14,6 +14,9 @@ class Options:
     background_compile: bool = False   # stitching.function: a new input signature runs the
     #                                    stock TF graph while its kernels compile in a
     #                                    background thread; later calls switch over (wait())
+    fallback: bool = False         # each kernel node keeps its region's original nodes as a
+    #                                function it runs where its kernel cannot be built
+    #                                (tf/fallback.py); stitching-rewrite turns it on
 
     def __post_init__(self):
         from .plan import ALIASES, PLANNERS

@@ -318,3 +318,47 @@ def test_a_failed_registration_never_breaks_import_tensorflow(tmp_path):
     assert r.returncode == 0 and "ok 2.0" in r.stdout, r.stderr[-3000:]
     assert "could not register the StitchedKernel op" in r.stderr
     assert "no-such-compiler-here" in r.stderr
+
+
+_NO_NUMBA = """
+    import sys, json, warnings, numpy as np
+    warnings.simplefilter("ignore")
+    class NoNumba:      # a serving machine without Numba (or llvmlite)
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("numba", "llvmlite"):
+                raise ModuleNotFoundError(f"No module named {{name!r}}")
+    sys.meta_path.insert(0, NoNumba())
+    import stitching, tensorflow as tf
+    d, out = {d!r}, {{}}
+    m = tf.saved_model.load({model!r})
+    sig = m.signatures["serving_default"]
+    x, want = np.load(d + "/x_cnn.npy"), np.load(d + "/y_cnn.npy")
+    (got,) = sig(**{{list(sig.structured_input_signature[1])[0]: tf.constant(x)}}).values()
+    out["savedmodel"] = float(np.abs(got.numpy() - want).max())
+    gd = tf.compat.v1.GraphDef.FromString(open(d + "/out.pb", "rb").read())
+    run = tf.compat.v1.wrap_function(
+        lambda a: tf.compat.v1.import_graph_def(gd, {{"x:0": a}}, ["y:0"], name=""),
+        [tf.TensorSpec([None, 16], tf.float32)])
+    x, want = np.load(d + "/x_g.npy"), np.load(d + "/y_g.npy")
+    out["graphdef"] = float(np.abs(run(tf.constant(x))[0].numpy() - want).max())
+    out.update(stitching.runtime.stats())
+    print("RESULT", json.dumps(out))
+"""
+
+
+def test_kernels_that_cannot_be_built_fall_back_to_the_original_subgraph(shipped, tmp_path):
+    """Native-segment fallback: a machine without Numba, kernels not shipped (assets
+    removed, GraphDef sidecar not installed): every StitchedKernel runs its region's
+    original nodes (kept in the graph's library), counted with the reason;
+    STITCHING_STRICT=1 makes it the error it would otherwise be."""
+    model = _copy_model(shipped, tmp_path)
+    for so in (model / "assets").glob("k_*.so"):
+        so.unlink()
+    code = _NO_NUMBA.format(d=str(shipped), model=str(model))
+    env = {"STITCHING_CACHE_DIR": str(tmp_path / "cache")}
+    out = _result(_run(code, env=env))
+    assert out["savedmodel"] < 1e-5 and out["graphdef"] < 1e-5, out
+    assert out["fallbacks"] >= 2 and "No module named" in out["last_fallback"], out
+    r = _run(code, env=dict(env, STITCHING_STRICT="1"))
+    assert r.returncode != 0 and "No module named" in r.stderr
+    assert "stitching/kernel_" in r.stderr

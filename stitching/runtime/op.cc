@@ -48,6 +48,8 @@
 #include <vector>
 
 #include "tensorflow/core/framework/allocator.h"
+#include "tensorflow/core/framework/function.h"
+#include "tensorflow/core/platform/logging.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -520,14 +522,31 @@ REGISTER_OP("StitchedKernel")
     .Attr("output_shapes: list(shape) >= 1")
     .Attr("label: string = ''")
     .Attr("spec_hash: string = ''")
+    .Attr("fallback: list(func) = []")
     .SetShapeFn(StitchedShapeFn)
     .Doc(R"doc(
 A fused region compiled to native code by stitching. `spec` is the serialized kernel
 spec; the process resolves it to compiled code (stitching.runtime), so the graph stays
 portable. `output_shapes` are static shapes for graph shape inference; `label` names the
 region in reports and profiles. `spec_hash`, if set, is the first 24 hex digits of the
-spec's SHA-256, checked before anything is looked up or compiled.
+spec's SHA-256, checked before anything is looked up or compiled. `fallback`, if set,
+is the region's original subgraph as a function, run instead when the kernel cannot be
+built here (STITCHING_STRICT=1 makes that an error).
 )doc");
+
+// Kernels that run their fallback instead (stitching.runtime.stats()); the first time
+// each label falls back, TF's log says why.
+std::atomic<int64_t> g_fallbacks{0};
+std::mutex g_fallback_mu;
+std::string g_last_fallback;
+
+void RecordFallback(const std::string& label, const std::string& why) {
+  g_fallbacks.fetch_add(1);
+  std::lock_guard<std::mutex> lock(g_fallback_mu);
+  g_last_fallback = absl::StrCat(label, ": ", why);
+  LOG(WARNING) << "StitchedKernel " << label << ": kernel unavailable (" << why
+               << "); running the original subgraph instead";
+}
 
 class StitchedKernelOp : public OpKernel {
  public:
@@ -550,11 +569,26 @@ class StitchedKernelOp : public OpKernel {
                 absl::InvalidArgumentError(absl::StrCat(
                     "StitchedKernel: output_shapes has ", static_shapes_.size(),
                     " entries but Tout has ", tout.size())));
-    OP_REQUIRES_OK(ctx, Lookup(spec, &entry_));
+    std::vector<tensorflow::NameAttrList> fallback;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("fallback", &fallback));
+    absl::Status found = Lookup(spec, &entry_);
+    // InvalidArgument: the spec itself is bad (a corrupt or edited graph): an error,
+    // never silently the fallback; anything else (no compiler, no Numba, a native
+    // build failure) is this machine's, and the original subgraph serves instead.
+    if (!found.ok() && found.code() != absl::StatusCode::kInvalidArgument &&
+        !fallback.empty() && !StrictMode()) {
+      OP_REQUIRES_OK(ctx, UseFallback(ctx, fallback[0], found));
+      return;
+    }
+    OP_REQUIRES_OK(ctx, found);
     OP_REQUIRES_OK(ctx, CheckSignature(tin, tout));
   }
 
   void Compute(OpKernelContext* ctx) override {
+    if (entry_ == nullptr) {
+      RunFallback(ctx);
+      return;
+    }
     const Entry& e = *entry_;
     const int n_in = static_cast<int>(e.in_ranks.size());
     const int n_out = static_cast<int>(e.out_ranks.size());
@@ -711,9 +745,45 @@ class StitchedKernelOp : public OpKernel {
     return absl::OkStatus();
   }
 
+  // ---- native-segment fallback: the region's original subgraph, run by TF ----------
+  static bool StrictMode() {
+    const char* v = std::getenv("STITCHING_STRICT");
+    return v != nullptr && v[0] != '\0' && std::string(v) != "0";
+  }
+
+  absl::Status UseFallback(OpKernelConstruction* ctx,
+                           const tensorflow::NameAttrList& fn, const absl::Status& why) {
+    flib_ = ctx->function_library();
+    if (flib_ == nullptr) return why;
+    absl::Status st = flib_->Instantiate(fn.name(), tensorflow::AttrSlice(&fn.attr()),
+                                         &fallback_handle_);
+    if (!st.ok()) return why;           // the kernel's reason, not the fallback's
+    RecordFallback(label_, std::string(why.message()));
+    return absl::OkStatus();
+  }
+
+  void RunFallback(OpKernelContext* ctx) {
+    tensorflow::FunctionLibraryRuntime::Options opts(ctx->step_id());
+    opts.rendezvous = ctx->rendezvous();
+    opts.cancellation_manager = ctx->cancellation_manager();
+    opts.step_container = ctx->step_container();
+    opts.collective_executor = ctx->collective_executor();
+    opts.runner = ctx->runner();
+    std::vector<Tensor> args, rets;
+    for (int i = 0; i < ctx->num_inputs(); ++i) args.push_back(ctx->input(i));
+    OP_REQUIRES_OK(ctx, flib_->RunSync(opts, fallback_handle_, args, &rets));
+    OP_REQUIRES(ctx, static_cast<int>(rets.size()) == ctx->num_outputs(),
+                absl::InternalError(absl::StrCat("StitchedKernel ", label_,
+                                                 ": the fallback returned ", rets.size(),
+                                                 " tensors, expected ", ctx->num_outputs())));
+    for (int i = 0; i < ctx->num_outputs(); ++i) ctx->set_output(i, rets[i]);
+  }
+
   std::shared_ptr<const Entry> entry_;
   std::vector<PartialTensorShape> static_shapes_;
   std::string label_;
+  tensorflow::FunctionLibraryRuntime* flib_ = nullptr;
+  tensorflow::FunctionLibraryRuntime::Handle fallback_handle_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(Name("StitchedKernel").Device(tensorflow::DEVICE_CPU),
@@ -900,6 +970,18 @@ __attribute__((visibility("default"))) void stitching_pool_stats(int64_t* out) {
 // Returns the output pool's idle buffers to the OS.
 __attribute__((visibility("default"))) void stitching_pool_trim() {
   stitching::OutputPool::Get().Trim();
+}
+
+// Number of StitchedKernel nodes constructed to run their fallback; the last reason.
+__attribute__((visibility("default"))) int64_t stitching_fallback_count() {
+  return stitching::g_fallbacks.load();
+}
+
+__attribute__((visibility("default"))) const char* stitching_last_fallback() {
+  std::lock_guard<std::mutex> lock(stitching::g_fallback_mu);
+  static thread_local std::string copy;
+  copy = stitching::g_last_fallback;
+  return copy.c_str();
 }
 
 __attribute__((visibility("default"))) int stitching_is_registered(const char* spec) {

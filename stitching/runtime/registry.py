@@ -127,6 +127,10 @@ def _open_same_image(path: str):
     lib.stitching_abi_version.restype = ctypes.c_int
     lib.stitching_pool_stats.restype = None
     lib.stitching_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.stitching_fallback_count.restype = ctypes.c_int64
+    lib.stitching_fallback_count.argtypes = []
+    lib.stitching_last_fallback.restype = ctypes.c_char_p
+    lib.stitching_last_fallback.argtypes = []
     lib.stitching_pool_trim.restype = None
     lib.stitching_pool_trim.argtypes = []
     if lib.stitching_abi_version() != ABI_VERSION:   # a library built from other sources
@@ -253,6 +257,17 @@ def is_registered(spec: str) -> bool:
 @no_autograph
 def num_registered() -> int:
     return int(library().stitching_num_registered())
+
+
+@no_autograph
+def stats() -> dict:
+    """{"fallbacks": StitchedKernel nodes that run their original subgraph because
+    their kernel could not be built (tf/fallback.py), "last_fallback": why, for the
+    latest}."""
+    lib = library()
+    return {"fallbacks": int(lib.stitching_fallback_count()),
+            "last_fallback": (lib.stitching_last_fallback() or b"").decode("utf-8",
+                                                                           "replace")}
 
 
 _POOL_FIELDS = ("hits", "misses", "held_bytes", "idle_bytes", "idle_cap_bytes",

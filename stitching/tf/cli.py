@@ -69,7 +69,7 @@ def _write_sidecar(graph_def, dst) -> None:
 
 def _options():
     from ..options import Options
-    return Options()
+    return Options(fallback=True)     # a shipped graph keeps its original segments
 
 
 def main(argv=None) -> int:

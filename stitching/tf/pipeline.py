@@ -139,7 +139,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
             workers.close()
     if key is not None and not failed:
         kernel_cache.remember_graph(key)
-    new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions)
+    new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions,
+                                             fallback=getattr(options, "fallback", False))
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy

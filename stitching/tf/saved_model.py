@@ -42,7 +42,8 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
         def call(*args, _cf=cf, _names=names):
             return _cf(**dict(zip(_names, args)))
 
-        sf = StitchedFunction(call, input_signature=sig, options=options)
+        sf = StitchedFunction(call, input_signature=sig,
+                              options=options or Options(fallback=True))
         new_sigs[key] = sf.get_concrete_function()
         reports[key] = sf.report
     for key in model.signatures.keys():       # the ones not selected stay as they were
