@@ -30,11 +30,15 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
     if not keys:
         raise ValueError(f"{src}: SavedModel has no signatures to rewrite")
     _refuse_rewritten(src, model)
-    new_sigs, reports = {}, {}
+    new_sigs, reports, done = {}, {}, {}
     for key in keys:
         if key not in model.signatures:
             raise ValueError(f"{src}: no signature {key!r} (has {sorted(model.signatures)})")
         cf = model.signatures[key]
+        same = done.setdefault(_identity(cf), key)
+        if same != key:     # e.g. Keras export's 'serve' and 'serving_default'
+            new_sigs[key], reports[key] = new_sigs[same], reports[same]
+            continue
         sig = [tf.TensorSpec(t.shape, t.dtype, name=n) for n, t in
                sorted(cf.structured_input_signature[1].items())]
         names = [s.name for s in sig]
@@ -56,6 +60,19 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
             _embed_kernels(module, new_sigs.values(), staging)
         tf.saved_model.save(module, dst, signatures=new_sigs)
     return reports
+
+
+def _identity(cf) -> tuple:
+    """Signatures with the same inputs and outputs that call the same function are one
+    program (Keras' export writes 'serve' and 'serving_default' so): rewritten once,
+    saved once, instead of planned, compiled and stored twice."""
+    calls = sorted(n.attr["f"].func.name for n in cf.graph.as_graph_def().node
+                   if n.op in ("StatefulPartitionedCall", "PartitionedCall"))
+    outs = sorted((k, t.dtype.name, str(t.shape)) for k, t in
+                  (cf.structured_outputs or {}).items()) \
+        if isinstance(cf.structured_outputs, dict) else repr(cf.structured_outputs)
+    return (tuple(calls), repr(cf.structured_input_signature), repr(outs)) if calls \
+        else (id(cf),)
 
 
 def _refuse_rewritten(src, model) -> None:
