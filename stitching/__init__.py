@@ -2,7 +2,10 @@
 
 The TF-facing API (``function``, ``Options``, ``rewrite_graph_def``, ...) is loaded
 lazily, so ``import stitching.ir`` / ``stitching.schedule`` / ``stitching.codegen``
-work on machines without TensorFlow (the GPU machines).
+work on machines without TensorFlow (the GPU machines).  Where TensorFlow is
+installed, importing ``stitching`` registers the ``StitchedKernel`` op with it (when
+TensorFlow is imported, not before), so rewritten SavedModels and GraphDefs load with
+``tf.saved_model.load`` / ``import_graph_def``.
 """
 __version__ = "0.1.0"
 
@@ -15,6 +18,7 @@ _LAZY = {
     "Report": ("stitching.report", "Report"),
     "load_dump": ("stitching.inspect.load", "load_dump"),
     "write_tensorboard": ("stitching.inspect.tensorboard", "write_tensorboard"),
+    "install_kernels": ("stitching.tf.kernel_assets", "install_dir"),
 }
 
 
@@ -30,3 +34,9 @@ def __getattr__(name):
 
 
 __all__ = list(_LAZY)
+
+# Register the StitchedKernel op with TensorFlow now if TF is imported, else when it
+# is (an import hook); nothing where TF is not installed (_autoload.py).
+from . import _autoload  # noqa: E402
+
+_autoload.install()

@@ -17,6 +17,9 @@ class Options:
     #                                    background thread; later calls switch over (wait())
     dump_dir: str | None = None    # write a graph dump per traced function here (also
     #                                $STITCHING_DUMP_DIR); see stitching/tf/dump.py
+    fallback: bool = False         # each kernel node keeps its region's original nodes as a
+    #                                function it runs where its kernel cannot be built
+    #                                (tf/fallback.py); stitching-rewrite turns it on
 
     def __post_init__(self):
         from .plan import ALIASES, PLANNERS

@@ -22,10 +22,11 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "stitching"
 
 # Stage of each top-level part of the package, in pipeline order.
-# ``__init__`` is the package's facade (the public API, loaded lazily); ``testing``
+# ``__init__`` is the package's facade (the public API, loaded lazily; ``_autoload``
+# registers the op when TensorFlow is imported); ``testing``
 # drives that API as a user would, so it comes last.
 STAGES = ["cachedir", "ir", "plan", "schedule", "codegen", "compile", "runtime",
-          ("report", "options"), "tf", "inspect", "__init__", "testing"]
+          ("report", "options"), "tf", "inspect", ("__init__", "_autoload"), "testing"]
 RANK = {name: i for i, s in enumerate(STAGES)
         for name in (s if isinstance(s, tuple) else (s,))}
 # Inside codegen: the shared lowering first, then the backends, side by side.

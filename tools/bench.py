@@ -33,7 +33,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="patterns",
-                    choices=["patterns", "models", "compile", "all"])
+                    choices=["patterns", "models", "compile", "serving", "all"])
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed repeats per mode (default: 10 patterns, 5 models)")
     ap.add_argument("--warmup", type=int, default=None,
@@ -49,6 +49,10 @@ def parse_args(argv=None):
     ap.add_argument("--compile-rounds", type=int, default=3,
                     help="compile suite: rounds of fresh processes; each cell is the "
                          "round with the median first call (default 3)")
+    ap.add_argument("--serve-rounds", type=int, default=3,
+                    help="serving suite: fresh processes per mode (cell: median round)")
+    ap.add_argument("--serve-calls", type=int, default=50,
+                    help="serving suite: timed calls per batch size for p50/p99")
     ap.add_argument("--modes", default="tf,xla,stitching",
                     help="subset of tf,xla,stitching (tf is the reference for checks)")
     ap.add_argument("--ablation", action="store_true",
@@ -71,6 +75,8 @@ def parse_args(argv=None):
                     help="seconds without progress before a worker is declared hung")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_serve-dir", dest="_serve_dir", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -81,6 +87,10 @@ def main(argv=None):
     if args._worker:
         from bench_lib import isolate
         isolate.worker_main(args._worker)
+        return 0
+    if args._serve:
+        from bench_lib import serving
+        serving.child(args._serve, args.only[0], args._serve_dir, args.serve_calls)
         return 0
     if args._child:
         suites.compile_child(args._child, args.only[0], args.batch, args.planner)
@@ -162,6 +172,10 @@ def main(argv=None):
                 "StitchedKernel op library, the shape interpreter, the compiled math helpers) "
                 "run into the default cache before the cold runs, untimed: "
                 + ("ok" if pre.get("ok") else f"FAILED ({pre.get('error')})"))
+    if "serving" in run:
+        from bench_lib import serving
+        results["serving"] = serving.run_serving(only=args.only, rounds=args.serve_rounds,
+                                                 calls=args.serve_calls)
     meta["elapsed_s"] = round(time.time() - t0, 1)
     meta["load_avg_end"] = machine.load_avg()
 
@@ -205,7 +219,7 @@ def _check_only(only, run):
     known = set()
     if "patterns" in run:
         known |= set(PATTERNS)
-    if "models" in run or "compile" in run:
+    if "models" in run or "compile" in run or "serving" in run:
         known |= set(MODELS)
     unknown = [n for n in only if n not in known]
     if unknown:

@@ -274,7 +274,7 @@ class _Code:
         try:
             native.build(pyfunc, sig, options, stem, symbol, lean)
             self.address = native.load(stem, symbol)
-        except native.NativeError as e:
+        except (native.NativeError, OSError) as e:   # OSError: a read-only or full cache
             _warn_native(e)
             from numba import cfunc
             self.cfunc = cfunc(sig, **options)(pyfunc)
@@ -344,14 +344,14 @@ def use_helper_cache() -> None:
 
 def _load_module(text: str, name: str):
     """Import ``text`` as the kernel module ``name`` (written to the cache first)."""
-    d = kernel_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / f"{name}.py"
-    if not path.exists():
-        native.atomic_write(path, text.encode())
     modname = f"stitching_kernel_{name}"
     if modname in sys.modules:
         return sys.modules[modname]
+    path = kernel_dir() / f"{name}.py"
+    try:
+        _write_source(path, text)
+    except OSError as e:
+        return _module_in_memory(text, modname, path, e)
     mspec = importlib.util.spec_from_file_location(modname, path)
     module = importlib.util.module_from_spec(mspec)
     # Registered before running it: Numba names the module of each cfunc, and a
@@ -359,6 +359,35 @@ def _load_module(text: str, name: str):
     sys.modules[modname] = module
     try:
         mspec.loader.exec_module(module)      # compiles, or loads Numba's cache
+    except BaseException:
+        del sys.modules[modname]
+        raise
+    return module
+
+
+def _write_source(path: Path, text: str) -> None:
+    """Put the kernel module's text at ``path``, unless the same text is there (a
+    damaged or stale file is replaced: it would not compile, or not to this kernel)."""
+    try:
+        if path.read_text() == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    native.atomic_write(path, text.encode())
+
+
+def _module_in_memory(text: str, modname: str, path: Path, error: OSError):
+    """The kernel module built from ``text`` without a file, where the cache cannot be
+    written (read-only, full): the kernel is then compiled in this process only (the
+    text is our own generated code; nothing here comes from a graph unvalidated)."""
+    _warn_native(f"the kernel cache cannot be written ({error})")
+    import types
+    module = types.ModuleType(modname)
+    module.__file__ = str(path)
+    sys.modules[modname] = module
+    try:
+        exec(compile(text, str(path), "exec"), module.__dict__)   # noqa: S102
     except BaseException:
         del sys.modules[modname]
         raise

@@ -32,7 +32,8 @@ a call.
 
 The cache key (kernel.py's toolchain tag) includes ``host_tag()``: the CPU the code
 was generated for, so a cache shared between machines never runs code built for
-another CPU.  Files are written atomically (temp file + rename).
+another CPU.  Files are written atomically (temp file + rename), each ``.so`` with its
+size and hash beside it, checked before it is loaded (runtime/integrity.py).
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+
+from . import integrity
 
 _lock = threading.Lock()
 _loaded: dict = {}          # path -> CDLL: kernels are never unloaded
@@ -275,11 +278,32 @@ def export_ir(text: str, wrapper: str, target: tuple, stem: Path, symbol: str) -
             raise NativeError(f"linking {symbol} failed: {shlex.join(cmd)}: "
                               f"{r.stderr.strip()[-1000:]}")
         atomic_write(stem.with_suffix(".ll"), str(mod).encode())
+        # size and hash first, then the object: a reader checks one against the other
+        integrity.seal(stem.with_suffix(".so"), so.read_bytes())
         os.replace(so, stem.with_suffix(".so"))
 
 
 def built(stem: Path) -> bool:
-    return stem.with_suffix(".so").exists()
+    """``stem``.so is there and whole (runtime/integrity.py); a damaged one counts as
+    absent, with a warning, and is built again."""
+    path = stem.with_suffix(".so")
+    if not path.exists():
+        return False
+    reason = integrity.check(path)
+    if reason is not None:
+        _warn_once(f"stitching: ignoring a damaged kernel cache entry ({reason}); "
+                   f"building it again")
+    return reason is None
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        import warnings
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def load(stem: Path, symbol: str) -> int:
@@ -288,6 +312,9 @@ def load(stem: Path, symbol: str) -> int:
     with _lock:
         lib = _loaded.get(path)
         if lib is None:
+            reason = integrity.check(Path(path))   # never dlopen a damaged file
+            if reason is not None:
+                raise NativeError(f"not loading kernel object {reason}")
             try:
                 lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
             except OSError as e:

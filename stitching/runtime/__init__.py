@@ -30,9 +30,9 @@ from .build import BuildError, cache_dir, library_path
 from .build import build as build_library  # `build` itself stays the submodule
 from .registry import (RegistrationError, TF_DTYPE_ENUM, is_registered, library, load,
                        num_registered, pool_stats, pool_trim, profile, profile_reset, profiling,
-                       register, registered_kernel, set_compiler, set_profiling)
+                       register, registered_kernel, set_compiler, set_profiling, stats)
 
-__all__ = ["stitched_kernel", "load", "library", "register", "set_compiler",
+__all__ = ["stitched_kernel", "load", "library", "register", "set_compiler", "stats",
            "is_registered", "num_registered", "pool_stats", "pool_trim", "registered_kernel", "build_library",
            "library_path", "cache_dir", "BuildError", "RegistrationError",
            "TF_DTYPE_ENUM", "profile", "profile_reset", "profiling", "set_profiling"]

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from .. import cachedir
 from ..compile.native import compiler
+from ..compile import integrity
 
 SOURCE = Path(__file__).with_name("op.cc")
 LIB_PREFIX = "stitching_ops"
@@ -88,18 +89,35 @@ def build(force: bool = False) -> Path:
     """Return the path of the op library, compiling it first if it is not cached."""
     path = library_path()
     if not force:
-        if path.exists():
+        if _whole(path):
             return path
         prebuilt = _prebuilt(path)
-        if prebuilt is not None:
+        if prebuilt is not None and _whole(prebuilt):
             return prebuilt
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if path.exists() and not force:   # another process built it while we waited
+        if _whole(path) and not force:    # another process built it while we waited
             return path
         _compile_to(path)
     return path
+
+
+def _whole(path: Path) -> bool:
+    """``path`` exists and is not damaged (integrity.py: a truncated library would
+    kill the process at dlopen with SIGBUS).  A library built before size and hash
+    were recorded is checked for truncation only."""
+    if not path.is_file():
+        return False
+    if integrity.sidecar(path).exists():
+        return integrity.check(path) is None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+        size = path.stat().st_size
+    except OSError:
+        return False
+    return integrity.elf_problem(head, size) is None
 
 
 def _compile_to(path: Path) -> None:
@@ -116,6 +134,7 @@ def _compile_to(path: Path) -> None:
             tail = proc.stderr[-STDERR_TAIL:]
             raise BuildError(f"building the StitchedKernel op library failed "
                              f"(exit {proc.returncode}):\n  {shlex.join(cmd)}\n{tail}")
+        integrity.seal(path, Path(tmp).read_bytes())   # size and hash, then the file
         os.replace(tmp, path)  # atomic publish
     finally:
         if os.path.exists(tmp):

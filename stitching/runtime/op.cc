@@ -49,6 +49,8 @@
 #include <vector>
 
 #include "tensorflow/core/framework/allocator.h"
+#include "tensorflow/core/framework/function.h"
+#include "tensorflow/core/platform/logging.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -456,6 +458,62 @@ absl::Status StitchedShapeFn(tensorflow::shape_inference::InferenceContext* c) {
   return absl::OkStatus();
 }
 
+// ---- spec_hash: SHA-256 of the spec, recorded at rewrite time ---------------------------
+//
+// A rewritten node records the first 24 hex digits of its spec's SHA-256 (the spec's
+// own `hash`, ir/spec.py); a node whose spec was edited afterwards no longer matches
+// and is refused at construction, whether or not a kernel for the edited spec is
+// registered.  Plain FIPS 180-4 SHA-256: TF exports no hash that Python computes too.
+
+std::string Sha256Hex(const std::string& msg) {
+  static const uint32_t k[64] = {
+      0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+      0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+      0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+      0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+      0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+      0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+      0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+      0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+      0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+      0xc67178f2};
+  uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  std::string m = msg;
+  const uint64_t bits = static_cast<uint64_t>(msg.size()) * 8;
+  m.push_back(static_cast<char>(0x80));
+  while (m.size() % 64 != 56) m.push_back('\0');
+  for (int i = 7; i >= 0; --i) m.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
+  auto rotr = [](uint32_t x, int n) { return (x >> n) | (x << (32 - n)); };
+  for (size_t off = 0; off < m.size(); off += 64) {
+    uint32_t w[64];
+    for (int i = 0; i < 16; ++i) {
+      const unsigned char* p = reinterpret_cast<const unsigned char*>(&m[off + 4 * i]);
+      w[i] = (uint32_t(p[0]) << 24) | (uint32_t(p[1]) << 16) | (uint32_t(p[2]) << 8) | p[3];
+    }
+    for (int i = 16; i < 64; ++i) {
+      uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6],
+             hh = h[7];
+    for (int i = 0; i < 64; ++i) {
+      uint32_t t1 = hh + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) +
+                    k[i] + w[i];
+      uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      hh = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
+    }
+    h[0] += a; h[1] += b; h[2] += c; h[3] += d; h[4] += e; h[5] += f; h[6] += g; h[7] += hh;
+  }
+  static const char hex[] = "0123456789abcdef";
+  std::string out;
+  for (uint32_t v : h) {
+    for (int i = 7; i >= 0; --i) out.push_back(hex[(v >> (4 * i)) & 0xf]);
+  }
+  return out;
+}
+
 REGISTER_OP("StitchedKernel")
     .Input("args: Tin")
     .Output("results: Tout")
@@ -464,12 +522,17 @@ REGISTER_OP("StitchedKernel")
     .Attr("Tout: list(type) >= 1")
     .Attr("output_shapes: list(shape) >= 1")
     .Attr("label: string = ''")
+    .Attr("spec_hash: string = ''")
+    .Attr("fallback: list(func) = []")
     .SetShapeFn(StitchedShapeFn)
     .Doc(R"doc(
 A fused region compiled to native code by stitching. `spec` is the serialized kernel
 spec; the process resolves it to compiled code (stitching.runtime), so the graph stays
 portable. `output_shapes` are static shapes for graph shape inference; `label` names the
-region in reports and profiles.
+region in reports and profiles. `spec_hash`, if set, is the first 24 hex digits of the
+spec's SHA-256, checked before anything is looked up or compiled. `fallback`, if set,
+is the region's original subgraph as a function, run instead when the kernel cannot be
+built here (STITCHING_STRICT=1 makes that an error).
 )doc");
 
 // ---- opt-in profiling -----------------------------------------------------------------
@@ -568,6 +631,20 @@ class ProfileScope {
   std::chrono::steady_clock::time_point t0_;
 };
 
+// Kernels that run their fallback instead (stitching.runtime.stats()); the first time
+// each label falls back, TF's log says why.
+std::atomic<int64_t> g_fallbacks{0};
+std::mutex g_fallback_mu;
+std::string g_last_fallback;
+
+void RecordFallback(const std::string& label, const std::string& why) {
+  g_fallbacks.fetch_add(1);
+  std::lock_guard<std::mutex> lock(g_fallback_mu);
+  g_last_fallback = absl::StrCat(label, ": ", why);
+  LOG(WARNING) << "StitchedKernel " << label << ": kernel unavailable (" << why
+               << "); running the original subgraph instead";
+}
+
 class StitchedKernelOp : public OpKernel {
  public:
   explicit StitchedKernelOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -575,6 +652,13 @@ class StitchedKernelOp : public OpKernel {
     DataTypeVector tin, tout;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("spec", &spec));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("label", &label_));
+    std::string spec_hash;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("spec_hash", &spec_hash));
+    OP_REQUIRES(ctx, spec_hash.empty() || Sha256Hex(spec).substr(0, 24) == spec_hash,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedKernel ", label_, ": the spec does not match its spec_hash ",
+                    spec_hash.substr(0, 40), " (the node was edited after rewriting); ",
+                    "rewrite the original model again")));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tin", &tin));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tout", &tout));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("output_shapes", &static_shapes_));
@@ -582,12 +666,27 @@ class StitchedKernelOp : public OpKernel {
                 absl::InvalidArgumentError(absl::StrCat(
                     "StitchedKernel: output_shapes has ", static_shapes_.size(),
                     " entries but Tout has ", tout.size())));
-    OP_REQUIRES_OK(ctx, Lookup(spec, &entry_));
+    std::vector<tensorflow::NameAttrList> fallback;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("fallback", &fallback));
+    absl::Status found = Lookup(spec, &entry_);
+    // InvalidArgument: the spec itself is bad (a corrupt or edited graph): an error,
+    // never silently the fallback; anything else (no compiler, no Numba, a native
+    // build failure) is this machine's, and the original subgraph serves instead.
+    if (!found.ok() && found.code() != absl::StatusCode::kInvalidArgument &&
+        !fallback.empty() && !StrictMode()) {
+      OP_REQUIRES_OK(ctx, UseFallback(ctx, fallback[0], found));
+      return;
+    }
+    OP_REQUIRES_OK(ctx, found);
     OP_REQUIRES_OK(ctx, CheckSignature(tin, tout));
   }
 
   void Compute(OpKernelContext* ctx) override {
     ProfileScope profile(ctx, label_, &profile_slot_);  // no-op unless profiling is on
+    if (entry_ == nullptr) {
+      RunFallback(ctx);
+      return;
+    }
     const Entry& e = *entry_;
     const int n_in = static_cast<int>(e.in_ranks.size());
     const int n_out = static_cast<int>(e.out_ranks.size());
@@ -744,14 +843,107 @@ class StitchedKernelOp : public OpKernel {
     return absl::OkStatus();
   }
 
+  // ---- native-segment fallback: the region's original subgraph, run by TF ----------
+  static bool StrictMode() {
+    const char* v = std::getenv("STITCHING_STRICT");
+    return v != nullptr && v[0] != '\0' && std::string(v) != "0";
+  }
+
+  absl::Status UseFallback(OpKernelConstruction* ctx,
+                           const tensorflow::NameAttrList& fn, const absl::Status& why) {
+    flib_ = ctx->function_library();
+    if (flib_ == nullptr) return why;
+    absl::Status st = flib_->Instantiate(fn.name(), tensorflow::AttrSlice(&fn.attr()),
+                                         &fallback_handle_);
+    if (!st.ok()) return why;           // the kernel's reason, not the fallback's
+    RecordFallback(label_, std::string(why.message()));
+    return absl::OkStatus();
+  }
+
+  void RunFallback(OpKernelContext* ctx) {
+    tensorflow::FunctionLibraryRuntime::Options opts(ctx->step_id());
+    opts.rendezvous = ctx->rendezvous();
+    opts.cancellation_manager = ctx->cancellation_manager();
+    opts.step_container = ctx->step_container();
+    opts.collective_executor = ctx->collective_executor();
+    opts.runner = ctx->runner();
+    std::vector<Tensor> args, rets;
+    for (int i = 0; i < ctx->num_inputs(); ++i) args.push_back(ctx->input(i));
+    OP_REQUIRES_OK(ctx, flib_->RunSync(opts, fallback_handle_, args, &rets));
+    OP_REQUIRES(ctx, static_cast<int>(rets.size()) == ctx->num_outputs(),
+                absl::InternalError(absl::StrCat("StitchedKernel ", label_,
+                                                 ": the fallback returned ", rets.size(),
+                                                 " tensors, expected ", ctx->num_outputs())));
+    for (int i = 0; i < ctx->num_outputs(); ++i) ctx->set_output(i, rets[i]);
+  }
+
   std::shared_ptr<const Entry> entry_;
   std::vector<PartialTensorShape> static_shapes_;
   std::string label_;
   std::atomic<ProfileSlot*> profile_slot_{nullptr};  // set on the first profiled call
+  tensorflow::FunctionLibraryRuntime* flib_ = nullptr;
+  tensorflow::FunctionLibraryRuntime::Handle fallback_handle_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(Name("StitchedKernel").Device(tensorflow::DEVICE_CPU),
                         StitchedKernelOp);
+
+// ---- StitchedKernelAssets: kernels shipped inside a SavedModel ------------------------
+//
+// A rewritten SavedModel carries its kernels' shared objects as assets, and a resource
+// whose initializer runs this op on their paths when the model is loaded (TF rewrites
+// asset paths to where the model lies now).  The op hands the paths and the manifest
+// hash recorded in the graph at rewrite time to the process's compiler callback
+// (Python: stitching/tf/kernel_assets.py), which checks every file against the
+// recorded hashes and makes them the kernels of this process.  The payload starts
+// with kAssetsMarker, which no JSON spec does; paths are newline-separated.
+
+constexpr char kAssetsMarker[] = "stitching-assets\n";
+
+REGISTER_OP("StitchedKernelAssets")
+    .Input("paths: string")
+    .Attr("manifest_sha256: string")
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext*) {
+      return absl::OkStatus();   // no outputs
+    })
+    .Doc(R"doc(
+Makes the compiled kernels shipped with a rewritten model (asset files, checked against
+`manifest_sha256`) available to the StitchedKernel nodes of this process.
+)doc");
+
+class StitchedKernelAssetsOp : public OpKernel {
+ public:
+  explicit StitchedKernelAssetsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("manifest_sha256", &manifest_sha256_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    std::string payload = absl::StrCat(kAssetsMarker, manifest_sha256_);
+    auto paths = ctx->input(0).flat<tensorflow::tstring>();
+    for (int64_t i = 0; i < paths.size(); ++i) {
+      absl::StrAppend(&payload, "\n", std::string(paths(i)));
+    }
+    CompilerFn compile = Registry::Get().compiler();
+    OP_REQUIRES(ctx, compile != nullptr,
+                absl::FailedPreconditionError(
+                    "StitchedKernelAssets: no stitching runtime in this process; "
+                    "`import stitching` before loading this model"));
+    tls_compile_error.clear();
+    int rc = compile(payload.c_str());
+    OP_REQUIRES(ctx, rc == 0,
+                StatusFromCode(rc, absl::StrCat("StitchedKernelAssets: ",
+                                                tls_compile_error.empty()
+                                                    ? "(no message)"
+                                                    : tls_compile_error)));
+  }
+
+ private:
+  std::string manifest_sha256_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("StitchedKernelAssets").Device(tensorflow::DEVICE_CPU),
+                        StitchedKernelAssetsOp);
 
 // ---- Registration helpers for the C exports -----------------------------------------
 
@@ -877,6 +1069,18 @@ __attribute__((visibility("default"))) void stitching_pool_stats(int64_t* out) {
 // Returns the output pool's idle buffers to the OS.
 __attribute__((visibility("default"))) void stitching_pool_trim() {
   stitching::OutputPool::Get().Trim();
+}
+
+// Number of StitchedKernel nodes constructed to run their fallback; the last reason.
+__attribute__((visibility("default"))) int64_t stitching_fallback_count() {
+  return stitching::g_fallbacks.load();
+}
+
+__attribute__((visibility("default"))) const char* stitching_last_fallback() {
+  std::lock_guard<std::mutex> lock(stitching::g_fallback_mu);
+  static thread_local std::string copy;
+  copy = stitching::g_last_fallback;
+  return copy.c_str();
 }
 
 __attribute__((visibility("default"))) int stitching_is_registered(const char* spec) {

@@ -127,6 +127,10 @@ def _open_same_image(path: str):
     lib.stitching_abi_version.restype = ctypes.c_int
     lib.stitching_pool_stats.restype = None
     lib.stitching_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.stitching_fallback_count.restype = ctypes.c_int64
+    lib.stitching_fallback_count.argtypes = []
+    lib.stitching_last_fallback.restype = ctypes.c_char_p
+    lib.stitching_last_fallback.argtypes = []
     lib.stitching_pool_trim.restype = None
     lib.stitching_pool_trim.argtypes = []
     lib.stitching_profile_enable.restype = None
@@ -263,6 +267,17 @@ def num_registered() -> int:
     return int(library().stitching_num_registered())
 
 
+@no_autograph
+def stats() -> dict:
+    """{"fallbacks": StitchedKernel nodes that run their original subgraph because
+    their kernel could not be built (tf/fallback.py), "last_fallback": why, for the
+    latest}."""
+    lib = library()
+    return {"fallbacks": int(lib.stitching_fallback_count()),
+            "last_fallback": (lib.stitching_last_fallback() or b"").decode("utf-8",
+                                                                           "replace")}
+
+
 _POOL_FIELDS = ("hits", "misses", "held_bytes", "idle_bytes", "idle_cap_bytes",
                 "min_bytes")
 
@@ -342,7 +357,9 @@ def _make_trampoline(fn, lib):
         # which the op would read as success.
         try:
             spec = spec_bytes.decode("utf-8")
-            register(fn(spec), spec=spec)
+            kernel = fn(spec)
+            if kernel is not None:     # None: nothing to register (a call that is not
+                register(kernel, spec=spec)    # a miss: StitchedKernelAssets)
             return 0
         except BaseException as e:  # noqa: BLE001 - reported through TF instead
             try:

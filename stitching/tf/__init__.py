@@ -14,9 +14,21 @@ def ensure_runtime():
     if _READY:
         return
     from .. import runtime
-    from ..compile import compile_kernel
-    from ..ir import KernelSpec
 
     runtime.load()
-    runtime.set_compiler(lambda text: compile_kernel(KernelSpec.from_json(text)))
+    runtime.set_compiler(_compile_spec)
     _READY = True
+
+
+def _compile_spec(text: str):
+    """The compile-on-miss hook; imports the compiler on its first miss only, so
+    registering the op (on ``import stitching``) stays cheap.  Also called by the
+    StitchedKernelAssets op with the kernel files a model ships (kernel_assets.py)."""
+    from .kernel_assets import MARKER
+    if text.startswith(MARKER):
+        from .kernel_assets import install
+        install(text)
+        return None
+    from ..compile import compile_kernel
+    from ..ir import KernelSpec
+    return compile_kernel(KernelSpec.from_json(text))

@@ -4,7 +4,10 @@
     stitching-rewrite saved_model_dir/ out_dir/ [--signature serving_default]
 
 Prints the report (what was fused, into how many kernels, what was not and why);
-``--json`` writes it as data too.
+``--report report.json`` writes it as data too.  The output ships this machine's
+compiled kernels (a SavedModel's assets; ``<out>.kernels/`` beside a GraphDef, for
+``stitching.install_kernels``) unless ``--no-kernels``.  On failure: exit status 1
+and one line naming the reason.
 """
 from __future__ import annotations
 
@@ -15,15 +18,8 @@ import sys
 
 
 def _read_graph_def(path):
-    import tensorflow as tf
-    from google.protobuf import text_format
-    gd = tf.compat.v1.GraphDef()
-    data = open(path, "rb").read()
-    if path.endswith(".pbtxt"):
-        text_format.Parse(data.decode(), gd)
-    else:
-        gd.ParseFromString(data)
-    return gd
+    from .graph_file import read_graph_def
+    return read_graph_def(path)
 
 
 def _default_outputs(gd):
@@ -32,7 +28,7 @@ def _default_outputs(gd):
             and n.op not in ("NoOp", "Const", "Placeholder", "Assert")]
 
 
-def rewrite_graph_def_file(src, dst, outputs=None, options=None):
+def rewrite_graph_def_file(src, dst, outputs=None, options=None, embed_kernels=True):
     from . import ensure_runtime
     from .pipeline import stitch_graph_def
     ensure_runtime()
@@ -45,18 +41,36 @@ def rewrite_graph_def_file(src, dst, outputs=None, options=None):
         if o.split(":")[0] not in known:
             raise ValueError(f"{src}: output {o!r} names no node in the graph")
     fetches = [o if ":" in o else o + ":0" for o in outs]
+    from .graph_file import check_graph_def
+    check_graph_def(gd, src, fetches)
     res = stitch_graph_def(gd, fetches, options=options or _options(), name=os.path.basename(src))
     if dst.endswith(".pbtxt"):
         from google.protobuf import text_format
         open(dst, "w").write(text_format.MessageToString(res.graph_def))
     else:
         open(dst, "wb").write(res.graph_def.SerializeToString())
+    if embed_kernels:
+        _write_sidecar(res.graph_def, dst)
     return {"graph": res.report}
+
+
+def _write_sidecar(graph_def, dst) -> None:
+    """The kernels' shared objects beside a GraphDef: ``<dst>.kernels/`` (load them
+    with ``stitching.install_kernels``; kernel_assets.py)."""
+    import shutil
+
+    from .kernel_assets import export, specs_in
+    side = dst + ".kernels"
+    shutil.rmtree(side, ignore_errors=True)
+    specs = specs_in(graph_def)
+    if specs:
+        export(specs, side)
 
 
 def _options(dump_dir=None):
     from ..options import Options
-    return Options(dump_dir=dump_dir)
+    # a shipped graph keeps its original segments (fallback)
+    return Options(fallback=True, dump_dir=dump_dir)
 
 
 def main(argv=None) -> int:
@@ -66,23 +80,31 @@ def main(argv=None) -> int:
     ap.add_argument("dst", help="output file or directory")
     ap.add_argument("--outputs", help="comma-separated output node names (GraphDef only)")
     ap.add_argument("--signature", action="append", help="SavedModel signature key(s)")
-    ap.add_argument("--json", help="write the report(s) as JSON here")
+    ap.add_argument("--report", "--json", dest="json",
+                    help="write the report(s) as JSON here")
     ap.add_argument("--dump-dir", help="write a graph dump per rewritten graph here "
                     "(stitching.inspect.load_dump reads it)")
+    ap.add_argument("--no-kernels", action="store_true",
+                    help="do not ship this machine's compiled kernels with the output "
+                         "(SavedModel assets, or <output>.kernels/ beside a GraphDef)")
     args = ap.parse_args(argv)
+    embed = not args.no_kernels
     try:
         if os.path.isdir(args.src):
             from .saved_model import rewrite_saved_model
             reports = rewrite_saved_model(args.src, args.dst, signature_keys=args.signature,
-                                          options=_options(args.dump_dir))
+                                          options=_options(args.dump_dir),
+                                          embed_kernels=embed)
         elif os.path.isfile(args.src):
             outs = args.outputs.split(",") if args.outputs else None
             reports = rewrite_graph_def_file(args.src, args.dst, outs,
-                                             options=_options(args.dump_dir))
+                                             options=_options(args.dump_dir),
+                                             embed_kernels=embed)
         else:
             raise FileNotFoundError(f"{args.src}: no such file or directory")
     except Exception as e:  # noqa: BLE001 — a CLI reports, it does not dump a traceback
-        print(f"stitching-rewrite: error: {type(e).__name__}: {e}", file=sys.stderr)
+        reason = " ".join(str(e).split())[:800]    # one line (TF's errors have several)
+        print(f"stitching-rewrite: error: {type(e).__name__}: {reason}", file=sys.stderr)
         return 1
     for key, rep in reports.items():
         print(f"[{key}]\n{rep.summary()}")

@@ -144,7 +144,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         kernel_cache.remember_graph(key)
     dump_path = _dump_dir(options, name, graph_def)
     labels = dump.labels_for(dump_path, len(regions)) if dump_path else None
-    new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions, labels)
+    new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions, labels,
+                                             fallback=options.fallback)
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy

@@ -390,7 +390,14 @@ def targets(results, copy_gbs) -> list[str]:
                 + " (kernels compile behind it: the 'bg ready s' column)"))
     else:
         lines.append("SKIP  compile: suite not run")
-    checked = [r for k, v in results.items() if k != "compile" and v for r in v]
+    serv = results.get("serving")
+    if serv:
+        from .serving import target_lines
+        lines += target_lines(serv)
+    else:
+        lines.append("SKIP  serving: suite not run")
+    checked = [r for k, v in results.items() if k not in ("compile", "serving") and v
+               for r in v]
     if checked:
         mism = mismatch_lines(checked)
         lines.append(_verdict(not mism, f"outputs equal stock TF (allclose): "
@@ -438,6 +445,9 @@ def print_report(results, meta):
         print(f"\n== {suite} ==")
         if suite == "compile":
             print(render_text(*compile_table(rows)))
+        elif suite == "serving":
+            from .serving import serving_table
+            print(render_text(*serving_table(rows)))
         elif suite == "patterns":
             for size in ("large", "small"):
                 rs = [r for r in rows if r.get("size") == size]
@@ -446,7 +456,7 @@ def print_report(results, meta):
                     print(render_text(*perf_table(rs, gbs)))
         else:
             print(render_text(*perf_table(rows, gbs, bandwidth=False)))
-        if suite != "compile" and any("baseline" in r["modes"] for r in rows):
+        if suite not in ("compile", "serving") and any("baseline" in r["modes"] for r in rows):
             print(f"-- ablation ({suite}) --")
             print(render_text(*ablation_table(rows)))
             for line in ablation_lines(rows):
@@ -502,7 +512,7 @@ def section_title(suite, meta) -> str:
     return f"{suite} ({'; '.join(what)})"
 
 
-SUITE_ORDER = ("patterns", "models", "compile", "gpu")   # "gpu": tools/gpu_bench.py
+SUITE_ORDER = ("patterns", "models", "compile", "serving", "gpu")   # "gpu": tools/gpu_bench.py
 
 _HEADER = """# Benchmarks
 
@@ -582,6 +592,11 @@ def _suite_markdown(suite, rows, meta, results):
                       else "."))
         out.append("")
         out.append(render_markdown(*compile_table(rows)))
+    elif suite == "serving":
+        from .serving import __doc__ as method, serving_table
+        out.append(" ".join(method.split("\n\n", 2)[2].split()))
+        out.append("")
+        out.append(render_markdown(*serving_table(rows)))
     elif suite == "patterns":
         for size in ("large", "small"):
             rs = [r for r in rows if r.get("size") == size]
@@ -589,7 +604,7 @@ def _suite_markdown(suite, rows, meta, results):
                 out += [f"### {size}", "", render_markdown(*perf_table(rs, gbs)), ""]
     else:
         out.append(render_markdown(*perf_table(rows, gbs, bandwidth=False)))
-    if suite != "compile" and any("baseline" in r["modes"] for r in rows):
+    if suite not in ("compile", "serving") and any("baseline" in r["modes"] for r in rows):
         out += ["", "### ablation: full planner vs XLA-like baseline planner (same run)", "",
                 render_markdown(*ablation_table(rows)), ""]
         out += [f"- {line}" for line in ablation_lines(rows)]

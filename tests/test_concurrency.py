@@ -1,0 +1,138 @@
+"""Serving from many threads: one loaded SavedModel, one @stitching.function, and a
+tf.data pipeline with parallel calls.  Correct results, and no deadlock: every thread
+must finish within a generous bound (a hang fails the test instead of the run).
+
+The first calls race on purpose: eight threads make the first call of a fresh
+function at once (tracing, stitching, compiling and registering the kernel), which is
+where locks meet (the compiler callback takes the GIL on a TF thread).
+"""
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+import stitching
+
+THREADS = 8
+TIMEOUT = 180
+
+
+def _in_threads(work):
+    """Run work(i) on THREADS daemon threads started together; re-raise the first
+    failure; fail if any thread is still running after TIMEOUT seconds."""
+    errors, start = [], threading.Barrier(THREADS)
+
+    def run(i):
+        try:
+            start.wait()
+            work(i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "deadlock: threads still running"
+    if errors:
+        raise errors[0]
+
+
+def _layernorm(x):
+    m = tf.reduce_mean(x, -1, keepdims=True)
+    v = tf.reduce_mean(tf.square(x - m), -1, keepdims=True)
+    return tf.nn.gelu((x - m) * tf.math.rsqrt(v + 1e-5))
+
+
+def _ref(x):
+    return _layernorm(tf.constant(x, tf.float64)).numpy()
+
+
+def _inputs(i, n=3):
+    rng = np.random.default_rng(i)
+    return [rng.standard_normal((1 + (i + k) % 5, 48)).astype(np.float32) for k in range(n)]
+
+
+def test_one_stitched_function_from_eight_threads():
+    f = stitching.function(_layernorm)
+
+    def work(i):
+        for x in _inputs(i):
+            np.testing.assert_allclose(f(tf.constant(x)), _ref(x), rtol=2e-5, atol=2e-5)
+    _in_threads(work)
+    assert f.report.to_dict()["kernels"] == 1
+
+
+def test_one_loaded_saved_model_from_eight_threads(tmp_path):
+    class M(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 48], tf.float32, name="x")])
+        def serve(self, x):
+            return {"y": _layernorm(x)}
+
+    m = M()
+    tf.saved_model.save(m, str(tmp_path / "src"), signatures={"serving_default": m.serve})
+    from stitching.tf.saved_model import rewrite_saved_model
+    reports = rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))
+    assert reports["serving_default"].to_dict()["kernels"] == 1
+    sig = tf.saved_model.load(str(tmp_path / "dst")).signatures["serving_default"]
+
+    def work(i):
+        for x in _inputs(i, 5):
+            np.testing.assert_allclose(sig(x=tf.constant(x))["y"], _ref(x), rtol=2e-5,
+                                       atol=2e-5)
+    _in_threads(work)
+
+
+def test_tf_data_parallel_map_runs_the_stitched_function():
+    f = stitching.function(_layernorm,
+                           input_signature=[tf.TensorSpec([None, 48], tf.float32)])
+    xs = np.random.default_rng(7).standard_normal((64, 6, 48)).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices(xs).map(
+        f, num_parallel_calls=THREADS, deterministic=True)
+    got = np.stack([y.numpy() for y in ds])
+    np.testing.assert_allclose(got, _ref(xs.reshape(-1, 48)).reshape(xs.shape),
+                               rtol=2e-5, atol=2e-5)
+    assert f.report.to_dict()["kernels"] == 1     # the map ran the stitched graph
+
+
+_FRESH = """
+import sys, threading, numpy as np
+sys.path.insert(0, {tests!r})
+import stitching, tensorflow as tf
+import test_concurrency as t
+sig = tf.saved_model.load({path!r}).signatures["serving_default"]
+def work(i):
+    for x in t._inputs(i, 3):
+        np.testing.assert_allclose(sig(x=tf.constant(x))["y"], t._ref(x), rtol=2e-5,
+                                   atol=2e-5)
+t._in_threads(work)
+print("ok", "numba" in sys.modules)
+"""
+
+
+def test_eight_threads_make_the_first_calls_of_a_fresh_process(tmp_path):
+    """A fresh process, an empty kernel cache, a model shipped without kernels: the
+    eight first calls all miss, and the compile-on-miss callback runs from TF threads
+    while the others wait on it."""
+    import os
+    import subprocess
+    import sys
+
+    class M(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 48], tf.float32, name="x")])
+        def serve(self, x):
+            return {"y": _layernorm(x) * 3.0}
+
+    m = M()
+    tf.saved_model.save(m, str(tmp_path / "src"), signatures={"serving_default": m.serve})
+    from stitching.tf.saved_model import rewrite_saved_model
+    rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"), embed_kernels=False)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run(
+        [sys.executable, "-c", _FRESH.format(tests=tests, path=str(tmp_path / "dst"))
+         .replace("t._ref(x)", "3.0 * t._ref(x)")], capture_output=True, text=True,
+        timeout=300, env=dict(os.environ, PYTHONPATH=os.path.dirname(tests),
+                              STITCHING_CACHE_DIR=str(tmp_path / "cache"),
+                              TF_CPP_MIN_LOG_LEVEL="3"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ok True" in r.stdout       # compiled here (Numba), not loaded from anywhere

@@ -1,0 +1,166 @@
+"""The kernel cache under stress: damaged entries, racing writers, a read-only, full
+or missing cache directory.  Each case ends in a correct run (never a crash, never a
+wrong kernel).
+
+Each case is a fresh process (the damage is on disk, and what a process loads stays
+loaded), TF-free: the cache and the dlopen live below TensorFlow.
+"""
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One softmax kernel compiled (or loaded) and run on NumPy, against a float64 softmax.
+RUN = textwrap.dedent("""
+    import numpy as np
+    from stitching.compile import compile_kernel
+    from stitching.ir.builder import SpecBuilder
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 37))
+    m = b.Max(x, axes=[1], keep_dims=True)
+    e = b.Exp(b.Sub(x, m))
+    k = compile_kernel(b.build([b.Mul(b.Div(e, b.Sum(e, axes=[1], keep_dims=True)),
+                                      b.const(2.0))]))
+    xv = np.random.default_rng(0).standard_normal((5, 37)).astype(np.float32)
+    x64 = xv.astype(np.float64)
+    ref = np.exp(x64 - x64.max(1, keepdims=True))
+    ref = 2 * ref / ref.sum(1, keepdims=True)
+    np.testing.assert_allclose(k(xv)[0], ref, rtol=2e-6, atol=1e-7)
+    print("ok", "hit" if k.cache_hits else "compiled")
+""")
+
+
+def _env(cache):
+    return dict(os.environ, PYTHONPATH=ROOT, STITCHING_CACHE_DIR=str(cache),
+                STITCHING_COMPILE_JOBS="1")
+
+
+def _run(cache, wrap=(), preexec=None):
+    return subprocess.run([*wrap, sys.executable, "-W", "always", "-c", RUN],
+                          capture_output=True, text=True, timeout=240, env=_env(cache),
+                          preexec_fn=preexec)
+
+
+def _ok(r, how=None):
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    assert ("ok " + how if how else "ok") in r.stdout, r.stdout
+    return r
+
+
+def _kernel_objects(cache):
+    return sorted(cache.glob("kernels/*/k_*.so"))
+
+
+def test_a_truncated_or_replaced_kernel_object_is_rebuilt_not_loaded(tmp_path):
+    """Regression: a cached .so cut to 1000 bytes killed the next process with SIGBUS
+    (exit 135).  Now its recorded size and hash disagree and it is built again."""
+    _ok(_run(tmp_path), "compiled")
+    (so,) = _kernel_objects(tmp_path)
+    good = so.read_bytes()
+    so.write_bytes(good[:1000])
+    r = _ok(_run(tmp_path), "compiled")
+    assert "damaged kernel cache entry" in r.stderr and "does not match" in r.stderr
+    assert so.read_bytes() == good                  # rebuilt in place, same code
+    _ok(_run(tmp_path), "hit")
+    # one byte changed: the same size, a different hash
+    so.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    r = _ok(_run(tmp_path), "compiled")
+    assert "damaged kernel cache entry" in r.stderr
+    # the record itself lost: the entry counts as missing
+    os.unlink(str(so) + ".sha256")
+    _ok(_run(tmp_path), "compiled")
+
+
+def test_a_damaged_kernel_source_in_the_cache_is_replaced(tmp_path):
+    _ok(_run(tmp_path), "compiled")
+    for f in list(tmp_path.glob("kernels/*/k_*")):
+        if f.suffix == ".py":
+            f.write_text(f.read_text()[:50])        # a syntax error if imported
+        elif f.suffix == ".so":
+            f.unlink()
+    _ok(_run(tmp_path), "compiled")
+
+
+def test_two_processes_compiling_the_same_kernel_at_once(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-c", RUN], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_env(tmp_path))
+             for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0 and "ok" in out, err[-3000:]
+    assert len(_kernel_objects(tmp_path)) == 1
+    _ok(_run(tmp_path), "hit")
+
+
+def test_cache_dir_that_does_not_exist_is_created(tmp_path):
+    _ok(_run(tmp_path / "not" / "there" / "yet"), "compiled")
+    _ok(_run(tmp_path / "not" / "there" / "yet"), "hit")
+
+
+def _read_only_wrap(path):
+    """A command prefix that runs its command with ``path`` mounted read-only, or None
+    (root ignores file modes, so chmod would not do: a private mount namespace)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    script = (f'mount --bind "{path}" "{path}" && mount -o remount,bind,ro "{path}" '
+              f'&& exec "$@"')
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", "true"],
+                           capture_output=True)
+    return ["unshare", "--mount", "sh", "-c", script, "sh"] if probe.returncode == 0 \
+        else None
+
+
+def test_read_only_cache_dir(tmp_path):
+    if os.geteuid() != 0:
+        tmp_path.chmod(0o555)
+        wrap = ()
+    else:
+        wrap = _read_only_wrap(tmp_path)
+        if wrap is None:
+            pytest.skip("running as root without mount namespaces: cannot make a "
+                        "read-only directory")
+    try:
+        r = _ok(_run(tmp_path, wrap), "compiled")    # compiled in memory, with a warning
+        assert "kernel cache cannot be written" in r.stderr
+        assert not any(tmp_path.iterdir())
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def _full_disk():
+    """Every write of a regular file fails (EFBIG) as on a full disk; the signal a
+    write past the limit would raise is ignored, as a long-running server would."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+
+
+def test_full_cache_disk(tmp_path):
+    r = _ok(_run(tmp_path, preexec=_full_disk), "compiled")
+    assert "cannot be written" in r.stderr or "kernels run from code compiled" in r.stderr
+    assert not _kernel_objects(tmp_path)
+
+
+def test_integrity_check_names_what_is_wrong(tmp_path):
+    """The check both kernel objects and the op library go through before dlopen."""
+    from stitching.compile import integrity
+    _ok(_run(tmp_path), "compiled")
+    (so,) = _kernel_objects(tmp_path)
+    data = so.read_bytes()
+    assert integrity.check(so) is None
+    cut = tmp_path / "cut.so"
+    cut.write_bytes(data[:1000])
+    assert "no readable size/hash record" in integrity.check(cut)
+    # without a record (an op library built before records existed) a truncation
+    # is still caught, from the ELF header alone
+    assert "truncated ELF object (1000 bytes" in integrity.elf_problem(data[:64], 1000)
+    assert integrity.elf_problem(data[:64], len(data)) is None
+    assert "not an ELF" in integrity.elf_problem(b"#!/bin/sh\n" * 10)
+    integrity.seal(cut, data)
+    assert "does not match the size and hash" in integrity.check(cut)

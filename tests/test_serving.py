@@ -1,0 +1,364 @@
+"""Shipping rewritten models: a fresh process that imports stitching loads them.
+
+Every load runs in a subprocess (a fresh interpreter), because what is under test is
+what ``import stitching`` does to a process that never traced anything: registering
+the StitchedKernel op with TensorFlow, and the compile-on-miss hook.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stitching  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code, env=None, timeout=240):
+    e = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=e)
+
+
+def _keras_cnn():
+    import keras
+    inp = keras.Input((12, 12, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same")(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Activation("gelu")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    out = keras.layers.Softmax()(keras.layers.Dense(5)(h) * 2.0)
+    model = keras.Model(inp, out)
+    rng = np.random.default_rng(1)
+    bn = model.layers[2]
+    bn.moving_mean.assign(rng.standard_normal(8).astype(np.float32) * 0.1)
+    bn.moving_variance.assign(rng.uniform(0.5, 2.0, 8).astype(np.float32))
+    return model
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """Rewritten artifacts and the original's outputs on fixed inputs (as .npy)."""
+    from stitching.tf import cli
+    from stitching.tf.saved_model import rewrite_saved_model
+    d = tmp_path_factory.mktemp("ship")
+    rng = np.random.default_rng(0)
+    # a Keras CNN, exported as Keras serves it
+    model = _keras_cnn()
+    model.export(str(d / "cnn_src"), verbose=False)
+    reports = rewrite_saved_model(str(d / "cnn_src"), str(d / "cnn"))
+    assert reports["serving_default"].to_dict()["kernels"] >= 1
+    x_cnn = rng.standard_normal((2, 12, 12, 3)).astype(np.float32)
+    np.save(d / "x_cnn.npy", x_cnn)
+    np.save(d / "y_cnn.npy", model(x_cnn, training=False).numpy())
+    # a frozen GraphDef, binary and text
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
+        tf.nn.softmax(x * 3.0 - tf.reduce_mean(x, -1, keepdims=True), name="y")
+    (d / "g.pb").write_bytes(g.as_graph_def().SerializeToString())
+    assert cli.main([str(d / "g.pb"), str(d / "out.pb"), "--outputs", "y"]) == 0
+    assert cli.main([str(d / "g.pb"), str(d / "out.pbtxt"), "--outputs", "y"]) == 0
+    x_g = rng.standard_normal((3, 16)).astype(np.float32)
+    np.save(d / "x_g.npy", x_g)
+    np.save(d / "y_g.npy", tf.nn.softmax(x_g * 3.0 - x_g.mean(-1, keepdims=True)).numpy())
+    return d
+
+
+_LOAD_ALL = """
+    import sys, numpy as np
+    {first}
+    import tensorflow as tf
+    {second}
+    from google.protobuf import text_format
+    d = {d!r}
+    out = {{}}
+    x, want = np.load(d + "/x_cnn.npy"), np.load(d + "/y_cnn.npy")
+    m = tf.saved_model.load(d + "/cnn")
+    sig = m.signatures["serving_default"]
+    (got,) = sig(**{{list(sig.structured_input_signature[1])[0]: tf.constant(x)}}).values()
+    out["signature"] = float(np.abs(got.numpy() - want).max())
+    out["restored function"] = float(np.abs(m.model.serve(x).numpy() - want).max())
+    import keras
+    layer = keras.layers.TFSMLayer(d + "/cnn", call_endpoint="serving_default")
+    (got,) = layer(x).values()
+    out["tfsmlayer"] = float(np.abs(np.asarray(got) - want).max())
+    x, want = np.load(d + "/x_g.npy"), np.load(d + "/y_g.npy")
+    for name in ("out.pb", "out.pbtxt"):
+        out["installed " + name] = stitching.install_kernels(d + "/" + name + ".kernels")
+        gd = tf.compat.v1.GraphDef()
+        data = open(d + "/" + name, "rb").read()
+        text_format.Parse(data.decode(), gd) if name.endswith("txt") else gd.ParseFromString(data)
+        run = tf.compat.v1.wrap_function(
+            lambda a: tf.compat.v1.import_graph_def(gd, {{"x:0": a}}, ["y:0"], name=""),
+            [tf.TensorSpec([None, 16], tf.float32)])
+        out[name] = float(np.abs(run(tf.constant(x))[0].numpy() - want).max())
+    out["numba"] = "numba" in sys.modules
+    import os
+    out["cache"] = sorted(os.listdir(os.environ["STITCHING_CACHE_DIR"] + "/kernels"))
+    print("RESULT", __import__("json").dumps(out))
+"""
+
+
+def _result(r):
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("order", ["stitching_first", "tensorflow_first"])
+def test_import_stitching_registers_the_op_for_every_loader(shipped, order, tmp_path):
+    """tf.saved_model.load, TFSMLayer and import_graph_def of .pb and .pbtxt work in a
+    fresh process after a plain `import stitching`, before or after TensorFlow's; on
+    an empty kernel cache, from the kernels the artifacts ship, without Numba."""
+    first, second = ("import stitching", "") if order == "stitching_first" else \
+        ("", "import stitching")
+    out = _result(_run(_LOAD_ALL.format(first=first, second=second, d=str(shipped)),
+                       env={"STITCHING_CACHE_DIR": str(tmp_path / "empty")}))
+    for key in ("signature", "restored function", "tfsmlayer", "out.pb", "out.pbtxt"):
+        assert out[key] < 1e-5, (key, out[key])
+    assert not out["numba"], "loading shipped kernels imported Numba"
+    assert out["installed out.pb"] >= 2       # a kernel and the shape interpreter
+    assert len(out["cache"]) == 1             # one toolchain: the artifacts' = this one
+
+
+def _copy_model(shipped, tmp_path):
+    import shutil
+    dst = tmp_path / "model"
+    shutil.copytree(shipped / "cnn", dst)
+    return dst
+
+
+_LOAD_ONE = """
+    import sys, warnings, numpy as np
+    warnings.simplefilter("always")
+    import stitching, tensorflow as tf
+    m = tf.saved_model.load({path!r})
+    sig = m.signatures["serving_default"]
+    x, want = np.load({d!r} + "/x_cnn.npy"), np.load({d!r} + "/y_cnn.npy")
+    (got,) = sig(**{{list(sig.structured_input_signature[1])[0]: tf.constant(x)}}).values()
+    print("RESULT", __import__("json").dumps(
+        {{"err": float(np.abs(got.numpy() - want).max()), "numba": "numba" in sys.modules}}))
+"""
+
+
+@pytest.mark.parametrize("damage", ["tampered", "missing", "other_toolchain"])
+def test_a_bad_or_foreign_kernel_asset_falls_back_to_compiling(shipped, tmp_path, damage):
+    """A shipped kernel that is not byte for byte the one the rewrite recorded, or is
+    missing, or was built for another CPU/toolchain, is not loaded: the kernel compiles
+    from its spec (with a warning) and the answer is right."""
+    model = _copy_model(shipped, tmp_path)
+    env = {"STITCHING_CACHE_DIR": str(tmp_path / "cache")}
+    (so, *_) = sorted((model / "assets").glob("k_*.so"))
+    if damage == "tampered":   # valid ELF, same size, different code
+        data = bytearray(so.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        so.write_bytes(bytes(data))
+        expect = "does not match the hash recorded at rewrite time"
+    elif damage == "missing":
+        so.unlink()
+        expect = f"kernel file {so.name} is missing"
+    else:                       # NUMBA_OPT is part of the toolchain key, like the CPU
+        env["NUMBA_OPT"] = "2"
+        expect = "built for another CPU or toolchain"
+    r = _run(_LOAD_ONE.format(path=str(model), d=str(shipped)), env=env)
+    out = _result(r)
+    assert out["err"] < 1e-5 and out["numba"]      # compiled here
+    assert expect in r.stderr, r.stderr[-3000:]
+
+
+def test_the_asset_manifest_is_bound_to_the_graph(shipped, tmp_path):
+    """Editing the manifest (to vouch for a replaced kernel) breaks the hash the graph
+    recorded: nothing from the assets is used."""
+    model = _copy_model(shipped, tmp_path)
+    manifest = model / "assets" / "stitching_kernels.json"
+    manifest.write_text(manifest.read_text().replace('"version": 1', '"version":  1'))
+    r = _run(_LOAD_ONE.format(path=str(model), d=str(shipped)),
+             env={"STITCHING_CACHE_DIR": str(tmp_path / "cache")})
+    out = _result(r)
+    assert out["err"] < 1e-5 and out["numba"]
+    assert "does not match the hash recorded in its graph" in r.stderr
+
+
+def test_rewriting_a_rewritten_saved_model_is_refused(shipped, tmp_path, capsys):
+    from stitching.tf import cli
+    assert cli.main([str(shipped / "cnn"), str(tmp_path / "again")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "was rewritten by stitching already" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "again").exists()
+
+
+def test_without_import_stitching_tf_names_the_op(shipped):
+    r = _run(f"""
+        import tensorflow as tf
+        tf.saved_model.load({str(shipped / 'cnn')!r})
+    """)
+    assert r.returncode != 0
+    # (StitchedKernelAssets, the kernels' loader, or StitchedKernel itself)
+    assert "Op type not registered 'StitchedKernel" in r.stderr
+
+
+def test_import_stitching_without_tensorflow_stays_tf_free():
+    """A machine without TF (the GPU machines): no import, no hook, no error."""
+    r = _run("""
+        import sys
+        class NoTF:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "tensorflow":
+                    raise ModuleNotFoundError("No module named 'tensorflow'")
+        sys.meta_path.insert(0, NoTF())
+        import stitching, stitching.ir
+        assert "tensorflow" not in sys.modules
+        assert not any(type(f).__name__ == "_TensorFlowWatcher" for f in sys.meta_path)
+        print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_import_stitching_does_not_import_tensorflow():
+    r = _run("""
+        import sys, stitching, stitching.ir
+        assert "tensorflow" not in sys.modules and "numba" not in sys.modules
+        print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_rewrite_keeps_signatures_variables_and_assets(tmp_path):
+    """Every signature keeps its input and output names, dtypes, shapes and structure;
+    `--signature` rewrites only the one it names and keeps the others; variables and
+    the original's assets come along."""
+    from stitching.tf import cli
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("a\nb\n")
+
+    class M(tf.Module):
+        def __init__(self):
+            self.g = tf.Variable(np.linspace(0.5, 1.5, 8).astype(np.float32), name="g")
+            self.steps = tf.Variable(3, dtype=tf.int64, name="steps")
+            self.vocab = tf.saved_model.Asset(str(vocab))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x"),
+                                      tf.TensorSpec([None, 8], tf.float32, name="bias")])
+        def norm(self, x, bias):
+            m = tf.reduce_mean(x, -1, keepdims=True)
+            return {"y": (x - m) * self.g + bias, "peak": tf.reduce_max(x, -1)}
+
+        @tf.function(input_signature=[tf.TensorSpec([4, 8], tf.float64, name="z")])
+        def act(self, z):
+            return {"out": tf.nn.relu(z) * 2.0 + tf.cast(self.steps, tf.float64)}
+
+    m = M()
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    tf.saved_model.save(m, str(src), signatures={"norm": m.norm, "act": m.act})
+    assert cli.main([str(src), str(dst), "--signature", "norm",
+                     "--report", str(tmp_path / "r.json")]) == 0
+    assert list(json.loads((tmp_path / "r.json").read_text())) == ["norm"]
+    a, b = tf.saved_model.load(str(src)), tf.saved_model.load(str(dst))
+    for key in ("norm", "act"):
+        sa, sb = a.signatures[key], b.signatures[key]
+        assert sa.structured_input_signature == sb.structured_input_signature
+        assert sa.structured_outputs.keys() == sb.structured_outputs.keys()
+        for k, t in sa.structured_outputs.items():
+            assert (t.dtype, t.shape.as_list()) == \
+                (sb.structured_outputs[k].dtype, sb.structured_outputs[k].shape.as_list())
+    ops = lambda sig: {n.op for f in sig.graph.as_graph_def().library.function  # noqa: E731
+                       for n in f.node_def} | {n.op for n in sig.graph.as_graph_def().node}
+    assert "StitchedKernel" in ops(b.signatures["norm"])
+    assert "StitchedKernel" not in ops(b.signatures["act"])     # not selected: as it was
+    rng = np.random.default_rng(0)
+    x, bias = (rng.standard_normal((3, 8)).astype(np.float32) for _ in range(2))
+    for k, v in a.signatures["norm"](x=x, bias=bias).items():
+        np.testing.assert_allclose(b.signatures["norm"](x=x, bias=bias)[k], v, rtol=1e-6,
+                                   atol=1e-6)
+    z = rng.standard_normal((4, 8))
+    np.testing.assert_allclose(b.signatures["act"](z=z)["out"], a.signatures["act"](z=z)["out"])
+    for name in ("g", "steps"):       # the variables, restored from the new checkpoint
+        va, vb = getattr(a, name), getattr(b.model, name)
+        assert va.dtype == vb.dtype and va.numpy().tolist() == vb.numpy().tolist()
+    assert (dst / "assets" / "vocab.txt").read_text() == "a\nb\n"
+
+
+@pytest.mark.slow
+def test_transformer_saved_model_round_trip_in_a_fresh_process(tmp_path):
+    """The Bars' Transformer: exported by Keras, rewritten, loaded in a fresh process
+    with an empty kernel cache (kernels from the assets, no Numba), against Keras'
+    output (float32, within float rounding of the fused arithmetic)."""
+    from stitching.testing.models import transformer_encoder
+    from stitching.tf.saved_model import rewrite_saved_model
+    model = transformer_encoder(num_layers=2, d_model=64, heads=2, ff=128, seq_len=32)
+    model.export(str(tmp_path / "src"), verbose=False)
+    reports = rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))
+    assert reports["serving_default"].to_dict()["kernels"] >= 4
+    x = np.random.default_rng(3).standard_normal((2, 32, 64)).astype(np.float32)
+    np.save(tmp_path / "x_cnn.npy", x)
+    np.save(tmp_path / "y_cnn.npy", model(x, training=False).numpy())
+    r = _run(_LOAD_ONE.format(path=str(tmp_path / "dst"), d=str(tmp_path)),
+             env={"STITCHING_CACHE_DIR": str(tmp_path / "cache")})
+    out = _result(r)
+    assert out["err"] < 2e-4 and not out["numba"], out
+
+
+def test_a_failed_registration_never_breaks_import_tensorflow(tmp_path):
+    """No C++ compiler and no prebuilt op library: `import stitching; import tensorflow`
+    still works (a warning says why the op is missing); TF then names the op."""
+    r = _run("""
+        import warnings
+        warnings.simplefilter("always")
+        import stitching
+        import tensorflow as tf
+        print("ok", tf.constant(2.0).numpy())
+    """, env={"HOME": str(tmp_path), "STITCHING_CACHE_DIR": str(tmp_path / "c"),
+              "CXX": "no-such-compiler-here"})
+    assert r.returncode == 0 and "ok 2.0" in r.stdout, r.stderr[-3000:]
+    assert "could not register the StitchedKernel op" in r.stderr
+    assert "no-such-compiler-here" in r.stderr
+
+
+_NO_NUMBA = """
+    import sys, json, warnings, numpy as np
+    warnings.simplefilter("ignore")
+    class NoNumba:      # a serving machine without Numba (or llvmlite)
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("numba", "llvmlite"):
+                raise ModuleNotFoundError(f"No module named {{name!r}}")
+    sys.meta_path.insert(0, NoNumba())
+    import stitching, tensorflow as tf
+    d, out = {d!r}, {{}}
+    m = tf.saved_model.load({model!r})
+    sig = m.signatures["serving_default"]
+    x, want = np.load(d + "/x_cnn.npy"), np.load(d + "/y_cnn.npy")
+    (got,) = sig(**{{list(sig.structured_input_signature[1])[0]: tf.constant(x)}}).values()
+    out["savedmodel"] = float(np.abs(got.numpy() - want).max())
+    gd = tf.compat.v1.GraphDef.FromString(open(d + "/out.pb", "rb").read())
+    run = tf.compat.v1.wrap_function(
+        lambda a: tf.compat.v1.import_graph_def(gd, {{"x:0": a}}, ["y:0"], name=""),
+        [tf.TensorSpec([None, 16], tf.float32)])
+    x, want = np.load(d + "/x_g.npy"), np.load(d + "/y_g.npy")
+    out["graphdef"] = float(np.abs(run(tf.constant(x))[0].numpy() - want).max())
+    out.update(stitching.runtime.stats())
+    print("RESULT", json.dumps(out))
+"""
+
+
+def test_kernels_that_cannot_be_built_fall_back_to_the_original_subgraph(shipped, tmp_path):
+    """Native-segment fallback: a machine without Numba, kernels not shipped (assets
+    removed, GraphDef sidecar not installed): every StitchedKernel runs its region's
+    original nodes (kept in the graph's library), counted with the reason;
+    STITCHING_STRICT=1 makes it the error it would otherwise be."""
+    model = _copy_model(shipped, tmp_path)
+    for so in (model / "assets").glob("k_*.so"):
+        so.unlink()
+    code = _NO_NUMBA.format(d=str(shipped), model=str(model))
+    env = {"STITCHING_CACHE_DIR": str(tmp_path / "cache")}
+    out = _result(_run(code, env=env))
+    assert out["savedmodel"] < 1e-5 and out["graphdef"] < 1e-5, out
+    assert out["fallbacks"] >= 2 and "No module named" in out["last_fallback"], out
+    r = _run(code, env=dict(env, STITCHING_STRICT="1"))
+    assert r.returncode != 0 and "No module named" in r.stderr
+    assert "stitching/kernel_" in r.stderr

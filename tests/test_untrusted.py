@@ -1,0 +1,339 @@
+"""Graph files are untrusted input: every way one can be wrong is a clear error that
+names the file or the node, never a wrong answer, a crash, or code run from the file.
+
+    the file:   truncated/corrupt .pb, .pbtxt syntax error, empty, unknown op, a missing
+                output, an output index out of range, an already rewritten graph
+    a spec:     tampered ``spec`` attributes of a rewritten graph's StitchedKernel node
+                (table below), and a fuzz test mutating specs at random: each run ends
+                in an error naming the node, or in the result the (mutated) spec means,
+                checked against a float64 NumPy interpreter of the op table
+"""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stitching  # noqa: F401  (registers the op and the compile-on-miss hook)
+from stitching.tf import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NODE = "stitching/kernel_0"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("untrusted")
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
+        tf.nn.softmax(x * 3.0 - tf.reduce_mean(x, -1, keepdims=True), name="y")
+    (d / "g.pb").write_bytes(g.as_graph_def().SerializeToString())
+    assert cli.main([str(d / "g.pb"), str(d / "out.pb"), "--outputs", "y"]) == 0
+    return d
+
+
+def _cli_error(capsys, *args):
+    assert cli.main([str(a) for a in args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err          # one line, no traceback
+    return err
+
+
+@pytest.mark.parametrize("damage, expect", [
+    (lambda b: b[:len(b) // 2], "not a binary GraphDef, or truncated or corrupt"),
+    (lambda b: b"\xff\xfe\x00garbage" * 8, "not a binary GraphDef, or truncated or corrupt"),
+    (lambda b: b"", "the file is empty"),
+])
+def test_a_damaged_binary_graph_def_is_refused(files, capsys, damage, expect):
+    bad = files / "bad.pb"
+    bad.write_bytes(damage((files / "g.pb").read_bytes()))
+    err = _cli_error(capsys, bad, files / "o.pb", "--outputs", "y")
+    assert str(bad) in err and expect in err
+
+
+def test_a_text_graph_def_with_a_syntax_error(files, capsys):
+    bad = files / "bad.pbtxt"
+    bad.write_text('node { name: "x" op: "Placeholder"\n  node { name: ')
+    err = _cli_error(capsys, bad, files / "o.pb", "--outputs", "x")
+    assert f"{bad}: text GraphDef syntax error at 2:" in err
+
+
+def test_missing_outputs_and_unknown_ops_name_the_node(files, capsys):
+    err = _cli_error(capsys, files / "g.pb", files / "o.pb", "--outputs", "nope")
+    assert "output 'nope' names no node in the graph" in err
+    err = _cli_error(capsys, files / "g.pb", files / "o.pb", "--outputs", "y:7")
+    assert "output 'y:7'" in err and "only has 1 outputs" in err
+    gd = tf.compat.v1.GraphDef.FromString((files / "g.pb").read_bytes())
+    n = gd.node.add()
+    n.name, n.op = "z", "FooBarOp"
+    n.input.append("y")
+    (files / "unknown.pb").write_bytes(gd.SerializeToString())
+    err = _cli_error(capsys, files / "unknown.pb", files / "o.pb", "--outputs", "z")
+    assert "node 'z' has op 'FooBarOp', which this TensorFlow does not know" in err
+    n.op, n.input[0] = "Identity", "nowhere"
+    (files / "dangling.pb").write_bytes(gd.SerializeToString())
+    err = _cli_error(capsys, files / "dangling.pb", files / "o.pb", "--outputs", "z")
+    assert "node 'z' reads 'nowhere', which names no node" in err
+
+
+def test_rewriting_a_rewritten_graph_is_refused(files, capsys):
+    err = _cli_error(capsys, files / "out.pb", files / "twice.pb", "--outputs", "y")
+    assert f"node '{NODE}' is a StitchedKernel" in err and "rewritten" in err
+    assert not (files / "twice.pb").exists()
+
+
+# ---- tampered specs ------------------------------------------------------------------
+
+def _spec(files) -> dict:
+    gd = tf.compat.v1.GraphDef.FromString((files / "out.pb").read_bytes())
+    (node,) = [n for n in gd.node if n.op == "StitchedKernel"]
+    return json.loads(node.attr["spec"].s)
+
+
+def _run_with(files, spec, x, attrs=None):
+    """Run the rewritten graph with its StitchedKernel's spec (and attrs) replaced."""
+    gd = tf.compat.v1.GraphDef.FromString((files / "out.pb").read_bytes())
+    (node,) = [n for n in gd.node if n.op == "StitchedKernel"]
+    node.attr["spec"].s = spec if isinstance(spec, bytes) else \
+        (spec if isinstance(spec, str) else json.dumps(spec)).encode()
+    # as a deliberate edit would: the recorded hash made to match, so that what is
+    # tested is the validation of the spec itself (the hash: its own test below)
+    node.attr["spec_hash"].s = hashlib.sha256(node.attr["spec"].s).hexdigest()[:24].encode()
+    node.attr.pop("fallback", None)   # the spec's own handling (fallback: test_serving)
+    for k, fn in (attrs or {}).items():
+        fn(node.attr[k])
+    run = tf.compat.v1.wrap_function(
+        lambda a: tf.compat.v1.import_graph_def(gd, {"x:0": a}, ["y:0"], name=""),
+        [tf.TensorSpec([None, 16], tf.float32)])
+    return run(tf.constant(x))[0].numpy()
+
+
+def _edit(path, value):
+    def apply(d):
+        obj = d
+        for k in path[:-1]:
+            obj = obj[k]
+        obj[path[-1]] = value
+        return d
+    return apply
+
+
+def _first_op(d, op):
+    return next(i for i, n in enumerate(d["nodes"]) if n["op"] == op)
+
+
+TAMPERED = {
+    "invalid JSON": (lambda d: json.dumps(d)[:-7], "spec is not valid JSON"),
+    "binary junk": (lambda d: b"\xff\xfe\x80", "utf-8"),
+    "unknown op": (lambda d: _edit(["nodes", 1, "op"], "Frobnicate")(d),
+                   "op 'Frobnicate' is not a known op"),
+    "code as an op name": (
+        lambda d: _edit(["nodes", 1, "op"], "__import__('os').system('touch PWNED')")(d),
+        "is not a known op"),
+    "code as an attribute": (
+        lambda d: _edit(["nodes", 0, "attrs", "value"], "__import__('os').system('touch "
+                                                         "PWNED')")(d), "nodes[0] (Const)"),
+    "code as a dtype": (lambda d: _edit(["inputs", 0, "dtype"], "eval('1')")(d),
+                        "unsupported dtype"),
+    "negative shape": (lambda d: _edit(["inputs", 0, "shape"], [-5, 16])(d),
+                       "shape must be a list of at most 8 ints >= -1"),
+    "absurd shape": (lambda d: _edit(["inputs", 0, "shape"], [1 << 60, 16])(d),
+                     "shape must be a list"),
+    "absurd rank": (lambda d: _edit(["inputs", 0, "shape"], [2] * 40)(d),
+                    "shape must be a list of at most 8"),
+    "huge static size": (lambda d: _edit(["inputs", 0, "shape"], [1 << 39, 16])(d),
+                         "claims shape"),
+    "input out of range": (lambda d: _edit(["nodes", 1, "args"], [-9, 0])(d),
+                           "reference -9 is out of range"),
+    "forward reference": (lambda d: _edit(["nodes", 1, "args"], [-1, 5])(d),
+                          "reference 5 is out of range or not earlier"),
+    "output out of range": (lambda d: _edit(["outputs"], [999])(d),
+                            "output reference 999 must name a node"),
+    "lying dtype": (lambda d: _edit(["nodes", 1, "dtype"], "float64")(d),
+                    "claims dtype float64"),
+    "unknown schedule key": (lambda d: _edit(["schedule", "os.system"], 1)(d),
+                             "unknown schedule parameter"),
+    "bool as size": (lambda d: _edit(["schedule", "rows_per_task"], True)(d),
+                     "schedule.rows_per_task must be an int"),
+    "extra key": (lambda d: _edit(["__class__"], "x")(d), "unknown spec keys"),
+    "too many nodes": (lambda d: _edit(["nodes"], d["nodes"] * 2000)(d),
+                       "nodes must be a non-empty list of at most 4096"),
+    "NaN constant": (lambda d: json.dumps(d).replace('"value": 3.0', '"value": NaN'),
+                     "non-standard JSON constant NaN"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_a_tampered_spec_is_a_clear_error_naming_the_node(files, case, tmp_path,
+                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tamper, expect = TAMPERED[case]
+    x = np.ones([2, 16], np.float32)
+    with pytest.raises((tf.errors.InvalidArgumentError, tf.errors.NotFoundError)) as e:
+        _run_with(files, tamper(_spec(files)), x)
+    msg = str(e.value)
+    assert NODE in msg and "StitchedKernel" in msg, msg
+    assert expect in msg, msg
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_spec_that_does_not_match_its_recorded_hash_is_refused(files):
+    """The rewrite records each spec's SHA-256 prefix (`spec_hash`); the op checks it
+    before looking the spec up, so an edit is refused even where a kernel for the
+    edited spec is registered -- here, one that differs only in a constant."""
+    d = _spec(files)
+    d["nodes"][_first_op(d, "Const")]["attrs"]["value"] = 5.0
+    edited = json.dumps(d, sort_keys=True, separators=(",", ":"))
+    x = np.ones([2, 16], np.float32)
+    _run_with(files, edited, x)                  # registers the edited spec's kernel
+    gd = tf.compat.v1.GraphDef.FromString((files / "out.pb").read_bytes())
+    (node,) = [n for n in gd.node if n.op == "StitchedKernel"]
+    assert node.attr["spec_hash"].s.decode() == \
+        hashlib.sha256(node.attr["spec"].s).hexdigest()[:24]
+    node.attr["spec"].s = edited.encode()        # the original hash left in place
+    run = tf.compat.v1.wrap_function(
+        lambda a: tf.compat.v1.import_graph_def(gd, {"x:0": a}, ["y:0"], name=""),
+        [tf.TensorSpec([None, 16], tf.float32)])
+    with pytest.raises(tf.errors.InvalidArgumentError) as e:
+        run(tf.constant(x))
+    assert NODE in str(e.value) and "does not match its spec_hash" in str(e.value)
+
+
+def test_tampered_node_attributes_beside_a_valid_spec(files):
+    x = np.ones([2, 16], np.float32)
+
+    def tout_int(a):
+        a.list.type[:] = [tf.int32.as_datatype_enum]
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError)) as e:
+        _run_with(files, _spec(files), x, {"Tout": tout_int})
+    assert NODE in str(e.value)
+
+    def tin_two(a):
+        a.list.type.append(tf.float32.as_datatype_enum)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError)) as e:
+        _run_with(files, _spec(files), x, {"Tin": tin_two})
+    assert NODE in str(e.value)
+
+
+def test_a_valid_edit_of_a_spec_computes_what_the_edit_means(files):
+    """The spec is the kernel: a graph whose Const 3.0 became 5.0 computes with 5.0."""
+    d = _spec(files)
+    d["nodes"][_first_op(d, "Const")]["attrs"]["value"] = 5.0
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    got = _run_with(files, d, x)
+    want = tf.nn.softmax(x * 5.0 - x.mean(-1, keepdims=True)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---- fuzz ----------------------------------------------------------------------------
+
+FUZZ = textwrap.dedent('''
+    import json, random, sys
+    import numpy as np, tensorflow as tf
+    import stitching
+    from stitching.codegen.cuda import ref as cuda_ref
+    from stitching.ir import KernelSpec, SpecError
+    gd0 = tf.compat.v1.GraphDef.FromString(open(sys.argv[1], "rb").read())
+    (k,) = [i for i, n in enumerate(gd0.node) if n.op == "StitchedKernel"]
+    base = json.loads(gd0.node[k].attr["spec"].s)
+    rng = random.Random(int(sys.argv[2]))
+    VALUES = [0, 1, -1, 2, 16, 3.5, -0.0, 1e30, 1 << 62, -(1 << 62), True, None, "",
+              "x", "Exp", "Sub", "float64", "int32", "__import__('os')", [], [1], {}]
+
+    def paths(o, p=()):
+        yield p
+        if isinstance(o, dict):
+            for kk, v in o.items():
+                yield from paths(v, p + (kk,))
+        elif isinstance(o, list):
+            for i, v in enumerate(o):
+                yield from paths(v, p + (i,))
+
+    # same-arity ops: a swap among them often leaves a valid spec of another function
+    KINDS = [["Exp", "Tanh", "Neg", "Abs", "Sigmoid", "Square", "Relu", "Identity"],
+             ["Add", "Sub", "Mul", "Maximum", "Minimum", "AddV2"],
+             ["Max", "Min", "Sum", "Mean"]]
+
+    def meaningful(d):
+        n = rng.choice(d["nodes"])
+        for kind in KINDS:
+            if n["op"] in kind:
+                n["op"] = rng.choice(kind)
+        if n["op"] == "Const":
+            n["attrs"]["value"] = rng.choice([0.0, -1.5, 7.0, 1e-3, 1e30, -0.0])
+        if rng.random() < 0.3:
+            d["schedule"] = rng.choice([{}, {"rows_per_task": rng.randint(1, 9)},
+                                        {"scratch": 0}, {"col_block": 3},
+                                        {"split_rows": 1}])
+        return d
+
+    def mutate(d):
+        d = json.loads(json.dumps(d))
+        if rng.random() < 0.4:
+            return meaningful(d)
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            p = rng.choice([q for q in paths(d) if q])
+            parent = d
+            for kk in p[:-1]:
+                parent = parent[kk]
+            r = rng.random()
+            if r < 0.15 and isinstance(parent, list) and len(parent) > 1:
+                del parent[p[-1]]
+            elif r < 0.25 and isinstance(parent, dict):
+                del parent[p[-1]]
+            elif r < 0.55 and isinstance(parent[p[-1]], (int, float)) \\
+                    and not isinstance(parent[p[-1]], bool):
+                parent[p[-1]] = parent[p[-1]] + rng.choice([-2, -1, 1, 2])
+            else:
+                parent[p[-1]] = rng.choice(VALUES)
+        return d
+
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    outcome = {"error": 0, "correct": 0}
+    for trial in range(int(sys.argv[3])):
+        d = mutate(base)
+        text = json.dumps(d)
+        gd = tf.compat.v1.GraphDef()
+        gd.CopyFrom(gd0)
+        gd.node[k].attr["spec"].s = text.encode()
+        gd.node[k].attr["spec_hash"].s = __import__("hashlib").sha256(
+            text.encode()).hexdigest()[:24].encode()
+        gd.node[k].attr.pop("fallback", None)     # the spec's own handling
+        try:
+            run = tf.compat.v1.wrap_function(
+                lambda a: tf.compat.v1.import_graph_def(gd, {"x:0": a}, ["y:0"], name=""),
+                [tf.TensorSpec([None, 16], tf.float32)])
+            got = run(tf.constant(x))[0].numpy()
+        except (tf.errors.OpError, ValueError, TypeError) as e:
+            msg = str(e)
+            assert "stitching/kernel_0" in msg or "StitchedKernel" in msg \\
+                or "stitching/kernel_0" in repr(e), (text, msg[:2000])
+            outcome["error"] += 1
+            continue
+        spec = KernelSpec.from_json(text)     # it ran: so it must be a valid spec
+        (ref,) = cuda_ref.evaluate(spec, [x])[:1]
+        assert got.shape == ref.shape, (text, got.shape, ref.shape)
+        np.testing.assert_allclose(got, ref.astype(np.float64), rtol=2e-5, atol=2e-6,
+                                   err_msg=text)
+        outcome["correct"] += 1
+    print("RESULT", json.dumps(outcome))
+''')
+
+
+def test_fuzzed_specs_give_a_clear_error_or_the_right_answer(files):
+    """Random mutations of a real spec (values, deleted keys and list items, numbers
+    nudged): each must fail with an error naming the node or compute what the mutated
+    spec means.  In a subprocess, so a crash is a failure, not the end of the run."""
+    r = subprocess.run([sys.executable, "-c", FUZZ, str(files / "out.pb"), "29", "150"],
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert r.returncode == 0, (r.returncode, r.stderr[-4000:])
+    out = json.loads(r.stdout.split("RESULT ")[-1])
+    assert out["error"] + out["correct"] == 150
+    assert out["error"] > 20 and out["correct"] > 20, out       # both branches exercised
