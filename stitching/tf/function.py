@@ -161,9 +161,7 @@ class StitchedFunction:
         self.reports.append(result.report)
 
         outer = tf.compat.v1.get_default_graph()
-        input_map = {ph.name: flat[i] for ph, i in zip(cf.inputs, where)}
-        for external, internal in cf.graph.captures:
-            input_map[internal.name] = outer.capture(external)
+        input_map = _input_map(cf, [flat[i] for i in where], outer)
         return_elements = fetches + keep
         outs = tf.graph_util.import_graph_def(
             result.graph_def, input_map=input_map, return_elements=return_elements,
@@ -178,6 +176,28 @@ class StitchedFunction:
                 tensors = [tf.identity(t) for t in tensors]
         return tf.nest.pack_sequence_as(cf.structured_outputs, tensors,
                                         expand_composites=True)
+
+
+def _input_map(cf, args, outer):
+    """Every placeholder of the inner trace -> the outer trace's tensor that feeds it.
+
+    A ConcreteFunction's inputs are its arguments followed by *all* its captures: the
+    by-value ones (``graph.captures``: eager tensors, variable handles) and the
+    by-reference ones, which ``capture_call_time_value`` feeds from a closure at each
+    call (MirroredStrategy's collective instance keys and ordering).  Mapping only
+    ``graph.captures`` left the by-reference placeholders unfed in the imported graph
+    ("You must feed a value for placeholder tensor ..." at run time).
+    ``cf.captured_inputs`` evaluates the closures now, inside the outer trace, so they
+    become the outer function's own call-time captures, as a nested tf.function call
+    would make them."""
+    captured = cf.captured_inputs
+    if len(cf.inputs) != len(args) + len(captured):
+        raise RuntimeError(
+            f"stitching.function: the traced function has {len(cf.inputs)} inputs but "
+            f"{len(args)} arguments and {len(captured)} captures; refusing to import a "
+            "graph with an unfed placeholder")
+    return {ph.name: (v if i < len(args) else outer.capture(v))
+            for i, (ph, v) in enumerate(zip(cf.inputs, list(args) + list(captured)))}
 
 
 _LIVE = weakref.WeakSet()        # functions that started background compiles
