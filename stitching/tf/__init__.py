@@ -18,5 +18,6 @@ def ensure_runtime():
     from ..ir import KernelSpec
 
     runtime.load()
+    from . import original  # noqa: F401 -- registers StitchedKernel's gradient
     runtime.set_compiler(lambda text: compile_kernel(KernelSpec.from_json(text)))
     _READY = True

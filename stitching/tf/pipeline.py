@@ -27,7 +27,7 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import frontend, gemm, opnames, rewrite
+from . import frontend, gemm, opnames, original, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -140,10 +140,19 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     if key is not None and not failed:
         kernel_cache.remember_graph(key)
     new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions)
+    no_original = original.attach(new_gdef, gdef, ir, regions, kernel_names)
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
+    if len(regions) > no_original:
+        rep.notes.append(f"backward: a tape outside this function differentiates "
+                         f"{len(regions) - no_original} kernel(s) by TF's gradient of their "
+                         "original ops, recomputed, not stitched (tf/original.py); a tape "
+                         "inside it gets its backward stitched with the rest")
+    if no_original:
+        rep.notes.append(f"{no_original} kernel(s) read a value they cannot recompute from "
+                         "their inputs: no original subgraph, so no gradient through them")
     if gemms:
         rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
                          f"MatMul each (tf/gemm.py; Options(gemm=False) keeps them)")

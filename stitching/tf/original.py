@@ -1,0 +1,204 @@
+"""The original subgraph of each fused region, kept as a function, and the gradient of
+``StitchedKernel`` that differentiates it.
+
+    rewrite time:  region members (+ the constants and shape arithmetic they read)
+                   ──▶ one FunctionDef per region in the GraphDef's library, named by a
+                       hash of its body ("stitching_original_<hash>"), and the kernel
+                       node's attr ``_stitching_original`` naming it
+    gradient:      op ──▶ the FunctionDef from op.graph's library (or an outer graph's)
+                      ──▶ its body imported inline, fed by op.inputs (recompute)
+                      ──▶ tf.gradients(body outputs, inputs, grad_ys=upstream grads)
+
+So the backward of a stitched region is TF's own gradient of the ops it replaced: every
+kernel the planner emits is differentiable (multiple outputs, broadcasts, reductions,
+unknown dims), integer outputs and unconnected inputs give TF's usual ``None``, and
+second-order gradients work because the backward is ordinary TF ops.  The backward is
+not stitched by this mechanism itself; where it runs inside a stitched function (a tape
+*inside* ``stitching.function``) the pipeline plans and stitches it like any other ops.
+
+Why a function and not the forward region rebuilt from the IR: the TF nodes are the
+exact ops the user's graph had (same attrs, same numerics, TF's gradient registry
+applies to them), the IR has no way back to TF ops, and the function is a plain
+library entry that other mechanisms can share (a native-segment fallback that runs the
+original ops where a kernel cannot be compiled would call the same function).
+
+The attr is a ``_``-prefixed node attr, so the op's registration and graphs written
+before it are unchanged; a kernel node without it (an older graph) fails its gradient
+with an error that names the node.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.framework import function_def_to_graph, graph_to_function_def
+
+ATTR = "_stitching_original"
+PREFIX = "stitching_original_"
+
+# attrs that tie a node to its place in the outer graph (colocation, inferred shapes)
+_DROP_ATTRS = ("_class", "_output_shapes")
+# nodes a region's body may copy from outside the region: pure and cheap (constants
+# and the shape arithmetic that feeds Reshape/broadcast targets)
+_COPYABLE = {"Const", "Shape", "ShapeN", "Size", "Rank", "Pack", "Unpack", "Cast",
+             "StridedSlice", "Slice", "ConcatV2", "Gather", "GatherV2", "Fill", "Range",
+             "Identity", "Add", "AddV2", "Sub", "Mul", "Prod", "FloorDiv", "Maximum",
+             "Minimum", "BroadcastArgs", "Reshape", "ExpandDims", "Squeeze"}
+
+
+class NotReproducible(Exception):
+    """The region reads a value that is neither a kernel input nor copyable."""
+
+
+# ---------------------------------------------------------------- rewrite time
+
+def region_function(graph_def, region, ir_graph, nodes_by_name=None):
+    """FunctionDef computing ``region.outputs`` from ``region.inputs`` with the
+    region's original TF nodes, or None when the region reads a value that cannot be
+    reproduced from its inputs (then its gradient reports that)."""
+    nodes = nodes_by_name or {n.name: n for n in graph_def.node}
+    try:
+        body = _body(nodes, region, ir_graph)
+    except NotReproducible:
+        return None
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(body, name="")
+    inputs = [g.get_tensor_by_name(f"stitching_arg_{k}:0") for k in range(len(region.inputs))]
+    outputs = [g.get_tensor_by_name(f"{o.node}:{o.index}") for o in region.outputs]
+    ops = [op for op in g.get_operations() if not op.name.startswith("stitching_arg_")]
+    fdef = graph_to_function_def.graph_to_function_def(g, ops, inputs, outputs)
+    fdef.signature.name = ""
+    fdef.signature.name = PREFIX + hashlib.sha256(
+        fdef.SerializeToString(deterministic=True)).hexdigest()[:24]
+    return fdef
+
+
+def _body(nodes, region, ir_graph):
+    """A GraphDef: one Placeholder per kernel input, the members, and the copyable
+    nodes they read from outside; control edges dropped (a pure region)."""
+    arg_of = {(r.node, r.index): f"stitching_arg_{k}" for k, r in enumerate(region.inputs)}
+    out = graph_pb2.GraphDef()
+    for k, r in enumerate(region.inputs):
+        t = ir_graph.type_of(r)
+        ph = out.node.add(name=f"stitching_arg_{k}", op="Placeholder")
+        ph.attr["dtype"].type = _tf_dtype(nodes, r, t)
+    members = set(region.nodes)
+    copied: set = set()
+    todo = list(region.nodes)
+    while todo:
+        name = todo.pop()
+        if name in copied:
+            continue
+        src = nodes.get(name)
+        if src is None or (name not in members and src.op not in _COPYABLE):
+            raise NotReproducible(name)
+        copied.add(name)
+        nd = out.node.add()
+        nd.CopyFrom(src)
+        for a in _DROP_ATTRS:
+            nd.attr.pop(a, None)
+        del nd.input[:]
+        for inp in src.input:
+            if inp.startswith("^"):
+                continue
+            node, _, idx = inp.partition(":")
+            arg = arg_of.get((node, int(idx or 0)))
+            if arg is not None:
+                nd.input.append(arg)
+            else:
+                nd.input.append(inp)
+                todo.append(node)
+    return out
+
+
+def _tf_dtype(nodes, ref, t):
+    from . import frontend
+    dt = frontend.TF_DTYPE.get(t.dtype)
+    if dt is None:
+        raise NotReproducible(ref.node)
+    return dt.as_datatype_enum
+
+
+def attach(graph_def, original_def, ir_graph, regions, kernel_names):
+    """Adds one function per region (its nodes taken from ``original_def``, the graph
+    before the rewrite) to ``graph_def``'s library and names it on the region's kernel
+    node (in place).  Returns how many regions have none."""
+    nodes = {n.name: n for n in original_def.node}
+    have = {f.signature.name for f in graph_def.library.function}
+    kernel_nodes = {n.name: n for n in graph_def.node if n.op == "StitchedKernel"}
+    missing = 0
+    for reg, kname in zip(regions, kernel_names):
+        fdef = region_function(original_def, reg, ir_graph, nodes)
+        if fdef is None:
+            missing += 1
+            continue
+        if fdef.signature.name not in have:
+            have.add(fdef.signature.name)
+            graph_def.library.function.add().CopyFrom(fdef)
+        kernel_nodes[kname].attr[ATTR].s = fdef.signature.name.encode()
+    return missing
+
+
+# ---------------------------------------------------------------- gradient time
+
+def _find_function_def(graph, name):
+    g = graph
+    while g is not None:
+        f = g._functions.get(name)  # noqa: SLF001 — TF keeps library functions here
+        if f is not None:
+            return getattr(f, "definition", None) or f.cached_definition
+        g = getattr(g, "outer_graph", None)
+    from tensorflow.python.eager import context
+    if context.context().has_function(name):
+        return context.context().get_function_def(name)
+    return None
+
+
+def _op_label(op):
+    try:
+        label = op.get_attr("label").decode()
+    except ValueError:
+        label = ""
+    return f"StitchedKernel node '{op.name}'" + (f" ({label})" if label else "")
+
+
+def original_outputs(op):
+    """Imports the op's original subgraph into the current graph, fed by op.inputs;
+    returns (inputs as used there, outputs)."""
+    try:
+        name = op.get_attr(ATTR).decode()
+    except ValueError:
+        name = ""
+    fdef = _find_function_def(op.graph, name) if name else None
+    if fdef is None:
+        why = (f"its function '{name}' is not in the graph's library" if name else
+               "it carries no original subgraph (a graph stitched before gradients "
+               "were supported, or a region reading a value it cannot recompute)")
+        raise LookupError(f"No gradient for {_op_label(op)}: {why}. Stitch the function "
+                          "again, or take the gradient inside the stitched function.")
+    gdef, flat = function_def_to_graph.function_def_to_graph_def(fdef)
+    xs = [tf.identity(t) for t in op.inputs]    # captured into this (backward) graph
+    input_map = {a.name + ":0": x for a, x in zip(fdef.signature.input_arg, xs)}
+    rets = [flat[fdef.ret[a.name]] for a in fdef.signature.output_arg]
+    rets = [r if ":" in r else r + ":0" for r in rets]
+    ys = tf.graph_util.import_graph_def(gdef, input_map=input_map, return_elements=rets,
+                                        name=op.name.replace("/", "_") + "_original")
+    return xs, ys
+
+
+def _differentiable(t):
+    return t.dtype.is_floating or t.dtype.is_complex
+
+
+@tf.RegisterGradient("StitchedKernel")
+def _stitched_kernel_grad(op, *grads):
+    pairs = [(g, o) for g, o in zip(grads, op.outputs) if g is not None and _differentiable(o)]
+    if not pairs or not any(_differentiable(x) for x in op.inputs):
+        return [None] * len(op.inputs)
+    xs, ys = original_outputs(op)
+    keep = [(y, g) for y, g, o in zip(ys, grads, op.outputs)
+            if g is not None and _differentiable(o)]
+    dxs = tf.gradients([y for y, _ in keep], xs, grad_ys=[g for _, g in keep])
+    return [d if _differentiable(x) else None for d, x in zip(dxs, op.inputs)]
