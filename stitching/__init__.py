@@ -13,6 +13,7 @@ _LAZY = {
     "rewrite_graph_def": ("stitching.tf.rewrite", "rewrite_graph_def"),
     "load_saved_model": ("stitching.tf.saved_model", "load_saved_model"),
     "Report": ("stitching.report", "Report"),
+    "keras": ("stitching.tf.keras", None),          # stitching.keras.stitch(model)
 }
 
 
@@ -20,7 +21,8 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
         mod, attr = _LAZY[name]
-        return getattr(importlib.import_module(mod), attr)
+        module = importlib.import_module(mod)
+        return module if attr is None else getattr(module, attr)
     raise AttributeError(f"module 'stitching' has no attribute {name!r}")
 
 

@@ -84,7 +84,8 @@ print("RESULT" + json.dumps([stock, st]))
     return json.loads(line[len("RESULT"):])
 
 
-@pytest.mark.parametrize("mode", ["run_inside", "stitched_inside_run"])
+@pytest.mark.parametrize("mode", ["run_inside",
+                                  pytest.param("stitched_inside_run", marks=pytest.mark.slow)])
 def test_mirrored_call_time_captures_are_fed(mode):
     """Regression: the import of the rewritten graph mapped only by-value captures, so
     MirroredStrategy's call-time (by-reference) captures -- the collectives' keys --
