@@ -174,3 +174,36 @@ def test_softmax_logsoftmax_batchnorm_biasadd():
 def test_fill_likes_and_clip():
     x = _floats((3, 10), tf.float32)
     check(lambda a: tf.clip_by_value(a + tf.ones_like(a), -1.0, 2.0) + tf.zeros_like(a), x)
+
+
+TRAINING_BINARY = {   # (first, second) as TF's raw op takes them
+    "ReluGrad": lambda a, b: tf.raw_ops.ReluGrad(gradients=a, features=b),
+    "Relu6Grad": lambda a, b: tf.raw_ops.Relu6Grad(gradients=a, features=b * 4.0),
+    "EluGrad": lambda a, b: tf.raw_ops.EluGrad(gradients=a, outputs=b),
+    "SeluGrad": lambda a, b: tf.raw_ops.SeluGrad(gradients=a, outputs=b),
+    "SoftplusGrad": lambda a, b: tf.raw_ops.SoftplusGrad(gradients=a, features=b),
+    "SigmoidGrad": lambda a, b: tf.raw_ops.SigmoidGrad(y=a, dy=b),
+    "TanhGrad": lambda a, b: tf.raw_ops.TanhGrad(y=a, dy=b),
+    "AddN": lambda a, b: tf.raw_ops.AddN(inputs=[a, b, a * b]),
+}
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16], ids=lambda d: d.name)
+@pytest.mark.parametrize("name", sorted(TRAINING_BINARY))
+def test_training_ops_match_tf(name, dtype):
+    a, b = _floats((6, 16), dtype), _floats((6, 16), dtype)[::-1].copy()
+    sf = check(TRAINING_BINARY[name], a, b)
+    assert any(t == name for k in sf.report.kernels for _, t in k.ops)
+
+
+@pytest.mark.parametrize("fmt", ["NHWC", "NCHW"])
+def test_bias_add_grad_and_l2_loss_reduce_like_tf(fmt):
+    g = RNG.standard_normal((4, 3, 5, 8)).astype(np.float32)
+    sf = check(lambda x: tf.raw_ops.BiasAddGrad(out_backprop=x * 2.0, data_format=fmt), g,
+               tol=1e-5)
+    fused = [t for k in sf.report.kernels for _, t in k.ops if t != "Identity"]
+    if fmt == "NHWC":       # a column reduction over [N*H*W, C]
+        assert fused == ["Mul", "BiasAddGrad"]
+    else:                   # axes (0, 2, 3): left to TF, with the schedule's reason
+        assert fused == ["Mul"] and "neither a row reduction" in sf.report.summary()
+    check(lambda x: tf.raw_ops.L2Loss(t=x - 1.0), g, tol=1e-5)

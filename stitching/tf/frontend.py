@@ -334,6 +334,8 @@ def _convert_composite(op) -> Node | None:
     if t in ("BiasAdd", "BiasAddV1"):
         fmt = op.get_attr("data_format").decode() if t == "BiasAdd" else "NHWC"
         return Node(op.name, "BiasAdd", _inputs(op), {"data_format": fmt})
+    if t in _TRAINING_COMPOSITES:
+        return _convert_training(op)
     # FusedBatchNorm / V2 / V3
     if op.get_attr("is_training"):
         raise _Unfusible("training-mode FusedBatchNorm (computes batch statistics)")
@@ -342,3 +344,21 @@ def _convert_composite(op) -> Node | None:
     fmt = op.get_attr("data_format").decode()
     return Node(op.name, "FusedBatchNorm", _inputs(op, range(5)),
                 {"epsilon": float(op.get_attr("epsilon")), "data_format": fmt})
+
+
+_TRAINING_COMPOSITES = frozenset({"ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
+                                  "SoftplusGrad", "SigmoidGrad", "TanhGrad", "BiasAddGrad",
+                                  "L2Loss", "AddN"})
+
+
+def _convert_training(op) -> Node:
+    """Gradient ops, L2Loss and AddN (ir/composites.py expands them)."""
+    t = op.type
+    if t == "BiasAddGrad":
+        return Node(op.name, t, _inputs(op), {"data_format": op.get_attr("data_format").decode()})
+    if t == "AddN" and any(i.dtype == tf.variant for i in op.inputs):
+        raise _Unfusible("AddN of variant tensors")
+    if t == "AddN" and len({tuple(i.shape.as_list() or []) if i.shape.rank is not None
+                            else None for i in op.inputs}) > 1:
+        raise _Unfusible("AddN inputs of different static shapes")
+    return Node(op.name, t, _inputs(op), {})

@@ -42,7 +42,9 @@ ALIASES = {
 
 # TF ops expanded into several IR ops by the frontend.
 COMPOSITES = frozenset({"Softmax", "LogSoftmax", "FusedBatchNorm", "FusedBatchNormV2",
-                        "FusedBatchNormV3", "BiasAdd", "BiasAddV1"})
+                        "FusedBatchNormV3", "BiasAdd", "BiasAddV1",
+                        "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad",
+                        "SigmoidGrad", "TanhGrad", "BiasAddGrad", "L2Loss", "AddN"})
 
 VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient",
                       "PreventGradient", "Snapshot"})
@@ -52,10 +54,10 @@ VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradi
 UNSUPPORTED_MEMORY_INTENSIVE = frozenset({
     "Transpose", "ConcatV2", "Concat", "Pad", "PadV2", "MirrorPad", "Slice",
     "StridedSlice", "Tile", "BroadcastTo", "GatherV2", "OneHot", "Pack", "Unpack",
-    "Split", "SplitV", "ArgMax", "ArgMin", "Cumsum", "AddN", "Atan2", "Tan", "Asin",
+    "Split", "SplitV", "ArgMax", "ArgMin", "Cumsum", "Atan2", "Tan", "Asin",
     "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Lgamma", "Digamma",
     "Mod", "TruncateDiv", "TruncateMod", "BitwiseAnd", "BitwiseOr", "ResizeBilinear",
-    "ResizeNearestNeighbor", "MaxPool", "AvgPool", "Gelu", "Mish", "LRN", "L2Loss",
+    "ResizeNearestNeighbor", "MaxPool", "AvgPool", "Gelu", "Mish", "LRN",
     "Softmax_unsupported_axis", "Einsum_elementwise",
 })
 
