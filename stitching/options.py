@@ -14,6 +14,9 @@ class Options:
     background_compile: bool = False   # stitching.function: a new input signature runs the
     #                                    stock TF graph while its kernels compile in a
     #                                    background thread; later calls switch over (wait())
+    stitch_backward: bool = True   # a tape outside the function: each kernel's backward
+    #                                (its original ops recomputed + TF's gradient) is
+    #                                stitched as a function of its own; False: TF ops
 
     def __post_init__(self):
         from .plan import ALIASES, PLANNERS

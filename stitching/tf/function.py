@@ -37,7 +37,7 @@ import weakref
 import tensorflow as tf
 
 from ..options import Options
-from . import frontend, pipeline
+from . import frontend, original, pipeline
 
 _EAGER_TENSOR = type(tf.constant(0))
 FAST_CALL_SIGNATURES = 64      # exact (dtype, shape) signatures kept per function
@@ -199,6 +199,26 @@ def _input_map(cf, args, outer):
     return {ph.name: (v if i < len(args) else outer.capture(v))
             for i, (ph, v) in enumerate(zip(cf.inputs, list(args) + list(captured)))}
 
+
+_BACKWARDS: dict = {}            # (region function, outputs differentiated) -> function
+
+
+def _backward_function(key, make):
+    """The stitched backward of one kind of region (tf/original.py asks, on a gradient
+    request through a StitchedKernel); one StitchedFunction per key, so identical
+    regions share traces and kernels."""
+    fn = _BACKWARDS.get(key)
+    if fn is None:
+        fn = _BACKWARDS[key] = StitchedFunction(make(), autograph=False)
+    return fn
+
+
+def backward_reports() -> list:
+    """Reports of every stitched backward built in this process (latest trace each)."""
+    return [f.report for f in _BACKWARDS.values() if f.report is not None]
+
+
+original.use_backward_stitcher(_backward_function)
 
 _LIVE = weakref.WeakSet()        # functions that started background compiles
 

@@ -12,9 +12,12 @@
 So the backward of a stitched region is TF's own gradient of the ops it replaced: every
 kernel the planner emits is differentiable (multiple outputs, broadcasts, reductions,
 unknown dims), integer outputs and unconnected inputs give TF's usual ``None``, and
-second-order gradients work because the backward is ordinary TF ops.  The backward is
-not stitched by this mechanism itself; where it runs inside a stitched function (a tape
-*inside* ``stitching.function``) the pipeline plans and stitches it like any other ops.
+second-order gradients work (the backward's own kernels carry their originals too).
+With ``Options.stitch_backward`` (the default) that backward -- recompute + TF's
+adjoint ops -- is itself a ``stitching.function`` (one per kind of region), so the
+planner fuses the recompute with the adjoint where its cost model says it pays;
+otherwise it runs as TF ops.  A tape *inside* ``stitching.function`` never reaches
+this: its backward ops are in the traced graph and are planned with the rest.
 
 Why a function and not the forward region rebuilt from the IR: the TF nodes are the
 exact ops the user's graph had (same attrs, same numerics, TF's gradient registry
@@ -121,7 +124,8 @@ def _tf_dtype(nodes, ref, t):
     return dt.as_datatype_enum
 
 
-def attach(graph_def, original_def, ir_graph, regions, kernel_names):
+def attach(graph_def, original_def, ir_graph, regions, kernel_names,
+           stitch_backward=False):
     """Adds one function per region (its nodes taken from ``original_def``, the graph
     before the rewrite) to ``graph_def``'s library and names it on the region's kernel
     node (in place).  Returns how many regions have none."""
@@ -138,6 +142,8 @@ def attach(graph_def, original_def, ir_graph, regions, kernel_names):
             have.add(fdef.signature.name)
             graph_def.library.function.add().CopyFrom(fdef)
         kernel_nodes[kname].attr[ATTR].s = fdef.signature.name.encode()
+        if stitch_backward:
+            kernel_nodes[kname].attr[BACKWARD_ATTR].s = b"stitch"
     return missing
 
 
@@ -164,9 +170,7 @@ def _op_label(op):
     return f"StitchedKernel node '{op.name}'" + (f" ({label})" if label else "")
 
 
-def original_outputs(op):
-    """Imports the op's original subgraph into the current graph, fed by op.inputs;
-    returns (inputs as used there, outputs)."""
+def _function_def_of(op):
     try:
         name = op.get_attr(ATTR).decode()
     except ValueError:
@@ -178,27 +182,91 @@ def original_outputs(op):
                "were supported, or a region reading a value it cannot recompute)")
         raise LookupError(f"No gradient for {_op_label(op)}: {why}. Stitch the function "
                           "again, or take the gradient inside the stitched function.")
+    return fdef
+
+
+def import_body(fdef, xs, name):
+    """The function's body imported into the current graph, fed by ``xs``; returns
+    its outputs."""
     gdef, flat = function_def_to_graph.function_def_to_graph_def(fdef)
-    xs = [tf.identity(t) for t in op.inputs]    # captured into this (backward) graph
     input_map = {a.name + ":0": x for a, x in zip(fdef.signature.input_arg, xs)}
     rets = [flat[fdef.ret[a.name]] for a in fdef.signature.output_arg]
     rets = [r if ":" in r else r + ":0" for r in rets]
-    ys = tf.graph_util.import_graph_def(gdef, input_map=input_map, return_elements=rets,
-                                        name=op.name.replace("/", "_") + "_original")
-    return xs, ys
+    return tf.graph_util.import_graph_def(gdef, input_map=input_map, return_elements=rets,
+                                          name=name)
+
+
+def original_outputs(op):
+    """Imports the op's original subgraph into the current graph, fed by op.inputs;
+    returns (inputs as used there, outputs)."""
+    fdef = _function_def_of(op)
+    xs = [tf.identity(t) for t in op.inputs]    # captured into this (backward) graph
+    return xs, import_body(fdef, xs, op.name.replace("/", "_") + "_original")
 
 
 def _differentiable(t):
     return t.dtype.is_floating or t.dtype.is_complex
 
 
+# ---------------------------------------------------------------- stitched backward
+#
+# With the kernel's attr BACKWARD_ATTR = "stitch" (Options.stitch_backward, the
+# default), the backward is one function of (region inputs, upstream gradients):
+# the original ops recomputed and TF's gradient of them, which the pipeline plans,
+# compiles and rewrites like any other function, so the recompute and the adjoint
+# ops fuse into kernels.  stitching.function owns that pipeline and plugs it in here
+# (use_backward_stitcher), as plan/cost.py's use_scheduler does one stage down.
+
+BACKWARD_ATTR = "_stitching_backward"
+_backward_stitcher = None        # (key, python_fn) -> callable, set by tf/function.py
+
+
+def use_backward_stitcher(make):
+    global _backward_stitcher
+    _backward_stitcher = make
+
+
+def _wants_stitched_backward(op):
+    try:
+        return op.get_attr(BACKWARD_ATTR) == b"stitch" and _backward_stitcher is not None
+    except ValueError:
+        return False
+
+
+def _backward_fn(fdef, n_in, wanted, float_in):
+    """Python function (xs..., grads of the wanted outputs...) -> grads of the float
+    inputs, for stitching."""
+    def backward(*args):
+        xs, gs = list(args[:n_in]), list(args[n_in:])
+        ys = import_body(fdef, xs, "original")
+        dxs = tf.gradients([ys[k] for k in wanted], [xs[i] for i in float_in], grad_ys=gs)
+        # an input the outputs do not depend on: zeros, as a function output
+        return [d if d is not None else tf.zeros_like(xs[i]) for d, i in zip(dxs, float_in)]
+    backward.__name__ = f"backward_of_{fdef.signature.name}"
+    return backward
+
+
+def _stitched_backward(op, grads, wanted):
+    fdef = _function_def_of(op)
+    float_in = [i for i, x in enumerate(op.inputs) if _differentiable(x)]
+    key = (fdef.signature.name, tuple(wanted))
+    fn = _backward_stitcher(key, lambda: _backward_fn(fdef, len(op.inputs), wanted,
+                                                      float_in))
+    dxs = fn(*op.inputs, *[grads[k] for k in wanted])
+    out = [None] * len(op.inputs)
+    for i, d in zip(float_in, dxs):
+        out[i] = d
+    return out
+
+
 @tf.RegisterGradient("StitchedKernel")
 def _stitched_kernel_grad(op, *grads):
-    pairs = [(g, o) for g, o in zip(grads, op.outputs) if g is not None and _differentiable(o)]
-    if not pairs or not any(_differentiable(x) for x in op.inputs):
+    wanted = [k for k, (g, o) in enumerate(zip(grads, op.outputs))
+              if g is not None and _differentiable(o)]
+    if not wanted or not any(_differentiable(x) for x in op.inputs):
         return [None] * len(op.inputs)
+    if _wants_stitched_backward(op):
+        return _stitched_backward(op, grads, wanted)
     xs, ys = original_outputs(op)
-    keep = [(y, g) for y, g, o in zip(ys, grads, op.outputs)
-            if g is not None and _differentiable(o)]
-    dxs = tf.gradients([y for y, _ in keep], xs, grad_ys=[g for _, g in keep])
+    dxs = tf.gradients([ys[k] for k in wanted], xs, grad_ys=[grads[k] for k in wanted])
     return [d if _differentiable(x) else None for d, x in zip(dxs, op.inputs)]

@@ -140,15 +140,20 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     if key is not None and not failed:
         kernel_cache.remember_graph(key)
     new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions)
-    no_original = original.attach(new_gdef, gdef, ir, regions, kernel_names)
+    no_original = original.attach(new_gdef, gdef, ir, regions, kernel_names,
+                                  stitch_backward=options.stitch_backward)
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
     if len(regions) > no_original:
+        how = ("stitched as a function of its own per kind of kernel (the kernel's "
+               "original ops recomputed and TF's gradient of them, planned like any "
+               "function)" if options.stitch_backward else
+               "TF's gradient of its original ops, recomputed, as TF ops "
+               "(Options.stitch_backward=False)")
         rep.notes.append(f"backward: a tape outside this function differentiates "
-                         f"{len(regions) - no_original} kernel(s) by TF's gradient of their "
-                         "original ops, recomputed, not stitched (tf/original.py); a tape "
+                         f"{len(regions) - no_original} kernel(s), each {how}; a tape "
                          "inside it gets its backward stitched with the rest")
     if no_original:
         rep.notes.append(f"{no_original} kernel(s) read a value they cannot recompute from "
