@@ -244,11 +244,15 @@ def test_eager_tensor_calls_take_the_concrete_function_and_match_tf_function():
     assert int(calls.numpy()) == 6                     # 3 stitched + 3 stock calls ran
     st(tf.zeros([2, 8]), y)                            # a new shape: a new trace
     assert len(st._concrete) == 2 and len(st.reports) == 2
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        want_grad = tape.gradient(ref(x, y)["a"], x)
     for call in (lambda: st(x, y), lambda: st(x=x, y=y)):   # fast path, tf.function path
-        # no gradient yet (README: Limits): the same error either way
-        with pytest.raises(LookupError, match="StitchedKernel"), tf.GradientTape() as tape:
-            tape.watch(y)
-            tape.gradient(call()["b"][0], y)
+        # the same gradient either way (StitchedKernel's gradient: tf/original.py)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = call()["a"]
+        np.testing.assert_allclose(tape.gradient(out, x), want_grad, rtol=1e-5, atol=1e-6)
     f = stitching.function(lambda x: x + 1.0,
                            input_signature=[tf.TensorSpec([None, 8], tf.float32)])
     with pytest.raises((TypeError, ValueError)):
