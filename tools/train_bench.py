@@ -2,6 +2,7 @@
 under tf.function, stitching.function and (where asked) tf.function(jit_compile=True).
 
     python tools/train_bench.py --models mlp,cnn,transformer --steps 20 --repeats 5
+    python tools/train_bench.py --memory     # + peak allocator bytes per mode
 
 Each mode trains its own copy of the model from the same initial weights; the table
 gives the median step time over ``--repeats`` rounds of ``--steps`` steps (after one
@@ -119,13 +120,47 @@ def run_model(name, modes, steps, repeats):
     return rows
 
 
+def _memory_child(name, mode, steps):
+    """Peak bytes TF's CPU allocator held during ``steps`` steps after the first
+    (tracing, compiling) round; run in a fresh process with TF_CPU_ALLOCATOR_USE_BFC."""
+    import tensorflow as tf
+    step, x, y = _build_step(_models()[name], mode)
+    for _ in range(2):
+        float(step(x, y))
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    for _ in range(steps):
+        loss = step(x, y)
+    float(loss)
+    print("PEAK", tf.config.experimental.get_memory_info("CPU:0")["peak"])
+
+
+def peak_memory(name, mode, steps):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
+    p = subprocess.run([sys.executable, __file__, "--_memory", f"{name}:{mode}",
+                        "--steps", str(steps)], env=env, capture_output=True, text=True)
+    peaks = [ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("PEAK")]
+    if p.returncode or not peaks:
+        raise RuntimeError(f"memory child {name}:{mode} failed:\n{p.stderr[-2000:]}")
+    return int(peaks[-1])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="mlp,cnn,transformer")
     ap.add_argument("--modes", default="tf,stitched")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--memory", action="store_true",
+                    help="also the peak of TF's CPU allocator (BFC, a fresh process per "
+                         "mode) over the timed steps")
+    ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args._memory:
+        _memory_child(*args._memory.split(":"), args.steps)
+        return
     modes = args.modes.split(",")
     print(f"{'model':12} {'mode':9} {'ms/step':>9} {'vs tf':>6} {'loss rel':>9} "
           f"{'kernels':>7} {'coverage':>8}")
@@ -138,8 +173,10 @@ def main(argv=None):
                    if ref else float("nan"))
             speed = f"{base / r['ms']:.2f}x" if base else "-"
             cov = f"{100 * r['coverage']:.0f}%" if r["coverage"] is not None else "-"
+            mem = (f" {peak_memory(name, mode, args.steps) / 2**20:9.1f} MiB peak"
+                   if args.memory else "")
             print(f"{name:12} {mode:9} {r['ms']:9.2f} {speed:>6} {rel:9.1e} "
-                  f"{r['kernels'] if r['kernels'] is not None else '-':>7} {cov:>8}")
+                  f"{r['kernels'] if r['kernels'] is not None else '-':>7} {cov:>8}{mem}")
 
 
 if __name__ == "__main__":
