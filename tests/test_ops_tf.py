@@ -207,3 +207,15 @@ def test_bias_add_grad_and_l2_loss_reduce_like_tf(fmt):
     else:                   # axes (0, 2, 3): left to TF, with the schedule's reason
         assert fused == ["Mul"] and "neither a row reduction" in sf.report.summary()
     check(lambda x: tf.raw_ops.L2Loss(t=x - 1.0), g, tol=1e-5)
+
+
+def test_tile_of_size_one_axes_is_a_fused_broadcast():
+    x = _floats((4, 1, 1, 8), tf.float32)
+    sf = check(lambda a: tf.tile(a * 2.0, [1, 3, 5, 1]) - 1.0, x,
+               sig=[tf.TensorSpec([4, 1, 1, 8], tf.float32)])
+    assert "Tile" in {t for k in sf.report.kernels for _, t in k.ops}
+    # a Tile that repeats a real axis is not a broadcast: left to TF, with the reason
+    y = _floats((4, 2), tf.float32)
+    sf = stitching.function(lambda a: tf.tile(a * 2.0, [1, 3]) - 1.0, options=OPTS)
+    np.testing.assert_array_equal(sf(y).numpy(), (tf.tile(y * 2.0, [1, 3]) - 1.0).numpy())
+    assert "not a broadcast" in sf.report.summary()

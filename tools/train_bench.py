@@ -156,6 +156,8 @@ def main(argv=None):
     ap.add_argument("--memory", action="store_true",
                     help="also the peak of TF's CPU allocator (BFC, a fresh process per "
                          "mode) over the timed steps")
+    ap.add_argument("--memory-runs", type=int, default=3,
+                    help="fresh processes per mode for --memory (median, range)")
     ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._memory:
@@ -173,8 +175,12 @@ def main(argv=None):
                    if ref else float("nan"))
             speed = f"{base / r['ms']:.2f}x" if base else "-"
             cov = f"{100 * r['coverage']:.0f}%" if r["coverage"] is not None else "-"
-            mem = (f" {peak_memory(name, mode, args.steps) / 2**20:9.1f} MiB peak"
-                   if args.memory else "")
+            mem = ""
+            if args.memory:     # TF's own peak varies run to run (op scheduling order)
+                peaks = sorted(peak_memory(name, mode, args.steps) / 2**20
+                               for _ in range(args.memory_runs))
+                mem = (f" {statistics.median(peaks):7.1f} MiB peak "
+                       f"({peaks[0]:.1f}-{peaks[-1]:.1f})")
             print(f"{name:12} {mode:9} {r['ms']:9.2f} {speed:>6} {rel:9.1e} "
                   f"{r['kernels'] if r['kernels'] is not None else '-':>7} {cov:>8}{mem}")
 

@@ -24,6 +24,8 @@ bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
   BiasAddGrad(g)     = sum of g over every axis but the channel axis
   L2Loss(x)          = sum(x * x * 0.5)
   AddN(a, b, c, ...) = (a + b) + c ...            (any number of inputs)
+  Tile(x, multiples) = x * ones(output shape)     (only where every tiled axis of x
+                       has size 1: a broadcast; x * 1 is exact, -0 and NaN included)
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ COMPOSITE_OPS = {
     "BiasAddGrad": (Kind.REDUCTION, 1),
     "L2Loss": (Kind.REDUCTION, 1),
     "AddN": (Kind.ELEMENTWISE, None),       # variadic
+    "Tile": (Kind.ELEMENTWISE, 1),          # a broadcast (frontend checks)
 }
 
 # SELU's constants as TF's kernel spells them (relu_op_functor.h)
@@ -153,6 +156,12 @@ def _l2_loss(attrs, a, t, emit):
     return emit("Sum", [sq], {"axes": list(range(len(t[0].shape))), "keep_dims": False})
 
 
+def _tile(attrs, a, t, emit):
+    ones = emit("Const", [], {"value": 1 if t[0].dtype.startswith("int") else 1.0,
+                              "dtype": t[0].dtype, "shape": list(attrs["shape"])})
+    return emit("Mul", [a[0], ones], {})
+
+
 def _add_n(attrs, a, t, emit):
     acc = a[0]
     for x in a[1:]:
@@ -165,7 +174,7 @@ _TRAINING = {
     "EluGrad": _elu_like_grad(1.0, 1),
     "SeluGrad": _elu_like_grad(_SELU_SCALE_ALPHA, _SELU_SCALE),
     "SoftplusGrad": _softplus_grad, "SigmoidGrad": _sigmoid_grad, "TanhGrad": _tanh_grad,
-    "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "AddN": _add_n,
+    "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "AddN": _add_n, "Tile": _tile,
 }
 
 

@@ -348,12 +348,14 @@ def _convert_composite(op) -> Node | None:
 
 _TRAINING_COMPOSITES = frozenset({"ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
                                   "SoftplusGrad", "SigmoidGrad", "TanhGrad", "BiasAddGrad",
-                                  "L2Loss", "AddN"})
+                                  "L2Loss", "AddN", "Tile"})
 
 
 def _convert_training(op) -> Node:
     """Gradient ops, L2Loss and AddN (ir/composites.py expands them)."""
     t = op.type
+    if t == "Tile":
+        return _convert_tile(op)
     if t == "BiasAddGrad":
         return Node(op.name, t, _inputs(op), {"data_format": op.get_attr("data_format").decode()})
     if t == "AddN" and any(i.dtype == tf.variant for i in op.inputs):
@@ -362,3 +364,17 @@ def _convert_training(op) -> Node:
                             else None for i in op.inputs}) > 1:
         raise _Unfusible("AddN inputs of different static shapes")
     return Node(op.name, t, _inputs(op), {})
+
+
+def _convert_tile(op) -> Node:
+    """A Tile that only repeats size-1 axes is a broadcast (gradients of reductions
+    and of BatchNormalization's moments emit these)."""
+    multiples = _const_value(op.inputs[1]).reshape(-1).tolist()
+    x, y = op.inputs[0].shape, op.outputs[0].shape
+    if not y.is_fully_defined() or x.rank is None:
+        raise _Unfusible("Tile with an output shape known only at run time")
+    if any(m != 1 and x[i] != 1 for i, m in enumerate(multiples)):
+        raise _Unfusible("Tile repeating an axis of size > 1 (not a broadcast)")
+    if op.inputs[0].dtype == tf.bool:
+        raise _Unfusible("Tile of a bool tensor")
+    return Node(op.name, "Tile", _inputs(op, [0]), {"shape": y.as_list()})
