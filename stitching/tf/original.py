@@ -34,8 +34,8 @@ from __future__ import annotations
 import hashlib
 
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
-from tensorflow.python.framework import function_def_to_graph, graph_to_function_def
+from tensorflow.core.framework import function_pb2, graph_pb2
+from tensorflow.python.framework import function_def_to_graph, op_def_registry
 
 ATTR = "_stitching_original"
 PREFIX = "stitching_original_"
@@ -59,23 +59,70 @@ class NotReproducible(Exception):
 def region_function(graph_def, region, ir_graph, nodes_by_name=None):
     """FunctionDef computing ``region.outputs`` from ``region.inputs`` with the
     region's original TF nodes, or None when the region reads a value that cannot be
-    reproduced from its inputs (then its gradient reports that)."""
+    reproduced from its inputs (then its gradient reports that).
+
+    Written directly as a FunctionDef (inputs ``node:output_arg:index``) rather than
+    through a scratch tf.Graph: that import cost ~2.4 ms per region, 0.12 s of a
+    50-kernel ResNet50's first call."""
     nodes = nodes_by_name or {n.name: n for n in graph_def.node}
     try:
         body = _body(nodes, region, ir_graph)
+        fdef = _to_function_def(body, region, ir_graph)
     except NotReproducible:
         return None
-    g = tf.Graph()
-    with g.as_default():
-        tf.graph_util.import_graph_def(body, name="")
-    inputs = [g.get_tensor_by_name(f"stitching_arg_{k}:0") for k in range(len(region.inputs))]
-    outputs = [g.get_tensor_by_name(f"{o.node}:{o.index}") for o in region.outputs]
-    ops = [op for op in g.get_operations() if not op.name.startswith("stitching_arg_")]
-    fdef = graph_to_function_def.graph_to_function_def(g, ops, inputs, outputs)
-    fdef.signature.name = ""
     fdef.signature.name = PREFIX + hashlib.sha256(
         fdef.SerializeToString(deterministic=True)).hexdigest()[:24]
     return fdef
+
+
+def _to_function_def(body, region, ir_graph):
+    fdef = function_pb2.FunctionDef()
+    args = {}
+    for nd in body.node:
+        if nd.op == "Placeholder":
+            fdef.signature.input_arg.add(name=nd.name, type=nd.attr["dtype"].type)
+            args[nd.name] = nd.name
+    names = {}
+    for nd in body.node:
+        if nd.op != "Placeholder":
+            names[nd.name] = _output_names(nd)
+    for nd in body.node:
+        if nd.op == "Placeholder":
+            continue
+        new = fdef.node_def.add()
+        new.CopyFrom(nd)
+        del new.input[:]
+        new.input.extend(args.get(i) or _function_ref(i, names) for i in nd.input)
+    for k, o in enumerate(region.outputs):
+        name = f"output_{k}"
+        fdef.signature.output_arg.add(name=name, type=_tf_dtype(None, o, ir_graph.type_of(o)))
+        fdef.ret[name] = _function_ref(f"{o.node}:{o.index}", names)
+    return fdef
+
+
+def _output_names(nd):
+    """``node:output_arg:index`` of each output of a NodeDef, from its OpDef."""
+    op_def = op_def_registry.get(nd.op)
+    if op_def is None:
+        raise NotReproducible(nd.name)
+    out = []
+    for arg in op_def.output_arg:
+        if arg.number_attr:
+            n = nd.attr[arg.number_attr].i
+        elif arg.type_list_attr:
+            n = len(nd.attr[arg.type_list_attr].list.type)
+        else:
+            n = 1
+        out.extend(f"{nd.name}:{arg.name}:{j}" for j in range(n))
+    return out
+
+
+def _function_ref(tensor, names):
+    node, _, idx = tensor.partition(":")
+    outs = names.get(node)
+    if outs is None or int(idx or 0) >= len(outs):
+        raise NotReproducible(node)
+    return outs[int(idx or 0)]
 
 
 def _body(nodes, region, ir_graph):
