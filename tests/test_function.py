@@ -580,3 +580,20 @@ def test_batch_matmul_against_a_2d_weight_runs_as_one_matmul():
     assert len(kept) == 2 and [n.op for n in res.graph_def.node].count("MatMul") == 2
     assert not any(len(n.attr[a].ListFields()) == 0 for n in res.graph_def.node
                    for a in n.attr)
+
+
+def test_independent_same_shape_chains_are_packed_into_one_kernel():
+    """Horizontal packing (schedule/domain.py: _pack_components): independent
+    element-wise chains whose outputs share one static shape -- an optimizer's update
+    of same-shaped variables -- become exactly one kernel; chains of different shapes
+    stay one kernel each."""
+    def f(a, b, c):
+        return [tf.sqrt(tf.abs(t * 0.9 + 0.1)) * 2.0 - t for t in (a, b, c)]
+
+    rng = np.random.default_rng(3)
+    for shapes, kernels in ((((64, 64),) * 3, 1), (((64, 64), (32,), (300, 8)), 3)):
+        args = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+        sf = stitching.function(f)
+        for g, w in zip(sf(*args), f(*args)):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6, atol=1e-6)
+        assert len(sf.report.kernels) == kernels, sf.report.summary()

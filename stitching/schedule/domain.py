@@ -173,7 +173,43 @@ def _unify(spec, live):
                                  [ghosts[a] for a in n.args], out)
         if OPS[n.op].kind == Kind.REDUCTION:
             reduced_vars[k] = red
+    _pack_components(uf, spec, live, dims)
     return uf, dims, reduced_vars
+
+
+def _pack_components(uf, spec, live, dims):
+    """Horizontal packing: a kernel made of independent element-wise chains (no path
+    between them, e.g. one optimizer update per variable) gets one iteration domain
+    when every output has the same static shape: the chains' outputs share their
+    axes, so one loop nest computes all of them.  Chains with a reduction, or with
+    outputs of different or unknown shapes, keep their own axes (and the kernel is
+    refused as before: an output would not span the parallel axes)."""
+    comp = {}
+    for k in live:
+        args = [a for a in spec.nodes[k].args if a in comp or a < 0]
+        roots = {comp.get(a, a) for a in args}
+        c = min(roots) if roots else k
+        comp[k] = c
+        for a in args:
+            if a < 0:
+                comp.setdefault(a, c)
+        for r in roots - {c}:                       # merge: relabel the other root
+            for key, v in comp.items():
+                if v == r:
+                    comp[key] = c
+    heads = {}
+    for o in spec.outputs:
+        heads.setdefault(comp.get(o, o), o)
+    if len(heads) < 2:
+        return
+    shapes = {spec.type_of(o).shape for o in spec.outputs}
+    if len(shapes) != 1 or any(d < 0 for d in next(iter(shapes))) or any(
+            OPS[spec.nodes[k].op].kind == Kind.REDUCTION for k in live):
+        return
+    first, *rest = heads.values()
+    for o in rest:
+        for a, b in zip(dims[first], dims[o]):
+            _bind(uf, a, b)
 
 
 def _bind_ghosts(uf, node, arg_vars, arg_ghosts, out) -> list:
