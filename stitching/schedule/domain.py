@@ -184,19 +184,20 @@ def _pack_components(uf, spec, live, dims):
     axes, so one loop nest computes all of them.  Chains with a reduction, or with
     outputs of different or unknown shapes, keep their own axes (and the kernel is
     refused as before: an output would not span the parallel axes)."""
-    comp = {}
-    for k in live:
-        args = [a for a in spec.nodes[k].args if a in comp or a < 0]
-        roots = {comp.get(a, a) for a in args}
-        c = min(roots) if roots else k
-        comp[k] = c
-        for a in args:
-            if a < 0:
-                comp.setdefault(a, c)
-        for r in roots - {c}:                       # merge: relabel the other root
-            for key, v in comp.items():
-                if v == r:
-                    comp[key] = c
+    parent = {}
+
+    def root(v):
+        while parent.setdefault(v, v) != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    for k in live:                       # components: union each node with its args
+        for a in spec.nodes[k].args:
+            ra, rk = root(a), root(k)
+            if ra != rk:
+                parent[max(ra, rk)] = min(ra, rk)
+    comp = {o: root(o) for o in spec.outputs}
     heads = {}
     for o in spec.outputs:
         heads.setdefault(comp.get(o, o), o)
