@@ -24,6 +24,9 @@ bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
   BiasAddGrad(g)     = sum of g over every axis but the channel axis
   L2Loss(x)          = sum(x * x * 0.5)
   AddN(a, b, c, ...) = (a + b) + c ...            (any number of inputs)
+  SoftmaxCrossEntropyWithLogits(logits, labels) (xent_op.h; two outputs):
+                       s = logits - max(logits), e = exp(s), z = sum(e)  (last axis)
+                       loss = sum(labels * (log(z) - s)), backprop = e / z - labels
   Tile(x, multiples) = x * ones(output shape)     (only where every tiled axis of x
                        has size 1: a broadcast; x * 1 is exact, -0 and NaN included)
 """
@@ -48,7 +51,11 @@ COMPOSITE_OPS = {
     "L2Loss": (Kind.REDUCTION, 1),
     "AddN": (Kind.ELEMENTWISE, None),       # variadic
     "Tile": (Kind.ELEMENTWISE, 1),          # a broadcast (frontend checks)
+    "SoftmaxCrossEntropyWithLogits": (Kind.REDUCTION, 2),    # two outputs
 }
+
+# composites with more than one output: expand returns a tuple, one ref per output
+MULTI_OUTPUT = {"SoftmaxCrossEntropyWithLogits": 2}
 
 # SELU's constants as TF's kernel spells them (relu_op_functor.h)
 _SELU_SCALE = 1.0507009873554804934193349852946
@@ -60,7 +67,8 @@ def expand(op: str, attrs: dict, args: list, types: list, emit) -> int:
 
     ``args`` are spec refs of the inputs, ``types`` their TensorTypes and
     ``emit(op, args, attrs) -> ref`` appends one primitive node (its type is
-    inferred by the caller).  Returns the ref of the composite's (first) output.
+    inferred by the caller).  Returns the ref of the composite's (first) output, or
+    for an op in MULTI_OUTPUT a tuple of one ref per output.
     """
     x = types[0]
     rank = len(x.shape)
@@ -162,6 +170,16 @@ def _tile(attrs, a, t, emit):
     return emit("Mul", [a[0], ones], {})
 
 
+def _xent(attrs, a, t, emit):
+    last = {"axes": [len(t[0].shape) - 1], "keep_dims": True}
+    s = emit("Sub", [a[0], emit("Max", [a[0]], last)], {})
+    e = emit("Exp", [s], {})
+    z = emit("Sum", [e], last)
+    per = emit("Mul", [a[1], emit("Sub", [emit("Log", [z], {}), s], {})], {})
+    loss = emit("Sum", [per], {"axes": last["axes"], "keep_dims": False})
+    return loss, emit("Sub", [emit("Div", [e, z], {}), a[1]], {})
+
+
 def _add_n(attrs, a, t, emit):
     acc = a[0]
     for x in a[1:]:
@@ -175,6 +193,7 @@ _TRAINING = {
     "SeluGrad": _elu_like_grad(_SELU_SCALE_ALPHA, _SELU_SCALE),
     "SoftplusGrad": _softplus_grad, "SigmoidGrad": _sigmoid_grad, "TanhGrad": _tanh_grad,
     "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "AddN": _add_n, "Tile": _tile,
+    "SoftmaxCrossEntropyWithLogits": _xent,
 }
 
 

@@ -23,7 +23,7 @@ from tensorflow.python.framework import tensor_util
 from tensorflow.python.grappler import tf_optimizer
 
 from ..ir import Graph, Node, TensorType, ValueRef
-from ..ir.composites import COMPOSITE_OPS
+from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT
 from . import opnames
 
 _DTYPES = {tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
@@ -222,7 +222,8 @@ def _convert(op) -> Node:
     out_types = [tensor_type(t) for t in op.outputs]
     # A composite's extra outputs (FusedBatchNorm's statistics and reserve space,
     # of unknown rank) are never read when it is fused: check only output 0.
-    checked = out_types[:1] if node.op in COMPOSITE_OPS else out_types
+    checked = out_types[:MULTI_OUTPUT.get(node.op, 1)] if node.op in COMPOSITE_OPS \
+        else out_types
     for t in checked + [tensor_type(t) for t in op.inputs]:
         if t.dtype.startswith("opaque:"):
             return _opaque(op, f"dtype {t.dtype[7:]} is not supported")
@@ -348,7 +349,8 @@ def _convert_composite(op) -> Node | None:
 
 _TRAINING_COMPOSITES = frozenset({"ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
                                   "SoftplusGrad", "SigmoidGrad", "TanhGrad", "BiasAddGrad",
-                                  "L2Loss", "AddN", "Tile"})
+                                  "L2Loss", "AddN", "Tile",
+                                  "SoftmaxCrossEntropyWithLogits"})
 
 
 def _convert_training(op) -> Node:
@@ -356,6 +358,8 @@ def _convert_training(op) -> Node:
     t = op.type
     if t == "Tile":
         return _convert_tile(op)
+    if t == "SoftmaxCrossEntropyWithLogits" and op.inputs[0].shape.rank != 2:
+        raise _Unfusible("SoftmaxCrossEntropyWithLogits of unknown rank")
     if t == "BiasAddGrad":
         return Node(op.name, t, _inputs(op), {"data_format": op.get_attr("data_format").decode()})
     if t == "AddN" and any(i.dtype == tf.variant for i in op.inputs):
