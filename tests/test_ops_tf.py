@@ -240,3 +240,20 @@ def test_softmax_cross_entropy_two_outputs_match_tf():
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5, equal_nan=True)
     ops = [t for k in sf.report.kernels for _, t in k.ops]
     assert "SoftmaxCrossEntropyWithLogits" in ops and len(sf.report.kernels) == 1
+
+
+def test_dropout_mask_is_tf_s_and_the_report_says_why():
+    keras = pytest.importorskip("keras")
+    layer = keras.layers.Dropout(0.5, seed=7)
+    x = _floats((8, 32), tf.float32)
+    x = np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0)
+
+    def fn(a):
+        return layer(a * 2.0, training=True) + 1.0
+
+    want = tf.function(fn)(x)                  # the seed generator advanced once
+    layer.seed_generator.state.assign(layer.seed_generator.state - [0, 1])
+    sf = stitching.function(fn)
+    got = sf(x)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
+    assert "Philox" in sf.report.summary()

@@ -215,6 +215,8 @@ def _convert(op) -> Node:
             # them (ArithmeticOptimizer, RemoveIdentityTranspose), so they cost nothing
             reason = f"a Transpose with the identity permutation {perm}: a no-op, which " \
                      "TF's Grappler removes"
+        elif op.type in opnames.LEFT_TO_TF:
+            reason = opnames.LEFT_TO_TF[op.type]
         elif opnames.is_memory_intensive(op.type):
             reason = f"{op.type} is not supported by the fuser yet"
         return _opaque(op, reason)

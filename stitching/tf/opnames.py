@@ -50,6 +50,17 @@ COMPOSITES = frozenset({"Softmax", "LogSoftmax", "FusedBatchNorm", "FusedBatchNo
 VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient",
                       "PreventGradient", "Snapshot"})
 
+# Ops left to TF on purpose, with the reason the report shows.
+LEFT_TO_TF = {
+    op: "random numbers (dropout masks): a kernel would not reproduce TF's Philox "
+        "stream, so the op stays TF's and the mask equals TF's for the same seed; the "
+        "element-wise math around it is fused"
+    for op in ("StatelessRandomUniformV2", "StatelessRandomNormalV2",
+               "StatelessRandomUniform", "StatelessRandomNormal", "RandomUniform",
+               "RandomStandardNormal", "StatelessTruncatedNormalV2")
+}
+
+
 # Memory-intensive TF ops we do not fuse (yet): counted in the denominator, so the
 # report's coverage figure stays honest.
 UNSUPPORTED_MEMORY_INTENSIVE = frozenset({
@@ -60,7 +71,7 @@ UNSUPPORTED_MEMORY_INTENSIVE = frozenset({
     "Mod", "TruncateDiv", "TruncateMod", "BitwiseAnd", "BitwiseOr", "ResizeBilinear",
     "ResizeNearestNeighbor", "MaxPool", "AvgPool", "Gelu", "Mish", "LRN",
     "Softmax_unsupported_axis", "Einsum_elementwise",
-})
+}) | frozenset(LEFT_TO_TF)
 
 
 def canonical(tf_op: str) -> str | None:
