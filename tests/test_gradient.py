@@ -185,3 +185,41 @@ def test_rewrite_drops_colocation_with_fused_nodes():
     np.testing.assert_allclose(sf(x, g).numpy(), want, rtol=1e-5,
                                atol=1e-5 * np.max(np.abs(want)))
     assert _kernels(sf) >= 1
+
+
+@pytest.mark.parametrize("s0,s1", [([2, 1, 3], [1, 1, 3]), ([1], [1]), ([4, 1], [1]),
+                                   ([3], [2, 3]), ([1, 1], [5, 1]), ([2, 3], [2, 3]),
+                                   ([], [4, 2])])
+def test_broadcast_gradient_args_folding_matches_tf_on_static_shapes(s0, s1):
+    from stitching.tf.bcast import reduce_axes
+    r0, r1 = tf.raw_ops.BroadcastGradientArgs(s0=tf.constant(s0, tf.int32),
+                                              s1=tf.constant(s1, tf.int32))
+    assert reduce_axes(s0, s1) == (r0.numpy().tolist(), r1.numpy().tolist())
+
+
+def test_broadcast_gradient_args_with_unknown_dims():
+    from stitching.tf.bcast import reduce_axes
+    assert reduce_axes([None, 32], [32]) == ([], [0])           # x[?,32] * gamma[32]
+    assert reduce_axes([None, 1], [None, 32]) == ([1], [])      # ? vs ?: assumed equal
+    assert reduce_axes([None, 32], [4, 32]) is None             # ? may be 1: left to TF
+    assert reduce_axes(None, [3]) is None
+
+
+def test_row_scale_gradient_with_unknown_batch_is_fused():
+    """Regression: with an unknown batch dim, the Sum reducing d(x * s) to the shape of
+    a per-row scale s[?,1] (LayerNorm's rsqrt(var)) took its axes from
+    BroadcastGradientArgs at run time and stayed a TF op ("... is not a constant")."""
+    def fn(x):
+        with tf.GradientTape() as t:
+            t.watch(x)
+            s = tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=1, keepdims=True) + 1.0)
+            y = tf.reduce_sum(tf.tanh(x * s))
+        return t.gradient(y, x)
+
+    sig = [tf.TensorSpec([None, 32], tf.float32)]
+    sf = stitching.function(fn, input_signature=sig)
+    x = _rand((24, 32), 10)
+    np.testing.assert_allclose(sf(x).numpy(), tf.function(fn, input_signature=sig)(x).numpy(),
+                               rtol=1e-4, atol=1e-5)
+    summary = sf.report.summary()
+    assert "is not a constant" not in summary, summary

@@ -278,6 +278,8 @@ def _convert_known(op) -> Node | None:
             raise _Unfusible("reduction over a tensor of unknown rank")
         attrs = {"axes": _axes(op, rank), "keep_dims": bool(op.get_attr("keep_dims"))}
         ins = ins[:1]
+        if not attrs["axes"]:   # over no axes: a copy (gradients of equal shapes)
+            return Node(op.name, "Identity", ins, {})
     elif canon == "Reshape":
         if op.inputs[0].shape.rank is None or op.outputs[0].shape.rank is None:
             raise _Unfusible("reshape with unknown rank")

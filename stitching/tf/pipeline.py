@@ -27,7 +27,7 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import frontend, gemm, opnames, original, rewrite
+from . import bcast, frontend, gemm, opnames, original, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -113,6 +113,10 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         gdef = frontend.bypass_identity_n(
             gdef, {f.split(":")[0] for f in fetches} | {k.split(":")[0] for k in keep})
         tf_graph = frontend.import_for_shapes(gdef, resources)
+        folded = bcast.fold(tf_graph, gdef)     # gradient axes known at trace time
+        if folded is not None:
+            gdef = folded
+            tf_graph = frontend.import_for_shapes(gdef, resources)
         ir = frontend.to_ir(tf_graph, list(fetches))
         # A large graph not compiled before will likely need Numba: start the compile
         # workers now (all of them, or the rest beside an early one), so their
