@@ -216,6 +216,9 @@ def test_tile_of_size_one_axes_is_a_fused_broadcast():
     sf = check(lambda a: tf.tile(a * 2.0, [1, 3, 5, 1]) - 1.0, x,
                sig=[tf.TensorSpec([4, 1, 1, 8], tf.float32)])
     assert "Tile" in {t for k in sf.report.kernels for _, t in k.ops}
+    sf = check(lambda a: tf.broadcast_to(a[:, :, :, :1] + 1.0, [3, 4, 5, 2, 8]) * 2.0, x,
+               sig=[tf.TensorSpec([4, 1, 1, 8], tf.float32)])
+    assert "BroadcastTo" in {t for k in sf.report.kernels for _, t in k.ops}
     # a Tile that repeats a real axis is not a broadcast: left to TF, with the reason
     y = _floats((4, 2), tf.float32)
     sf = stitching.function(lambda a: tf.tile(a * 2.0, [1, 3]) - 1.0, options=OPTS)

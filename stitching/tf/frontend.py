@@ -353,14 +353,14 @@ def _convert_composite(op) -> Node | None:
 
 _TRAINING_COMPOSITES = frozenset({"ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
                                   "SoftplusGrad", "SigmoidGrad", "TanhGrad", "BiasAddGrad",
-                                  "L2Loss", "AddN", "Tile",
+                                  "L2Loss", "AddN", "Tile", "BroadcastTo",
                                   "SoftmaxCrossEntropyWithLogits"})
 
 
 def _convert_training(op) -> Node:
     """Gradient ops, L2Loss and AddN (ir/composites.py expands them)."""
     t = op.type
-    if t == "Tile":
+    if t in ("Tile", "BroadcastTo"):
         return _convert_tile(op)
     if t == "SoftmaxCrossEntropyWithLogits" and op.inputs[0].shape.rank != 2:
         raise _Unfusible("SoftmaxCrossEntropyWithLogits of unknown rank")
@@ -375,14 +375,16 @@ def _convert_training(op) -> Node:
 
 
 def _convert_tile(op) -> Node:
-    """A Tile that only repeats size-1 axes is a broadcast (gradients of reductions
-    and of BatchNormalization's moments emit these)."""
-    multiples = _const_value(op.inputs[1]).reshape(-1).tolist()
+    """A Tile that only repeats size-1 axes, and a BroadcastTo, to a static shape is
+    a broadcast (gradients of reductions and of normalization moments emit these):
+    the composite Tile (x * ones(shape))."""
     x, y = op.inputs[0].shape, op.outputs[0].shape
     if not y.is_fully_defined() or x.rank is None:
-        raise _Unfusible("Tile with an output shape known only at run time")
-    if any(m != 1 and x[i] != 1 for i, m in enumerate(multiples)):
-        raise _Unfusible("Tile repeating an axis of size > 1 (not a broadcast)")
+        raise _Unfusible(f"{op.type} with an output shape known only at run time")
+    if op.type == "Tile":
+        multiples = _const_value(op.inputs[1]).reshape(-1).tolist()
+        if any(m != 1 and x[i] != 1 for i, m in enumerate(multiples)):
+            raise _Unfusible("Tile repeating an axis of size > 1 (not a broadcast)")
     if op.inputs[0].dtype == tf.bool:
-        raise _Unfusible("Tile of a bool tensor")
+        raise _Unfusible(f"{op.type} of a bool tensor")
     return Node(op.name, "Tile", _inputs(op, [0]), {"shape": y.as_list()})
