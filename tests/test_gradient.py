@@ -223,3 +223,25 @@ def test_row_scale_gradient_with_unknown_batch_is_fused():
                                rtol=1e-4, atol=1e-5)
     summary = sf.report.summary()
     assert "is not a constant" not in summary, summary
+
+
+def test_reshape_to_the_shape_of_an_outside_value_keeps_its_original():
+    """Regression: a fused Reshape whose target is Shape() of a value outside the region
+    (gradients reshape to Shape(x)) left its kernel without an original subgraph, so
+    without a gradient; the body now takes the IR's static target."""
+    def fn(x, y):
+        return (tf.reshape(tf.tanh(y) * 2.0, tf.shape(x)) + 1.0) * 3.0
+
+    sig = [tf.TensorSpec([None, 32], tf.float32), tf.TensorSpec([None, 32], tf.float32)]
+    sf = stitching.function(fn, input_signature=sig)
+    x, y = _rand((5, 32), 11), _rand((5, 32), 12)
+    with tf.GradientTape() as t:
+        t.watch(y)
+        out = tf.reduce_sum(sf(x, y))
+    got = t.gradient(out, y)
+    with tf.GradientTape() as t:
+        t.watch(y)
+        out = tf.reduce_sum(fn(x, y))
+    np.testing.assert_allclose(got.numpy(), t.gradient(out, y).numpy(), rtol=1e-5, atol=1e-6)
+    assert _kernels(sf) >= 1
+    assert not any("cannot recompute" in n for n in sf.report.notes), sf.report.notes

@@ -95,7 +95,7 @@ def _to_function_def(body, region, ir_graph):
         new.input.extend(args.get(i) or _function_ref(i, names) for i in nd.input)
     for k, o in enumerate(region.outputs):
         name = f"output_{k}"
-        fdef.signature.output_arg.add(name=name, type=_tf_dtype(None, o, ir_graph.type_of(o)))
+        fdef.signature.output_arg.add(name=name, type=_tf_dtype(o, ir_graph.type_of(o)))
         fdef.ret[name] = _function_ref(f"{o.node}:{o.index}", names)
     return fdef
 
@@ -133,7 +133,7 @@ def _body(nodes, region, ir_graph):
     for k, r in enumerate(region.inputs):
         t = ir_graph.type_of(r)
         ph = out.node.add(name=f"stitching_arg_{k}", op="Placeholder")
-        ph.attr["dtype"].type = _tf_dtype(nodes, r, t)
+        ph.attr["dtype"].type = _tf_dtype(r, t)
     members = set(region.nodes)
     copied: set = set()
     todo = list(region.nodes)
@@ -150,20 +150,35 @@ def _body(nodes, region, ir_graph):
         for a in _DROP_ATTRS:
             nd.attr.pop(a, None)
         del nd.input[:]
-        for inp in src.input:
+        for j, inp in enumerate(src.input):
             if inp.startswith("^"):
                 continue
             node, _, idx = inp.partition(":")
             arg = arg_of.get((node, int(idx or 0)))
             if arg is not None:
                 nd.input.append(arg)
+            elif j == 1 and src.op == "Reshape" and name in members:
+                nd.input.append(_static_target(out, name, ir_graph))
             else:
                 nd.input.append(inp)
                 todo.append(node)
     return out
 
 
-def _tf_dtype(nodes, ref, t):
+def _static_target(out, name, ir_graph):
+    """A fused Reshape's target as a Const: the IR's shape (-1 for at most one unknown
+    dim, which TF's Reshape infers).  Its shape tensor is often Shape() of a value
+    outside the region (gradients reshape to Shape(x)), which the body cannot read."""
+    shape = list(ir_graph[name].attrs["shape"])
+    if shape.count(-1) > 1:
+        raise NotReproducible(name)
+    c = out.node.add(name=f"{name}/stitching_target", op="Const")
+    c.attr["dtype"].type = tf.int32.as_datatype_enum
+    c.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(shape, tf.int32, [len(shape)]))
+    return c.name
+
+
+def _tf_dtype(ref, t):
     from . import frontend
     dt = frontend.TF_DTYPE.get(t.dtype)
     if dt is None:
