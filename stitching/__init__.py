@@ -19,6 +19,7 @@ _LAZY = {
     "load_dump": ("stitching.inspect.load", "load_dump"),
     "write_tensorboard": ("stitching.inspect.tensorboard", "write_tensorboard"),
     "install_kernels": ("stitching.tf.kernel_assets", "install_dir"),
+    "keras": ("stitching.tf.keras", None),          # stitching.keras.stitch(model)
 }
 
 
@@ -29,7 +30,8 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
         mod, attr = _LAZY[name]
-        return getattr(importlib.import_module(mod), attr)
+        module = importlib.import_module(mod)
+        return module if attr is None else getattr(module, attr)
     raise AttributeError(f"module 'stitching' has no attribute {name!r}")
 
 

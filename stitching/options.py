@@ -20,6 +20,9 @@ class Options:
     fallback: bool = False         # each kernel node keeps its region's original nodes as a
     #                                function it runs where its kernel cannot be built
     #                                (tf/fallback.py); stitching-rewrite turns it on
+    stitch_backward: bool = True   # a tape outside the function: each kernel's backward
+    #                                (its original ops recomputed + TF's gradient) is
+    #                                stitched as a function of its own; False: TF ops
 
     def __post_init__(self):
         from .plan import ALIASES, PLANNERS

@@ -244,11 +244,15 @@ def test_eager_tensor_calls_take_the_concrete_function_and_match_tf_function():
     assert int(calls.numpy()) == 6                     # 3 stitched + 3 stock calls ran
     st(tf.zeros([2, 8]), y)                            # a new shape: a new trace
     assert len(st._concrete) == 2 and len(st.reports) == 2
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        want_grad = tape.gradient(ref(x, y)["a"], x)
     for call in (lambda: st(x, y), lambda: st(x=x, y=y)):   # fast path, tf.function path
-        # no gradient yet (README: Limits): the same error either way
-        with pytest.raises(LookupError, match="StitchedKernel"), tf.GradientTape() as tape:
-            tape.watch(y)
-            tape.gradient(call()["b"][0], y)
+        # the same gradient either way (StitchedKernel's gradient: tf/original.py)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = call()["a"]
+        np.testing.assert_allclose(tape.gradient(out, x), want_grad, rtol=1e-5, atol=1e-6)
     f = stitching.function(lambda x: x + 1.0,
                            input_signature=[tf.TensorSpec([None, 8], tf.float32)])
     with pytest.raises((TypeError, ValueError)):
@@ -659,3 +663,18 @@ def test_the_report_names_the_device_profile_it_planned_with(tmp_path, monkeypat
     g = stitching.function(lambda x: tf.tanh(x) * 3.0 + 1.0)
     g(tf.zeros([2, 3]))
     assert g.report.profile == f"mine from {path}"
+def test_independent_same_shape_chains_are_packed_into_one_kernel():
+    """Horizontal packing (schedule/domain.py: _pack_components): independent
+    element-wise chains whose outputs share one static shape -- an optimizer's update
+    of same-shaped variables -- become exactly one kernel; chains of different shapes
+    stay one kernel each."""
+    def f(a, b, c):
+        return [tf.sqrt(tf.abs(t * 0.9 + 0.1)) * 2.0 - t for t in (a, b, c)]
+
+    rng = np.random.default_rng(3)
+    for shapes, kernels in ((((64, 64),) * 3, 1), (((64, 64), (32,), (300, 8)), 3)):
+        args = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+        sf = stitching.function(f)
+        for g, w in zip(sf(*args), f(*args)):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6, atol=1e-6)
+        assert len(sf.report.kernels) == kernels, sf.report.summary()

@@ -174,3 +174,89 @@ def test_softmax_logsoftmax_batchnorm_biasadd():
 def test_fill_likes_and_clip():
     x = _floats((3, 10), tf.float32)
     check(lambda a: tf.clip_by_value(a + tf.ones_like(a), -1.0, 2.0) + tf.zeros_like(a), x)
+
+
+TRAINING_BINARY = {   # (first, second) as TF's raw op takes them
+    "ReluGrad": lambda a, b: tf.raw_ops.ReluGrad(gradients=a, features=b),
+    "Relu6Grad": lambda a, b: tf.raw_ops.Relu6Grad(gradients=a, features=b * 4.0),
+    "EluGrad": lambda a, b: tf.raw_ops.EluGrad(gradients=a, outputs=b),
+    "SeluGrad": lambda a, b: tf.raw_ops.SeluGrad(gradients=a, outputs=b),
+    "SoftplusGrad": lambda a, b: tf.raw_ops.SoftplusGrad(gradients=a, features=b),
+    "SigmoidGrad": lambda a, b: tf.raw_ops.SigmoidGrad(y=a, dy=b),
+    "TanhGrad": lambda a, b: tf.raw_ops.TanhGrad(y=a, dy=b),
+    "AddN": lambda a, b: tf.raw_ops.AddN(inputs=[a, b, a * b]),
+}
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16], ids=lambda d: d.name)
+@pytest.mark.parametrize("name", sorted(TRAINING_BINARY))
+def test_training_ops_match_tf(name, dtype):
+    a, b = _floats((6, 16), dtype), _floats((6, 16), dtype)[::-1].copy()
+    # float16: kernels compute in float32 where TF rounds each op to half, so the
+    # oracle is float64 (rounded back), as for the other half-precision tests
+    sf = check(TRAINING_BINARY[name], a, b, ref64=dtype == tf.float16)
+    assert any(t == name for k in sf.report.kernels for _, t in k.ops)
+
+
+@pytest.mark.parametrize("fmt", ["NHWC", "NCHW"])
+def test_bias_add_grad_and_l2_loss_reduce_like_tf(fmt):
+    g = RNG.standard_normal((4, 3, 5, 8)).astype(np.float32)
+    sf = check(lambda x: tf.raw_ops.BiasAddGrad(out_backprop=x * 2.0, data_format=fmt), g,
+               tol=1e-5)
+    fused = [t for k in sf.report.kernels for _, t in k.ops if t != "Identity"]
+    if fmt == "NHWC":       # a column reduction over [N*H*W, C]
+        assert fused == ["Mul", "BiasAddGrad"]
+    else:                   # axes (0, 2, 3): left to TF, with the schedule's reason
+        assert fused == ["Mul"] and "neither a row reduction" in sf.report.summary()
+    check(lambda x: tf.raw_ops.L2Loss(t=x - 1.0), g, tol=1e-5)
+
+
+def test_tile_of_size_one_axes_is_a_fused_broadcast():
+    x = _floats((4, 1, 1, 8), tf.float32)
+    sf = check(lambda a: tf.tile(a * 2.0, [1, 3, 5, 1]) - 1.0, x,
+               sig=[tf.TensorSpec([4, 1, 1, 8], tf.float32)])
+    assert "Tile" in {t for k in sf.report.kernels for _, t in k.ops}
+    sf = check(lambda a: tf.broadcast_to(a[:, :, :, :1] + 1.0, [3, 4, 5, 2, 8]) * 2.0, x,
+               sig=[tf.TensorSpec([4, 1, 1, 8], tf.float32)])
+    assert "BroadcastTo" in {t for k in sf.report.kernels for _, t in k.ops}
+    # a Tile that repeats a real axis is not a broadcast: left to TF, with the reason
+    y = _floats((4, 2), tf.float32)
+    sf = stitching.function(lambda a: tf.tile(a * 2.0, [1, 3]) - 1.0, options=OPTS)
+    np.testing.assert_array_equal(sf(y).numpy(), (tf.tile(y * 2.0, [1, 3]) - 1.0).numpy())
+    assert "not a broadcast" in sf.report.summary()
+
+
+def test_softmax_cross_entropy_two_outputs_match_tf():
+    """A two-output composite: loss [N] and backprop [N, C] from one row kernel."""
+    logits = _floats((6, 10), tf.float32)[::-1].copy()
+    logits[0, :] = RNG.standard_normal(10)          # a row without NaN/Inf too
+    labels = tf.nn.softmax(RNG.standard_normal((6, 10))).numpy().astype(np.float32)
+
+    def fn(a, b):
+        loss, backprop = tf.raw_ops.SoftmaxCrossEntropyWithLogits(features=a * 1.5, labels=b)
+        return loss * 2.0, backprop - 1.0
+
+    sig = [tf.TensorSpec([None, 10], tf.float32)] * 2
+    sf = stitching.function(fn, input_signature=sig, options=OPTS)
+    got, want = sf(logits, labels), tf.function(fn, input_signature=sig)(logits, labels)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5, equal_nan=True)
+    ops = [t for k in sf.report.kernels for _, t in k.ops]
+    assert "SoftmaxCrossEntropyWithLogits" in ops and len(sf.report.kernels) == 1
+
+
+def test_dropout_mask_is_tf_s_and_the_report_says_why():
+    keras = pytest.importorskip("keras")
+    layer = keras.layers.Dropout(0.5, seed=7)
+    x = _floats((8, 32), tf.float32)
+    x = np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0)
+
+    def fn(a):
+        return layer(a * 2.0, training=True) + 1.0
+
+    want = tf.function(fn)(x)                  # the seed generator advanced once
+    layer.seed_generator.state.assign(layer.seed_generator.state - [0, 1])
+    sf = stitching.function(fn)
+    got = sf(x)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
+    assert "Philox" in sf.report.summary()

@@ -10,6 +10,25 @@ the textbook formula TF's own kernel computes:
   BiasAdd(x, b)   = x + b                  (b broadcast on the channel axis)
   FusedBatchNorm  = x * k + (offset - mean * k),  k = scale * rsqrt(var + eps)
                     (inference only; channel axis by data_format)
+
+Training ops (TF's CPU functors: relu_op_functor.h, cwise_ops_gradients.h,
+bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
+
+  ReluGrad(g, x)     = g * cast(x > 0)            (a NaN gradient stays NaN, as in TF)
+  Relu6Grad(g, x)    = g * cast(x > 0 and x < 6)
+  EluGrad(g, y)      = y < 0 ? g * (y + 1) : g
+  SeluGrad(g, y)     = y < 0 ? g * (y + scale*alpha) : g * scale
+  SoftplusGrad(g, x) = g / (exp(-x) + 1)
+  SigmoidGrad(y, dy) = dy * y * (1 - y)
+  TanhGrad(y, dy)    = dy * (1 - y * y)
+  BiasAddGrad(g)     = sum of g over every axis but the channel axis
+  L2Loss(x)          = sum(x * x * 0.5)
+  AddN(a, b, c, ...) = (a + b) + c ...            (any number of inputs)
+  SoftmaxCrossEntropyWithLogits(logits, labels) (xent_op.h; two outputs):
+                       s = logits - max(logits), e = exp(s), z = sum(e)  (last axis)
+                       loss = sum(labels * (log(z) - s)), backprop = e / z - labels
+  Tile(x, multiples) = x * ones(output shape)     (only where every tiled axis of x
+                       has size 1: a broadcast; x * 1 is exact, -0 and NaN included)
 """
 from __future__ import annotations
 
@@ -21,7 +40,26 @@ COMPOSITE_OPS = {
     "LogSoftmax": (Kind.REDUCTION, 1),
     "BiasAdd": (Kind.ELEMENTWISE, 2),
     "FusedBatchNorm": (Kind.ELEMENTWISE, 5),
+    "ReluGrad": (Kind.ELEMENTWISE, 2),
+    "Relu6Grad": (Kind.ELEMENTWISE, 2),
+    "EluGrad": (Kind.ELEMENTWISE, 2),
+    "SeluGrad": (Kind.ELEMENTWISE, 2),
+    "SoftplusGrad": (Kind.ELEMENTWISE, 2),
+    "SigmoidGrad": (Kind.ELEMENTWISE, 2),
+    "TanhGrad": (Kind.ELEMENTWISE, 2),
+    "BiasAddGrad": (Kind.REDUCTION, 1),
+    "L2Loss": (Kind.REDUCTION, 1),
+    "AddN": (Kind.ELEMENTWISE, None),       # variadic
+    "Tile": (Kind.ELEMENTWISE, 1),          # a broadcast (frontend checks)
+    "SoftmaxCrossEntropyWithLogits": (Kind.REDUCTION, 2),    # two outputs
 }
+
+# composites with more than one output: expand returns a tuple, one ref per output
+MULTI_OUTPUT = {"SoftmaxCrossEntropyWithLogits": 2}
+
+# SELU's constants as TF's kernel spells them (relu_op_functor.h)
+_SELU_SCALE = 1.0507009873554804934193349852946
+_SELU_SCALE_ALPHA = 1.7580993408473768599402175208123
 
 
 def expand(op: str, attrs: dict, args: list, types: list, emit) -> int:
@@ -29,7 +67,8 @@ def expand(op: str, attrs: dict, args: list, types: list, emit) -> int:
 
     ``args`` are spec refs of the inputs, ``types`` their TensorTypes and
     ``emit(op, args, attrs) -> ref`` appends one primitive node (its type is
-    inferred by the caller).  Returns the ref of the composite's (first) output.
+    inferred by the caller).  Returns the ref of the composite's (first) output, or
+    for an op in MULTI_OUTPUT a tuple of one ref per output.
     """
     x = types[0]
     rank = len(x.shape)
@@ -60,7 +99,102 @@ def expand(op: str, attrs: dict, args: list, types: list, emit) -> int:
         if x.dtype != types[1].dtype:
             y = emit("Cast", [y], {"to": x.dtype})
         return y
+    if op in _TRAINING:
+        return _TRAINING[op](attrs, args, types, emit)
     raise ValueError(f"not a composite op: {op}")
+
+
+def _const(emit, value, dtype):
+    return emit("Const", [], {"value": float(value), "dtype": dtype, "shape": []})
+
+
+def _mask_mul(emit, g, cond, dtype):
+    return emit("Mul", [g, emit("Cast", [cond], {"to": dtype})], {})
+
+
+def _relu_grad(attrs, a, t, emit):
+    d = t[0].dtype
+    return _mask_mul(emit, a[0], emit("Greater", [a[1], _const(emit, 0, d)], {}), d)
+
+
+def _relu6_grad(attrs, a, t, emit):
+    d = t[0].dtype
+    inside = emit("LogicalAnd", [emit("Greater", [a[1], _const(emit, 0, d)], {}),
+                                 emit("Less", [a[1], _const(emit, 6, d)], {})], {})
+    return _mask_mul(emit, a[0], inside, d)
+
+
+def _elu_like_grad(neg_shift, pos_scale):
+    def grad(attrs, a, t, emit):
+        g, y, d = a[0], a[1], t[0].dtype
+        neg = emit("Less", [y, _const(emit, 0, d)], {})
+        below = emit("Mul", [g, emit("Add", [y, _const(emit, neg_shift, d)], {})], {})
+        above = g if pos_scale == 1 else emit("Mul", [g, _const(emit, pos_scale, d)], {})
+        return emit("Select", [neg, below, above], {})
+    return grad
+
+
+def _softplus_grad(attrs, a, t, emit):
+    d = t[0].dtype
+    e = emit("Exp", [emit("Neg", [a[1]], {})], {})
+    return emit("Div", [a[0], emit("Add", [e, _const(emit, 1, d)], {})], {})
+
+
+def _sigmoid_grad(attrs, a, t, emit):
+    y, dy, d = a[0], a[1], t[0].dtype
+    return emit("Mul", [emit("Mul", [dy, y], {}),
+                        emit("Sub", [_const(emit, 1, d), y], {})], {})
+
+
+def _tanh_grad(attrs, a, t, emit):
+    y, dy, d = a[0], a[1], t[0].dtype
+    return emit("Mul", [dy, emit("Sub", [_const(emit, 1, d),
+                                         emit("Mul", [y, y], {})], {})], {})
+
+
+def _bias_add_grad(attrs, a, t, emit):
+    rank = len(t[0].shape)
+    channel = 1 if attrs["data_format"].startswith("NC") and rank > 2 else rank - 1
+    axes = [i for i in range(rank) if i != channel]
+    return emit("Sum", [a[0]], {"axes": axes, "keep_dims": False})
+
+
+def _l2_loss(attrs, a, t, emit):
+    sq = emit("Mul", [emit("Square", [a[0]], {}), _const(emit, 0.5, t[0].dtype)], {})
+    return emit("Sum", [sq], {"axes": list(range(len(t[0].shape))), "keep_dims": False})
+
+
+def _tile(attrs, a, t, emit):
+    ones = emit("Const", [], {"value": 1 if t[0].dtype.startswith("int") else 1.0,
+                              "dtype": t[0].dtype, "shape": list(attrs["shape"])})
+    return emit("Mul", [a[0], ones], {})
+
+
+def _xent(attrs, a, t, emit):
+    last = {"axes": [len(t[0].shape) - 1], "keep_dims": True}
+    s = emit("Sub", [a[0], emit("Max", [a[0]], last)], {})
+    e = emit("Exp", [s], {})
+    z = emit("Sum", [e], last)
+    per = emit("Mul", [a[1], emit("Sub", [emit("Log", [z], {}), s], {})], {})
+    loss = emit("Sum", [per], {"axes": last["axes"], "keep_dims": False})
+    return loss, emit("Sub", [emit("Div", [e, z], {}), a[1]], {})
+
+
+def _add_n(attrs, a, t, emit):
+    acc = a[0]
+    for x in a[1:]:
+        acc = emit("Add", [acc, x], {})
+    return acc if len(a) > 1 else emit("Identity", [acc], {})
+
+
+_TRAINING = {
+    "ReluGrad": _relu_grad, "Relu6Grad": _relu6_grad,
+    "EluGrad": _elu_like_grad(1.0, 1),
+    "SeluGrad": _elu_like_grad(_SELU_SCALE_ALPHA, _SELU_SCALE),
+    "SoftplusGrad": _softplus_grad, "SigmoidGrad": _sigmoid_grad, "TanhGrad": _tanh_grad,
+    "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "AddN": _add_n, "Tile": _tile,
+    "SoftmaxCrossEntropyWithLogits": _xent,
+}
 
 
 def _to_channel(ref, t, rank, data_format, emit):

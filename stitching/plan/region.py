@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..ir import Graph, KernelSpec, SpecNode, TensorType, ValueRef, infer
 from ..ir.ops import OPS
-from ..ir.composites import COMPOSITE_OPS, expand
+from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT, expand
 from .legality import PLANNER_ATTRS
 
 
@@ -50,7 +50,7 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
     outputs = region_outputs(graph, members, consumers, fetched)
     outputs.sort(key=lambda r: (order[r.node], r.index))
     for o in outputs:
-        if o.index != 0:
+        if o.index >= MULTI_OUTPUT.get(graph[o.node].op, 1):
             raise ValueError(f"{o}: only the first output of a fused node can leave a kernel")
     names = _structural_order(graph, members, outputs, order)
     b = _SpecBuilder()
@@ -76,8 +76,9 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
         if node.op == "Identity":
             env[ValueRef(name, 0)] = args[0]    # the same value: no node, no code
         elif node.op in COMPOSITE_OPS:
-            env[ValueRef(name, 0)] = expand(node.op, attrs, args,
-                                            [b.type_of(a) for a in args], b.emit)
+            r = expand(node.op, attrs, args, [b.type_of(a) for a in args], b.emit)
+            for i, ri in enumerate(r if isinstance(r, tuple) else (r,)):
+                env[ValueRef(name, i)] = ri
         else:
             env[ValueRef(name, 0)] = b.emit(node.op, args, attrs)
     # An output that is a kernel input (a fused Identity of one), or a value already

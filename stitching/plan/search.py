@@ -45,6 +45,7 @@ import heapq
 from dataclasses import dataclass, field, replace
 
 from ..ir import SpecError
+from ..ir.composites import MULTI_OUTPUT
 from ..ir.spec import SCHEDULE_PARAMS
 from . import legality as _fus
 from .acyclic import Contraction, CycleError, Reach, indexed, mask_of
@@ -137,14 +138,19 @@ class _Context:
         self.fprod = {v: sorted({u for _, _, u in self.costs.ins[v] if u in fs}) for v in fs}
 
     def _side_users(self) -> dict:
-        """node -> readers of its outputs other than the first (they cannot leave a kernel)."""
+        """node -> readers of its outputs other than the first (they cannot leave a
+        kernel; a multi-output composite's outputs can: ir/composites.MULTI_OUTPUT)."""
         out = {}
+
+        def side(r):
+            return r.index >= MULTI_OUTPUT.get(self.graph[r.node].op, 1)
+
         for n in self.graph:
             for r in n.inputs:
-                if r.index != 0:
+                if side(r):
                     out.setdefault(self.order[r.node], set()).add(self.order[n.name])
         for r in self.graph.outputs:
-            if r.index != 0:
+            if side(r):
                 out.setdefault(self.order[r.node], set()).add(-1)
         return out
 

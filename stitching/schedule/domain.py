@@ -173,7 +173,44 @@ def _unify(spec, live):
                                  [ghosts[a] for a in n.args], out)
         if OPS[n.op].kind == Kind.REDUCTION:
             reduced_vars[k] = red
+    _pack_components(uf, spec, live, dims)
     return uf, dims, reduced_vars
+
+
+def _pack_components(uf, spec, live, dims):
+    """Horizontal packing: a kernel made of independent element-wise chains (no path
+    between them, e.g. one optimizer update per variable) gets one iteration domain
+    when every output has the same static shape: the chains' outputs share their
+    axes, so one loop nest computes all of them.  Chains with a reduction, or with
+    outputs of different or unknown shapes, keep their own axes (and the kernel is
+    refused as before: an output would not span the parallel axes)."""
+    parent = {}
+
+    def root(v):
+        while parent.setdefault(v, v) != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    for k in live:                       # components: union each node with its args
+        for a in spec.nodes[k].args:
+            ra, rk = root(a), root(k)
+            if ra != rk:
+                parent[max(ra, rk)] = min(ra, rk)
+    comp = {o: root(o) for o in spec.outputs}
+    heads = {}
+    for o in spec.outputs:
+        heads.setdefault(comp.get(o, o), o)
+    if len(heads) < 2:
+        return
+    shapes = {spec.type_of(o).shape for o in spec.outputs}
+    if len(shapes) != 1 or any(d < 0 for d in next(iter(shapes))) or any(
+            OPS[spec.nodes[k].op].kind == Kind.REDUCTION for k in live):
+        return
+    first, *rest = heads.values()
+    for o in rest:
+        for a, b in zip(dims[first], dims[o]):
+            _bind(uf, a, b)
 
 
 def _bind_ghosts(uf, node, arg_vars, arg_ghosts, out) -> list:

@@ -17,6 +17,7 @@ def ensure_runtime():
 
     runtime.load()
     runtime.set_compiler(_compile_spec)
+    from . import original  # noqa: F401 -- registers StitchedKernel's gradient
     _READY = True
 
 

@@ -22,7 +22,7 @@ import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
 from ..ir import Graph, Node, TensorType, ValueRef
-from ..ir.composites import COMPOSITE_OPS
+from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT
 from . import opnames
 
 _DTYPES = {tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
@@ -197,6 +197,8 @@ def _convert(op) -> Node:
             # them (ArithmeticOptimizer, RemoveIdentityTranspose), so they cost nothing
             reason = f"a Transpose with the identity permutation {perm}: a no-op, which " \
                      "TF's Grappler removes"
+        elif op.type in opnames.LEFT_TO_TF:
+            reason = opnames.LEFT_TO_TF[op.type]
         elif opnames.is_memory_intensive(op.type):
             reason = f"{op.type} is not supported by the fuser yet"
         return _opaque(op, reason)
@@ -204,7 +206,8 @@ def _convert(op) -> Node:
     out_types = [tensor_type(t) for t in op.outputs]
     # A composite's extra outputs (FusedBatchNorm's statistics and reserve space,
     # of unknown rank) are never read when it is fused: check only output 0.
-    checked = out_types[:1] if node.op in COMPOSITE_OPS else out_types
+    checked = out_types[:MULTI_OUTPUT.get(node.op, 1)] if node.op in COMPOSITE_OPS \
+        else out_types
     for t in checked + [tensor_type(t) for t in op.inputs]:
         if t.dtype.startswith("opaque:"):
             return _opaque(op, f"dtype {t.dtype[7:]} is not supported")
@@ -257,6 +260,8 @@ def _convert_known(op) -> Node | None:
             raise _Unfusible("reduction over a tensor of unknown rank")
         attrs = {"axes": _axes(op, rank), "keep_dims": bool(op.get_attr("keep_dims"))}
         ins = ins[:1]
+        if not attrs["axes"]:   # over no axes: a copy (gradients of equal shapes)
+            return Node(op.name, "Identity", ins, {})
     elif canon == "Reshape":
         if op.inputs[0].shape.rank is None or op.outputs[0].shape.rank is None:
             raise _Unfusible("reshape with unknown rank")
@@ -316,6 +321,8 @@ def _convert_composite(op) -> Node | None:
     if t in ("BiasAdd", "BiasAddV1"):
         fmt = op.get_attr("data_format").decode() if t == "BiasAdd" else "NHWC"
         return Node(op.name, "BiasAdd", _inputs(op), {"data_format": fmt})
+    if t in _TRAINING_COMPOSITES:
+        return _convert_training(op)
     # FusedBatchNorm / V2 / V3
     if op.get_attr("is_training"):
         raise _Unfusible("training-mode FusedBatchNorm (computes batch statistics)")
@@ -324,3 +331,42 @@ def _convert_composite(op) -> Node | None:
     fmt = op.get_attr("data_format").decode()
     return Node(op.name, "FusedBatchNorm", _inputs(op, range(5)),
                 {"epsilon": float(op.get_attr("epsilon")), "data_format": fmt})
+
+
+_TRAINING_COMPOSITES = frozenset({"ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
+                                  "SoftplusGrad", "SigmoidGrad", "TanhGrad", "BiasAddGrad",
+                                  "L2Loss", "AddN", "Tile", "BroadcastTo",
+                                  "SoftmaxCrossEntropyWithLogits"})
+
+
+def _convert_training(op) -> Node:
+    """Gradient ops, L2Loss and AddN (ir/composites.py expands them)."""
+    t = op.type
+    if t in ("Tile", "BroadcastTo"):
+        return _convert_tile(op)
+    if t == "SoftmaxCrossEntropyWithLogits" and op.inputs[0].shape.rank != 2:
+        raise _Unfusible("SoftmaxCrossEntropyWithLogits of unknown rank")
+    if t == "BiasAddGrad":
+        return Node(op.name, t, _inputs(op), {"data_format": op.get_attr("data_format").decode()})
+    if t == "AddN" and any(i.dtype == tf.variant for i in op.inputs):
+        raise _Unfusible("AddN of variant tensors")
+    if t == "AddN" and len({tuple(i.shape.as_list() or []) if i.shape.rank is not None
+                            else None for i in op.inputs}) > 1:
+        raise _Unfusible("AddN inputs of different static shapes")
+    return Node(op.name, t, _inputs(op), {})
+
+
+def _convert_tile(op) -> Node:
+    """A Tile that only repeats size-1 axes, and a BroadcastTo, to a static shape is
+    a broadcast (gradients of reductions and of normalization moments emit these):
+    the composite Tile (x * ones(shape))."""
+    x, y = op.inputs[0].shape, op.outputs[0].shape
+    if not y.is_fully_defined() or x.rank is None:
+        raise _Unfusible(f"{op.type} with an output shape known only at run time")
+    if op.type == "Tile":
+        multiples = _const_value(op.inputs[1]).reshape(-1).tolist()
+        if any(m != 1 and x[i] != 1 for i, m in enumerate(multiples)):
+            raise _Unfusible("Tile repeating an axis of size > 1 (not a broadcast)")
+    if op.inputs[0].dtype == tf.bool:
+        raise _Unfusible(f"{op.type} of a bool tensor")
+    return Node(op.name, "Tile", _inputs(op, [0]), {"shape": y.as_list()})

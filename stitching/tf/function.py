@@ -47,7 +47,7 @@ import weakref
 import tensorflow as tf
 
 from ..options import Options
-from . import frontend, pipeline
+from . import frontend, original, pipeline
 
 _EAGER_TENSOR = type(tf.constant(0))
 FAST_CALL_SIGNATURES = 64      # exact (dtype, shape) signatures kept per function
@@ -207,9 +207,7 @@ class StitchedFunction:
             _hint_background_compile(result.report.compile_seconds)
 
         outer = tf.compat.v1.get_default_graph()
-        input_map = {ph.name: flat[i] for ph, i in zip(cf.inputs, where)}
-        for external, internal in cf.graph.captures:
-            input_map[internal.name] = outer.capture(external)
+        input_map = _input_map(cf, [flat[i] for i in where], outer)
         return_elements = fetches + keep
         outs = tf.graph_util.import_graph_def(
             result.graph_def, input_map=input_map, return_elements=return_elements,
@@ -225,6 +223,48 @@ class StitchedFunction:
         return tf.nest.pack_sequence_as(cf.structured_outputs, tensors,
                                         expand_composites=True)
 
+
+def _input_map(cf, args, outer):
+    """Every placeholder of the inner trace -> the outer trace's tensor that feeds it.
+
+    A ConcreteFunction's inputs are its arguments followed by *all* its captures: the
+    by-value ones (``graph.captures``: eager tensors, variable handles) and the
+    by-reference ones, which ``capture_call_time_value`` feeds from a closure at each
+    call (MirroredStrategy's collective instance keys and ordering).  Mapping only
+    ``graph.captures`` left the by-reference placeholders unfed in the imported graph
+    ("You must feed a value for placeholder tensor ..." at run time).
+    ``cf.captured_inputs`` evaluates the closures now, inside the outer trace, so they
+    become the outer function's own call-time captures, as a nested tf.function call
+    would make them."""
+    captured = cf.captured_inputs
+    if len(cf.inputs) != len(args) + len(captured):
+        raise RuntimeError(
+            f"stitching.function: the traced function has {len(cf.inputs)} inputs but "
+            f"{len(args)} arguments and {len(captured)} captures; refusing to import a "
+            "graph with an unfed placeholder")
+    return {ph.name: (v if i < len(args) else outer.capture(v))
+            for i, (ph, v) in enumerate(zip(cf.inputs, list(args) + list(captured)))}
+
+
+_BACKWARDS: dict = {}            # (region function, outputs differentiated) -> function
+
+
+def _backward_function(key, make):
+    """The stitched backward of one kind of region (tf/original.py asks, on a gradient
+    request through a StitchedKernel); one StitchedFunction per key, so identical
+    regions share traces and kernels."""
+    fn = _BACKWARDS.get(key)
+    if fn is None:
+        fn = _BACKWARDS[key] = StitchedFunction(make(), autograph=False)
+    return fn
+
+
+def backward_reports() -> list:
+    """Reports of every stitched backward built in this process (latest trace each)."""
+    return [f.report for f in _BACKWARDS.values() if f.report is not None]
+
+
+original.use_backward_stitcher(_backward_function)
 
 _LIVE = weakref.WeakSet()        # functions that started background compiles
 

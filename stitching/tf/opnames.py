@@ -42,22 +42,36 @@ ALIASES = {
 
 # TF ops expanded into several IR ops by the frontend.
 COMPOSITES = frozenset({"Softmax", "LogSoftmax", "FusedBatchNorm", "FusedBatchNormV2",
-                        "FusedBatchNormV3", "BiasAdd", "BiasAddV1"})
+                        "FusedBatchNormV3", "BiasAdd", "BiasAddV1",
+                        "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad",
+                        "SigmoidGrad", "TanhGrad", "BiasAddGrad", "L2Loss", "AddN",
+                        "Tile", "BroadcastTo", "SoftmaxCrossEntropyWithLogits"})
 
 VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient",
                       "PreventGradient", "Snapshot"})
+
+# Ops left to TF on purpose, with the reason the report shows.
+LEFT_TO_TF = {
+    op: "random numbers (dropout masks): a kernel would not reproduce TF's Philox "
+        "stream, so the op stays TF's and the mask equals TF's for the same seed; the "
+        "element-wise math around it is fused"
+    for op in ("StatelessRandomUniformV2", "StatelessRandomNormalV2",
+               "StatelessRandomUniform", "StatelessRandomNormal", "RandomUniform",
+               "RandomStandardNormal", "StatelessTruncatedNormalV2")
+}
+
 
 # Memory-intensive TF ops we do not fuse (yet): counted in the denominator, so the
 # report's coverage figure stays honest.
 UNSUPPORTED_MEMORY_INTENSIVE = frozenset({
     "Transpose", "ConcatV2", "Concat", "Pad", "PadV2", "MirrorPad", "Slice",
-    "StridedSlice", "Tile", "BroadcastTo", "GatherV2", "OneHot", "Pack", "Unpack",
-    "Split", "SplitV", "ArgMax", "ArgMin", "Cumsum", "AddN", "Atan2", "Tan", "Asin",
+    "StridedSlice", "GatherV2", "OneHot", "Pack", "Unpack",
+    "Split", "SplitV", "ArgMax", "ArgMin", "Cumsum", "Atan2", "Tan", "Asin",
     "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Lgamma", "Digamma",
     "Mod", "TruncateDiv", "TruncateMod", "BitwiseAnd", "BitwiseOr", "ResizeBilinear",
-    "ResizeNearestNeighbor", "MaxPool", "AvgPool", "Gelu", "Mish", "LRN", "L2Loss",
+    "ResizeNearestNeighbor", "MaxPool", "AvgPool", "Gelu", "Mish", "LRN",
     "Softmax_unsupported_axis", "Einsum_elementwise",
-})
+}) | frozenset(LEFT_TO_TF)
 
 
 def canonical(tf_op: str) -> str | None:

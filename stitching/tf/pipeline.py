@@ -30,7 +30,7 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import dump, frontend, gemm, grappler, opnames, rewrite
+from . import bcast, dump, frontend, gemm, grappler, opnames, original, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -116,6 +116,10 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         gdef = frontend.bypass_identity_n(
             gdef, {f.split(":")[0] for f in fetches} | {k.split(":")[0] for k in keep})
         tf_graph = frontend.import_for_shapes(gdef, resources)
+        folded = bcast.fold(tf_graph, gdef)     # gradient axes known at trace time
+        if folded is not None:
+            gdef = folded
+            tf_graph = frontend.import_for_shapes(gdef, resources)
         ir = frontend.to_ir(tf_graph, list(fetches))
         # A large graph not compiled before will likely need Numba: start the compile
         # workers now (all of them, or the rest beside an early one), so their
@@ -146,10 +150,24 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     labels = dump.labels_for(dump_path, len(regions)) if dump_path else None
     new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions, labels,
                                              fallback=options.fallback)
+    no_original = original.attach(new_gdef, gdef, ir, regions, kernel_names,
+                                  stitch_backward=options.stitch_backward)
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
+    if len(regions) > no_original:
+        how = ("stitched as a function of its own per kind of kernel (the kernel's "
+               "original ops recomputed and TF's gradient of them, planned like any "
+               "function)" if options.stitch_backward else
+               "TF's gradient of its original ops, recomputed, as TF ops "
+               "(Options.stitch_backward=False)")
+        rep.notes.append(f"backward: a tape outside this function differentiates "
+                         f"{len(regions) - no_original} kernel(s), each {how}; a tape "
+                         "inside it gets its backward stitched with the rest")
+    if no_original:
+        rep.notes.append(f"{no_original} kernel(s) read a value they cannot recompute from "
+                         "their inputs: no original subgraph, so no gradient through them")
     if gemms:
         rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
                          f"MatMul each (tf/gemm.py; Options(gemm=False) keeps them)")

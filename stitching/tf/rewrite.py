@@ -63,6 +63,7 @@ def rewrite(graph_def, ir_graph, regions, labels=None, fallback=False):
         new.input.extend([x for x in ins if not x.startswith("^")]
                          + _dedupe(x for x in ins if x.startswith("^")))
         new.attr.pop("_output_shapes", None)
+        _drop_colocation_with(new, member_of)
     for i, (reg, name) in enumerate(zip(regions, kernels)):
         out.node.append(_kernel_node(name, reg, ir_graph, remap,
                                      labels[i] if labels else name))
@@ -70,6 +71,21 @@ def rewrite(graph_def, ir_graph, regions, labels=None, fallback=False):
             _attach_fallback(out, out.node[-1], graph_def, reg, ir_graph, i)
     _keep_fetched_names(out, ir_graph, member_of, value_map)
     return out, kernels
+
+
+def _drop_colocation_with(nd, removed):
+    """A node colocated with a fused-away node (``_class: loc:@name``, as tf.gradients
+    colocates a gradient with its forward op) would name a node that no longer exists,
+    which import_graph_def refuses: keep only colocations with surviving nodes."""
+    if "_class" not in nd.attr:
+        return
+    keep = [c for c in nd.attr["_class"].list.s
+            if not (c.startswith(b"loc:@") and c[5:].decode() in removed)]
+    if keep:
+        del nd.attr["_class"].list.s[:]
+        nd.attr["_class"].list.s.extend(keep)
+    else:
+        del nd.attr["_class"]
 
 
 def _keep_fetched_names(out, ir_graph, member_of, value_map):
