@@ -19,7 +19,7 @@ class Options:
     #                                $STITCHING_DUMP_DIR); see stitching/tf/dump.py
     fallback: bool = False         # each kernel node keeps its region's original nodes as a
     #                                function it runs where its kernel cannot be built
-    #                                (tf/fallback.py); stitching-rewrite turns it on
+    #                                (tf/original.py); stitching-rewrite turns it on
     stitch_backward: bool = True   # a tape outside the function: each kernel's backward
     #                                (its original ops recomputed + TF's gradient) is
     #                                stitched as a function of its own; False: TF ops

@@ -159,9 +159,11 @@ def test_backward_is_stitched_and_matches_tf_backward_as_tf_ops():
     before = len(stitched_function.backward_reports())
     got = _tape_grads(stitching.function(fn), x, b)
     reports = stitched_function.backward_reports()[before:]
-    assert reports and sum(len(r.kernels) for r in reports) >= 2
-    ops = {t for r in reports for k in r.kernels for _, t in k.ops}
-    assert {"TanhGrad", "Softmax"} <= ops
+    # the softmax's recompute and the tanh's backward share one kernel (since Grappler's
+    # rewrites run first the whole row part is one kernel; the bias's column Sum is
+    # left to TF by the cost model)
+    assert reports and any({"TanhGrad", "Softmax"} <= {t for _, t in k.ops}
+                           for r in reports for k in r.kernels)
     as_tf = _tape_grads(stitching.function(fn, options=stitching.Options(
         stitch_backward=False)), x, b)
     exact = _tape_grads(fn, tf.cast(x, tf.float64), tf.cast(b, tf.float64))

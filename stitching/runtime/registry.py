@@ -270,7 +270,7 @@ def num_registered() -> int:
 @no_autograph
 def stats() -> dict:
     """{"fallbacks": StitchedKernel nodes that run their original subgraph because
-    their kernel could not be built (tf/fallback.py), "last_fallback": why, for the
+    their kernel could not be built (tf/original.py), "last_fallback": why, for the
     latest}."""
     lib = library()
     return {"fallbacks": int(lib.stitching_fallback_count()),

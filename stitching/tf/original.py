@@ -187,10 +187,17 @@ def _tf_dtype(ref, t):
 
 
 def attach(graph_def, original_def, ir_graph, regions, kernel_names,
-           stitch_backward=False):
+           stitch_backward=False, fallback=False):
     """Adds one function per region (its nodes taken from ``original_def``, the graph
     before the rewrite) to ``graph_def``'s library and names it on the region's kernel
-    node (in place).  Returns how many regions have none."""
+    node (in place).  Returns how many regions have none.
+
+    ``fallback`` (``Options.fallback``, what stitching-rewrite ships): the node's
+    ``fallback`` attr names the same function, which the op runs with TF's kernels
+    where its own kernel cannot be built (no compiler, another CPU, a compile error;
+    op.cc logs why, ``stitching.runtime.stats()`` counts it, STITCHING_STRICT=1 makes
+    it an error).  Its arguments are the kernel's inputs in order, its results the
+    kernel's outputs."""
     nodes = {n.name: n for n in original_def.node}
     have = {f.signature.name for f in graph_def.library.function}
     kernel_nodes = {n.name: n for n in graph_def.node if n.op == "StitchedKernel"}
@@ -204,6 +211,9 @@ def attach(graph_def, original_def, ir_graph, regions, kernel_names,
             have.add(fdef.signature.name)
             graph_def.library.function.add().CopyFrom(fdef)
         kernel_nodes[kname].attr[ATTR].s = fdef.signature.name.encode()
+        if fallback:
+            kernel_nodes[kname].attr["fallback"].list.func.add().name = \
+                fdef.signature.name
         if stitch_backward:
             kernel_nodes[kname].attr[BACKWARD_ATTR].s = b"stitch"
     return missing

@@ -148,10 +148,10 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         kernel_cache.remember_graph(key)
     dump_path = _dump_dir(options, name, graph_def)
     labels = dump.labels_for(dump_path, len(regions)) if dump_path else None
-    new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions, labels,
-                                             fallback=options.fallback)
+    new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions, labels)
     no_original = original.attach(new_gdef, gdef, ir, regions, kernel_names,
-                                  stitch_backward=options.stitch_backward)
+                                  stitch_backward=options.stitch_backward,
+                                  fallback=options.fallback)
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy

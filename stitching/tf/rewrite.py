@@ -26,10 +26,9 @@ def _shape_proto(shape):
     return p
 
 
-def rewrite(graph_def, ir_graph, regions, labels=None, fallback=False):
-    """Returns (new GraphDef, kernel node names) — one kernel node per region.
-    ``fallback``: each kernel node also carries its region's original nodes as a
-    library function, run where the kernel cannot be built (fallback.py)."""
+def rewrite(graph_def, ir_graph, regions, labels=None):
+    """Returns (new GraphDef, kernel node names) — one kernel node per region.  Each
+    region's original nodes are kept as a library function by original.attach."""
     taken = {n.name for n in graph_def.node}
     member_of: dict[str, str] = {}
     value_map: dict[tuple, str] = {}
@@ -67,8 +66,6 @@ def rewrite(graph_def, ir_graph, regions, labels=None, fallback=False):
     for i, (reg, name) in enumerate(zip(regions, kernels)):
         out.node.append(_kernel_node(name, reg, ir_graph, remap,
                                      labels[i] if labels else name))
-        if fallback:
-            _attach_fallback(out, out.node[-1], graph_def, reg, ir_graph, i)
     _keep_fetched_names(out, ir_graph, member_of, value_map)
     return out, kernels
 
@@ -121,15 +118,6 @@ def _kernel_node(name, reg, ir_graph, remap, label):
     nd.attr["output_shapes"].list.shape.extend(
         _shape_proto(ir_graph.type_of(o).shape) for o in reg.outputs)
     return nd
-
-
-def _attach_fallback(out, node, graph_def, reg, ir_graph, i):
-    from .fallback import fallback_function
-    fname = f"stitching_fallback_{reg.spec.hash}_{i}"
-    fdef = fallback_function(graph_def, reg, ir_graph, fname)
-    if fdef is not None:
-        out.library.function.append(fdef)
-        node.attr["fallback"].list.func.add().name = fname
 
 
 def _dedupe(items):
