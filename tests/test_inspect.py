@@ -70,7 +70,11 @@ def test_transformer_dump_round_trip(transformer_dump):
         assert k.nodes == [n for n, _ in info.ops]
         e = k.estimate
         assert e["fused_us"] > 0 and e["bytes_fused"] > 0
-        assert e["bytes_unfused"] > e["bytes_fused"]   # fusing saves traffic here
+        # a vertical fusion saves traffic; a horizontal pack of independent same-shape
+        # chains (schedule/domain.py) moves the same bytes in fewer launches
+        assert e["bytes_unfused"] >= e["bytes_fused"]
+    assert sum(k.estimate["bytes_unfused"] for k in d.kernels) > \
+        2 * sum(k.estimate["bytes_fused"] for k in d.kernels)    # fusing saves traffic
     assert {n.name for n in d.graph_before().node} >= {u["node"] for u in d.unfused}
     assert "Softmax" in d.ir_text
     # the search planner's decisions with their cost-model scores

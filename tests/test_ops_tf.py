@@ -195,7 +195,9 @@ def test_training_ops_match_tf(name, dtype):
     # float16: kernels compute in float32 where TF rounds each op to half, so the
     # oracle is float64 (rounded back), as for the other half-precision tests
     sf = check(TRAINING_BINARY[name], a, b, ref64=dtype == tf.float16)
-    assert any(t == name for k in sf.report.kernels for _, t in k.ops)
+    fused = {t for k in sf.report.kernels for _, t in k.ops}
+    # AddN reaches the IR as TF's own order of Adds (tf/grappler.py expands it)
+    assert name in fused if name != "AddN" else "AddV2" in fused, fused
 
 
 @pytest.mark.parametrize("fmt", ["NHWC", "NCHW"])

@@ -23,7 +23,6 @@ bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
   TanhGrad(y, dy)    = dy * (1 - y * y)
   BiasAddGrad(g)     = sum of g over every axis but the channel axis
   L2Loss(x)          = sum(x * x * 0.5)
-  AddN(a, b, c, ...) = (a + b) + c ...            (any number of inputs)
   SoftmaxCrossEntropyWithLogits(logits, labels) (xent_op.h; two outputs):
                        s = logits - max(logits), e = exp(s), z = sum(e)  (last axis)
                        loss = sum(labels * (log(z) - s)), backprop = e / z - labels
@@ -49,7 +48,6 @@ COMPOSITE_OPS = {
     "TanhGrad": (Kind.ELEMENTWISE, 2),
     "BiasAddGrad": (Kind.REDUCTION, 1),
     "L2Loss": (Kind.REDUCTION, 1),
-    "AddN": (Kind.ELEMENTWISE, None),       # variadic
     "Tile": (Kind.ELEMENTWISE, 1),          # a broadcast (frontend checks)
     "SoftmaxCrossEntropyWithLogits": (Kind.REDUCTION, 2),    # two outputs
 }
@@ -180,19 +178,12 @@ def _xent(attrs, a, t, emit):
     return loss, emit("Sub", [emit("Div", [e, z], {}), a[1]], {})
 
 
-def _add_n(attrs, a, t, emit):
-    acc = a[0]
-    for x in a[1:]:
-        acc = emit("Add", [acc, x], {})
-    return acc if len(a) > 1 else emit("Identity", [acc], {})
-
-
 _TRAINING = {
     "ReluGrad": _relu_grad, "Relu6Grad": _relu6_grad,
     "EluGrad": _elu_like_grad(1.0, 1),
     "SeluGrad": _elu_like_grad(_SELU_SCALE_ALPHA, _SELU_SCALE),
     "SoftplusGrad": _softplus_grad, "SigmoidGrad": _sigmoid_grad, "TanhGrad": _tanh_grad,
-    "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "AddN": _add_n, "Tile": _tile,
+    "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "Tile": _tile,
     "SoftmaxCrossEntropyWithLogits": _xent,
 }
 

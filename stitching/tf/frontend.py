@@ -335,12 +335,13 @@ def _convert_composite(op) -> Node | None:
 
 _TRAINING_COMPOSITES = frozenset({"ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
                                   "SoftplusGrad", "SigmoidGrad", "TanhGrad", "BiasAddGrad",
-                                  "L2Loss", "AddN", "Tile", "BroadcastTo",
+                                  "L2Loss", "Tile", "BroadcastTo",
                                   "SoftmaxCrossEntropyWithLogits"})
 
 
 def _convert_training(op) -> Node:
-    """Gradient ops, L2Loss and AddN (ir/composites.py expands them)."""
+    """Gradient ops and L2Loss (ir/composites.py expands them).  AddN never gets here:
+    tf/grappler.py expands it into TF's own order of Adds first."""
     t = op.type
     if t in ("Tile", "BroadcastTo"):
         return _convert_tile(op)
@@ -348,11 +349,6 @@ def _convert_training(op) -> Node:
         raise _Unfusible("SoftmaxCrossEntropyWithLogits of unknown rank")
     if t == "BiasAddGrad":
         return Node(op.name, t, _inputs(op), {"data_format": op.get_attr("data_format").decode()})
-    if t == "AddN" and any(i.dtype == tf.variant for i in op.inputs):
-        raise _Unfusible("AddN of variant tensors")
-    if t == "AddN" and len({tuple(i.shape.as_list() or []) if i.shape.rank is not None
-                            else None for i in op.inputs}) > 1:
-        raise _Unfusible("AddN inputs of different static shapes")
     return Node(op.name, t, _inputs(op), {})
 
 
