@@ -14,6 +14,24 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The model, data and replica step both scripts train (inside ``run``; SEED picks the
+# data shard).
+_MODEL_AND_STEP = r"""    with strategy.scope():
+        w = tf.Variable(tf.random.stateless_normal([16, 8], seed=[1, 2]))
+        b = tf.Variable(tf.zeros([8]))
+        opt = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+        opt.build([w, b])
+    x = tf.random.stateless_normal([32, 16], seed=[3, SEED])
+
+    def step_fn(x):
+        with tf.GradientTape() as t:
+            h = tf.nn.relu(tf.matmul(x, w) + b)
+            loss = tf.reduce_mean(tf.square(tf.tanh(h) * 0.5 - 1.0))
+        g = t.gradient(loss, [w, b])
+        opt.apply_gradients(zip(g, [w, b]))
+        return loss
+"""
+
 _PRELUDE = r"""
 import json, sys
 import tensorflow as tf
@@ -24,21 +42,7 @@ import stitching
 
 def run(stitched, mode):
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with strategy.scope():
-        w = tf.Variable(tf.random.stateless_normal([16, 8], seed=[1, 2]))
-        b = tf.Variable(tf.zeros([8]))
-        opt = tf.keras.optimizers.SGD(0.1, momentum=0.9)
-        opt.build([w, b])
-    x = tf.random.stateless_normal([32, 16], seed=[3, 4])
-
-    def step_fn(x):
-        with tf.GradientTape() as t:
-            h = tf.nn.relu(tf.matmul(x, w) + b)
-            loss = tf.reduce_mean(tf.square(tf.tanh(h) * 0.5 - 1.0))
-        g = t.gradient(loss, [w, b])
-        opt.apply_gradients(zip(g, [w, b]))
-        return loss
-
+MODEL_AND_STEP
     wrap = stitching.function if stitched else tf.function
     if mode == "run_inside":          # strategy.run inside the stitched function
         @wrap
@@ -68,7 +72,7 @@ def run(stitched, mode):
     for r in getattr(step, "reports", None) or getattr(locals().get("inner"), "reports", []):
         kernels += len(r.kernels)
     return losses, [v.numpy().tolist() for v in (w, b)], kernels
-"""
+""".replace("MODEL_AND_STEP\n", _MODEL_AND_STEP.replace("SEED", "4"), 1)
 
 
 def _run(mode):
@@ -111,21 +115,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 
 def run(stitched):
-    with strategy.scope():
-        w = tf.Variable(tf.random.stateless_normal([16, 8], seed=[1, 2]))
-        b = tf.Variable(tf.zeros([8]))
-        opt = tf.keras.optimizers.SGD(0.1, momentum=0.9)
-        opt.build([w, b])
-    x = tf.random.stateless_normal([32, 16], seed=[3, 4 + task])   # a shard per worker
-
-    def step_fn(x):
-        with tf.GradientTape() as t:
-            h = tf.nn.relu(tf.matmul(x, w) + b)
-            loss = tf.reduce_mean(tf.square(tf.tanh(h) * 0.5 - 1.0))
-        g = t.gradient(loss, [w, b])
-        opt.apply_gradients(zip(g, [w, b]))
-        return loss
-
+MODEL_AND_STEP
     @(stitching.function if stitched else tf.function)
     def step(x):
         return strategy.reduce("SUM", strategy.run(step_fn, args=(x,)), axis=None)
@@ -134,7 +124,7 @@ def run(stitched):
     return losses, sum(len(r.kernels) for r in getattr(step, "reports", []))
 
 print("RESULT" + json.dumps([run(False), run(True)]), flush=True)
-"""
+""".replace("MODEL_AND_STEP\n", _MODEL_AND_STEP.replace("SEED", "4 + task"), 1)
 
 
 def _free_port():

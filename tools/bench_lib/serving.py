@@ -57,20 +57,10 @@ def run_serving(*, only=None, rounds=3, calls=50, timeout=900) -> list[dict]:
                     suites._log(f"[serving] {case.name} {mode} (round {rnd + 1}/{rounds})")
                     runs[mode].append(_run_child(mode, case.name, d, calls, timeout))
             for mode, results in runs.items():
-                row["steps"][mode] = _median(results)
+                row["steps"][mode] = suites.median_run(results, "load_first_s", 2)
             _check(row, d)
         rows.append(row)
     return rows
-
-
-def _median(results):
-    bad = [r for r in results if not r.get("ok")]
-    if bad:
-        return bad[0]
-    ordered = sorted(results, key=lambda r: r["load_first_s"])
-    out = dict(ordered[(len(ordered) - 1) // 2])
-    out["samples_s"] = [round(r["load_first_s"], 2) for r in results]
-    return out
 
 
 def _check(row, d):

@@ -221,19 +221,20 @@ def run_compile(*, only=None, batch=1, planner=None, mode_list=modes.MODES,
                     _log(f"  {key}: " + (f"{s['first_call_s']:.2f} s" if s.get("ok")
                                          else f"FAILED ({s.get('error')})"))
         for key, results in runs.items():
-            row["steps"][key] = _median_run(results)
+            row["steps"][key] = median_run(results)
         rows.append(row)
     return rows
 
 
-def _median_run(results: list) -> dict:
-    """The run with the median first call (a failure if any round failed)."""
+def median_run(results: list, key: str = "first_call_s", digits: int = 3) -> dict:
+    """The run with the median ``key`` (a failure if any round failed); its
+    ``samples_s`` lists every round's ``key``."""
     bad = [r for r in results if not r.get("ok")]
     if bad:
         return bad[0]
-    ordered = sorted(results, key=lambda r: r["first_call_s"])
+    ordered = sorted(results, key=lambda r: r[key])
     out = dict(ordered[(len(ordered) - 1) // 2])
-    out["samples_s"] = [round(r["first_call_s"], 3) for r in results]
+    out["samples_s"] = [round(r[key], digits) for r in results]
     return out
 
 
