@@ -678,3 +678,19 @@ def test_independent_same_shape_chains_are_packed_into_one_kernel():
         for g, w in zip(sf(*args), f(*args)):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6, atol=1e-6)
         assert len(sf.report.kernels) == kernels, sf.report.summary()
+
+
+def test_captured_constants_that_grappler_folds_need_no_feed():
+    """Regression (EfficientNetB0 failed to stitch): a captured constant only feeding
+    foldable arithmetic (Keras Normalization's Sqrt(variance)) is folded away by
+    Grappler; mapping it at import gave 'Attempted to map inputs that were not found
+    in graph_def'."""
+    import keras
+    inp = keras.Input((4, 4, 3))
+    h = keras.layers.Normalization(mean=[0.4, 0.5, 0.6], variance=[0.2, 0.3, 0.4])(inp)
+    m = keras.Model(inp, keras.layers.Activation("swish")(h * 2.0 + 1.0))
+    x = tf.constant(np.random.default_rng(5).random((2, 4, 4, 3)).astype(np.float32))
+    f = stitching.function(lambda x: m(x, training=False))
+    np.testing.assert_allclose(f(x).numpy(), m(x, training=False).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    assert len(f.report.kernels) == 1

@@ -207,7 +207,7 @@ class StitchedFunction:
             _hint_background_compile(result.report.compile_seconds)
 
         outer = tf.compat.v1.get_default_graph()
-        input_map = _input_map(cf, [flat[i] for i in where], outer)
+        input_map = _input_map(cf, [flat[i] for i in where], outer, result.graph_def)
         return_elements = fetches + keep
         outs = tf.graph_util.import_graph_def(
             result.graph_def, input_map=input_map, return_elements=return_elements,
@@ -224,8 +224,9 @@ class StitchedFunction:
                                         expand_composites=True)
 
 
-def _input_map(cf, args, outer):
-    """Every placeholder of the inner trace -> the outer trace's tensor that feeds it.
+def _input_map(cf, args, outer, graph_def):
+    """Every placeholder of the inner trace that ``graph_def`` (the rewritten graph)
+    still holds -> the outer trace's tensor that feeds it.
 
     A ConcreteFunction's inputs are its arguments followed by *all* its captures: the
     by-value ones (``graph.captures``: eager tensors, variable handles) and the
@@ -235,15 +236,22 @@ def _input_map(cf, args, outer):
     ("You must feed a value for placeholder tensor ..." at run time).
     ``cf.captured_inputs`` evaluates the closures now, inside the outer trace, so they
     become the outer function's own call-time captures, as a nested tf.function call
-    would make them."""
+    would make them.
+
+    A placeholder the rewritten graph no longer holds needs no feed: Grappler's
+    constant folding replaces a captured constant that only feeds foldable arithmetic
+    (EfficientNet's Normalization layer: Sqrt(variance), x - mean) by its result,
+    and import_graph_def refuses a map entry for a node that is not there."""
     captured = cf.captured_inputs
     if len(cf.inputs) != len(args) + len(captured):
         raise RuntimeError(
             f"stitching.function: the traced function has {len(cf.inputs)} inputs but "
             f"{len(args)} arguments and {len(captured)} captures; refusing to import a "
             "graph with an unfed placeholder")
+    present = {n.name for n in graph_def.node}
     return {ph.name: (v if i < len(args) else outer.capture(v))
-            for i, (ph, v) in enumerate(zip(cf.inputs, list(args) + list(captured)))}
+            for i, (ph, v) in enumerate(zip(cf.inputs, list(args) + list(captured)))
+            if ph.op.name in present}
 
 
 _BACKWARDS: dict = {}            # (region function, outputs differentiated) -> function
