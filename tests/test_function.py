@@ -694,3 +694,20 @@ def test_captured_constants_that_grappler_folds_need_no_feed():
     np.testing.assert_allclose(f(x).numpy(), m(x, training=False).numpy(),
                                rtol=1e-5, atol=1e-6)
     assert len(f.report.kernels) == 1
+
+
+def test_a_cond_stays_functional_so_the_stitched_graph_imports_into_a_tf_function():
+    """Regression (Keras mixed_float16 fit failed: 'NoneType' object has no attribute
+    'outer_context'): Grappler's function optimizer lowered tf.cond to Switch/Merge,
+    which a TF2 function's automatic control dependencies cannot take."""
+    def fn(x, p):
+        return tf.cond(p > 0, lambda: tf.tanh(x) * 2.0 + 1.0, lambda: x - 1.0) * 3.0 + x
+
+    sf = stitching.function(fn)
+    outer = tf.function(lambda x, p: sf(x, p) * 1.0)
+    x = tf.constant(np.random.default_rng(6).standard_normal((4, 8)).astype(np.float32))
+    for p in (1.0, -1.0):
+        np.testing.assert_allclose(outer(x, tf.constant(p)).numpy(),
+                                   fn(x, tf.constant(p)).numpy(), rtol=1e-6, atol=1e-6)
+    assert sf.report is not None and len(sf.report.kernels) >= 1
+    assert any("functional control flow" in n for n in sf.report.notes)

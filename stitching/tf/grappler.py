@@ -86,7 +86,20 @@ def optimize(graph_def, preserve: list[str]):
     """Grappler's function inlining, constant folding and arithmetic optimizer, as
     stock ``tf.function`` runs them; ``preserve``: tensor or node names that must
     survive (fetches, nodes the caller refers to).  Returns a new GraphDef in which
-    AddN and _UnaryOpsComposition are expanded back into primitive ops."""
+    AddN and _UnaryOpsComposition are expanded back into primitive ops.
+
+    A graph with functional control flow (tf.cond / tf.while_loop: If, While, Case,
+    in the graph or a function it calls) is returned unchanged: Grappler's function
+    optimizer lowers it to v1 Switch/Merge, which automatic control dependencies
+    cannot take when the rewritten graph is imported into a TF2 function (Keras's
+    mixed-precision train step, whose loss scaling is a tf.cond: "'NoneType' object
+    has no attribute 'outer_context'"), and keeping it functional
+    (SINGLE_THREADED_EXECUTOR) makes it specialize the branch functions under names
+    the imported graph's runtime cannot resolve.  Such a graph misses the rewrites
+    above (the report says so); its regions are planned as traced, with AddN and
+    _UnaryOpsComposition still expanded (the IR knows neither)."""
+    if has_control_flow(graph_def):
+        return expand_tf_internal_ops(graph_def)
     meta = meta_graph_pb2.MetaGraphDef()
     meta.graph_def.CopyFrom(graph_def)
     fetch_coll = meta_graph_pb2.CollectionDef()
@@ -101,6 +114,16 @@ def optimize(graph_def, preserve: list[str]):
     out = tf_optimizer.OptimizeGraph(config, meta)
     out = drop_placeholder_control_inputs(out)
     return drop_dead_fusible(expand_tf_internal_ops(out), preserve)
+
+
+_CONTROL_FLOW = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case",
+                           "StatelessCase"})
+
+
+def has_control_flow(graph_def) -> bool:
+    """Functional control flow in the graph or in any function of its library."""
+    return any(n.op in _CONTROL_FLOW for n in graph_def.node) or any(
+        n.op in _CONTROL_FLOW for f in graph_def.library.function for n in f.node_def)
 
 
 def drop_placeholder_control_inputs(graph_def):

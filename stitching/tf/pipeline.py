@@ -168,6 +168,10 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     if no_original:
         rep.notes.append(f"{no_original} kernel(s) read a value they cannot recompute from "
                          "their inputs: no original subgraph, so no gradient through them")
+    if grappler.has_control_flow(graph_def):
+        rep.notes.append("the graph has functional control flow (tf.cond / tf.while_loop): "
+                         "Grappler's inlining, constant folding and arithmetic rewrites "
+                         "were not applied to it (tf/grappler.py says why)")
     if gemms:
         rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
                          f"MatMul each (tf/gemm.py; Options(gemm=False) keeps them)")
