@@ -9,8 +9,9 @@
 
 For each op class the cost model tells apart (``plan.cost.tf_class``: element-wise,
 transcendental, row reduction, column reduction, softmax) and each size (1, 4, 16, 64 MiB
-of float32 input), one TF op runs alone in a ``tf.function`` (median of timed repeats,
-after warm-up calls, less the same function's call overhead measured on an identity);
+of float32 input), one TF op runs alone in a ``tf.function``, timed as tools/bench.py
+times a mode (median per call, less the same function's call overhead measured on an
+identity);
 the cost model prices the same op from the measured device profile
 (``GraphCosts.unfused`` with no calibration).  A class's factor is the median of measured
 over modelled across its shapes and sizes; the profile file holds the measured device
@@ -27,11 +28,13 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
+from bench_lib.measure import time_modes  # noqa: E402
+from bench_lib.modes import Runner  # noqa: E402
 from stitching.ir.graph import Graph, Node, TensorType, ValueRef  # noqa: E402
 from stitching.plan import profiles  # noqa: E402
 from stitching.plan.cost import GraphCosts, tf_class  # noqa: E402
@@ -64,24 +67,13 @@ def modelled(profile, op, attrs, shape) -> float:
     return GraphCosts(g, profile, order).unfused[order.index("y")]
 
 
-def measured(fn, shape, min_time=0.2) -> float:
+def measured(fn, shape) -> float:
+    """Median seconds per call of ``tf.function(fn)`` on a float32 input of ``shape``,
+    timed as tools/bench.py times a mode (bench_lib.measure)."""
     import tensorflow as tf
-    f = tf.function(fn)
     x = tf.constant(np.random.default_rng(0).standard_normal(shape, np.float32))
-    for _ in range(3):
-        f(x).numpy()
-    reps, times = 1, []
-    t = time.perf_counter()
-    f(x).numpy()
-    reps = max(1, int(0.02 / max(1e-6, time.perf_counter() - t)))
-    deadline = time.perf_counter() + min_time
-    while len(times) < 5 or time.perf_counter() < deadline:
-        t = time.perf_counter()
-        for _ in range(reps):
-            f(x)
-        f(x).numpy()
-        times.append((time.perf_counter() - t) / (reps + 1))
-    return statistics.median(times)
+    times = time_modes([Runner("tf", tf.function(fn))], (x,), repeats=7, warmup=3)
+    return times["tf"]["median_s"]
 
 
 def calibrate(sizes=SIZES_MIB, log=print) -> tuple:

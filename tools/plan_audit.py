@@ -5,7 +5,8 @@
     python tools/plan_audit.py --only softmax_tf center_axis0 --sizes large --repeats 20
 
 For each pattern of the suite (stitching/testing/patterns.py) three runs of the same
-function in one process, their timed calls interleaved so drift hits them alike:
+function in one process, timed as tools/bench.py times modes (bench_lib.measure:
+interleaved in shuffled order, so drift hits them alike):
 
     tf       stock tf.function
     search   stitching.function as shipped: the cost model decides what to fuse
@@ -23,41 +24,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("STITCHING_NO_HINTS", "1")
 
 import tensorflow as tf  # noqa: E402
 
 import stitching  # noqa: E402
+from bench_lib.measure import time_modes  # noqa: E402
+from bench_lib.modes import Runner  # noqa: E402
 from stitching.testing import patterns as P  # noqa: E402
-
-
-def _timed(fns, args, repeats, min_time=0.05) -> list:
-    """Median seconds per call of each function, repeats interleaved across them."""
-    for f in fns:                                  # warm: traces, compiles, first runs
-        for _ in range(2):
-            f(*args)
-    loops = []
-    for f in fns:
-        t = time.perf_counter()
-        f(*args)
-        loops.append(max(1, int(min_time / max(1e-6, time.perf_counter() - t))))
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, f in enumerate(fns):
-            t = time.perf_counter()
-            for _ in range(loops[i]):
-                out = f(*args)
-            tf.nest.map_structure(lambda x: x.numpy(), out)
-            times[i].append((time.perf_counter() - t) / loops[i])
-    return [statistics.median(t) for t in times]
 
 
 def judge(n_search, n_greedy, t_tf, t_search, t_greedy, margin) -> list:
@@ -77,7 +57,10 @@ def audit_one(pattern, size, repeats, margin, dump_root) -> dict:
     stock = tf.function(fn)
     search = stitching.function(fn, options=stitching.Options(dump_dir=dump_root))
     greedy = stitching.function(fn, options=stitching.Options(planner="greedy"))
-    t_tf, t_search, t_greedy = _timed([stock, search, greedy], args, repeats)
+    # bench.py's timing: modes interleaved in shuffled order, loops of calls, lead-ins
+    times = time_modes([Runner("tf", stock), Runner("search", search),
+                        Runner("greedy", greedy)], args, repeats=repeats, warmup=2)
+    t_tf, t_search, t_greedy = (times[m]["median_s"] for m in ("tf", "search", "greedy"))
     dump = stitching.load_dump(search.report.dump_path)
     fused = sum(k.estimate.get("fused_us") or 0 for k in dump.kernels)
     unfused = sum(k.estimate.get("unfused_us") or 0 for k in dump.kernels)
