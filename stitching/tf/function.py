@@ -108,7 +108,7 @@ class StitchedFunction:
             return self._stock_then_stitch(key, args, family, relaxed)
         if relaxed is None:
             return self._tf_function.get_concrete_function(*args)
-        cf = self._tf_function.get_concrete_function(*_specs(key, relaxed))
+        cf = self._tf_function.get_concrete_function(*tensor_specs(key, relaxed))
         self._general.setdefault(family, []).append((relaxed, cf))
         return cf
 
@@ -119,7 +119,7 @@ class StitchedFunction:
         thread has built it."""
         stock = tf.function(self._python_fn, autograph=self._autograph) \
             .get_concrete_function(*args)
-        specs = _specs(key, relaxed or [shape for _, shape in key])
+        specs = tensor_specs(key, relaxed)
         general = (family, relaxed) if relaxed is not None else None
         t = threading.Thread(target=self._stitch_in_background, args=(key, specs, general),
                              name="stitching-compile", daemon=True)
@@ -309,14 +309,12 @@ def _fits(general, shape) -> bool:
     return all(g is None or g == d for g, d in zip(general, shape))
 
 
-def _specs(key, shapes) -> list:
-    return [tf.TensorSpec(shape, dtype) for (dtype, _), shape in zip(key, shapes)]
-
-
-def tensor_specs(key) -> list:
-    """TensorSpecs for an exact-signature key (``_eager_key``'s ((dtype, shape), ...)):
+def tensor_specs(key, shapes=None) -> list:
+    """TensorSpecs for an exact-signature key (``_eager_key``'s ((dtype, shape), ...)),
+    with ``shapes`` (relaxed ones) instead of the key's own where given;
     stitching.inspect traces a function again from the keys it was called with."""
-    return [tf.TensorSpec(shape, dtype) for dtype, shape in key]
+    shapes = [shape for _, shape in key] if shapes is None else shapes
+    return [tf.TensorSpec(shape, dtype) for (dtype, _), shape in zip(key, shapes)]
 
 
 def _eager_key(args):

@@ -199,7 +199,8 @@ def _dump_dir(options, name, graph_def):
 def _graph_key(graph_def, fetches, keep, options, resources=None) -> str:
     import hashlib
     h = hashlib.sha256(graph_def.SerializeToString(deterministic=True))
-    h.update(repr((list(fetches), sorted(keep), replace(options, dump_dir=None))).encode())   # keep: a set's order
+    # keep: a set's order; where dumps go does not change the plan
+    h.update(repr((list(fetches), sorted(keep), replace(options, dump_dir=None))).encode())
     h.update(repr(sorted((resources or {}).items())).encode())
     return h.hexdigest()[:32]
 
