@@ -30,13 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from .. import cachedir
+from ..codegen.cpu import emitter as cpu
+from ..codegen.lower.emitter import canonical
+from ..codegen.lower.specialize import LAUNCH_PARAMS, compile_target
 from ..ir import dtypes as dt
 from ..ir.spec import KernelSpec, validate
 from ..schedule import build_schedule
-from ..codegen.cpu import emitter as cpu
-from ..codegen.lower.emitter import canonical
 from . import native
-from ..codegen.lower.specialize import LAUNCH_PARAMS, compile_target
 
 _lock = threading.RLock()
 _kernels: dict = {}          # spec hash -> CompiledKernel

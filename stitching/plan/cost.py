@@ -231,7 +231,8 @@ class GraphCosts:
         p = self.profile
         lanes = elementwise_lanes(p, self.count[i])
         mem = self.io_bytes[i] / p.bw_at(lanes)
-        return self.scale[i] * (p.launch_s + p.task_s + max(mem, _compute_s(p, self.tr[i], lanes)))
+        compute = _compute_s(p, self.tr[i], lanes)
+        return self.scale[i] * (p.launch_s + p.task_s + max(mem, compute))
 
     def unfused_s(self, members) -> float:
         return sum(self.unfused[v] for v in members)

@@ -13,9 +13,9 @@ Calibration.  The cost model prices an op left to TF as its memory traffic at th
 profile's bandwidth.  TF's kernels do not all reach it (its column reductions measured
 at about a quarter of it here), so a profile carries ``tf_time_scale``: per op class
 (TF_CLASSES), measured TF time over the model's estimate.  ``tools/calibrate.py``
-measures them on the running machine and writes a profile file; the factors it measured
-on this project's 2-core machine ship with the package (``calibration-cpu.json`` beside
-this file) and apply to the measured CPU profile.  ``STITCHING_DEVICE_PROFILE=<file>``
+measures them on the running machine and writes a profile file; ``--ship`` writes the
+package's default (``calibration-cpu.json`` beside this file), which then applies to the
+measured CPU profile.  None is shipped yet: without the file the factors are 1.  ``STITCHING_DEVICE_PROFILE=<file>``
 plans with a profile file instead (one ``tools/calibrate.py`` wrote); the report names the
 profile it planned with (``DeviceProfile.source``).
 
