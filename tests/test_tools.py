@@ -114,3 +114,23 @@ def test_plan_audit_measures_a_pattern_against_the_models_view(tmp_path):
     assert r["kernels"] == 1 and r["greedy_kernels"] == 1
     assert r["predicted"] > 0 and r["measured"] > 0 and r["tf_ms"] > 0
     assert isinstance(r["wrong"], list)
+
+
+def test_mib_size_verdicts_apply_issue_31s_bars_per_size():
+    """1/4/16/64 MiB rows get their own lines: geomean vs XLA >= 1.5x below 16 MiB and
+    >= 2x from 16 MiB, and no pattern slower than XLA, each computed from the rows."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from bench_lib import output
+
+    def row(name, size, st, xla):
+        t = lambda m: {"time": {"median_s": m, "q1_s": m, "q3_s": m}}  # noqa: E731
+        return {"name": name, "size": size, "modes": {"stitching": t(st), "xla": t(xla),
+                                                      "tf": t(xla)}}
+    rows = [row("a", "4m", 1.0, 1.8), row("b", "4m", 1.0, 1.6),      # 1.70x geomean
+            row("a", "16m", 1.0, 1.8), row("b", "16m", 1.0, 0.9)]    # 1.27x, b slower
+    assert output.pattern_sizes(rows) == ["4m", "16m"]
+    lines = output._mib_targets(rows)
+    assert lines[0].startswith("PASS") and "4m: geomean stitched vs XLA >= 1.5x: 1.697x" in lines[0]
+    assert lines[1].startswith("PASS")
+    assert lines[2].startswith("FAIL") and ">= 2x: 1.273x" in lines[2]
+    assert lines[3].startswith("FAIL") and "0.900x (b)" in lines[3]

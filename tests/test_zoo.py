@@ -67,6 +67,23 @@ def test_pattern_sizes_and_metadata(name):
         assert tuple(spec.shape[1:]) == a.shape[1:]
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_mib_sizes_scale_the_large_shapes(name):
+    """Issue 31's 1/4/16/64 MiB sizes: the largest input within 10% of the target (or
+    of one batch step, where a batch is coarser than that), the non-batch dims of non-NHWC inputs unchanged (weights still fit), unknown sizes refused."""
+    from stitching.testing.patterns import MIB_SIZES, _nbytes
+    p = PATTERNS[name]
+    for size in MIB_SIZES:
+        shapes = p.shapes_for(size)
+        biggest = max(_nbytes(s, k) for s, k in zip(shapes, p.input_kinds))
+        target = int(size[:-1]) << 20
+        assert abs(biggest - target) <= max(0.1 * target, biggest / shapes[0][0]), shapes
+        assert [s[-1] for s in shapes] == [s[-1] for s in p.shapes["large"]]
+        assert len({s[0] for s in shapes}) == 1               # one batch dim for all
+    with pytest.raises(ValueError, match="unknown size '3m'"):
+        p.shapes_for("3m")
+
+
 def test_inputs_are_deterministic():
     p = PATTERNS["attention_softmax"]
     a, b = p.inputs("small"), p.inputs("small")

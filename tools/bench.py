@@ -42,7 +42,8 @@ def parse_args(argv=None):
                     help="patterns: seconds per timed repeat; fast calls are looped")
     ap.add_argument("--only", nargs="+", metavar="NAME",
                     help="pattern or model names (see --list)")
-    ap.add_argument("--sizes", default="large,small", help="patterns: large,small")
+    ap.add_argument("--sizes", default="large,small", help="patterns: any of large,small "
+                    "and 1m,4m,16m,64m (the largest input's MiB)")
     ap.add_argument("--batches", default=None,
                     help="models: comma-separated batch sizes (default: each model's)")
     ap.add_argument("--batch", type=int, default=1, help="compile suite: batch size")

@@ -35,6 +35,12 @@ import numpy as np
 import tensorflow as tf
 
 SIZES = ("large", "small")
+# Sizes named by the bytes of the largest input ("16m" = 16 MiB), derived from "large"
+# by scaling its batch (leading) dim, or for NHWC patterns the batch and then the
+# spatial dims, so that the largest input is within a few percent of the target.  They
+# place the same pattern in L2 (1m), in the last-level cache (4m), just below the
+# output pool's 32 MiB line (16m) and above it (64m): issue 31's four sizes.
+MIB_SIZES = ("1m", "4m", "16m", "64m")
 
 # Input kinds: how inputs() fills an input.
 FLOAT = "float"      # standard normal data (activations, logits)
@@ -80,11 +86,20 @@ class Pattern:
 
     # ---- inputs
 
+    def shapes_for(self, size: str) -> Sequence[tuple]:
+        """The input shapes at ``size``: "large", "small" or one of MIB_SIZES."""
+        if size in self.shapes:
+            return self.shapes[size]
+        if size not in MIB_SIZES:
+            raise ValueError(f"pattern {self.name}: unknown size {size!r}; "
+                             f"known: {', '.join(SIZES + MIB_SIZES)}")
+        return _scaled(self.shapes["large"], self.input_kinds, int(size[:-1]) << 20)
+
     def input_signature(self, size: str = "small", dtype=tf.float32) -> tuple:
         """TensorSpecs with the batch (leading) dim unknown."""
         dtype = tf.as_dtype(dtype)
         specs = []
-        for shape, kind in zip(self.shapes[size], self.input_kinds):
+        for shape, kind in zip(self.shapes_for(size), self.input_kinds):
             d = tf.bool if kind == BOOL else dtype
             specs.append(tf.TensorSpec((None,) + tuple(shape[1:]), d))
         return tuple(specs)
@@ -95,16 +110,38 @@ class Pattern:
             seed = zlib.crc32(f"{self.name}/{size}".encode())
         rng = np.random.default_rng(seed)
         out = []
-        for shape, kind in zip(self.shapes[size], self.input_kinds):
+        for shape, kind in zip(self.shapes_for(size), self.input_kinds):
             out.append(_make_input(rng, shape, kind, dtype))
         return tuple(out)
 
     def input_bytes(self, size: str) -> int:
         """Bytes of the data inputs (float32 / bool), weights not included."""
         total = 0
-        for shape, kind in zip(self.shapes[size], self.input_kinds):
+        for shape, kind in zip(self.shapes_for(size), self.input_kinds):
             total += int(np.prod(shape)) * (1 if kind == BOOL else 4)
         return total
+
+
+def _nbytes(shape, kind) -> int:
+    return int(np.prod(shape)) * (1 if kind == BOOL else 4)
+
+
+def _scaled(shapes, kinds, target: int) -> list:
+    """``shapes`` (the "large" ones) resized so the largest input has ~``target`` bytes.
+    The batch dim scales (every input shares it); NHWC inputs (4-D, all with the same H
+    and W) also scale H and W together for what a whole batch step cannot reach."""
+    want = shapes[0][0] * target / max(_nbytes(s, k) for s, k in zip(shapes, kinds))
+    if not _same_spatial(shapes):
+        b = max(1, round(want))
+        return [(b,) + tuple(s[1:]) for s in shapes]
+    b = max(1, math.floor(want + 0.05))
+    g = math.sqrt(want / b)                  # the rest of the factor from H x W
+    h, w = (max(1, round(d * g)) for d in shapes[0][1:3])
+    return [(b, h, w) + tuple(s[3:]) for s in shapes]
+
+
+def _same_spatial(shapes) -> bool:
+    return all(len(s) == 4 and s[1:3] == shapes[0][1:3] and s[1] > 1 for s in shapes)
 
 
 def _make_input(rng, shape, kind, dtype):

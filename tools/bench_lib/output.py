@@ -7,6 +7,16 @@ import re
 
 from .names import LABELS, MODES
 
+# Pattern sizes in the order reports list them: the suite's two, then issue 31's four
+# (stitching.testing.patterns.MIB_SIZES: the largest input's MiB).
+PATTERN_SIZES = ("large", "small", "1m", "4m", "16m", "64m")
+
+
+def pattern_sizes(rows) -> list:
+    """The sizes present in ``rows``, in PATTERN_SIZES order (unknown ones last)."""
+    have = {r.get("size") for r in rows if r.get("size")}
+    return [s for s in PATTERN_SIZES if s in have] + sorted(have - set(PATTERN_SIZES))
+
 # ---- numbers
 
 def med(row, mode):
@@ -265,7 +275,7 @@ def summaries(results, meta=None) -> list[str]:
     if overhead and any(r.get("size") == "small" for r in pats):
         out.append(f"per-call overhead (tf.identity, 8x1024): {_overhead_text(overhead)}: "
                    "most of the small-size difference is this dispatch cost")
-    for size in ("large", "small"):
+    for size in pattern_sizes(pats):
         rs = [r for r in pats if r.get("size") == size]
         if not rs:
             continue
@@ -302,6 +312,23 @@ def _noise(row, mode="stitching", base="tf"):
 
 def _verdict(ok, text):
     return ("PASS" if ok else "FAIL") + "  " + text
+
+
+def _mib_targets(pats) -> list[str]:
+    """Issue 31's bars at 1/4/16/64 MiB: geomean stitched vs XLA >= 1.5x at each size,
+    >= 2x from 16 MiB up, and no pattern slower than XLA at any size."""
+    lines = []
+    for size in pattern_sizes(pats):
+        if not size.endswith("m") or not size[:-1].isdigit():
+            continue
+        rs = [r for r in pats if r.get("size") == size]
+        bar = 2.0 if int(size[:-1]) >= 16 else 1.5
+        g = geomean([speedup(r, "stitching", "xla") for r in rs])
+        lines.append(_verdict(g and g >= bar, f"patterns {size}: geomean stitched vs XLA "
+                                              f">= {bar:g}x: {_x3(g)}"))
+        lines.append(_no_slower(rs, f"patterns {size}: no pattern slower than XLA",
+                                lambda r: r["name"], base="xla"))
+    return lines
 
 
 def targets(results, copy_gbs) -> list[str]:
@@ -343,6 +370,7 @@ def targets(results, copy_gbs) -> list[str]:
         if small:
             lines.append(_no_slower(small, "patterns small: stitched no slower than TF",
                                     lambda r: r["name"]))
+        lines += _mib_targets(pats)
     else:
         lines.append("SKIP  patterns: suite not run")
     mods = results.get("models")
@@ -449,7 +477,7 @@ def print_report(results, meta):
             from .serving import serving_table
             print(render_text(*serving_table(rows)))
         elif suite == "patterns":
-            for size in ("large", "small"):
+            for size in pattern_sizes(rows):
                 rs = [r for r in rows if r.get("size") == size]
                 if rs:
                     print(f"-- {size} --")
@@ -598,7 +626,7 @@ def _suite_markdown(suite, rows, meta, results):
         out.append("")
         out.append(render_markdown(*serving_table(rows)))
     elif suite == "patterns":
-        for size in ("large", "small"):
+        for size in pattern_sizes(rows):
             rs = [r for r in rows if r.get("size") == size]
             if rs:
                 out += [f"### {size}", "", render_markdown(*perf_table(rs, gbs)), ""]
@@ -656,7 +684,7 @@ def write_png(path, results):
     import matplotlib.ticker
 
     groups = []
-    for size in ("large", "small"):
+    for size in pattern_sizes(results.get("patterns") or []):
         rs = [r for r in results.get("patterns") or [] if r.get("size") == size]
         if rs:
             groups.append((f"patterns ({size})", rs, lambda r: r["name"]))

@@ -129,7 +129,7 @@ def run_rows(suite, keys, *, mode_list=modes.MODES, planner=None, repeats=None,
                 min_time=0.02 if min_time is None else min_time, tol=PATTERN_TOL,
                 extra={"size": variant, "expected_kernels": p.expected_kernels,
                        "description": p.description})
-            if variant == "large":
+            if variant in ("large", "16m", "64m"):          # beyond the caches
                 from .machine import cores, spot_copy_gbs
                 row["copy_gbs"] = round(spot_copy_gbs(cores()), 2)
         else:
