@@ -3,6 +3,7 @@
 
     python tools/plan_audit.py                         # every pattern, both sizes
     python tools/plan_audit.py --only softmax_tf center_axis0 --sizes large --repeats 20
+    python tools/plan_audit.py --fuzz 20 --seed 0 --fuzz-mib 4    # random fuzzer graphs
 
 For each pattern of the suite (stitching/testing/patterns.py) three runs of the same
 function in one process, timed as tools/bench.py times modes (bench_lib.measure:
@@ -19,6 +20,13 @@ than ``--margin`` (10%): the model fused and stock TF is faster, or the model le
 to TF (search has fewer kernels than greedy) and greedy is faster.  The table also shows
 the model's predicted speed-up next to the measured one, which is what calibration
 (tools/calibrate.py) adjusts.  Exit status 1 when a decision is wrong.
+
+``--fuzz N`` audits N random programs of the project's fuzzer instead
+(stitching/testing/fuzz.py: chains of unary, broadcasting binary, row and column
+reductions, selects and casts over x:[8, R, C], w:[C], s:[8, R, 1]), x of
+``--fuzz-mib`` MiB with C drawn from 64..4096: graphs nobody wrote for the model.  Graph
+i of seed S is drawn from ``numpy.random.default_rng([S, i])``, so a row is reproduced
+alone with its seed and index (the table prints the program too).
 """
 from __future__ import annotations
 
@@ -37,7 +45,11 @@ import tensorflow as tf  # noqa: E402
 import stitching  # noqa: E402
 from bench_lib.measure import time_modes  # noqa: E402
 from bench_lib.modes import Runner  # noqa: E402
+from stitching.testing import fuzz  # noqa: E402
 from stitching.testing import patterns as P  # noqa: E402
+
+FUZZ_BATCH = 8
+FUZZ_COLS = (64, 256, 1024, 4096)     # arbitrary: short rows to long ones
 
 
 def judge(n_search, n_greedy, t_tf, t_search, t_greedy, margin) -> list:
@@ -53,7 +65,12 @@ def judge(n_search, n_greedy, t_tf, t_search, t_greedy, margin) -> list:
 
 def audit_one(pattern, size, repeats, margin, dump_root) -> dict:
     args = [tf.constant(a) for a in pattern.inputs(size)]
-    fn = pattern.fn
+    return audit_fn(pattern.name, size, pattern.fn, args, repeats, margin, dump_root)
+
+
+def audit_fn(name, size, fn, args, repeats, margin, dump_root) -> dict:
+    """One function timed three ways (stock TF, the cost model's plan, greedy) beside
+    the model's prediction for its kernels."""
     stock = tf.function(fn)
     search = stitching.function(fn, options=stitching.Options(dump_dir=dump_root))
     greedy = stitching.function(fn, options=stitching.Options(planner="greedy"))
@@ -66,11 +83,38 @@ def audit_one(pattern, size, repeats, margin, dump_root) -> dict:
     unfused = sum(k.estimate.get("unfused_us") or 0 for k in dump.kernels)
     n_search, n_greedy = len(search.report.kernels), len(greedy.report.kernels)
     wrong = judge(n_search, n_greedy, t_tf, t_search, t_greedy, margin)
-    return {"pattern": pattern.name, "size": size, "kernels": n_search,
+    return {"pattern": name, "size": size, "kernels": n_search,
             "greedy_kernels": n_greedy, "tf_ms": t_tf * 1e3, "search_ms": t_search * 1e3,
             "greedy_ms": t_greedy * 1e3,
             "predicted": unfused / fused if fused and unfused else None,
-            "measured": t_tf / t_search, "wrong": wrong}
+            "measured": t_tf / t_search, "wrong": wrong,
+            "unfused": [f"{op}: {why}" for _, op, why in search.report.unfused]}
+
+
+def fuzz_case(seed: int, i: int, mib: float):
+    """(name, program, args) of fuzz graph i of ``seed``: a random program and inputs
+    with x about ``mib`` MiB."""
+    import numpy as np
+    rng = np.random.default_rng([seed, i])
+    program = fuzz.random_program(rng)
+    cols = FUZZ_COLS[int(rng.integers(len(FUZZ_COLS)))]
+    rows = max(1, int(mib * (1 << 20)) // (4 * FUZZ_BATCH * cols))
+    shapes = ((FUZZ_BATCH, rows, cols), (cols,), (FUZZ_BATCH, rows, 1))
+    args = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    return f"fuzz {seed}/{i} [{FUZZ_BATCH},{rows},{cols}]", program, args
+
+
+def _cases(args):
+    """(name, size label, fn, tf args) to audit."""
+    if args.fuzz:
+        for i in range(args.fuzz):
+            name, program, tf_args = fuzz_case(args.seed, i, args.fuzz_mib)
+            yield name, fuzz.describe(program), fuzz.build(program), tf_args
+        return
+    pats = [P.get(n) for n in args.only] if args.only else P.all_patterns()
+    for p in pats:
+        for size in args.sizes.split(","):
+            yield p.name, size, p.fn, [tf.constant(a) for a in p.inputs(size)]
 
 
 def main(argv=None):
@@ -79,24 +123,36 @@ def main(argv=None):
     ap.add_argument("--sizes", default="large,small")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--margin", type=float, default=0.10)
+    ap.add_argument("--fuzz", type=int, default=0, metavar="N",
+                    help="audit N random fuzzer graphs instead of the pattern suite")
+    ap.add_argument("--seed", type=int, default=0, help="the fuzzer's seed")
+    ap.add_argument("--fuzz-mib", type=float, default=4.0,
+                    help="size of each fuzz graph's x input, MiB")
     args = ap.parse_args(argv)
-    pats = [P.get(n) for n in args.only] if args.only else P.all_patterns()
     rows = []
-    print("| pattern | size | kernels (greedy) | TF ms | stitched ms | greedy ms | "
+    print("| case | size / program | kernels (greedy) | TF ms | stitched ms | greedy ms | "
           "model speed-up | measured | wrong decision |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory(prefix="plan-audit-") as root:
-        for p in pats:
-            for size in args.sizes.split(","):
-                r = audit_one(p, size, args.repeats, args.margin, root)
-                rows.append(r)
-                pred = "-" if r["predicted"] is None else f"{r['predicted']:.2f}x"
-                print(f"| {r['pattern']} | {size} | {r['kernels']} ({r['greedy_kernels']}) | "
-                      f"{r['tf_ms']:.3f} | {r['search_ms']:.3f} | {r['greedy_ms']:.3f} | "
-                      f"{pred} | {r['measured']:.2f}x | {'; '.join(r['wrong'])} |",
-                      flush=True)
+        for name, size, fn, tf_args in _cases(args):
+            try:
+                r = audit_fn(name, size, fn, tf_args, args.repeats, args.margin, root)
+            except Exception as e:  # noqa: BLE001 - a graph that fails is a finding too
+                print(f"| {name} | {size} | error: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:160]} |", flush=True)
+                continue
+            rows.append(r)
+            pred = "-" if r["predicted"] is None else f"{r['predicted']:.2f}x"
+            print(f"| {r['pattern']} | {size} | {r['kernels']} ({r['greedy_kernels']}) | "
+                  f"{r['tf_ms']:.3f} | {r['search_ms']:.3f} | {r['greedy_ms']:.3f} | "
+                  f"{pred} | {r['measured']:.2f}x | {'; '.join(r['wrong'])} |",
+                  flush=True)
     bad = [r for r in rows if r["wrong"]]
     print(f"\n{len(bad)} wrong decision(s) of {len(rows)} (margin {args.margin:.0%})")
+    for r in bad:           # what the model did, for the ones it got wrong
+        print(f"- {r['pattern']} ({r['size']}): {'; '.join(r['wrong'])}; TF "
+              f"{r['tf_ms']:.3f} ms, stitched {r['search_ms']:.3f}, greedy "
+              f"{r['greedy_ms']:.3f}; left to TF: {'; '.join(r['unfused']) or 'nothing'}")
     return 1 if bad else 0
 
 
