@@ -10,13 +10,18 @@ function in one process, timed as tools/bench.py times modes (bench_lib.measure:
 interleaved in shuffled order, so drift hits them alike):
 
     tf       stock tf.function
+    unfused  stitching.function planning no kernel (min_ops too large): the same
+             Grappler rewrites and call path as the next two, every op left to TF --
+             the "unfused" side of the model's comparison (stock tf.function's own
+             call costs ~0.15 ms more per call here, which would otherwise count as
+             a gain of fusing on small graphs)
     search   stitching.function as shipped: the cost model decides what to fuse
     greedy   stitching with the legality-only planner: everything legal fused
 
 The search plan's dump (stitching.inspect) gives the model's view of each kernel: its
 fused time and the time of its ops left to TF (``estimate.fused_us`` / ``unfused_us``).
 A decision is *wrong* when the choice the model did not make measures faster by more
-than ``--margin`` (10%): the model fused and stock TF is faster, or the model left ops
+than ``--margin`` (10%): the model fused and its ops left to TF (unfused) are faster, or the model left ops
 to TF (search has fewer kernels than greedy) and greedy is faster.  The table also shows
 the model's predicted speed-up next to the measured one, which is what calibration
 (tools/calibrate.py) adjusts.  Exit status 1 when a decision is wrong.
@@ -48,15 +53,17 @@ from bench_lib.modes import Runner  # noqa: E402
 from stitching.testing import fuzz  # noqa: E402
 from stitching.testing import patterns as P  # noqa: E402
 
+_NOTHING = 1 << 30                    # min_ops no region reaches: nothing is fused
 FUZZ_BATCH = 8
 FUZZ_COLS = (64, 256, 1024, 4096)     # arbitrary: short rows to long ones
 
 
-def judge(n_search, n_greedy, t_tf, t_search, t_greedy, margin) -> list:
+def judge(n_search, n_greedy, t_unfused, t_search, t_greedy, margin) -> list:
     """The model's wrong decisions for one function (empty: none), from the kernel
-    counts of the search and greedy plans and the three measured times."""
+    counts of the search and greedy plans and the measured times with nothing fused,
+    the model's plan and everything fused."""
     wrong = []
-    if n_search and t_tf < t_search / (1 + margin):
+    if n_search and t_unfused < t_search / (1 + margin):
         wrong.append("fused, but stock TF is faster")
     if n_search < n_greedy and t_greedy < t_search / (1 + margin):
         wrong.append("left ops to TF that fused (greedy) run faster")
@@ -74,20 +81,23 @@ def audit_fn(name, size, fn, args, repeats, margin, dump_root) -> dict:
     stock = tf.function(fn)
     search = stitching.function(fn, options=stitching.Options(dump_dir=dump_root))
     greedy = stitching.function(fn, options=stitching.Options(planner="greedy"))
+    unfused = stitching.function(fn, options=stitching.Options(min_ops=_NOTHING))
     # bench.py's timing: modes interleaved in shuffled order, loops of calls, lead-ins
-    times = time_modes([Runner("tf", stock), Runner("search", search),
-                        Runner("greedy", greedy)], args, repeats=repeats, warmup=2)
-    t_tf, t_search, t_greedy = (times[m]["median_s"] for m in ("tf", "search", "greedy"))
+    times = time_modes([Runner("tf", stock), Runner("unfused", unfused),
+                        Runner("search", search), Runner("greedy", greedy)], args,
+                       repeats=repeats, warmup=2)
+    t_tf, t_unf, t_search, t_greedy = (times[m]["median_s"]
+                                       for m in ("tf", "unfused", "search", "greedy"))
     dump = stitching.load_dump(search.report.dump_path)
     fused = sum(k.estimate.get("fused_us") or 0 for k in dump.kernels)
-    unfused = sum(k.estimate.get("unfused_us") or 0 for k in dump.kernels)
+    est_unfused = sum(k.estimate.get("unfused_us") or 0 for k in dump.kernels)
     n_search, n_greedy = len(search.report.kernels), len(greedy.report.kernels)
-    wrong = judge(n_search, n_greedy, t_tf, t_search, t_greedy, margin)
+    wrong = judge(n_search, n_greedy, t_unf, t_search, t_greedy, margin)
     return {"pattern": name, "size": size, "kernels": n_search,
-            "greedy_kernels": n_greedy, "tf_ms": t_tf * 1e3, "search_ms": t_search * 1e3,
-            "greedy_ms": t_greedy * 1e3,
-            "predicted": unfused / fused if fused and unfused else None,
-            "measured": t_tf / t_search, "wrong": wrong,
+            "greedy_kernels": n_greedy, "tf_ms": t_tf * 1e3, "unfused_ms": t_unf * 1e3,
+            "search_ms": t_search * 1e3, "greedy_ms": t_greedy * 1e3,
+            "predicted": est_unfused / fused if fused and est_unfused else None,
+            "measured": t_unf / t_search, "wrong": wrong,
             "unfused": [f"{op}: {why}" for _, op, why in search.report.unfused]}
 
 
@@ -130,9 +140,9 @@ def main(argv=None):
                     help="size of each fuzz graph's x input, MiB")
     args = ap.parse_args(argv)
     rows = []
-    print("| case | size / program | kernels (greedy) | TF ms | stitched ms | greedy ms | "
-          "model speed-up | measured | wrong decision |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| case | size / program | kernels (greedy) | TF ms | unfused ms | stitched ms | "
+          "greedy ms | model speed-up | measured | wrong decision |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory(prefix="plan-audit-") as root:
         for name, size, fn, tf_args in _cases(args):
             try:
@@ -144,14 +154,15 @@ def main(argv=None):
             rows.append(r)
             pred = "-" if r["predicted"] is None else f"{r['predicted']:.2f}x"
             print(f"| {r['pattern']} | {size} | {r['kernels']} ({r['greedy_kernels']}) | "
-                  f"{r['tf_ms']:.3f} | {r['search_ms']:.3f} | {r['greedy_ms']:.3f} | "
+                  f"{r['tf_ms']:.3f} | {r['unfused_ms']:.3f} | {r['search_ms']:.3f} | "
+                  f"{r['greedy_ms']:.3f} | "
                   f"{pred} | {r['measured']:.2f}x | {'; '.join(r['wrong'])} |",
                   flush=True)
     bad = [r for r in rows if r["wrong"]]
     print(f"\n{len(bad)} wrong decision(s) of {len(rows)} (margin {args.margin:.0%})")
     for r in bad:           # what the model did, for the ones it got wrong
-        print(f"- {r['pattern']} ({r['size']}): {'; '.join(r['wrong'])}; TF "
-              f"{r['tf_ms']:.3f} ms, stitched {r['search_ms']:.3f}, greedy "
+        print(f"- {r['pattern']} ({r['size']}): {'; '.join(r['wrong'])}; unfused "
+              f"{r['unfused_ms']:.3f} ms, stitched {r['search_ms']:.3f}, greedy "
               f"{r['greedy_ms']:.3f}; left to TF: {'; '.join(r['unfused']) or 'nothing'}")
     return 1 if bad else 0
 
