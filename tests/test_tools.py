@@ -103,6 +103,10 @@ def test_plan_audit_names_the_decisions_the_measurements_contradict():
     assert j(1, 1, 1.0, 1.2, 1.2, 0.1) == ["fused, but stock TF is faster"]
     assert j(0, 1, 1.0, 1.0, 0.5, 0.1) == ["left ops to TF that fused (greedy) run faster"]
     assert j(0, 0, 1.0, 1.0, 0.5, 0.1) == []                       # nothing legal to fuse
+    # same kernel count, other grouping (or launch): greedy faster is a wrong decision
+    assert j(1, 1, 2.0, 1.0, 0.5, 0.1, differ=True) == [
+        "greedy's other grouping of the same ops runs faster"]
+    assert j(1, 1, 2.0, 1.0, 0.5, 0.1, differ=False) == []         # same plan: noise
 
 
 def test_plan_audit_measures_a_pattern_against_the_models_view(tmp_path):
