@@ -4,6 +4,7 @@
     python tools/plan_audit.py                         # every pattern, both sizes
     python tools/plan_audit.py --only softmax_tf center_axis0 --sizes large --repeats 20
     python tools/plan_audit.py --fuzz 20 --seed 0 --fuzz-mib 4    # random fuzzer graphs
+    python tools/plan_audit.py --seed 1 --fuzz-index 12 28 --fuzz-mib 16 --repeats 20
 
 For each pattern of the suite (stitching/testing/patterns.py) three runs of the same
 function in one process, timed as tools/bench.py times modes (bench_lib.measure:
@@ -129,8 +130,8 @@ def fuzz_case(seed: int, i: int, mib: float):
 
 def _cases(args):
     """(name, size label, fn, tf args) to audit."""
-    if args.fuzz:
-        for i in range(args.fuzz):
+    if args.fuzz or args.fuzz_index:
+        for i in args.fuzz_index or range(args.fuzz):
             name, program, tf_args = fuzz_case(args.seed, i, args.fuzz_mib)
             yield name, fuzz.describe(program), fuzz.build(program), tf_args
         return
@@ -149,6 +150,8 @@ def main(argv=None):
     ap.add_argument("--fuzz", type=int, default=0, metavar="N",
                     help="audit N random fuzzer graphs instead of the pattern suite")
     ap.add_argument("--seed", type=int, default=0, help="the fuzzer's seed")
+    ap.add_argument("--fuzz-index", type=int, nargs="*",
+                    help="audit only these fuzz graphs of the seed (a row again)")
     ap.add_argument("--fuzz-mib", type=float, default=4.0,
                     help="size of each fuzz graph's x input, MiB")
     args = ap.parse_args(argv)
