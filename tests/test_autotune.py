@@ -181,3 +181,34 @@ def test_only_kernels_below_the_margin_are_measured():
 def test_autotune_margin_must_be_a_speed_up(bad):
     with pytest.raises(ValueError, match="autotune_margin"):
         stitching.Options(autotune=True, autotune_margin=bad)
+
+
+def test_stitching_rewrite_autotune_marks_a_graph_that_measures_where_it_runs(tmp_path):
+    """`stitching-rewrite --autotune MARGIN`: the shipped graph's kernel nodes carry the
+    mark and their native segment, and the process that runs the graph measures."""
+    from stitching.tf import cli
+    x_np, w_np = _args(352)
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 352], name="x")
+        tf.identity(fn(x, tf.constant(w_np)), name="y")
+    (tmp_path / "g.pb").write_bytes(g.as_graph_def().SerializeToString())
+    out = str(tmp_path / "out.pb")
+    assert cli.main([str(tmp_path / "g.pb"), out, "--outputs", "y", "--autotune", "inf",
+                     "--no-kernels"]) == 0
+    gd = tf.compat.v1.GraphDef()
+    gd.ParseFromString((tmp_path / "out.pb").read_bytes())
+    marked = [n for n in gd.node if n.op == "StitchedKernel"]
+    assert marked and all("_stitching_autotune" in n.attr and n.attr["fallback"].list.func
+                          for n in marked)
+    run = tf.compat.v1.wrap_function(
+        lambda a: tf.compat.v1.import_graph_def(gd, {"x:0": a}, ["y:0"], name=""),
+        [tf.TensorSpec([None, 352], tf.float32)])
+    before = runtime.stats()
+    ref = fn(x_np, w_np).numpy()
+    for _ in range(CALLS_TO_DECIDE):
+        np.testing.assert_allclose(run(tf.constant(x_np))[0].numpy(), ref,
+                                   rtol=1e-6, atol=1e-6)
+    assert _delta(before)["autotune_measured"] == 1
+    assert cli.main([str(tmp_path / "g.pb"), out, "--outputs", "y",
+                     "--autotune", "0.5"]) == 1          # a margin below 1 is refused
