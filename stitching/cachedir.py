@@ -3,6 +3,7 @@
     <root>/ops/        the StitchedKernel op library (runtime/build.py)
     <root>/kernels/    compiled kernels, per toolchain (compile/kernel.py)
     <root>/plans/      stored plans of large graphs (plan/cache.py)
+    <root>/autotune/   kernel-or-native-segment decisions, per device (runtime/autotune.py)
     <root>/cpu_profile.json   the measured device profile (plan/profiles.py)
 
 A leaf module (it imports nothing of stitching), so every stage that caches something

@@ -23,6 +23,12 @@ class Options:
     stitch_backward: bool = True   # a tape outside the function: each kernel's backward
     #                                (its original ops recomputed + TF's gradient) is
     #                                stitched as a function of its own; False: TF ops
+    autotune: bool = False         # kernels the cost model predicts faster by less than
+    #                                autotune_margin are timed against their original
+    #                                ops on their first calls; the faster serves, and the
+    #                                choice is cached (tf/autotune.py, runtime/autotune.py)
+    autotune_margin: float = 1.3   # arbitrary: about the model's error on this machine
+    #                                (tools/plan_audit.py); inf measures every kernel
 
     def __post_init__(self):
         from .plan import ALIASES, PLANNERS
@@ -31,5 +37,10 @@ class Options:
                              f"{', '.join(PLANNERS)}")
         if not isinstance(self.min_ops, int) or self.min_ops < 1:
             raise ValueError("min_ops must be a positive int")
+        if isinstance(self.autotune_margin, bool) or \
+                not isinstance(self.autotune_margin, (int, float)) or \
+                not self.autotune_margin >= 1.0:
+            raise ValueError(f"autotune_margin must be a number >= 1 (a predicted "
+                             f"speed-up), got {self.autotune_margin!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise TypeError(f"dump_dir must be a path, got {type(self.dump_dir).__name__}")

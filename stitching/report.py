@@ -2,7 +2,7 @@
 
 ``summary()`` is the text a user reads; ``to_dict()`` the same facts as data
 (keys: memory_intensive_ops, fused_ops, kernels, coverage, unfused,
-kernel_details, boundaries, compile_seconds, notes).  Counts are in TF ops of
+kernel_details, boundaries, compile_seconds, notes, autotune).  Counts are in TF ops of
 the original graph: a Softmax is one op even though its kernel expands it.
 """
 from __future__ import annotations
@@ -35,6 +35,9 @@ class Report:
     explanation: list = field(default_factory=list)   # per kernel: alternatives and scores
     profile: str = ""          # the device profile the cost model planned with (its source)
     dump_path: str | None = None   # the graph dump of this trace, when dumping is on
+    # Options(autotune): the kernels timed against their native segment (tf/autotune.py)
+    # with the model's prediction; what the measurements decided is read live
+    autotune: list = field(default_factory=list)
 
     @property
     def coverage(self) -> float:
@@ -62,7 +65,56 @@ class Report:
             "notes": list(self.notes),
             "explanation": list(self.explanation),
             "profile": self.profile,
+            "autotune": self.autotune_decisions(),
         }
+
+    def autotune_decisions(self) -> list:
+        """Per kernel timed against its native segment: the model's prediction and,
+        per shape class measured so far (``class``: log2 of the input bytes), the
+        measured median times, the choice and whether it was measured in this process
+        or read from the cache."""
+        if not self.autotune:
+            return []
+        try:
+            from .runtime import autotune_decisions
+            live = autotune_decisions()
+        except Exception:  # noqa: BLE001 - no op library here: the static part only
+            live = {}
+        out = []
+        for e in self.autotune:
+            d = dict(e)
+            d["decisions"] = [dict(v, **{"class": cls})
+                              for (h, cls), v in sorted(live.items())
+                              if h == e["spec_hash"]]
+            out.append(d)
+        return out
+
+    def _autotune_lines(self) -> list:
+        entries = self.autotune_decisions()
+        if not entries:
+            return []
+        margin = entries[0]["margin"]
+        which = (f"kernels predicted < {margin:.2f}x faster than their ops in TF"
+                 if margin != float("inf") else "every kernel")
+        lines = [f"  autotune ({which}, timed against those ops on the first calls of "
+                 f"each input size class; the faster serves):"]
+        for e in entries:
+            pred = ("no prediction" if e["predicted"] is None else
+                    f"predicted {e['predicted']:.2f}x ({e['fused_us']:.1f} µs fused vs "
+                    f"{e['unfused_us']:.1f} µs unfused)")
+            head = f"    {e['kernel']}: {pred}"
+            if e.get("why_not"):
+                lines.append(f"{head}; not measured: {e['why_not']}")
+                continue
+            done = [d for d in e["decisions"] if d["choice"]]
+            if not done:
+                lines.append(f"{head}; not measured yet")
+            for d in done:
+                how = "measured" if d["source"] == "measured" else "measured earlier, cached"
+                lines.append(f"{head}; inputs ~2^{d['class']} B: kernel "
+                             f"{d['kernel_us']:.1f} µs vs native segment "
+                             f"{d['native_us']:.1f} µs ({how}) -> {d['choice']}")
+        return lines
 
     def summary(self) -> str:
         lines = [f"stitching report for {self.function}",
@@ -84,6 +136,7 @@ class Report:
             for reason, items in by_reason.items():
                 shown = ", ".join(items[:4]) + (f", … {len(items) - 4} more" if len(items) > 4 else "")
                 lines.append(f"    {reason}: {shown}")
+        lines.extend(self._autotune_lines())
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)

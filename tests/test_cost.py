@@ -1,5 +1,6 @@
 """Cost model against pinned device profiles (TF-free): delta and latency evaluators."""
 import json
+import os
 
 import pytest
 
@@ -330,3 +331,28 @@ def test_the_shipped_calibration_applies_to_the_measured_cpu_only(monkeypatch):
     assert profiles.calibrated(V100) is V100                 # GPU profiles: as pinned
     mine = profiles.with_overrides(CPU, tf_time_scale={"softmax": 2.0})
     assert profiles.calibrated(mine) is mine                 # its own factors win
+
+
+def test_this_machines_calibration_comes_before_the_shipped_one(tmp_path, monkeypatch):
+    """calibrate.py --install: factors bound to this CPU in the cache directory win over
+    the shipped default; one measured on another CPU, or a bad file, is not used."""
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profiles, "_SHIPPED", {"column_reduction": 3.0})
+    cpu = profiles.with_overrides(CPU, name="cpu", source="measured")
+    path = profiles.local_calibration_path()
+    mine = profiles.with_overrides(CPU, tf_time_scale={"softmax": 0.7})
+    profiles.save_file(mine, path, this_machine=True)
+    got = profiles.calibrated(cpu)
+    assert got.tf_time_scale == {"softmax": 0.7}
+    assert got.source == f"measured + this machine's calibration ({path})"
+    doc = json.load(open(path))
+    doc["fingerprint"] = "another CPU|64|[]"
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    os.utime(path, ns=(1, 1))                      # a new mtime: read again
+    assert profiles.calibrated(cpu).tf_time_scale == {"column_reduction": 3.0}
+    with open(path, "w") as f:
+        f.write("{broken")
+    os.utime(path, ns=(2, 2))
+    with pytest.warns(RuntimeWarning, match="ignoring this machine's calibration"):
+        assert profiles.calibrated(cpu).tf_time_scale == {"column_reduction": 3.0}

@@ -39,23 +39,18 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st  
 import stitching  # noqa: E402
 
 U = 2.0 ** -24
-UNARY = [tf.tanh, tf.sigmoid, tf.abs, tf.nn.relu, tf.negative, lambda v: tf.exp(-tf.abs(v)),
-         lambda v: tf.math.log1p(tf.abs(v)), tf.math.erf, tf.square]
-BINARY = [tf.add, tf.subtract, tf.multiply, tf.maximum, tf.minimum]
-CASTS = [tf.float64, tf.float16, tf.bfloat16]
-
-
-def _reduce(kind, v, axis):
-    op = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max}[kind]
-    return op(v, axis=axis, keepdims=True)
+# the program tables and the TF function of a program live with the fuzzer
+# (stitching/testing/fuzz.py), which tools/plan_audit.py draws from too
+from stitching.testing.fuzz import (BINARY, CASTS, MAX_STEPS, MIN_STEPS,  # noqa: E402
+                                    REDUCE_AXES, REDUCE_KINDS, STEP_KINDS, UNARY, build)
 
 
 @st.composite
 def programs(draw):
     steps = []
     n_vals = 3                                   # x, w, s
-    for _ in range(draw(st.integers(2, 9))):
-        kind = draw(st.sampled_from(["unary", "binary", "binary", "reduce", "select", "cast"]))
+    for _ in range(draw(st.integers(MIN_STEPS, MAX_STEPS))):
+        kind = draw(st.sampled_from(STEP_KINDS))
         a = draw(st.integers(0, n_vals - 1))
         if kind == "unary":
             steps.append(("unary", draw(st.integers(0, len(UNARY) - 1)), a))
@@ -63,8 +58,8 @@ def programs(draw):
             steps.append(("binary", draw(st.integers(0, len(BINARY) - 1)), a,
                           draw(st.integers(0, n_vals - 1))))
         elif kind == "reduce":
-            steps.append(("reduce", draw(st.sampled_from(["sum", "mean", "max"])), a,
-                          draw(st.sampled_from([-1, -1, 0, 1]))))
+            steps.append(("reduce", draw(st.sampled_from(REDUCE_KINDS)), a,
+                          draw(st.sampled_from(REDUCE_AXES))))
         elif kind == "select":
             steps.append(("select", a, draw(st.integers(0, n_vals - 1))))
         else:
@@ -72,32 +67,6 @@ def programs(draw):
         n_vals += 1
     outs = sorted(set(draw(st.lists(st.integers(3, n_vals - 1), min_size=1, max_size=2))))
     return steps, outs
-
-
-def build(program):
-    steps, outs = program
-
-    def fn(x, w, s):
-        vals = [x, w, s]
-        for step in steps:
-            kind = step[0]
-            if kind == "unary":
-                v = UNARY[step[1]](vals[step[2]])
-            elif kind == "binary":
-                v = BINARY[step[1]](vals[step[2]], vals[step[3]])
-            elif kind == "reduce":
-                src = vals[step[2]]
-                axis = step[3] if src.shape.rank == 3 else -1
-                v = _reduce(step[1], src, axis)
-            elif kind == "select":
-                a, b = vals[step[1]], vals[step[2]]
-                v = tf.where(a > b, a, b * 0.5)
-            else:
-                v = tf.cast(tf.cast(vals[step[1]], CASTS[step[2] if len(step) > 2 else 0]),
-                            tf.float32)
-            vals.append(v)
-        return [vals[i] for i in outs]
-    return fn
 
 
 # ---- the float64 oracle with error budgets ---------------------------------------

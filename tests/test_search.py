@@ -1,4 +1,6 @@
 """Search planner on tiny hand-built IR graphs: expected plans, cycles, reasons (TF-free)."""
+import re
+
 import networkx as nx
 import pytest
 
@@ -176,6 +178,27 @@ def test_a_kernel_the_latency_evaluator_finds_slower_is_left_alone(monkeypatch):
     assert p.unfused[0][2].startswith("cost model predicts no gain: fused 1000000.0 µs")
     assert p.notes == ["function left alone: the cost model predicts no kernel pays"]
     assert p.alternatives[0].deployed is False
+
+
+def test_an_op_the_cost_model_keeps_out_says_so_with_its_predicted_times():
+    """Regression: an op the cost model kept out of its neighbours' kernel was reported
+    as "a lone op: fusing it alone saves nothing"; the reason now names the cost model
+    and the predicted times of the best pattern with it.  An op with no fusible
+    neighbour keeps the lone-op reason."""
+    g = (G().input("x", [2, 1 << 20]).op("m", "Mean", ["x"], axes=[1], keep_dims=True)
+         .op("d", "Sub", ["x", "m"]).op("e", "Exp", ["d"]).opaque("o", ["e"], [2, 1 << 20])
+         .build("o"))
+    p = plan(g, config=V100)           # two rows on 80 SMs: fusing the Mean loses lanes
+    assert regions(p) == [["d", "e"]]
+    ((node, op, why),) = p.unfused
+    assert (node, op) == ("m", "Mean")
+    assert why.startswith("cost model predicts no gain fusing it with its neighbours: "
+                          "best {m, d, e} predicted ")
+    fused, unfused = (float(t) for t in re.findall(r"([0-9.]+) µs", why))
+    assert fused > unfused > 0
+    lone = (G().input("x", [2, 1 << 20]).op("m", "Mean", ["x"], axes=[1], keep_dims=True)
+            .opaque("o", ["m"], [2, 1]).build("o"))
+    assert plan(lone, config=V100).unfused == [("m", "Mean", search.LONE_OP)]
 
 
 def test_min_ops_one_keeps_lone_ops_the_model_cannot_justify():

@@ -103,6 +103,28 @@ def test_plan_audit_names_the_decisions_the_measurements_contradict():
     assert j(1, 1, 1.0, 1.2, 1.2, 0.1) == ["fused, but stock TF is faster"]
     assert j(0, 1, 1.0, 1.0, 0.5, 0.1) == ["left ops to TF that fused (greedy) run faster"]
     assert j(0, 0, 1.0, 1.0, 0.5, 0.1) == []                       # nothing legal to fuse
+    # same kernel count, other grouping (or launch): greedy faster is a wrong decision
+    assert j(1, 1, 2.0, 1.0, 0.5, 0.1, differ=True) == [
+        "greedy's other grouping of the same ops runs faster"]
+    assert j(1, 1, 2.0, 1.0, 0.5, 0.1, differ=False) == []         # same plan: noise
+
+
+def test_plan_audit_fuzz_graphs_are_reproducible_and_audited(tmp_path):
+    """--fuzz: graph i of a seed is the same program and inputs every time (a row can
+    be rerun alone with --fuzz-index) and goes through the same audit as a pattern."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import numpy as np
+    import plan_audit
+    a, b = plan_audit.fuzz_case(7, 2, 0.05), plan_audit.fuzz_case(7, 2, 0.05)
+    assert a[0] == b[0] and a[1] == b[1]
+    assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a[2], b[2]))
+    assert plan_audit.fuzz_case(7, 3, 0.05)[1] != a[1] or \
+        plan_audit.fuzz_case(7, 4, 0.05)[1] != a[1]
+    name, program, args = a
+    r = plan_audit.audit_fn(name, "fuzz", plan_audit.fuzz.build(program), args,
+                            repeats=2, margin=0.1, dump_root=str(tmp_path))
+    assert r["unfused_ms"] > 0 and r["search_ms"] > 0 and r["greedy_ms"] > 0
+    assert isinstance(r["wrong"], list) and "predicted_saving_us" in r
 
 
 def test_plan_audit_measures_a_pattern_against_the_models_view(tmp_path):

@@ -4,6 +4,8 @@
     python tools/calibrate.py                         # print the table, write nothing
     python tools/calibrate.py --out my-profile.json   # a profile file for this machine:
         STITCHING_DEVICE_PROFILE=my-profile.json python ...   plans with it
+    python tools/calibrate.py --install               # this machine's factors, used by
+        every process here ($STITCHING_CACHE_DIR/calibration-cpu.json, bound to the CPU)
     python tools/calibrate.py --ship                  # the package's default factors
                                                       # (stitching/plan/calibration-cpu.json)
 
@@ -102,6 +104,10 @@ def main(argv=None):
     ap.add_argument("--out", help="write a profile file for this machine")
     ap.add_argument("--ship", action="store_true",
                     help=f"write the package's default factors ({profiles.CALIBRATION_FILE})")
+    ap.add_argument("--install", action="store_true",
+                    help="write this machine's factors into the cache directory "
+                         f"({profiles.local_calibration_path()}), which every process "
+                         "on this CPU then plans with (before the shipped default)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES_MIB)),
                     help="input sizes in MiB (default %(default)s)")
     args = ap.parse_args(argv)
@@ -115,6 +121,10 @@ def main(argv=None):
     for path in filter(None, (args.out, args.ship and profiles.CALIBRATION_FILE)):
         profiles.save_file(prof, path, note)
         print("wrote", path)
+    if args.install:
+        path = profiles.local_calibration_path()
+        profiles.save_file(prof, path, note, this_machine=True)
+        print("wrote", path, "(this machine's calibration)")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,15 @@ measures them on the running machine and writes a profile file; ``--ship`` write
 package's default (``calibration-cpu.json`` beside this file), which then applies to the
 measured CPU profile.  None is shipped yet: without the file the factors are 1.  ``STITCHING_DEVICE_PROFILE=<file>``
 plans with a profile file instead (one ``tools/calibrate.py`` wrote); the report names the
-profile it planned with (``DeviceProfile.source``).
+profile it planned with (``DeviceProfile.source``).  Which factors the measured CPU
+profile gets, first found wins:
+
+    $STITCHING_DEVICE_PROFILE=<file>        that file's profile, factors and all
+    <cache root>/calibration-cpu.json       this machine's (calibrate.py --install), read
+                                            only where its CPU fingerprint matches; a
+                                            bad one is ignored with a warning
+    stitching/plan/calibration-cpu.json     the shipped default (calibrate.py --ship)
+    none                                    factors 1
 
 A *lane* is the unit of parallelism that pulls memory bandwidth: a core on the CPU, a
 resident thread on a GPU.  ``bw_at(active_lanes)`` is the bandwidth that many active lanes
@@ -171,14 +179,54 @@ class ProfileFileError(ValueError):
 
 
 def calibrated(profile: DeviceProfile) -> DeviceProfile:
-    """``profile`` with the shipped TF time factors where it has none of its own."""
+    """``profile`` with this machine's TF time factors (calibrate.py --install), else
+    the shipped ones, where it has none of its own."""
     if profile.tf_time_scale or profile.backend != "cpu":
         return profile
+    local = _local_scale()
+    if local is not None:
+        return replace(profile, tf_time_scale=local[0],
+                       source=(profile.source or profile.name)
+                       + f" + this machine's calibration ({local[1]})")
     scale = _shipped_scale()
     if not scale:
         return profile
     return replace(profile, tf_time_scale=scale,
                    source=(profile.source or profile.name) + " + shipped calibration")
+
+
+LOCAL_CALIBRATION = "calibration-cpu.json"
+_LOCAL: dict = {}          # path -> (mtime, (factors, path) or None)
+
+
+def local_calibration_path() -> str:
+    """Where ``tools/calibrate.py --install`` puts this machine's factors."""
+    return str(cachedir.root() / LOCAL_CALIBRATION)
+
+
+def _local_scale():
+    """(factors, path) of this machine's calibration file, or None: no file, a file
+    measured on another CPU (its fingerprint differs), or a bad file (warned once)."""
+    path = local_calibration_path()
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+    hit = _LOCAL.get(path)
+    if hit is not None and hit[0] == mtime:
+        return hit[1]
+    found = None
+    try:
+        with open(path) as f:
+            mine = json.load(f).get("fingerprint") == _fingerprint()
+        if mine:
+            found = (load_file(path).tf_time_scale, path)
+    except (OSError, ValueError, AttributeError) as e:
+        import warnings
+        warnings.warn(f"stitching: ignoring this machine's calibration: {e}", RuntimeWarning,
+                      stacklevel=3)
+    _LOCAL[path] = (mtime, found)
+    return found
 
 
 _SHIPPED = None
@@ -247,13 +295,18 @@ def _check_scale(path, scale) -> None:
                                    f"outside [{lo}, {hi}]")
 
 
-def save_file(profile: DeviceProfile, path: str, note: str = "") -> None:
-    """Write ``profile`` as a profile file (atomically)."""
+def save_file(profile: DeviceProfile, path: str, note: str = "",
+              this_machine: bool = False) -> None:
+    """Write ``profile`` as a profile file (atomically); ``this_machine``: bound to this
+    CPU's fingerprint (this machine's calibration, read only here)."""
     _check_scale(path, profile.tf_time_scale)
+    doc = {"version": PROFILE_VERSION, "note": note, "profile": profile.to_dict()}
+    if this_machine:
+        doc["fingerprint"] = _fingerprint()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"version": PROFILE_VERSION, "note": note, "profile": profile.to_dict()},
-                  f, indent=1, sort_keys=True)
+        json.dump(doc, f, indent=1, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
 

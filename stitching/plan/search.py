@@ -125,6 +125,7 @@ class _Context:
         self.boundaries: dict = {}         # (node, reason) -> None, insertion ordered
         self.log: dict = {}                # node -> [(kind, pattern, score_s, outcome)]
         self.C: dict = {}                  # vertex -> candidate patterns (last DP run)
+        self.final_groups: list = []       # the merged kernels deploy considered
         self._legal: dict = {}
         self._masks: dict = {}
         self._launch: dict = {}
@@ -466,6 +467,7 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
     """Kernels that pay (or lone ops, when min_ops < 2 asks for them) become regions."""
     result = Plan()
     placed: dict = {}                       # node -> why it is not in a kernel
+    ctx.final_groups = [frozenset(P) for P in groups if len(P) > 1]
     if min_ops < 2:
         covered = set().union(*groups) if groups else set()
         groups = list(groups) + [frozenset((v,)) for v in sorted(ctx.is_fusible - covered)]
@@ -474,7 +476,7 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
         work = sum(_fus.work(ctx.graph[n]) for n in names)
         if work < min_ops:
             for n in names:
-                placed[n] = "a lone op: fusing it alone saves nothing"
+                placed[n] = LONE_OP     # _unfused_reason says what the cost model did
             continue
         why = ctx.check(P)
         if why is not None:                 # only lone ops added above get here
@@ -499,11 +501,44 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
     return result
 
 
+LONE_OP = "a lone op: no fusible neighbour, and fusing it alone saves nothing"
+
+
 def _unfused_reason(ctx: _Context, v: int, placed: dict) -> str:
+    """What actually left op v to TF: legality, the latency evaluator (placed), or --
+    for an op in no kernel -- the cost model's verdict on joining its neighbours, with
+    its predicted times; "a lone op" only when it has no fusible neighbour."""
     alone = ctx.check(frozenset((v,)))
     if alone is not None:
         return alone
-    return placed.get(ctx.names[v], "a lone op: fusing it alone saves nothing")
+    why = placed.get(ctx.names[v])
+    if why is not None and why != LONE_OP:
+        return why
+    return _cost_reason(ctx, v, placed) or LONE_OP
+
+
+def _cost_reason(ctx: _Context, v: int, placed: dict) -> str | None:
+    """The best pattern with v and a neighbour the search scored (its DP candidates,
+    and v joined to each neighbour's final kernel), as the reason v stayed out; None
+    when v has no fusible neighbour."""
+    if not (ctx.fcons.get(v) or ctx.fprod.get(v)):
+        return None
+    pats = {P for C in ctx.C.values() for P in C if v in P and len(P) > 1}
+    for r in ctx.final_groups:
+        if not r.isdisjoint(set(ctx.fcons.get(v, ())) | set(ctx.fprod.get(v, ()))):
+            U = r | {v}
+            if ctx.shape_reason(U) is None:
+                pats.add(U)
+    if not pats:
+        return None
+    best = max(pats, key=lambda P: (ctx.gain(P), -len(P)))
+    d = ctx.costs.delta(best)
+    times = (f"{ctx.describe(best)} predicted {d.fused_s * 1e6:.1f} µs fused vs "
+             f"{d.unfused_s * 1e6:.1f} µs unfused")
+    if d.gain_s <= 0:
+        return f"cost model predicts no gain fusing it with its neighbours: best {times}"
+    return (f"cost model: the kernels chosen pay more without it (best with it: {times}, "
+            f"gain {d.gain_s * 1e6:+.1f} µs)")
 
 
 def _schedule(ctx: _Context, P, forced: bool = False) -> "KernelChoice":

@@ -28,11 +28,13 @@ Importing this package does not import TensorFlow; ``load()`` does.
 from .api import stitched_kernel
 from .build import BuildError, cache_dir, library_path
 from .build import build as build_library  # `build` itself stays the submodule
-from .registry import (RegistrationError, TF_DTYPE_ENUM, is_registered, library, load,
+from .registry import (RegistrationError, TF_DTYPE_ENUM, autotune_decisions, is_registered,
+                       library, load,
                        num_registered, pool_stats, pool_trim, profile, profile_reset, profiling,
                        register, registered_kernel, set_compiler, set_profiling, stats)
 
 __all__ = ["stitched_kernel", "load", "library", "register", "set_compiler", "stats",
+           "autotune_decisions",
            "is_registered", "num_registered", "pool_stats", "pool_trim", "registered_kernel", "build_library",
            "library_path", "cache_dir", "BuildError", "RegistrationError",
            "TF_DTYPE_ENUM", "profile", "profile_reset", "profiling", "set_profiling"]

@@ -46,6 +46,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "tensorflow/core/framework/allocator.h"
@@ -84,7 +85,7 @@ using InterpFn = int64_t (*)(const int64_t* program, const int64_t* in_dims,
                             int64_t* params, int64_t* out_dims, int64_t* sched);
 using CompilerFn = int (*)(const char* spec);
 
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 7;
 constexpr int64_t kMaxProgram = 1 << 20;   // sanity bound on a shape program's words
 constexpr int kMaxParams = 32;      // size of the params array shape_fn may fill
 constexpr int kPhaseSlot = kMaxParams - 1;   // params[31]: the phase being run
@@ -645,6 +646,159 @@ void RecordFallback(const std::string& label, const std::string& why) {
                << "); running the original subgraph instead";
 }
 
+// ---- autotune: the kernel or its native segment, decided by measurement --------------
+//
+// A node with the attr _stitching_autotune (Options(autotune=True) sets it where the
+// cost model's predicted margin of fused over unfused is small) and a `fallback`
+// function (its region's original TF ops) does not trust the model: on its first calls
+// for each *shape class* (floor(log2(input bytes))) it runs the kernel and the native
+// segment in turn, timing each (kTuneWarmup untimed runs of each way, then
+// kTuneSamples timed ones), and from then on runs the way with the smaller median --
+// cuDNN's autotuner, for fusion.  Every call still computes its outputs, whichever way
+// ran.  Decisions are process-wide per (spec hash, class), so nodes sharing a spec
+// measure together and decide once.
+//
+// Why here and not in Python at trace time: the op has the real inputs (a region deep
+// in a model reads intermediate values that a trace-time measurement would have to
+// fake), runs in the real surroundings (caches, pool threads, the other ops of the
+// step), and already runs the native segment through the FunctionLibraryRuntime; no
+// Python runs on the hot path (a decided class costs the node one atomic load).
+//
+// Persistence is Python's (runtime/autotune.py, the kernel cache's directory): the
+// sink callback is told "load\t<hash>" when a tuned node for a spec is first built
+// (Python answers with stitching_autotune_set for each class it has on disk) and
+// "decided\t<hash>\t<class>\t<choice>\t<kernel ns>\t<native ns>" after a measurement.
+constexpr int kTuneWarmup = 1;    // arbitrary: untimed runs of each way per class
+constexpr int kTuneSamples = 5;   // arbitrary: timed runs of each way per class
+constexpr int kTuneClasses = 64;  // log2 of the input bytes
+enum TuneChoice : int { kUndecided = 0, kKernel = 1, kNative = 2 };
+
+using TuneSink = int (*)(const char* msg);
+
+std::atomic<int64_t> g_tune_measured{0};   // decisions made by measuring here
+std::atomic<int64_t> g_tune_cached{0};     // (node, class) decisions adopted from the cache
+std::atomic<int64_t> g_tune_timed{0};      // calls run while measuring
+std::atomic<int64_t> g_tune_native{0};     // calls served by the native segment once decided
+
+class Tuner {
+ public:
+  static Tuner& Get() {  // leaked on purpose, like the registry
+    static Tuner* t = new Tuner;
+    return *t;
+  }
+
+  void SetSink(TuneSink s) { sink_.store(s); }
+
+  // Asks the sink once per spec hash for the decisions it keeps on disk.
+  void Preload(const std::string& hash) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!asked_.insert(hash).second) return;
+    }
+    Tell(absl::StrCat("load\t", hash));
+  }
+
+  // The decision for (hash, cls), or kUndecided with the way to run now in *way and
+  // whether to time it; *cached says a decision came from the cache.
+  int Next(const std::string& hash, int cls, int* way, bool* timed, bool* cached) {
+    std::lock_guard<std::mutex> lock(mu_);
+    State& st = map_[Key(hash, cls)];
+    if (st.choice != kUndecided) {
+      *cached = st.from_cache;
+      return st.choice;
+    }
+    *way = st.kernel_runs <= st.native_runs ? kKernel : kNative;  // in turn, kernel first
+    int& runs = *way == kKernel ? st.kernel_runs : st.native_runs;
+    *timed = runs >= kTuneWarmup;
+    ++runs;
+    return kUndecided;
+  }
+
+  void Record(const std::string& hash, int cls, int way, int64_t ns) {
+    std::string msg;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      State& st = map_[Key(hash, cls)];
+      if (st.choice != kUndecided) return;
+      (way == kKernel ? st.kernel_ns : st.native_ns).push_back(ns);
+      if (st.kernel_ns.size() < kTuneSamples || st.native_ns.size() < kTuneSamples) return;
+      st.kernel_med = Median(&st.kernel_ns);
+      st.native_med = Median(&st.native_ns);
+      st.choice = st.native_med < st.kernel_med ? kNative : kKernel;
+      g_tune_measured.fetch_add(1);
+      msg = absl::StrCat("decided\t", hash, "\t", cls, "\t", st.choice, "\t", st.kernel_med,
+                         "\t", st.native_med);
+    }
+    Tell(msg);
+  }
+
+  // A decision from the cache; returns 1 when (hash, cls) was decided already (kept).
+  int Set(const std::string& hash, int cls, int choice, int64_t kernel_ns,
+          int64_t native_ns) {
+    std::lock_guard<std::mutex> lock(mu_);
+    State& st = map_[Key(hash, cls)];
+    if (st.choice != kUndecided) return 1;
+    st.choice = choice;
+    st.from_cache = true;
+    st.kernel_med = kernel_ns;
+    st.native_med = native_ns;
+    return 0;
+  }
+
+  // "hash\tclass\tchoice\tkernel ns\tnative ns\tsource\n" per decided (hash, class);
+  // choice 0 (undecided) for classes still being measured.
+  std::string Text() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::string out;
+    for (const auto& kv : map_) {
+      const State& st = kv.second;
+      absl::StrAppend(&out, kv.first, "\t", st.choice, "\t", st.kernel_med, "\t",
+                      st.native_med, "\t", st.from_cache ? "cache" : "measured", "\n");
+    }
+    return out;
+  }
+
+ private:
+  struct State {
+    int choice = kUndecided;
+    bool from_cache = false;
+    int kernel_runs = 0, native_runs = 0;
+    std::vector<int64_t> kernel_ns, native_ns;
+    int64_t kernel_med = 0, native_med = 0;
+  };
+
+  static std::string Key(const std::string& hash, int cls) {
+    return absl::StrCat(hash, "\t", cls);
+  }
+
+  static int64_t Median(std::vector<int64_t>* v) {
+    std::sort(v->begin(), v->end());
+    return (*v)[v->size() / 2];
+  }
+
+  void Tell(const std::string& msg) {
+    TuneSink s = sink_.load();
+    if (s != nullptr) s(msg.c_str());  // outside the mutex: it takes the GIL
+  }
+
+  std::mutex mu_;
+  std::unordered_map<std::string, State> map_;
+  std::unordered_set<std::string> asked_;
+  std::atomic<TuneSink> sink_{nullptr};
+};
+
+// floor(log2(bytes of all inputs)), the shape class a decision holds for.
+int ShapeClass(OpKernelContext* ctx) {
+  uint64_t bytes = 0;
+  for (int i = 0; i < ctx->num_inputs(); ++i) bytes += ctx->input(i).TotalBytes();
+  int cls = 0;
+  while (bytes > 1 && cls < kTuneClasses - 1) {
+    bytes >>= 1;
+    ++cls;
+  }
+  return cls;
+}
+
 class StitchedKernelOp : public OpKernel {
  public:
   explicit StitchedKernelOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -679,6 +833,13 @@ class StitchedKernelOp : public OpKernel {
     }
     OP_REQUIRES_OK(ctx, found);
     OP_REQUIRES_OK(ctx, CheckSignature(tin, tout));
+    std::string tune;
+    if (!fallback.empty() &&
+        tensorflow::TryGetNodeAttr(ctx->def(), "_stitching_autotune", &tune) &&
+        !tune.empty()) {
+      SetUpTuning(ctx, fallback[0], spec_hash.empty() ? Sha256Hex(spec).substr(0, 24)
+                                                      : spec_hash);
+    }
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -687,6 +848,12 @@ class StitchedKernelOp : public OpKernel {
       RunFallback(ctx);
       return;
     }
+    if (tune_ && Tuned(ctx)) return;
+    RunKernel(ctx);
+  }
+
+  // The compiled kernel on this call's inputs.
+  void RunKernel(OpKernelContext* ctx) {
     const Entry& e = *entry_;
     const int n_in = static_cast<int>(e.in_ranks.size());
     const int n_out = static_cast<int>(e.out_ranks.size());
@@ -876,6 +1043,56 @@ class StitchedKernelOp : public OpKernel {
                                                  " tensors, expected ", ctx->num_outputs())));
     for (int i = 0; i < ctx->num_outputs(); ++i) ctx->set_output(i, rets[i]);
   }
+
+  // ---- autotune (see Tuner) --------------------------------------------------------
+  void SetUpTuning(OpKernelConstruction* ctx, const tensorflow::NameAttrList& fn,
+                   const std::string& hash) {
+    flib_ = ctx->function_library();
+    if (flib_ == nullptr) return;
+    absl::Status st = flib_->Instantiate(fn.name(), tensorflow::AttrSlice(&fn.attr()),
+                                         &fallback_handle_);
+    if (!st.ok()) {   // the kernel serves; nothing to compare it with
+      LOG(WARNING) << "StitchedKernel " << label_ << ": no autotuning, its native "
+                   << "segment does not instantiate: " << st.message();
+      return;
+    }
+    tune_hash_ = hash;
+    tune_ = true;
+    Tuner::Get().Preload(hash);
+  }
+
+  // Runs this call the tuned way and returns true, or returns false when the kernel
+  // is the choice for this call's shape class (the caller runs it).
+  bool Tuned(OpKernelContext* ctx) {
+    const int cls = ShapeClass(ctx);
+    int d = decided_[cls].load(std::memory_order_acquire);
+    if (d == kUndecided) {
+      int way = kKernel;
+      bool timed = false, cached = false;
+      d = Tuner::Get().Next(tune_hash_, cls, &way, &timed, &cached);
+      if (d == kUndecided) {
+        const auto t0 = std::chrono::steady_clock::now();
+        if (way == kNative) RunFallback(ctx); else RunKernel(ctx);
+        const auto dt = std::chrono::steady_clock::now() - t0;
+        g_tune_timed.fetch_add(1, std::memory_order_relaxed);
+        if (timed && ctx->status().ok()) {
+          Tuner::Get().Record(
+              tune_hash_, cls, way,
+              std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count());
+        }
+        return true;
+      }
+      if (decided_[cls].exchange(d) == kUndecided && cached) g_tune_cached.fetch_add(1);
+    }
+    if (d != kNative) return false;
+    g_tune_native.fetch_add(1, std::memory_order_relaxed);
+    RunFallback(ctx);
+    return true;
+  }
+
+  bool tune_ = false;
+  std::string tune_hash_;
+  std::atomic<int> decided_[kTuneClasses] = {};   // per shape class: a TuneChoice
 
   std::shared_ptr<const Entry> entry_;
   std::vector<PartialTensorShape> static_shapes_;
@@ -1107,6 +1324,48 @@ __attribute__((visibility("default"))) int64_t stitching_profile_read(char* buf,
     buf[n] = '\0';
   }
   return n;
+}
+
+// Autotune (see Tuner): the sink Python persists decisions through (NULL removes it),
+// a decision read from the cache (choice 1 kernel, 2 native; returns 0 if set, 1 if
+// already decided, -1 on bad arguments), the decisions as text (like
+// stitching_profile_read) and the counters: decisions measured, (node, class)
+// decisions adopted from the cache, calls timed while measuring, calls served by the
+// native segment.
+__attribute__((visibility("default"))) void stitching_autotune_set_sink(
+    int (*cb)(const char*)) {
+  stitching::Tuner::Get().SetSink(cb);
+}
+
+__attribute__((visibility("default"))) int stitching_autotune_set(const char* hash, int cls,
+                                                                  int choice,
+                                                                  int64_t kernel_ns,
+                                                                  int64_t native_ns) {
+  if (hash == nullptr || cls < 0 || cls >= stitching::kTuneClasses ||
+      (choice != stitching::kKernel && choice != stitching::kNative) || kernel_ns < 0 ||
+      native_ns < 0) {
+    return -1;
+  }
+  return stitching::Tuner::Get().Set(hash, cls, choice, kernel_ns, native_ns);
+}
+
+__attribute__((visibility("default"))) int64_t stitching_autotune_read(char* buf,
+                                                                       int64_t cap) {
+  const std::string text = stitching::Tuner::Get().Text();
+  const int64_t n = static_cast<int64_t>(text.size());
+  if (buf != nullptr && cap > n) {
+    std::copy(text.begin(), text.end(), buf);
+    buf[n] = '\0';
+  }
+  return n;
+}
+
+__attribute__((visibility("default"))) void stitching_autotune_counts(int64_t* out) {
+  if (out == nullptr) return;
+  out[0] = stitching::g_tune_measured.load();
+  out[1] = stitching::g_tune_cached.load();
+  out[2] = stitching::g_tune_timed.load();
+  out[3] = stitching::g_tune_native.load();
 }
 
 __attribute__((visibility("default"))) void stitching_profile_reset() {

@@ -30,6 +30,7 @@ import ctypes
 import os
 import threading
 
+from . import autotune
 from . import build as _build
 
 # TF DataType enum values (tensorflow/core/framework/types.proto).
@@ -87,6 +88,7 @@ def load():
             path = str(_build.build())
             module = tf.load_op_library(path)
             _lib = _open_same_image(path)
+            autotune.install(_lib)
             _module = module
             atexit.register(_uninstall_compiler)
     return _module
@@ -99,7 +101,8 @@ def library():
     return _lib
 
 
-ABI_VERSION = 6   # op.cc's kAbiVersion: the stitching_register signature (6: profiling exports)
+ABI_VERSION = 7   # op.cc's kAbiVersion: the stitching_register signature (6: profiling
+#                 exports, 7: autotune exports)
 
 
 def _open_same_image(path: str):
@@ -141,6 +144,15 @@ def _open_same_image(path: str):
     lib.stitching_profile_read.argtypes = [ctypes.c_char_p, ctypes.c_int64]
     lib.stitching_profile_reset.restype = None
     lib.stitching_profile_reset.argtypes = []
+    lib.stitching_autotune_set_sink.restype = None
+    lib.stitching_autotune_set_sink.argtypes = [autotune._Sink]
+    lib.stitching_autotune_set.restype = ctypes.c_int
+    lib.stitching_autotune_set.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_int64, ctypes.c_int64]
+    lib.stitching_autotune_read.restype = ctypes.c_int64
+    lib.stitching_autotune_read.argtypes = [ctypes.c_char_p, ctypes.c_int64]
+    lib.stitching_autotune_counts.restype = None
+    lib.stitching_autotune_counts.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     if lib.stitching_abi_version() != ABI_VERSION:   # a library built from other sources
         raise RuntimeError(f"op library {path} implements kernel ABI "
                            f"{lib.stitching_abi_version()}, this stitching needs "
@@ -271,11 +283,24 @@ def num_registered() -> int:
 def stats() -> dict:
     """{"fallbacks": StitchedKernel nodes that run their original subgraph because
     their kernel could not be built (tf/original.py), "last_fallback": why, for the
-    latest}."""
+    latest; autotune (Options(autotune=True), runtime/autotune.py):
+    "autotune_measured": decisions made by measuring in this process,
+    "autotune_cached": (node, shape class) decisions taken from the cache instead,
+    "autotune_timed_calls": calls run while measuring, "autotune_native_calls": calls
+    served by the native segment because it measured faster}."""
     lib = library()
     return {"fallbacks": int(lib.stitching_fallback_count()),
             "last_fallback": (lib.stitching_last_fallback() or b"").decode("utf-8",
-                                                                           "replace")}
+                                                                           "replace"),
+            **autotune.counts(lib)}
+
+
+@no_autograph
+def autotune_decisions() -> dict:
+    """{(spec hash, shape class): {"choice": "kernel" | "native" | None (still
+    measuring), "kernel_us", "native_us" (medians), "source": "measured" | "cache"}}
+    of this process's autotuned kernels."""
+    return autotune.decisions(library())
 
 
 _POOL_FIELDS = ("hits", "misses", "held_bytes", "idle_bytes", "idle_cap_bytes",
@@ -383,3 +408,4 @@ def _uninstall_compiler() -> None:
     """At exit, stop TF threads from calling into a finalizing interpreter."""
     if _lib is not None:
         _lib.stitching_set_compiler(_CompilerCallback())
+        autotune.uninstall(_lib)

@@ -67,10 +67,12 @@ def _write_sidecar(graph_def, dst) -> None:
         export(specs, side)
 
 
-def _options(dump_dir=None):
+def _options(dump_dir=None, autotune=None):
     from ..options import Options
     # a shipped graph keeps its original segments (fallback)
-    return Options(fallback=True, dump_dir=dump_dir)
+    if autotune is None:
+        return Options(fallback=True, dump_dir=dump_dir)
+    return Options(fallback=True, dump_dir=dump_dir, autotune=True, autotune_margin=autotune)
 
 
 def main(argv=None) -> int:
@@ -87,18 +89,22 @@ def main(argv=None) -> int:
     ap.add_argument("--no-kernels", action="store_true",
                     help="do not ship this machine's compiled kernels with the output "
                          "(SavedModel assets, or <output>.kernels/ beside a GraphDef)")
+    ap.add_argument("--autotune", nargs="?", type=float, const=1.3, metavar="MARGIN",
+                    help="kernels predicted faster than their ops by less than MARGIN "
+                         "(default 1.3) are timed against them on their first calls where "
+                         "the model runs, and the faster serves (Options(autotune=True))")
     args = ap.parse_args(argv)
     embed = not args.no_kernels
     try:
         if os.path.isdir(args.src):
             from .saved_model import rewrite_saved_model
             reports = rewrite_saved_model(args.src, args.dst, signature_keys=args.signature,
-                                          options=_options(args.dump_dir),
+                                          options=_options(args.dump_dir, args.autotune),
                                           embed_kernels=embed)
         elif os.path.isfile(args.src):
             outs = args.outputs.split(",") if args.outputs else None
             reports = rewrite_graph_def_file(args.src, args.dst, outs,
-                                             options=_options(args.dump_dir),
+                                             options=_options(args.dump_dir, args.autotune),
                                              embed_kernels=embed)
         else:
             raise FileNotFoundError(f"{args.src}: no such file or directory")

@@ -206,6 +206,7 @@ class StitchedFunction:
         if not self.options.background_compile:
             _hint_background_compile(result.report.compile_seconds)
 
+        _define_fallbacks(result.graph_def)
         outer = tf.compat.v1.get_default_graph()
         input_map = _input_map(cf, [flat[i] for i in where], outer, result.graph_def)
         return_elements = fetches + keep
@@ -222,6 +223,24 @@ class StitchedFunction:
                 tensors = [tf.identity(t) for t in tensors]
         return tf.nest.pack_sequence_as(cf.structured_outputs, tensors,
                                         expand_composites=True)
+
+
+def _define_fallbacks(graph_def):
+    """The functions kernel nodes run as their native segment (``fallback``: autotune's
+    other side, or where a kernel cannot be built), defined in the eager context: the
+    op instantiates them through the runtime's function library, which the rewritten
+    graph's library does not reach once it is imported into the caller's trace ("Function
+    stitching_original_... is not defined")."""
+    wanted = {f.name for n in graph_def.node if n.op == "StitchedKernel"
+              for f in n.attr["fallback"].list.func} if any(
+        "fallback" in n.attr for n in graph_def.node) else set()
+    if not wanted:
+        return
+    from tensorflow.python.eager import context
+    ctx = context.context()
+    for fdef in graph_def.library.function:
+        if fdef.signature.name in wanted and not ctx.has_function(fdef.signature.name):
+            ctx.add_function_def(fdef)
 
 
 def _input_map(cf, args, outer, graph_def):

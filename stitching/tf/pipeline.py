@@ -11,6 +11,8 @@
                                           processes; cached in memory and on disk)
     register runtime.register             (kernel addresses for the StitchedKernel op)
     rewrite  tf.rewrite.rewrite           (one StitchedKernel node per region)
+    autotune tf.autotune.mark             (Options(autotune): kernels with a small predicted
+                                          margin are timed against their original ops)
     gemm     tf.gemm.rewrite              (BatchMatMul against a 2-D weight -> one MatMul)
     report   report.Report
     dump     tf.dump.write                (only with Options(dump_dir) / $STITCHING_DUMP_DIR)
@@ -30,7 +32,7 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import bcast, dump, frontend, gemm, grappler, opnames, original, rewrite
+from . import autotune, bcast, dump, frontend, gemm, grappler, opnames, original, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -156,6 +158,9 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
+    if options.autotune:
+        rep.autotune = autotune.mark(new_gdef, the_plan, regions, kernel_names,
+                                     options.autotune_margin)
     if len(regions) > no_original:
         how = ("stitched as a function of its own per kind of kernel (the kernel's "
                "original ops recomputed and TF's gradient of them, planned like any "

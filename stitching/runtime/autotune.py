@@ -1,0 +1,195 @@
+"""Autotune decisions: kept on disk beside the kernels, handed to the op.
+
+The op measures (op.cc, ``Tuner``): a StitchedKernel node marked for autotuning
+(``Options(autotune=True)``, tf/autotune.py) times its kernel and its native segment
+on its first calls per shape class and keeps the faster.  This module is the memory
+of those decisions, so that a second process does not measure again:
+
+    op builds a tuned node ──"load\\t<hash>"──▶ read <hash>.json ──▶ stitching_autotune_set
+    op decides            ──"decided\\t..."───▶ merge into <hash>.json (temp + rename)
+
+    $STITCHING_CACHE_DIR/autotune/<device>/<spec hash>.json
+    {"version": 1, "spec_hash": "<24 hex>", "device": "<device>",
+     "classes": {"<log2 input bytes>": {"choice": "kernel" | "native",
+                                        "kernel_us": float, "native_us": float}}}
+
+Keyed by spec hash + shape class + device: ``device`` names what a timing depends on
+besides the spec and the size -- the CPU (model and flags), the cores this process may
+use and TF's intra-op thread count -- and is part of the path, so another machine's
+timings are never read.  A file that does not parse, or an entry that is not exactly
+the format above (a wrong hash or device, an unknown choice, a negative or non-finite
+time, a class out of range), counts as missing: that class is measured again and the
+file rewritten.  The op calls ``_sink`` through ctypes (holding the GIL) from a TF
+thread; nothing may escape it.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+from .. import cachedir
+
+VERSION = 1
+CHOICES = {"kernel": 1, "native": 2}
+NAMES = {v: k for k, v in CHOICES.items()}
+N_CLASSES = 64                 # op.cc's kTuneClasses
+_HEX = set("0123456789abcdef")
+
+_Sink = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p)
+_lock = threading.Lock()
+_sinks: list = []              # installed callbacks, kept alive forever
+_errors: list = []             # what the sink could not do (kept for tests and reports)
+
+
+def shape_class(input_bytes: int) -> int:
+    """The op's shape class of a call: floor(log2(bytes of all its inputs))."""
+    return min(N_CLASSES - 1, max(0, int(input_bytes).bit_length() - 1))
+
+
+@lru_cache(maxsize=1)
+def device() -> str:
+    """What a measured time depends on besides spec and size, as a short hash."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+        cpu = " ".join(fields.get(k, "").strip() for k in ("model name", "flags"))
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 0
+    threads = os.environ.get("TF_NUM_INTRAOP_THREADS", "")
+    text = f"{platform.machine()}|{cpu}|{cores}|{threads}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def path(spec_hash: str) -> Path:
+    return cachedir.root() / "autotune" / device() / f"{spec_hash}.json"
+
+
+def _valid_hash(h) -> bool:
+    return isinstance(h, str) and 8 <= len(h) <= 64 and set(h) <= _HEX
+
+
+def _valid_entry(e) -> bool:
+    if not isinstance(e, dict) or e.get("choice") not in CHOICES:
+        return False
+    for k in ("kernel_us", "native_us"):
+        v = e.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                not math.isfinite(v) or v < 0:
+            return False
+    return True
+
+
+def read(spec_hash: str) -> dict:
+    """{class: entry} of the valid decisions on disk for ``spec_hash`` (empty when the
+    file is missing or bad; a bad entry is left out)."""
+    try:
+        doc = json.loads(path(spec_hash).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("version") != VERSION or \
+            doc.get("spec_hash") != spec_hash or doc.get("device") != device() or \
+            not isinstance(doc.get("classes"), dict):
+        return {}
+    out = {}
+    for k, e in doc["classes"].items():
+        if isinstance(k, str) and k.isdigit() and int(k) < N_CLASSES and _valid_entry(e):
+            out[int(k)] = {"choice": e["choice"], "kernel_us": float(e["kernel_us"]),
+                           "native_us": float(e["native_us"])}
+    return out
+
+
+def write(spec_hash: str, cls: int, choice: str, kernel_us: float, native_us: float):
+    """Adds one decision to the spec's file (its other valid entries kept), atomically."""
+    with _lock:
+        classes = read(spec_hash)
+        classes[cls] = {"choice": choice, "kernel_us": round(kernel_us, 3),
+                        "native_us": round(native_us, 3)}
+        doc = {"version": VERSION, "spec_hash": spec_hash, "device": device(),
+               "classes": {str(k): v for k, v in sorted(classes.items())}}
+        target = path(spec_hash)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _handle(msg: str, lib) -> None:
+    kind, _, rest = msg.partition("\t")
+    if kind == "load":
+        if not _valid_hash(rest):
+            return
+        for cls, e in read(rest).items():
+            lib.stitching_autotune_set(rest.encode(), cls, CHOICES[e["choice"]],
+                                       int(e["kernel_us"] * 1e3), int(e["native_us"] * 1e3))
+    elif kind == "decided":
+        h, cls, choice, k_ns, n_ns = rest.split("\t")
+        if _valid_hash(h) and int(choice) in NAMES:
+            write(h, int(cls), NAMES[int(choice)], int(k_ns) / 1e3, int(n_ns) / 1e3)
+
+
+def install(lib) -> None:
+    """Makes this module the op's autotune sink (registry.load calls it)."""
+    def sink(raw) -> int:
+        try:                     # nothing may escape a ctypes callback
+            _handle(raw.decode("utf-8"), lib)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - a failed write costs a re-measure
+            try:
+                _errors.append(f"{type(e).__name__}: {e}")
+            except BaseException:  # noqa: BLE001
+                pass
+            return 1
+    cb = _Sink(sink)
+    _sinks.append(cb)
+    lib.stitching_autotune_set_sink(cb)
+
+
+def uninstall(lib) -> None:
+    """At exit: TF threads must not call into a finalizing interpreter."""
+    lib.stitching_autotune_set_sink(_Sink())
+
+
+def decisions(lib) -> dict:
+    """{(spec hash, class): {"choice", "kernel_us", "native_us", "source"}} of this
+    process (choice None while a class is still being measured)."""
+    for _ in range(4):
+        need = int(lib.stitching_autotune_read(None, 0))
+        buf = ctypes.create_string_buffer(need + 256)
+        if int(lib.stitching_autotune_read(buf, need + 256)) < need + 256:
+            break
+    out = {}
+    for line in buf.value.decode("utf-8", "replace").splitlines():
+        h, cls, choice, k_ns, n_ns, source = line.split("\t")
+        out[(h, int(cls))] = {"choice": NAMES.get(int(choice)),
+                              "kernel_us": int(k_ns) / 1e3, "native_us": int(n_ns) / 1e3,
+                              "source": source}
+    return out
+
+
+_COUNTS = ("autotune_measured", "autotune_cached", "autotune_timed_calls",
+           "autotune_native_calls")
+
+
+def counts(lib) -> dict:
+    out = (ctypes.c_int64 * 4)()
+    lib.stitching_autotune_counts(out)
+    return dict(zip(_COUNTS, (int(v) for v in out)))
