@@ -173,8 +173,10 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
                          "Grappler's inlining, constant folding and arithmetic rewrites "
                          "were not applied to it (tf/grappler.py says why)")
     if gemms:
+        biases = sum(1 for v in gemms.values() if v[3] is not None)
         rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
-                         f"MatMul each (tf/gemm.py; Options(gemm=False) keeps them)")
+                         f"MatMul each, {biases} with the bias Add after it as the MatMul's "
+                         f"BiasAdd (tf/gemm.py; Options(gemm=False) keeps them)")
     rep.compile_seconds = time.perf_counter() - t0
     prof = profiles.default()
     rep.profile = prof.source or prof.name
