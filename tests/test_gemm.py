@@ -62,3 +62,45 @@ def test_two_unknown_dims_take_the_shape_from_the_input():
     x = RNG.standard_normal((2, 7, 16)).astype(np.float32)
     np.testing.assert_allclose(sf(x).numpy(), tf.function(fn, input_signature=sig)(x).numpy(),
                                rtol=1e-5, atol=1e-5)
+
+
+def _reshape_targets(fn, sig):
+    """op of each Reshape's shape input in the stitched graph."""
+    cf = tf.function(fn, input_signature=sig).get_concrete_function()
+    res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs])
+    nodes = {n.name: n for n in res.graph_def.node}
+    return [nodes[n.input[1].split(":")[0]].op for n in res.graph_def.node
+            if n.op == "Reshape"], res.report
+
+
+def _dense(x):
+    # Keras's Dense on a 3-D input: tf.tensordot, whose Reshape targets are computed
+    # at run time from Shape(x) (GatherV2, Prod, Pack, ConcatV2); the matmul's
+    # consumer is opaque (an Einsum) so they stay TF ops
+    y = tf.tensordot(x, W, axes=[[2], [0]])
+    return tf.einsum("bti,ij->btj", y, tf.ones([12, 3]))
+
+
+def test_run_time_reshape_targets_known_but_for_the_batch_become_constants():
+    sig = [tf.TensorSpec([None, 5, 16], tf.float32)]
+    targets, report = _reshape_targets(_dense, sig)
+    assert targets and set(targets) == {"Const"}, targets
+    assert any("Reshape target(s) computed at run time" in n for n in report.notes)
+    sf = stitching.function(_dense, input_signature=sig)
+    for batch in (1, 4):
+        x = RNG.standard_normal((batch, 5, 16)).astype(np.float32)
+        got = sf(x)
+        assert got.shape == (batch, 5, 3)
+        np.testing.assert_allclose(got.numpy(), tf.function(_dense)(x).numpy(),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_two_unknown_dims_keep_the_run_time_target():
+    sig = [tf.TensorSpec([None, None, 16], tf.float32)]
+    targets, _ = _reshape_targets(_dense, sig)
+    # [B*T, 16] folds (one product of unknowns), [B, T, 12] cannot
+    assert "Const" in targets and "ConcatV2" in targets, targets
+    sf = stitching.function(_dense, input_signature=sig)
+    x = RNG.standard_normal((2, 7, 16)).astype(np.float32)
+    np.testing.assert_allclose(sf(x).numpy(), tf.function(_dense)(x).numpy(),
+                               rtol=1e-5, atol=1e-5)

@@ -12,6 +12,8 @@
     register runtime.register             (kernel addresses for the StitchedKernel op)
     rewrite  tf.rewrite.rewrite           (one StitchedKernel node per region)
     gemm     tf.gemm.rewrite              (BatchMatMul against a 2-D weight -> one MatMul)
+    shapes   tf.shapes.fold_reshapes      (run-time Reshape targets known but for one dim
+                                          -> constants)
     report   report.Report
     dump     tf.dump.write                (only with Options(dump_dir) / $STITCHING_DUMP_DIR)
 """
@@ -30,7 +32,7 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import bcast, dump, frontend, gemm, grappler, opnames, original, rewrite
+from . import bcast, dump, frontend, gemm, grappler, opnames, original, rewrite, shapes
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -155,6 +157,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
+    folded = shapes.fold_reshapes(new_gdef, gdef, ir)
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
     if len(regions) > no_original:
         how = ("stitched as a function of its own per kind of kernel (the kernel's "
@@ -177,6 +180,9 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
                          f"MatMul each, {biases} with the bias Add after it as the MatMul's "
                          f"BiasAdd (tf/gemm.py; Options(gemm=False) keeps them)")
+    if folded:
+        rep.notes.append(f"{folded} Reshape target(s) computed at run time (Shape, Gather, "
+                         "Prod, Concat...) are constants but for one -1 entry (tf/shapes.py)")
     rep.compile_seconds = time.perf_counter() - t0
     prof = profiles.default()
     rep.profile = prof.source or prof.name
