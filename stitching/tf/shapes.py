@@ -57,11 +57,14 @@ def fold_reshapes(graph_def, original_def, ir_graph) -> int:
         if not _foldable(target):
             continue
         dtype = nd.attr["Tshape"].type if "Tshape" in nd.attr else tf.int32.as_datatype_enum
+        values = np.array([-1 if v is UNKNOWN else v for v in target], np.int64)
+        if dtype not in (tf.int32.as_datatype_enum, tf.int64.as_datatype_enum) or (
+                dtype == tf.int32.as_datatype_enum and values.max() >= 2 ** 31):
+            continue        # a graph file's odd dtype or an overflowing entry: as it was
         const = graph_def.node.add(name=f"{nd.name}/folded_shape", op="Const", device=nd.device)
         const.attr["dtype"].type = dtype
         const.attr["value"].CopyFrom(attr_value_pb2.AttrValue(tensor=tf.make_tensor_proto(
-            np.array([-1 if v is UNKNOWN else v for v in target]),
-            tf.dtypes.as_dtype(dtype))))
+            values, tf.dtypes.as_dtype(dtype))))
         nd.input[1] = const.name
         folded += 1
     return folded
@@ -147,6 +150,8 @@ def _strided_slice(nd, vals, begin, end, strides):
             not isinstance(b, list) or len(b) != 1 or UNKNOWN in b
             for b in (begin, end, strides)) \
             or _int_attr(nd, "ellipsis_mask") or _int_attr(nd, "new_axis_mask"):
+        raise _Unfoldable
+    if strides[0] == 0:
         raise _Unfoldable
     b = None if _int_attr(nd, "begin_mask") & 1 else begin[0]
     e = None if _int_attr(nd, "end_mask") & 1 else end[0]
