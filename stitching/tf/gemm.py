@@ -15,6 +15,16 @@ Applied to ``BatchMatMul``/``BatchMatMulV2`` nodes outside fused regions with
 ``adj_x`` false, a right operand of static rank-2 shape, a left operand
 of known rank >= 3 and a float dtype; ``adj_y`` becomes ``transpose_b``.  The node
 keeps its name (as the output Reshape), so consumers and fetches are untouched.
+
+Two things XLA gets from its dot emitter, done here for TF's kernels (measured on a
+Keras Transformer at batch 1, where each TF op's dispatch shows):
+- the output Reshape's shape is a constant when at most one leading dim is unknown
+  (the batch): no Shape -> StridedSlice -> ConcatV2 per GEMM at run time;
+- the projection's bias (EinsumDense: Reshape to [B, T, N, H], then Add bias[N, H],
+  an op the planner leaves to TF when the Einsum after it is opaque) is added to the
+  2-D product as a BiasAdd, which TF's runtime remapper fuses into the GEMM
+  (_MklNativeFusedMatMul, the bias in oneDNN's epilogue, as stock TF does for a
+  Dense layer); the Add becomes an Identity.
 """
 from __future__ import annotations
 
@@ -44,21 +54,72 @@ def candidates(graph_def, ir_graph) -> dict:
         k, n = (y.shape[1], y.shape[0]) if _flag(nd, "adj_y") else y.shape
         if x.shape[-1] not in (-1, k):
             continue
-        out[nd.name] = (k, n)
+        out[nd.name] = (k, n, _static_lead(x.shape), None)
+    _find_biases(graph_def, ir_graph, out)
     return out
+
+
+def _static_lead(shape) -> list | None:
+    """The output's leading dims as a constant Reshape target (-1 for the one unknown
+    dim), or None when more than one is unknown (then they come from Shape(x))."""
+    lead = list(shape[:-1])
+    return None if sum(d < 0 for d in lead) > 1 else lead
+
+
+def _find_biases(graph_def, ir_graph, todo) -> None:
+    """For each candidate whose one consumer is a Reshape whose one consumer is an
+    ``Add``/``AddV2`` of a static bias over its trailing dims with n elements in all
+    (Keras's EinsumDense: [B, T, N*H] -> [B, T, N, H] + bias[N, H]), record the Add:
+    the rewrite adds the bias to the 2-D MatMul result as a BiasAdd instead, which
+    TF's remapper fuses into the GEMM (_MklNativeFusedMatMul: the bias added in the
+    GEMM's epilogue, no kernel of its own).  The same additions on the same values:
+    results are bit-identical."""
+    users: dict[str, list] = {}
+    for nd in graph_def.node:
+        for i in nd.input:
+            users.setdefault(i.lstrip("^").split(":")[0], []).append(nd)
+    for name, (k, n, lead, _) in list(todo.items()):
+        reshape = _only_user(users, name)
+        if reshape is None or reshape.op != "Reshape":
+            continue
+        add = _only_user(users, reshape.name)
+        if add is None or add.op not in ("Add", "AddV2") or add.name not in ir_graph:
+            continue
+        node = ir_graph[add.name]
+        if len(node.inputs) != 2 or node.inputs[0].node != reshape.name:
+            continue
+        out, bias = ir_graph.type_of(node.ref()), ir_graph.type_of(node.inputs[1])
+        if not bias.static or bias.num_elements() != n or out.shape is None \
+                or len(bias.shape) > len(out.shape) \
+                or tuple(out.shape[len(out.shape) - len(bias.shape):]) != bias.shape \
+                or ir_graph.type_of(node.inputs[0]).shape != out.shape:
+            continue
+        todo[name] = (k, n, lead, add.name)
+
+
+def _only_user(users, name):
+    """The one node reading ``name`` (data or control edge), else None."""
+    got = users.get(name, [])
+    return got[0] if len(got) == 1 else None
 
 
 def rewrite(graph_def, todo: dict) -> None:
     """Turn each node in ``todo`` (from ``candidates``) into a GEMM, in place: the node
     itself becomes the output Reshape; its helper nodes are appended."""
     i32 = _type(types_pb2.DT_INT32)
-    for nd in [nd for nd in graph_def.node if nd.name in todo]:
-        k, n = todo[nd.name]
+    adds = {v[3] for v in todo.values() if v[3] is not None}
+    bias_of = {nd.name: [i for i in nd.input if not i.startswith("^")][1]
+               for nd in graph_def.node if nd.name in adds}
+    for nd in [nd for nd in graph_def.node if nd.name in todo or nd.name in adds]:
+        if nd.name in adds:        # its bias now goes into the MatMul: pass through
+            _to_identity(nd)
+            continue
+        k, n, lead, add = todo[nd.name]
         x, y = [i for i in nd.input if not i.startswith("^")]
         control = [i for i in nd.input if i.startswith("^")]
         name, dev, t, adj_y = nd.name, nd.device, _type(nd.attr["T"].type), _flag(nd, "adj_y")
 
-        def add(suffix, op, inputs, **attrs):
+        def add_node(suffix, op, inputs, **attrs):
             new = graph_def.node.add(name=f"{name}/gemm/{suffix}", op=op, device=dev)
             new.input.extend(inputs)
             for key, value in attrs.items():
@@ -66,27 +127,50 @@ def rewrite(graph_def, todo: dict) -> None:
             return new.name
 
         def const(suffix, value):
-            return add(suffix, "Const", [], dtype=i32, value=attr_value_pb2.AttrValue(
+            return add_node(suffix, "Const", [], dtype=i32, value=attr_value_pb2.AttrValue(
                 tensor=tf.make_tensor_proto(value, tf.int32)))
 
-        x2 = add("x2d", "Reshape", [x, const("x2d_shape", [-1, k])], T=t, Tshape=i32)
-        mm = add("matmul", "MatMul", [x2, y] + control, T=t,
-                 transpose_a=attr_value_pb2.AttrValue(b=False),
-                 transpose_b=attr_value_pb2.AttrValue(b=adj_y))
-        lead = add("lead", "StridedSlice",
-                   [add("x_shape", "Shape", [x], T=t, out_type=i32),
-                    const("begin", [0]), const("end", [-1]), const("stride", [1])],
-                   T=i32, Index=i32, **{m: attr_value_pb2.AttrValue(i=0) for m in (
-                       "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
-                       "shrink_axis_mask")})
-        oshape = add("out_shape", "ConcatV2", [lead, const("n", [n]), const("axis", 0)],
-                     N=attr_value_pb2.AttrValue(i=2), T=i32, Tidx=i32)
+        x2 = add_node("x2d", "Reshape", [x, const("x2d_shape", [-1, k])], T=t, Tshape=i32)
+        mm = add_node("matmul", "MatMul", [x2, y] + control, T=t,
+                      transpose_a=attr_value_pb2.AttrValue(b=False),
+                      transpose_b=attr_value_pb2.AttrValue(b=adj_y))
+        if add is not None:
+            b1 = add_node("bias1d", "Reshape", [bias_of[add], const("n1d", [n])],
+                          T=t, Tshape=i32)
+            mm = add_node("bias_add", "BiasAdd", [mm, b1], T=t)
+        if lead is not None:       # at most one unknown dim: a constant, no shape ops
+            oshape = const("out_shape", lead + [n])
+        else:
+            shape = add_node("x_shape", "Shape", [x], T=t, out_type=i32)
+            lead_t = add_node(
+                "lead", "StridedSlice",
+                [shape, const("begin", [0]), const("end", [-1]), const("stride", [1])],
+                T=i32, Index=i32, **{m: attr_value_pb2.AttrValue(i=0) for m in (
+                    "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                    "shrink_axis_mask")})
+            oshape = add_node("out_shape", "ConcatV2",
+                              [lead_t, const("n", [n]), const("axis", 0)],
+                              N=attr_value_pb2.AttrValue(i=2), T=i32, Tidx=i32)
         nd.op = "Reshape"
         del nd.input[:]
         nd.input.extend([mm, oshape])
         nd.attr.clear()
         nd.attr["T"].CopyFrom(t)
         nd.attr["Tshape"].CopyFrom(i32)
+
+
+def _to_identity(nd) -> None:
+    """An Add whose bias moved into the MatMul: Identity of its first operand (its
+    name, so its consumers are untouched; control inputs kept)."""
+    data = [i for i in nd.input if not i.startswith("^")]
+    control = [i for i in nd.input if i.startswith("^")]
+    t = attr_value_pb2.AttrValue()
+    t.CopyFrom(nd.attr["T"])
+    nd.op = "Identity"
+    del nd.input[:]
+    nd.input.extend(data[:1] + control)
+    nd.attr.clear()
+    nd.attr["T"].CopyFrom(t)
 
 
 def _flag(nd, name) -> bool:

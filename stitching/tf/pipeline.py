@@ -14,6 +14,8 @@
     autotune tf.autotune.mark             (Options(autotune): kernels with a small predicted
                                           margin are timed against their original ops)
     gemm     tf.gemm.rewrite              (BatchMatMul against a 2-D weight -> one MatMul)
+    shapes   tf.shapes.fold_reshapes      (run-time Reshape targets known but for one dim
+                                          -> constants)
     report   report.Report
     dump     tf.dump.write                (only with Options(dump_dir) / $STITCHING_DUMP_DIR)
 """
@@ -32,7 +34,8 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import autotune, bcast, dump, frontend, gemm, grappler, opnames, original, rewrite
+from . import (autotune, bcast, dump, frontend, gemm, grappler, opnames, original, rewrite,
+               shapes)
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -157,6 +160,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
+    folded = shapes.fold_reshapes(new_gdef, gdef, ir)
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
     if options.autotune:
         rep.autotune = autotune.mark(new_gdef, the_plan, regions, kernel_names,
@@ -178,8 +182,13 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
                          "Grappler's inlining, constant folding and arithmetic rewrites "
                          "were not applied to it (tf/grappler.py says why)")
     if gemms:
+        biases = sum(1 for v in gemms.values() if v[3] is not None)
         rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
-                         f"MatMul each (tf/gemm.py; Options(gemm=False) keeps them)")
+                         f"MatMul each, {biases} with the bias Add after it as the MatMul's "
+                         f"BiasAdd (tf/gemm.py; Options(gemm=False) keeps them)")
+    if folded:
+        rep.notes.append(f"{folded} Reshape target(s) computed at run time (Shape, Gather, "
+                         "Prod, Concat...) are constants but for one -1 entry (tf/shapes.py)")
     rep.compile_seconds = time.perf_counter() - t0
     prof = profiles.default()
     rep.profile = prof.source or prof.name

@@ -11,8 +11,8 @@ scipy; never imported by the kernels.
 
 exp: exp(r) = 1 + r + r^2 P(r) on [-ln2/2, ln2] (fit_exp_poly, same method), and on
 [-ln2/2, ln2/2] for exp_nonpos (one degree less).
-erfcx: erfcx(x) = Q(2/(2+x)) on [0, 11] (fit_erfcx), minimax in ulps of the float32
-erfc(x) rather than relative error, coefficients rounded one at a time.
+erfcx: erfcx(x) = u R(t), u = 2/(2+x), t = 1 - u, on [0, 9.5] (fit_erfcx), minimax in
+ulps of the float32 erfc(x) rather than relative error, coefficients rounded one at a time.
 tanh: expm1(2u)/2 = u + u^2 P(u) on |u| <= ln2/4, minimax in relative error
 (fit_tanh_poly: Lawson, coefficients rounded to float32 one at a time, refitting
 the rest each time).  fit_tanh_rational fits the Eigen/XLA-style alternative
@@ -174,21 +174,23 @@ def fit_tanh_rational(m=6, n=3, hi=9.0, iters=200):
     return e, u, p, q
 
 
-def fit_erfcx(deg=11, hi=11.0):
-    """Q with erfcx(x) ~ Q(2 / (2 + x)) on [0, hi] (erfc_f32 = exp(-x^2) Q), minimax in
-    ulps of the float32 erfc(x) (whose spacing halves just below 1, near x = 0),
-    float32 coefficients rounded one at a time, lowest first.  Returns (max error
-    in erfc ulps with the rounded coefficients, [Q0..Qdeg])."""
+def fit_erfcx(deg=9, hi=9.5):
+    """R with erfcx(x) ~ u R(t), u = 2 / (2 + x), t = 1 - u, R(t) = 1 + t S(t) on
+    [0, hi] (erfc_f32 = exp(-x^2) u R), minimax in ulps of the float32 erfc(x) (whose
+    spacing halves just below 1, near x = 0), R(0) = 1 exactly, float32 coefficients
+    rounded one at a time, lowest first.  Returns (max error in erfc ulps with the
+    rounded coefficients, [R0..Rdeg])."""
     from scipy import special
-    x = np.concatenate([np.linspace(0.0, hi, 40000), np.geomspace(1e-6, 0.05, 4000)])
+    x = np.concatenate([np.linspace(0.0, hi, 40000), np.geomspace(1e-7, 0.05, 4000)])
     u = 2 / (2 + x)
-    y = special.erfcx(x)
+    t = 1 - u
+    y = special.erfcx(x) / u
     ec = special.erfc(x)
     ulp = np.spacing(ec.astype(np.float32)).astype(np.float64)
-    rel = ulp / ec * y                  # an erfc ulp, as an error in Q
-    A = np.vander(u, deg + 1, increasing=True)
-    fixed = []
-    for i in range(deg + 1):
+    rel = ulp / ec * y                  # an erfc ulp, as an error in R
+    A = np.vander(t, deg + 1, increasing=True)
+    fixed = [1.0]
+    for i in range(1, deg + 1):
         _, c = _lawson_fixed(A, y, rel, fixed)
         fixed.append(float(np.float32(c[i])))
     c = np.array(fixed)
@@ -213,5 +215,5 @@ if __name__ == "__main__":
     print(f"(not used) tanh(x) = x P(x^2)/Q(x^2), |x| <= 9: rel error {e:.2e}, but "
           f"{u:.2f} ulp in float32\n  P {[repr(c) for c in rp]}\n  Q {[repr(c) for c in rq]}")
     m, q = fit_erfcx()
-    print(f"erfcx(x) = Q(2/(2+x)), 0 <= x <= 11: max error {m:.2f} erfc ulp\n"
+    print(f"erfcx(x) = u R(1 - u), u = 2/(2+x), 0 <= x <= 9.5: max error {m:.2f} erfc ulp\n"
           f"  {[repr(c) for c in q]}")

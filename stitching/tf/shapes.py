@@ -1,0 +1,170 @@
+"""Reshape targets computed at run time, folded to constants where only one entry is unknown.
+
+Keras's ``Dense`` on a [B, T, D] input (``tf.tensordot``) computes both of its Reshape
+targets at run time from ``Shape(x)``:
+
+    Shape(x) -> GatherV2(free) -> Prod --+-> Pack -> Reshape(x, [B*T, D]) -> MatMul
+             -> GatherV2(axes) -> Prod --+
+             -> GatherV2(free) -> ConcatV2([.., units]) -> Reshape(y, [B, T, units])
+
+eight small TF ops per Dense that each cost a dispatch (a Transformer encoder layer at
+batch 1 runs ~70 such ops; XLA runs none: its shapes are static).  With the batch
+unknown, Grappler's constant folding cannot fold them.  But each target has at most one
+entry that depends on the unknown dims, and ``Reshape`` infers one ``-1`` entry from the
+element count, so the target is a constant with -1 in that entry.
+
+Algorithm: for each Reshape left to TF, evaluate its shape input over a two-valued
+domain per entry (a known int, or UNKNOWN), through Const, Shape (static dims from the
+IR's shape inference), GatherV2, Prod, Pack, ConcatV2, StridedSlice (1-D, constant
+bounds) and Identity; any other op, or more than one UNKNOWN entry, leaves the Reshape
+as it is.  The folded Reshape reads a new Const; the shape ops it no longer reads are
+pruned by TF when it instantiates the function (they are stateless).
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+
+from ..ir.graph import ValueRef
+
+UNKNOWN = None
+_MAX_DEPTH = 16            # arbitrary: shape arithmetic chains are a few ops deep
+
+
+class _Unfoldable(Exception):
+    pass
+
+
+def fold_reshapes(graph_def, original_def, ir_graph) -> int:
+    """Replace, in ``graph_def`` (the rewritten graph, in place), the shape input of each
+    Reshape whose target is known but for one entry by a constant; ``original_def`` and
+    ``ir_graph``: the graph the IR was built from and the IR (static shapes of the
+    tensors a ``Shape`` reads).  Returns the number of Reshapes folded."""
+    nodes = {nd.name: nd for nd in graph_def.node}
+    before = {nd.name: nd for nd in original_def.node}
+    folded = 0
+    for nd in list(graph_def.node):
+        if nd.op != "Reshape" or len([i for i in nd.input if not i.startswith("^")]) != 2:
+            continue
+        src = nd.input[1]
+        if nodes.get(src.split(":")[0]) is None or nodes[src.split(":")[0]].op == "Const":
+            continue
+        try:
+            target = _value(src, nodes, before, ir_graph, 0)
+        except _Unfoldable:
+            continue
+        if not _foldable(target):
+            continue
+        dtype = nd.attr["Tshape"].type if "Tshape" in nd.attr else tf.int32.as_datatype_enum
+        values = np.array([-1 if v is UNKNOWN else v for v in target], np.int64)
+        if dtype not in (tf.int32.as_datatype_enum, tf.int64.as_datatype_enum) or (
+                dtype == tf.int32.as_datatype_enum and values.max() >= 2 ** 31):
+            continue        # a graph file's odd dtype or an overflowing entry: as it was
+        const = graph_def.node.add(name=f"{nd.name}/folded_shape", op="Const", device=nd.device)
+        const.attr["dtype"].type = dtype
+        const.attr["value"].CopyFrom(attr_value_pb2.AttrValue(tensor=tf.make_tensor_proto(
+            values, tf.dtypes.as_dtype(dtype))))
+        nd.input[1] = const.name
+        folded += 1
+    return folded
+
+
+def _foldable(target) -> bool:
+    """One -1 is inferred from the element count; a 0 beside it would make that
+    ambiguous (TF refuses it), and a negative known entry is the graph's own -1."""
+    if not isinstance(target, list) or any(isinstance(v, list) for v in target):
+        return False
+    unknown = sum(v is UNKNOWN for v in target)
+    known = [v for v in target if v is not UNKNOWN]
+    return unknown == 1 and all(v > 0 for v in known)
+
+
+def _value(ref, nodes, before, ir_graph, depth):
+    """The value of tensor ``ref``: an int, UNKNOWN, or a list of those (1-D)."""
+    name, _, idx = ref.partition(":")
+    nd = nodes.get(name)
+    if nd is None or depth > _MAX_DEPTH or (idx and idx != "0"):
+        raise _Unfoldable
+    data = [i for i in nd.input if not i.startswith("^")]
+
+    def arg(i):
+        return _value(data[i], nodes, before, ir_graph, depth + 1)
+
+    if nd.op == "Const":
+        v = tf.make_ndarray(nd.attr["value"].tensor)
+        if v.dtype.kind != "i" or v.ndim > 1:
+            raise _Unfoldable
+        return v.tolist()
+    if nd.op == "Identity":
+        return arg(0)
+    if nd.op == "Shape":
+        return _static_shape(name, before, ir_graph)
+    if nd.op == "GatherV2":
+        vals, idx_v, axis = arg(0), arg(1), arg(2)
+        if not isinstance(vals, list) or axis != 0 or _int_attr(nd, "batch_dims"):
+            raise _Unfoldable
+        pick = idx_v if isinstance(idx_v, list) else [idx_v]
+        if any(i is UNKNOWN or not -len(vals) <= i < len(vals) for i in pick):
+            raise _Unfoldable
+        got = [vals[i] for i in pick]
+        return got if isinstance(idx_v, list) else got[0]
+    if nd.op == "Prod":
+        vals, axis = arg(0), arg(1)
+        if not isinstance(vals, list) or axis not in (0, [0]) or _flag(nd, "keep_dims"):
+            raise _Unfoldable
+        return UNKNOWN if UNKNOWN in vals else int(np.prod(vals, dtype=np.int64))
+    if nd.op == "Pack":
+        vals = [arg(i) for i in range(len(data))]
+        if _int_attr(nd, "axis") or any(isinstance(v, list) for v in vals):
+            raise _Unfoldable
+        return vals
+    if nd.op == "ConcatV2":
+        parts, axis = [arg(i) for i in range(len(data) - 1)], arg(len(data) - 1)
+        if axis != 0 or not all(isinstance(p, list) for p in parts):
+            raise _Unfoldable
+        return [v for p in parts for v in p]
+    if nd.op == "StridedSlice":
+        return _strided_slice(nd, arg(0), arg(1), arg(2), arg(3))
+    raise _Unfoldable
+
+
+def _static_shape(name, before, ir_graph):
+    """Dims of the tensor Shape node ``name`` reads (as traced), UNKNOWN where unknown."""
+    orig = before.get(name)
+    if orig is None or orig.op != "Shape":
+        raise _Unfoldable
+    src = [i for i in orig.input if not i.startswith("^")][0]
+    node, _, idx = src.partition(":")
+    if node not in ir_graph:
+        raise _Unfoldable
+    shape = ir_graph.type_of(ValueRef(node, int(idx or 0))).shape
+    if shape is None:
+        raise _Unfoldable
+    return [UNKNOWN if d < 0 else d for d in shape]
+
+
+def _strided_slice(nd, vals, begin, end, strides):
+    """A 1-D StridedSlice with constant bounds (begin/end masks and shrink honoured)."""
+    if not isinstance(vals, list) or any(
+            not isinstance(b, list) or len(b) != 1 or UNKNOWN in b
+            for b in (begin, end, strides)) \
+            or _int_attr(nd, "ellipsis_mask") or _int_attr(nd, "new_axis_mask"):
+        raise _Unfoldable
+    if strides[0] == 0:
+        raise _Unfoldable
+    b = None if _int_attr(nd, "begin_mask") & 1 else begin[0]
+    e = None if _int_attr(nd, "end_mask") & 1 else end[0]
+    if _int_attr(nd, "shrink_axis_mask") & 1:
+        if b is None or not -len(vals) <= b < len(vals):
+            raise _Unfoldable
+        return vals[b]
+    return vals[slice(b, e, strides[0])]
+
+
+def _int_attr(nd, name) -> int:
+    return nd.attr[name].i if name in nd.attr else 0
+
+
+def _flag(nd, name) -> bool:
+    return name in nd.attr and nd.attr[name].b

@@ -1,0 +1,106 @@
+"""tf/gemm.py beyond the BatchMatMul -> MatMul rewrite itself (test_function.py has
+that): the projection's bias moves into the MatMul as a BiasAdd (which TF's remapper
+fuses into the GEMM), and the output shape is a constant when only the batch is
+unknown.  Numerics against stock TF and float64."""
+import numpy as np
+import tensorflow as tf
+
+import stitching
+from stitching.tf import pipeline
+
+RNG = np.random.default_rng(31)
+W = tf.constant(RNG.standard_normal((16, 12)).astype(np.float32))
+BIAS = tf.constant(RNG.standard_normal((3, 4)).astype(np.float32))
+ROWBIAS = tf.constant(RNG.standard_normal((5, 1, 1)).astype(np.float32))
+
+
+def _einsum_dense(x):
+    # Keras 3's EinsumDense "abc,cde->abde" as it traces: BatchMatMulV2 against a 2-D
+    # weight, a Reshape to the heads, the bias over the trailing dims; the Einsum after
+    # it is opaque, so the Add is a lone op the planner leaves to TF
+    q = tf.reshape(tf.linalg.matmul(x, W), [-1, 5, 3, 4]) + BIAS
+    k = tf.reshape(tf.linalg.matmul(x, W), [-1, 5, 3, 4]) + ROWBIAS   # not per column
+    return tf.einsum("btnh,bsnh->bnts", q, k)
+
+
+def _stitched_ops(fn, sig):
+    cf = tf.function(fn, input_signature=sig).get_concrete_function()
+    res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs])
+    return [n.op for n in res.graph_def.node]
+
+
+def test_a_projection_bias_is_added_by_the_matmul():
+    sig = [tf.TensorSpec([None, 5, 16], tf.float32)]
+    ops = _stitched_ops(_einsum_dense, sig)
+    assert ops.count("MatMul") == 2 and ops.count("BatchMatMulV2") == 0, ops
+    # the per-column bias became a BiasAdd on the 2-D product; the row bias stayed
+    assert ops.count("BiasAdd") == 1 and ops.count("AddV2") == 1, ops
+    # only the batch is unknown: the output shapes are constants, no shape ops
+    assert "Shape" not in ops and "StridedSlice" not in ops and "ConcatV2" not in ops, ops
+    sf = stitching.function(_einsum_dense, input_signature=sig)
+    ref = tf.function(_einsum_dense, input_signature=sig)
+    for batch in (1, 3):
+        x = RNG.standard_normal((batch, 5, 16)).astype(np.float32)
+        got = sf(x).numpy()
+        np.testing.assert_allclose(got, ref(x).numpy(), rtol=1e-5, atol=1e-5)
+        x64 = tf.constant(x.astype(np.float64))
+        w64 = tf.cast(W, tf.float64)
+        q = tf.reshape(x64 @ w64, [-1, 5, 3, 4]) + tf.cast(BIAS, tf.float64)
+        k = tf.reshape(x64 @ w64, [-1, 5, 3, 4]) + tf.cast(ROWBIAS, tf.float64)
+        np.testing.assert_allclose(got, tf.einsum("btnh,bsnh->bnts", q, k).numpy(),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_two_unknown_dims_take_the_shape_from_the_input():
+    def fn(x):
+        y = tf.reshape(tf.linalg.matmul(x, W), [tf.shape(x)[0], -1, 3, 4]) + BIAS
+        return tf.einsum("btnh,nh->bnt", y, tf.ones([3, 4]))
+    sig = [tf.TensorSpec([None, None, 16], tf.float32)]
+    ops = _stitched_ops(fn, sig)
+    assert ops.count("MatMul") == 1 and "Shape" in ops and "ConcatV2" in ops, ops
+    sf = stitching.function(fn, input_signature=sig)
+    x = RNG.standard_normal((2, 7, 16)).astype(np.float32)
+    np.testing.assert_allclose(sf(x).numpy(), tf.function(fn, input_signature=sig)(x).numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def _reshape_targets(fn, sig):
+    """op of each Reshape's shape input in the stitched graph."""
+    cf = tf.function(fn, input_signature=sig).get_concrete_function()
+    res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs])
+    nodes = {n.name: n for n in res.graph_def.node}
+    return [nodes[n.input[1].split(":")[0]].op for n in res.graph_def.node
+            if n.op == "Reshape"], res.report
+
+
+def _dense(x):
+    # Keras's Dense on a 3-D input: tf.tensordot, whose Reshape targets are computed
+    # at run time from Shape(x) (GatherV2, Prod, Pack, ConcatV2); the matmul's
+    # consumer is opaque (an Einsum) so they stay TF ops
+    y = tf.tensordot(x, W, axes=[[2], [0]])
+    return tf.einsum("bti,ij->btj", y, tf.ones([12, 3]))
+
+
+def test_run_time_reshape_targets_known_but_for_the_batch_become_constants():
+    sig = [tf.TensorSpec([None, 5, 16], tf.float32)]
+    targets, report = _reshape_targets(_dense, sig)
+    assert targets and set(targets) == {"Const"}, targets
+    assert any("Reshape target(s) computed at run time" in n for n in report.notes)
+    sf = stitching.function(_dense, input_signature=sig)
+    for batch in (1, 4):
+        x = RNG.standard_normal((batch, 5, 16)).astype(np.float32)
+        got = sf(x)
+        assert got.shape == (batch, 5, 3)
+        np.testing.assert_allclose(got.numpy(), tf.function(_dense)(x).numpy(),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_two_unknown_dims_keep_the_run_time_target():
+    sig = [tf.TensorSpec([None, None, 16], tf.float32)]
+    targets, _ = _reshape_targets(_dense, sig)
+    # [B*T, 16] folds (one product of unknowns), [B, T, 12] cannot
+    assert "Const" in targets and "ConcatV2" in targets, targets
+    sf = stitching.function(_dense, input_signature=sig)
+    x = RNG.standard_normal((2, 7, 16)).astype(np.float32)
+    np.testing.assert_allclose(sf(x).numpy(), tf.function(_dense)(x).numpy(),
+                               rtol=1e-5, atol=1e-5)
