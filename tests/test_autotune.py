@@ -27,6 +27,16 @@ EVERY = stitching.Options(autotune=True, autotune_margin=math.inf)
 CALLS_TO_DECIDE = 12      # op.cc: (kTuneWarmup 1 + kTuneSamples 5) runs of each way
 
 
+@pytest.fixture(autouse=True)
+def _no_stored_decisions():
+    """Each test measures from scratch: decisions a run before this one stored in the
+    cache directory (when STITCHING_CACHE_DIR outlives the run) are removed; each test
+    also uses specs of its own (column counts) so this process's op has none either."""
+    import shutil
+    from stitching import cachedir
+    shutil.rmtree(cachedir.root() / "autotune", ignore_errors=True)
+
+
 def fn(x, w):
     return tf.nn.relu(x * w + 1.0) * 2.0 - tf.tanh(x)
 
