@@ -28,6 +28,8 @@ Loop nests, per kind (names as in the generated code)::
 
     elementwise: rank <= 1: one flat loop over the units' elements
                  else     : for u: rows [r0,r1) x cols [c0,c1): for r: for j: ...
+    packed:      lo, hi = begin * cb, end * cb over the segments' flat space; shared
+                 scalars; per segment (off, n): for j in [max(lo-off,0), min(hi-off,n))
     row:         for u: for r in rows(u):  scalars0; pass0 for j<L; scalars1; pass1 ...
                  (float32 sums: per 1024-element chunk a float32 partial, merged
                  into a float64 accumulator, so the loop stays 8 lanes wide)
