@@ -331,9 +331,14 @@ def _learn(ctx: _Context, bad: list, banned: set) -> bool:
 class _Merger:
     """Best-first pairwise merging over the contracted graph.
 
-    Stitch merges are checked for legality when taken.  Packing merges are checked once,
-    on the final kernel (most are legal, and a check builds a spec): a refused pack is
-    split back along the merges that built it until its parts are legal.
+    Stitch merges are checked for legality when taken.  Packing merges of element-wise
+    ops over static shapes are checked once, on the final kernel (they are legal: one
+    domain, or the schedule's packed kind; a check builds a spec): a refused pack is
+    split back along the merges that built it until its parts are legal.  A packing
+    merge that holds a reduction or an unknown dim is checked when taken: such packs
+    are legal only over one domain, and taken unchecked they captured the optimizer's
+    update chains (a CNN's SGD updates packed with backward column kernels, refused at
+    the end and split back apart: no update chains packed).
     """
 
     def __init__(self, ctx: _Context, chosen: list):
@@ -348,6 +353,10 @@ class _Merger:
         self.kernels = sorted((min(self.con.members[g]), g) for g in self.cur)
         self.heap, self.seq = [], 0
         self.packed: dict = {}          # group -> (members of part a, of part b), unchecked
+        graph = ctx.graph
+        self.simple = {v for v in ctx.is_fusible if ctx.costs.red[v] is None and all(
+            t.shape is not None and all(d >= 0 for d in t.shape)
+            for t in graph[ctx.names[v]].outputs)}   # element-wise over static shapes
 
     def run(self) -> list:
         for g in list(self.cur):
@@ -420,7 +429,8 @@ class _Merger:
         if con.would_cycle((a, b)):
             why = "merging would create a cycle through another kernel or an unfused op"
         else:
-            why = ctx.side_reason(U) or (ctx.check(U) if kind == "stitch" else None)
+            lazy = kind == "remote" and U <= self.simple
+            why = ctx.side_reason(U) or (None if lazy else ctx.check(U))
         better = ctx.gain(U) - self.cur.get(a, 0.0) - self.cur.get(b, 0.0)
         if why is not None:
             ctx.note(kind, U, better, f"refused: {why}")
@@ -428,7 +438,7 @@ class _Merger:
                 ctx.refuse(min(U), why)
             return
         ctx.note(kind, U, better, "merged")
-        if kind == "remote":
+        if lazy:
             self.packed[U] = (A, B)
         for g in (a, b):
             if g in self.cur:
