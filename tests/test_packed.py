@@ -67,12 +67,14 @@ def test_chains_that_are_not_flat_element_wise_are_refused_with_the_usual_reason
     b = SpecBuilder()
     x, bias, y = b.input("float32", (3, 4)), b.input("float32", (4,)), b.input("float32", (5,))
     spec = b.build([b.Add(x, bias), b.Mul(y, y)])
-    assert check(spec)          # refused (the ordinary domain reason) ...
-    assert "broadcast" not in str(check(spec)) or "packed" not in str(check(spec))
+    assert check(spec) and "packed" not in str(check(spec))    # the ordinary reason
+    from stitching.schedule.packed import segments
+    assert "mixes 12 elements with 4" in segments(spec)
     # unknown dims (a batch dimension): packed kernels are static, so unchanged
     b = SpecBuilder()
     x, y = b.input("float32", (-1, 4)), b.input("float32", (5,))
     assert check(b.build([b.Exp(x), b.Exp(y)]))
+    assert segments(b.build([b.Exp(x), b.Exp(y)])) == "a packed kernel needs static shapes"
     # a reduction in one chain
     b = SpecBuilder()
     x, y = b.input("float32", (3, 4)), b.input("float32", (5,))
@@ -155,12 +157,16 @@ def _optimizer_kernels(report, opt):
     return [k for k in report.kernels if any(n.startswith(scope) for n, _ in k.ops)]
 
 
-@pytest.mark.parametrize("opt_name,kernels", [("sgd", 1), ("adam", 2), ("adamw", 3)])
+@pytest.mark.parametrize("opt_name,kernels", [
+    ("sgd", 1), pytest.param("adam", 2, marks=pytest.mark.slow),
+    pytest.param("adamw", 2, marks=pytest.mark.slow)])
 def test_training_matches_tf_and_the_update_is_a_few_packed_kernels(opt_name, kernels):
     """20 steps with an unknown batch dim (sizes 16-18): losses and final weights equal
-    stock TF; the optimizer's element-wise updates of all seven variables take exactly
-    ``kernels`` kernels (SGD: m's update; Adam: m and v, then the variable from m and v
-    read back after their assigns; AdamW: the decay first), each packed."""
+    stock TF; the optimizer's element-wise updates of the seven variables are exactly
+    ``kernels`` packed kernels (SGD: the momenta; Adam: m and v, then the variables
+    from m and v read back after their assigns; AdamW: its decay packs with the
+    second), besides the updates fused vertically into the gradient reductions that
+    feed them (bias and LayerNorm gradients: column kernels)."""
     want, w_want, _, _ = _train(opt_name, stitched=False)
     got, w_got, f, opt = _train(opt_name, stitched=True)
     np.testing.assert_allclose(got, want, rtol=1e-4)

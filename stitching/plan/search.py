@@ -70,7 +70,10 @@ class SearchConfig:
     max_kernel: int = 1024    # arbitrary: merge phase kernel size cap
     max_packed: int = 64      # arbitrary: kernels built by packing (remote fusion) stay
                               # this small: compile time, and identical small kernels
-                              # share one compiled spec
+                              # share one compiled spec.  Not for packs of element-wise
+                              # ops over static shapes (an optimizer's updates: Keras's
+                              # Adam spends ~15 scalar nodes per variable), capped by
+                              # max_kernel and the spec's input/output limits
     remote_window: int = 3    # arbitrary: kernels either side considered for packing
     rounds: int = 4           # arbitrary: legality repair rounds
     launch_tries: int = 3     # arbitrary: launch candidates offered to legality
@@ -418,7 +421,8 @@ class _Merger:
         cfg = self.ctx.cfg
         for h, kind in self.partners(g):
             U = self.members(g) | self.members(h)
-            if len(U) > (cfg.max_kernel if kind == "stitch" else cfg.max_packed):
+            cap = cfg.max_kernel if kind == "stitch" or U <= self.simple else cfg.max_packed
+            if len(U) > cap:
                 continue
             better = self.ctx.gain(U) - self.cur.get(g, 0.0) - self.cur.get(h, 0.0)
             if kind == "remote":
