@@ -223,8 +223,10 @@ def _build(spec) -> Schedule:
 def _build_packed(spec) -> Schedule:
     """The packed kind's Schedule: one Pass per chain, shared scalars before them."""
     dom, table, segs, scalars, vec = PK.plan(spec)
-    reads = lambda nodes: sorted({-a - 1 for k in nodes for a in spec.nodes[k].args  # noqa: E731
-                                  if a < 0})
+
+    def reads(nodes) -> list:       # the kernel inputs (positions) ``nodes`` read
+        return sorted({-a - 1 for k in nodes for a in spec.nodes[k].args if a < 0})
+
     outputs = set(spec.outputs)
     passes = tuple(Pass(i, nodes, (), tuple(j for j in reads(nodes) if -(j + 1) in vec),
                         (), (), (), tuple(k for k in nodes if k in outputs))
