@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from ..ir import SpecError
 from ..ir.composites import MULTI_OUTPUT
+from ..ir.ops import Kind, kind_of
 from ..ir.spec import SCHEDULE_PARAMS
 from . import legality as _fus
 from .acyclic import Contraction, CycleError, Reach, indexed, mask_of
@@ -57,6 +58,8 @@ from .region import extract
 
 
 _FREE_SLACK_S = 1e-9   # arbitrary: a view joins a neighbour's kernel when that costs < 1 ns
+_FLAT_KINDS = (Kind.ELEMENTWISE, Kind.SOURCE, Kind.LAYOUT)   # not composites (BiasAddGrad)
+SIMPLE_SCAN = 64       # arbitrary: kernels looked past for element-wise packing partners
 MIN_PACK_ELEMS = 256   # arbitrary: smaller lone ops (shape arithmetic, scalars) are not
                        # packed: TF folds or places them itself
 
@@ -369,9 +372,10 @@ class _Merger:
         self.heap, self.seq = [], 0
         self.packed: dict = {}          # group -> (members of part a, of part b), unchecked
         graph = ctx.graph
-        self.simple = {v for v in ctx.is_fusible if ctx.costs.red[v] is None and all(
-            t.shape is not None and all(d >= 0 for d in t.shape)
-            for t in graph[ctx.names[v]].outputs)}   # element-wise over static shapes
+        self.simple = {v for v in ctx.is_fusible           # element-wise, static shapes
+                       if kind_of(graph[ctx.names[v]].op) in _FLAT_KINDS and all(
+                           t.shape is not None and all(d >= 0 for d in t.shape)
+                           for t in graph[ctx.names[v]].outputs)}
         self.opaque_above = _opaque_ancestors(ctx)
         self._above: dict = {}
 
@@ -438,7 +442,10 @@ class _Merger:
     def partners(self, g):
         """(group, "stitch" | "remote") pairs worth scoring for group g: neighbours by an
         edge; independent kernels reading one of g's inputs or close in topological
-        order (the `remote_window` nearest each side, of each kind)."""
+        order (the `remote_window` nearest each side, of each kind); for an element-wise
+        group over static shapes also the nearest such groups (an optimizer's update
+        chains, which Keras interleaves with the backward pass's column kernels and
+        which share no input: each reads its own cast of the learning rate)."""
         ctx, con, out = self.ctx, self.con, {}
         w, first = ctx.cfg.remote_window, min(con.members[g])
         inputs = set()
@@ -454,10 +461,26 @@ class _Merger:
             near += [con.group_of[s] for s in readers[max(0, i - w): i + w + 1]]
         i = bisect.bisect_left(self.kernels, (first, g))
         near += [h for _, h in self.kernels[max(0, i - w): i + w + 1]]
+        if self.members(g) <= self.simple:
+            near += self._simple_near(i, w)
         for h in near:
             if h != g and h in self.cur and h not in out and not con.related(g, h):
                 out[h] = "remote"
         return sorted(out.items())
+
+    def _simple_near(self, i: int, w: int) -> list:
+        """Up to w groups of element-wise ops over static shapes on each side of
+        position i of self.kernels (looking at most SIMPLE_SCAN kernels each way)."""
+        out = []
+        for step in (-1, 1):
+            found, j = 0, i + step
+            while found < w and 0 <= j < len(self.kernels) and abs(j - i) <= SIMPLE_SCAN:
+                h = self.kernels[j][1]
+                if self.members(h) <= self.simple:
+                    out.append(h)
+                    found += 1
+                j += step
+        return out
 
     def try_merge(self, a, b, kind):
         ctx, con = self.ctx, self.con
