@@ -175,3 +175,37 @@ def test_training_matches_tf_and_the_update_is_a_few_packed_kernels(opt_name, ke
     upd = _optimizer_kernels(f.report, opt)
     packed = [k for k in upd if k.schedule.startswith("packed")]
     assert len(packed) == kernels, f.report.summary()
+
+
+@pytest.mark.parametrize("depth", [2, 6])
+def test_sgd_momentum_update_is_one_packed_kernel_whatever_the_depth(depth):
+    """An MLP of ``depth`` hidden Dense layers (6 or 14 variables): every weight's
+    momentum update is in one packed kernel, the biases' in their gradient reductions
+    (column kernels); no optimizer op is left to TF or in a kernel of its own."""
+    import keras
+    import tensorflow as tf
+
+    import stitching
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((8,))
+    h = inp
+    for i in range(depth):
+        h = keras.layers.Dense(16 + i, activation="relu")(h)
+    model = keras.Model(inp, keras.layers.Dense(4)(h))
+    opt = keras.optimizers.SGD(0.05, momentum=0.9)
+    opt.build(model.trainable_variables)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    f = stitching.function(step)
+    f(tf.zeros([16, 8]), tf.zeros([16, 4]))
+    upd = _optimizer_kernels(f.report, opt)
+    kinds = sorted(k.schedule.split(" kernel")[0] for k in upd)
+    assert kinds == ["column"] * (depth + 1) + ["packed"], f.report.summary()
+    assert not any(n.startswith(opt.name + "/") for n, _, _ in f.report.unfused)
