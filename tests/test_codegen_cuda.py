@@ -279,7 +279,30 @@ def test_column_nhwc_pool_and_odd_sizes():
     check(spec, [data(2, 4, 5, 3)], threads=64, tx=4, split=2, atol=1e-5)
 
 
+# ---- packed: chains of different sizes --------------------------------------------------
+
+
+def test_packed_chains_of_different_sizes():
+    """schedule/packed.py: SGD-like updates of four differently shaped variables as one
+    k_pk launch over their concatenated flat space (a one-element learning rate shared),
+    default launch and a forced 32-thread grid where each thread walks every segment."""
+    b = SpecBuilder()
+    lr = b.input(F, ())
+    shapes = [(5,), (3, 7), (64,), (2, 50)]
+    outs = []
+    for s in shapes:
+        v, g = b.input(F, s), b.input(F, s)
+        outs += [b.Sub(v, b.Mul(g, lr)), b.Mul(g, g)]
+    spec = b.build(outs)
+    arrays = [np.array(0.1, np.float32)] + [data(*s, seed=i) for i, s in
+                                            enumerate(s for s in shapes for _ in range(2))]
+    k, _ = check(spec, arrays)
+    assert k.schedule.kind.value == "packed" and set(k.source.kernels) == {"k_pk"}
+    check(spec, arrays, threads=32)
+
+
 # ---- zero sizes, 16-bit floats --------------------------------------------------------
+
 
 @pytest.mark.parametrize("shape", [(0, 5), (3, 0)])
 def test_zero_sizes(shape):

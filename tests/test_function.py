@@ -664,20 +664,23 @@ def test_the_report_names_the_device_profile_it_planned_with(tmp_path, monkeypat
     g(tf.zeros([2, 3]))
     assert g.report.profile == f"mine from {path}"
 def test_independent_same_shape_chains_are_packed_into_one_kernel():
-    """Horizontal packing (schedule/domain.py: _pack_components): independent
-    element-wise chains whose outputs share one static shape -- an optimizer's update
-    of same-shaped variables -- become exactly one kernel; chains of different shapes
-    stay one kernel each."""
+    """Horizontal packing: independent element-wise chains whose outputs share one
+    static shape -- an optimizer's update of same-shaped variables -- share one
+    iteration domain (schedule/domain.py: _pack_components), and chains of different
+    shapes become one packed kernel over their concatenated flat space
+    (schedule/packed.py): exactly one kernel either way."""
     def f(a, b, c):
         return [tf.sqrt(tf.abs(t * 0.9 + 0.1)) * 2.0 - t for t in (a, b, c)]
 
     rng = np.random.default_rng(3)
-    for shapes, kernels in ((((64, 64),) * 3, 1), (((64, 64), (32,), (300, 8)), 3)):
+    for shapes, kernels in ((((64, 64),) * 3, 1), (((64, 64), (32,), (300, 8)), 1)):
         args = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
         sf = stitching.function(f)
         for g, w in zip(sf(*args), f(*args)):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6, atol=1e-6)
         assert len(sf.report.kernels) == kernels, sf.report.summary()
+        if len(set(shapes)) > 1:
+            assert "packed 3 chains" in sf.report.kernels[0].schedule
 
 
 def test_captured_constants_that_grappler_folds_need_no_feed():

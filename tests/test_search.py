@@ -315,3 +315,30 @@ def test_options_planner_ablation_end_to_end():
             assert f.report.kernels[0].name in text and "launch:" in text
             assert f.report.to_dict()["explanation"][0]["deployed"]
     assert kernels["search"] == kernels["greedy"] == 1 < kernels["baseline"]
+
+
+def _update_chains(shapes):
+    """Per variable: its gradient (an opaque op), lr * g, m - lr * g, then an assign
+    (opaque): an optimizer's updates, each below a different matmul."""
+    b = G().input("lr", [])
+    for i, s in enumerate(shapes):
+        b.input(f"x{i}", list(s)).input(f"m{i}", list(s)).opaque(f"g{i}", [f"x{i}"], list(s))
+        b.op(f"a{i}", "Mul", [f"g{i}", "lr"]).op(f"u{i}", "Sub", [f"m{i}", f"a{i}"])
+        b.opaque(f"w{i}", [f"u{i}"], list(s))
+    return b.build(*[f"w{i}" for i in range(len(shapes))])
+
+
+def test_small_update_chains_of_different_shapes_pack_and_large_ones_stay_apart():
+    """Packing saves a dispatch but makes each chain wait for the other's gradient
+    (search._Merger.overlap_penalty): small chains of different shapes become one packed
+    kernel (schedule/packed.py), chains whose work exceeds a dispatch keep their own;
+    the plan stays acyclic either way."""
+    from stitching.schedule import KernelKind, build_schedule, check
+    g = _update_chains([(32,), (64,), (3, 40), (10,)])
+    p = plan(g, legal=lambda s: check(s).reason)
+    assert regions(p) == [sorted(f"{op}{i}" for i in range(4) for op in "au")]
+    assert build_schedule(p.regions[0].spec).kind == KernelKind.PACKED
+    assert quotient_is_acyclic(g, p)
+    g = _update_chains([(512, 512), (256, 512)])
+    p = plan(g, legal=lambda s: check(s).reason)
+    assert regions(p) == [["a0", "u0"], ["a1", "u1"]]

@@ -231,7 +231,8 @@ class CompiledKernel:
         if a.ndim != self.in_ranks[i]:
             raise ValueError(f"input {i} has rank {a.ndim}, kernel expects "
                              f"{self.in_ranks[i]}")
-        return np.ascontiguousarray(a)
+        # (np.ascontiguousarray makes a 0-d array 1-d: rank-0 inputs are contiguous)
+        return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def launch_hint(spec) -> tuple:

@@ -32,7 +32,7 @@ class KernelDump:
     ops: list                 # [(IR node, op)]
     inputs: list              # [{"ref", "dtype", "shape"}]
     outputs: list
-    kind: str                 # "row" | "column" | "elementwise" (schedule stage)
+    kind: str                 # "row" | "column" | "elementwise" | "packed" (schedule stage)
     schedule_summary: str
     estimate: dict            # cost model: fused_us, unfused_us, bytes_fused, ...
     measured: dict | None = None   # profile.json: calls, seconds, bytes (None: not run)

@@ -32,7 +32,18 @@ def _unit_text(sched) -> str:
     return f"{rows} or blocks of {cb or 'auto (16384)'} elements"
 
 
+def _packed_summary(sched) -> str:
+    sizes = [n for _, n in sched.segments]
+    shown = ", ".join(map(str, sizes[:6])) + (", …" if len(sizes) > 6 else "")
+    shared = len(sched.scalars[0].compute) if sched.scalars else 0
+    return (f"packed kernel over [{_axes_text(sched)}]: packed {len(sizes)} chains "
+            f"({shown} elements), {shared} shared scalar(s); unit = blocks of "
+            f"{sched.col_block or 'auto (16384)'} elements")
+
+
 def summary(sched) -> str:
+    if sched.kind == KernelKind.PACKED:
+        return _packed_summary(sched)
     n_red = sum(len(p.accumulate) for p in sched.passes)
     parts = [f"{sched.kind.value} kernel over [{_axes_text(sched)}]"]
     if n_red:
@@ -85,7 +96,8 @@ def _pass_line(sched, p) -> str:
 
 
 def _scalar_line(sched, s) -> str:
-    where = "row scalars" if sched.kind == KernelKind.ROW else "column block"
+    where = {KernelKind.ROW: "row scalars", KernelKind.PACKED: "shared scalars"}.get(
+        sched.kind, "column block")
     what = " ".join(_node(sched, k) for k in s.compute)
     store = f" (store {' '.join(_node(sched, k) for k in s.stores)})" if s.stores else ""
     return f"  {where} {s.index}: {what}{store}"

@@ -53,6 +53,7 @@ class KernelKind(str, enum.Enum):
     ELEMENTWISE = "elementwise"
     ROW = "row"
     COLUMN = "column"
+    PACKED = "packed"        # independent element-wise chains of different sizes (packed.py)
 
 
 class Placement(str, enum.Enum):

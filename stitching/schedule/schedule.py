@@ -18,6 +18,9 @@ Work units (the op splits [0, units) across threads)::
     row          a unit is rows_per_task rows; each row runs every pass
     column       a unit is one index of the kept outer axes x col_block columns;
                  each unit loops over the reduced axes once per pass
+    packed       chains of different sizes (packed.py): a unit is col_block elements
+                 of their concatenated flat index space; one Pass per chain (segment),
+                 the shared one-element values in scalars[0]
 
 ``rows_per_task`` / ``col_block`` come from spec.schedule when the cost model set
 them, else the shape function picks them at run time (defaults below).
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 from ..ir import dtypes as dt
 from . import passes as P
+from . import packed as PK
 from .domain import Domain, Refusal, analyze
 from .passes import KernelKind, Placement
 
@@ -110,6 +114,7 @@ class Schedule:
     col_block: int | None
     notes: tuple = field(default=())
     split_rows: bool = False   # row kind: the code can split a row across units
+    segments: tuple = ()       # packed kind: (offset, size) of each pass's flat range
 
     # -- queries the emitters use -----------------------------------------------------
     @property
@@ -204,7 +209,43 @@ def _memo_build(spec):
 
 def _build(spec) -> Schedule:
     _check_dtypes(spec)
-    dom = analyze(spec)
+    try:
+        dom = analyze(spec)
+        return _build_on(spec, dom)
+    except Refusal as e:
+        # chains that share no domain may still run as one packed kernel; if not,
+        # the refusal the user reads is the ordinary one
+        if isinstance(PK.segments(spec), str):
+            raise e from None
+        return _build_packed(spec)
+
+
+def _build_packed(spec) -> Schedule:
+    """The packed kind's Schedule: one Pass per chain, shared scalars before them."""
+    dom, table, segs, scalars, vec = PK.plan(spec)
+
+    def reads(nodes) -> list:       # the kernel inputs (positions) ``nodes`` read
+        return sorted({-a - 1 for k in nodes for a in spec.nodes[k].args if a < 0})
+
+    outputs = set(spec.outputs)
+    passes = tuple(Pass(i, nodes, (), tuple(j for j in reads(nodes) if -(j + 1) in vec),
+                        (), (), (), tuple(k for k in nodes if k in outputs))
+                   for i, nodes in enumerate(segs))
+    live = tuple(sorted(set(scalars) | {k for s in segs for k in s}))
+    scalar_loads = tuple(j for j in reads(live) if -(j + 1) not in vec)
+    edges = tuple(Edge(a, k, P.Placement.LOAD if a < 0 else P.Placement.REGISTER)
+                  for k in live for a in spec.nodes[k].args)
+    refs = [-(j + 1) for j in range(len(spec.inputs))] + list(live)
+    return Schedule(
+        spec=spec, domain=dom, kind=KernelKind.PACKED, reduce_axes=(), live=live,
+        stage=dict.fromkeys(live, 0), vector=frozenset(r for r in refs if r in vec),
+        passes=passes, scalars=(ScalarStage(0, tuple(scalars), scalar_loads, ()),),
+        edges=edges, scratch=(), blocks=(), rows_per_task=None,
+        col_block=spec.schedule.get("col_block"),
+        notes=(f"packed {len(segs)} chains",), segments=table)
+
+
+def _build_on(spec, dom) -> Schedule:
     live = P.live_nodes(spec)
     kind, S = P.classify(spec, dom, live)
     st = P.stages(spec, dom, live)

@@ -28,6 +28,8 @@ Loop nests, per kind (names as in the generated code)::
 
     elementwise: rank <= 1: one flat loop over the units' elements
                  else     : for u: rows [r0,r1) x cols [c0,c1): for r: for j: ...
+    packed:      lo, hi = begin * cb, end * cb over the segments' flat space; shared
+                 scalars; per segment (off, n): for j in [max(lo-off,0), min(hi-off,n))
     row:         for u: for r in rows(u):  scalars0; pass0 for j<L; scalars1; pass1 ...
                  (float32 sums: per 1024-element chunk a float32 partial, merged
                  into a float64 accumulator, so the loop stays 8 lanes wide)
@@ -183,7 +185,7 @@ class _Emitter(Emitter):
             w("h.wide_vectors()")
             self._prologue(w)
             {KernelKind.ELEMENTWISE: self._elementwise, KernelKind.ROW: self._row,
-             KernelKind.COLUMN: self._column}[self.s.kind](w)
+             KernelKind.COLUMN: self._column, KernelKind.PACKED: self._packed}[self.s.kind](w)
             for name in self._buffers():
                 w(f"h.free({name})")
             if self.streamed:
@@ -241,6 +243,10 @@ class _Emitter(Emitter):
         -> 2.40."""
         if self.stream_min <= 0 or self.R == 0:
             return {}
+        if self.s.kind == KernelKind.PACKED:     # static sizes: each output's own count
+            counts = {k: math.prod(self.spec.nodes[k].type.shape) for k in self.spec.outputs}
+            return {k: str(n) for k, n in counts.items()
+                    if n * dt.ITEMSIZE[self.dtype(k)] >= self.stream_min}
         if any(OPS[self.spec.nodes[k].op].transcendental and self.s.is_vector(k)
                for p in self.s.passes for k in p.compute if self.spec.nodes[k].op in OPS):
             return {}
@@ -376,6 +382,22 @@ class _Emitter(Emitter):
             self.compute(w, k)
         for k in p.stores:
             self.store_output(w, k, at(k))
+
+    # -- packed --------------------------------------------------------------------------------
+    def _packed(self, w) -> None:
+        """Units are blocks of cb elements of the segments' concatenated flat space
+        (schedule/packed.py): the shared scalars once, then each segment's element
+        loop over its part of [lo, hi), indexed by the segment-local j."""
+        shared = self.s.scalars[0]
+        w("lo = begin * cb")
+        w("hi = min(end * cb, L)")
+        for j in shared.loads:
+            self.load_input(w, -(j + 1), "0")
+        for k in shared.compute:
+            self.compute(w, k)
+        for p, (off, n) in zip(self.s.passes, self.s.segments):
+            self._ew_loop(w, p, {}, f"max(lo - {off}, 0)", f"min(hi - {off}, {n})",
+                          flat=True)
 
     # -- row ---------------------------------------------------------------------------------
     def _row(self, w) -> None:

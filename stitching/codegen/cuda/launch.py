@@ -169,7 +169,7 @@ def plan(src, kind, sizes: Sizes, evaluated: tuple, profile, limits: Limits,
         raise ValueError(f"threads per block must be a power of two >= {WARP}, got {th}")
     cap = _blocks_cap(th, profile, limits)
     fn = {KernelKind.ELEMENTWISE: _elementwise, KernelKind.ROW: _row,
-          KernelKind.COLUMN: _column}[kind]
+          KernelKind.COLUMN: _column, KernelKind.PACKED: _packed}[kind]
     return fn(src, sizes, th, rpt, cap, profile, limits, force, source)
 
 
@@ -192,6 +192,14 @@ def _elementwise(src, z, th, _rpt, cap, _profile, _limits, force, source):
     how = "16-byte loads/stores" if wide else "scalar loads"
     return CudaLaunch("elementwise", f"grid-stride, {EW_VEC} elements per thread per step, "
                       f"{how}", steps, {"rows": z.rows, "nc": nc}, (), th, source)
+
+
+def _packed(src, z, th, _rpt, cap, _profile, _limits, _force, source):
+    """k_pk: one thread per element of the segments' flat space, grid-stride."""
+    total = z.D[0] if z.D else 0
+    steps = (("k_pk", _grid(total, th, cap), th, 0, {}),) if total else ()
+    return CudaLaunch("packed", "grid-stride over the segments' concatenated flat space",
+                      steps, {}, (), th, source)
 
 
 def _row(src, z, th, _rpt, cap, profile, limits, force, source):

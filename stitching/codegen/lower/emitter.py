@@ -248,7 +248,8 @@ class Emitter:
         for a, ax in enumerate(dom.axes):
             P += [SP.AXIS, a, len(ax.classes), *[cls[c] for c in ax.classes], big]
         s, R = self.s, self.R
-        cost = lower.cycles_per_element(self.spec, s.passes)
+        cost = (self._packed_cycles() if s.kind == KernelKind.PACKED
+                else lower.cycles_per_element(self.spec, s.passes))
         if s.kind == KernelKind.COLUMN:
             kind, kept, red = SP.COLUMN, self._kept_axes(), list(s.reduce_axes)
         else:
@@ -264,6 +265,20 @@ class Emitter:
                 P += [SP.OUT, pos, d if d >= 0 else cls[dom.value_dims[k][i]]]
                 pos += 1
         return P + [SP.END]
+
+    def _packed_cycles(self) -> int:
+        """A packed kernel's cycles per element of its flat space: each segment's
+        (a quarter per simple op, 3 per transcendental, one per 4 bytes it streams;
+        as exprs.cycles_per_element) weighted by the segment's size."""
+        from ...ir.ops import OPS
+        total, quarters = 0, 0
+        for p, (_, n) in zip(self.s.passes, self.s.segments):
+            q = sum(12 if OPS[self.spec.nodes[k].op].transcendental else 1
+                    for k in p.compute)
+            q += sum(dt.ITEMSIZE[self.spec.inputs[j].dtype] for j in p.loads)
+            q += sum(dt.ITEMSIZE[self.dtype(k)] for k in p.stores)
+            total, quarters = total + n, quarters + q * n
+        return max(1, -(-quarters // max(1, 4 * total)))
 
     def compute(self, w, k: int) -> None:
         node = self.spec.nodes[k]
