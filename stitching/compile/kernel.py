@@ -30,13 +30,33 @@ from pathlib import Path
 import numpy as np
 
 from .. import cachedir
-from ..codegen.cpu import emitter as cpu
-from ..codegen.lower.emitter import canonical
-from ..codegen.lower.specialize import LAUNCH_PARAMS, compile_target
 from ..ir import dtypes as dt
 from ..ir.spec import KernelSpec, validate
-from ..schedule import build_schedule
 from . import native
+
+# codegen and schedule (~50 ms to import) are imported on first use, below: a process
+# that only loads shipped kernels (shipped.py) never generates code.
+LAUNCH_PARAMS = ("rows_per_task", "col_block")   # specialize.LAUNCH_PARAMS (tested equal)
+
+
+def cpu():
+    from ..codegen.cpu import emitter
+    return emitter
+
+
+def build_schedule(spec):
+    from ..schedule import build_schedule as build
+    return build(spec)
+
+
+def compile_target(spec):
+    from ..codegen.lower.specialize import compile_target as target
+    return target(spec)
+
+
+def canonical(text):
+    from ..codegen.lower.emitter import canonical as canon
+    return canon(text)
 
 _lock = threading.RLock()
 _kernels: dict = {}          # spec hash -> CompiledKernel
@@ -215,7 +235,7 @@ class CompiledKernel:
             op = (ctypes.c_void_p * (len(outs) + 1))(*[o.ctypes.data for o in outs],
                                                      scratch.ctypes.data)
             for phase in range(phases):
-                dims[cpu.PHASE_SLOT] = phase
+                dims[cpu().PHASE_SLOT] = phase
                 self._body(0, units, ip, op,
                            dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
         return outs
@@ -412,7 +432,7 @@ def uncached_code(spec: KernelSpec):
         target = compile_target(spec)
         if target.hash in _kernels:
             return None
-        text = cpu.emit(build_schedule(target)).text
+        text = cpu().emit(build_schedule(target)).text
     except Exception:  # noqa: BLE001 - compile_kernel reports it
         return None
     name = code_name(text)
@@ -444,7 +464,7 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
 def _compile_exact(spec: KernelSpec) -> CompiledKernel:
     t0 = time.perf_counter()
     sched = build_schedule(spec)
-    source = cpu.emit(sched)
+    source = cpu().emit(sched)
     name = code_name(source.text)
 
     def body_source():
