@@ -30,7 +30,7 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import bcast, dump, frontend, gemm, grappler, opnames, original, rewrite
+from . import bcast, dump, frontend, gemm, grappler, opnames, original, prune, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -155,6 +155,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
+    prune.bypass_inlined_identities(new_gdef, list(fetches) + list(keep))
+    prune.dead_nodes(new_gdef, list(fetches) + list(keep))   # what only regions read
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
     if len(regions) > no_original:
         how = ("stitched as a function of its own per kind of kernel (the kernel's "
