@@ -212,6 +212,11 @@ def _compile(regions, options, workers=None):
     not cached yet); a region whose kernel fails stays unfused, with the reason."""
     from .. import runtime
     from ..compile import compile_kernels
+    # a region nothing reads (fetching a missing output 'y:7' made one) is no kernel:
+    # the spec check refuses it; it stays unfused, with the reason
+    dead = [(r, "no kernel: nothing reads the region's values (no outputs)")
+            for r in regions if not r.spec.outputs]
+    regions = [r for r in regions if r.spec.outputs]
     n_distinct = len({reg.spec.hash for reg in regions})
     show = options.progress if options.progress is not None else \
         n_distinct >= _PROGRESS_MIN_KERNELS
@@ -245,7 +250,7 @@ def _compile(regions, options, workers=None):
         except Exception as e:  # noqa: BLE001 — a kernel TF cannot take stays unfused
             errors[k.spec.hash] = f"kernel failed to register: {type(e).__name__}: {e}"
     ok = [r for r in regions if r.spec.hash in by_hash]
-    failed = [(r, errors[r.spec.hash]) for r in regions if r.spec.hash in errors]
+    failed = dead + [(r, errors[r.spec.hash]) for r in regions if r.spec.hash in errors]
     return ok, [by_hash[r.spec.hash] for r in ok], failed
 
 
