@@ -156,6 +156,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
     prune.bypass_inlined_identities(new_gdef, list(fetches) + list(keep))
+    prune.merge_constants(new_gdef, list(fetches) + list(keep))
     prune.dead_nodes(new_gdef, list(fetches) + list(keep))   # what only regions read
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
     if len(regions) > no_original:

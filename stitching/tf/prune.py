@@ -1,4 +1,5 @@
-"""Drop the nodes of a rewritten GraphDef that nothing needs.
+"""Drop the nodes of a rewritten GraphDef that nothing needs (and merge the ones that
+are the same constant, and forward the Identity nodes function inlining left).
 
 The rewrite replaces each region by one kernel node and copies every other node, so
 what only a fused node read stays behind, unread: constants, shape arithmetic (the
@@ -93,3 +94,38 @@ def bypass_inlined_identities(graph_def, roots) -> int:
                        list(dict.fromkeys(i for i in out if i.startswith("^")
                                           and i[1:] not in args)))
     return len(fwd)
+
+
+def merge_constants(graph_def, roots) -> int:
+    """Keep one Const per distinct (attributes, control inputs), in place: consumers of
+    the others read it instead.  Grappler's folding and rewrites leave one copy of a
+    shape or axis constant per use (the rewritten Transformer: 208 Consts, 24 distinct),
+    each a node to store and to load.  Roots are never merged away.  Returns how many
+    nodes were merged."""
+    keep = {r.lstrip("^").split(":")[0] for r in roots}
+    first, alias = {}, {}
+    for n in graph_def.node:
+        if n.op != "Const":
+            continue
+        attrs = tuple(sorted((k, v.SerializeToString(deterministic=True))
+                             for k, v in n.attr.items() if k != "_output_shapes"))
+        key = (attrs, tuple(sorted(n.input)))
+        if key not in first:
+            first[key] = n.name
+        elif n.name not in keep:
+            alias[n.name] = first[key]
+    if not alias:
+        return 0
+    for n in graph_def.node:
+        if not any(i.lstrip("^").split(":")[0] in alias for i in n.input):
+            continue
+        new = []
+        for i in n.input:
+            node, sep, idx = i.lstrip("^").partition(":")
+            if node in alias:
+                i = ("^" if i.startswith("^") else "") + alias[node] + sep + idx
+            new.append(i)
+        data = [i for i in new if not i.startswith("^")]
+        del n.input[:]
+        n.input.extend(data + list(dict.fromkeys(i for i in new if i.startswith("^"))))
+    return len(alias)
