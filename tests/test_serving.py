@@ -98,7 +98,17 @@ _LOAD_ALL = """
             lambda a: tf.compat.v1.import_graph_def(gd, {{"x:0": a}}, ["y:0"], name=""),
             [tf.TensorSpec([None, 16], tf.float32)])
         out[name] = float(np.abs(run(tf.constant(x))[0].numpy() - want).max())
+    with tf.Graph().as_default() as g:          # TF1: a Session over the frozen graph
+        tf.compat.v1.import_graph_def(gd, name="")
+        with tf.compat.v1.Session(graph=g) as sess:
+            got = sess.run("y:0", {{"x:0": x}})
+    out["session"] = float(np.abs(got - want).max())
     out["numba"] = "numba" in sys.modules
+    # every kernel registered from the shipped spec-hash index: no schedule, no codegen
+    out["codegen"] = [m for m in ("stitching.codegen.cpu.emitter", "stitching.schedule")
+                      if m in sys.modules]
+    from stitching.runtime import registry
+    out["registered"] = sorted({{type(k).__name__ for k in registry._kernels.values()}})
     import os
     out["cache"] = sorted(os.listdir(os.environ["STITCHING_CACHE_DIR"] + "/kernels"))
     print("RESULT", __import__("json").dumps(out))
@@ -120,9 +130,11 @@ def test_import_stitching_registers_the_op_for_every_loader(shipped, order, tmp_
         ("", "import stitching")
     out = _result(_run(_LOAD_ALL.format(first=first, second=second, d=str(shipped)),
                        env={"STITCHING_CACHE_DIR": str(tmp_path / "empty")}))
-    for key in ("signature", "restored function", "tfsmlayer", "out.pb", "out.pbtxt"):
+    for key in ("signature", "restored function", "tfsmlayer", "out.pb", "out.pbtxt",
+                "session"):
         assert out[key] < 1e-5, (key, out[key])
     assert not out["numba"], "loading shipped kernels imported Numba"
+    assert out["codegen"] == [] and out["registered"] == ["ShippedKernel"], out
     assert out["installed out.pb"] >= 2       # a kernel and the shape interpreter
     assert len(out["cache"]) == 1             # one toolchain: the artifacts' = this one
 
@@ -177,12 +189,40 @@ def test_the_asset_manifest_is_bound_to_the_graph(shipped, tmp_path):
     recorded: nothing from the assets is used."""
     model = _copy_model(shipped, tmp_path)
     manifest = model / "assets" / "stitching_kernels.json"
-    manifest.write_text(manifest.read_text().replace('"version": 1', '"version":  1'))
+    manifest.write_text(manifest.read_text().replace('"version": 2', '"version":  2'))
+    assert manifest.read_text().count('"version":  2') == 1
     r = _run(_LOAD_ONE.format(path=str(model), d=str(shipped)),
              env={"STITCHING_CACHE_DIR": str(tmp_path / "cache")})
     out = _result(r)
     assert out["err"] < 1e-5 and out["numba"]
     assert "does not match the hash recorded in its graph" in r.stderr
+
+
+def test_a_graph_def_sidecar_is_bound_to_its_graph(shipped, tmp_path):
+    """The rewrite records the sidecar manifest's SHA-256 in the GraphDef, as a
+    SavedModel records its own: a sidecar swapped for another valid one (the CNN's
+    kernels, all hashes consistent) or edited is not installed; the graph's own is."""
+    import shutil
+
+    from stitching.tf.kernel_assets import MANIFEST, install_dir, recorded_manifest
+    gd = tf.compat.v1.GraphDef.FromString((shipped / "out.pb").read_bytes())
+    side = shipped / "out.pb.kernels"
+    want = recorded_manifest(gd)
+    assert want == __import__("hashlib").sha256((side / MANIFEST).read_bytes()).hexdigest()
+    swapped = tmp_path / "out.pb.kernels"
+    shutil.copytree(shipped / "cnn" / "assets", swapped)
+    shutil.copy(shipped / "out.pb", tmp_path / "out.pb")
+    with pytest.warns(RuntimeWarning, match="does not match the hash recorded in its graph"):
+        assert install_dir(swapped) == 0
+    edited = tmp_path / "edited"              # (a warning is given once per reason)
+    shutil.copytree(side, edited)
+    (edited / MANIFEST).write_text((edited / MANIFEST).read_text() + " ")
+    with pytest.warns(RuntimeWarning, match="does not match the hash recorded in its graph"):
+        assert install_dir(edited, graph=gd) == 0
+    lone = tmp_path / "elsewhere"
+    shutil.copytree(side, lone)
+    with pytest.warns(RuntimeWarning, match="cannot be read"):
+        assert install_dir(lone) == 0        # no graph beside it, none given
 
 
 def test_rewriting_a_rewritten_saved_model_is_refused(shipped, tmp_path, capsys):
@@ -322,7 +362,9 @@ def test_a_failed_registration_never_breaks_import_tensorflow(tmp_path):
 
 _NO_NUMBA = """
     import sys, json, warnings, numpy as np
-    warnings.simplefilter("ignore")
+    warnings.simplefilter("always")
+    seen = []
+    warnings.showwarning = lambda m, *a, **k: seen.append(str(m))
     class NoNumba:      # a serving machine without Numba (or llvmlite)
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] in ("numba", "llvmlite"):
@@ -342,6 +384,7 @@ _NO_NUMBA = """
     x, want = np.load(d + "/x_g.npy"), np.load(d + "/y_g.npy")
     out["graphdef"] = float(np.abs(run(tf.constant(x))[0].numpy() - want).max())
     out.update(stitching.runtime.stats())
+    out["warnings"] = [w for w in seen if "kernels cannot be built" in w]
     print("RESULT", json.dumps(out))
 """
 
@@ -359,6 +402,30 @@ def test_kernels_that_cannot_be_built_fall_back_to_the_original_subgraph(shipped
     out = _result(_run(code, env=env))
     assert out["savedmodel"] < 1e-5 and out["graphdef"] < 1e-5, out
     assert out["fallbacks"] >= 2 and "No module named" in out["last_fallback"], out
+    # one Python warning for the process, however many nodes fell back
+    assert len(out["warnings"]) == 1 and "No module named" in out["warnings"][0], out
     r = _run(code, env=dict(env, STITCHING_STRICT="1"))
     assert r.returncode != 0 and "No module named" in r.stderr
     assert "stitching/kernel_" in r.stderr
+
+
+def test_the_spec_hash_index_takes_only_checked_well_formed_entries(shipped):
+    """compile/shipped.py: entries of another code generator (emitter hash), entries
+    whose code was not installed, and malformed entries are not indexed."""
+    import json as _json
+
+    from stitching.compile import shipped as S
+    manifest = _json.loads((shipped / "cnn" / "assets" / "stitching_kernels.json").read_text())
+    entries, emitter = manifest["kernels"], manifest["emitter"]
+    codes = {e["code"] for e in entries.values()}
+    try:
+        S.clear()
+        assert S.add(entries, "0" * 24, codes) == 0                  # another generator
+        assert S.add(entries, emitter, set()) == 0                   # nothing installed
+        bad = {k: dict(e, program=["1; import os"]) for k, e in entries.items()}
+        assert S.add(bad, emitter, codes) == 0
+        bad = {k: dict(e, code="../../etc/passwd") for k, e in entries.items()}
+        assert S.add(bad, emitter, codes | {"../../etc/passwd"}) == 0
+        assert S.add(entries, emitter, codes) == len(entries) >= 1
+    finally:
+        S.clear()

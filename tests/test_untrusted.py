@@ -155,6 +155,8 @@ TAMPERED = {
                           "reference 5 is out of range or not earlier"),
     "output out of range": (lambda d: _edit(["outputs"], [999])(d),
                             "output reference 999 must name a node"),
+    "no outputs": (lambda d: _edit(["outputs"], [])(d),
+                   "outputs must be a non-empty list"),
     "lying dtype": (lambda d: _edit(["nodes", 1, "dtype"], "float64")(d),
                     "claims dtype float64"),
     "unknown schedule key": (lambda d: _edit(["schedule", "os.system"], 1)(d),
@@ -337,3 +339,27 @@ def test_fuzzed_specs_give_a_clear_error_or_the_right_answer(files):
     out = json.loads(r.stdout.split("RESULT ")[-1])
     assert out["error"] + out["correct"] == 150
     assert out["error"] > 20 and out["correct"] > 20, out       # both branches exercised
+
+
+def test_a_region_without_outputs_is_refused_not_emitted():
+    """Regression: fetching a missing output ('y:7', before the CLI checked fetches)
+    made a Softmax region with no outputs, which the emitter wrote as a loop with an
+    empty body (an IndentationError at compile time).  The spec check refuses such a
+    kernel in memory too, with a reason the report shows."""
+    import dataclasses
+
+    from stitching.ir.spec import KernelSpec, SpecError, validate
+    from stitching.tf.pipeline import stitch_graph_def
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
+        tf.nn.softmax(x * 3.0, name="y")
+    res = stitch_graph_def(g.as_graph_def(), ["y:7"], name="no_outputs")
+    text = res.report.summary()
+    assert "nothing reads the region's values" in text and "IndentationError" not in text
+    spec = KernelSpec.from_json(json.dumps({
+        "version": 1, "inputs": [{"dtype": "float32", "shape": [-1, 16]}],
+        "nodes": [{"op": "Exp", "args": [-1], "attrs": {}, "dtype": "float32",
+                   "shape": [-1, 16]}], "outputs": [0]}))
+    with pytest.raises(SpecError, match="at least one output"):
+        validate(dataclasses.replace(spec, outputs=()))

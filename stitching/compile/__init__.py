@@ -20,9 +20,23 @@ native.py builds shared objects through Numba's ahead-of-time code generator and
 loads them without Numba; helper_cache.py keeps the math helpers kernels inline in
 Numba's disk cache.  Where things live on disk: ``stitching.cachedir``.
 """
-from .kernel import (CompiledKernel, cache_root, clear_memory_cache, compile_kernel,
-                     is_cached, kernel_dir)
-from .parallel import compile_kernels
+import importlib
+
+# Lazy (PEP 562): ``import stitching`` loads the op library through runtime/build.py,
+# which needs only native.py and integrity.py; kernel.py pulls in codegen and schedule
+# (~50 ms), which a process serving a model with shipped kernels never needs.
+_LAZY = {"CompiledKernel": "kernel", "cache_root": "kernel", "clear_memory_cache": "kernel",
+         "compile_kernel": "kernel", "is_cached": "kernel", "kernel_dir": "kernel",
+         "compile_kernels": "parallel"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["compile_kernel", "compile_kernels", "CompiledKernel", "cache_root",
            "kernel_dir", "clear_memory_cache", "is_cached"]

@@ -30,13 +30,34 @@ from pathlib import Path
 import numpy as np
 
 from .. import cachedir
-from ..codegen.cpu import emitter as cpu
-from ..codegen.lower.emitter import canonical
-from ..codegen.lower.specialize import LAUNCH_PARAMS, compile_target
 from ..ir import dtypes as dt
 from ..ir.spec import KernelSpec, validate
-from ..schedule import build_schedule
 from . import native
+
+# codegen and schedule (~50 ms to import) are imported on first use, below: a process
+# that only loads shipped kernels (shipped.py) never generates code.
+LAUNCH_PARAMS = ("rows_per_task", "col_block")   # specialize.LAUNCH_PARAMS (tested equal)
+
+
+def cpu():
+    from ..codegen.cpu import emitter
+    return emitter
+
+
+def build_schedule(spec):
+    from ..schedule import build_schedule as build
+    return build(spec)
+
+
+def compile_target(spec):
+    from ..codegen.lower.specialize import compile_target as target
+    return target(spec)
+
+
+def canonical(text):
+    from ..codegen.lower.emitter import canonical as canon
+    return canon(text)
+
 
 _lock = threading.RLock()
 _kernels: dict = {}          # spec hash -> CompiledKernel
@@ -55,15 +76,70 @@ def cache_root() -> Path:
 
 
 def _toolchain_tag() -> str:
+    """The tag, memoized on disk: computing it imports llvmlite's binding and reads
+    package metadata (~50-90 ms and ~5,000 objects, measured in a process that loads a
+    model with shipped kernels and does nothing else with Numba).  The memo is keyed by
+    what those answers depend on, read without importing them: the Python version, the
+    numba and llvmlite installs (file sizes and times), the CPU as /proc/cpuinfo names
+    it, the NUMBA_* variables, and the sources the tag hashes.  It lives in the default
+    cache beside the op library (an install-time product, as the interpreter is), so a
+    process with an empty STITCHING_CACHE_DIR uses it too."""
+    key = _memo_key()
+    memo = cachedir.default_root() / "kernels" / "toolchain-memo" / key if key else None
+    try:
+        tag = memo.read_text() if memo else ""
+        if len(tag) == 16 and all(c in "0123456789abcdef" for c in tag):
+            return tag
+    except OSError:
+        pass
+    tag = _compute_toolchain_tag()
+    if memo is not None:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            native.atomic_write(memo, tag.encode())
+        except OSError:        # a read-only default cache: computed again next time
+            pass
+    return tag
+
+
+def _memo_key() -> str | None:
+    """A hash of the toolchain tag's inputs, cheap to read; None where they cannot be
+    read this way (then the tag is computed every time)."""
+    import importlib.util
+    import os
+    h = hashlib.sha256(f"{sys.version}|{sys.executable}".encode())
+    try:
+        for name in ("numba", "llvmlite"):
+            origin = Path(importlib.util.find_spec(name).origin)
+            for f in (origin, *sorted(origin.parent.parent.glob(f"{name}-*.dist-info/RECORD"))):
+                st = f.stat()
+                h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}".encode())
+        cpu = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+               if ln.startswith(("model name", "flags", "vendor_id", "cpu family", "model\t"))]
+    except (OSError, AttributeError, TypeError, ValueError):
+        return None
+    h.update("\n".join(sorted(set(cpu))).encode())
+    h.update("|".join(os.environ.get(k, "") for k in ("NUMBA_ENABLE_AVX", "NUMBA_OPT",
+                                                       "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")
+                      ).encode())
+    for name in _TAG_SOURCES:
+        h.update((Path(__file__).parent.parent / name).read_bytes())
+    return h.hexdigest()[:32]
+
+
+_TAG_SOURCES = ("codegen/cpu/rt.py", "codegen/cpu/fastmath.py", "codegen/cpu/intrinsics.py",
+                "codegen/lower/shape_program.py", "codegen/lower/shape_interp.py",
+                "compile/native.py")
+
+
+def _compute_toolchain_tag() -> str:
     from importlib.metadata import version
 
     import llvmlite
     h = hashlib.sha256(f"{version('numba')}|{llvmlite.__version__}|{sys.version_info[:2]}|"
                        f"{native.host_tag()}".encode())
     pkg = Path(__file__).parent.parent          # read as files: no Numba import here
-    for name in ("codegen/cpu/rt.py", "codegen/cpu/fastmath.py", "codegen/cpu/intrinsics.py",
-                 "codegen/lower/shape_program.py", "codegen/lower/shape_interp.py",
-                 "compile/native.py"):
+    for name in _TAG_SOURCES:
         h.update((pkg / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -215,7 +291,7 @@ class CompiledKernel:
             op = (ctypes.c_void_p * (len(outs) + 1))(*[o.ctypes.data for o in outs],
                                                      scratch.ctypes.data)
             for phase in range(phases):
-                dims[cpu.PHASE_SLOT] = phase
+                dims[cpu().PHASE_SLOT] = phase
                 self._body(0, units, ip, op,
                            dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
         return outs
@@ -413,7 +489,7 @@ def uncached_code(spec: KernelSpec):
         target = compile_target(spec)
         if target.hash in _kernels:
             return None
-        text = cpu.emit(build_schedule(target)).text
+        text = cpu().emit(build_schedule(target)).text
     except Exception:  # noqa: BLE001 - compile_kernel reports it
         return None
     name = code_name(text)
@@ -445,7 +521,7 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
 def _compile_exact(spec: KernelSpec) -> CompiledKernel:
     t0 = time.perf_counter()
     sched = build_schedule(spec)
-    source = cpu.emit(sched)
+    source = cpu().emit(sched)
     name = code_name(source.text)
 
     def body_source():

@@ -175,6 +175,9 @@ def validate(spec: KernelSpec) -> KernelSpec:
         _expect(_shapes_agree(t.shape, n.type.shape),
                 f"{where}: claims shape {list(n.type.shape)}, inferred {list(t.shape)}")
         nodes.append(SpecNode(n.op, tuple(n.args), attrs, n.type))
+    # a kernel with no outputs computes nothing (the emitter would write an empty
+    # loop body: fetching a missing output 'y:7' once made such a region)
+    _expect(len(spec.outputs) > 0, "a kernel needs at least one output")
     for o in spec.outputs:
         _expect(0 <= o < len(nodes), f"output reference {o} must name a node")
     _expect(len(set(spec.outputs)) == len(spec.outputs), "duplicate outputs")

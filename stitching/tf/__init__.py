@@ -30,6 +30,38 @@ def _compile_spec(text: str):
         from .kernel_assets import install
         install(text)
         return None
+    from ..ir.spec import KernelSpec
+    spec = KernelSpec.from_json(text)       # untrusted: parsed and validated (spec.py)
+    from ..compile import shipped
+    kernel = shipped.lookup(spec)   # a model's shipped index: no codegen (shipped.py)
+    if kernel is not None:
+        return kernel
     from ..compile import compile_kernel
-    from ..ir import KernelSpec
-    return compile_kernel(KernelSpec.from_json(text))
+    try:
+        return compile_kernel(spec)
+    except ValueError:      # the spec itself: an error, never the fallback
+        raise
+    except Exception as e:
+        _warn_fallback(e)
+        raise
+
+
+_fallback_warned = False
+
+
+def _warn_fallback(e) -> None:
+    """One Python warning per process when kernels cannot be built here: the op then
+    runs each node's original subgraph (op.cc logs every node through TF's log and
+    counts it in ``stitching.runtime.stats()``), which a serving process should hear
+    about once, where Python code looks (``warnings``), not only in TF's log."""
+    global _fallback_warned
+    import os
+    if _fallback_warned or os.environ.get("STITCHING_STRICT", "") not in ("", "0"):
+        return
+    _fallback_warned = True
+    import warnings
+    warnings.warn(f"stitching: kernels cannot be built in this process "
+                  f"({type(e).__name__}: {e}); StitchedKernel nodes that carry their "
+                  f"original subgraph run it instead, at stock TensorFlow's speed "
+                  f"(stitching.runtime.stats() counts them; STITCHING_STRICT=1 makes "
+                  f"this an error)", RuntimeWarning, stacklevel=2)

@@ -44,27 +44,30 @@ def rewrite_graph_def_file(src, dst, outputs=None, options=None, embed_kernels=T
     from .graph_file import check_graph_def
     check_graph_def(gd, src, fetches)
     res = stitch_graph_def(gd, fetches, options=options or _options(), name=os.path.basename(src))
+    if embed_kernels:       # first: the graph records the sidecar manifest's hash
+        _write_sidecar(res.graph_def, dst)
     if dst.endswith(".pbtxt"):
         from google.protobuf import text_format
         open(dst, "w").write(text_format.MessageToString(res.graph_def))
     else:
         open(dst, "wb").write(res.graph_def.SerializeToString())
-    if embed_kernels:
-        _write_sidecar(res.graph_def, dst)
     return {"graph": res.report}
 
 
 def _write_sidecar(graph_def, dst) -> None:
     """The kernels' shared objects beside a GraphDef: ``<dst>.kernels/`` (load them
-    with ``stitching.install_kernels``; kernel_assets.py)."""
+    with ``stitching.install_kernels``; kernel_assets.py).  The manifest's SHA-256
+    goes into ``graph_def`` (in place), as a SavedModel's goes into its graph."""
     import shutil
 
-    from .kernel_assets import export, specs_in
+    from .kernel_assets import export, record_manifest, specs_in
     side = dst + ".kernels"
     shutil.rmtree(side, ignore_errors=True)
     specs = specs_in(graph_def)
     if specs:
-        export(specs, side)
+        _, _, sha = export(specs, side)
+        if sha is not None:
+            record_manifest(graph_def, sha)
 
 
 def _options(dump_dir=None, autotune=None):

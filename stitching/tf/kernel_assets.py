@@ -7,9 +7,14 @@ the one the kernels were built for.  So the rewrite (saved_model.py, cli.py) put
 shared object of every kernel its graph uses, and the shape interpreter they share,
 beside the model, with a manifest::
 
-    {"version": 1, "abi": <kernel cache toolchain tag: Numba/llvmlite versions, CPU
+    {"version": 2, "abi": <kernel cache toolchain tag: Numba/llvmlite versions, CPU
      name and features, helper sources (compile/kernel.py)>, "host": <CPU in words>,
-     "files": {<name>.so: {"sha256": ..., "size": ...}}, "specs": {<spec hash>: <name>}}
+     "files": {<name>.so: {"sha256": ..., "size": ...}}, "specs": {<spec hash>: <name>},
+     "emitter": <hash of the code generator's sources>,
+     "kernels": {<spec hash>: {"code", "program", "errors", "generic"}}}
+
+``kernels`` is the spec-hash index (compile/shipped.py): a load registers each kernel
+from it without scheduling or generating code, still validating every spec.
 
 * SavedModel: the files are ``tf.saved_model.Asset``s (copied to ``assets/``) held by a
   resource (``KernelAssets``) whose initializer, run by TF when the model is loaded,
@@ -17,8 +22,10 @@ beside the model, with a manifest::
   SHA-256 is an attribute of that op, i.e. recorded in the graph at rewrite time; the
   manifest records each file's SHA-256.  So a file is used only if it is the one the
   rewrite wrote (the graph is the root of trust, as it is for the specs).
-* GraphDef: the same files in a sidecar directory ``<output>.kernels/``;
-  ``install_dir`` (``stitching.install_kernels``) makes them this process's kernels.
+* GraphDef: the same files in a sidecar directory ``<output>.kernels/``, the
+  manifest's SHA-256 in the graph (a Const node, ``MANIFEST_NODE``);
+  ``install_dir`` (``stitching.install_kernels``) checks the sidecar against the
+  graph and makes its files this process's kernels.
 
 ``install`` (the op's callback, on the loading machine) copies each checked file into
 this process's kernel cache under its code name, where compile_kernel finds it as a
@@ -64,7 +71,8 @@ def export(specs, out_dir) -> tuple:
     from ..ir import KernelSpec
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files, by_spec = {}, {}
+    from ..compile import shipped
+    files, by_spec, index = {}, {}, {}
     for text in specs:
         k = K.compile_kernel(KernelSpec.from_json(text))
         so = _shared_object(k._code)
@@ -72,6 +80,7 @@ def export(specs, out_dir) -> tuple:
             continue
         files[so.name] = so
         by_spec[k.spec.hash] = so.stem
+        index[k.spec.hash] = shipped.entry_of(k)
     if not files:
         return None, [], None
     K.interp_address()
@@ -79,8 +88,9 @@ def export(specs, out_dir) -> tuple:
     if interp is not None:
         files["interp.so"] = interp
     from ..compile import native
-    manifest = {"version": 1, "abi": K.kernel_dir().name, "host": native.host_tag(),
-                "files": {}, "specs": by_spec}
+    manifest = {"version": 2, "abi": K.kernel_dir().name, "host": native.host_tag(),
+                "files": {}, "specs": by_spec, "emitter": shipped.emitter_tag(),
+                "kernels": index}
     paths = []
     for name, src in sorted(files.items()):
         data = src.read_bytes()
@@ -114,13 +124,63 @@ def install(payload: str) -> None:
         _skip(f"the model's kernels could not be installed ({type(e).__name__}: {e})")
 
 
-def install_dir(path) -> int:
+def install_dir(path, graph=None) -> int:
     """Install the kernels of a GraphDef's sidecar directory (``<graph>.kernels``).
-    The manifest's own hash is not recorded anywhere else for a GraphDef, so only the
-    files' hashes are checked against it.  Returns how many files were installed."""
+
+    The rewrite recorded the sidecar manifest's SHA-256 in the graph (a Const node,
+    ``MANIFEST_NODE``), as a SavedModel records its own in the StitchedKernelAssets
+    op: ``graph`` (a GraphDef, or its file; default: ``path`` without ``.kernels``)
+    says which manifest it was written with, and a sidecar that is not that one (a
+    swapped or edited directory) is not used (warning; the kernels compile from their
+    specs).  Returns how many files were installed."""
     d = Path(path)
+    try:
+        want = recorded_manifest(_graph_for(d, graph))
+    except (OSError, ValueError) as e:
+        return _skip(f"the graph of the kernels in {d} cannot be read ({e}); pass it as "
+                     f"install_kernels(dir, graph=...)")
+    if want is None:
+        return _skip(f"the graph of the kernels in {d} records no kernel manifest hash "
+                     f"(rewrite it again, or pass its graph as install_kernels(dir, graph=...))")
     files = [str(d / MANIFEST)] + [str(p) for p in sorted(d.glob("*.so"))]
-    return install_files(files, want_manifest_sha=None)
+    return install_files(files, want_manifest_sha=want)
+
+
+MANIFEST_NODE = "stitching_kernels_manifest_sha256"
+
+
+def record_manifest(graph_def, sha: str) -> None:
+    """Put the sidecar manifest's SHA-256 into ``graph_def`` (a Const string node that
+    no output reads, so importing or pruning the graph is unchanged)."""
+    for n in list(graph_def.node):
+        if n.name == MANIFEST_NODE:
+            graph_def.node.remove(n)
+    n = graph_def.node.add(name=MANIFEST_NODE, op="Const")
+    n.attr["dtype"].type = 7                         # DT_STRING
+    n.attr["value"].tensor.dtype = 7
+    n.attr["value"].tensor.string_val.append(sha.encode())
+
+
+def recorded_manifest(graph_def):
+    """The manifest SHA-256 ``record_manifest`` put into ``graph_def``, or None."""
+    for n in graph_def.node:
+        if n.name == MANIFEST_NODE and n.op == "Const":
+            vals = n.attr["value"].tensor.string_val
+            if len(vals) == 1:
+                return vals[0].decode("ascii", "replace")
+    return None
+
+
+def _graph_for(d: Path, graph):
+    if graph is None:
+        if d.name.endswith(".kernels"):
+            graph = d.with_name(d.name[:-len(".kernels")])
+        else:
+            raise ValueError("the directory is not named <graph file>.kernels")
+    if isinstance(graph, (str, os.PathLike)):
+        from .graph_file import read_graph_def
+        return read_graph_def(str(graph))
+    return graph
 
 
 def install_files(paths, want_manifest_sha) -> int:
@@ -130,7 +190,7 @@ def install_files(paths, want_manifest_sha) -> int:
         data = Path(paths[0]).read_bytes()
     except OSError as e:
         return _skip(f"the model's kernel manifest cannot be read ({e})")
-    if want_manifest_sha and hashlib.sha256(data).hexdigest() != want_manifest_sha:
+    if hashlib.sha256(data).hexdigest() != want_manifest_sha:   # the graph's record
         return _skip(f"the model's kernel manifest {paths[0]} does not match the hash "
                      f"recorded in its graph")
     try:
@@ -144,10 +204,12 @@ def install_files(paths, want_manifest_sha) -> int:
         return _skip(f"the model's kernels were built for another CPU or toolchain "
                      f"({manifest.get('host', '?')}); this machine's differs")
     by_name = {os.path.basename(p): p for p in paths[1:]}
-    done = 0
-    for name, rec in sorted(files.items()):
-        done += _install_one(name, rec, by_name.get(name), here)
-    return done
+    installed = [name for name, rec in sorted(files.items())
+                 if _install_one(name, rec, by_name.get(name), here)]
+    from ..compile import shipped
+    shipped.add(manifest.get("kernels"), manifest.get("emitter"),
+                {n[:-len(".so")] for n in installed})
+    return len(installed)
 
 
 def _install_one(name, rec, path, here: Path) -> int:

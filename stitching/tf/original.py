@@ -70,9 +70,31 @@ def region_function(graph_def, region, ir_graph, nodes_by_name=None):
         fdef = _to_function_def(body, region, ir_graph)
     except NotReproducible:
         return None
+    _canonical_names(fdef)
     fdef.signature.name = PREFIX + hashlib.sha256(
         fdef.SerializeToString(deterministic=True)).hexdigest()[:24]
     return fdef
+
+
+def _canonical_names(fdef) -> None:
+    """Rename the body's nodes n0, n1, ... in order and drop their debug info (in
+    place), so regions that differ only in their nodes' names in the user's graph
+    hash to one function: MobileNetV2's 53 regions were 53 library functions, each
+    converted to a Python FuncGraph by tf.saved_model.load and optimized by Grappler
+    at the first call, though most are the same BN + ReLU6."""
+    new = {n.name: f"n{i}" for i, n in enumerate(fdef.node_def)}
+
+    def ref(r):
+        node, sep, rest = r.partition(":")
+        return new.get(node, node) + sep + rest
+    for n in fdef.node_def:
+        n.name = new[n.name]
+        n.ClearField("experimental_debug_info")
+        inputs = [ref(i) for i in n.input]
+        del n.input[:]
+        n.input.extend(inputs)
+    for k in list(fdef.ret):
+        fdef.ret[k] = ref(fdef.ret[k])
 
 
 def _to_function_def(body, region, ir_graph):

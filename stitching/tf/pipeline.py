@@ -34,8 +34,8 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import (autotune, bcast, dump, frontend, gemm, grappler, opnames, original, rewrite,
-               shapes)
+from . import (autotune, bcast, dump, frontend, gemm, grappler, opnames, original, prune,
+               rewrite, shapes)
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -161,6 +161,10 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
     folded = shapes.fold_reshapes(new_gdef, gdef, ir)
+    # after the folds: the shape ops they left unread go too
+    prune.bypass_inlined_identities(new_gdef, list(fetches) + list(keep))
+    prune.merge_constants(new_gdef, list(fetches) + list(keep))
+    prune.dead_nodes(new_gdef, list(fetches) + list(keep))   # what only regions read
     rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
     if options.autotune:
         rep.autotune = autotune.mark(new_gdef, the_plan, regions, kernel_names,
@@ -224,6 +228,11 @@ def _compile(regions, options, workers=None):
     not cached yet); a region whose kernel fails stays unfused, with the reason."""
     from .. import runtime
     from ..compile import compile_kernels
+    # a region nothing reads (fetching a missing output 'y:7' made one) is no kernel:
+    # the spec check refuses it; it stays unfused, with the reason
+    dead = [(r, "no kernel: nothing reads the region's values (no outputs)")
+            for r in regions if not r.spec.outputs]
+    regions = [r for r in regions if r.spec.outputs]
     n_distinct = len({reg.spec.hash for reg in regions})
     show = options.progress if options.progress is not None else \
         n_distinct >= _PROGRESS_MIN_KERNELS
@@ -257,7 +266,7 @@ def _compile(regions, options, workers=None):
         except Exception as e:  # noqa: BLE001 — a kernel TF cannot take stays unfused
             errors[k.spec.hash] = f"kernel failed to register: {type(e).__name__}: {e}"
     ok = [r for r in regions if r.spec.hash in by_hash]
-    failed = [(r, errors[r.spec.hash]) for r in regions if r.spec.hash in errors]
+    failed = dead + [(r, errors[r.spec.hash]) for r in regions if r.spec.hash in errors]
     return ok, [by_hash[r.spec.hash] for r in ok], failed
 
 

@@ -1,0 +1,138 @@
+"""Kernels registered from a shipped spec-hash index: no schedule, no code generation.
+
+Design
+------
+Registering a kernel the usual way (kernel.py: ``compile_kernel``) rebuilds its
+schedule and generated source just to find the name its machine code is cached under
+(~9 ms per distinct spec, measured: specialize 3.3, emit 2.3, schedule 1.9, validate
+1.7), and imports codegen and schedule (~50 ms) on the first one.  A model that ships
+its kernels (tf/kernel_assets.py) knew all of that when it was rewritten, so its
+manifest carries an index::
+
+    "emitter": <hash of the sources that turn a spec into code and shape program>,
+    "kernels": {<spec hash>: {"code": <code name>, "program": [int...],
+                              "errors": [str...], "generic": bool}}
+
+and a load registers each kernel from it: the node's spec is still parsed and
+validated (untrusted input), its hash computed here and looked up; the entry gives
+the code to dlopen (checked against its recorded SHA-256 like any cache entry), the
+shape program, the error messages, and whether the code is the shape-generic twin's
+(then the op checks the spec's static dims).  Ranks, dtypes and the launch hint come
+from the validated spec itself.
+
+Trust: entries are added only from a manifest whose own SHA-256 matched the one
+recorded in the graph (``add``'s caller checks it), only for code files that were
+installed after their hash was checked, and only when the emitter hash equals this
+process's (a different stitching would generate other code or programs for the same
+spec: then the slow path runs, which may still find the shipped code by its name).
+An entry never overrides the spec: a spec whose hash is not indexed compiles as usual.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from pathlib import Path
+
+_lock = threading.Lock()
+_index: dict = {}            # spec hash -> entry (validated, see _entry)
+_EMITTER = None
+_CODE_NAME = re.compile(r"k_[0-9a-f]{24}\Z")
+# the sources a spec's code, shape program and errors are generated from
+_SOURCES = ("ir", "schedule", "codegen", "plan", "compile/kernel.py")
+MAX_PROGRAM = 1 << 16        # arbitrary sanity bounds on a shipped entry
+MAX_ERRORS = 4096
+
+
+def emitter_tag() -> str:
+    """Hash of the package sources that generate kernels (read once per process)."""
+    global _EMITTER
+    if _EMITTER is None:
+        pkg = Path(__file__).parent.parent
+        h = hashlib.sha256()
+        for part in _SOURCES:
+            p = pkg / part
+            for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+                h.update(str(f.relative_to(pkg)).encode() + b"\0" + f.read_bytes())
+        _EMITTER = h.hexdigest()[:24]
+    return _EMITTER
+
+
+def entry_of(kernel) -> dict:
+    """The index entry of a compiled kernel (kernel.CompiledKernel), at rewrite time."""
+    return {"code": kernel.code_name,
+            "program": [int(v) for v in kernel.shape_program],
+            "errors": [str(e) for e in kernel.errors],
+            "generic": kernel.generic is not None}
+
+
+def add(entries, emitter: str, installed) -> int:
+    """Index ``entries`` ({spec hash: entry}) whose code is among ``installed`` (code
+    names checked and copied into the kernel cache).  Returns how many were taken;
+    none if ``emitter`` is not this process's ``emitter_tag()``."""
+    if emitter != emitter_tag() or not isinstance(entries, dict):
+        return 0
+    taken = {}
+    for key, e in entries.items():
+        e = _entry(key, e)
+        if e is not None and e["code"] in installed:
+            taken[key] = e
+    with _lock:
+        _index.update(taken)
+    return len(taken)
+
+
+def _entry(key, e):
+    """A well-formed entry, or None (a manifest is checked, but still parsed with care)."""
+    try:
+        ok = (isinstance(key, str) and re.fullmatch(r"[0-9a-f]{24}", key)
+              and isinstance(e, dict) and _CODE_NAME.match(e["code"])
+              and isinstance(e["generic"], bool)
+              and 0 < len(e["program"]) <= MAX_PROGRAM
+              and all(type(v) is int and -(1 << 63) <= v < (1 << 63) for v in e["program"])
+              and len(e["errors"]) <= MAX_ERRORS
+              and all(isinstance(m, str) for m in e["errors"]))
+    except (KeyError, TypeError):
+        return None
+    return dict(e) if ok else None
+
+
+def lookup(spec):
+    """A registrable kernel for the validated ``spec`` from the index, or None."""
+    e = _index.get(spec.hash)
+    if e is None:
+        return None
+    from . import kernel, native
+    try:
+        body = native.load(kernel.kernel_dir() / e["code"], kernel.BODY_SYMBOL)
+    except native.NativeError:        # removed or damaged since: compile it instead
+        return None
+    return ShippedKernel(spec, e, body, kernel.interp_address())
+
+
+class ShippedKernel:
+    """What runtime.register needs (its duck type), from the spec and an index entry."""
+
+    def __init__(self, spec, entry, body_address, shape_address):
+        self.spec = spec
+        self.code_name = entry["code"]
+        self.body_address, self.shape_address = body_address, shape_address
+        self.shape_program = list(entry["program"])
+        self.errors = list(entry["errors"])
+        self.in_ranks = [len(t.shape) for t in spec.inputs]
+        self.out_ranks = [len(t.shape) for t in spec.output_types]
+        self.in_dtypes = [t.dtype for t in spec.inputs]
+        self.out_dtypes = [t.dtype for t in spec.output_types]
+        from .kernel import launch_hint
+        self.launch = launch_hint(spec)
+        self.in_static_dims = [d for t in spec.inputs for d in t.shape] \
+            if entry["generic"] else None
+
+    def __repr__(self):
+        return f"<ShippedKernel {self.spec.hash} {self.code_name}>"
+
+
+def clear() -> None:
+    """Forget the index (tests)."""
+    with _lock:
+        _index.clear()
