@@ -429,3 +429,29 @@ def test_the_spec_hash_index_takes_only_checked_well_formed_entries(shipped):
         assert S.add(entries, emitter, codes) == len(entries) >= 1
     finally:
         S.clear()
+
+
+def test_rewrite_graph_def_in_memory_matches_the_original():
+    """``stitching.rewrite_graph_def``: the Python API of ``stitching-rewrite`` for a
+    GraphDef held in memory: one kernel for a softmax-of-a-scaled-sum, outputs equal to
+    the original graph's, and bad outputs refused naming them."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
+        tf.nn.softmax(x * 0.5 + 1.0, name="y")
+    gd = g.as_graph_def()
+    new_gd, report = stitching.rewrite_graph_def(gd, ["y"])
+    assert report.to_dict()["kernels"] == 1
+    assert sum(n.op == "StitchedKernel" for n in new_gd.node) == 1
+    xv = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
+
+    def run(graph_def):
+        f = tf.compat.v1.wrap_function(
+            lambda a: tf.compat.v1.import_graph_def(graph_def, {"x:0": a}, ["y:0"], name=""),
+            [tf.TensorSpec([None, 64], tf.float32)])
+        return f(tf.constant(xv))[0].numpy()
+    np.testing.assert_allclose(run(new_gd), run(gd), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="output 'nope' names no node"):
+        stitching.rewrite_graph_def(gd, ["nope"])
+    with pytest.raises(ValueError, match="StitchedKernel"):       # already rewritten
+        stitching.rewrite_graph_def(new_gd, ["y"])

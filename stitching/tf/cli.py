@@ -28,30 +28,42 @@ def _default_outputs(gd):
             and n.op not in ("NoOp", "Const", "Placeholder", "Assert")]
 
 
-def rewrite_graph_def_file(src, dst, outputs=None, options=None, embed_kernels=True):
+def rewrite_graph_def(graph_def, outputs=None, options=None, name="graph"):
+    """Rewrite a frozen GraphDef in memory (``stitching.rewrite_graph_def``).
+
+    ``outputs``: the node or tensor names to keep computing (default: the nodes nothing
+    reads); checked like a graph file's (graph_file.check_graph_def: unknown ops,
+    dangling inputs, missing outputs, an already rewritten graph each raise ValueError
+    naming the node).  Returns ``(rewritten GraphDef, Report)``.
+    """
     from . import ensure_runtime
+    from .graph_file import check_graph_def
     from .pipeline import stitch_graph_def
     ensure_runtime()
-    gd = _read_graph_def(src)
-    outs = outputs or _default_outputs(gd)
+    outs = list(outputs) if outputs else _default_outputs(graph_def)
     if not outs:
-        raise ValueError(f"{src}: no outputs given and none could be inferred")
-    known = {n.name for n in gd.node}
+        raise ValueError(f"{name}: no outputs given and none could be inferred")
+    known = {n.name for n in graph_def.node}
     for o in outs:
         if o.split(":")[0] not in known:
-            raise ValueError(f"{src}: output {o!r} names no node in the graph")
+            raise ValueError(f"{name}: output {o!r} names no node in the graph")
     fetches = [o if ":" in o else o + ":0" for o in outs]
-    from .graph_file import check_graph_def
-    check_graph_def(gd, src, fetches)
-    res = stitch_graph_def(gd, fetches, options=options or _options(), name=os.path.basename(src))
+    check_graph_def(graph_def, name, fetches)
+    res = stitch_graph_def(graph_def, fetches, options=options or _options(), name=name)
+    return res.graph_def, res.report
+
+
+def rewrite_graph_def_file(src, dst, outputs=None, options=None, embed_kernels=True):
+    graph_def, report = rewrite_graph_def(_read_graph_def(src), outputs, options,
+                                          name=os.path.basename(src))
     if embed_kernels:       # first: the graph records the sidecar manifest's hash
-        _write_sidecar(res.graph_def, dst)
+        _write_sidecar(graph_def, dst)
     if dst.endswith(".pbtxt"):
         from google.protobuf import text_format
-        open(dst, "w").write(text_format.MessageToString(res.graph_def))
+        open(dst, "w").write(text_format.MessageToString(graph_def))
     else:
-        open(dst, "wb").write(res.graph_def.SerializeToString())
-    return {"graph": res.report}
+        open(dst, "wb").write(graph_def.SerializeToString())
+    return {"graph": report}
 
 
 def _write_sidecar(graph_def, dst) -> None:
