@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import stitching  # noqa: F401
+from stitching.testing.models import frozen_softmax_graph_def, softmax_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,16 +58,12 @@ def shipped(tmp_path_factory):
     np.save(d / "x_cnn.npy", x_cnn)
     np.save(d / "y_cnn.npy", model(x_cnn, training=False).numpy())
     # a frozen GraphDef, binary and text
-    g = tf.Graph()
-    with g.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
-        tf.nn.softmax(x * 3.0 - tf.reduce_mean(x, -1, keepdims=True), name="y")
-    (d / "g.pb").write_bytes(g.as_graph_def().SerializeToString())
+    (d / "g.pb").write_bytes(frozen_softmax_graph_def().SerializeToString())
     assert cli.main([str(d / "g.pb"), str(d / "out.pb"), "--outputs", "y"]) == 0
     assert cli.main([str(d / "g.pb"), str(d / "out.pbtxt"), "--outputs", "y"]) == 0
     x_g = rng.standard_normal((3, 16)).astype(np.float32)
     np.save(d / "x_g.npy", x_g)
-    np.save(d / "y_g.npy", tf.nn.softmax(x_g * 3.0 - x_g.mean(-1, keepdims=True)).numpy())
+    np.save(d / "y_g.npy", softmax_reference(x_g))
     return d
 
 

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 import stitching  # noqa: F401  (registers the op and the compile-on-miss hook)
 from stitching.tf import cli
+from stitching.testing.models import frozen_softmax_graph_def
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODE = "stitching/kernel_0"
@@ -29,11 +30,7 @@ NODE = "stitching/kernel_0"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("untrusted")
-    g = tf.Graph()
-    with g.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
-        tf.nn.softmax(x * 3.0 - tf.reduce_mean(x, -1, keepdims=True), name="y")
-    (d / "g.pb").write_bytes(g.as_graph_def().SerializeToString())
+    (d / "g.pb").write_bytes(frozen_softmax_graph_def().SerializeToString())
     assert cli.main([str(d / "g.pb"), str(d / "out.pb"), "--outputs", "y"]) == 0
     return d
 

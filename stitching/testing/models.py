@@ -156,3 +156,19 @@ def small_cnn(size: int = 16, channels: int = 8, classes: int = 10, name: str = 
     x = L.GlobalAveragePooling2D(name="pool")(x)
     out = L.Dense(classes, activation="softmax", name="logits")(x)
     return keras.Model(inp, out, name=name)
+
+
+def frozen_softmax_graph_def(width: int = 16):
+    """A small frozen GraphDef (placeholder ``x`` [None, width] -> ``y``, a softmax of
+    ``3x - mean(x)``): the graph file the serving and untrusted-input tests rewrite,
+    load and tamper with.  Its reference: ``softmax_reference``."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, width], name="x")
+        tf.nn.softmax(x * 3.0 - tf.reduce_mean(x, -1, keepdims=True), name="y")
+    return g.as_graph_def()
+
+
+def softmax_reference(x):
+    """``frozen_softmax_graph_def``'s output for a numpy ``x``, through eager TF."""
+    return tf.nn.softmax(x * 3.0 - x.mean(-1, keepdims=True)).numpy()
