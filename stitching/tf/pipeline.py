@@ -30,7 +30,7 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import bcast, dump, frontend, gemm, grappler, opnames, original, rewrite
+from . import bcast, dump, forward, frontend, gemm, grappler, opnames, original, rewrite
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -152,6 +152,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     no_original = original.attach(new_gdef, gdef, ir, regions, kernel_names,
                                   stitch_backward=options.stitch_backward,
                                   fallback=options.fallback)
+    forward.attach(new_gdef, kernels, kernel_names)    # outputs over dead inputs
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
