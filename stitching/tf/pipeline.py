@@ -151,7 +151,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions, labels)
     no_original = original.attach(new_gdef, gdef, ir, regions, kernel_names,
                                   stitch_backward=options.stitch_backward,
-                                  fallback=options.fallback)
+                                  fallback=options.fallback, options=options)
     forward.attach(new_gdef, kernels, kernel_names)    # outputs over dead inputs
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
