@@ -36,6 +36,20 @@ def test_elementwise_kernels_mark_same_shape_pairs_and_reductions_none():
     assert _forward_attrs(res.graph_def) == {}
 
 
+def test_in_place_loop_nest_stores_through_the_input_pointer():
+    """The CPU code has a second loop nest for the aliased case (schedule/inplace.py:
+    through two pointers that alias, LLVM's overlap check keeps the loop scalar)."""
+    from stitching.codegen import cpu
+    spec = tf.TensorSpec([64, 32], tf.float32)
+    res = _stitched(lambda x: tf.math.erf(x * 0.5 + 1.0) * x, spec)
+    (k,) = res.kernels
+    text = cpu.emit(k.schedule).text
+    assert "h.same_address(ins[0], outs[0])" in text
+    assert "p_i0[j] = " in text and "p_o0[j] = " in text
+    res = _stitched(lambda x: tf.nn.softmax(x * 2.0), spec)
+    assert "same_address" not in cpu.emit(res.kernels[0].schedule).text
+
+
 def test_forwarded_kernels_never_overwrite_values_still_in_use():
     v = tf.Variable(np.linspace(-1, 1, 256 * 64, dtype=np.float32).reshape(256, 64))
     w = tf.constant(np.random.RandomState(0).randn(64, 64).astype(np.float32))
