@@ -57,7 +57,7 @@ def parse_args(argv=None):
                     help="serving suite: timed calls per batch size for p50/p99")
     ap.add_argument("--steps", type=int, default=10,
                     help="train suite: steps per peak-memory measurement")
-    ap.add_argument("--memory-runs", type=int, default=3,
+    ap.add_argument("--memory-runs", type=int, default=5,
                     help="train suite: fresh processes per mode for peak memory "
                          "(median; 0: not measured)")
     ap.add_argument("--modes", default="tf,xla,stitching",

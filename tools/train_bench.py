@@ -3,7 +3,7 @@
     python tools/train_bench.py --models mlp,cnn,transformer --repeats 5 [--memory]
 
 is kept as an alias: it runs that suite with these arguments translated
-(``--models`` -> ``--only``, ``--memory`` -> ``--memory-runs 3``, else 0; mode
+(``--models`` -> ``--only``, ``--memory`` -> ``--memory-runs 5``, else 0; mode
 ``stitched`` -> ``stitching``).
 """
 from __future__ import annotations
