@@ -20,7 +20,7 @@ def translate(argv=None) -> list[str]:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--memory", action="store_true")
-    ap.add_argument("--memory-runs", type=int, default=3)
+    ap.add_argument("--memory-runs", type=int, default=5)
     args, rest = ap.parse_known_args(argv)
     modes = ",".join("stitching" if m == "stitched" else m for m in args.modes.split(","))
     return (["--suite", "train", "--only", *args.models.split(","), "--modes", modes,
