@@ -34,6 +34,14 @@ def test_elementwise_kernels_mark_same_shape_pairs_and_reductions_none():
     assert list(_forward_attrs(res.graph_def).values()) == [[0, 0]]   # x -> out, not b
     res = _stitched(lambda x: tf.nn.softmax(x * 2.0), spec)                  # row kernel
     assert _forward_attrs(res.graph_def) == {}
+    # one pass over columns: dy -> ReluGrad output, beside its BiasAddGrad
+    res = _stitched(lambda g, y: _relu_bias_grad(g, y)[:2], spec, spec)
+    assert list(_forward_attrs(res.graph_def).values()) == [[0, 0]]
+
+
+def _relu_bias_grad(g, y):
+    dx = tf.raw_ops.ReluGrad(gradients=g * 2.0, features=y)
+    return dx, tf.raw_ops.BiasAddGrad(out_backprop=dx), tf.reduce_sum(dx)
 
 
 def test_in_place_loop_nest_stores_through_the_input_pointer():
@@ -48,6 +56,26 @@ def test_in_place_loop_nest_stores_through_the_input_pointer():
     assert "p_i0[j] = " in text and "p_o0[j] = " in text
     res = _stitched(lambda x: tf.nn.softmax(x * 2.0), spec)
     assert "same_address" not in cpu.emit(res.kernels[0].schedule).text
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (8192, 16), (3, 5)])
+def test_column_kernel_in_place_matches_tf(shape):
+    """The ReluGrad + BiasAddGrad kernel of a Dense layer's backward writes dx over the
+    incoming gradient (a MatMul's output, dead after it): split into row chunks at
+    (8192, 16), whole at the others."""
+    w = tf.constant(np.random.RandomState(2).randn(shape[1], shape[1]).astype(np.float32))
+
+    def f(x, y):
+        g = tf.matmul(x, w)
+        dx, db, _ = _relu_bias_grad(g, y)
+        return tf.matmul(dx, w), db
+    rs = np.random.RandomState(3)
+    x = tf.constant(rs.randn(*shape).astype(np.float32))
+    y = tf.constant(rs.randn(*shape).astype(np.float32))
+    st = stitching.function(f)
+    for _ in range(2):
+        for a, b in zip(st(x, y), tf.function(f)(x, y)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
 
 
 def test_forwarded_kernels_never_overwrite_values_still_in_use():

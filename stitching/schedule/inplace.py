@@ -5,13 +5,18 @@ else holds (``forward_input_or_allocate_output``): a ReluGrad reuses the incomin
 gradient, a Mul the Sub before it.  A kernel that always allocated its outputs kept
 input and output alive together, and a stitched train step peaked higher than TF's.
 
-Safe pairs, by the structure of ELEMENTWISE code: every element of the domain is one
-iteration that loads all its inputs before it stores any output (codegen/cpu/emitter.py:
-_ew_body), and an input with the output's shape is read at that element only
-(broadcast inputs have fewer elements, LAYOUT ops only add or drop size-1 dims).  So
-output o may overwrite input i when their dtypes and static shapes are equal (the op
-also checks the run-time shapes).  Row and column kernels read inputs over several
-passes: never.
+Safe pairs, by the structure of the code: in an ELEMENTWISE kernel, and in a column
+kernel of a single pass over its data (a ReluGrad fused with the BiasAddGrad that
+sums it), every element of the domain is handled once, loading its inputs before it
+stores any output (codegen/cpu/emitter.py: _ew_body, the row and column passes), and
+an input with the output's shape is read at that element only (broadcast inputs have
+fewer elements, LAYOUT ops only add or drop size-1 dims).  So output o may overwrite
+input i when their dtypes and static shapes are equal (the op also checks the run-time
+shapes).  Kernels of several passes read their inputs again after the first pass has
+stored: never; nor kernels keeping values in column blocks; nor row kernels (not
+needed by the train steps measured, so not audited).  In a column kernel split into
+phases, per-column outputs are stored in the last phase by one unit per column block,
+after that unit's last read of the column.
 
 The CPU backend compiles a second loop nest for the aliased case that stores through
 the input's own pointer: LLVM then sees one base and the same index (a dependence of
@@ -23,9 +28,11 @@ from __future__ import annotations
 from .passes import KernelKind
 
 
-def pairs(spec, kind) -> list:
-    """[(input index, output index)] the kernel may write in place, each at most once."""
-    if kind != KernelKind.ELEMENTWISE:
+def pairs(spec, sched) -> list:
+    """[(input index, output index)] the kernel may write in place, each at most once;
+    ``sched``: its Schedule."""
+    if sched.kind == KernelKind.ROW or sched.kind == KernelKind.COLUMN and (
+            len(sched.passes) != 1 or sched.scratch or sched.blocks):
         return []
     out, used = [], set()
     for o, node in enumerate(spec.outputs):

@@ -20,7 +20,7 @@ def attach(graph_def, kernels, kernel_names) -> int:
     nodes = {n.name: n for n in graph_def.node if n.op == "StitchedKernel"}
     n = 0
     for k, name in zip(kernels, kernel_names):
-        ps = pairs(k.spec, k.schedule.kind)
+        ps = pairs(k.spec, k.schedule)
         if ps and name in nodes:
             nodes[name].attr[ATTR].list.i.extend([x for p in ps for x in p])
             n += 1

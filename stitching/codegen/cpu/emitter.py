@@ -239,7 +239,7 @@ class _Emitter(Emitter):
         one otherwise (also correct when some alias, but the vectorizer's overlap
         check keeps it scalar).  Nothing is streamed in the in-place nest: a staged
         copy would not save the read it exists for.  Returns whether it emitted."""
-        ps = inplace_pairs(self.spec, self.s.kind)
+        ps = inplace_pairs(self.spec, self.s)
         if not ps:
             return False
         cond = " and ".join(f"h.same_address(ins[{i}], outs[{o}])" for i, o in ps)
