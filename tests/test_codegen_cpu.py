@@ -1129,8 +1129,9 @@ def test_division_by_a_constant_multiplies_by_its_reciprocal(dtype):
     x = b.input(dtype, (-1, 33))
     k = compile_kernel(b.build([b.Div(x, b.const(c, dtype)) for c in consts]))
     body = k.source.split("def body(")[1]
-    assert len(re.findall(r"= x0 \* K\d+$", body, re.M)) == 2
-    assert len(re.findall(r"= x0 / v\d+$", body, re.M)) == 4
+    # distinct lines: an element-wise kernel has its in-place loop nest too
+    assert len(set(re.findall(r"= x0 \* K\d+$", body, re.M))) == 2
+    assert len(set(re.findall(r"= x0 / v\d+$", body, re.M))) == 4
     xs = data(dtype, (5, 33))
     xs[0, :6] = [tiny / 4, -tiny * 3, huge, -0.0, np.inf, np.nan]
     outs = k(xs)

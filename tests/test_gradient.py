@@ -247,3 +247,57 @@ def test_reshape_to_the_shape_of_an_outside_value_keeps_its_original():
     np.testing.assert_allclose(got.numpy(), t.gradient(out, y).numpy(), rtol=1e-5, atol=1e-6)
     assert _kernels(sf) >= 1
     assert not any("cannot recompute" in n for n in sf.report.notes), sf.report.notes
+
+
+def test_stitched_backward_inherits_the_forwards_options(tmp_path):
+    """Options.dump_dir (and the planner...) of the forward apply to its backward: the
+    backward's trace is dumped beside the forward's."""
+    opts = stitching.Options(dump_dir=str(tmp_path), planner="greedy", min_ops=2)
+    sf = stitching.function(lambda x: tf.tanh(x * 3.0) * x + 1.0, options=opts)
+    x = _rand((4, 8), 11)
+    with tf.GradientTape() as t:
+        t.watch(x)
+        y = tf.reduce_sum(sf(x) * 0.5)
+    t.gradient(y, x)
+    dumped = sorted(p.name for p in tmp_path.iterdir())
+    assert any("backward_of_" in d for d in dumped), dumped
+    from stitching.tf.function import _BACKWARDS
+    used = [f.options for f in _BACKWARDS.values() if f.options.dump_dir == str(tmp_path)]
+    assert used and all(o.planner == "greedy" and not o.background_compile for o in used)
+
+
+class _FakeOp:
+    name = "k"
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def get_attr(self, name):
+        if name == original.OPTIONS_ATTR:
+            return self.raw
+        raise ValueError(name)
+
+
+def test_backward_options_from_a_graph_are_checked():
+    import json
+    got = original.backward_options(_FakeOp(json.dumps(
+        {"planner": "baseline", "dump_dir": "/somewhere", "bogus": 1}).encode()))
+    assert got.planner == "baseline" and got.dump_dir is None   # not written here
+    with pytest.raises(ValueError, match="_stitching_options.*not valid Options"):
+        original.backward_options(_FakeOp(b'{"planner": "no-such-planner"}'))
+    with pytest.raises(ValueError, match="StitchedKernel node 'k'"):
+        original.backward_options(_FakeOp(b"[1, 2"))
+
+
+def test_an_eagerly_run_kernel_names_itself_when_differentiated():
+    from stitching import runtime
+    sf = stitching.function(lambda x: tf.tanh(x * 2.0) + 1.0)
+    cf = sf.get_concrete_function(tf.TensorSpec([3, 4], tf.float32))
+    node = next(n for n in cf.graph.as_graph_def().node if n.op == "StitchedKernel")
+    x = _rand((3, 4), 12)
+    with tf.GradientTape() as t:
+        t.watch(x)
+        y = runtime.stitched_kernel([x], node.attr["spec"].s.decode(), label="my_region")[0]
+    np.testing.assert_allclose(y, np.tanh(x * 2.0) + 1.0, rtol=1e-6)
+    with pytest.raises(LookupError, match="StitchedKernel 'my_region' executed eagerly"):
+        t.gradient(y, x)

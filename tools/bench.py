@@ -8,7 +8,9 @@
 Suites: ``patterns`` (stitching.testing.patterns, large = bandwidth-bound and small =
 latency-bound), ``models`` (keras.applications CNNs + a Keras Transformer encoder),
 ``compile`` (first call in fresh processes: TF, XLA, stitching with an empty and then a
-filled STITCHING_CACHE_DIR).  A mode that fails (stitching not importable, a trace
+filled STITCHING_CACHE_DIR), ``serving``, ``train`` (one custom training step per model:
+stitching.testing.train; kernels and coverage per phase, peak memory in fresh
+processes; bench_lib/train.py says how).  A mode that fails (stitching not importable, a trace
 error...) is shown as FAILED with its error's first line; the run goes on.
 
 TF's intra-op thread count is left at its default for every mode (one thread per core).
@@ -33,7 +35,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="patterns",
-                    choices=["patterns", "models", "compile", "serving", "all"])
+                    choices=["patterns", "models", "compile", "serving", "train", "all"])
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed repeats per mode (default: 10 patterns, 5 models)")
     ap.add_argument("--warmup", type=int, default=None,
@@ -54,6 +56,11 @@ def parse_args(argv=None):
                     help="serving suite: fresh processes per mode (cell: median round)")
     ap.add_argument("--serve-calls", type=int, default=50,
                     help="serving suite: timed calls per batch size for p50/p99")
+    ap.add_argument("--steps", type=int, default=10,
+                    help="train suite: steps per peak-memory measurement")
+    ap.add_argument("--memory-runs", type=int, default=5,
+                    help="train suite: fresh processes per mode for peak memory "
+                         "(median; 0: not measured)")
     ap.add_argument("--modes", default="tf,xla,stitching",
                     help="subset of tf,xla,stitching (tf is the reference for checks)")
     ap.add_argument("--ablation", action="store_true",
@@ -76,6 +83,7 @@ def parse_args(argv=None):
                     help="seconds without progress before a worker is declared hung")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_train_memory", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_serve", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_serve-dir", dest="_serve_dir", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -88,6 +96,10 @@ def main(argv=None):
     if args._worker:
         from bench_lib import isolate
         isolate.worker_main(args._worker)
+        return 0
+    if args._train_memory:
+        from bench_lib import train
+        train.memory_child(args._train_memory, args.steps, args.planner)
         return 0
     if args._serve:
         from bench_lib import serving
@@ -177,6 +189,10 @@ def main(argv=None):
         from bench_lib import serving
         results["serving"] = serving.run_serving(only=args.only, rounds=args.serve_rounds,
                                                  calls=args.serve_calls)
+    if "train" in run:
+        results["train"] = rows_of(
+            "train", suites.case_keys("train", only=args.only),
+            train_opts={"memory_runs": args.memory_runs, "memory_steps": args.steps})
     meta["elapsed_s"] = round(time.time() - t0, 1)
     meta["load_avg_end"] = machine.load_avg()
 
@@ -217,7 +233,10 @@ def _check_only(only, run):
     if not only:
         return
     from stitching.testing import MODELS, PATTERNS
+    from stitching.testing import train as T
     known = set()
+    if "train" in run:
+        known |= set(T.CASES) | set(T.EXTRA)
     if "patterns" in run:
         known |= set(PATTERNS)
     if "models" in run or "compile" in run or "serving" in run:

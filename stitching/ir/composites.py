@@ -28,6 +28,16 @@ bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
                        loss = sum(labels * (log(z) - s)), backprop = e / z - labels
   Tile(x, multiples) = x * ones(output shape)     (only where every tiled axis of x
                        has size 1: a broadcast; x * 1 is exact, -0 and NaN included)
+  FusedBatchNormGrad(dy, x, scale, mean, var) (fused_batch_norm_op.cc, CPU functors;
+                       channel-last, three outputs; sums over every other axis, n their
+                       element count, known at trace time):
+                       k0 = rsqrt(var + eps), xc = x - mean
+                       scale_bp = sum(dy * (xc * k0)), offset_bp = sum(dy)
+                       training:  x_bp = (scale * k0) * ((dy - offset_bp * (1/n))
+                                         - xc * ((k0 * k0) * (sum(dy * xc) / n)))
+                       inference (FreezeGrad): x_bp = dy * (k0 * scale),
+                                         scale_bp = sum(dy * xc) * k0
+                       (half-precision dy and x are cast to the statistics' dtype)
 """
 from __future__ import annotations
 
@@ -50,10 +60,11 @@ COMPOSITE_OPS = {
     "L2Loss": (Kind.REDUCTION, 1),
     "Tile": (Kind.ELEMENTWISE, 1),          # a broadcast (frontend checks)
     "SoftmaxCrossEntropyWithLogits": (Kind.REDUCTION, 2),    # two outputs
+    "FusedBatchNormGrad": (Kind.REDUCTION, 5),               # three outputs
 }
 
 # composites with more than one output: expand returns a tuple, one ref per output
-MULTI_OUTPUT = {"SoftmaxCrossEntropyWithLogits": 2}
+MULTI_OUTPUT = {"SoftmaxCrossEntropyWithLogits": 2, "FusedBatchNormGrad": 3}
 
 # SELU's constants as TF's kernel spells them (relu_op_functor.h)
 _SELU_SCALE = 1.0507009873554804934193349852946
@@ -178,13 +189,50 @@ def _xent(attrs, a, t, emit):
     return loss, emit("Sub", [emit("Div", [e, z], {}), a[1]], {})
 
 
+def _batch_norm_grad(attrs, a, t, emit):
+    dy, x, scale, mean, var = a
+    u = t[2].dtype                                   # the statistics' dtype
+    if t[0].dtype != u:
+        dy = emit("Cast", [dy], {"to": u})
+    if t[1].dtype != u:
+        x = emit("Cast", [x], {"to": u})
+    sums = {"axes": list(range(len(t[1].shape) - 1)), "keep_dims": False}
+    k0 = emit("Rsqrt", [emit("Add", [var, _const(emit, attrs["epsilon"], u)], {})], {})
+    xc = emit("Sub", [x, mean], {})
+    offset_bp = emit("Sum", [dy], sums)
+    if attrs["is_training"]:
+        n = attrs["n"]
+        scale_bp = emit("Sum", [emit("Mul", [dy, emit("Mul", [xc, k0], {})], {})], sums)
+        # TF: rest_size_inv = 1.0f / rest_size in float32, then cast to U
+        inv_n = float(_f32(1.0 / _f32(n)))
+        centered = emit("Sub", [dy, emit("Mul", [offset_bp, _const(emit, inv_n, u)], {})],
+                        {})
+        dyxc_mean = emit("Div", [emit("Sum", [emit("Mul", [dy, xc], {})], sums),
+                                 _const(emit, n, u)], {})
+        coef1 = emit("Mul", [scale, k0], {})
+        coef2 = emit("Mul", [emit("Mul", [k0, k0], {}), dyxc_mean], {})
+        x_bp = emit("Mul", [coef1, emit("Sub", [centered, emit("Mul", [xc, coef2], {})],
+                                        {})], {})
+    else:
+        scale_bp = emit("Mul", [emit("Sum", [emit("Mul", [dy, xc], {})], sums), k0], {})
+        x_bp = emit("Mul", [dy, emit("Mul", [k0, scale], {})], {})
+    if t[0].dtype != u:
+        x_bp = emit("Cast", [x_bp], {"to": t[0].dtype})
+    return x_bp, scale_bp, offset_bp
+
+
+def _f32(v):
+    import struct
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
 _TRAINING = {
     "ReluGrad": _relu_grad, "Relu6Grad": _relu6_grad,
     "EluGrad": _elu_like_grad(1.0, 1),
     "SeluGrad": _elu_like_grad(_SELU_SCALE_ALPHA, _SELU_SCALE),
     "SoftplusGrad": _softplus_grad, "SigmoidGrad": _sigmoid_grad, "TanhGrad": _tanh_grad,
     "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "Tile": _tile,
-    "SoftmaxCrossEntropyWithLogits": _xent,
+    "SoftmaxCrossEntropyWithLogits": _xent, "FusedBatchNormGrad": _batch_norm_grad,
 }
 
 

@@ -49,7 +49,8 @@ def is_candidate(graph: Graph, node: Node) -> bool:
 # 264, 49152x128 2.41 vs 1.80 ms, 8192x1024 2.9-3.0 ms both (it was left to TF while
 # the fused kernel measured 3.05 against 2.87 ms there, before exp_nonpos and the
 # next-row prefetch).
-COMPOSITE_PASSES = {"Softmax": 4, "LogSoftmax": 4, "SoftmaxCrossEntropyWithLogits": 4}
+COMPOSITE_PASSES = {"Softmax": 4, "LogSoftmax": 4, "SoftmaxCrossEntropyWithLogits": 4,
+                    "FusedBatchNormGrad": 4}   # TF: 3 reductions + the x_backprop pass
 # TF runs each of these as one pass over its data (one Eigen expression per kernel)
 COMPOSITE_PASSES.update(dict.fromkeys(
     ("ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad", "SigmoidGrad",

@@ -51,6 +51,7 @@
 
 #include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/framework/function.h"
+#include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/platform/logging.h"
 
 #include "absl/strings/str_cat.h"
@@ -840,6 +841,7 @@ class StitchedKernelOp : public OpKernel {
       SetUpTuning(ctx, fallback[0], spec_hash.empty() ? Sha256Hex(spec).substr(0, 24)
                                                       : spec_hash);
     }
+    OP_REQUIRES_OK(ctx, ReadForwards(ctx, tin, tout));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -907,7 +909,15 @@ class StitchedKernelOp : public OpKernel {
       OP_REQUIRES_OK(ctx, OutputShape(i, od, &shape));
       od += e.out_ranks[i];
       Tensor* t = nullptr;
-      OP_REQUIRES_OK(ctx, AllocateOutput(ctx, i, shape, e.out_dtypes[i], &t));
+      // An element-wise kernel may write output i over input forward_from_[i] (the
+      // rewrite's _stitching_forward), as TF's cwise ops do: only when TF says the
+      // input buffer is this op's alone (last use, not a variable's) and the shapes
+      // are equal, so element j is read before element j is written.
+      const int src = forward_from_.empty() ? -1 : forward_from_[i];
+      if (src < 0 || ctx->input(src).shape() != shape ||
+          !ctx->forward_input_to_output_with_shape(src, i, shape, &t)) {
+        OP_REQUIRES_OK(ctx, AllocateOutput(ctx, i, shape, e.out_dtypes[i], &t));
+      }
       outs[i] = const_cast<char*>(t->tensor_data().data());
     }
     if (sched[0] == 0) return;  // zero-size tensors: nothing to do
@@ -1094,7 +1104,36 @@ class StitchedKernelOp : public OpKernel {
   std::string tune_hash_;
   std::atomic<int> decided_[kTuneClasses] = {};   // per shape class: a TuneChoice
 
+  // _stitching_forward: [input, output, input, output, ...] pairs (tf/forward.py);
+  // checked here like any attr of a graph from outside (indices, dtypes, each at most
+  // once).  forward_from_[output] = input, or -1.
+  absl::Status ReadForwards(OpKernelConstruction* ctx, const DataTypeVector& tin,
+                            const DataTypeVector& tout) {
+    std::vector<int32_t> pairs;
+    if (!tensorflow::TryGetNodeAttr(ctx->def(), "_stitching_forward", &pairs) ||
+        pairs.empty()) {
+      return absl::OkStatus();
+    }
+    const int n_in = static_cast<int>(tin.size()), n_out = static_cast<int>(tout.size());
+    std::vector<int> from(n_out, -1);
+    std::vector<bool> used(n_in, false);
+    for (size_t k = 0; k < pairs.size(); k += 2) {
+      const int in = pairs[k], out = k + 1 < pairs.size() ? pairs[k + 1] : -1;
+      if (in < 0 || in >= n_in || out < 0 || out >= n_out || used[in] ||
+          from[out] >= 0 || tin[in] != tout[out]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "StitchedKernel ", label_, ": bad _stitching_forward pair (", in, ", ", out,
+            ") for ", n_in, " inputs and ", n_out, " outputs"));
+      }
+      used[in] = true;
+      from[out] = in;
+    }
+    forward_from_ = std::move(from);
+    return absl::OkStatus();
+  }
+
   std::shared_ptr<const Entry> entry_;
+  std::vector<int> forward_from_;
   std::vector<PartialTensorShape> static_shapes_;
   std::string label_;
   std::atomic<ProfileSlot*> profile_slot_{nullptr};  // set on the first profiled call

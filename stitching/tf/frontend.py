@@ -208,7 +208,9 @@ def _convert(op) -> Node:
     # of unknown rank) are never read when it is fused: check only output 0.
     checked = out_types[:MULTI_OUTPUT.get(node.op, 1)] if node.op in COMPOSITE_OPS \
         else out_types
-    for t in checked + [tensor_type(t) for t in op.inputs]:
+    # inputs the node reads (a composite reads a prefix: FusedBatchNormGradV3's
+    # reserve_space_3, of unknown rank, is not one of them)
+    for t in checked + [tensor_type(t) for t in op.inputs[:len(node.inputs)]]:
         if t.dtype.startswith("opaque:"):
             return _opaque(op, f"dtype {t.dtype[7:]} is not supported")
         if t.shape is None:
@@ -323,6 +325,8 @@ def _convert_composite(op) -> Node | None:
         return Node(op.name, "BiasAdd", _inputs(op), {"data_format": fmt})
     if t in _TRAINING_COMPOSITES:
         return _convert_training(op)
+    if t.startswith("FusedBatchNormGrad"):
+        return _convert_batch_norm_grad(op)
     # FusedBatchNorm / V2 / V3
     if op.get_attr("is_training"):
         raise _Unfusible("training-mode FusedBatchNorm (computes batch statistics)")
@@ -350,6 +354,26 @@ def _convert_training(op) -> Node:
     if t == "BiasAddGrad":
         return Node(op.name, t, _inputs(op), {"data_format": op.get_attr("data_format").decode()})
     return Node(op.name, t, _inputs(op), {})
+
+
+def _convert_batch_norm_grad(op) -> Node:
+    """FusedBatchNormGrad / V2 / V3: x, scale and offset gradients (ir/composites.py).
+    Channel-last only (NCHW's reductions skip the channel axis in the middle), every
+    reduced dim known at trace time (1/n is a constant, as in TF's kernel)."""
+    fmt = op.get_attr("data_format").decode()
+    x = op.inputs[1].shape
+    if fmt not in ("NHWC", "NDHWC") or x.rank not in (4, 5):
+        raise _Unfusible(f"FusedBatchNormGrad in {fmt} (only channel-last is fused)")
+    if any(len(o.consumers()) for o in op.outputs[3:]):
+        raise _Unfusible("FusedBatchNormGrad reserve-space outputs are used")
+    if not x[:-1].is_fully_defined():
+        raise _Unfusible("FusedBatchNormGrad over dims known only at run time")
+    n = int(np.prod(x[:-1].as_list()))
+    if n < 1:
+        raise _Unfusible("FusedBatchNormGrad of an empty tensor")
+    return Node(op.name, "FusedBatchNormGrad", _inputs(op, range(5)),
+                {"epsilon": float(op.get_attr("epsilon")),
+                 "is_training": bool(op.get_attr("is_training")), "n": n})
 
 
 def _convert_tile(op) -> Node:

@@ -276,13 +276,14 @@ def _input_map(cf, args, outer, graph_def):
 _BACKWARDS: dict = {}            # (region function, outputs differentiated) -> function
 
 
-def _backward_function(key, make):
+def _backward_function(key, make, options=None):
     """The stitched backward of one kind of region (tf/original.py asks, on a gradient
-    request through a StitchedKernel); one StitchedFunction per key, so identical
-    regions share traces and kernels."""
+    request through a StitchedKernel), planned with the forward's ``options``; one
+    StitchedFunction per key (which includes the options), so identical regions share
+    traces and kernels."""
     fn = _BACKWARDS.get(key)
     if fn is None:
-        fn = _BACKWARDS[key] = StitchedFunction(make(), autograph=False)
+        fn = _BACKWARDS[key] = StitchedFunction(make(), options=options, autograph=False)
     return fn
 
 

@@ -45,7 +45,9 @@ COMPOSITES = frozenset({"Softmax", "LogSoftmax", "FusedBatchNorm", "FusedBatchNo
                         "FusedBatchNormV3", "BiasAdd", "BiasAddV1",
                         "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad",
                         "SigmoidGrad", "TanhGrad", "BiasAddGrad", "L2Loss", "AddN",
-                        "Tile", "BroadcastTo", "SoftmaxCrossEntropyWithLogits"})
+                        "Tile", "BroadcastTo", "SoftmaxCrossEntropyWithLogits",
+                        "FusedBatchNormGrad", "FusedBatchNormGradV2",
+                        "FusedBatchNormGradV3"})
 
 VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient",
                       "PreventGradient", "Snapshot"})

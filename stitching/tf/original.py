@@ -32,6 +32,7 @@ with an error that names the node.
 from __future__ import annotations
 
 import hashlib
+import json
 
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
@@ -209,7 +210,7 @@ def _tf_dtype(ref, t):
 
 
 def attach(graph_def, original_def, ir_graph, regions, kernel_names,
-           stitch_backward=False, fallback=False):
+           stitch_backward=False, fallback=False, options=None):
     """Adds one function per region (its nodes taken from ``original_def``, the graph
     before the rewrite) to ``graph_def``'s library and names it on the region's kernel
     node (in place).  Returns how many regions have none.
@@ -219,7 +220,8 @@ def attach(graph_def, original_def, ir_graph, regions, kernel_names,
     where its own kernel cannot be built (no compiler, another CPU, a compile error;
     op.cc logs why, ``stitching.runtime.stats()`` counts it, STITCHING_STRICT=1 makes
     it an error).  Its arguments are the kernel's inputs in order, its results the
-    kernel's outputs."""
+    kernel's outputs.  ``options``: the forward's Options, recorded for the stitched
+    backward (options_attr)."""
     nodes = {n.name: n for n in original_def.node}
     have = {f.signature.name for f in graph_def.library.function}
     kernel_nodes = {n.name: n for n in graph_def.node if n.op == "StitchedKernel"}
@@ -238,6 +240,8 @@ def attach(graph_def, original_def, ir_graph, regions, kernel_names,
                 fdef.signature.name
         if stitch_backward:
             kernel_nodes[kname].attr[BACKWARD_ATTR].s = b"stitch"
+            if options is not None:
+                kernel_nodes[kname].attr[OPTIONS_ATTR].s = options_attr(options)
     return missing
 
 
@@ -312,7 +316,7 @@ def _differentiable(t):
 # (use_backward_stitcher), as plan/cost.py's use_scheduler does one stage down.
 
 BACKWARD_ATTR = "_stitching_backward"
-_backward_stitcher = None        # (key, python_fn) -> callable, set by tf/function.py
+_backward_stitcher = None        # (key, python_fn, Options) -> callable, by tf/function.py
 
 
 def use_backward_stitcher(make):
@@ -320,10 +324,56 @@ def use_backward_stitcher(make):
     _backward_stitcher = make
 
 
+# The stitched backward plans with the forward's Options (planner, min_ops, gemm,
+# verify, fallback, progress, dump_dir...), carried as JSON in OPTIONS_ATTR.  Not
+# background_compile: the backward is traced inside the gradient's own trace, which
+# has no stock-TF-first call path to serve it.  A graph is data from outside: only the
+# Options fields with plain values are read, Options validates them, and dump_dir (a
+# place to write files) is honoured only for JSON this process wrote.
+OPTIONS_ATTR = "_stitching_options"
+_NOT_INHERITED = ("background_compile",)
+_WRITTEN: set = set()           # option strings recorded by this process
+
+
+def options_attr(options) -> bytes:
+    import dataclasses
+    d = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+         if f.name not in _NOT_INHERITED}
+    if d.get("dump_dir") is not None:
+        d["dump_dir"] = str(d["dump_dir"])
+    s = json.dumps(d, sort_keys=True).encode()
+    _WRITTEN.add(s)
+    return s
+
+
+def backward_options(op):
+    """The forward's Options from the kernel node, or None (default Options)."""
+    try:
+        raw = op.get_attr(OPTIONS_ATTR)
+    except (ValueError, tf.errors.InvalidArgumentError):
+        return None
+    import dataclasses
+
+    from ..options import Options
+    try:
+        d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise ValueError("not an object")
+        names = {f.name for f in dataclasses.fields(Options)} - set(_NOT_INHERITED)
+        kw = {k: v for k, v in d.items() if k in names
+              and (v is None or isinstance(v, (str, int, bool)))}
+        if raw not in _WRITTEN:
+            kw.pop("dump_dir", None)
+        return Options(**kw)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{_op_label(op)}: its {OPTIONS_ATTR} attr is not valid "
+                         f"Options ({e})") from None
+
+
 def _wants_stitched_backward(op):
     try:
         return op.get_attr(BACKWARD_ATTR) == b"stitch" and _backward_stitcher is not None
-    except ValueError:
+    except (ValueError, tf.errors.InvalidArgumentError):
         return False
 
 
@@ -343,9 +393,10 @@ def _backward_fn(fdef, n_in, wanted, float_in):
 def _stitched_backward(op, grads, wanted):
     fdef = _function_def_of(op)
     float_in = [i for i, x in enumerate(op.inputs) if _differentiable(x)]
-    key = (fdef.signature.name, tuple(wanted))
+    options = backward_options(op)
+    key = (fdef.signature.name, tuple(wanted), options)
     fn = _backward_stitcher(key, lambda: _backward_fn(fdef, len(op.inputs), wanted,
-                                                      float_in))
+                                                      float_in), options)
     dxs = fn(*op.inputs, *[grads[k] for k in wanted])
     out = [None] * len(op.inputs)
     for i, d in zip(float_in, dxs):
@@ -353,8 +404,27 @@ def _stitched_backward(op, grads, wanted):
     return out
 
 
+def _check_not_eager(op):
+    """An op run on its own (eagerly, outside any function) was never rewritten from
+    TF ops: there is no original subgraph to differentiate.  TF hands the gradient an
+    op record without a graph then."""
+    if getattr(op, "graph", None) is None:
+        try:
+            label = op.get_attr("label")
+            label = f" '{label.decode()}'" if label else ""
+        except (ValueError, tf.errors.InvalidArgumentError):
+            label = ""
+        raise LookupError(
+            f"No gradient for StitchedKernel{label} executed eagerly: a kernel op called "
+            "outside tf.function/stitching.function carries no original TF ops to "
+            "differentiate. Wrap the computation in stitching.function (its kernels "
+            "differentiate the ops they replaced), or take the gradient of the "
+            "unstitched TF ops.")
+
+
 @tf.RegisterGradient("StitchedKernel")
 def _stitched_kernel_grad(op, *grads):
+    _check_not_eager(op)
     wanted = [k for k, (g, o) in enumerate(zip(grads, op.outputs))
               if g is not None and _differentiable(o)]
     if not wanted or not any(_differentiable(x) for x in op.inputs):

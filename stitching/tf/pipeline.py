@@ -34,8 +34,8 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import (autotune, bcast, dump, frontend, gemm, grappler, opnames, original, prune,
-               rewrite, shapes)
+from . import (autotune, bcast, dump, forward, frontend, gemm, grappler, opnames, original,
+               prune, rewrite, shapes, sparse_xent)
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -122,8 +122,9 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
             gdef, {f.split(":")[0] for f in fetches} | {k.split(":")[0] for k in keep})
         tf_graph = frontend.import_for_shapes(gdef, resources)
         folded = bcast.fold(tf_graph, gdef)     # gradient axes known at trace time
-        if folded is not None:
-            gdef = folded
+        expanded = sparse_xent.expand(tf_graph, folded if folded is not None else gdef)
+        if folded is not None or expanded is not None:
+            gdef = expanded if expanded is not None else folded
             tf_graph = frontend.import_for_shapes(gdef, resources)
         ir = frontend.to_ir(tf_graph, list(fetches))
         # A large graph not compiled before will likely need Numba: start the compile
@@ -156,7 +157,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions, labels)
     no_original = original.attach(new_gdef, gdef, ir, regions, kernel_names,
                                   stitch_backward=options.stitch_backward,
-                                  fallback=options.fallback)
+                                  fallback=options.fallback, options=options)
+    forward.attach(new_gdef, kernels, kernel_names)    # outputs over dead inputs
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy

@@ -45,7 +45,7 @@ def worker_main(config_json: str) -> None:
     suites.run_rows(cfg["suite"], cfg["keys"], mode_list=tuple(cfg["modes"]),
                     planner=cfg.get("planner"), repeats=cfg.get("repeats"),
                     warmup=cfg.get("warmup"), min_time=cfg.get("min_time"),
-                    drop_stitching=drop,
+                    drop_stitching=drop, train_opts=cfg.get("train_opts"),
                     on_start=on_start, on_row=on_row)
 
 
@@ -61,7 +61,7 @@ def _describe_exit(code) -> str:
 
 
 def run_isolated(suite, keys, *, mode_list, planner=None, repeats=None, warmup=None,
-                 min_time=None, row_timeout=900) -> list[dict]:
+                 min_time=None, row_timeout=900, train_opts=None) -> list[dict]:
     rows = {}
     drop: dict[str, str] = {}
     failed_twice: dict[str, str] = {}
@@ -69,7 +69,7 @@ def run_isolated(suite, keys, *, mode_list, planner=None, repeats=None, warmup=N
     while todo:
         cfg = {"suite": suite, "keys": todo, "modes": list(mode_list), "planner": planner,
                "repeats": repeats, "warmup": warmup, "min_time": min_time,
-               "drop_stitching": drop}
+               "drop_stitching": drop, "train_opts": train_opts}
         done, current, status = _run_worker(cfg, rows, row_timeout)
         if current is None:          # finished (or died between rows)
             todo = [k for k in todo if k not in rows]

@@ -418,6 +418,9 @@ def targets(results, copy_gbs) -> list[str]:
                 + " (kernels compile behind it: the 'bg ready s' column)"))
     else:
         lines.append("SKIP  compile: suite not run")
+    if results.get("train"):
+        from .train import target_lines as train_targets
+        lines += train_targets(results["train"])
     serv = results.get("serving")
     if serv:
         from .serving import target_lines
@@ -476,6 +479,9 @@ def print_report(results, meta):
         elif suite == "serving":
             from .serving import serving_table
             print(render_text(*serving_table(rows)))
+        elif suite == "train":
+            from .train import train_table
+            print(render_text(*train_table(rows)))
         elif suite == "patterns":
             for size in pattern_sizes(rows):
                 rs = [r for r in rows if r.get("size") == size]
@@ -540,7 +546,7 @@ def section_title(suite, meta) -> str:
     return f"{suite} ({'; '.join(what)})"
 
 
-SUITE_ORDER = ("patterns", "models", "compile", "serving", "gpu")   # "gpu": tools/gpu_bench.py
+SUITE_ORDER = ("patterns", "models", "compile", "serving", "train", "gpu")   # "gpu": tools/gpu_bench.py
 
 _HEADER = """# Benchmarks
 
@@ -625,6 +631,11 @@ def _suite_markdown(suite, rows, meta, results):
         out.append(" ".join(method.split("\n\n", 2)[2].split()))
         out.append("")
         out.append(render_markdown(*serving_table(rows)))
+    elif suite == "train":
+        from .train import method_text, train_table
+        out.append(method_text())
+        out.append("")
+        out.append(render_markdown(*train_table(rows)))
     elif suite == "patterns":
         for size in pattern_sizes(rows):
             rs = [r for r in rows if r.get("size") == size]

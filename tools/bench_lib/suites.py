@@ -100,12 +100,15 @@ def case_keys(suite, *, only=None, sizes=("large", "small"), batches=None) -> li
         from stitching.testing import models as M
         return [f"{m.name}/b{b}" for m in M.all_models() if not only or m.name in only
                 for b in (batches or m.batch_sizes)]
+    if suite == "train":
+        from . import train
+        return train.case_keys(only)
     raise ValueError(f"suite {suite!r} has no rows by key")
 
 
 def run_rows(suite, keys, *, mode_list=modes.MODES, planner=None, repeats=None,
              warmup=None, min_time=None, drop_stitching=None, on_start=None,
-             on_row=None) -> list[dict]:
+             on_row=None, train_opts=None) -> list[dict]:
     """Run the rows ``keys`` of ``suite`` in this process.  ``drop_stitching``: keys to
     run without the stitching mode (it crashed the process on them before)."""
     from stitching.testing import models as M
@@ -132,6 +135,13 @@ def run_rows(suite, keys, *, mode_list=modes.MODES, planner=None, repeats=None,
             if variant in ("large", "16m", "64m"):          # beyond the caches
                 from .machine import cores, spot_copy_gbs
                 row["copy_gbs"] = round(spot_copy_gbs(cores()), 2)
+        elif suite == "train":
+            from . import train
+            row = train.run_row(name, mode_list=ml, planner=planner,
+                                repeats=5 if repeats is None else repeats,
+                                warmup=2 if warmup is None else warmup,
+                                min_time=0.1 if min_time is None else min_time,
+                                **(train_opts or {}))
         else:
             case = M.get(name)
             if name not in model_fns:

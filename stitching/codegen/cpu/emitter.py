@@ -66,6 +66,7 @@ from contextlib import contextmanager
 from ...ir import dtypes as dt
 from ...ir.ops import OPS
 from ...schedule import KernelKind
+from ...schedule.inplace import pairs as inplace_pairs
 from ..lower import exprs as lower
 from ..lower.emitter import Emitter, KernelSource, Writer, load_expr, store_value
 
@@ -148,8 +149,12 @@ class _Emitter(Emitter):
         self.stream_min = _stream_min_bytes()
         self.streamed = self._streamed_outputs()     # output -> its element count
         self._staging: dict = {}     # (output, row suffix) -> (index base, loop var)
+        self._through: dict = {}     # output node -> input tag it is stored through
 
     def store_output(self, w, k: int, index: str) -> None:
+        if k in self._through:                  # the in-place loop nest (_in_place)
+            w(f"p_{self._through[k]}[{index}] = {store_value(self.dtype(k), self.var(k))}")
+            return
         if (k, self._sfx) in self._staging:     # a streamed output (_staged)
             base, var = self._staging[(k, self._sfx)]
             w(f"d_{self.tag(k)}[{base} + {var}] = {store_value(self.dtype(k), self.var(k))}")
@@ -184,8 +189,10 @@ class _Emitter(Emitter):
         with w.block("def body(begin, end, ins, outs, dims):"):
             w("h.wide_vectors()")
             self._prologue(w)
-            {KernelKind.ELEMENTWISE: self._elementwise, KernelKind.ROW: self._row,
-             KernelKind.COLUMN: self._column, KernelKind.PACKED: self._packed}[self.s.kind](w)
+            loops = {KernelKind.ELEMENTWISE: self._elementwise, KernelKind.ROW: self._row,
+                     KernelKind.COLUMN: self._column, KernelKind.PACKED: self._packed}[self.s.kind]
+            if not self._in_place(w, loops):
+                loops(w)
             for name in self._buffers():
                 w(f"h.free({name})")
             if self.streamed:
@@ -227,6 +234,25 @@ class _Emitter(Emitter):
             w(f"ns_{t} = {size} >= {-(-self.stream_min // item)}")
             w(f"sb_{t} = h.ptr_{_PTR[self.dtype(k)]}(h.aligned_alloc({self._stage_len()} * "
               f"{item}))")
+
+    def _in_place(self, w, loops) -> bool:
+        """Where the op may write outputs over inputs (schedule/inplace.py): one loop
+        nest storing through the inputs' pointers when every pair aliases, the usual
+        one otherwise (also correct when some alias, but the vectorizer's overlap
+        check keeps it scalar).  Nothing is streamed in the in-place nest: a staged
+        copy would not save the read it exists for.  Returns whether it emitted."""
+        ps = inplace_pairs(self.spec, self.s)
+        if not ps:
+            return False
+        cond = " and ".join(f"h.same_address(ins[{i}], outs[{o}])" for i, o in ps)
+        streamed, self.streamed = self.streamed, {}
+        self._through = {self.spec.outputs[o]: self.tag(-(i + 1)) for i, o in ps}
+        with w.block(f"if {cond}:"):
+            loops(w)
+        self.streamed, self._through = streamed, {}
+        with w.block("else:"):
+            loops(w)
+        return True
 
     def _streamed_outputs(self) -> dict:
         """Outputs that may be written with non-temporal stores (_stream_min_bytes):

@@ -293,6 +293,20 @@ def opaque(typingctx, a):
 
 
 @intrinsic
+def same_address(typingctx, p, q):
+    """Whether two ``void*`` are one address (an in-place kernel's input and output:
+    codegen/cpu/emitter.py picks the loop nest that stores through the input)."""
+    if p != types.voidptr or q != types.voidptr:
+        raise TypingError("same_address takes two voidptr")
+    sig = types.boolean(types.voidptr, types.voidptr)
+
+    def codegen(context, builder, sig, args):
+        a, b = (builder.ptrtoint(v, _I64) for v in args)
+        return builder.icmp_unsigned("==", a, b)
+    return sig, codegen
+
+
+@intrinsic
 def opaque_int(typingctx, a):
     """An int64 ``a`` LLVM cannot see the value of (an empty inline asm returning it
     in a register).  For the bound of a row's chunk loop (codegen/cpu/emitter.py): with a row length

@@ -1,0 +1,47 @@
+"""Which outputs of a kernel may be written over one of its inputs (in place).
+
+Stock TF's element-wise kernels write their result over an input whose buffer nobody
+else holds (``forward_input_or_allocate_output``): a ReluGrad reuses the incoming
+gradient, a Mul the Sub before it.  A kernel that always allocated its outputs kept
+input and output alive together, and a stitched train step peaked higher than TF's.
+
+Safe pairs, by the structure of the code: in an ELEMENTWISE kernel, and in a column
+kernel of a single pass over its data (a ReluGrad fused with the BiasAddGrad that
+sums it), every element of the domain is handled once, loading its inputs before it
+stores any output (codegen/cpu/emitter.py: _ew_body, the row and column passes), and
+an input with the output's shape is read at that element only (broadcast inputs have
+fewer elements, LAYOUT ops only add or drop size-1 dims).  So output o may overwrite
+input i when their dtypes and static shapes are equal (the op also checks the run-time
+shapes).  Kernels of several passes read their inputs again after the first pass has
+stored: never; nor kernels keeping values in column blocks; nor row kernels (not
+needed by the train steps measured, so not audited).  In a column kernel split into
+phases, per-column outputs are stored in the last phase by one unit per column block,
+after that unit's last read of the column.
+
+The CPU backend compiles a second loop nest for the aliased case that stores through
+the input's own pointer: LLVM then sees one base and the same index (a dependence of
+distance 0) and vectorizes; through two unrelated pointers that alias, its run-time
+overlap check sends the loop to the scalar remainder (an erf kernel: 4.0 -> 6.5 ms).
+"""
+from __future__ import annotations
+
+from .passes import KernelKind
+
+
+def pairs(spec, sched) -> list:
+    """[(input index, output index)] the kernel may write in place, each at most once;
+    ``sched``: its Schedule."""
+    if sched.kind == KernelKind.ROW or sched.kind == KernelKind.COLUMN and (
+            len(sched.passes) != 1 or sched.scratch or sched.blocks):
+        return []
+    out, used = [], set()
+    for o, node in enumerate(spec.outputs):
+        t = spec.type_of(node)
+        if node in spec.outputs[:o]:          # the same value twice: one buffer each
+            continue
+        for i, ti in enumerate(spec.inputs):
+            if i not in used and ti.dtype == t.dtype and tuple(ti.shape) == tuple(t.shape):
+                used.add(i)
+                out.append((i, o))
+                break
+    return out
