@@ -146,3 +146,22 @@ def test_a_bad_forward_attr_is_refused_naming_it(pairs):
         [tf.TensorSpec([8, 4], tf.float32)])
     with pytest.raises(tf.errors.InvalidArgumentError, match="_stitching_forward"):
         fn(tf.constant(x))
+
+
+def test_packed_outputs_only_take_buffers_their_own_segment_reads():
+    """A packed kernel runs its segments' loops one after another, in units on several
+    threads: an output written over an input of another segment (two chains of the
+    same shape) would be read after it was overwritten.  Each pair stays in one pass."""
+    import sys as _sys
+    _sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_packed import sgd_spec
+    from stitching.schedule import KernelKind, build_schedule
+    from stitching.schedule.inplace import pairs
+    spec = sgd_spec([(32,), (9216,), (32,)])          # chains 0 and 2: the same shape
+    sched = build_schedule(spec)
+    assert sched.kind == KernelKind.PACKED and len(sched.passes) == 3
+    got = pairs(spec, sched)
+    assert len(got) == 6
+    for i, o in got:
+        (p,) = [p for p in sched.passes if spec.outputs[o] in p.stores]
+        assert i in p.loads, (i, o)

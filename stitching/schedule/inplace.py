@@ -39,9 +39,23 @@ def pairs(spec, sched) -> list:
         t = spec.type_of(node)
         if node in spec.outputs[:o]:          # the same value twice: one buffer each
             continue
+        # A packed kernel runs its segments' loops one after another: an output may
+        # only take the buffer of an input its own segment reads (its element j is
+        # loaded before it is stored); another segment may read that input later.
+        mine = _segment_loads(sched, node)
         for i, ti in enumerate(spec.inputs):
+            if mine is not None and i not in mine:
+                continue
             if i not in used and ti.dtype == t.dtype and tuple(ti.shape) == tuple(t.shape):
                 used.add(i)
                 out.append((i, o))
                 break
     return out
+
+
+def _segment_loads(sched, node):
+    """The inputs loaded by the pass that stores ``node`` in a packed kernel, else None
+    (one loop for the whole kernel: every element's loads precede its stores)."""
+    if sched.kind != KernelKind.PACKED:
+        return None
+    return next((set(p.loads) for p in sched.passes if node in p.stores), set())
