@@ -165,3 +165,6 @@ def test_packed_outputs_only_take_buffers_their_own_segment_reads():
     for i, o in got:
         (p,) = [p for p in sched.passes if spec.outputs[o] in p.stores]
         assert i in p.loads, (i, o)
+        # and no other pass reads it (Adam's m and v chains both read the gradient:
+        # test_packed's Adam training run against TF is the whole-step check)
+        assert not any(i in q.loads for q in sched.passes if q is not p), (i, o)

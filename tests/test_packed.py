@@ -157,9 +157,7 @@ def _optimizer_kernels(report, opt):
     return [k for k in report.kernels if any(n.startswith(scope) for n, _ in k.ops)]
 
 
-@pytest.mark.parametrize("opt_name,kernels", [
-    ("sgd", 1), pytest.param("adam", 2, marks=pytest.mark.slow),
-    pytest.param("adamw", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("opt_name,kernels", [("sgd", 1), ("adam", 2), ("adamw", 2)])
 def test_training_matches_tf_and_the_update_is_a_few_packed_kernels(opt_name, kernels):
     """20 steps with an unknown batch dim (sizes 16-18): losses and final weights equal
     stock TF; the optimizer's element-wise updates of the seven variables are exactly

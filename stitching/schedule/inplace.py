@@ -40,8 +40,9 @@ def pairs(spec, sched) -> list:
         if node in spec.outputs[:o]:          # the same value twice: one buffer each
             continue
         # A packed kernel runs its segments' loops one after another: an output may
-        # only take the buffer of an input its own segment reads (its element j is
-        # loaded before it is stored); another segment may read that input later.
+        # only take the buffer of an input its own segment reads and no other does
+        # (element j is loaded before it is stored; another segment reading the input
+        # later -- two chains of one gradient, m and v of Adam -- would see the output).
         mine = _segment_loads(sched, node)
         for i, ti in enumerate(spec.inputs):
             if mine is not None and i not in mine:
@@ -54,8 +55,13 @@ def pairs(spec, sched) -> list:
 
 
 def _segment_loads(sched, node):
-    """The inputs loaded by the pass that stores ``node`` in a packed kernel, else None
-    (one loop for the whole kernel: every element's loads precede its stores)."""
+    """In a packed kernel, the inputs the pass that stores ``node`` may overwrite: those
+    it loads and no other pass (nor the shared scalars) reads; else None (one loop for
+    the whole kernel: every element's loads precede its stores)."""
     if sched.kind != KernelKind.PACKED:
         return None
-    return next((set(p.loads) for p in sched.passes if node in p.stores), set())
+    mine = next((p for p in sched.passes if node in p.stores), None)
+    if mine is None:
+        return set()
+    others = [p for p in list(sched.passes) + list(sched.scalars) if p is not mine]
+    return {i for i in mine.loads if not any(i in p.loads for p in others)}
