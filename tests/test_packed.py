@@ -128,15 +128,10 @@ def _train(opt_name, stitched, steps=20, batch=None):
     import tensorflow as tf
 
     import stitching
+    from stitching.testing.train import keras_step
     model, opt = _keras_case(opt_name)
     loss_fn = keras.losses.MeanSquaredError()
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    step = keras_step(model, opt, loss_fn)
 
     sig = [tf.TensorSpec([batch, 8]), tf.TensorSpec([batch, 4])]
     f = (stitching.function(step, input_signature=sig) if stitched
@@ -184,6 +179,7 @@ def test_sgd_momentum_update_is_one_packed_kernel_whatever_the_depth(depth):
     import tensorflow as tf
 
     import stitching
+    from stitching.testing.train import keras_step
     keras.utils.set_random_seed(1)
     inp = keras.Input((8,))
     h = inp
@@ -193,13 +189,7 @@ def test_sgd_momentum_update_is_one_packed_kernel_whatever_the_depth(depth):
     opt = keras.optimizers.SGD(0.05, momentum=0.9)
     opt.build(model.trainable_variables)
     loss_fn = keras.losses.MeanSquaredError()
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    step = keras_step(model, opt, loss_fn)
 
     f = stitching.function(step)
     f(tf.zeros([16, 8]), tf.zeros([16, 4]))

@@ -156,3 +156,16 @@ def test_mib_size_verdicts_apply_issue_31s_bars_per_size():
     assert lines[1].startswith("PASS")
     assert lines[2].startswith("FAIL") and ">= 2x: 1.273x" in lines[2]
     assert lines[3].startswith("FAIL") and "0.900x (b)" in lines[3]
+
+
+def test_pool_line_table_compares_the_two_allocators_per_size():
+    """tools/pool_line.py: per size, the geomean over patterns of the stitched/TF ratio
+    under TF's allocator over the one under the pool (medians over rounds)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import pool_line
+    runs = {"tf": [{("a", "1m"): 1.0, ("b", "1m"): 0.5, ("a", "64m"): 0.9}],
+            "pool": [{("a", "1m"): 1.0, ("b", "1m"): 0.5, ("a", "64m"): 0.6}]}
+    lines = pool_line.table(runs, ["1m", "16m", "64m"])
+    assert "1.000x  2 (worst 1.00x" in lines[1]
+    assert "no rows measured" in lines[2]
+    assert "1.500x  1 (worst 1.50x" in lines[3]                # the pool 1.5x faster

@@ -58,25 +58,10 @@ def _run(setting, sizes, only, repeats) -> dict:
     return ratios
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="1m,4m,16m,64m")
-    ap.add_argument("--only", nargs="*")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", metavar="PATH", help="write the per-round ratios here")
-    args = ap.parse_args(argv)
-    sizes = [s for s in args.sizes.split(",") if s]
-    runs = {s: [] for s in SETTINGS}
-    for i in range(args.rounds):
-        for setting in (SETTINGS if i % 2 == 0 else reversed(list(SETTINGS))):
-            print(f"round {i + 1}/{args.rounds}: {setting}", flush=True)
-            runs[setting].append(_run(setting, sizes, args.only, args.repeats))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({s: [{f"{k[0]}/{k[1]}": v for k, v in r.items()} for r in rs]
-                       for s, rs in runs.items()}, f, indent=1)
-    print(f"\n{'size':>5}  {'pool vs TF allocator (geomean of stitched/TF ratios)':>52}  rows")
+def table(runs, sizes) -> list:
+    """Lines: per size, the geomean over patterns of (stitched/TF under TF's allocator)
+    / (stitched/TF under the pool), medians over rounds: > 1 where the pool is faster."""
+    lines = [f"{'size':>5}  {'pool vs TF allocator (geomean of stitched/TF ratios)':>52}  rows"]
     for size in sizes:
         gains = []
         for key in sorted({k for r in runs["tf"] for k in r if k[1] == size}):
@@ -86,10 +71,42 @@ def main(argv=None) -> int:
                 gains.append(statistics.median(tf_r) / statistics.median(pool_r))
         if gains:
             g = statistics.geometric_mean(gains)
-            print(f"{size:>5}  {g:>51.3f}x  {len(gains)} (worst {min(gains):.2f}x, "
-                  f"best {max(gains):.2f}x)")
-    print("\n> 1: the pool is faster at that size (outputs recycled warm beat TF's "
-          "allocator); the line belongs where this crosses 1 beyond the rounds' spread.")
+            lines.append(f"{size:>5}  {g:>51.3f}x  {len(gains)} (worst {min(gains):.2f}x, "
+                         f"best {max(gains):.2f}x)")
+        else:
+            lines.append(f"{size:>5}  {'no rows measured at this size':>52}")
+    lines.append("\n> 1: the pool is faster at that size (outputs recycled warm beat TF's "
+                 "allocator); the line belongs where this crosses 1 beyond the rounds' spread.")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1m,4m,16m,64m")
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", metavar="PATH", help="write the per-round ratios here")
+    ap.add_argument("--from-json", metavar="PATH", help="print the table of a --json file")
+    args = ap.parse_args(argv)
+    sizes = [s for s in args.sizes.split(",") if s]
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        runs = {s: [{tuple(k.rsplit("/", 1)): v for k, v in r.items()} for r in rs]
+                for s, rs in saved.items()}
+        print("\n".join(table(runs, sizes)))
+        return 0
+    runs = {s: [] for s in SETTINGS}
+    for i in range(args.rounds):
+        for setting in (SETTINGS if i % 2 == 0 else reversed(list(SETTINGS))):
+            print(f"round {i + 1}/{args.rounds}: {setting}", flush=True)
+            runs[setting].append(_run(setting, sizes, args.only, args.repeats))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({s: [{f"{k[0]}/{k[1]}": v for k, v in r.items()} for r in rs]
+                       for s, rs in runs.items()}, f, indent=1)
+    print("\n".join(table(runs, sizes)))
     return 0
 
 

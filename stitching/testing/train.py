@@ -122,6 +122,13 @@ def make_step(name: str) -> Step:
     x = tf.constant(rs.randn(*xshape).astype("float32"))
     y = tf.constant(np.arange(xshape[0]) % classes)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return Step(keras_step(model, opt, loss_fn), x, y, model, opt)
+
+
+def keras_step(model, opt, loss_fn):
+    """The custom train step Keras users write: ``step(x, y) -> loss`` (a tape over
+    the forward, the optimizer's update of every trainable variable), unwrapped."""
+    import tensorflow as tf
 
     def step(x, y):
         with tf.GradientTape() as tape:
@@ -129,7 +136,7 @@ def make_step(name: str) -> Step:
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
-    return Step(step, x, y, model, opt)
+    return step
 
 
 def phase_of(node: str, optimizer_scope: str) -> str:
