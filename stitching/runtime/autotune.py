@@ -168,16 +168,12 @@ def uninstall(lib) -> None:
     lib.stitching_autotune_set_sink(_Sink())
 
 
-def decisions(lib) -> dict:
-    """{(spec hash, class): {"choice", "kernel_us", "native_us", "source"}} of this
-    process (choice None while a class is still being measured)."""
-    for _ in range(4):
-        need = int(lib.stitching_autotune_read(None, 0))
-        buf = ctypes.create_string_buffer(need + 256)
-        if int(lib.stitching_autotune_read(buf, need + 256)) < need + 256:
-            break
+def decisions(text: str) -> dict:
+    """{(spec hash, class): {"choice", "kernel_us", "native_us", "source"}} from the op's
+    decision table (``stitching_autotune_read``; choice None while a class is still
+    being measured)."""
     out = {}
-    for line in buf.value.decode("utf-8", "replace").splitlines():
+    for line in text.splitlines():
         h, cls, choice, k_ns, n_ns, source = line.split("\t")
         out[(h, int(cls))] = {"choice": NAMES.get(int(choice)),
                               "kernel_us": int(k_ns) / 1e3, "native_us": int(n_ns) / 1e3,

@@ -1237,6 +1237,18 @@ int CopySignature(int n, const int* ranks, const int* dtypes, std::vector<int>* 
 }
 
 }  // namespace
+// The text tables the exports below hand to Python (profile counters, autotune
+// decisions): written into buf with a NUL when it holds them; returns the length they
+// need without the NUL (registry.py _read_text sizes, then reads).
+int64_t CopyOut(const std::string& text, char* buf, int64_t cap) {
+  const int64_t n = static_cast<int64_t>(text.size());
+  if (buf != nullptr && cap > n) {
+    std::copy(text.begin(), text.end(), buf);
+    buf[n] = '\0';
+  }
+  return n;
+}
+
 }  // namespace stitching
 
 // ---- C exports (ctypes) -------------------------------------------------------------
@@ -1356,13 +1368,7 @@ __attribute__((visibility("default"))) int stitching_profile_enabled() {
 // when it holds them with a NUL; returns the length they need (without the NUL).
 __attribute__((visibility("default"))) int64_t stitching_profile_read(char* buf,
                                                                       int64_t cap) {
-  const std::string text = stitching::Profiles::Get().Text();
-  const int64_t n = static_cast<int64_t>(text.size());
-  if (buf != nullptr && cap > n) {
-    std::copy(text.begin(), text.end(), buf);
-    buf[n] = '\0';
-  }
-  return n;
+  return stitching::CopyOut(stitching::Profiles::Get().Text(), buf, cap);
 }
 
 // Autotune (see Tuner): the sink Python persists decisions through (NULL removes it),
@@ -1390,13 +1396,7 @@ __attribute__((visibility("default"))) int stitching_autotune_set(const char* ha
 
 __attribute__((visibility("default"))) int64_t stitching_autotune_read(char* buf,
                                                                        int64_t cap) {
-  const std::string text = stitching::Tuner::Get().Text();
-  const int64_t n = static_cast<int64_t>(text.size());
-  if (buf != nullptr && cap > n) {
-    std::copy(text.begin(), text.end(), buf);
-    buf[n] = '\0';
-  }
-  return n;
+  return stitching::CopyOut(stitching::Tuner::Get().Text(), buf, cap);
 }
 
 __attribute__((visibility("default"))) void stitching_autotune_counts(int64_t* out) {

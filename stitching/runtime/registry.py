@@ -300,7 +300,7 @@ def autotune_decisions() -> dict:
     """{(spec hash, shape class): {"choice": "kernel" | "native" | None (still
     measuring), "kernel_us", "native_us" (medians), "source": "measured" | "cache"}}
     of this process's autotuned kernels."""
-    return autotune.decisions(library())
+    return autotune.decisions(_read_text(library().stitching_autotune_read))
 
 
 _POOL_FIELDS = ("hits", "misses", "held_bytes", "idle_bytes", "idle_cap_bytes",
@@ -334,17 +334,23 @@ def profiling() -> bool:
     return bool(library().stitching_profile_enabled())
 
 
+def _read_text(read) -> str:
+    """A table the op writes as text (``read(buf, cap)`` returns the length it needs;
+    op.cc CopyOut): sized first, read again if it grew in between (rows may appear
+    between the two calls)."""
+    for _ in range(4):
+        need = int(read(None, 0))
+        buf = ctypes.create_string_buffer(need + 256)
+        if int(read(buf, need + 256)) < need + 256:
+            break
+    return buf.value.decode("utf-8", "replace")
+
+
 def profile() -> dict:
     """label -> {"calls", "seconds", "bytes"} counted since the start (or ``profile_reset``);
     ``bytes``: the kernel's inputs plus outputs, summed over calls."""
-    lib = library()
-    for _ in range(4):            # labels may appear between the two calls
-        need = int(lib.stitching_profile_read(None, 0))
-        buf = ctypes.create_string_buffer(need + 256)
-        if int(lib.stitching_profile_read(buf, need + 256)) < need + 256:
-            break
     out = {}
-    for line in buf.value.decode("utf-8", "replace").splitlines():
+    for line in _read_text(library().stitching_profile_read).splitlines():
         label, calls, nanos, nbytes = line.rsplit("\t", 3)
         out[label] = {"calls": int(calls), "seconds": int(nanos) * 1e-9, "bytes": int(nbytes)}
     return out
