@@ -286,6 +286,48 @@ def test_a_class_factor_scales_only_that_class_of_unfused_ops():
     assert scaled.gain(P) == pytest.approx(plain.gain(P) + 2.5 * plain.unfused[i["m"]])
 
 
+def test_a_factor_table_is_interpolated_in_log_size_and_flat_beyond_its_ends():
+    table = {"softmax": [[1, 1.0], [4, 0.5], [64, 0.25]], "elementwise": 2.0}
+    mib = 1 << 20
+    assert profiles.tf_factor(table, "softmax", mib // 16) == 1.0     # below: first point
+    assert profiles.tf_factor(table, "softmax", mib) == 1.0
+    assert profiles.tf_factor(table, "softmax", 2 * mib) == pytest.approx(0.75)
+    assert profiles.tf_factor(table, "softmax", 16 * mib) == pytest.approx(0.375)
+    assert profiles.tf_factor(table, "softmax", 1 << 40) == 0.25     # above: last point
+    assert profiles.tf_factor(table, "elementwise", 7) == 2.0        # a flat factor
+    assert profiles.tf_factor(table, "column_reduction", mib) == 1.0  # none: 1
+
+
+def test_a_factor_table_prices_each_op_at_its_own_size():
+    """The model's TF softmax at 1 MiB and at 16 MiB gets the factor of its size."""
+    g1, g16 = (_softmax_graph(rows) for rows in (256, 4096))
+    prof = profiles.with_overrides(CPU, tf_time_scale={"softmax": [[1, 1.0], [16, 0.25]]})
+    for g, f in ((g1, 1.0), (g16, 0.25)):
+        plain, scaled = costs(g), costs(g, prof)
+        i = plain.index["y"]
+        assert scaled.unfused[i] == pytest.approx(f * plain.unfused[i])
+
+
+def _softmax_graph(rows):
+    from stitching.ir.graph import Graph, Node, TensorType, ValueRef
+    x = TensorType(F, (rows, 1024))
+    return Graph([Node("x", "Placeholder", outputs=[x]),
+                  Node("y", "Softmax", [ValueRef("x")], {}, [x])], [ValueRef("y")])
+
+
+def test_calibrate_tables_take_the_median_per_size():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "calibrate", os.path.join(os.path.dirname(__file__), "..", "tools", "calibrate.py"))
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    got = cal.factor_tables({"softmax": {4: [0.5, 0.7, 0.6], 1: [1.0]},
+                             "elementwise": {1: [2.0, 4.0]}, "transcendental": {},
+                             "row_reduction": {1: [1e9]}})
+    assert got == {"softmax": [[1, 1.0], [4, 0.6]], "elementwise": 3.0,
+                   "row_reduction": profiles.SCALE_RANGE[1]}
+
+
 def test_profile_file_round_trip_and_env_override(tmp_path, monkeypatch):
     path = str(tmp_path / "p.json")
     prof = profiles.with_overrides(CPU, name="mine", tf_time_scale={"softmax": 0.5})
@@ -309,7 +351,20 @@ def test_profile_file_round_trip_and_env_override(tmp_path, monkeypatch):
     (lambda d: {**d, "profile": {**d["profile"], "tf_time_scale": {"matmul": 2}}},
      "unknown class"),
     (lambda d: {**d, "profile": {**d["profile"], "tf_time_scale": {"softmax": 1e6}}},
-     "outside"),
+     "expected a factor"),
+    (lambda d: {**d, "profile": {**d["profile"], "tf_time_scale": {"softmax": "2"}}},
+     "expected a factor"),
+    (lambda d: {**d, "profile": {**d["profile"],
+                                 "tf_time_scale": {"softmax": [[4, 1.0], [1, 2.0]]}}},
+     "MiB increasing"),
+    (lambda d: {**d, "profile": {**d["profile"],
+                                 "tf_time_scale": {"softmax": [[1, 1.0, 3]]}}},
+     "expected a factor"),
+    (lambda d: {**d, "profile": {**d["profile"], "tf_time_scale": {"softmax": []}}},
+     "1 to 32"),
+    (lambda d: {**d, "profile": {**d["profile"],
+                                 "tf_time_scale": {"softmax": [[1, 1.0], [2, 1e6]]}}},
+     "expected a factor"),
     (lambda d: {**d, "profile": {**d["profile"], "backend": "tpu"}}, "backend must be"),
 ])
 def test_a_bad_profile_file_is_refused_naming_the_problem(tmp_path, change, message):

@@ -15,9 +15,10 @@ of float32 input), one TF op runs alone in a ``tf.function``, timed as tools/ben
 times a mode (median per call, less the same function's call overhead measured on an
 identity);
 the cost model prices the same op from the measured device profile
-(``GraphCosts.unfused`` with no calibration).  A class's factor is the median of measured
-over modelled across its shapes and sizes; the profile file holds the measured device
-profile with those factors (``DeviceProfile.tf_time_scale``).  Recalibrate after a
+(``GraphCosts.unfused`` with no calibration).  A class's factors are, per size, the median
+of measured over modelled across its shapes: a table the cost model interpolates in
+log(size) and holds flat beyond 1 and 64 MiB (``profiles.tf_factor``); the profile file
+holds the measured device profile with those tables (``DeviceProfile.tf_time_scale``).  Recalibrate after a
 change of machine, TF version or cost model; on a shared machine run it when idle (it
 prints the copy bandwidth it saw, to judge).
 """
@@ -41,14 +42,14 @@ from stitching.ir.graph import Graph, Node, TensorType, ValueRef  # noqa: E402
 from stitching.plan import profiles  # noqa: E402
 from stitching.plan.cost import GraphCosts, tf_class  # noqa: E402
 
-SIZES_MIB = (1, 4, 16, 64)
+SIZES_MIB = (1, 4, 16, 64)   # below 1 MiB the call overhead (~0.2 ms) swamps the op
 
 
 def cases(mib: int):
     """(class, TF function builder, IR op, attrs, input shape) per op class at one size."""
     import tensorflow as tf
-    n = mib * (1 << 20) // 4
-    yield ("elementwise", lambda x: x * 1.5 + 0.5, "Mul", {}, (n // 1024, 1024))
+    n = int(mib * (1 << 20)) // 4
+    yield ("elementwise", lambda x: x * 1.5, "Mul", {}, (n // 1024, 1024))   # one op
     yield ("transcendental", tf.exp, "Exp", {}, (n // 1024, 1024))
     for cols in (64, 1024):
         yield ("row_reduction", lambda x: tf.reduce_sum(x, axis=-1), "Sum",
@@ -78,25 +79,49 @@ def measured(fn, shape) -> float:
     return times["tf"]["median_s"]
 
 
-def calibrate(sizes=SIZES_MIB, log=print) -> tuple:
+def calibrate(sizes=SIZES_MIB, rounds=3, log=print) -> tuple:
+    """(the measured CPU profile, class -> factor table): every case timed ``rounds``
+    times, rounds after one another (a burst of load hits one round, not one size); a
+    case's ratio is its median over the rounds."""
     base = profiles.measured_cpu(remeasure=True)
-    call = measured(lambda x: x + 0.0, (1, 1))      # a tf.function call around the op
+    call = statistics.median(measured(lambda x: x + 0.0, (1, 1)) for _ in range(3))
     log(f"device: {base.lanes} cores, copy bandwidth {base.bandwidth / 1e9:.1f} GB/s "
-        f"(measured now); tf.function call overhead {call * 1e6:.0f} us (subtracted)")
-    ratios: dict = {c: [] for c in profiles.TF_CLASSES}
-    log(f"{'class':18s} {'shape':>16s} {'MiB':>4s} {'TF ms':>8s} {'model ms':>9s} {'ratio':>6s}")
-    for mib in sizes:
-        for cls, fn, op, attrs, shape in cases(mib):
-            assert tf_class(op, attrs, TensorType("float32", shape),
-                            op in ("Exp",)) == cls, (op, cls)
-            t_model = modelled(base, op, attrs, shape)
-            t_tf = max(measured(fn, shape) - call, t_model * 0.05)
-            ratios[cls].append(t_tf / t_model)
-            log(f"{cls:18s} {str(shape):>16s} {mib:4d} {t_tf * 1e3:8.3f} {t_model * 1e3:9.3f} "
-                f"{t_tf / t_model:6.2f}")
-    scale = {c: round(min(max(statistics.median(r), 0.05), 50.0), 3)
-             for c, r in ratios.items() if r}
-    return base, scale
+        f"(measured now); tf.function call overhead {call * 1e6:.0f} us (subtracted); "
+        f"{rounds} round(s)")
+    runs: dict = {}          # (class, MiB, shape) -> [ratio per round]
+    for _ in range(rounds):
+        for mib in sizes:
+            for cls, fn, op, attrs, shape in cases(mib):
+                assert tf_class(op, attrs, TensorType("float32", shape),
+                                op in ("Exp",)) == cls, (op, cls)
+                t_model = modelled(base, op, attrs, shape)
+                t_tf = max(measured(fn, shape) - call, t_model * 0.05)
+                runs.setdefault((cls, mib, shape), []).append((t_tf, t_model))
+    log(f"{'class':18s} {'shape':>16s} {'MiB':>4s} {'TF ms':>8s} {'model ms':>9s} {'ratio':>6s}"
+        f"  {'rounds':s}")
+    ratios: dict = {c: {} for c in profiles.TF_CLASSES}     # class -> MiB -> [ratio]
+    for (cls, mib, shape), ts in runs.items():
+        each = [t / m for t, m in ts]
+        r = statistics.median(each)
+        t_tf = statistics.median(t for t, _ in ts)
+        ratios[cls].setdefault(mib, []).append(r)
+        log(f"{cls:18s} {str(shape):>16s} {mib:4g} {t_tf * 1e3:8.3f} {ts[0][1] * 1e3:9.3f} "
+            f"{r:6.2f}  {' '.join(f'{x:.2f}' for x in each)}")
+    return base, factor_tables(ratios)
+
+
+def factor_tables(ratios: dict) -> dict:
+    """class -> [[MiB, factor], ...]: per size, the median ratio over the class's shapes
+    (clamped to the profile's sanity range); a class measured at one size gets a flat
+    factor."""
+    lo, hi = profiles.SCALE_RANGE
+    out = {}
+    for cls, by_size in ratios.items():
+        table = [[mib, round(min(max(statistics.median(r), lo), hi), 3)]
+                 for mib, r in sorted(by_size.items()) if r]
+        if table:
+            out[cls] = table if len(table) > 1 else table[0][1]
+    return out
 
 
 def main(argv=None):
@@ -110,14 +135,16 @@ def main(argv=None):
                          "on this CPU then plans with (before the shipped default)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES_MIB)),
                     help="input sizes in MiB (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="times each case is measured; its median counts (default 3)")
     args = ap.parse_args(argv)
-    base, scale = calibrate(tuple(int(s) for s in args.sizes.split(",")))
+    base, scale = calibrate(tuple(float(s) for s in args.sizes.split(",")), args.rounds)
     print("tf_time_scale:", scale)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     prof = profiles.with_overrides(base, tf_time_scale=scale, name="cpu-calibrated",
                                    source=f"tools/calibrate.py, {when}")
     note = (f"tools/calibrate.py at {when} on {os.cpu_count()} cores, "
-            f"sizes {args.sizes} MiB")
+            f"sizes {args.sizes} MiB, {args.rounds} round(s)")
     for path in filter(None, (args.out, args.ship and profiles.CALIBRATION_FILE)):
         profiles.save_file(prof, path, note)
         print("wrote", path)

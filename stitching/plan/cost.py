@@ -55,7 +55,7 @@ from typing import NamedTuple
 from ..ir import OPS, Kind, TensorType
 from ..ir.dtypes import ITEMSIZE
 from . import legality as _leg
-from .profiles import DeviceProfile
+from .profiles import DeviceProfile, tf_factor
 
 DEFAULT_DIM = 32              # arbitrary: size assumed for a dim unknown until run time
 CPU_GRAIN = 16384             # arbitrary (the schedule's EW_BLOCK): elements per shard;
@@ -187,9 +187,10 @@ class GraphCosts:
                        if node.inputs else None)
             tr.append(self._transcendentals(node))
             outs.append(sum(nbytes(t) for t in node.outputs))
-            scale.append(factors.get(tf_class(
+            scale.append(tf_factor(factors, tf_class(
                 node.op, node.attrs, graph.type_of(node.inputs[0]) if node.inputs else None,
-                tr[-1] > 0), 1.0) if factors else 1.0)
+                tr[-1] > 0), max([outs[-1]] + [b for _, b, _ in ins[-1]]))
+                if factors else 1.0)
         self.size, self.ins, self.pinned, self.work = size, ins, pinned, work
         self.scale = scale
         self.red, self.tr, self.item = red, tr, item

@@ -12,10 +12,13 @@
 Calibration.  The cost model prices an op left to TF as its memory traffic at the
 profile's bandwidth.  TF's kernels do not all reach it (its column reductions measured
 at about a quarter of it here), so a profile carries ``tf_time_scale``: per op class
-(TF_CLASSES), measured TF time over the model's estimate.  ``tools/calibrate.py``
+(TF_CLASSES), measured TF time over the model's estimate: one factor, or a table of
+factors by size ([[MiB, factor], ...], interpolated in log(size), flat beyond its ends),
+since TF's error is not the same at every size (its softmax measured near the model at
+1 MiB and at a third of it at 64 MiB).  ``tools/calibrate.py``
 measures them on the running machine and writes a profile file; ``--ship`` writes the
 package's default (``calibration-cpu.json`` beside this file), which then applies to the
-measured CPU profile.  None is shipped yet: without the file the factors are 1.  ``STITCHING_DEVICE_PROFILE=<file>``
+measured CPU profile.  ``STITCHING_DEVICE_PROFILE=<file>``
 plans with a profile file instead (one ``tools/calibrate.py`` wrote); the report names the
 profile it planned with (``DeviceProfile.source``).  Which factors the measured CPU
 profile gets, first found wins:
@@ -53,7 +56,7 @@ CACHE_FILE = "device-profile-cpu.json"
 TF_CLASSES = ("elementwise", "transcendental", "row_reduction", "column_reduction",
               "softmax")
 CALIBRATION_FILE = os.path.join(os.path.dirname(__file__), "calibration-cpu.json")
-_SCALE_RANGE = (0.05, 50.0)    # arbitrary sanity bounds on a measured factor
+SCALE_RANGE = (0.05, 50.0)    # arbitrary sanity bounds on a measured factor
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,8 @@ class DeviceProfile:
     transcendental_per_s: float  # exp/tanh/erf evaluations per second, whole device
     caches: dict = field(default_factory=dict)   # level -> bytes (informational)
     measured: bool = False
-    tf_time_scale: dict = field(default_factory=dict)   # TF_CLASSES -> factor (default 1)
+    tf_time_scale: dict = field(default_factory=dict)   # TF_CLASSES -> factor, or a table
+    #                                                    [[MiB, factor], ...] (tf_factor)
     source: str = ""             # where the numbers came from (the report shows it)
 
     def bw_at(self, active_lanes: float) -> float:
@@ -285,14 +289,51 @@ def load_file(path: str) -> DeviceProfile:
 def _check_scale(path, scale) -> None:
     if not isinstance(scale, dict):
         raise ProfileFileError(f"device profile {path}: tf_time_scale must be an object")
-    lo, hi = _SCALE_RANGE
     for k, v in scale.items():
         if k not in TF_CLASSES:
             raise ProfileFileError(f"device profile {path}: tf_time_scale has unknown class "
                                    f"{k!r}; classes are {', '.join(TF_CLASSES)}")
-        if not (isinstance(v, (int, float)) and lo <= v <= hi):
-            raise ProfileFileError(f"device profile {path}: tf_time_scale[{k!r}] = {v!r} is "
-                                   f"outside [{lo}, {hi}]")
+        points = v if isinstance(v, list) else [[1, v]]
+        if not points or len(points) > _MAX_POINTS:
+            raise ProfileFileError(f"device profile {path}: tf_time_scale[{k!r}] must hold "
+                                   f"1 to {_MAX_POINTS} [MiB, factor] points, got {v!r}")
+        last = 0.0
+        for pt in points:
+            if not (isinstance(pt, (list, tuple)) and len(pt) == 2
+                    and all(_number(x) for x in pt) and pt[0] > last
+                    and SCALE_RANGE[0] <= pt[1] <= SCALE_RANGE[1]):
+                raise ProfileFileError(
+                    f"device profile {path}: tf_time_scale[{k!r}] = {v!r}: expected a factor "
+                    f"in [{SCALE_RANGE[0]}, {SCALE_RANGE[1]}] or a list of [MiB, factor] "
+                    f"points with MiB increasing and positive, factors in that range")
+            last = pt[0]
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+_MAX_POINTS = 32       # arbitrary: a table, not a dump
+
+
+def tf_factor(scale: dict, cls: str, nbytes: int) -> float:
+    """The factor of op class ``cls`` on a tensor of ``nbytes``: a class's flat factor,
+    or its [MiB, factor] table interpolated in log(size), held flat beyond its ends
+    (what TF's kernels do at sizes nobody measured is assumed to be what they do at the
+    nearest measured one)."""
+    v = scale.get(cls)
+    if v is None:
+        return 1.0
+    if not isinstance(v, list):
+        return float(v)
+    mib = max(nbytes, 1) / (1 << 20)
+    if mib <= v[0][0]:
+        return float(v[0][1])
+    for (m0, f0), (m1, f1) in zip(v, v[1:]):
+        if mib <= m1:
+            w = math.log(mib / m0) / math.log(m1 / m0)
+            return float(f0 + w * (f1 - f0))
+    return float(v[-1][1])
 
 
 def save_file(profile: DeviceProfile, path: str, note: str = "",
