@@ -315,6 +315,33 @@ def _softmax_graph(rows):
                   Node("y", "Softmax", [ValueRef("x")], {}, [x])], [ValueRef("y")])
 
 
+def test_a_kernel_factor_scales_the_fused_estimate_by_its_members_share_of_the_work():
+    g = _center_cols()
+    plain = costs(g)
+    ks = {"column_reduction": 0.5, "elementwise": 2.0}
+    scaled = costs(g, profiles.with_overrides(CPU, kernel_time_scale=ks))
+    P = pattern(plain, "m", "d")
+    assert scaled.unfused == plain.unfused                 # the TF side is untouched
+    wm, wd = (plain.unfused[plain.index[n]] for n in ("m", "d"))
+    f = (0.5 * wm + 2.0 * wd) / (wm + wd)
+    assert scaled.kernel_factor(P) == pytest.approx(f)
+    assert scaled.delta(P).fused_s == pytest.approx(f * plain.delta(P).fused_s)
+    assert plain.kernel_factor(P) == 1.0
+
+
+def test_a_profile_file_keeps_kernel_factors_and_refuses_bad_ones(tmp_path):
+    path = str(tmp_path / "p.json")
+    ks = {"softmax": [[1, 0.5], [16, 0.4]]}
+    profiles.save_file(profiles.with_overrides(CPU, kernel_time_scale=ks), path)
+    assert profiles.load_file(path).kernel_time_scale == ks
+    doc = json.load(open(path))
+    doc["profile"]["kernel_time_scale"] = {"softmax": [[1, 0.0]]}
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(profiles.ProfileFileError, match=r"kernel_time_scale\['softmax'\]"):
+        profiles.load_file(path)
+
+
 def test_calibrate_tables_take_the_median_per_size():
     import importlib.util
     spec = importlib.util.spec_from_file_location(
@@ -379,7 +406,7 @@ def test_a_bad_profile_file_is_refused_naming_the_problem(tmp_path, change, mess
 
 
 def test_the_shipped_calibration_applies_to_the_measured_cpu_only(monkeypatch):
-    monkeypatch.setattr(profiles, "_SHIPPED", {"column_reduction": 3.0})
+    monkeypatch.setattr(profiles, "_SHIPPED", {"tf_time_scale": {"column_reduction": 3.0}})
     got = profiles.calibrated(profiles.with_overrides(CPU, name="cpu", source="measured"))
     assert got.tf_time_scale == {"column_reduction": 3.0}
     assert got.source == "measured + shipped calibration"
@@ -392,7 +419,7 @@ def test_this_machines_calibration_comes_before_the_shipped_one(tmp_path, monkey
     """calibrate.py --install: factors bound to this CPU in the cache directory win over
     the shipped default; one measured on another CPU, or a bad file, is not used."""
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(profiles, "_SHIPPED", {"column_reduction": 3.0})
+    monkeypatch.setattr(profiles, "_SHIPPED", {"tf_time_scale": {"column_reduction": 3.0}})
     cpu = profiles.with_overrides(CPU, name="cpu", source="measured")
     path = profiles.local_calibration_path()
     mine = profiles.with_overrides(CPU, tf_time_scale={"softmax": 0.7})

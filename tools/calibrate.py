@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Calibrate the cost model's price of ops left to TF, on this machine.
+"""Calibrate the cost model against measurements on this machine: its price of ops left
+to TF, and its price of the kernels it generates.
 
     python tools/calibrate.py                         # print the table, write nothing
     python tools/calibrate.py --out my-profile.json   # a profile file for this machine:
@@ -11,16 +12,19 @@
 
 For each op class the cost model tells apart (``plan.cost.tf_class``: element-wise,
 transcendental, row reduction, column reduction, softmax) and each size (1, 4, 16, 64 MiB
-of float32 input), one TF op runs alone in a ``tf.function``, timed as tools/bench.py
-times a mode (median per call, less the same function's call overhead measured on an
-identity);
-the cost model prices the same op from the measured device profile
-(``GraphCosts.unfused`` with no calibration).  A class's factors are, per size, the median
-of measured over modelled across its shapes: a table the cost model interpolates in
-log(size) and holds flat beyond 1 and 64 MiB (``profiles.tf_factor``); the profile file
-holds the measured device profile with those tables (``DeviceProfile.tf_time_scale``).  Recalibrate after a
-change of machine, TF version or cost model; on a shared machine run it when idle (it
-prints the copy bandwidth it saw, to judge).
+of float32 input), one op runs alone two ways, timed interleaved as tools/bench.py times
+modes (median per call, less each way's call overhead measured on a function doing next
+to nothing): as stock TF in a ``tf.function``, and as one generated kernel in a
+``stitching.function`` (``min_ops=1``).  The cost model prices the same op both ways from
+the measured device profile, uncalibrated (``GraphCosts.unfused``; the search planner's
+launch time for the kernel).  A class's factors are, per size, the median of measured
+over modelled across its shapes and ``--rounds``: tables the cost model interpolates in
+log(size) and holds flat beyond 1 and 64 MiB (``profiles.tf_factor``).  The profile file
+holds the measured device profile with them (``DeviceProfile.tf_time_scale`` for TF,
+``kernel_time_scale`` for kernels: calibrating one side only would tilt every decision
+toward the other).  Recalibrate after a change of machine, TF version, code generator or
+cost model; on a shared machine run it when idle (it prints the copy bandwidth it saw,
+to judge).
 """
 from __future__ import annotations
 
@@ -59,55 +63,107 @@ def cases(mib: int):
     yield ("softmax", tf.nn.softmax, "Softmax", {}, (n // 1024, 1024))
 
 
-def modelled(profile, op, attrs, shape) -> float:
-    """The cost model's time for ``op`` on a float32 input of ``shape`` left to TF."""
+_BINARY = ("Mul",)     # cases() multiplies by a scalar constant
+
+
+def _graph(op, attrs, shape) -> Graph:
     x = TensorType("float32", tuple(shape))
     axes = attrs.get("axes", ())
     y = TensorType("float32", tuple(d for i, d in enumerate(shape) if i not in axes))
-    g = Graph([Node("x", "Placeholder", outputs=[x]),
-               Node("y", op, [ValueRef("x")], dict(attrs), [y])], [ValueRef("y")])
+    nodes, ins = [Node("x", "Placeholder", outputs=[x])], [ValueRef("x")]
+    if op in _BINARY:
+        nodes.append(Node("c", "Const", [], {"value": 1.5, "dtype": "float32", "shape": []},
+                          [TensorType("float32", ())]))
+        ins.append(ValueRef("c"))
+    return Graph(nodes + [Node("y", op, ins, dict(attrs), [y])], [ValueRef("y")])
+
+
+def modelled(profile, op, attrs, shape) -> tuple:
+    """The cost model's times for ``op`` on a float32 input of ``shape``: (left to TF,
+    as a generated kernel of its own), both uncalibrated (``profile`` has no factors)."""
+    from stitching.plan import search
+    from stitching.tf.pipeline import legal
+    g = _graph(op, attrs, shape)
     order = g.topo_order()
-    return GraphCosts(g, profile, order).unfused[order.index("y")]
+    t_tf = GraphCosts(g, profile, order).unfused[order.index("y")]
+    plan = search.plan(g, legal, min_ops=1, config=search.SearchConfig(profile=profile))
+    kernel = [c for c in plan.alternatives if c.deployed]
+    assert len(kernel) == 1, (op, shape, plan.unfused)
+    return t_tf, kernel[0].launch.time_s
 
 
-def measured(fn, shape) -> float:
-    """Median seconds per call of ``tf.function(fn)`` on a float32 input of ``shape``,
-    timed as tools/bench.py times a mode (bench_lib.measure)."""
+def measured(fn, shape) -> tuple:
+    """Median seconds per call of ``tf.function(fn)`` and of ``stitching.function(fn)``
+    with its one op as one kernel (min_ops=1) on a float32 input of ``shape``, timed
+    interleaved as tools/bench.py times modes (bench_lib.measure)."""
     import tensorflow as tf
+
+    import stitching
     x = tf.constant(np.random.default_rng(0).standard_normal(shape, np.float32))
-    times = time_modes([Runner("tf", tf.function(fn))], (x,), repeats=7, warmup=3)
-    return times["tf"]["median_s"]
+    st = stitching.function(fn, options=stitching.Options(min_ops=1))
+    st(x)
+    if len(st.report.kernels) != 1:
+        raise RuntimeError(f"calibrate: {fn} on {shape} became {len(st.report.kernels)} "
+                           "kernels, not 1")
+    times = time_modes([Runner("tf", tf.function(fn)), Runner("stitched", st)], (x,),
+                       repeats=7, warmup=3)
+    return times["tf"]["median_s"], times["stitched"]["median_s"]
+
+
+def _call_overheads() -> tuple:
+    """(tf.function, stitching.function) seconds per call of a function that does next to
+    nothing (the stitched one with nothing fused: its call path without a kernel)."""
+    import tensorflow as tf
+
+    import stitching
+    x = tf.constant(np.zeros((1, 1), np.float32))
+    st = stitching.function(lambda x: x + 0.0, options=stitching.Options(min_ops=1 << 30))
+    times = time_modes([Runner("tf", tf.function(lambda x: x + 0.0)), Runner("st", st)],
+                       (x,), repeats=7, warmup=3)
+    return times["tf"]["median_s"], times["st"]["median_s"]
 
 
 def calibrate(sizes=SIZES_MIB, rounds=3, log=print) -> tuple:
-    """(the measured CPU profile, class -> factor table): every case timed ``rounds``
-    times, rounds after one another (a burst of load hits one round, not one size); a
-    case's ratio is its median over the rounds."""
+    """(the measured CPU profile, TF factor tables, kernel factor tables): every case
+    timed ``rounds`` times, rounds after one another (a burst of load hits one round,
+    not one size); a case's ratio is its median over the rounds."""
     base = profiles.measured_cpu(remeasure=True)
-    call = statistics.median(measured(lambda x: x + 0.0, (1, 1)) for _ in range(3))
+    calls = [_call_overheads() for _ in range(3)]
+    call_tf = statistics.median(c[0] for c in calls)
+    call_st = statistics.median(c[1] for c in calls)
     log(f"device: {base.lanes} cores, copy bandwidth {base.bandwidth / 1e9:.1f} GB/s "
-        f"(measured now); tf.function call overhead {call * 1e6:.0f} us (subtracted); "
-        f"{rounds} round(s)")
-    runs: dict = {}          # (class, MiB, shape) -> [ratio per round]
+        f"(measured now); call overhead subtracted: tf.function {call_tf * 1e6:.0f} us, "
+        f"stitching.function {call_st * 1e6:.0f} us; {rounds} round(s)")
+    runs: dict = {}          # (class, MiB, shape) -> [(tf s, kernel s) per round]
+    models: dict = {}        # (class, MiB, shape) -> (model tf s, model kernel s)
     for _ in range(rounds):
         for mib in sizes:
             for cls, fn, op, attrs, shape in cases(mib):
                 assert tf_class(op, attrs, TensorType("float32", shape),
                                 op in ("Exp",)) == cls, (op, cls)
-                t_model = modelled(base, op, attrs, shape)
-                t_tf = max(measured(fn, shape) - call, t_model * 0.05)
-                runs.setdefault((cls, mib, shape), []).append((t_tf, t_model))
-    log(f"{'class':18s} {'shape':>16s} {'MiB':>4s} {'TF ms':>8s} {'model ms':>9s} {'ratio':>6s}"
-        f"  {'rounds':s}")
-    ratios: dict = {c: {} for c in profiles.TF_CLASSES}     # class -> MiB -> [ratio]
-    for (cls, mib, shape), ts in runs.items():
-        each = [t / m for t, m in ts]
-        r = statistics.median(each)
-        t_tf = statistics.median(t for t, _ in ts)
-        ratios[cls].setdefault(mib, []).append(r)
-        log(f"{cls:18s} {str(shape):>16s} {mib:4g} {t_tf * 1e3:8.3f} {ts[0][1] * 1e3:9.3f} "
-            f"{r:6.2f}  {' '.join(f'{x:.2f}' for x in each)}")
-    return base, factor_tables(ratios)
+                key = (cls, mib, shape)
+                if key not in models:
+                    models[key] = modelled(base, op, attrs, shape)
+                m_tf, m_k = models[key]
+                t_tf, t_st = measured(fn, shape)
+                runs.setdefault(key, []).append((max(t_tf - call_tf, m_tf * 0.05),
+                                                 max(t_st - call_st, m_k * 0.05)))
+    log(f"{'class':18s} {'shape':>16s} {'MiB':>4s} {'TF ms':>8s} {'model':>7s} {'ratio':>6s}"
+        f" {'kernel ms':>9s} {'model':>7s} {'ratio':>6s}  TF ratio per round")
+    tf_ratios: dict = {c: {} for c in profiles.TF_CLASSES}    # class -> MiB -> [ratio]
+    k_ratios: dict = {c: {} for c in profiles.TF_CLASSES}
+    for key, ts in runs.items():
+        cls, mib, shape = key
+        m_tf, m_k = models[key]
+        r_tf = statistics.median(t / m_tf for t, _ in ts)
+        r_k = statistics.median(k / m_k for _, k in ts)
+        tf_ratios[cls].setdefault(mib, []).append(r_tf)
+        k_ratios[cls].setdefault(mib, []).append(r_k)
+        log(f"{cls:18s} {str(shape):>16s} {mib:4g} "
+            f"{statistics.median(t for t, _ in ts) * 1e3:8.3f} {m_tf * 1e3:7.3f} {r_tf:6.2f} "
+            f"{statistics.median(k for _, k in ts) * 1e3:9.3f} {m_k * 1e3:7.3f} {r_k:6.2f}  "
+            f"{' '.join(f'{t / m_tf:.2f}' for t, _ in ts)}")
+    return base, factor_tables(tf_ratios), factor_tables(k_ratios)
 
 
 def factor_tables(ratios: dict) -> dict:
@@ -138,10 +194,13 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3,
                     help="times each case is measured; its median counts (default 3)")
     args = ap.parse_args(argv)
-    base, scale = calibrate(tuple(float(s) for s in args.sizes.split(",")), args.rounds)
+    base, scale, kscale = calibrate(tuple(float(s) for s in args.sizes.split(",")),
+                                    args.rounds)
     print("tf_time_scale:", scale)
+    print("kernel_time_scale:", kscale)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    prof = profiles.with_overrides(base, tf_time_scale=scale, name="cpu-calibrated",
+    prof = profiles.with_overrides(base, tf_time_scale=scale, kernel_time_scale=kscale,
+                                   name="cpu-calibrated",
                                    source=f"tools/calibrate.py, {when}")
     note = (f"tools/calibrate.py at {when} on {os.cpu_count()} cores, "
             f"sizes {args.sizes} MiB, {args.rounds} round(s)")

@@ -174,8 +174,9 @@ class GraphCosts:
         self.names = list(order)
         fetched = {(r.node, r.index) for r in graph.outputs}
         cons = graph.consumers()
-        size, ins, outs, pinned, unf, work, red, tr, item, scale = ([] for _ in range(10))
-        factors = profile.tf_time_scale
+        size, ins, outs, pinned, unf, work, red, tr, item, scale, kscale = \
+            ([] for _ in range(11))
+        factors, kfactors = profile.tf_time_scale, profile.kernel_time_scale
         for name in order:
             node = graph[name]
             ins.append(self._inputs(graph, node))
@@ -187,12 +188,13 @@ class GraphCosts:
                        if node.inputs else None)
             tr.append(self._transcendentals(node))
             outs.append(sum(nbytes(t) for t in node.outputs))
-            scale.append(tf_factor(factors, tf_class(
-                node.op, node.attrs, graph.type_of(node.inputs[0]) if node.inputs else None,
-                tr[-1] > 0), max([outs[-1]] + [b for _, b, _ in ins[-1]]))
-                if factors else 1.0)
+            cls = tf_class(node.op, node.attrs,
+                           graph.type_of(node.inputs[0]) if node.inputs else None, tr[-1] > 0)
+            largest = max([outs[-1]] + [b for _, b, _ in ins[-1]])
+            scale.append(tf_factor(factors, cls, largest) if factors else 1.0)
+            kscale.append(tf_factor(kfactors, cls, largest) if kfactors else 1.0)
         self.size, self.ins, self.pinned, self.work = size, ins, pinned, work
-        self.scale = scale
+        self.scale, self.kscale = scale, kscale
         self.red, self.tr, self.item = red, tr, item
         self.cons = [frozenset(self.index[c] for c in cons[n]) for n in order]
         # elements of the largest value an op touches (a reduction's is its input)
@@ -238,6 +240,16 @@ class GraphCosts:
     def unfused_s(self, members) -> float:
         return sum(self.unfused[v] for v in members)
 
+    def kernel_factor(self, P) -> float:
+        """The calibration factor of a kernel of ``P``: its members' kernel factors
+        (profile.kernel_time_scale, by class and size) weighted by each one's share of
+        the work (its uncalibrated time as an op of its own); 1 without factors."""
+        if not self.profile.kernel_time_scale:
+            return 1.0
+        weights = [(self.unfused[v] / self.scale[v], self.kscale[v]) for v in P]
+        total = sum(w for w, _ in weights)
+        return sum(w * k for w, k in weights) / total if total > 0 else 1.0
+
     def delta(self, P: frozenset) -> Delta:
         d = self._memo.get(P)
         if d is None:
@@ -270,7 +282,7 @@ class GraphCosts:
         spill_s, active_p = self._register_pressure(P, big, active)
         mem = io / p.bw_at(active_p)
         fused = (p.launch_s + p.task_s + max(mem, _compute_s(p, tr, active_p))
-                 + scratch_s + spill_s)
+                 + scratch_s + spill_s) * self.kernel_factor(P)
         full = io / p.bw_at(elementwise_lanes(p, big))
         return Delta(unfused - fused, fused, unfused, unf_bytes - io, max(0, work - 1),
                      max(0.0, io / p.bw_at(active) - full),

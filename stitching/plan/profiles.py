@@ -15,7 +15,11 @@ at about a quarter of it here), so a profile carries ``tf_time_scale``: per op c
 (TF_CLASSES), measured TF time over the model's estimate: one factor, or a table of
 factors by size ([[MiB, factor], ...], interpolated in log(size), flat beyond its ends),
 since TF's error is not the same at every size (its softmax measured near the model at
-1 MiB and at a third of it at 64 MiB).  ``tools/calibrate.py``
+1 MiB and at a third of it at 64 MiB).  ``kernel_time_scale`` does the same for the
+model's estimate of a generated kernel (measured on kernels of one op of each class; a
+kernel of several classes takes its members' factors weighted by their share of the
+work, ``GraphCosts.kernel_factor``), so that both sides of a decision are calibrated
+alike.  ``tools/calibrate.py``
 measures them on the running machine and writes a profile file; ``--ship`` writes the
 package's default (``calibration-cpu.json`` beside this file), which then applies to the
 measured CPU profile.  ``STITCHING_DEVICE_PROFILE=<file>``
@@ -81,6 +85,8 @@ class DeviceProfile:
     measured: bool = False
     tf_time_scale: dict = field(default_factory=dict)   # TF_CLASSES -> factor, or a table
     #                                                    [[MiB, factor], ...] (tf_factor)
+    kernel_time_scale: dict = field(default_factory=dict)   # the same for the model's
+    #                                   estimate of a generated kernel of one op of a class
     source: str = ""             # where the numbers came from (the report shows it)
 
     def bw_at(self, active_lanes: float) -> float:
@@ -182,20 +188,26 @@ class ProfileFileError(ValueError):
     """A device profile file that cannot be used (names the file and the problem)."""
 
 
+CALIBRATED_FIELDS = ("tf_time_scale", "kernel_time_scale")
+
+
+def _factors(profile: DeviceProfile) -> dict:
+    return {f: getattr(profile, f) for f in CALIBRATED_FIELDS if getattr(profile, f)}
+
+
 def calibrated(profile: DeviceProfile) -> DeviceProfile:
-    """``profile`` with this machine's TF time factors (calibrate.py --install), else
-    the shipped ones, where it has none of its own."""
-    if profile.tf_time_scale or profile.backend != "cpu":
+    """``profile`` with this machine's factors (calibrate.py --install), else the
+    shipped ones, where it has none of its own."""
+    if _factors(profile) or profile.backend != "cpu":
         return profile
     local = _local_scale()
     if local is not None:
-        return replace(profile, tf_time_scale=local[0],
-                       source=(profile.source or profile.name)
+        return replace(profile, **local[0], source=(profile.source or profile.name)
                        + f" + this machine's calibration ({local[1]})")
     scale = _shipped_scale()
     if not scale:
         return profile
-    return replace(profile, tf_time_scale=scale,
+    return replace(profile, **scale,
                    source=(profile.source or profile.name) + " + shipped calibration")
 
 
@@ -224,7 +236,7 @@ def _local_scale():
         with open(path) as f:
             mine = json.load(f).get("fingerprint") == _fingerprint()
         if mine:
-            found = (load_file(path).tf_time_scale, path)
+            found = (_factors(load_file(path)), path)
     except (OSError, ValueError, AttributeError) as e:
         import warnings
         warnings.warn(f"stitching: ignoring this machine's calibration: {e}", RuntimeWarning,
@@ -240,7 +252,7 @@ def _shipped_scale() -> dict:
     global _SHIPPED
     if _SHIPPED is None:
         try:
-            _SHIPPED = load_file(CALIBRATION_FILE).tf_time_scale
+            _SHIPPED = _factors(load_file(CALIBRATION_FILE))
         except (OSError, ProfileFileError):
             _SHIPPED = {}
     return _SHIPPED
@@ -274,8 +286,8 @@ def load_file(path: str) -> DeviceProfile:
         elif k == "caches":
             if not isinstance(v, dict):
                 raise ProfileFileError(f"device profile {path}: caches must be an object")
-        elif k == "tf_time_scale":
-            _check_scale(path, v)
+        elif k in CALIBRATED_FIELDS:
+            _check_scale(path, v, k)
         elif k != "measured" and not (isinstance(v, (int, float)) and not isinstance(v, bool)
                                       and math.isfinite(v) and v > 0):
             raise ProfileFileError(f"device profile {path}: {k} must be a positive number, "
@@ -286,16 +298,16 @@ def load_file(path: str) -> DeviceProfile:
     return replace(prof, source=f"{prof.name} from {path}")
 
 
-def _check_scale(path, scale) -> None:
+def _check_scale(path, scale, what: str = "tf_time_scale") -> None:
     if not isinstance(scale, dict):
-        raise ProfileFileError(f"device profile {path}: tf_time_scale must be an object")
+        raise ProfileFileError(f"device profile {path}: {what} must be an object")
     for k, v in scale.items():
         if k not in TF_CLASSES:
-            raise ProfileFileError(f"device profile {path}: tf_time_scale has unknown class "
+            raise ProfileFileError(f"device profile {path}: {what} has unknown class "
                                    f"{k!r}; classes are {', '.join(TF_CLASSES)}")
         points = v if isinstance(v, list) else [[1, v]]
         if not points or len(points) > _MAX_POINTS:
-            raise ProfileFileError(f"device profile {path}: tf_time_scale[{k!r}] must hold "
+            raise ProfileFileError(f"device profile {path}: {what}[{k!r}] must hold "
                                    f"1 to {_MAX_POINTS} [MiB, factor] points, got {v!r}")
         last = 0.0
         for pt in points:
@@ -303,7 +315,7 @@ def _check_scale(path, scale) -> None:
                     and all(_number(x) for x in pt) and pt[0] > last
                     and SCALE_RANGE[0] <= pt[1] <= SCALE_RANGE[1]):
                 raise ProfileFileError(
-                    f"device profile {path}: tf_time_scale[{k!r}] = {v!r}: expected a factor "
+                    f"device profile {path}: {what}[{k!r}] = {v!r}: expected a factor "
                     f"in [{SCALE_RANGE[0]}, {SCALE_RANGE[1]}] or a list of [MiB, factor] "
                     f"points with MiB increasing and positive, factors in that range")
             last = pt[0]
@@ -340,7 +352,8 @@ def save_file(profile: DeviceProfile, path: str, note: str = "",
               this_machine: bool = False) -> None:
     """Write ``profile`` as a profile file (atomically); ``this_machine``: bound to this
     CPU's fingerprint (this machine's calibration, read only here)."""
-    _check_scale(path, profile.tf_time_scale)
+    for f in CALIBRATED_FIELDS:
+        _check_scale(path, getattr(profile, f), f)
     doc = {"version": PROFILE_VERSION, "note": note, "profile": profile.to_dict()}
     if this_machine:
         doc["fingerprint"] = _fingerprint()

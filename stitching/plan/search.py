@@ -644,6 +644,8 @@ def _schedule(ctx: _Context, P, forced: bool = False) -> "KernelChoice":
     choice = KernelChoice([ctx.names[v] for v in sorted(P)], False, delta=delta,
                           unfused_s=unfused, alternatives=_alternatives(ctx, P))
     launch, spec = _launch_for(ctx, region.spec)
+    # the latency evaluator's time in the units of the TF side (kernel calibration)
+    launch = replace(launch, time_s=launch.time_s * ctx.costs.kernel_factor(P))
     choice.launch = launch
     for params, threads, t in launch.alternatives:
         choice.alternatives.append(("launch", _params(params, threads), t,

@@ -223,10 +223,12 @@ def _estimate(spec, reg, ir, profile, costs) -> dict:
     launch = cost.choose_launch(spec, profile)
     ks = launch.shape
     unfused_bytes = unfused_s = None
+    fused_s = launch.time_s
     if costs is not None:
         idx = [costs.index[m] for m in reg.nodes if m in costs.index]
         unfused_bytes = int(sum(costs.io_bytes[i] for i in idx))
         unfused_s = costs.unfused_s(idx)
+        fused_s *= costs.kernel_factor(idx)        # as the planner saw it
     flops = 0
     for n in spec.nodes:
         info = OPS.get(n.op)
@@ -237,7 +239,7 @@ def _estimate(spec, reg, ir, profile, costs) -> dict:
         size = (cost.elems(spec.type_of(n.args[0])) if info.kind == Kind.REDUCTION
                 else cost.elems(n.type))
         flops += size
-    return {"fused_us": round(launch.time_s * 1e6, 3),
+    return {"fused_us": round(fused_s * 1e6, 3),
             "unfused_us": None if unfused_s is None else round(unfused_s * 1e6, 3),
             "launch": launch.describe(), "tasks": int(launch.tasks),
             "bytes_fused": int(ks.io_bytes) if ks else None,
