@@ -72,6 +72,19 @@ def test_candidate_that_would_create_a_cycle_is_refused():
     assert any("cycle" in why for _, why in p.boundaries)
 
 
+def test_an_input_read_only_as_an_attribute_still_orders_the_graph():
+    """A Reshape's target (an attribute in the IR) computed from a2: m runs after a2 in
+    TF, so {a, a2, d, e} as one kernel would be a cycle (a Transformer's Tensordot
+    shape arithmetic did this once).  The front end records the edge in order_inputs."""
+    g = (G().input("x", [64, 256]).op("a", "Exp", ["x"]).op("a2", "Neg", ["a"])
+         .opaque("m", ["x"], [64, 256]).op("d", "Add", ["a2", "m"]).op("e", "Tanh", ["d"])
+         .opaque("out", ["e"], [64, 256]).build("out"))
+    assert regions(plan(g)) == [["a", "a2", "d", "e"]]      # without the edge: one kernel
+    g["m"].order_inputs = ["a2"]
+    p = plan(g)
+    assert regions(p) == [["a", "a2"], ["d", "e"]] and quotient_is_acyclic(g, p)
+
+
 def test_two_convex_patterns_that_feed_each_other_never_both_become_kernels():
     # P1 = {a1, a2, j}, P2 = {b1, b2, k}: each convex, but a1 -> m1 -> b1 and
     # b2 -> m2 -> a2 make P1 and P2 feed each other through the opaque ops.

@@ -71,6 +71,11 @@ class Node:
     outputs: list = field(default_factory=list)      # list[TensorType]
     control_inputs: list = field(default_factory=list)  # list[str]
     origin: str | None = None  # TF node this came from (for reports)
+    # Producers of TF inputs this node does not read as data (a Reshape's target, a
+    # reduction's axes: attrs here) that are not constants.  They still run before it
+    # in TF, so they order it for the planner's cycle checks; the rewrite adds no edge
+    # for them (the kernel reads what it needs from its data inputs).
+    order_inputs: list = field(default_factory=list)    # list[str]
 
     @property
     def type(self) -> TensorType:
@@ -132,7 +137,7 @@ class Graph:
 
     def predecessors(self, name: str) -> list[str]:
         n = self.nodes[name]
-        return [r.node for r in n.inputs] + list(n.control_inputs)
+        return [r.node for r in n.inputs] + list(n.control_inputs) + list(n.order_inputs)
 
     def topo_order(self) -> list[str]:
         """Kahn's algorithm, stable w.r.t. insertion order. Raises on a cycle."""
@@ -154,7 +159,7 @@ class Graph:
                     raise GraphError(f"{n.name}: input {r} names no node")
                 if not 0 <= r.index < len(self.nodes[r.node].outputs):
                     raise GraphError(f"{n.name}: input {r} has no such output")
-            for c in n.control_inputs:
+            for c in n.control_inputs + n.order_inputs:
                 if c not in self.nodes:
                     raise GraphError(f"{n.name}: control input {c} names no node")
             for t in n.outputs:

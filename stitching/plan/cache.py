@@ -15,7 +15,8 @@ parameters, the unfused/boundary/skipped reasons, notes and the explanation
 dicts.  Loading trusts none of it: every region is rebuilt from the *current* IR
 with ``region.extract`` (which validates the spec), its schedule parameters go
 through ``KernelSpec.with_schedule`` (validated ranges), and ``legal`` checks it
-again.  Anything that does not fit -- unknown node, wrong type, a spec the schedule
+again, as do node legality (a node the front end now marks unfusible) and the
+kernels' ordering (contracted, the graph must stay acyclic).  Anything that does not fit -- unknown node, wrong type, a spec the schedule
 stage refuses -- makes ``load`` return None and the caller plans afresh.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import cachedir
-from .acyclic import indexed
+from .acyclic import Contraction, CycleError, indexed
+from .legality import node_reason
 from .planner import Plan
 from .region import extract
 
@@ -110,7 +112,7 @@ def _strs(xs) -> list:
 def _rebuild(doc, graph, legal) -> Plan | None:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         return None
-    _, order, _ = indexed(graph)
+    _, order, succ = indexed(graph)
     consumers, fetched = graph.consumers(), set(graph.outputs)
     plan = Plan()
     by_nodes = {}
@@ -119,6 +121,8 @@ def _rebuild(doc, graph, legal) -> Plan | None:
         sched = r["schedule"]
         if not nodes or not isinstance(sched, dict) or any(n not in order for n in nodes):
             return None
+        if any(node_reason(graph, graph[n]) is not None for n in nodes):
+            return None             # a node the current front end will not let fuse
         if not all(isinstance(k, str) and type(v) is int for k, v in sched.items()):
             return None
         reg = extract(graph, nodes, consumers, fetched, order)
@@ -128,6 +132,10 @@ def _rebuild(doc, graph, legal) -> Plan | None:
         reg.spec = spec
         plan.regions.append(reg)
         by_nodes[tuple(reg.nodes)] = reg
+    try:                            # the kernels, contracted, still order (acyclic.py)
+        Contraction(succ, [[order[n] for n in r.nodes] for r in plan.regions])
+    except CycleError:
+        return None
     plan.unfused = [tuple(_strs(u)) for u in doc["unfused"]]
     plan.boundaries = [tuple(_strs(b)) for b in doc["boundaries"]]
     plan.skipped = [(_strs(nodes), str(why)) for nodes, why in doc["skipped"]]

@@ -162,6 +162,9 @@ def to_ir(g: tf.Graph, fetches: list[str]) -> Graph:
     for op in g.get_operations():
         node = _convert(op)
         node.control_inputs = [c.name for c in op.control_inputs]
+        read = {r.node for r in node.inputs}
+        node.order_inputs = sorted({t.op.name for t in op.inputs if t.op.name not in read
+                                    and t.op.type != "Const"})
         nodes.append(node)
     graph = Graph(nodes, [_ref(f) for f in fetches])
     graph.verify()

@@ -127,6 +127,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
             gdef = expanded if expanded is not None else folded
             tf_graph = frontend.import_for_shapes(gdef, resources)
         ir = frontend.to_ir(tf_graph, list(fetches))
+        for n in _shape_arithmetic(gdef) & ir.nodes.keys():
+            ir[n].attrs.setdefault("unfusible", SHAPE_MATH)
         # A large graph not compiled before will likely need Numba: start the compile
         # workers now (all of them, or the rest beside an early one), so their
         # start-up overlaps planning (warm_cache closes them if nothing needs
@@ -320,6 +322,8 @@ def _explanation(the_plan, regions, kernel_names, failed) -> list:
 
 
 _SHAPE_SOURCES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+SHAPE_MATH = ("shape arithmetic: a few host integers, which TF's constant folding and "
+              "tf/shapes.py fold; not memory-intensive work")
 
 
 def _shape_arithmetic(gdef) -> set:
