@@ -278,12 +278,14 @@ def test_a_class_factor_scales_only_that_class_of_unfused_ops():
     plain = costs(g)
     scaled = costs(g, profiles.with_overrides(CPU, tf_time_scale={"column_reduction": 3.5}))
     i = {n: plain.index[n] for n in ("m", "d", "e", "s")}
-    assert scaled.unfused[i["m"]] == pytest.approx(3.5 * plain.unfused[i["m"]])
+    fixed = CPU.launch_s + CPU.task_s          # one launch and task: never scaled
+    m = plain.unfused[i["m"]] - fixed
+    assert scaled.unfused[i["m"]] == pytest.approx(fixed + 3.5 * m)
     for n in ("d", "e", "s"):
         assert scaled.unfused[i[n]] == plain.unfused[i[n]]
     # what fusing the column reduction with its consumer gains grows by what TF loses
     P = pattern(plain, "m", "d")
-    assert scaled.gain(P) == pytest.approx(plain.gain(P) + 2.5 * plain.unfused[i["m"]])
+    assert scaled.gain(P) == pytest.approx(plain.gain(P) + 2.5 * m)
 
 
 def test_a_factor_table_is_interpolated_in_log_size_and_flat_beyond_its_ends():
@@ -302,10 +304,11 @@ def test_a_factor_table_prices_each_op_at_its_own_size():
     """The model's TF softmax at 1 MiB and at 16 MiB gets the factor of its size."""
     g1, g16 = (_softmax_graph(rows) for rows in (256, 4096))
     prof = profiles.with_overrides(CPU, tf_time_scale={"softmax": [[1, 1.0], [16, 0.25]]})
+    fixed = CPU.launch_s + CPU.task_s
     for g, f in ((g1, 1.0), (g16, 0.25)):
         plain, scaled = costs(g), costs(g, prof)
         i = plain.index["y"]
-        assert scaled.unfused[i] == pytest.approx(f * plain.unfused[i])
+        assert scaled.unfused[i] == pytest.approx(fixed + f * (plain.unfused[i] - fixed))
 
 
 def _softmax_graph(rows):
@@ -322,10 +325,12 @@ def test_a_kernel_factor_scales_the_fused_estimate_by_its_members_share_of_the_w
     scaled = costs(g, profiles.with_overrides(CPU, kernel_time_scale=ks))
     P = pattern(plain, "m", "d")
     assert scaled.unfused == plain.unfused                 # the TF side is untouched
-    wm, wd = (plain.unfused[plain.index[n]] for n in ("m", "d"))
+    fixed = CPU.launch_s + CPU.task_s
+    wm, wd = (plain.unfused[plain.index[n]] - fixed for n in ("m", "d"))
     f = (0.5 * wm + 2.0 * wd) / (wm + wd)
     assert scaled.kernel_factor(P) == pytest.approx(f)
-    assert scaled.delta(P).fused_s == pytest.approx(f * plain.delta(P).fused_s)
+    assert scaled.delta(P).fused_s == pytest.approx(
+        fixed + f * (plain.delta(P).fused_s - fixed))
     assert plain.kernel_factor(P) == 1.0
 
 

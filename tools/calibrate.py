@@ -18,7 +18,8 @@ to nothing): as stock TF in a ``tf.function``, and as one generated kernel in a
 ``stitching.function`` (``min_ops=1``).  The cost model prices the same op both ways from
 the measured device profile, uncalibrated (``GraphCosts.unfused``; the search planner's
 launch time for the kernel).  A class's factors are, per size, the median of measured
-over modelled across its shapes and ``--rounds``: tables the cost model interpolates in
+over modelled (less the profile's fixed launch and task cost, which calibration does not
+scale: ``cost.calibrated_s``) across its shapes and ``--rounds``: tables the cost model interpolates in
 log(size) and holds flat beyond 1 and 64 MiB (``profiles.tf_factor``).  The profile file
 holds the measured device profile with them (``DeviceProfile.tf_time_scale`` for TF,
 ``kernel_time_scale`` for kernels: calibrating one side only would tilt every decision
@@ -152,17 +153,18 @@ def calibrate(sizes=SIZES_MIB, rounds=3, log=print) -> tuple:
         f" {'kernel ms':>9s} {'model':>7s} {'ratio':>6s}  TF ratio per round")
     tf_ratios: dict = {c: {} for c in profiles.TF_CLASSES}    # class -> MiB -> [ratio]
     k_ratios: dict = {c: {} for c in profiles.TF_CLASSES}
+    fixed = base.launch_s + base.task_s      # not scaled (cost.calibrated_s)
     for key, ts in runs.items():
         cls, mib, shape = key
         m_tf, m_k = models[key]
-        r_tf = statistics.median(t / m_tf for t, _ in ts)
-        r_k = statistics.median(k / m_k for _, k in ts)
+        r_tf = statistics.median((t - fixed) / (m_tf - fixed) for t, _ in ts)
+        r_k = statistics.median((k - fixed) / (m_k - fixed) for _, k in ts)
         tf_ratios[cls].setdefault(mib, []).append(r_tf)
         k_ratios[cls].setdefault(mib, []).append(r_k)
         log(f"{cls:18s} {str(shape):>16s} {mib:4g} "
             f"{statistics.median(t for t, _ in ts) * 1e3:8.3f} {m_tf * 1e3:7.3f} {r_tf:6.2f} "
             f"{statistics.median(k for _, k in ts) * 1e3:9.3f} {m_k * 1e3:7.3f} {r_k:6.2f}  "
-            f"{' '.join(f'{t / m_tf:.2f}' for t, _ in ts)}")
+            f"{' '.join(f'{(t - fixed) / (m_tf - fixed):.2f}' for t, _ in ts)}")
     return base, factor_tables(tf_ratios), factor_tables(k_ratios)
 
 

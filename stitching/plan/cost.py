@@ -139,6 +139,14 @@ def row_lanes(p: DeviceProfile, rows: int, row_len: int) -> int:
     return max(1, min(p.lanes, rows * min(row_len, p.max_threads_per_task)))
 
 
+def calibrated_s(p: DeviceProfile, t: float, factor: float) -> float:
+    """A modelled time ``t`` with a calibration factor applied to its size-dependent
+    part: the fixed cost of one launch and one task is the profile's own (calibration
+    measures at 1 MiB and up, where it is noise; scaling it would misprice tiny ops)."""
+    fixed = min(t, p.launch_s + p.task_s)
+    return fixed + factor * (t - fixed)
+
+
 def _compute_s(p: DeviceProfile, transcendentals: int, active: float) -> float:
     return transcendentals / (p.transcendental_per_s * min(1.0, active / p.lanes))
 
@@ -235,7 +243,7 @@ class GraphCosts:
         lanes = elementwise_lanes(p, self.count[i])
         mem = self.io_bytes[i] / p.bw_at(lanes)
         compute = _compute_s(p, self.tr[i], lanes)
-        return self.scale[i] * (p.launch_s + p.task_s + max(mem, compute))
+        return calibrated_s(p, p.launch_s + p.task_s + max(mem, compute), self.scale[i])
 
     def unfused_s(self, members) -> float:
         return sum(self.unfused[v] for v in members)
@@ -246,7 +254,9 @@ class GraphCosts:
         the work (its uncalibrated time as an op of its own); 1 without factors."""
         if not self.profile.kernel_time_scale:
             return 1.0
-        weights = [(self.unfused[v] / self.scale[v], self.kscale[v]) for v in P]
+        fixed = self.profile.launch_s + self.profile.task_s
+        weights = [(max(0.0, self.unfused[v] - fixed) / self.scale[v], self.kscale[v])
+                   for v in P]
         total = sum(w for w, _ in weights)
         return sum(w * k for w, k in weights) / total if total > 0 else 1.0
 
@@ -281,8 +291,8 @@ class GraphCosts:
         scratch_s = self._scratch_s(P, stitched, active) if stitched else 0.0
         spill_s, active_p = self._register_pressure(P, big, active)
         mem = io / p.bw_at(active_p)
-        fused = (p.launch_s + p.task_s + max(mem, _compute_s(p, tr, active_p))
-                 + scratch_s + spill_s) * self.kernel_factor(P)
+        fused = calibrated_s(p, p.launch_s + p.task_s + max(mem, _compute_s(p, tr, active_p))
+                             + scratch_s + spill_s, self.kernel_factor(P))
         full = io / p.bw_at(elementwise_lanes(p, big))
         return Delta(unfused - fused, fused, unfused, unf_bytes - io, max(0, work - 1),
                      max(0.0, io / p.bw_at(active) - full),

@@ -50,7 +50,7 @@ from ..ir.ops import Kind, kind_of
 from ..ir.spec import SCHEDULE_PARAMS
 from . import legality as _fus
 from .acyclic import Contraction, CycleError, Reach, indexed, mask_of
-from .cost import Delta, GraphCosts, Launch, choose_launch
+from .cost import Delta, GraphCosts, Launch, calibrated_s, choose_launch
 from .planner import Plan
 from .profiles import DeviceProfile
 from .profiles import default as _default_profile
@@ -645,7 +645,8 @@ def _schedule(ctx: _Context, P, forced: bool = False) -> "KernelChoice":
                           unfused_s=unfused, alternatives=_alternatives(ctx, P))
     launch, spec = _launch_for(ctx, region.spec)
     # the latency evaluator's time in the units of the TF side (kernel calibration)
-    launch = replace(launch, time_s=launch.time_s * ctx.costs.kernel_factor(P))
+    launch = replace(launch, time_s=calibrated_s(ctx.profile, launch.time_s,
+                                                 ctx.costs.kernel_factor(P)))
     choice.launch = launch
     for params, threads, t in launch.alternatives:
         choice.alternatives.append(("launch", _params(params, threads), t,

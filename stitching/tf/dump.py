@@ -228,7 +228,8 @@ def _estimate(spec, reg, ir, profile, costs) -> dict:
         idx = [costs.index[m] for m in reg.nodes if m in costs.index]
         unfused_bytes = int(sum(costs.io_bytes[i] for i in idx))
         unfused_s = costs.unfused_s(idx)
-        fused_s *= costs.kernel_factor(idx)        # as the planner saw it
+        fused_s = cost.calibrated_s(profile, fused_s, costs.kernel_factor(idx))  # as
+        #                                                        the planner saw it
     flops = 0
     for n in spec.nodes:
         info = OPS.get(n.op)
