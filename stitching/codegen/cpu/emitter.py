@@ -382,11 +382,13 @@ class _Emitter(Emitter):
         with w.block("for j in range(L):"):
             for j in p.loads:
                 ref = -(j + 1)
-                if self._used_by(ref, self.hoist):
-                    base = "" if flat else f"b_{self.tag(ref)}"
-                    at = ("j" if flat else f"{base} + j") if self.carries_last(ref) \
-                        else ("0" if flat else base)
-                    self.load_input(w, ref, at)
+                if not self._used_by(ref, self.hoist):
+                    continue
+                if flat:
+                    self.load_input(w, ref, "j" if self.carries_last(ref) else "0")
+                else:
+                    base = f"b_{self.tag(ref)}"
+                    self.load_input(w, ref, f"{base} + j" if self.carries_last(ref) else base)
             for k in self.hoist:
                 self.compute(w, k)
             for k in self.front:
