@@ -121,6 +121,19 @@ def test_elementwise_broadcast_inner_and_rank0():
     check(b.build([b.Sub(b.Exp(p), q)]), [np.float32(0.5), np.float32(2.0)])
 
 
+def test_elementwise_se_gate_per_batch_and_channel():
+    """x[N,H,W,C] * sigmoid(z[N,1,1,C] + b): the CPU emitter hoists the gate per group
+    of rows (Schedule.hoist_per_group); the CUDA emitter evaluates it per element and
+    must agree with float64, NaN in one (batch, channel) included."""
+    b = SpecBuilder()
+    x, z, c = b.input(F, (-1, 3, 2, 8)), b.input(F, (-1, 1, 1, 8)), b.input(F, (8,))
+    spec = b.build([b.Mul(x, b.Sigmoid(b.Add(z, c)))])
+    z_ = data(2, 1, 1, 8, seed=3)
+    z_[1, 0, 0, 4] = np.nan
+    _, (o,) = check(spec, [data(2, 3, 2, 8), z_, data(8, seed=4)], threads=32)
+    assert np.isnan(o[1, :, :, 4]).all() and np.isnan(o).sum() == 6
+
+
 def test_elementwise_dtypes_casts_and_bool():
     b = SpecBuilder()
     x, i = b.input("float16", (-1,)), b.input("int32", (-1,))

@@ -72,7 +72,8 @@ def describe(sched) -> str:
         lines.append(f"  {_node(sched, e.src)} -> {_node(sched, e.dst)}: {e.placement.value}")
     _, front = sched.hoisted()
     if front:
-        lines.append("  once per call, per column (last-axis scratch): " +
+        when = "per group of rows" if sched.hoist_per_group() else "per call"
+        lines.append(f"  once {when}, per column (last-axis scratch): " +
                      " ".join(_node(sched, k) for k in front))
     lines.extend(f"  note: {n}" for n in sched.notes)
     return "\n".join(lines)

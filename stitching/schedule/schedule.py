@@ -132,19 +132,22 @@ class Schedule:
         return self.domain.carries[ref]
 
     def hoisted(self) -> tuple:
-        """Element-wise kernels over rank >= 2: the values that vary along the last
-        axis only -- per-channel parameter math such as inference batch norm's
-        ``rsqrt(var + eps) * gamma`` -- are computed once per call into a last-axis
-        scratch instead of once per element.  Returns (nodes computed in that
-        prologue, SSA order; the ones the element loop reads back from the scratch).
-        Empty for other kinds: row/column kernels already evaluate values that do
-        not carry the parallel axes outside their element loops."""
+        """Element-wise kernels over rank >= 2: the values that do not vary along axis
+        R-2 (the innermost row axis) -- per-column parameter math such as inference
+        batch norm's ``rsqrt(var + eps) * gamma`` (carries only the last axis), or a
+        squeeze-excite gate ``sigmoid(s)`` with s of shape [N,1,1,C] over x [N,H,W,C]
+        (carries batch and channels, domain [N, H*W, C]) -- are computed over a
+        last-axis scratch once per group of rows that shares them (hoist_per_group)
+        instead of once per element.  Returns (nodes computed in that prologue, SSA
+        order; the ones the element loop reads back from the scratch).  Empty for
+        other kinds: row/column kernels already evaluate values that do not carry the
+        parallel axes outside their element loops."""
         if self.kind != KernelKind.ELEMENTWISE or self.rank < 2:
             return (), ()
-        last = (self.rank - 1,)
+        last, mid = self.rank - 1, self.rank - 2
         p = self.passes[0]
-        inner = [k for k in p.compute if self.carries(k) in ((), last)]
-        vec = {k for k in inner if self.carries(k) == last}
+        inner = [k for k in p.compute if mid not in self.carries(k)]
+        vec = {k for k in inner if last in self.carries(k)}
         if not vec:
             return (), ()
         inner_set = set(inner)
@@ -156,6 +159,16 @@ class Schedule:
         if all(self.spec.nodes[k].op in _FREE_OPS for k in vec):
             return (), ()
         return tuple(inner), front
+
+    def hoist_per_group(self) -> bool:
+        """Whether the hoisted prologue depends on the row: some value it computes or
+        input it reads carries an outer axis (the SE gate's batch axis).  Then it runs
+        again whenever the row's group ``r // D[R-2]`` changes (rows of one group share
+        every hoisted value); else once per call."""
+        inner, _ = self.hoisted()
+        last = self.rank - 1
+        refs = set(inner) | {a for k in inner for a in self.spec.nodes[k].args}
+        return any(a != last for r in refs for a in self.carries(r))
 
     def placement(self, src: int, dst: int) -> Placement:
         for e in self.edges:

@@ -351,17 +351,12 @@ class _Emitter(Emitter):
             # helpers' constants in registers/stack slots (measured 17% on erf).
             self._ew_loop(w, p, {}, "begin * cb", "min(end * cb, L)", flat=True)
             return
-        if self.front:
+        per_group = bool(self.front) and self.s.hoist_per_group()
+        if self.front and not per_group:
             # per-column values once per call (Schedule.hoisted), over the whole row
-            with w.block("for j in range(L):"):
-                for j in p.loads:
-                    if self._used_by(-(j + 1), self.hoist):
-                        self.load_input(w, -(j + 1), "j" if self.carries_last(-(j + 1))
-                                        else "0")
-                for k in self.hoist:
-                    self.compute(w, k)
-                for k in self.front:
-                    w(f"hz{k}[j] = v{k}")
+            self._hoist_loop(w, p, flat=True)
+        if per_group:
+            w("hg = -1")      # the group whose values the scratch holds (none yet)
         with w.block("for u in range(begin, end):"):
             w("rg = u // nb")
             w("c0 = (u - rg * nb) * cb")
@@ -370,7 +365,34 @@ class _Emitter(Emitter):
             with w.block("for r in range(r0, min(r0 + rpt, rows)):"):
                 idx = self.decompose(w, "r", list(range(R - 1)))
                 self.bases(w, idx)
+                if per_group:
+                    # rows r // D[R-2] share every hoisted value (they differ only
+                    # along axis R-2, which no hoisted value carries): recompute the
+                    # scratch when the group changes, once per group and thread
+                    w(f"g = r // D{R - 2}")
+                    with w.block("if g != hg:"):
+                        w("hg = g")
+                        self._hoist_loop(w, p, flat=False)
                 self._ew_loop(w, p, idx, "c0", "c1", flat=False)
+
+    def _hoist_loop(self, w, p, flat: bool) -> None:
+        """The hoisted values (Schedule.hoisted) over the whole last axis into their
+        scratch; ``flat``: they carry nothing but that axis, else the row bases of the
+        current row locate the inputs they read."""
+        with w.block("for j in range(L):"):
+            for j in p.loads:
+                ref = -(j + 1)
+                if not self._used_by(ref, self.hoist):
+                    continue
+                if flat:
+                    self.load_input(w, ref, "j" if self.carries_last(ref) else "0")
+                else:
+                    base = f"b_{self.tag(ref)}"
+                    self.load_input(w, ref, f"{base} + j" if self.carries_last(ref) else base)
+            for k in self.hoist:
+                self.compute(w, k)
+            for k in self.front:
+                w(f"hz{k}[j] = v{k}")
 
     def _ew_loop(self, w, p, idx, lo: str, hi: str, flat: bool) -> None:
         """The element loop over [lo, hi); in chunks of ROW_CHUNK when an output it

@@ -179,8 +179,7 @@ class Emitter:
         # element-wise per-column prologue (Schedule.hoisted): all its nodes, the ones
         # read back from scratch, and the vector ones the element loop no longer computes
         self.hoist, self.front = sched.hoisted()
-        last = (self.R - 1,)
-        self.hoisted_vectors = {k for k in self.hoist if self.dom.carries[k] == last}
+        self.hoisted_vectors = {k for k in self.hoist if self.R - 1 in self.dom.carries[k]}
 
     def store_output(self, w, k: int, index: str) -> None:
         w(f"p_{self.tag(k)}[{index}] = {store_value(self.dtype(k), self.var(k))}")
