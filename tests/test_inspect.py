@@ -236,7 +236,7 @@ def test_stitching_profile_1_names_no_device(monkeypatch):
     """STITCHING_PROFILE=1 turns the op's timing on; it must not be read as a device."""
     from stitching.plan import profiles
     monkeypatch.setenv("STITCHING_PROFILE", "1")
-    assert profiles.default() == profiles.get("cpu")
+    assert profiles.default() == profiles.calibrated(profiles.get("cpu"))
 
 
 _ENV_PROCESS = """
