@@ -377,6 +377,12 @@ class _Merger:
                        if kind_of(graph[ctx.names[v]].op) in _FLAT_KINDS and all(
                            t.shape is not None and all(d >= 0 for d in t.shape)
                            for t in graph[ctx.names[v]].outputs)}
+        # 0-d values: shared scalars inside a pack are fine, but a kernel of nothing
+        # else is no packed segment (legality refuses its 0-d output); packed lazily, it
+        # would split the whole pack apart at the end (unpack), losing the packing of
+        # everything merged after it, so such a merge is checked at once
+        self.scalar = {v for v in self.simple
+                       if all(not t.shape for t in graph[ctx.names[v]].outputs)}
         self.opaque_above = _opaque_ancestors(ctx)
         self._above: dict = {}
 
@@ -490,7 +496,8 @@ class _Merger:
         if con.would_cycle((a, b)):
             why = "merging would create a cycle through another kernel or an unfused op"
         else:
-            lazy = kind == "remote" and U <= self.simple
+            lazy = kind == "remote" and U <= self.simple and not (
+                A <= self.scalar or B <= self.scalar)
             why = ctx.side_reason(U) or (None if lazy else ctx.check(U))
         better = ctx.gain(U) - self.cur.get(a, 0.0) - self.cur.get(b, 0.0)
         if why is not None:
