@@ -355,3 +355,27 @@ def test_small_update_chains_of_different_shapes_pack_and_large_ones_stay_apart(
     g = _update_chains([(512, 512), (256, 512)])
     p = plan(g, legal=lambda s: check(s).reason)
     assert regions(p) == [["a0", "u0"], ["a1", "u1"]]
+
+
+def test_a_stored_plan_is_not_trusted_where_nodes_no_longer_fuse_or_kernels_would_cycle(
+        tmp_path, monkeypatch):
+    """plan/cache.py rebuilds a stored plan against the current IR: a member the front
+    end now marks unfusible, or kernels that would feed each other, make it plan
+    afresh (load returns None) instead of rewriting a wrong graph."""
+    from stitching.plan import cache
+    monkeypatch.setattr(cache, "_path", lambda key: tmp_path / f"{key}.json")
+
+    def graph():
+        return (G().input("x", [64, 256]).op("a", "Exp", ["x"]).op("a2", "Neg", ["a"])
+                .opaque("m", ["x"], [64, 256]).op("d", "Add", ["a2", "m"])
+                .op("e", "Tanh", ["d"]).opaque("out", ["e"], [64, 256]).build("out"))
+    g = graph()
+    p = plan(g)
+    cache.save("k", p)
+    assert regions(cache.load("k", graph(), allow_all)) == regions(p)
+    g2 = graph()
+    g2["a2"].attrs["unfusible"] = "shape arithmetic"
+    assert cache.load("k", g2, allow_all) is None
+    g3 = graph()
+    g3["m"].order_inputs = ["a2"]            # {a, a2, d, e} would now be a cycle
+    assert cache.load("k", g3, allow_all) is None
