@@ -121,6 +121,8 @@ def plan_for(equation: str, lhs_shape, rhs_shape) -> Plan | None:
     dims = _dims(lhs, lhs_shape, rhs, rhs_shape)
     if dims is None:
         return None
+    if 0 in dims.values():
+        return None          # empty: a -1 beside a 0 in a Reshape target is ambiguous
     batch = "".join(c for c in out if c in lhs and c in rhs)
     unknown = [c for c, d in dims.items() if d < 0]
     if len(unknown) > 1 or (unknown and unknown[0] not in batch):
@@ -206,8 +208,7 @@ def rewrite(graph_def, todo: dict) -> None:
 
 class _Builder:
     def __init__(self, graph_def, nd):
-        self.graph_def, self.name, self.dev = graph_def, nd.name, nd.device
-        self.nd = nd
+        self.graph_def, self.nd, self.name, self.dev = graph_def, nd, nd.name, nd.device
         self.t = attr_value_pb2.AttrValue(type=nd.attr["T"].type)
 
     def lower(self, plan: Plan) -> None:
