@@ -12,6 +12,7 @@ class Options:
     progress: bool | None = None   # print compile progress; None: only when many kernels
     verify: bool = False           # run IR/plan/spec verifiers between stages (debug)
     gemm: bool = True              # BatchMatMul x[..., M, K] @ W[K, N] as one MatMul (tf/gemm.py)
+    einsum: bool = True            # two-operand Einsum as BatchMatMulV2 + row gathers (tf/einsum.py)
     background_compile: bool = False   # stitching.function: a new input signature runs the
     #                                    stock TF graph while its kernels compile in a
     #                                    background thread; later calls switch over (wait())

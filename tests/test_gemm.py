@@ -104,3 +104,28 @@ def test_two_unknown_dims_keep_the_run_time_target():
     x = RNG.standard_normal((2, 7, 16)).astype(np.float32)
     np.testing.assert_allclose(sf(x).numpy(), tf.function(_dense)(x).numpy(),
                                rtol=1e-5, atol=1e-5)
+
+
+W2 = tf.constant(RNG.standard_normal((12, 7)).astype(np.float32))
+
+
+def _dense_gelu_dense(x):
+    # TF's shape inference gives the first Tensordot's output [?, ?, 12] (its target
+    # is a GatherV2 of a Shape), and the GELU after it inherits that: the second
+    # Dense's output target needs the first's folded target to see T again
+    h = tf.nn.gelu(tf.tensordot(x, W, axes=[[2], [0]]), approximate=False)
+    y = tf.tensordot(h, W2, axes=[[2], [0]])
+    return tf.einsum("bti,ij->btj", y, tf.ones([7, 3]))
+
+
+def test_a_dense_after_an_element_wise_op_on_a_dense_folds_too():
+    sig = [tf.TensorSpec([None, 5, 16], tf.float32)]
+    targets, report = _reshape_targets(_dense_gelu_dense, sig)
+    assert len(targets) >= 4 and set(targets) == {"Const"}, targets
+    sf = stitching.function(_dense_gelu_dense, input_signature=sig)
+    for batch in (1, 3):
+        x = RNG.standard_normal((batch, 5, 16)).astype(np.float32)
+        got = sf(x)
+        assert got.shape == (batch, 5, 3)
+        np.testing.assert_allclose(got.numpy(), tf.function(_dense_gelu_dense)(x).numpy(),
+                                   rtol=1e-5, atol=1e-5)

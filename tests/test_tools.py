@@ -169,3 +169,26 @@ def test_pool_line_table_compares_the_two_allocators_per_size():
     assert "1.000x  2 (worst 1.00x" in lines[1]
     assert "no rows measured" in lines[2]
     assert "1.500x  1 (worst 1.50x" in lines[3]                # the pool 1.5x faster
+
+
+def test_op_breakdown_groups_executor_ops_and_xla_thunks_per_call():
+    """tools/op_breakdown.py: executor events by op type, XLA thunks (an hlo_op stat)
+    by name without their .N; runtime frames and thunk end markers left out."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import op_breakdown
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    plane.stat_metadata[1].name = "hlo_op"
+    events = [("layer0/MatMul:_MklMatMul", 300, False), ("layer1/MatMul:_MklMatMul", 100, False),
+              ("a/gather:GatherV2", 40, False), ("ExecutorState::Process", 999, False),
+              ("__inference_f_12:__inference_f_12", 999, False), ("dot.3", 80, True),
+              ("dot", 20, True), ("end: dot.3", 5, True), (" MatMul.58", 60, True)]
+    line = plane.lines.add(name="t")
+    for i, (name, us, thunk) in enumerate(events):
+        plane.event_metadata[i + 1].name = name
+        ev = line.events.add(metadata_id=i + 1, duration_ps=us * 10**6)
+        if thunk:
+            ev.stats.add(metadata_id=1)
+    rows = op_breakdown.group_events(space, calls=2)
+    assert rows == {"_MklMatMul": 200.0, "GatherV2": 20.0, "dot": 50.0, "MatMul": 30.0}

@@ -14,6 +14,8 @@
     autotune tf.autotune.mark             (Options(autotune): kernels with a small predicted
                                           margin are timed against their original ops)
     gemm     tf.gemm.rewrite              (BatchMatMul against a 2-D weight -> one MatMul)
+    einsum   tf.einsum.rewrite            (two-operand Einsum -> BatchMatMulV2, its
+                                          transposes as row gathers)
     shapes   tf.shapes.fold_reshapes      (run-time Reshape targets known but for one dim
                                           -> constants)
     report   report.Report
@@ -34,8 +36,8 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import (autotune, bcast, dump, forward, frontend, gemm, grappler, opnames, original,
-               prune, rewrite, shapes, sparse_xent)
+from . import (autotune, bcast, dump, einsum, forward, frontend, gemm, grappler, opnames,
+               original, prune, rewrite, shapes, sparse_xent)
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -164,6 +166,9 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
     if gemms:
         gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
+    einsums = einsum.candidates(new_gdef, ir) if options.einsum else {}
+    if einsums:
+        einsum.rewrite(new_gdef, einsums)
     folded = shapes.fold_reshapes(new_gdef, gdef, ir)
     # after the folds: the shape ops they left unread go too
     prune.bypass_inlined_identities(new_gdef, list(fetches) + list(keep))
@@ -194,6 +199,10 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
                          f"MatMul each, {biases} with the bias Add after it as the MatMul's "
                          f"BiasAdd (tf/gemm.py; Options(gemm=False) keeps them)")
+    if einsums:
+        rep.notes.append(f"{len(einsums)} Einsum node(s) run as one BatchMatMulV2 each, their "
+                         "operand and result transposes as row gathers (tf/einsum.py; "
+                         "Options(einsum=False) keeps them)")
     if folded:
         rep.notes.append(f"{folded} Reshape target(s) computed at run time (Shape, Gather, "
                          "Prod, Concat...) are constants but for one -1 entry (tf/shapes.py)")

@@ -15,8 +15,9 @@ element count, so the target is a constant with -1 in that entry.
 
 Algorithm: for each Reshape left to TF, evaluate its shape input over a two-valued
 domain per entry (a known int, or UNKNOWN), through Const, Shape (static dims from the
-IR's shape inference), GatherV2, Prod, Pack, ConcatV2, StridedSlice (1-D, constant
-bounds) and Identity; any other op, or more than one UNKNOWN entry, leaves the Reshape
+IR's shape inference, with the dims it lost at an earlier such Reshape filled back in:
+``_refined``), GatherV2, Prod, Pack, ConcatV2, StridedSlice (1-D, constant bounds) and
+Identity; any other op, or more than one UNKNOWN entry, leaves the Reshape
 as it is.  The folded Reshape reads a new Const; the shape ops it no longer reads are
 pruned by TF when it instantiates the function (they are stateless).
 """
@@ -27,6 +28,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from ..ir.graph import ValueRef
+from ..ir.ops import Kind, kind_of
 
 UNKNOWN = None
 _MAX_DEPTH = 16            # arbitrary: shape arithmetic chains are a few ops deep
@@ -44,6 +46,7 @@ def fold_reshapes(graph_def, original_def, ir_graph) -> int:
     nodes = {nd.name: nd for nd in graph_def.node}
     before = {nd.name: nd for nd in original_def.node}
     folded = 0
+    memo: dict = {}            # ValueRef -> refined dims (_refined), shared by the Reshapes
     for nd in list(graph_def.node):
         if nd.op != "Reshape" or len([i for i in nd.input if not i.startswith("^")]) != 2:
             continue
@@ -51,7 +54,7 @@ def fold_reshapes(graph_def, original_def, ir_graph) -> int:
         if nodes.get(src.split(":")[0]) is None or nodes[src.split(":")[0]].op == "Const":
             continue
         try:
-            target = _value(src, nodes, before, ir_graph, 0)
+            target = _value(src, nodes, before, ir_graph, 0, memo)
         except _Unfoldable:
             continue
         if not _foldable(target):
@@ -80,7 +83,7 @@ def _foldable(target) -> bool:
     return unknown == 1 and all(v > 0 for v in known)
 
 
-def _value(ref, nodes, before, ir_graph, depth):
+def _value(ref, nodes, before, ir_graph, depth, memo):
     """The value of tensor ``ref``: an int, UNKNOWN, or a list of those (1-D)."""
     name, _, idx = ref.partition(":")
     nd = nodes.get(name)
@@ -89,7 +92,7 @@ def _value(ref, nodes, before, ir_graph, depth):
     data = [i for i in nd.input if not i.startswith("^")]
 
     def arg(i):
-        return _value(data[i], nodes, before, ir_graph, depth + 1)
+        return _value(data[i], nodes, before, ir_graph, depth + 1, memo)
 
     if nd.op == "Const":
         v = tf.make_ndarray(nd.attr["value"].tensor)
@@ -99,7 +102,7 @@ def _value(ref, nodes, before, ir_graph, depth):
     if nd.op == "Identity":
         return arg(0)
     if nd.op == "Shape":
-        return _static_shape(name, before, ir_graph)
+        return _static_shape(name, before, ir_graph, depth, memo)
     if nd.op == "GatherV2":
         vals, idx_v, axis = arg(0), arg(1), arg(2)
         if not isinstance(vals, list) or axis != 0 or _int_attr(nd, "batch_dims"):
@@ -129,7 +132,7 @@ def _value(ref, nodes, before, ir_graph, depth):
     raise _Unfoldable
 
 
-def _static_shape(name, before, ir_graph):
+def _static_shape(name, before, ir_graph, depth, memo):
     """Dims of the tensor Shape node ``name`` reads (as traced), UNKNOWN where unknown."""
     orig = before.get(name)
     if orig is None or orig.op != "Shape":
@@ -138,10 +141,59 @@ def _static_shape(name, before, ir_graph):
     node, _, idx = src.partition(":")
     if node not in ir_graph:
         raise _Unfoldable
-    shape = ir_graph.type_of(ValueRef(node, int(idx or 0))).shape
-    if shape is None:
+    dims = _refined(ValueRef(node, int(idx or 0)), before, ir_graph, depth, memo)
+    if dims is None:
         raise _Unfoldable
-    return [UNKNOWN if d < 0 else d for d in shape]
+    return dims
+
+
+def _refined(ref, before, ir_graph, depth, memo):
+    """Dims of IR tensor ``ref`` (None: unknown rank), UNKNOWN where unknown after
+    filling what its producer fixes.  TF's shape inference loses a dim at a Reshape
+    whose target is computed from a GatherV2 of a Shape (Keras's Dense on [B, T, D]
+    infers [?, ?, units]), and every element-wise op after it inherits the loss -- so
+    the next Dense's Reshape target had two unknowns and stayed a run-time computation.
+    Filled here: a Reshape's dims from its target, evaluated as above; an element-wise
+    op's (and a BiasAdd's, from its value) from its operands (right-aligned, NumPy broadcasting: an operand's known dim
+    other than 1 is the output's).  Both are what TF computes at run time, so a filled
+    dim is the true one whenever the graph runs at all."""
+    if ref in memo:
+        return memo[ref]
+    shape = ir_graph.type_of(ref).shape
+    dims = None if shape is None else [UNKNOWN if d < 0 else d for d in shape]
+    if dims is not None and UNKNOWN in dims and depth <= _MAX_DEPTH:
+        orig = before.get(ref.node)
+        if orig is not None and orig.op == "Reshape" and ref.index == 0:
+            dims = _from_target(dims, orig, before, ir_graph, depth, memo)
+        else:
+            node = ir_graph[ref.node]
+            # BiasAdd: its value's shape (its bias may run along dim 1, NCHW)
+            srcs = node.inputs[:1] if node.op == "BiasAdd" else \
+                node.inputs if kind_of(node.op) == Kind.ELEMENTWISE else []
+            for src in srcs:
+                dims = _broadcast_known(dims, _refined(src, before, ir_graph, depth + 1, memo))
+    memo[ref] = dims
+    return dims
+
+
+def _from_target(dims, reshape, before, ir_graph, depth, memo):
+    data = [i for i in reshape.input if not i.startswith("^")]
+    try:
+        target = _value(data[1], before, before, ir_graph, depth + 1, memo)
+    except _Unfoldable:
+        return dims
+    if not isinstance(target, list) or len(target) != len(dims):
+        return dims
+    return [t if d is UNKNOWN and isinstance(t, int) and t >= 0 else d
+            for d, t in zip(dims, target)]
+
+
+def _broadcast_known(dims, operand):
+    if operand is None or len(operand) > len(dims):
+        return dims
+    lead = len(dims) - len(operand)
+    return [d if d is not UNKNOWN or i < lead or operand[i - lead] in (UNKNOWN, 1)
+            else operand[i - lead] for i, d in enumerate(dims)]
 
 
 def _strided_slice(nd, vals, begin, end, strides):

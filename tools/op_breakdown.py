@@ -1,0 +1,165 @@
+"""Per-op time breakdown of one model under stock TF, XLA and stitching, side by side.
+
+    python tools/op_breakdown.py --batch 1                 # the models suite's Transformer
+    python tools/op_breakdown.py --batch 8 --layers 2 --modes xla,stitched
+
+Each mode runs ``--calls`` calls under TF's profiler (``tf.profiler.experimental``);
+the trace's host events are summed per op class and divided by the calls:
+
+- TF ops (stock TF, and the TF ops of the stitched graph): the executor's
+  ``node:OpType`` events, grouped by op type (``_MklMatMul``, ``GatherV2``, ...);
+- XLA: its thunks, grouped by name with the ``.N`` suffix removed (``dot``, ``MatMul``,
+  ``multiply_bitcast_fusion``, ``copy_bitcast_fusion``, ...);
+- StitchedKernel nodes run inline (not ``IsExpensive``) and leave no event: their time
+  comes from the op's own counters (``STITCHING_PROFILE``, runtime.registry.profile),
+  one row per kernel kind.
+
+The profiler itself adds overhead and, on the shared 2-core machine, ops that run
+concurrently on TF's two inter-op threads overlap: the rows show where time goes, the
+wall-clock line (median of ``--calls`` untraced calls per mode, interleaved) is the
+number to compare.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+_XLA_SUFFIX = re.compile(r"\.\d+$")
+
+
+def group_events(xspace, calls: int) -> dict:
+    """op class -> microseconds per call, from a profiler XSpace (see module docstring):
+    XLA thunks (events with an ``hlo_op`` stat) by name without their ``.N``, executor
+    events ``node:OpType`` by op type; runtime frames are left out."""
+    total = collections.defaultdict(float)
+    for plane in xspace.planes:
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        hlo = {k for k, v in plane.stat_metadata.items() if v.name == "hlo_op"}
+        for line in plane.lines:
+            for ev in line.events:
+                key = op_class(names.get(ev.metadata_id, ""),
+                               any(st.metadata_id in hlo for st in ev.stats))
+                if key is not None:
+                    total[key] += ev.duration_ps / 1e6 / calls
+    return dict(total)
+
+
+def op_class(name: str, xla_thunk: bool) -> str | None:
+    """The row an event belongs to, or None for runtime frames."""
+    name = name.strip()
+    if xla_thunk:
+        return None if name.startswith("end: ") else _XLA_SUFFIX.sub("", name)
+    if "::" in name or ":" not in name or "__inference" in name:
+        return None
+    return name.rsplit(":", 1)[1] or None        # executor: "node/name:OpType"
+
+
+def _model(layers: int):
+    import keras
+    from stitching.testing import models
+    keras.utils.set_random_seed(1)
+    cfg = dict(models.TRANSFORMER_CONFIG, num_layers=layers)
+    return models.transformer_encoder(**cfg), (cfg["seq_len"], cfg["d_model"])
+
+
+def _modes(fn, sig, wanted):
+    import tensorflow as tf
+
+    import stitching
+    make = {"tf": lambda: tf.function(fn, input_signature=sig),
+            "xla": lambda: tf.function(fn, input_signature=sig, jit_compile=True),
+            "stitched": lambda: stitching.function(fn, input_signature=sig)}
+    unknown = set(wanted) - set(make)
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {sorted(unknown)}; choose from {sorted(make)}")
+    return {m: make[m]() for m in wanted}
+
+
+def _trace(f, x, calls):
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    logdir = tempfile.mkdtemp(prefix="op_breakdown_")
+    try:
+        tf.profiler.experimental.start(logdir)
+        for _ in range(calls):
+            f(x)
+        tf.profiler.experimental.stop()
+        space = xplane_pb2.XSpace()
+        with open(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0], "rb") as fh:
+            space.ParseFromString(fh.read())
+        return space
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
+def _kernel_rows(f, x, calls) -> dict:
+    """StitchedKernel time per call, one row per kind of kernel (its distinct op types,
+    from the report; the label is ``stitching/kernel_N``, the report's kernel name)."""
+    from stitching.runtime import registry
+    kinds = {k.name: "StitchedKernel[" + ",".join(sorted({op for _, op in k.ops})) + "]"
+             for k in f.report.kernels}
+    registry.set_profiling(True)
+    registry.profile_reset()
+    for _ in range(calls):
+        f(x)
+    counters = registry.profile()
+    registry.set_profiling(False)
+    rows = collections.defaultdict(float)
+    for label, c in counters.items():
+        if c["calls"]:
+            rows[kinds.get(label, label)] += c["seconds"] * 1e6 / calls
+    return dict(rows)
+
+
+def _wall(modes, x, calls) -> dict:
+    times = {m: [] for m in modes}
+    for i in range(calls):
+        for m in list(modes)[i % len(modes):] + list(modes)[:i % len(modes)]:
+            t = time.perf_counter()
+            modes[m](x)
+            times[m].append(time.perf_counter() - t)
+    return {m: float(np.median(v)) * 1e3 for m, v in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=4, help="Transformer layers (suite: 4)")
+    ap.add_argument("--modes", default="tf,xla,stitched")
+    ap.add_argument("--calls", type=int, default=20, help="traced calls per mode")
+    ap.add_argument("--top", type=int, default=14, help="rows per mode")
+    args = ap.parse_args(argv)
+    import tensorflow as tf
+    model, shape = _model(args.layers)
+    sig = (tf.TensorSpec((None,) + shape, tf.float32),)
+    modes = _modes(lambda t: model(t, training=False), sig, args.modes.split(","))
+    x = tf.constant(np.random.default_rng(0).standard_normal((args.batch,) + shape,
+                                                              dtype=np.float32))
+    for f in modes.values():
+        for _ in range(3):
+            f(x)
+    wall = _wall(modes, x, max(args.calls, 10))
+    print(f"Transformer {args.layers} layers, batch {args.batch}; load average "
+          f"{os.getloadavg()[0]:.2f}; wall ms per call (median, interleaved): "
+          + ", ".join(f"{m} {v:.3f}" for m, v in wall.items()))
+    for m, f in modes.items():
+        rows = group_events(_trace(f, x, args.calls), args.calls)
+        if m == "stitched":
+            rows.update(_kernel_rows(f, x, args.calls))
+        print(f"== {m}: {sum(rows.values()):.0f} us of op time per call")
+        for key, us in sorted(rows.items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"   {key:34s} {us:9.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
