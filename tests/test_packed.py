@@ -160,7 +160,7 @@ def _optimizer_kernels(report, opt):
 def test_training_matches_tf_and_the_update_is_a_few_packed_kernels(opt_name, kernels):
     """20 steps with an unknown batch dim (sizes 16-18): losses and final weights equal
     stock TF; the optimizer's element-wise updates of the seven variables are exactly
-    ``kernels`` packed kernels (SGD: the momenta; Adam: m and v, then the variables
+    one of ``kernels`` packed kernels (SGD: the momenta; Adam: m and v, then the variables
     from m and v read back after their assigns; AdamW: its decay packs with the
     second), besides the updates fused vertically into the gradient reductions that
     feed them (bias and LayerNorm gradients: column kernels)."""
