@@ -14,6 +14,8 @@ levels, as in FusionStitching:
                    passes = legality.work(op): 1, or more for a composite TF op (Softmax
                    4, FusedBatchNorm 2: legality.COMPOSITE_PASSES) whose TF kernel walks
                    its data more than once
+                   An op TF's remapper fuses into a convolution (epilogue.py: the
+                   conv's BiasAdd and some activations) costs its compute only
     fused(P)     = launch + task + max(io(P) / bw(active(P)), transcendentals / rate)
                    + scratch(P) + register spills(P)
     io(P)        distinct values read from outside P + values leaving P, each once
@@ -54,6 +56,7 @@ from typing import NamedTuple
 
 from ..ir import OPS, Kind, TensorType
 from ..ir.dtypes import ITEMSIZE
+from . import epilogue as _epi
 from . import legality as _leg
 from .profiles import DeviceProfile, tf_factor
 
@@ -208,6 +211,7 @@ class GraphCosts:
         # elements of the largest value an op touches (a reduction's is its input)
         self.count = [max([max(1, size[i] // item[i])] + [b // item[i] for _, b, _ in ins[i]])
                       for i in range(len(order))]
+        self.epilogue = [_epi.ATTR in graph[n].attrs for n in order]
         self.io_bytes = [(sum(b for _, b, _ in ins[i]) + outs[i]) * work[i]
                          for i in range(len(order))]   # traffic of the op left to TF
         self.unfused = [self._unfused(i) for i in range(len(order))]
@@ -241,8 +245,10 @@ class GraphCosts:
             return 0.0
         p = self.profile
         lanes = elementwise_lanes(p, self.count[i])
-        mem = self.io_bytes[i] / p.bw_at(lanes)
         compute = _compute_s(p, self.tr[i], lanes)
+        if self.epilogue[i]:     # TF's remapper runs it inside the convolution: no launch,
+            return compute       # no pass over memory (epilogue.py)
+        mem = self.io_bytes[i] / p.bw_at(lanes)
         return calibrated_s(p, p.launch_s + p.task_s + max(mem, compute), self.scale[i])
 
     def unfused_s(self, members) -> float:
