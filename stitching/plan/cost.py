@@ -66,6 +66,10 @@ CPU_GRAIN = 16384             # arbitrary (the schedule's EW_BLOCK): elements pe
 GPU_ROW_VALUES_PER_THREAD = 8  # arbitrary: row values one thread keeps in registers
 GPU_BASE_REGS = 16            # arbitrary: registers a thread needs besides live values
 MIN_COL_BLOCK = 1024          # arbitrary: a row is never split into pieces shorter
+EPILOGUE_TIE_S = 1e-9         # arbitrary: a conv epilogue TF's remapper would fuse
+                              # (epilogue.py) costs a kernel this much more: on a tie (a
+                              # compute-bound kernel, where its Relu is free either way) it
+                              # stays in the convolution, as stock TF runs it
 GPU_THREADS = (32, 64, 128, 256, 512, 1024)
 _SOFTMAX = ("Softmax", "LogSoftmax")
 
@@ -299,6 +303,7 @@ class GraphCosts:
         mem = io / p.bw_at(active_p)
         fused = calibrated_s(p, p.launch_s + p.task_s + max(mem, _compute_s(p, tr, active_p))
                              + scratch_s + spill_s, self.kernel_factor(P))
+        fused += EPILOGUE_TIE_S * sum(map(self.epilogue.__getitem__, P))
         full = io / p.bw_at(elementwise_lanes(p, big))
         return Delta(unfused - fused, fused, unfused, unf_bytes - io, max(0, work - 1),
                      max(0.0, io / p.bw_at(active) - full),
