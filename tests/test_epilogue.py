@@ -123,6 +123,7 @@ def test_a_fused_bias_ends_its_group_in_the_report():
 # ---- end to end ------------------------------------------------------------------------
 
 tf = pytest.importorskip("tensorflow")
+from stitching.tf import remapper  # noqa: E402
 
 
 def conv_block(dtype="float32"):
@@ -147,12 +148,26 @@ def _run(model, dtype, batches=(4,)):
         yield st, st(x).numpy(), ref(x).numpy()
 
 
-@pytest.mark.skipif(not __import__("stitching.tf.remapper", fromlist=["x"]).onednn_enabled(),
-                    reason="the kernel count is oneDNN's remapper's")
+@pytest.mark.skipif(not remapper.onednn_enabled(),
+                    reason="the kernel count and fused ops are oneDNN's remapper's")
 def test_keras_conv_block_leaves_bias_swish_to_tf_and_matches_it():
+    from tensorflow.python.eager import context
     model = conv_block()
-    for st, got, want in _run(model, "float32", batches=(4, 7)):   # unknown batch
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    context.enable_run_metadata()          # the graphs TF runs, after its Grappler
+    try:
+        for st, got, want in _run(model, "float32", batches=(4, 7)):   # unknown batch
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        meta = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    (graph,) = {id(fg): fg for fg in meta.function_graphs for pg in fg.partition_graphs
+                for n in pg.node if n.op == "StitchedKernel"}.values()
+    fused = sorted(tuple(s.decode() for s in n.attr["fused_ops"].list.s)
+                   for pg in graph.partition_graphs for n in pg.node if "fused_ops" in n.attr)
+    # both epilogues run inside their convolutions, the swish too (no _MklSwish of its own)
+    assert fused == [("BiasAdd", "Relu"), ("BiasAdd", "_MklSwish")]
+    assert not [n.op for pg in graph.partition_graphs for n in pg.node
+                if n.op in ("_MklSwish", "Sigmoid", "BiasAdd", "Relu")]
     assert len(st.reports) == 1                                   # one trace
     rep = st.report.to_dict()
     assert rep["kernels"] == 1                         # BatchNormalization + tanh + add
@@ -160,6 +175,16 @@ def test_keras_conv_block_leaves_bias_swish_to_tf_and_matches_it():
     assert "BiasAdd" not in k["ops"] and "Tanh" in k["ops"]
     reasons = [u for u in rep["unfused_nodes"] if "remapper" in u["reason"]]
     assert sorted(u["op"] for u in reasons) == ["BiasAdd", "BiasAdd", "Mul", "Relu", "Sigmoid"]
+
+
+def test_keras_conv_block_float32_error_against_float64_is_tf_s():
+    m32, m64 = conv_block(), conv_block("float64")
+    m64.set_weights([w.astype(np.float64) for w in m32.get_weights()])
+    ((st, got, want),) = list(_run(m32, "float32"))
+    x = np.random.default_rng(1).standard_normal((4, 8, 8, 16)).astype(np.float32)  # _run's
+    exact = m64(tf.constant(x.astype(np.float64)), training=False).numpy()
+    err_st, err_tf = np.abs(got - exact).max(), np.abs(want - exact).max()
+    assert err_st <= 2 * err_tf + 1e-7, (err_st, err_tf)
 
 
 def test_keras_conv_block_in_float64_fuses_its_epilogues_and_stays_exact():
