@@ -14,13 +14,14 @@ that run in a tf.function (RunMetadata partition graphs):
   oneDNN on (TF_ENABLE_ONEDNN_OPTS, the default on x86), float32 / bfloat16:
     Conv2D + BiasAdd [+ Relu | Relu6 | Elu | LeakyRelu | x * Sigmoid(x)]
                                                      -> _MklNativeFusedConv2D
-    DepthwiseConv2dNative + BiasAdd [+ Relu | Relu6 | Elu | LeakyRelu]
+    DepthwiseConv2dNative + BiasAdd [+ Relu | Relu6 | Elu]
                                                      -> _MklNativeFusedDepthwiseConv2dNative
   oneDNN off, float32:
     Conv2D + BiasAdd [+ Relu | Relu6 | Elu | LeakyRelu]          -> _FusedConv2D
     (DepthwiseConv2dNative: nothing)
   Never fused into the convolution: Sigmoid, Tanh, GELU (they run as their own ops);
-  swish after a depthwise convolution (a separate _MklSwish); float64 (no fusion at all).
+  swish or LeakyRelu after a depthwise convolution (a separate _MklSwish / LeakyRelu);
+  float64 (no fusion at all).
 
 The pattern, on the IR (the convolution is an opaque node): a convolution whose only
 reader is a BiasAdd over the channel axis (NHWC), then optionally the activation, where
@@ -60,7 +61,8 @@ class Remapper:
     dtypes: frozenset
 
 
-ONEDNN = Remapper("onednn", {"Conv2D": _ACTS | {SWISH}, "DepthwiseConv2dNative": _ACTS},
+ONEDNN = Remapper("onednn", {"Conv2D": _ACTS | {SWISH},
+                             "DepthwiseConv2dNative": _ACTS - {"LeakyRelu"}},
                   frozenset({"float32", "bfloat16"}))
 EIGEN = Remapper("eigen", {"Conv2D": _ACTS}, frozenset({"float32"}))
 NONE = Remapper("none", {}, frozenset())
