@@ -46,11 +46,11 @@ def forward_identities(graph_def, ir, fused: set) -> int:
     for n in ids:
         nd = by_name.get(n)
         if nd is not None and nd.op == "Identity" and nd.input:
-            source[n] = nd.input[0]
+            source[n] = source[f"{n}:0"] = nd.input[0]
     for nd in graph_def.node:
         if any(i in source for i in nd.input):
             ins = list(nd.input)
             for _ in range(8):                       # Identity of Identity ...
                 ins = [source.get(i, i) for i in ins]
             nd.input[:] = ins
-    return len(source)
+    return len(source) // 2
