@@ -596,9 +596,10 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
                                    or _unfused_reason(ctx, v, placed)))
     if epilogues:
         convs = len({ctx.graph[n].attrs[_epi.ATTR] for n in epilogues})
-        result.notes.append(f"{convs} convolution epilogue(s) (BiasAdd and the activation "
-                            "after it) left to TF, whose remapper fuses them into the "
-                            "convolution (plan/epilogue.py)")
+        result.notes.append(f"{convs} convolution epilogue(s) (a BiasAdd, and the "
+                            "activation after it where the remapper takes one) left to TF, "
+                            "whose remapper fuses them into the convolution "
+                            "(plan/epilogue.py)")
     result.boundaries = list(ctx.boundaries)
     return result
 
