@@ -14,6 +14,8 @@ levels, as in FusionStitching:
                    passes = legality.work(op): 1, or more for a composite TF op (Softmax
                    4, FusedBatchNorm 2: legality.COMPOSITE_PASSES) whose TF kernel walks
                    its data more than once
+                   An op TF's remapper fuses into a convolution (epilogue.py: the
+                   conv's BiasAdd and some activations) costs its compute only
     fused(P)     = launch + task + max(io(P) / bw(active(P)), transcendentals / rate)
                    + scratch(P) + register spills(P)
     io(P)        distinct values read from outside P + values leaving P, each once
@@ -54,6 +56,7 @@ from typing import NamedTuple
 
 from ..ir import OPS, Kind, TensorType
 from ..ir.dtypes import ITEMSIZE
+from . import epilogue as _epi
 from . import legality as _leg
 from .profiles import DeviceProfile, tf_factor
 
@@ -63,6 +66,10 @@ CPU_GRAIN = 16384             # arbitrary (the schedule's EW_BLOCK): elements pe
 GPU_ROW_VALUES_PER_THREAD = 8  # arbitrary: row values one thread keeps in registers
 GPU_BASE_REGS = 16            # arbitrary: registers a thread needs besides live values
 MIN_COL_BLOCK = 1024          # arbitrary: a row is never split into pieces shorter
+EPILOGUE_TIE_S = 1e-9         # arbitrary: a conv epilogue TF's remapper would fuse
+                              # (epilogue.py) costs a kernel this much more: on a tie (a
+                              # compute-bound kernel, where its Relu is free either way) it
+                              # stays in the convolution, as stock TF runs it
 GPU_THREADS = (32, 64, 128, 256, 512, 1024)
 _SOFTMAX = ("Softmax", "LogSoftmax")
 
@@ -208,6 +215,7 @@ class GraphCosts:
         # elements of the largest value an op touches (a reduction's is its input)
         self.count = [max([max(1, size[i] // item[i])] + [b // item[i] for _, b, _ in ins[i]])
                       for i in range(len(order))]
+        self.epilogue = [_epi.ATTR in graph[n].attrs for n in order]
         self.io_bytes = [(sum(b for _, b, _ in ins[i]) + outs[i]) * work[i]
                          for i in range(len(order))]   # traffic of the op left to TF
         self.unfused = [self._unfused(i) for i in range(len(order))]
@@ -241,8 +249,10 @@ class GraphCosts:
             return 0.0
         p = self.profile
         lanes = elementwise_lanes(p, self.count[i])
-        mem = self.io_bytes[i] / p.bw_at(lanes)
         compute = _compute_s(p, self.tr[i], lanes)
+        if self.epilogue[i]:     # TF's remapper runs it inside the convolution: no launch,
+            return compute       # no pass over memory (epilogue.py)
+        mem = self.io_bytes[i] / p.bw_at(lanes)
         return calibrated_s(p, p.launch_s + p.task_s + max(mem, compute), self.scale[i])
 
     def unfused_s(self, members) -> float:
@@ -293,6 +303,7 @@ class GraphCosts:
         mem = io / p.bw_at(active_p)
         fused = calibrated_s(p, p.launch_s + p.task_s + max(mem, _compute_s(p, tr, active_p))
                              + scratch_s + spill_s, self.kernel_factor(P))
+        fused += EPILOGUE_TIE_S * sum(map(self.epilogue.__getitem__, P))
         full = io / p.bw_at(elementwise_lanes(p, big))
         return Delta(unfused - fused, fused, unfused, unf_bytes - io, max(0, work - 1),
                      max(0.0, io / p.bw_at(active) - full),

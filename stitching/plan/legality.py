@@ -55,7 +55,7 @@ COMPOSITE_PASSES = {"Softmax": 4, "LogSoftmax": 4, "SoftmaxCrossEntropyWithLogit
 COMPOSITE_PASSES.update(dict.fromkeys(
     ("ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad", "SigmoidGrad",
      "TanhGrad", "BiasAddGrad", "L2Loss", "Tile"), 1))
-PLANNER_ATTRS = ("unfusible",)   # for planning only, never in a KernelSpec
+PLANNER_ATTRS = ("unfusible", "tf_epilogue")   # for planning only, never in a KernelSpec
 
 
 def work(node: Node) -> int:

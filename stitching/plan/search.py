@@ -48,6 +48,7 @@ from ..ir import SpecError
 from ..ir.composites import MULTI_OUTPUT
 from ..ir.ops import Kind, kind_of
 from ..ir.spec import SCHEDULE_PARAMS
+from . import epilogue as _epi
 from . import legality as _fus
 from .acyclic import Contraction, CycleError, Reach, indexed, mask_of
 from .cost import Delta, GraphCosts, Launch, calibrated_s, choose_launch
@@ -594,10 +595,18 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
     if groups and not result.regions and result.skipped:
         result.notes.append("function left alone: the cost model predicts no kernel pays")
     fused = {n for r in result.regions for n in r.nodes}
+    epilogues = _epi.left_to_tf(ctx.graph, fused)     # what TF fuses into convolutions
     for v in sorted(ctx.fusible):
         n = ctx.names[v]
         if n not in fused and _fus.work(ctx.graph[n]):
-            result.unfused.append((n, ctx.graph[n].op, _unfused_reason(ctx, v, placed)))
+            result.unfused.append((n, ctx.graph[n].op, epilogues.get(n)
+                                   or _unfused_reason(ctx, v, placed)))
+    if epilogues:
+        convs = len({ctx.graph[n].attrs[_epi.ATTR] for n in epilogues})
+        result.notes.append(f"{convs} convolution epilogue(s) (a BiasAdd, and the "
+                            "activation after it where the remapper takes one) left to TF, "
+                            "whose remapper fuses them into the convolution "
+                            "(plan/epilogue.py)")
     result.boundaries = list(ctx.boundaries)
     return result
 

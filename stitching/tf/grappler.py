@@ -60,7 +60,9 @@ kernel adds, so the sum is bit-identical) and ``_UnaryOpsComposition``
 (TF's kernel applies each named op in turn).  The remapper's ``_Fused*`` ops (fused
 matmul/conv epilogues that serve TF's own kernels) are not produced here -- the
 remapper does not run -- and in a graph that already holds them they stay opaque TF
-ops.  The tests in tests/test_grappler_rewrites.py check each covered rewrite.
+ops.  The remapper runs later, in TF's runtime Grappler over the rewritten graph; the
+convolution epilogues it fuses there are left to it (plan/epilogue.py).  The tests in
+tests/test_grappler_rewrites.py check each covered rewrite.
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@
                                           then frontend.bypass_identity_n)
     import   frontend.import_for_shapes   (TF shape inference)
     lift     frontend.to_ir               (TF nodes -> IR nodes)
+    remapper remapper.mark                (conv epilogues TF's remapper fuses: priced as
+                                          free by the cost model, plan/epilogue.py)
     plan     plan.get_planner(options.planner)  (regions; legality from schedule.check;
                                           large graphs: stored per graph, plan/cache.py)
     compile  compile.compile_kernels      (Numba; uncached kernels in parallel worker
@@ -37,7 +39,7 @@ from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import (autotune, bcast, dump, einsum, forward, frontend, gemm, grappler, opnames,
-               original, prune, rewrite, shapes, sparse_xent)
+               original, prune, remapper, rewrite, shapes, sparse_xent)
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -131,6 +133,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         ir = frontend.to_ir(tf_graph, list(fetches))
         for n in _shape_arithmetic(gdef) & ir.nodes.keys():
             ir[n].attrs.setdefault("unfusible", SHAPE_MATH)
+        remapper.mark(ir, profiles.default())   # conv epilogues TF fuses (plan/epilogue.py)
         # A large graph not compiled before will likely need Numba: start the compile
         # workers now (all of them, or the rest beside an early one), so their
         # start-up overlaps planning (warm_cache closes them if nothing needs
@@ -170,6 +173,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     if einsums:
         einsum.rewrite(new_gdef, einsums)
     folded = shapes.fold_reshapes(new_gdef, gdef, ir)
+    remapper.forward_identities(new_gdef, ir, {m for r in regions for m in r.nodes})
     # after the folds: the shape ops they left unread go too
     prune.bypass_inlined_identities(new_gdef, list(fetches) + list(keep))
     prune.merge_constants(new_gdef, list(fetches) + list(keep))
@@ -233,6 +237,7 @@ def _graph_key(graph_def, fetches, keep, options, resources=None) -> str:
     # keep: a set's order; where dumps go does not change the plan
     h.update(repr((list(fetches), sorted(keep), replace(options, dump_dir=None))).encode())
     h.update(repr(sorted((resources or {}).items())).encode())
+    h.update(remapper.table(profiles.default()).name.encode())  # TF_ENABLE_ONEDNN_OPTS
     return h.hexdigest()[:32]
 
 

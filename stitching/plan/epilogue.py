@@ -1,0 +1,163 @@
+"""Convolution epilogues that TF's remapper fuses: work the cost model prices at ~nothing.
+
+Stock TF runs Grappler's remapper over every function it executes, and the remapper folds
+a convolution's BiasAdd (and some activations after it) into the convolution's own
+kernel: the bias and the activation are applied to each output block while it is still
+in cache, for free.  A stitched kernel that takes that BiasAdd costs a launch and a pass
+over the convolution's output, and stops the remapper from fusing it.  Our rewritten
+graph goes through the same runtime Grappler, so whatever we leave to TF in such a
+pattern is fused there exactly as in stock TF.
+
+What the remapper fuses, checked here on TF 2.21 (tensorflow-cpu, x86), by the op types
+that run in a tf.function (RunMetadata partition graphs):
+
+  oneDNN on (TF_ENABLE_ONEDNN_OPTS, the default on x86), float32 / bfloat16:
+    Conv2D + BiasAdd [+ Relu | Relu6 | Elu | LeakyRelu | x * Sigmoid(x)]
+                                                     -> _MklNativeFusedConv2D
+    DepthwiseConv2dNative + BiasAdd [+ Relu | Relu6 | Elu]
+                                                     -> _MklNativeFusedDepthwiseConv2dNative
+  oneDNN off, float32:
+    Conv2D + BiasAdd [+ Relu | Relu6 | Elu | LeakyRelu]          -> _FusedConv2D
+    (DepthwiseConv2dNative: nothing)
+  Never fused into the convolution: Sigmoid, Tanh, GELU (they run as their own ops);
+  swish or LeakyRelu after a depthwise convolution (a separate _MklSwish / LeakyRelu);
+  float64 (no fusion at all).
+
+The pattern, on the IR (the convolution is an opaque node): a convolution whose only
+reader is a BiasAdd over the channel axis (NHWC), then optionally the activation, where
+each value but the last has no other reader and is not a function output.  Swish is
+x * Sigmoid(x) with both reading the BiasAdd.  An Identity may sit between BiasAdd and
+Sigmoid (Grappler folds Keras' ``beta * x`` with beta = 1 into one, anchored to the
+constant by a control edge): the remapper does not look through it while that control
+edge is there, so the rewrite forwards such an Identity (tf/remapper.py), and only one
+whose control inputs are constants is taken.  Keras' swish goes through
+``tf.custom_gradient``, whose IdentityN keeps the remapper from fusing it in stock TF;
+the frontend bypasses that IdentityN (tf/frontend.py), so here it fuses.
+
+``mark`` tags the members with the convolution's name (``attrs["tf_epilogue"]``, a
+planner-only attribute); cost.GraphCosts prices a tagged op left to TF at its compute
+only (no launch, no memory traffic), so a kernel made of nothing but an epilogue never
+pays, while an epilogue can still join a kernel with more work downstream when that
+pays.  ``left_to_tf`` says, for the final plan, which tagged ops the remapper really
+fuses (a BiasAdd taken into a kernel ends its group; an activation group is fused only
+whole) and why, for the report.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Graph
+
+ATTR = "tf_epilogue"
+SWISH = "swish"                      # x * Sigmoid(x) (as Keras and tf.nn.silu write it)
+_ACTS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu"})
+
+
+@dataclass(frozen=True)
+class Remapper:
+    """What TF's remapper fuses into a convolution: conv op -> activations."""
+    name: str
+    convs: dict
+    dtypes: frozenset
+
+
+ONEDNN = Remapper("onednn", {"Conv2D": _ACTS | {SWISH},
+                             "DepthwiseConv2dNative": _ACTS - {"LeakyRelu"}},
+                  frozenset({"float32", "bfloat16"}))
+EIGEN = Remapper("eigen", {"Conv2D": _ACTS}, frozenset({"float32"}))
+NONE = Remapper("none", {}, frozenset())
+
+
+def find(graph: Graph, remapper: Remapper) -> list:
+    """[(conv, [BiasAdd], [activation members])] for each fusible epilogue."""
+    if not remapper.convs:
+        return []
+    cons = graph.consumers()
+    fetched = {r.node for r in graph.outputs}
+    out = []
+    for conv in graph:
+        acts = remapper.convs.get(conv.op)
+        if acts is None or conv.name in fetched or len(cons[conv.name]) != 1:
+            continue
+        b = graph[cons[conv.name][0]]
+        if not _is_bias(graph, b, conv.name, remapper):
+            continue
+        out.append((conv.name, [b.name], _activation(graph, b, cons, fetched, acts)))
+    return out
+
+
+def _is_bias(graph, b, conv: str, remapper) -> bool:
+    return (b.op == "BiasAdd" and b.attrs.get("data_format", "NHWC") == "NHWC"
+            and len(b.inputs) == 2 and b.inputs[0].node == conv and b.inputs[0].index == 0
+            and b.inputs[1].node != conv
+            and graph.type_of(b.inputs[0]).dtype in remapper.dtypes)
+
+
+def _activation(graph, b, cons, fetched, acts) -> list:
+    """The activation after BiasAdd ``b`` that the remapper takes, as its node names."""
+    if b.name in fetched:
+        return []
+    readers = cons[b.name]
+    if len(readers) == 1 and graph[readers[0]].op in acts:
+        return readers
+    if SWISH in acts and len(readers) == 2:
+        return _swish(graph, b.name, readers, cons, fetched)
+    return []
+
+
+def _swish(graph, b: str, readers, cons, fetched) -> list:
+    """[Identity..., Sigmoid, Mul] when ``b``'s two readers compute b * Sigmoid(b)."""
+    by_op = {graph[r].op: graph[r] for r in readers}
+    mul = by_op.get("Mul")
+    first = by_op.get("Sigmoid") or by_op.get("Identity")
+    if mul is None or first is None:
+        return []
+    chain, node = [], first
+    while node.op == "Identity" and len(chain) < 4:   # b -> Identity -> ... -> Sigmoid
+        nxt = cons[node.name]
+        if node.name in fetched or len(nxt) != 1 or any(
+                graph[c].op != "Const" for c in node.control_inputs):
+            return []
+        chain.append(node.name)
+        node = graph[nxt[0]]
+    if node.op != "Sigmoid" or node.name in fetched or cons[node.name] != [mul.name]:
+        return []
+    if sorted((r.node, r.index) for r in mul.inputs) != sorted([(b, 0), (node.name, 0)]):
+        return []
+    return chain + [node.name, mul.name]
+
+
+def mark(graph: Graph, remapper: Remapper) -> int:
+    """Tag every epilogue member with its convolution; returns how many epilogues."""
+    found = find(graph, remapper)
+    for conv, bias, acts in found:
+        for n in bias + acts:
+            graph[n].attrs[ATTR] = conv
+    return len(found)
+
+
+def left_to_tf(graph: Graph, fused: set) -> dict:
+    """node -> reason, for the tagged ops the final plan leaves to TF's remapper: the
+    BiasAdd when it is in no kernel, its activation only when none of it is."""
+    groups: dict = {}
+    for n in graph:
+        conv = n.attrs.get(ATTR)
+        if conv is not None:
+            groups.setdefault(conv, []).append(n)
+    out = {}
+    for conv, members in groups.items():
+        bias = [m.name for m in members if m.op == "BiasAdd"]
+        rest = [m.name for m in members if m.op != "BiasAdd"]
+        if not bias or fused.intersection(bias):
+            continue
+        left = bias + ([] if fused.intersection(rest) else rest)
+        ops = " + ".join([graph[conv].op] + _ops(graph, left))
+        why = (f"TF's remapper fuses it into the convolution's epilogue ({ops}, "
+               f"one TF op with {conv})")
+        out.update((n, why) for n in left)
+    return out
+
+
+def _ops(graph, names) -> list:
+    ops = [graph[n].op for n in names if graph[n].op != "Identity"]
+    return ops[:1] + ([SWISH] if "Sigmoid" in ops else ops[1:])

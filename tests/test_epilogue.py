@@ -1,0 +1,196 @@
+"""Convolution epilogues left to TF's remapper (plan/epilogue.py, tf/remapper.py).
+
+Planner level on hand-built IR (TF-free), then a small Keras conv block end to end:
+its kernel count, its values against TF, float64, and an unknown batch with one trace.
+"""
+import numpy as np
+import pytest
+
+from irbuild import F, G, allow_all
+from stitching.ir import Node, TensorType, ValueRef
+from stitching.plan import epilogue, profiles, search
+
+CPU = search.SearchConfig(profile=profiles.get("cpu-reference"))
+
+
+def conv(b, name, x, shape, op="Conv2D", dtype=F):
+    b.g.add(Node(name, op, [ValueRef(x)], {}, [TensorType(dtype, tuple(shape))]))
+    return b
+
+
+def se_squeeze(shape=(8, 1, 1, 32), dtype=F, with_identity=True, anchor="Const"):
+    """x -> Conv2D -> BiasAdd -> [Identity ->] Sigmoid, Mul(b, s) -> Conv2D: Keras'
+    Conv2D(activation="swish") between two convolutions (EfficientNet's SE reduce)."""
+    b = G().input("x", shape, dtype).input("bias", shape[-1:], dtype)
+    b = conv(b, "conv", "x", shape, dtype=dtype)
+    b.composite("ba", "BiasAdd", ["conv", "bias"], data_format="NHWC")
+    src = "ba"
+    if with_identity:
+        b.op("one", "Const", [], value=1.0, dtype=dtype, shape=[])
+        b.op("id", "Identity", ["ba"])
+        b.g["id"].control_inputs = ["one" if anchor == "Const" else "x"]
+        src = "id"
+    b.op("sig", "Sigmoid", [src]).op("mul", "Mul", ["ba", "sig"])
+    return conv(b, "conv2", "mul", shape, dtype=dtype).build("conv2")
+
+
+def plan(g, remapper=epilogue.ONEDNN):
+    epilogue.mark(g, remapper)
+    return search.plan(g, allow_all, 2, CPU)
+
+
+def test_swish_after_a_conv_is_left_to_tf_with_the_reason():
+    g = se_squeeze()
+    p = plan(g)
+    assert p.regions == []
+    why = {n: r for n, _, r in p.unfused}
+    assert set(why) == {"ba", "sig", "mul"}
+    for r in why.values():
+        assert "TF's remapper fuses it into the convolution's epilogue" in r
+        assert "Conv2D + BiasAdd + swish" in r
+    assert any("1 convolution epilogue(s)" in n for n in p.notes)
+
+
+def test_same_graph_without_the_remapper_is_one_kernel():
+    # what the planner did before (and does where TF would not fuse: float64, GPU plans)
+    (r,) = plan(se_squeeze(), epilogue.NONE).regions
+    assert sorted(r.nodes) == ["ba", "id", "mul", "sig"]
+    (r,) = plan(se_squeeze(dtype="float64")).regions          # oneDNN: float32 only
+    assert sorted(r.nodes) == ["ba", "id", "mul", "sig"]
+
+
+def test_eigen_remapper_fuses_bias_but_not_swish():
+    p = plan(se_squeeze(), epilogue.EIGEN)
+    why = {n: r for n, _, r in p.unfused}
+    assert "TF's remapper" not in why.get("sig", "") and "TF's remapper" not in why.get("mul", "")
+    (conv, bias, acts), = epilogue.find(se_squeeze(), epilogue.EIGEN)
+    assert (conv, bias, acts) == ("conv", ["ba"], [])
+
+
+def test_swish_pattern_needs_identity_anchored_to_a_constant_and_one_reader():
+    assert epilogue.find(se_squeeze(), epilogue.ONEDNN)[0][2] == ["id", "sig", "mul"]
+    assert epilogue.find(se_squeeze(with_identity=False), epilogue.ONEDNN)[0][2] == \
+        ["sig", "mul"]
+    # a control edge on a real op orders something: the remapper would not fuse
+    assert epilogue.find(se_squeeze(anchor="x"), epilogue.ONEDNN)[0][2] == []
+    # depthwise: oneDNN fuses BiasAdd (+ Relu...) but runs swish as an op of its own
+    g = se_squeeze()
+    g["conv"].op = "DepthwiseConv2dNative"
+    assert epilogue.find(g, epilogue.ONEDNN) == [("conv", ["ba"], [])]
+
+
+def relu_then_more_work(second_reader=False):
+    """conv -> BiasAdd -> Relu -> x * 2 + 1 -> Tanh (large): more fusible work after."""
+    shape = (8, 32, 32, 64)
+    b = G().input("x", shape).input("bias", shape[-1:])
+    b = conv(b, "conv", "x", shape)
+    b.composite("ba", "BiasAdd", ["conv", "bias"], data_format="NHWC")
+    b.op("r", "Relu", ["ba"]).op("two", "Const", [], value=2.0, dtype=F, shape=[])
+    b.op("m", "Mul", ["r", "two"]).op("a", "Add", ["m", "two"]).op("t", "Tanh", ["a"])
+    outs = ["t"]
+    if second_reader:
+        b.op("n", "Neg", ["ba"])
+        outs.append("n")
+    return b.build(*outs)
+
+
+def test_work_after_an_epilogue_still_fuses_and_the_epilogue_stays_in_the_conv():
+    p = plan(relu_then_more_work())
+    assert [sorted(r.nodes) for r in p.regions] == [["a", "m", "t"]]
+    why = {n: r for n, _, r in p.unfused}
+    assert set(why) == {"ba", "r"} and "Conv2D + BiasAdd + Relu" in why["r"]
+
+
+def test_a_bias_read_twice_keeps_no_activation_and_its_readers_fuse():
+    g = relu_then_more_work(second_reader=True)
+    assert epilogue.find(g, epilogue.ONEDNN) == [("conv", ["ba"], [])]
+    p = plan(g)
+    fused = {n for r in p.regions for n in r.nodes}
+    assert fused >= {"r", "m", "a", "t", "n"}
+    # the BiasAdd is free in the conv or in the kernel reading it (a tie the search may
+    # break either way); left to TF, the report says why
+    assert all("TF's remapper" in why for n, _, why in p.unfused if n == "ba")
+
+
+def test_a_fused_bias_ends_its_group_in_the_report():
+    g = se_squeeze()
+    epilogue.mark(g, epilogue.ONEDNN)
+    assert epilogue.left_to_tf(g, {"ba", "id", "sig", "mul"}) == {}
+    left = epilogue.left_to_tf(g, {"mul"})          # the swish is broken: bias only
+    assert set(left) == {"ba"} and "Conv2D + BiasAdd," in left["ba"]
+
+
+# ---- end to end ------------------------------------------------------------------------
+
+tf = pytest.importorskip("tensorflow")
+from stitching.tf import remapper  # noqa: E402
+
+
+def conv_block(dtype="float32"):
+    import keras
+    keras.utils.set_random_seed(7)
+    L = keras.layers
+    inp = keras.Input((8, 8, 16), dtype=dtype)
+    a = L.Conv2D(16, 3, padding="same", activation="swish", dtype=dtype)(inp)   # epilogue
+    b = L.Conv2D(16, 1, activation="relu", dtype=dtype)(a)                      # epilogue
+    y = L.Activation("tanh", dtype=dtype)(L.BatchNormalization(dtype=dtype)(b)) + inp
+    return keras.Model(inp, y)
+
+
+def _run(model, dtype, batches=(4,)):
+    import stitching
+    sig = [tf.TensorSpec([None, 8, 8, 16], dtype)]
+    st = stitching.function(lambda x: model(x, training=False), input_signature=sig)
+    ref = tf.function(lambda x: model(x, training=False), input_signature=sig)
+    rng = np.random.default_rng(1)
+    for n in batches:
+        x = tf.constant(rng.standard_normal((n, 8, 8, 16)).astype(dtype))
+        yield st, st(x).numpy(), ref(x).numpy()
+
+
+@pytest.mark.skipif(not remapper.onednn_enabled(),
+                    reason="the kernel count and fused ops are oneDNN's remapper's")
+def test_keras_conv_block_leaves_bias_swish_to_tf_and_matches_it():
+    from tensorflow.python.eager import context
+    model = conv_block()
+    context.enable_run_metadata()          # the graphs TF runs, after its Grappler
+    try:
+        for st, got, want in _run(model, "float32", batches=(4, 7)):   # unknown batch
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        meta = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    (graph,) = {id(fg): fg for fg in meta.function_graphs for pg in fg.partition_graphs
+                for n in pg.node if n.op == "StitchedKernel"}.values()
+    fused = sorted(tuple(s.decode() for s in n.attr["fused_ops"].list.s)
+                   for pg in graph.partition_graphs for n in pg.node if "fused_ops" in n.attr)
+    # both epilogues run inside their convolutions, the swish too (no _MklSwish of its own)
+    assert fused == [("BiasAdd", "Relu"), ("BiasAdd", "_MklSwish")]
+    assert not [n.op for pg in graph.partition_graphs for n in pg.node
+                if n.op in ("_MklSwish", "Sigmoid", "BiasAdd", "Relu")]
+    assert len(st.reports) == 1                                   # one trace
+    rep = st.report.to_dict()
+    assert rep["kernels"] == 1                         # BatchNormalization + tanh + add
+    (k,) = rep["kernel_details"]
+    assert "BiasAdd" not in k["ops"] and "Tanh" in k["ops"]
+    reasons = [u for u in rep["unfused_nodes"] if "remapper" in u["reason"]]
+    assert sorted(u["op"] for u in reasons) == ["BiasAdd", "BiasAdd", "Mul", "Relu", "Sigmoid"]
+
+
+def test_keras_conv_block_float32_error_against_float64_is_tf_s():
+    m32, m64 = conv_block(), conv_block("float64")
+    m64.set_weights([w.astype(np.float64) for w in m32.get_weights()])
+    ((st, got, want),) = list(_run(m32, "float32"))
+    x = np.random.default_rng(1).standard_normal((4, 8, 8, 16)).astype(np.float32)  # _run's
+    exact = m64(tf.constant(x.astype(np.float64)), training=False).numpy()
+    err_st, err_tf = np.abs(got - exact).max(), np.abs(want - exact).max()
+    assert err_st <= 2 * err_tf + 1e-7, (err_st, err_tf)
+
+
+def test_keras_conv_block_in_float64_fuses_its_epilogues_and_stays_exact():
+    model = conv_block("float64")
+    ((st, got, want),) = list(_run(model, "float64"))
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+    rep = st.report.to_dict()
+    assert not any("remapper" in u["reason"] for u in rep["unfused_nodes"])
+    assert rep["kernels"] == 2                         # bias+swish; bias+relu+BN+tanh+add
