@@ -180,6 +180,16 @@ def test_long_rows_split_across_tasks_when_there_are_too_few_rows():
     assert lau.tasks >= CPU.lanes
 
 
+def test_a_tie_goes_to_a_launch_that_keeps_every_lane_busy():
+    """A measured profile where one core already saturates memory makes one task and
+    two tie for a memory-bound kernel; the one-task launch ran swiglu at 64 MiB 1.9x
+    slower (its exp chain is compute-bound per core), so a tie splits."""
+    flat = profiles.with_overrides(CPU, bw_per_lane=CPU.bandwidth,
+                                   transcendental_per_s=1e12)
+    lau = choose_launch(ew_spec(1, 1 << 24), flat)
+    assert lau.tasks >= flat.lanes, lau.describe()
+
+
 def test_a_row_reduction_is_split_only_where_the_schedule_can_combine(monkeypatch):
     spec = ln_spec(2, 1 << 22)
     assert kernel_shape(spec).source == "schedule"       # the CUDA rows do not split
