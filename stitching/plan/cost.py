@@ -27,6 +27,10 @@ levels, as in FusionStitching:
                  bw — a second pass through memory ("resource pressure")
     registers    values live at once beyond the register file: CPU spills to L1, GPU
                  loses occupancy (fewer active lanes)                ("resource pressure")
+    calibrated   both sides' size-dependent parts (all but one launch and task) times the
+                 profile's measured factors (tools/calibrate.py): unfused(op) by its
+                 class's TF factor at its size, fused(P) by the kernel factors of P's
+                 members weighted by their work (calibrated_s, kernel_factor)
 
   latency evaluator  choose_launch(spec)            once per final kernel, from its spec
   ─────────────────────────────────────────────────────────────────────────────────────
@@ -36,7 +40,7 @@ levels, as in FusionStitching:
       tasks = ⌈R/r⌉·⌈L/c⌉        waves = ⌈tasks / resident tasks⌉
       t = launch + waves·(task overhead + max(task bytes / lane bw, compute))
           + scratch or spill + (c < L ? combine pass : 0)
-    The fastest candidate wins: many short rows packed per task, a long row split across
+    The fastest candidate wins (a near-tie: the one keeping every lane busy), many short rows packed per task, a long row split across
     tasks when too few rows would leave lanes idle (AStitch's adaptive thread mapping) —
     where the schedule can split a row (element-wise and column kernels freely; a row
     reduction in phases: partial reductions per piece, combined before the consumers
