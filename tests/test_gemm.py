@@ -86,12 +86,17 @@ def test_run_time_reshape_targets_known_but_for_the_batch_become_constants():
     targets, report = _reshape_targets(_dense, sig)
     assert targets and set(targets) == {"Const"}, targets
     assert any("Reshape target(s) computed at run time" in n for n in report.notes)
-    sf = stitching.function(_dense, input_signature=sig)
-    for batch in (1, 4):
+    _matches_tf(_dense, sig, batches=(1, 4))
+
+
+def _matches_tf(fn, sig, batches):
+    """stitching.function(fn) with ``sig`` equals TF at each batch size, shape [B, 5, 3]."""
+    sf = stitching.function(fn, input_signature=sig)
+    for batch in batches:
         x = RNG.standard_normal((batch, 5, 16)).astype(np.float32)
         got = sf(x)
         assert got.shape == (batch, 5, 3)
-        np.testing.assert_allclose(got.numpy(), tf.function(_dense)(x).numpy(),
+        np.testing.assert_allclose(got.numpy(), tf.function(fn)(x).numpy(),
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -122,10 +127,4 @@ def test_a_dense_after_an_element_wise_op_on_a_dense_folds_too():
     sig = [tf.TensorSpec([None, 5, 16], tf.float32)]
     targets, report = _reshape_targets(_dense_gelu_dense, sig)
     assert len(targets) >= 4 and set(targets) == {"Const"}, targets
-    sf = stitching.function(_dense_gelu_dense, input_signature=sig)
-    for batch in (1, 3):
-        x = RNG.standard_normal((batch, 5, 16)).astype(np.float32)
-        got = sf(x)
-        assert got.shape == (batch, 5, 3)
-        np.testing.assert_allclose(got.numpy(), tf.function(_dense_gelu_dense)(x).numpy(),
-                                   rtol=1e-5, atol=1e-5)
+    _matches_tf(_dense_gelu_dense, sig, batches=(1, 3))

@@ -436,13 +436,9 @@ class _Emitter(Emitter):
         """Units are blocks of cb elements of the segments' concatenated flat space
         (schedule/packed.py): the shared scalars once, then each segment's element
         loop over its part of [lo, hi), indexed by the segment-local j."""
-        shared = self.s.scalars[0]
         w("lo = begin * cb")
         w("hi = min(end * cb, L)")
-        for j in shared.loads:
-            self.load_input(w, -(j + 1), "0")
-        for k in shared.compute:
-            self.compute(w, k)
+        self.packed_scalars(w)
         for p, (off, n) in zip(self.s.passes, self.s.segments):
             self._ew_loop(w, p, {}, f"max(lo - {off}, 0)", f"min(hi - {off}, {n})",
                           flat=True)

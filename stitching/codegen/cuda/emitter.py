@@ -312,15 +312,11 @@ class _CudaEmitter(Emitter):
         (schedule/packed.py), thread g taking flat indices g, g + step, ...: per
         segment [off, off + n), a loop from the first such index >= off, indexed by the
         segment-local j.  The shared scalars are computed once per thread."""
-        shared = self.s.scalars[0]
         with self.kernel(w, "k_pk", []):
             self.prologue(w)
             w("g = cuda.grid(1)")
             w("step = cuda.gridsize(1)")
-            for j in shared.loads:
-                self.load_input(w, -(j + 1), "0")
-            for k in shared.compute:
-                self.compute(w, k)
+            self.packed_scalars(w)
             for p, (off, n) in zip(self.s.passes, self.s.segments):
                 first = f"g if g >= {off} else g + ({off} - g + step - 1) // step * step"
                 with w.block(f"for f in range({first}, {off + n}, step):"):

@@ -300,6 +300,15 @@ class Emitter:
         same.update(name for (c, _, _), name in self.C.names.items() if c == cd)
         w(f"{self.var(k)} = {typed(cd, expr, same)}")
 
+    def packed_scalars(self, w) -> None:
+        """A packed kernel's shared scalars (schedule/packed.py: values every segment
+        reads), loaded and computed once before the segments' loops."""
+        shared = self.s.scalars[0]
+        for j in shared.loads:
+            self.load_input(w, -(j + 1), "0")
+        for k in shared.compute:
+            self.compute(w, k)
+
     def finalize(self, w, k: int, acc: str, count: str) -> None:
         r = lower.reduction(self.spec, k, self.C)
         w(f"v{k} = {r.final.format(a=acc, n=count)}")
