@@ -131,7 +131,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
             gdef = expanded if expanded is not None else folded
             tf_graph = frontend.import_for_shapes(gdef, resources)
         ir = frontend.to_ir(tf_graph, list(fetches))
-        for n in _shape_arithmetic(gdef) & ir.nodes.keys():
+        shape_math = _shape_arithmetic(gdef)
+        for n in shape_math & ir.nodes.keys():
             ir[n].attrs.setdefault("unfusible", SHAPE_MATH)
         remapper.mark(ir, profiles.default())   # conv epilogues TF fuses (plan/epilogue.py)
         # A large graph not compiled before will likely need Numba: start the compile
@@ -178,7 +179,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     prune.bypass_inlined_identities(new_gdef, list(fetches) + list(keep))
     prune.merge_constants(new_gdef, list(fetches) + list(keep))
     prune.dead_nodes(new_gdef, list(fetches) + list(keep))   # what only regions read
-    rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed)
+    rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed,
+                       shape_math)
     if options.autotune:
         rep.autotune = autotune.mark(new_gdef, the_plan, regions, kernel_names,
                                      options.autotune_margin)
@@ -288,9 +290,9 @@ def _compile(regions, options, workers=None):
     return ok, [by_hash[r.spec.hash] for r in ok], failed
 
 
-def _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed):
+def _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed,
+                 shape_math):
     tf_op = {n.name: n.op for n in gdef.node}
-    shape_math = _shape_arithmetic(gdef)
     mem = {n for n, op in tf_op.items()
            if opnames.is_memory_intensive(op) and n not in shape_math}
     fused = {m for r in regions for m in r.nodes}
