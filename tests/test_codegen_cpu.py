@@ -703,6 +703,31 @@ def test_column_reductions_with_few_columns_split_their_rows_in_phases(dtype):
                            f"{op}[{dtype}] split column {shape}", 2e-6)
 
 
+def test_column_kernel_with_few_kept_indices_cuts_rows_for_balanced_units():
+    """Squeeze-excite over NHWC [5, 57*57, 256]: 5 kept indices of one 256-column block
+    would be 5 units, one thread of two idle for a sixth of the call; with fewer than
+    COL_UNITS column units the shape function cuts the rows into chunks (4 per index:
+    20 units, partials combined in a second phase), from 8 indices on it does not; the
+    results equal float64, NaN included."""
+    from stitching.schedule.schedule import COL_SPLIT_UNITS, COL_UNITS
+    b = SpecBuilder()
+    x = b.input("float32", (-1, -1, 256))
+    y = b.Mul(x, b.Sigmoid(b.Mean(x, axes=[1], keep_dims=True)))
+    k = build(b, [y])
+    assert k.schedule.kind == KernelKind.COLUMN
+    assert COL_UNITS == 8
+    for n, want, phases in [(1, 16, 2), (3, 18, 2), (5, 20, 2), (8, 8, 1), (16, 16, 1)]:
+        rc, dims, _, units, _, ph, _ = k.shapes([(n, 3249, 256)])
+        assert (rc, units, ph) == (0, want, phases), (n, units, ph)
+        if n < COL_UNITS:
+            assert dims[3] == -(-COL_SPLIT_UNITS // n)          # row chunks per index
+    for n in (5, 8):
+        X = RNG.standard_normal((n, 300, 256)).astype(np.float32)
+        X[2, 7, 5] = np.nan
+        ref = f64(X) / (1 + np.exp(-f64(X).mean(1, keepdims=True)))
+        assert_matches(k(X)[0], ref, "float32", f"squeeze-excite [{n}, 300, 256]", 2e-6)
+
+
 def test_split_column_kernel_with_consumers_matches_float64():
     """Batch-norm statistics (3 passes, mean and variance stored: a last phase) and
     centring (2 passes, nothing stored per column: no last phase), chunked."""

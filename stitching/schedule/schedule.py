@@ -38,8 +38,12 @@ from .passes import KernelKind, Placement
 ROW_UNIT_ELEMS = 4096     # tuned: a row unit touches >= ~16 KiB, per-unit overhead < 1%
 EW_BLOCK = 16384          # tuned: elements per element-wise unit (64 KiB of float32)
 COL_BLOCK = 2048          # tuned: widest column block (the per-row loop entry cost
-COL_UNITS = 4             #   amortizes over wide blocks) ... narrowed until a column
-COL_BLOCK_MIN = 64        #   kernel has COL_UNITS units (2 threads x 2), not below 64
+COL_UNITS = 8             #   amortizes over wide blocks) ... narrowed until a column
+COL_BLOCK_MIN = 64        #   kernel has COL_UNITS units, not below 64 columns.  8, not
+                          #   the 4 (2 threads x 2) it was: 5 units on 2 threads idle
+                          #   one for a sixth of the call; now such a kernel cuts its
+                          #   rows (squeeze-excite [5, 57, 57, 256]: 5 -> 20 units, 1.17
+                          #   -> 1.29x XLA); 16 measured slower (4m, 64m: narrow blocks)
 COL_SPLIT_UNITS = 16      # tuned: fewer column units than COL_UNITS: cut the reduced
 COL_CHUNK_ROWS = 128      #   rows into chunks for ~16 units, each >= 128 rows (cpu/emitter.py)
 
