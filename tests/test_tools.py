@@ -192,3 +192,27 @@ def test_op_breakdown_groups_executor_ops_and_xla_thunks_per_call():
             ev.stats.add(metadata_id=1)
     rows = op_breakdown.group_events(space, calls=2)
     assert rows == {"_MklMatMul": 200.0, "GatherV2": 20.0, "dot": 50.0, "MatMul": 30.0}
+
+
+def test_gemm_probe_states_tfs_single_thread_line_and_keeps_other_sections(tmp_path):
+    """tools/gemm_probe.py: TF's oneDNN MatMul runs a product on one thread when
+    4 (MN + K(M+N)) < L2; on a 2 MiB L2 that is the Transformer's feed-forward product
+    at M = 128 but not at 256 (1 MiB L2: neither). Its section joins BENCHMARKS.md and
+    leaves the others as they are."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import gemm_probe
+    assert gemm_probe.single_threaded(128, 256, 1024, 2 << 20)
+    assert gemm_probe.single_threaded(204, 256, 1024, 2 << 20)
+    assert not gemm_probe.single_threaded(205, 256, 1024, 2 << 20)
+    assert not gemm_probe.single_threaded(128, 256, 1024, 1 << 20)
+    rows = [dict(m=128, single=True, matmul=455.0, bmm=377.0, cond=430.0, xla=330.0),
+            dict(m=256, single=False, matmul=557.0, bmm=600.0, cond=607.0, xla=555.0)]
+    head, body = gemm_probe.table(rows)
+    assert body[0][1].startswith("1 ") and body[1][1] == "all"
+    assert body[0][-1] == "0.73x" and body[1][-1] == "1.00x"
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# Benchmarks\n\n<!-- suite:models -->\n## models\nkept\n<!-- /suite:models -->\n")
+    from bench_lib.output import replace_sections
+    replace_sections(str(out), {"gemm": gemm_probe._markdown(rows, "measured here")})
+    text = out.read_text()
+    assert "kept" in text and "<!-- suite:gemm -->" in text and "| 128 | 1 (operands < L2) |" in text

@@ -1,0 +1,164 @@
+"""TF's GEMM against XLA's at the Transformer's sizes: why batch 1 is not won by fusion.
+
+    python tools/gemm_probe.py                       # table on stdout
+    python tools/gemm_probe.py --markdown BENCHMARKS.md
+
+Stitching leaves matrix products to TF's kernels (it only rewrites their layout,
+tf/gemm.py and tf/einsum.py).  At batch 1 the models suite's Transformer encoder spends
+most of its time in the feed-forward products [M, 256] x [256, 1024] and
+[M, 1024] x [1024, 256] with M = 128 (the sequence), and there TF's product is slower
+than XLA's dot.  The cause is in TF, not in the fused kernels: TF's oneDNN ``MatMul``
+runs a product on one thread when its operands fit in one core's L2,
+``4 (M N + K (M + N)) < L2`` (``ExecuteSingleThreadedGemm``,
+tensorflow/core/kernels/mkl/mkl_matmul_ops_common.h), which on a 2 MiB L2 holds for
+the feed-forward products up to M = 204.
+
+This probe times, per product, a chain of 16 alternating products (256 -> 1024 -> 256)
+in one ``tf.function`` with the batch unknown, as:
+
+- ``MatMul``: what TF runs (and what the stitched graph runs);
+- ``BatchMatMulV2``: the same product as [1, M, K] x [K, N], which TF runs on all
+  threads whatever its size;
+- ``tf.cond``: chooses between the two at run time from M (the choice a rewrite
+  would need, since the batch is unknown when the graph is rewritten);
+- XLA's dot (``jit_compile=True``).
+
+Each cell is the fastest of ``--rounds`` medians of ``--calls`` calls; modes are
+interleaved per round.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+K, N = 256, 1024                      # the models suite's Transformer: d_model, ff
+CHAIN = 8                             # pairs of products per call
+MODES = ("matmul", "bmm", "cond", "xla")
+
+
+def l2_bytes() -> int:
+    """One core's L2 as Linux reports it (what TF's heuristic reads through Eigen)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from stitching.plan import profiles
+    return profiles._cache_sizes().get("l2", 0)
+
+
+def single_threaded(m: int, k: int, n: int, l2: int) -> bool:
+    """TF's oneDNN MatMul runs this product on one thread (ExecuteSingleThreadedGemm)."""
+    return 4 * (m * n + k * (m + n)) < l2
+
+
+def _functions(l2: int):
+    import tensorflow as tf
+    rng = np.random.default_rng(0)
+    w1 = tf.Variable(rng.standard_normal((K, N), dtype=np.float32) * 0.05)
+    w2 = tf.Variable(rng.standard_normal((N, K), dtype=np.float32) * 0.05)
+
+    def mm(x, w):
+        return tf.matmul(x, w)
+
+    def bmm(x, w):
+        return tf.squeeze(tf.matmul(tf.expand_dims(x, 0), w), 0)
+
+    def cond(x, w):
+        k, n = w.shape
+        # BatchMatMulV2 where TF would run MatMul on one thread (M below the L2 line)
+        hi = (l2 // 4 - k * n) // (k + n)
+        return tf.cond(tf.shape(x)[0] < hi, lambda: bmm(x, w), lambda: mm(x, w))
+
+    def chain(f):
+        def run(x):
+            for _ in range(CHAIN):
+                x = f(f(x, w1), w2)
+            return x
+        return run
+
+    sig = [tf.TensorSpec([None, K], tf.float32)]
+    out = {m: tf.function(chain(f), input_signature=sig)
+           for m, f in (("matmul", mm), ("bmm", bmm), ("cond", cond))}
+    out["xla"] = tf.function(chain(mm), input_signature=sig, jit_compile=True)
+    return out
+
+
+def measure(sizes, calls: int, rounds: int) -> list[dict]:
+    import tensorflow as tf
+    l2 = l2_bytes()
+    fns = _functions(l2)
+    rows = []
+    for m in sizes:
+        x = tf.constant(np.random.default_rng(1).standard_normal((m, K), dtype=np.float32))
+        best = {k: float("inf") for k in fns}
+        for f in fns.values():
+            for _ in range(3):
+                f(x)
+        for _ in range(rounds):
+            for name, f in fns.items():
+                ts = []
+                for _ in range(calls):
+                    t = time.perf_counter()
+                    f(x)
+                    ts.append(time.perf_counter() - t)
+                best[name] = min(best[name], float(np.median(ts)) / (2 * CHAIN) * 1e6)
+        rows.append(dict(m=m, single=single_threaded(m, K, N, l2), **best))
+    return rows
+
+
+def table(rows) -> tuple[list, list]:
+    head = ["M", "TF MatMul threads", "MatMul us", "BatchMatMulV2 us", "tf.cond us",
+            "XLA dot us", "MatMul vs XLA"]
+    body = [[str(r["m"]), "1 (operands < L2)" if r["single"] else "all",
+             f"{r['matmul']:.0f}", f"{r['bmm']:.0f}", f"{r['cond']:.0f}",
+             f"{r['xla']:.0f}", f"{r['xla'] / r['matmul']:.2f}x"] for r in rows]
+    return head, body
+
+
+def _markdown(rows, meta: str) -> str:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_lib.output import render_markdown
+    return "\n".join([
+        "<!-- suite:gemm -->", "## gemm (TF's matrix product vs XLA's, Transformer sizes)", "",
+        meta, "",
+        f"Per product of a chain [M, {K}] x [{K}, {N}] x [{N}, {K}] ... (16 products in "
+        "one function, batch unknown); `tools/gemm_probe.py` says what each column runs.",
+        "", render_markdown(*table(rows)), "",
+        "- At batch 1 (M = 128) TF's MatMul runs on one thread and loses to XLA's dot; "
+        "BatchMatMulV2 runs on both but loses from M = 256 on; tf.cond pays its "
+        "dispatch on every product. This is the Transformer's batch-1 gap to XLA "
+        "(README, Limits).",
+        "<!-- /suite:gemm -->"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="64,128,192,256,512,1024", help="values of M")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--markdown", metavar="PATH")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows = measure(sizes, args.calls, args.rounds)
+    head, body = table(rows)
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    for line in [head] + body:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    if args.markdown:
+        import platform
+
+        import tensorflow as tf
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_lib.output import replace_sections
+        meta = (f"Measured {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on "
+                f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, "
+                f"L2 {l2_bytes() >> 10} KiB per core), TensorFlow {tf.__version__}; load "
+                f"average {os.getloadavg()[0]:.2f}; command `python tools/gemm_probe.py "
+                f"--sizes {args.sizes} --calls {args.calls} --rounds {args.rounds}`.")
+        replace_sections(args.markdown, {"gemm": _markdown(rows, meta)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
