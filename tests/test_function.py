@@ -400,11 +400,15 @@ def test_a_single_long_row_is_split_across_threads_in_phases(which, monkeypatch)
     assert np.isnan(f(tf.constant(x)).numpy()).all()
 
 
-def test_compile_workers_start_early_only_for_large_graphs_not_seen_before(monkeypatch):
+def test_compile_workers_start_early_only_for_large_graphs_not_seen_before(monkeypatch,
+                                                                          tmp_path):
     """pipeline: a graph of >= 300 nodes not compiled before prestarts the compile
     workers while it is planned; the same graph again (a new process would see the
-    marker in the kernel cache too) and small graphs do not."""
-    from stitching.compile import parallel
+    marker in the kernel cache too) and small graphs do not.  A cache directory of its
+    own: in a cache that has compiled this graph before, it is seen from the start."""
+    from stitching.compile import kernel, parallel
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    kernel.clear_memory_cache()
     calls = []
     real = parallel.prestart
     monkeypatch.setattr(parallel, "prestart",
