@@ -213,6 +213,9 @@ def test_gemm_probe_states_tfs_single_thread_line_and_keeps_other_sections(tmp_p
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\n<!-- suite:models -->\n## models\nkept\n<!-- /suite:models -->\n")
     from bench_lib.output import replace_sections
-    replace_sections(str(out), {"gemm": gemm_probe._markdown(rows, "measured here")})
+    blocks = [dict(m=128, matmul=1076.0, bmm=927.0, split=791.0, xla=834.0)]
+    assert gemm_probe.block_table(blocks)[1][0][-1] == "1.36x"
+    replace_sections(str(out), {"gemm": gemm_probe._markdown(rows, blocks, "measured here")})
     text = out.read_text()
     assert "kept" in text and "<!-- suite:gemm -->" in text and "| 128 | 1 (operands < L2) |" in text
+    assert "| 128 | 1076 | 927 | 791 | 834 | 1.36x |" in text

@@ -23,6 +23,13 @@ in one ``tf.function`` with the batch unknown, as:
   would need, since the batch is unknown when the graph is rewritten);
 - XLA's dot (``jit_compile=True``).
 
+A second table times whole feed-forward blocks (``relu(x W1 + b1) W2 + b2 + x``, four
+in a chain) as TF runs them, as XLA does, with both products as ``BatchMatMulV2``, and
+split by rows into two halves that TF runs concurrently (``Split`` on the rows aliases
+the input; each half's products fall under the one-thread line, so the two halves use
+both cores; a ``ConcatV2`` joins them): the graph-level way around the one-thread line,
+and what it costs at batch 8.
+
 Each cell is the fastest of ``--rounds`` medians of ``--calls`` calls; modes are
 interleaved per round.
 """
@@ -84,27 +91,76 @@ def _functions(l2: int):
     return out
 
 
-def measure(sizes, calls: int, rounds: int) -> list[dict]:
+BLOCKS = 4                            # feed-forward blocks per call
+
+
+def _block_functions():
     import tensorflow as tf
-    l2 = l2_bytes()
-    fns = _functions(l2)
-    rows = []
-    for m in sizes:
-        x = tf.constant(np.random.default_rng(1).standard_normal((m, K), dtype=np.float32))
-        best = {k: float("inf") for k in fns}
-        for f in fns.values():
-            for _ in range(3):
+    rng = np.random.default_rng(2)
+    w1 = [tf.Variable(rng.standard_normal((K, N), dtype=np.float32) * 0.05)
+          for _ in range(BLOCKS)]
+    w2 = [tf.Variable(rng.standard_normal((N, K), dtype=np.float32) * 0.05)
+          for _ in range(BLOCKS)]
+    b1 = [tf.Variable(np.zeros(N, np.float32)) for _ in range(BLOCKS)]
+    b2 = [tf.Variable(np.zeros(K, np.float32)) for _ in range(BLOCKS)]
+
+    def block(x, i, mm=tf.matmul):
+        h = tf.nn.relu(tf.nn.bias_add(mm(x, w1[i]), b1[i]))
+        return tf.nn.bias_add(mm(h, w2[i]), b2[i]) + x
+
+    def bmm(x, w):
+        return tf.squeeze(tf.matmul(tf.expand_dims(x, 0), w), 0)
+
+    def plain(x):
+        for i in range(BLOCKS):
+            x = block(x, i)
+        return x
+
+    def as_bmm(x):
+        for i in range(BLOCKS):
+            x = block(x, i, bmm)
+        return x
+
+    def split(x):
+        for i in range(BLOCKS):
+            top, bottom = tf.split(x, 2, axis=0)
+            x = tf.concat([block(top, i), block(bottom, i)], 0)
+        return x
+
+    sig = [tf.TensorSpec([None, K], tf.float32)]
+    out = {m: tf.function(f, input_signature=sig)
+           for m, f in (("matmul", plain), ("bmm", as_bmm), ("split", split))}
+    out["xla"] = tf.function(plain, input_signature=sig, jit_compile=True)
+    return out
+
+
+def _time(fns, m: int, calls: int, rounds: int, per_call: int) -> dict:
+    """Microseconds per ``per_call``-th of a call, each mode's fastest round median."""
+    import tensorflow as tf
+    x = tf.constant(np.random.default_rng(1).standard_normal((m, K), dtype=np.float32))
+    best = {k: float("inf") for k in fns}
+    for f in fns.values():
+        for _ in range(3):
+            f(x)
+    for _ in range(rounds):
+        for name, f in fns.items():
+            ts = []
+            for _ in range(calls):
+                t = time.perf_counter()
                 f(x)
-        for _ in range(rounds):
-            for name, f in fns.items():
-                ts = []
-                for _ in range(calls):
-                    t = time.perf_counter()
-                    f(x)
-                    ts.append(time.perf_counter() - t)
-                best[name] = min(best[name], float(np.median(ts)) / (2 * CHAIN) * 1e6)
-        rows.append(dict(m=m, single=single_threaded(m, K, N, l2), **best))
-    return rows
+                ts.append(time.perf_counter() - t)
+            best[name] = min(best[name], float(np.median(ts)) / per_call * 1e6)
+    return best
+
+
+def measure(sizes, calls: int, rounds: int) -> tuple[list[dict], list[dict]]:
+    """(per-product rows, per-block rows) for each M in ``sizes``."""
+    l2 = l2_bytes()
+    fns, blocks = _functions(l2), _block_functions()
+    products = [dict(m=m, single=single_threaded(m, K, N, l2),
+                     **_time(fns, m, calls, rounds, 2 * CHAIN)) for m in sizes]
+    per_block = [dict(m=m, **_time(blocks, m, calls, rounds, BLOCKS)) for m in sizes]
+    return products, per_block
 
 
 def table(rows) -> tuple[list, list]:
@@ -116,7 +172,15 @@ def table(rows) -> tuple[list, list]:
     return head, body
 
 
-def _markdown(rows, meta: str) -> str:
+def block_table(rows) -> tuple[list, list]:
+    head = ["M", "MatMul us", "BatchMatMulV2 us", "row halves us", "XLA us",
+            "row halves vs MatMul"]
+    body = [[str(r["m"]), f"{r['matmul']:.0f}", f"{r['bmm']:.0f}", f"{r['split']:.0f}",
+             f"{r['xla']:.0f}", f"{r['matmul'] / r['split']:.2f}x"] for r in rows]
+    return head, body
+
+
+def _markdown(rows, blocks, meta: str) -> str:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_lib.output import render_markdown
     return "\n".join([
@@ -125,9 +189,12 @@ def _markdown(rows, meta: str) -> str:
         f"Per product of a chain [M, {K}] x [{K}, {N}] x [{N}, {K}] ... (16 products in "
         "one function, batch unknown); `tools/gemm_probe.py` says what each column runs.",
         "", render_markdown(*table(rows)), "",
+        f"Per feed-forward block relu(x W1 + b1) W2 + b2 + x ({BLOCKS} in one function):",
+        "", render_markdown(*block_table(blocks)), "",
         "- At batch 1 (M = 128) TF's MatMul runs on one thread and loses to XLA's dot; "
         "BatchMatMulV2 runs on both but loses from M = 256 on; tf.cond pays its "
-        "dispatch on every product. This is the Transformer's batch-1 gap to XLA "
+        "dispatch on every product; two row halves run concurrently win at M = 128 "
+        "and lose at M = 1024. This is the Transformer's batch-1 gap to XLA "
         "(README, Limits).",
         "<!-- /suite:gemm -->"])
 
@@ -140,11 +207,12 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", metavar="PATH")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    rows = measure(sizes, args.calls, args.rounds)
-    head, body = table(rows)
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    for line in [head] + body:
-        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    rows, blocks = measure(sizes, args.calls, args.rounds)
+    for head, body in (table(rows), block_table(blocks)):
+        widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+        for line in [head] + body:
+            print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+        print()
     if args.markdown:
         import platform
 
@@ -156,7 +224,7 @@ def main(argv=None) -> int:
                 f"L2 {l2_bytes() >> 10} KiB per core), TensorFlow {tf.__version__}; load "
                 f"average {os.getloadavg()[0]:.2f}; command `python tools/gemm_probe.py "
                 f"--sizes {args.sizes} --calls {args.calls} --rounds {args.rounds}`.")
-        replace_sections(args.markdown, {"gemm": _markdown(rows, meta)})
+        replace_sections(args.markdown, {"gemm": _markdown(rows, blocks, meta)})
     return 0
 
 
