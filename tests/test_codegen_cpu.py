@@ -659,7 +659,6 @@ def test_column_reduction_with_consumers_batchnorm():
     for shape in [(8, 50, 300), (1, 1, 300), (0, 4, 300)]:
         X = RNG.standard_normal(shape).astype(np.float32) * 2 + 3
         G = RNG.standard_normal(300).astype(np.float32)
-        ry, rm, rv = y_, m_, v_ = None, None, None
         x64 = f64(X)
         with np.errstate(all="ignore"):
             rm = x64.mean((0, 1), keepdims=True)

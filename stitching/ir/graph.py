@@ -14,7 +14,7 @@ planner never edits the graph, it returns groups of node names (see plan/).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple
+from typing import Iterable, NamedTuple
 
 from . import dtypes as _dt
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 from . import dtypes as dt
-from .graph import GraphError, broadcast_shapes
+from .graph import GraphError, TensorType, broadcast_shapes
 
 
 class Kind(enum.IntEnum):
@@ -169,9 +168,8 @@ def kind_of(op: str) -> Kind:
 
 # ---- dtype and shape inference (used by the frontend and by spec validation)
 
-def infer(op: str, attrs: dict, in_types: list) -> "TensorType":
+def infer(op: str, attrs: dict, in_types: list) -> TensorType:
     """Output type of one node; raises ValueError naming the problem."""
-    from .graph import TensorType
     d = OPS.get(op)
     if d is None:
         raise ValueError(f"op {op!r} is not in the op table")

@@ -18,12 +18,15 @@ planner stays as the ``baseline`` for ablations.)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from ..ir import Graph, ValueRef
+from ..ir import Graph
 from . import legality as _fus
 from .acyclic import Reach, indexed, mask_of
-from .region import Region, extract
+from .region import extract
+
+if TYPE_CHECKING:
+    from ..ir.spec import KernelSpec
 
 Legal = Callable[["KernelSpec"], "str | None"]
 

@@ -43,8 +43,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from ...ir.graph import TensorType
 from ...ir.ops import infer
 from ...ir.spec import KernelSpec, SpecNode
