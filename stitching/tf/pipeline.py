@@ -39,7 +39,7 @@ from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import (autotune, bcast, dump, einsum, forward, frontend, gemm, grappler, opnames,
-               original, prune, remapper, rewrite, shapes, sparse_xent)
+               original, prune, remapper, rewrite, seqsplit, shapes, sparse_xent)
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -105,6 +105,29 @@ def early_workers():
     return parallel.Workers(1)
 
 
+def _seq_split(gdef, tf_graph, fetches, keep, options, resources):
+    """(graph, its shapes, report note): token-wise blocks split along the sequence
+    (tf/seqsplit.py) where TF would run their products on one thread at batch 1."""
+    if not options.seq_split:
+        return gdef, tf_graph, None
+    l2 = profiles._cache_sizes().get("l2", 0)
+    fetched = {f.split(":")[0] for f in list(fetches) + list(keep)}
+    blocks = seqsplit.find(tf_graph, fetched, l2)
+    if not blocks:
+        return gdef, tf_graph, None
+    new = seqsplit.rewrite(gdef, blocks)
+    new_graph = frontend.import_for_shapes(new, resources)
+    bad = seqsplit.halves_match(blocks, new_graph)
+    if bad is not None:
+        return gdef, tf_graph, f"token-wise blocks left whole: {bad} (tf/seqsplit.py)"
+    ops = sum(len(b.ops) for b, _ in blocks)
+    return new, new_graph, (
+        f"{len(blocks)} token-wise block(s) ({ops} TF ops) run as two halves of the "
+        f"sequence: at batch 1 TF runs their products on one thread (operands under "
+        f"L2, {l2 >> 10} KiB), the halves use both cores (tf/seqsplit.py; "
+        f"Options(seq_split=False) keeps them whole)")
+
+
 def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
                      name: str = "?", resources: dict | None = None,
                      workers=None) -> StitchResult:
@@ -130,6 +153,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         if folded is not None or expanded is not None:
             gdef = expanded if expanded is not None else folded
             tf_graph = frontend.import_for_shapes(gdef, resources)
+        gdef, tf_graph, seq_note = _seq_split(gdef, tf_graph, fetches, keep, options,
+                                              resources)
         ir = frontend.to_ir(tf_graph, list(fetches))
         shape_math = _shape_arithmetic(gdef)
         for n in shape_math & ir.nodes.keys():
@@ -205,6 +230,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
                          f"MatMul each, {biases} with the bias Add after it as the MatMul's "
                          f"BiasAdd (tf/gemm.py; Options(gemm=False) keeps them)")
+    if seq_note:
+        rep.notes.append(seq_note)
     if einsums:
         rep.notes.append(f"{len(einsums)} Einsum node(s) run as one BatchMatMulV2 each, their "
                          "operand and result transposes as row gathers (tf/einsum.py; "
