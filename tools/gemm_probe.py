@@ -193,8 +193,9 @@ def _markdown(rows, blocks, meta: str) -> str:
         "", render_markdown(*block_table(blocks)), "",
         "- At batch 1 (M = 128) TF's MatMul runs on one thread and loses to XLA's dot; "
         "BatchMatMulV2 runs on both but loses from M = 256 on; tf.cond pays its "
-        "dispatch on every product; two row halves run concurrently win at M = 128 "
-        "and lose at M = 1024. This is the Transformer's batch-1 gap to XLA "
+        "dispatch on every product; two row halves run side by side win at M = 128 "
+        "and are even at M = 1024 (tf/seqsplit.py does this in the graph). This was the "
+        "Transformer's batch-1 gap to XLA "
         "(README, Limits).",
         "<!-- /suite:gemm -->"])
 

@@ -4,6 +4,8 @@
                                           optimizer, as tf.function runs them;
                                           then frontend.bypass_identity_n)
     import   frontend.import_for_shapes   (TF shape inference)
+    seqsplit tf.seqsplit.find/rewrite     (token-wise blocks whose products TF runs on one
+                                          thread at batch 1 -> two halves of the sequence)
     lift     frontend.to_ir               (TF nodes -> IR nodes)
     remapper remapper.mark                (conv epilogues TF's remapper fuses: priced as
                                           free by the cost model, plan/epilogue.py)
