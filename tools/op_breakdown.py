@@ -2,6 +2,7 @@
 
     python tools/op_breakdown.py --batch 1                 # the models suite's Transformer
     python tools/op_breakdown.py --batch 8 --layers 2 --modes xla,stitched
+    python tools/op_breakdown.py --model resnet50 --modes tf,stitched  # any models-suite model
 
 Each mode runs ``--calls`` calls under TF's profiler (``tf.profiler.experimental``);
 the trace's host events are summed per op class and divided by the calls:
@@ -63,12 +64,19 @@ def op_class(name: str, xla_thunk: bool) -> str | None:
     return name.rsplit(":", 1)[1] or None        # executor: "node/name:OpType"
 
 
-def _model(layers: int):
+def _model(name: str, layers: int):
+    """(keras model, per-example input shape, the input at ``batch``): the models suite's
+    case ``name``; the Transformer at ``layers`` layers."""
     import keras
     from stitching.testing import models
+    if name != "transformer":
+        case = models.get(name)
+        return case.model, tuple(case.input_shape), case.inputs
     keras.utils.set_random_seed(1)
     cfg = dict(models.TRANSFORMER_CONFIG, num_layers=layers)
-    return models.transformer_encoder(**cfg), (cfg["seq_len"], cfg["d_model"])
+    shape = (cfg["seq_len"], cfg["d_model"])
+    return models.transformer_encoder(**cfg), shape, lambda b: (
+        np.random.default_rng(0).standard_normal((b,) + shape, dtype=np.float32),)
 
 
 def _modes(fn, sig, wanted):
@@ -132,6 +140,8 @@ def _wall(modes, x, calls) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="transformer",
+                    help="a models-suite case (tools/bench.py --list)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=4, help="Transformer layers (suite: 4)")
     ap.add_argument("--modes", default="tf,xla,stitched")
@@ -139,16 +149,20 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=14, help="rows per mode")
     args = ap.parse_args(argv)
     import tensorflow as tf
-    model, shape = _model(args.layers)
+    try:
+        model, shape, inputs = _model(args.model, args.layers)
+    except KeyError as e:
+        raise SystemExit(e.args[0]) from None
     sig = (tf.TensorSpec((None,) + shape, tf.float32),)
     modes = _modes(lambda t: model(t, training=False), sig, args.modes.split(","))
-    x = tf.constant(np.random.default_rng(0).standard_normal((args.batch,) + shape,
-                                                              dtype=np.float32))
+    x = tf.constant(inputs(args.batch)[0])
     for f in modes.values():
         for _ in range(3):
             f(x)
     wall = _wall(modes, x, max(args.calls, 10))
-    print(f"Transformer {args.layers} layers, batch {args.batch}; load average "
+    what = (f"Transformer {args.layers} layers" if args.model == "transformer"
+            else args.model)
+    print(f"{what}, batch {args.batch}; load average "
           f"{os.getloadavg()[0]:.2f}; wall ms per call (median, interleaved): "
           + ", ".join(f"{m} {v:.3f}" for m, v in wall.items()))
     for m, f in modes.items():

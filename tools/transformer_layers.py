@@ -19,7 +19,7 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
-def run(layers: int, batch: int, repeats: int) -> dict:
+def run(layers: int, batch: int, repeats: int, whole: bool = False) -> dict:
     import keras
     import numpy as np
     import tensorflow as tf
@@ -38,8 +38,11 @@ def run(layers: int, batch: int, repeats: int) -> dict:
     modes = {"tf": tf.function(fn, input_signature=sig),
              "xla": tf.function(fn, input_signature=sig, jit_compile=True),
              "stitched": stitching.function(fn, input_signature=sig)}
+    if whole:       # the A/B of tf/seqsplit.py: token-wise blocks kept whole
+        modes["whole"] = stitching.function(
+            fn, input_signature=sig, options=stitching.Options(seq_split=False))
     ref = modes["tf"](x).numpy()
-    for name in ("xla", "stitched"):
+    for name in [m for m in modes if m != "tf"]:
         np.testing.assert_allclose(modes[name](x).numpy(), ref, rtol=1e-3, atol=1e-3,
                                    err_msg=name)
     t = time_modes([Runner(k, f) for k, f in modes.items()], (x,), repeats=repeats, warmup=1)
@@ -53,12 +56,16 @@ def main(argv=None):
     ap.add_argument("--layers", default="2,8,24", help="comma-separated depths")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--whole", action="store_true",
+                    help="also time stitching with Options(seq_split=False)")
     args = ap.parse_args(argv)
     for layers in (int(n) for n in args.layers.split(",")):
-        m = run(layers, args.batch, args.repeats)
+        m = run(layers, args.batch, args.repeats, args.whole)
+        extra = (f"; whole blocks {m['whole']:.1f} ms (split vs whole "
+                 f"{m['whole'] / m['stitched']:.3f}x)" if args.whole else "")
         print(f"layers {layers} batch {args.batch}: TF {m['tf']:.1f} ms, XLA {m['xla']:.1f} ms, "
               f"stitched {m['stitched']:.1f} ms; stitched vs XLA {m['xla'] / m['stitched']:.3f}x, "
-              f"vs TF {m['tf'] / m['stitched']:.3f}x; {m['kernels']} kernels", flush=True)
+              f"vs TF {m['tf'] / m['stitched']:.3f}x; {m['kernels']} kernels{extra}", flush=True)
 
 
 if __name__ == "__main__":
