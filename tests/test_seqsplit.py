@@ -25,9 +25,9 @@ def _note(report):
     return [n for n in report.notes if "token-wise" in n]
 
 
-def _graph(model, seq, d):
+def _graph(model, seq, d, batch=None):
     f = tf.function(lambda t: model(t, training=False),
-                    input_signature=[tf.TensorSpec([None, seq, d], tf.float32)])
+                    input_signature=[tf.TensorSpec([batch, seq, d], tf.float32)])
     cf = f.get_concrete_function()
     fetches = [t.name for t in cf.outputs]
     gdef = grappler.optimize(cf.graph.as_graph_def(), fetches)
@@ -99,6 +99,27 @@ def test_blocks_are_found_only_where_tf_would_run_the_product_on_one_thread():
     assert seqsplit.find(g, fetched, 1 << 20) == []
     gdef2, g2, fetched2 = _graph(_ffn_block(d=64, ff=256, name="n"), 128, 64)
     assert seqsplit.find(g2, fetched2, L2) == []
+
+
+def test_a_known_batch_decides_by_its_rows():
+    """Traced at one batch size, the product's rows are B T: at batch 1 TF runs it on one
+    thread (split: the Tensordot's constant targets [128, 256] and [1, 128, 1024] get
+    their halves' own), at batch 4 (512 rows, 3.7 MB of operands) on both (left whole,
+    the split would only add its copies); an unknown batch is planned for batch 1."""
+    model = _ffn_block(name="kb")
+    for batch, want in ((None, 1), (1, 1), (4, 0)):
+        gdef, g, fetched = _graph(model, 128, 256, batch)
+        assert len(seqsplit.find(g, fetched, L2)) == want, batch
+    ref = tf.function(lambda t: model(t, training=False))
+    for batch, split in ((1, True), (4, False)):
+        # the first call traces the exact shape (the batch is known)
+        st = stitching.function(lambda t: model(t, training=False))
+        x = np.random.default_rng(batch).standard_normal((batch, 128, 256)).astype(np.float32)
+        x[0, 3, 1] = np.inf
+        got, want = st(tf.constant(x)).numpy(), ref(tf.constant(x)).numpy()
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+        assert np.isnan(got[0, 3]).all() and np.isnan(want[0, 3]).all()
+        assert bool(_note(st.report)) == split, (batch, st.report.notes)
 
 
 def test_a_reshape_whose_constant_target_holds_the_sequence_ends_the_block():

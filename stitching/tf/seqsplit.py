@@ -11,14 +11,18 @@ single-threaded, the two halves side by side on TF's inter-op threads:
     X [B, T, D] -> Split(axis 1) -> block(X[:, :T/2]), block(X[:, T/2:]) -> ConcatV2(axis 1)
 
 Measured on whole feed-forward blocks (tools/gemm_probe.py, 2 cores, 2 MiB L2): 1.39x
-at M = B T = 128, 1.08x at 256, 1.00x at 1024.  The batch is unknown when the graph is
-rewritten; the split costs a copy of the block's input and output (Split and ConcatV2
-along axis 1), which is what makes it even at batch 8.
+at M = B T = 128, 1.08x at 256, 1.00x at 1024.  The batch is often unknown when the graph is
+rewritten (then the block is split, for batch 1); the split costs a copy of the block's
+output (ConcatV2) and two products competing for the cores, which is what makes it
+cost ~3.6% at batch 8.
 
 The block (before the IR is built, on the GraphDef after Grappler): grown forward from
 the input ``X`` [?, T, D] (T static and even) of a *seed*, a product against a 2-D
 weight whose operands at batch 1 fall under TF's one-thread line and whose work is
-large enough for two threads to pay (``T K N >= MIN_MACS``).  An op joins when it is
+large enough for two threads to pay (``T K N >= MIN_MACS``).  Where the batch B is
+known (a trace at one batch size) the rows are B T: at batch 8 TF already runs the
+products on both threads and the split would only cost its copies (3.6% on the models
+suite's encoder, ``tools/transformer_layers.py --whole``).  An op joins when it is
 token-wise and all its inputs are block values, parameters (values that broadcast along
 the last axis only: rank <= 1 or leading dims 1, not computed from the block), or other
 [?, T, ...] tensors computed before the block (split as inputs too):
@@ -26,8 +30,10 @@ the last axis only: rank <= 1 or leading dims 1, not computed from the block), o
 - element-wise ops and BiasAdd; Mean/Sum/Max/Min over the last axis with keep_dims;
 - the Tensordot of a Keras ``Dense``: identity Transpose, Reshape [?, T, K] -> [-1, K]
   (token rows, ``flat``), MatMul of flat rows by a 2-D weight, Reshape back to
-  [?, T, N] with a target computed from the block's own Shape (a constant target
-  holding T would be wrong for a half: such a Reshape ends the block);
+  [?, T, N] with a target computed from the block's own Shape.  Traced at a known
+  batch B, the targets are constants [B T, K] and [B, T, N]: the halves get their
+  own, [B T / 2, K] and [B, T / 2, N]; any other constant target holding T would be
+  wrong for a half, and such a Reshape ends the block;
 - BatchMatMulV2 [?, T, K] x W[K, N]; Shape of a block value and the integer arithmetic
   on it (its values differ per half, so it is cloned too).
 
@@ -77,6 +83,7 @@ class _Block:
     def __init__(self, T: int):
         self.T = T
         self.kind: dict = {}       # tensor name -> TOK | FLAT | SHAPE (values in the block)
+        self.half_target: dict = {}    # Reshape op name -> its halves' constant target
         self.ops: list = []        # block ops in topological order
         self.inputs: list = []     # [?, T, ...] tensors from outside, split
         self.products = 0          # seed-sized products inside
@@ -118,9 +125,20 @@ def _seed_input(op, l2: int):
     transposed = op.get_attr("adj_y" if op.type == "BatchMatMulV2" else "transpose_b")
     if transposed:
         k, n = n, k
-    if xs[2] != k or T * k * n < MIN_MACS or 4 * (T * n + k * (T + n)) >= l2:
+    if xs[2] != k or T * k * n < MIN_MACS or not _one_thread(_rows(xs), k, n, l2):
         return None
     return x
+
+
+def _rows(xs) -> int:
+    """The product's rows M = B T: at batch 1 where the batch is unknown (the latency
+    case the split is for), the traced batch where it is known."""
+    return xs[1] * (xs[0] if xs[0] is not None and xs[0] > 0 else 1)
+
+
+def _one_thread(m: int, k: int, n: int, l2: int) -> bool:
+    """TF's oneDNN MatMul runs [m, k] x [k, n] on one thread (its operands fit in L2)."""
+    return 4 * (m * n + k * (m + n)) < l2
 
 
 def _products_reading(t) -> int:
@@ -174,7 +192,7 @@ def _is_seed(op, l2: int) -> bool:
         x = x.op.inputs[0]
     xs = _static(x)
     T = xs[1] if xs is not None and len(xs) == 3 else None
-    return T is not None and T * k * n >= MIN_MACS and 4 * (T * n + k * (T + n)) < l2
+    return T is not None and T * k * n >= MIN_MACS and _one_thread(_rows(xs), k, n, l2)
 
 
 def _classify(op, b: _Block):
@@ -195,7 +213,10 @@ def _classify(op, b: _Block):
     if ty == "Shape":
         return (SHAPE, []) if kinds[0] == TOK else none
     if ty == "Reshape":
-        return _reshape_kind(op, kinds, b.T), []
+        kind, half = _reshape_kind(op, kinds, b.T)
+        if half is not None:
+            b.half_target[op.name] = half
+        return kind, []
     if SHAPE in block_kinds:
         return none
     if ty in _ELEMENTWISE:
@@ -234,26 +255,39 @@ def _classify(op, b: _Block):
 
 
 def _reshape_kind(op, kinds, T: int):
-    """Token rows [?, T, K] <-> [-1, K], by a constant target without T or by one
-    computed from the block's own Shape (then right for a half too)."""
+    """(kind, the halves' constant target or None): token rows [?, T, K] <-> [-1, K], by
+    a target computed from the block's own Shape (right for a half too), a constant
+    [-1, K], or, traced at a known batch B, the constants [B T, K] and [B, T, ...]
+    (halved for the halves).  (None, None) ends the block."""
+    none = (None, None)
     out, x = _static(op.outputs[0]), _static(op.inputs[0])
     if kinds[0] not in (TOK, FLAT) or out is None or x is None:
-        return None
+        return none
     if kinds[1] is None:
         target = _const_value(op.inputs[1])
-        if target is None or kinds[0] != TOK:
-            return None
-        return FLAT if [int(v) for v in target] == [-1, x[-1]] else None
+        if target is None or target.ndim != 1:
+            return none
+        target = [int(v) for v in target]
+        if kinds[0] == TOK:
+            if target == [-1, x[-1]]:
+                return FLAT, None
+            if None not in x and target == [int(np.prod(x[:-1])), x[-1]]:
+                return FLAT, [target[0] // 2, x[-1]]
+            return none
+        if len(target) >= 3 and target == out and target[1] == T \
+                and target[-1] == x[-1] and min(target) > 0:
+            return TOK, [target[0], T // 2, *target[2:]]
+        return none
     if kinds[1] != SHAPE:
-        return None
+        return none
     # TF's shape inference may not see through the target's arithmetic: an unknown
     # row width is accepted here (halves_match checks the halves after the rewrite)
     if kinds[0] == TOK and len(out) == 2 and out[1] in (None, x[-1]):
-        return FLAT
+        return FLAT, None
     if kinds[0] == FLAT and len(out) >= 3 and out[1] in (None, T) \
             and out[-1] in (None, x[-1]):
-        return TOK
-    return None
+        return TOK, None
+    return none
 
 
 def _outputs(b: _Block, fetched: set) -> list | None:
@@ -384,6 +418,9 @@ def rewrite(graph_def, blocks) -> graph_pb2.GraphDef:
             halves[op.outputs[0].name] = names[op.name]
         for op in b.ops:
             nd = by_name[op.name]
+            half_target = b.half_target.get(op.name)
+            if half_target is not None:
+                half_target = const(f"{op.name}/seqsplit/target", half_target, nd.device)
             for h in (0, 1):
                 c = node_def_pb2.NodeDef()
                 c.CopyFrom(nd)
@@ -391,6 +428,9 @@ def rewrite(graph_def, blocks) -> graph_pb2.GraphDef:
                 del c.input[:]
                 c.input.extend(halves[_tensor(i)][h] if _tensor(i) in halves else i
                                for i in nd.input)
+                if half_target is not None:
+                    c.input[1] = half_target
+                    c.attr["Tshape"].type = tf.int32.as_datatype_enum
                 add.append(c)
         for t, rest in zip(outs, rests[len(b.inputs):]):
             nd = by_name[t.op.name]
