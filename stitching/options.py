@@ -13,6 +13,8 @@ class Options:
     verify: bool = False           # run IR/plan/spec verifiers between stages (debug)
     gemm: bool = True              # BatchMatMul x[..., M, K] @ W[K, N] as one MatMul (tf/gemm.py)
     einsum: bool = True            # two-operand Einsum as BatchMatMulV2 + row gathers (tf/einsum.py)
+    pad_fold: bool = True          # a zero Pad before a depthwise convolution becomes the
+    #                                convolution's explicit padding (tf/padfold.py)
     seq_split: bool = True         # token-wise blocks whose products TF runs on one thread at
     #                                batch 1 run as two halves of the sequence (tf/seqsplit.py)
     background_compile: bool = False   # stitching.function: a new input signature runs the

@@ -20,6 +20,8 @@
     gemm     tf.gemm.rewrite              (BatchMatMul against a 2-D weight -> one MatMul)
     einsum   tf.einsum.rewrite            (two-operand Einsum -> BatchMatMulV2, its
                                           transposes as row gathers)
+    padfold  tf.padfold.rewrite           (a zero Pad before a depthwise convolution ->
+                                          its explicit padding)
     shapes   tf.shapes.fold_reshapes      (run-time Reshape targets known but for one dim
                                           -> constants)
     report   report.Report
@@ -41,7 +43,7 @@ from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import (autotune, bcast, dump, einsum, forward, frontend, gemm, grappler, opnames,
-               original, prune, remapper, rewrite, seqsplit, shapes, sparse_xent)
+               original, padfold, prune, remapper, rewrite, seqsplit, shapes, sparse_xent)
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -200,6 +202,10 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     einsums = einsum.candidates(new_gdef, ir) if options.einsum else {}
     if einsums:
         einsum.rewrite(new_gdef, einsums)
+    pads = padfold.candidates(new_gdef, {f.split(":")[0] for f in list(fetches) + list(keep)}
+                              ) if options.pad_fold else {}
+    if pads:
+        padfold.rewrite(new_gdef, pads)
     folded = shapes.fold_reshapes(new_gdef, gdef, ir)
     remapper.forward_identities(new_gdef, ir, {m for r in regions for m in r.nodes})
     # after the folds: the shape ops they left unread go too
@@ -238,6 +244,10 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         rep.notes.append(f"{len(einsums)} Einsum node(s) run as one BatchMatMulV2 each, their "
                          "operand and result transposes as row gathers (tf/einsum.py; "
                          "Options(einsum=False) keeps them)")
+    if pads:
+        rep.notes.append(f"{len(pads)} zero Pad(s) before a depthwise convolution folded "
+                         "into its explicit padding (tf/padfold.py; Options(pad_fold=False) "
+                         "keeps them)")
     if folded:
         rep.notes.append(f"{folded} Reshape target(s) computed at run time (Shape, Gather, "
                          "Prod, Concat...) are constants but for one -1 entry (tf/shapes.py)")

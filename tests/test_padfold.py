@@ -1,0 +1,159 @@
+"""tf/padfold.py: a zero Pad before a depthwise convolution becomes its explicit padding."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stitching
+from stitching.tf import padfold, pipeline
+
+
+def _rewritten(fn, sig, options=stitching.Options()):
+    cf = tf.function(fn, input_signature=sig).get_concrete_function()
+    res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs],
+                                    options=options)
+    return res.graph_def, res.report
+
+
+def _notes(report):
+    return [n for n in report.notes if "zero Pad" in n]
+
+
+def _mobilenet_downsample(dtype="float32", bias=False):
+    """MobileNetV2's strided depthwise stage as Keras writes it: BN + ReLU6 (stitched),
+    ZeroPadding2D(correct_pad), DepthwiseConv2D(stride 2, valid)."""
+    import keras
+    keras.utils.set_random_seed(11)
+    L = keras.layers
+    x = keras.Input((24, 24, 16), dtype=dtype)
+    h = L.BatchNormalization(epsilon=1e-3, dtype=dtype)(x)
+    h = L.ReLU(6.0, dtype=dtype)(h)
+    h = L.ZeroPadding2D(((0, 1), (0, 1)), dtype=dtype)(h)
+    h = L.DepthwiseConv2D(3, strides=2, padding="valid", use_bias=bias, dtype=dtype)(h)
+    if bias:
+        h = L.ReLU(dtype=dtype)(h)
+    model = keras.Model(x, h)
+    for w in model.weights:      # moving statistics away from 0/1, so BN does work
+        if "moving" in w.path or "gamma" in w.path or "beta" in w.path:
+            w.assign(np.random.default_rng(len(w.path)).uniform(0.5, 1.5, w.shape))
+    return model
+
+
+def test_a_keras_downsample_loses_its_pad_and_equals_tf():
+    """The Pad is gone from the rewritten graph, the convolution pads explicitly, the
+    outputs equal stock TF's at two batch sizes (the batch unknown), and NaN/Inf reach
+    the same outputs."""
+    model = _mobilenet_downsample()
+    sig = [tf.TensorSpec([None, 24, 24, 16], tf.float32)]
+    gdef, report = _rewritten(lambda t: model(t, training=False), sig)
+    ops = [n.op for n in gdef.node]
+    assert "Pad" not in ops and "PadV2" not in ops, ops
+    convs = [n for n in gdef.node if n.op == "DepthwiseConv2dNative"]
+    assert len(convs) == 1 and convs[0].attr["padding"].s == b"EXPLICIT"
+    assert list(convs[0].attr["explicit_paddings"].list.i) == [0, 0, 0, 1, 0, 1, 0, 0]
+    assert len(_notes(report)) == 1 and _notes(report)[0].startswith("1 zero Pad")
+
+    f = stitching.function(lambda t: model(t, training=False), input_signature=sig)
+    ref = tf.function(lambda t: model(t, training=False), input_signature=sig)
+    for batch in (1, 3):
+        x = np.random.default_rng(batch).standard_normal((batch, 24, 24, 16)) * 4
+        x = x.astype(np.float32)
+        x[0, 23, 23, 2] = np.nan            # a bottom-right cell: its window is padded
+        x[0, 0, 0, 5] = np.inf
+        got, want = f(tf.constant(x)).numpy(), ref(tf.constant(x)).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert (np.isnan(got) == np.isnan(want)).all()
+
+
+def test_a_convolution_with_a_bias_keeps_its_pad():
+    """With a bias (+ ReLU) after the convolution TF's remapper fuses them into one
+    kernel, which aborts on explicit padding: the Pad stays, and the result is TF's."""
+    model = _mobilenet_downsample(bias=True)
+    sig = [tf.TensorSpec([None, 24, 24, 16], tf.float32)]
+    gdef, report = _rewritten(lambda t: model(t, training=False), sig)
+    assert "Pad" in [n.op for n in gdef.node] and not _notes(report)
+    x = tf.constant(np.random.default_rng(9).standard_normal((2, 24, 24, 16)), tf.float32)
+    got = stitching.function(lambda t: model(t, training=False), input_signature=sig)(x)
+    want = tf.function(lambda t: model(t, training=False))(x)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_float64_pads_explicitly_on_eigens_kernel():
+    """float64 (no oneDNN: Eigen's depthwise kernel) takes the explicit padding too,
+    and equals stock TF exactly (the same arithmetic on the same cells)."""
+    model = _mobilenet_downsample("float64")
+    sig = [tf.TensorSpec([None, 24, 24, 16], tf.float64)]
+    gdef, _ = _rewritten(lambda t: model(t, training=False), sig)
+    assert "Pad" not in [n.op for n in gdef.node]
+    x = tf.constant(np.random.default_rng(2).standard_normal((2, 24, 24, 16)))
+    got = stitching.function(lambda t: model(t, training=False), input_signature=sig)(x)
+    want = tf.function(lambda t: model(t, training=False))(x)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+W = np.random.default_rng(0).standard_normal((3, 3, 8, 1)).astype(np.float32)
+SIG = [tf.TensorSpec([None, 16, 16, 8], tf.float32)]
+
+
+def _dw(h):
+    return tf.nn.depthwise_conv2d(h, W, [1, 2, 2, 1], "VALID")
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("read twice", lambda x: (lambda p: _dw(p) * 2.0 + tf.reduce_sum(p))(
+        tf.pad(tf.nn.relu(x) * 3.0, [[0, 0], [1, 1], [1, 1], [0, 0]]))),
+    ("nonzero constant", lambda x: _dw(tf.pad(tf.nn.relu(x) * 3.0,
+                                             [[0, 0], [1, 1], [1, 1], [0, 0]],
+                                             constant_values=1.0))),
+    ("channels padded", lambda x: tf.nn.depthwise_conv2d(
+        tf.pad(tf.nn.relu(x) * 3.0, [[0, 0], [1, 1], [1, 1], [0, 1]]),
+        np.ones((3, 3, 9, 1), np.float32), [1, 2, 2, 1], "VALID")),
+    ("reflect", lambda x: _dw(tf.pad(tf.nn.relu(x) * 3.0, [[0, 0], [1, 1], [1, 1], [0, 0]],
+                                     mode="REFLECT"))),
+])
+def test_pads_that_are_not_only_the_convolutions_zeros_are_kept(name, fn):
+    gdef, report = _rewritten(fn, SIG)
+    assert any(n.op in ("Pad", "PadV2", "MirrorPad") for n in gdef.node), name
+    assert not _notes(report)
+    x = tf.constant(np.random.default_rng(3).standard_normal((2, 16, 16, 8)), tf.float32)
+    np.testing.assert_allclose(stitching.function(fn, input_signature=SIG)(x).numpy(),
+                               tf.function(fn)(x).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_fetched_pad_is_kept():
+    def fn(x):
+        p = tf.pad(tf.nn.relu(x) * 3.0, [[0, 0], [0, 1], [0, 1], [0, 0]])
+        return _dw(p), p
+    gdef, _ = _rewritten(fn, SIG)
+    assert "Pad" in [n.op for n in gdef.node]
+
+
+def test_gradients_through_the_explicit_padding_equal_tf():
+    """A tape outside the function differentiates the convolution with its explicit
+    padding (TF's gradient passes explicit_paddings on): input and filter gradients
+    equal stock TF's."""
+    w = tf.Variable(W)
+
+    def fn(x):
+        return tf.nn.depthwise_conv2d(
+            tf.pad(tf.nn.relu(x) * 3.0, [[0, 0], [0, 1], [0, 1], [0, 0]]), w,
+            [1, 2, 2, 1], "VALID")
+    x = tf.constant(np.random.default_rng(5).standard_normal((2, 16, 16, 8)), tf.float32)
+    grads = []
+    for f in (stitching.function(fn, input_signature=SIG), tf.function(fn)):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(f(x) * tf.range(8, dtype=tf.float32))
+        grads.append(tape.gradient(loss, [x, w]))
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_candidates_read_only_constant_paddings():
+    """Paddings from a placeholder (not a constant) are never folded."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 8, 8, 4])
+        p = tf.compat.v1.placeholder(tf.int32, [4, 2])
+        y = tf.nn.depthwise_conv2d(tf.pad(x, p), np.ones((3, 3, 4, 1), np.float32),
+                                   [1, 1, 1, 1], "VALID")
+    assert padfold.candidates(g.as_graph_def(), {y.op.name}) == {}
