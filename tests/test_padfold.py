@@ -157,3 +157,20 @@ def test_candidates_read_only_constant_paddings():
         y = tf.nn.depthwise_conv2d(tf.pad(x, p), np.ones((3, 3, 4, 1), np.float32),
                                    [1, 1, 1, 1], "VALID")
     assert padfold.candidates(g.as_graph_def(), {y.op.name}) == {}
+
+
+def test_candidates_do_not_add_attributes_to_the_graph():
+    """A convolution whose NodeDef leaves data_format to its default is folded, and no
+    node gains an attribute it did not have (an empty one would fail the import)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 8, 8, 4])
+        y = tf.nn.depthwise_conv2d(tf.pad(x, [[0, 0], [1, 1], [1, 1], [0, 0]]),
+                                   np.ones((3, 3, 4, 1), np.float32), [1, 1, 1, 1], "VALID")
+    gdef = g.as_graph_def()
+    conv = next(n for n in gdef.node if n.op == "DepthwiseConv2dNative")
+    del conv.attr["data_format"]
+    before = {n.name: sorted(n.attr) for n in gdef.node}
+    found = padfold.candidates(gdef, {y.op.name})
+    assert list(found) == [conv.name]
+    assert {n.name: sorted(n.attr) for n in gdef.node} == before

@@ -72,8 +72,10 @@ def _paddings(by_name, pad) -> list | None:
     return [int(v) for v in p[1:3].reshape(-1)]
 
 
-def _bytes(attr) -> bytes:
-    return attr.s if attr.HasField("s") else b""
+def _attr_s(nd, key: str, default: bytes) -> bytes:
+    """A string attribute, without inserting it (indexing a NodeDef's attr map adds an
+    empty value, which an import then rejects)."""
+    return nd.attr[key].s if key in nd.attr else default
 
 
 def candidates(graph_def, keep: set) -> dict:
@@ -90,8 +92,8 @@ def candidates(graph_def, keep: set) -> dict:
             continue
         if any(by_name[r].op in _BIAS_ADDS for r in readers.get(nd.name, ())):
             continue                        # the remapper's fused kernel: see above
-        if _bytes(nd.attr["padding"]) != b"VALID" or \
-                _bytes(nd.attr["data_format"]) not in (b"", b"NHWC"):
+        if _attr_s(nd, "padding", b"") != b"VALID" or \
+                _attr_s(nd, "data_format", b"NHWC") != b"NHWC":
             continue
         src = nd.input[0]
         pad = by_name.get(_node_name(src))
