@@ -109,13 +109,13 @@ def early_workers():
     return parallel.Workers(1)
 
 
-def _seq_split(gdef, tf_graph, fetches, keep, options, resources):
+def _seq_split(gdef, tf_graph, fetched, options, resources):
     """(graph, its shapes, report note): token-wise blocks split along the sequence
-    (tf/seqsplit.py) where TF would run their products on one thread at batch 1."""
+    (tf/seqsplit.py) where TF would run their products on one thread at batch 1.
+    ``fetched``: the node names fetched or kept."""
     if not options.seq_split:
         return gdef, tf_graph, None
     l2 = profiles._cache_sizes().get("l2", 0)
-    fetched = {f.split(":")[0] for f in list(fetches) + list(keep)}
     blocks = seqsplit.find(tf_graph, fetched, l2)
     if not blocks:
         return gdef, tf_graph, None
@@ -149,16 +149,15 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     try:
         ensure_runtime()
         gdef = grappler.optimize(graph_def, list(fetches) + list(keep))
-        gdef = frontend.bypass_identity_n(
-            gdef, {f.split(":")[0] for f in fetches} | {k.split(":")[0] for k in keep})
+        fetched = {f.split(":")[0] for f in list(fetches) + list(keep)}   # node names
+        gdef = frontend.bypass_identity_n(gdef, fetched)
         tf_graph = frontend.import_for_shapes(gdef, resources)
         folded = bcast.fold(tf_graph, gdef)     # gradient axes known at trace time
         expanded = sparse_xent.expand(tf_graph, folded if folded is not None else gdef)
         if folded is not None or expanded is not None:
             gdef = expanded if expanded is not None else folded
             tf_graph = frontend.import_for_shapes(gdef, resources)
-        gdef, tf_graph, seq_note = _seq_split(gdef, tf_graph, fetches, keep, options,
-                                              resources)
+        gdef, tf_graph, seq_note = _seq_split(gdef, tf_graph, fetched, options, resources)
         ir = frontend.to_ir(tf_graph, list(fetches))
         shape_math = _shape_arithmetic(gdef)
         for n in shape_math & ir.nodes.keys():
@@ -202,8 +201,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     einsums = einsum.candidates(new_gdef, ir) if options.einsum else {}
     if einsums:
         einsum.rewrite(new_gdef, einsums)
-    pads = padfold.candidates(new_gdef, {f.split(":")[0] for f in list(fetches) + list(keep)}
-                              ) if options.pad_fold else {}
+    pads = padfold.candidates(new_gdef, fetched) if options.pad_fold else {}
     if pads:
         padfold.rewrite(new_gdef, pads)
     folded = shapes.fold_reshapes(new_gdef, gdef, ir)
