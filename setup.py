@@ -25,7 +25,7 @@ setup(
     packages=find_packages(include=["stitching", "stitching.*"]),
     package_data={"stitching.runtime": ["*.cc", "*.h"],
                   "stitching.inspect": ["schema/*.json"],
-                  "stitching.plan": ["calibration-cpu.json"]},
+                  "stitching.plan": ["calibration-cpu-*.json"]},
     python_requires=">=3.10",
     install_requires=[
         "numpy>=1.26",

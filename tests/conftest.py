@@ -1,17 +1,49 @@
+"""The test session's environment: hermetic, whatever machine it runs on.
+
+- No test reads or writes the user's ``~/.cache/stitching`` (kernels, the measured
+  profile, stored plans, the op library): the session gets a HOME and a kernel cache of
+  its own, in a temporary directory, and subprocesses inherit both.  The op library and
+  the math helpers are built there on first use (about 20 s, once per session).
+- The planner plans with a *named machine model*, never the measured profile of the
+  machine the suite happens to run on: ``STITCHING_DEVICE_PROFILE`` is pinned for the
+  session (``intel-avx512`` unless ``STITCHING_TEST_MACHINE`` names another model).
+  Tests of a decision that depends on the machine take the ``machine`` fixture and run
+  under each model (plan/profiles.py: MACHINES).
+"""
 import os
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The CUDA tests run under Numba's simulator unless NUMBA_ENABLE_CUDASIM=0 (a GPU).
 # Numba reads the flag once, when numba itself is first imported, so it is set here,
 # before any test module imports numba.
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-# Each test session gets its own kernel cache unless the caller chose one, so tests
-# never depend on what an earlier run left on disk.
-if "STITCHING_CACHE_DIR" not in os.environ:
-    import tempfile
-    os.environ["STITCHING_CACHE_DIR"] = tempfile.mkdtemp(prefix="stitching-test-cache-")
+
+_SESSION = tempfile.mkdtemp(prefix="stitching-test-")
+os.makedirs(os.path.join(_SESSION, "home"))
+os.environ["HOME"] = os.path.join(_SESSION, "home")
+# A caller may point the kernel cache elsewhere on purpose (to reuse kernels between runs).
+os.environ.setdefault("STITCHING_CACHE_DIR", os.path.join(_SESSION, "cache"))
+SESSION_MACHINE = os.environ.get("STITCHING_TEST_MACHINE", "intel-avx512")
+os.environ["STITCHING_DEVICE_PROFILE"] = SESSION_MACHINE
+os.environ.pop("STITCHING_PROFILE", None)      # the older spelling would name a device too
 
 # The planner's cost model sees schedules through a hook the schedule stage fills on
 # import (plan/cost.py: use_scheduler), as every driver does; tests that plan without
 # the pipeline get the same cost model.
+import pytest  # noqa: E402
+
 import stitching.schedule  # noqa: E402,F401
+from stitching.plan import profiles  # noqa: E402
+
+if SESSION_MACHINE not in profiles.MACHINES:
+    raise RuntimeError(f"STITCHING_TEST_MACHINE={SESSION_MACHINE!r}: choose one of "
+                       f"{sorted(profiles.MACHINES)}")
+
+
+@pytest.fixture(params=sorted(profiles.MACHINES))
+def machine(request, monkeypatch):
+    """Each named machine model in turn, pinned as the profile the pipeline plans with;
+    the test gets its DeviceProfile (``machine.name``, ``machine.tf_onednn``...)."""
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", request.param)
+    return profiles.get(request.param)

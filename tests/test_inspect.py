@@ -235,8 +235,10 @@ def test_drawings(transformer_dump):
 def test_stitching_profile_1_names_no_device(monkeypatch):
     """STITCHING_PROFILE=1 turns the op's timing on; it must not be read as a device."""
     from stitching.plan import profiles
+    monkeypatch.delenv("STITCHING_DEVICE_PROFILE")        # conftest pins a machine model
+    monkeypatch.setattr(profiles, "measured_cpu", lambda: profiles.MACHINES["amd-avx2"])
     monkeypatch.setenv("STITCHING_PROFILE", "1")
-    assert profiles.default() == profiles.calibrated(profiles.get("cpu"))
+    assert profiles.default() == profiles.calibrated(profiles.MACHINES["amd-avx2"])
 
 
 _ENV_PROCESS = """

@@ -1,7 +1,8 @@
 """Imports run one way, down the pipeline, and TensorFlow only at the edge.
 
     cachedir ─► ir ─► plan ─► schedule ─► codegen (lower ─► cpu | cuda) ─► compile
-             ─► runtime ─► report, options ─► tf ─► inspect ─► the facade (__init__) ─► testing
+             ─► runtime ─► report, options ─► tf ─► inspect, profile ─► the facade (__init__)
+             ─► testing
 
 A module may import only modules of its own stage or of earlier ones, lazy (function
 level) imports included; a later stage that an earlier one needs is reached through an
@@ -26,7 +27,8 @@ PKG = Path(__file__).resolve().parent.parent / "stitching"
 # registers the op when TensorFlow is imported); ``testing``
 # drives that API as a user would, so it comes last.
 STAGES = ["cachedir", "ir", "plan", "schedule", "codegen", "compile", "runtime",
-          ("report", "options"), "tf", "inspect", ("__init__", "_autoload"), "testing"]
+          ("report", "options"), "tf", ("inspect", "profile"), ("__init__", "_autoload"),
+          "testing"]
 RANK = {name: i for i, s in enumerate(STAGES)
         for name in (s if isinstance(s, tuple) else (s,))}
 # Inside codegen: the shared lowering first, then the backends, side by side.

@@ -6,7 +6,13 @@ import tensorflow as tf
 import stitching
 from stitching.tf import frontend, grappler, seqsplit
 
-L2 = 2 << 20          # the CI machine's L2; the tests pass it, not read it
+L2 = 2 << 20          # the tests of ``find`` pass an L2, never read the machine's
+
+
+def _splits(machine) -> bool:
+    """Whether the pipeline splits the 128-token block under a machine model: only where
+    TF runs oneDNN (its one-thread rule) and the operands fit that model's L2."""
+    return bool(machine.tf_onednn) and machine.caches["l2"] >= L2
 
 
 def _ffn_block(d=256, ff=1024, seq=128, name="blk"):
@@ -36,7 +42,7 @@ def _graph(model, seq, d, batch=None):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_feed_forward_block_runs_as_two_halves_and_equals_tf(batch):
+def test_a_feed_forward_block_runs_as_two_halves_and_equals_tf(batch, machine):
     model = _ffn_block()
     sig = [tf.TensorSpec([None, 128, 256], tf.float32)]
     f = stitching.function(lambda t: model(t, training=False), input_signature=sig)
@@ -47,7 +53,10 @@ def test_a_feed_forward_block_runs_as_two_halves_and_equals_tf(batch):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     assert np.isnan(got[0, 5]).all() and not np.isnan(np.delete(got[0], 5, 0)).any()
     notes = _note(f.report)
-    assert len(notes) == 1 and notes[0].startswith("1 token-wise block(s)"), f.report.notes
+    if _splits(machine):
+        assert len(notes) == 1 and notes[0].startswith("1 token-wise block(s)"), f.report.notes
+    else:
+        assert notes == [], (machine.name, f.report.notes)
     # against float64 (numpy, exact GELU): no less accurate than stock TF
     xf = np.nan_to_num(x).astype(np.float64)
     ref = _reference64(model, xf)
@@ -67,7 +76,8 @@ def _reference64(model, x):
     return (z - mu) / np.sqrt(var + 1e-6) * gamma + beta
 
 
-def test_the_split_is_an_option_and_gradients_match_tf():
+def test_the_split_is_an_option_and_gradients_match_tf(monkeypatch):
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "intel-avx512")   # a machine it splits on
     model = _ffn_block(name="g")
     sig = [tf.TensorSpec([None, 128, 256], tf.float32)]
     whole = stitching.function(lambda t: model(t, training=False), input_signature=sig,
@@ -101,7 +111,7 @@ def test_blocks_are_found_only_where_tf_would_run_the_product_on_one_thread():
     assert seqsplit.find(g2, fetched2, L2) == []
 
 
-def test_a_known_batch_decides_by_its_rows():
+def test_a_known_batch_decides_by_its_rows(machine):
     """Traced at one batch size, the product's rows are B T: at batch 1 TF runs it on one
     thread (split: the Tensordot's constant targets [128, 256] and [1, 128, 1024] get
     their halves' own), at batch 4 (512 rows, 3.7 MB of operands) on both (left whole,
@@ -119,7 +129,8 @@ def test_a_known_batch_decides_by_its_rows():
         got, want = st(tf.constant(x)).numpy(), ref(tf.constant(x)).numpy()
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
         assert np.isnan(got[0, 3]).all() and np.isnan(want[0, 3]).all()
-        assert bool(_note(st.report)) == split, (batch, st.report.notes)
+        assert bool(_note(st.report)) == (split and _splits(machine)), \
+            (machine.name, batch, st.report.notes)
 
 
 def test_a_reshape_whose_constant_target_holds_the_sequence_ends_the_block():

@@ -7,8 +7,8 @@ to TF, and its price of the kernels it generates.
         STITCHING_DEVICE_PROFILE=my-profile.json python ...   plans with it
     python tools/calibrate.py --install               # this machine's factors, used by
         every process here ($STITCHING_CACHE_DIR/calibration-cpu.json, bound to the CPU)
-    python tools/calibrate.py --ship                  # the package's default factors
-                                                      # (stitching/plan/calibration-cpu.json)
+    python tools/calibrate.py --ship                  # the package's factors for this
+                                  # CPU's class (stitching/plan/calibration-cpu-<class>.json)
 
 For each op class the cost model tells apart (``plan.cost.tf_class``: element-wise,
 transcendental, row reduction, column reduction, softmax) and each size (1, 4, 16, 64 MiB
@@ -124,16 +124,19 @@ def _call_overheads() -> tuple:
     return times["tf"]["median_s"], times["st"]["median_s"]
 
 
-def calibrate(sizes=SIZES_MIB, rounds=3, log=print) -> tuple:
-    """(the measured CPU profile, TF factor tables, kernel factor tables): every case
-    timed ``rounds`` times, rounds after one another (a burst of load hits one round,
-    not one size); a case's ratio is its median over the rounds."""
-    base = profiles.measured_cpu(remeasure=True)
+def calibrate(sizes=SIZES_MIB, rounds=3, log=print, base=None) -> tuple:
+    """(the CPU profile the model priced with, TF factor tables, kernel factor tables):
+    every case timed ``rounds`` times, rounds after one another (a burst of load hits
+    one round, not one size); a case's ratio is its median over the rounds.  ``base``:
+    the profile the model prices with (default: this machine, measured now)."""
+    base = base or profiles.measured_cpu(remeasure=True)
+    if base.provisional:
+        log(f"warning: this machine's measurement is provisional ({base.why_provisional})")
     calls = [_call_overheads() for _ in range(3)]
     call_tf = statistics.median(c[0] for c in calls)
     call_st = statistics.median(c[1] for c in calls)
     log(f"device: {base.lanes} cores, copy bandwidth {base.bandwidth / 1e9:.1f} GB/s "
-        f"(measured now); call overhead subtracted: tf.function {call_tf * 1e6:.0f} us, "
+        f"({base.source}); call overhead subtracted: tf.function {call_tf * 1e6:.0f} us, "
         f"stitching.function {call_st * 1e6:.0f} us; {rounds} round(s)")
     runs: dict = {}          # (class, MiB, shape) -> [(tf s, kernel s) per round]
     models: dict = {}        # (class, MiB, shape) -> (model tf s, model kernel s)
@@ -186,7 +189,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write a profile file for this machine")
     ap.add_argument("--ship", action="store_true",
-                    help=f"write the package's default factors ({profiles.CALIBRATION_FILE})")
+                    help="write the package's factors for this CPU's class "
+                         "(stitching/plan/calibration-cpu-<class>.json), priced against "
+                         "the class's named machine model (plan/profiles.py: MACHINES)")
     ap.add_argument("--install", action="store_true",
                     help="write this machine's factors into the cache directory "
                          f"({profiles.local_calibration_path()}), which every process "
@@ -196,8 +201,14 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3,
                     help="times each case is measured; its median counts (default 3)")
     args = ap.parse_args(argv)
+    cls = profiles.cpu_facts()["cpu_class"]
+    if args.ship and cls not in profiles.CALIBRATION_FILES:
+        ap.error(f"--ship: this CPU's class {cls!r} has no named machine model; "
+                 f"known: {', '.join(profiles.CALIBRATION_FILES)}")
+    # Shipped factors scale the class model's estimates, so they are measured against them.
+    model = profiles.MACHINES[cls] if args.ship else None
     base, scale, kscale = calibrate(tuple(float(s) for s in args.sizes.split(",")),
-                                    args.rounds)
+                                    args.rounds, base=model)
     print("tf_time_scale:", scale)
     print("kernel_time_scale:", kscale)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -206,7 +217,7 @@ def main(argv=None):
                                    source=f"tools/calibrate.py, {when}")
     note = (f"tools/calibrate.py at {when} on {os.cpu_count()} cores, "
             f"sizes {args.sizes} MiB, {args.rounds} round(s)")
-    for path in filter(None, (args.out, args.ship and profiles.CALIBRATION_FILE)):
+    for path in filter(None, (args.out, args.ship and profiles.CALIBRATION_FILES[cls])):
         profiles.save_file(prof, path, note)
         print("wrote", path)
     if args.install:

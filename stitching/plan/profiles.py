@@ -54,12 +54,15 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from .. import cachedir
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 1     # profile files (tools/calibrate.py, shipped calibrations)
+CACHE_VERSION = 2       # the measured profile's cache: 2 has trials, spread, provisional
 CACHE_FILE = "device-profile-cpu.json"
 # Op classes whose TF kernels the calibration times (cost.tf_class says which is which).
 TF_CLASSES = ("elementwise", "transcendental", "row_reduction", "column_reduction",
               "softmax")
-CALIBRATION_FILE = os.path.join(os.path.dirname(__file__), "calibration-cpu.json")
+# The shipped calibration of each CPU class (tools/calibrate.py --ship), beside this file.
+CALIBRATION_FILES = {c: os.path.join(os.path.dirname(__file__), f"calibration-cpu-{c}.json")
+                     for c in ("intel-avx512", "amd-avx2")}
 SCALE_RANGE = (0.05, 50.0)    # arbitrary sanity bounds on a measured factor
 
 
@@ -88,6 +91,18 @@ class DeviceProfile:
     kernel_time_scale: dict = field(default_factory=dict)   # the same for the model's
     #                                   estimate of a generated kernel of one op of a class
     source: str = ""             # where the numbers came from (the report shows it)
+    # CPU machine facts the decisions read (tf/seqsplit.py, tf/remapper.py, the
+    # streaming-store line): never the live machine's in a test, which pins a model.
+    isa: str = ""                # widest vector ISA: avx512f | avx2 | avx | sse2 | neon
+    tf_onednn: bool | None = None   # TF runs oneDNN's kernels and remapper; None: ask the
+    #                                 running TF (tf/remapper.py: onednn_enabled)
+    cpu_class: str = ""          # vendor-isa ("intel-avx512", "amd-avx2"): shipped numbers
+    measured_at: str = ""        # UTC date and time of the measurement
+    provisional: bool = False    # measured on a busy machine or with a wide spread:
+    #                              measured again by a later process (measured_cpu)
+    why_provisional: str = ""    # what made it provisional, in words
+    spread: dict = field(default_factory=dict)   # measured number -> (max - min) / median
+    #                                              of its trials
 
     def bw_at(self, active_lanes: float) -> float:
         """Bandwidth with ``active_lanes`` lanes busy (at least one)."""
@@ -143,6 +158,37 @@ PINNED = {
         caches={"l1": 32 << 10, "l2": 512 << 10, "l3": 32 << 20}),
 }
 
+# ---- named CPU machine models -----------------------------------------------------------
+# The two classes of machine this project has run on, as quiet measurements of them
+# (tools/calibrate.py; the date is each model's ``measured_at``).  Tests that assert a
+# planning decision pin one of these (tests/conftest.py: the ``machine`` fixture), so a
+# plan never depends on the machine a test runs on; a measured profile whose CPU is of
+# one of these classes plans with the model's numbers while its own measurement is
+# provisional (measured_cpu).  ``get(name)`` adds the class's shipped calibration.
+MACHINES = {
+    # Intel Xeon (Emerald Rapids), 2 cores of a VM: AVX-512, 48 KiB L1d, 2 MiB L2,
+    # TF's oneDNN on (IsMklEnabled: the CPU has AVX512_VNNI / AMX).  2026-11-25.
+    "intel-avx512": DeviceProfile(
+        name="intel-avx512", backend="cpu", bandwidth=18.6e9, lanes=2, bw_per_lane=18.6e9,
+        units=2, cache_bandwidth=186e9, scratch_per_task=2 << 20, scratch_per_unit=2 << 20,
+        registers_per_unit=32, max_threads_per_task=1, max_threads_per_unit=1,
+        vector_bytes=64, launch_s=5e-6, task_s=1e-6, transcendental_per_s=3.24e9,
+        caches={"l1": 48 << 10, "l2": 2 << 20, "l3": 480 << 20}, measured=True,
+        isa="avx512f", tf_onednn=True, cpu_class="intel-avx512",
+        measured_at="2026-11-25", source="intel-avx512 (named machine model)"),
+    # AMD EPYC (Milan), 2 cores of a VM: AVX2, 32 KiB L1d, 512 KiB L2, TF's oneDNN off
+    # (IsMklEnabled False: TF runs Eigen's kernels and remapper).  2026-11-28, quiet.
+    "amd-avx2": DeviceProfile(
+        name="amd-avx2", backend="cpu", bandwidth=8.9e9, lanes=2, bw_per_lane=7.0e9,
+        units=2, cache_bandwidth=90e9, scratch_per_task=512 << 10,
+        scratch_per_unit=512 << 10, registers_per_unit=16, max_threads_per_task=1,
+        max_threads_per_unit=1, vector_bytes=32, launch_s=5e-6, task_s=1e-6,
+        transcendental_per_s=0.87e9,
+        caches={"l1": 32 << 10, "l2": 512 << 10, "l3": 32 << 20}, measured=True,
+        isa="avx2", tf_onednn=False, cpu_class="amd-avx2",
+        measured_at="2026-11-28", source="amd-avx2 (named machine model)"),
+}
+
 # CPU constants the measurement cannot see from NumPy (labelled):
 _CPU_LAUNCH_S = 5e-6   # arbitrary: a few µs per TF op dispatch in graph mode
 _CPU_TASK_S = 1e-6     # arbitrary: one share of work (wake-up + bookkeeping)
@@ -151,14 +197,22 @@ _CACHE_OVER_DRAM = 4   # arbitrary floor: on-chip bandwidth is at least 4x DRAM'
 
 
 def get(name: str) -> DeviceProfile:
-    """A pinned profile by name, or ``"cpu"`` for the measured running machine."""
+    """A pinned profile by name (a GPU, ``cpu-reference``, or a CPU machine model with its
+    class's shipped calibration), or ``"cpu"`` for the measured running machine."""
     key = name.lower()
     if key == "cpu":
         return measured_cpu()
+    if key in MACHINES:
+        return calibrated(MACHINES[key])
     if key not in PINNED:
         raise ValueError(f"unknown device profile {name!r}; choose one of "
-                         f"{sorted(PINNED) + ['cpu']}")
+                         f"{names()}")
     return PINNED[key]
+
+
+def names() -> list:
+    """Every name ``get`` takes."""
+    return sorted(PINNED) + sorted(MACHINES) + ["cpu"]
 
 
 def default() -> DeviceProfile:
@@ -170,13 +224,13 @@ def default() -> DeviceProfile:
     spec = os.environ.get("STITCHING_DEVICE_PROFILE")
     if spec:
         key = spec.lower()
-        if key in PINNED:
-            return PINNED[key]
-        return calibrated(get("cpu")) if key == "cpu" else load_file(spec)
+        if key in PINNED or key in MACHINES:
+            return get(key)
+        return calibrated(settled(get("cpu"))) if key == "cpu" else load_file(spec)
     name = os.environ.get("STITCHING_PROFILE")
     if name and name.lower() not in _PROFILING_ON and name.lower() != "cpu":
         return get(name)
-    return calibrated(get("cpu"))
+    return calibrated(settled(get("cpu")))
 
 
 _PROFILING_ON = ("1", "true", "on", "yes")   # op.cc's ProfileFromEnv
@@ -200,15 +254,28 @@ def calibrated(profile: DeviceProfile) -> DeviceProfile:
     shipped ones, where it has none of its own."""
     if _factors(profile) or profile.backend != "cpu":
         return profile
-    local = _local_scale()
+    # A named machine model takes its class's shipped factors only: it describes a kind
+    # of machine, not this one (a test's plan must not depend on this machine's file).
+    local = None if profile.name in MACHINES else _local_scale()
     if local is not None:
         return replace(profile, **local[0], source=(profile.source or profile.name)
                        + f" + this machine's calibration ({local[1]})")
-    scale = _shipped_scale()
+    cls = shipped_class(profile)
+    scale = _shipped_scale(cls) if cls else {}
     if not scale:
         return profile
-    return replace(profile, **scale,
-                   source=(profile.source or profile.name) + " + shipped calibration")
+    return replace(profile, **scale, source=(profile.source or profile.name)
+                   + f" + shipped {cls} calibration")
+
+
+def shipped_class(profile: DeviceProfile) -> str | None:
+    """The CPU class whose shipped calibration ``profile`` takes: its own, else the
+    class of the same vector width (a CPU of neither vendor), else none."""
+    if profile.cpu_class in CALIBRATION_FILES:
+        return profile.cpu_class
+    if profile.isa == "avx512f":
+        return "intel-avx512"
+    return "amd-avx2" if profile.isa in ("avx2", "avx") else None
 
 
 LOCAL_CALIBRATION = "calibration-cpu.json"
@@ -245,17 +312,16 @@ def _local_scale():
     return found
 
 
-_SHIPPED = None
+_SHIPPED: dict = {}       # class -> factors (empty: that class ships none)
 
 
-def _shipped_scale() -> dict:
-    global _SHIPPED
-    if _SHIPPED is None:
+def _shipped_scale(cls: str) -> dict:
+    if cls not in _SHIPPED:
         try:
-            _SHIPPED = _factors(load_file(CALIBRATION_FILE))
-        except (OSError, ProfileFileError):
-            _SHIPPED = {}
-    return _SHIPPED
+            _SHIPPED[cls] = _factors(load_file(CALIBRATION_FILES[cls]))
+        except (OSError, ProfileFileError, KeyError):
+            _SHIPPED[cls] = {}
+    return _SHIPPED[cls]
 
 
 def load_file(path: str) -> DeviceProfile:
@@ -276,19 +342,32 @@ def load_file(path: str) -> DeviceProfile:
     if not isinstance(d, dict) or set(d) - known:
         raise ProfileFileError(f"device profile {path}: unknown fields "
                                f"{sorted(set(d or {}) - known) if isinstance(d, dict) else d}")
-    missing = {f.name for f in fields(DeviceProfile) if f.default is dataclasses_MISSING} - set(d)
+    missing = {f.name for f in fields(DeviceProfile) if f.default is dataclasses_MISSING
+               and f.default_factory is dataclasses_MISSING} - set(d)
     if missing:
         raise ProfileFileError(f"device profile {path}: missing fields {sorted(missing)}")
     for k, v in d.items():
-        if k in ("name", "backend", "source"):
+        if k in ("name", "backend", "source", "isa", "cpu_class", "measured_at",
+                 "why_provisional"):
             if not isinstance(v, str):
                 raise ProfileFileError(f"device profile {path}: {k} must be a string")
+        elif k in ("measured", "provisional"):
+            if not isinstance(v, bool):
+                raise ProfileFileError(f"device profile {path}: {k} must be true or false")
+        elif k == "tf_onednn":
+            if v is not None and not isinstance(v, bool):
+                raise ProfileFileError(f"device profile {path}: tf_onednn must be true, "
+                                       f"false or null (ask the running TF)")
+        elif k == "spread":
+            if not (isinstance(v, dict) and all(_number(x) and x >= 0 for x in v.values())):
+                raise ProfileFileError(f"device profile {path}: spread must map numbers "
+                                       f"to non-negative fractions")
         elif k == "caches":
             if not isinstance(v, dict):
                 raise ProfileFileError(f"device profile {path}: caches must be an object")
         elif k in CALIBRATED_FIELDS:
             _check_scale(path, v, k)
-        elif k != "measured" and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+        elif not (isinstance(v, (int, float)) and not isinstance(v, bool)
                                       and math.isfinite(v) and v > 0):
             raise ProfileFileError(f"device profile {path}: {k} must be a positive number, "
                                    f"got {v!r}")
@@ -380,11 +459,19 @@ def cache_path() -> str:
 
 
 def measured_cpu(remeasure: bool = False) -> DeviceProfile:
-    """Measured once per machine; later calls read the cache (in memory, then disk).
+    """This machine's measured profile: measured once per machine, later calls read the
+    cache (in memory, then disk).
 
-    A profile in the *default* cache (``python -m stitching.runtime.build`` measures one
-    at install) serves when ``$STITCHING_CACHE_DIR`` points elsewhere and has none: it
-    describes the machine, not a model (its fingerprint must still match)."""
+    A *provisional* measurement (taken while other processes ran, or with a wide spread:
+    ``measure_cpu``) is not final: the next process that asks measures again (at most
+    ``MAX_ATTEMPTS`` times in all) and keeps, number by number, the highest median seen,
+    since interference only ever lowers a throughput; the first quiet measurement
+    replaces it.  While provisional, the planner uses the numbers of the machine's
+    class where it is a known one (``default``, ``settled``).
+
+    A profile in the *default* cache (``stitching-build`` measures one at install)
+    serves when ``$STITCHING_CACHE_DIR`` points elsewhere and has none: it describes the
+    machine, not a model (its fingerprint must still match)."""
     path = cache_path()
     fp = _fingerprint()
     with _lock:
@@ -394,18 +481,51 @@ def measured_cpu(remeasure: bool = False) -> DeviceProfile:
         default = os.path.join(_DEFAULT_ROOT, CACHE_FILE)
         if prof is None and not remeasure and default != path:
             prof = _read_cache(default, fp)
-        if prof is None:
-            prof = measure_cpu()
+        if prof is None or (prof.provisional and _attempts(prof) < MAX_ATTEMPTS):
+            new = measure_cpu()
+            prof = new if prof is None or not new.provisional else _merge(prof, new)
             _write_cache(path, fp, prof)
         _memo[path] = (fp, prof)
         return prof
+
+
+MAX_ATTEMPTS = 5        # arbitrary: provisional measurements before the best one stays
+_ATTEMPTS = "attempts"  # key in ``spread``: how many measurements a provisional one merged
+
+
+def _attempts(prof: DeviceProfile) -> int:
+    return int(prof.spread.get(_ATTEMPTS, 1))
+
+
+_THROUGHPUTS = ("bandwidth", "bw_per_lane", "cache_bandwidth", "transcendental_per_s")
+
+
+def _merge(old: DeviceProfile, new: DeviceProfile) -> DeviceProfile:
+    """Two provisional measurements as one: each throughput's higher median."""
+    best = {k: max(getattr(old, k), getattr(new, k)) for k in _THROUGHPUTS}
+    spread = dict(new.spread, **{_ATTEMPTS: _attempts(old) + 1})
+    return replace(new, **best, spread=spread,
+                   source=new.source + f" (best of {spread[_ATTEMPTS]} provisional "
+                                       f"measurements)")
+
+
+def settled(prof: DeviceProfile) -> DeviceProfile:
+    """The profile to plan with: ``prof`` itself, or, where it is a provisional
+    measurement of a machine of a known class, that class's throughputs (measured
+    quietly, MACHINES) with this machine's own caches, cores and ISA."""
+    model = MACHINES.get(prof.cpu_class)
+    if not prof.provisional or model is None:
+        return prof
+    return replace(prof, **{k: getattr(model, k) for k in _THROUGHPUTS},
+                   source=f"{prof.source}; provisional ({prof.why_provisional}), "
+                          f"planning with the {model.name} model's throughputs")
 
 
 def _read_cache(path, fp):
     try:
         with open(path) as f:
             d = json.load(f)
-        if d.get("version") != PROFILE_VERSION or d.get("fingerprint") != fp:
+        if d.get("version") != CACHE_VERSION or d.get("fingerprint") != fp:
             return None
         return DeviceProfile.from_dict(d["profile"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -417,7 +537,7 @@ def _write_cache(path, fp, prof):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"version": PROFILE_VERSION, "fingerprint": fp,
+            json.dump({"version": CACHE_VERSION, "fingerprint": fp,
                        "profile": prof.to_dict()}, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except OSError:
@@ -425,16 +545,37 @@ def _write_cache(path, fp, prof):
 
 
 def _fingerprint() -> str:
-    model = "?"
+    return f"{cpu_facts()['model']}|{_cores()}|{sorted(_cache_sizes().items())}"
+
+
+def cpu_facts() -> dict:
+    """What this CPU is, from /proc/cpuinfo: model, vendor, widest vector ISA, class."""
+    import platform
+    model, vendor, flags = "?", "?", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model == "?":
+                    model = val.strip()
+                elif key == "vendor_id" and vendor == "?":
+                    vendor = val.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(val.split())
     except OSError:
         pass
-    return f"{model}|{_cores()}|{sorted(_cache_sizes().items())}"
+    arch = platform.machine().lower()
+    if arch in ("aarch64", "arm64"):
+        isa = "neon"
+    else:
+        isa = next((i for i in ("avx512f", "avx2", "avx") if i in flags), "sse2")
+    short = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor, vendor.lower())
+    return {"model": model, "vendor": vendor, "arch": arch, "isa": isa,
+            "cpu_class": f"{short}-{isa.replace('avx512f', 'avx512')}"}
+
+
+VECTOR_BYTES = {"avx512f": 64, "avx2": 32, "avx": 32, "sse2": 16, "neon": 16}
 
 
 def _cores() -> int:
@@ -466,59 +607,131 @@ def _cache_sizes() -> dict:
     return out or {"l1": 32 << 10, "l2": 512 << 10, "l3": 8 << 20}   # arbitrary fallback
 
 
-def measure_cpu() -> DeviceProfile:
-    """Copy bandwidth (one core, all cores), cache bandwidth, exp throughput: ~0.5 s.
+# When a measurement is provisional (labelled, arbitrary):
+BUSY_FRACTION = 0.2     # other processes used more than this share of all cores' time
+WIDE_SPREAD = 0.3       # a number's trials spread over more than this share of its median
+MIN_THREAD_GAIN = 1.4   # exp in all threads beat one thread by less: a core is busy
+TRIALS = 7
 
-    STREAM-style accounting: a copy moves 2 x its size.  A shared machine under load
-    measures low; delete the cache file (or ``measured_cpu(remeasure=True)``) to redo it.
-    """
+
+def measure_cpu() -> DeviceProfile:
+    """Copy bandwidth (one core, all cores), cache bandwidth, exp throughput (one core,
+    all cores): ``TRIALS`` timed trials of each, the median kept with its spread
+    ((max - min) / median), about a second in all.
+
+    STREAM-style accounting: a copy moves 2 x its size.  The CPU time other processes
+    used during the measurement is read from /proc/stat (minus this process's own).  The
+    profile is *provisional* when they used more than ``BUSY_FRACTION`` of the machine,
+    when a number's spread is over ``WIDE_SPREAD``, or when exp in all threads beats
+    one thread by less than ``MIN_THREAD_GAIN`` (a core was not free): measured_cpu
+    measures it again in a later process."""
     import numpy as np
     cores = _cores()
     caches = _cache_sizes()
+    facts = cpu_facts()
+    before = _cpu_times()
     big = 8 << 20                                   # 32 MB of float32 per lane
     one = _copy_bw(np, big, threads=1)
-    allc = max(one, _copy_bw(np, big, threads=cores)) if cores > 1 else one
+    allc = _copy_bw(np, big, threads=cores) if cores > 1 else one
     l2 = caches.get("l2", 512 << 10)
-    cache_bw = _cache_bw(np, max(4096, l2 // 4)) * cores   # a quarter of L2
-    exp_rate = _exp_rate(np) * cores
+    cache_bw = [r * cores for r in _cache_bw(np, max(4096, l2 // 4))]   # a quarter of L2
+    exp_one = _exp_rate(np, threads=1)
+    exp_all = _exp_rate(np, threads=cores) if cores > 1 else exp_one
+    others = _others_busy(before, _cpu_times(), cores)
+    med = {k: _median(v) for k, v in (("one", one), ("all", allc), ("cache", cache_bw),
+                                       ("exp1", exp_one), ("exp", exp_all))}
+    spread = {k: round((max(v) - min(v)) / _median(v), 3)
+              for k, v in (("bandwidth", allc), ("bw_per_lane", one),
+                           ("cache_bandwidth", cache_bw), ("transcendental_per_s", exp_all))}
+    gain = med["exp"] / med["exp1"]
+    why = []
+    if others > BUSY_FRACTION:
+        why.append(f"other processes used {others:.0%} of the CPUs")
+    wide = [k for k, v in spread.items() if v > WIDE_SPREAD]
+    if wide:
+        why.append(f"wide spread in {', '.join(wide)}")
+    if cores > 1 and gain < MIN_THREAD_GAIN:
+        why.append(f"{cores} threads ran exp only {gain:.2f}x faster than one")
+    spread["others_busy"] = round(others, 3)
+    bandwidth = max(med["one"], med["all"])
     # A loaded machine can measure anything; keep the profile physically sensible.
-    cache_bw = max(cache_bw, _CACHE_OVER_DRAM * allc)
+    cache_bandwidth = max(med["cache"], _CACHE_OVER_DRAM * bandwidth)
     return DeviceProfile(
-        name="cpu", backend="cpu", bandwidth=allc, lanes=cores, bw_per_lane=min(one, allc),
-        units=cores, cache_bandwidth=cache_bw, scratch_per_task=l2,
-        scratch_per_unit=l2, registers_per_unit=16, max_threads_per_task=1,
-        max_threads_per_unit=1, vector_bytes=32, launch_s=_CPU_LAUNCH_S, task_s=_CPU_TASK_S,
-        transcendental_per_s=exp_rate, caches=caches, measured=True,
-        source="cpu (measured on this machine)")
+        name="cpu", backend="cpu", bandwidth=bandwidth, lanes=cores,
+        bw_per_lane=min(med["one"], bandwidth), units=cores,
+        cache_bandwidth=cache_bandwidth, scratch_per_task=l2, scratch_per_unit=l2,
+        registers_per_unit=32 if facts["isa"] == "avx512f" else 16,
+        max_threads_per_task=1, max_threads_per_unit=1,
+        vector_bytes=VECTOR_BYTES.get(facts["isa"], 16), launch_s=_CPU_LAUNCH_S,
+        task_s=_CPU_TASK_S, transcendental_per_s=max(med["exp"], med["exp1"]),
+        caches=caches, measured=True, isa=facts["isa"], cpu_class=facts["cpu_class"],
+        measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        provisional=bool(why), why_provisional="; ".join(why), spread=spread,
+        source=f"cpu (measured on this {facts['model']}, {TRIALS} trials, medians)")
 
 
-def _best(fn, reps=3) -> float:
-    best = math.inf
+def _median(xs) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def _cpu_times():
+    """(busy seconds of all CPUs from /proc/stat, this process's CPU seconds, wall)."""
+    busy = None
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)      # idle + iowait
+        busy = (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # steal counts as busy
+    except (OSError, ValueError, IndexError):
+        pass
+    t = os.times()
+    return busy, t.user + t.system, time.monotonic()
+
+
+def _others_busy(before, after, cores) -> float:
+    """Share of all cores' time that other processes used between two _cpu_times."""
+    if before[0] is None or after[0] is None:
+        return 0.0
+    wall = max(after[2] - before[2], 1e-6)
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others) / (wall * cores)
+
+
+def _trials(fn, reps=TRIALS) -> list:
+    out = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return max(best, 1e-9)
+        out.append(max(time.perf_counter() - t, 1e-9))
+    return out
 
 
-def _copy_bw(np, n, threads) -> float:
-    srcs = [np.ones(n, np.float32) for _ in range(threads)]
-    dsts = [np.empty(n, np.float32) for _ in range(threads)]
+def _threaded(threads, work):
+    """A function running ``work(i)`` for i in range(threads), in threads when > 1
+    (NumPy releases the GIL in copies and ufunc loops)."""
+    if threads == 1:
+        return lambda: work(0)
 
     def run():
-        if threads == 1:
-            np.copyto(dsts[0], srcs[0])
-            return
-        ts = [threading.Thread(target=np.copyto, args=(d, s)) for d, s in zip(dsts, srcs)]
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
+    return run
+
+
+def _copy_bw(np, n, threads) -> list:
+    srcs = [np.ones(n, np.float32) for _ in range(threads)]
+    dsts = [np.empty(n, np.float32) for _ in range(threads)]
+    run = _threaded(threads, lambda i: np.copyto(dsts[i], srcs[i]))
     run()   # fault the pages in
-    return 2 * 4 * n * threads / _best(run)
+    return [2 * 4 * n * threads / t for t in _trials(run)]
 
 
-def _cache_bw(np, nbytes) -> float:
+def _cache_bw(np, nbytes) -> list:
     """Re-read one cache-resident block ``reps`` times in a single NumPy call (a stride-0
     view summed over its first axis): a Python loop of small copies measures the
     interpreter, not the cache."""
@@ -531,14 +744,16 @@ def _cache_bw(np, nbytes) -> float:
     def run():
         np.add.reduce(view, axis=0, out=b)
     run()
-    return 2 * 4 * n * reps / _best(run)
+    return [2 * 4 * n * reps / t for t in _trials(run)]
 
 
-def _exp_rate(np) -> float:
-    a = np.linspace(-4, 4, 1 << 20, dtype=np.float32)
-    out = np.empty_like(a)
-    np.exp(a, out=out)
-    return a.size / _best(lambda: np.exp(a, out=out))
+def _exp_rate(np, threads=1) -> list:
+    """exp evaluations per second, whole machine, in ``threads`` threads."""
+    a = [np.linspace(-4, 4, 1 << 20, dtype=np.float32) for _ in range(threads)]
+    out = [np.empty_like(x) for x in a]
+    run = _threaded(threads, lambda i: np.exp(a[i], out=out[i]))
+    run()
+    return [a[0].size * threads / t for t in _trials(run)]
 
 
 def with_overrides(profile: DeviceProfile, **kw) -> DeviceProfile:

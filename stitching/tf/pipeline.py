@@ -113,9 +113,10 @@ def _seq_split(gdef, tf_graph, fetched, options, resources):
     """(graph, its shapes, report note): token-wise blocks split along the sequence
     (tf/seqsplit.py) where TF would run their products on one thread at batch 1.
     ``fetched``: the node names fetched or kept."""
-    if not options.seq_split:
-        return gdef, tf_graph, None
-    l2 = profiles._cache_sizes().get("l2", 0)
+    prof = profiles.default()
+    if not options.seq_split or prof.backend != "cpu" or not remapper.onednn(prof):
+        return gdef, tf_graph, None     # the one-thread rule is oneDNN's (tf/seqsplit.py)
+    l2 = prof.caches.get("l2", 0)
     blocks = seqsplit.find(tf_graph, fetched, l2)
     if not blocks:
         return gdef, tf_graph, None

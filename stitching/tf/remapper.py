@@ -20,10 +20,17 @@ def onednn_enabled() -> bool:
         return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").lower() not in ("0", "false")
 
 
+def onednn(profile) -> bool:
+    """Whether TF runs oneDNN's kernels and remapper on the machine ``profile``
+    describes: the profile's fact where it states one (a pinned machine model), else
+    the running TF's."""
+    return profile.tf_onednn if profile.tf_onednn is not None else onednn_enabled()
+
+
 def table(profile) -> epilogue.Remapper:
     if profile.backend != "cpu":
         return epilogue.NONE
-    return epilogue.ONEDNN if onednn_enabled() else epilogue.EIGEN
+    return epilogue.ONEDNN if onednn(profile) else epilogue.EIGEN
 
 
 def mark(ir, profile) -> int:
