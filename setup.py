@@ -3,9 +3,14 @@
 Dependencies
 ------------
 Core (``install_requires``) is what the TF-free layers need (IR, plan, schedule, codegen,
-compile): they run on the GPU machines, which have no TensorFlow.  TensorFlow is pinned
-exactly: the op library is built against its headers and ABI.  Everything else has a lower
-bound at the oldest version this project has run with.  ``tests/test_packaging.py`` reads
+compile): they run on the GPU machines, which have no TensorFlow.  TensorFlow is never a
+core requirement: a user who has it already installs plain ``stitching`` (an extra naming
+another TF package would install a second TensorFlow into the same ``tensorflow/``
+folder).  One extra per TF package, each over the minors the suite passes on: ``tf``
+(``tensorflow``) and ``tf-cpu`` (``tensorflow-cpu``).  The op library is built on the
+user's machine against the installed TF's headers (``stitching-build``), so no ABI pin is
+needed.  Everything else has a lower bound at the oldest version this project has run
+with.  ``tests/test_packaging.py`` reads
 this file (``ast``, so keep the lists literal) and fails when an import in ``stitching/``,
 ``tests/``, ``tools/`` or ``notebooks/`` is not declared here.
 """
@@ -13,7 +18,9 @@ import os
 
 from setuptools import find_packages, setup
 
-TF = ["tensorflow-cpu==2.21.0", "keras>=3.0", "ml_dtypes>=0.4", "protobuf>=4.21"]
+# The TF minors the suite has passed on (README "Install"; tools/tf_versions.py runs it).
+TF_RANGE = ">=2.19,<2.22"
+TF_DEPS = ["keras>=3.0", "ml_dtypes>=0.4", "protobuf>=4.21"]
 
 setup(
     name="stitching",
@@ -35,11 +42,13 @@ setup(
     ],
     extras_require={
         # TF is optional for the TF-free layers (IR, schedule, codegen, CUDA harness).
-        "tf": TF,
+        "tf": ["tensorflow" + TF_RANGE] + TF_DEPS,
+        "tf-cpu": ["tensorflow-cpu" + TF_RANGE] + TF_DEPS,
         "cuda": ["numba-cuda>=0.20"],
         # stitching.inspect: drawings and dump-schema validation (the notebooks use these)
         "inspect": ["matplotlib>=3.8", "jsonschema>=4.0"],
-        "test": TF + ["pytest>=8.0", "hypothesis>=6.100", "matplotlib>=3.8",
+        # the test tools; TF comes from an extra above or the user's own install
+        "test": TF_DEPS + ["pytest>=8.0", "hypothesis>=6.100", "matplotlib>=3.8",
                       "numba-cuda>=0.20", "jsonschema>=4.0",
                       # notebooks/ are executed by tests/test_notebooks.py
                       "nbformat>=5.9", "nbclient>=0.9", "ipykernel>=6.0", "ipython>=8.0"],

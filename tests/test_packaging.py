@@ -48,8 +48,8 @@ def _requirement_name(req: str) -> str:
     return _norm(re.split(r"[\s<>=!~;\[]", req.strip(), maxsplit=1)[0])
 
 
-def declared() -> tuple[set[str], set[str]]:
-    """(core, every) distribution names setup.py declares, read from its AST."""
+def _setup_keywords() -> dict:
+    """setup()'s install_requires and extras_require, read from setup.py's AST."""
     tree = ast.parse((REPO / "setup.py").read_text())
     names = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign)
              for t in n.targets if isinstance(t, ast.Name)}
@@ -62,12 +62,19 @@ def declared() -> tuple[set[str], set[str]]:
             return literal(node.left) + literal(node.right)
         if isinstance(node, ast.Dict):
             return {ast.literal_eval(k): literal(v) for k, v in zip(node.keys, node.values)}
+        if isinstance(node, ast.List):
+            return [literal(e) for e in node.elts]
         return ast.literal_eval(node)
 
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
                 and getattr(n.func, "id", None) == "setup")
-    kw = {k.arg: literal(k.value) for k in call.keywords
-          if k.arg in ("install_requires", "extras_require")}
+    return {k.arg: literal(k.value) for k in call.keywords
+            if k.arg in ("install_requires", "extras_require")}
+
+
+def declared() -> tuple[set[str], set[str]]:
+    """(core, every) distribution names setup.py declares."""
+    kw = _setup_keywords()
     core = {_requirement_name(r) for r in kw["install_requires"]}
     every = set(core)
     for reqs in kw["extras_require"].values():
@@ -158,3 +165,38 @@ def test_the_scanner_finds_real_imports():
                                       ("numpy", "numpy")])
 def test_requirement_names_are_normalized(req, name):
     assert _requirement_name(req) == name
+
+
+def test_tensorflow_is_an_extra_per_package_with_a_range_never_core():
+    """A user's own TF is never replaced: TF is in no core or test requirement, and each
+    TF package has an extra of its own over a range of minors (2.20 and 2.21 at least)."""
+    kw = _setup_keywords()
+    assert not any("tensorflow" in r for r in kw["install_requires"])
+    extras = kw["extras_require"]
+    assert not any("tensorflow" in r for r in extras["test"])
+    for extra, dist in (("tf", "tensorflow"), ("tf-cpu", "tensorflow-cpu")):
+        (req,) = [r for r in extras[extra] if _requirement_name(r) == dist]
+        bounds = dict(re.findall(r"(>=|<)\s*([\d.]+)", req[len(dist):]))
+        low, high = (tuple(int(x) for x in bounds[k].split(".")) for k in (">=", "<"))
+        assert low <= (2, 20) and high > (2, 21), req
+        assert not [r for r in extras[extra] if "tensorflow" in r and r != req]
+
+
+def test_the_build_step_warns_when_two_tensorflows_share_the_environment(monkeypatch):
+    from importlib import metadata
+
+    from stitching.runtime import build
+    installed = {"tensorflow": "2.21.0", "tensorflow-cpu": "2.21.0"}
+
+    def version(name):
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+    monkeypatch.setattr(metadata, "version", version)
+    said = []
+    build.check_tf_install(said.append)
+    assert len(said) == 1 and "tensorflow-cpu==2.21.0" in said[0] and "Keep one" in said[0]
+    del installed["tensorflow-cpu"]
+    said.clear()
+    build.check_tf_install(said.append)
+    assert said == []

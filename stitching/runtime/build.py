@@ -141,6 +141,34 @@ def _compile_to(path: Path) -> None:
             os.unlink(tmp)
 
 
+TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-intel", "tf-nightly",
+                    "tf-nightly-cpu")
+
+
+def tf_distributions() -> dict:
+    """The TensorFlow distributions installed in this environment: name -> version."""
+    from importlib import metadata
+    found = {}
+    for name in TF_DISTRIBUTIONS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def check_tf_install(warn=print) -> None:
+    """Warn when two TF distributions share this environment: they install into the same
+    ``tensorflow/`` folder, and whichever was installed last overwrote some of the other's
+    files (a mix that can fail to import, or lose ``__version__`` when one is removed)."""
+    found = tf_distributions()
+    if len(found) > 1:
+        listed = ", ".join(f"{k}=={v}" for k, v in sorted(found.items()))
+        warn(f"warning: {len(found)} TensorFlow distributions are installed together "
+             f"({listed}); they share one tensorflow/ folder. Keep one: pip uninstall all "
+             f"of them, then install the one you use (stitching needs no particular one).")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m stitching.runtime.build",
                                 description="Prebuild the stitching TensorFlow op library (and the "
@@ -152,6 +180,7 @@ def main(argv=None) -> int:
     if args.print_path:
         print(library_path())
         return 0
+    check_tf_install(lambda m: print(m, file=sys.stderr))
     try:
         print(build(force=args.force))
     except BuildError as e:
