@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Plans under several device profiles, side by side: how many kernels each plans, and
+whether the plans are the same.  Planning only (no compile, no timing), so it runs on a
+busy machine and says nothing about this machine's speed.
+
+    python tools/plan_machines.py                                  # models, both machine models
+    python tools/plan_machines.py --models efficientnet_b0 --batch 8
+    python tools/plan_machines.py --profiles intel-avx512,amd-avx2,cpu
+    python tools/plan_machines.py --measure 5 --load 2             # 5 profiles measured while
+                                # 2 busy processes run, 5 measured quietly, plans compared
+
+Profiles: named machine models (plan/profiles.py MACHINES), ``cpu`` (this machine's
+measured profile as the pipeline would plan with it), or profile files.  ``--measure N``
+adds N fresh measurements of this machine taken under ``--load`` busy processes and N
+taken without, each as the pipeline would plan with it (provisional ones with their
+class's numbers, ``profiles.settled``), and reports whether every one plans the same
+kernels as the first quiet one: the stability the measured profile has to have.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO]
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def model_graph(name: str, batch: int):
+    """(IR, its TF op count) of a models-suite case's inference graph at ``batch``: the
+    pipeline's front half (Grappler, shapes, IR, the shape-arithmetic marks)."""
+    import tensorflow as tf
+
+    from stitching.testing import models
+    from stitching.tf import frontend, grappler, pipeline
+    case = models.get(name)
+    sig = [tf.TensorSpec((batch or None,) + tuple(case.input_shape), tf.float32)]
+    cf = tf.function(case.make_fn(), input_signature=sig).get_concrete_function()
+    fetches = [t.name for t in cf.outputs]
+    gdef = grappler.optimize(cf.graph.as_graph_def(), fetches)
+    gdef = frontend.bypass_identity_n(gdef, {f.split(":")[0] for f in fetches})
+    tf_graph = frontend.import_for_shapes(gdef, frontend.resource_shapes(cf.graph))
+    ir = frontend.to_ir(tf_graph, fetches)
+    for n in pipeline._shape_arithmetic(gdef) & ir.nodes.keys():
+        ir[n].attrs.setdefault("unfusible", pipeline.SHAPE_MATH)
+    return ir
+
+
+def plan_with(ir, profile):
+    """The kernels the search planner deploys for ``ir`` under ``profile``, as sorted
+    tuples of member names (the remapper's epilogue marks from that profile too)."""
+    import copy
+
+    from stitching.plan import search
+    from stitching.tf import pipeline, remapper
+    ir = copy.deepcopy(ir)
+    remapper.mark(ir, profile)
+    plan = search.plan(ir, pipeline.legal, min_ops=2,
+                       config=search.SearchConfig(profile=profile))
+    return sorted(tuple(sorted(r.nodes)) for r in plan.regions)
+
+
+def _busy(stop):
+    x = 0
+    while not stop.is_set():
+        for i in range(100000):
+            x += i * i
+
+
+def measured(n: int, load: int) -> list:
+    """``n`` fresh measurements of this machine with ``load`` busy processes running,
+    each as the pipeline plans with it."""
+    from stitching.plan import profiles
+    stop = multiprocessing.Event()
+    procs = [multiprocessing.Process(target=_busy, args=(stop,), daemon=True)
+             for _ in range(load)]
+    for p in procs:
+        p.start()
+    try:
+        out = [profiles.calibrated(profiles.settled(profiles.measure_cpu()))
+               for _ in range(n)]
+    finally:
+        stop.set()
+        for p in procs:
+            p.join()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="resnet50,mobilenet_v2,efficientnet_b0,transformer")
+    ap.add_argument("--batch", type=int, default=0, help="0: unknown (the models suite)")
+    ap.add_argument("--profiles", default="intel-avx512,amd-avx2")
+    ap.add_argument("--measure", type=int, default=0,
+                    help="also N measurements of this machine under load and N quiet")
+    ap.add_argument("--load", type=int, default=2, help="busy processes for --measure")
+    args = ap.parse_args(argv)
+    import stitching.schedule  # noqa: F401  (the cost model's scheduler hook)
+    from stitching.plan import profiles
+    named = []
+    for spec in filter(None, args.profiles.split(",")):
+        prof = (profiles.calibrated(profiles.settled(profiles.get("cpu"))) if spec == "cpu"
+                else profiles.get(spec) if spec in profiles.names()
+                else profiles.load_file(spec))
+        named.append((spec, prof))
+    if args.measure:
+        named += [(f"loaded{i}", p) for i, p in enumerate(measured(args.measure, args.load))]
+        named += [(f"quiet{i}", p) for i, p in enumerate(measured(args.measure, 0))]
+    for label, p in named:
+        state = f"provisional: {p.why_provisional}" if p.provisional else "final"
+        print(f"# {label}: {p.source} [{state}]", flush=True)
+    worst = 0
+    for name in filter(None, args.models.split(",")):
+        ir = model_graph(name, args.batch)
+        plans = {label: plan_with(ir, p) for label, p in named}
+        ref_label = next((k for k in plans if k.startswith("quiet")), next(iter(plans)))
+        ref = plans[ref_label]
+        row = "  ".join(f"{k}={len(v)}{'' if v == ref else '*'}" for k, v in plans.items())
+        differ = [k for k, v in plans.items() if v != ref]
+        worst = max(worst, len(differ))
+        print(f"{name} b{args.batch}: kernels {row}   (* differs from {ref_label})",
+              flush=True)
+    return 1 if args.measure and worst else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
