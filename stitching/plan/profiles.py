@@ -103,6 +103,9 @@ class DeviceProfile:
     why_provisional: str = ""    # what made it provisional, in words
     spread: dict = field(default_factory=dict)   # measured number -> (max - min) / median
     #                                              of its trials
+    stream_min_bytes: int = 16 << 20   # CPU: outputs this large are written with
+    #   non-temporal stores (codegen/cpu/emitter.py _stream_min_bytes has the measurement);
+    #   measured on intel-avx512 only: the other classes take that figure until measured
 
     def bw_at(self, active_lanes: float) -> float:
         """Bandwidth with ``active_lanes`` lanes busy (at least one)."""

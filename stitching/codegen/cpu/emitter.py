@@ -89,13 +89,18 @@ def _stream_min_bytes() -> int:
     Xeon (Emerald Rapids), a row kernel writing N MiB followed by a reduction reading
     it, 4 rotating buffer sets, NT / normal time: 16 MiB 0.64 (producer) and 0.81
     (producer + consumer), 32 MiB 0.72 / 0.84, 64 MiB 0.73 / 0.83; 8 MiB 0.79 / 1.00;
-    4 MiB 1.31 / 1.53 (the output still cached).  So from 16 MiB per output on;
-    ``STITCHING_STREAM_MIN_MIB`` sets another threshold for a machine whose caches
-    differ (0: never stream).  The threshold is written into the kernel text, so
-    kernels built under different settings do not share a cache entry."""
+    4 MiB 1.31 / 1.53 (the output still cached).  So from 16 MiB per output on: the
+    device profile's ``stream_min_bytes`` (a fact of the machine's caches, as every
+    machine-dependent choice is); ``STITCHING_STREAM_MIN_MIB`` overrides it (0: never
+    stream).  The threshold is written into the kernel text, so kernels built under
+    different settings do not share a cache entry."""
     env = os.environ.get("STITCHING_STREAM_MIN_MIB", "").strip()
+    if not env:
+        from ...plan import profiles
+        prof = profiles.default()
+        return prof.stream_min_bytes if prof.backend == "cpu" else 16 << 20
     try:
-        mib = float(env) if env else 16.0
+        mib = float(env)
     except ValueError:
         raise ValueError(f"STITCHING_STREAM_MIN_MIB must be a number of MiB, got "
                          f"{env!r}") from None
