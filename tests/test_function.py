@@ -296,7 +296,7 @@ def test_identity_transpose_is_removed_before_planning():
 
 
 def test_graph_def_rewrite_tool_round_trip(tmp_path):
-    from stitching.tf import cli
+    from stitching import cli
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
@@ -315,7 +315,7 @@ def test_graph_def_rewrite_tool_round_trip(tmp_path):
 
 
 def test_saved_model_rewrite_and_load(tmp_path):
-    from stitching.tf.saved_model import load_saved_model, rewrite_saved_model
+    from stitching.saved_model import load_saved_model, rewrite_saved_model
 
     class M(tf.Module):
         def __init__(self):

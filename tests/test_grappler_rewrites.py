@@ -11,7 +11,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 import stitching  # noqa: E402
-from stitching.tf import grappler  # noqa: E402
+from stitching.tf.passes import grappler  # noqa: E402
 
 OPTS = stitching.Options(min_ops=1)
 RNG = np.random.default_rng(28)

@@ -26,12 +26,14 @@ PKG = Path(__file__).resolve().parent.parent / "stitching"
 # registers the op when TensorFlow is imported); ``testing``
 # drives that API as a user would, so it comes last.
 STAGES = ["cachedir", "ir", "plan", "schedule", "codegen", "compile", "runtime",
-          ("report", "options"), "tf", "inspect", ("__init__", "_autoload"), "testing"]
+          ("report", "options"), "tf", "inspect", ("keras", "saved_model", "cli"),
+          ("__init__", "_autoload"), "testing"]
 RANK = {name: i for i, s in enumerate(STAGES)
         for name in (s if isinstance(s, tuple) else (s,))}
 # Inside codegen: the shared lowering first, then the backends, side by side.
 CODEGEN = {"lower": 0, "cpu": 1, "cuda": 1}
-TF_EDGE = ("stitching.tf", "stitching.testing", "stitching.runtime")
+TF_EDGE = ("stitching.tf", "stitching.testing", "stitching.runtime",
+           "stitching.keras", "stitching.saved_model", "stitching.cli")
 
 
 def _module_name(path: Path) -> str:

@@ -42,8 +42,9 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import (autotune, bcast, dump, einsum, forward, frontend, gemm, grappler, opnames,
-               original, padfold, prune, remapper, rewrite, seqsplit, shapes, sparse_xent)
+from . import dump, frontend, opnames
+from .passes import (autotune, bcast, einsum, forward, gemm, grappler, original, padfold,
+                     prune, remapper, rewrite, seqsplit, shapes, sparse_xent)
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels

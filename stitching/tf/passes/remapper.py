@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ..plan import epilogue
+from ...plan import epilogue
 
 
 def onednn_enabled() -> bool:

@@ -202,7 +202,7 @@ def _static_target(out, name, ir_graph):
 
 
 def _tf_dtype(ref, t):
-    from . import frontend
+    from .. import frontend
     dt = frontend.TF_DTYPE.get(t.dtype)
     if dt is None:
         raise NotReproducible(ref.node)
@@ -354,7 +354,7 @@ def backward_options(op):
         return None
     import dataclasses
 
-    from ..options import Options
+    from ...options import Options
     try:
         d = json.loads(raw)
         if not isinstance(d, dict):

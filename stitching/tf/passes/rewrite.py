@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2, tensor_shape_pb2
 
-from . import frontend
+from .. import frontend
 
 
 def _tensor_name(ref) -> str:

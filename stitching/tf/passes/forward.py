@@ -10,7 +10,7 @@ output of the same size at once.
 """
 from __future__ import annotations
 
-from ..schedule.inplace import pairs
+from ...schedule.inplace import pairs
 
 ATTR = "_stitching_forward"
 

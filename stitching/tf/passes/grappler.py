@@ -70,7 +70,7 @@ from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 from tensorflow.python.grappler import tf_optimizer
 
-from . import opnames
+from .. import opnames
 
 _RC = rewriter_config_pb2.RewriterConfig
 

@@ -27,8 +27,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from ..ir.graph import ValueRef
-from ..ir.ops import Kind, kind_of
+from ...ir.graph import ValueRef
+from ...ir.ops import Kind, kind_of
 
 UNKNOWN = None
 _MAX_DEPTH = 16            # arbitrary: shape arithmetic chains are a few ops deep
