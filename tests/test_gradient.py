@@ -1,6 +1,6 @@
 """Gradients through StitchedKernel: a tape outside a stitched function and
 tf.gradients over one give TF's gradients (the op's registered gradient differentiates
-the region's original subgraph, kept as a function: stitching/tf/original.py)."""
+the region's original subgraph, kept as a function: stitching/tf/passes/original.py)."""
 import numpy as np
 import pytest
 import tensorflow as tf

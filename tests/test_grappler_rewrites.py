@@ -1,4 +1,4 @@
-"""TF's value-changing Grappler rewrites happen before planning (stitching/tf/grappler.py).
+"""TF's value-changing Grappler rewrites happen before planning (stitching/tf/passes/grappler.py).
 
 Each covered arithmetic-optimizer rewrite: the stitched kernel holds the rewritten
 op, and its error against a float64 run of the expression as written is within

@@ -17,6 +17,9 @@ Graphs (``--only`` takes these names, or a suite name):
     patterns/<name>   the patterns suite, small size (batch dims are unknown anyway)
     train/<name>      the train suite's steps (forward, tape, optimizer; control outputs)
     autotune/<name>   a model again under Options(autotune=True) (the marking pass)
+    verify/<name>     a model again under Options(verify=True) (the debug verifiers)
+    seqsplit/<name>   a model at batch 1 with the L2 pinned to 2 MiB, where the
+                      sequence split fires (it reads the machine's L2)
 
 Per graph, under OUT/<graph>/:
 
@@ -48,8 +51,10 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
-SUITES = ("plan", "models", "patterns", "train", "autotune")
+SUITES = ("plan", "models", "patterns", "train", "autotune", "verify", "seqsplit")
 AUTOTUNE_MODELS = ("transformer", "mobilenet_v2")
+VERIFY_MODELS = ("transformer", "efficientnet_b0")
+SEQSPLIT_L2 = 2 << 20           # tests/test_seqsplit.py's L2
 
 
 def _write(path: str, text: str) -> None:
@@ -147,6 +152,30 @@ def _graphs(only) -> list:
             _stitch_one(d, case.make_fn(), case.input_signature(), options)
         return run
 
+    def seqsplit(name):
+        def run(d):
+            import tensorflow as tf
+            from stitching.plan import profiles
+            from stitching.testing import models as M
+            case = M.get(name)
+            real = profiles._cache_sizes
+
+            def pinned():
+                # only for the split's own reading (tf/seqsplit.py, or the driver before
+                # the pass manager): the cost model's profile keeps the machine's caches,
+                # or it is measured afresh (noisy) instead of read from its calibration
+                caller = sys._getframe(1).f_globals.get("__name__", "")
+                sizes = real()
+                return dict(sizes, l2=SEQSPLIT_L2) if caller.endswith(
+                    ("seqsplit", "pipeline")) else sizes
+            profiles._cache_sizes = pinned
+            try:
+                spec = tf.TensorSpec((1,) + tuple(case.input_shape), tf.float32)
+                _stitch_one(d, case.make_fn(), [spec], Options())
+            finally:
+                profiles._cache_sizes = real
+        return run
+
     def pattern(name):
         def run(d):
             from stitching.testing import patterns as P
@@ -170,6 +199,8 @@ def _graphs(only) -> list:
     out += [(f"patterns/{p.name}", pattern(p.name)) for p in P.all_patterns()]
     out += [(f"train/{n}", train(n)) for n in T.CASES]
     out += [(f"autotune/{n}", model(n, Options(autotune=True))) for n in AUTOTUNE_MODELS]
+    out += [(f"verify/{n}", model(n, Options(verify=True))) for n in VERIFY_MODELS]
+    out += [("seqsplit/transformer", seqsplit("transformer"))]
     if only:
         out = [(g, f) for g, f in out if g in only or g.split("/")[0] in only]
     return out

@@ -123,9 +123,11 @@ def verify(ctx: Context, after: str) -> None:
     """The graph as it stands, checked (``Options(verify=True)``): a clear error
     naming the pass that broke it."""
     import tensorflow as tf
+    graph_def = type(ctx.graph_def)()
+    graph_def.CopyFrom(ctx.graph_def)     # the import adds default attrs to what it reads
     try:
         with tf.Graph().as_default():
-            tf.graph_util.import_graph_def(ctx.graph_def, name="")
+            tf.graph_util.import_graph_def(graph_def, name="")
         if ctx.ir is not None:
             ctx.ir.verify()
     except Exception as e:  # noqa: BLE001 -- re-raised, naming the pass

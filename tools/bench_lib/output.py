@@ -5,7 +5,7 @@ import os
 import re
 
 # the numbers and cells every table shares (the suites' own tables use them too)
-from .cells import _int, _ms, _time_cell, _verdict, _x, geomean, med, speedup  # noqa: F401
+from .cells import _int, _time_cell, _verdict, _x, geomean, speedup
 from .names import LABELS, MODES
 
 # Pattern sizes in the order reports list them: the suite's two, then issue 31's four
