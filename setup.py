@@ -58,5 +58,5 @@ setup(
         # as the oracle); tests/test_fastmath.py uses it when present.
         "fit": ["scipy>=1.11"],
     },
-    entry_points={"console_scripts": ["stitching-rewrite=stitching.tf.cli:main"]},
+    entry_points={"console_scripts": ["stitching-rewrite=stitching.cli:main"]},
 )

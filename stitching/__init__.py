@@ -13,14 +13,14 @@ _LAZY = {
     "function": ("stitching.tf.function", "function"),
     "Options": ("stitching.options", "Options"),
     "StitchedFunction": ("stitching.tf.function", "StitchedFunction"),
-    "rewrite_graph_def": ("stitching.tf.cli", "rewrite_graph_def"),
-    "rewrite_saved_model": ("stitching.tf.saved_model", "rewrite_saved_model"),
-    "load_saved_model": ("stitching.tf.saved_model", "load_saved_model"),
+    "rewrite_graph_def": ("stitching.cli", "rewrite_graph_def"),
+    "rewrite_saved_model": ("stitching.saved_model", "rewrite_saved_model"),
+    "load_saved_model": ("stitching.saved_model", "load_saved_model"),
     "Report": ("stitching.report", "Report"),
     "load_dump": ("stitching.inspect.load", "load_dump"),
     "write_tensorboard": ("stitching.inspect.tensorboard", "write_tensorboard"),
     "install_kernels": ("stitching.tf.kernel_assets", "install_dir"),
-    "keras": ("stitching.tf.keras", None),          # stitching.keras.stitch(model)
+    "keras": ("stitching.keras", None),          # stitching.keras.stitch(model)
 }
 
 

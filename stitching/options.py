@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 
@@ -22,6 +23,10 @@ class Options:
     #                                    background thread; later calls switch over (wait())
     dump_dir: str | None = None    # write a graph dump per traced function here (also
     #                                $STITCHING_DUMP_DIR); see stitching/tf/dump.py
+    dump_passes: str | None = None  # with a dump: the graph after each pass whose name
+    #                                this regular expression matches (re.search, like
+    #                                XLA's --xla_dump_hlo_pass_re), e.g. "seqsplit|padfold"
+    #                                or ".*"; see stitching/tf/passmanager.py
     fallback: bool = False         # each kernel node keeps its region's original nodes as a
     #                                function it runs where its kernel cannot be built
     #                                (tf/original.py); stitching-rewrite turns it on
@@ -49,3 +54,12 @@ class Options:
                              f"speed-up), got {self.autotune_margin!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise TypeError(f"dump_dir must be a path, got {type(self.dump_dir).__name__}")
+        if self.dump_passes is not None:
+            if not isinstance(self.dump_passes, str):
+                raise TypeError(f"dump_passes must be a regular expression (str), got "
+                                f"{type(self.dump_passes).__name__}")
+            try:
+                re.compile(self.dump_passes)
+            except re.error as e:
+                raise ValueError(f"dump_passes {self.dump_passes!r} is not a regular "
+                                 f"expression: {e}") from None

@@ -31,7 +31,7 @@ def _onednn(prof) -> tuple:
     if prof.tf_onednn is not None:
         return prof.tf_onednn, "the profile"
     try:
-        from .tf import remapper
+        from .tf.passes import remapper
     except ImportError:                      # no TensorFlow here
         return None, "no TensorFlow installed"
     return remapper.onednn_enabled(), "the running TF (IsMklEnabled)"

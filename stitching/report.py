@@ -2,7 +2,7 @@
 
 ``summary()`` is the text a user reads; ``to_dict()`` the same facts as data
 (keys: memory_intensive_ops, fused_ops, kernels, coverage, unfused,
-kernel_details, boundaries, compile_seconds, notes, autotune).  Counts are in TF ops of
+kernel_details, boundaries, compile_seconds, notes, autotune, pass_seconds).  Counts are in TF ops of
 the original graph: a Softmax is one op even though its kernel expands it.
 """
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Report:
     # Options(autotune): the kernels timed against their native segment (tf/autotune.py)
     # with the model's prediction; what the measurements decided is read live
     autotune: list = field(default_factory=list)
+    pass_seconds: dict = field(default_factory=dict)   # graph pass -> seconds (tf/passmanager.py)
 
     @property
     def coverage(self) -> float:
@@ -66,6 +67,7 @@ class Report:
             "explanation": list(self.explanation),
             "profile": self.profile,
             "autotune": self.autotune_decisions(),
+            "pass_seconds": {k: round(v, 4) for k, v in self.pass_seconds.items()},
         }
 
     def autotune_decisions(self) -> list:

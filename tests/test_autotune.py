@@ -196,7 +196,7 @@ def test_autotune_margin_must_be_a_speed_up(bad):
 def test_stitching_rewrite_autotune_marks_a_graph_that_measures_where_it_runs(tmp_path):
     """`stitching-rewrite --autotune MARGIN`: the shipped graph's kernel nodes carry the
     mark and their native segment, and the process that runs the graph measures."""
-    from stitching.tf import cli
+    from stitching import cli
     x_np, w_np = _args(352)
     g = tf.Graph()
     with g.as_default():

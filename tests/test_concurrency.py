@@ -71,7 +71,7 @@ def test_one_loaded_saved_model_from_eight_threads(tmp_path):
 
     m = M()
     tf.saved_model.save(m, str(tmp_path / "src"), signatures={"serving_default": m.serve})
-    from stitching.tf.saved_model import rewrite_saved_model
+    from stitching.saved_model import rewrite_saved_model
     reports = rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))
     assert reports["serving_default"].to_dict()["kernels"] == 1
     sig = tf.saved_model.load(str(tmp_path / "dst")).signatures["serving_default"]
@@ -125,7 +125,7 @@ def test_eight_threads_make_the_first_calls_of_a_fresh_process(tmp_path):
 
     m = M()
     tf.saved_model.save(m, str(tmp_path / "src"), signatures={"serving_default": m.serve})
-    from stitching.tf.saved_model import rewrite_saved_model
+    from stitching.saved_model import rewrite_saved_model
     rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"), embed_kernels=False)
     tests = os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run(

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import stitching
-from stitching.tf import einsum as es
+from stitching.tf.passes import einsum as es
 from stitching.tf import pipeline
 
 RNG = np.random.default_rng(531)

@@ -123,7 +123,7 @@ def test_a_fused_bias_ends_its_group_in_the_report():
 # ---- end to end ------------------------------------------------------------------------
 
 tf = pytest.importorskip("tensorflow")
-from stitching.tf import remapper  # noqa: E402
+from stitching.tf.passes import remapper  # noqa: E402
 
 
 def conv_block(dtype="float32"):

@@ -12,7 +12,8 @@ import pytest
 import tensorflow as tf
 
 import stitching
-from stitching.tf import forward, pipeline
+from stitching.tf import pipeline
+from stitching.tf.passes import forward
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -127,7 +127,7 @@ def test_runtime_broadcast_mismatch_is_an_error_not_a_wrong_answer():
 def test_custom_gradient_identity_n_does_not_split_a_region():
     """tf.nn.silu wraps its value in an IdentityN (custom_gradient); a fetched IdentityN
     stays, one feeding other ops is bypassed, so silu(g) * u is one kernel."""
-    from stitching.tf import frontend
+    from stitching.tf.passes import grappler
     sig = [tf.TensorSpec([None, 64]), tf.TensorSpec([None, 64])]
     g = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
     u = np.random.default_rng(4).standard_normal((5, 64)).astype(np.float32)
@@ -140,9 +140,9 @@ def test_custom_gradient_identity_n_does_not_split_a_region():
         .get_concrete_function().graph.as_graph_def()
     idn = [n.name for n in gd.node if n.op == "IdentityN"]
     assert idn
-    kept = frontend.bypass_identity_n(gd, set(idn))
+    kept = grappler.bypass_identity_n(gd, set(idn))
     assert kept is gd
-    out = frontend.bypass_identity_n(gd, set())
+    out = grappler.bypass_identity_n(gd, set())
     assert not [n for n in out.node if n.op == "IdentityN"]
     assert all(not i.startswith(tuple(idn)) for n in out.node for i in n.input)
 
@@ -296,7 +296,7 @@ def test_identity_transpose_is_removed_before_planning():
 
 
 def test_graph_def_rewrite_tool_round_trip(tmp_path):
-    from stitching.tf import cli
+    from stitching import cli
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
@@ -315,7 +315,7 @@ def test_graph_def_rewrite_tool_round_trip(tmp_path):
 
 
 def test_saved_model_rewrite_and_load(tmp_path):
-    from stitching.tf.saved_model import load_saved_model, rewrite_saved_model
+    from stitching.saved_model import load_saved_model, rewrite_saved_model
 
     class M(tf.Module):
         def __init__(self):

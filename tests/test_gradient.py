@@ -1,12 +1,12 @@
 """Gradients through StitchedKernel: a tape outside a stitched function and
 tf.gradients over one give TF's gradients (the op's registered gradient differentiates
-the region's original subgraph, kept as a function: stitching/tf/original.py)."""
+the region's original subgraph, kept as a function: stitching/tf/passes/original.py)."""
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import stitching
-from stitching.tf import original
+from stitching.tf.passes import original
 
 
 def _rand(shape, seed, dtype="float32"):
@@ -193,14 +193,14 @@ def test_rewrite_drops_colocation_with_fused_nodes():
                                    ([3], [2, 3]), ([1, 1], [5, 1]), ([2, 3], [2, 3]),
                                    ([], [4, 2])])
 def test_broadcast_gradient_args_folding_matches_tf_on_static_shapes(s0, s1):
-    from stitching.tf.bcast import reduce_axes
+    from stitching.tf.passes.bcast import reduce_axes
     r0, r1 = tf.raw_ops.BroadcastGradientArgs(s0=tf.constant(s0, tf.int32),
                                               s1=tf.constant(s1, tf.int32))
     assert reduce_axes(s0, s1) == (r0.numpy().tolist(), r1.numpy().tolist())
 
 
 def test_broadcast_gradient_args_with_unknown_dims():
-    from stitching.tf.bcast import reduce_axes
+    from stitching.tf.passes.bcast import reduce_axes
     assert reduce_axes([None, 32], [32]) == ([], [0])           # x[?,32] * gamma[32]
     assert reduce_axes([None, 1], [None, 32]) == ([1], [])      # ? vs ?: assumed equal
     assert reduce_axes([None, 32], [4, 32]) is None             # ? may be 1: left to TF

@@ -1,4 +1,4 @@
-"""TF's value-changing Grappler rewrites happen before planning (stitching/tf/grappler.py).
+"""TF's value-changing Grappler rewrites happen before planning (stitching/tf/passes/grappler.py).
 
 Each covered arithmetic-optimizer rewrite: the stitched kernel holds the rewritten
 op, and its error against a float64 run of the expression as written is within
@@ -11,7 +11,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 import stitching  # noqa: E402
-from stitching.tf import grappler  # noqa: E402
+from stitching.tf.passes import grappler  # noqa: E402
 
 OPTS = stitching.Options(min_ops=1)
 RNG = np.random.default_rng(28)

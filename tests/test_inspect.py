@@ -111,7 +111,7 @@ def test_no_dump_unless_asked(tmp_path, monkeypatch):
 
 
 def test_rewrite_tool_dump_dir(tmp_path):
-    from stitching.tf import cli
+    from stitching import cli
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")

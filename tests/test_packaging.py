@@ -24,7 +24,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = ("stitching", "tests", "tools", "notebooks")
 # Layers that may import optional packages at module level (they need TF anyway).
-OPTIONAL_LAYERS = ("stitching/tf/", "stitching/testing/")
+OPTIONAL_LAYERS = ("stitching/tf/", "stitching/testing/",
+                   "stitching/keras.py", "stitching/saved_model.py", "stitching/cli.py")
 
 # Import name -> distribution, for names that differ.  Only what the sources use (and the
 # usual suspects), so a new import of an unlisted package is checked by its own name.

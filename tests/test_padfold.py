@@ -4,7 +4,8 @@ import pytest
 import tensorflow as tf
 
 import stitching
-from stitching.tf import padfold, pipeline
+from stitching.tf import pipeline
+from stitching.tf.passes import padfold
 
 
 def _rewritten(fn, sig, options=stitching.Options()):

@@ -3,7 +3,7 @@ Identity nodes are forwarded -- and the graph computes the same."""
 import numpy as np
 import tensorflow as tf
 
-from stitching.tf import prune
+from stitching.tf.passes import prune
 
 
 def _graph():

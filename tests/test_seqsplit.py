@@ -4,7 +4,8 @@ import pytest
 import tensorflow as tf
 
 import stitching
-from stitching.tf import frontend, grappler, seqsplit
+from stitching.tf import frontend
+from stitching.tf.passes import grappler, seqsplit
 
 L2 = 2 << 20          # the tests of ``find`` pass an L2, never read the machine's
 

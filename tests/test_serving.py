@@ -45,8 +45,8 @@ def _keras_cnn():
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory):
     """Rewritten artifacts and the original's outputs on fixed inputs (as .npy)."""
-    from stitching.tf import cli
-    from stitching.tf.saved_model import rewrite_saved_model
+    from stitching import cli
+    from stitching.saved_model import rewrite_saved_model
     d = tmp_path_factory.mktemp("ship")
     rng = np.random.default_rng(0)
     # a Keras CNN, exported as Keras serves it
@@ -223,7 +223,7 @@ def test_a_graph_def_sidecar_is_bound_to_its_graph(shipped, tmp_path):
 
 
 def test_rewriting_a_rewritten_saved_model_is_refused(shipped, tmp_path, capsys):
-    from stitching.tf import cli
+    from stitching import cli
     assert cli.main([str(shipped / "cnn"), str(tmp_path / "again")]) == 1
     err = capsys.readouterr().err.strip()
     assert "was rewritten by stitching already" in err and len(err.splitlines()) == 1
@@ -270,7 +270,7 @@ def test_rewrite_keeps_signatures_variables_and_assets(tmp_path):
     """Every signature keeps its input and output names, dtypes, shapes and structure;
     `--signature` rewrites only the one it names and keeps the others; variables and
     the original's assets come along."""
-    from stitching.tf import cli
+    from stitching import cli
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("a\nb\n")
 
@@ -327,7 +327,7 @@ def test_transformer_saved_model_round_trip_in_a_fresh_process(tmp_path):
     with an empty kernel cache (kernels from the assets, no Numba), against Keras'
     output (float32, within float rounding of the fused arithmetic)."""
     from stitching.testing.models import transformer_encoder
-    from stitching.tf.saved_model import rewrite_saved_model
+    from stitching.saved_model import rewrite_saved_model
     model = transformer_encoder(num_layers=2, d_model=64, heads=2, ff=128, seq_len=32)
     model.export(str(tmp_path / "src"), verbose=False)
     reports = rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import stitching  # noqa: F401  (registers the op and the compile-on-miss hook)
-from stitching.tf import cli
+from stitching import cli
 from stitching.testing.models import frozen_softmax_graph_def
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -56,7 +56,8 @@ def _model_call(model):
 
 def timeline(model) -> None:
     from stitching.compile import parallel
-    from stitching.tf import frontend, grappler, pipeline, rewrite
+    from stitching.tf import frontend, pipeline
+    from stitching.tf.passes import grappler, rewrite
     marks = []
     fn, args = _model_call(model)
     for mod, names in ((grappler, ["optimize"]), (frontend, ["import_for_shapes", "to_ir"]),

@@ -22,6 +22,7 @@ import argparse
 import multiprocessing
 import os
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO]
@@ -29,23 +30,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
 def model_graph(name: str, batch: int):
-    """(IR, its TF op count) of a models-suite case's inference graph at ``batch``: the
-    pipeline's front half (Grappler, shapes, IR, the shape-arithmetic marks)."""
+    """(graph_def, fetches, resources) of a models-suite case's inference function."""
     import tensorflow as tf
 
     from stitching.testing import models
-    from stitching.tf import frontend, grappler, pipeline
+    from stitching.tf import frontend
     case = models.get(name)
     sig = [tf.TensorSpec((batch or None,) + tuple(case.input_shape), tf.float32)]
     cf = tf.function(case.make_fn(), input_signature=sig).get_concrete_function()
-    fetches = [t.name for t in cf.outputs]
-    gdef = grappler.optimize(cf.graph.as_graph_def(), fetches)
-    gdef = frontend.bypass_identity_n(gdef, {f.split(":")[0] for f in fetches})
-    tf_graph = frontend.import_for_shapes(gdef, frontend.resource_shapes(cf.graph))
-    ir = frontend.to_ir(tf_graph, fetches)
-    for n in pipeline._shape_arithmetic(gdef) & ir.nodes.keys():
-        ir[n].attrs.setdefault("unfusible", pipeline.SHAPE_MATH)
-    return ir
+    return (cf.graph.as_graph_def(), [t.name for t in cf.outputs],
+            frontend.resource_shapes(cf.graph))
 
 
 NO_WORK = ("Identity", "Snapshot", "StopGradient")   # forwarded values: a kernel taking
@@ -53,18 +47,29 @@ NO_WORK = ("Identity", "Snapshot", "StopGradient")   # forwarded values: a kerne
 #              in the profile flips such ties)
 
 
-def plan_with(ir, profile):
-    """The kernels the search planner deploys for ``ir`` under ``profile``, as sorted
-    tuples of the members that do work (the remapper's epilogue marks from that profile
-    too)."""
-    import copy
-
-    from stitching.plan import search
-    from stitching.tf import pipeline, remapper
-    ir = copy.deepcopy(ir)
-    remapper.mark(ir, profile)
-    plan = search.plan(ir, pipeline.legal, min_ops=2,
-                       config=search.SearchConfig(profile=profile))
+def plan_with(graph, profile, tmp):
+    """The kernels the search planner deploys for ``graph`` under ``profile``, as
+    sorted tuples of the members that do work: the pipeline's passes before planning
+    and its planner, with ``profile`` pinned as the pipeline's device profile (a file in
+    ``tmp``), so every decision that reads the machine reads this one."""
+    from stitching import Options
+    from stitching.plan import get_planner, profiles
+    from stitching.tf import passmanager, pipeline
+    path = os.path.join(tmp, f"{profile.name}-{id(profile)}.json")
+    profiles.save_file(profile, path)
+    old = os.environ.get("STITCHING_DEVICE_PROFILE")
+    os.environ["STITCHING_DEVICE_PROFILE"] = path
+    try:
+        graph_def, fetches, resources = graph
+        ctx = passmanager.Context(graph_def, fetches, (), Options(), resources)
+        passmanager.run(pipeline.BEFORE_PLANNING, ctx)
+        plan = get_planner("search")(ctx.ir, legal=pipeline.legal, min_ops=2)
+    finally:
+        if old is None:
+            del os.environ["STITCHING_DEVICE_PROFILE"]
+        else:
+            os.environ["STITCHING_DEVICE_PROFILE"] = old
+    ir = ctx.ir
     return sorted(tuple(sorted(n for n in r.nodes if ir[n].op not in NO_WORK))
                   for r in plan.regions)
 
@@ -119,9 +124,10 @@ def main(argv=None) -> int:
         state = f"provisional: {p.why_provisional}" if p.provisional else "final"
         print(f"# {label}: {p.source} [{state}]", flush=True)
     worst = 0
+    tmp = tempfile.mkdtemp(prefix="plan-machines-")
     for name in filter(None, args.models.split(",")):
-        ir = model_graph(name, args.batch)
-        plans = {label: plan_with(ir, p) for label, p in named}
+        graph = model_graph(name, args.batch)
+        plans = {label: plan_with(graph, p, tmp) for label, p in named}
         ref_label = next((k for k in plans if k.startswith("quiet")), next(iter(plans)))
         ref = plans[ref_label]
         row = "  ".join(f"{k}={len(v)}{'' if v == ref else '*'}" for k, v in plans.items())

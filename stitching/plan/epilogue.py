@@ -32,7 +32,7 @@ constant by a control edge): the remapper does not look through it while that co
 edge is there, so the rewrite forwards such an Identity (tf/remapper.py), and only one
 whose control inputs are constants is taken.  Keras' swish goes through
 ``tf.custom_gradient``, whose IdentityN keeps the remapper from fusing it in stock TF;
-the frontend bypasses that IdentityN (tf/frontend.py), so here it fuses.
+the IdentityN is bypassed after Grappler (tf/passes/grappler.py), so here it fuses.
 
 ``mark`` tags the members with the convolution's name (``attrs["tf_epilogue"]``, a
 planner-only attribute); cost.GraphCosts prices a tagged op left to TF at its compute

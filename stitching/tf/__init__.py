@@ -1,5 +1,43 @@
-"""The TensorFlow edge: frontend, rewrite, stitching.function, SavedModel/GraphDef tools."""
+"""The TensorFlow edge: frontend, the graph passes (passes/), the driver, stitching.function.
+
+The front doors users import (``stitching.keras``, ``stitching.saved_model``,
+``stitching.cli``) sit at the package's top, over this driver.
+"""
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
 _READY = False
+
+# Modules that lived in this folder before the passes moved to passes/ and the front
+# doors to the package's top: their old names still import, as the same module object
+# (so a monkeypatch through either name patches the one module).
+_MOVED = {f"{__name__}.{old}": new for old, new in {
+    **{p: f"{__name__}.passes.{p}" for p in (
+        "autotune", "bcast", "einsum", "forward", "gemm", "grappler", "original",
+        "padfold", "prune", "remapper", "rewrite", "seqsplit", "shapes", "sparse_xent")},
+    "keras": "stitching.keras", "saved_model": "stitching.saved_model",
+    "cli": "stitching.cli"}.items()}
+
+
+class _OldNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        module = importlib.import_module(_MOVED[spec.name])
+        spec.loader_state = module.__spec__     # the import system sets __spec__ next
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = module.__spec__.loader_state   # imported under its own name
+
+
+if not any(isinstance(f, _OldNames) for f in sys.meta_path):
+    sys.meta_path.append(_OldNames())
 
 
 def ensure_runtime():
@@ -17,7 +55,7 @@ def ensure_runtime():
 
     runtime.load()
     runtime.set_compiler(_compile_spec)
-    from . import original  # noqa: F401 -- registers StitchedKernel's gradient
+    from .passes import original  # noqa: F401 -- registers StitchedKernel's gradient
     _READY = True
 
 

@@ -10,6 +10,7 @@ graph get ``.1``, ``.2`` suffixes from an exclusive mkdir)::
       dump.json            everything below as data (schema: schema/dump-v1.schema.json)
       graph_before.pb      the GraphDef handed to stitching (and .pbtxt when small)
       graph_after.pb       the rewritten GraphDef, one StitchedKernel node per region
+      passes/<NN>_<pass>.pb  the graph after each pass Options(dump_passes) names
       ir.txt               the IR the planner saw
       kernels/<k>/spec.json      the kernel's spec (exactly what the graph node carries)
       kernels/<k>/schedule.txt   the schedule stage's description
@@ -117,6 +118,17 @@ def _write(path, name, options, graph_before, graph_after, ir, the_plan, regions
         "notes": list(report.notes),
     }
     _write_text(path, "dump.json", json.dumps(doc, indent=1, allow_nan=False) + "\n")
+
+
+def write_pass_graph(path, index: int, name: str, graph_def) -> None:
+    """The graph after one pass (``Options(dump_passes)``, tf/passmanager.py):
+    ``passes/<index>_<pass>.pb`` (and .pbtxt when small).  A failure warns."""
+    try:
+        os.makedirs(os.path.join(path, "passes"), exist_ok=True)
+        _write_graph(path, os.path.join("passes", f"{index:02d}_{name}"), graph_def)
+    except Exception as e:  # noqa: BLE001 -- dumping must never break the function
+        warnings.warn(f"stitching: could not dump the graph after the {name!r} pass "
+                      f"into {path}: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
 
 
 def _write_graph(path, key, gd) -> dict:

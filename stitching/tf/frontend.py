@@ -24,10 +24,9 @@ from tensorflow.python.framework import tensor_util
 from ..ir import Graph, Node, TensorType, ValueRef
 from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT
 from . import opnames
-
-_DTYPES = {tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
-           tf.float64: "float64", tf.int32: "int32", tf.int64: "int64", tf.bool: "bool"}
-TF_DTYPE = {v: k for k, v in _DTYPES.items()}
+from .tfgraph import DTYPE_NAMES
+# kept here for their callers (stitching.function, tools): they live in tfgraph.py
+from .tfgraph import TF_DTYPE, import_for_shapes, resource_shapes  # noqa: F401
 
 # A constant whose elements all equal one value becomes an IR Const (folded into
 # kernels); a non-uniform constant stays a TF node and becomes a kernel input.
@@ -35,124 +34,13 @@ _MAX_SPLAT_ELEMENTS = 1 << 24
 
 
 def dtype_name(dt: tf.DType) -> str:
-    return _DTYPES.get(dt, f"opaque:{dt.name}")
+    return DTYPE_NAMES.get(dt, f"opaque:{dt.name}")
 
 
 def tensor_type(t: tf.Tensor) -> TensorType:
     shape = None if t.shape.rank is None else tuple(
         -1 if d is None else int(d) for d in t.shape.as_list())
     return TensorType(dtype_name(t.dtype), shape)
-
-
-# ---------------------------------------------------------------- IdentityN
-
-def bypass_identity_n(graph_def, keep):
-    """Consumers of an ``IdentityN`` output read the IdentityN's input directly.
-
-    ``tf.custom_gradient`` (``tf.nn.silu``, ``tf.nn.swish``, Keras activations built on
-    it) routes its forward values through an IdentityN that matters only to the
-    gradient; in the forward graph it is a no-op node that would cut a fusion region in
-    two (SwiGLU's ``silu(gate) * up`` became a kernel plus a lone TF Mul).  An IdentityN
-    with control inputs, or named in ``keep`` (fetches, nodes that must survive), is
-    left alone; one nothing refers to afterwards is dropped.  Returns ``graph_def``
-    itself when there is nothing to do, else a new GraphDef.
-    """
-    bypass = {n.name: n for n in graph_def.node if n.op == "IdentityN" and n.name not in keep
-              and not any(i.startswith("^") for i in n.input)}
-    if not bypass:
-        return graph_def
-
-    def resolve(ref):
-        if ref.startswith("^"):
-            return ref
-        name, _, idx = ref.partition(":")
-        for _ in range(64):                        # IdentityN of IdentityN ...
-            if name not in bypass:
-                break
-            ins = bypass[name].input
-            k = int(idx or 0)
-            if k >= len(ins):
-                return ref                          # malformed: leave it to TF's import
-            name, _, idx = ins[k].partition(":")
-        return name if idx in ("", "0") else f"{name}:{idx}"
-
-    out = type(graph_def)()
-    out.CopyFrom(graph_def)
-    for nd in out.node:
-        if nd.name not in bypass:
-            nd.input[:] = [resolve(i) for i in nd.input]
-    used = {i.lstrip("^").partition(":")[0] for nd in out.node if nd.name not in bypass
-            for i in nd.input}
-    dead = [i for i, nd in enumerate(out.node) if nd.name in bypass and nd.name not in used]
-    for i in reversed(dead):
-        del out.node[i]
-    return out
-
-
-def resource_shapes(func_graph) -> dict:
-    """Resource placeholder name -> (dtype, shape) of the variable it holds.
-
-    A GraphDef does not carry a resource handle's shape, so after serialization
-    every ``ReadVariableOp`` would read a tensor of unknown rank (and so would
-    everything downstream).  The live FuncGraph still knows it.
-    """
-    from tensorflow.python.ops import handle_data_util
-    out = {}
-    for t in func_graph.inputs:
-        if t.dtype != tf.resource:
-            continue
-        data = handle_data_util.get_resource_handle_data(t)
-        if data is None or not data.is_set or len(data.shape_and_type) != 1:
-            continue
-        st = data.shape_and_type[0]
-        if st.shape.unknown_rank:
-            continue
-        out[t.op.name] = (tf.as_dtype(st.dtype), [d.size if d.size >= 0 else None
-                                                 for d in st.shape.dim])
-    return out
-
-
-def import_for_shapes(graph_def, resources: dict | None = None) -> tf.Graph:
-    """Import into a scratch graph so TF's shape inference types every tensor.
-
-    Reads of variables whose shapes we know (``resources``) are imported as typed
-    placeholders: the scratch graph is only for shapes, never run.
-    """
-    if resources:
-        graph_def = _typed_variable_reads(graph_def, resources)
-    g = tf.Graph()
-    with g.as_default():
-        tf.graph_util.import_graph_def(graph_def, name="")
-    return g
-
-
-def _typed_variable_reads(graph_def, resources):
-    by_name = {n.name: n for n in graph_def.node}
-
-    def source(name):   # follow Identity chains (inlined function arguments)
-        seen = 0
-        while name in by_name and by_name[name].op == "Identity" and seen < 64:
-            name = by_name[name].input[0].split(":")[0].lstrip("^")
-            seen += 1
-        return name
-
-    out = type(graph_def)()
-    out.CopyFrom(graph_def)
-    for nd in out.node:
-        if nd.op != "ReadVariableOp":
-            continue
-        src = source(nd.input[0].split(":")[0])
-        if src not in resources:
-            continue
-        dtype, shape = resources[src]
-        ctrl = [i for i in nd.input if i.startswith("^")]
-        nd.op = "Placeholder"
-        del nd.input[:]
-        nd.input.extend(ctrl)
-        nd.attr.clear()
-        nd.attr["dtype"].type = dtype.as_datatype_enum
-        nd.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
-    return out
 
 
 # ---------------------------------------------------------------- TF graph -> IR
@@ -286,7 +174,7 @@ def _convert_known(op) -> Node | None:
     elif canon == "Select" and t == "Select":
         if op.inputs[0].shape.rank != op.inputs[1].shape.rank:
             raise _Unfusible("Select with a vector condition (v1 row-select semantics)")
-    elif canon == "Identity" and op.outputs[0].dtype not in _DTYPES:
+    elif canon == "Identity" and op.outputs[0].dtype not in DTYPE_NAMES:
         return None
     return Node(op.name, canon, ins, attrs)
 

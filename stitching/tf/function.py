@@ -47,7 +47,8 @@ import weakref
 import tensorflow as tf
 
 from ..options import Options
-from . import frontend, original, pipeline
+from . import frontend, pipeline
+from .passes import original
 
 _EAGER_TENSOR = type(tf.constant(0))
 FAST_CALL_SIGNATURES = 64      # exact (dtype, shape) signatures kept per function

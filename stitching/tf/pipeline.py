@@ -1,31 +1,38 @@
 """The driver: one GraphDef in, one rewritten GraphDef and a report out.
 
-    grappler grappler.optimize           (TF's inlining, constant folding and arithmetic
-                                          optimizer, as tf.function runs them;
-                                          then frontend.bypass_identity_n)
-    import   frontend.import_for_shapes   (TF shape inference)
-    seqsplit tf.seqsplit.find/rewrite     (token-wise blocks whose products TF runs on one
-                                          thread at batch 1 -> two halves of the sequence)
-    lift     frontend.to_ir               (TF nodes -> IR nodes)
-    remapper remapper.mark                (conv epilogues TF's remapper fuses: priced as
-                                          free by the cost model, plan/epilogue.py)
-    plan     plan.get_planner(options.planner)  (regions; legality from schedule.check;
-                                          large graphs: stored per graph, plan/cache.py)
-    compile  compile.compile_kernels      (Numba; uncached kernels in parallel worker
-                                          processes; cached in memory and on disk)
-    register runtime.register             (kernel addresses for the StitchedKernel op)
-    rewrite  tf.rewrite.rewrite           (one StitchedKernel node per region)
-    autotune tf.autotune.mark             (Options(autotune): kernels with a small predicted
-                                          margin are timed against their original ops)
-    gemm     tf.gemm.rewrite              (BatchMatMul against a 2-D weight -> one MatMul)
-    einsum   tf.einsum.rewrite            (two-operand Einsum -> BatchMatMulV2, its
-                                          transposes as row gathers)
-    padfold  tf.padfold.rewrite           (a zero Pad before a depthwise convolution ->
-                                          its explicit padding)
-    shapes   tf.shapes.fold_reshapes      (run-time Reshape targets known but for one dim
-                                          -> constants)
-    report   report.Report
-    dump     tf.dump.write                (only with Options(dump_dir) / $STITCHING_DUMP_DIR)
+Two ordered tables of graph passes (tf/passes/, the protocol in tf/passmanager.py)
+around planning, each pass entered once:
+
+  BEFORE_PLANNING  on TF's graph, then the IR
+    grappler     TF's inlining, constant folding and arithmetic optimizer, as
+                 tf.function runs them; IdentityN forwarded          passes/grappler.py
+    bcast        broadcast-gradient shapes known at trace time -> constants   bcast.py
+    sparse_xent  SparseSoftmaxCrossEntropyWithLogits -> the dense op     sparse_xent.py
+    seqsplit     token-wise blocks whose products TF runs on one thread at batch 1
+                 -> two halves of the sequence (Options(seq_split))     seqsplit.py
+    lift         TF nodes -> IR (the frontend, tf/frontend.py)              lift.py
+    shape_math   shape arithmetic marked, left out of the counts     shape_math.py
+    remapper     conv epilogues TF's remapper fuses, priced as free   remapper.py
+  plan           plan.get_planner(options.planner); legality from schedule.check;
+                 large graphs: stored per graph (plan/cache.py)
+  compile        compile.compile_kernels (Numba; uncached kernels in parallel worker
+                 processes; cached in memory and on disk), runtime.register
+  AFTER_PLANNING on the rewrite's own copy of the graph
+    rewrite      one StitchedKernel node per region                       rewrite.py
+    original     each kernel's original ops as a library function       original.py
+    forward      outputs written over dead inputs                        forward.py
+    gemm         BatchMatMul against a 2-D weight -> one MatMul (Options(gemm)) gemm.py
+    einsum       two-operand Einsum -> BatchMatMulV2 + row gathers (Options(einsum))
+    padfold      a zero Pad before a depthwise conv -> its padding (Options(pad_fold))
+    shapes       run-time Reshape targets known but for one dim -> constants shapes.py
+    remapper_identities  the Identity in Keras' swish forwarded         remapper.py
+    prune        what the rewrite left unread, equal constants, inlining's Identities
+    autotune     kernels with a small predicted margin marked to be timed against
+                 their original ops (Options(autotune))                 autotune.py
+  report         report.Report, with each pass's note and time
+  dump           tf.dump.write (only with Options(dump_dir) / $STITCHING_DUMP_DIR)
+
+A new pass is one module in passes/ and one line in a table.
 """
 from __future__ import annotations
 
@@ -42,8 +49,35 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import (autotune, bcast, dump, einsum, forward, frontend, gemm, grappler, opnames,
-               original, padfold, prune, remapper, rewrite, seqsplit, shapes, sparse_xent)
+from . import dump, opnames, passmanager
+from .passes import (autotune, bcast, einsum, forward, gemm, grappler, lift, original,
+                     padfold, prune, remapper, rewrite, seqsplit, shape_math, shapes,
+                     sparse_xent)
+
+BEFORE_PLANNING = (
+    grappler.PASS,
+    bcast.PASS,
+    sparse_xent.PASS,
+    seqsplit.PASS,
+    lift.PASS,
+    shape_math.PASS,
+    remapper.MARK,
+)
+AFTER_PLANNING = (
+    rewrite.PASS,
+    original.PASS,
+    forward.PASS,
+    gemm.PASS,
+    einsum.PASS,
+    padfold.PASS,
+    shapes.PASS,
+    remapper.FORWARD,
+    prune.PASS,
+    autotune.PASS,
+)
+# The report's notes come in this order of passes (the order they had before the
+# passes ran from tables); a pass not named here adds its note after these.
+NOTE_ORDER = ("original", "grappler", "gemm", "seqsplit", "einsum", "padfold", "shapes")
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -109,30 +143,6 @@ def early_workers():
     return parallel.Workers(1)
 
 
-def _seq_split(gdef, tf_graph, fetched, options, resources):
-    """(graph, its shapes, report note): token-wise blocks split along the sequence
-    (tf/seqsplit.py) where TF would run their products on one thread at batch 1.
-    ``fetched``: the node names fetched or kept."""
-    prof = profiles.default()
-    if not options.seq_split or prof.backend != "cpu" or not remapper.onednn(prof):
-        return gdef, tf_graph, None     # the one-thread rule is oneDNN's (tf/seqsplit.py)
-    l2 = prof.caches.get("l2", 0)
-    blocks = seqsplit.find(tf_graph, fetched, l2)
-    if not blocks:
-        return gdef, tf_graph, None
-    new = seqsplit.rewrite(gdef, blocks)
-    new_graph = frontend.import_for_shapes(new, resources)
-    bad = seqsplit.halves_match(blocks, new_graph)
-    if bad is not None:
-        return gdef, tf_graph, f"token-wise blocks left whole: {bad} (tf/seqsplit.py)"
-    ops = sum(len(b.ops) for b, _ in blocks)
-    return new, new_graph, (
-        f"{len(blocks)} token-wise block(s) ({ops} TF ops) run as two halves of the "
-        f"sequence: at batch 1 TF runs their products on one thread (operands under "
-        f"L2, {l2 >> 10} KiB), the halves use both cores (tf/seqsplit.py; "
-        f"Options(seq_split=False) keeps them whole)")
-
-
 def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
                      name: str = "?", resources: dict | None = None,
                      workers=None) -> StitchResult:
@@ -147,23 +157,13 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     from . import ensure_runtime
     from ..compile import kernel as kernel_cache
     from ..compile import parallel
+    ctx = passmanager.Context(graph_def, fetches, keep, options, resources)
+    ctx.dump_path = _dump_dir(options, name, graph_def)
+    dump_pass = _dump_pass if ctx.dump_path else None
     try:
         ensure_runtime()
-        gdef = grappler.optimize(graph_def, list(fetches) + list(keep))
-        fetched = {f.split(":")[0] for f in list(fetches) + list(keep)}   # node names
-        gdef = frontend.bypass_identity_n(gdef, fetched)
-        tf_graph = frontend.import_for_shapes(gdef, resources)
-        folded = bcast.fold(tf_graph, gdef)     # gradient axes known at trace time
-        expanded = sparse_xent.expand(tf_graph, folded if folded is not None else gdef)
-        if folded is not None or expanded is not None:
-            gdef = expanded if expanded is not None else folded
-            tf_graph = frontend.import_for_shapes(gdef, resources)
-        gdef, tf_graph, seq_note = _seq_split(gdef, tf_graph, fetched, options, resources)
-        ir = frontend.to_ir(tf_graph, list(fetches))
-        shape_math = _shape_arithmetic(gdef)
-        for n in shape_math & ir.nodes.keys():
-            ir[n].attrs.setdefault("unfusible", SHAPE_MATH)
-        remapper.mark(ir, profiles.default())   # conv epilogues TF fuses (plan/epilogue.py)
+        passmanager.run(BEFORE_PLANNING, ctx, dump=dump_pass)
+        ir = ctx.ir
         # A large graph not compiled before will likely need Numba: start the compile
         # workers now (all of them, or the rest beside an early one), so their
         # start-up overlaps planning (warm_cache closes them if nothing needs
@@ -173,8 +173,6 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
                if len(ir) >= _PRESTART_MIN_NODES else None)
         if key is not None and not kernel_cache.graph_seen(key):
             workers = parallel.prestart(workers=workers)
-        if options.verify:
-            ir.verify()
         # a graph planned before (another process, same planner code and machine):
         # its stored plan, rebuilt and re-checked against this IR (plan/cache.py)
         the_plan = plan_cache.load(key, ir, legal) if key is not None else None
@@ -183,83 +181,33 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
                                                     min_ops=options.min_ops)
             if key is not None:
                 plan_cache.save(key, the_plan)
-        regions, kernels, failed = _compile(the_plan.regions, options, workers)
+        ctx.plan = the_plan
+        ctx.regions, ctx.kernels, ctx.failed = _compile(the_plan.regions, options, workers)
     finally:
         if workers is not None:
             workers.close()
-    if key is not None and not failed:
+    if key is not None and not ctx.failed:
         kernel_cache.remember_graph(key)
-    dump_path = _dump_dir(options, name, graph_def)
-    labels = dump.labels_for(dump_path, len(regions)) if dump_path else None
-    new_gdef, kernel_names = rewrite.rewrite(gdef, ir, regions, labels)
-    no_original = original.attach(new_gdef, gdef, ir, regions, kernel_names,
-                                  stitch_backward=options.stitch_backward,
-                                  fallback=options.fallback, options=options)
-    forward.attach(new_gdef, kernels, kernel_names)    # outputs over dead inputs
-    gemms = gemm.candidates(new_gdef, ir) if options.gemm else {}
-    if gemms:
-        gemm.rewrite(new_gdef, gemms)          # new_gdef is this call's own copy
-    einsums = einsum.candidates(new_gdef, ir) if options.einsum else {}
-    if einsums:
-        einsum.rewrite(new_gdef, einsums)
-    pads = padfold.candidates(new_gdef, fetched) if options.pad_fold else {}
-    if pads:
-        padfold.rewrite(new_gdef, pads)
-    folded = shapes.fold_reshapes(new_gdef, gdef, ir)
-    remapper.forward_identities(new_gdef, ir, {m for r in regions for m in r.nodes})
-    # after the folds: the shape ops they left unread go too
-    prune.bypass_inlined_identities(new_gdef, list(fetches) + list(keep))
-    prune.merge_constants(new_gdef, list(fetches) + list(keep))
-    prune.dead_nodes(new_gdef, list(fetches) + list(keep))   # what only regions read
-    rep = _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed,
-                       shape_math)
-    if options.autotune:
-        rep.autotune = autotune.mark(new_gdef, the_plan, regions, kernel_names,
-                                     options.autotune_margin)
-    if len(regions) > no_original:
-        how = ("stitched as a function of its own per kind of kernel (the kernel's "
-               "original ops recomputed and TF's gradient of them, planned like any "
-               "function)" if options.stitch_backward else
-               "TF's gradient of its original ops, recomputed, as TF ops "
-               "(Options.stitch_backward=False)")
-        rep.notes.append(f"backward: a tape outside this function differentiates "
-                         f"{len(regions) - no_original} kernel(s), each {how}; a tape "
-                         "inside it gets its backward stitched with the rest")
-    if no_original:
-        rep.notes.append(f"{no_original} kernel(s) read a value they cannot recompute from "
-                         "their inputs: no original subgraph, so no gradient through them")
-    if grappler.has_control_flow(graph_def):
-        rep.notes.append("the graph has functional control flow (tf.cond / tf.while_loop): "
-                         "Grappler's inlining, constant folding and arithmetic rewrites "
-                         "were not applied to it (tf/grappler.py says why)")
-    if gemms:
-        biases = sum(1 for v in gemms.values() if v[3] is not None)
-        rep.notes.append(f"{len(gemms)} BatchMatMul node(s) against a 2-D weight run as one "
-                         f"MatMul each, {biases} with the bias Add after it as the MatMul's "
-                         f"BiasAdd (tf/gemm.py; Options(gemm=False) keeps them)")
-    if seq_note:
-        rep.notes.append(seq_note)
-    if einsums:
-        rep.notes.append(f"{len(einsums)} Einsum node(s) run as one BatchMatMulV2 each, their "
-                         "operand and result transposes as row gathers (tf/einsum.py; "
-                         "Options(einsum=False) keeps them)")
-    if pads:
-        rep.notes.append(f"{len(pads)} zero Pad(s) before a depthwise convolution folded "
-                         "into its explicit padding (tf/padfold.py; Options(pad_fold=False) "
-                         "keeps them)")
-    if folded:
-        rep.notes.append(f"{folded} Reshape target(s) computed at run time (Shape, Gather, "
-                         "Prod, Concat...) are constants but for one -1 entry (tf/shapes.py)")
+    if ctx.dump_path:
+        ctx.labels = dump.labels_for(ctx.dump_path, len(ctx.regions))
+    passmanager.run(AFTER_PLANNING, ctx, dump=dump_pass)
+    rep = _make_report(name, ctx)
     rep.compile_seconds = time.perf_counter() - t0
     prof = profiles.default()
     rep.profile = prof.source or prof.name
-    if dump_path:
-        dump.write(dump_path, name=name, options=options, graph_before=graph_def,
-                   graph_after=new_gdef, ir=ir, the_plan=the_plan, regions=regions,
-                   kernels=kernels, kernel_names=kernel_names, labels=labels,
-                   failed=failed, report=rep)
-        rep.dump_path = dump_path
-    return StitchResult(new_gdef, rep, kernels)
+    if ctx.dump_path:
+        dump.write(ctx.dump_path, name=name, options=options, graph_before=graph_def,
+                   graph_after=ctx.graph_def, ir=ir, the_plan=the_plan,
+                   regions=ctx.regions, kernels=ctx.kernels,
+                   kernel_names=ctx.kernel_names, labels=ctx.labels, failed=ctx.failed,
+                   report=rep)
+        rep.dump_path = ctx.dump_path
+    return StitchResult(ctx.graph_def, rep, ctx.kernels)
+
+
+def _dump_pass(index, name, ctx):
+    """The graph after one pass, into this call's dump (Options(dump_passes))."""
+    dump.write_pass_graph(ctx.dump_path, index, name, ctx.graph_def)
 
 
 def _dump_dir(options, name, graph_def):
@@ -274,8 +222,9 @@ def _dump_dir(options, name, graph_def):
 def _graph_key(graph_def, fetches, keep, options, resources=None) -> str:
     import hashlib
     h = hashlib.sha256(graph_def.SerializeToString(deterministic=True))
-    # keep: a set's order; where dumps go does not change the plan
-    h.update(repr((list(fetches), sorted(keep), replace(options, dump_dir=None))).encode())
+    # keep: a set's order; where dumps go, and what they hold, does not change the plan
+    h.update(repr((list(fetches), sorted(keep),
+                   replace(options, dump_dir=None, dump_passes=None))).encode())
     h.update(repr(sorted((resources or {}).items())).encode())
     h.update(remapper.table(profiles.default()).name.encode())  # TF_ENABLE_ONEDNN_OPTS
     return h.hexdigest()[:32]
@@ -328,8 +277,10 @@ def _compile(regions, options, workers=None):
     return ok, [by_hash[r.spec.hash] for r in ok], failed
 
 
-def _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, failed,
-                 shape_math):
+def _make_report(name, ctx):
+    gdef, ir, the_plan, regions, kernels, kernel_names, failed, shape_math = (
+        ctx.planned, ctx.ir, ctx.plan, ctx.regions, ctx.kernels, ctx.kernel_names,
+        ctx.failed, ctx.shape_math)
     tf_op = {n.name: n.op for n in gdef.node}
     mem = {n for n, op in tf_op.items()
            if opnames.is_memory_intensive(op) and n not in shape_math}
@@ -356,7 +307,13 @@ def _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, faile
         rep.unfused.append((n, tf_op[n], why))
     rep.boundaries = list(the_plan.boundaries)
     rep.notes.extend(the_plan.notes)
+    order = [p for p in NOTE_ORDER if p in ctx.notes]
+    for p in order + [p for p in ctx.notes if p not in order]:
+        rep.notes.extend(ctx.notes[p])
     rep.explanation = _explanation(the_plan, regions, kernel_names, failed)
+    if ctx.autotune is not None:
+        rep.autotune = ctx.autotune
+    rep.pass_seconds = dict(ctx.seconds)
     return rep
 
 
@@ -373,38 +330,3 @@ def _explanation(the_plan, regions, kernel_names, failed) -> list:
             d["deployed"], d["reason"] = False, broken[key]
         out.append(d)
     return out
-
-
-_SHAPE_SOURCES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
-SHAPE_MATH = ("shape arithmetic: a few host integers, which TF's constant folding and "
-              "tf/shapes.py fold; not memory-intensive work")
-
-
-def _shape_arithmetic(gdef) -> set:
-    """Nodes computing only on shapes (e.g. Prod of a Shape for a Reshape target).
-
-    They run on a handful of host integers, not on tensor data, so they are not
-    memory-intensive work (XLA constant-folds them) and are left out of the counts.
-    """
-    by_name = {n.name: n for n in gdef.node}
-    memo: dict[str, bool] = {}
-
-    def is_shape(name, depth=0):
-        if name in memo:
-            return memo[name]
-        nd = by_name.get(name)
-        if nd is None or depth > 200:
-            return False
-        if nd.op in _SHAPE_SOURCES:
-            r = True
-        elif nd.op == "Const":
-            r = True
-        elif nd.op == "Placeholder" or not nd.input:
-            r = False
-        else:
-            data = [i.split(":")[0] for i in nd.input if not i.startswith("^")]
-            r = bool(data) and all(is_shape(d, depth + 1) for d in data)
-        memo[name] = r
-        return r
-
-    return {n.name for n in gdef.node if n.op != "Const" and is_shape(n.name)}

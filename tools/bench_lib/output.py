@@ -1,10 +1,11 @@
 """Tables, targets, BENCHMARKS.md and the chart, from the rows the suites return."""
 from __future__ import annotations
 
-import math
 import os
 import re
 
+# the numbers and cells every table shares (the suites' own tables use them too)
+from .cells import _int, _time_cell, _verdict, _x, geomean, speedup
 from .names import LABELS, MODES
 
 # Pattern sizes in the order reports list them: the suite's two, then issue 31's four
@@ -16,49 +17,6 @@ def pattern_sizes(rows) -> list:
     """The sizes present in ``rows``, in PATTERN_SIZES order (unknown ones last)."""
     have = {r.get("size") for r in rows if r.get("size")}
     return [s for s in PATTERN_SIZES if s in have] + sorted(have - set(PATTERN_SIZES))
-
-# ---- numbers
-
-def med(row, mode):
-    m = row["modes"].get(mode)
-    return m["time"]["median_s"] if m and m.get("time") else None
-
-
-def speedup(row, mode, base):
-    a, b = med(row, base), med(row, mode)
-    return a / b if a and b else None
-
-
-def geomean(xs):
-    xs = [x for x in xs if x]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
-
-def _ms(s):
-    if s is None:
-        return "-"
-    ms = s * 1e3
-    return f"{ms:.1f}" if ms >= 100 else f"{ms:.2f}" if ms >= 10 else f"{ms:.3f}"
-
-
-def _time_cell(row, mode):
-    m = row["modes"].get(mode)
-    if m is None:
-        return "-"
-    if not m.get("time"):
-        return "FAILED"
-    t = m["time"]
-    half_iqr = (t["q3_s"] - t["q1_s"]) / 2 / t["median_s"] * 100
-    return f"{_ms(t['median_s'])} ±{half_iqr:.0f}%"
-
-
-def _x(v):
-    return f"{v:.2f}x" if v else "-"
-
-
-def _int(v):
-    return "-" if v is None else str(v)
-
 
 def _check_cell(row):
     bad = [LABELS[m] for m, v in row["modes"].items()
@@ -308,10 +266,6 @@ def _noise(row, mode="stitching", base="tf"):
     ta, tb = a["time"], b["time"]
     spread = ((ta["q3_s"] - ta["q1_s"]) / ta["median_s"] + (tb["q3_s"] - tb["q1_s"]) / tb["median_s"]) / 2
     return ", within noise" if abs(ta["median_s"] / tb["median_s"] - 1) <= spread else ""
-
-
-def _verdict(ok, text):
-    return ("PASS" if ok else "FAIL") + "  " + text
 
 
 def _mib_targets(pats) -> list[str]:

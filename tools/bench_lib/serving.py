@@ -112,7 +112,7 @@ def child(what, model, d, calls) -> None:
 
 def _prepare(model, d) -> dict:
     from stitching.testing import models as M
-    from stitching.tf.saved_model import rewrite_saved_model
+    from stitching.saved_model import rewrite_saved_model
     case = M.get(model)
     keras_model = case.model          # seeded weights
     t = time.perf_counter()

@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import measure, modes
+from .cells import _int
 from .machine import REPO
 
 CHECK_STEPS = 5
@@ -213,16 +214,12 @@ def _phase_cell(m):
     return f"{m.get('kernels')} ({parts}" + (f" +{mixed} mixed)" if mixed else ")")
 
 
-def _int(v):
-    return "-" if v is None else str(v)
-
-
 def _pct(v):
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
 def train_table(rows):
-    from .output import _time_cell, _x, speedup
+    from .cells import _time_cell, _x, speedup
     head = ["model", "batch", "TF ms", "XLA ms", "stitched ms", "st vs TF", "st vs XLA",
             "XLA vs TF", "kernels TF (fwd/bwd/opt)", "XLA kernels",
             "stitched kernels (fwd/bwd/opt)", "bwd cov", "opt cov",
@@ -261,7 +258,7 @@ BARS = {"transformer": 1.2, "cnn": 1.1}
 
 
 def target_lines(rows) -> list[str]:
-    from .output import _verdict, speedup
+    from .cells import _verdict, speedup
     out = []
     for name, bar in BARS.items():
         r = next((r for r in rows if r["name"] == name), None)

@@ -32,7 +32,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def _input_names(result, graph_def) -> list:
     """Per kernel, per spec input: the pattern argument or variable it comes from."""
-    from stitching.tf import rewrite   # noqa: F401  (the rewritten graph has the wiring)
+    from stitching.tf.passes import rewrite   # noqa: F401  (the rewritten graph has the wiring)
     nodes = {n.name: n for n in result.graph_def.node}
     args = {}
     for n in graph_def.node:

@@ -27,8 +27,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from ..ir.graph import ValueRef
-from ..ir.ops import Kind, kind_of
+from ...ir.graph import ValueRef
+from ...ir.ops import Kind, kind_of
+from ..passmanager import Pass
 
 UNKNOWN = None
 _MAX_DEPTH = 16            # arbitrary: shape arithmetic chains are a few ops deep
@@ -220,3 +221,14 @@ def _int_attr(nd, name) -> int:
 
 def _flag(nd, name) -> bool:
     return name in nd.attr and nd.attr[name].b
+
+
+def _run(ctx):
+    folded = fold_reshapes(ctx.graph_def, ctx.planned, ctx.ir)
+    if not folded:
+        return None
+    return (f"{folded} Reshape target(s) computed at run time (Shape, Gather, "
+            "Prod, Concat...) are constants but for one -1 entry (tf/shapes.py)")
+
+
+PASS = Pass("shapes", _run)

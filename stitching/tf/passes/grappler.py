@@ -70,7 +70,8 @@ from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 from tensorflow.python.grappler import tf_optimizer
 
-from . import opnames
+from .. import opnames
+from ..passmanager import Pass
 
 _RC = rewriter_config_pb2.RewriterConfig
 
@@ -252,3 +253,58 @@ def _add_n_steps(data):
         steps += [("AddV2", [None, d]) for d in group[2:]]
         steps.append(("AddV2", [out, None]))
     return steps
+
+
+def bypass_identity_n(graph_def, keep):
+    """Consumers of an ``IdentityN`` output read the IdentityN's input directly.
+
+    ``tf.custom_gradient`` (``tf.nn.silu``, ``tf.nn.swish``, Keras activations built on
+    it) routes its forward values through an IdentityN that matters only to the
+    gradient; in the forward graph it is a no-op node that would cut a fusion region in
+    two (SwiGLU's ``silu(gate) * up`` became a kernel plus a lone TF Mul).  An IdentityN
+    with control inputs, or named in ``keep`` (fetches, nodes that must survive), is
+    left alone; one nothing refers to afterwards is dropped.  Returns ``graph_def``
+    itself when there is nothing to do, else a new GraphDef.
+    """
+    bypass = {n.name: n for n in graph_def.node if n.op == "IdentityN" and n.name not in keep
+              and not any(i.startswith("^") for i in n.input)}
+    if not bypass:
+        return graph_def
+
+    def resolve(ref):
+        if ref.startswith("^"):
+            return ref
+        name, _, idx = ref.partition(":")
+        for _ in range(64):                        # IdentityN of IdentityN ...
+            if name not in bypass:
+                break
+            ins = bypass[name].input
+            k = int(idx or 0)
+            if k >= len(ins):
+                return ref                          # malformed: leave it to TF's import
+            name, _, idx = ins[k].partition(":")
+        return name if idx in ("", "0") else f"{name}:{idx}"
+
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    for nd in out.node:
+        if nd.name not in bypass:
+            nd.input[:] = [resolve(i) for i in nd.input]
+    used = {i.lstrip("^").partition(":")[0] for nd in out.node if nd.name not in bypass
+            for i in nd.input}
+    dead = [i for i, nd in enumerate(out.node) if nd.name in bypass and nd.name not in used]
+    for i in reversed(dead):
+        del out.node[i]
+    return out
+
+
+def _run(ctx):
+    ctx.replace(bypass_identity_n(optimize(ctx.graph_def, ctx.roots), ctx.fetched))
+    if has_control_flow(ctx.original):
+        return ("the graph has functional control flow (tf.cond / tf.while_loop): "
+                "Grappler's inlining, constant folding and arithmetic rewrites "
+                "were not applied to it (tf/grappler.py says why)")
+    return None
+
+
+PASS = Pass("grappler", _run)

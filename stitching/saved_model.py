@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from ..options import Options
-from .function import StitchedFunction
+from .options import Options
+from .tf.function import StitchedFunction
 
 
 def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
@@ -23,7 +23,7 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
     model's assets (kernel_assets.py), so loading it here, or on a machine of the same
     CPU and toolchain, compiles nothing.  Returns {signature key: Report}.
     """
-    from . import ensure_runtime
+    from .tf import ensure_runtime
     ensure_runtime()
     model = tf.saved_model.load(src)
     keys = signature_keys or list(model.signatures.keys())
@@ -174,7 +174,7 @@ def _identity(cf) -> tuple:
 def _refuse_rewritten(src, model) -> None:
     """A model rewritten already is refused: rewriting it again would fuse nothing new
     and could only double-wrap its kernels."""
-    from .kernel_assets import specs_in
+    from .tf.kernel_assets import specs_in
     for key, cf in model.signatures.items():
         if specs_in(cf.graph.as_graph_def()):
             raise ValueError(f"{src}: signature {key!r} holds StitchedKernel nodes: this "
@@ -183,7 +183,7 @@ def _refuse_rewritten(src, model) -> None:
 
 
 def _embed_kernels(module, concrete_functions, staging) -> None:
-    from .kernel_assets import export, kernel_assets_resource, specs_in
+    from .tf.kernel_assets import export, kernel_assets_resource, specs_in
     specs = []
     for cf in concrete_functions:
         specs += [s for s in specs_in(cf.graph.as_graph_def()) if s not in specs]
@@ -194,6 +194,6 @@ def _embed_kernels(module, concrete_functions, staging) -> None:
 
 def load_saved_model(path: str, **kwargs):
     """``tf.saved_model.load`` after making sure StitchedKernel can run here."""
-    from . import ensure_runtime
+    from .tf import ensure_runtime
     ensure_runtime()
     return tf.saved_model.load(path, **kwargs)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2, tensor_shape_pb2
 
-from . import frontend
+from ..passmanager import Pass
+from ..tfgraph import TF_DTYPE
 
 
 def _tensor_name(ref) -> str:
@@ -95,7 +96,7 @@ def _keep_fetched_names(out, ir_graph, member_of, value_map):
             continue
         nd = out.node.add(name=ref.node, op="Identity")
         nd.input.append(value_map[(ref.node, 0)])
-        nd.attr["T"].type = frontend.TF_DTYPE[ir_graph.type_of(ref).dtype].as_datatype_enum
+        nd.attr["T"].type = TF_DTYPE[ir_graph.type_of(ref).dtype].as_datatype_enum
 
 
 def _kernel_node(name, reg, ir_graph, remap, label):
@@ -112,9 +113,9 @@ def _kernel_node(name, reg, ir_graph, remap, label):
     nd.attr["spec_hash"].s = reg.spec.hash.encode()   # checked by the op (op.cc)
     nd.attr["label"].s = label.encode()
     nd.attr["Tin"].list.type.extend(
-        frontend.TF_DTYPE[t.dtype].as_datatype_enum for t in reg.spec.inputs)
+        TF_DTYPE[t.dtype].as_datatype_enum for t in reg.spec.inputs)
     nd.attr["Tout"].list.type.extend(
-        frontend.TF_DTYPE[t.dtype].as_datatype_enum for t in reg.spec.output_types)
+        TF_DTYPE[t.dtype].as_datatype_enum for t in reg.spec.output_types)
     nd.attr["output_shapes"].list.shape.extend(
         _shape_proto(ir_graph.type_of(o).shape) for o in reg.outputs)
     return nd
@@ -136,3 +137,11 @@ def _unique(name, taken):
         k += 1
     taken.add(name)
     return name
+
+
+def _run(ctx):
+    new, ctx.kernel_names = rewrite(ctx.planned, ctx.ir, ctx.regions, ctx.labels)
+    ctx.replace(new)
+
+
+PASS = Pass("rewrite", _run)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
+from ..passmanager import Pass
+
 
 BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2")
 _FLOATS = {types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
@@ -181,3 +183,17 @@ def _flag(nd, name) -> bool:
 
 def _type(t):
     return attr_value_pb2.AttrValue(type=t)
+
+
+def _run(ctx):
+    todo = candidates(ctx.graph_def, ctx.ir)
+    if not todo:
+        return None
+    rewrite(ctx.graph_def, todo)          # the rewrite's own copy
+    biases = sum(1 for v in todo.values() if v[3] is not None)
+    return (f"{len(todo)} BatchMatMul node(s) against a 2-D weight run as one "
+            f"MatMul each, {biases} with the bias Add after it as the MatMul's "
+            f"BiasAdd (tf/gemm.py; Options(gemm=False) keeps them)")
+
+
+PASS = Pass("gemm", _run, option="gemm")

@@ -49,6 +49,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
+from ..passmanager import Pass
+
 _FLOATS = {types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
 _EQUATION = re.compile(r"^([A-Za-z]+),([A-Za-z]+)->([A-Za-z]*)$")
 _MIN_ROW = 16            # a gathered row of fewer elements is an element-wise gather: slow
@@ -276,3 +278,16 @@ class _Builder:
                         dtype=attr_value_pb2.AttrValue(type=types_pb2.DT_INT32),
                         value=attr_value_pb2.AttrValue(tensor=tf.make_tensor_proto(
                             value.astype(np.int32), tf.int32)))
+
+
+def _run(ctx):
+    todo = candidates(ctx.graph_def, ctx.ir)
+    if not todo:
+        return None
+    rewrite(ctx.graph_def, todo)
+    return (f"{len(todo)} Einsum node(s) run as one BatchMatMulV2 each, their "
+            "operand and result transposes as row gathers (tf/einsum.py; "
+            "Options(einsum=False) keeps them)")
+
+
+PASS = Pass("einsum", _run, option="einsum")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 
-from ..plan import epilogue
+from ...plan import epilogue
+from ..passmanager import Pass
 
 
 def onednn_enabled() -> bool:
@@ -61,3 +62,16 @@ def forward_identities(graph_def, ir, fused: set) -> int:
                 ins = [source.get(i, i) for i in ins]
             nd.input[:] = ins
     return len(source) // 2
+
+
+def _mark(ctx):
+    from ...plan import profiles
+    mark(ctx.ir, profiles.default())
+
+
+def _forward(ctx):
+    forward_identities(ctx.graph_def, ctx.ir, {m for r in ctx.regions for m in r.nodes})
+
+
+MARK = Pass("remapper", _mark)                         # before planning, on the IR
+FORWARD = Pass("remapper_identities", _forward)       # after the rewrite

@@ -18,7 +18,7 @@ import sys
 
 
 def _read_graph_def(path):
-    from .graph_file import read_graph_def
+    from .tf.graph_file import read_graph_def
     return read_graph_def(path)
 
 
@@ -36,9 +36,9 @@ def rewrite_graph_def(graph_def, outputs=None, options=None, name="graph"):
     dangling inputs, missing outputs, an already rewritten graph each raise ValueError
     naming the node).  Returns ``(rewritten GraphDef, Report)``.
     """
-    from . import ensure_runtime
-    from .graph_file import check_graph_def
-    from .pipeline import stitch_graph_def
+    from .tf import ensure_runtime
+    from .tf.graph_file import check_graph_def
+    from .tf.pipeline import stitch_graph_def
     ensure_runtime()
     outs = list(outputs) if outputs else _default_outputs(graph_def)
     if not outs:
@@ -72,7 +72,7 @@ def _write_sidecar(graph_def, dst) -> None:
     goes into ``graph_def`` (in place), as a SavedModel's goes into its graph."""
     import shutil
 
-    from .kernel_assets import export, record_manifest, specs_in
+    from .tf.kernel_assets import export, record_manifest, specs_in
     side = dst + ".kernels"
     shutil.rmtree(side, ignore_errors=True)
     specs = specs_in(graph_def)
@@ -83,7 +83,7 @@ def _write_sidecar(graph_def, dst) -> None:
 
 
 def _options(dump_dir=None, autotune=None):
-    from ..options import Options
+    from .options import Options
     # a shipped graph keeps its original segments (fallback)
     if autotune is None:
         return Options(fallback=True, dump_dir=dump_dir)

@@ -18,6 +18,8 @@ import re
 
 from tensorflow.python.framework import op_def_registry
 
+from ..passmanager import Pass
+
 # TF's function inlining (Grappler, and the rewrite's own inlining of Keras' call
 # layers) forwards each argument and result of an inlined call through an Identity
 # named "<call>/Func/.../input/_N" (or output/_N): one per argument per level, 529 of
@@ -129,3 +131,13 @@ def merge_constants(graph_def, roots) -> int:
         del n.input[:]
         n.input.extend(data + list(dict.fromkeys(i for i in new if i.startswith("^"))))
     return len(alias)
+
+
+def _run(ctx):
+    # after the folds: the shape ops they left unread go too
+    bypass_inlined_identities(ctx.graph_def, ctx.roots)
+    merge_constants(ctx.graph_def, ctx.roots)
+    dead_nodes(ctx.graph_def, ctx.roots)            # what only regions read
+
+
+PASS = Pass("prune", _run)

@@ -13,6 +13,7 @@ has no original subgraph (it reads a value it cannot recompute) cannot be.
 from __future__ import annotations
 
 from . import original
+from ..passmanager import Pass
 
 ATTR = "_stitching_autotune"
 
@@ -43,3 +44,11 @@ def mark(graph_def, the_plan, regions, kernel_names, margin: float) -> list:
                 nd.attr["fallback"].list.func.add().name = fn
         out.append(entry)
     return out
+
+
+def _run(ctx):
+    ctx.autotune = mark(ctx.graph_def, ctx.plan, ctx.regions, ctx.kernel_names,
+                        ctx.options.autotune_margin)
+
+
+PASS = Pass("autotune", _run, option="autotune")

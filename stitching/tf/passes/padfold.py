@@ -34,6 +34,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
+from ..passmanager import Pass
+
 CONVS = ("DepthwiseConv2dNative",)
 PADS = ("Pad", "PadV2")
 _BIAS_ADDS = ("BiasAdd", "BiasAddV1", "Add", "AddV2")
@@ -117,3 +119,16 @@ def rewrite(graph_def, found: dict) -> None:
         conv.attr["padding"].s = b"EXPLICIT"
         conv.attr["explicit_paddings"].CopyFrom(attr_value_pb2.AttrValue(
             list=attr_value_pb2.AttrValue.ListValue(i=[0, 0, t, b, l, r, 0, 0])))
+
+
+def _run(ctx):
+    found = candidates(ctx.graph_def, ctx.fetched)
+    if not found:
+        return None
+    rewrite(ctx.graph_def, found)
+    return (f"{len(found)} zero Pad(s) before a depthwise convolution folded "
+            "into its explicit padding (tf/padfold.py; Options(pad_fold=False) "
+            "keeps them)")
+
+
+PASS = Pass("padfold", _run, option="pad_fold")

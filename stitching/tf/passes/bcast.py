@@ -33,6 +33,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
+from ..passmanager import Pass
+
 
 def reduce_axes(s0, s1):
     """(r0, r1) for static-or-None dim lists, or None when unknown at trace time."""
@@ -112,3 +114,12 @@ def _const_node(name, values, dtype):
         tensor_util.make_tensor_proto(np.asarray(values, dtype.as_numpy_dtype),
                                       shape=[len(values)]))
     return nd
+
+
+def _run(ctx):
+    folded = fold(ctx.tf_graph, ctx.graph_def)
+    if folded is not None:
+        ctx.replace(folded)
+
+
+PASS = Pass("bcast", _run)

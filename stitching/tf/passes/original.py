@@ -38,6 +38,8 @@ import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.python.framework import function_def_to_graph, op_def_registry
 
+from ..passmanager import Pass
+
 ATTR = "_stitching_original"
 PREFIX = "stitching_original_"
 
@@ -202,8 +204,8 @@ def _static_target(out, name, ir_graph):
 
 
 def _tf_dtype(ref, t):
-    from . import frontend
-    dt = frontend.TF_DTYPE.get(t.dtype)
+    from ..tfgraph import TF_DTYPE
+    dt = TF_DTYPE.get(t.dtype)
     if dt is None:
         raise NotReproducible(ref.node)
     return dt.as_datatype_enum
@@ -332,6 +334,9 @@ def use_backward_stitcher(make):
 # place to write files) is honoured only for JSON this process wrote.
 OPTIONS_ATTR = "_stitching_options"
 _NOT_INHERITED = ("background_compile",)
+# Fields added after graphs carrying this attr were written: left out while unset, so
+# a graph stitched with default Options is the same bytes as before they existed.
+_OMITTED_AT_DEFAULT = ("dump_passes",)
 _WRITTEN: set = set()           # option strings recorded by this process
 
 
@@ -341,6 +346,9 @@ def options_attr(options) -> bytes:
          if f.name not in _NOT_INHERITED}
     if d.get("dump_dir") is not None:
         d["dump_dir"] = str(d["dump_dir"])
+    for name in _OMITTED_AT_DEFAULT:
+        if d.get(name) is None:
+            del d[name]
     s = json.dumps(d, sort_keys=True).encode()
     _WRITTEN.add(s)
     return s
@@ -354,7 +362,7 @@ def backward_options(op):
         return None
     import dataclasses
 
-    from ..options import Options
+    from ...options import Options
     try:
         d = json.loads(raw)
         if not isinstance(d, dict):
@@ -364,6 +372,7 @@ def backward_options(op):
               and (v is None or isinstance(v, (str, int, bool)))}
         if raw not in _WRITTEN:
             kw.pop("dump_dir", None)
+            kw.pop("dump_passes", None)
         return Options(**kw)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{_op_label(op)}: its {OPTIONS_ATTR} attr is not valid "
@@ -434,3 +443,26 @@ def _stitched_kernel_grad(op, *grads):
     xs, ys = original_outputs(op)
     dxs = tf.gradients([ys[k] for k in wanted], xs, grad_ys=[grads[k] for k in wanted])
     return [d if _differentiable(x) else None for d, x in zip(dxs, op.inputs)]
+
+
+def _run(ctx):
+    o = ctx.options
+    no_original = attach(ctx.graph_def, ctx.planned, ctx.ir, ctx.regions, ctx.kernel_names,
+                         stitch_backward=o.stitch_backward, fallback=o.fallback, options=o)
+    notes = []
+    if len(ctx.regions) > no_original:
+        how = ("stitched as a function of its own per kind of kernel (the kernel's "
+               "original ops recomputed and TF's gradient of them, planned like any "
+               "function)" if o.stitch_backward else
+               "TF's gradient of its original ops, recomputed, as TF ops "
+               "(Options.stitch_backward=False)")
+        notes.append(f"backward: a tape outside this function differentiates "
+                     f"{len(ctx.regions) - no_original} kernel(s), each {how}; a tape "
+                     "inside it gets its backward stitched with the rest")
+    if no_original:
+        notes.append(f"{no_original} kernel(s) read a value they cannot recompute from "
+                     "their inputs: no original subgraph, so no gradient through them")
+    return notes
+
+
+PASS = Pass("original", _run)

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from ..options import Options
-from .function import StitchedFunction
+from .options import Options
+from .tf.function import StitchedFunction
 
 STEPS = ("train", "test", "predict")
 

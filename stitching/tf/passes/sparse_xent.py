@@ -28,6 +28,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
+from ..passmanager import Pass
+
 OP = "SparseSoftmaxCrossEntropyWithLogits"
 MAX_CLASSES = 1 << 20      # arbitrary: the iota constant stays small
 
@@ -105,3 +107,12 @@ def _expand(nd, op, taken) -> list:
                                  input=[logits, hot.name] + ctrl, device=nd.device)
     dense.attr["T"].type = t.as_datatype_enum
     return [iota, zeros, axis, last, check, col, eq, hot0, chk, hot, dense]
+
+
+def _run(ctx):
+    expanded = expand(ctx.tf_graph, ctx.graph_def)
+    if expanded is not None:
+        ctx.replace(expanded)
+
+
+PASS = Pass("sparse_xent", _run)

@@ -17,7 +17,7 @@ output (ConcatV2) and two products competing for the cores, which is what makes 
 cost ~3.6% at batch 8.
 
 Only where TF runs oneDNN (the device profile's ``tf_onednn``, else the running TF's:
-tf/remapper.py) and with the profile's L2: Eigen's contraction (oneDNN off, as on the
+tf/passes/remapper.py) and with the profile's L2: Eigen's contraction (oneDNN off, as on the
 AMD EPYC machines here) has no one-thread rule and runs such a product on the whole
 pool (measured, [128, 256] x [256, 1024] under load: 2 threads 1.08-1.2x faster than 1).
 
@@ -56,6 +56,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2
+
+from ..passmanager import Pass
 
 MIN_MACS = 1 << 24        # tuned: [128, 256] x [256, 256] (8.4M) runs faster on one thread
 MIN_T = 32                # arbitrary: shorter sequences are not worth two ops per op
@@ -486,3 +488,31 @@ def halves_match(blocks, new_graph) -> str | None:
                 if not ok:
                     return f"{op.name}: a half is {got}, the block's value {want}"
     return None
+
+
+def _run(ctx):
+    """Token-wise blocks split along the sequence where TF would run their products on
+    one thread at batch 1; the halves checked on the new graph's shapes."""
+    from ...plan import profiles
+    from . import remapper
+    prof = profiles.default()
+    if prof.backend != "cpu" or not remapper.onednn(prof):
+        return None          # the one-thread rule is oneDNN's (the module's docstring)
+    l2 = prof.caches.get("l2", 0)
+    blocks = find(ctx.tf_graph, ctx.fetched, l2)
+    if not blocks:
+        return None
+    new = rewrite(ctx.graph_def, blocks)
+    new_graph = ctx.shapes_of(new)
+    bad = halves_match(blocks, new_graph)
+    if bad is not None:
+        return f"token-wise blocks left whole: {bad} (tf/seqsplit.py)"
+    ctx.replace(new, new_graph)
+    ops = sum(len(b.ops) for b, _ in blocks)
+    return (f"{len(blocks)} token-wise block(s) ({ops} TF ops) run as two halves of the "
+            f"sequence: at batch 1 TF runs their products on one thread (operands under "
+            f"L2, {l2 >> 10} KiB), the halves use both cores (tf/seqsplit.py; "
+            f"Options(seq_split=False) keeps them whole)")
+
+
+PASS = Pass("seqsplit", _run, option="seq_split")

@@ -1,0 +1,1 @@
+"""The GraphDef passes the driver (tf/pipeline.py) runs, one module each."""

@@ -1,0 +1,19 @@
+"""The frontend as a pass: TF nodes -> IR (tf/frontend.py), once per graph.
+
+The GraphDef passes before it work on TF's graph; the passes after it read the IR
+too (``ctx.ir``), and the driver plans it.  ``ctx.planned`` keeps the GraphDef the IR
+was lifted from: the rewrite replaces its regions, and the passes after the rewrite
+look things up in it.
+"""
+from __future__ import annotations
+
+from .. import frontend
+from ..passmanager import Pass
+
+
+def _run(ctx):
+    ctx.planned = ctx.graph_def
+    ctx.ir = frontend.to_ir(ctx.tf_graph, list(ctx.fetches))
+
+
+PASS = Pass("lift", _run)

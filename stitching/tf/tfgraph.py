@@ -1,0 +1,81 @@
+"""A GraphDef as TensorFlow sees it: imported into a scratch ``tf.Graph`` for its shapes.
+
+Every floor of the TF edge needs this (the pass manager's context imports the graph
+again after a pass changes it; the frontend lifts the imported graph to the IR; the
+rewrite writes dtypes back), so it sits below them all.  A GraphDef does not carry a
+resource handle's shape: ``resource_shapes`` reads them from the live FuncGraph and
+``import_for_shapes`` types the variable reads with them.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+DTYPE_NAMES = {tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
+               tf.float64: "float64", tf.int32: "int32", tf.int64: "int64", tf.bool: "bool"}
+TF_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def resource_shapes(func_graph) -> dict:
+    """Resource placeholder name -> (dtype, shape) of the variable it holds.
+
+    A GraphDef does not carry a resource handle's shape, so after serialization
+    every ``ReadVariableOp`` would read a tensor of unknown rank (and so would
+    everything downstream).  The live FuncGraph still knows it.
+    """
+    from tensorflow.python.ops import handle_data_util
+    out = {}
+    for t in func_graph.inputs:
+        if t.dtype != tf.resource:
+            continue
+        data = handle_data_util.get_resource_handle_data(t)
+        if data is None or not data.is_set or len(data.shape_and_type) != 1:
+            continue
+        st = data.shape_and_type[0]
+        if st.shape.unknown_rank:
+            continue
+        out[t.op.name] = (tf.as_dtype(st.dtype), [d.size if d.size >= 0 else None
+                                                 for d in st.shape.dim])
+    return out
+
+
+def import_for_shapes(graph_def, resources: dict | None = None) -> tf.Graph:
+    """Import into a scratch graph so TF's shape inference types every tensor.
+
+    Reads of variables whose shapes we know (``resources``) are imported as typed
+    placeholders: the scratch graph is only for shapes, never run.
+    """
+    if resources:
+        graph_def = _typed_variable_reads(graph_def, resources)
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+    return g
+
+
+def _typed_variable_reads(graph_def, resources):
+    by_name = {n.name: n for n in graph_def.node}
+
+    def source(name):   # follow Identity chains (inlined function arguments)
+        seen = 0
+        while name in by_name and by_name[name].op == "Identity" and seen < 64:
+            name = by_name[name].input[0].split(":")[0].lstrip("^")
+            seen += 1
+        return name
+
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    for nd in out.node:
+        if nd.op != "ReadVariableOp":
+            continue
+        src = source(nd.input[0].split(":")[0])
+        if src not in resources:
+            continue
+        dtype, shape = resources[src]
+        ctrl = [i for i in nd.input if i.startswith("^")]
+        nd.op = "Placeholder"
+        del nd.input[:]
+        nd.input.extend(ctrl)
+        nd.attr.clear()
+        nd.attr["dtype"].type = dtype.as_datatype_enum
+        nd.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
+    return out
