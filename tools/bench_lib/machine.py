@@ -31,6 +31,17 @@ def _cpu_model() -> str:
     return f"{name} ({', '.join(isa)})" if isa else name
 
 
+def machine_line() -> str:
+    """The three facts every table is read against: CPU model with its vector ISA and
+    class, and whether TF runs oneDNN (its kernels and remapper differ from Eigen's)."""
+    from stitching.plan import profiles
+    from stitching.tf.passes import remapper
+    facts = profiles.cpu_facts()
+    onednn = "on" if remapper.onednn_enabled() else "off"
+    return (f"{_cpu_model()}, class {facts['cpu_class']}, widest vector ISA "
+            f"{facts['isa']}, TF oneDNN {onednn}")
+
+
 def _git(*args) -> str:
     try:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
@@ -68,7 +79,7 @@ def machine_info() -> dict:
         pass
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "cpu": _cpu_model(),
+        "cpu": machine_line(),
         "cores": n_cores,
         "memory_gib": mem_gib,
         "python": platform.python_version(),
