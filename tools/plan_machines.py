@@ -3,7 +3,7 @@
 whether the plans are the same.  Planning only (no compile, no timing), so it runs on a
 busy machine and says nothing about this machine's speed.
 
-    python tools/plan_machines.py                                  # models, both machine models
+    python tools/plan_machines.py                    # models and patterns, both machine models
     python tools/plan_machines.py --models efficientnet_b0 --batch 8
     python tools/plan_machines.py --profiles intel-avx512,amd-avx2,cpu
     python tools/plan_machines.py --measure 5 --load 2             # 5 profiles measured while
@@ -38,6 +38,19 @@ def model_graph(name: str, batch: int):
     case = models.get(name)
     sig = [tf.TensorSpec((batch or None,) + tuple(case.input_shape), tf.float32)]
     cf = tf.function(case.make_fn(), input_signature=sig).get_concrete_function()
+    return (cf.graph.as_graph_def(), [t.name for t in cf.outputs],
+            frontend.resource_shapes(cf.graph))
+
+
+def pattern_graph(name: str, size: str):
+    """(graph_def, fetches, resources) of a pattern-suite case at ``size``."""
+    import tensorflow as tf
+
+    from stitching.testing import patterns
+    from stitching.tf import frontend
+    pat = patterns.get(name)
+    cf = tf.function(pat.make_fn(), input_signature=pat.input_signature(size)) \
+        .get_concrete_function()
     return (cf.graph.as_graph_def(), [t.name for t in cf.outputs],
             frontend.resource_shapes(cf.graph))
 
@@ -104,6 +117,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="resnet50,mobilenet_v2,efficientnet_b0,transformer")
     ap.add_argument("--batch", type=int, default=0, help="0: unknown (the models suite)")
+    ap.add_argument("--patterns", default="all",
+                    help="pattern-suite cases (comma-separated, 'all' or 'none'), at "
+                         "--sizes")
+    ap.add_argument("--sizes", default="small,large")
     ap.add_argument("--profiles", default="intel-avx512,amd-avx2")
     ap.add_argument("--measure", type=int, default=0,
                     help="also N measurements of this machine under load and N quiet")
@@ -124,17 +141,23 @@ def main(argv=None) -> int:
         state = f"provisional: {p.why_provisional}" if p.provisional else "final"
         print(f"# {label}: {p.source} [{state}]", flush=True)
     worst = 0
+    from stitching.testing import patterns
     tmp = tempfile.mkdtemp(prefix="plan-machines-")
-    for name in filter(None, args.models.split(",")):
-        graph = model_graph(name, args.batch)
+    cases = [(f"{m} b{args.batch}", lambda m=m: model_graph(m, args.batch))
+             for m in filter(None, args.models.split(",")) if m != "none"]
+    pats = ([p.name for p in patterns.all_patterns()] if args.patterns == "all" else
+            [] if args.patterns == "none" else args.patterns.split(","))
+    cases += [(f"{p} {size}", lambda p=p, size=size: pattern_graph(p, size))
+              for p in pats for size in args.sizes.split(",")]
+    for name, build in cases:
+        graph = build()
         plans = {label: plan_with(graph, p, tmp) for label, p in named}
         ref_label = next((k for k in plans if k.startswith("quiet")), next(iter(plans)))
         ref = plans[ref_label]
         row = "  ".join(f"{k}={len(v)}{'' if v == ref else '*'}" for k, v in plans.items())
         differ = [k for k, v in plans.items() if v != ref]
         worst = max(worst, len(differ))
-        print(f"{name} b{args.batch}: kernels {row}   (* differs from {ref_label})",
-              flush=True)
+        print(f"{name}: kernels {row}   (* differs from {ref_label})", flush=True)
     return 1 if args.measure and worst else 0
 
 
