@@ -38,18 +38,21 @@ _SALT = None
 
 
 def _salt() -> str:
+    """The planner's code (hashed once per process) and the device profile it plans
+    with now (a process may switch profiles: tests pin one per test)."""
     global _SALT
+    from . import profiles
     if _SALT is None:
-        from . import profiles
         h = hashlib.sha256(str(FORMAT).encode())
         root = Path(__file__).parent.parent
         for pkg in ("ir", "plan", "schedule"):
             for f in sorted((root / pkg).glob("*.py")):
                 h.update(f.name.encode())
                 h.update(f.read_bytes())
-        h.update(repr(profiles.default()).encode())
-        _SALT = h.hexdigest()[:12]
-    return _SALT
+        _SALT = h.hexdigest()
+    h = hashlib.sha256(_SALT.encode())
+    h.update(profiles.default().planning_key().encode())
+    return h.hexdigest()[:12]
 
 
 def _path(key: str) -> Path:

@@ -114,6 +114,16 @@ class DeviceProfile:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    # Fields that describe a profile rather than price anything: two profiles equal but
+    # for these plan alike (stored plans are keyed without them: plan/cache.py).
+    DESCRIPTIVE = ("name", "source", "measured_at", "provisional", "why_provisional",
+                   "spread", "measured")
+
+    def planning_key(self) -> str:
+        """What the planner's decisions depend on, as text."""
+        d = {k: v for k, v in self.to_dict().items() if k not in self.DESCRIPTIVE}
+        return json.dumps(d, sort_keys=True)
+
     @classmethod
     def from_dict(cls, d: dict) -> "DeviceProfile":
         names = {f.name for f in fields(cls)}
