@@ -177,6 +177,38 @@ def test_keras_conv_block_leaves_bias_swish_to_tf_and_matches_it():
     assert sorted(u["op"] for u in reasons) == ["BiasAdd", "BiasAdd", "Mul", "Relu", "Sigmoid"]
 
 
+def _fused_in_tf(model):
+    """(the StitchedFunction, the fused_ops of every op TF ran, the op types TF ran)."""
+    from tensorflow.python.eager import context
+    context.enable_run_metadata()          # the graphs TF runs, after its Grappler
+    try:
+        for st, got, want in _run(model, "float32", batches=(4, 7)):   # unknown batch
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        meta = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    (graph,) = {id(fg): fg for fg in meta.function_graphs for pg in fg.partition_graphs
+                for n in pg.node if n.op == "StitchedKernel"}.values()
+    nodes = [n for pg in graph.partition_graphs for n in pg.node]
+    fused = sorted(tuple(s.decode() for s in n.attr["fused_ops"].list.s)
+                   for n in nodes if "fused_ops" in n.attr)
+    return st, fused, [n.op for n in nodes]
+
+
+@pytest.mark.skipif(remapper.onednn_enabled(),
+                    reason="checks Eigen's remapper, which runs where oneDNN is off")
+def test_keras_conv_block_under_eigen_leaves_bias_relu_to_tf_and_stitches_the_swish(
+        monkeypatch):
+    """The Eigen table (plan/epilogue.py) against the TF running here: Conv2D's BiasAdd
+    and ReLU run inside _FusedConv2D, its swish does not, so the swish is stitched."""
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "amd-avx2")    # oneDNN off, as here
+    st, fused, ops = _fused_in_tf(conv_block())
+    assert ("BiasAdd", "Relu") in fused, fused
+    assert "Relu" not in ops and "Sigmoid" not in ops and "_MklSwish" not in ops, ops
+    kernels = st.report.to_dict()["kernel_details"]
+    assert any({"Sigmoid", "Mul"} <= set(k["ops"]) for k in kernels), kernels
+
+
 def test_keras_conv_block_float32_error_against_float64_is_tf_s():
     m32, m64 = conv_block(), conv_block("float64")
     m64.set_weights([w.astype(np.float64) for w in m32.get_weights()])
