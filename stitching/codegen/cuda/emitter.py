@@ -233,25 +233,12 @@ class _CudaEmitter(Emitter):
         the body sees r (row), j0 (first element of the chunk) and the row bases."""
         with self.kernel(w, name, ["rows", "nc"]):
             self.prologue(w)
-            # (row, chunk) of the thread's first chunk, and how far a grid step moves
-            # it, divided once: a 64-bit division per chunk (numba's indices are int64)
-            # cost as much issue time as the chunk's loads (an H200 moved GELU and
-            # BN-swish at 45-70% of copy bandwidth with it)
             w("step = cuda.gridsize(1)")
-            w("v0 = cuda.grid(1)")
-            w("r = v0 // nc")
-            w("jc = v0 - r * nc")
-            w("dr = step // nc")
-            w("dj = step - dr * nc")
-            with w.block("for v in range(v0, rows * nc, step):"):
-                w(f"j0 = jc * {EW_VEC}")
+            with w.block("for v in range(cuda.grid(1), rows * nc, step):"):
+                w("r = v // nc")
+                w(f"j0 = (v - r * nc) * {EW_VEC}")
                 self.bases(w, self.decompose(w, "r", list(range(self.R - 1))))
                 yield
-                w("jc += dj")
-                w("r += dr")
-                with w.block("if jc >= nc:"):
-                    w("jc -= nc")
-                    w("r += 1")
 
     def _load_chunks(self, w, p, wide) -> None:
         """x<j>_0..3: one 16-byte load per wide input of pass ``p``, at element j0."""
