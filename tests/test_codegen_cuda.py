@@ -95,8 +95,8 @@ def test_elementwise_odd_sizes(rows, L):
 
 @pytest.mark.parametrize("rows,L", [(50, 12), (37, 7), (129, 4)])
 def test_elementwise_grid_stride_over_rows(rows, L):
-    """More chunks than threads in the grid: each grid step moves a thread's (row,
-    chunk) by a division done once; steps that cross one row end or several."""
+    """More chunks than threads in the grid: grid steps that cross one row end or
+    several land on the right (row, chunk)."""
     check(gelu_spec(), [data(rows, L), data(L, seed=1)], threads=32)
 
 
