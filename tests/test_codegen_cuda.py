@@ -93,6 +93,13 @@ def test_elementwise_odd_sizes(rows, L):
     assert wide == (L % 4 == 0)        # 16-byte accesses only when every chunk is whole
 
 
+@pytest.mark.parametrize("rows,L", [(50, 12), (37, 7), (129, 4)])
+def test_elementwise_grid_stride_over_rows(rows, L):
+    """More chunks than threads in the grid: grid steps that cross one row end or
+    several land on the right (row, chunk)."""
+    check(gelu_spec(), [data(rows, L), data(L, seed=1)], threads=32)
+
+
 def test_elementwise_wide_with_narrow_buffers():
     """k_ew_v4 moves the float32 buffers 16 bytes at a time and the float16 / bool ones
     element by element, in the same chunk."""

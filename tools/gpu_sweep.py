@@ -3,6 +3,7 @@
 or x ways the reduced axis is split (column kernels).
 
     python tools/gpu_sweep.py softmax_tf attention_softmax [--threads 128,256,512]
+    python tools/gpu_sweep.py swiglu --threads 128,256,512,1024       # element-wise
 
 For each pattern at the large size, every (block, tpr or split) pair that the kernel
 accepts is checked against the float64 reference once and timed the way gpu_bench.py times (device
@@ -26,7 +27,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default=None,
                     help="row kernels: chunks | regs | smem | global | looped (the "
                          "looped kernels' own choice; default: the planner's)")
+    ap.add_argument("--col-unroll", type=int, default=None,
+                    help="experiment: column kernels with this many rows per loop trip "
+                         "(emitter.COL_UNROLL) instead of the emitter's")
     args = ap.parse_args(argv)
+    if args.col_unroll:
+        from stitching.codegen.cuda import emitter
+        emitter.COL_UNROLL = args.col_unroll   # before any kernel is generated
     import torch
     from numba import cuda
 
@@ -51,15 +58,18 @@ def main(argv=None) -> int:
 
         default = k.plan(shapes)
         results = [("default", default.strategy, timed(default))]
-        # row kernels: threads per row; column kernels: ways the reduced axis is split
-        second = ("split", args.split) if k.schedule.kind.value == "column" else \
-            ("tpr", args.tpr)
+        # row kernels: threads per row; column kernels: ways the reduced axis is split;
+        # element-wise kernels: threads per block alone
+        kind = k.schedule.kind.value
+        second = ("split", args.split) if kind == "column" else \
+            ("tpr", args.tpr) if kind == "row" else ("threads", "0")
         for th in map(int, args.threads.split(",")):
             for v in map(int, second[1].split(",")):
                 if second[0] == "tpr" and v > th:
                     continue
                 try:
-                    force = {"threads": th, second[0]: v}
+                    force = {"threads": th} if kind == "elementwise" else \
+                        {"threads": th, second[0]: v}
                     if second[0] == "tpr" and args.variant == "looped":
                         force["chunks"] = False
                     elif second[0] == "tpr" and args.variant:
@@ -73,9 +83,10 @@ def main(argv=None) -> int:
                     continue
                 if err > 1.0:
                     bad += 1
-                    print(f"  {pat['name']} threads={th} {second[0]}={v}: BAD error {err:.3g}")
+                    print(f"  {pat['name']} {force}: BAD error {err:.3g}")
                     continue
-                results.append((f"threads={th} {second[0]}={v}", lau.strategy, timed(lau)))
+                results.append((" ".join(f"{a}={b}" for a, b in force.items()), lau.strategy,
+                                timed(lau)))
         best = min(results[1:] or results, key=lambda r: r[2])
         print(f"{pat['name']}: default {results[0][2] * 1e6:.1f} µs ({results[0][1]}); "
               f"best {best[2] * 1e6:.1f} µs at {best[0]} ({best[1]})")

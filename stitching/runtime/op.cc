@@ -64,6 +64,13 @@
 #include "tensorflow/core/platform/threadpool.h"
 #include "tsl/profiler/lib/traceme_encode.h"
 
+#if GOOGLE_CUDA
+#include "gpu/launcher.h"
+#include "xla/stream_executor/activate_context.h"
+#include "xla/stream_executor/stream.h"
+#include "xla/stream_executor/stream_executor.h"
+#endif
+
 namespace stitching {
 namespace {
 
@@ -1143,6 +1150,142 @@ class StitchedKernelOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("StitchedKernel").Device(tensorflow::DEVICE_CPU),
                         StitchedKernelOp);
+
+#if GOOGLE_CUDA
+// ---- DEVICE_GPU: a thin shell over the launcher (gpu/launcher.h) ----------------------
+//
+// Built only into a CUDA build of the library (stitching/runtime/gpu_build.py, against
+// the `tensorflow` wheel's headers with GOOGLE_CUDA); the CPU-only build above has none
+// of it.  The constructor finds the spec's GPU module by its hash (asking the GPU
+// compiler callback on a miss: Python compiles the kernels to PTX and registers them)
+// and checks the node's dtypes and output ranks against it; Compute checks the inputs
+// against the spec's signature, takes the launch plan for these input dims (a map
+// lookup; the planner callback on a miss), allocates the outputs and the temp buffer
+// from TF, and launches on TF's own stream in the device's context.  Nothing waits.
+
+// The launcher's dtype names ("" for a dtype the kernels do not take).
+std::string GpuDtypeName(DataType t) {
+  switch (t) {
+    case tensorflow::DT_HALF: return "float16";
+    case tensorflow::DT_BFLOAT16: return "bfloat16";
+    case tensorflow::DT_FLOAT: return "float32";
+    case tensorflow::DT_DOUBLE: return "float64";
+    case tensorflow::DT_INT32: return "int32";
+    case tensorflow::DT_INT64: return "int64";
+    case tensorflow::DT_BOOL: return "bool";
+    default: return "";
+  }
+}
+
+class StitchedKernelGpuOp : public OpKernel {
+ public:
+  explicit StitchedKernelGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string spec, spec_hash;
+    DataTypeVector tin, tout;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("spec", &spec));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("label", &label_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("spec_hash", &spec_hash));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("Tin", &tin));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("Tout", &tout));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("output_shapes", &static_shapes_));
+    hash_ = Sha256Hex(spec).substr(0, 24);
+    OP_REQUIRES(ctx, spec_hash.empty() || spec_hash == hash_,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedKernel ", label_, ": the spec does not match its spec_hash ",
+                    spec_hash.substr(0, 40), " (the node was edited after rewriting)")));
+    module_ = gpu::Find(hash_);
+    gpu::CompilerFn compile = gpu::GetCompiler();
+    if (module_ == nullptr && compile != nullptr) {
+      const int rc = compile(spec.c_str());
+      OP_REQUIRES(ctx, rc == 0, StatusFromCode(rc, absl::StrCat(
+                                    "StitchedKernel ", label_,
+                                    ": compiling the GPU kernels of the spec failed")));
+      module_ = gpu::Find(hash_);
+    }
+    OP_REQUIRES(ctx, module_ != nullptr,
+                absl::NotFoundError(absl::StrCat(
+                    "StitchedKernel ", label_, ": no GPU kernels for spec ", hash_,
+                    " in this process; import stitching with a CUDA device so it can "
+                    "compile them")));
+    for (DataType t : tin) in_types_.push_back(GpuDtypeName(t));
+    for (DataType t : tout) out_types_.push_back(GpuDtypeName(t));
+    const gpu::Signature& sig = gpu::GetSignature(*module_);
+    OP_REQUIRES(ctx, in_types_ == sig.in_dtypes && out_types_ == sig.out_dtypes,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedKernel ", label_, ": node dtypes [", DtypesString(tin), "] -> [",
+                    DtypesString(tout), "] do not match the GPU kernel's")));
+    OP_REQUIRES(ctx, static_shapes_.size() == sig.out_ranks.size(),
+                absl::InvalidArgumentError("StitchedKernel: output_shapes and Tout differ"));
+    for (size_t i = 0; i < static_shapes_.size(); ++i) {
+      OP_REQUIRES(ctx, static_shapes_[i].unknown_rank() ||
+                           static_shapes_[i].dims() == sig.out_ranks[i],
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "StitchedKernel ", label_, ": output_shapes[", i, "] has the wrong "
+                      "rank for the GPU kernel")));
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int n_in = ctx->num_inputs(), n_out = ctx->num_outputs();
+    std::vector<int64_t> dims;
+    std::vector<int> ranks;
+    std::vector<const void*> ins;
+    for (int i = 0; i < n_in; ++i) {
+      const Tensor& t = ctx->input(i);
+      ranks.push_back(t.dims());
+      for (int d = 0; d < t.dims(); ++d) dims.push_back(t.dim_size(d));
+      ins.push_back(t.tensor_data().data());
+    }
+    OP_REQUIRES_OK(ctx, Status(gpu::CheckInputs(*module_, in_types_, ranks, dims, out_types_)));
+    std::shared_ptr<const gpu::Plan> plan;
+    OP_REQUIRES_OK(ctx, Status(gpu::GetPlan(*module_, hash_, dims, &plan)));
+    std::vector<void*> outs(n_out, nullptr);
+    for (int i = 0; i < n_out; ++i) {
+      TensorShape shape;
+      OP_REQUIRES_OK(ctx, TensorShape::BuildTensorShape(plan->out_dims[i], &shape));
+      OP_REQUIRES(ctx, static_shapes_[i].IsCompatibleWith(shape),
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "StitchedKernel ", label_, ": output ", i, " has shape ",
+                      shape.DebugString(), ", incompatible with the declared ",
+                      static_shapes_[i].DebugString())));
+      Tensor* t = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, shape, &t));
+      outs[i] = const_cast<char*>(t->tensor_data().data());
+    }
+    if (plan->steps.empty()) return;   // zero-size tensors
+    Tensor temp;
+    void* temp_ptr = nullptr;
+    if (plan->temp_bytes > 0) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT8,
+                                             TensorShape({plan->temp_bytes}), &temp));
+      temp_ptr = const_cast<char*>(temp.tensor_data().data());
+    }
+    OP_REQUIRES(ctx, ctx->op_device_context() != nullptr &&
+                         ctx->op_device_context()->stream() != nullptr,
+                absl::InternalError("StitchedKernel: no GPU stream for this op"));
+    stream_executor::Stream* stream = ctx->op_device_context()->stream();
+    // the driver API launches in the current context: make the device's current
+    std::unique_ptr<stream_executor::ActivateContext> active = stream->parent()->Activate();
+    OP_REQUIRES_OK(ctx, Status(gpu::Launch(*plan, ins.data(), outs.data(), temp_ptr,
+                                           stream->platform_specific_handle().stream)));
+  }
+
+ private:
+  absl::Status Status(const std::string& launcher_error) const {
+    if (launcher_error.empty()) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("StitchedKernel ", label_, ": ",
+                                                   launcher_error));
+  }
+
+  std::string hash_, label_;
+  std::shared_ptr<gpu::Module> module_;
+  std::vector<std::string> in_types_, out_types_;
+  std::vector<PartialTensorShape> static_shapes_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("StitchedKernel").Device(tensorflow::DEVICE_GPU),
+                        StitchedKernelGpuOp);
+#endif  // GOOGLE_CUDA
 
 // ---- StitchedKernelAssets: kernels shipped inside a SavedModel ------------------------
 //

@@ -10,7 +10,7 @@ candidates for a kernel of R rows x L columns on a DeviceProfile; we take its th
 block (at least MIN_THREADS) and map them as follows, with local rules measured on an
 H100 where its CPU-shaped rows per task did not fit (names as in cuda/emitter.py):
 
-  elementwise  block = threads; grid = chunks of EW_VEC elements / threads, capped;
+  elementwise  block = EW_THREADS; grid = chunks of EW_VEC elements / block, capped;
                the 16-byte kernel when rows are a multiple of 4 long (the caller falls
                back to the scalar one for a buffer that is not 16-byte aligned)
   row          rows of a multiple of 4 that fit (k_row_r<C>, the row in registers):
@@ -69,6 +69,10 @@ ROW_MIN_TPR = 8              # fewest threads per row (see "row" above)
 # 20.6 µs (32: 22.4); 256-thread blocks 2-17% slower throughout
 ROW_CHUNK_ELEMS = 16
 DEFAULT_THREADS = 256        # fallback when the evaluator has no finite candidate
+# Element-wise blocks (not the evaluator's, which chose 1024 for a 4M-element swiglu):
+# tools/gpu_sweep.py on an H200, 2026-11-28 (tools/gpu_results/): swiglu 25.3 µs at 128
+# threads, 25.4 at 256, 26.1 at 512, 29.2 at 1024; BN-swish 27.1 / 27.3 / 28.0 / 36.6
+EW_THREADS = 128
 # An SM holds at most 32 blocks (sm_80, sm_90): smaller blocks than 4 warps cap occupancy
 # below 100% however many are launched.  Measured on an H100: 32-thread blocks ran an
 # element-wise kernel at 52% of copy bandwidth.
@@ -181,7 +185,10 @@ def _grid(work: int, per_block: int, cap: int) -> int:
     return max(1, min(-(-work // per_block), cap))
 
 
-def _elementwise(src, z, th, _rpt, cap, _profile, _limits, force, source):
+def _elementwise(src, z, th, _rpt, cap, profile, limits, force, source):
+    if "threads" not in force:
+        th = min(EW_THREADS, limits.max_threads)
+        cap = _blocks_cap(th, profile, limits)
     nc = -(-z.L // EW_VEC)
     chunks = z.rows * nc
     wide = bool(src.wide) and z.L % 4 == 0 and force.get("wide", True)
