@@ -525,3 +525,26 @@ def test_this_machines_calibration_comes_before_the_shipped_one(tmp_path, monkey
     os.utime(path, ns=(2, 2))
     with pytest.warns(RuntimeWarning, match="ignoring this machine's calibration"):
         assert profiles.calibrated(cpu).tf_time_scale == {"column_reduction": 3.0}
+
+
+def test_python_m_stitching_profile_shows_the_profile_in_use_and_its_origins(capsys,
+                                                                             monkeypatch):
+    from stitching import profile
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "amd-avx2")
+    assert profile.main(["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["profile"] == "amd-avx2" and d["pinned_by"] == "amd-avx2"
+    assert (d["tf_onednn"], d["tf_onednn_from"]) == (False, "the profile")
+    assert d["isa"] == "avx2" and d["calibration"] == "yes"
+    assert {r["number"] for r in d["numbers"]} == {
+        "bandwidth", "bw_per_lane", "cache_bandwidth", "transcendental_per_s"}
+    assert all(r["origin"] == "pinned" for r in d["numbers"])
+    # the measured profile: each number's origin says measured, or the model it took
+    monkeypatch.delenv("STITCHING_DEVICE_PROFILE")
+    busy = _measurement(True, 2e9, 1.5e8)
+    monkeypatch.setattr(profiles, "measured_cpu", lambda remeasure=False: busy)
+    assert profile.main([]) == 0
+    out = capsys.readouterr().out
+    assert "PROVISIONAL" in out and "amd-avx2 machine model" in out
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "no-such-profile")
+    assert profile.main([]) == 2
