@@ -516,7 +516,7 @@ def markdown_section(rows, meta) -> str:
            "columns are hand-written equivalents of each pattern on the same data (checked "
            "against the same float64 reference as ours). \"host µs\" is this harness's "
            "Python launch cost per call (numba-cuda dispatch and shape checks), which the "
-           "TF op would not pay (docs/gpu.md). BW: compulsory bytes / our time. \"4-byte "
+           "TF op would not pay (docs/internals/gpu.md). BW: compulsory bytes / our time. \"4-byte "
            "accesses\": the same launch with the scalar-access kernel, where ours used a "
            "16-byte one.", ""]
     header = ["pattern", "kind", "ours µs", "eager µs", "compile µs", "vs eager",
