@@ -49,5 +49,7 @@ setup(
         # as the oracle); tests/test_fastmath.py uses it when present.
         "fit": ["scipy>=1.11"],
     },
-    entry_points={"console_scripts": ["stitching-rewrite=stitching.tf.cli:main"]},
+    entry_points={"console_scripts": ["stitching-rewrite=stitching.tf.cli:main",
+                                      # the install step: builds the op library
+                                      "stitching-build=stitching.runtime.build:main"]},
 )

@@ -82,9 +82,12 @@ def load():
     global _module, _lib
     if _module is not None:  # fast path: every stitched_kernel call comes through here
         return _module
+    # Outside the lock: a first ``import tensorflow`` runs stitching's import hook
+    # (_autoload.py), which calls load() itself; under the lock that was a deadlock
+    # (``import stitching; stitching.runtime.stats()`` hung).
+    import tensorflow as tf
     with _load_lock:
         if _module is None:
-            import tensorflow as tf
             path = str(_build.build())
             module = tf.load_op_library(path)
             _lib = _open_same_image(path)
