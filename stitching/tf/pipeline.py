@@ -221,12 +221,15 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
                "function)" if options.stitch_backward else
                "TF's gradient of its original ops, recomputed, as TF ops "
                "(Options.stitch_backward=False)")
-        rep.notes.append(f"backward: a tape outside this function differentiates "
-                         f"{len(regions) - no_original} kernel(s), each {how}; a tape "
-                         "inside it gets its backward stitched with the rest")
+        # Report.backward, not a note: it says what *would* happen under a tape
+        # outside, which inference and stitching-rewrite never have.
+        rep.backward = (f"a tape outside this function differentiates "
+                        f"{len(regions) - no_original} kernel(s), each {how}; a tape "
+                        "inside it gets its backward stitched with the rest")
     if no_original:
-        rep.notes.append(f"{no_original} kernel(s) read a value they cannot recompute from "
-                         "their inputs: no original subgraph, so no gradient through them")
+        rep.backward = " ".join(filter(None, [rep.backward, (
+            f"{no_original} kernel(s) read a value they cannot recompute from their "
+            "inputs: no original subgraph, so no gradient through them")]))
     if grappler.has_control_flow(graph_def):
         rep.notes.append("the graph has functional control flow (tf.cond / tf.while_loop): "
                          "Grappler's inlining, constant folding and arithmetic rewrites "
@@ -343,7 +346,8 @@ def _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, faile
         desc = sched.describe() if hasattr(sched, "describe") else ""
         rep.kernels.append(_report.KernelInfo(
             kname, [(m, tf_op.get(m, "?")) for m in reg.nodes], desc.splitlines()[0] if desc else "",
-            len(reg.inputs), len(reg.outputs), reg.spec.hash))
+            len(reg.inputs), len(reg.outputs), reg.spec.hash,
+            counted=frozenset(m for m in reg.nodes if m in mem)))
     reasons = {n: r for n, _, r in the_plan.unfused}
     for reg, why in failed:
         for m in reg.nodes:
@@ -351,7 +355,8 @@ def _make_report(name, gdef, ir, the_plan, regions, kernels, kernel_names, faile
     fetches = {r.node for r in ir.outputs}
     for n in sorted(mem - fused, key=list(tf_op).index):
         why = reasons.get(n) or legality.node_reason(ir, ir[n]) or \
-            ("a function output" if n in fetches else "left to TF by the planner")
+            ("a function output the plan leaves to TF" if n in fetches else
+             "left to TF by the planner")
         rep.unfused.append((n, tf_op[n], why))
     rep.boundaries = list(the_plan.boundaries)
     rep.notes.extend(the_plan.notes)
