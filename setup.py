@@ -37,6 +37,8 @@ setup(
         # TF is optional for the TF-free layers (IR, schedule, codegen, CUDA harness).
         "tf": TF,
         "cuda": ["numba-cuda>=0.20"],
+        # the API reference (docs/api, Sphinx autodoc; tests/test_docs.py builds it)
+        "docs": ["sphinx>=7"],
         # stitching.inspect: drawings and dump-schema validation (the notebooks use these)
         "inspect": ["matplotlib>=3.8", "jsonschema>=4.0"],
         "test": TF + ["pytest>=8.0", "hypothesis>=6.100", "matplotlib>=3.8",

@@ -1,6 +1,7 @@
 """The public API as a new user meets it: what ``dir()`` shows, what is reachable after
 a plain ``import stitching``, the install step's script."""
 import ast
+import inspect
 import os
 import subprocess
 import sys
@@ -25,6 +26,34 @@ def test_dir_shows_the_public_api():
     shown = [n for n in dir(stitching) if not n.startswith("_")]
     assert set(PUBLIC) <= set(shown)
     assert set(stitching.__all__) <= set(shown)
+
+
+def _public_members(obj):
+    if not inspect.isclass(obj):
+        return []
+    return [(m, v) for m, v in vars(obj).items() if not m.startswith("_")
+            and (callable(v) or isinstance(v, property))]
+
+
+@pytest.mark.parametrize("module", ["stitching", "stitching.runtime", "stitching.inspect"])
+def test_every_public_name_has_a_docstring(module):
+    import importlib
+    mod = importlib.import_module(module)
+    missing = []
+    for name in mod.__all__:
+        obj = getattr(mod, name)
+        if not (obj.__doc__ or "").strip():
+            missing.append(name)
+        missing += [f"{name}.{m}" for m, v in _public_members(obj)
+                    if not (getattr(v, "__doc__", None) or "").strip()]
+    assert not missing, f"{module}: no docstring: {missing}"
+
+
+def test_options_documents_each_field():
+    import dataclasses
+    doc = stitching.Options.__doc__
+    for f in dataclasses.fields(stitching.Options):
+        assert f"\n        {f.name}: " in doc, f"Options.{f.name} is not described"
 
 
 def test_runtime_stats_after_a_plain_import():

@@ -274,11 +274,13 @@ def registered_kernel(spec: str):
 
 @no_autograph
 def is_registered(spec: str) -> bool:
+    """Whether a kernel for this exact spec string is registered in this process."""
     return bool(library().stitching_is_registered(spec.encode("utf-8")))
 
 
 @no_autograph
 def num_registered() -> int:
+    """How many kernels are registered in this process."""
     return int(library().stitching_num_registered())
 
 
@@ -334,6 +336,8 @@ def set_profiling(on: bool) -> None:
 
 
 def profiling() -> bool:
+    """Whether the op's per-kernel timing is on (``set_profiling``,
+    ``STITCHING_PROFILE=1``)."""
     return bool(library().stitching_profile_enabled())
 
 

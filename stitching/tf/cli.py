@@ -33,10 +33,19 @@ def _default_outputs(gd):
 def rewrite_graph_def(graph_def, outputs=None, options=None, name="graph"):
     """Rewrite a frozen GraphDef in memory (``stitching.rewrite_graph_def``).
 
-    ``outputs``: the node or tensor names to keep computing (default: the nodes nothing
-    reads); checked like a graph file's (graph_file.check_graph_def: unknown ops,
-    dangling inputs, missing outputs, an already rewritten graph each raise ValueError
-    naming the node).  Returns ``(rewritten GraphDef, Report)``.
+    Args:
+        graph_def: A ``tf.compat.v1.GraphDef`` (frozen: variables as constants).
+        outputs: The node or tensor names to keep computing (default: the nodes
+            nothing reads).
+        options: A ``stitching.Options``; default ``Options(fallback=True)``.
+        name: The name the report and dumps use.
+
+    Returns:
+        ``(rewritten GraphDef, Report)``.
+
+    Raises:
+        ValueError: unknown ops, dangling inputs, a missing output or an already
+            rewritten graph (graph_file.check_graph_def), naming the node.
     """
     from . import ensure_runtime
     from .graph_file import check_graph_def
