@@ -187,7 +187,9 @@ class Report:
             counted += len(mem)
             line = f"  {k.name}: {_plural(len(mem), 'op')} [{', '.join(t for _, t in mem)}]"
             if other:
-                line += f" (also {', '.join(t for _, t in other)}: no data work, not counted)"
+                kinds = {t: sum(1 for _, o in other if o == t) for _, t in other}
+                also = ", ".join(t if n == 1 else f"{n} {t}" for t, n in kinds.items())
+                line += f" (also {also}: no data work, not counted)"
             lines.append(f"{line} — {k.schedule}" if k.schedule else line)
         if counted > self.fused_ops:
             lines.append(f"  ({counted - self.fused_ops} op(s) computed in more than one "

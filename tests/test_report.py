@@ -48,12 +48,13 @@ def test_backward_is_not_a_note_of_an_inference_report():
 def test_not_fused_lines_count_against_the_total_and_name_the_op_first():
     rep = Report(function="f", memory_intensive_ops=3, fused_ops=1,
                  unfused=[("a", "Exp", "why a"), ("b", "Exp", "why a")],
-                 kernels=[KernelInfo("k0", [("c", "Mul"), ("i", "Identity")], "", 1, 1, "h",
+                 kernels=[KernelInfo("k0", [("c", "Mul"), ("i", "Identity"), ("j", "Identity"),
+                                            ("s", "StopGradient")], "", 1, 1, "h",
                                      counted=frozenset({"c"}))],
                  unique_kernels=1, code_objects=1)
     text = rep.summary()
     assert "fused 1 of 3 memory-intensive TF ops (33%) into 1 kernel;" in text
-    assert "k0: 1 op [Mul] (also Identity: no data work, not counted)" in text
+    assert "k0: 1 op [Mul] (also 2 Identity, StopGradient: no data work, not counted)" in text
     assert "not fused (2 of 3):\n    Exp (a), Exp (b): why a" in text
 
 
