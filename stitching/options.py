@@ -72,33 +72,22 @@ class Options:
             an unknown ``planner``).
     """
 
-    planner: str = "search"        # "search" | "greedy" | "baseline" (XLA-like); see plan/
-    min_ops: int = 2               # a region must hold at least this many ops that do work
-    progress: bool | None = None   # print compile progress; None: only when many kernels
-    verify: bool = False           # run IR/plan/spec verifiers between stages (debug)
-    gemm: bool = True              # BatchMatMul x[..., M, K] @ W[K, N] as one MatMul (tf/gemm.py)
-    einsum: bool = True            # two-operand Einsum as BatchMatMulV2 + row gathers (tf/einsum.py)
-    pad_fold: bool = True          # a zero Pad before a depthwise convolution becomes the
-    #                                convolution's explicit padding (tf/padfold.py)
-    seq_split: bool = True         # token-wise blocks whose products TF runs on one thread at
-    #                                batch 1 run as two halves of the sequence (tf/seqsplit.py)
-    background_compile: bool = False   # stitching.function: a new input signature runs the
-    #                                    stock TF graph while its kernels compile in a
-    #                                    background thread; later calls switch over (wait())
-    dump_dir: str | None = None    # write a graph dump per traced function here (also
-    #                                $STITCHING_DUMP_DIR); see stitching/tf/dump.py
-    fallback: bool = False         # each kernel node keeps its region's original nodes as a
-    #                                function it runs where its kernel cannot be built
-    #                                (tf/original.py); stitching-rewrite turns it on
-    stitch_backward: bool = True   # a tape outside the function: each kernel's backward
-    #                                (its original ops recomputed + TF's gradient) is
-    #                                stitched as a function of its own; False: TF ops
-    autotune: bool = False         # kernels the cost model predicts faster by less than
-    #                                autotune_margin are timed against their original
-    #                                ops on their first calls; the faster serves, and the
-    #                                choice is cached (tf/autotune.py, runtime/autotune.py)
-    autotune_margin: float = 1.3   # arbitrary: about the model's error on this machine
-    #                                (tools/plan_audit.py); inf measures every kernel
+    # Described in the docstring above; the comments say where each is implemented.
+    planner: str = "search"            # plan/__init__.py: PLANNERS
+    min_ops: int = 2                   # plan/legality.py: work()
+    progress: bool | None = None       # tf/pipeline.py
+    verify: bool = False               # stage verifiers
+    gemm: bool = True                  # tf/gemm.py
+    einsum: bool = True                # tf/einsum.py
+    pad_fold: bool = True              # tf/padfold.py
+    seq_split: bool = True             # tf/seqsplit.py
+    background_compile: bool = False   # tf/function.py
+    dump_dir: str | None = None        # tf/dump.py
+    fallback: bool = False             # tf/original.py
+    stitch_backward: bool = True       # tf/original.py
+    autotune: bool = False             # tf/autotune.py, runtime/autotune.py
+    autotune_margin: float = 1.3       # arbitrary: about the model's error on this machine
+    #                                    (tools/plan_audit.py)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
