@@ -45,6 +45,8 @@ setup(
         "tf": ["tensorflow" + TF_RANGE] + TF_DEPS,
         "tf-cpu": ["tensorflow-cpu" + TF_RANGE] + TF_DEPS,
         "cuda": ["numba-cuda>=0.20"],
+        # the API reference (docs/api, Sphinx autodoc; tests/test_docs.py builds it)
+        "docs": ["sphinx>=7"],
         # stitching.inspect: drawings and dump-schema validation (the notebooks use these)
         "inspect": ["matplotlib>=3.8", "jsonschema>=4.0"],
         # the test tools; TF comes from an extra above or the user's own install
@@ -58,5 +60,7 @@ setup(
         # as the oracle); tests/test_fastmath.py uses it when present.
         "fit": ["scipy>=1.11"],
     },
-    entry_points={"console_scripts": ["stitching-rewrite=stitching.cli:main"]},
+    entry_points={"console_scripts": ["stitching-rewrite=stitching.cli:main",
+                                      # the install step: builds the op library
+                                      "stitching-build=stitching.runtime.build:main"]},
 )

@@ -24,10 +24,15 @@ _LAZY = {
 }
 
 
+# Submodules reachable as attributes without importing them first
+# (``stitching.runtime.stats()`` after a plain ``import stitching``).
+_SUBMODULES = ("inspect", "runtime")
+
+
 def __getattr__(name):
-    if name == "inspect":              # stitching.inspect without importing it first
+    if name in _SUBMODULES:
         import importlib
-        return importlib.import_module("stitching.inspect")
+        return importlib.import_module(f"stitching.{name}")
     if name in _LAZY:
         import importlib
         mod, attr = _LAZY[name]
@@ -37,6 +42,12 @@ def __getattr__(name):
 
 
 __all__ = list(_LAZY)
+
+
+def __dir__():
+    """The public API first-class in ``dir(stitching)`` and completion (the lazy names
+    are not module globals until first used)."""
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))
 
 # Register the StitchedKernel op with TensorFlow now if TF is imported, else when it
 # is (an import hook); nothing where TF is not installed (_autoload.py).

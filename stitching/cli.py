@@ -4,7 +4,8 @@
     stitching-rewrite saved_model_dir/ out_dir/ [--signature serving_default]
 
 Prints the report (what was fused, into how many kernels, what was not and why);
-``--report report.json`` writes it as data too.  The output ships this machine's
+``--report report.json`` writes it as data too.  ``--help`` is plain text (``HELP``
+below); flags for the user-facing Options are a table (``_OPTION_FLAGS``).  The output ships this machine's
 compiled kernels (a SavedModel's assets; ``<out>.kernels/`` beside a GraphDef, for
 ``stitching.install_kernels``) unless ``--no-kernels``.  On failure: exit status 1
 and one line naming the reason.
@@ -12,6 +13,7 @@ and one line naming the reason.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -31,10 +33,19 @@ def _default_outputs(gd):
 def rewrite_graph_def(graph_def, outputs=None, options=None, name="graph"):
     """Rewrite a frozen GraphDef in memory (``stitching.rewrite_graph_def``).
 
-    ``outputs``: the node or tensor names to keep computing (default: the nodes nothing
-    reads); checked like a graph file's (graph_file.check_graph_def: unknown ops,
-    dangling inputs, missing outputs, an already rewritten graph each raise ValueError
-    naming the node).  Returns ``(rewritten GraphDef, Report)``.
+    Args:
+        graph_def: A ``tf.compat.v1.GraphDef`` (frozen: variables as constants).
+        outputs: The node or tensor names to keep computing (default: the nodes
+            nothing reads).
+        options: A ``stitching.Options``; default ``Options(fallback=True)``.
+        name: The name the report and dumps use.
+
+    Returns:
+        ``(rewritten GraphDef, Report)``.
+
+    Raises:
+        ValueError: unknown ops, dangling inputs, a missing output or an already
+            rewritten graph (graph_file.check_graph_def), naming the node.
     """
     from .tf import ensure_runtime
     from .tf.graph_file import check_graph_def
@@ -49,7 +60,7 @@ def rewrite_graph_def(graph_def, outputs=None, options=None, name="graph"):
             raise ValueError(f"{name}: output {o!r} names no node in the graph")
     fetches = [o if ":" in o else o + ":0" for o in outs]
     check_graph_def(graph_def, name, fetches)
-    res = stitch_graph_def(graph_def, fetches, options=options or _options(), name=name)
+    res = stitch_graph_def(graph_def, fetches, options=options or _default_options(), name=name)
     return res.graph_def, res.report
 
 
@@ -82,57 +93,191 @@ def _write_sidecar(graph_def, dst) -> None:
             record_manifest(graph_def, sha)
 
 
-def _options(dump_dir=None, autotune=None):
+# Options a user sets from the command line: (flag, Options field, argparse keywords).
+# background_compile (stitching.function's first calls) and stitch_backward (a tape
+# around the loaded model) do not apply to an offline rewrite.
+_OPTION_FLAGS = [
+    ("--planner", "planner", dict(choices=["search", "greedy", "baseline"],
+                                  help="how regions are chosen (default: search)")),
+    ("--min-ops", "min_ops", dict(type=int, metavar="N",
+                                  help="smallest region made a kernel, in ops (default 2)")),
+    ("--no-gemm", "gemm", dict(action="store_false", default=None,
+                               help="keep BatchMatMul against a 2-D weight as it is")),
+    ("--no-einsum", "einsum", dict(action="store_false", default=None,
+                                   help="keep two-operand Einsum ops as they are")),
+    ("--no-pad-fold", "pad_fold", dict(action="store_false", default=None,
+                                       help="keep a zero Pad before a depthwise "
+                                            "convolution as its own op")),
+    ("--no-seq-split", "seq_split", dict(action="store_false", default=None,
+                                         help="keep token-wise blocks whole (for "
+                                              "large-batch throughput)")),
+    ("--no-fallback", "fallback", dict(action="store_false", default=None,
+                                       help="do not keep each region's original ops in "
+                                            "the output (smaller; a kernel that cannot "
+                                            "be built is then an error)")),
+    ("--verify", "verify", dict(action="store_true", default=None,
+                                help="run the IR, plan and spec verifiers between stages")),
+    ("--dump-dir", "dump_dir", dict(metavar="DIR", help="write a graph dump per rewritten "
+                                    "graph here (stitching.load_dump reads it)")),
+    ("--autotune", "autotune_margin", dict(
+        nargs="?", type=float, const=1.3, metavar="MARGIN",
+        help="kernels predicted faster than their ops by less than MARGIN (default 1.3) "
+             "are timed against them on their first calls where the model runs, and "
+             "the faster serves")),
+]
+
+HELP = """\
+Rewrite a frozen GraphDef (.pb, .pbtxt) or a SavedModel directory: the memory-intensive
+ops are fused into generated kernels that run as a TensorFlow op.
+
+Prints the report: what was fused, into how many kernels, what was not and why.
+The output ships this machine's compiled kernels (in a SavedModel's assets, or in
+OUTPUT.kernels/ beside a GraphDef) unless --no-kernels.  A process that runs the
+output must import stitching first.  On failure: exit status 1 and one line naming
+the reason.
+"""
+
+EXAMPLES = """\
+examples:
+  stitching-rewrite model.pb fast.pb --outputs logits
+  stitching-rewrite saved_model/ fast_model/ --signature serving_default
+  stitching-rewrite saved_model/ fast_model/ --report report.json --dump-dir dumps
+"""
+
+
+def _default_options():
     from .options import Options
-    # a shipped graph keeps its original segments (fallback)
-    if autotune is None:
-        return Options(fallback=True, dump_dir=dump_dir)
-    return Options(fallback=True, dump_dir=dump_dir, autotune=True, autotune_margin=autotune)
+    return Options(fallback=True)   # a shipped graph keeps its original segments
+
+
+def _options(args):
+    from .options import Options
+    kw = {"fallback": True}
+    for _flag, field, _ in _OPTION_FLAGS:
+        value = getattr(args, field)
+        if value is not None:
+            kw[field] = value
+    if args.autotune_margin is not None:
+        kw["autotune"] = True
+    return Options(**kw)
+
+
+def _version() -> str:
+    from importlib import metadata
+    # the package is imported already (this module is inside it); reading the
+    # attribute keeps the import graph running down the pipeline (test_layering)
+    __version__ = sys.modules["stitching"].__version__
+    for dist in ("tensorflow-cpu", "tensorflow"):
+        try:
+            return f"stitching {__version__} (TensorFlow {metadata.version(dist)})"
+        except metadata.PackageNotFoundError:
+            continue
+    return f"stitching {__version__} (TensorFlow not installed)"
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="stitching-rewrite", description=HELP, epilog=EXAMPLES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", help="GraphDef file (.pb, .pbtxt) or SavedModel directory")
+    ap.add_argument("dst", help="output file (GraphDef) or directory (SavedModel)")
+    ap.add_argument("--version", action="version", version=_version())
+    ap.add_argument("--outputs", help="GraphDef only: comma-separated output node names "
+                    "(default: the nodes nothing reads)")
+    ap.add_argument("--signature", action="append", metavar="KEY",
+                    help="SavedModel only: a signature to rewrite (repeat for several; "
+                         "default: all); the others are kept as they are")
+    ap.add_argument("--report", "--json", dest="json", metavar="FILE",
+                    help="also write the report(s) as JSON here")
+    ap.add_argument("--no-kernels", action="store_true",
+                    help="do not ship this machine's compiled kernels with the output")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="allow the output to replace the input")
+    opts = ap.add_argument_group("options (stitching.Options)")
+    for flag, field, kw in _OPTION_FLAGS:
+        opts.add_argument(flag, dest=field, **kw)
+    return ap
+
+
+def _check_kinds(ap, args) -> None:
+    """Options that do not apply to the input's kind are errors, not ignored."""
+    if os.path.isdir(args.src) and args.outputs:
+        ap.error("--outputs applies to a GraphDef file; a SavedModel's outputs are its "
+                 "signatures' (choose them with --signature)")
+    if os.path.isfile(args.src) and args.signature:
+        ap.error("--signature applies to a SavedModel directory; a GraphDef's outputs "
+                 "are chosen with --outputs")
+    same = os.path.exists(args.dst) and os.path.samefile(args.src, args.dst)
+    src, dst = os.path.realpath(args.src), os.path.realpath(args.dst)
+    inside = os.path.isdir(src) and os.path.commonpath([src, dst]) in (src, dst)
+    if (same or inside) and not args.overwrite:
+        ap.error(f"the output {args.dst} would overwrite the input {args.src}; choose "
+                 f"another output, or pass --overwrite")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="stitching-rewrite", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("src", help="GraphDef file (.pb, .pbtxt) or SavedModel directory")
-    ap.add_argument("dst", help="output file or directory")
-    ap.add_argument("--outputs", help="comma-separated output node names (GraphDef only)")
-    ap.add_argument("--signature", action="append", help="SavedModel signature key(s)")
-    ap.add_argument("--report", "--json", dest="json",
-                    help="write the report(s) as JSON here")
-    ap.add_argument("--dump-dir", help="write a graph dump per rewritten graph here "
-                    "(stitching.inspect.load_dump reads it)")
-    ap.add_argument("--no-kernels", action="store_true",
-                    help="do not ship this machine's compiled kernels with the output "
-                         "(SavedModel assets, or <output>.kernels/ beside a GraphDef)")
-    ap.add_argument("--autotune", nargs="?", type=float, const=1.3, metavar="MARGIN",
-                    help="kernels predicted faster than their ops by less than MARGIN "
-                         "(default 1.3) are timed against them on their first calls where "
-                         "the model runs, and the faster serves (Options(autotune=True))")
+    """Run ``stitching-rewrite`` (see ``--help``); returns the exit status."""
+    ap = _parser()
     args = ap.parse_args(argv)
+    if os.path.exists(args.src):
+        _check_kinds(ap, args)
     embed = not args.no_kernels
     try:
-        if os.path.isdir(args.src):
-            from .saved_model import rewrite_saved_model
-            reports = rewrite_saved_model(args.src, args.dst, signature_keys=args.signature,
-                                          options=_options(args.dump_dir, args.autotune),
-                                          embed_kernels=embed)
-        elif os.path.isfile(args.src):
-            outs = args.outputs.split(",") if args.outputs else None
-            reports = rewrite_graph_def_file(args.src, args.dst, outs,
-                                             options=_options(args.dump_dir, args.autotune),
-                                             embed_kernels=embed)
-        else:
-            raise FileNotFoundError(f"{args.src}: no such file or directory")
+        options = _options(args)
+        with _output(args) as dst:
+            if os.path.isdir(args.src):
+                from .saved_model import rewrite_saved_model
+                reports = rewrite_saved_model(args.src, dst, signature_keys=args.signature,
+                                              options=options, embed_kernels=embed)
+            elif os.path.isfile(args.src):
+                outs = args.outputs.split(",") if args.outputs else None
+                reports = rewrite_graph_def_file(args.src, dst, outs, options=options,
+                                                 embed_kernels=embed)
+            else:
+                raise FileNotFoundError(f"{args.src}: no such file or directory")
     except Exception as e:  # noqa: BLE001 — a CLI reports, it does not dump a traceback
         reason = " ".join(str(e).split())[:800]    # one line (TF's errors have several)
         print(f"stitching-rewrite: error: {type(e).__name__}: {reason}", file=sys.stderr)
         return 1
-    for key, rep in reports.items():
-        print(f"[{key}]\n{rep.summary()}")
+    for keys, rep in _distinct(reports):
+        print(f"[{', '.join(keys)}]\n{rep.summary()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: r.to_dict() for k, r in reports.items()}, f, indent=2)
     return 0
+
+
+def _distinct(reports: dict) -> list:
+    """[(keys, report)]: signatures that share one rewritten function (a Keras export's
+    ``serve`` and ``serving_default``) share one report, printed once."""
+    groups: dict[int, tuple] = {}
+    for key, rep in reports.items():
+        groups.setdefault(id(rep), ([], rep))[0].append(key)
+    return list(groups.values())
+
+
+@contextlib.contextmanager
+def _output(args):
+    """The path to write to: ``dst`` itself, or, when it is the input (--overwrite), a
+    sibling moved over the input once the rewrite succeeded (the rewrite reads the
+    input while it writes)."""
+    if not (os.path.exists(args.dst) and os.path.samefile(args.src, args.dst)):
+        yield args.dst
+        return
+    import shutil
+    import tempfile
+    dst = args.dst.rstrip(os.sep)
+    tmp = tempfile.mkdtemp(prefix=".stitching-rewrite-", dir=os.path.dirname(dst) or ".")
+    try:
+        staged = os.path.join(tmp, os.path.basename(dst))
+        yield staged
+        if os.path.isdir(dst):
+            shutil.rmtree(dst)
+        os.replace(staged, dst)
+        if os.path.isdir(staged + ".kernels"):          # a GraphDef's shipped kernels
+            shutil.rmtree(dst + ".kernels", ignore_errors=True)
+            os.replace(staged + ".kernels", dst + ".kernels")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

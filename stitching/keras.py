@@ -58,9 +58,11 @@ class StitchingReports:
 
     @property
     def all(self) -> dict:
+        """``{step: [Report per trace]}``."""
         return {k: list(f.reports) for k, f in self._functions.items()}
 
     def summary(self) -> str:
+        """Each step's latest report as text."""
         parts = [f"[{k}_step] " + (f.report.summary() if f.report else "not traced yet")
                  for k, f in self._functions.items()]
         return "\n".join(parts)
@@ -70,9 +72,24 @@ class StitchingReports:
 
 
 def stitch(model, options: Options | None = None):
-    """Make a compiled Keras model's fit/evaluate/predict/train_on_batch run stitched
-    graphs; returns the model.  Call after ``model.compile(...)`` (and again after a
-    later ``compile``, which rebuilds Keras's step functions)."""
+    """Make a compiled Keras model's ``fit`` / ``evaluate`` / ``predict`` /
+    ``train_on_batch`` run stitched graphs (forward, backward and optimizer update).
+
+    Call after ``model.compile(...)``, and again after a later ``compile`` (which
+    rebuilds Keras's step functions).  The reports are ``model.stitching_report``
+    (``.train``, ``.test``, ``.predict``, ``summary()``).
+
+    Args:
+        model: A compiled Keras 3 model (TensorFlow backend).
+        options: A ``stitching.Options``; default ``Options()``.
+
+    Returns:
+        The same model.
+
+    Raises:
+        ValueError: the model is not compiled, or was compiled with
+            ``jit_compile=True`` or ``run_eagerly=True``.
+    """
     _check(model)
     functions = {}
     for step in STEPS:

@@ -1,6 +1,17 @@
-"""User-facing options for stitching.function and stitching-rewrite."""
+"""User-facing options for ``stitching.function``, ``stitching.keras.stitch`` and
+``stitching-rewrite``.
+
+Every field is checked when an ``Options`` is made: a value of the wrong type or out of
+range raises ``TypeError`` / ``ValueError`` naming the field.  (A dataclass alone
+accepts anything, and ``Options(background_compile="no")`` once turned the option *on*:
+a non-empty string is true.)  docs/tuning.md lists the fields beside the environment
+variables.
+"""
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 import os
 import re
 from dataclasses import dataclass
@@ -8,58 +19,122 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Options:
-    planner: str = "search"        # "search" | "greedy" | "baseline" (XLA-like); see plan/
-    min_ops: int = 2               # a region must hold at least this many ops that do work
-    progress: bool | None = None   # print compile progress; None: only when many kernels
-    verify: bool = False           # run IR/plan/spec verifiers between stages (debug)
-    gemm: bool = True              # BatchMatMul x[..., M, K] @ W[K, N] as one MatMul (tf/gemm.py)
-    einsum: bool = True            # two-operand Einsum as BatchMatMulV2 + row gathers (tf/einsum.py)
-    pad_fold: bool = True          # a zero Pad before a depthwise convolution becomes the
-    #                                convolution's explicit padding (tf/padfold.py)
-    seq_split: bool = True         # token-wise blocks whose products TF runs on one thread at
-    #                                batch 1 run as two halves of the sequence (tf/seqsplit.py)
-    background_compile: bool = False   # stitching.function: a new input signature runs the
-    #                                    stock TF graph while its kernels compile in a
-    #                                    background thread; later calls switch over (wait())
-    dump_dir: str | None = None    # write a graph dump per traced function here (also
-    #                                $STITCHING_DUMP_DIR); see stitching/tf/dump.py
-    dump_passes: str | None = None  # with a dump: the graph after each pass whose name
-    #                                this regular expression matches (re.search, like
-    #                                XLA's --xla_dump_hlo_pass_re), e.g. "seqsplit|padfold"
-    #                                or ".*"; see stitching/tf/passmanager.py
-    fallback: bool = False         # each kernel node keeps its region's original nodes as a
-    #                                function it runs where its kernel cannot be built
-    #                                (tf/original.py); stitching-rewrite turns it on
-    stitch_backward: bool = True   # a tape outside the function: each kernel's backward
-    #                                (its original ops recomputed + TF's gradient) is
-    #                                stitched as a function of its own; False: TF ops
-    autotune: bool = False         # kernels the cost model predicts faster by less than
-    #                                autotune_margin are timed against their original
-    #                                ops on their first calls; the faster serves, and the
-    #                                choice is cached (tf/autotune.py, runtime/autotune.py)
-    autotune_margin: float = 1.3   # arbitrary: about the model's error on this machine
-    #                                (tools/plan_audit.py); inf measures every kernel
+    """How stitching plans, compiles and rewrites a function or a model.
+
+    Immutable; make a new one with ``dataclasses.replace(opts, field=value)``.
+    Pass it as ``stitching.function(fn, options=...)``,
+    ``stitching.keras.stitch(model, options=...)`` or
+    ``stitching.rewrite_saved_model(src, dst, options=...)``.
+
+    Attributes:
+        planner: How regions are chosen: ``"search"`` (default; candidate patterns,
+            beam search and remote fusion over the cost model), ``"greedy"`` (grow
+            regions along producer-consumer edges, no search) or ``"baseline"``
+            (XLA-like: no reduction fused with its consumers; for comparisons).
+        min_ops: A region becomes a kernel only if it holds at least this many ops
+            that do work (default 2; 1 turns even a lone op into a kernel).
+        progress: Print compile progress to stderr.  ``None`` (default): only when
+            a graph has many kernels to compile.
+        verify: Run the IR, plan and spec verifiers between stages (a debugging aid;
+            slower planning).
+        gemm: Rewrite ``BatchMatMul`` of ``x[..., M, K]`` by a 2-D weight ``[K, N]``
+            as one ``MatMul`` (default on).
+        einsum: Rewrite a two-operand ``Einsum`` as ``BatchMatMulV2`` with its
+            transposes done as row gathers (default on).
+        pad_fold: Fold a zero ``Pad`` before a depthwise convolution into the
+            convolution's explicit padding (default on).
+        seq_split: Run token-wise blocks (Dense, GELU, Dense, residual, LayerNorm)
+            whose matrix products TF would run on one thread as two halves of the
+            sequence side by side (default on; helps batch 1, costs ~4% at large
+            batches with an unknown batch size).
+        background_compile: ``stitching.function`` only: a new input signature runs
+            the stock TF graph while its kernels compile in a background thread;
+            later calls switch to the stitched graph (``f.wait()`` blocks until
+            then).  For serving, so the first request does not wait for Numba.
+        dump_dir: Write a graph dump per traced function into this directory
+            (``stitching.load_dump`` reads it back); ``$STITCHING_DUMP_DIR`` does
+            the same for a whole process.
+        dump_passes: With a dump, also write the graph after each pass whose name
+            this regular expression matches (``re.search``, like XLA's
+            ``--xla_dump_hlo_pass_re``), e.g. ``"seqsplit|padfold"`` or ``".*"``.
+        fallback: Each kernel node keeps its region's original ops as a function
+            it runs where its kernel cannot be built (no Numba, no compiler).
+            ``stitching-rewrite`` and ``rewrite_saved_model`` turn it on.
+        stitch_backward: With a ``GradientTape`` outside the stitched function,
+            stitch each kernel's backward (its original ops recomputed plus TF's
+            gradient) as a function of its own (default on); ``False`` runs it as
+            TF ops.
+        autotune: Kernels the cost model predicts faster than their ops by less
+            than ``autotune_margin`` are timed against those ops on their first
+            calls; the faster serves, and the choice is cached on disk.
+        autotune_margin: The predicted speed-up below which ``autotune`` measures
+            (a number >= 1, default 1.3; ``math.inf`` measures every kernel).
+
+    Raises:
+        TypeError: a field of the wrong type (``Options(background_compile="no")``).
+        ValueError: a field out of range (``min_ops=0``, ``autotune_margin=0.5``,
+            an unknown ``planner``).
+    """
+
+    # Described in the docstring above; the comments say where each is implemented.
+    planner: str = "search"            # plan/__init__.py: PLANNERS
+    min_ops: int = 2                   # plan/legality.py: work()
+    progress: bool | None = None       # tf/pipeline.py
+    verify: bool = False               # stage verifiers
+    gemm: bool = True                  # tf/passes/gemm.py
+    einsum: bool = True                # tf/passes/einsum.py
+    pad_fold: bool = True              # tf/passes/padfold.py
+    seq_split: bool = True             # tf/passes/seqsplit.py
+    background_compile: bool = False   # tf/function.py
+    dump_dir: str | None = None        # tf/dump.py
+    dump_passes: str | None = None     # tf/passmanager.py
+    fallback: bool = False             # tf/passes/original.py
+    stitch_backward: bool = True       # tf/passes/original.py
+    autotune: bool = False             # tf/passes/autotune.py, runtime/autotune.py
+    autotune_margin: float = 1.3       # arbitrary: about the model's error on this machine
+    #                                    (tools/plan_audit.py)
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            _check(f.name, f.type, getattr(self, f.name))
+
+
+def _check(name: str, annotation: str, value) -> None:
+    """Raise TypeError/ValueError naming ``Options.<name>`` when ``value`` does not fit.
+    Flags are checked by their annotation (so a new ``bool`` field is checked without a
+    line here); the others by name (tests/test_options.py fails for a field that
+    accepts any object)."""
+    where = f"Options.{name}"
+    if annotation in ("bool", "bool | None"):
+        if not (isinstance(value, bool) or (value is None and annotation != "bool")):
+            want = "True or False" + (" or None" if annotation != "bool" else "")
+            raise TypeError(f"{where} must be {want}, got {value!r}")
+    elif name == "planner":
         from .plan import ALIASES, PLANNERS
-        if self.planner not in PLANNERS and self.planner not in ALIASES:
-            raise ValueError(f"unknown planner {self.planner!r}; choose one of "
+        if not isinstance(value, str) or (value not in PLANNERS and value not in ALIASES):
+            raise ValueError(f"{where}: unknown planner {value!r}; choose one of "
                              f"{', '.join(PLANNERS)}")
-        if not isinstance(self.min_ops, int) or self.min_ops < 1:
-            raise ValueError("min_ops must be a positive int")
-        if isinstance(self.autotune_margin, bool) or \
-                not isinstance(self.autotune_margin, (int, float)) or \
-                not self.autotune_margin >= 1.0:
-            raise ValueError(f"autotune_margin must be a number >= 1 (a predicted "
-                             f"speed-up), got {self.autotune_margin!r}")
-        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
-            raise TypeError(f"dump_dir must be a path, got {type(self.dump_dir).__name__}")
-        if self.dump_passes is not None:
-            if not isinstance(self.dump_passes, str):
-                raise TypeError(f"dump_passes must be a regular expression (str), got "
-                                f"{type(self.dump_passes).__name__}")
-            try:
-                re.compile(self.dump_passes)
-            except re.error as e:
-                raise ValueError(f"dump_passes {self.dump_passes!r} is not a regular "
-                                 f"expression: {e}") from None
+    elif name == "min_ops":
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{where} must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{where} must be >= 1, got {value}")
+    elif name == "autotune_margin":
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{where} must be a number (a predicted speed-up), got {value!r}")
+        if math.isnan(value) or value < 1.0:
+            raise ValueError(f"{where} must be >= 1 (a predicted speed-up; math.inf "
+                             f"measures every kernel), got {value!r}")
+    elif name == "dump_passes":
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{where} must be a regular expression (str) or None, "
+                            f"got {type(value).__name__}")
+        try:
+            re.compile(value or "")
+        except re.error as e:
+            raise ValueError(f"{where}: {value!r} is not a regular expression: {e}") \
+                from None
+    elif name == "dump_dir":
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"{where} must be a directory path or None, "
+                            f"got {type(value).__name__}")

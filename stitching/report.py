@@ -2,8 +2,14 @@
 
 ``summary()`` is the text a user reads; ``to_dict()`` the same facts as data
 (keys: memory_intensive_ops, fused_ops, kernels, coverage, unfused,
-kernel_details, boundaries, compile_seconds, notes, autotune, pass_seconds).  Counts are in TF ops of
-the original graph: a Softmax is one op even though its kernel expands it.
+kernel_details, boundaries, compile_seconds, notes, backward, autotune, pass_seconds).
+Counts are in TF ops of the original graph: a Softmax is one op even though its kernel
+expands it.
+
+The counts add up: memory-intensive ops = fused + not fused, and the ops counted per
+kernel sum to the fused count (a kernel's views and shape arithmetic -- Identity,
+StopGradient, a Reshape's target -- are listed apart, uncounted; an op recomputed in
+two kernels is said so).  docs/inspecting.md explains each line.
 """
 from __future__ import annotations
 
@@ -12,16 +18,67 @@ from dataclasses import dataclass, field
 
 @dataclass
 class KernelInfo:
+    """One generated kernel of a report.
+
+    Attributes:
+        name: The StitchedKernel node's name in the rewritten graph.
+        ops: ``[(TF node name, TF op type)]`` of the original graph it computes.
+        schedule: One line from the schedule stage (kind, domain, passes, unit).
+        inputs: How many tensors the kernel reads.
+        outputs: How many tensors it writes.
+        spec_hash: Its spec's hash (kernels with the same hash share one compile).
+        counted: Names of the memory-intensive ops among ``ops`` (the others are
+            views or shape arithmetic, free in TF too); ``None``: all of them.
+    """
     name: str
     ops: list            # [(tf node name, tf op type)]
     schedule: str        # one line from the schedule stage
     inputs: int
     outputs: int
     spec_hash: str
+    counted: frozenset | None = None
+
+    def split_ops(self) -> tuple[list, list]:
+        """(memory-intensive ops, other ops), each ``[(node, op type)]``."""
+        if self.counted is None:
+            return list(self.ops), []
+        return ([o for o in self.ops if o[0] in self.counted],
+                [o for o in self.ops if o[0] not in self.counted])
 
 
 @dataclass
 class Report:
+    """What stitching did to one traced function (or one rewritten graph).
+
+    Read it as ``f.report`` (``stitching.function``), ``model.stitching_report``
+    (``stitching.keras.stitch``) or from ``stitching.rewrite_graph_def`` /
+    ``rewrite_saved_model``.  ``print(report)`` shows ``summary()``.
+
+    Attributes:
+        function: The traced function's (or graph's) name.
+        memory_intensive_ops: Memory-intensive TF ops in the original graph
+            (element-wise, broadcasts, reductions, layout ops...; matrix products,
+            convolutions and shape arithmetic are not counted).
+        fused_ops: How many of those a kernel computes.
+        kernels: One ``KernelInfo`` per generated kernel.
+        unfused: ``[(TF node, op type, reason)]`` for each memory-intensive op left
+            to TF; ``memory_intensive_ops == fused_ops + len(unfused)``.
+        boundaries: ``[(TF node, reason)]``: merges of two kernels the planner refused.
+        compile_seconds: Time spent planning and compiling this trace.
+        unique_kernels: Distinct kernel specs (identical regions share one).
+        code_objects: Distinct native codes serving them (specs that differ only in
+            static sizes share one).
+        notes: Sentences about rewrites and decisions that apply to this function.
+        backward: What a ``GradientTape`` *outside* the function would differentiate
+            through (empty when no kernel can be differentiated); not part of
+            ``summary()``, which describes the forward.
+        explanation: Per kernel, the planner's alternatives and scores (``explain()``).
+        profile: The device profile the cost model planned with.
+        dump_path: This trace's graph dump, when dumping is on.
+        autotune: The kernels timed against their original ops
+            (``Options.autotune``); ``autotune_decisions()`` adds what was measured.
+    """
+
     function: str = "?"
     memory_intensive_ops: int = 0
     fused_ops: int = 0
@@ -38,15 +95,18 @@ class Report:
     # Options(autotune): the kernels timed against their native segment (tf/autotune.py)
     # with the model's prediction; what the measurements decided is read live
     autotune: list = field(default_factory=list)
+    backward: str = ""
     pass_seconds: dict = field(default_factory=dict)   # graph pass -> seconds (tf/passmanager.py)
 
     @property
     def coverage(self) -> float:
+        """``fused_ops / memory_intensive_ops``; 1.0 when there is nothing to fuse."""
         if not self.memory_intensive_ops:
             return 1.0
         return self.fused_ops / self.memory_intensive_ops
 
     def to_dict(self) -> dict:
+        """The report as JSON-ready data (what ``stitching-rewrite --report`` writes)."""
         return {
             "function": self.function,
             "memory_intensive_ops": self.memory_intensive_ops,
@@ -64,6 +124,7 @@ class Report:
             "boundaries": [{"node": n, "reason": r} for n, r in self.boundaries],
             "compile_seconds": round(self.compile_seconds, 3),
             "notes": list(self.notes),
+            "backward": self.backward,
             "explanation": list(self.explanation),
             "profile": self.profile,
             "autotune": self.autotune_decisions(),
@@ -119,29 +180,49 @@ class Report:
         return lines
 
     def summary(self) -> str:
-        lines = [f"stitching report for {self.function}",
-                 f"  memory-intensive TF ops: {self.memory_intensive_ops}, fused: "
-                 f"{self.fused_ops} ({100 * self.coverage:.0f}%) into {len(self.kernels)} "
-                 f"kernel(s) ({self.unique_kernels} distinct specs served by "
-                 f"{self.code_objects} compiled kernel(s); planned and compiled in "
-                 f"{self.compile_seconds:.1f}s)"]
+        """The report as text: counts, kernels, what was not fused and why, notes."""
+        lines = [f"stitching report for {self.function}", "  " + self._headline()]
         if self.profile:
             lines.append(f"  cost model's device profile: {self.profile}")
+        counted = 0
         for k in self.kernels:
-            ops = ", ".join(t for _, t in k.ops)
-            lines.append(f"  {k.name}: {len(k.ops)} ops [{ops}] — {k.schedule}")
+            mem, other = k.split_ops()
+            counted += len(mem)
+            line = f"  {k.name}: {_plural(len(mem), 'op')} [{', '.join(t for _, t in mem)}]"
+            if other:
+                kinds = {t: sum(1 for _, o in other if o == t) for _, t in other}
+                also = ", ".join(t if n == 1 else f"{n} {t}" for t, n in kinds.items())
+                line += f" (also {also}: no data work, not counted)"
+            lines.append(f"{line} — {k.schedule}" if k.schedule else line)
+        if counted > self.fused_ops:
+            lines.append(f"  ({counted - self.fused_ops} op(s) computed in more than one "
+                         f"kernel are counted once in the total)")
         if self.unfused:
-            lines.append(f"  not fused ({len(self.unfused)}):")
+            lines.append(f"  not fused ({len(self.unfused)} of {self.memory_intensive_ops}):")
             by_reason: dict[str, list] = {}
             for node, op, reason in self.unfused:
                 by_reason.setdefault(reason, []).append(f"{op} ({node})")
             for reason, items in by_reason.items():
                 shown = ", ".join(items[:4]) + (f", … {len(items) - 4} more" if len(items) > 4 else "")
-                lines.append(f"    {reason}: {shown}")
+                lines.append(f"    {shown}: {reason}")
         lines.extend(self._autotune_lines())
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
+
+    def _headline(self) -> str:
+        n, fused = self.memory_intensive_ops, self.fused_ops
+        took = f"planned and compiled in {self.compile_seconds:.1f} s"
+        if not n:
+            return (f"fused 0 of 0 memory-intensive TF ops: nothing to fuse (matrix "
+                    f"products and convolutions stay TF's); {took}")
+        k = len(self.kernels)
+        shared = ""
+        if self.unique_kernels < k or (k and self.code_objects < self.unique_kernels):
+            shared = (f" ({self.unique_kernels} distinct, served by "
+                      f"{_plural(self.code_objects, 'compiled code')})")
+        return (f"fused {fused} of {n} memory-intensive TF ops ({100 * fused / n:.0f}%) "
+                f"into {_plural(k, 'kernel')}{shared}; {took}")
 
     def explain(self) -> str:
         """Per kernel the planner considered: decision, scores, alternatives (search planner)."""
@@ -166,3 +247,7 @@ class Report:
 
     def __str__(self):
         return self.summary()
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"

@@ -16,12 +16,27 @@ from .tf.function import StitchedFunction
 
 def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
                         signature_keys=None, embed_kernels: bool = True) -> dict:
-    """Rewrite the signatures of ``src`` (``signature_keys``, default all) into a new
-    SavedModel at ``dst``; the others, the variables and the assets are kept.
+    """Rewrite the signatures of the SavedModel ``src`` into a new SavedModel at ``dst``
+    (what ``stitching-rewrite src/ dst/`` does).  Signatures not selected, the
+    variables and the assets are kept; the original object stays at ``loaded.model``.
 
-    ``embed_kernels``: ship the kernels' shared objects for this machine in the
-    model's assets (kernel_assets.py), so loading it here, or on a machine of the same
-    CPU and toolchain, compiles nothing.  Returns {signature key: Report}.
+    Args:
+        src: The SavedModel directory to read.
+        dst: The directory to write (must not be ``src``).
+        options: A ``stitching.Options``; default ``Options(fallback=True)``, so each
+            kernel node keeps its original ops for machines that cannot build it.
+        signature_keys: The signatures to rewrite (default: all).
+        embed_kernels: Ship this machine's compiled kernels in the model's assets,
+            so loading it here, or on a machine of the same CPU and toolchain,
+            compiles nothing.
+
+    Returns:
+        ``{signature key: Report}``; signatures that share one function share one
+        report.
+
+    Raises:
+        ValueError: no signatures, an unknown signature key, or a model this tool
+            rewrote already.
     """
     from .tf import ensure_runtime
     ensure_runtime()
@@ -193,7 +208,13 @@ def _embed_kernels(module, concrete_functions, staging) -> None:
 
 
 def load_saved_model(path: str, **kwargs):
-    """``tf.saved_model.load`` after making sure StitchedKernel can run here."""
+    """``tf.saved_model.load(path, **kwargs)`` after registering the StitchedKernel op
+    (building its library if needed).  ``import stitching`` before
+    ``tf.saved_model.load`` does the same.
+
+    Raises:
+        stitching.runtime.BuildError: the op library cannot be built here.
+    """
     from .tf import ensure_runtime
     ensure_runtime()
     return tf.saved_model.load(path, **kwargs)

@@ -187,9 +187,10 @@ def test_only_kernels_below_the_margin_are_measured():
     assert not any("_stitching_autotune" in n.attr for n in g.node)
 
 
-@pytest.mark.parametrize("bad", [0.5, "1.3", True, float("nan")])
-def test_autotune_margin_must_be_a_speed_up(bad):
-    with pytest.raises(ValueError, match="autotune_margin"):
+@pytest.mark.parametrize("bad, error", [(0.5, ValueError), ("1.3", TypeError),
+                                        (True, TypeError), (float("nan"), ValueError)])
+def test_autotune_margin_must_be_a_speed_up(bad, error):
+    with pytest.raises(error, match="autotune_margin"):
         stitching.Options(autotune=True, autotune_margin=bad)
 
 

@@ -1,6 +1,7 @@
 """Cost model against pinned device profiles (TF-free): delta and latency evaluators."""
 import json
 import os
+import warnings
 
 import pytest
 
@@ -160,9 +161,24 @@ def test_cpu_facts_classify_the_running_cpu():
 
 
 def test_environment_pins_the_default_profile(monkeypatch):
-    monkeypatch.delenv("STITCHING_DEVICE_PROFILE")        # conftest pins a machine model
-    monkeypatch.setenv("STITCHING_PROFILE", "h100")
+    monkeypatch.delenv("STITCHING_PROFILE", raising=False)
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "h100")
     assert profiles.default() is H100
+
+
+def test_device_named_in_stitching_profile_is_deprecated(monkeypatch):
+    """STITCHING_PROFILE is the timing switch; a device name there still pins the
+    profile (older spelling) but says to use STITCHING_DEVICE_PROFILE."""
+    monkeypatch.delenv("STITCHING_DEVICE_PROFILE", raising=False)
+    monkeypatch.setenv("STITCHING_PROFILE", "h100")
+    monkeypatch.setattr(profiles, "_warned_device_name", False)
+    with pytest.warns(FutureWarning, match="STITCHING_DEVICE_PROFILE=h100"):
+        assert profiles.default() is H100
+    monkeypatch.setenv("STITCHING_PROFILE", "1")     # timing: names no device, no warning
+    monkeypatch.setattr(profiles, "_warned_device_name", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert profiles.default() == profiles.calibrated(profiles.get("cpu"))
 
 
 # ---- delta evaluator -----------------------------------------------------------------

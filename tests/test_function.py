@@ -381,7 +381,7 @@ def test_a_single_long_row_is_split_across_threads_in_phases(which, monkeypatch)
     equals TF's and NaN in a row still poisons that row only.  Planned with the pinned
     2-core profile: on a machine whose L2 holds the 1 MB row, one task is the better
     plan."""
-    monkeypatch.setenv("STITCHING_PROFILE", "cpu-reference")
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "cpu-reference")
     def ln(x):
         m = tf.reduce_mean(x, -1, keepdims=True)
         v = tf.reduce_mean(tf.square(x - m), -1, keepdims=True)

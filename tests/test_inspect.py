@@ -106,7 +106,7 @@ def test_no_dump_unless_asked(tmp_path, monkeypatch):
     f = stitching.function(lambda x: tf.exp(x) * 2.0)
     f(tf.ones([4]))
     assert f.report.dump_path is None
-    with pytest.raises(TypeError, match="dump_dir must be a path"):
+    with pytest.raises(TypeError, match="Options.dump_dir must be a directory path"):
         stitching.Options(dump_dir=3)
 
 

@@ -3,7 +3,7 @@
 table and common composites over several input ranges (stitching/testing/accuracy.py
 says how it is measured).
 
-    python tools/accuracy.py                     # writes docs/accuracy.md
+    python tools/accuracy.py                     # writes docs/internals/accuracy.md
     python tools/accuracy.py --quick --out -     # the test suite's subset, to stdout
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(REPO, "docs", "accuracy.md"),
+    ap.add_argument("--out", default=os.path.join(REPO, "docs", "internals", "accuracy.md"),
                     help="markdown file to write ('-': stdout)")
     ap.add_argument("--quick", action="store_true", help="the test suite's subset")
     ap.add_argument("--n", type=int, default=4096, help="elements per range")

@@ -196,7 +196,7 @@ def _markdown(rows, blocks, meta: str) -> str:
         "dispatch on every product; two row halves run side by side win at M = 128 "
         "and are even at M = 1024 (tf/seqsplit.py does this in the graph). This was the "
         "Transformer's batch-1 gap to XLA "
-        "(README, Limits).",
+        "(docs/limits.md, Matrix products).",
         "<!-- /suite:gemm -->"])
 
 

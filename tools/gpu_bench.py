@@ -22,7 +22,7 @@ Timing is device time, the same way for every column: ``REPS`` back-to-back call
 captured into one CUDA graph and the graph's replays are timed with CUDA events (median
 of 7).  Successive calls cycle through several input/output sets so that one call's data
 is out of L2 by its next use.  Device time is what the kernels cost once launched from
-C++ (the TF op launches them so, design section in the README); the Python launch cost of
+C++ (the TF op launches them so, docs/internals/gpu.md); the Python launch cost of
 this harness, numba-cuda's dispatcher plus our shape checks, is a separate column
 ("host µs": wall time per call of back-to-back calls) and is not the product's cost.
 A column whose capture fails falls back to events around back-to-back calls, marked '*'.
@@ -516,7 +516,7 @@ def markdown_section(rows, meta) -> str:
            "columns are hand-written equivalents of each pattern on the same data (checked "
            "against the same float64 reference as ours). \"host µs\" is this harness's "
            "Python launch cost per call (numba-cuda dispatch and shape checks), which the "
-           "TF op would not pay (docs/gpu.md). BW: compulsory bytes / our time. \"4-byte "
+           "TF op would not pay (docs/internals/gpu.md). BW: compulsory bytes / our time. \"4-byte "
            "accesses\": the same launch with the scalar-access kernel, where ours used a "
            "16-byte one.", ""]
     header = ["pattern", "kind", "ours µs", "eager µs", "compile µs", "vs eager",

@@ -1,4 +1,4 @@
-"""Make docs/inspect_graph_dump.png (the README's picture) from the public inspection API.
+"""Make docs/inspect_graph_dump.png (the picture in docs/inspecting.md) from the public inspection API.
 
     python tools/readme_picture.py [out.png]
 

@@ -41,6 +41,7 @@ class KernelDump:
 
     @property
     def nodes(self) -> list:
+        """The original graph's node names this kernel computes."""
         return [n for n, _ in self.ops]
 
     @property
@@ -60,6 +61,7 @@ class KernelDump:
 
     @property
     def estimated_us(self) -> float | None:
+        """The cost model's predicted time per call, µs (None when not estimated)."""
         return self.estimate.get("fused_us")
 
     @property
@@ -99,6 +101,7 @@ class Dump:
     raw: dict = field(default_factory=dict, repr=False)
 
     def kernel(self, name: str) -> KernelDump:
+        """The kernel named ``name`` (its node name or label); KeyError if none."""
         for k in self.kernels:
             if k.name == name or k.label == name:
                 return k
@@ -107,6 +110,7 @@ class Dump:
 
     @property
     def ir_text(self) -> str:
+        """The stitching IR of the function, as text."""
         with open(_inside(self.path, self.files["ir"]), encoding="utf-8") as f:
             return f.read()
 
@@ -162,7 +166,18 @@ def list_dumps(root: str) -> list:
 
 
 def load_dump(path) -> Dump:
-    """Read one dump: a function's directory, or a dump root holding exactly one."""
+    """Read a graph dump (``Options(dump_dir=...)``) back as a ``Dump`` object.
+
+    Args:
+        path: A function's dump directory, or a dump root holding exactly one.
+
+    Returns:
+        A ``stitching.inspect.Dump``: graphs, kernels, plan, report, profile.
+
+    Raises:
+        DumpError: no dump there, several (``stitching.inspect.list_dumps`` lists
+            them), or a file that does not match the dump schema.
+    """
     path = os.fspath(path)
     dumps = list_dumps(path)
     if not dumps:

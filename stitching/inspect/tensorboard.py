@@ -9,11 +9,22 @@ from .load import Dump, DumpError, list_dumps, load_dump
 
 
 def write_tensorboard(fn_or_dump, logdir) -> list:
-    """Write the graph (and profile scalars, when collected) of a dump, a dump path
-    (one dump or a dump root), a list of those, or a ``stitching.function`` (its
-    traces' dumps; a function traced without ``dump_dir`` is dumped again into
-    ``logdir/dumps`` from its known input signatures) for TensorBoard
-    (``tensorboard --logdir logdir``).  Returns the run directories, one per dump."""
+    """Write a stitched graph for TensorBoard's graph view (``tensorboard --logdir
+    logdir``): each StitchedKernel a group that expands into the ops it fused, and
+    the measured profile as scalars when one was collected.
+
+    Args:
+        fn_or_dump: A ``Dump``, a dump path (one dump or a dump root), a list of
+            those, or a ``stitching.function`` (its traces' dumps; one traced without
+            ``dump_dir`` is dumped again into ``logdir/dumps``).
+        logdir: The TensorBoard log directory.
+
+    Returns:
+        The run directories written, one per dump.
+
+    Raises:
+        stitching.inspect.DumpError: a path that holds no dump.
+    """
     from ..tf.tensorboard import write_runs
     return write_runs(_dumps(fn_or_dump, logdir), logdir)
 

@@ -14,7 +14,8 @@ def node_reason(graph: Graph, node: Node) -> str | None:
     if "unfusible" in node.attrs:
         return node.attrs["unfusible"]
     if node.op not in OPS and node.op not in COMPOSITE_OPS:
-        return f"{node.op} is not in the op table"
+        return (f"{node.op} is not in the op table (docs/limits.md lists the ops "
+                f"stitching fuses)")
     if node.op == "Const":
         return "constants are folded into the kernels that read them"
     for r in node.inputs:
@@ -22,7 +23,8 @@ def node_reason(graph: Graph, node: Node) -> str | None:
         if t.dtype.startswith("opaque:"):
             return f"input {r} has unsupported dtype {t.dtype[7:]}"
         if t.shape is None:
-            return f"input {r} has unknown rank"
+            return (f"input {r} has unknown rank (an input_signature with known ranks "
+                    f"lets it fuse)")
     if node.op in COMPOSITE_OPS:
         return None
     try:

@@ -37,8 +37,8 @@ profile gets, first found wins:
 A *lane* is the unit of parallelism that pulls memory bandwidth: a core on the CPU, a
 resident thread on a GPU.  ``bw_at(active_lanes)`` is the bandwidth that many active lanes
 reach: linear in lanes until the device saturates.  ``STITCHING_DEVICE_PROFILE=<name>``
-(older spelling ``STITCHING_PROFILE=<name>``) pins the profile the pipeline plans with
-(e.g. ``v100`` to plan for the CUDA backend).
+pins the profile the pipeline plans with (e.g. ``v100`` to plan for the CUDA backend;
+``STITCHING_PROFILE=<name>`` is its deprecated spelling, with a warning).
 
 No TensorFlow here; NumPy only inside ``measure_cpu``.
 """
@@ -230,20 +230,38 @@ def names() -> list:
 
 def default() -> DeviceProfile:
     """What the pipeline plans with: $STITCHING_DEVICE_PROFILE (a pinned name, "cpu", or a
-    profile file tools/calibrate.py wrote), else $STITCHING_PROFILE naming a pinned device
-    (the older spelling; ``STITCHING_PROFILE=1``/true/on/yes names no device: it turns on
-    the op's per-kernel timing, runtime.set_profiling), else the measured CPU with the
-    shipped calibration."""
-    spec = os.environ.get("STITCHING_DEVICE_PROFILE")
+    profile file tools/calibrate.py wrote), else the measured CPU with the shipped
+    calibration.  ``STITCHING_PROFILE`` is the op's per-kernel timing switch
+    (runtime.set_profiling); a device name in it is the deprecated spelling of
+    ``STITCHING_DEVICE_PROFILE``, still honoured, with a warning."""
+    spec = os.environ.get("STITCHING_DEVICE_PROFILE") or _deprecated_device_name()
     if spec:
         key = spec.lower()
         if key in PINNED or key in MACHINES:
             return get(key)
         return calibrated(settled(get("cpu"))) if key == "cpu" else load_file(spec)
-    name = os.environ.get("STITCHING_PROFILE")
-    if name and name.lower() not in _PROFILING_ON and name.lower() != "cpu":
-        return get(name)
     return calibrated(settled(get("cpu")))
+
+
+_PROFILING_OFF = ("", "0", "false", "off", "no")
+_warned_device_name = False
+
+
+def _deprecated_device_name() -> str | None:
+    """A device named in $STITCHING_PROFILE (before STITCHING_DEVICE_PROFILE existed, one
+    variable meant both): returned with a once-per-process FutureWarning."""
+    global _warned_device_name
+    value = os.environ.get("STITCHING_PROFILE", "")
+    if value.lower() in _PROFILING_ON or value.lower() in _PROFILING_OFF:
+        return None
+    if not _warned_device_name:
+        import warnings
+        _warned_device_name = True
+        warnings.warn(f"STITCHING_PROFILE={value} names a device profile; that spelling is "
+                      f"deprecated: set STITCHING_DEVICE_PROFILE={value} instead "
+                      f"(STITCHING_PROFILE=1 turns on per-kernel timing)",
+                      FutureWarning, stacklevel=3)
+    return value
 
 
 _PROFILING_ON = ("1", "true", "on", "yes")   # op.cc's ProfileFromEnv
@@ -471,6 +489,11 @@ def cache_path() -> str:
     return os.path.join(root, CACHE_FILE)
 
 
+def default_cache_path() -> str:
+    """Where the install step leaves the profile every cache falls back to."""
+    return os.path.join(_DEFAULT_ROOT, CACHE_FILE)
+
+
 def measured_cpu(remeasure: bool = False) -> DeviceProfile:
     """This machine's measured profile: measured once per machine, later calls read the
     cache (in memory, then disk).
@@ -491,7 +514,7 @@ def measured_cpu(remeasure: bool = False) -> DeviceProfile:
         if not remeasure and path in _memo and _memo[path][0] == fp:
             return _memo[path][1]
         prof = None if remeasure else _read_cache(path, fp)
-        default = os.path.join(_DEFAULT_ROOT, CACHE_FILE)
+        default = default_cache_path()
         if prof is None and not remeasure and default != path:
             prof = _read_cache(default, fp)
         if prof is None or (prof.provisional and _attempts(prof) < MAX_ATTEMPTS):

@@ -647,8 +647,8 @@ def _cost_reason(ctx: _Context, v: int, placed: dict) -> str | None:
              f"{d.unfused_s * 1e6:.1f} µs unfused")
     if d.gain_s <= 0:
         return f"cost model predicts no gain fusing it with its neighbours: best {times}"
-    return (f"cost model: the kernels chosen pay more without it (best with it: {times}, "
-            f"gain {d.gain_s * 1e6:+.1f} µs)")
+    return (f"left out by the cost model: the best kernel with it ({times}, saving "
+            f"{d.gain_s * 1e6:.1f} µs) overlaps kernels that save more without it")
 
 
 def _schedule(ctx: _Context, P, forced: bool = False) -> "KernelChoice":

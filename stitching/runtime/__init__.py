@@ -23,18 +23,42 @@ Kernel ABI (what codegen produces; duck-typed object)::
     kernel.errors          shape_fn returning k > 0 reports errors[k-1]
     optional: kernel.in_static_dims, kernel.launch (op.cc says what they mean)
 
-Importing this package does not import TensorFlow; ``load()`` does.
+Importing this package imports nothing, not even its own modules: the names below are
+loaded on first use (PEP 562).  So ``python -m stitching.runtime.build`` (the install step,
+also the ``stitching-build`` script) runs ``build`` as ``__main__`` without runpy's
+"found in sys.modules ... unpredictable behaviour" warning, and importing this package
+never imports TensorFlow (``load()`` does).
 """
-from .api import stitched_kernel
-from .build import BuildError, cache_dir, library_path
-from .build import build as build_library  # `build` itself stays the submodule
-from .registry import (RegistrationError, TF_DTYPE_ENUM, autotune_decisions, is_registered,
-                       library, load,
-                       num_registered, pool_stats, pool_trim, profile, profile_reset, profiling,
-                       register, registered_kernel, set_compiler, set_profiling, stats)
+import importlib
 
-__all__ = ["stitched_kernel", "load", "library", "register", "set_compiler", "stats",
-           "autotune_decisions",
-           "is_registered", "num_registered", "pool_stats", "pool_trim", "registered_kernel", "build_library",
-           "library_path", "cache_dir", "BuildError", "RegistrationError",
-           "TF_DTYPE_ENUM", "profile", "profile_reset", "profiling", "set_profiling"]
+_LAZY = {
+    "stitched_kernel": "api",
+    "BuildError": "build", "cache_dir": "build", "library_path": "build",
+    "build_library": ("build", "build"),    # `build` itself stays the submodule
+    **{name: "registry" for name in (
+        "RegistrationError", "TF_DTYPE_ENUM", "autotune_decisions", "is_registered",
+        "library", "load", "num_registered", "pool_stats", "pool_trim", "profile",
+        "profile_reset", "profiling", "register", "registered_kernel", "set_compiler",
+        "set_profiling", "stats")},
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    where = _LAZY.get(name)
+    if where is None:               # a submodule: stitching.runtime.registry, .build, ...
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    globals()[name] = value         # the next lookup is a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

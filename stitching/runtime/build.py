@@ -19,7 +19,8 @@ prebuild puts it) is reused when ``$STITCHING_CACHE_DIR`` points elsewhere (the 
 suite gives every session a fresh kernel cache): the file name is a hash of every input
 of the build, so a file with the right name is the right binary wherever it lies.
 
-Prebuild (setup.py / CI):  ``python -m stitching.runtime.build [--force]``.
+Prebuild (the install step, CI):  ``stitching-build [--force]`` or
+``python -m stitching.runtime.build``.
 """
 from __future__ import annotations
 
@@ -170,36 +171,63 @@ def check_tf_install(warn=print) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m stitching.runtime.build",
-                                description="Prebuild the stitching TensorFlow op library (and the "
-                                "shape-program interpreter and the math helpers kernels link).")
-    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    """The install step (``stitching-build``, or ``python -m stitching.runtime.build``):
+    build what every process would otherwise build on first use, and print each
+    product and where it lies.  Exit status 1 with the compiler's error if the op
+    library does not build."""
+    p = argparse.ArgumentParser(
+        prog="stitching-build",
+        description="Build stitching's install-time products into its cache "
+                    "($STITCHING_CACHE_DIR, default ~/.cache/stitching): the TensorFlow op "
+                    "library (needs g++ or $CXX and the installed TensorFlow's headers), "
+                    "this CPU's profile for the cost model, the shape-program interpreter "
+                    "and the math helpers generated kernels call.  Run it again after "
+                    "upgrading TensorFlow, Numba or stitching; each product is rebuilt "
+                    "only if missing.")
+    p.add_argument("--force", action="store_true", help="rebuild the op library even if cached")
     p.add_argument("--print-path", action="store_true",
-                   help="print where the library would live and exit")
+                   help="print where the op library would live and exit")
     args = p.parse_args(argv)
     if args.print_path:
         print(library_path())
         return 0
     check_tf_install(lambda m: print(m, file=sys.stderr))
+    path = library_path()
+    fresh = args.force or not (_whole(path) or (_prebuilt(path) and _whole(_prebuilt(path))))
     try:
-        print(build(force=args.force))
+        lib = build(force=args.force)
     except BuildError as e:
-        print(e, file=sys.stderr)
+        print(f"stitching-build: error: {e}", file=sys.stderr)
         return 1
+    _, _, tf_version = _tf_flags()
+    print(f"stitching-build: cache {cachedir.root()}")
+    _line("TensorFlow op library (TF " + tf_version + ")", lib, fresh)
     # The machine's profile for the cost model (~0.5 s of measurement), like the
     # library an install-time product reused by every kernel cache (plan/profiles.py).
     from ..plan import profiles
+    def profile_file():
+        return next((f for f in (profiles.cache_path(), profiles.default_cache_path())
+                     if os.path.exists(f)), None)
+    before = profile_file()
     profiles.measured_cpu()
+    _line("CPU profile for the cost model",
+          profile_file() or "(kept in memory: the cache is not writable)", before is None)
     # The shape-program interpreter every kernel links (codegen/lower/shape_interp.py) is
     # built once per toolchain into the kernel cache; do it here, at install time.
-    from ..compile.kernel import interp_address
-    interp_address()
+    from ..compile import kernel
+    kernel.interp_address()
+    _line("shape-program interpreter", kernel._INTERP.stem, not kernel._INTERP.cache_hit)
     # So are the compiled math helpers kernels call (compile/helper_cache.py).
     from ..compile import helper_cache
-    from ..compile.kernel import use_helper_cache
-    use_helper_cache()
-    helper_cache.prebuild()
+    kernel.use_helper_cache()
+    n = helper_cache.prebuild()
+    _line(f"math helpers ({n} signatures)", helper_cache.enabled_dir(), None)
     return 0
+
+
+def _line(what: str, where, fresh: bool | None) -> None:
+    state = "" if fresh is None else (" (built)" if fresh else " (already built)")
+    print(f"  {what}{state}: {where}")
 
 
 if __name__ == "__main__":

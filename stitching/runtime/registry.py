@@ -82,9 +82,12 @@ def load():
     global _module, _lib
     if _module is not None:  # fast path: every stitched_kernel call comes through here
         return _module
+    # Outside the lock: a first ``import tensorflow`` runs stitching's import hook
+    # (_autoload.py), which calls load() itself; under the lock that was a deadlock
+    # (``import stitching; stitching.runtime.stats()`` hung).
+    import tensorflow as tf
     with _load_lock:
         if _module is None:
-            import tensorflow as tf
             path = str(_build.build())
             module = tf.load_op_library(path)
             _lib = _open_same_image(path)
@@ -271,11 +274,13 @@ def registered_kernel(spec: str):
 
 @no_autograph
 def is_registered(spec: str) -> bool:
+    """Whether a kernel for this exact spec string is registered in this process."""
     return bool(library().stitching_is_registered(spec.encode("utf-8")))
 
 
 @no_autograph
 def num_registered() -> int:
+    """How many kernels are registered in this process."""
     return int(library().stitching_num_registered())
 
 
@@ -331,6 +336,8 @@ def set_profiling(on: bool) -> None:
 
 
 def profiling() -> bool:
+    """Whether the op's per-kernel timing is on (``set_profiling``,
+    ``STITCHING_PROFILE=1``)."""
     return bool(library().stitching_profile_enabled())
 
 

@@ -16,7 +16,7 @@ mismatches instead (any mismatch is reported as an infinite error).
 How it runs: each (range, group of ops) is one stitched function with one output
 per op (``Options(min_ops=1)``: even a lone op becomes a kernel), so the whole table
 costs a few compiles.  ``table(quick=True)`` is a subset small enough for the test
-suite (tests/test_accuracy.py); tools/accuracy.py writes docs/accuracy.md.
+suite (tests/test_accuracy.py); tools/accuracy.py writes docs/internals/accuracy.md.
 """
 from __future__ import annotations
 

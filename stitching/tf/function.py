@@ -56,6 +56,21 @@ HINT_SECONDS = 1.0             # arbitrary: a first call slower than this gets t
 
 
 class StitchedFunction:
+    """A callable that runs ``fn`` as a TF graph with its memory-intensive ops stitched
+    into generated kernels; what ``stitching.function`` returns.
+
+    It behaves like the ``tf.function`` of ``fn`` (tracing, signatures, variables,
+    ``get_concrete_function``), with input shapes relaxed by default (see
+    ``stitching.function``).  Each trace is planned, compiled and rewritten once.
+
+    Attributes:
+        report: The latest trace's ``stitching.Report`` (None before the first call).
+        reports: Every trace's report, oldest first.
+        options: The ``stitching.Options`` it plans with.
+        background_errors: Exceptions raised by background compiles
+            (``Options.background_compile``); stock TF keeps serving those calls.
+    """
+
     def __init__(self, fn, input_signature=None, options: Options | None = None,
                  autograph: bool = True, reduce_retracing: bool | None = None,
                  jit_compile=None):
@@ -167,10 +182,13 @@ class StitchedFunction:
         return bound
 
     def get_concrete_function(self, *args, **kwargs):
+        """The stitched ``tf.types.experimental.ConcreteFunction`` for these arguments
+        (or ``tf.TensorSpec`` s), tracing it if needed, as ``tf.function``'s."""
         return self._tf_function.get_concrete_function(*args, **kwargs)
 
     @property
     def input_signature(self):
+        """The fixed input signature given at construction, or None."""
         return self._tf_function.input_signature
 
     # -- tracing ------------------------------------------------------------
@@ -381,11 +399,33 @@ _JIT_MESSAGE = ("stitching.function cannot stitch a function compiled with "
 
 def function(fn=None, *, input_signature=None, options: Options | None = None,
              autograph: bool = True, reduce_retracing: bool | None = None, jit_compile=None):
-    """Like ``tf.function``; bare ``@stitching.function`` or with arguments.
+    """Compile ``fn`` like ``tf.function``, with its memory-intensive ops stitched into
+    generated kernels.  Use as ``@stitching.function`` or
+    ``@stitching.function(options=...)``.
 
-    ``reduce_retracing``: None (default) relaxes input shapes after the second distinct
-    shape of the same dtypes and ranks, so a new batch size costs no trace; True as
-    ``tf.function``'s; False traces every shape exactly."""
+    The first call with a new input signature traces ``fn``, plans the kernels,
+    compiles those not in the disk cache and rewrites the graph; later calls run it.
+    ``f.report`` says what was fused and what was not, and why.
+
+    Args:
+        fn: The Python function to compile (any TF code: Keras layers, ``tf.nn``,
+            raw ops, a whole training step with its ``GradientTape``).
+        input_signature: A list of ``tf.TensorSpec``, as ``tf.function``'s.
+        options: A ``stitching.Options``; default ``Options()``.
+        autograph: As ``tf.function``'s.
+        reduce_retracing: None (default) relaxes input shapes after the second
+            distinct shape of the same dtypes and ranks, so a new batch size costs
+            no trace; True as ``tf.function``'s; False traces every shape exactly.
+        jit_compile: Must be falsy: XLA has no kernel for the stitched op.
+
+    Returns:
+        A ``StitchedFunction`` (or, without ``fn``, a decorator making one).
+
+    Raises:
+        ValueError: ``jit_compile=True``, or ``fn`` is a ``tf.function`` compiled
+            with XLA.
+        TypeError: ``fn`` is not callable.
+    """
     if fn is None:
         return functools.partial(function, input_signature=input_signature, options=options,
                                  autograph=autograph, reduce_retracing=reduce_retracing,

@@ -125,7 +125,17 @@ def install(payload: str) -> None:
 
 
 def install_dir(path, graph=None) -> int:
-    """Install the kernels of a GraphDef's sidecar directory (``<graph>.kernels``).
+    """Install the kernels shipped beside a rewritten GraphDef (``<graph>.kernels/``),
+    so running it compiles nothing (``stitching.install_kernels``).
+
+    Args:
+        path: The sidecar directory.
+        graph: The GraphDef (or its file) the kernels belong to; default ``path``
+            without ``.kernels``.
+
+    Returns:
+        How many files were installed; 0 with a warning when the directory does not
+        match the graph (the kernels then compile from the specs in the graph).
 
     The rewrite recorded the sidecar manifest's SHA-256 in the graph (a Const node,
     ``MANIFEST_NODE``), as a SavedModel records its own in the StitchedKernelAssets

@@ -67,6 +67,7 @@ class Context:
         self.labels = None               # dump labels of the kernel nodes (tf/dump.py)
         self.kernel_names: list = []
         self.autotune = None             # passes/autotune.py: the report's entries
+        self.backward = ""               # passes/original.py: Report.backward
         self.notes: dict = {}            # pass name -> [note]
         self.seconds: dict = {}          # pass name -> seconds
         self.dump_path = None            # this call's dump directory, when dumping

@@ -295,7 +295,8 @@ def _make_report(name, ctx):
         desc = sched.describe() if hasattr(sched, "describe") else ""
         rep.kernels.append(_report.KernelInfo(
             kname, [(m, tf_op.get(m, "?")) for m in reg.nodes], desc.splitlines()[0] if desc else "",
-            len(reg.inputs), len(reg.outputs), reg.spec.hash))
+            len(reg.inputs), len(reg.outputs), reg.spec.hash,
+            counted=frozenset(m for m in reg.nodes if m in mem)))
     reasons = {n: r for n, _, r in the_plan.unfused}
     for reg, why in failed:
         for m in reg.nodes:
@@ -303,7 +304,8 @@ def _make_report(name, ctx):
     fetches = {r.node for r in ir.outputs}
     for n in sorted(mem - fused, key=list(tf_op).index):
         why = reasons.get(n) or legality.node_reason(ir, ir[n]) or \
-            ("a function output" if n in fetches else "left to TF by the planner")
+            ("a function output the plan leaves to TF" if n in fetches else
+             "left to TF by the planner")
         rep.unfused.append((n, tf_op[n], why))
     rep.boundaries = list(the_plan.boundaries)
     rep.notes.extend(the_plan.notes)
@@ -314,6 +316,7 @@ def _make_report(name, ctx):
     if ctx.autotune is not None:
         rep.autotune = ctx.autotune
     rep.pass_seconds = dict(ctx.seconds)
+    rep.backward = ctx.backward
     return rep
 
 

@@ -19,7 +19,7 @@ both shapes left-padded with 1s to one rank, input k reduces every axis where it
                                      changes nothing: the gradient is reshaped to
                                      the input's shape right after)
     unknown    unknown          no: assumed equal, the policy the kernels follow for
-                                     unknown-vs-unknown broadcasts (README: Limits)
+                                     unknown-vs-unknown broadcasts (docs/limits.md)
     unknown    n > 1            unknown at trace time: left to TF
 
 A fold replaces the node's output with a Const, and only where every reader is a Sum

@@ -449,20 +449,23 @@ def _run(ctx):
     o = ctx.options
     no_original = attach(ctx.graph_def, ctx.planned, ctx.ir, ctx.regions, ctx.kernel_names,
                          stitch_backward=o.stitch_backward, fallback=o.fallback, options=o)
-    notes = []
+    # Report.backward, not a note: it says what *would* happen under a tape outside,
+    # which inference and stitching-rewrite never have.
+    parts = []
     if len(ctx.regions) > no_original:
         how = ("stitched as a function of its own per kind of kernel (the kernel's "
                "original ops recomputed and TF's gradient of them, planned like any "
                "function)" if o.stitch_backward else
                "TF's gradient of its original ops, recomputed, as TF ops "
                "(Options.stitch_backward=False)")
-        notes.append(f"backward: a tape outside this function differentiates "
+        parts.append(f"a tape outside this function differentiates "
                      f"{len(ctx.regions) - no_original} kernel(s), each {how}; a tape "
                      "inside it gets its backward stitched with the rest")
     if no_original:
-        notes.append(f"{no_original} kernel(s) read a value they cannot recompute from "
+        parts.append(f"{no_original} kernel(s) read a value they cannot recompute from "
                      "their inputs: no original subgraph, so no gradient through them")
-    return notes
+    ctx.backward = " ".join(parts)
+    return None
 
 
 PASS = Pass("original", _run)

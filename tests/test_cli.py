@@ -1,0 +1,110 @@
+"""stitching-rewrite as users expect a command-line tool to behave: it does not overwrite
+its input unasked, refuses flags that do not apply to the input's kind, prints a report
+shared by several signatures once, has --version, flags for the Options, plain help."""
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from stitching.testing.models import frozen_softmax_graph_def
+from stitching.tf import cli
+
+
+@pytest.fixture
+def graph(tmp_path):
+    src = tmp_path / "g.pb"
+    src.write_bytes(frozen_softmax_graph_def().SerializeToString())
+    return src
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    """Two signature keys over one function, as Keras' export writes serve and
+    serving_default."""
+    class M(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 16], tf.float32, name="x")])
+        def f(self, x):
+            return {"y": tf.nn.softmax(x * 3.0)}
+    m = M()
+    d = tmp_path_factory.mktemp("cli") / "sm"
+    tf.saved_model.save(m, str(d), signatures={"serve": m.f, "serving_default": m.f})
+    return d
+
+
+def _usage_error(capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        cli.main([str(a) for a in argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err, err
+
+
+def test_refuses_to_overwrite_its_source(graph, saved_model, capsys):
+    before = graph.read_bytes()
+    _usage_error(capsys, [graph, graph, "--outputs", "y"], "--overwrite")
+    assert graph.read_bytes() == before
+    _usage_error(capsys, [saved_model, saved_model], "would overwrite the input")
+    _usage_error(capsys, [saved_model, saved_model / "inner"], "would overwrite the input")
+
+
+def test_overwrite_replaces_a_graph_def_in_place(graph):
+    assert cli.main([str(graph), str(graph), "--outputs", "y", "--overwrite"]) == 0
+    gd = tf.compat.v1.GraphDef.FromString(graph.read_bytes())
+    assert sum(n.op == "StitchedKernel" for n in gd.node) == 1
+    assert os.path.isdir(str(graph) + ".kernels")
+    assert not [p for p in os.listdir(graph.parent) if p.startswith(".stitching-rewrite-")]
+
+
+def test_flags_that_do_not_apply_to_the_input_kind(graph, saved_model, tmp_path, capsys):
+    _usage_error(capsys, [saved_model, tmp_path / "o", "--outputs", "y"],
+                 "--outputs applies to a GraphDef")
+    _usage_error(capsys, [graph, tmp_path / "o.pb", "--signature", "serve"],
+                 "--signature applies to a SavedModel")
+
+
+def test_a_report_shared_by_two_signatures_prints_once(saved_model, tmp_path, capsys):
+    assert cli.main([str(saved_model), str(tmp_path / "out"), "--no-kernels"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("stitching report for") == 1, out
+    assert "[serve, serving_default]" in out
+    loaded = tf.saved_model.load(str(tmp_path / "out"))
+    x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
+    np.testing.assert_allclose(loaded.signatures["serve"](x=x)["y"], tf.nn.softmax(x * 3.0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("stitching 0.")
+
+
+def test_option_flags_reach_options():
+    ap = cli._parser()
+    o = cli._options(ap.parse_args(["a.pb", "b.pb", "--planner", "greedy", "--min-ops", "1",
+                                    "--no-seq-split", "--no-gemm", "--autotune"]))
+    assert (o.planner, o.min_ops, o.seq_split, o.gemm, o.einsum) == ("greedy", 1, False,
+                                                                    False, True)
+    assert o.autotune and o.autotune_margin == 1.3 and o.fallback
+    o = cli._options(ap.parse_args(["a.pb", "b.pb", "--no-fallback"]))
+    assert not o.fallback and not o.autotune
+    # every flag's dest is an Options field
+    import dataclasses
+    from stitching.options import Options
+    fields = {f.name for f in dataclasses.fields(Options)}
+    assert {field for _, field, _ in cli._OPTION_FLAGS} <= fields
+
+
+def test_bad_option_value_is_one_line(graph, tmp_path, capsys):
+    assert cli.main([str(graph), str(tmp_path / "o.pb"), "--min-ops", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Options.min_ops" in err
+
+
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and "examples:" in text and "--planner" in text

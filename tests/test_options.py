@@ -1,0 +1,49 @@
+"""stitching.Options: every field checked for type and range, the field named in the
+error (Options(background_compile="no") used to turn the option on)."""
+import dataclasses
+import math
+
+import pytest
+
+import stitching
+from stitching.options import Options
+
+
+def test_defaults_construct():
+    o = Options()
+    assert o.planner == "search" and o.min_ops == 2 and o.autotune_margin == 1.3
+    assert dataclasses.replace(o, autotune=True, autotune_margin=math.inf).autotune
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(Options)])
+def test_every_field_refuses_an_arbitrary_object_and_names_itself(field):
+    """Also the guard for a new field: one added without a check fails here."""
+    with pytest.raises((TypeError, ValueError), match=rf"Options\.{field}\b"):
+        Options(**{field: object()})
+
+
+@pytest.mark.parametrize("kw, error", [
+    ({"background_compile": "no"}, TypeError),
+    ({"autotune": "yes"}, TypeError),
+    ({"gemm": 1}, TypeError),
+    ({"verify": None}, TypeError),          # only progress takes None
+    ({"progress": "auto"}, TypeError),
+    ({"min_ops": 0}, ValueError),
+    ({"min_ops": 2.0}, TypeError),
+    ({"min_ops": True}, TypeError),
+    ({"planner": "xla"}, ValueError),
+    ({"planner": 3}, ValueError),
+    ({"autotune_margin": 0.99}, ValueError),
+    ({"dump_dir": 5}, TypeError),
+])
+def test_bad_values_raise_naming_the_field(kw, error):
+    (name, _), = kw.items()
+    with pytest.raises(error, match=rf"Options\.{name}"):
+        Options(**kw)
+
+
+def test_good_values_pass():
+    import numpy as np
+    Options(progress=None, min_ops=np.int64(1), autotune_margin=math.inf,
+            planner="full", dump_dir=None)
+    assert stitching.Options is Options

@@ -1,0 +1,68 @@
+"""The report a user reads once: counts that add up, "0 of 0" where there is nothing,
+reasons written as sentences, notes only where they apply."""
+import tensorflow as tf
+
+import stitching
+from stitching.report import KernelInfo, Report
+
+
+def _counted(report):
+    return sum(len(k.split_ops()[0]) for k in report.kernels)
+
+
+def test_counts_add_up_and_uncounted_ops_are_listed_apart():
+    @stitching.function
+    def layer_norm(x):
+        mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)   # StopGradient inside
+        return (x - mean) * tf.math.rsqrt(var + 1e-5)
+    layer_norm(tf.random.normal([8, 64]))
+    rep = layer_norm.report
+    assert rep.memory_intensive_ops == rep.fused_ops + len(rep.unfused)
+    assert _counted(rep) == rep.fused_ops == 7
+    text = rep.summary()
+    assert f"fused 7 of 7 memory-intensive TF ops (100%) into 1 kernel;" in text
+    assert "7 ops [Mean, Sub, SquaredDifference, Mean, AddV2, Rsqrt, Mul]" in text
+    assert "StopGradient" in text and "not counted" in text
+
+
+def test_nothing_to_fuse_reads_0_of_0():
+    f = stitching.function(lambda a, b: tf.matmul(a, b))
+    f(tf.ones([4, 4]), tf.ones([4, 4]))
+    assert f.report.memory_intensive_ops == 0
+    assert "fused 0 of 0 memory-intensive TF ops: nothing to fuse" in f.report.summary()
+    assert "100%" not in f.report.summary()
+    assert "fused 0 of 0" in Report(function="empty").summary()
+
+
+def test_backward_is_not_a_note_of_an_inference_report():
+    """The "a tape outside this function..." sentence said what *would* happen under a
+    tape; it was a note on every inference report and CLI run."""
+    f = stitching.function(lambda x: tf.nn.softmax(x * 2.0))
+    f(tf.ones([4, 8]))
+    assert f.report.kernels
+    assert "tape" not in f.report.summary() and not any("tape" in n for n in f.report.notes)
+    assert "a tape outside this function differentiates 1 kernel(s)" in f.report.backward
+    assert f.report.to_dict()["backward"] == f.report.backward
+
+
+def test_not_fused_lines_count_against_the_total_and_name_the_op_first():
+    rep = Report(function="f", memory_intensive_ops=3, fused_ops=1,
+                 unfused=[("a", "Exp", "why a"), ("b", "Exp", "why a")],
+                 kernels=[KernelInfo("k0", [("c", "Mul"), ("i", "Identity"), ("j", "Identity"),
+                                            ("s", "StopGradient")], "", 1, 1, "h",
+                                     counted=frozenset({"c"}))],
+                 unique_kernels=1, code_objects=1)
+    text = rep.summary()
+    assert "fused 1 of 3 memory-intensive TF ops (33%) into 1 kernel;" in text
+    assert "k0: 1 op [Mul] (also 2 Identity, StopGradient: no data work, not counted)" in text
+    assert "not fused (2 of 3):\n    Exp (a), Exp (b): why a" in text
+
+
+def test_an_op_recomputed_in_two_kernels_is_said_so():
+    k = [KernelInfo(f"k{i}", [("m", "Mul"), (f"e{i}", "Exp")], "", 1, 1, str(i))
+         for i in range(2)]
+    rep = Report(function="f", memory_intensive_ops=3, fused_ops=3, kernels=k,
+                 unique_kernels=2, code_objects=1)
+    text = rep.summary()
+    assert "into 2 kernels (2 distinct, served by 1 compiled code)" in text
+    assert "1 op(s) computed in more than one kernel are counted once" in text
