@@ -10,7 +10,8 @@ passes live in passes/, one module each (a module may hold two passes of one sub
 the driver (pipeline.py) is two ordered tables of them around planning.
 
 As XLA's HloPassPipeline and MLIR's PassManager do, the loop also
-  - times each pass (``ctx.seconds``, the report's ``pass_seconds``);
+  - times each pass (``ctx.seconds``, the report's ``pass_seconds``; a pass's time
+    includes importing the shapes it is the first to read);
   - writes the graph after each pass whose name matches ``Options(dump_passes=...)``
     (a regular expression searched in the name, like ``--xla_dump_hlo_pass_re``) into
     the call's dump directory (``Options(dump_dir=...)``; tf/dump.py);
