@@ -89,4 +89,4 @@ def test_build_is_a_console_script():
                if isinstance(node, ast.Call) for k in node.keywords
                if k.arg == "entry_points"][0]["console_scripts"]
     assert "stitching-build=stitching.runtime.build:main" in scripts
-    assert "stitching-rewrite=stitching.tf.cli:main" in scripts
+    assert "stitching-rewrite=stitching.cli:main" in scripts

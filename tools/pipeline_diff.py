@@ -169,11 +169,21 @@ def _graphs(only) -> list:
                 return dict(sizes, l2=SEQSPLIT_L2) if caller.endswith(
                     ("seqsplit", "pipeline")) else sizes
             profiles._cache_sizes = pinned
+            # since the machine models (plan/profiles.py MACHINES) the split reads the
+            # device profile's L2 and oneDNN fact: pin a model that splits
+            pin = "intel-avx512" if hasattr(profiles, "MACHINES") else None
+            old_env = os.environ.get("STITCHING_DEVICE_PROFILE")
+            if pin:
+                os.environ["STITCHING_DEVICE_PROFILE"] = pin
             try:
                 spec = tf.TensorSpec((1,) + tuple(case.input_shape), tf.float32)
                 _stitch_one(d, case.make_fn(), [spec], Options())
             finally:
                 profiles._cache_sizes = real
+                if pin and old_env is None:
+                    os.environ.pop("STITCHING_DEVICE_PROFILE", None)
+                elif pin:
+                    os.environ["STITCHING_DEVICE_PROFILE"] = old_env
         return run
 
     def pattern(name):
