@@ -31,9 +31,11 @@ from .build import build as build_library  # `build` itself stays the submodule
 from .registry import (RegistrationError, TF_DTYPE_ENUM, autotune_decisions, is_registered,
                        library, load,
                        num_registered, pool_stats, pool_trim, profile, profile_reset, profiling,
-                       register, registered_kernel, set_compiler, set_profiling, stats)
+                       register, registered_kernel, set_assets_installer, set_compiler,
+                       set_profiling, stats)
 
-__all__ = ["stitched_kernel", "load", "library", "register", "set_compiler", "stats",
+__all__ = ["stitched_kernel", "load", "library", "register", "set_compiler", "set_assets_installer",
+           "stats",
            "autotune_decisions",
            "is_registered", "num_registered", "pool_stats", "pool_trim", "registered_kernel", "build_library",
            "library_path", "cache_dir", "BuildError", "RegistrationError",
