@@ -186,8 +186,8 @@ def test_the_asset_manifest_is_bound_to_the_graph(shipped, tmp_path):
     recorded: nothing from the assets is used."""
     model = _copy_model(shipped, tmp_path)
     manifest = model / "assets" / "stitching_kernels.json"
-    manifest.write_text(manifest.read_text().replace('"version": 2', '"version":  2'))
-    assert manifest.read_text().count('"version":  2') == 1
+    manifest.write_text(manifest.read_text().replace('"version": 3', '"version":  3'))
+    assert manifest.read_text().count('"version":  3') == 1
     r = _run(_LOAD_ONE.format(path=str(model), d=str(shipped)),
              env={"STITCHING_CACHE_DIR": str(tmp_path / "cache")})
     out = _result(r)
@@ -408,22 +408,30 @@ def test_kernels_that_cannot_be_built_fall_back_to_the_original_subgraph(shipped
 
 def test_the_spec_hash_index_takes_only_checked_well_formed_entries(shipped):
     """compile/shipped.py: entries of another code generator (emitter hash), entries
-    whose code was not installed, and malformed entries are not indexed."""
+    whose code was not installed, malformed entries, and entries the kernel file
+    they name does not vouch for (its identity) are not indexed."""
     import json as _json
 
     from stitching.compile import shipped as S
     manifest = _json.loads((shipped / "cnn" / "assets" / "stitching_kernels.json").read_text())
     entries, emitter = manifest["kernels"], manifest["emitter"]
-    codes = {e["code"] for e in entries.values()}
+    # {code: (sha, identity)} as kernel_assets installs them: each file vouches for
+    # the entries of the specs it serves
+    codes = {e["code"]: ("0" * 64, {"code": e["code"], "kernels": {
+        k: x for k, x in entries.items() if x["code"] == e["code"]}})
+        for e in entries.values()}
     try:
         S.clear()
-        assert S.add(entries, "0" * 24, codes) == 0                  # another generator
-        assert S.add(entries, emitter, set()) == 0                   # nothing installed
+        assert S.add(entries, "0" * 24, codes) == (0, [])             # another generator
+        assert S.add(entries, emitter, {}) == (0, [])                  # nothing installed
         bad = {k: dict(e, program=["1; import os"]) for k, e in entries.items()}
-        assert S.add(bad, emitter, codes) == 0
+        assert S.add(bad, emitter, codes)[0] == 0
         bad = {k: dict(e, code="../../etc/passwd") for k, e in entries.items()}
-        assert S.add(bad, emitter, codes | {"../../etc/passwd"}) == 0
-        assert S.add(entries, emitter, codes) == len(entries) >= 1
+        assert S.add(bad, emitter, dict(codes, **{"../../etc/passwd": ("0" * 64, {})}))[0] == 0
+        silent = {c: (sha, {"code": c, "kernels": {}}) for c, (sha, _) in codes.items()}
+        taken, refused = S.add(entries, emitter, silent)               # not vouched for
+        assert taken == 0 and sorted(refused) == sorted(entries)
+        assert S.add(entries, emitter, codes) == (len(entries), []) and len(entries) >= 1
     finally:
         S.clear()
 

@@ -354,11 +354,12 @@ class _Code:
     only to build, so a cache hit imports no Numba.  ``lean``: generated code, built
     through native._lean_pipeline()."""
 
-    def __init__(self, stem: Path, symbol: str, source, lean: bool = True):
+    def __init__(self, stem: Path, symbol: str, source, lean: bool = True,
+                 code: str | None = None):
         self.stem, self.cfunc, self.cache_hit = stem, None, False
-        if native.built(stem):
+        if native.built(stem, code):
             try:
-                self.address = native.load(stem, symbol)
+                self.address = native.load(stem, symbol, code)
                 self.cache_hit = True
                 return
             except native.NativeError as e:    # unreadable: built again below
@@ -415,9 +416,13 @@ def interp_address() -> int:
                 return shape_interp.run.py_func, shape_interp.SIG, shape_interp.OPTIONS
             stem = kernel_dir() / "interp"
             installed = cachedir.default_root() / "kernels" / stem.parent.name / "interp"
-            if not native.built(stem) and native.built(installed):
-                stem = installed
-            _INTERP = _Code(stem, INTERP_SYMBOL, interp_source, lean=False)
+            from . import shipped          # one a verified model shipped (shipped.py)
+            for other in (installed, shipped.interp_stem()):
+                if other is not None and not native.built(stem) and \
+                        native.built(other, "interp"):
+                    stem = other
+                    break
+            _INTERP = _Code(stem, INTERP_SYMBOL, interp_source, lean=False, code="interp")
         return _INTERP.address
 
 

@@ -290,13 +290,13 @@ def export_ir(text: str, wrapper: str, target: tuple, stem: Path, symbol: str) -
         os.replace(so, stem.with_suffix(".so"))
 
 
-def built(stem: Path) -> bool:
+def built(stem: Path, code: str | None = None) -> bool:
     """``stem``.so is there, whole and the code its name says (compile/integrity.py);
     a damaged or foreign one counts as absent, with a warning, and is built again."""
     path = stem.with_suffix(".so")
     if not os.path.lexists(path):
         return False
-    reason = integrity.check(path, code=stem.name)
+    reason = integrity.check(path, code=code or stem.name)
     if reason is not None:
         _warn_once(f"stitching: ignoring a damaged kernel cache entry ({reason}); "
                    f"building it again")
