@@ -14,6 +14,9 @@ classifying what happened:
     correct            ran; equal to the mutated spec's float64 meaning (fine)
     fallback_warned    a valid spec ran its original subgraph, warned (fine)
     error_unnamed      an error that does not name the node          (a bug)
+    accepted_invalid   ran a mutant invalid by construction (a version other than
+                       the integer 1, spec_hash cleared/removed/wrong, NUL bytes,
+                       deep nesting, cut text, unknown keys)           (a bug)
     fallback_invalid   an invalid spec ran its original subgraph      (a bug)
     fallback_silent    ran its original subgraph with no warning     (a bug)
     wrong              ran and gave another answer                   (a bug)
@@ -40,7 +43,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODE = "stitching/kernel_0"
-BUGS = ("error_unnamed", "fallback_invalid", "fallback_silent", "wrong", "crash", "hang")
+BUGS = ("error_unnamed", "accepted_invalid", "fallback_invalid", "fallback_silent", "wrong",
+        "crash", "hang")
 STARTUP_SECONDS = 180      # the child imports TF and rewrites nothing: ~10 s, on a busy machine more
 
 CHILD = textwrap.dedent(r'''
@@ -102,13 +106,17 @@ CHILD = textwrap.dedent(r'''
         return json.dumps(d)
 
     def textual(rng, d):
+        """(text, whether it is invalid by construction)"""
         t = json.dumps(d).encode()
         r = rng.randrange(7)
+        if r == 1:                                  # a flipped bit may leave it valid
+            i = rng.randrange(len(t))
+            return t[:i] + bytes([t[i] ^ (1 << rng.randrange(8))]) + t[i + 1:], False
+        return textual_invalid(rng, t, r), True
+
+    def textual_invalid(rng, t, r):
         if r == 0:
             return t[:rng.randrange(len(t))]
-        if r == 1:
-            i = rng.randrange(len(t))
-            return t[:i] + bytes([t[i] ^ (1 << rng.randrange(8))]) + t[i + 1:]
         if r == 2:
             return t + b"\0" + rng.choice([b"", b"junk", t])
         if r == 3:
@@ -127,6 +135,7 @@ CHILD = textwrap.dedent(r'''
         return json.dumps(d)
 
     def attributes(rng, node):
+        """Whether the mutant is invalid by construction (the spec_hash ones)."""
         r = rng.randrange(7)
         if r == 0:
             node.attr["spec_hash"].s = b""
@@ -146,6 +155,7 @@ CHILD = textwrap.dedent(r'''
             node.attr["_stitching_forward"].list.i[:] = [rng.randint(-2, 3) for _ in range(rng.choice([1, 2, 4]))]
         else:
             node.attr["label"].s = rng.choice([b"", b"\0", b"x" * 10000, b"%s%n"])
+        return r <= 2
 
     warned_once = False
     for trial in range(start, stop):
@@ -154,17 +164,17 @@ CHILD = textwrap.dedent(r'''
         gd.CopyFrom(gd0)
         node = gd.node[k]
         kind = rng.choice(["structural", "structural", "textual", "version", "attribute"])
-        text = json.dumps(base).encode()
+        text, invalid = json.dumps(base).encode(), False
         if kind == "structural":
             text = structural(rng, copy.deepcopy(base)).encode()
         elif kind == "textual":
-            text = textual(rng, copy.deepcopy(base))
-        elif kind == "version":
-            text = version(rng, copy.deepcopy(base)).encode()
+            text, invalid = textual(rng, copy.deepcopy(base))
+        elif kind == "version":                     # every choice is not the integer 1
+            text, invalid = version(rng, copy.deepcopy(base)).encode(), True
         node.attr["spec"].s = text
         node.attr["spec_hash"].s = hashlib.sha256(text).hexdigest()[:24].encode()
         if kind == "attribute":
-            attributes(rng, node)
+            invalid = attributes(rng, node)
         if rng.random() < 0.5:
             node.attr.pop("fallback", None)
         print("START", trial, kind, flush=True)
@@ -186,11 +196,13 @@ CHILD = textwrap.dedent(r'''
         else:
             fell = runtime.stats()["fallbacks"] > before
             try:
-                spec = KernelSpec.from_json(text)
-                ref = cuda_ref.evaluate(spec, [x])[0]
+                spec = None if invalid else KernelSpec.from_json(text)
+                ref = None if invalid else cuda_ref.evaluate(spec, [x])[0]
             except Exception:  # noqa: BLE001 - not a valid spec: only the fallback may answer
                 spec = ref = None
-            if fell:
+            if invalid and not fell:
+                outcome, detail = "accepted_invalid", "ran a spec invalid by construction"
+            elif fell:
                 # (one Python warning per process for kernels that cannot be built)
                 warned_once = warned_once or any("stitching" in str(w.message) for w in seen)
                 outcome = "fallback_invalid" if spec is None else \

@@ -398,6 +398,14 @@ def _warn_native(e) -> None:
 
 
 _INTERP = None
+_shipped_interp = None     # stem of a shape interpreter a verified model shipped (shipped.py)
+
+
+def offer_interp(stem: Path) -> None:
+    """A shape interpreter shipped with a model whose manifest was verified: used when
+    this cache has none (shipped.add)."""
+    global _shipped_interp
+    _shipped_interp = stem
 
 
 def interp_address() -> int:
@@ -416,8 +424,7 @@ def interp_address() -> int:
                 return shape_interp.run.py_func, shape_interp.SIG, shape_interp.OPTIONS
             stem = kernel_dir() / "interp"
             installed = cachedir.default_root() / "kernels" / stem.parent.name / "interp"
-            from . import shipped          # one a verified model shipped (shipped.py)
-            for other in (installed, shipped.interp_stem()):
+            for other in (installed, _shipped_interp):   # or one a verified model shipped
                 if other is not None and not native.built(stem) and \
                         native.built(other, "interp"):
                     stem = other

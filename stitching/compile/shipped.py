@@ -42,7 +42,6 @@ from pathlib import Path
 
 _lock = threading.Lock()
 _index: dict = {}            # spec hash -> entry (validated, see _entry) + its "sha256"
-_interp = None               # content hash of a shipped shape interpreter, if any
 _EMITTER = None
 _CODE_NAME = re.compile(r"k_[0-9a-f]{24}\Z")
 # the sources a spec's code, shape program and errors are generated from
@@ -79,9 +78,9 @@ def add(entries, emitter: str, installed: dict) -> tuple:
     and whose file vouches for them.  Returns (how many were taken, [spec hashes
     refused because their file does not vouch for them]); none taken if ``emitter``
     is not this process's ``emitter_tag()``."""
-    global _interp
     if "interp" in installed:
-        _interp = installed["interp"][0]
+        from . import kernel
+        kernel.offer_interp(store() / installed["interp"][0])
     if emitter != emitter_tag() or not isinstance(entries, dict):
         return 0, []
     taken, refused = {}, []
@@ -137,12 +136,6 @@ def store() -> Path:
     return kernel.kernel_dir() / "shipped"
 
 
-def interp_stem():
-    """The shipped shape interpreter's stem (installed from a verified model in this
-    process), or None."""
-    return None if _interp is None else store() / _interp
-
-
 class ShippedKernel:
     """What runtime.register needs (its duck type), from the spec and an index entry."""
 
@@ -167,7 +160,5 @@ class ShippedKernel:
 
 def clear() -> None:
     """Forget the index (tests)."""
-    global _interp
     with _lock:
         _index.clear()
-        _interp = None
