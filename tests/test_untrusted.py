@@ -530,3 +530,17 @@ def test_compile_workers_die_with_their_parent():
     while alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(), "the compile worker outlived its parent"
+
+
+def test_a_helper_cache_entry_that_is_not_a_file_is_removed(tmp_path, monkeypatch):
+    """Numba reads its cache files itself: a FIFO among them would hang a compile."""
+    from stitching.compile import helper_cache
+    d = tmp_path / "helpers"
+    d.mkdir()
+    os.mkfifo(d / "x.nbi")
+    (d / "y.nbc").mkdir()
+    monkeypatch.setattr(helper_cache, "_read_only", False)
+    assert helper_cache._only_files(d) and list(d.iterdir()) == []
+    os.mkfifo(d / "x.nbi")
+    monkeypatch.setattr(helper_cache, "_read_only", True)   # the installed cache: unused
+    assert not helper_cache._only_files(d)
