@@ -544,3 +544,21 @@ def test_a_helper_cache_entry_that_is_not_a_file_is_removed(tmp_path, monkeypatc
     os.mkfifo(d / "x.nbi")
     monkeypatch.setattr(helper_cache, "_read_only", True)   # the installed cache: unused
     assert not helper_cache._only_files(d)
+
+
+@pytest.mark.parametrize("what", ["a FIFO", "/dev/zero"])
+def test_a_shipped_kernel_that_is_not_a_file_is_refused(tmp_path, monkeypatch, what):
+    """Issue 44: a shipped .so that is a FIFO never returned; one linked to /dev/zero
+    read until MemoryError.  Refused before a byte is read, with a warning."""
+    from stitching.compile import shipped
+    from stitching.tf import kernel_assets
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path / "cache"))
+    manifest, so, sha = _planted_assets(tmp_path, saved_model=True)
+    so.unlink()
+    os.mkfifo(so) if what == "a FIFO" else so.symlink_to("/dev/zero")
+    try:
+        with pytest.warns(RuntimeWarning, match="cannot be read, or is not the file"):
+            _within(30, lambda: kernel_assets.install("\n".join([sha, str(manifest), str(so)])))
+        assert shipped._index == {}
+    finally:
+        shipped.clear()
