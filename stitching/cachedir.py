@@ -15,6 +15,8 @@ names hash every input of their build.
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 from pathlib import Path
 
 DEFAULT_ROOT = os.path.join("~", ".cache", "stitching")
@@ -28,3 +30,73 @@ def root() -> Path:
 def default_root() -> Path:
     """The install step's cache root, whatever ``STITCHING_CACHE_DIR`` says."""
     return Path(DEFAULT_ROOT).expanduser()
+
+
+class NotAFile(OSError):
+    """A path that is not a plain file to read (a FIFO, a device, a directory, a
+    symlink leaving its directory, or over its size limit): never read."""
+
+
+def read_file(path, limit: int, size: int | None = None, within=None) -> bytes:
+    """The bytes of ``path``, read only if it is a regular file of at most ``limit``
+    bytes (of exactly ``size``, when given).
+
+    Cache and asset files are opened as files: ``O_NOFOLLOW`` (a symlink is refused;
+    with ``within``, one that resolves inside that directory is followed), ``O_NONBLOCK``
+    (opening a FIFO does not wait for a writer) and ``fstat`` on the open descriptor
+    before a byte is read, so a FIFO, a device (``/dev/zero`` reads forever), a
+    directory or a file swapped in between is refused with ``NotAFile`` instead of
+    hanging or exhausting memory."""
+    path = os.fspath(path)
+    if within is not None and os.path.islink(path):
+        real, base = os.path.realpath(path), os.path.realpath(within)
+        if os.path.commonpath([real, base]) != base:
+            raise NotAFile(f"{path}: a symlink that leaves {within}")
+        path = real
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == getattr(os, "ELOOP", 40):
+            raise NotAFile(f"{path}: a symlink, not a file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAFile(f"{path}: not a regular file ({_kind(st.st_mode)})")
+        if st.st_size > limit:
+            raise NotAFile(f"{path}: {st.st_size} bytes, more than the {limit} expected")
+        if size is not None and st.st_size != size:
+            raise NotAFile(f"{path}: {st.st_size} bytes, {size} recorded")
+        chunks, left = [], st.st_size
+        while left > 0:
+            b = os.read(fd, left)
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _kind(mode) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def clear_for_file(path) -> None:
+    """Make room for a file at ``path`` (about to be renamed there): a directory or
+    other non-file in its place (a damaged cache) is removed; a file is left to the
+    rename, which replaces it atomically."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    elif not stat.S_ISREG(st.st_mode):
+        os.unlink(path)

@@ -186,8 +186,8 @@ def test_the_asset_manifest_is_bound_to_the_graph(shipped, tmp_path):
     recorded: nothing from the assets is used."""
     model = _copy_model(shipped, tmp_path)
     manifest = model / "assets" / "stitching_kernels.json"
-    manifest.write_text(manifest.read_text().replace('"version": 2', '"version":  2'))
-    assert manifest.read_text().count('"version":  2') == 1
+    manifest.write_text(manifest.read_text().replace('"version": 3', '"version":  3'))
+    assert manifest.read_text().count('"version":  3') == 1
     r = _run(_LOAD_ONE.format(path=str(model), d=str(shipped)),
              env={"STITCHING_CACHE_DIR": str(tmp_path / "cache")})
     out = _result(r)
@@ -408,22 +408,30 @@ def test_kernels_that_cannot_be_built_fall_back_to_the_original_subgraph(shipped
 
 def test_the_spec_hash_index_takes_only_checked_well_formed_entries(shipped):
     """compile/shipped.py: entries of another code generator (emitter hash), entries
-    whose code was not installed, and malformed entries are not indexed."""
+    whose code was not installed, malformed entries, and entries the kernel file
+    they name does not vouch for (its identity) are not indexed."""
     import json as _json
 
     from stitching.compile import shipped as S
     manifest = _json.loads((shipped / "cnn" / "assets" / "stitching_kernels.json").read_text())
     entries, emitter = manifest["kernels"], manifest["emitter"]
-    codes = {e["code"] for e in entries.values()}
+    # {code: (sha, identity)} as kernel_assets installs them: each file vouches for
+    # the entries of the specs it serves
+    codes = {e["code"]: ("0" * 64, {"code": e["code"], "kernels": {
+        k: x for k, x in entries.items() if x["code"] == e["code"]}})
+        for e in entries.values()}
     try:
         S.clear()
-        assert S.add(entries, "0" * 24, codes) == 0                  # another generator
-        assert S.add(entries, emitter, set()) == 0                   # nothing installed
+        assert S.add(entries, "0" * 24, codes) == (0, [])             # another generator
+        assert S.add(entries, emitter, {}) == (0, [])                  # nothing installed
         bad = {k: dict(e, program=["1; import os"]) for k, e in entries.items()}
-        assert S.add(bad, emitter, codes) == 0
+        assert S.add(bad, emitter, codes)[0] == 0
         bad = {k: dict(e, code="../../etc/passwd") for k, e in entries.items()}
-        assert S.add(bad, emitter, codes | {"../../etc/passwd"}) == 0
-        assert S.add(entries, emitter, codes) == len(entries) >= 1
+        assert S.add(bad, emitter, dict(codes, **{"../../etc/passwd": ("0" * 64, {})}))[0] == 0
+        silent = {c: (sha, {"code": c, "kernels": {}}) for c, (sha, _) in codes.items()}
+        taken, refused = S.add(entries, emitter, silent)               # not vouched for
+        assert taken == 0 and sorted(refused) == sorted(entries)
+        assert S.add(entries, emitter, codes) == (len(entries), []) and len(entries) >= 1
     finally:
         S.clear()
 
@@ -452,3 +460,159 @@ def test_rewrite_graph_def_in_memory_matches_the_original():
         stitching.rewrite_graph_def(gd, ["nope"])
     with pytest.raises(ValueError, match="StitchedKernel"):       # already rewritten
         stitching.rewrite_graph_def(new_gd, ["y"])
+
+
+# ---- untrusted graphs and tampered models (issue 44) -----------------------------------
+
+def _sha(data: bytes) -> str:
+    import hashlib
+    return hashlib.sha256(data).hexdigest()
+
+
+def _retamper(model, edit):
+    """Edit the model's kernel manifest with ``edit(manifest, assets dir)`` and record
+    the new manifest hash in saved_model.pb, as a tamperer who knows the format would:
+    every hash the model holds stays consistent."""
+    path = model / "assets" / "stitching_kernels.json"
+    old = _sha(path.read_bytes())
+    m = json.loads(path.read_text())
+    edit(m, model / "assets")
+    text = json.dumps(m).encode()
+    path.write_bytes(text)
+    pb = model / "saved_model.pb"
+    data = pb.read_bytes()
+    assert old.encode() in data
+    pb.write_bytes(data.replace(old.encode(), _sha(text).encode()))
+
+
+def _swap_codes(m, assets):
+    (h1, e1), (h2, e2) = [(h, e) for h, e in sorted(m["kernels"].items())][:2]
+    assert e1["code"] != e2["code"]
+    e1["code"], e2["code"] = e2["code"], e1["code"]
+    m["specs"][h1], m["specs"][h2] = e1["code"], e2["code"]
+
+
+def _replace_file(m, assets):
+    a, b = sorted(n for n in m["files"] if n.startswith("k_"))[:2]
+    data = (assets / b).read_bytes()
+    (assets / a).write_bytes(data)
+    m["files"][a] = {"sha256": _sha(data), "size": len(data)}
+
+
+@pytest.mark.parametrize("tamper, expect", [
+    (_swap_codes, "is not vouched for by the kernel file it names"),
+    (_replace_file, "a kernel file that does not belong"),
+], ids=["index_swaps_two_code_names", "a_kernel_file_replaced_by_another"])
+def test_a_tampered_model_with_consistent_hashes_is_correct_with_a_warning(
+        shipped, tmp_path, tamper, expect):
+    """Issue 44: both crashed (SIGSEGV) when every hash, saved_model.pb's included, was
+    updated to match.  A shipped file carries its identity: the kernels that do not
+    belong compile from their specs, with a warning, and the answer is right."""
+    model = _copy_model(shipped, tmp_path)
+    _retamper(model, tamper)
+    r = _run(_LOAD_ONE.format(path=str(model), d=str(shipped)),
+             env={"STITCHING_CACHE_DIR": str(tmp_path / "cache")})
+    out = _result(r)
+    assert out["err"] < 1e-5, out
+    assert expect in r.stderr, r.stderr[-3000:]
+
+
+_PLANT = """
+    import hashlib, json, sys, warnings
+    warnings.simplefilter("always")
+    import numpy as np, tensorflow as tf
+    import stitching
+    from stitching.compile import shipped
+    manifest, so, sha = sys.argv[1:4]
+    out = {{}}
+    # 1. a StitchedKernel spec holding the assets installer's payload
+    gd = tf.compat.v1.GraphDef.FromString(open({d!r} + "/out.pb", "rb").read())
+    (node,) = [n for n in gd.node if n.op == "StitchedKernel"]
+    node.attr["spec"].s = ("stitching-assets\\n" + sha + "\\n" + manifest + "\\n" + so).encode()
+    node.attr["spec_hash"].s = hashlib.sha256(node.attr["spec"].s).hexdigest()[:24].encode()
+    run = tf.compat.v1.wrap_function(
+        lambda a: tf.compat.v1.import_graph_def(gd, {{"x:0": a}}, ["y:0"], name=""),
+        [tf.TensorSpec([None, 16], tf.float32)])
+    try:
+        run(tf.constant(np.load({d!r} + "/x_g.npy")))
+        out["spec"] = "ran"
+    except tf.errors.InvalidArgumentError as e:
+        out["spec"] = str(e)
+    # 2. a plain graph holding the installer's op, pointed at the crafted files
+    g = tf.Graph()
+    with g.as_default():
+        op = stitching.runtime.load().stitched_kernel_assets(
+            paths=tf.constant([manifest, so]), manifest_sha256=sha)
+        with tf.compat.v1.Session(graph=g) as s:
+            s.run(op)
+    out["shipped"] = shipped.store().exists()
+    print("RESULT", json.dumps(out))
+"""
+
+_VICTIM = """
+    import json, warnings
+    warnings.simplefilter("always")
+    import numpy as np, tensorflow as tf
+    import stitching
+    d = {d!r}
+    out = {{}}
+    m = tf.saved_model.load({model!r})                    # the untouched model
+    sig = m.signatures["serving_default"]
+    x, want = np.load(d + "/x_cnn.npy"), np.load(d + "/y_cnn.npy")
+    (got,) = sig(**{{list(sig.structured_input_signature[1])[0]: tf.constant(x)}}).values()
+    out["savedmodel"] = float(np.abs(got.numpy() - want).max())
+    gd = tf.compat.v1.GraphDef.FromString(open(d + "/out.pb", "rb").read())
+    run = tf.compat.v1.wrap_function(                     # its kernel from the cache
+        lambda a: tf.compat.v1.import_graph_def(gd, {{"x:0": a}}, ["y:0"], name=""),
+        [tf.TensorSpec([None, 16], tf.float32)])
+    x, want = np.load(d + "/x_g.npy"), np.load(d + "/y_g.npy")
+    out["graphdef"] = float(np.abs(run(tf.constant(x))[0].numpy() - want).max())
+    out["fallbacks"] = stitching.runtime.stats()["fallbacks"]
+    print("RESULT", json.dumps(out))
+"""
+
+
+def test_a_graph_cannot_plant_kernels_for_a_later_model(shipped, tmp_path):
+    """Issue 44's poisoning chain.  A plain graph offers a kernel file under another
+    kernel's code name (manifest consistent), through a StitchedKernel spec holding the
+    installer's payload and through a StitchedKernelAssets node of its own: nothing is
+    installed.  Then a plant that did land in the compile cache (as a graph writing
+    files could leave it: another kernel's whole, sealed object under the victim's
+    code name) is refused by the untouched models loaded next: correct answers, with
+    a warning, no fallback."""
+    import shutil
+
+    from stitching.compile import integrity
+    cache = tmp_path / "cache"
+    side = json.loads((shipped / "out.pb.kernels" / "stitching_kernels.json").read_text())
+    (victim,) = set(side["specs"].values())              # out.pb's kernel code name
+    cnn = json.loads((shipped / "cnn" / "assets" / "stitching_kernels.json").read_text())
+    other = sorted(n for n in cnn["files"] if n.startswith("k_"))[0]
+    evil = tmp_path / "evil" / "assets"          # laid out as a SavedModel's assets
+    evil.mkdir(parents=True)
+    shutil.copy(shipped / "cnn" / "assets" / other, evil / f"{victim}.so")
+    data = (evil / f"{victim}.so").read_bytes()
+    manifest = dict(cnn, files={f"{victim}.so": {"sha256": _sha(data), "size": len(data)}})
+    text = json.dumps(manifest).encode()
+    (evil / "stitching_kernels.json").write_bytes(text)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_PLANT.format(d=str(shipped))),
+                        str(evil / "stitching_kernels.json"), str(evil / f"{victim}.so"),
+                        _sha(text)], capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3",
+                                STITCHING_CACHE_DIR=str(cache)))
+    out = _result(r)
+    assert "spec is not valid JSON" in out["spec"] and "stitching/kernel_0" in out["spec"]
+    assert not out["shipped"], "a plain graph installed kernel files"
+    assert "is not a SavedModel whose graph records" in r.stderr, r.stderr[-3000:]
+    assert not list(cache.rglob("k_*.so")), "a plain graph put a kernel into the cache"
+    # the plant a graph that writes files could leave in the compile cache
+    here = cache / "kernels" / cnn["abi"]
+    here.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shipped / "cnn" / "assets" / other, here / f"{victim}.so")
+    integrity.seal(here / f"{victim}.so", (here / f"{victim}.so").read_bytes())
+    r = _run(_VICTIM.format(d=str(shipped), model=str(shipped / "cnn")),
+             env={"STITCHING_CACHE_DIR": str(cache)})
+    out = _result(r)
+    assert out["savedmodel"] < 1e-5 and out["graphdef"] < 1e-5, out
+    assert out["fallbacks"] == 0, out
+    assert "a kernel file that does not belong" in r.stderr, r.stderr[-3000:]

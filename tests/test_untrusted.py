@@ -93,8 +93,10 @@ def _spec(files) -> dict:
     return json.loads(node.attr["spec"].s)
 
 
-def _run_with(files, spec, x, attrs=None):
-    """Run the rewritten graph with its StitchedKernel's spec (and attrs) replaced."""
+def _run_with(files, spec, x, attrs=None, fallback=False):
+    """Run the rewritten graph with its StitchedKernel's spec (and attrs) replaced;
+    ``fallback``: the node keeps its original subgraph (which must not serve a spec
+    that fails validation)."""
     gd = tf.compat.v1.GraphDef.FromString((files / "out.pb").read_bytes())
     (node,) = [n for n in gd.node if n.op == "StitchedKernel"]
     node.attr["spec"].s = spec if isinstance(spec, bytes) else \
@@ -102,7 +104,8 @@ def _run_with(files, spec, x, attrs=None):
     # as a deliberate edit would: the recorded hash made to match, so that what is
     # tested is the validation of the spec itself (the hash: its own test below)
     node.attr["spec_hash"].s = hashlib.sha256(node.attr["spec"].s).hexdigest()[:24].encode()
-    node.attr.pop("fallback", None)   # the spec's own handling (fallback: test_serving)
+    if not fallback:
+        node.attr.pop("fallback", None)   # the spec's own handling (fallback: test_serving)
     for k, fn in (attrs or {}).items():
         fn(node.attr[k])
     run = tf.compat.v1.wrap_function(
@@ -161,21 +164,37 @@ TAMPERED = {
     "bool as size": (lambda d: _edit(["schedule", "rows_per_task"], True)(d),
                      "schedule.rows_per_task must be an int"),
     "extra key": (lambda d: _edit(["__class__"], "x")(d), "unknown spec keys"),
-    "too many nodes": (lambda d: _edit(["nodes"], d["nodes"] * 2000)(d),
+    "too many nodes": (lambda d: _edit(["nodes"], (d["nodes"] * 4097)[:4097])(d),
                        "nodes must be a non-empty list of at most 4096"),
     "NaN constant": (lambda d: json.dumps(d).replace('"value": 3.0', '"value": NaN'),
                      "non-standard JSON constant NaN"),
+    # issue 44: served by the fallback before, with no warning
+    "deep nesting": (lambda d: json.dumps(d)[:-1] + ', "x": ' + "[" * 100000 +
+                     "]" * 100000 + "}", "spec nests deeper than 16 levels"),
+    "NUL after the JSON": (lambda d: json.dumps(d).encode() + b"\0garbage",
+                           "the spec holds a NUL byte at offset"),
+    "version true": (lambda d: _edit(["version"], True)(d), "unsupported spec version"),
+    "version 1.0": (lambda d: _edit(["version"], 1.0)(d), "unsupported spec version"),
+    "the assets installer's marker": (lambda d: "stitching-assets\n" + "0" * 64 +
+                                      "\n/tmp/stitching_kernels.json",
+                                      "spec is not valid JSON"),
+    "over the size limit": (lambda d: json.dumps(d)[:-1] + ', "pad": "' + "x" * (2 << 20)
+                            + '"}', "limit 1048576"),
 }
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["alone", "with_fallback"])
 @pytest.mark.parametrize("case", sorted(TAMPERED))
-def test_a_tampered_spec_is_a_clear_error_naming_the_node(files, case, tmp_path,
+def test_a_tampered_spec_is_a_clear_error_naming_the_node(files, case, fallback, tmp_path,
                                                           monkeypatch):
+    """Whether or not the node carries its original subgraph: the fallback serves
+    kernels that cannot be *built* here, never specs that fail validation."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("STITCHING_STRICT", raising=False)
     tamper, expect = TAMPERED[case]
     x = np.ones([2, 16], np.float32)
     with pytest.raises((tf.errors.InvalidArgumentError, tf.errors.NotFoundError)) as e:
-        _run_with(files, tamper(_spec(files)), x)
+        _run_with(files, tamper(_spec(files)), x, fallback=fallback)
     msg = str(e.value)
     assert NODE in msg and "StitchedKernel" in msg, msg
     assert expect in msg, msg
@@ -202,6 +221,29 @@ def test_a_spec_that_does_not_match_its_recorded_hash_is_refused(files):
     with pytest.raises(tf.errors.InvalidArgumentError) as e:
         run(tf.constant(x))
     assert NODE in str(e.value) and "does not match its spec_hash" in str(e.value)
+
+
+@pytest.mark.parametrize("how", ["cleared", "removed"])
+def test_a_spec_without_its_hash_is_refused(files, how):
+    """Clearing or removing `spec_hash` does not let an edited spec run (issue 44)."""
+    d = _spec(files)
+    d["nodes"][_first_op(d, "Const")]["attrs"]["value"] = 5.0
+
+    def drop(a):
+        a.s = b""
+    x = np.ones([2, 16], np.float32)
+    with pytest.raises(tf.errors.InvalidArgumentError) as e:
+        if how == "cleared":
+            _run_with(files, d, x, {"spec_hash": drop}, fallback=True)
+        else:
+            gd = tf.compat.v1.GraphDef.FromString((files / "out.pb").read_bytes())
+            (node,) = [n for n in gd.node if n.op == "StitchedKernel"]
+            node.attr["spec"].s = json.dumps(d).encode()
+            del node.attr["spec_hash"]
+            tf.compat.v1.wrap_function(
+                lambda a: tf.compat.v1.import_graph_def(gd, {"x:0": a}, ["y:0"], name=""),
+                [tf.TensorSpec([None, 16], tf.float32)])(tf.constant(x))
+    assert NODE in str(e.value) and "has no spec_hash" in str(e.value)
 
 
 def test_tampered_node_attributes_beside_a_valid_spec(files):
@@ -232,110 +274,22 @@ def test_a_valid_edit_of_a_spec_computes_what_the_edit_means(files):
 
 # ---- fuzz ----------------------------------------------------------------------------
 
-FUZZ = textwrap.dedent('''
-    import json, random, sys
-    import numpy as np, tensorflow as tf
-    import stitching
-    from stitching.codegen.cuda import ref as cuda_ref
-    from stitching.ir import KernelSpec, SpecError
-    gd0 = tf.compat.v1.GraphDef.FromString(open(sys.argv[1], "rb").read())
-    (k,) = [i for i, n in enumerate(gd0.node) if n.op == "StitchedKernel"]
-    base = json.loads(gd0.node[k].attr["spec"].s)
-    rng = random.Random(int(sys.argv[2]))
-    VALUES = [0, 1, -1, 2, 16, 3.5, -0.0, 1e30, 1 << 62, -(1 << 62), True, None, "",
-              "x", "Exp", "Sub", "float64", "int32", "__import__('os')", [], [1], {}]
-
-    def paths(o, p=()):
-        yield p
-        if isinstance(o, dict):
-            for kk, v in o.items():
-                yield from paths(v, p + (kk,))
-        elif isinstance(o, list):
-            for i, v in enumerate(o):
-                yield from paths(v, p + (i,))
-
-    # same-arity ops: a swap among them often leaves a valid spec of another function
-    KINDS = [["Exp", "Tanh", "Neg", "Abs", "Sigmoid", "Square", "Relu", "Identity"],
-             ["Add", "Sub", "Mul", "Maximum", "Minimum", "AddV2"],
-             ["Max", "Min", "Sum", "Mean"]]
-
-    def meaningful(d):
-        n = rng.choice(d["nodes"])
-        for kind in KINDS:
-            if n["op"] in kind:
-                n["op"] = rng.choice(kind)
-        if n["op"] == "Const":
-            n["attrs"]["value"] = rng.choice([0.0, -1.5, 7.0, 1e-3, 1e30, -0.0])
-        if rng.random() < 0.3:
-            d["schedule"] = rng.choice([{}, {"rows_per_task": rng.randint(1, 9)},
-                                        {"scratch": 0}, {"col_block": 3},
-                                        {"split_rows": 1}])
-        return d
-
-    def mutate(d):
-        d = json.loads(json.dumps(d))
-        if rng.random() < 0.4:
-            return meaningful(d)
-        for _ in range(rng.choice([1, 1, 2, 3])):
-            p = rng.choice([q for q in paths(d) if q])
-            parent = d
-            for kk in p[:-1]:
-                parent = parent[kk]
-            r = rng.random()
-            if r < 0.15 and isinstance(parent, list) and len(parent) > 1:
-                del parent[p[-1]]
-            elif r < 0.25 and isinstance(parent, dict):
-                del parent[p[-1]]
-            elif r < 0.55 and isinstance(parent[p[-1]], (int, float)) \\
-                    and not isinstance(parent[p[-1]], bool):
-                parent[p[-1]] = parent[p[-1]] + rng.choice([-2, -1, 1, 2])
-            else:
-                parent[p[-1]] = rng.choice(VALUES)
-        return d
-
-    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
-    outcome = {"error": 0, "correct": 0}
-    for trial in range(int(sys.argv[3])):
-        d = mutate(base)
-        text = json.dumps(d)
-        gd = tf.compat.v1.GraphDef()
-        gd.CopyFrom(gd0)
-        gd.node[k].attr["spec"].s = text.encode()
-        gd.node[k].attr["spec_hash"].s = __import__("hashlib").sha256(
-            text.encode()).hexdigest()[:24].encode()
-        gd.node[k].attr.pop("fallback", None)     # the spec's own handling
-        try:
-            run = tf.compat.v1.wrap_function(
-                lambda a: tf.compat.v1.import_graph_def(gd, {"x:0": a}, ["y:0"], name=""),
-                [tf.TensorSpec([None, 16], tf.float32)])
-            got = run(tf.constant(x))[0].numpy()
-        except (tf.errors.OpError, ValueError, TypeError) as e:
-            msg = str(e)
-            assert "stitching/kernel_0" in msg or "StitchedKernel" in msg \\
-                or "stitching/kernel_0" in repr(e), (text, msg[:2000])
-            outcome["error"] += 1
-            continue
-        spec = KernelSpec.from_json(text)     # it ran: so it must be a valid spec
-        (ref,) = cuda_ref.evaluate(spec, [x])[:1]
-        assert got.shape == ref.shape, (text, got.shape, ref.shape)
-        np.testing.assert_allclose(got, ref.astype(np.float64), rtol=2e-5, atol=2e-6,
-                                   err_msg=text)
-        outcome["correct"] += 1
-    print("RESULT", json.dumps(outcome))
-''')
-
-
 def test_fuzzed_specs_give_a_clear_error_or_the_right_answer(files):
-    """Random mutations of a real spec (values, deleted keys and list items, numbers
-    nudged): each must fail with an error naming the node or compute what the mutated
-    spec means.  In a subprocess, so a crash is a failure, not the end of the run."""
-    r = subprocess.run([sys.executable, "-c", FUZZ, str(files / "out.pb"), "29", "150"],
-                       capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"))
-    assert r.returncode == 0, (r.returncode, r.stderr[-4000:])
-    out = json.loads(r.stdout.split("RESULT ")[-1])
-    assert out["error"] + out["correct"] == 150
-    assert out["error"] > 20 and out["correct"] > 20, out       # both branches exercised
+    """Random mutations of a real spec (tools/fuzz_specs.py: values, deleted keys and
+    list items, numbers nudged, the text cut, flipped, NUL bytes, deep nesting; node
+    attributes): each must fail with an error naming the node, compute what the
+    mutated spec means, or fall back with a warning for a valid spec.  Trials run in
+    a child process, so a crash or a hang is counted, not the end of the run."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import fuzz_specs
+    finally:
+        sys.path.remove(os.path.join(ROOT, "tools"))
+    out = fuzz_specs.fuzz(150, 29, timeout=120, graph=str(files / "out.pb"))
+    assert out["bugs"] == 0, out
+    assert sum(out["counts"].values()) == 150
+    counts = out["counts"]
+    assert counts["error_names_node"] > 20 and counts["correct"] > 20, out   # both exercised
 
 
 def test_a_region_without_outputs_is_refused_not_emitted():
@@ -360,3 +314,251 @@ def test_a_region_without_outputs_is_refused_not_emitted():
                    "shape": [-1, 16]}], "outputs": [0]}))
     with pytest.raises(SpecError, match="at least one output"):
         validate(dataclasses.replace(spec, outputs=()))
+
+
+# ---- the kernel cache: files opened as files, kernels that belong (issue 44) ---------
+
+def _mul_spec(c: float, n: int = 1, op: str = "Mul"):
+    """x * c (n == 1), or a chain of n ``op`` nodes after it: a spec whose code is
+    its own (c) and as large as wanted (n)."""
+    from stitching.ir import KernelSpec
+    t = {"dtype": "float32", "shape": [-1, 16]}
+    nodes = [{"op": "Const", "args": [], "attrs": {"dtype": "float32", "shape": [], "value": c},
+              "dtype": "float32",
+              "shape": []},
+             {"op": "Mul", "args": [-1, 0], "attrs": {}, **t}]
+    nodes += [{"op": op, "args": [i + 1], "attrs": {}, **t} for i in range(n - 1)]
+    return KernelSpec.from_json(json.dumps({"version": 1, "inputs": [t], "nodes": nodes,
+                                            "outputs": [len(nodes) - 1]}))
+
+
+def _within(seconds, fn):
+    """fn() on a thread: a hang (reading a FIFO, /dev/zero) fails the test, not the run."""
+    import threading
+    out = []
+
+    def run():
+        try:
+            out.append((fn(), None))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+            out.append((None, e))
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "hung"
+    if out[0][1] is not None:
+        raise out[0][1]
+    return out[0][0]
+
+
+DAMAGE = {
+    "object is /dev/zero": lambda so, seal, other: (so.unlink(), so.symlink_to("/dev/zero")),
+    "object is a FIFO": lambda so, seal, other: (so.unlink(), os.mkfifo(so)),
+    "seal is /dev/zero": lambda so, seal, other: (seal.unlink(), seal.symlink_to("/dev/zero")),
+    "seal is a directory": lambda so, seal, other: (seal.unlink(), seal.mkdir()),
+    "seal is a FIFO": lambda so, seal, other: (seal.unlink(), os.mkfifo(seal)),
+    "symlink out of the cache": lambda so, seal, other: (
+        __import__("shutil").copy(so, so.parent.parent / "elsewhere.so"), so.unlink(),
+        so.symlink_to(so.parent.parent / "elsewhere.so")),
+    # the SIGSEGV of issue 44: another kernel's whole, sealed object under this name
+    # (a new file: this process has the old one mapped, as a later process would not)
+    "another kernel with its seal": lambda so, seal, other: (
+        so.unlink(), __import__("shutil").copy(other, so),
+        __import__("shutil").copy(other.with_name(other.name + ".sha256"), seal)),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_cache_entry_that_is_not_its_kernel_is_refused_and_rebuilt(damage, tmp_path,
+                                                                     monkeypatch):
+    from stitching.compile import integrity, kernel, native
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path / "cache"))
+    kernel.clear_memory_cache()            # kernels of other tests' caches
+    a, b = _mul_spec(3.0), _mul_spec(5.0, 2, "Neg")
+    ka, kb = kernel.compile_kernel(a), kernel.compile_kernel(b)
+    so = kernel.kernel_dir() / (ka.code_name + ".so")
+    other = kernel.kernel_dir() / (kb.code_name + ".so")
+    DAMAGE[damage](so, integrity.sidecar(so), other)
+    kernel.clear_memory_cache()
+    native._loaded.pop(str(so), None)
+    integrity._verified.clear()
+    with pytest.warns(RuntimeWarning, match="ignoring a damaged kernel cache entry"):
+        k = _within(120, lambda: kernel.compile_kernel(a))
+    x = np.arange(32, dtype=np.float32).reshape(2, 16)
+    np.testing.assert_array_equal(k(x)[0], x * 3)
+    assert not so.is_symlink() and so.is_file() and integrity.sidecar(so).is_file()
+    assert integrity.check(so, code=ka.code_name) is None          # repaired
+
+
+def test_files_are_read_as_files(tmp_path):
+    from stitching import cachedir
+    f = tmp_path / "f"
+    f.write_bytes(b"12345")
+    assert cachedir.read_file(f, 10) == b"12345"
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "in").symlink_to(f)
+    for path, why in [(f, "more than the 4 expected"), (tmp_path / "fifo", "a FIFO"),
+                      (tmp_path / "zero", "a symlink"), (tmp_path / "d", "a directory")]:
+        with pytest.raises(cachedir.NotAFile, match=why):
+            _within(10, lambda: cachedir.read_file(path, 4))
+    with pytest.raises(cachedir.NotAFile, match="5 bytes, 3 recorded"):
+        cachedir.read_file(f, 10, size=3)
+    with pytest.raises(cachedir.NotAFile, match="leaves"):   # a symlink out of `within`
+        cachedir.read_file(tmp_path / "d" / "in", 10, within=tmp_path / "d")
+    assert cachedir.read_file(tmp_path / "d" / "in", 10, within=tmp_path) == b"12345"
+
+
+# ---- kernel assets from a plain graph (issue 44's poisoning chain, in-process part) ---
+
+def _planted_assets(tmp_path, saved_model: bool):
+    """A directory of crafted kernel assets: kernel A's object (as a model ships it)
+    offered under kernel B's code name, with a consistent manifest; (manifest path,
+    object path, the manifest's sha)."""
+    import hashlib as H
+
+    from stitching.compile import integrity, kernel, shipped
+    kernel.clear_memory_cache()            # kernels of other tests' caches
+    ka, kb = kernel.compile_kernel(_mul_spec(7.0)), kernel.compile_kernel(_mul_spec(9.0))
+    d = tmp_path / "evil" / "assets"
+    d.mkdir(parents=True)
+    data = integrity.with_identity(          # A's object as a model would ship it
+        (kernel.kernel_dir() / (ka.code_name + ".so")).read_bytes(),
+        {"code": ka.code_name, "kernels": {ka.spec.hash: shipped.entry_of(ka)}})
+    (d / (kb.code_name + ".so")).write_bytes(data)
+    manifest = {"version": 3, "abi": kernel.kernel_dir().name, "host": "?",
+                "files": {kb.code_name + ".so": {"sha256": H.sha256(data).hexdigest(),
+                                                  "size": len(data)}},
+                "specs": {kb.spec.hash: kb.code_name}, "emitter": shipped.emitter_tag(),
+                "kernels": {kb.spec.hash: shipped.entry_of(kb)}}
+    text = json.dumps(manifest).encode()
+    (d / "stitching_kernels.json").write_bytes(text)
+    sha = H.sha256(text).hexdigest()
+    if saved_model:
+        (d.parent / "saved_model.pb").write_bytes(b"\x00graph records " + sha.encode())
+    return d / "stitching_kernels.json", d / (kb.code_name + ".so"), sha
+
+
+def test_the_assets_installer_does_not_run_for_a_plain_graph(tmp_path, monkeypatch):
+    """The StitchedKernelAssets op is a registered op any graph can hold: pointing it
+    at files of one's own installs nothing (the manifest is not a SavedModel's whose
+    graph records its hash), and a StitchedKernel spec never reaches the installer."""
+    from stitching import runtime
+    from stitching.compile import shipped
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path / "cache"))
+    manifest, so, sha = _planted_assets(tmp_path, saved_model=False)
+    with pytest.warns(RuntimeWarning, match="is not a SavedModel whose graph records"):
+        runtime.load().stitched_kernel_assets(paths=tf.constant([str(manifest), str(so)]),
+                                             manifest_sha256=sha)
+    assert not shipped.store().exists() and shipped._index == {}
+
+
+def test_a_shipped_file_that_is_another_kernel_is_refused(tmp_path, monkeypatch):
+    """Even inside a SavedModel whose graph records the manifest: kernel A's object
+    offered under code name B (every hash consistent) is refused by its identity."""
+    from stitching.compile import shipped
+    from stitching.tf import kernel_assets
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path / "cache"))
+    manifest, so, sha = _planted_assets(tmp_path, saved_model=True)
+    try:
+        with pytest.warns(RuntimeWarning, match="a kernel file that does not belong"):
+            kernel_assets.install("\n".join([sha, str(manifest), str(so)]))
+        assert shipped._index == {}
+    finally:
+        shipped.clear()
+
+
+# ---- bounded work per graph file ------------------------------------------------------
+
+def test_code_over_the_size_limit_is_not_compiled(monkeypatch):
+    from stitching.compile import kernel, parallel
+    monkeypatch.setattr(kernel, "MAX_CODE_BYTES", 2000)
+    with pytest.raises(parallel.CompileLimitError, match="bytes of generated code"):
+        parallel.compile_bounded(_mul_spec(11.0, 40, "Exp"))
+
+
+def test_a_compile_over_the_time_limit_is_stopped_and_falls_back_with_a_warning(
+        monkeypatch):
+    """A kernel from a graph file whose code is large compiles in a worker that is
+    killed at the time limit: the node gets its fallback (a warning), not minutes of
+    compiling."""
+    import time
+
+    import stitching.tf as stf
+    from stitching.compile import parallel
+    monkeypatch.setenv("STITCHING_COMPILE_SECONDS", "1")
+    spec = _mul_spec(13.0, 120, "Exp")               # ~12 KB of code: a worker's
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="more than 1 s"):
+        with pytest.raises(parallel.CompileLimitError):
+            stf._compile_spec(spec.to_json())
+    assert time.monotonic() - t0 < 15
+
+
+def test_a_process_stops_compiling_past_its_budget(monkeypatch):
+    from stitching.compile import parallel
+    monkeypatch.setattr(parallel, "_spent", 1e9)
+    with pytest.raises(parallel.CompileLimitError, match="STITCHING_COMPILE_BUDGET"):
+        parallel.compile_bounded(_mul_spec(17.0, 3, "Neg"))
+
+
+def test_compile_workers_die_with_their_parent():
+    """kill -9 of a process whose worker is compiling leaves no worker running."""
+    import signal
+    import time
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import time
+        from stitching.compile import parallel
+        p = parallel._spawn()
+        print(p.pid, flush=True)
+        time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT))
+    pid = int(parent.stdout.readline())
+    time.sleep(1.0)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+
+    def alive():
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                return "\tZ" not in next(ln for ln in f if ln.startswith("State:"))
+        except (FileNotFoundError, StopIteration):
+            return False
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(), "the compile worker outlived its parent"
+
+
+def test_a_helper_cache_entry_that_is_not_a_file_is_removed(tmp_path, monkeypatch):
+    """Numba reads its cache files itself: a FIFO among them would hang a compile."""
+    from stitching.compile import helper_cache
+    d = tmp_path / "helpers"
+    d.mkdir()
+    os.mkfifo(d / "x.nbi")
+    (d / "y.nbc").mkdir()
+    monkeypatch.setattr(helper_cache, "_read_only", False)
+    assert helper_cache._only_files(d) and list(d.iterdir()) == []
+    os.mkfifo(d / "x.nbi")
+    monkeypatch.setattr(helper_cache, "_read_only", True)   # the installed cache: unused
+    assert not helper_cache._only_files(d)
+
+
+@pytest.mark.parametrize("what", ["a FIFO", "/dev/zero"])
+def test_a_shipped_kernel_that_is_not_a_file_is_refused(tmp_path, monkeypatch, what):
+    """Issue 44: a shipped .so that is a FIFO never returned; one linked to /dev/zero
+    read until MemoryError.  Refused before a byte is read, with a warning."""
+    from stitching.compile import shipped
+    from stitching.tf import kernel_assets
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path / "cache"))
+    manifest, so, sha = _planted_assets(tmp_path, saved_model=True)
+    so.unlink()
+    os.mkfifo(so) if what == "a FIFO" else so.symlink_to("/dev/zero")
+    try:
+        with pytest.warns(RuntimeWarning, match="cannot be read, or is not the file"):
+            _within(30, lambda: kernel_assets.install("\n".join([sha, str(manifest), str(so)])))
+        assert shipped._index == {}
+    finally:
+        shipped.clear()

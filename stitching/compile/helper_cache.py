@@ -24,6 +24,8 @@ and nothing read from a graph ever goes into one.
 """
 from __future__ import annotations
 
+import os
+import stat
 import threading
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from numba import types
 from numba.core.caching import (CompileResultCacheImpl, FunctionCache,
                                 _CacheLocator)
 
+from .. import cachedir
 from ..codegen.cpu import rt as cpu_rt, fastmath  # cpu_rt: its helpers join fastmath.HELPERS on import
 
 _lock = threading.Lock()
@@ -98,6 +101,9 @@ def enable(path: Path, read_only: bool = False) -> bool:
             return _dir is not None
         _tried = True
         _dir, _read_only = Path(path), read_only
+        if not _only_files(_dir):
+            _dir = None                 # Numba would open a FIFO there and wait forever
+            return False
         try:
             caches = [_Cache(d.py_func) for d in fastmath.HELPERS]
         except RuntimeError:            # no usable locator: the directory is not writable
@@ -106,6 +112,26 @@ def enable(path: Path, read_only: bool = False) -> bool:
         for d, c in zip(fastmath.HELPERS, caches):
             d._cache = c
         return True
+
+
+def _only_files(d: Path) -> bool:
+    """Whether every entry of the cache directory ``d`` is a regular file (Numba opens
+    its cache files without such checks, compile/integrity.py's rule for every file
+    stitching reads itself): entries that are not are removed where the directory is
+    ours to write; a read-only one holding any is not used."""
+    try:
+        entries = list(os.scandir(d))
+    except OSError:
+        return True                     # absent (created on first save) or unreadable
+    for e in entries:
+        if not stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
+            if _read_only:
+                return False
+            try:
+                cachedir.clear_for_file(e.path)
+            except OSError:
+                return False
+    return True
 
 
 def enabled_dir() -> Path | None:

@@ -17,18 +17,37 @@ which is slow but never wrong.
 to lies inside the file: a truncation is then caught even for a file whose sidecar
 was truncated with it in a consistent way (a copy of both cut at the same point).
 
+Files are opened as files (cachedir.read_file): a FIFO, a device, a directory or a
+symlink in the place of an object or its sidecar is refused before a byte is read,
+and the object is read only up to the size its sidecar records.
+
+A kernel also says what it is: stitching appends an *identity* to every kernel
+object it writes (``with_identity``: a JSON record after the ELF image, which the
+loader ignores), at least ``{"code": <code name>}``.  ``check(path, code=...)``
+refuses an object whose identity is not that code: a whole, sealed kernel copied
+over another one's name (with its sidecar) is then a kernel that does not belong
+there, rebuilt, not run on the other kernel's buffers.  A shipped kernel's identity
+also carries the index entries of the specs it serves (tf/kernel_assets.py).
+
 Hashing costs ~0.3 ms per 100 KB; a verified file is remembered by (path, size,
 mtime, inode), so a process checks each object once.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 import threading
 from pathlib import Path
 
+from .. import cachedir
+
 SUFFIX = ".sha256"
+MAX_OBJECT = 256 << 20        # arbitrary: a kernel object is ~15-100 KB, the op library ~2 MB
+MAX_SIDECAR = 256
+_ID_MAGIC = b"\0stitching-id-1\0"   # ends an object with an identity
+_ID_MAX = 16 << 20
 _lock = threading.Lock()
 _verified: set = set()          # (path, size, mtime_ns, inode) of checked files
 
@@ -48,32 +67,75 @@ def seal(path: Path, data: bytes) -> None:
     side = sidecar(path)
     tmp = side.with_name(f".{side.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(digest(data))
+    cachedir.clear_for_file(side)     # a sidecar that is not a file is repaired here
     os.replace(tmp, side)
 
 
-def check(path: Path) -> str | None:
-    """None if ``path`` is a whole shared object matching its sidecar, else why not."""
+def check(path: Path, code: str | None = None, sha256: str | None = None) -> str | None:
+    """None if ``path`` is a whole shared object matching its sidecar, else why not.
+    ``code``: the code name its identity must carry; ``sha256``: the content hash it
+    must have (a shipped kernel's, recorded by its model)."""
     path = Path(path)
     try:
-        st = path.stat()
+        st = os.stat(path, follow_symlinks=False)
     except OSError as e:
         return f"{path}: {e.strerror or e}"
-    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino, code, sha256)
     if key in _verified:
         return None
     try:
-        want = sidecar(path).read_text()
-        data = path.read_bytes()
+        want = cachedir.read_file(sidecar(path), MAX_SIDECAR).decode("ascii")
+        recorded = int(want.split()[1])
+    except (OSError, UnicodeDecodeError, IndexError, ValueError) as e:
+        return f"{path}: no readable size/hash record ({getattr(e, 'strerror', None) or e})"
+    try:        # never more than the record says: /dev/zero would not end
+        data = cachedir.read_file(path, min(recorded, MAX_OBJECT))
     except OSError as e:
-        return f"{path}: no readable size/hash record ({e.strerror or e})"
+        return f"{path}: not the file its record describes ({getattr(e, 'strerror', None) or e})"
     if digest(data) != want:
         return (f"{path}: content ({len(data)} bytes) does not match the size and hash "
                 f"recorded when it was written ({want.strip()})")
+    if sha256 is not None and not want.startswith(sha256 + " "):
+        return f"{path}: not the file its model recorded (content hash {want.split()[0]})"
     reason = elf_problem(data)
+    if reason is None and code is not None:
+        reason = identity_problem(data, code)
     if reason:
         return f"{path}: {reason}"
     with _lock:
         _verified.add(key)
+    return None
+
+
+def with_identity(data: bytes, ident: dict) -> bytes:
+    """``data`` (an ELF object, any identity it had dropped) followed by ``ident``."""
+    body = json.dumps(ident, sort_keys=True, separators=(",", ":")).encode()
+    return split_identity(data)[0] + body + struct.pack("<Q", len(body)) + _ID_MAGIC
+
+
+def split_identity(data: bytes) -> tuple:
+    """(the ELF image, its identity dict or None)."""
+    if not data.endswith(_ID_MAGIC) or len(data) < len(_ID_MAGIC) + 8:
+        return data, None
+    end = len(data) - len(_ID_MAGIC)
+    n, = struct.unpack_from("<Q", data, end - 8)
+    if n > min(_ID_MAX, end - 8):
+        return data, None
+    try:
+        ident = json.loads(data[end - 8 - n:end - 8])
+    except (ValueError, RecursionError):
+        return data, None
+    return data[:end - 8 - n], ident if isinstance(ident, dict) else None
+
+
+def identity_problem(data: bytes, code: str) -> str | None:
+    """None if ``data``'s identity names ``code``, else why not."""
+    ident = split_identity(data)[1]
+    if ident is None:
+        return f"the object carries no identity (it should be {code})"
+    if ident.get("code") != code:
+        return (f"the object is kernel {str(ident.get('code'))[:40]}, not {code} "
+                f"(a kernel file that does not belong to what loads it)")
     return None
 
 

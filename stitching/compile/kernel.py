@@ -67,6 +67,12 @@ _BODY_T = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64,
                            ctypes.POINTER(ctypes.c_int64))
 _INTERP_T = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.POINTER(ctypes.c_int64)] * 5)
 MAX_PARAMS = 32
+# The largest generated code compiled at all (docs/serving-trust.md): measured, the
+# planner's largest kernels (1024 nodes of cheap element-wise ops) are ~64 KB and
+# compile in ~6 s; heavy ops cost far more per byte (256 chained Exps: 24 KB, 23 s).
+# Larger code from a graph file is a compile refused; parallel.py bounds the time and
+# memory of what compiles.
+MAX_CODE_BYTES = 256 << 10
 BODY_SYMBOL = "stitching_body"        # what native.py exports each body cfunc as
 INTERP_SYMBOL = "stitching_interp"    # and the shape-program interpreter
 
@@ -87,7 +93,7 @@ def _toolchain_tag() -> str:
     key = _memo_key()
     memo = cachedir.default_root() / "kernels" / "toolchain-memo" / key if key else None
     try:
-        tag = memo.read_text() if memo else ""
+        tag = cachedir.read_file(memo, 64).decode("ascii", "replace") if memo else ""
         if len(tag) == 16 and all(c in "0123456789abcdef" for c in tag):
             return tag
     except OSError:
@@ -186,6 +192,17 @@ def _user_dtype(name: str):
         except ImportError:          # storage is 16 bits either way
             return np.dtype(np.uint16)
     return np.dtype({"float16": np.float16, "bool": np.bool_}.get(name, name))
+
+
+class CompileLimitError(RuntimeError):
+    """A kernel over the compile limits: not built here (a node from a graph file
+    runs its fallback, with a warning, or fails where it has none)."""
+
+
+def check_code_size(name: str, text: str) -> None:
+    if len(text) > MAX_CODE_BYTES:
+        raise CompileLimitError(f"kernel {name}: {len(text)} bytes of generated code, "
+                                f"more than the {MAX_CODE_BYTES} compiled")
 
 
 class CompiledKernel:
@@ -337,11 +354,12 @@ class _Code:
     only to build, so a cache hit imports no Numba.  ``lean``: generated code, built
     through native._lean_pipeline()."""
 
-    def __init__(self, stem: Path, symbol: str, source, lean: bool = True):
+    def __init__(self, stem: Path, symbol: str, source, lean: bool = True,
+                 code: str | None = None):
         self.stem, self.cfunc, self.cache_hit = stem, None, False
-        if native.built(stem):
+        if native.built(stem, code):
             try:
-                self.address = native.load(stem, symbol)
+                self.address = native.load(stem, symbol, code)
                 self.cache_hit = True
                 return
             except native.NativeError as e:    # unreadable: built again below
@@ -380,6 +398,14 @@ def _warn_native(e) -> None:
 
 
 _INTERP = None
+_shipped_interp = None     # stem of a shape interpreter a verified model shipped (shipped.py)
+
+
+def offer_interp(stem: Path) -> None:
+    """A shape interpreter shipped with a model whose manifest was verified: used when
+    this cache has none (shipped.add)."""
+    global _shipped_interp
+    _shipped_interp = stem
 
 
 def interp_address() -> int:
@@ -398,9 +424,12 @@ def interp_address() -> int:
                 return shape_interp.run.py_func, shape_interp.SIG, shape_interp.OPTIONS
             stem = kernel_dir() / "interp"
             installed = cachedir.default_root() / "kernels" / stem.parent.name / "interp"
-            if not native.built(stem) and native.built(installed):
-                stem = installed
-            _INTERP = _Code(stem, INTERP_SYMBOL, interp_source, lean=False)
+            for other in (installed, _shipped_interp):   # or one a verified model shipped
+                if other is not None and not native.built(stem) and \
+                        native.built(other, "interp"):
+                    stem = other
+                    break
+            _INTERP = _Code(stem, INTERP_SYMBOL, interp_source, lean=False, code="interp")
         return _INTERP.address
 
 
@@ -446,9 +475,9 @@ def _write_source(path: Path, text: str) -> None:
     """Put the kernel module's text at ``path``, unless the same text is there (a
     damaged or stale file is replaced: it would not compile, or not to this kernel)."""
     try:
-        if path.read_text() == text:
+        if cachedir.read_file(path, MAX_CODE_BYTES + 1) == text.encode():
             return
-    except (OSError, UnicodeDecodeError):
+    except OSError:         # absent, or not a file (replaced below)
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
     native.atomic_write(path, text.encode())
@@ -523,6 +552,7 @@ def _compile_exact(spec: KernelSpec) -> CompiledKernel:
     sched = build_schedule(spec)
     source = cpu().emit(sched)
     name = code_name(source.text)
+    check_code_size(name, source.text)
 
     def body_source():
         module = _load_module(source.text, name)

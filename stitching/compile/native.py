@@ -33,7 +33,8 @@ a call.
 The cache key (kernel.py's toolchain tag) includes ``host_tag()``: the CPU the code
 was generated for, so a cache shared between machines never runs code built for
 another CPU.  Files are written atomically (temp file + rename), each ``.so`` with its
-size and hash beside it, checked before it is loaded (runtime/integrity.py).
+size and hash beside it and its code name inside it (its identity), both checked
+before it is loaded (compile/integrity.py).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from .. import cachedir
 from . import integrity
 
 _lock = threading.Lock()
@@ -117,6 +119,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     """Write ``path`` so that no reader ever sees it half-written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_bytes(data)
+    cachedir.clear_for_file(path)   # a directory in its place (damage) is repaired
     os.replace(tmp, path)
 
 
@@ -278,18 +281,22 @@ def export_ir(text: str, wrapper: str, target: tuple, stem: Path, symbol: str) -
             raise NativeError(f"linking {symbol} failed: {shlex.join(cmd)}: "
                               f"{r.stderr.strip()[-1000:]}")
         atomic_write(stem.with_suffix(".ll"), str(mod).encode())
-        # size and hash first, then the object: a reader checks one against the other
-        integrity.seal(stem.with_suffix(".so"), so.read_bytes())
+        # the identity inside, then size and hash, then the object: a reader checks
+        # each against the others
+        data = integrity.with_identity(so.read_bytes(), {"code": stem.name})
+        so.write_bytes(data)
+        integrity.seal(stem.with_suffix(".so"), data)
+        cachedir.clear_for_file(stem.with_suffix(".so"))
         os.replace(so, stem.with_suffix(".so"))
 
 
-def built(stem: Path) -> bool:
-    """``stem``.so is there and whole (runtime/integrity.py); a damaged one counts as
-    absent, with a warning, and is built again."""
+def built(stem: Path, code: str | None = None) -> bool:
+    """``stem``.so is there, whole and the code its name says (compile/integrity.py);
+    a damaged or foreign one counts as absent, with a warning, and is built again."""
     path = stem.with_suffix(".so")
-    if not path.exists():
+    if not os.path.lexists(path):
         return False
-    reason = integrity.check(path)
+    reason = integrity.check(path, code=code or stem.name)
     if reason is not None:
         _warn_once(f"stitching: ignoring a damaged kernel cache entry ({reason}); "
                    f"building it again")
@@ -306,13 +313,15 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def load(stem: Path, symbol: str) -> int:
-    """Address of ``symbol`` in ``stem``.so (loaded once per process)."""
+def load(stem: Path, symbol: str, code: str | None = None, sha256: str | None = None) -> int:
+    """Address of ``symbol`` in ``stem``.so (loaded once per process), which must be
+    kernel ``code`` (default: the stem's name) and, given ``sha256``, that content."""
     path = str(stem.with_suffix(".so"))
     with _lock:
         lib = _loaded.get(path)
         if lib is None:
-            reason = integrity.check(Path(path))   # never dlopen a damaged file
+            # never dlopen a damaged, foreign or not-a-file object
+            reason = integrity.check(Path(path), code=code or stem.name, sha256=sha256)
             if reason is not None:
                 raise NativeError(f"not loading kernel object {reason}")
             try:

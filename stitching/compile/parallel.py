@@ -32,11 +32,20 @@ import time
 
 from ..ir.spec import validate
 from . import kernel
-from .kernel import cache_root, uncached_code
+from .kernel import CompileLimitError, cache_root, uncached_code
 
 MIN_PARALLEL = 3
 MAX_JOBS = 8
 WORKER_SECONDS_PER_KERNEL = 120   # ~0.7 s is typical; only a hung worker gets near it
+# Limits on compiling one kernel of a graph loaded from a file (docs/serving-trust.md).
+# Kernels whose generated code is larger than IN_PROCESS_CODE_BYTES compile in a worker
+# that is killed after COMPILE_SECONDS and may use COMPILE_MEMORY_MB of address space.
+IN_PROCESS_CODE_BYTES = 8 << 10   # measured: 6.5 KB (64 chained Exps) 3.8 s, the
+                                  # worst per byte seen; typical kernels are 1-2 KB
+COMPILE_SECONDS = 30              # arbitrary (5x the planner's largest kernel
+                                  # here); STITCHING_COMPILE_SECONDS overrides
+COMPILE_MEMORY_MB = 4096          # arbitrary; STITCHING_COMPILE_MEMORY_MB overrides
+COMPILE_BUDGET_SECONDS = 600      # arbitrary: per process, for graph files' kernels
 
 
 def default_jobs() -> int:
@@ -54,8 +63,19 @@ def default_jobs() -> int:
     return max(1, min(cores, MAX_JOBS))
 
 
+def _limit(name: str, default: int) -> int:
+    env = os.environ.get(name)
+    try:
+        return int(env) if env else default
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {env!r}") from None
+
+
 def _spawn():
-    env = dict(os.environ, STITCHING_CACHE_DIR=str(cache_root()))
+    env = dict(os.environ, STITCHING_CACHE_DIR=str(cache_root()),
+               STITCHING_WORKER_PARENT=str(os.getpid()),    # it dies with us (worker.py)
+               STITCHING_COMPILE_MEMORY_MB=str(_limit("STITCHING_COMPILE_MEMORY_MB",
+                                                      COMPILE_MEMORY_MB)))
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.Popen([sys.executable, "-m", "stitching.compile.worker"],
@@ -227,3 +247,73 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
             on_error(s, e)
             done[h] = None
     return [done[s.hash] for s in specs]
+
+
+def compile_bounded(spec):
+    """``compile_kernel(spec)`` for a spec from a graph file (validated), within the
+    limits: code over ``kernel.MAX_CODE_BYTES`` is refused; code over
+    ``IN_PROCESS_CODE_BYTES`` is compiled into the disk cache by a worker killed past
+    ``COMPILE_SECONDS`` and capped at ``COMPILE_MEMORY_MB`` of address space, then
+    loaded; smaller code compiles here (seconds at most).  Once this process has spent
+    ``COMPILE_BUDGET_SECONDS`` compiling kernels of graph files, it compiles no more.
+    Raises CompileLimitError (``STITCHING_COMPILE_SECONDS``, ``..._MEMORY_MB``,
+    ``..._BUDGET_SECONDS`` override the limits)."""
+    global _spent
+    code = uncached_code(spec)
+    if code is None:            # in memory or on disk already, or not one kernel
+        return kernel.compile_kernel(spec)
+    target, text, name = code
+    kernel.check_code_size(name, text)
+    budget = _limit("STITCHING_COMPILE_BUDGET_SECONDS", COMPILE_BUDGET_SECONDS)
+    if _spent > budget:
+        raise CompileLimitError(f"kernel {name} not compiled: this process spent its "
+                                f"{budget} s of compiling kernels of graph files "
+                                f"(STITCHING_COMPILE_BUDGET_SECONDS)")
+    t0 = time.monotonic()
+    try:
+        if len(text) > IN_PROCESS_CODE_BYTES:
+            _compile_in_worker(target, name, len(text))
+        return kernel.compile_kernel(spec)
+    finally:
+        with _spent_lock:
+            _spent += time.monotonic() - t0
+
+
+_spent = 0.0                   # seconds compile_bounded spent compiling
+_spent_lock = threading.Lock()
+
+
+def _compile_in_worker(target, name: str, size: int) -> None:
+    seconds = _limit("STITCHING_COMPILE_SECONDS", COMPILE_SECONDS)
+    p = _spawn()
+    answer = []
+
+    def ask():
+        try:
+            p.stdin.write(json.dumps(target.to_json()) + "\n")
+            p.stdin.flush()
+            line = p.stdout.readline()
+            while line and not line.startswith("{"):
+                line = p.stdout.readline()
+            answer.append(json.loads(line) if line else None)
+        except (OSError, ValueError):
+            answer.append(None)
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    t.join(seconds)
+    timed_out = t.is_alive()
+    if timed_out:
+        p.kill()
+    t.join()
+    _close(p)
+    threading.Thread(target=p.wait, daemon=True).start()
+    got = answer[0] if answer else None
+    if got is None or not got.get("ok"):
+        why = f"it took more than {seconds} s (STITCHING_COMPILE_SECONDS)" if timed_out \
+            else (got or {}).get("error") or "the compile worker died"
+        raise CompileLimitError(f"compiling kernel {name} ({size} bytes of code) failed "
+                                f"within the compile limits: {why}")
+    if not kernel.native.built(kernel.kernel_dir() / name):
+        # (code Numba could only JIT: the next compile would be this process's own)
+        raise CompileLimitError(f"kernel {name} ({size} bytes of code) could not be built "
+                                f"as a shared object by a compile worker")

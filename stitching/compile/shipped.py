@@ -22,20 +22,26 @@ from the validated spec itself.
 
 Trust: entries are added only from a manifest whose own SHA-256 matched the one
 recorded in the graph (``add``'s caller checks it), only for code files that were
-installed after their hash was checked, and only when the emitter hash equals this
-process's (a different stitching would generate other code or programs for the same
-spec: then the slow path runs, which may still find the shipped code by its name).
-An entry never overrides the spec: a spec whose hash is not indexed compiles as usual.
+installed after their hash was checked, only where the file itself vouches for the
+entry (its identity lists this spec hash with this very entry: a rearranged index is
+refused), and only when the emitter hash equals this process's (a different stitching
+would generate other code or programs for the same spec: then the spec compiles).
+Shipped files live apart from the compile cache, under their content hash
+(``<kernel dir>/shipped/<sha256>.so``), and are loaded only through this index, the
+content hash checked again at load: one model's files never answer for a spec
+through the compile cache.  An entry never overrides the spec: a spec whose hash is
+not indexed compiles as usual.
 """
 from __future__ import annotations
 
 import hashlib
 import re
 import threading
+import warnings
 from pathlib import Path
 
 _lock = threading.Lock()
-_index: dict = {}            # spec hash -> entry (validated, see _entry)
+_index: dict = {}            # spec hash -> entry (validated, see _entry) + its "sha256"
 _EMITTER = None
 _CODE_NAME = re.compile(r"k_[0-9a-f]{24}\Z")
 # the sources a spec's code, shape program and errors are generated from
@@ -66,20 +72,31 @@ def entry_of(kernel) -> dict:
             "generic": kernel.generic is not None}
 
 
-def add(entries, emitter: str, installed) -> int:
-    """Index ``entries`` ({spec hash: entry}) whose code is among ``installed`` (code
-    names checked and copied into the kernel cache).  Returns how many were taken;
-    none if ``emitter`` is not this process's ``emitter_tag()``."""
+def add(entries, emitter: str, installed: dict) -> tuple:
+    """Index ``entries`` ({spec hash: entry}) whose code is among ``installed`` ({code
+    name: (content sha256, the file's identity)}, checked and stored by the caller)
+    and whose file vouches for them.  Returns (how many were taken, [spec hashes
+    refused because their file does not vouch for them]); none taken if ``emitter``
+    is not this process's ``emitter_tag()``."""
+    if "interp" in installed:
+        from . import kernel
+        kernel.offer_interp(store() / installed["interp"][0])
     if emitter != emitter_tag() or not isinstance(entries, dict):
-        return 0
-    taken = {}
+        return 0, []
+    taken, refused = {}, []
     for key, e in entries.items():
         e = _entry(key, e)
-        if e is not None and e["code"] in installed:
-            taken[key] = e
+        if e is None or e["code"] not in installed:
+            continue
+        sha, ident = installed[e["code"]]
+        vouched = (ident or {}).get("kernels")
+        if not isinstance(vouched, dict) or vouched.get(key) != entries[key]:
+            refused.append(key)
+            continue
+        taken[key] = dict(e, sha256=sha)
     with _lock:
         _index.update(taken)
-    return len(taken)
+    return len(taken), refused
 
 
 def _entry(key, e):
@@ -104,10 +121,19 @@ def lookup(spec):
         return None
     from . import kernel, native
     try:
-        body = native.load(kernel.kernel_dir() / e["code"], kernel.BODY_SYMBOL)
-    except native.NativeError:        # removed or damaged since: compile it instead
+        body = native.load(store() / e["sha256"], kernel.BODY_SYMBOL, code=e["code"],
+                           sha256=e["sha256"])
+    except native.NativeError as err:    # removed or damaged since: compile it instead
+        warnings.warn(f"stitching: a shipped kernel is not used ({err}); the kernel "
+                      f"compiles from its spec", RuntimeWarning, stacklevel=2)
         return None
     return ShippedKernel(spec, e, body, kernel.interp_address())
+
+
+def store() -> Path:
+    """Where shipped kernel files are kept, under their content hash."""
+    from . import kernel
+    return kernel.kernel_dir() / "shipped"
 
 
 class ShippedKernel:

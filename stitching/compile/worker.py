@@ -7,16 +7,28 @@ the next spec when an answer comes (work is handed out as workers free up) and c
 stdin when there is none left; the worker then exits.  Specs are parsed with
 KernelSpec.from_json, which validates the whole structure; nothing in them is
 evaluated.  Imports no TensorFlow.
+
+A worker dies with its parent (``_die_with_parent``): a parent killed mid-compile
+(kill -9) leaves no compile running on.  Its address space is capped at
+``STITCHING_COMPILE_MEMORY_MB`` (set by the parent, parallel.py): a kernel whose
+compile would take more fails with MemoryError in the worker, not in the parent.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
+
+PARENT_ENV = "STITCHING_WORKER_PARENT"
+MEMORY_ENV = "STITCHING_COMPILE_MEMORY_MB"
 
 
 def main() -> int:
+    _die_with_parent()
+    _cap_memory()
     _lean_numba()
     from ..ir.spec import KernelSpec
     from .kernel import compile_kernel
@@ -47,6 +59,33 @@ def _exit_now(code: int) -> None:
     atomically (temp file + rename) before their answer."""
     sys.stdout.flush()
     os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """Be killed when the parent process dies.  Not PR_SET_PDEATHSIG: it fires when
+    the *thread* that started us exits, and parents spawn workers from short-lived
+    threads too.  A daemon thread polls getppid() (reparenting means the parent is
+    gone) every 0.2 s and ends this process at once; it runs mid-compile, since
+    Numba's typing gives up the GIL every switch interval and LLVM runs without it."""
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    if parent <= 0:
+        return
+    if os.getppid() != parent:         # the parent died before we got here
+        os._exit(1)
+
+    def watch():
+        while True:
+            time.sleep(0.2)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, daemon=True, name="stitching-parent-watch").start()
+
+
+def _cap_memory() -> None:
+    mb = int(os.environ.get(MEMORY_ENV, "0") or 0)
+    if mb > 0:
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (mb << 20, mb << 20))
 
 
 def _lean_numba() -> None:

@@ -27,6 +27,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from . import dtypes as dt
@@ -36,9 +37,14 @@ from .ops import OPS, infer
 VERSION = 1
 MAX_INPUTS = 64
 MAX_OUTPUTS = 32
-MAX_NODES = 4096
+# Limits on one spec (docs/serving-trust.md).  A spec over them is invalid: an error
+# naming the node, before anything is parsed or compiled.
+MAX_NODES = 4096             # 4x the planner's largest kernel (plan/search.py max_kernel,
+                             # in IR nodes; composites expand); compile time and memory
+                             # are bounded apart (compile/parallel.py compile_bounded)
 MAX_RANK = 8
-MAX_JSON_BYTES = 4 << 20
+MAX_JSON_BYTES = 1 << 20     # arbitrary: ~40x the largest spec the planner makes
+MAX_JSON_DEPTH = 16          # a spec nests 5 deep (spec, nodes, node, attrs, a list)
 MAX_DIM = 1 << 40
 
 # Schedule parameters: name -> (min, max).  Anything else is rejected.
@@ -107,14 +113,18 @@ class KernelSpec:
     @classmethod
     def from_json(cls, text) -> "KernelSpec":
         if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="strict")
+            if len(text) > MAX_JSON_BYTES:
+                raise SpecError(f"spec is {len(text)} bytes, limit {MAX_JSON_BYTES}")
+            try:
+                text = text.decode("utf-8", errors="strict")
+            except UnicodeDecodeError as e:
+                raise SpecError(f"spec is not utf-8 text: {e}") from None
         if not isinstance(text, str):
             raise SpecError("spec must be a JSON string")
-        if len(text) > MAX_JSON_BYTES:
-            raise SpecError(f"spec is {len(text)} bytes, limit {MAX_JSON_BYTES}")
+        _check_text(text)
         try:
             d = json.loads(text, parse_constant=_reject_constant)
-        except (json.JSONDecodeError, ValueError) as e:
+        except (json.JSONDecodeError, ValueError, RecursionError) as e:
             raise SpecError(f"spec is not valid JSON: {e}") from None
         return cls.from_dict(d)
 
@@ -123,7 +133,9 @@ class KernelSpec:
         _expect(isinstance(d, dict), "spec must be a JSON object")
         _expect(set(d) <= {"version", "inputs", "nodes", "outputs", "schedule"},
                 f"unknown spec keys {sorted(set(d) - {'version', 'inputs', 'nodes', 'outputs', 'schedule'})}")
-        _expect(d.get("version") == VERSION, f"unsupported spec version {d.get('version')!r}")
+        _expect(_is_int(d.get("version")) and d["version"] == VERSION,
+                f"unsupported spec version {str(d.get('version'))[:20]!r} (must be the "
+                f"integer {VERSION})")
         inputs = d.get("inputs")
         _expect(isinstance(inputs, list) and len(inputs) <= MAX_INPUTS,
                 f"inputs must be a list of at most {MAX_INPUTS}")
@@ -214,6 +226,26 @@ def _is_int(x) -> bool:
 def _expect(cond, msg):
     if not cond:
         raise SpecError(msg)
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def _check_text(text: str) -> None:
+    """The limits json.loads itself does not keep, checked before it runs: size, a NUL
+    (the op's C strings would end there: what runs must be all of what was checked)
+    and nesting (Python's parser recurses: RecursionError, or worse, on deep input)."""
+    if len(text) > MAX_JSON_BYTES:
+        raise SpecError(f"spec is {len(text)} bytes, limit {MAX_JSON_BYTES}")
+    if "\0" in text:
+        raise SpecError(f"spec holds a NUL byte at offset {text.index(chr(0))}")
+    depth = deepest = 0
+    for c in _NOT_BRACKET.sub("", _STRING.sub("", text)):   # brackets outside strings
+        depth += 1 if c in "[{" else -1
+        deepest = max(deepest, depth)
+        if deepest > MAX_JSON_DEPTH:
+            raise SpecError(f"spec nests deeper than {MAX_JSON_DEPTH} levels")
 
 
 def _reject_constant(name):

@@ -33,6 +33,8 @@ from .legality import node_reason
 from .planner import Plan
 from .region import extract
 
+MAX_PLAN_BYTES = 64 << 20     # arbitrary: read as a file, never more (cachedir.read_file)
+
 FORMAT = 1
 _SALT = None
 
@@ -97,7 +99,7 @@ def load(key: str, graph, legal) -> Plan | None:
     """The plan stored for ``key``, rebuilt against ``graph``; None if there is none or
     it does not fit the graph (see the module note)."""
     try:
-        doc = json.loads(_path(key).read_text())
+        doc = json.loads(cachedir.read_file(_path(key), MAX_PLAN_BYTES))
     except (OSError, ValueError):
         return None
     try:

@@ -331,8 +331,8 @@ def _local_scale():
         return hit[1]
     found = None
     try:
-        with open(path) as f:
-            mine = json.load(f).get("fingerprint") == _fingerprint()
+        mine = json.loads(cachedir.read_file(path, MAX_PROFILE_BYTES)).get(
+            "fingerprint") == _fingerprint()
         if mine:
             found = (_factors(load_file(path)), path)
     except (OSError, ValueError, AttributeError) as e:
@@ -359,11 +359,10 @@ def load_file(path: str) -> DeviceProfile:
     """A profile file written by ``save_file`` (tools/calibrate.py), checked field by
     field: numbers positive and finite, known fields only, factors for known classes."""
     try:
-        with open(path) as f:
-            doc = json.load(f)
+        doc = json.loads(cachedir.read_file(path, MAX_PROFILE_BYTES))
     except OSError as e:
-        raise ProfileFileError(f"device profile {path}: cannot read it ({e.strerror})") \
-            from None
+        raise ProfileFileError(f"device profile {path}: cannot read it "
+                               f"({e.strerror or e})") from None
     except ValueError as e:
         raise ProfileFileError(f"device profile {path}: not JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("version") != PROFILE_VERSION:
@@ -436,6 +435,7 @@ def _number(x) -> bool:
 
 
 _MAX_POINTS = 32       # arbitrary: a table, not a dump
+MAX_PROFILE_BYTES = 1 << 20   # arbitrary: a profile file is a few KB (read as a file)
 
 
 def tf_factor(scale: dict, cls: str, nbytes: int) -> float:

@@ -39,7 +39,7 @@ _LAZY = {
         "RegistrationError", "TF_DTYPE_ENUM", "autotune_decisions", "is_registered",
         "library", "load", "num_registered", "pool_stats", "pool_trim", "profile",
         "profile_reset", "profiling", "register", "registered_kernel", "set_compiler",
-        "set_profiling", "stats")},
+        "set_assets_installer", "set_profiling", "stats")},
 }
 
 __all__ = sorted(_LAZY)

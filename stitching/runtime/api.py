@@ -13,6 +13,8 @@ which the op's shape function reports to graph shape inference.
 """
 from __future__ import annotations
 
+import hashlib
+
 from .registry import load, no_autograph, register, registered_kernel, spec_of
 
 
@@ -36,6 +38,7 @@ def stitched_kernel(inputs, kernel_or_spec_json, out_dtypes=None, out_shapes=Non
         raise ValueError(f"{len(out_dtypes)} output dtypes but {len(out_shapes)} shapes")
     return module.stitched_kernel(
         args=list(inputs), spec=spec,
+        spec_hash=hashlib.sha256(spec.encode("utf-8")).hexdigest()[:24],   # op.cc checks it
         Tout=[tf.as_dtype(d) for d in out_dtypes],
         output_shapes=[tf.TensorShape(_shape_dims(s)) for s in out_shapes],
         label=label)

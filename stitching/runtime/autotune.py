@@ -97,7 +97,7 @@ def read(spec_hash: str) -> dict:
     """{class: entry} of the valid decisions on disk for ``spec_hash`` (empty when the
     file is missing or bad; a bad entry is left out)."""
     try:
-        doc = json.loads(path(spec_hash).read_text())
+        doc = json.loads(cachedir.read_file(path(spec_hash), 1 << 20))
     except (OSError, ValueError, UnicodeDecodeError):
         return {}
     if not isinstance(doc, dict) or doc.get("version") != VERSION or \

@@ -93,13 +93,14 @@ using InterpFn = int64_t (*)(const int64_t* program, const int64_t* in_dims,
                             int64_t* params, int64_t* out_dims, int64_t* sched);
 using CompilerFn = int (*)(const char* spec);
 
-constexpr int kAbiVersion = 7;
+constexpr int kAbiVersion = 8;   // 8: the assets installer is a callback of its own
 constexpr int64_t kMaxProgram = 1 << 20;   // sanity bound on a shape program's words
 constexpr int kMaxParams = 32;      // size of the params array shape_fn may fill
 constexpr int kPhaseSlot = kMaxParams - 1;   // params[31]: the phase being run
 constexpr int64_t kMaxPhases = 64;  // sanity bound (the codegen stops at 9)
 constexpr int kMaxRank = 64;        // sanity bound; the IR itself stops at 8
 constexpr int kMaxTensors = 1024;   // sanity bound on inputs/outputs per kernel
+constexpr size_t kMaxSpecBytes = size_t{1} << 20;   // ir/spec.py MAX_JSON_BYTES
 
 // Everything needed to run one compiled kernel.  Immutable once registered; kernels
 // share it through shared_ptr so it outlives any registry change.
@@ -150,11 +151,16 @@ class Registry {
 
   void SetCompiler(CompilerFn fn) { compiler_.store(fn); }
   CompilerFn compiler() const { return compiler_.load(); }
+  // The SavedModel assets installer (StitchedKernelAssets): a callback of its own, so
+  // that no StitchedKernel spec, whatever it holds, can reach it.
+  void SetInstaller(CompilerFn fn) { installer_.store(fn); }
+  CompilerFn installer() const { return installer_.load(); }
 
  private:
   std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<const Entry>> map_;
   std::atomic<CompilerFn> compiler_{nullptr};
+  std::atomic<CompilerFn> installer_{nullptr};
 };
 
 // The compiler callback reports a failure message through this thread-local buffer
@@ -816,11 +822,6 @@ class StitchedKernelOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("label", &label_));
     std::string spec_hash;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("spec_hash", &spec_hash));
-    OP_REQUIRES(ctx, spec_hash.empty() || Sha256Hex(spec).substr(0, 24) == spec_hash,
-                absl::InvalidArgumentError(absl::StrCat(
-                    "StitchedKernel ", label_, ": the spec does not match its spec_hash ",
-                    spec_hash.substr(0, 40), " (the node was edited after rewriting); ",
-                    "rewrite the original model again")));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tin", &tin));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tout", &tout));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("output_shapes", &static_shapes_));
@@ -830,6 +831,7 @@ class StitchedKernelOp : public OpKernel {
                     " entries but Tout has ", tout.size())));
     std::vector<tensorflow::NameAttrList> fallback;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("fallback", &fallback));
+    OP_REQUIRES_OK(ctx, CheckSpecText(ctx->def().name(), spec, spec_hash));
     absl::Status found = Lookup(spec, &entry_);
     // InvalidArgument: the spec itself is bad (a corrupt or edited graph): an error,
     // never silently the fallback; anything else (no compiler, no Numba, a native
@@ -845,8 +847,7 @@ class StitchedKernelOp : public OpKernel {
     if (!fallback.empty() &&
         tensorflow::TryGetNodeAttr(ctx->def(), "_stitching_autotune", &tune) &&
         !tune.empty()) {
-      SetUpTuning(ctx, fallback[0], spec_hash.empty() ? Sha256Hex(spec).substr(0, 24)
-                                                      : spec_hash);
+      SetUpTuning(ctx, fallback[0], spec_hash);
     }
     OP_REQUIRES_OK(ctx, ReadForwards(ctx, tin, tout));
   }
@@ -1023,6 +1024,36 @@ class StitchedKernelOp : public OpKernel {
           "StitchedKernel ", label_, ": output ", i, " has shape ",
           shape->DebugString(), ", incompatible with the declared ",
           static_shapes_[i].DebugString()));
+    }
+    return absl::OkStatus();
+  }
+
+  // What is checked of the spec before Python sees it (the spec is untrusted data):
+  // its size, that it is all one C string (the compiler callback reads up to the first
+  // NUL, so a spec with one would be checked in part and registered under a string
+  // the node does not hold), and the spec_hash every rewritten node records, which
+  // binds the spec to the rewrite that made it.  Each is an error, never the fallback.
+  absl::Status CheckSpecText(const std::string& node, const std::string& spec,
+                             const std::string& spec_hash) const {
+    const std::string who = absl::StrCat("StitchedKernel '", node, "' (", label_, "): ");
+    if (spec.size() > kMaxSpecBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, "the spec is ", spec.size(), " bytes, limit ", kMaxSpecBytes));
+    }
+    const size_t nul = spec.find('\0');
+    if (nul != std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, "the spec holds a NUL byte at offset ", nul));
+    }
+    if (spec_hash.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, "the node has no spec_hash (every rewritten node records its spec's); ",
+          "rewrite the original model again"));
+    }
+    if (Sha256Hex(spec).substr(0, 24) != spec_hash) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, "the spec does not match its spec_hash ", spec_hash.substr(0, 40),
+          " (the node was edited after rewriting); rewrite the original model again"));
     }
     return absl::OkStatus();
   }
@@ -1292,12 +1323,11 @@ REGISTER_KERNEL_BUILDER(Name("StitchedKernel").Device(tensorflow::DEVICE_GPU),
 // A rewritten SavedModel carries its kernels' shared objects as assets, and a resource
 // whose initializer runs this op on their paths when the model is loaded (TF rewrites
 // asset paths to where the model lies now).  The op hands the paths and the manifest
-// hash recorded in the graph at rewrite time to the process's compiler callback
+// hash recorded in the graph at rewrite time to the process's assets installer
 // (Python: stitching/tf/kernel_assets.py), which checks every file against the
-// recorded hashes and makes them the kernels of this process.  The payload starts
-// with kAssetsMarker, which no JSON spec does; paths are newline-separated.
-
-constexpr char kAssetsMarker[] = "stitching-assets\n";
+// recorded hashes and keeps them for this process's kernels.  The installer is a
+// callback of its own (stitching_set_assets_installer), never the compiler's: a
+// StitchedKernel spec cannot reach it.  Payload: the hash, then one path a line.
 
 REGISTER_OP("StitchedKernelAssets")
     .Input("paths: string")
@@ -1318,12 +1348,18 @@ class StitchedKernelAssetsOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    std::string payload = absl::StrCat(kAssetsMarker, manifest_sha256_);
+    std::string payload = manifest_sha256_;
     auto paths = ctx->input(0).flat<tensorflow::tstring>();
     for (int64_t i = 0; i < paths.size(); ++i) {
-      absl::StrAppend(&payload, "\n", std::string(paths(i)));
+      const std::string path(paths(i));
+      OP_REQUIRES(ctx, path.find('\n') == std::string::npos &&
+                           path.find('\0') == std::string::npos,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "StitchedKernelAssets '", ctx->op_kernel().name(),
+                      "': an asset path holds a newline or NUL byte")));
+      absl::StrAppend(&payload, "\n", path);
     }
-    CompilerFn compile = Registry::Get().compiler();
+    CompilerFn compile = Registry::Get().installer();
     OP_REQUIRES(ctx, compile != nullptr,
                 absl::FailedPreconditionError(
                     "StitchedKernelAssets: no stitching runtime in this process; "
@@ -1460,6 +1496,13 @@ __attribute__((visibility("default"))) int stitching_register(
 __attribute__((visibility("default"))) void stitching_set_compiler(
     int (*cb)(const char* spec)) {
   stitching::Registry::Get().SetCompiler(cb);
+}
+
+// Installs (or, with NULL, removes) the StitchedKernelAssets installer: called with the
+// manifest hash and the asset paths, one a line; returns 0 or an absl::StatusCode.
+__attribute__((visibility("default"))) void stitching_set_assets_installer(
+    int (*cb)(const char* payload)) {
+  stitching::Registry::Get().SetInstaller(cb);
 }
 
 // Error message for the compiler callback's current failure (this thread only).

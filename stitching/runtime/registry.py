@@ -104,8 +104,8 @@ def library():
     return _lib
 
 
-ABI_VERSION = 7   # op.cc's kAbiVersion: the stitching_register signature (6: profiling
-#                 exports, 7: autotune exports)
+ABI_VERSION = 8   # op.cc's kAbiVersion: the stitching_register signature (6: profiling
+#                 exports, 7: autotune exports, 8: the assets installer's own callback)
 
 
 def _open_same_image(path: str):
@@ -124,6 +124,8 @@ def _open_same_image(path: str):
         ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
     lib.stitching_set_compiler.restype = None
     lib.stitching_set_compiler.argtypes = [_CompilerCallback]
+    lib.stitching_set_assets_installer.restype = None
+    lib.stitching_set_assets_installer.argtypes = [_CompilerCallback]
     lib.stitching_set_compile_error.restype = None
     lib.stitching_set_compile_error.argtypes = [ctypes.c_char_p]
     lib.stitching_num_registered.restype = ctypes.c_int64
@@ -389,6 +391,21 @@ def set_compiler(fn) -> None:
     lib.stitching_set_compiler(cb)
 
 
+@no_autograph
+def set_assets_installer(fn) -> None:
+    """Install ``fn(payload: str) -> None`` as what the StitchedKernelAssets op (the
+    initializer of a SavedModel that ships kernels) calls with the manifest hash its
+    graph records and the asset paths, one a line.  A callback of its own: no
+    StitchedKernel spec reaches it.  ``fn=None`` removes it."""
+    lib = library()
+    if fn is None:
+        lib.stitching_set_assets_installer(_CompilerCallback())
+        return
+    cb = _CompilerCallback(_make_trampoline(fn, lib))
+    _callbacks.append(cb)
+    lib.stitching_set_assets_installer(cb)
+
+
 def _make_trampoline(fn, lib):
     def trampoline(spec_bytes) -> int:
         # Nothing may escape a ctypes callback: ctypes would print it and return 0,
@@ -396,8 +413,8 @@ def _make_trampoline(fn, lib):
         try:
             spec = spec_bytes.decode("utf-8")
             kernel = fn(spec)
-            if kernel is not None:     # None: nothing to register (a call that is not
-                register(kernel, spec=spec)    # a miss: StitchedKernelAssets)
+            if kernel is not None:     # None: nothing to register (the assets installer)
+                register(kernel, spec=spec)
             return 0
         except BaseException as e:  # noqa: BLE001 - reported through TF instead
             try:
@@ -421,4 +438,5 @@ def _uninstall_compiler() -> None:
     """At exit, stop TF threads from calling into a finalizing interpreter."""
     if _lib is not None:
         _lib.stitching_set_compiler(_CompilerCallback())
+        _lib.stitching_set_assets_installer(_CompilerCallback())
         autotune.uninstall(_lib)

@@ -55,33 +55,47 @@ def ensure_runtime():
 
     runtime.load()
     runtime.set_compiler(_compile_spec)
+    runtime.set_assets_installer(_install_assets)
     from .passes import original  # noqa: F401 -- registers StitchedKernel's gradient
     _READY = True
 
 
 def _compile_spec(text: str):
     """The compile-on-miss hook; imports the compiler on its first miss only, so
-    registering the op (on ``import stitching``) stays cheap.  Also called by the
-    StitchedKernelAssets op with the kernel files a model ships (kernel_assets.py)."""
-    from .kernel_assets import MARKER
-    if text.startswith(MARKER):
-        from .kernel_assets import install
-        install(text)
-        return None
+    registering the op (on ``import stitching``) stays cheap."""
     from ..ir.spec import KernelSpec
     spec = KernelSpec.from_json(text)       # untrusted: parsed and validated (spec.py)
     from ..compile import shipped
     kernel = shipped.lookup(spec)   # a model's shipped index: no codegen (shipped.py)
     if kernel is not None:
         return kernel
-    from ..compile import compile_kernel
+    from ..compile import parallel
     try:
-        return compile_kernel(spec)
+        return parallel.compile_bounded(spec)    # time and memory bounded (parallel.py)
     except ValueError:      # the spec itself: an error, never the fallback
+        raise
+    except parallel.CompileLimitError as e:
+        _warn_limit(e)
         raise
     except Exception as e:
         _warn_fallback(e)
         raise
+
+
+def _warn_limit(e) -> None:
+    """Every kernel over the compile limits is named (not once per process, as
+    _warn_fallback: each is a node of the graph that runs slowly or fails)."""
+    import warnings
+    warnings.warn(f"stitching: {e}; the node runs its original subgraph instead where it "
+                  f"has one (see docs/serving-trust.md for the limits)", RuntimeWarning,
+                  stacklevel=2)
+
+
+def _install_assets(payload: str):
+    """The StitchedKernelAssets op's hook: the kernel files a SavedModel ships
+    (kernel_assets.py)."""
+    from .kernel_assets import install
+    install(payload)
 
 
 _fallback_warned = False

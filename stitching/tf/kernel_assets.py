@@ -14,7 +14,11 @@ beside the model, with a manifest::
      "kernels": {<spec hash>: {"code", "program", "errors", "generic"}}}
 
 ``kernels`` is the spec-hash index (compile/shipped.py): a load registers each kernel
-from it without scheduling or generating code, still validating every spec.
+from it without scheduling or generating code, still validating every spec.  Each
+shipped ``.so`` carries its own identity (compile/integrity.py): its code name and
+the index entries of the specs it serves, so an entry is taken only if the file it
+names vouches for it -- a manifest whose index swaps two code names, or a file
+replaced by another kernel's, is refused even where every hash was updated to match.
 
 * SavedModel: the files are ``tf.saved_model.Asset``s (copied to ``assets/``) held by a
   resource (``KernelAssets``) whose initializer, run by TF when the model is loaded,
@@ -27,25 +31,33 @@ from it without scheduling or generating code, still validating every spec.
   ``install_dir`` (``stitching.install_kernels``) checks the sidecar against the
   graph and makes its files this process's kernels.
 
-``install`` (the op's callback, on the loading machine) copies each checked file into
-this process's kernel cache under its code name, where compile_kernel finds it as a
-cache hit: the kernel is then loaded with one dlopen, without importing Numba.  A
+``install`` (the StitchedKernelAssets op's callback, on the loading machine) runs
+only for a manifest inside a SavedModel's ``assets/`` whose ``saved_model.pb`` records
+its hash; it copies each checked file into the kernel cache's ``shipped/`` directory
+under its content hash, never under a code name: the compile cache holds only what
+this machine compiled, and a shipped file is used only through the index of a
+manifest verified in this process (shipped.py), with its content hash checked again
+at load.  A kernel is then loaded with one dlopen, without importing Numba.  A
 manifest built for another toolchain or CPU (``abi`` differs), a missing file, a file
-or manifest whose hash disagrees, or an unwritable cache: a warning (once per
-reason) and the kernels compile from their specs as without assets -- never a
-different kernel, because a file is taken only under the code name its checked
-content was recorded under, and code names are hashes of the generated code.
+that is not a regular file, or whose hash, size or identity disagrees, or an
+unwritable cache: a warning (once per reason) and the kernels compile from their
+specs as without assets.  Trust: a model that ships kernels ships native code, like
+any model with custom ops; load only models you trust (docs/serving-trust.md).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
+import stat
 import warnings
 from pathlib import Path
 
-MARKER = "stitching-assets\n"          # op.cc kAssetsMarker
+from .. import cachedir
+
 MANIFEST = "stitching_kernels.json"
+MAX_MANIFEST = 64 << 20       # arbitrary sanity bound (a manifest is ~1 KB per kernel)
 STITCHED_OP = "StitchedKernel"
 _warned: set = set()
 
@@ -71,8 +83,8 @@ def export(specs, out_dir) -> tuple:
     from ..ir import KernelSpec
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from ..compile import shipped
-    files, by_spec, index = {}, {}, {}
+    from ..compile import integrity, shipped
+    files, by_spec, index, served = {}, {}, {}, {}
     for text in specs:
         k = K.compile_kernel(KernelSpec.from_json(text))
         so = _shared_object(k._code)
@@ -81,6 +93,7 @@ def export(specs, out_dir) -> tuple:
         files[so.name] = so
         by_spec[k.spec.hash] = so.stem
         index[k.spec.hash] = shipped.entry_of(k)
+        served.setdefault(so.stem, {})[k.spec.hash] = index[k.spec.hash]
     if not files:
         return None, [], None
     K.interp_address()
@@ -88,12 +101,15 @@ def export(specs, out_dir) -> tuple:
     if interp is not None:
         files["interp.so"] = interp
     from ..compile import native
-    manifest = {"version": 2, "abi": K.kernel_dir().name, "host": native.host_tag(),
+    manifest = {"version": 3, "abi": K.kernel_dir().name, "host": native.host_tag(),
                 "files": {}, "specs": by_spec, "emitter": shipped.emitter_tag(),
                 "kernels": index}
     paths = []
     for name, src in sorted(files.items()):
         data = src.read_bytes()
+        code = name[:-len(".so")]
+        # the file vouches for the index entries it serves (integrity.py identity)
+        data = integrity.with_identity(data, {"code": code, "kernels": served.get(code, {})})
         manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(),
                                    "size": len(data)}
         (out / name).write_bytes(data)
@@ -114,14 +130,55 @@ def _shared_object(code):
 # ---- loading -------------------------------------------------------------------------
 
 def install(payload: str) -> None:
-    """The StitchedKernelAssets op's callback: ``MARKER`` + manifest sha256, then one
-    path a line (the manifest first).  Never raises for a bad or foreign asset: it
-    warns and leaves those kernels to compile from their specs."""
-    lines = payload[len(MARKER):].split("\n")
+    """The StitchedKernelAssets op's callback: the manifest sha256 its graph records,
+    then one path a line (the manifest first).  Never raises for a bad or foreign
+    asset: it warns and leaves those kernels to compile from their specs."""
+    want, *paths = payload.split("\n")
     try:
-        install_files(lines[1:], want_manifest_sha=lines[0])
+        if not paths:
+            return
+        reason = _not_a_saved_model(Path(paths[0]), want)
+        if reason:
+            _skip(f"kernel assets not installed: {reason}")
+            return
+        install_files(paths, want_manifest_sha=want, within=Path(paths[0]).parent)
     except Exception as e:  # noqa: BLE001 - e.g. no Numba metadata for the cache key:
         _skip(f"the model's kernels could not be installed ({type(e).__name__}: {e})")
+
+
+def _not_a_saved_model(manifest: Path, want: str) -> str | None:
+    """None if ``manifest`` is the kernel manifest of a SavedModel on disk whose
+    graph records ``want`` (the StitchedKernelAssets op of that model, as its
+    initializer runs it), else why not.  The op is a registered op any graph can
+    hold: from a plain GraphDef, pointing at files of its own, it installs nothing."""
+    if manifest.name != MANIFEST or manifest.parent.name != "assets":
+        return f"{str(manifest)[:200]} is not a SavedModel's assets/{MANIFEST}"
+    if len(want) != 64 or any(c not in "0123456789abcdef" for c in want):
+        return "the recorded manifest hash is malformed"
+    for name in ("saved_model.pb", "saved_model.pbtxt"):
+        if _file_holds(manifest.parent.parent / name, want.encode()):
+            return None
+    return (f"{manifest.parent.parent} is not a SavedModel whose graph records this "
+            f"manifest's hash")
+
+
+def _file_holds(path: Path, needle: bytes) -> bool:
+    """Whether the regular file ``path`` contains ``needle`` (mapped, not read: a
+    saved_model.pb may hold hundreds of MB of constants)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return False
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as m:
+            return m.find(needle) >= 0
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
 
 
 def install_dir(path, graph=None) -> int:
@@ -153,7 +210,7 @@ def install_dir(path, graph=None) -> int:
         return _skip(f"the graph of the kernels in {d} records no kernel manifest hash "
                      f"(rewrite it again, or pass its graph as install_kernels(dir, graph=...))")
     files = [str(d / MANIFEST)] + [str(p) for p in sorted(d.glob("*.so"))]
-    return install_files(files, want_manifest_sha=want)
+    return install_files(files, want_manifest_sha=want, within=d)
 
 
 MANIFEST_NODE = "stitching_kernels_manifest_sha256"
@@ -193,11 +250,13 @@ def _graph_for(d: Path, graph):
     return graph
 
 
-def install_files(paths, want_manifest_sha) -> int:
+def install_files(paths, want_manifest_sha, within) -> int:
+    """Install the files of a manifest (``paths[0]``, its SHA-256 ``want_manifest_sha``
+    as the graph records it) from the directory ``within``."""
     if not paths:
         return 0
     try:
-        data = Path(paths[0]).read_bytes()
+        data = cachedir.read_file(paths[0], MAX_MANIFEST, within=within)
     except OSError as e:
         return _skip(f"the model's kernel manifest cannot be read ({e})")
     if hashlib.sha256(data).hexdigest() != want_manifest_sha:   # the graph's record
@@ -206,7 +265,7 @@ def install_files(paths, want_manifest_sha) -> int:
     try:
         manifest = json.loads(data)
         files, abi = dict(manifest["files"]), str(manifest["abi"])
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         return _skip(f"the model's kernel manifest is malformed ({e})")
     from ..compile import kernel as K
     here = K.kernel_dir()
@@ -214,41 +273,54 @@ def install_files(paths, want_manifest_sha) -> int:
         return _skip(f"the model's kernels were built for another CPU or toolchain "
                      f"({manifest.get('host', '?')}); this machine's differs")
     by_name = {os.path.basename(p): p for p in paths[1:]}
-    installed = [name for name, rec in sorted(files.items())
-                 if _install_one(name, rec, by_name.get(name), here)]
+    installed = {}             # code name -> (content sha256, the file's identity)
+    for name, rec in sorted(files.items()):
+        got = _install_one(name, rec, by_name.get(name), here / "shipped", within)
+        if got:
+            installed[name[:-len(".so")]] = got
     from ..compile import shipped
-    shipped.add(manifest.get("kernels"), manifest.get("emitter"),
-                {n[:-len(".so")] for n in installed})
+    taken, refused = shipped.add(manifest.get("kernels"), manifest.get("emitter"),
+                                 installed)
+    for key in refused[:3]:
+        _skip(f"the model's kernel index entry for spec {key} is not vouched for by the "
+              f"kernel file it names (an edited or rearranged model)")
     return len(installed)
 
 
-def _install_one(name, rec, path, here: Path) -> int:
-    from ..compile import native
-    from ..compile import integrity
-    if not _safe_name(name):
-        return _skip(f"the model's kernel manifest names a file {name[:60]!r}")
+def _install_one(name, rec, path, store: Path, within):
+    """(content sha256, identity) of the checked asset ``name``, now in ``store``
+    under its content hash; None (warned) if it is not the file recorded."""
+    from ..compile import integrity, native
+    if not _safe_name(name) or not isinstance(rec, dict):
+        return _skip(f"the model's kernel manifest names a file {str(name)[:60]!r}") or None
     if path is None:
-        return _skip(f"the model's kernel file {name} is missing")
-    dest = here / name
-    if dest.is_file() and integrity.check(dest) is None:
-        return 1
+        return _skip(f"the model's kernel file {name} is missing") or None
+    sha, size = rec.get("sha256"), rec.get("size")
+    if not isinstance(sha, str) or len(sha) != 64 or type(size) is not int or size < 0:
+        return _skip(f"the model's kernel manifest records {name} malformed") or None
     try:
-        data = Path(path).read_bytes()
+        data = cachedir.read_file(path, integrity.MAX_OBJECT, size=size, within=within)
     except FileNotFoundError:
-        return _skip(f"the model's kernel file {name} is missing")
+        return _skip(f"the model's kernel file {name} is missing") or None
     except OSError as e:
-        return _skip(f"the model's kernel file {name} cannot be read ({e})")
-    if hashlib.sha256(data).hexdigest() != rec.get("sha256") or \
-            len(data) != rec.get("size"):
+        return _skip(f"the model's kernel file {name} cannot be read, or is not the "
+                     f"file recorded at rewrite time ({e})") or None
+    if hashlib.sha256(data).hexdigest() != sha:
         return _skip(f"the model's kernel file {path} does not match the hash recorded "
-                     f"at rewrite time")
-    try:
-        here.mkdir(parents=True, exist_ok=True)
-        integrity.seal(dest, data)
-        native.atomic_write(dest, data)
-    except OSError as e:
-        return _skip(f"the kernel cache cannot be written ({e})")
-    return 1
+                     f"at rewrite time") or None
+    code = name[:-len(".so")]
+    reason = integrity.elf_problem(data) or integrity.identity_problem(data, code)
+    if reason:
+        return _skip(f"the model's kernel file {name} is refused: {reason}") or None
+    dest = store / f"{sha}.so"
+    if integrity.check(dest, code=code, sha256=sha) is not None:
+        try:
+            store.mkdir(parents=True, exist_ok=True)
+            integrity.seal(dest, data)
+            native.atomic_write(dest, data)
+        except OSError as e:
+            return _skip(f"the kernel cache cannot be written ({e})") or None
+    return sha, integrity.split_identity(data)[1]
 
 
 def _safe_name(name) -> bool:
