@@ -219,3 +219,24 @@ def test_gemm_probe_states_tfs_single_thread_line_and_keeps_other_sections(tmp_p
     text = out.read_text()
     assert "kept" in text and "<!-- suite:gemm -->" in text and "| 128 | 1 (operands < L2) |" in text
     assert "| 128 | 1076 | 927 | 791 | 834 | 1.36x |" in text
+
+
+def test_benchmarks_md_opens_with_a_summary_made_from_its_sections(tmp_path):
+    """BENCHMARKS.md's summary: one line per section, with when and on what it ran, its
+    headline geomean and its verdict count, rebuilt whenever a section is."""
+    tools = os.path.join(REPO, "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    from bench_lib.output import replace_sections
+    out = tmp_path / "BENCHMARKS.md"
+    section = ("<!-- suite:models -->\n## models\n\nMeasured 2026-11-28 05:00:00 UTC on AMD "
+               "EPYC (avx2, fma), class amd-avx2, widest vector ISA avx2, TF oneDNN off "
+               "(2 cores, 23.5 GiB); Python 3.11.\n\n- models: stitched vs TF geomean 1.41x "
+               "over 8/8 rows\n- **PASS** a\n- **FAIL** b\n- **PASS** c\n<!-- /suite:models -->")
+    replace_sections(str(out), {"models": section})
+    text = out.read_text()
+    head = text[:text.index("<!-- suite:models -->")]
+    assert "## Summary" in head
+    line = next(ln for ln in head.splitlines() if ln.startswith("- **models**"))
+    assert "2026-11-28 05:00:00 UTC" in line and "TF oneDNN off" in line
+    assert "stitched vs TF geomean 1.41x" in line and "2 PASS, 1 FAIL" in line

@@ -617,6 +617,33 @@ def _suite_markdown(suite, rows, meta, results):
     return "\n".join(out)
 
 
+_MEASURED = re.compile(r"^Measured (\S+ [\d:]+(?: UTC)?) on (.+?)(?: \(\d+ cores|;|\.$)", re.M)
+_KEY_LINE = re.compile(r"^- ((?:[\w ]+: )?stitched vs TF geomean [^\n]*|[^*\n]*geomean "
+                       r"speedup[^\n]*)$", re.M)
+
+
+def summary(sections: list) -> str:
+    """The file's opening summary, one line per section, made from the sections
+    themselves (so it is as current as they are): title, when and on what it was
+    measured, the headline geomean where the section has one, and its verdict count."""
+    lines = ["## Summary", ""]
+    for text in sections:
+        title = re.search(r"^## (.+)$", text, re.M)
+        when = _MEASURED.search(text)
+        key = _KEY_LINE.search(text)
+        passed, failed = text.count("- **PASS**"), text.count("- **FAIL**")
+        head = f"**{title.group(1) if title else '?'}**"
+        if when:
+            head += f" ({when.group(1)}, {when.group(2).strip().rstrip(',')})"
+        parts = [head]
+        if key:
+            parts.append(key.group(1))
+        if passed or failed:
+            parts.append(f"{passed} PASS, {failed} FAIL")
+        lines.append("- " + "; ".join(parts))
+    return "\n".join(lines) + "\n"
+
+
 def write_markdown(path, results, meta):
     replace_sections(path, {section_key(suite, meta): _suite_markdown(suite, rows, meta, results)
                             for suite, rows in results.items() if rows})
@@ -631,9 +658,10 @@ def replace_sections(path, new: dict) -> None:
             old = f.read()
     sections = {m.group(1): m.group(0) for m in _SECTION.finditer(old)}
     sections.update(new)
-    body = [_HEADER]
     order = {s: i for i, s in enumerate(SUITE_ORDER)}
-    for key in sorted(sections, key=lambda k: (order.get(k.split("@")[0], 99), k)):
+    keys = sorted(sections, key=lambda k: (order.get(k.split("@")[0], 99), k))
+    body = [_HEADER, summary([sections[k] for k in keys])]
+    for key in keys:
         body.append(sections[key])
         body.append("")
     with open(path, "w") as f:
