@@ -447,6 +447,7 @@ def test_the_assets_installer_does_not_run_for_a_plain_graph(tmp_path, monkeypat
     from stitching import runtime
     from stitching.compile import shipped
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path / "cache"))
+    shipped.clear()          # what models loaded earlier in this process installed
     manifest, so, sha = _planted_assets(tmp_path, saved_model=False)
     with pytest.warns(RuntimeWarning, match="is not a SavedModel whose graph records"):
         runtime.load().stitched_kernel_assets(paths=tf.constant([str(manifest), str(so)]),
@@ -460,6 +461,7 @@ def test_a_shipped_file_that_is_another_kernel_is_refused(tmp_path, monkeypatch)
     from stitching.compile import shipped
     from stitching.tf import kernel_assets
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path / "cache"))
+    shipped.clear()          # what models loaded earlier in this process installed
     manifest, so, sha = _planted_assets(tmp_path, saved_model=True)
     try:
         with pytest.warns(RuntimeWarning, match="a kernel file that does not belong"):

@@ -617,7 +617,8 @@ def _suite_markdown(suite, rows, meta, results):
     return "\n".join(out)
 
 
-_MEASURED = re.compile(r"^Measured (\S+ [\d:]+(?: UTC)?) on (.+?)(?: \(\d+ cores|;|\.$)", re.M)
+_MEASURED = re.compile(r"^Measured (\S+(?: [\d:]+)?(?: UTC)?) on (.+?)(?: \(\d+ cores|;|\.$)",
+                       re.M)
 _KEY_LINE = re.compile(r"^- ((?:[\w ]+: )?stitched vs TF geomean [^\n]*|[^*\n]*geomean "
                        r"speedup[^\n]*)$", re.M)
 
