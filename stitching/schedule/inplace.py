@@ -35,10 +35,11 @@ def pairs(spec, sched) -> list:
             len(sched.passes) != 1 or sched.scratch or sched.blocks):
         return []
     # inputs read through layout ops (schedule/layout.py) are read at other positions
-    # than the one stored, and views are no inputs of the op at all
-    views = getattr(spec, "views", ())
-    n_real = len(spec.inputs) - len(views)
-    viewed = {v.source for v in views} | set(range(n_real, len(spec.inputs)))
+    # than the one stored, and views are no inputs of the op at all.  The schedule's
+    # spec has the views (callers may pass the original spec: tf/passes/forward.py)
+    views = getattr(sched.spec, "views", ())
+    n_real = len(sched.spec.inputs) - len(views)
+    viewed = {v.source for v in views} | set(range(n_real, len(sched.spec.inputs)))
     out, used = [], set()
     for o, node in enumerate(spec.outputs):
         t = spec.type_of(node)
