@@ -202,3 +202,18 @@ def test_tf_gradient_through_folded_layout_ops():
     g = tf.constant(RNG.standard_normal((2, H, T, D)).astype(np.float32))
     np.testing.assert_allclose(f(x, g).numpy(), tf.function(grad)(x, g).numpy(),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_tf_tile_of_unknown_batch_is_a_broadcast():
+    """keras.ops.repeat's Tile (grouped-query attention's K/V heads): a size-1 axis
+    tiled, the batch (multiple 1) known only at run time."""
+    import stitching
+    tf = pytest.importorskip("tensorflow")
+
+    def rep(x):
+        return tf.tile(-x[:, :, None, :], [1, 1, 3, 1]) * 2.0   # exact: equal bits
+    f = stitching.function(rep, input_signature=[tf.TensorSpec([None, 4, 8], tf.float32)])
+    for batch in (1, 3):
+        x = tf.constant(RNG.standard_normal((batch, 4, 8)).astype(np.float32))
+        np.testing.assert_array_equal(f(x).numpy(), tf.function(rep)(x).numpy())
+    assert len(f.report.kernels) == 1 and f.report.coverage == 1.0

@@ -274,15 +274,24 @@ def _convert_tile(op) -> Node:
     a broadcast (gradients of reductions and of normalization moments emit these):
     the composite Tile (x * ones(shape))."""
     x, y = op.inputs[0].shape, op.outputs[0].shape
-    if not y.is_fully_defined() or x.rank is None:
-        raise _Unfusible(f"{op.type} with an output shape known only at run time")
+    if x.rank is None or y.rank is None:
+        raise _Unfusible(f"{op.type} of unknown rank")
     if op.type == "Tile":
         multiples = _const_value(op.inputs[1]).reshape(-1).tolist()
         if any(m != 1 and x[i] != 1 for i, m in enumerate(multiples)):
             raise _Unfusible("Tile repeating an axis of size > 1 (not a broadcast)")
+        # a dim known only at run time that is not tiled (multiple 1: the batch of
+        # keras.ops.repeat's Tile) is the input's own: ones of size 1 there broadcast
+        unknown_ok = all(y[i] is not None or (m == 1 and x[i] is None)
+                         for i, m in enumerate(multiples))
+    else:
+        unknown_ok = y.is_fully_defined()
+    if not unknown_ok:
+        raise _Unfusible(f"{op.type} with an output shape known only at run time")
     if op.inputs[0].dtype == tf.bool:
         raise _Unfusible(f"{op.type} of a bool tensor")
-    return Node(op.name, "Tile", _inputs(op, [0]), {"shape": y.as_list()})
+    return Node(op.name, "Tile", _inputs(op, [0]),
+                {"shape": [1 if d is None else d for d in y.as_list()]})
 
 
 # ---------------------------------------------------------------- layout ops
