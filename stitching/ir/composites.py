@@ -41,7 +41,7 @@ bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
 """
 from __future__ import annotations
 
-from .ops import Kind
+from .ops import MAX_VARIADIC, Kind
 
 # composite op -> (kind, number of data inputs)
 COMPOSITE_OPS = {
@@ -61,10 +61,14 @@ COMPOSITE_OPS = {
     "Tile": (Kind.ELEMENTWISE, 1),          # a broadcast (frontend checks)
     "SoftmaxCrossEntropyWithLogits": (Kind.REDUCTION, 2),    # two outputs
     "FusedBatchNormGrad": (Kind.REDUCTION, 5),               # three outputs
+    # TF's Split / SplitV / Unpack: one Slice per piece along ``axis`` (``sizes``), the
+    # axis removed from each piece when ``squeeze`` (Unpack)
+    "Split": (Kind.LAYOUT, 1),
 }
 
 # composites with more than one output: expand returns a tuple, one ref per output
-MULTI_OUTPUT = {"SoftmaxCrossEntropyWithLogits": 2, "FusedBatchNormGrad": 3}
+MULTI_OUTPUT = {"SoftmaxCrossEntropyWithLogits": 2, "FusedBatchNormGrad": 3,
+                "Split": MAX_VARIADIC}
 
 # SELU's constants as TF's kernel spells them (relu_op_functor.h)
 _SELU_SCALE = 1.0507009873554804934193349852946
@@ -81,6 +85,8 @@ def expand(op: str, attrs: dict, args: list, types: list, emit) -> int:
     """
     x = types[0]
     rank = len(x.shape)
+    if op == "Split":
+        return _split(args[0], x, attrs, emit)
     if op in ("Softmax", "LogSoftmax"):
         last = {"axes": [rank - 1], "keep_dims": True}
         m = emit("Max", [args[0]], last)
@@ -242,3 +248,18 @@ def _to_channel(ref, t, rank, data_format, emit):
         shape = [t.shape[0]] + [1] * (rank - 2)
         return emit("Reshape", [ref], {"shape": shape})
     return ref
+
+
+def _split(x, t, attrs, emit) -> tuple:
+    """Split / SplitV / Unpack: a Slice per piece (schedule/layout.py folds them)."""
+    axis, begin, out = attrs["axis"], 0, []
+    for size in attrs["sizes"]:
+        b = [begin if d == axis else 0 for d in range(len(t.shape))]
+        n = [size if d == axis else -1 for d in range(len(t.shape))]
+        shape = [size if d == axis else s for d, s in enumerate(t.shape)]
+        if attrs["squeeze"]:
+            del shape[axis]
+        out.append(emit("Slice", [x], {"begin": b, "size": n, "strides": [1] * len(b),
+                                       "shape": shape}))
+        begin += size
+    return tuple(out)

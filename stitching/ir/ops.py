@@ -24,7 +24,8 @@ class Kind(enum.IntEnum):
     """Ordered like TVM's OpPatternKind: lower is easier to fuse."""
     ELEMENTWISE = 0   # per-element, NumPy broadcasting among inputs
     SOURCE = 1        # constants / fills: no data input read
-    LAYOUT = 2        # reshape that only inserts or removes size-1 dims
+    LAYOUT = 2        # index maps, no arithmetic: size-1 reshapes, transposes, slices,
+                      # concatenations (schedule/layout.py folds them into loads)
     REDUCTION = 3     # reduces a set of axes
     OPAQUE = 9        # anything else: stays a TF op
 
@@ -65,6 +66,12 @@ def _int_list(v):
     return tuple(int(x) for x in v)
 
 
+def _int(v):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"expected an int, got {type(v).__name__}")
+    return int(v)
+
+
 def _scalar_value(v):
     if isinstance(v, bool):
         return v
@@ -89,6 +96,7 @@ class OpDef:
     out_dtype: str | None = None                # fixed output dtype (e.g. bool for compares)
     transcendental: bool = False                # costs a polynomial evaluation per element
     same_dtype: bool = True                     # all data inputs share one dtype
+    # arity VARIADIC: one or more inputs, at most MAX_VARIADIC (ConcatV2, Pack)
 
     def validate_attrs(self, attrs: dict) -> dict:
         extra = set(attrs) - set(self.attrs)
@@ -107,6 +115,8 @@ class OpDef:
 
 
 OPS: dict[str, OpDef] = {}
+VARIADIC = -1
+MAX_VARIADIC = 64      # arbitrary: a concatenation of more pieces stays a TF op
 
 
 def _reg(name, kind, arity, **kw):
@@ -154,11 +164,31 @@ for _n in ("All", "Any"):
     _reg(_n, R, 1, in_dtypes=BOOL, attrs={"axes": _int_list, "keep_dims": _bool})
 
 _reg("Reshape", Kind.LAYOUT, 1, attrs={"shape": _int_list})
+# Index maps (schedule/layout.py): the element at output index i is an input element at
+# an affine function of i (no arithmetic, so a fused layout op changes no bits).
+_reg("Transpose", Kind.LAYOUT, 1, attrs={"perm": _int_list})
+# Slice: per input dim, ``size`` elements from ``begin`` in steps of ``strides`` (size -1:
+# the whole dim, begin 0, stride 1; the one form allowed on a dim known only at run
+# time), then reshaped to ``shape`` by inserting or removing size-1 dims (StridedSlice's
+# shrink and new axes).  TF's Slice, StridedSlice, Split, SplitV and Unpack become these.
+_reg("Slice", Kind.LAYOUT, 1, attrs={"begin": _int_list, "size": _int_list,
+                                      "strides": _int_list, "shape": _int_list})
+# ConcatV2 on a constant axis; Pack stacks its inputs along a new axis ``axis``.
+_reg("ConcatV2", Kind.LAYOUT, VARIADIC, attrs={"axis": _int})
+_reg("Pack", Kind.LAYOUT, VARIADIC, attrs={"axis": _int})
 # Const: a scalar value splatted to a static shape (usually ()).
 _reg("Const", Kind.SOURCE, 0, attrs={"value": _scalar_value, "dtype": _dtype,
                                       "shape": _int_list})
 # FillLike: a scalar value in the shape of its input (ZerosLike, OnesLike).
 _reg("FillLike", Kind.SOURCE, 1, attrs={"value": _scalar_value, "dtype": _dtype})
+
+
+def arity_ok(d: OpDef, n: int) -> bool:
+    return 1 <= n <= MAX_VARIADIC if d.arity == VARIADIC else n == d.arity
+
+
+def arity_text(d: OpDef) -> str:
+    return f"1 to {MAX_VARIADIC}" if d.arity == VARIADIC else str(d.arity)
 
 
 def kind_of(op: str) -> Kind:
@@ -173,8 +203,8 @@ def infer(op: str, attrs: dict, in_types: list) -> TensorType:
     d = OPS.get(op)
     if d is None:
         raise ValueError(f"op {op!r} is not in the op table")
-    if len(in_types) != d.arity:
-        raise ValueError(f"{op} takes {d.arity} input(s), got {len(in_types)}")
+    if not arity_ok(d, len(in_types)):
+        raise ValueError(f"{op} takes {arity_text(d)} input(s), got {len(in_types)}")
     data = in_types[1:] if op == "Select" else in_types
     for t in data:
         if t.dtype not in d.in_dtypes:
@@ -214,6 +244,8 @@ def infer(op: str, attrs: dict, in_types: list) -> TensorType:
         else:
             shape = tuple(s for i, s in enumerate(x.shape) if i not in axes)
         return TensorType(x.dtype, shape)
+    if op in _LAYOUT_INFER:
+        return _LAYOUT_INFER[op](attrs, in_types)
     if op == "Reshape":
         (x,) = in_types
         target = attrs["shape"]
@@ -245,3 +277,99 @@ def _check_value_dtype(value, dtype):
         raise ValueError(f"{dtype} constant must be a number")
     if isinstance(value, float) and dt.is_float(dtype) and not math.isnan(value):
         pass
+
+
+# ---- index maps: shapes (their index maps live in schedule/layout.py)
+
+def _infer_transpose(attrs, in_types) -> TensorType:
+    (x,) = in_types
+    perm = attrs["perm"]
+    if sorted(perm) != list(range(len(x.shape))):
+        raise ValueError(f"Transpose: perm {list(perm)} is not a permutation of the "
+                         f"{len(x.shape)} dims of {format_dims(x.shape)}")
+    return TensorType(x.dtype, tuple(x.shape[p] for p in perm))
+
+
+def slice_sizes(x_shape, begin, size, strides) -> tuple:
+    """The sliced dims of Slice (before its reshape); raises ValueError naming the
+    dim that is out of range."""
+    r = len(x_shape)
+    if not len(begin) == len(size) == len(strides) == r:
+        raise ValueError(f"Slice: begin, size and strides need {r} entries each")
+    for i, (n, b, k, s) in enumerate(zip(x_shape, begin, size, strides)):
+        if k == -1:
+            if (b, s) != (0, 1):
+                raise ValueError(f"Slice: dim {i}: size -1 (the whole dim) needs "
+                                 "begin 0 and stride 1")
+            continue
+        if n < 0:
+            raise ValueError(f"Slice: dim {i} is known only at run time; only the whole "
+                             "dim may be taken")
+        if s == 0 or k < 0:
+            raise ValueError(f"Slice: dim {i}: stride must be non-zero, size >= 0")
+        last = b + (k - 1) * s
+        if k and not (0 <= b < n and 0 <= last < n):
+            raise ValueError(f"Slice: dim {i}: elements {b}..{last} of {n} are out of "
+                             "range")
+    return tuple(n if k == -1 else k for n, k in zip(x_shape, size))
+
+
+def _infer_slice(attrs, in_types) -> TensorType:
+    (x,) = in_types
+    sizes = slice_sizes(x.shape, attrs["begin"], attrs["size"], attrs["strides"])
+    target = attrs["shape"]
+    if any(s < -1 for s in target) or \
+            [s for s in sizes if s != 1] != [s for s in target if s != 1]:
+        raise ValueError(f"Slice: shape {list(target)} does not hold the sliced dims "
+                         f"{list(sizes)} (only size-1 dims may be added or removed)")
+    return TensorType(x.dtype, target)
+
+
+def _check_pieces(op, in_types):
+    if len({t.dtype for t in in_types}) > 1:
+        raise ValueError(f"{op} inputs have different dtypes "
+                         f"{[t.dtype for t in in_types]}")
+    if len({len(t.shape) for t in in_types}) > 1:
+        raise ValueError(f"{op} inputs have different ranks")
+
+
+def _infer_concat(attrs, in_types) -> TensorType:
+    _check_pieces("ConcatV2", in_types)
+    r, a = len(in_types[0].shape), attrs["axis"]
+    if not 0 <= a < r:
+        raise ValueError(f"ConcatV2: axis {a} is not in [0, {r})")
+    total = 0
+    for t in in_types:
+        if t.shape[a] < 0:
+            raise ValueError(f"ConcatV2: axis {a} of a piece is known only at run time")
+        total += t.shape[a]
+    out = list(in_types[0].shape)
+    for i in range(r):
+        if i == a:
+            continue
+        dims = {t.shape[i] for t in in_types}
+        if len(dims - {-1}) > 1:
+            raise ValueError(f"ConcatV2: pieces differ in dim {i}: {sorted(dims)}")
+        out[i] = max(dims)
+    out[a] = total
+    return TensorType(in_types[0].dtype, tuple(out))
+
+
+def _infer_pack(attrs, in_types) -> TensorType:
+    _check_pieces("Pack", in_types)
+    r, a = len(in_types[0].shape), attrs["axis"]
+    if not 0 <= a <= r:
+        raise ValueError(f"Pack: axis {a} is not in [0, {r}]")
+    shapes = {t.shape for t in in_types}
+    if len(shapes) > 1:
+        raise ValueError(f"Pack: pieces differ in shape {sorted(shapes)}")
+    s = in_types[0].shape
+    return TensorType(in_types[0].dtype, s[:a] + (len(in_types),) + s[a:])
+
+
+def format_dims(shape) -> str:
+    return "[" + ",".join("?" if d < 0 else str(d) for d in shape) + "]"
+
+
+_LAYOUT_INFER = {"Transpose": _infer_transpose, "Slice": _infer_slice,
+                 "ConcatV2": _infer_concat, "Pack": _infer_pack}

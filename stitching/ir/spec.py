@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from . import dtypes as dt
 from .graph import TensorType
-from .ops import OPS, infer
+from .ops import OPS, arity_ok, arity_text, infer
 
 VERSION = 1
 MAX_INPUTS = 64
@@ -173,7 +173,8 @@ def validate(spec: KernelSpec) -> KernelSpec:
         where = f"nodes[{i}] ({n.op})"
         d = OPS.get(n.op)
         _expect(d is not None, f"{where}: unknown op")
-        _expect(len(n.args) == d.arity, f"{where}: takes {d.arity} args, got {len(n.args)}")
+        _expect(arity_ok(d, len(n.args)),
+                f"{where}: takes {arity_text(d)} args, got {len(n.args)}")
         for a in n.args:
             _expect(-n_in <= a < i, f"{where}: reference {a} is out of range or not earlier")
         try:

@@ -415,7 +415,10 @@ def kernel_shape(spec) -> KernelShape:
                 live=_max_live(list(range(len(spec.nodes))), users.__getitem__))
     if sched is not None:
         try:
-            return KernelShape(**base, **_from_schedule(spec, sched), source="schedule")
+            # the schedule's own spec: its node and input numbering (layout ops folded
+            # into views, schedule/layout.py, renumber both)
+            return KernelShape(**base, **_from_schedule(sched.spec, sched),
+                               source="schedule")
         except Exception:   # noqa: BLE001 — a stage under construction must not break us
             pass
     return KernelShape(**base, **_estimate(spec), source="estimate")

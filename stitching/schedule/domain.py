@@ -26,13 +26,19 @@ Algorithm
 
        x[N,H,W,C] - mean(x, axes=[1,2]) -> axes (N, H*W, C)
 
+   A *view* (an input read through folded layout ops, layout.py) has strides of its
+   own: two of its dims merge only where they are contiguous in its source
+   (stride[p] == stride[p+1] * size[p+1]), and the innermost axis it carries must have
+   stride 1 (the emitters load it contiguously).  A view's dim that covers a source dim
+   whole is the source dim's class, so the shape function still checks the source.
+
 Nothing here knows about loops; ``passes.py`` decides the kernel kind from the
 collapsed axes and ``reduced`` sets.
 """
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..ir.ops import OPS, Kind
 
@@ -62,6 +68,9 @@ class Domain:
     value_dims: dict     # ref -> tuple(class id or None per dim); None = static 1
     carries: dict        # ref -> tuple of collapsed axis indices, increasing
     reduced: dict        # reduction node -> tuple of collapsed axes it reduces
+    # view input ref -> {collapsed axis: element stride in its source} (layout.py);
+    # every other value is row-major over the axes it carries
+    view_strides: dict = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -159,9 +168,20 @@ def live_nodes(spec) -> list:
     return sorted(live)
 
 
+def _views(spec) -> dict:
+    """Input ref -> View for the views of a lowered spec (layout.py)."""
+    views = getattr(spec, "views", ())
+    n_real = len(spec.inputs) - len(views)
+    return {-(n_real + v + 1): view for v, view in enumerate(views)}
+
+
 def _unify(spec, live):
     uf = _Union()
     dims = {-(j + 1): _vars(uf, t.shape) for j, t in enumerate(spec.inputs)}
+    for ref, view in _views(spec).items():       # a dim read whole: the source's class
+        for o, d in enumerate(view.src_dims):
+            if d is not None:
+                _bind(uf, dims[-(view.source + 1)][d], dims[ref][o])
     ghosts = {r: [None] * len(v) for r, v in dims.items()}
     reduced_vars = {}
     for k in live:
@@ -247,8 +267,9 @@ def _bind_ghosts(uf, node, arg_vars, arg_ghosts, out) -> list:
 
 # ---- step 2: classes and their order ------------------------------------------------
 
-def _classes(uf, dims):
-    """Number the non-degenerate roots by first appearance; build DimClass records."""
+def _classes(uf, dims, views=()):
+    """Number the non-degenerate roots by first appearance; build DimClass records.
+    A view's dims are not input dims of the class (the op passes no dims for it)."""
     ids: dict[int, int] = {}
     sizes, members = [], []
     value_dims = {}
@@ -264,7 +285,7 @@ def _classes(uf, dims):
                 sizes.append(uf.size[r])
                 members.append([])
             c = ids[r]
-            if ref < 0:
+            if ref < 0 and ref not in views:
                 members[c].append((-ref - 1, i))
             vd.append(c)
         value_dims[ref] = tuple(vd)
@@ -311,14 +332,20 @@ def _order(classes, value_dims) -> list:
 
 # ---- step 3: collapse ----------------------------------------------------------------
 
-def _collapse(classes, order, value_dims, reduced_classes):
+def _collapse(classes, order, value_dims, reduced_classes, view_class_strides=()):
     pos = {c: i for i, c in enumerate(order)}
     carried = [frozenset(pos[c] for c in _live_axes(classes, vd))
                for vd in value_dims.values()]
     reds = [frozenset(pos[c] for c in cs) for cs in reduced_classes.values()]
 
+    def contiguous(p):  # every view carrying classes p and p+1 has them contiguous
+        a, b = order[p], order[p + 1]
+        return all(a not in st or b not in st or
+                   (classes[b].size >= 0 and st[a] == st[b] * classes[b].size)
+                   for st in view_class_strides)
+
     def together(p):  # may axis p and p+1 merge?
-        return all((p in s) == (p + 1 in s) for s in carried + reds)
+        return all((p in s) == (p + 1 in s) for s in carried + reds) and contiguous(p)
 
     groups = [[0]] if order else []
     for p in range(len(order) - 1):
@@ -344,7 +371,8 @@ def analyze(spec) -> Domain:
     input keeps its dim classes so the shape function still checks it."""
     live = live_nodes(spec)
     uf, dims, reduced_vars = _unify(spec, live)
-    classes, value_dims, ids = _classes(uf, dims)
+    views = _views(spec)
+    classes, value_dims, ids = _classes(uf, dims, views)
     reduced_classes = {
         k: sorted({ids[uf.find(v)] for v in vs if ids.get(uf.find(v)) is not None
                    and classes[ids[uf.find(v)]].size != 1})
@@ -354,15 +382,35 @@ def analyze(spec) -> Domain:
     if len(order) > MAX_DOMAIN_RANK:
         raise Refusal(f"the kernel would loop over {len(order)} independent axes "
                       f"(limit {MAX_DOMAIN_RANK})")
+    class_strides = {r: {c: st for c, st in zip(value_dims[r], v.strides) if c is not None}
+                     for r, v in views.items() if r in used}
     axes, axis_of = _collapse(classes, order,
                               {r: vd for r, vd in value_dims.items() if r in used},
-                              reduced_classes)
+                              reduced_classes, list(class_strides.values()))
     carries = {ref: tuple(sorted({axis_of[c] for c in _live_axes(classes, vd)
                                   if c in axis_of}))
                for ref, vd in value_dims.items()}
     reduced = {k: tuple(sorted({axis_of[c] for c in cs}))
                for k, cs in reduced_classes.items()}
-    return Domain(classes, axes, value_dims, carries, reduced)
+    view_strides = {r: _view_axis_strides(r, axes, carries[r], st)
+                    for r, st in class_strides.items()}
+    for r, v in views.items():
+        if v.guard and r in used and (value_dims[r][v.guard[0]] is None or axes[-1].classes
+                                      != (value_dims[r][v.guard[0]],)):
+            raise Refusal("a concatenation on an axis other than the kernel's innermost "
+                          "reads a piece outside its range: not fused yet")
+    return Domain(classes, axes, value_dims, carries, reduced, view_strides)
+
+
+def _view_axis_strides(ref, axes, carried, class_stride) -> dict:
+    """A view's stride per collapsed axis it carries: its innermost class's (the
+    classes of an axis are contiguous in the view's source, _collapse)."""
+    out = {a: class_stride[axes[a].classes[-1]] for a in carried}
+    if carried and carried[-1] == len(axes) - 1 and out[carried[-1]] != 1:
+        raise Refusal(f"{_name(ref)} is read through a layout op that moves its "
+                      "innermost axis (a transpose of the last dim, or a strided slice "
+                      "on it): not fused yet")
+    return out
 
 
 def _name(ref: int) -> str:

@@ -34,6 +34,12 @@ def pairs(spec, sched) -> list:
     if sched.kind == KernelKind.ROW or sched.kind == KernelKind.COLUMN and (
             len(sched.passes) != 1 or sched.scratch or sched.blocks):
         return []
+    # inputs read through layout ops (schedule/layout.py) are read at other positions
+    # than the one stored, and views are no inputs of the op at all.  The schedule's
+    # spec has the views (callers may pass the original spec: tf/passes/forward.py)
+    views = getattr(sched.spec, "views", ())
+    n_real = len(sched.spec.inputs) - len(views)
+    viewed = {v.source for v in views} | set(range(n_real, len(sched.spec.inputs)))
     out, used = [], set()
     for o, node in enumerate(spec.outputs):
         t = spec.type_of(node)
@@ -45,7 +51,7 @@ def pairs(spec, sched) -> list:
         # later -- two chains of one gradient, m and v of Adam -- would see the output).
         mine = _segment_loads(sched, node)
         for i, ti in enumerate(spec.inputs):
-            if mine is not None and i not in mine:
+            if mine is not None and i not in mine or i in viewed:
                 continue
             if i not in used and ti.dtype == t.dtype and tuple(ti.shape) == tuple(t.shape):
                 used.add(i)

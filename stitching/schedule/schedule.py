@@ -1,6 +1,7 @@
 """The schedule of one kernel, and the legality check the planner calls.
 
-    spec ──domain.analyze──► Domain (collapsed axes)
+    spec ──layout.lower────► layout ops folded into views of the inputs (layout.py)
+         ──domain.analyze──► Domain (collapsed axes)
          ──passes.classify─► kind (elementwise | row | column), reduced axes
          ──stages/scratch──► home of every value, recompute-or-scratch choices
          ──contents────────► Schedule: passes, scalar stages, edge placements, units
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from ..ir import dtypes as dt
 from . import passes as P
 from . import packed as PK
+from . import layout
 from .domain import Domain, Refusal, analyze
 from .passes import KernelKind, Placement
 
@@ -226,13 +228,15 @@ def _memo_build(spec):
 
 def _build(spec) -> Schedule:
     _check_dtypes(spec)
+    lowered = layout.lower(spec)        # the Schedule's spec: what the emitters see
     try:
-        dom = analyze(spec)
-        return _build_on(spec, dom)
+        dom = analyze(lowered)
+        return _build_on(lowered, dom)
     except Refusal as e:
-        # chains that share no domain may still run as one packed kernel; if not,
-        # the refusal the user reads is the ordinary one
-        if isinstance(PK.segments(spec), str):
+        # chains that share no domain may still run as one packed kernel (not with
+        # views: a packed kernel reads its inputs flat); if not, the refusal the user
+        # reads is the ordinary one
+        if lowered is not spec or isinstance(PK.segments(spec), str):
             raise e from None
         return _build_packed(spec)
 
@@ -265,6 +269,9 @@ def _build_packed(spec) -> Schedule:
 def _build_on(spec, dom) -> Schedule:
     live = P.live_nodes(spec)
     kind, S = P.classify(spec, dom, live)
+    if kind == KernelKind.COLUMN and any(v.guard for v in getattr(spec, "views", ())):
+        # its loops index columns from a block start, not the guard's absolute index
+        raise Refusal("a concatenation read in a column reduction: not fused yet")
     st = P.stages(spec, dom, live)
     vec = P.vector_test(kind, dom, S)
     reds = [k for k in live if P.is_reduction(spec.nodes[k]) and dom.reduced[k]]

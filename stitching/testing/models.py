@@ -42,6 +42,71 @@ def transformer_encoder(num_layers: int = 4, d_model: int = 256, heads: int = 4,
     return keras.Model(inp, x, name=name)
 
 
+def llama_decoder(num_layers: int = 2, d_model: int = 256, heads: int = 8,
+                  kv_heads: int = 2, ff: int = 688, seq_len: int = 128, *,
+                  epsilon: float = 1e-6, name: str = "llama_decoder"):
+    """A Llama-style (pre-RMSNorm) decoder over [batch, seq_len, d_model] embeddings:
+    RMSNorm, rotary position embeddings (rotate-half: split, negate, concat), causal
+    grouped-query attention (kv_heads K/V heads repeated to ``heads``), SwiGLU.
+
+    Written with Keras layers and ``keras.ops`` the way Keras users write such blocks
+    (keras_hub's Llama has the same structure), random weights; the batch dim is
+    unknown.  Its layout ops (the rotary halves, head transposes, K/V repeats) are what
+    stitching/schedule/layout.py folds into kernels.
+    """
+    import keras
+    from keras import ops
+    hd = d_model // heads
+    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    ang = np.arange(seq_len, dtype=np.float32)[:, None] * inv[None, :]
+    ang = np.concatenate([ang, ang], -1)[:, None, :]               # [T, 1, hd]
+    cos, sin = np.cos(ang), np.sin(ang)
+    mask = np.triu(np.full((seq_len, seq_len), -1e9, np.float32), 1)
+
+    class RMSNorm(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+        def call(self, x):
+            v = ops.mean(ops.square(x), axis=-1, keepdims=True)
+            return x * ops.rsqrt(v + epsilon) * self.w
+
+    def rope(x):
+        x1, x2 = ops.split(x, 2, axis=-1)
+        return x * cos + ops.concatenate([-x2, x1], axis=-1) * sin
+
+    class Attention(keras.layers.Layer):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.q = keras.layers.Dense(heads * hd, use_bias=False)
+            self.k = keras.layers.Dense(kv_heads * hd, use_bias=False)
+            self.v = keras.layers.Dense(kv_heads * hd, use_bias=False)
+            self.o = keras.layers.Dense(d_model, use_bias=False)
+
+        def call(self, x):
+            q = rope(ops.reshape(self.q(x), (-1, seq_len, heads, hd)))
+            k = rope(ops.reshape(self.k(x), (-1, seq_len, kv_heads, hd)))
+            v = ops.reshape(self.v(x), (-1, seq_len, kv_heads, hd))
+            k = ops.repeat(k, heads // kv_heads, axis=2)
+            v = ops.repeat(v, heads // kv_heads, axis=2)
+            q, k, v = (ops.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
+            s = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))) * (1.0 / np.sqrt(hd)) + mask
+            a = ops.matmul(ops.softmax(s, axis=-1), v)
+            a = ops.reshape(ops.transpose(a, (0, 2, 1, 3)), (-1, seq_len, d_model))
+            return self.o(a)
+
+    inp = keras.Input(shape=(seq_len, d_model), name="embeddings")
+    x = inp
+    for i in range(num_layers):
+        x = x + Attention(name=f"layer{i}_attention")(RMSNorm(name=f"layer{i}_ln1")(x))
+        h = RMSNorm(name=f"layer{i}_ln2")(x)
+        g = keras.layers.Dense(ff, use_bias=False, name=f"layer{i}_gate")(h)
+        u = keras.layers.Dense(ff, use_bias=False, name=f"layer{i}_up")(h)
+        x = x + keras.layers.Dense(d_model, use_bias=False, name=f"layer{i}_down")(
+            ops.silu(g) * u)
+    return keras.Model(inp, RMSNorm(name="final_ln")(x), name=name)
+
+
 @dataclass
 class ModelCase:
     """A model at one input shape, for benchmarks.
@@ -119,6 +184,16 @@ _register(ModelCase(
     "{heads} heads, ff {ff}, seq {seq_len}".format(**TRANSFORMER_CONFIG),
     lambda: transformer_encoder(**TRANSFORMER_CONFIG),
     (TRANSFORMER_CONFIG["seq_len"], TRANSFORMER_CONFIG["d_model"]),
+    kind="transformer"))
+
+LLAMA_CONFIG = dict(num_layers=2, d_model=256, heads=8, kv_heads=2, ff=688, seq_len=128)
+_register(ModelCase(
+    "llama_decoder",
+    "Llama-style decoder (RMSNorm, rotary embeddings, GQA, SwiGLU), {num_layers} layers, "
+    "d_model {d_model}, {heads} heads / {kv_heads} KV heads, ff {ff}, seq {seq_len}"
+    .format(**LLAMA_CONFIG),
+    lambda: llama_decoder(**LLAMA_CONFIG),
+    (LLAMA_CONFIG["seq_len"], LLAMA_CONFIG["d_model"]),
     kind="transformer"))
 
 CNN_MODELS = [m for m in MODELS.values() if m.kind == "cnn"]

@@ -140,6 +140,8 @@ def _axes(op, rank):
 
 def _convert_known(op) -> Node | None:
     t = op.type
+    if t in _LAYOUT:
+        return _LAYOUT[t](op)
     if t in COMPOSITE_OPS or t in opnames.COMPOSITES:
         return _convert_composite(op)
     canon = opnames.canonical(t)
@@ -272,12 +274,151 @@ def _convert_tile(op) -> Node:
     a broadcast (gradients of reductions and of normalization moments emit these):
     the composite Tile (x * ones(shape))."""
     x, y = op.inputs[0].shape, op.outputs[0].shape
-    if not y.is_fully_defined() or x.rank is None:
-        raise _Unfusible(f"{op.type} with an output shape known only at run time")
+    if x.rank is None or y.rank is None:
+        raise _Unfusible(f"{op.type} of unknown rank")
     if op.type == "Tile":
         multiples = _const_value(op.inputs[1]).reshape(-1).tolist()
         if any(m != 1 and x[i] != 1 for i, m in enumerate(multiples)):
             raise _Unfusible("Tile repeating an axis of size > 1 (not a broadcast)")
+        # a dim known only at run time that is not tiled (multiple 1: the batch of
+        # keras.ops.repeat's Tile) is the input's own: ones of size 1 there broadcast
+        unknown_ok = all(y[i] is not None or (m == 1 and x[i] is None)
+                         for i, m in enumerate(multiples))
+    else:
+        unknown_ok = y.is_fully_defined()
+    if not unknown_ok:
+        raise _Unfusible(f"{op.type} with an output shape known only at run time")
     if op.inputs[0].dtype == tf.bool:
         raise _Unfusible(f"{op.type} of a bool tensor")
-    return Node(op.name, "Tile", _inputs(op, [0]), {"shape": y.as_list()})
+    return Node(op.name, "Tile", _inputs(op, [0]),
+                {"shape": [1 if d is None else d for d in y.as_list()]})
+
+
+# ---------------------------------------------------------------- layout ops
+# Index maps with constant parameters (schedule/layout.py folds them into loads).  Each
+# is checked here against TF's own static shapes: a node whose parameters are not
+# constants, or whose input rank is unknown, stays a TF op with the reason.
+
+def _static_shape(t) -> list:
+    if t.shape.rank is None:
+        raise _Unfusible(f"{t.op.type} of a tensor of unknown rank")
+    return [-1 if d is None else int(d) for d in t.shape.as_list()]
+
+
+def _out_shape(op, i=0) -> list:
+    return _static_shape(op.outputs[i])
+
+
+def _convert_transpose(op) -> Node | None:
+    if _identity_perm(op) is not None:
+        return None                 # a no-op TF's Grappler removes (_convert says so)
+    rank = len(_static_shape(op.inputs[0]))
+    perm = [int(p) % max(rank, 1) for p in _const_value(op.inputs[1]).reshape(-1)]
+    return Node(op.name, "Transpose", _inputs(op, [0]), {"perm": perm})
+
+
+def _convert_slice(op) -> Node:
+    x = _static_shape(op.inputs[0])
+    begin = [int(b) for b in _const_value(op.inputs[1]).reshape(-1)]
+    size = [int(k) for k in _const_value(op.inputs[2]).reshape(-1)]
+    size = [_whole_or(k, n - b if k == -1 else k, b, n) for b, k, n in zip(begin, size, x)]
+    return Node(op.name, "Slice", _inputs(op, [0]),
+                {"begin": begin, "size": size, "strides": [1] * len(x),
+                 "shape": _out_shape(op)})
+
+
+def _whole_or(k, size, b, n) -> int:
+    """-1 (the whole dim) where the slice takes all of a dim, else its size; a dim of
+    unknown size taken only in part stays a TF op."""
+    if b == 0 and (k == -1 or k == n) and (n < 0 or k == -1 or k == n):
+        return -1 if n < 0 else n
+    if n < 0:
+        raise _Unfusible("a slice of a dim known only at run time")
+    return size
+
+
+def _convert_strided_slice(op) -> Node:
+    """StridedSlice's sparse spec (masks, ellipsis) made dense, as NumPy indexing reads
+    it (TF's ValidateStridedSliceOp has the same semantics)."""
+    x = _static_shape(op.inputs[0])
+    begin, end, strides = (_const_value(op.inputs[i]).reshape(-1).tolist() for i in (1, 2, 3))
+    masks = {m: int(op.get_attr(m)) for m in ("begin_mask", "end_mask", "ellipsis_mask",
+                                              "new_axis_mask", "shrink_axis_mask")}
+    index = []
+    for i, (b, e, s) in enumerate(zip(begin, end, strides)):
+        bit = 1 << i
+        if masks["ellipsis_mask"] & bit:
+            index.append(Ellipsis)
+        elif masks["new_axis_mask"] & bit:
+            index.append(None)
+        elif masks["shrink_axis_mask"] & bit:
+            index.append(int(b))
+        else:
+            index.append(slice(None if masks["begin_mask"] & bit else int(b),
+                               None if masks["end_mask"] & bit else int(e), int(s)))
+    if Ellipsis not in index:
+        index.append(Ellipsis)
+    at = index.index(Ellipsis)
+    n_real = sum(1 for v in index if v is not None and v is not Ellipsis)
+    index[at:at + 1] = [slice(None)] * (len(x) - n_real)
+    dims = [v for v in index if v is not None]
+    if len(dims) != len(x):
+        raise _Unfusible("StridedSlice with more indices than dims")
+    b_out, k_out, s_out = [], [], []
+    for v, n in zip(dims, x):
+        if isinstance(v, int):
+            if n < 0:
+                raise _Unfusible("a StridedSlice index into a dim known only at run time")
+            v = v + n if v < 0 else v
+            if not 0 <= v < n:
+                raise _Unfusible(f"StridedSlice index {v} out of range")
+            b_out.append(v), k_out.append(1), s_out.append(1)
+            continue
+        if n < 0:
+            if v != slice(None) and v != slice(None, None, 1):
+                raise _Unfusible("a slice of a dim known only at run time")
+            b_out.append(0), k_out.append(-1), s_out.append(1)
+            continue
+        start, stop, step = v.indices(n)
+        count = len(range(start, stop, step))
+        b_out.append(start if count else 0), k_out.append(count), s_out.append(step)
+    return Node(op.name, "Slice", _inputs(op, [0]),
+                {"begin": b_out, "size": k_out, "strides": s_out, "shape": _out_shape(op)})
+
+
+def _convert_concat(op) -> Node:
+    n = int(op.get_attr("N"))
+    rank = len(_static_shape(op.inputs[0]))
+    axis = int(_const_value(op.inputs[n]).reshape(())) % max(rank, 1)
+    return Node(op.name, "ConcatV2", _inputs(op, range(n)), {"axis": axis})
+
+
+def _convert_pack(op) -> Node:
+    rank = len(_static_shape(op.inputs[0]))
+    axis = int(op.get_attr("axis")) % (rank + 1)
+    return Node(op.name, "Pack", _inputs(op), {"axis": axis})
+
+
+def _convert_split(op) -> Node:
+    """Split (axis, x), SplitV (x, sizes, axis) and Unpack (x): the Split composite."""
+    if op.type == "Split":
+        x_in, axis_in = 1, op.inputs[0]
+    elif op.type == "SplitV":
+        x_in, axis_in = 0, op.inputs[2]
+    else:
+        x_in, axis_in = 0, None
+    x = _static_shape(op.inputs[x_in])
+    axis = int(op.get_attr("axis")) if axis_in is None else \
+        int(_const_value(axis_in).reshape(()))
+    axis %= max(len(x), 1)
+    sizes = [_static_shape(o)[axis] if op.type != "Unpack" else 1 for o in op.outputs]
+    if x[axis] < 0 or any(k < 0 for k in sizes):
+        raise _Unfusible(f"{op.type} of a dim known only at run time")
+    return Node(op.name, "Split", _inputs(op, [x_in]),
+                {"axis": axis, "sizes": sizes, "squeeze": op.type == "Unpack"})
+
+
+_LAYOUT = {"Transpose": _convert_transpose, "Slice": _convert_slice,
+           "StridedSlice": _convert_strided_slice, "ConcatV2": _convert_concat,
+           "Pack": _convert_pack, "Split": _convert_split, "SplitV": _convert_split,
+           "Unpack": _convert_split}

@@ -183,7 +183,8 @@ class _Emitter(Emitter):
         binds = [f"    {n} = h.opaque(_{n})" if n in operands else f"    {n} = _{n}"
                  for n in self.C.names.values()]
         lines = lines[:at] + binds + lines[at:]
-        return "\n".join(head + self.C.definitions("_") + ["", ""] + lines) + "\n"
+        return "\n".join(head + self.C.definitions("_") + self._tables() + ["", ""] +
+                         lines) + "\n"
 
     # -- names ------------------------------------------------------------------------
 
@@ -216,6 +217,9 @@ class _Emitter(Emitter):
         refs = [-(j + 1) for j in range(len(self.spec.inputs))] + list(self.spec.outputs)
         for ref in refs:
             t = self.tag(ref)
+            if ref in self.dom.view_strides:
+                self._view_pointer(w, ref)
+                continue
             src = f"ins[{-ref - 1}]" if ref < 0 else f"outs[{self.out_index[ref]}]"
             w(f"p_{t} = h.ptr_{_PTR[self.dtype(ref)]}({src})")
             car = self.dom.carries[ref]
@@ -239,6 +243,45 @@ class _Emitter(Emitter):
             w(f"ns_{t} = {size} >= {-(-self.stream_min // item)}")
             w(f"sb_{t} = h.ptr_{_PTR[self.dtype(k)]}(h.aligned_alloc({self._stage_len()} * "
               f"{item}))")
+
+    def _view_pointer(self, w, ref: int) -> None:
+        """A view (schedule/layout.py): its source's pointer moved to the view's first
+        element, or a constant table (a module global, _T<j>); constant strides."""
+        t, view = self.tag(ref), self.spec.view_of(-ref - 1)
+        if view.source < 0:
+            w(f"p_{t} = _T{-ref - 1}")
+        else:
+            p = f"h.ptr_{_PTR[self.dtype(ref)]}(ins[{view.source}])"
+            w(f"p_{t} = h.ptr_offset({p}, {view.offset})" if view.offset else f"p_{t} = {p}")
+        for a, stride in self.dom.view_strides[ref].items():
+            w(f"st_{t}_{a} = {stride}")
+
+    def _tables(self) -> list:
+        """Module globals of the views' constant tables: concatenations' piece
+        selectors (_T<j>) and guards (_G<j>)."""
+        out = []
+        for v, view in enumerate(getattr(self.spec, "views", ())):
+            j = self.spec.n_real + v
+            for name, bits in (("T", view.table), ("G", view.guard[1] if view.guard else ())):
+                if bits:
+                    out.append(f"_{name}{j} = np.array([{', '.join(str(int(x)) for x in bits)}], "
+                               "dtype=np.uint8)")
+        return out
+
+    def load_input(self, w, ref: int, index: str) -> None:
+        """A guarded view (schedule/layout.py View.guard) loads where its guard holds:
+        its dim is the innermost axis, whose absolute index is the element loops' ``j``
+        (row and element-wise kinds; column kernels are refused with guards)."""
+        view = self.spec.view_of(-ref - 1) if ref < 0 and hasattr(self.spec, "views") else None
+        if view is None or not view.guard:
+            super().load_input(w, ref, index)
+            return
+        if not (index == "j" or index.endswith(" + j")):
+            raise AssertionError(f"guarded view loaded at {index!r}, not along the "
+                                 "innermost axis")
+        zero = self.C(0, dt.COMPUTE[self.dtype(ref)])
+        load = load_expr(self.dtype(ref), "p_" + self.tag(ref), index)
+        w(f"{self.var(ref)} = {load} if _G{-ref - 1}[j] else {zero}")
 
     def _in_place(self, w, loops) -> bool:
         """Where the op may write outputs over inputs (schedule/inplace.py): one loop

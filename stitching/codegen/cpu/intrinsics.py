@@ -53,6 +53,21 @@ ptr_uint16 = _ptr_intrinsic(types.uint16)
 
 
 @intrinsic
+def ptr_offset(typingctx, p, n):
+    """``p + n`` elements, same pointer type: a view's first element (its source's
+    pointer moved by the view's constant offset, schedule/layout.py)."""
+    if not isinstance(p, types.CPointer) or not isinstance(n, types.Integer):
+        raise TypingError("expected a typed pointer and an integer")
+    sig = p(p, types.int64)
+
+    def codegen(context, builder, sig, args):
+        # not inbounds: a guarded view's first element may lie before its source's
+        # (it is never loaded there, schedule/layout.py View.guard)
+        return builder.gep(args[0], [args[1]])
+    return sig, codegen
+
+
+@intrinsic
 def aligned_alloc(typingctx, nbytes):
     """64-byte aligned heap block of at least ``nbytes`` (never zero-initialized)."""
     sig = types.voidptr(types.int64)

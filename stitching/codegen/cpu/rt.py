@@ -24,7 +24,7 @@ from .intrinsics import (acc_add, acc_max, acc_min, acc_mul, aligned_alloc,  # n
                          f32_to_bf16, f32_to_f16, fabs, floor, free, opaque, opaque_int,
                          prefetch,
                          ptr_float32, ptr_float64, ptr_int32, ptr_int64, ptr_uint8,
-                         ptr_uint16, roundeven, same_address, sqrt, store_fence,
+                         ptr_offset, ptr_uint16, roundeven, same_address, sqrt, store_fence,
                          stream, wide_vectors)
 
 # column-block accumulator steps (see lower.Reduction.block_step)

@@ -214,10 +214,11 @@ class Emitter:
         (encoding in shape_program.py); error codes index ``self.errors``."""
         spec, dom, P = self.spec, self.dom, []
         off, o = [], 0
-        for t in spec.inputs:
+        real = spec.inputs[:len(spec.inputs) - len(getattr(spec, "views", ()))]
+        for t in real:          # views (schedule/layout.py) have no dims of their own
             off.append(o)
             o += len(t.shape)
-        for j, t in enumerate(spec.inputs):
+        for j, t in enumerate(real):
             for i, d in enumerate(t.shape):
                 if d >= 0:
                     P += [SP.EQ, off[j] + i, d, self.error(

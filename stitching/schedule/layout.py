@@ -1,0 +1,384 @@
+"""Layout ops folded into loads: Transpose, Slice, ConcatV2 and Pack as index maps.
+
+FusionStitching and XLA call these ops *injective*: each output element is one input
+element, found by an index map from the output index, with no arithmetic.  A kernel
+never materializes them; this pass rewrites a spec so that every layout op disappears
+into the indexing of the values that read it (XLA's elemental emitters do the same):
+
+    y = x[:, :, :, :32]   ->  a *view* of kernel input x: its own shape [B,T,H,32],
+                              strides (T*H*64, H*64, 64, 1), offset 0
+    z = transpose(x + b)  ->  transpose(x) + transpose(b): the element-wise node is
+                              evaluated again in z's index space (recomputed), each
+                              argument read through the composed map
+    c = concat([-x2, x1]) ->  select(piece0(i), -view2(i), view1(i)): each piece read
+                              in c's index space, shifted by its offset; the piece an
+                              index belongs to is a small constant bool table over the
+                              concatenated axis (a view too, of no input)
+
+Maps compose (a slice of a transpose of a kernel input is one view), and an element-wise
+value read in two index spaces is computed in both: the reuse choice for a layout op is
+always *fold into the indexing, recompute what it reads*.  That is the cheap end of the
+ladder for the ops that reach here (rotary embeddings' half-splits and concatenations,
+head transposes): each folded op saves a full read and write of its tensor, and what is
+recomputed is a few element-wise ops on values the kernel loads anyway.  Computing a
+layout op's input once into scratch and re-reading it transposed would need a second
+domain; it is not done.
+
+A view is affine: ``source element = offset + sum(i[d] * strides[d])`` over the view's
+dims.  The emitters need nothing new but the view's strides and offset: a view is a
+kernel input whose pointer is the source's (or the table's), strides are constants
+instead of products of the domain's sizes, and the domain (domain.py) keeps the axes
+where a view's strides are not contiguous apart.
+
+What stays out, with the reason the report shows (``Refusal``):
+  - a layout op over a reduction or any other non-element-wise value (its input would
+    have to be computed in another index space, a second domain);
+  - a view whose strides depend on dims known only at run time (the strides are
+    constants of the generated code), or that slices a dim known only at run time;
+  - a concatenation on an axis other than the kernel's innermost: every piece is
+    evaluated at every index of the concatenated axis (the table selects afterwards),
+    and a piece's loads outside its own range are guarded by the innermost loop's
+    index (View.guard), which the emitters know;
+  - a view that moves the innermost axis (the emitters load the innermost axis
+    contiguously): checked in domain.py, where the innermost axis is known.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from ..ir.graph import TensorType
+from ..ir.ops import OPS, Kind, infer
+from ..ir.spec import KernelSpec, SpecNode
+from .domain import Refusal, live_nodes
+
+INDEX_MAPS = frozenset({"Transpose", "Slice", "ConcatV2", "Pack"})
+MAX_TABLE = 1 << 16     # arbitrary: a concatenated axis longer than this stays a TF op
+_NONE = (-1, 0, 0)      # a map entry: this value dim's index is a constant (0 here)
+
+
+@dataclass(frozen=True)
+class View:
+    """A kernel input read through an affine index map (see the module docstring).
+
+    ``source`` is the real input read (its position), or -1 for a constant bool
+    ``table`` (a concatenation's piece selector).  ``strides[d]`` is the source element
+    stride of view dim d (0 where the view broadcasts), ``offset`` the source element at
+    index 0, ``src_dims[d]`` the source dim that view dim d covers whole (so the two are
+    one dim class, checked at run time), or None where its size is static."""
+    source: int
+    strides: tuple
+    offset: int
+    src_dims: tuple
+    table: tuple = ()
+    # A concatenation's piece read over the whole concatenated axis leaves its tensor
+    # at the other pieces' indices (rotate-half: -x[i + h] for i < h, x[i - h] after):
+    # ``guard`` = (view dim, bools) says where along that dim the load is in range; the
+    # emitters load only there (0 elsewhere, which the piece selector discards).  That
+    # dim must be the kernel's innermost axis (domain.py checks).
+    guard: tuple = ()
+
+
+@dataclass(frozen=True)
+class LoweredSpec(KernelSpec):
+    """A spec whose layout ops were folded into views: ``inputs`` are the original
+    inputs followed by one per view (``views``, in order).  What the schedule and the
+    emitters see; the original spec is what graphs carry and caches key on."""
+    views: tuple = ()
+    origin: str = ""
+    _hash: str = field(default="", compare=False)
+
+    @property
+    def hash(self) -> str:
+        return self._hash
+
+    @property
+    def n_real(self) -> int:
+        return len(self.inputs) - len(self.views)
+
+    def view_of(self, j: int):
+        """The View of input position j, or None for a real input."""
+        v = j - self.n_real
+        return self.views[v] if v >= 0 else None
+
+
+def has_layout(spec) -> bool:
+    return any(n.op in INDEX_MAPS for n in spec.nodes)
+
+
+def lower(spec) -> KernelSpec:
+    """``spec`` with its layout ops folded into views (a LoweredSpec), or ``spec``
+    itself when it has none; raises Refusal naming what cannot be folded."""
+    if not has_layout(spec):
+        return spec
+    return _Lowering(spec).run()
+
+
+def row_major_strides(shape) -> list:
+    """Element strides of a row-major array; None where a dim inside is unknown."""
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc = None if acc is None or d < 0 else acc * d
+    return out[::-1]
+
+
+class _Lowering:
+    def __init__(self, spec):
+        self.spec = spec
+        self.n_in = len(spec.inputs)
+        self.nodes: list = []
+        self.views: list = []
+        self.view_types: list = []
+        self.value: dict = {}       # original ref -> new ref (its own index space)
+        self.memo: dict = {}
+
+    # -- driver -----------------------------------------------------------------------
+    def run(self) -> LoweredSpec:
+        spec = self.spec
+        for k in live_nodes(spec):
+            n = spec.nodes[k]
+            if n.op in INDEX_MAPS:
+                shape = n.type.shape
+                ident = tuple((d, 1, 0) for d in range(len(shape)))
+                r = self.remap(k, ident, shape)
+                got = self.type_of(r).shape
+                if got != shape:
+                    raise Refusal(f"{n.op} of {_fmt(spec.type_of(n.args[0]).shape)} "
+                                  f"broadcasts its pieces ({_fmt(got)}, not "
+                                  f"{_fmt(shape)}): not fused yet")
+                self.value[k] = r
+            else:
+                args = tuple(self.value_of(a) for a in n.args)
+                self.nodes.append(SpecNode(n.op, args, n.attrs, n.type))
+                self.value[k] = len(self.nodes) - 1
+        outputs = []
+        for o in spec.outputs:
+            r = self.value[o]
+            if r < 0 or r in outputs:          # a bare view (or a repeat) needs a node
+                r = self.emit("Identity", [r], {})
+            outputs.append(r)
+        return self.compact(outputs)
+
+    def compact(self, outputs) -> LoweredSpec:
+        """Drop what no output reads (the values of the layout ops' inputs in their own
+        index space, views only they read) and renumber."""
+        live = set(outputs)
+        for k in range(len(self.nodes) - 1, -1, -1):
+            if k in live:
+                live.update(a for a in self.nodes[k].args if a >= 0)
+        keep = sorted(live)
+        read = sorted({-a - 1 for k in keep for a in self.nodes[k].args
+                       if -a - 1 >= self.n_in})
+        ref = {k: i for i, k in enumerate(keep)}
+        ref.update({-(j + 1): -(self.n_in + i + 1) for i, j in enumerate(read)})
+        new = lambda a: a if -a - 1 < self.n_in and a < 0 else ref[a]   # noqa: E731
+        nodes = tuple(SpecNode(n.op, tuple(new(a) for a in n.args), n.attrs, n.type)
+                      for n in (self.nodes[k] for k in keep))
+        views = tuple(self.views[j - self.n_in] for j in read)
+        types = tuple(self.view_types[j - self.n_in] for j in read)
+        digest = hashlib.sha256((self.spec.hash + repr(views)).encode()).hexdigest()[:24]
+        return LoweredSpec(tuple(self.spec.inputs) + types, nodes,
+                           tuple(ref[o] for o in outputs), dict(self.spec.schedule),
+                           views=views, origin=self.spec.hash, _hash=digest)
+
+    def value_of(self, ref: int) -> int:
+        return ref if ref < 0 else self.value[ref]
+
+    def type_of(self, r: int) -> TensorType:
+        if r >= 0:
+            return self.nodes[r].type
+        j = -r - 1
+        return self.spec.inputs[j] if j < self.n_in else self.view_types[j - self.n_in]
+
+    def emit(self, op: str, args: list, attrs: dict) -> int:
+        d = OPS[op]
+        attrs = d.validate_attrs(attrs)
+        try:
+            t = infer(op, attrs, [self.type_of(a) for a in args])
+        except ValueError as e:            # cannot happen for maps built here
+            raise Refusal(f"folding a layout op: {e}") from None
+        self.nodes.append(SpecNode(op, tuple(args), attrs, t))
+        return len(self.nodes) - 1
+
+    # -- remap: the value of ``ref`` at index M(i), for i over ``shape`` ------------------
+    def remap(self, ref: int, M: tuple, shape: tuple) -> int:
+        """M has one entry per dim of ``ref``: (out dim o, step, begin), meaning index
+        begin + step * i[o] (o = -1: the constant begin).  The layout node being
+        lowered has no value yet, so it is always remapped through its own map."""
+        t = self.spec.type_of(ref)
+        M = tuple(_NONE if n == 1 else m for n, m in zip(t.shape, M))
+        key = (ref, M, shape)
+        if key in self.memo:
+            return self.memo[key]
+        ident = len(shape) == len(t.shape) and all(
+            m == (d, 1, 0) or n == 1 for d, (m, n) in enumerate(zip(M, t.shape))) and \
+            all(a == b or b == 1 for a, b in zip(shape, t.shape))
+        if ident and (ref < 0 or ref in self.value):
+            r = self.value_of(ref)
+        elif ref < 0:
+            r = self.view(-ref - 1, M, shape)
+        else:
+            r = self.remap_node(ref, M, shape)
+        self.memo[key] = r
+        return r
+
+    def remap_node(self, k: int, M: tuple, shape: tuple) -> int:
+        n = self.spec.nodes[k]
+        if n.op in INDEX_MAPS:
+            return getattr(self, "map_" + n.op.lower())(n, M, shape)
+        if n.op == "Reshape":
+            x = self.spec.type_of(n.args[0]).shape
+            return self.remap(n.args[0], _reshape_map(x, n.type.shape, M), shape)
+        if n.op in ("Const", "FillLike"):
+            value = n.attrs["value"]
+            return self.emit("Const", [], {"value": value, "dtype": n.type.dtype,
+                                           "shape": [1] * len(shape)})
+        if OPS[n.op].kind != Kind.ELEMENTWISE:
+            raise Refusal(f"a {n.op} result is read through a layout op: layout ops are "
+                          "folded into the loads of kernel inputs and element-wise "
+                          "values only")
+        out = n.type.shape
+        args = []
+        for a in n.args:
+            s = self.spec.type_of(a).shape
+            off = len(out) - len(s)
+            args.append(self.remap(a, tuple(M[i + off] for i in range(len(s))), shape))
+        return self.emit(n.op, args, n.attrs)
+
+    # -- the index maps -----------------------------------------------------------------
+    def map_transpose(self, n, M, shape):
+        perm = n.attrs["perm"]
+        Mx = [_NONE] * len(perm)
+        for d, p in enumerate(perm):       # output dim d is input dim perm[d]
+            Mx[p] = M[d]
+        return self.remap(n.args[0], tuple(Mx), shape)
+
+    def map_slice(self, n, M, shape):
+        x = self.spec.type_of(n.args[0]).shape
+        a = n.attrs
+        sizes = [d if k == -1 else k for d, k in zip(x, a["size"])]
+        Ms = _reshape_map(sizes, n.type.shape, M)      # node index -> sliced index
+        Mx = []
+        for (o, step, b), begin, stride in zip(Ms, a["begin"], a["strides"]):
+            Mx.append((o, stride * step, begin + stride * b) if o >= 0
+                      else (-1, 0, begin + stride * b))
+        return self.remap(n.args[0], tuple(Mx), shape)
+
+    def map_concatv2(self, n, M, shape):
+        axis = n.attrs["axis"]
+        sizes = [self.spec.type_of(a).shape[axis] for a in n.args]
+        pieces = []
+        off = 0
+        for a, m in zip(n.args, sizes):
+            Mp = list(M)
+            o, step, b = M[axis]
+            Mp[axis] = (o, step, b - off) if o >= 0 else (-1, 0, b - off)
+            pieces.append((a, tuple(Mp), off, m))
+            off += m
+        return self.select(pieces, M[axis], shape)
+
+    def map_pack(self, n, M, shape):
+        axis = n.attrs["axis"]
+        Mp = M[:axis] + M[axis + 1:]
+        pieces = [(a, Mp, p, 1) for p, a in enumerate(n.args)]
+        return self.select(pieces, M[axis], shape)
+
+    def select(self, pieces, entry, shape):
+        """The value of a concatenation: pieces = [(ref, map, offset, size)] along an
+        axis whose index is ``entry`` = (o, step, begin) of the output index."""
+        o, step, b = entry
+        n = shape[o] if o >= 0 else 1
+        if o >= 0 and n < 0:
+            raise Refusal("a concatenation whose axis is read at run-time positions")
+        if n > MAX_TABLE:
+            raise Refusal(f"a concatenated axis of {n} elements (limit {MAX_TABLE})")
+        pid = [next((p for p, (_, _, off, m) in enumerate(pieces) if off <= b + step * i
+                     < off + m), -1) for i in range(n)]
+        used = sorted(set(pid))
+        if used[0] < 0:                  # cannot happen for a validated spec
+            raise Refusal("a concatenation read outside its pieces")
+        if len(used) == 1 or o < 0:
+            p = used[0]
+            return self.remap(pieces[p][0], pieces[p][1], shape)
+        acc = self.remap(pieces[used[-1]][0], pieces[used[-1]][1], shape)
+        for p in reversed(used[:-1]):
+            cond = self.table(tuple(x == p for x in pid), o, len(shape))
+            acc = self.emit("Select", [cond, self.remap(pieces[p][0], pieces[p][1], shape),
+                                       acc], {})
+        return acc
+
+    # -- views ----------------------------------------------------------------------------
+    def _add_view(self, view: View, t: TensorType) -> int:
+        if view in self.views:
+            return -(self.n_in + self.views.index(view) + 1)
+        self.views.append(view)
+        self.view_types.append(t)
+        return -(self.n_in + len(self.views))
+
+    def table(self, values: tuple, o: int, rank: int) -> int:
+        strides = tuple(1 if d == o else 0 for d in range(rank))
+        shape = tuple(len(values) if d == o else 1 for d in range(rank))
+        return self._add_view(View(-1, strides, 0, (None,) * rank, values),
+                              TensorType("bool", shape))
+
+    def view(self, j: int, M: tuple, shape: tuple) -> int:
+        """Input j read at M(i) over ``shape`` (see remap)."""
+        src = self.spec.inputs[j].shape
+        st = row_major_strides(src)
+        strides, offset = [0] * len(shape), 0
+        vshape = [1] * len(shape)
+        src_dims = [None] * len(shape)
+        guard = ()
+        for d, ((o, step, b), size) in enumerate(zip(M, src)):
+            if size == 1:
+                continue
+            if st[d] is None and (step or b):
+                raise Refusal(f"input {j} of {_fmt(src)} is read through a layout op, "
+                              f"and dims after dim {d} are known only at run time (its "
+                              "strides would not be constants)")
+            if o < 0:
+                if size < 0 or not 0 <= b < size:
+                    raise Refusal(f"input {j} of {_fmt(src)} would be read at index {b} "
+                                  f"of dim {d}")
+                offset += b * (st[d] or 0)
+                continue
+            n = shape[o]
+            whole = (step, b) == (1, 0) and (n == size)
+            if n < 0 or size < 0:
+                if not whole:
+                    raise Refusal(f"input {j} of {_fmt(src)}: dim {d}, known only at run "
+                                  "time, is sliced or shifted by a layout op (only whole "
+                                  "dims of unknown size are read)")
+            elif n and not (0 <= b < size and 0 <= b + step * (n - 1) < size):
+                if guard or n > MAX_TABLE:
+                    raise Refusal(f"input {j} of {_fmt(src)} would be read outside dims "
+                                  f"{guard[0] if guard else d} and {d} by concatenations "
+                                  "on two axes: not fused yet")
+                guard = (o, tuple(0 <= b + step * i < size for i in range(n)))
+            strides[o] += step * (st[d] or 0)
+            offset += b * (st[d] or 0)
+            vshape[o] = n
+            if whole:
+                src_dims[o] = d
+        if tuple(vshape) == tuple(src) and offset == 0 and \
+                tuple(strides) == tuple(s if n != 1 else 0 for s, n in
+                                        zip(row_major_strides(src), src)):
+            return -(j + 1)                    # the input itself
+        for o, n in enumerate(vshape):
+            if n == 1:
+                strides[o] = 0
+        return self._add_view(View(j, tuple(strides), offset, tuple(src_dims), (), guard),
+                              TensorType(self.spec.inputs[j].dtype, tuple(vshape)))
+
+
+def _reshape_map(x_shape, y_shape, M):
+    """Map for the input of a size-1 reshape (x -> y) from the map M of its output:
+    non-1 dims pair up in order; x's size-1 dims are index 0."""
+    ys = iter(m for m, d in zip(M, y_shape) if d != 1)
+    return tuple(_NONE if d == 1 else next(ys) for d in x_shape)
+
+
+def _fmt(shape) -> str:
+    return "[" + ",".join("?" if d < 0 else str(d) for d in shape) + "]"
+

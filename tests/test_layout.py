@@ -1,0 +1,219 @@
+"""Layout ops as index maps (schedule/layout.py): Transpose, Slice, ConcatV2, Pack and
+Split folded into the loads of one kernel.  Layout ops do no arithmetic, so where a
+kernel only moves data its output equals NumPy's bit for bit; NaN moves with the data;
+one compiled kernel serves every batch size; what stays out says why."""
+import json
+
+import numpy as np
+import pytest
+
+from stitching.compile import compile_kernel
+from stitching.ir.builder import SpecBuilder
+from stitching.ir.spec import KernelSpec, SpecError
+from stitching.schedule import KernelKind, ScheduleError, build_schedule, check
+
+RNG = np.random.default_rng(43)
+T, H, D = 8, 4, 16
+
+
+def rope_spec(dtype="float32", batch=-1):
+    """Rotary embedding of q [B,T,H,D] (rotate-half), then the head transpose."""
+    b = SpecBuilder()
+    x = b.input(dtype, [batch, T, H, D])
+    c = b.input(dtype, [T, 1, D])
+    s = b.input(dtype, [T, 1, D])
+    x1 = b.Slice(x, begin=[0, 0, 0, 0], size=[-1, -1, -1, D // 2], strides=[1] * 4,
+                 shape=[batch, T, H, D // 2])
+    x2 = b.Slice(x, begin=[0, 0, 0, D // 2], size=[-1, -1, -1, D // 2], strides=[1] * 4,
+                 shape=[batch, T, H, D // 2])
+    r = b.ConcatV2(b.Neg(x2), x1, axis=3)
+    y = b.Add(b.Mul(x, c), b.Mul(r, s))
+    return b.build([b.Transpose(y, perm=[0, 2, 1, 3])])
+
+
+def rope_ref(x, c, s):
+    h = x.shape[-1] // 2
+    r = np.concatenate([-x[..., h:], x[..., :h]], -1)
+    return np.transpose(x * c + r * s, (0, 2, 1, 3))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_rotary_embedding_and_head_transpose_are_one_kernel(dtype):
+    spec = rope_spec(dtype)
+    sched = build_schedule(spec)
+    assert sched.kind == KernelKind.ELEMENTWISE
+    k = compile_kernel(spec)
+    for batch in (1, 3):          # one compiled kernel, every batch size
+        x = RNG.standard_normal((batch, T, H, D)).astype(dtype)
+        x[0, 0, 0, 0], x[0, 1, 2, D - 1] = np.nan, np.inf
+        c = RNG.standard_normal((T, 1, D)).astype(dtype)
+        s = RNG.standard_normal((T, 1, D)).astype(dtype)
+        (y,) = k(x, c, s)
+        # the same operations in the same order as NumPy: equal bits, NaN included
+        np.testing.assert_array_equal(y, rope_ref(x, c, s))
+
+
+def test_pure_layout_changes_no_bits():
+    """Slice + transpose + concat + pack only: every output element is an input element."""
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 6, 10])
+    y = b.input("float32", [-1, 6, 10])
+    t = b.Transpose(x, perm=[1, 0, 2])                                  # [6,?,10]
+    sl = b.Slice(y, begin=[0, 5, 1], size=[-1, 3, 4], strides=[1, -2, 1],
+                 shape=[-1, 3, 4])                                      # rows 5,3,1
+    p = b.Pack(x, y, axis=1)                                            # [?,2,6,10]
+    cat = b.ConcatV2(x, x, axis=2)                                      # pieces of one x
+    spec = b.build([t, sl, p, cat])
+    k = compile_kernel(spec) if check(spec).ok else None
+    outs = []
+    for ref in (t, sl, p, cat):   # each alone where they do not share one domain
+        one = SpecBuilder()
+        one.inputs, one.nodes = list(spec.inputs), list(spec.nodes)
+        outs.append(compile_kernel(one.build([ref])))
+    X = RNG.standard_normal((3, 6, 10)).astype(np.float32)
+    Y = RNG.standard_normal((3, 6, 10)).astype(np.float32)
+    X[1, 2, 3] = np.nan
+    want = [np.transpose(X, (1, 0, 2)), Y[:, 5::-2, 1:5], np.stack([X, Y], 1),
+            np.concatenate([X, X], 2)]
+    for kk, w in zip(outs, want):
+        (got,) = kk(X, Y)
+        np.testing.assert_array_equal(got, w)
+    if k is not None:
+        for got, w in zip(k(X, Y), want):
+            np.testing.assert_array_equal(got, w)
+
+
+def test_split_and_softmax_over_transposed_rows():
+    """A row kernel (softmax) reading its input through a transpose and a slice."""
+    b = SpecBuilder()
+    x = b.input("float32", [-1, T, H, D])
+    xt = b.Transpose(x, perm=[0, 2, 1, 3])
+    half = b.Slice(xt, begin=[0, 0, 0, 0], size=[-1, -1, -1, D // 2], strides=[1] * 4,
+                   shape=[-1, H, T, D // 2])
+    m = b.Max(half, axes=[3], keep_dims=True)
+    e = b.Exp(b.Sub(half, m))
+    y = b.Div(e, b.Sum(e, axes=[3], keep_dims=True))
+    spec = b.build([y])
+    assert build_schedule(spec).kind == KernelKind.ROW
+    X = RNG.standard_normal((2, T, H, D)).astype(np.float32)
+    (got,) = compile_kernel(spec)(X)
+    h = np.transpose(X, (0, 2, 1, 3))[..., :D // 2].astype(np.float64)
+    e = np.exp(h - h.max(-1, keepdims=True))
+    np.testing.assert_allclose(got, e / e.sum(-1, keepdims=True), rtol=2e-6)
+
+
+def test_what_stays_out_says_why():
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 8, 16])
+    moved = b.Exp(b.Transpose(x, perm=[0, 2, 1]))       # moves the innermost axis
+    assert "moves its innermost axis" in check(b.build([moved])).reason
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 8, 16])
+    s = b.Sum(x, axes=[2], keep_dims=True)
+    t = b.Transpose(b.Add(s, x), perm=[1, 0, 2])
+    assert "Sum result is read through a layout op" in check(b.build([t])).reason
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 8, 16])
+    y = b.input("float32", [-1, 8, 16])
+    cat = b.ConcatV2(b.Exp(x), y, axis=1)                # axis 1: not the innermost
+    assert "other than the kernel's innermost" in check(b.build([cat])).reason
+
+
+def test_spec_with_layout_ops_round_trips_and_bad_ones_are_rejected():
+    spec = rope_spec()
+    assert KernelSpec.from_json(spec.to_json()).hash == spec.hash
+    d = json.loads(spec.to_json())
+    node = next(n for n in d["nodes"] if n["op"] == "Transpose")
+    node["attrs"]["perm"] = [0, 1, 1, 3]
+    with pytest.raises(SpecError, match="not a permutation"):
+        KernelSpec.from_json(json.dumps(d))
+    d = json.loads(spec.to_json())
+    node = next(n for n in d["nodes"] if n["op"] == "Slice")
+    node["attrs"]["begin"][3] = 12              # 8 elements from 12 of 16
+    with pytest.raises(SpecError, match="out of range"):
+        KernelSpec.from_json(json.dumps(d))
+    d = json.loads(spec.to_json())
+    node = next(n for n in d["nodes"] if n["op"] == "ConcatV2")
+    node["args"] = node["args"] * 40            # more pieces than MAX_VARIADIC
+    with pytest.raises(SpecError, match="takes 1 to 64"):
+        KernelSpec.from_json(json.dumps(d))
+
+
+def test_cuda_backend_refuses_views_clearly():
+    from stitching.codegen.cuda import emitter as cuda
+    with pytest.raises(NotImplementedError, match="CPU backend only"):
+        cuda.emit(build_schedule(rope_spec()))
+
+
+def test_invalid_layout_spec_is_a_schedule_error():
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 8, -1])
+    t = b.Exp(b.Transpose(x, perm=[1, 0, 2]))      # strides depend on the unknown dim
+    with pytest.raises(ScheduleError, match="known only at run time"):
+        build_schedule(b.build([t]))
+
+
+# ---- through TF ------------------------------------------------------------------------
+
+def _tf_rope_case():
+    tf = pytest.importorskip("tensorflow")
+    rng = np.random.default_rng(7)
+    w = tf.constant(rng.standard_normal((H * D, H * D)).astype(np.float32) * 0.1)
+    c = tf.constant(rng.standard_normal((T, 1, D)).astype(np.float32))
+    s = tf.constant(rng.standard_normal((T, 1, D)).astype(np.float32))
+
+    def rope(x):
+        # the projection's output is an intermediate TF may let a kernel write over:
+        # the rotary kernel reads it at other positions, so it must not
+        q = tf.reshape(tf.matmul(tf.reshape(x, [-1, H * D]), w), [-1, T, H, D])
+        q1, q2 = tf.split(q, 2, axis=-1)
+        return tf.transpose(q * c + tf.concat([-q2, q1], axis=-1) * s, [0, 2, 1, 3])
+    return tf, rope
+
+
+def test_tf_rotary_block_is_one_kernel_equal_to_tf():
+    import stitching
+    tf, rope = _tf_rope_case()
+    sig = [tf.TensorSpec([None, T, H, D], tf.float32)]
+    f = stitching.function(rope, input_signature=sig)
+    for batch in (1, 4):
+        x = tf.constant(RNG.standard_normal((batch, T, H, D)).astype(np.float32))
+        np.testing.assert_array_equal(f(x).numpy(), tf.function(rope)(x).numpy())
+    assert len(f.report.kernels) == 1
+    assert f.report.coverage == 1.0
+
+
+@pytest.mark.slow
+def test_tf_gradient_through_folded_layout_ops():
+    """A tape inside the stitched function: the backward of split/concat/transpose
+    (more layout ops) is planned with the rest; gradients equal TF's."""
+    import stitching
+    tf, rope = _tf_rope_case()
+
+    def grad(x, g):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = rope(x)
+            loss = tf.reduce_sum(y * g)
+        return tape.gradient(loss, x)
+    sig = [tf.TensorSpec([None, T, H, D], tf.float32), tf.TensorSpec([None, H, T, D])]
+    f = stitching.function(grad, input_signature=sig)
+    x = tf.constant(RNG.standard_normal((2, T, H, D)).astype(np.float32))
+    g = tf.constant(RNG.standard_normal((2, H, T, D)).astype(np.float32))
+    np.testing.assert_allclose(f(x, g).numpy(), tf.function(grad)(x, g).numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_tf_tile_of_unknown_batch_is_a_broadcast():
+    """keras.ops.repeat's Tile (grouped-query attention's K/V heads): a size-1 axis
+    tiled, the batch (multiple 1) known only at run time."""
+    import stitching
+    tf = pytest.importorskip("tensorflow")
+
+    def rep(x):
+        return tf.tile(-x[:, :, None, :], [1, 1, 3, 1]) * 2.0   # exact: equal bits
+    f = stitching.function(rep, input_signature=[tf.TensorSpec([None, 4, 8], tf.float32)])
+    for batch in (1, 3):
+        x = tf.constant(RNG.standard_normal((batch, 4, 8)).astype(np.float32))
+        np.testing.assert_array_equal(f(x).numpy(), tf.function(rep)(x).numpy())
+    assert len(f.report.kernels) == 1 and f.report.coverage == 1.0
