@@ -46,7 +46,7 @@ def _dump_again(fn, logdir) -> list:
                         "or give it Options(dump_dir=...)")
     root = os.path.join(os.fspath(logdir), "dumps")
     opts = dataclasses.replace(fn.options, dump_dir=root, background_compile=False)
-    again = StitchedFunction(fn._python_fn, options=opts)
+    again = StitchedFunction(fn.python_function, options=opts)
     for sig in sigs:
         again.get_concrete_function(*sig)
     return [load_dump(r.dump_path) for r in again.reports if r.dump_path]

@@ -38,6 +38,7 @@ through the tf.function.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import sys
@@ -45,58 +46,141 @@ import threading
 import weakref
 
 import tensorflow as tf
+from tensorflow.python.eager.polymorphic_function import polymorphic_function as tf_pf
+from tensorflow.python.eager.polymorphic_function import tracing_compilation
+from tensorflow.python.framework.ops import EagerTensor
+from tensorflow.python.util import tf_decorator
 
 from ..options import Options
 from . import frontend, original, pipeline
 
-_EAGER_TENSOR = type(tf.constant(0))
 FAST_CALL_SIGNATURES = 64      # exact (dtype, shape) signatures kept per function
 HINT_SECONDS = 1.0             # arbitrary: a first call slower than this gets the hint
 
 
-class StitchedFunction:
-    def __init__(self, fn, input_signature=None, options: Options | None = None,
-                 autograph: bool = True, reduce_retracing: bool | None = None,
-                 jit_compile=None):
-        python_fn, input_signature = _unwrap(fn, input_signature, jit_compile)
-        self._python_fn = python_fn
-        self.options = options or Options()
-        self._autograph = autograph
-        self.report = None
-        self.reports = []            # one per trace, oldest first
-        # None: relax shapes (module docstring); a fixed input_signature leaves nothing to
-        self._relax = input_signature is None and reduce_retracing is not False
-        self._reduce_retracing = reduce_retracing
+class StitchedFunction(tf_pf.Function):
+    """A ``tf.function`` (TF's own ``Function`` class: its argument binding, tracing,
+    cache, signatures, variable lifting and saving hooks) whose every trace is stitched.
+
+    TF traces the user's function through ``TracingOptions.python_function``; here that
+    callable is ``_StitchingTracer``, which traces the function alone into an inner
+    graph, stitches that graph and imports the result into TF's trace (module docstring).
+    So a trace has the user's parameter names, defaults and structured signature, and
+    the ConcreteFunctions it makes are ordinary ones (saved, called, differentiated as
+    any)."""
+
+    def __init__(self, python_function, name=None, input_signature=None, autograph=True,
+                 jit_compile=None, reduce_retracing=None, experimental_implements=None,
+                 experimental_autograph_options=None, experimental_attributes=None, *,
+                 options: Options | None = None):
+        python_function, input_signature = _unwrap(python_function, input_signature,
+                                                   jit_compile)
         # Calls that do not take the eager fast path keep tf.function's own rule: its
         # reduce_retracing would relax a rank change to an unknown rank, which no kernel
         # can serve (only an explicit True asks for it).
-        self._tf_function = tf.function(self._trace, input_signature=input_signature,
-                                        autograph=False,
-                                        reduce_retracing=bool(reduce_retracing))
+        super().__init__(python_function, name or _short_name(python_function),
+                         input_signature=input_signature, autograph=autograph,
+                         jit_compile=jit_compile, reduce_retracing=bool(reduce_retracing),
+                         experimental_implements=experimental_implements,
+                         experimental_autograph_options=experimental_autograph_options,
+                         experimental_attributes=experimental_attributes)
+        self._configure(options or Options(), reduce_retracing)
+        tf_decorator.make_decorator(python_function, self, "stitching.function")
+
+    def _configure(self, options, reduce_retracing):
+        """Stitching's own state (also for the bound copies ``__get__`` makes)."""
+        self.options = options
+        self.report = None
+        self.reports = []            # one per trace, oldest first
+        self._reduce_retracing_setting = reduce_retracing
+        # None: relax shapes (module docstring); a fixed input_signature leaves nothing to
+        self._relax = self.input_signature is None and reduce_retracing is not False
         self._concrete = {}          # ((dtype, shape), ...) of eager args -> ConcreteFunction
         self._shapes = {}            # family ((dtype, rank), ...) -> shapes seen
         self._general = {}           # family -> [(relaxed shapes, ConcreteFunction)]
         self._pending = {}           # key -> background thread stitching it
-        self._lock = threading.Lock()
+        self._pending_lock = threading.Lock()
         self.background_errors = []  # exceptions of background compiles (stock TF kept)
-        functools.update_wrapper(self, python_fn, updated=())
 
-    def __call__(self, *args, **kwargs):
-        if not kwargs:
+    # -- what TF traces ----------------------------------------------------------
+    def _generate_tracing_options(self, fn, scope_type):
+        options = super()._generate_tracing_options(fn, scope_type)
+        return dataclasses.replace(
+            options, python_function=_StitchingTracer(weakref.ref(self),
+                                                      options.python_function))
+
+    def _clone(self, python_function):
+        f = StitchedFunction(
+            self._python_function if python_function is None else python_function,
+            name=self._name, input_signature=self.input_signature,
+            autograph=self._autograph, jit_compile=self._jit_compile,
+            reduce_retracing=self._reduce_retracing_setting,
+            experimental_attributes=self._attributes,
+            experimental_autograph_options=self._experimental_autograph_options,
+            options=self.options)
+        if self._shared_rendezvous:
+            f._shared_rendezvous = self._shared_rendezvous
+        return f
+
+    def __get__(self, instance, owner):
+        """Methods bind as tf.function's do (one Function per instance); the bound one
+        stitches with this one's options."""
+        fresh = instance is not None and instance not in self._descriptor_cache
+        bound = super().__get__(instance, owner)
+        if fresh and isinstance(bound, StitchedFunction) and bound is not self:
+            bound._configure(self.options, self._reduce_retracing_setting)
+        return bound
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        for transient in ("_pending_lock", "_concrete", "_general", "_pending", "_shapes"):
+            state.pop(transient, None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._pending_lock = threading.Lock()
+        self._concrete, self._general, self._pending, self._shapes = {}, {}, {}, {}
+
+    # -- calls ----------------------------------------------------------------------
+    def __call__(self, *args, **kwds):
+        if not kwds and self._fast_path_ready():
             key = _eager_key(args)
             if key is not None:
                 cf = self._concrete.get(key)
                 if cf is None and len(self._concrete) < FAST_CALL_SIGNATURES:
+                    count = self.experimental_get_tracing_count()
                     cf = self._concrete[key] = self._concrete_for(key, args)
+                    if self.experimental_get_tracing_count() != count:
+                        tf_pf._frequent_tracing_detector_manager.called_with_tracing(
+                            self._key_for_call_stats, self._python_function,
+                            self._omit_frequent_tracing_warning)
                 if cf is not None:
                     return _call_concrete(cf, args)
-        return self._tf_function(*args, **kwargs)
+        first = self._variable_creation_config is None
+        result = super().__call__(*args, **kwds)
+        if first and not kwds:       # the first shape of its family, for relaxing later
+            key = _eager_key(args)
+            if key is not None:
+                self._shapes.setdefault(_family(key), []).append([s for _, s in key])
+        return result
+
+    def _fast_path_ready(self) -> bool:
+        """The first call goes through TF (it creates and lifts variables); later ones
+        may skip TF's argument canonicalisation when the function created no variables
+        (else TF may have to run their initializers under a cond: its call does that).
+        Under background compile the first call too: stock TF serves it."""
+        if self._run_functions_eagerly:
+            return False
+        if self.options.background_compile:
+            return True
+        return self._variable_creation_config is not None and not self._created_variables
 
     # -- shapes ---------------------------------------------------------------------
     def _concrete_for(self, key, args):
         """The ConcreteFunction a new exact signature runs: a relaxed trace that fits
         it, else a new trace (relaxed where an earlier shape of its family differs)."""
-        family = tuple((dtype, len(shape)) for dtype, shape in key)
+        family = _family(key)
         shapes = [shape for _, shape in key]
         for general, cf in self._general.get(family, ()):
             if all(_fits(g, s) for g, s in zip(general, shapes)):
@@ -107,8 +191,8 @@ class StitchedFunction:
         if self.options.background_compile:
             return self._stock_then_stitch(key, args, family, relaxed)
         if relaxed is None:
-            return self._tf_function.get_concrete_function(*args)
-        cf = self._tf_function.get_concrete_function(*tensor_specs(key, relaxed))
+            return self.get_concrete_function(*args)
+        cf = self.get_concrete_function(*tensor_specs(key, relaxed))
         self._general.setdefault(family, []).append((relaxed, cf))
         return cf
 
@@ -117,13 +201,13 @@ class StitchedFunction:
         """Stock TF's ConcreteFunction for ``args`` now; the stitched one (traced with
         ``relaxed`` shapes when given) replaces it in ``_concrete`` when a background
         thread has built it."""
-        stock = tf.function(self._python_fn, autograph=self._autograph) \
+        stock = tf.function(self._python_function, autograph=self._autograph) \
             .get_concrete_function(*args)
         specs = tensor_specs(key, relaxed)
         general = (family, relaxed) if relaxed is not None else None
         t = threading.Thread(target=self._stitch_in_background, args=(key, specs, general),
                              name="stitching-compile", daemon=True)
-        with self._lock:
+        with self._pending_lock:
             self._pending[key] = t
         _LIVE.add(self)
         t.start()
@@ -131,7 +215,7 @@ class StitchedFunction:
 
     def _stitch_in_background(self, key, specs, general=None):
         try:
-            cf = self._tf_function.get_concrete_function(*specs)
+            cf = self.get_concrete_function(*specs)
             self._concrete[key] = cf            # one dict store: calls see old or new
             if general is not None:
                 family, relaxed = general
@@ -139,41 +223,25 @@ class StitchedFunction:
         except Exception as e:  # noqa: BLE001 — the stock graph keeps serving this key
             self.background_errors.append(e)
         finally:
-            with self._lock:
+            with self._pending_lock:
                 self._pending.pop(key, None)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until background compiles are done (or ``timeout`` seconds passed);
         True when none is pending and none failed.  Synchronous functions return at
         once."""
-        with self._lock:
+        with self._pending_lock:
             threads = list(self._pending.values())
         for t in threads:
             t.join(timeout)
-        with self._lock:
+        with self._pending_lock:
             return not self._pending and not self.background_errors
 
-    def __get__(self, instance, owner):
-        """Support decorating methods: bind like a function does."""
-        if instance is None:
-            return self
-        bound = self.__dict__.get("_bound_" + str(id(instance)))
-        if bound is None:
-            bound = StitchedFunction(functools.partial(self._python_fn, instance),
-                                     options=self.options, autograph=self._autograph,
-                                     reduce_retracing=self._reduce_retracing)
-            self.__dict__["_bound_" + str(id(instance))] = bound
-        return bound
-
-    def get_concrete_function(self, *args, **kwargs):
-        return self._tf_function.get_concrete_function(*args, **kwargs)
-
-    @property
-    def input_signature(self):
-        return self._tf_function.input_signature
-
     # -- tracing ------------------------------------------------------------
-    def _trace(self, *args, **kwargs):
+    def _stitched_trace(self, fn, args, kwargs):
+        """Inside TF's trace (the outer graph): trace ``fn`` (the user's function, as TF
+        would call it: autograph-converted, under its variable scope) alone, stitch that
+        graph, import the result here; returns ``fn``'s structured outputs."""
         structure = (args, kwargs)
         flat = tf.nest.flatten(structure, expand_composites=True)
         where = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor)]
@@ -184,45 +252,96 @@ class StitchedFunction:
             for i, t in zip(where, tensors):
                 vals[i] = t
             a, k = tf.nest.pack_sequence_as(structure, vals, expand_composites=True)
-            return self._python_fn(*a, **k)
+            return fn(*a, **k)
 
-        inner_fn = tf.function(inner, autograph=self._autograph)
         # a compile worker warming up while TF traces; not behind a background
         # compile, where stock TF's first call is running and needs the cores
         workers = None if self.options.background_compile else pipeline.early_workers()
         try:
-            cf = inner_fn.get_concrete_function(*specs)
+            cf = tracing_compilation.trace_function(
+                specs, {}, tracing_compilation.TracingOptions(inner, self._name,
+                                                              autograph=False))
             fetches = [t.name for t in cf.outputs]
             keep = [op.name for op in cf.graph.control_outputs]
+            graph_def = cf.graph.as_graph_def()
             result = pipeline.stitch_graph_def(
-                cf.graph.as_graph_def(), fetches, keep, self.options,
-                name=getattr(self._python_fn, "__name__", type(self._python_fn).__name__),
-                resources=frontend.resource_shapes(cf.graph), workers=workers)
+                graph_def, fetches, keep, self.options, name=display_name(self),
+                resources=frontend.resource_shapes(cf.graph), workers=workers) \
+                if fetches or keep else None
         finally:
             if workers is not None:
                 workers.close()
-        self.report = result.report
-        self.reports.append(result.report)
-        if not self.options.background_compile:
-            _hint_background_compile(result.report.compile_seconds)
-
-        _define_fallbacks(result.graph_def)
+        if result is not None:
+            self.report = result.report
+            self.reports.append(result.report)
+            if not self.options.background_compile:
+                _hint_background_compile(result.report.compile_seconds)
+            graph_def = result.graph_def
+            _define_fallbacks(graph_def)
         outer = tf.compat.v1.get_default_graph()
-        input_map = _input_map(cf, [flat[i] for i in where], outer, result.graph_def)
+        input_map = _input_map(cf, [flat[i] for i in where], outer, graph_def)
         return_elements = fetches + keep
         outs = tf.graph_util.import_graph_def(
-            result.graph_def, input_map=input_map, return_elements=return_elements,
+            graph_def, input_map=input_map, return_elements=return_elements,
             name="stitched") if return_elements else []
         tensors = outs[:len(fetches)]
-        if not fetches:
-            return tf.nest.pack_sequence_as(cf.structured_outputs, [],
-                                            expand_composites=True) \
-                if cf.structured_outputs is not None else None
-        if keep:   # stateful ops with no data output: run them before returning
+        if keep and tensors:   # stateful ops with no data output: run them first
             with tf.control_dependencies(outs[len(fetches):]):
                 tensors = [tf.identity(t) for t in tensors]
-        return tf.nest.pack_sequence_as(cf.structured_outputs, tensors,
-                                        expand_composites=True)
+        return _pack_outputs(cf.structured_outputs, tensors)
+
+
+class _StitchingTracer:
+    """What TF's trace calls in place of the user's function (see StitchedFunction).
+    It holds its StitchedFunction weakly, as TF's own wrappers do, so a deleted
+    function is freed without the garbage collector."""
+
+    def __init__(self, owner_ref, fn):
+        self._owner = owner_ref
+        self._fn = fn
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args, **kwargs):
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("stitching.function: traced after its function was deleted")
+        return owner._stitched_trace(self._fn, args, kwargs)
+
+
+def _pack_outputs(structured, tensors):
+    """``structured`` (an inner trace's structured outputs: tensors, composites, None)
+    with its tensor leaves, in flattening order, replaced by ``tensors``."""
+    flat = tf.nest.flatten(structured, expand_composites=True)
+    it = iter(tensors)
+    flat = [next(it) if isinstance(v, tf.Tensor) else v for v in flat]
+    return tf.nest.pack_sequence_as(structured, flat, expand_composites=True)
+
+
+def _short_name(fn) -> str:
+    """TF's name for a function (its ConcreteFunctions are ``__inference_<name>_N``)."""
+    inner = _innermost(fn)
+    return getattr(inner, "__name__", None) or type(inner).__name__
+
+
+def _innermost(fn):
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__func__", fn)
+
+
+def display_name(fn) -> str:
+    """The user's name for a function in reports, hints and dumps: its qualified name
+    (``Model.call``, ``train_step``), through partials and bound methods; ``<lambda>``
+    only where nothing better exists."""
+    if isinstance(fn, tf_pf.Function):
+        fn = fn.python_function
+    while True:
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None or inner is fn:
+            break
+        fn = inner
+    fn = _innermost(fn)
+    return getattr(fn, "__qualname__", None) or _short_name(fn)
 
 
 def _define_fallbacks(graph_def):
@@ -325,6 +444,10 @@ def _relaxed(shapes_seen) -> list:
             for arg in zip(*shapes_seen)]
 
 
+def _family(key) -> tuple:
+    return tuple((dtype, len(shape)) for dtype, shape in key)
+
+
 def _fits(general, shape) -> bool:
     return all(g is None or g == d for g, d in zip(general, shape))
 
@@ -343,7 +466,7 @@ def _eager_key(args):
         return None
     key = []
     for a in args:
-        if type(a) is not _EAGER_TENSOR:
+        if type(a) is not EagerTensor:
             return None
         key.append((a.dtype, tuple(a.shape)))
     return tuple(key)
@@ -359,15 +482,14 @@ def _call_concrete(cf, args):
 
 
 def _unwrap(fn, input_signature, jit_compile):
+    """The Python function to trace (the function inside a tf.function or a
+    StitchedFunction given instead of one) and its input signature."""
     if jit_compile:
         raise ValueError(_JIT_MESSAGE)
-    if isinstance(fn, StitchedFunction):
-        return fn._python_fn, input_signature or fn.input_signature
-    python_fn = getattr(fn, "python_function", None)
-    if python_fn is not None:        # an existing tf.function
-        if getattr(fn, "_jit_compile", None):
+    if isinstance(fn, tf_pf.Function):
+        if fn._jit_compile:
             raise ValueError(_JIT_MESSAGE)
-        return python_fn, input_signature or getattr(fn, "input_signature", None)
+        return fn.python_function, input_signature or fn.input_signature
     if not callable(fn):
         raise TypeError(f"stitching.function expects a callable, got {type(fn).__name__}")
     return fn, input_signature
@@ -378,17 +500,30 @@ _JIT_MESSAGE = ("stitching.function cannot stitch a function compiled with "
                 "kernel for the StitchedKernel op. Use either XLA or stitching for it.")
 
 
-def function(fn=None, *, input_signature=None, options: Options | None = None,
-             autograph: bool = True, reduce_retracing: bool | None = None, jit_compile=None):
-    """Like ``tf.function``; bare ``@stitching.function`` or with arguments.
+def function(func=None, input_signature=None, autograph=True, jit_compile=None,
+             reduce_retracing=None, experimental_implements=None,
+             experimental_autograph_options=None, experimental_attributes=None,
+             experimental_relax_shapes=None, experimental_compile=None,
+             experimental_follow_type_hints=None, *, options: Options | None = None):
+    """``tf.function``, stitched: the same parameters (``jit_compile=True`` is refused:
+    XLA has no kernel for the stitched op), plus ``options``; bare
+    ``@stitching.function`` or with arguments.  The result is a ``tf.function``
+    (``isinstance(f, tf.types.experimental.PolymorphicFunction)``).
 
     ``reduce_retracing``: None (default) relaxes input shapes after the second distinct
     shape of the same dtypes and ranks, so a new batch size costs no trace; True as
-    ``tf.function``'s; False traces every shape exactly."""
-    if fn is None:
-        return functools.partial(function, input_signature=input_signature, options=options,
-                                 autograph=autograph, reduce_retracing=reduce_retracing,
-                                 jit_compile=jit_compile)
-    return StitchedFunction(fn, input_signature=input_signature, options=options,
-                            autograph=autograph, reduce_retracing=reduce_retracing,
-                            jit_compile=jit_compile)
+    ``tf.function``'s; False traces every shape exactly, as tf.function's default."""
+    del experimental_follow_type_hints          # deprecated and ignored, as in TF
+    if experimental_relax_shapes:               # TF's deprecated spelling
+        reduce_retracing = True
+    jit_compile = jit_compile if jit_compile is not None else experimental_compile
+
+    def decorated(inner):
+        return StitchedFunction(
+            inner, input_signature=input_signature, autograph=autograph,
+            jit_compile=jit_compile, reduce_retracing=reduce_retracing,
+            experimental_implements=experimental_implements,
+            experimental_autograph_options=experimental_autograph_options,
+            experimental_attributes=experimental_attributes, options=options)
+
+    return decorated if func is None else decorated(func)

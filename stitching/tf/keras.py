@@ -78,7 +78,7 @@ def stitch(model, options: Options | None = None):
     for step in STEPS:
         method = getattr(model, f"{step}_step")
         if isinstance(method, StitchedFunction):      # stitched before: re-stitch
-            method = method._python_fn
+            method = method.python_function
         object.__setattr__(model, f"{step}_function", None)
         if step == "train" and _replicas(model) > 1:
             functions[step] = _ReplicatedStep(model, step, method, options)

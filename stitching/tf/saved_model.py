@@ -8,6 +8,8 @@ also ships the kernels' shared objects for the machine it was rewritten on as as
 """
 from __future__ import annotations
 
+import inspect
+
 import tensorflow as tf
 
 from ..options import Options
@@ -43,11 +45,7 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
                sorted(cf.structured_input_signature[1].items())]
         names = [s.name for s in sig]
 
-        def call(*args, _cf=cf, _names=names):
-            return _cf(**dict(zip(_names, args)))
-        call.__name__ = key           # names the report and the dump directory
-
-        sf = StitchedFunction(call, input_signature=sig,
+        sf = StitchedFunction(_signature_caller(cf, names, key), input_signature=sig,
                               options=options or Options(fallback=True))
         new_sigs[key] = sf.get_concrete_function()
         reports[key] = sf.report
@@ -63,6 +61,19 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
             _embed_kernels(module, new_sigs.values(), staging)
         tf.saved_model.save(module, dst, signatures=new_sigs)
     return reports
+
+
+def _signature_caller(cf, names, key):
+    """A Python function calling the signature ``cf`` by its input ``names``, with
+    those names as its parameters (so the stitched trace keeps them) and ``key`` as
+    its name (the report's and the dump directory's)."""
+    def call(*args):
+        return cf(**dict(zip(names, args)))
+    call.__name__ = call.__qualname__ = key
+    if all(n.isidentifier() for n in names):
+        call.__signature__ = inspect.Signature(
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    return call
 
 
 # ---- the original object's own functions -------------------------------------------
