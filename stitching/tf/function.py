@@ -259,8 +259,9 @@ class StitchedFunction(tf_pf.Function):
         workers = None if self.options.background_compile else pipeline.early_workers()
         try:
             cf = tracing_compilation.trace_function(
-                specs, {}, tracing_compilation.TracingOptions(inner, self._name,
-                                                              autograph=False))
+                specs, {}, tracing_compilation.TracingOptions(
+                    inner, self._name, autograph=self._autograph,
+                    autograph_options=self._experimental_autograph_options))
             fetches = [t.name for t in cf.outputs]
             keep = [op.name for op in cf.graph.control_outputs]
             graph_def = cf.graph.as_graph_def()
@@ -345,14 +346,18 @@ def display_name(fn) -> str:
 
 
 def _define_fallbacks(graph_def):
-    """The functions kernel nodes run as their native segment (``fallback``: autotune's
-    other side, or where a kernel cannot be built), defined in the eager context: the
-    op instantiates them through the runtime's function library, which the rewritten
-    graph's library does not reach once it is imported into the caller's trace ("Function
-    stitching_original_... is not defined")."""
-    wanted = {f.name for n in graph_def.node if n.op == "StitchedKernel"
-              for f in n.attr["fallback"].list.func} if any(
-        "fallback" in n.attr for n in graph_def.node) else set()
+    """The regions' original functions (``stitching_original_<hash>``), defined in the
+    eager context.  Kernel nodes run them as their native segment (``fallback``:
+    autotune's other side, or where a kernel cannot be built): the op instantiates them
+    through the runtime's function library, which the rewritten graph's library does not
+    reach once it is imported into the caller's trace ("Function stitching_original_...
+    is not defined").  And a gradient through a kernel node of a nested function (a
+    stitched function called by another, inlined there by Grappler, which drops the
+    originals from the library: a node attr naming a function does not keep it) looks
+    its original up in the eager context (original.py).  Named by a hash of their
+    body: defining one twice is a no-op."""
+    wanted = {f.signature.name for f in graph_def.library.function
+              if f.signature.name.startswith(original.PREFIX)}
     if not wanted:
         return
     from tensorflow.python.eager import context
