@@ -371,30 +371,44 @@ def _input_map(cf, args, outer, graph_def):
     """Every placeholder of the inner trace that ``graph_def`` (the rewritten graph)
     still holds -> the outer trace's tensor that feeds it.
 
-    A ConcreteFunction's inputs are its arguments followed by *all* its captures: the
-    by-value ones (``graph.captures``: eager tensors, variable handles) and the
-    by-reference ones, which ``capture_call_time_value`` feeds from a closure at each
-    call (MirroredStrategy's collective instance keys and ordering).  Mapping only
-    ``graph.captures`` left the by-reference placeholders unfed in the imported graph
-    ("You must feed a value for placeholder tensor ..." at run time).
-    ``cf.captured_inputs`` evaluates the closures now, inside the outer trace, so they
-    become the outer function's own call-time captures, as a nested tf.function call
-    would make them.
+    A ConcreteFunction's inputs are its arguments followed by its captures: by value
+    (eager tensors, variable handles, tensors of enclosing graphs) and by reference
+    (``capture_call_time_value``: a closure evaluated at each call, e.g.
+    MirroredStrategy's collective keys).  Each becomes the same kind of capture of the
+    outer trace, as the user's function traced there directly would have made it:
+    every one, also where the rewritten graph no longer reads it (Grappler folded a
+    captured constant into its consumers), so the outer ConcreteFunction's captures
+    are tf.function's (``replace_capture``, ``captured_inputs``).  A by-reference
+    capture keeps its key and closure, so it stays a call-time value.
 
-    A placeholder the rewritten graph no longer holds needs no feed: Grappler's
-    constant folding replaces a captured constant that only feeds foldable arithmetic
-    (EfficientNet's Normalization layer: Sqrt(variance), x - mean) by its result,
-    and import_graph_def refuses a map entry for a node that is not there."""
-    captured = cf.captured_inputs
-    if len(cf.inputs) != len(args) + len(captured):
+    An entry for a placeholder the rewritten graph no longer holds is left out:
+    import_graph_def refuses a map entry for a node that is not there."""
+    captures = cf.graph.function_captures
+    n_by_val = len(captures.by_val_capture_tuples)
+    n_args = len(cf.inputs) - n_by_val - len(
+        tf.nest.flatten(list(captures.by_ref_internal.values()), expand_composites=True))
+    if n_args != len(args):
         raise RuntimeError(
             f"stitching.function: the traced function has {len(cf.inputs)} inputs but "
-            f"{len(args)} arguments and {len(captured)} captures; refusing to import a "
-            "graph with an unfed placeholder")
+            f"{len(args)} arguments and {len(cf.inputs) - n_args} captures; refusing to "
+            "import a graph with an unfed placeholder")
+    pairs = list(zip(cf.inputs[:n_args], args))
+    pairs += [(internal, outer.capture(external))
+              for external, internal in captures.by_val_capture_tuples]
+    outer_captures = outer.function_captures
+    for key, internal in captures.by_ref_internal.items():
+        if key not in outer_captures.by_ref_internal:
+            from tensorflow.core.function.trace_type import InternalPlaceholderContext
+            tracetype = captures.by_ref_tracetype[key]
+            outer_captures.add_or_replace(
+                key=key, external=captures.by_ref_external[key],
+                internal=tracetype.placeholder_value(InternalPlaceholderContext(outer)),
+                tracetype=tracetype, is_by_ref=True)
+        pairs += zip(tf.nest.flatten(internal, expand_composites=True),
+                     tf.nest.flatten(outer_captures.by_ref_internal[key],
+                                     expand_composites=True))
     present = {n.name for n in graph_def.node}
-    return {ph.name: (v if i < len(args) else outer.capture(v))
-            for i, (ph, v) in enumerate(zip(cf.inputs, list(args) + list(captured)))
-            if ph.op.name in present}
+    return {ph.name: v for ph, v in pairs if ph.op.name in present}
 
 
 _BACKWARDS: dict = {}            # (region function, outputs differentiated) -> function
