@@ -48,6 +48,7 @@ import weakref
 import tensorflow as tf
 from tensorflow.python.eager.polymorphic_function import polymorphic_function as tf_pf
 from tensorflow.python.eager.polymorphic_function import tracing_compilation
+from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework.ops import EagerTensor
 from tensorflow.python.util import tf_decorator
 
@@ -75,12 +76,12 @@ class StitchedFunction(tf_pf.Function):
                  options: Options | None = None):
         python_function, input_signature = _unwrap(python_function, input_signature,
                                                    jit_compile)
-        # Calls that do not take the eager fast path keep tf.function's own rule: its
-        # reduce_retracing would relax a rank change to an unknown rank, which no kernel
-        # can serve (only an explicit True asks for it).
+        # Calls that do not take the eager fast path keep tf.function's own rule (None
+        # is false there): its reduce_retracing would relax a rank change to an unknown
+        # rank, which no kernel can serve (only an explicit True asks for it).
         super().__init__(python_function, name or _short_name(python_function),
                          input_signature=input_signature, autograph=autograph,
-                         jit_compile=jit_compile, reduce_retracing=bool(reduce_retracing),
+                         jit_compile=jit_compile, reduce_retracing=reduce_retracing,
                          experimental_implements=experimental_implements,
                          experimental_autograph_options=experimental_autograph_options,
                          experimental_attributes=experimental_attributes)
@@ -252,7 +253,13 @@ class StitchedFunction(tf_pf.Function):
             for i, t in zip(where, tensors):
                 vals[i] = t
             a, k = tf.nest.pack_sequence_as(structure, vals, expand_composites=True)
-            return fn(*a, **k)
+            before = tf.nest.pack_sequence_as(structure, tf.nest.flatten(
+                (a, k), expand_composites=True), expand_composites=True)
+            out = fn(*a, **k)
+            # TF's own check, on the arguments the user's function saw (the outer
+            # trace's check sees only the ones TF passed here, never modified)
+            func_graph_module.check_func_mutation(*before, a, k, fn)
+            return out
 
         # a compile worker warming up while TF traces; not behind a background
         # compile, where stock TF's first call is running and needs the cores
@@ -509,9 +516,7 @@ def _unwrap(fn, input_signature, jit_compile):
         if fn._jit_compile:
             raise ValueError(_JIT_MESSAGE)
         return fn.python_function, input_signature or fn.input_signature
-    if not callable(fn):
-        raise TypeError(f"stitching.function expects a callable, got {type(fn).__name__}")
-    return fn, input_signature
+    return fn, input_signature          # TF refuses what is not callable
 
 
 _JIT_MESSAGE = ("stitching.function cannot stitch a function compiled with "
