@@ -126,7 +126,10 @@ class StitchedFunction(tf_pf.Function):
     def __get__(self, instance, owner):
         """Methods bind as tf.function's do (one Function per instance); the bound one
         stitches with this one's options."""
-        fresh = instance is not None and instance not in self._descriptor_cache
+        try:
+            fresh = instance is not None and instance not in self._descriptor_cache
+        except TypeError:           # an unhashable composite tensor: TF binds it anew
+            fresh = False
         bound = super().__get__(instance, owner)
         if fresh and isinstance(bound, StitchedFunction) and bound is not self:
             bound._configure(self.options, self._reduce_retracing_setting)
@@ -151,12 +154,12 @@ class StitchedFunction(tf_pf.Function):
                 cf = self._concrete.get(key)
                 if cf is None and len(self._concrete) < FAST_CALL_SIGNATURES:
                     count = self.experimental_get_tracing_count()
-                    cf = self._concrete[key] = self._concrete_for(key, args)
+                    cf = self._concrete[key] = _flat_in(self._concrete_for(key, args), args)
                     if self.experimental_get_tracing_count() != count:
                         tf_pf._frequent_tracing_detector_manager.called_with_tracing(
                             self._key_for_call_stats, self._python_function,
                             self._omit_frequent_tracing_warning)
-                if cf is not None:
+                if cf:
                     return _call_concrete(cf, args)
         first = self._variable_creation_config is None
         result = super().__call__(*args, **kwds)
@@ -246,7 +249,11 @@ class StitchedFunction(tf_pf.Function):
         structure = (args, kwargs)
         flat = tf.nest.flatten(structure, expand_composites=True)
         where = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor)]
-        specs = [tf.TensorSpec(flat[i].shape, flat[i].dtype) for i in where]
+        # named as TF named the outer trace's placeholders: the user's parameter names
+        # in the inner graph too (dumps, TF's errors)
+        specs = [tf.TensorSpec(flat[i].shape, flat[i].dtype,
+                               name=flat[i].op.name if flat[i].op.type == "Placeholder"
+                               else None) for i in where]
 
         def inner(*tensors):
             vals = list(flat)
@@ -486,9 +493,16 @@ def tensor_specs(key, shapes=None) -> list:
     return [tf.TensorSpec(shape, dtype) for (dtype, _), shape in zip(key, shapes)]
 
 
+def _flat_in(cf, args):
+    """``cf``, or False where its flat inputs are not exactly ``args`` (a default
+    argument that is a tensor): that signature is never called the fast way."""
+    return cf if len(cf.inputs) - len(cf.captured_inputs) == len(args) else False
+
+
 def _eager_key(args):
-    """((dtype, shape), ...) when every argument is an eager tensor, else None."""
-    if not tf.executing_eagerly():
+    """((dtype, shape), ...) when every argument is an eager tensor (at least one),
+    else None."""
+    if not args or not tf.executing_eagerly():
         return None
     key = []
     for a in args:
