@@ -1,0 +1,207 @@
+"""stitching.function as a drop-in for tf.function (issue 38): its interface, argument
+names, outputs, captures, nested gradients, retracing, relaxed-shape broadcasting."""
+import gc
+import inspect
+import logging
+import subprocess
+import sys
+import weakref
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+import stitching  # noqa: E402
+
+
+def test_signature_is_tf_functions_plus_options():
+    tf_params = list(inspect.signature(tf.function).parameters)
+    ours = list(inspect.signature(stitching.function).parameters)
+    assert ours == tf_params + ["options"]
+    f = stitching.function(func=lambda x: x * 2.0, experimental_implements="name",
+                           experimental_autograph_options=(),
+                           experimental_attributes={"_noinline": True})
+    assert float(f(tf.constant(2.0))) == 4.0
+
+
+def test_is_a_tf_function_with_the_users_parameter_names():
+    @stitching.function
+    def scale(x, factor=2.0, *, shift=1.0):
+        return tf.nn.softmax(x) * factor + shift
+
+    assert isinstance(scale, tf.types.experimental.PolymorphicFunction)
+    assert scale.python_function.__name__ == "scale"
+    assert list(scale.function_spec.fullargspec.args) == ["x", "factor"]
+    x = tf.random.normal([3, 5])
+    want = tf.nn.softmax(x) * 3.0 + 1.0
+    np.testing.assert_allclose(scale(x, 3.0), want, rtol=1e-6)
+    np.testing.assert_allclose(scale(x=x, factor=3.0), want, rtol=1e-6)
+    cf = scale.get_concrete_function(x=tf.TensorSpec([None, 5]), shift=0.0)
+    assert [t.op.name for t in cf.inputs] == ["x"]
+    assert "scale" in cf.name.decode() and "_trace" not in cf.name.decode()
+    assert "x (POSITIONAL_OR_KEYWORD)" in cf.pretty_printed_signature()
+    np.testing.assert_allclose(cf(x=x), tf.nn.softmax(x) * 2.0, rtol=1e-6)
+    assert scale.experimental_get_tracing_count() == 2
+    assert len(scale._list_all_concrete_functions()) == 2
+
+
+def test_outputs_that_are_none_or_hold_no_tensor():
+    @stitching.function
+    def f(x):
+        return {"y": tf.exp(x) * 2.0, "none": None, "n": 3}
+
+    out = f(tf.zeros([4]))
+    assert out["none"] is None and int(out["n"]) == 3
+    np.testing.assert_allclose(out["y"], 2.0)
+    assert stitching.function(lambda x: None)(tf.zeros([2])) is None
+    v = tf.Variable(1.0)
+
+    @stitching.function
+    def assign_only(x):
+        v.assign_add(tf.reduce_sum(x))
+
+    assert assign_only(tf.ones([3])) is None
+    assert float(v) == 4.0
+
+
+def test_modifying_an_input_list_is_tfs_error():
+    @stitching.function
+    def append(values):
+        values.append(tf.constant(0.0))
+
+    with pytest.raises(ValueError, match="should not modify"):
+        append([tf.constant(1.0)])
+
+
+def test_captures_are_tf_functions():
+    y = tf.constant(1)
+
+    @stitching.function
+    def foo(x):
+        return {"input": x, "capture": y}
+
+    cf = foo.get_concrete_function(tf.TensorSpec([], tf.int32))
+    assert len(cf.function_type.captures) == 1
+    assert int(cf(tf.constant(2))["capture"]) == 1
+
+
+def test_nested_stitched_functions_differentiate():
+    """A stitched function called by another: Grappler inlines it, its kernels keep
+    their originals (looked up in the eager context) and iterated gradients import."""
+    @stitching.function
+    def inner(a, b):
+        return a * tf.add(a, b)
+
+    @stitching.function
+    def outer(x):
+        return inner(x, 1.0)
+
+    x = tf.constant(5.0)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = outer(x)
+    assert float(tape.gradient(y, x)) == 11.0
+
+    def grad(f):
+        def g(v):
+            with tf.GradientTape() as t:
+                t.watch(v)
+                out = f(v)
+            return t.gradient(out, v)
+        return g
+
+    f = stitching.function(lambda v: tf.cos(v))
+    for _ in range(3):
+        f = stitching.function(grad(f))
+    assert abs(float(f(tf.constant(1.0))) - np.sin(1.0)) < 1e-6   # cos''' = sin
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_relaxed_dims_broadcast_as_tf_does(seed):
+    """Two calls of one family relax the batch dim; later calls with a size-1 dim in
+    either argument broadcast as TF broadcasts (the kernel's guard runs the original
+    ops), equal to tf.function, never an error where TF runs."""
+    rng = np.random.default_rng(seed)
+
+    def fn(a, c):
+        return tf.nn.softmax(a + c) * 2.0 - c
+
+    f, ref = stitching.function(fn), tf.function(fn)
+    for n in (8, 9):                               # relaxes dim 0 of both
+        a, c = (rng.standard_normal((n, 16), np.float32) for _ in range(2))
+        np.testing.assert_allclose(f(a, c), ref(a, c), rtol=1e-5, atol=1e-6)
+    for _ in range(6):
+        n = int(rng.integers(1, 12))
+        sa, sc = [n, 16], [n, 16]
+        which = rng.integers(0, 4)
+        if which == 0:
+            sa[0] = 1
+        elif which == 1:
+            sc[0] = 1
+        elif which == 2:
+            sc[1] = 1
+        a = tf.constant(rng.standard_normal(sa).astype(np.float32))
+        c = tf.constant(rng.standard_normal(sc).astype(np.float32))
+        np.testing.assert_allclose(f(a, c), ref(a, c), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{sa} + {sc}")
+
+
+def test_a_concrete_function_called_with_another_rank_runs_like_tf():
+    @stitching.function
+    def fn(a, b):
+        return a + b, a * b
+
+    fn(tf.ones([]), tf.ones([]))
+    cf = fn.get_concrete_function(tf.TensorSpec([None]), tf.TensorSpec([]))
+    got = cf(tf.constant(1.0), tf.constant(2.0))
+    assert [float(t) for t in got] == [3.0, 2.0]
+
+
+def test_a_deleted_function_is_freed_without_the_garbage_collector():
+    gc.disable()
+    try:
+        f = stitching.function(lambda x: tf.exp(x) + 1.0)
+        f(tf.zeros([3]))
+        ref = weakref.ref(f)
+        del f
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_tfs_retracing_warning_names_the_users_function(caplog):
+    @stitching.function(reduce_retracing=False)
+    def my_step(x):
+        return x * 2.0
+
+    with caplog.at_level(logging.WARNING):
+        for n in range(1, 8):
+            my_step(tf.zeros([n]))
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "retracing" in text and "my_step" in text and "_trace" not in text
+
+
+def test_creating_a_function_leaves_tf_runtime_configurable():
+    code = """if True:
+        import tensorflow as tf, stitching
+        f = stitching.function(lambda x: x + 1.0)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        cpus = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+        print(float(f(tf.constant(1.0))))
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("2.0"), out.stderr[-2000:]
+
+
+def test_pickled_and_cloned_functions_keep_their_settings():
+    import pickle
+    f = stitching.function(abs, reduce_retracing=True,
+                           options=stitching.Options(min_ops=1))
+    g = pickle.loads(pickle.dumps(f))
+    assert isinstance(g, stitching.StitchedFunction) and g._reduce_retracing is True
+    assert g.options.min_ops == 1
+    h = f._clone(python_function=None)
+    assert isinstance(h, stitching.StitchedFunction) and h.options.min_ops == 1
