@@ -41,7 +41,9 @@ import atexit
 import dataclasses
 import functools
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import weakref
 
@@ -135,9 +137,47 @@ class StitchedFunction(tf_pf.Function):
             bound._configure(self.options, self._reduce_retracing_setting)
         return bound
 
+    # -- saving -------------------------------------------------------------------
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        """What ``tf.saved_model.save`` saves of this function: TF's (each traced
+        ConcreteFunction, its StitchedKernel nodes and their original functions, which
+        the op runs where its kernel cannot serve) and, as ``stitching_kernels``, the
+        shared objects of those kernels for this machine, shipped in ``assets/`` as
+        ``stitching-rewrite`` ships them (kernel_assets.py): a load on this CPU and
+        toolchain compiles nothing."""
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "savedmodel":
+            cfs = list(children.values())
+            assets = self._kernel_assets(cfs)
+            if assets is not None:
+                for cf in cfs:
+                    _ship_with(cf, assets)
+        return children
+
+    def _kernel_assets(self, concrete_functions):
+        """The KernelAssets resource for these functions' kernels (one per distinct
+        set of specs, its files in a directory that lives as long as this function),
+        or None where there is nothing to ship."""
+        from .kernel_assets import export, kernel_assets_resource, specs_in
+        specs = []
+        for cf in concrete_functions:
+            specs += [s for s in specs_in(cf.graph.as_graph_def()) if s not in specs]
+        if not specs:
+            return None
+        cached = getattr(self, "_shipped", None)
+        if cached is not None and cached[0] == specs:
+            return cached[1]
+        staging = tempfile.mkdtemp(prefix="stitching-kernels-")
+        weakref.finalize(self, shutil.rmtree, staging, True)
+        manifest, paths, sha = export(specs, staging)
+        resource = None if manifest is None else kernel_assets_resource(manifest, paths, sha)
+        self._shipped = (specs, resource)
+        return resource
+
     def __getstate__(self):
         state = super().__getstate__()
-        for transient in ("_pending_lock", "_concrete", "_general", "_pending", "_shapes"):
+        for transient in ("_pending_lock", "_concrete", "_general", "_pending", "_shapes",
+                          "_shipped"):
             state.pop(transient, None)
         return state
 
@@ -304,6 +344,23 @@ class StitchedFunction(tf_pf.Function):
             with tf.control_dependencies(outs[len(fetches):]):
                 tensors = [tf.identity(t) for t in tensors]
         return _pack_outputs(cf.structured_outputs, tensors)
+
+
+def _ship_with(cf, assets) -> None:
+    """Makes ``assets`` a child of the ConcreteFunction ``cf`` in a SavedModel's object
+    graph (a tf.function's own children can only be its ConcreteFunctions; a
+    ConcreteFunction's are its captures, by name, and any other object)."""
+    if getattr(cf, "_stitching_assets", None) is assets:
+        return
+    cf._stitching_assets = assets
+    tf_children = type(cf)._trackable_children.__get__(cf)
+
+    def children(save_type="checkpoint", **kwargs):
+        out = tf_children(save_type, **kwargs)
+        if save_type == "savedmodel":
+            out["stitching_kernels"] = assets
+        return out
+    cf._trackable_children = children
 
 
 class _StitchingTracer:
