@@ -418,24 +418,29 @@ def display_name(fn) -> str:
 
 def _define_fallbacks(graph_def):
     """The regions' original functions (``stitching_original_<hash>``), defined in the
-    eager context.  Kernel nodes run them as their native segment (``fallback``:
-    autotune's other side, or where a kernel cannot be built): the op instantiates them
-    through the runtime's function library, which the rewritten graph's library does not
-    reach once it is imported into the caller's trace ("Function stitching_original_...
-    is not defined").  And a gradient through a kernel node of a nested function (a
-    stitched function called by another, inlined there by Grappler, which drops the
-    originals from the library: a node attr naming a function does not keep it) looks
-    its original up in the eager context (original.py).  Named by a hash of their
-    body: defining one twice is a no-op."""
-    wanted = {f.signature.name for f in graph_def.library.function
-              if f.signature.name.startswith(original.PREFIX)}
-    if not wanted:
-        return
+    eager context for the rest of the process, and ``graph_def``'s copies made those.
+
+    Kernel nodes run them (``guard``: a call the kernel was not built for;
+    ``fallback``: where a kernel cannot be built) through the runtime's function
+    library, which the rewritten graph's library does not reach once it is imported
+    into the caller's trace ("Function stitching_original_... is not defined").  A
+    gradient through a kernel node of a nested function (a stitched function called by
+    another, inlined there by Grappler) looks its original up in the eager context
+    (original.py).  A function rebuilt from a saved FunctionDef finds them there too.
+
+    Names are hashes of the original bodies, but Grappler, optimizing a graph that
+    calls a stitched function, rewrites the bodies of the library functions it keeps
+    (an Identity bypassed) under the same name; two definitions of one name cannot
+    meet in one graph.  So the first definition of a name is the one: the context's."""
     from tensorflow.python.eager import context
     ctx = context.context()
     for fdef in graph_def.library.function:
-        if fdef.signature.name in wanted and not ctx.has_function(fdef.signature.name):
-            ctx.add_function_def(fdef)
+        name = fdef.signature.name
+        if not name.startswith(original.PREFIX):
+            continue
+        if ctx.has_function(name):
+            fdef.CopyFrom(ctx.get_function_def(name))
+        ctx.add_function_def(fdef)      # a reference of our own: never removed
 
 
 def _input_map(cf, args, outer, graph_def):
