@@ -205,3 +205,26 @@ def test_pickled_and_cloned_functions_keep_their_settings():
     assert g.options.min_ops == 1
     h = f._clone(python_function=None)
     assert isinstance(h, stitching.StitchedFunction) and h.options.min_ops == 1
+
+
+def _kernel_specs(cf):
+    return sorted(n.attr["spec"].s for n in cf.graph.as_graph_def().node
+                  if n.op == "StitchedKernel")
+
+
+def test_new_python_scalars_share_one_compiled_kernel():
+    """f(x, 1.0), f(x, 2.0): TF traces each value as a constant; a float scalar that
+    only feeds arithmetic is a kernel input, so every value has the same spec (one
+    compile)."""
+    @stitching.function
+    def f(x, scale, shift):
+        return tf.nn.softmax(x * scale) + shift
+
+    x = tf.random.normal([16, 32])
+    specs = []
+    for scale, shift in ((1.0, 0.5), (2.0, -3.0), (0.25, 7.0)):
+        got = f(x, scale, shift)
+        np.testing.assert_allclose(got, tf.nn.softmax(x * scale) + shift, rtol=1e-5,
+                                   atol=1e-6)
+        specs.append(_kernel_specs(f.get_concrete_function(x, scale, shift)))
+    assert specs[0] and specs[0] == specs[1] == specs[2]

@@ -329,8 +329,30 @@ def _convert_const(op) -> Node | None:
     if flat.size == 0 or flat.size > _MAX_SPLAT_ELEMENTS or not np.all(flat == flat[0]) \
             and not (np.issubdtype(flat.dtype, np.floating) and np.all(np.isnan(flat))):
         return Node(op.name, "TFConst", [], {})          # stays a TF constant
+    if not shape and _value_operand(op):
+        return Node(op.name, "TFConst", [], {})          # a kernel input: see below
     v = _py_scalar(flat[0])
     return Node(op.name, "Const", [], {"value": v, "dtype": dt, "shape": shape})
+
+
+# A float scalar that only feeds these as a plain operand is a kernel *input*, not a
+# value in the kernel's spec: ``f(x, 1.0)``, ``f(x, 2.0)``, ... (a Python scalar
+# argument, which TF traces as a constant) then give the same spec, one compiled
+# kernel for every value, instead of a compile (~0.5 s) per value.  Reading a scalar
+# input costs a load per kernel; where the value itself makes better code it stays in
+# the spec: a divisor (x / c lowers to x * (1/c), codegen/lower/exprs.py) and an
+# exponent (pow(x, 2) lowers to x * x), which is why those ops are not listed.
+_VALUE_OPERAND_OPS = frozenset({"Add", "AddV2", "Sub", "Mul", "Maximum", "Minimum",
+                                "SquaredDifference", "BiasAdd"})
+
+
+def _value_operand(op) -> bool:
+    out = op.outputs[0]
+    consumers = out.consumers()
+    return out.dtype.is_floating and bool(consumers) and all(
+        c.type in _VALUE_OPERAND_OPS or (c.type in ("RealDiv", "Div") and
+                                         c.inputs[0] is out and c.inputs[1] is not out)
+        for c in consumers)
 
 
 def _py_scalar(v):

@@ -334,6 +334,11 @@ class StitchedFunction(tf_pf.Function):
             graph_def = result.graph_def
             _define_fallbacks(graph_def)
         outer = tf.compat.v1.get_default_graph()
+        # The inner trace's ConcreteFunction keeps the functions its graph calls (tf.cond
+        # branches, loop bodies) registered with the runtime, where the imported copy
+        # finds them when TF's trace is called inside another function: it lives as
+        # long as TF's trace does.
+        outer._stitching_inner_traces = getattr(outer, "_stitching_inner_traces", []) + [cf]
         input_map = _input_map(cf, [flat[i] for i in where], outer, graph_def)
         return_elements = fetches + keep
         outs = tf.graph_util.import_graph_def(
