@@ -228,3 +228,42 @@ def test_new_python_scalars_share_one_compiled_kernel():
                                    atol=1e-6)
         specs.append(_kernel_specs(f.get_concrete_function(x, scale, shift)))
     assert specs[0] and specs[0] == specs[1] == specs[2]
+
+
+def test_the_background_compile_hint_only_where_it_applies(monkeypatch, capsys):
+    """Not for get_concrete_function (stitching-rewrite's way in) nor a call inside
+    another tf.function (Keras's fit): background compile cannot serve those."""
+    from stitching.tf import function as fn_module
+    monkeypatch.setattr(fn_module, "HINT_SECONDS", 0.0)
+    monkeypatch.setattr(fn_module, "_hinted", False)
+    monkeypatch.delenv("STITCHING_NO_HINTS", raising=False)
+    f = stitching.function(lambda x: tf.tanh(x) * 2.0 + 1.0)
+    f.get_concrete_function(tf.TensorSpec([2, 3]))
+    tf.function(lambda x: f(x) * 2.0)(tf.zeros([4, 3]))
+    assert "background_compile" not in capsys.readouterr().err
+    f(tf.zeros([5, 3]))
+    assert "background_compile=True" in capsys.readouterr().err
+
+
+def test_keras_stitch_refuses_background_compile():
+    keras = pytest.importorskip("keras")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="background_compile"):
+        stitching.keras.stitch(model, stitching.Options(background_compile=True))
+
+
+def test_reports_name_the_users_function():
+    class Block(tf.Module):
+        @stitching.function
+        def __call__(self, x):
+            return tf.nn.softmax(x) * 2.0
+
+    import functools
+    scaled = stitching.function(functools.partial(
+        lambda x, s: tf.nn.softmax(x) * s, s=3.0))
+    b = Block()
+    b(tf.zeros([2, 4]))
+    scaled(tf.zeros([2, 4]))
+    assert b.__call__.report.function.endswith("Block.__call__")
+    assert "partial" not in scaled.report.function

@@ -48,6 +48,7 @@ import threading
 import weakref
 
 import tensorflow as tf
+from tensorflow.python.autograph.impl.api import autograph_artifact
 from tensorflow.python.eager.polymorphic_function import polymorphic_function as tf_pf
 from tensorflow.python.eager.polymorphic_function import tracing_compilation
 from tensorflow.python.framework import func_graph as func_graph_module
@@ -89,6 +90,9 @@ class StitchedFunction(tf_pf.Function):
                          experimental_attributes=experimental_attributes)
         self._configure(options or Options(), reduce_retracing)
         tf_decorator.make_decorator(python_function, self, "stitching.function")
+        # AutoGraph (converting a caller) must call this as it calls TF's Function, not
+        # convert the call machinery below (TF's own is allowlisted by module)
+        autograph_artifact(self)
 
     def _configure(self, options, reduce_retracing):
         """Stitching's own state (also for the bound copies ``__get__`` makes)."""
@@ -104,6 +108,7 @@ class StitchedFunction(tf_pf.Function):
         self._pending = {}           # key -> background thread stitching it
         self._pending_lock = threading.Lock()
         self.background_errors = []  # exceptions of background compiles (stock TF kept)
+        self._eager_call = False     # tracing for an eager call (the hint's condition)
 
     # -- what TF traces ----------------------------------------------------------
     def _generate_tracing_options(self, fn, scope_type):
@@ -194,7 +199,12 @@ class StitchedFunction(tf_pf.Function):
                 cf = self._concrete.get(key)
                 if cf is None and len(self._concrete) < FAST_CALL_SIGNATURES:
                     count = self.experimental_get_tracing_count()
-                    cf = self._concrete[key] = _flat_in(self._concrete_for(key, args), args)
+                    self._eager_call = True
+                    try:
+                        cf = _flat_in(self._concrete_for(key, args), args)
+                    finally:
+                        self._eager_call = False
+                    self._concrete[key] = cf
                     if self.experimental_get_tracing_count() != count:
                         tf_pf._frequent_tracing_detector_manager.called_with_tracing(
                             self._key_for_call_stats, self._python_function,
@@ -202,7 +212,11 @@ class StitchedFunction(tf_pf.Function):
                 if cf:
                     return _call_concrete(cf, args)
         first = self._variable_creation_config is None
-        result = super().__call__(*args, **kwds)
+        self._eager_call = tf.executing_eagerly()    # the hint applies to these only
+        try:
+            result = super().__call__(*args, **kwds)
+        finally:
+            self._eager_call = False
         if first and not kwds:       # the first shape of its family, for relaxing later
             key = _eager_key(args)
             if key is not None:
@@ -329,7 +343,9 @@ class StitchedFunction(tf_pf.Function):
         if result is not None:
             self.report = result.report
             self.reports.append(result.report)
-            if not self.options.background_compile:
+            # only where it would apply: an eager call (not inside Keras's fit or
+            # another tf.function, not get_concrete_function or stitching-rewrite)
+            if not self.options.background_compile and getattr(self, "_eager_call", False):
                 _hint_background_compile(result.report.compile_seconds)
             graph_def = result.graph_def
             _define_fallbacks(graph_def)

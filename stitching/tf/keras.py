@@ -28,7 +28,9 @@ under MirroredStrategy with ``steps_per_execution > 1``: an unfed call-time capt
 inside its while loop's cond.)
 
 Refused, with the reason: ``jit_compile=True`` (XLA has no kernel for the op),
-``run_eagerly=True`` (no graph) and a model not compiled yet.
+``run_eagerly=True`` (no graph), a model not compiled yet, and
+``Options(background_compile=True)`` (Keras calls the steps inside its own
+tf.function: no eager first call could run stock TF while kernels compile).
 """
 from __future__ import annotations
 
@@ -74,6 +76,13 @@ def stitch(model, options: Options | None = None):
     graphs; returns the model.  Call after ``model.compile(...)`` (and again after a
     later ``compile``, which rebuilds Keras's step functions)."""
     _check(model)
+    if options is not None and options.background_compile:
+        raise ValueError(
+            "stitching.keras.stitch: Options(background_compile=True) cannot apply here: "
+            "Keras calls each step inside its own tf.function, so there is no eager "
+            "first call to serve with stock TF while the kernels compile (the first step "
+            "waits for them). Pass Options without background_compile; background "
+            "compilation works for a stitching.function called eagerly.")
     functions = {}
     for step in STEPS:
         method = getattr(model, f"{step}_step")
