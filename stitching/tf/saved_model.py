@@ -53,13 +53,13 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
         new_sigs.setdefault(key, model.signatures[key])
     _share_stitched_functions(model, new_sigs, [k for k in keys if done.get(_identity(
         model.signatures[k])) == k])
-    module = tf.Module()
-    module.model = model            # keeps variables tracked
+    # The original root object is the new root: its API (a Keras export's ``serve``,
+    # ``variables``, its other functions and attributes) stays where users call it.
     import tempfile
     with tempfile.TemporaryDirectory(prefix="stitching-kernels-") as staging:
         if embed_kernels:
-            _embed_kernels(module, new_sigs.values(), staging)
-        tf.saved_model.save(module, dst, signatures=new_sigs)
+            _embed_kernels(model, new_sigs.values(), staging)
+        tf.saved_model.save(model, dst, signatures=new_sigs)
     return reports
 
 
@@ -78,8 +78,8 @@ def _signature_caller(cf, names, key):
 
 # ---- the original object's own functions -------------------------------------------
 #
-# The rewritten model keeps the original object (``loaded.model``): its variables, and
-# the functions users call on it (a Keras export's ``loaded.model.serve``).  Kept as
+# The rewritten model keeps the original object as its root: its variables, and the
+# functions users call on it (a Keras export's ``loaded.serve``).  Kept as
 # they were, those functions and the object's own signatures hold a second, unstitched
 # copy of the whole graph, which tf.saved_model.load converts to a Python FuncGraph
 # like every library function: measured, that copy was a third of the rewritten
