@@ -56,7 +56,7 @@ from tensorflow.python.framework.ops import EagerTensor
 from tensorflow.python.util import tf_decorator
 
 from ..options import Options
-from . import frontend, original, pipeline
+from . import control_flow, frontend, original, pipeline
 
 FAST_CALL_SIGNATURES = 64      # exact (dtype, shape) signatures kept per function
 HINT_SECONDS = 1.0             # arbitrary: a first call slower than this gets the hint
@@ -452,12 +452,14 @@ def _define_fallbacks(graph_def):
     Names are hashes of the original bodies, but Grappler, optimizing a graph that
     calls a stitched function, rewrites the bodies of the library functions it keeps
     (an Identity bypassed) under the same name; two definitions of one name cannot
-    meet in one graph.  So the first definition of a name is the one: the context's."""
+    meet in one graph.  So the first definition of a name is the one: the context's.
+    Stitched control-flow functions (tf/control_flow.py) are defined the same way: the
+    runtime resolves a lowered loop's body by name."""
     from tensorflow.python.eager import context
     ctx = context.context()
     for fdef in graph_def.library.function:
         name = fdef.signature.name
-        if not name.startswith(original.PREFIX):
+        if not name.startswith(original.PREFIX) and not control_flow.is_stitched(name):
             continue
         if ctx.has_function(name):
             fdef.CopyFrom(ctx.get_function_def(name))

@@ -42,8 +42,9 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import (autotune, bcast, dump, einsum, forward, frontend, gemm, grappler, opnames,
-               original, padfold, prune, remapper, rewrite, seqsplit, shapes, sparse_xent)
+from . import (autotune, bcast, control_flow, dump, einsum, forward, frontend, gemm,
+               grappler, opnames, original, padfold, prune, remapper, rewrite, seqsplit,
+               shapes, sparse_xent)
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
@@ -134,11 +135,20 @@ def _seq_split(gdef, tf_graph, fetched, options, resources):
 
 def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
                      name: str = "?", resources: dict | None = None,
-                     workers=None) -> StitchResult:
+                     workers=None, bodies: bool = True) -> StitchResult:
     """``resources``: variable shapes from the live graph (frontend.resource_shapes);
-    ``workers``: pre-started compile workers (``early_workers``), used or closed."""
+    ``workers``: pre-started compile workers (``early_workers``), used or closed;
+    ``bodies``: stitch the functions control flow runs (tf/control_flow.py) first."""
     with _gc_paused():
-        return _stitch(graph_def, fetches, keep, options, name, resources, workers)
+        stitched = []
+        if bodies and grappler.has_control_flow(graph_def):
+            graph_def = type(graph_def).FromString(graph_def.SerializeToString())
+            stitched = control_flow.stitch_bodies(
+                graph_def, lambda g, f, k, label: _stitch(g, f, k, options, label, None,
+                                                         None), name)
+        result = _stitch(graph_def, fetches, keep, options, name, resources, workers)
+        result.report.bodies = stitched
+        return result
 
 
 def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> StitchResult:
