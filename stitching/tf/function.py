@@ -335,7 +335,9 @@ class StitchedFunction(tf_pf.Function):
             graph_def = cf.graph.as_graph_def()
             result = pipeline.stitch_graph_def(
                 graph_def, fetches, keep, self.options, name=display_name(self),
-                resources=frontend.resource_shapes(cf.graph), workers=workers) \
+                resources=frontend.resource_shapes(cf.graph), workers=workers,
+                scalar_values=frozenset(float(v) for v in flat if isinstance(v, (int, float))
+                                        and not isinstance(v, bool))) \
                 if fetches or keep else None
         finally:
             if workers is not None:

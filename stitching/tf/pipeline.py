@@ -135,23 +135,28 @@ def _seq_split(gdef, tf_graph, fetched, options, resources):
 
 def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
                      name: str = "?", resources: dict | None = None,
-                     workers=None, bodies: bool = True) -> StitchResult:
+                     workers=None, bodies: bool = True,
+                     scalar_values=frozenset()) -> StitchResult:
     """``resources``: variable shapes from the live graph (frontend.resource_shapes);
     ``workers``: pre-started compile workers (``early_workers``), used or closed;
-    ``bodies``: stitch the functions control flow runs (tf/control_flow.py) first."""
+    ``bodies``: stitch the functions control flow runs (tf/control_flow.py) first;
+    ``scalar_values``: a traced function's Python scalar arguments, kernel inputs
+    rather than constants of the spec (frontend.to_ir)."""
     with _gc_paused():
         stitched = []
         if bodies and grappler.has_control_flow(graph_def):
             graph_def = type(graph_def).FromString(graph_def.SerializeToString())
             stitched = control_flow.stitch_bodies(
                 graph_def, lambda g, f, k, label: _stitch(g, f, k, options, label, None,
-                                                         None), name)
-        result = _stitch(graph_def, fetches, keep, options, name, resources, workers)
+                                                         None, scalar_values), name)
+        result = _stitch(graph_def, fetches, keep, options, name, resources, workers,
+                         scalar_values)
         result.report.bodies = stitched
         return result
 
 
-def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> StitchResult:
+def _stitch(graph_def, fetches, keep, options, name, resources, workers,
+            scalar_values=frozenset()) -> StitchResult:
     t0 = time.perf_counter()
     from . import ensure_runtime
     from ..compile import kernel as kernel_cache
@@ -168,7 +173,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
             gdef = expanded if expanded is not None else folded
             tf_graph = frontend.import_for_shapes(gdef, resources)
         gdef, tf_graph, seq_note = _seq_split(gdef, tf_graph, fetched, options, resources)
-        ir = frontend.to_ir(tf_graph, list(fetches))
+        ir = frontend.to_ir(tf_graph, list(fetches), scalar_values)
         shape_math = _shape_arithmetic(gdef)
         for n in shape_math & ir.nodes.keys():
             ir[n].attrs.setdefault("unfusible", SHAPE_MATH)
