@@ -436,7 +436,10 @@ def display_name(fn) -> str:
             break
         fn = inner
     fn = _innermost(fn)
-    return getattr(fn, "__qualname__", None) or _short_name(fn)
+    qualname, name = getattr(fn, "__qualname__", None), getattr(fn, "__name__", None)
+    if qualname and name and qualname.rsplit(".", 1)[-1] != name:
+        return name                   # renamed on purpose (a generated function)
+    return qualname or _short_name(fn)
 
 
 def _define_fallbacks(graph_def):
@@ -574,8 +577,7 @@ def _fits(general, shape) -> bool:
 
 def tensor_specs(key, shapes=None) -> list:
     """TensorSpecs for an exact-signature key (``_eager_key``'s ((dtype, shape), ...)),
-    with ``shapes`` (relaxed ones) instead of the key's own where given;
-    stitching.inspect traces a function again from the keys it was called with."""
+    with ``shapes`` (relaxed ones) instead of the key's own where given."""
     shapes = [shape for _, shape in key] if shapes is None else shapes
     return [tf.TensorSpec(shape, dtype) for (dtype, _), shape in zip(key, shapes)]
 
