@@ -313,3 +313,32 @@ def test_cond_branches_are_stitched():
                                    rtol=1e-5, atol=1e-6)
     bodies = _body_kernels(f.report)
     assert sum(1 for n in bodies if n.startswith("cond_")) == 2, f.report.summary()
+
+
+def test_the_tf_function_suite_runner_compares_per_method():
+    """tools/tf_function_suite.py: a method passes when every case that ran passed;
+    the stock-passing ones are the denominator; known differences are reported apart
+    (never skipped), and each names a test method of the suite."""
+    import os
+    import re
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import tf_function_suite as suite
+    stock = {"a::T.m1": [["m1", "pass", ""]], "a::T.m2": [["m2a", "pass", ""],
+                                                          ["m2b", "skip", "gpu"]],
+             "a::T.m3": [["m3", "fail", "x"]], "b::T.m4": [["m4", "pass", ""]]}
+    stitched = {"a::T.m1": [["m1", "pass", ""]], "a::T.m2": [["m2a", "error",
+                                                              "ValueError: no\n"]],
+                "b::T.m4": [["m4", "fail", "AssertionError: differs"]]}
+    suite.KNOWN["b::T.m4"] = "a reason"
+    try:
+        c = suite.compare(stock, stitched, ["a", "b"])
+    finally:
+        del suite.KNOWN["b::T.m4"]
+    assert c["per_file"] == {"a": [2, 1, 0], "b": [1, 0, 1]}
+    assert c["unexpected"] == [("a::T.m2", "ValueError: no")]
+    assert c["known"] == [("b::T.m4", "a reason")]
+    if os.path.isdir(suite.SUITE):
+        for key in suite.KNOWN:
+            f, method = key.split("::")
+            text = open(os.path.join(suite.SUITE, f + ".py")).read()
+            assert re.search(rf"def {method.split('.')[1]}\b", text), key
