@@ -1,17 +1,27 @@
 """``stitching.function``: a drop-in for ``tf.function`` that stitches each trace.
 
-How a call works:
+A StitchedFunction *is* a tf.function: a subclass of TF's ``Function``, made with the
+same parameters, so TF binds arguments (the user's parameter names, defaults,
+keywords, varargs), traces, caches, retraces (and warns about it, naming the user's
+function), lifts variables, differentiates and saves it.  Only what TF traces differs:
 
-    StitchedFunction(x) ─▶ outer tf.function (retraces per input signature, as usual)
-        trace body: trace the user's function alone (inner ConcreteFunction)
-                    ─▶ pipeline.stitch_graph_def (plan, compile, rewrite)
-                    ─▶ import the rewritten GraphDef into the outer trace, mapping
-                       arguments to the outer placeholders and captured variables to
-                       the same resource handles (so variables stay variables)
+    TF's trace of the user's function (TracingOptions.python_function, autograph and
+    variable scope applied by TF) ─▶ _StitchingTracer, inside TF's FuncGraph:
+        trace the user's function alone (an inner graph; TF's own input-mutation
+        check, autograph status and captures as TF's trace would have them)
+        ─▶ pipeline.stitch_graph_def (control-flow bodies, plan, compile, rewrite)
+        ─▶ import the rewritten GraphDef into TF's trace, its arguments mapped to TF's
+           placeholders and every capture made a capture of TF's trace (by value,
+           or by reference under its key), so variables stay variables
 
-The outer tf.function owns tracing, caching and signatures, so behaviour matches
-tf.function; the inner graph already carries TF's automatic control dependencies
-as explicit control edges, which the rewrite keeps.
+The inner graph already carries TF's automatic control dependencies as explicit
+control edges, which the rewrite keeps.  What remains different from tf.function is
+listed in docs/tf-function-differences.md (TF's own tests of tf.function are the
+judge: tools/tf_function_suite.py).
+
+Saving: ``tf.saved_model.save`` saves a StitchedFunction's ConcreteFunctions as it
+saves a tf.function's (StitchedKernel nodes, their original ops as functions) and
+ships the kernels' shared objects in ``assets/`` (kernel_assets.py).
 
 Background compilation (``Options(background_compile=True)``, as XLA's
 ``--tf_xla_async_compilation``): the first call with a new eager signature traces the
