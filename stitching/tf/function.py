@@ -37,13 +37,13 @@ differing dims unknown (the kernels serve every size with one compiled code), an
 later size that fits is served by that trace with no tracing at all.
 ``reduce_retracing=False`` traces every shape exactly, as ``tf.function`` does by default.
 
-Calls: a call with only eager tensors as positional arguments goes straight to the
-ConcreteFunction traced for exactly those dtypes and shapes (found once through the
-tf.function, so tracing and its errors are tf.function's), skipping tf.function's
-per-call argument canonicalisation: measured here, a tf.function call of a small
-softmax took 230 µs against 90 µs for its concrete function.  Any other call (keyword
-arguments, Python values, NumPy arrays, symbolic tensors inside another trace) goes
-through the tf.function.
+Calls: after the first call (TF's: it creates and lifts variables), a call with only
+eager tensors as positional arguments goes straight to the ConcreteFunction traced for
+exactly those dtypes and shapes (found once through TF's get_concrete_function, so
+tracing and its errors are tf.function's), skipping tf.function's per-call argument
+canonicalisation: measured here, a tf.function call of a small softmax took 230 µs
+against 90 µs for its concrete function.  Any other call (keyword arguments, Python
+values, NumPy arrays, symbolic tensors inside another trace) is TF's call.
 """
 from __future__ import annotations
 
