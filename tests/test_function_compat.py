@@ -342,3 +342,70 @@ def test_the_tf_function_suite_runner_compares_per_method():
             f, method = key.split("::")
             text = open(os.path.join(suite.SUITE, f + ".py")).read()
             assert re.search(rf"def {method.split('.')[1]}\b", text), key
+
+
+_LOAD = """if True:
+    import sys, builtins, json
+    if {block_numba}:
+        real = builtins.__import__
+        def guarded(name, *a, **k):
+            if name == "numba" or name.startswith("numba."):
+                raise ImportError("No module named 'numba' (blocked by the test)")
+            return real(name, *a, **k)
+        builtins.__import__ = guarded
+    import numpy as np, stitching, tensorflow as tf
+    m = tf.saved_model.load({path!r})
+    x = tf.constant(np.load({x!r}))
+    want = np.load({want!r})
+    sig = m.signatures["serving_default"]
+    out = {{"call": float(np.abs(m(x).numpy() - want).max()),
+           "signature": float(np.abs(sig(x=x)["output_0"].numpy() - want).max()),
+           "numba": "numba" in sys.modules,
+           "fallbacks": stitching.runtime.stats()["fallbacks"]}}
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow          # two fresh processes: ~20 s here
+def test_a_saved_module_loads_in_a_fresh_process_without_compiling(tmp_path):
+    """tf.saved_model.save of a tf.Module holding a StitchedFunction: its ConcreteFunction
+    with the StitchedKernel nodes, the input's name, the kernels shipped in assets/.
+    A fresh process with an empty kernel cache loads it without Numba (the shipped
+    kernels); without the assets and without Numba, the original ops serve."""
+    import json
+    import shutil
+
+    class Block(tf.Module):
+        def __init__(self):
+            self.w = tf.Variable(tf.linspace(0.5, 1.5, 64))
+
+        @stitching.function(input_signature=[tf.TensorSpec([None, 64], tf.float32)])
+        def __call__(self, x):
+            return tf.nn.softmax(x * self.w) + 1.0
+
+    m = Block()
+    x = np.random.default_rng(5).standard_normal((4, 64)).astype(np.float32)
+    want = m(x).numpy()
+    np.testing.assert_allclose(want, tf.nn.softmax(x * m.w) + 1.0, rtol=1e-6, atol=1e-6)
+    path = tmp_path / "block"
+    tf.saved_model.save(m, str(path), signatures=m.__call__)
+    assert (path / "assets" / "stitching_kernels.json").exists()
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "want.npy", want)
+
+    def load(block_numba, cache):
+        code = _LOAD.format(block_numba=block_numba, path=str(path),
+                            x=str(tmp_path / "x.npy"), want=str(tmp_path / "want.npy"))
+        env = dict(__import__("os").environ, STITCHING_CACHE_DIR=str(tmp_path / cache))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    shipped = load(False, "cache1")
+    assert shipped["call"] < 1e-6 and shipped["signature"] < 1e-6
+    assert not shipped["numba"] and shipped["fallbacks"] == 0
+    shutil.rmtree(path / "assets")
+    (path / "assets").mkdir()
+    original = load(True, "cache2")
+    assert original["call"] < 1e-6 and original["fallbacks"] >= 1

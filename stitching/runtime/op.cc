@@ -538,7 +538,8 @@ is the region's original subgraph as a function, run instead when the kernel can
 built here (STITCHING_STRICT=1 makes that an error). `guard`, if set, is the same
 function, run for a call whose inputs the kernel was not built for (a relaxed dim that
 is 1 at run time and broadcasts, a rank the trace did not have): TF's answer, or TF's
-error, where the kernel would have to refuse.
+error, where the kernel would have to refuse; and where the kernel cannot be built
+and there is no `fallback`.
 )doc");
 
 // ---- opt-in profiling -----------------------------------------------------------------
@@ -827,6 +828,13 @@ class StitchedKernelOp : public OpKernel {
                     " entries but Tout has ", tout.size())));
     std::vector<tensorflow::NameAttrList> fallback;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("fallback", &fallback));
+    // A node without a fallback of its own (a stitching.function's, saved and loaded
+    // where its kernel cannot be built) runs its guard function instead: the same
+    // original ops.
+    std::vector<tensorflow::NameAttrList> guard;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("guard", &guard));
+    const bool has_fallback = !fallback.empty();
+    if (!has_fallback) fallback = guard;
     absl::Status found = Lookup(spec, &entry_);
     // InvalidArgument: the spec itself is bad (a corrupt or edited graph): an error,
     // never silently the fallback; anything else (no compiler, no Numba, a native
@@ -839,7 +847,7 @@ class StitchedKernelOp : public OpKernel {
     OP_REQUIRES_OK(ctx, found);
     OP_REQUIRES_OK(ctx, CheckSignature(tin, tout));
     std::string tune;
-    if (!fallback.empty() &&
+    if (has_fallback &&
         tensorflow::TryGetNodeAttr(ctx->def(), "_stitching_autotune", &tune) &&
         !tune.empty()) {
       SetUpTuning(ctx, fallback[0], spec_hash.empty() ? Sha256Hex(spec).substr(0, 24)
