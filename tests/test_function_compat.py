@@ -409,3 +409,19 @@ def test_a_saved_module_loads_in_a_fresh_process_without_compiling(tmp_path):
     (path / "assets").mkdir()
     original = load(True, "cache2")
     assert original["call"] < 1e-6 and original["fallbacks"] >= 1
+
+
+def test_keras_export_after_stitch_exports_the_stitched_serving_function(tmp_path):
+    keras = pytest.importorskip("keras")
+    inp = keras.Input((32,))
+    h = keras.layers.LayerNormalization()(keras.layers.Dense(64)(inp))
+    model = keras.Model(inp, keras.layers.Activation("gelu")(h))
+    model.compile(optimizer="sgd", loss="mse")
+    stitching.keras.stitch(model)
+    model.export(str(tmp_path / "m"), verbose=False)
+    x = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
+    loaded = tf.saved_model.load(str(tmp_path / "m"))
+    np.testing.assert_allclose(loaded.serve(x), model(x), rtol=1e-5, atol=1e-5)
+    gd = loaded.signatures["serving_default"].graph.as_graph_def()
+    assert "StitchedKernel" in {n.op for f in gd.library.function for n in f.node_def}
+    assert (tmp_path / "m" / "assets" / "stitching_kernels.json").exists()
