@@ -27,8 +27,12 @@ cross-replica synchronization).  (Stock Keras 3 on TF 2.21 itself fails evaluate
 under MirroredStrategy with ``steps_per_execution > 1``: an unfed call-time capture
 inside its while loop's cond.)
 
+``model.export(path)`` (a SavedModel) exports the stitched ``serve`` endpoint.
+
 Refused, with the reason: ``jit_compile=True`` (XLA has no kernel for the op),
-``run_eagerly=True`` (no graph) and a model not compiled yet.
+``run_eagerly=True`` (no graph), a model not compiled yet, and
+``Options(background_compile=True)`` (Keras calls the steps inside its own
+tf.function: no eager first call could run stock TF while kernels compile).
 """
 from __future__ import annotations
 
@@ -91,11 +95,18 @@ def stitch(model, options: Options | None = None):
             ``jit_compile=True`` or ``run_eagerly=True``.
     """
     _check(model)
+    if options is not None and options.background_compile:
+        raise ValueError(
+            "stitching.keras.stitch: Options(background_compile=True) cannot apply here: "
+            "Keras calls each step inside its own tf.function, so there is no eager "
+            "first call to serve with stock TF while the kernels compile (the first step "
+            "waits for them). Pass Options without background_compile; background "
+            "compilation works for a stitching.function called eagerly.")
     functions = {}
     for step in STEPS:
         method = getattr(model, f"{step}_step")
         if isinstance(method, StitchedFunction):      # stitched before: re-stitch
-            method = method._python_fn
+            method = method.python_function
         object.__setattr__(model, f"{step}_function", None)
         if step == "train" and _replicas(model) > 1:
             functions[step] = _ReplicatedStep(model, step, method, options)
@@ -104,8 +115,38 @@ def stitch(model, options: Options | None = None):
         functions[step] = StitchedFunction(method, options=options, autograph=False)
         # Keras's Layer.__setattr__ tracks attributes; these are plain callables
         object.__setattr__(model, f"{step}_step", functions[step])
+    object.__setattr__(model, "export", _stitched_export(model, options))
     object.__setattr__(model, "stitching_report", StitchingReports(functions))
     return model
+
+
+def _stitched_export(model, options):
+    """``model.export(path)`` (a SavedModel) with the ``serve`` endpoint stitched: Keras's
+    own export (ExportArchive, its variables and its tf.function over the endpoint)
+    around a StitchedFunction of ``model.__call__``; other formats are Keras's."""
+    keras_export = type(model).export
+
+    def export(filepath, format="tf_saved_model", verbose=None, input_signature=None,
+               **kwargs):
+        if format != "tf_saved_model":
+            return keras_export(model, filepath, format=format, verbose=verbose,
+                                input_signature=input_signature, **kwargs)
+        from keras.src.export.export_utils import get_input_signature
+        from keras.src.export.saved_model import DEFAULT_ENDPOINT_NAME, ExportArchive
+        archive = ExportArchive()
+        archive.track(model)
+        serve = StitchedFunction(model.__call__, options=options, autograph=False)
+        endpoint = archive.add_endpoint(DEFAULT_ENDPOINT_NAME, serve,
+                                        input_signature or get_input_signature(model),
+                                        **kwargs)
+        # the kernels' shared objects in assets/, as a saved StitchedFunction ships them
+        # (the endpoint traced now: its tf.function's signature traces ``serve``)
+        endpoint.get_concrete_function()
+        assets = serve._kernel_assets(list(serve._list_all_concrete_functions()))
+        if assets is not None:
+            archive._tf_trackable.stitching_kernels = assets
+        archive.write_out(filepath, verbose=True if verbose is None else verbose)
+    return export
 
 
 def _strategy(model):

@@ -2,7 +2,8 @@
 
 ``summary()`` is the text a user reads; ``to_dict()`` the same facts as data
 (keys: memory_intensive_ops, fused_ops, kernels, coverage, unfused,
-kernel_details, boundaries, compile_seconds, notes, backward, autotune, pass_seconds).
+kernel_details, boundaries, compile_seconds, notes, backward, bodies, autotune,
+pass_seconds).
 Counts are in TF ops of the original graph: a Softmax is one op even though its kernel
 expands it.
 
@@ -89,6 +90,9 @@ class Report:
     unique_kernels: int = 0
     code_objects: int = 0      # distinct native codes (kernel.code_name) serving them
     notes: list = field(default_factory=list)
+    # the functions control flow runs (tf.cond branches, loop bodies), each stitched on
+    # its own: [(function name, its Report or None, why it was kept as traced or "")]
+    bodies: list = field(default_factory=list)
     explanation: list = field(default_factory=list)   # per kernel: alternatives and scores
     profile: str = ""          # the device profile the cost model planned with (its source)
     dump_path: str | None = None   # the graph dump of this trace, when dumping is on
@@ -125,6 +129,9 @@ class Report:
             "compile_seconds": round(self.compile_seconds, 3),
             "notes": list(self.notes),
             "backward": self.backward,
+            "bodies": [{"function": f, "why_kept": why,
+                        "report": r.to_dict() if r is not None else None}
+                       for f, r, why in self.bodies],
             "explanation": list(self.explanation),
             "profile": self.profile,
             "autotune": self.autotune_decisions(),
@@ -205,6 +212,7 @@ class Report:
             for reason, items in by_reason.items():
                 shown = ", ".join(items[:4]) + (f", … {len(items) - 4} more" if len(items) > 4 else "")
                 lines.append(f"    {shown}: {reason}")
+        lines.extend(self._body_lines())
         lines.extend(self._autotune_lines())
         for n in self.notes:
             lines.append(f"  note: {n}")
@@ -223,6 +231,21 @@ class Report:
                       f"{_plural(self.code_objects, 'compiled code')})")
         return (f"fused {fused} of {n} memory-intensive TF ops ({100 * fused / n:.0f}%) "
                 f"into {_plural(k, 'kernel')}{shared}; {took}")
+
+    def _body_lines(self) -> list:
+        lines = []
+        for fname, r, why in self.bodies:
+            if r is None or why:
+                counts = (f"{r.memory_intensive_ops} memory-intensive op(s), "
+                          if r is not None else "")
+                lines.append(f"  control-flow function {fname}: {counts}kept as traced "
+                             f"({why})")
+                continue
+            lines.append(f"  control-flow function {fname}: {r._headline()}")
+            for k in r.kernels:
+                ops = ", ".join(t for _, t in k.ops)
+                lines.append(f"    {k.name}: {len(k.ops)} ops [{ops}] — {k.schedule}")
+        return lines
 
     def explain(self) -> str:
         """Per kernel the planner considered: decision, scores, alternatives (search planner)."""

@@ -8,6 +8,8 @@ also ships the kernels' shared objects for the machine it was rewritten on as as
 """
 from __future__ import annotations
 
+import inspect
+
 import tensorflow as tf
 
 from .options import Options
@@ -58,11 +60,7 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
                sorted(cf.structured_input_signature[1].items())]
         names = [s.name for s in sig]
 
-        def call(*args, _cf=cf, _names=names):
-            return _cf(**dict(zip(_names, args)))
-        call.__name__ = key           # names the report and the dump directory
-
-        sf = StitchedFunction(call, input_signature=sig,
+        sf = StitchedFunction(_signature_caller(cf, names, key), input_signature=sig,
                               options=options or Options(fallback=True))
         new_sigs[key] = sf.get_concrete_function()
         reports[key] = sf.report
@@ -70,20 +68,33 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
         new_sigs.setdefault(key, model.signatures[key])
     _share_stitched_functions(model, new_sigs, [k for k in keys if done.get(_identity(
         model.signatures[k])) == k])
-    module = tf.Module()
-    module.model = model            # keeps variables tracked
+    # The original root object is the new root: its API (a Keras export's ``serve``,
+    # ``variables``, its other functions and attributes) stays where users call it.
     import tempfile
     with tempfile.TemporaryDirectory(prefix="stitching-kernels-") as staging:
         if embed_kernels:
-            _embed_kernels(module, new_sigs.values(), staging)
-        tf.saved_model.save(module, dst, signatures=new_sigs)
+            _embed_kernels(model, new_sigs.values(), staging)
+        tf.saved_model.save(model, dst, signatures=new_sigs)
     return reports
+
+
+def _signature_caller(cf, names, key):
+    """A Python function calling the signature ``cf`` by its input ``names``, with
+    those names as its parameters (so the stitched trace keeps them) and ``key`` as
+    its name (the report's and the dump directory's)."""
+    def call(*args):
+        return cf(**dict(zip(names, args)))
+    call.__name__ = call.__qualname__ = key
+    if all(n.isidentifier() for n in names):
+        call.__signature__ = inspect.Signature(
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    return call
 
 
 # ---- the original object's own functions -------------------------------------------
 #
-# The rewritten model keeps the original object (``loaded.model``): its variables, and
-# the functions users call on it (a Keras export's ``loaded.model.serve``).  Kept as
+# The rewritten model keeps the original object as its root: its variables, and the
+# functions users call on it (a Keras export's ``loaded.serve``).  Kept as
 # they were, those functions and the object's own signatures hold a second, unstitched
 # copy of the whole graph, which tf.saved_model.load converts to a Python FuncGraph
 # like every library function: measured, that copy was a third of the rewritten

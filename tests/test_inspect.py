@@ -55,7 +55,7 @@ def test_transformer_dump_round_trip(transformer_dump):
     (path,) = si.list_dumps(root)
     si.validate_dump(path)
     d = stitching.load_dump(root)          # a root holding one dump is accepted
-    assert d.path == path and d.function == "<lambda>"
+    assert d.path == path and d.function.endswith("<lambda>")   # its qualified name
     assert d.options["planner"] == "search"
     # every kernel: its files, its spec as the graph carries it, its estimate
     after = {n.name: n for n in d.graph_after().node}

@@ -80,7 +80,7 @@ _LOAD_ALL = """
     sig = m.signatures["serving_default"]
     (got,) = sig(**{{list(sig.structured_input_signature[1])[0]: tf.constant(x)}}).values()
     out["signature"] = float(np.abs(got.numpy() - want).max())
-    out["restored function"] = float(np.abs(m.model.serve(x).numpy() - want).max())
+    out["restored function"] = float(np.abs(m.serve(x).numpy() - want).max())
     import keras
     layer = keras.layers.TFSMLayer(d + "/cnn", call_endpoint="serving_default")
     (got,) = layer(x).values()
@@ -316,7 +316,7 @@ def test_rewrite_keeps_signatures_variables_and_assets(tmp_path):
     z = rng.standard_normal((4, 8))
     np.testing.assert_allclose(b.signatures["act"](z=z)["out"], a.signatures["act"](z=z)["out"])
     for name in ("g", "steps"):       # the variables, restored from the new checkpoint
-        va, vb = getattr(a, name), getattr(b.model, name)
+        va, vb = getattr(a, name), getattr(b, name)
         assert va.dtype == vb.dtype and va.numpy().tolist() == vb.numpy().tolist()
     assert (dst / "assets" / "vocab.txt").read_text() == "a\nb\n"
 

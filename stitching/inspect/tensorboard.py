@@ -48,16 +48,14 @@ def _dump_again(fn, logdir) -> list:
     (kernels come from the caches: nothing is compiled again)."""
     import dataclasses
 
-    from ..tf.function import StitchedFunction, tensor_specs
-    sigs = [tensor_specs(key) for key in fn._concrete]
-    if not sigs and fn.input_signature:
-        sigs = [list(fn.input_signature)]
+    from ..tf.function import StitchedFunction
+    sigs = [cf.structured_input_signature for cf in fn._list_all_concrete_functions()]
     if not sigs:
         raise DumpError("this stitching.function has not been traced yet: call it once, "
                         "or give it Options(dump_dir=...)")
     root = os.path.join(os.fspath(logdir), "dumps")
     opts = dataclasses.replace(fn.options, dump_dir=root, background_compile=False)
-    again = StitchedFunction(fn._python_fn, options=opts)
-    for sig in sigs:
-        again.get_concrete_function(*sig)
+    again = StitchedFunction(fn.python_function, options=opts)
+    for args, kwargs in sigs:
+        again.get_concrete_function(*args, **kwargs)
     return [load_dump(r.dump_path) for r in again.reports if r.dump_path]

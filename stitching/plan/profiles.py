@@ -44,6 +44,7 @@ No TensorFlow here; NumPy only inside ``measure_cpu``.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -580,6 +581,7 @@ def _write_cache(path, fp, prof):
         pass   # a read-only home: measure again next process, no harm done
 
 
+@functools.lru_cache(maxsize=None)   # the machine does not change under a process
 def _fingerprint() -> str:
     return f"{cpu_facts()['model']}|{_cores()}|{sorted(_cache_sizes().items())}"
 
@@ -621,6 +623,7 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+@functools.lru_cache(maxsize=None)   # read per trace before: ~4 ms of every re-plan
 def _cache_sizes() -> dict:
     """level -> bytes per core (L1 data, L2) or shared (L3), from sysfs."""
     out = {}

@@ -539,6 +539,7 @@ REGISTER_OP("StitchedKernel")
     .Attr("label: string = ''")
     .Attr("spec_hash: string = ''")
     .Attr("fallback: list(func) = []")
+    .Attr("guard: list(func) = []")
     .SetShapeFn(StitchedShapeFn)
     .Doc(R"doc(
 A fused region compiled to native code by stitching. `spec` is the serialized kernel
@@ -547,7 +548,11 @@ portable. `output_shapes` are static shapes for graph shape inference; `label` n
 region in reports and profiles. `spec_hash`, if set, is the first 24 hex digits of the
 spec's SHA-256, checked before anything is looked up or compiled. `fallback`, if set,
 is the region's original subgraph as a function, run instead when the kernel cannot be
-built here (STITCHING_STRICT=1 makes that an error).
+built here (STITCHING_STRICT=1 makes that an error). `guard`, if set, is the same
+function, run for a call whose inputs the kernel was not built for (a relaxed dim that
+is 1 at run time and broadcasts, a rank the trace did not have): TF's answer, or TF's
+error, where the kernel would have to refuse; and where the kernel cannot be built
+and there is no `fallback`.
 )doc");
 
 // ---- opt-in profiling -----------------------------------------------------------------
@@ -832,6 +837,13 @@ class StitchedKernelOp : public OpKernel {
     std::vector<tensorflow::NameAttrList> fallback;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("fallback", &fallback));
     OP_REQUIRES_OK(ctx, CheckSpecText(ctx->def().name(), spec, spec_hash));
+    // A node without a fallback of its own (a stitching.function's, saved and loaded
+    // where its kernel cannot be built) runs its guard function instead: the same
+    // original ops.
+    std::vector<tensorflow::NameAttrList> guard;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("guard", &guard));
+    const bool has_fallback = !fallback.empty();
+    if (!has_fallback) fallback = guard;
     absl::Status found = Lookup(spec, &entry_);
     // InvalidArgument: the spec itself is bad (a corrupt or edited graph): an error,
     // never silently the fallback; anything else (no compiler, no Numba, a native
@@ -844,7 +856,7 @@ class StitchedKernelOp : public OpKernel {
     OP_REQUIRES_OK(ctx, found);
     OP_REQUIRES_OK(ctx, CheckSignature(tin, tout));
     std::string tune;
-    if (!fallback.empty() &&
+    if (has_fallback &&
         tensorflow::TryGetNodeAttr(ctx->def(), "_stitching_autotune", &tune) &&
         !tune.empty()) {
       SetUpTuning(ctx, fallback[0], spec_hash);
@@ -874,11 +886,13 @@ class StitchedKernelOp : public OpKernel {
     std::vector<void*> ins(n_in + 1, nullptr);
     for (int i = 0; i < n_in; ++i) {
       const Tensor& t = ctx->input(i);
-      OP_REQUIRES(ctx, t.dims() == e.in_ranks[i],
-                  absl::InvalidArgumentError(absl::StrCat(
-                      "StitchedKernel ", label_, ": input ", i, " has shape ",
-                      t.shape().DebugString(), " but the kernel expects rank ",
-                      e.in_ranks[i])));
+      if (t.dims() != e.in_ranks[i]) {
+        Guard(ctx, absl::InvalidArgumentError(absl::StrCat(
+                       "StitchedKernel ", label_, ": input ", i, " has shape ",
+                       t.shape().DebugString(), " but the kernel expects rank ",
+                       e.in_ranks[i])));
+        return;
+      }
       for (int d = 0; d < t.dims(); ++d) in_dims.push_back(t.dim_size(d));
       // No copy: the kernel reads the input tensor's own buffer (never written).
       ins[i] = const_cast<char*>(t.tensor_data().data());
@@ -887,11 +901,13 @@ class StitchedKernelOp : public OpKernel {
     // The spec's static dims (shape_fn of a generic kernel would accept others).
     for (int i = 0, k = 0; i < n_in && !e.in_static.empty(); ++i) {
       for (int d = 0; d < e.in_ranks[i]; ++d, ++k) {
-        OP_REQUIRES(ctx, e.in_static[k] < 0 || in_dims[k] == e.in_static[k],
-                    absl::InvalidArgumentError(absl::StrCat(
-                        "StitchedKernel ", label_, ": input ", i, " dim ", d,
-                        " must be ", e.in_static[k], "; input shapes: ",
-                        ctx->input(i).shape().DebugString())));
+        if (e.in_static[k] >= 0 && in_dims[k] != e.in_static[k]) {
+          Guard(ctx, absl::InvalidArgumentError(absl::StrCat(
+                         "StitchedKernel ", label_, ": input ", i, " dim ", d,
+                         " must be ", e.in_static[k], "; input shapes: ",
+                         ctx->input(i).shape().DebugString())));
+          return;
+        }
       }
     }
 
@@ -903,7 +919,10 @@ class StitchedKernelOp : public OpKernel {
         e.program.empty()
             ? e.shape_fn(in_dims.data(), params, out_dims.data(), sched)
             : e.interp(e.program.data(), in_dims.data(), params, out_dims.data(), sched);
-    OP_REQUIRES_OK(ctx, ShapeFnStatus(ctx, rc));
+    if (rc != 0) {
+      Guard(ctx, ShapeFnStatus(ctx, rc));
+      return;
+    }
     OP_REQUIRES(ctx, sched[0] >= 0 && sched[2] >= 1 && sched[2] <= kMaxPhases &&
                          sched[3] >= 0,
                 absl::InternalError(absl::StrCat(
@@ -1075,7 +1094,10 @@ class StitchedKernelOp : public OpKernel {
     return absl::OkStatus();
   }
 
-  void RunFallback(OpKernelContext* ctx) {
+  void RunFallback(OpKernelContext* ctx) { RunFunction(ctx, flib_, fallback_handle_); }
+
+  void RunFunction(OpKernelContext* ctx, tensorflow::FunctionLibraryRuntime* flib,
+                   tensorflow::FunctionLibraryRuntime::Handle handle) {
     tensorflow::FunctionLibraryRuntime::Options opts(ctx->step_id());
     opts.rendezvous = ctx->rendezvous();
     opts.cancellation_manager = ctx->cancellation_manager();
@@ -1084,12 +1106,46 @@ class StitchedKernelOp : public OpKernel {
     opts.runner = ctx->runner();
     std::vector<Tensor> args, rets;
     for (int i = 0; i < ctx->num_inputs(); ++i) args.push_back(ctx->input(i));
-    OP_REQUIRES_OK(ctx, flib_->RunSync(opts, fallback_handle_, args, &rets));
+    OP_REQUIRES_OK(ctx, flib->RunSync(opts, handle, args, &rets));
     OP_REQUIRES(ctx, static_cast<int>(rets.size()) == ctx->num_outputs(),
                 absl::InternalError(absl::StrCat("StitchedKernel ", label_,
                                                  ": the fallback returned ", rets.size(),
                                                  " tensors, expected ", ctx->num_outputs())));
     for (int i = 0; i < ctx->num_outputs(); ++i) ctx->set_output(i, rets[i]);
+  }
+
+  // ---- run-time guard: inputs the kernel was not built for ---------------------------
+  //
+  // A trace's shapes are claims: TF runs a graph on inputs that break them (a relaxed
+  // dim that is 1 at run time and broadcasts, a ConcreteFunction called with a scalar
+  // where it was traced with [None]); TF's own kernels then broadcast or raise their
+  // own error.  This kernel computes only the shapes it was built for, so such a call
+  // runs the region's original ops (the function in `guard`, or `fallback`), which give TF's answer or TF's error; `why` is the error where the
+  // node has no such function (a graph stitched before guards existed).
+  void Guard(OpKernelContext* ctx, const absl::Status& why) {
+    {
+      std::lock_guard<std::mutex> lock(guard_mu_);
+      if (!guard_tried_) {
+        guard_tried_ = true;
+        guard_flib_ = ctx->function_library();
+        std::vector<tensorflow::NameAttrList> fn;
+        if (!tensorflow::GetNodeAttr(def(), "guard", &fn).ok() || fn.empty()) {
+          fn.clear();
+          if (!tensorflow::GetNodeAttr(def(), "fallback", &fn).ok()) fn.clear();
+        }
+        if (fn.empty() || guard_flib_ == nullptr) {
+          guard_status_ = absl::NotFoundError("the node names no original function");
+        } else {
+          guard_status_ = guard_flib_->Instantiate(
+              fn[0].name(), tensorflow::AttrSlice(&fn[0].attr()), &guard_handle_);
+        }
+      }
+    }
+    OP_REQUIRES(ctx, guard_status_.ok(),
+                absl::InvalidArgumentError(absl::StrCat(
+                    why.message(), " (and its original ops cannot serve this call: ",
+                    guard_status_.message(), ")")));
+    RunFunction(ctx, guard_flib_, guard_handle_);
   }
 
   // ---- autotune (see Tuner) --------------------------------------------------------
@@ -1177,6 +1233,11 @@ class StitchedKernelOp : public OpKernel {
   std::atomic<ProfileSlot*> profile_slot_{nullptr};  // set on the first profiled call
   tensorflow::FunctionLibraryRuntime* flib_ = nullptr;
   tensorflow::FunctionLibraryRuntime::Handle fallback_handle_ = 0;
+  std::mutex guard_mu_;         // the guard's function, instantiated on first need
+  bool guard_tried_ = false;
+  absl::Status guard_status_;
+  tensorflow::FunctionLibraryRuntime* guard_flib_ = nullptr;
+  tensorflow::FunctionLibraryRuntime::Handle guard_handle_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(Name("StitchedKernel").Device(tensorflow::DEVICE_CPU),

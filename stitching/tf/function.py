@@ -1,17 +1,27 @@
 """``stitching.function``: a drop-in for ``tf.function`` that stitches each trace.
 
-How a call works:
+A StitchedFunction *is* a tf.function: a subclass of TF's ``Function``, made with the
+same parameters, so TF binds arguments (the user's parameter names, defaults,
+keywords, varargs), traces, caches, retraces (and warns about it, naming the user's
+function), lifts variables, differentiates and saves it.  Only what TF traces differs:
 
-    StitchedFunction(x) ─▶ outer tf.function (retraces per input signature, as usual)
-        trace body: trace the user's function alone (inner ConcreteFunction)
-                    ─▶ pipeline.stitch_graph_def (plan, compile, rewrite)
-                    ─▶ import the rewritten GraphDef into the outer trace, mapping
-                       arguments to the outer placeholders and captured variables to
-                       the same resource handles (so variables stay variables)
+    TF's trace of the user's function (TracingOptions.python_function, autograph and
+    variable scope applied by TF) ─▶ _StitchingTracer, inside TF's FuncGraph:
+        trace the user's function alone (an inner graph; TF's own input-mutation
+        check, autograph status and captures as TF's trace would have them)
+        ─▶ pipeline.stitch_graph_def (control-flow bodies, plan, compile, rewrite)
+        ─▶ import the rewritten GraphDef into TF's trace, its arguments mapped to TF's
+           placeholders and every capture made a capture of TF's trace (by value,
+           or by reference under its key), so variables stay variables
 
-The outer tf.function owns tracing, caching and signatures, so behaviour matches
-tf.function; the inner graph already carries TF's automatic control dependencies
-as explicit control edges, which the rewrite keeps.
+The inner graph already carries TF's automatic control dependencies as explicit
+control edges, which the rewrite keeps.  What remains different from tf.function is
+listed in docs/differences-from-tf-function.md (TF's own tests of tf.function are the
+judge: tools/tf_function_suite.py).
+
+Saving: ``tf.saved_model.save`` saves a StitchedFunction's ConcreteFunctions as it
+saves a tf.function's (StitchedKernel nodes, their original ops as functions) and
+ships the kernels' shared objects in ``assets/`` (kernel_assets.py).
 
 Background compilation (``Options(background_compile=True)``, as XLA's
 ``--tf_xla_async_compilation``): the first call with a new eager signature traces the
@@ -27,41 +37,52 @@ differing dims unknown (the kernels serve every size with one compiled code), an
 later size that fits is served by that trace with no tracing at all.
 ``reduce_retracing=False`` traces every shape exactly, as ``tf.function`` does by default.
 
-Calls: a call with only eager tensors as positional arguments goes straight to the
-ConcreteFunction traced for exactly those dtypes and shapes (found once through the
-tf.function, so tracing and its errors are tf.function's), skipping tf.function's
-per-call argument canonicalisation: measured here, a tf.function call of a small
-softmax took 230 µs against 90 µs for its concrete function.  Any other call (keyword
-arguments, Python values, NumPy arrays, symbolic tensors inside another trace) goes
-through the tf.function.
+Calls: after the first call (TF's: it creates and lifts variables), a call with only
+eager tensors as positional arguments goes straight to the ConcreteFunction traced for
+exactly those dtypes and shapes (found once through TF's get_concrete_function, so
+tracing and its errors are tf.function's), skipping tf.function's per-call argument
+canonicalisation: measured here, a tf.function call of a small softmax took 230 µs
+against 90 µs for its concrete function.  Any other call (keyword arguments, Python
+values, NumPy arrays, symbolic tensors inside another trace) is TF's call.
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import weakref
 
 import tensorflow as tf
+from tensorflow.python.autograph.impl.api import autograph_artifact
+from tensorflow.python.eager.polymorphic_function import polymorphic_function as tf_pf
+from tensorflow.python.eager.polymorphic_function import tracing_compilation
+from tensorflow.python.framework import func_graph as func_graph_module
+from tensorflow.python.framework.ops import EagerTensor
+from tensorflow.python.util import tf_decorator
 
 from ..options import Options
-from . import frontend, pipeline
+from . import control_flow, frontend, pipeline
 from .passes import original
 
-_EAGER_TENSOR = type(tf.constant(0))
 FAST_CALL_SIGNATURES = 64      # exact (dtype, shape) signatures kept per function
 HINT_SECONDS = 1.0             # arbitrary: a first call slower than this gets the hint
 
 
-class StitchedFunction:
-    """A callable that runs ``fn`` as a TF graph with its memory-intensive ops stitched
-    into generated kernels; what ``stitching.function`` returns.
+class StitchedFunction(tf_pf.Function):
+    """A ``tf.function`` (TF's own ``Function`` class: its argument binding, tracing,
+    cache, signatures, variable lifting and saving hooks) whose every trace is stitched.
 
-    It behaves like the ``tf.function`` of ``fn`` (tracing, signatures, variables,
-    ``get_concrete_function``), with input shapes relaxed by default (see
-    ``stitching.function``).  Each trace is planned, compiled and rewritten once.
+    TF traces the user's function through ``TracingOptions.python_function``; here that
+    callable is ``_StitchingTracer``, which traces the function alone into an inner
+    graph, stitches that graph and imports the result into TF's trace (module docstring).
+    So a trace has the user's parameter names, defaults and structured signature, and
+    the ConcreteFunctions it makes are ordinary ones (saved, called, differentiated as
+    any).
 
     Attributes:
         report: The latest trace's ``stitching.Report`` (None before the first call).
@@ -71,48 +92,172 @@ class StitchedFunction:
             (``Options.background_compile``); stock TF keeps serving those calls.
     """
 
-    def __init__(self, fn, input_signature=None, options: Options | None = None,
-                 autograph: bool = True, reduce_retracing: bool | None = None,
-                 jit_compile=None):
-        python_fn, input_signature = _unwrap(fn, input_signature, jit_compile)
-        self._python_fn = python_fn
-        self.options = options or Options()
-        self._autograph = autograph
+    def __init__(self, python_function, name=None, input_signature=None, autograph=True,
+                 jit_compile=None, reduce_retracing=None, experimental_implements=None,
+                 experimental_autograph_options=None, experimental_attributes=None, *,
+                 options: Options | None = None):
+        python_function, input_signature = _unwrap(python_function, input_signature,
+                                                   jit_compile)
+        # Calls that do not take the eager fast path keep tf.function's own rule (None
+        # is false there): its reduce_retracing would relax a rank change to an unknown
+        # rank, which no kernel can serve (only an explicit True asks for it).
+        super().__init__(python_function, name or _short_name(python_function),
+                         input_signature=input_signature, autograph=autograph,
+                         jit_compile=jit_compile, reduce_retracing=reduce_retracing,
+                         experimental_implements=experimental_implements,
+                         experimental_autograph_options=experimental_autograph_options,
+                         experimental_attributes=experimental_attributes)
+        self._configure(options or Options(), reduce_retracing)
+        tf_decorator.make_decorator(python_function, self, "stitching.function")
+        # AutoGraph (converting a caller) must call this as it calls TF's Function, not
+        # convert the call machinery below (TF's own is allowlisted by module)
+        autograph_artifact(self)
+
+    def _configure(self, options, reduce_retracing):
+        """Stitching's own state (also for the bound copies ``__get__`` makes)."""
+        self.options = options
         self.report = None
         self.reports = []            # one per trace, oldest first
+        self._reduce_retracing_setting = reduce_retracing
         # None: relax shapes (module docstring); a fixed input_signature leaves nothing to
-        self._relax = input_signature is None and reduce_retracing is not False
-        self._reduce_retracing = reduce_retracing
-        # Calls that do not take the eager fast path keep tf.function's own rule: its
-        # reduce_retracing would relax a rank change to an unknown rank, which no kernel
-        # can serve (only an explicit True asks for it).
-        self._tf_function = tf.function(self._trace, input_signature=input_signature,
-                                        autograph=False,
-                                        reduce_retracing=bool(reduce_retracing))
+        self._relax = self.input_signature is None and reduce_retracing is not False
         self._concrete = {}          # ((dtype, shape), ...) of eager args -> ConcreteFunction
         self._shapes = {}            # family ((dtype, rank), ...) -> shapes seen
         self._general = {}           # family -> [(relaxed shapes, ConcreteFunction)]
         self._pending = {}           # key -> background thread stitching it
-        self._lock = threading.Lock()
+        self._pending_lock = threading.Lock()
         self.background_errors = []  # exceptions of background compiles (stock TF kept)
-        functools.update_wrapper(self, python_fn, updated=())
+        self._eager_call = False     # tracing for an eager call (the hint's condition)
 
-    def __call__(self, *args, **kwargs):
-        if not kwargs:
+    # -- what TF traces ----------------------------------------------------------
+    def _generate_tracing_options(self, fn, scope_type):
+        options = super()._generate_tracing_options(fn, scope_type)
+        return dataclasses.replace(
+            options, python_function=_StitchingTracer(weakref.ref(self),
+                                                      options.python_function))
+
+    def _clone(self, python_function):
+        f = StitchedFunction(
+            self._python_function if python_function is None else python_function,
+            name=self._name, input_signature=self.input_signature,
+            autograph=self._autograph, jit_compile=self._jit_compile,
+            reduce_retracing=self._reduce_retracing_setting,
+            experimental_attributes=self._attributes,
+            experimental_autograph_options=self._experimental_autograph_options,
+            options=self.options)
+        if self._shared_rendezvous:
+            f._shared_rendezvous = self._shared_rendezvous
+        return f
+
+    def __get__(self, instance, owner):
+        """Methods bind as tf.function's do (one Function per instance); the bound one
+        stitches with this one's options."""
+        try:
+            fresh = instance is not None and instance not in self._descriptor_cache
+        except TypeError:           # an unhashable composite tensor: TF binds it anew
+            fresh = False
+        bound = super().__get__(instance, owner)
+        if fresh and isinstance(bound, StitchedFunction) and bound is not self:
+            bound._configure(self.options, self._reduce_retracing_setting)
+        return bound
+
+    # -- saving -------------------------------------------------------------------
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        """What ``tf.saved_model.save`` saves of this function: TF's (each traced
+        ConcreteFunction, its StitchedKernel nodes and their original functions, which
+        the op runs where its kernel cannot serve) and, as ``stitching_kernels``, the
+        shared objects of those kernels for this machine, shipped in ``assets/`` as
+        ``stitching-rewrite`` ships them (kernel_assets.py): a load on this CPU and
+        toolchain compiles nothing."""
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "savedmodel":
+            cfs = list(children.values())
+            assets = self._kernel_assets(cfs)
+            if assets is not None:
+                for cf in cfs:
+                    _ship_with(cf, assets)
+        return children
+
+    def _kernel_assets(self, concrete_functions):
+        """The KernelAssets resource for these functions' kernels (one per distinct
+        set of specs, its files in a directory that lives as long as this function),
+        or None where there is nothing to ship."""
+        from .kernel_assets import export, kernel_assets_resource, specs_in
+        specs = []
+        for cf in concrete_functions:
+            specs += [s for s in specs_in(cf.graph.as_graph_def()) if s not in specs]
+        if not specs:
+            return None
+        cached = getattr(self, "_shipped", None)
+        if cached is not None and cached[0] == specs:
+            return cached[1]
+        staging = tempfile.mkdtemp(prefix="stitching-kernels-")
+        weakref.finalize(self, shutil.rmtree, staging, True)
+        manifest, paths, sha = export(specs, staging)
+        resource = None if manifest is None else kernel_assets_resource(manifest, paths, sha)
+        self._shipped = (specs, resource)
+        return resource
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        for transient in ("_pending_lock", "_concrete", "_general", "_pending", "_shapes",
+                          "_shipped"):
+            state.pop(transient, None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._pending_lock = threading.Lock()
+        self._concrete, self._general, self._pending, self._shapes = {}, {}, {}, {}
+
+    # -- calls ----------------------------------------------------------------------
+    def __call__(self, *args, **kwds):
+        if not kwds and self._fast_path_ready():
             key = _eager_key(args)
             if key is not None:
                 cf = self._concrete.get(key)
                 if cf is None and len(self._concrete) < FAST_CALL_SIGNATURES:
-                    cf = self._concrete[key] = self._concrete_for(key, args)
-                if cf is not None:
+                    count = self.experimental_get_tracing_count()
+                    self._eager_call = True
+                    try:
+                        cf = _flat_in(self._concrete_for(key, args), args)
+                    finally:
+                        self._eager_call = False
+                    self._concrete[key] = cf
+                    if self.experimental_get_tracing_count() != count:
+                        tf_pf._frequent_tracing_detector_manager.called_with_tracing(
+                            self._key_for_call_stats, self._python_function,
+                            self._omit_frequent_tracing_warning)
+                if cf:
                     return _call_concrete(cf, args)
-        return self._tf_function(*args, **kwargs)
+        first = self._variable_creation_config is None
+        self._eager_call = tf.executing_eagerly()    # the hint applies to these only
+        try:
+            result = super().__call__(*args, **kwds)
+        finally:
+            self._eager_call = False
+        if first and not kwds:       # the first shape of its family, for relaxing later
+            key = _eager_key(args)
+            if key is not None:
+                self._shapes.setdefault(_family(key), []).append([s for _, s in key])
+        return result
+
+    def _fast_path_ready(self) -> bool:
+        """The first call goes through TF (it creates and lifts variables); later ones
+        may skip TF's argument canonicalisation when the function created no variables
+        (else TF may have to run their initializers under a cond: its call does that).
+        Under background compile the first call too: stock TF serves it."""
+        if self._run_functions_eagerly:
+            return False
+        if self.options.background_compile:
+            return True
+        return self._variable_creation_config is not None and not self._created_variables
 
     # -- shapes ---------------------------------------------------------------------
     def _concrete_for(self, key, args):
         """The ConcreteFunction a new exact signature runs: a relaxed trace that fits
         it, else a new trace (relaxed where an earlier shape of its family differs)."""
-        family = tuple((dtype, len(shape)) for dtype, shape in key)
+        family = _family(key)
         shapes = [shape for _, shape in key]
         for general, cf in self._general.get(family, ()):
             if all(_fits(g, s) for g, s in zip(general, shapes)):
@@ -123,8 +268,8 @@ class StitchedFunction:
         if self.options.background_compile:
             return self._stock_then_stitch(key, args, family, relaxed)
         if relaxed is None:
-            return self._tf_function.get_concrete_function(*args)
-        cf = self._tf_function.get_concrete_function(*tensor_specs(key, relaxed))
+            return self.get_concrete_function(*args)
+        cf = self.get_concrete_function(*tensor_specs(key, relaxed))
         self._general.setdefault(family, []).append((relaxed, cf))
         return cf
 
@@ -133,13 +278,13 @@ class StitchedFunction:
         """Stock TF's ConcreteFunction for ``args`` now; the stitched one (traced with
         ``relaxed`` shapes when given) replaces it in ``_concrete`` when a background
         thread has built it."""
-        stock = tf.function(self._python_fn, autograph=self._autograph) \
+        stock = tf.function(self._python_function, autograph=self._autograph) \
             .get_concrete_function(*args)
         specs = tensor_specs(key, relaxed)
         general = (family, relaxed) if relaxed is not None else None
         t = threading.Thread(target=self._stitch_in_background, args=(key, specs, general),
                              name="stitching-compile", daemon=True)
-        with self._lock:
+        with self._pending_lock:
             self._pending[key] = t
         _LIVE.add(self)
         t.start()
@@ -147,7 +292,7 @@ class StitchedFunction:
 
     def _stitch_in_background(self, key, specs, general=None):
         try:
-            cf = self._tf_function.get_concrete_function(*specs)
+            cf = self.get_concrete_function(*specs)
             self._concrete[key] = cf            # one dict store: calls see old or new
             if general is not None:
                 family, relaxed = general
@@ -155,141 +300,238 @@ class StitchedFunction:
         except Exception as e:  # noqa: BLE001 — the stock graph keeps serving this key
             self.background_errors.append(e)
         finally:
-            with self._lock:
+            with self._pending_lock:
                 self._pending.pop(key, None)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until background compiles are done (or ``timeout`` seconds passed);
         True when none is pending and none failed.  Synchronous functions return at
         once."""
-        with self._lock:
+        with self._pending_lock:
             threads = list(self._pending.values())
         for t in threads:
             t.join(timeout)
-        with self._lock:
+        with self._pending_lock:
             return not self._pending and not self.background_errors
 
-    def __get__(self, instance, owner):
-        """Support decorating methods: bind like a function does."""
-        if instance is None:
-            return self
-        bound = self.__dict__.get("_bound_" + str(id(instance)))
-        if bound is None:
-            bound = StitchedFunction(functools.partial(self._python_fn, instance),
-                                     options=self.options, autograph=self._autograph,
-                                     reduce_retracing=self._reduce_retracing)
-            self.__dict__["_bound_" + str(id(instance))] = bound
-        return bound
-
-    def get_concrete_function(self, *args, **kwargs):
-        """The stitched ``tf.types.experimental.ConcreteFunction`` for these arguments
-        (or ``tf.TensorSpec`` s), tracing it if needed, as ``tf.function``'s."""
-        return self._tf_function.get_concrete_function(*args, **kwargs)
-
-    @property
-    def input_signature(self):
-        """The fixed input signature given at construction, or None."""
-        return self._tf_function.input_signature
-
     # -- tracing ------------------------------------------------------------
-    def _trace(self, *args, **kwargs):
+    def _stitched_trace(self, fn, args, kwargs):
+        """Inside TF's trace (the outer graph): trace ``fn`` (the user's function, as TF
+        would call it: autograph-converted, under its variable scope) alone, stitch that
+        graph, import the result here; returns ``fn``'s structured outputs."""
         structure = (args, kwargs)
         flat = tf.nest.flatten(structure, expand_composites=True)
         where = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor)]
-        specs = [tf.TensorSpec(flat[i].shape, flat[i].dtype) for i in where]
+        # named as TF named the outer trace's placeholders: the user's parameter names
+        # in the inner graph too (dumps, TF's errors)
+        specs = [tf.TensorSpec(flat[i].shape, flat[i].dtype,
+                               name=flat[i].op.name if flat[i].op.type == "Placeholder"
+                               else None) for i in where]
 
         def inner(*tensors):
             vals = list(flat)
             for i, t in zip(where, tensors):
                 vals[i] = t
             a, k = tf.nest.pack_sequence_as(structure, vals, expand_composites=True)
-            return self._python_fn(*a, **k)
+            before = tf.nest.pack_sequence_as(structure, tf.nest.flatten(
+                (a, k), expand_composites=True), expand_composites=True)
+            out = fn(*a, **k)
+            # TF's own check, on the arguments the user's function saw (the outer
+            # trace's check sees only the ones TF passed here, never modified)
+            func_graph_module.check_func_mutation(*before, a, k, fn)
+            return out
 
-        inner_fn = tf.function(inner, autograph=self._autograph)
         # a compile worker warming up while TF traces; not behind a background
         # compile, where stock TF's first call is running and needs the cores
         workers = None if self.options.background_compile else pipeline.early_workers()
         try:
-            cf = inner_fn.get_concrete_function(*specs)
+            cf = tracing_compilation.trace_function(
+                specs, {}, tracing_compilation.TracingOptions(
+                    inner, self._name, autograph=self._autograph,
+                    autograph_options=self._experimental_autograph_options))
             fetches = [t.name for t in cf.outputs]
             keep = [op.name for op in cf.graph.control_outputs]
+            graph_def = cf.graph.as_graph_def()
             result = pipeline.stitch_graph_def(
-                cf.graph.as_graph_def(), fetches, keep, self.options,
-                name=getattr(self._python_fn, "__name__", type(self._python_fn).__name__),
-                resources=frontend.resource_shapes(cf.graph), workers=workers)
+                graph_def, fetches, keep, self.options, name=display_name(self),
+                resources=frontend.resource_shapes(cf.graph), workers=workers,
+                scalar_values=frozenset(float(v) for v in flat if isinstance(v, (int, float))
+                                        and not isinstance(v, bool))) \
+                if fetches or keep else None
         finally:
             if workers is not None:
                 workers.close()
-        self.report = result.report
-        self.reports.append(result.report)
-        if not self.options.background_compile:
-            _hint_background_compile(result.report.compile_seconds)
-
-        _define_fallbacks(result.graph_def)
+        if result is not None:
+            self.report = result.report
+            self.reports.append(result.report)
+            # only where it would apply: an eager call (not inside Keras's fit or
+            # another tf.function, not get_concrete_function or stitching-rewrite)
+            if not self.options.background_compile and getattr(self, "_eager_call", False):
+                _hint_background_compile(result.report.compile_seconds)
+            graph_def = result.graph_def
+            _define_fallbacks(graph_def)
         outer = tf.compat.v1.get_default_graph()
-        input_map = _input_map(cf, [flat[i] for i in where], outer, result.graph_def)
+        # The inner trace's ConcreteFunction keeps the functions its graph calls (tf.cond
+        # branches, loop bodies) registered with the runtime, where the imported copy
+        # finds them when TF's trace is called inside another function: it lives as
+        # long as TF's trace does.
+        outer._stitching_inner_traces = getattr(outer, "_stitching_inner_traces", []) + [cf]
+        input_map = _input_map(cf, [flat[i] for i in where], outer, graph_def)
         return_elements = fetches + keep
         outs = tf.graph_util.import_graph_def(
-            result.graph_def, input_map=input_map, return_elements=return_elements,
+            graph_def, input_map=input_map, return_elements=return_elements,
             name="stitched") if return_elements else []
         tensors = outs[:len(fetches)]
-        if not fetches:
-            return tf.nest.pack_sequence_as(cf.structured_outputs, [],
-                                            expand_composites=True) \
-                if cf.structured_outputs is not None else None
-        if keep:   # stateful ops with no data output: run them before returning
+        if keep and tensors:   # stateful ops with no data output: run them first
             with tf.control_dependencies(outs[len(fetches):]):
                 tensors = [tf.identity(t) for t in tensors]
-        return tf.nest.pack_sequence_as(cf.structured_outputs, tensors,
-                                        expand_composites=True)
+        return _pack_outputs(cf.structured_outputs, tensors)
+
+
+def _ship_with(cf, assets) -> None:
+    """Makes ``assets`` a child of the ConcreteFunction ``cf`` in a SavedModel's object
+    graph (a tf.function's own children can only be its ConcreteFunctions; a
+    ConcreteFunction's are its captures, by name, and any other object)."""
+    if getattr(cf, "_stitching_assets", None) is assets:
+        return
+    cf._stitching_assets = assets
+    tf_children = type(cf)._trackable_children.__get__(cf)
+
+    def children(save_type="checkpoint", **kwargs):
+        out = tf_children(save_type, **kwargs)
+        if save_type == "savedmodel":
+            out["stitching_kernels"] = assets
+        return out
+    cf._trackable_children = children
+
+
+class _StitchingTracer:
+    """What TF's trace calls in place of the user's function (see StitchedFunction).
+    It holds its StitchedFunction weakly, as TF's own wrappers do, so a deleted
+    function is freed without the garbage collector."""
+
+    def __init__(self, owner_ref, fn):
+        self._owner = owner_ref
+        self._fn = fn
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args, **kwargs):
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("stitching.function: traced after its function was deleted")
+        return owner._stitched_trace(self._fn, args, kwargs)
+
+
+def _pack_outputs(structured, tensors):
+    """``structured`` (an inner trace's structured outputs: tensors, composites, None)
+    with its tensor leaves, in flattening order, replaced by ``tensors``."""
+    flat = tf.nest.flatten(structured, expand_composites=True)
+    it = iter(tensors)
+    flat = [next(it) if isinstance(v, tf.Tensor) else v for v in flat]
+    return tf.nest.pack_sequence_as(structured, flat, expand_composites=True)
+
+
+def _short_name(fn) -> str:
+    """TF's name for a function (its ConcreteFunctions are ``__inference_<name>_N``)."""
+    inner = _innermost(fn)
+    return getattr(inner, "__name__", None) or type(inner).__name__
+
+
+def _innermost(fn):
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__func__", fn)
+
+
+def display_name(fn) -> str:
+    """The user's name for a function in reports, hints and dumps: its qualified name
+    (``Model.call``, ``train_step``), through partials and bound methods; ``<lambda>``
+    only where nothing better exists."""
+    if isinstance(fn, tf_pf.Function):
+        fn = fn.python_function
+    while True:
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None or inner is fn:
+            break
+        fn = inner
+    fn = _innermost(fn)
+    qualname, name = getattr(fn, "__qualname__", None), getattr(fn, "__name__", None)
+    if qualname and name and qualname.rsplit(".", 1)[-1] != name:
+        return name                   # renamed on purpose (a generated function)
+    return qualname or _short_name(fn)
 
 
 def _define_fallbacks(graph_def):
-    """The functions kernel nodes run as their native segment (``fallback``: autotune's
-    other side, or where a kernel cannot be built), defined in the eager context: the
-    op instantiates them through the runtime's function library, which the rewritten
-    graph's library does not reach once it is imported into the caller's trace ("Function
-    stitching_original_... is not defined")."""
-    wanted = {f.name for n in graph_def.node if n.op == "StitchedKernel"
-              for f in n.attr["fallback"].list.func} if any(
-        "fallback" in n.attr for n in graph_def.node) else set()
-    if not wanted:
-        return
+    """The regions' original functions (``stitching_original_<hash>``), defined in the
+    eager context for the rest of the process, and ``graph_def``'s copies made those.
+
+    Kernel nodes run them (``guard``: a call the kernel was not built for;
+    ``fallback``: where a kernel cannot be built) through the runtime's function
+    library, which the rewritten graph's library does not reach once it is imported
+    into the caller's trace ("Function stitching_original_... is not defined").  A
+    gradient through a kernel node of a nested function (a stitched function called by
+    another, inlined there by Grappler) looks its original up in the eager context
+    (original.py).  A function rebuilt from a saved FunctionDef finds them there too.
+
+    Names are hashes of the original bodies, but Grappler, optimizing a graph that
+    calls a stitched function, rewrites the bodies of the library functions it keeps
+    (an Identity bypassed) under the same name; two definitions of one name cannot
+    meet in one graph.  So the first definition of a name is the one: the context's.
+    Stitched control-flow functions (tf/control_flow.py) are defined the same way: the
+    runtime resolves a lowered loop's body by name."""
     from tensorflow.python.eager import context
     ctx = context.context()
     for fdef in graph_def.library.function:
-        if fdef.signature.name in wanted and not ctx.has_function(fdef.signature.name):
-            ctx.add_function_def(fdef)
+        name = fdef.signature.name
+        if not name.startswith(original.PREFIX) and not control_flow.is_stitched(name):
+            continue
+        if ctx.has_function(name):
+            fdef.CopyFrom(ctx.get_function_def(name))
+        ctx.add_function_def(fdef)      # a reference of our own: never removed
 
 
 def _input_map(cf, args, outer, graph_def):
     """Every placeholder of the inner trace that ``graph_def`` (the rewritten graph)
     still holds -> the outer trace's tensor that feeds it.
 
-    A ConcreteFunction's inputs are its arguments followed by *all* its captures: the
-    by-value ones (``graph.captures``: eager tensors, variable handles) and the
-    by-reference ones, which ``capture_call_time_value`` feeds from a closure at each
-    call (MirroredStrategy's collective instance keys and ordering).  Mapping only
-    ``graph.captures`` left the by-reference placeholders unfed in the imported graph
-    ("You must feed a value for placeholder tensor ..." at run time).
-    ``cf.captured_inputs`` evaluates the closures now, inside the outer trace, so they
-    become the outer function's own call-time captures, as a nested tf.function call
-    would make them.
+    A ConcreteFunction's inputs are its arguments followed by its captures: by value
+    (eager tensors, variable handles, tensors of enclosing graphs) and by reference
+    (``capture_call_time_value``: a closure evaluated at each call, e.g.
+    MirroredStrategy's collective keys).  Each becomes the same kind of capture of the
+    outer trace, as the user's function traced there directly would have made it:
+    every one, also where the rewritten graph no longer reads it (Grappler folded a
+    captured constant into its consumers), so the outer ConcreteFunction's captures
+    are tf.function's (``replace_capture``, ``captured_inputs``).  A by-reference
+    capture keeps its key and closure, so it stays a call-time value.
 
-    A placeholder the rewritten graph no longer holds needs no feed: Grappler's
-    constant folding replaces a captured constant that only feeds foldable arithmetic
-    (EfficientNet's Normalization layer: Sqrt(variance), x - mean) by its result,
-    and import_graph_def refuses a map entry for a node that is not there."""
-    captured = cf.captured_inputs
-    if len(cf.inputs) != len(args) + len(captured):
+    An entry for a placeholder the rewritten graph no longer holds is left out:
+    import_graph_def refuses a map entry for a node that is not there."""
+    captures = cf.graph.function_captures
+    n_by_val = len(captures.by_val_capture_tuples)
+    n_args = len(cf.inputs) - n_by_val - len(
+        tf.nest.flatten(list(captures.by_ref_internal.values()), expand_composites=True))
+    if n_args != len(args):
         raise RuntimeError(
             f"stitching.function: the traced function has {len(cf.inputs)} inputs but "
-            f"{len(args)} arguments and {len(captured)} captures; refusing to import a "
-            "graph with an unfed placeholder")
+            f"{len(args)} arguments and {len(cf.inputs) - n_args} captures; refusing to "
+            "import a graph with an unfed placeholder")
+    pairs = list(zip(cf.inputs[:n_args], args))
+    pairs += [(internal, outer.capture(external))
+              for external, internal in captures.by_val_capture_tuples]
+    outer_captures = outer.function_captures
+    for key, internal in captures.by_ref_internal.items():
+        if key not in outer_captures.by_ref_internal:
+            from tensorflow.core.function.trace_type import InternalPlaceholderContext
+            tracetype = captures.by_ref_tracetype[key]
+            outer_captures.add_or_replace(
+                key=key, external=captures.by_ref_external[key],
+                internal=tracetype.placeholder_value(InternalPlaceholderContext(outer)),
+                tracetype=tracetype, is_by_ref=True)
+        pairs += zip(tf.nest.flatten(internal, expand_composites=True),
+                     tf.nest.flatten(outer_captures.by_ref_internal[key],
+                                     expand_composites=True))
     present = {n.name for n in graph_def.node}
-    return {ph.name: (v if i < len(args) else outer.capture(v))
-            for i, (ph, v) in enumerate(zip(cf.inputs, list(args) + list(captured)))
-            if ph.op.name in present}
+    return {ph.name: v for ph, v in pairs if ph.op.name in present}
 
 
 _BACKWARDS: dict = {}            # (region function, outputs differentiated) -> function
@@ -344,25 +586,35 @@ def _relaxed(shapes_seen) -> list:
             for arg in zip(*shapes_seen)]
 
 
+def _family(key) -> tuple:
+    return tuple((dtype, len(shape)) for dtype, shape in key)
+
+
 def _fits(general, shape) -> bool:
     return all(g is None or g == d for g, d in zip(general, shape))
 
 
 def tensor_specs(key, shapes=None) -> list:
     """TensorSpecs for an exact-signature key (``_eager_key``'s ((dtype, shape), ...)),
-    with ``shapes`` (relaxed ones) instead of the key's own where given;
-    stitching.inspect traces a function again from the keys it was called with."""
+    with ``shapes`` (relaxed ones) instead of the key's own where given."""
     shapes = [shape for _, shape in key] if shapes is None else shapes
     return [tf.TensorSpec(shape, dtype) for (dtype, _), shape in zip(key, shapes)]
 
 
+def _flat_in(cf, args):
+    """``cf``, or False where its flat inputs are not exactly ``args`` (a default
+    argument that is a tensor): that signature is never called the fast way."""
+    return cf if len(cf.inputs) - len(cf.captured_inputs) == len(args) else False
+
+
 def _eager_key(args):
-    """((dtype, shape), ...) when every argument is an eager tensor, else None."""
-    if not tf.executing_eagerly():
+    """((dtype, shape), ...) when every argument is an eager tensor (at least one),
+    else None."""
+    if not args or not tf.executing_eagerly():
         return None
     key = []
     for a in args:
-        if type(a) is not _EAGER_TENSOR:
+        if type(a) is not EagerTensor:
             return None
         key.append((a.dtype, tuple(a.shape)))
     return tuple(key)
@@ -378,18 +630,15 @@ def _call_concrete(cf, args):
 
 
 def _unwrap(fn, input_signature, jit_compile):
+    """The Python function to trace (the function inside a tf.function or a
+    StitchedFunction given instead of one) and its input signature."""
     if jit_compile:
         raise ValueError(_JIT_MESSAGE)
-    if isinstance(fn, StitchedFunction):
-        return fn._python_fn, input_signature or fn.input_signature
-    python_fn = getattr(fn, "python_function", None)
-    if python_fn is not None:        # an existing tf.function
-        if getattr(fn, "_jit_compile", None):
+    if isinstance(fn, tf_pf.Function):
+        if fn._jit_compile:
             raise ValueError(_JIT_MESSAGE)
-        return python_fn, input_signature or getattr(fn, "input_signature", None)
-    if not callable(fn):
-        raise TypeError(f"stitching.function expects a callable, got {type(fn).__name__}")
-    return fn, input_signature
+        return fn.python_function, input_signature or fn.input_signature
+    return fn, input_signature          # TF refuses what is not callable
 
 
 _JIT_MESSAGE = ("stitching.function cannot stitch a function compiled with "
@@ -397,39 +646,56 @@ _JIT_MESSAGE = ("stitching.function cannot stitch a function compiled with "
                 "kernel for the StitchedKernel op. Use either XLA or stitching for it.")
 
 
-def function(fn=None, *, input_signature=None, options: Options | None = None,
-             autograph: bool = True, reduce_retracing: bool | None = None, jit_compile=None):
-    """Compile ``fn`` like ``tf.function``, with its memory-intensive ops stitched into
-    generated kernels.  Use as ``@stitching.function`` or
-    ``@stitching.function(options=...)``.
+def function(func=None, input_signature=None, autograph=True, jit_compile=None,
+             reduce_retracing=None, experimental_implements=None,
+             experimental_autograph_options=None, experimental_attributes=None,
+             experimental_relax_shapes=None, experimental_compile=None,
+             experimental_follow_type_hints=None, *, options: Options | None = None):
+    """``tf.function``, with its memory-intensive ops stitched into generated kernels.
 
-    The first call with a new input signature traces ``fn``, plans the kernels,
-    compiles those not in the disk cache and rewrites the graph; later calls run it.
-    ``f.report`` says what was fused and what was not, and why.
+    The same parameters as ``tf.function`` (``jit_compile=True`` is refused: XLA has no
+    kernel for the stitched op), plus ``options``; use as ``@stitching.function`` or
+    ``@stitching.function(options=...)``.  The result is a ``tf.function``
+    (``isinstance(f, tf.types.experimental.PolymorphicFunction)``): the first call with
+    a new input signature traces ``func``, plans the kernels, compiles those not in the
+    disk cache and rewrites the graph; ``f.report`` says what was fused and why.
 
     Args:
-        fn: The Python function to compile (any TF code: Keras layers, ``tf.nn``,
+        func: The Python function to compile (any TF code: Keras layers, ``tf.nn``,
             raw ops, a whole training step with its ``GradientTape``).
         input_signature: A list of ``tf.TensorSpec``, as ``tf.function``'s.
-        options: A ``stitching.Options``; default ``Options()``.
         autograph: As ``tf.function``'s.
-        reduce_retracing: None (default) relaxes input shapes after the second
-            distinct shape of the same dtypes and ranks, so a new batch size costs
-            no trace; True as ``tf.function``'s; False traces every shape exactly.
         jit_compile: Must be falsy: XLA has no kernel for the stitched op.
+        reduce_retracing: None (default) relaxes input shapes after the second
+            distinct shape of the same dtypes and ranks, so a new batch size costs no
+            trace; True as ``tf.function``'s; False traces every shape exactly.
+        experimental_implements: As ``tf.function``'s.
+        experimental_autograph_options: As ``tf.function``'s.
+        experimental_attributes: As ``tf.function``'s.
+        experimental_relax_shapes: TF's deprecated spelling of ``reduce_retracing=True``.
+        experimental_compile: TF's deprecated spelling of ``jit_compile``.
+        experimental_follow_type_hints: Deprecated and ignored, as in TF.
+        options: A ``stitching.Options``; default ``Options()``.
 
     Returns:
-        A ``StitchedFunction`` (or, without ``fn``, a decorator making one).
+        A ``StitchedFunction`` (or, without ``func``, a decorator making one).
 
     Raises:
-        ValueError: ``jit_compile=True``, or ``fn`` is a ``tf.function`` compiled
+        ValueError: ``jit_compile=True``, or ``func`` is a ``tf.function`` compiled
             with XLA.
-        TypeError: ``fn`` is not callable.
+        TypeError: ``func`` is not callable.
     """
-    if fn is None:
-        return functools.partial(function, input_signature=input_signature, options=options,
-                                 autograph=autograph, reduce_retracing=reduce_retracing,
-                                 jit_compile=jit_compile)
-    return StitchedFunction(fn, input_signature=input_signature, options=options,
-                            autograph=autograph, reduce_retracing=reduce_retracing,
-                            jit_compile=jit_compile)
+    del experimental_follow_type_hints          # deprecated and ignored, as in TF
+    if experimental_relax_shapes:               # TF's deprecated spelling
+        reduce_retracing = True
+    jit_compile = jit_compile if jit_compile is not None else experimental_compile
+
+    def decorated(inner):
+        return StitchedFunction(
+            inner, input_signature=input_signature, autograph=autograph,
+            jit_compile=jit_compile, reduce_retracing=reduce_retracing,
+            experimental_implements=experimental_implements,
+            experimental_autograph_options=experimental_autograph_options,
+            experimental_attributes=experimental_attributes, options=options)
+
+    return decorated if func is None else decorated(func)

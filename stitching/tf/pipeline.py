@@ -49,7 +49,7 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import dump, opnames, passmanager
+from . import control_flow, dump, opnames, passmanager
 from .passes import (autotune, bcast, einsum, forward, gemm, grappler, lift, original,
                      padfold, prune, remapper, rewrite, seqsplit, shape_math, shapes,
                      sparse_xent)
@@ -145,19 +145,34 @@ def early_workers():
 
 def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
                      name: str = "?", resources: dict | None = None,
-                     workers=None) -> StitchResult:
+                     workers=None, bodies: bool = True,
+                     scalar_values=frozenset()) -> StitchResult:
     """``resources``: variable shapes from the live graph (frontend.resource_shapes);
-    ``workers``: pre-started compile workers (``early_workers``), used or closed."""
+    ``workers``: pre-started compile workers (``early_workers``), used or closed;
+    ``bodies``: stitch the functions control flow runs (tf/control_flow.py) first;
+    ``scalar_values``: a traced function's Python scalar arguments, kernel inputs
+    rather than constants of the spec (frontend.to_ir)."""
     with _gc_paused():
-        return _stitch(graph_def, fetches, keep, options, name, resources, workers)
+        stitched = []
+        if bodies and grappler.has_control_flow(graph_def):
+            graph_def = type(graph_def).FromString(graph_def.SerializeToString())
+            stitched = control_flow.stitch_bodies(
+                graph_def, lambda g, f, k, label: _stitch(g, f, k, options, label, None,
+                                                         None, scalar_values), name)
+        result = _stitch(graph_def, fetches, keep, options, name, resources, workers,
+                         scalar_values)
+        result.report.bodies = stitched
+        return result
 
 
-def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> StitchResult:
+def _stitch(graph_def, fetches, keep, options, name, resources, workers,
+            scalar_values=frozenset()) -> StitchResult:
     t0 = time.perf_counter()
     from . import ensure_runtime
     from ..compile import kernel as kernel_cache
     from ..compile import parallel
     ctx = passmanager.Context(graph_def, fetches, keep, options, resources)
+    ctx.scalar_values = scalar_values
     ctx.dump_path = _dump_dir(options, name, graph_def)
     dump_pass = _dump_pass if ctx.dump_path else None
     try:

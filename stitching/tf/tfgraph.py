@@ -42,14 +42,37 @@ def import_for_shapes(graph_def, resources: dict | None = None) -> tf.Graph:
     """Import into a scratch graph so TF's shape inference types every tensor.
 
     Reads of variables whose shapes we know (``resources``) are imported as typed
-    placeholders: the scratch graph is only for shapes, never run.
+    placeholders: the scratch graph is only for shapes, never run.  Colocations with
+    nodes the graph no longer has are dropped from ``graph_def`` first.
     """
+    drop_dangling_colocations(graph_def)
     if resources:
         graph_def = _typed_variable_reads(graph_def, resources)
     g = tf.Graph()
     with g.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
     return g
+
+
+def drop_dangling_colocations(graph_def) -> None:
+    """Grappler's function inlining leaves colocation constraints (``_class:
+    loc:@Func/PartitionedCall_1/input/_4``, from TF's gradient of a function call)
+    naming Identity nodes that its later passes, or bypass_identity_n, remove; an import
+    refuses them ("expects to be colocated with unknown node").  They only placed a
+    node beside one that no longer exists: drop those, in place."""
+    present = {n.name for n in graph_def.node}
+    for nd in graph_def.node:
+        if "_class" not in nd.attr:
+            continue
+        locs = nd.attr["_class"].list.s
+        keep = [c for c in locs if not c.startswith(b"loc:@") or c[5:].decode() in present]
+        if len(keep) == len(locs):
+            continue
+        if keep:
+            del locs[:]
+            locs.extend(keep)
+        else:
+            del nd.attr["_class"]
 
 
 def _typed_variable_reads(graph_def, resources):

@@ -66,6 +66,8 @@ tests/test_grappler_rewrites.py check each covered rewrite.
 """
 from __future__ import annotations
 
+import threading
+
 from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 from tensorflow.python.grappler import tf_optimizer
@@ -114,9 +116,25 @@ def optimize(graph_def, preserve: list[str]):
     rw.meta_optimizer_iterations = _RC.ONE
     rw.optimizers[:] = list(OPTIMIZERS)
     rw.arithmetic_optimization = _RC.AGGRESSIVE      # assume_valid_feeds: see above
-    out = tf_optimizer.OptimizeGraph(config, meta)
+    with _cluster_lock:
+        out = tf_optimizer.OptimizeGraph(config, meta, cluster=_cluster())
     out = drop_placeholder_control_inputs(out)
     return drop_dead_fusible(expand_tf_internal_ops(out), preserve)
+
+
+# One Grappler cluster (the local machine's devices) for every optimize: TF builds and
+# tears down one per call otherwise, ~20 ms of each trace (a new Python scalar value
+# retraces; measured here).  Calls take turns, as TF's own lock makes them.
+_cluster_lock = threading.Lock()
+_the_cluster = None
+
+
+def _cluster():
+    global _the_cluster
+    if _the_cluster is None:
+        from tensorflow.python.grappler import cluster as gcluster
+        _the_cluster = gcluster.Cluster()
+    return _the_cluster
 
 
 _CONTROL_FLOW = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case",

@@ -13,7 +13,8 @@ from ..passmanager import Pass
 
 def _run(ctx):
     ctx.planned = ctx.graph_def
-    ctx.ir = frontend.to_ir(ctx.tf_graph, list(ctx.fetches))
+    # a stitching.function's Python scalar arguments become kernel inputs (frontend.py)
+    ctx.ir = frontend.to_ir(ctx.tf_graph, list(ctx.fetches), ctx.scalar_values)
 
 
 PASS = Pass("lift", _run)

@@ -123,7 +123,9 @@ def _seed_input(op, l2: int):
     else:
         return None
     ws, xs = _static(w), _static(x)
-    if ws is None or len(ws) != 2 or min(ws) < 1 or xs is None or len(xs) != 3:
+    # a weight of unknown size (input_signature TensorSpec((None, None))) is no seed
+    if ws is None or len(ws) != 2 or None in ws or min(ws) < 1 or xs is None \
+            or len(xs) != 3:
         return None
     T = xs[1]
     if T is None or T < MIN_T or T % 2 or x.dtype not in _FLOATS:

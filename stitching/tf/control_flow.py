@@ -1,0 +1,151 @@
+"""The bodies of functional control flow, stitched like any function.
+
+``tf.cond`` and ``tf.while_loop`` (and AutoGraph's ``if``/``for``/``while`` over
+tensors) trace to ``If``/``StatelessIf``/``While``/``StatelessWhile`` nodes whose
+branches, condition and body are functions of the graph's library.  The main graph's
+planner sees such a node as one opaque op, so the ops inside a loop body were neither
+fused nor counted.  Here each of those functions goes through the same pipeline as a
+traced function:
+
+    FunctionDef ─▶ GraphDef (its arguments Placeholders, its results fetched, its
+                   control results kept; the library beside it for nested calls)
+                ─▶ stitch_graph_def (plan, compile, rewrite; a report of its own)
+                ─▶ FunctionDef again: the same argument and result types in the same
+                   order, under a new name (``<name>_stitched_<hash>``: the runtime
+                   may hold the old one), which every control-flow node calling the
+                   old name now calls
+
+Every function called as control flow anywhere (the main graph, other bodies: a cond
+inside a loop) is stitched once, on its own; nested calls keep working because only
+names change.  A body whose stitch fails, or that has nothing to fuse, is kept as it
+was (the report says which).  Gradients: TF's While/If gradients rebuild the forward
+body from the library, where its kernel nodes differentiate as everywhere
+(original.py).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.framework import function_def_to_graph, graph_to_function_def
+
+# control-flow op -> the attrs naming the functions it runs
+CALLERS = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch",
+                                                                  "else_branch"),
+           "While": ("cond", "body"), "StatelessWhile": ("cond", "body")}
+
+
+STITCHED = "_stitched_"
+
+
+def is_stitched(name: str) -> bool:
+    """Whether a library function is a stitched control-flow function."""
+    return STITCHED in name
+
+
+def called_functions(graph_def) -> list:
+    """Names of the library functions some control-flow node (in the graph or in a
+    library function) runs, in a deterministic order."""
+    names = []
+    nodes = list(graph_def.node)
+    for f in graph_def.library.function:
+        nodes.extend(f.node_def)
+    for n in nodes:
+        for attr in CALLERS.get(n.op, ()):
+            name = n.attr[attr].func.name
+            if name and name not in names:
+                names.append(name)
+    return names
+
+
+def stitch_bodies(graph_def, stitch, name: str) -> list:
+    """Replaces, in ``graph_def`` (in place), every control-flow function by its
+    stitched version.  ``stitch(body_graph_def, fetches, keep, body_name)`` is the
+    pipeline (returns a StitchResult).  Returns [(function name, report or None, why
+    not)] for the report."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    out, renamed = [], {}
+    for fname in called_functions(graph_def):
+        fdef = library.get(fname)
+        if fdef is None:
+            continue
+        try:
+            new_fdef, report, body_library = _stitch_one(fdef, graph_def.library, stitch,
+                                                         f"{name}/{fname}")
+        except Exception as e:  # noqa: BLE001 — the body stays as traced; said why
+            why = str(e).splitlines()[0][:200] if str(e) else ""
+            out.append((fname, None, f"{type(e).__name__}: {why}"))
+            continue
+        if new_fdef is None:
+            out.append((fname, report, "nothing to fuse"))
+            continue
+        renamed[fname] = new_fdef.signature.name
+        have = {f.signature.name for f in graph_def.library.function}
+        for f in list(body_library.function) + [new_fdef]:
+            if f.signature.name not in have:
+                graph_def.library.function.add().CopyFrom(f)
+                have.add(f.signature.name)
+        out.append((fname, report, ""))
+    if renamed:
+        _rename_calls(graph_def, renamed)
+    return out
+
+
+def _stitch_one(fdef, library, stitch, label):
+    """(stitched FunctionDef or None where nothing was fused, report, the stitched
+    body's library: its kernels' original functions)."""
+    body, flat = function_def_to_graph.function_def_to_graph_def(fdef)
+    body.library.CopyFrom(library)
+    fetches = [_tensor(flat[fdef.ret[a.name]]) for a in fdef.signature.output_arg]
+    keep = [fdef.control_ret[a] for a in fdef.signature.control_output]
+    result = stitch(body, fetches, keep, label)
+    if not result.report.kernels:
+        return None, result.report, None
+    return (_to_function_def(fdef, result.graph_def, fetches, keep), result.report,
+            result.graph_def.library)
+
+
+def _tensor(name: str) -> str:
+    return name if ":" in name else name + ":0"
+
+
+def _to_function_def(fdef, gdef, fetches, keep):
+    """``gdef`` (a stitched body) as a FunctionDef with ``fdef``'s argument and result
+    types, in order, named by a hash of its content.  Stateful ops without a data
+    result (kept) stay in the body: a function runs every stateful op it holds."""
+    g = tf.Graph()
+    with g.as_default():
+        library = graph_pb2.GraphDef()
+        library.library.CopyFrom(gdef.library)
+        tf.graph_util.import_graph_def(library, name="")
+        body = graph_pb2.GraphDef()
+        body.CopyFrom(gdef)
+        body.ClearField("library")
+        present = {n.name for n in body.node}
+        inputs = [tf.raw_ops.Placeholder(dtype=tf.as_dtype(a.type), shape=None,
+                                         name="stitching_arg_" + a.name)
+                  for a in fdef.signature.input_arg]
+        input_map = {a.name + ":0": t for a, t in zip(fdef.signature.input_arg, inputs)
+                     if a.name in present}
+        outs = tf.graph_util.import_graph_def(body, input_map=input_map,
+                                              return_elements=fetches + keep, name="b")
+    args = {t.op for t in inputs}
+    new = graph_to_function_def.graph_to_function_def(
+        g, [op for op in g.get_operations() if op not in args], inputs,
+        outs[:len(fetches)], [a.name for a in fdef.signature.output_arg])
+    new.attr.MergeFrom(fdef.attr)
+    digest = hashlib.sha256(new.SerializeToString(deterministic=True)).hexdigest()[:16]
+    new.signature.name = f"{fdef.signature.name}{STITCHED}{digest}"
+    return new
+
+
+def _rename_calls(graph_def, renamed) -> None:
+    nodes = list(graph_def.node)
+    for f in graph_def.library.function:
+        nodes.extend(f.node_def)
+    for n in nodes:
+        for attr in CALLERS.get(n.op, ()):
+            new = renamed.get(n.attr[attr].func.name)
+            if new is not None:
+                n.attr[attr].func.name = new

@@ -1,0 +1,427 @@
+"""stitching.function as a drop-in for tf.function (issue 38): its interface, argument
+names, outputs, captures, nested gradients, retracing, relaxed-shape broadcasting."""
+import gc
+import inspect
+import logging
+import subprocess
+import sys
+import weakref
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+import stitching  # noqa: E402
+
+
+def test_signature_is_tf_functions_plus_options():
+    tf_params = list(inspect.signature(tf.function).parameters)
+    ours = list(inspect.signature(stitching.function).parameters)
+    assert ours == tf_params + ["options"]
+    f = stitching.function(func=lambda x: x * 2.0, experimental_implements="name",
+                           experimental_autograph_options=(),
+                           experimental_attributes={"_noinline": True})
+    assert float(f(tf.constant(2.0))) == 4.0
+
+
+def test_is_a_tf_function_with_the_users_parameter_names():
+    @stitching.function
+    def scale(x, factor=2.0, *, shift=1.0):
+        return tf.nn.softmax(x) * factor + shift
+
+    assert isinstance(scale, tf.types.experimental.PolymorphicFunction)
+    assert scale.python_function.__name__ == "scale"
+    assert list(scale.function_spec.fullargspec.args) == ["x", "factor"]
+    x = tf.random.normal([3, 5])
+    want = tf.nn.softmax(x) * 3.0 + 1.0
+    np.testing.assert_allclose(scale(x, 3.0), want, rtol=1e-6)
+    np.testing.assert_allclose(scale(x=x, factor=3.0), want, rtol=1e-6)
+    cf = scale.get_concrete_function(x=tf.TensorSpec([None, 5]), shift=0.0)
+    assert [t.op.name for t in cf.inputs] == ["x"]
+    assert "scale" in cf.name.decode() and "_trace" not in cf.name.decode()
+    assert "x (POSITIONAL_OR_KEYWORD)" in cf.pretty_printed_signature()
+    np.testing.assert_allclose(cf(x=x), tf.nn.softmax(x) * 2.0, rtol=1e-6)
+    assert scale.experimental_get_tracing_count() == 2
+    assert len(scale._list_all_concrete_functions()) == 2
+
+
+def test_outputs_that_are_none_or_hold_no_tensor():
+    @stitching.function
+    def f(x):
+        return {"y": tf.exp(x) * 2.0, "none": None, "n": 3}
+
+    out = f(tf.zeros([4]))
+    assert out["none"] is None and int(out["n"]) == 3
+    np.testing.assert_allclose(out["y"], 2.0)
+    assert stitching.function(lambda x: None)(tf.zeros([2])) is None
+    v = tf.Variable(1.0)
+
+    @stitching.function
+    def assign_only(x):
+        v.assign_add(tf.reduce_sum(x))
+
+    assert assign_only(tf.ones([3])) is None
+    assert float(v) == 4.0
+
+
+def test_modifying_an_input_list_is_tfs_error():
+    @stitching.function
+    def append(values):
+        values.append(tf.constant(0.0))
+
+    with pytest.raises(ValueError, match="should not modify"):
+        append([tf.constant(1.0)])
+
+
+def test_captures_are_tf_functions():
+    y = tf.constant(1)
+
+    @stitching.function
+    def foo(x):
+        return {"input": x, "capture": y}
+
+    cf = foo.get_concrete_function(tf.TensorSpec([], tf.int32))
+    assert len(cf.function_type.captures) == 1
+    assert int(cf(tf.constant(2))["capture"]) == 1
+
+
+def test_nested_stitched_functions_differentiate():
+    """A stitched function called by another: Grappler inlines it, its kernels keep
+    their originals (looked up in the eager context) and iterated gradients import."""
+    @stitching.function
+    def inner(a, b):
+        return a * tf.add(a, b)
+
+    @stitching.function
+    def outer(x):
+        return inner(x, 1.0)
+
+    x = tf.constant(5.0)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = outer(x)
+    assert float(tape.gradient(y, x)) == 11.0
+
+    def grad(f):
+        def g(v):
+            with tf.GradientTape() as t:
+                t.watch(v)
+                out = f(v)
+            return t.gradient(out, v)
+        return g
+
+    f = stitching.function(lambda v: tf.cos(v))
+    for _ in range(3):
+        f = stitching.function(grad(f))
+    assert abs(float(f(tf.constant(1.0))) - np.sin(1.0)) < 1e-6   # cos''' = sin
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_relaxed_dims_broadcast_as_tf_does(seed):
+    """Two calls of one family relax the batch dim; later calls with a size-1 dim in
+    either argument broadcast as TF broadcasts (the kernel's guard runs the original
+    ops), equal to tf.function, never an error where TF runs."""
+    rng = np.random.default_rng(seed)
+
+    def fn(a, c):
+        return tf.nn.softmax(a + c) * 2.0 - c
+
+    f, ref = stitching.function(fn), tf.function(fn)
+    for n in (8, 9):                               # relaxes dim 0 of both
+        a, c = (rng.standard_normal((n, 16), np.float32) for _ in range(2))
+        np.testing.assert_allclose(f(a, c), ref(a, c), rtol=1e-5, atol=1e-6)
+    for _ in range(6):
+        n = int(rng.integers(1, 12))
+        sa, sc = [n, 16], [n, 16]
+        which = rng.integers(0, 4)
+        if which == 0:
+            sa[0] = 1
+        elif which == 1:
+            sc[0] = 1
+        elif which == 2:
+            sc[1] = 1
+        a = tf.constant(rng.standard_normal(sa).astype(np.float32))
+        c = tf.constant(rng.standard_normal(sc).astype(np.float32))
+        np.testing.assert_allclose(f(a, c), ref(a, c), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{sa} + {sc}")
+
+
+def test_a_concrete_function_called_with_another_rank_runs_like_tf():
+    @stitching.function
+    def fn(a, b):
+        return a + b, a * b
+
+    fn(tf.ones([]), tf.ones([]))
+    cf = fn.get_concrete_function(tf.TensorSpec([None]), tf.TensorSpec([]))
+    got = cf(tf.constant(1.0), tf.constant(2.0))
+    assert [float(t) for t in got] == [3.0, 2.0]
+
+
+def test_a_deleted_function_is_freed_without_the_garbage_collector():
+    gc.disable()
+    try:
+        f = stitching.function(lambda x: tf.exp(x) + 1.0)
+        f(tf.zeros([3]))
+        ref = weakref.ref(f)
+        del f
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_tfs_retracing_warning_names_the_users_function(caplog):
+    @stitching.function(reduce_retracing=False)
+    def my_step(x):
+        return x * 2.0
+
+    with caplog.at_level(logging.WARNING):
+        for n in range(1, 8):
+            my_step(tf.zeros([n]))
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "retracing" in text and "my_step" in text and "_trace" not in text
+
+
+def test_creating_a_function_leaves_tf_runtime_configurable():
+    code = """if True:
+        import tensorflow as tf, stitching
+        f = stitching.function(lambda x: x + 1.0)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        cpus = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+        print(float(f(tf.constant(1.0))))
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("2.0"), out.stderr[-2000:]
+
+
+def test_pickled_and_cloned_functions_keep_their_settings():
+    import pickle
+    f = stitching.function(abs, reduce_retracing=True,
+                           options=stitching.Options(min_ops=1))
+    g = pickle.loads(pickle.dumps(f))
+    assert isinstance(g, stitching.StitchedFunction) and g._reduce_retracing is True
+    assert g.options.min_ops == 1
+    h = f._clone(python_function=None)
+    assert isinstance(h, stitching.StitchedFunction) and h.options.min_ops == 1
+
+
+def _kernel_specs(cf):
+    return sorted(n.attr["spec"].s for n in cf.graph.as_graph_def().node
+                  if n.op == "StitchedKernel")
+
+
+def test_new_python_scalars_share_one_compiled_kernel():
+    """f(x, 1.0), f(x, 2.0): TF traces each value as a constant; a float scalar that
+    only feeds arithmetic is a kernel input, so every value has the same spec (one
+    compile)."""
+    @stitching.function
+    def f(x, scale, shift):
+        return tf.nn.softmax(x * scale) + shift
+
+    x = tf.random.normal([16, 32])
+    specs = []
+    for scale, shift in ((1.0, 0.5), (2.0, -3.0), (0.25, 7.0)):
+        got = f(x, scale, shift)
+        np.testing.assert_allclose(got, tf.nn.softmax(x * scale) + shift, rtol=1e-5,
+                                   atol=1e-6)
+        specs.append(_kernel_specs(f.get_concrete_function(x, scale, shift)))
+    assert specs[0] and specs[0] == specs[1] == specs[2]
+
+
+def test_the_background_compile_hint_only_where_it_applies(monkeypatch, capsys):
+    """Not for get_concrete_function (stitching-rewrite's way in) nor a call inside
+    another tf.function (Keras's fit): background compile cannot serve those."""
+    from stitching.tf import function as fn_module
+    monkeypatch.setattr(fn_module, "HINT_SECONDS", 0.0)
+    monkeypatch.setattr(fn_module, "_hinted", False)
+    monkeypatch.delenv("STITCHING_NO_HINTS", raising=False)
+    f = stitching.function(lambda x: tf.tanh(x) * 2.0 + 1.0)
+    f.get_concrete_function(tf.TensorSpec([2, 3]))
+    tf.function(lambda x: f(x) * 2.0)(tf.zeros([4, 3]))
+    assert "background_compile" not in capsys.readouterr().err
+    f(tf.zeros([5, 3]))
+    assert "background_compile=True" in capsys.readouterr().err
+
+
+def test_keras_stitch_refuses_background_compile():
+    keras = pytest.importorskip("keras")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="background_compile"):
+        stitching.keras.stitch(model, stitching.Options(background_compile=True))
+
+
+def test_reports_name_the_users_function():
+    class Block(tf.Module):
+        @stitching.function
+        def __call__(self, x):
+            return tf.nn.softmax(x) * 2.0
+
+    import functools
+    scaled = stitching.function(functools.partial(
+        lambda x, s: tf.nn.softmax(x) * s, s=3.0))
+    b = Block()
+    b(tf.zeros([2, 4]))
+    scaled(tf.zeros([2, 4]))
+    assert b.__call__.report.function.endswith("Block.__call__")
+    assert "partial" not in scaled.report.function
+
+
+def _body_kernels(report):
+    return {name: len(r.kernels) for name, r, why in report.bodies if r is not None
+            and not why}
+
+
+def test_a_loop_body_is_stitched_counted_and_differentiable():
+    """AutoGraph's `for _ in tf.range(3)` over a softmax + axpy: the While body is
+    planned like any function (its kernels in the report, per body), equal to TF, and
+    a tape outside differentiates through the stitched loop."""
+    def fn(x, w):
+        for _ in tf.range(3):
+            x = tf.nn.softmax(x * 2.0) * w + x
+        return x
+
+    f, ref = stitching.function(fn), tf.function(fn)
+    rng = np.random.default_rng(3)
+    x = tf.constant(rng.standard_normal((8, 32)).astype(np.float32))
+    w = tf.constant(rng.standard_normal(32).astype(np.float32))
+    np.testing.assert_allclose(f(x, w), ref(x, w), rtol=1e-5, atol=1e-5)
+    bodies = _body_kernels(f.report)
+    assert any(n.startswith("while_body") and k >= 1 for n, k in bodies.items()), \
+        f.report.summary()
+    assert "while_body" in f.report.summary()
+    grads = []
+    for g in (f, ref):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(g(x, w) ** 2)
+        grads.append(tape.gradient(y, x))
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-4, atol=1e-4)
+
+
+def test_cond_branches_are_stitched():
+    def fn(x, p):
+        return tf.cond(p > 0, lambda: tf.nn.softmax(x) * 2.0 + 1.0,
+                       lambda: tf.tanh(x) - 1.0) * 3.0
+
+    f = stitching.function(fn)
+    x = tf.random.normal([4, 16])
+    for p in (1.0, -1.0):
+        np.testing.assert_allclose(f(x, tf.constant(p)), fn(x, tf.constant(p)),
+                                   rtol=1e-5, atol=1e-6)
+    bodies = _body_kernels(f.report)
+    assert sum(1 for n in bodies if n.startswith("cond_")) == 2, f.report.summary()
+
+
+def test_the_tf_function_suite_runner_compares_per_method():
+    """tools/tf_function_suite.py: a method passes when every case that ran passed;
+    the stock-passing ones are the denominator; known differences are reported apart
+    (never skipped), and each names a test method of the suite."""
+    import os
+    import re
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import tf_function_suite as suite
+    stock = {"a::T.m1": [["m1", "pass", ""]], "a::T.m2": [["m2a", "pass", ""],
+                                                          ["m2b", "skip", "gpu"]],
+             "a::T.m3": [["m3", "fail", "x"]], "b::T.m4": [["m4", "pass", ""]]}
+    stitched = {"a::T.m1": [["m1", "pass", ""]], "a::T.m2": [["m2a", "error",
+                                                              "ValueError: no\n"]],
+                "b::T.m4": [["m4", "fail", "AssertionError: differs"]]}
+    suite.KNOWN["b::T.m4"] = "a reason"
+    try:
+        c = suite.compare(stock, stitched, ["a", "b"])
+    finally:
+        del suite.KNOWN["b::T.m4"]
+    assert c["per_file"] == {"a": [2, 1, 0], "b": [1, 0, 1]}
+    assert c["unexpected"] == [("a::T.m2", "ValueError: no")]
+    assert c["known"] == [("b::T.m4", "a reason")]
+    if os.path.isdir(suite.SUITE):
+        for key in suite.KNOWN:
+            f, method = key.split("::")
+            text = open(os.path.join(suite.SUITE, f + ".py")).read()
+            assert re.search(rf"def {method.split('.')[1]}\b", text), key
+
+
+_LOAD = """if True:
+    import sys, builtins, json
+    if {block_numba}:
+        real = builtins.__import__
+        def guarded(name, *a, **k):
+            if name == "numba" or name.startswith("numba."):
+                raise ImportError("No module named 'numba' (blocked by the test)")
+            return real(name, *a, **k)
+        builtins.__import__ = guarded
+    import numpy as np, stitching, tensorflow as tf
+    m = tf.saved_model.load({path!r})
+    x = tf.constant(np.load({x!r}))
+    want = np.load({want!r})
+    sig = m.signatures["serving_default"]
+    out = {{"call": float(np.abs(m(x).numpy() - want).max()),
+           "signature": float(np.abs(sig(x=x)["output_0"].numpy() - want).max()),
+           "numba": "numba" in sys.modules,
+           "fallbacks": stitching.runtime.stats()["fallbacks"]}}
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow          # two fresh processes: ~20 s here
+def test_a_saved_module_loads_in_a_fresh_process_without_compiling(tmp_path):
+    """tf.saved_model.save of a tf.Module holding a StitchedFunction: its ConcreteFunction
+    with the StitchedKernel nodes, the input's name, the kernels shipped in assets/.
+    A fresh process with an empty kernel cache loads it without Numba (the shipped
+    kernels); without the assets and without Numba, the original ops serve."""
+    import json
+    import shutil
+
+    class Block(tf.Module):
+        def __init__(self):
+            self.w = tf.Variable(tf.linspace(0.5, 1.5, 64))
+
+        @stitching.function(input_signature=[tf.TensorSpec([None, 64], tf.float32)])
+        def __call__(self, x):
+            return tf.nn.softmax(x * self.w) + 1.0
+
+    m = Block()
+    x = np.random.default_rng(5).standard_normal((4, 64)).astype(np.float32)
+    want = m(x).numpy()
+    np.testing.assert_allclose(want, tf.nn.softmax(x * m.w) + 1.0, rtol=1e-6, atol=1e-6)
+    path = tmp_path / "block"
+    tf.saved_model.save(m, str(path), signatures=m.__call__)
+    assert (path / "assets" / "stitching_kernels.json").exists()
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "want.npy", want)
+
+    def load(block_numba, cache):
+        code = _LOAD.format(block_numba=block_numba, path=str(path),
+                            x=str(tmp_path / "x.npy"), want=str(tmp_path / "want.npy"))
+        env = dict(__import__("os").environ, STITCHING_CACHE_DIR=str(tmp_path / cache))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    shipped = load(False, "cache1")
+    assert shipped["call"] < 1e-6 and shipped["signature"] < 1e-6
+    assert not shipped["numba"] and shipped["fallbacks"] == 0
+    shutil.rmtree(path / "assets")
+    (path / "assets").mkdir()
+    original = load(True, "cache2")
+    assert original["call"] < 1e-6 and original["fallbacks"] >= 1
+
+
+def test_keras_export_after_stitch_exports_the_stitched_serving_function(tmp_path):
+    keras = pytest.importorskip("keras")
+    inp = keras.Input((32,))
+    h = keras.layers.LayerNormalization()(keras.layers.Dense(64)(inp))
+    model = keras.Model(inp, keras.layers.Activation("gelu")(h))
+    model.compile(optimizer="sgd", loss="mse")
+    stitching.keras.stitch(model)
+    model.export(str(tmp_path / "m"), verbose=False)
+    x = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
+    loaded = tf.saved_model.load(str(tmp_path / "m"))
+    np.testing.assert_allclose(loaded.serve(x), model(x), rtol=1e-5, atol=1e-5)
+    gd = loaded.signatures["serving_default"].graph.as_graph_def()
+    assert "StitchedKernel" in {n.op for f in gd.library.function for n in f.node_def}
+    assert (tmp_path / "m" / "assets" / "stitching_kernels.json").exists()
