@@ -176,9 +176,11 @@ def test_device_named_in_stitching_profile_is_deprecated(monkeypatch):
         assert profiles.default() is H100
     monkeypatch.setenv("STITCHING_PROFILE", "1")     # timing: names no device, no warning
     monkeypatch.setattr(profiles, "_warned_device_name", False)
+    mine = _measurement(False, 8e9, 8e8)              # never the live machine's numbers
+    monkeypatch.setattr(profiles, "measured_cpu", lambda remeasure=False: mine)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert profiles.default() == profiles.calibrated(profiles.get("cpu"))
+        assert profiles.default() == profiles.calibrated(mine)
 
 
 # ---- delta evaluator -----------------------------------------------------------------
