@@ -45,7 +45,8 @@ CODEGEN = {"lower": 0, "cpu": 1, "cuda": 1}
 TF_FLOORS = {"opnames": 0, "graph_file": 0, "tfgraph": 0,
              "frontend": 1, "passmanager": 1,
              "passes": 2,
-             "pipeline": 3, "dump": 3, "tensorboard": 3, "kernel_assets": 3, "__init__": 3,
+             "pipeline": 3, "control_flow": 3, "dump": 3, "tensorboard": 3,
+             "kernel_assets": 3, "__init__": 3,
              "function": 4}
 TF_EDGE = ("stitching.tf", "stitching.testing", "stitching.runtime",
            "stitching.keras", "stitching.saved_model", "stitching.cli")
