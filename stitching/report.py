@@ -129,6 +129,16 @@ class Report:
                  f"kernel(s) ({self.unique_kernels} distinct specs served by "
                  f"{self.code_objects} compiled kernel(s); planned and compiled in "
                  f"{self.compile_seconds:.1f}s)"]
+        stitched = [r for _, r, why in self.bodies if r is not None and not why]
+        if self.bodies:
+            ops = self.memory_intensive_ops + sum(r.memory_intensive_ops for _, r, _ in
+                                                  self.bodies if r is not None)
+            fused = self.fused_ops + sum(r.fused_ops for r in stitched)
+            kernels = len(self.kernels) + sum(len(r.kernels) for r in stitched)
+            lines.append(f"  with the {len(self.bodies)} function(s) control flow runs: "
+                         f"memory-intensive TF ops: {ops}, fused: {fused} "
+                         f"({100 * fused / ops if ops else 100:.0f}%) into {kernels} "
+                         f"kernel(s)")
         if self.profile:
             lines.append(f"  cost model's device profile: {self.profile}")
         for k in self.kernels:

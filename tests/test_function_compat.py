@@ -292,6 +292,7 @@ def test_a_loop_body_is_stitched_counted_and_differentiable():
     assert any(n.startswith("while_body") and k >= 1 for n, k in bodies.items()), \
         f.report.summary()
     assert "while_body" in f.report.summary()
+    assert "function(s) control flow runs: memory-intensive TF ops: " in f.report.summary()
     grads = []
     for g in (f, ref):
         with tf.GradientTape() as tape:
