@@ -31,12 +31,11 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.python.framework import function_def_to_graph, graph_to_function_def
 
 # control-flow op -> the attrs naming the functions it runs
-CALLERS = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch",
-                                                                  "else_branch"),
-           "While": ("cond", "body"), "StatelessWhile": ("cond", "body")}
-
-
-STITCHED = "_stitched_"
+CALLERS = {"If": ("then_branch", "else_branch"),
+           "StatelessIf": ("then_branch", "else_branch"),
+           "While": ("cond", "body"),
+           "StatelessWhile": ("cond", "body")}
+STITCHED = "_stitched_"          # in a stitched function's name: <name>_stitched_<hash>
 
 
 def is_stitched(name: str) -> bool:
