@@ -189,6 +189,16 @@ class Report:
     def summary(self) -> str:
         """The report as text: counts, kernels, what was not fused and why, notes."""
         lines = [f"stitching report for {self.function}", "  " + self._headline()]
+        stitched = [r for _, r, why in self.bodies if r is not None and not why]
+        if self.bodies:
+            ops = self.memory_intensive_ops + sum(r.memory_intensive_ops for _, r, _ in
+                                                  self.bodies if r is not None)
+            fused = self.fused_ops + sum(r.fused_ops for r in stitched)
+            kernels = len(self.kernels) + sum(len(r.kernels) for r in stitched)
+            lines.append(f"  with the {_plural(len(self.bodies), 'function')} control flow "
+                         f"runs: fused {fused} of {ops} memory-intensive TF ops "
+                         f"({100 * fused / ops if ops else 100:.0f}%) into "
+                         f"{_plural(kernels, 'kernel')}")
         if self.profile:
             lines.append(f"  cost model's device profile: {self.profile}")
         counted = 0

@@ -292,6 +292,7 @@ def test_a_loop_body_is_stitched_counted_and_differentiable():
     assert any(n.startswith("while_body") and k >= 1 for n, k in bodies.items()), \
         f.report.summary()
     assert "while_body" in f.report.summary()
+    assert "control flow runs: fused " in f.report.summary()
     grads = []
     for g in (f, ref):
         with tf.GradientTape() as tape:
@@ -425,3 +426,36 @@ def test_keras_export_after_stitch_exports_the_stitched_serving_function(tmp_pat
     gd = loaded.signatures["serving_default"].graph.as_graph_def()
     assert "StitchedKernel" in {n.op for f in gd.library.function for n in f.node_def}
     assert (tmp_path / "m" / "assets" / "stitching_kernels.json").exists()
+
+
+def test_a_cond_inside_a_loop_and_a_tape_inside_the_function():
+    """Bodies calling other bodies are stitched each on its own (the calls renamed);
+    a tape inside the function differentiates the loop (its gradient loop is traced
+    too) and matches tf.function."""
+    def nested(x):
+        def body(i, v):
+            v = tf.cond(tf.reduce_sum(v) > 0, lambda: tf.tanh(v) * 2.0,
+                        lambda: tf.exp(v) - 1.0)
+            return i + 1, v
+        return tf.while_loop(lambda i, v: i < 3, body, [tf.constant(0), x])[1]
+
+    def grad(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = x
+            for _ in tf.range(2):
+                y = tf.nn.softmax(y * 2.0) * w + y
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, x)
+
+    x = tf.random.normal([8, 32])
+    w = tf.random.normal([32])
+    f = stitching.function(nested)
+    np.testing.assert_allclose(f(x), tf.function(nested)(x), rtol=1e-5, atol=1e-6)
+    assert not [why for _, r, why in f.report.bodies if r is None], f.report.summary()
+    assert sum(1 for n in _body_kernels(f.report) if "cond_" in n) == 2, \
+        f.report.summary()
+    g = stitching.function(grad)
+    want = tf.function(grad)(x, w)
+    np.testing.assert_allclose(g(x, w), want, rtol=1e-5, atol=1e-5 * float(
+        tf.reduce_max(tf.abs(want))))

@@ -31,12 +31,11 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.python.framework import function_def_to_graph, graph_to_function_def
 
 # control-flow op -> the attrs naming the functions it runs
-CALLERS = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch",
-                                                                  "else_branch"),
-           "While": ("cond", "body"), "StatelessWhile": ("cond", "body")}
-
-
-STITCHED = "_stitched_"
+CALLERS = {"If": ("then_branch", "else_branch"),
+           "StatelessIf": ("then_branch", "else_branch"),
+           "While": ("cond", "body"),
+           "StatelessWhile": ("cond", "body")}
+STITCHED = "_stitched_"          # in a stitched function's name: <name>_stitched_<hash>
 
 
 def is_stitched(name: str) -> bool:
@@ -95,7 +94,9 @@ def stitch_bodies(graph_def, stitch, name: str) -> list:
 def _stitch_one(fdef, library, stitch, label):
     """(stitched FunctionDef or None where nothing was fused, report, the stitched
     body's library: its kernels' original functions)."""
-    body, flat = function_def_to_graph.function_def_to_graph_def(fdef)
+    with tf.Graph().as_default():       # where the functions it calls are found
+        _import_library(library)
+        body, flat = function_def_to_graph.function_def_to_graph_def(fdef)
     body.library.CopyFrom(library)
     fetches = [_tensor(flat[fdef.ret[a.name]]) for a in fdef.signature.output_arg]
     keep = [fdef.control_ret[a] for a in fdef.signature.control_output]
@@ -116,9 +117,7 @@ def _to_function_def(fdef, gdef, fetches, keep):
     result (kept) stay in the body: a function runs every stateful op it holds."""
     g = tf.Graph()
     with g.as_default():
-        library = graph_pb2.GraphDef()
-        library.library.CopyFrom(gdef.library)
-        tf.graph_util.import_graph_def(library, name="")
+        _import_library(gdef.library)
         body = graph_pb2.GraphDef()
         body.CopyFrom(gdef)
         body.ClearField("library")
@@ -138,6 +137,13 @@ def _to_function_def(fdef, gdef, fetches, keep):
     digest = hashlib.sha256(new.SerializeToString(deterministic=True)).hexdigest()[:16]
     new.signature.name = f"{fdef.signature.name}{STITCHED}{digest}"
     return new
+
+
+def _import_library(library) -> None:
+    """The functions of ``library`` into the default graph (and nothing else)."""
+    only = graph_pb2.GraphDef()
+    only.library.CopyFrom(library)
+    tf.graph_util.import_graph_def(only, name="")
 
 
 def _rename_calls(graph_def, renamed) -> None:

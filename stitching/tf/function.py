@@ -355,9 +355,7 @@ class StitchedFunction(tf_pf.Function):
             result = pipeline.stitch_graph_def(
                 graph_def, fetches, keep, self.options, name=display_name(self),
                 resources=frontend.resource_shapes(cf.graph), workers=workers,
-                scalar_values=frozenset(float(v) for v in flat if isinstance(v, (int, float))
-                                        and not isinstance(v, bool))) \
-                if fetches or keep else None
+                scalar_values=_python_scalars(flat)) if fetches or keep else None
         finally:
             if workers is not None:
                 workers.close()
@@ -366,7 +364,7 @@ class StitchedFunction(tf_pf.Function):
             self.reports.append(result.report)
             # only where it would apply: an eager call (not inside Keras's fit or
             # another tf.function, not get_concrete_function or stitching-rewrite)
-            if not self.options.background_compile and getattr(self, "_eager_call", False):
+            if not self.options.background_compile and self._eager_call:
                 _hint_background_compile(result.report.compile_seconds)
             graph_def = result.graph_def
             _define_fallbacks(graph_def)
@@ -420,6 +418,13 @@ class _StitchingTracer:
         if owner is None:
             raise RuntimeError("stitching.function: traced after its function was deleted")
         return owner._stitched_trace(self._fn, args, kwargs)
+
+
+def _python_scalars(values) -> frozenset:
+    """The Python numbers among a trace's arguments (TF traces each as a constant;
+    the pipeline makes them kernel inputs: one compiled kernel for every value)."""
+    return frozenset(float(v) for v in values
+                     if isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
 def _pack_outputs(structured, tensors):
