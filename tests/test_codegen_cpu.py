@@ -1489,16 +1489,11 @@ def test_native_build_refuses_code_that_needs_numbas_runtime(tmp_path):
         native.build(lambda n: n.nope, sig, {}, tmp_path / "bad", "bad")
 
 
-def test_lean_numba_pipeline_gives_the_default_pipelines_machine_code(stream_everything):
-    """native.py compiles generated code through a shortened Numba pipeline (no
-    closure inlining, rewrites, SSA...): for every kind of kernel -- pipelined row
+def _representative_kernels():
+    """(body, cfunc signature, options) of every kind of kernel -- pipelined row
     passes, staged non-temporal outputs, split and column schedules, casts to
-    bfloat16/int32/bool -- the assembly is the very same as Numba's default pipeline
-    gives (up to the per-compile counter in the mangled names)."""
-    from numba.core.compiler import Compiler
-    from numba.core.compiler_lock import global_compiler_lock
-
-    from stitching.compile import kernel, native
+    bfloat16/int32/bool, GELU's erf and a tanh -- for machine-code comparisons."""
+    from stitching.compile import kernel
 
     b = SpecBuilder()
     x = b.input("float32", (-1, -1))
@@ -1508,24 +1503,57 @@ def test_lean_numba_pipeline_gives_the_default_pipelines_machine_code(stream_eve
     s = b.Mul(x, b.const(3.0))
     casts = b.build([b.Cast(s, to="bfloat16"), b.Greater(s, b.const(0.0)),
                      b.Cast(s, to="int32")])
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 64))
+    act = b.build([b.Mul(b.Erf(x), b.Tanh(x))])
     specs = [softmax_spec((-1, 700), rows_per_task=3), layernorm_spec(outs_stats=True),
              layernorm_spec().with_schedule(split_rows=1, col_block=333, rows_per_task=1),
-             centre, casts]
+             centre, casts, act]
     funcs = []
     for spec in specs:
         text = compile_kernel(spec).source
         m = kernel._load_module(text, kernel.code_name(text))
         funcs.append((m.body, m.h.BODY_SIG, m.h.BODY_OPTIONS))
+    return funcs
 
-    def assembly(f, sig, options, pipeline):
-        lib, _ = native._compile(f, sig, options, pipeline)
-        with global_compiler_lock:
-            return re.sub(r"B\d+v\d+B", "B_v_B", lib.get_asm_str())
 
-    for f, sig, options in funcs:
-        lean = assembly(f, sig, options, None)
+def _assembly(f, sig, options, pipeline=None):
+    from numba.core.compiler_lock import global_compiler_lock
+
+    from stitching.compile import native
+    lib, _ = native._compile(f, sig, options, pipeline)
+    with global_compiler_lock:
+        return re.sub(r"B\d+v\d+B", "B_v_B", lib.get_asm_str())
+
+
+def test_lean_numba_pipeline_gives_the_default_pipelines_machine_code(stream_everything):
+    """native.py compiles generated code through a shortened Numba pipeline (no
+    closure inlining, rewrites, SSA...): for every kind of kernel the assembly is the
+    very same as Numba's default pipeline gives (up to the per-compile counter in the
+    mangled names)."""
+    from numba.core.compiler import Compiler
+
+    for f, sig, options in _representative_kernels():
+        lean = _assembly(f, sig, options)
         assert len(lean) > 2000
-        assert lean == assembly(f, sig, options, Compiler), f.__module__
+        assert lean == _assembly(f, sig, options, Compiler), f.__module__
+
+
+def test_memoized_scalar_typing_gives_the_same_machine_code(stream_everything,
+                                                           monkeypatch):
+    """native._compile memoizes the typing of builtin operators on scalars: every kind
+    of kernel compiles to the very same assembly as with Numba typing each use."""
+    import contextlib
+
+    from stitching.compile import native
+
+    funcs = _representative_kernels()
+    with monkeypatch.context() as m:
+        m.setattr(native, "_memo_scalar_typing", contextlib.nullcontext)
+        plain = [_assembly(*f) for f in funcs]
+    assert native._SCALAR_OPS, "the memo was used"
+    for f, want in zip(funcs, plain):
+        assert _assembly(*f) == want, f[0].__module__
 
 
 def test_without_a_linker_kernels_run_from_numbas_code_with_a_warning(tmp_path,
