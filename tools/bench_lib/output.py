@@ -598,11 +598,13 @@ def _suite_markdown(suite, rows, meta, results):
         out.append("")
         out.append(render_markdown(*train_table(rows)))
     elif suite == "short":
-        from .short import method_text, short_table
+        from .short import method_text, round_lines, short_table
         rounds = max((r.get("rounds") or 1) for r in rows) if rows else 1
         out.append(method_text() + f" Rounds: {rounds}.")
         out.append("")
         out.append(render_markdown(*short_table(rows)))
+        out.append("")
+        out += [f"- {line}" for line in round_lines(rows)]
     elif suite == "patterns":
         for size in pattern_sizes(rows):
             rs = [r for r in rows if r.get("size") == size]

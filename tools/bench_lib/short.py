@@ -18,21 +18,12 @@ Jobs (data from a fixed seed, weights from ``keras.utils.set_random_seed(0)``):
                 Adam, sparse categorical cross-entropy; ``fit`` 1 epoch of 8 steps
     predict100  the same CNN, compiled; 100 ``predict`` calls on a batch of 32
 
-"job s" is timed inside the child from before the model is built (``import
-stitching`` included, for its modes) to the job's end; "process s" is the child's
-whole life as the parent sees it (Python start and ``import tensorflow`` included):
-what a user waits for when the job is a script.  The modes run interleaved, ``rounds``
-rounds of all four in turn; a cell is the median round.  The job's final loss (or
-the last prediction's mean) is compared with stock TF's: fit runs in float32 with
-different summation orders, so losses agree to ~1e-3, not bit for bit.  The install
-step (op library, shape interpreter, math helpers) runs first, untimed, as for the
-compile suite.
+The timings and the comparison are method_text()'s.
 """
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,24 +64,9 @@ def _run_child(job, mode, cache, timeout) -> dict:
     cmd = [sys.executable, os.path.join(suites.REPO, "tools", "bench.py"), "--_short",
            f"{job}:{mode}"]
     env = dict(os.environ)
-    env["PYTHONPATH"] = suites.REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if mode.startswith("stitching"):
         env["STITCHING_CACHE_DIR"] = cache
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"child timed out after {timeout} s"}
-    wall = time.perf_counter() - t0
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith(_MARK):
-            res = json.loads(line[len(_MARK):])
-            res["process_wall_s"] = wall
-            return res
-    tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
-    return {"ok": False, "error": f"child exited {p.returncode}: {tail}",
-            "process_wall_s": wall}
+    return suites.run_child(cmd, env, timeout, _MARK)
 
 
 # ---- the child: one job, one mode
@@ -180,8 +156,8 @@ def _result_gap(step, ref) -> str:
 
 def short_table(rows):
     head = ["job", "TF process s", "XLA process s", "st cold process s",
-            "st warm process s", "cold vs XLA", "warm vs TF", "job s TF/XLA/cold/warm",
-            "result vs TF (rel)"]
+            "st warm process s", "cold / XLA", "warm / TF", "job s TF/XLA/cold/warm",
+            "result vs TF, XLA/cold/warm (rel)"]
     body = []
     for r in rows:
         s = r["steps"]
@@ -204,6 +180,17 @@ def short_table(rows):
     return head, body
 
 
+def round_lines(rows) -> list[str]:
+    """Every round's process time per job and mode: on a shared machine the rounds of
+    one cell differ by tens of percent, and the reader should see by how much."""
+    out = []
+    for r in rows:
+        cells = [f"{m} " + "/".join(f"{v:.1f}" for v in (r["steps"].get(m) or {}).get(
+            "samples_s") or []) for m in MODES]
+        out.append(f"{r['name']} rounds (process s): " + "; ".join(cells))
+    return out
+
+
 def target_lines(rows) -> list[str]:
     """The issue's bars: warm whole process <= 1.1x stock TF's, cold <= XLA's."""
     lines = []
@@ -224,4 +211,21 @@ def target_lines(rows) -> list[str]:
 
 
 def method_text() -> str:
-    return " ".join(__doc__.split("\n\n", 1)[1].split())
+    return (
+        "Whole short Keras jobs, each run in a fresh process (`tools/bench.py --_short "
+        "JOB:MODE`): stock Keras (`jit_compile=False`), XLA (`jit_compile=True`), "
+        "`stitching.keras.stitch(model)` with an empty `STITCHING_CACHE_DIR` (cold) and "
+        "again in a new process reusing that cache (warm). Jobs: **mlp_fit**, Dense "
+        "32->64, exact GELU, LayerNorm, Dense 64->1, Adam, MSE, `fit` 2 epochs of 8 steps "
+        "(256 samples, batch 32) then `evaluate`; **cnn_fit**, "
+        "`stitching.testing.models.small_cnn` at 32x32x3 (16 channels, 10 classes), Adam, "
+        "`fit` 1 epoch of 8 steps; **predict100**, the same CNN, 100 `predict` calls on a "
+        "batch of 32. 'process s' is the child's whole life (Python start and `import "
+        "tensorflow` included): what a user waits for when the job is a script; 'job s' "
+        "is timed inside the child from before the model is built (`import stitching` "
+        "included) to the job's end. Modes run interleaved, a round of all four in turn; "
+        "a cell is the median round. 'cold / XLA' and 'warm / TF' are ratios of "
+        "process times (the issue's bars: <= 1x and <= 1.1x). The last column is the "
+        "relative difference of the "
+        "job's final loss (or last prediction's mean) from stock TF's. The install step "
+        "(op library, shape interpreter, math helpers) runs first, untimed.")
