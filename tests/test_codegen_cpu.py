@@ -1400,6 +1400,35 @@ def test_the_installed_shape_interpreter_serves_any_cache_dir(tmp_path):
     assert not list(tmp_path.glob("elsewhere/kernels/*/interp.so"))
 
 
+def test_installed_helpers_include_what_big_helpers_call(tmp_path):
+    """The install step (helper_cache.prebuild) types the big helpers too, so a process
+    with an empty STITCHING_CACHE_DIR compiling an Erfc kernel (exact GELU) loads
+    erfc_f32's _erfc_pos from the installed cache instead of compiling it."""
+    prebuild = "from stitching.compile import helper_cache, kernel\n" \
+        "kernel.use_helper_cache()\nhelper_cache.prebuild()"
+    script = textwrap.dedent("""
+        import json
+        from stitching.codegen.cpu import fastmath
+        from stitching.compile import compile_kernel
+        from stitching.ir.builder import SpecBuilder
+        b = SpecBuilder()
+        x = b.input("float32", (-1, 64))
+        compile_kernel(b.build([b.Mul(x, b.Erfc(x))]))
+        [d] = [d for d in fastmath.HELPERS if d.py_func.__name__ == "_erfc_pos"]
+        print(json.dumps([sum(d._cache_hits.values()), sum(d._cache_misses.values())]))
+    """)
+    env = dict(os.environ, HOME=str(tmp_path / "home"))
+    env.pop("STITCHING_CACHE_DIR", None)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for code, cache in ((prebuild, None), (script, tmp_path / "empty")):
+        if cache is not None:
+            env["STITCHING_CACHE_DIR"] = str(cache)
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=300, cwd=repo)
+        assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [1, 0]     # loaded, not compiled
+
+
 def test_math_helpers_load_from_their_disk_cache_into_the_same_machine_code(tmp_path):
     """helper_cache.py: a process compiles exp/tanh/erf once and saves them; the next
     one loads them and inlines them into the very same kernel assembly; a process
