@@ -165,7 +165,7 @@ def _compile(pyfunc, sig, options, pipeline=None):
 # signature comes back (and the implementation key Numba records beside it on the
 # interned function type stays), so lowering picks the same implementation and the
 # machine code is unchanged (tests/test_codegen_cpu.py compares it).
-_SCALAR_OPS: dict = {}          # (function type, argument types) -> signature
+_SCALAR_OPS: dict = {}          # (function type, typing context, argument types) -> sig
 _memo_on = False                # only inside _compile (under Numba's compiler lock)
 _MEMO_INSTALLED = False
 
@@ -212,7 +212,7 @@ def _install_memo() -> None:
     def memo_get_call_type(self, context, args, kws):
         if not _memo_on or not _pure_scalar_call(self, args, kws):
             return get_call_type(self, context, args, kws)
-        key = (self, tuple(args))
+        key = (self, context, tuple(args))
         sig = _SCALAR_OPS.get(key)
         if sig is None:
             sig = get_call_type(self, context, args, kws)   # raises where none fits
