@@ -1400,6 +1400,35 @@ def test_the_installed_shape_interpreter_serves_any_cache_dir(tmp_path):
     assert not list(tmp_path.glob("elsewhere/kernels/*/interp.so"))
 
 
+def test_installed_helpers_include_what_big_helpers_call(tmp_path):
+    """The install step (helper_cache.prebuild) types the big helpers too, so a process
+    with an empty STITCHING_CACHE_DIR compiling an Erfc kernel (exact GELU) loads
+    erfc_f32's _erfc_pos from the installed cache instead of compiling it."""
+    prebuild = "from stitching.compile import helper_cache, kernel\n" \
+        "kernel.use_helper_cache()\nhelper_cache.prebuild()"
+    script = textwrap.dedent("""
+        import json
+        from stitching.codegen.cpu import fastmath
+        from stitching.compile import compile_kernel
+        from stitching.ir.builder import SpecBuilder
+        b = SpecBuilder()
+        x = b.input("float32", (-1, 64))
+        compile_kernel(b.build([b.Mul(x, b.Erfc(x))]))
+        [d] = [d for d in fastmath.HELPERS if d.py_func.__name__ == "_erfc_pos"]
+        print(json.dumps([sum(d._cache_hits.values()), sum(d._cache_misses.values())]))
+    """)
+    env = dict(os.environ, HOME=str(tmp_path / "home"))
+    env.pop("STITCHING_CACHE_DIR", None)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for code, cache in ((prebuild, None), (script, tmp_path / "empty")):
+        if cache is not None:
+            env["STITCHING_CACHE_DIR"] = str(cache)
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=300, cwd=repo)
+        assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [1, 0]     # loaded, not compiled
+
+
 def test_math_helpers_load_from_their_disk_cache_into_the_same_machine_code(tmp_path):
     """helper_cache.py: a process compiles exp/tanh/erf once and saves them; the next
     one loads them and inlines them into the very same kernel assembly; a process
@@ -1489,16 +1518,11 @@ def test_native_build_refuses_code_that_needs_numbas_runtime(tmp_path):
         native.build(lambda n: n.nope, sig, {}, tmp_path / "bad", "bad")
 
 
-def test_lean_numba_pipeline_gives_the_default_pipelines_machine_code(stream_everything):
-    """native.py compiles generated code through a shortened Numba pipeline (no
-    closure inlining, rewrites, SSA...): for every kind of kernel -- pipelined row
+def _representative_kernels():
+    """(body, cfunc signature, options) of every kind of kernel -- pipelined row
     passes, staged non-temporal outputs, split and column schedules, casts to
-    bfloat16/int32/bool -- the assembly is the very same as Numba's default pipeline
-    gives (up to the per-compile counter in the mangled names)."""
-    from numba.core.compiler import Compiler
-    from numba.core.compiler_lock import global_compiler_lock
-
-    from stitching.compile import kernel, native
+    bfloat16/int32/bool, GELU's erf and a tanh -- for machine-code comparisons."""
+    from stitching.compile import kernel
 
     b = SpecBuilder()
     x = b.input("float32", (-1, -1))
@@ -1508,24 +1532,57 @@ def test_lean_numba_pipeline_gives_the_default_pipelines_machine_code(stream_eve
     s = b.Mul(x, b.const(3.0))
     casts = b.build([b.Cast(s, to="bfloat16"), b.Greater(s, b.const(0.0)),
                      b.Cast(s, to="int32")])
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 64))
+    act = b.build([b.Mul(b.Erf(x), b.Tanh(x))])
     specs = [softmax_spec((-1, 700), rows_per_task=3), layernorm_spec(outs_stats=True),
              layernorm_spec().with_schedule(split_rows=1, col_block=333, rows_per_task=1),
-             centre, casts]
+             centre, casts, act]
     funcs = []
     for spec in specs:
         text = compile_kernel(spec).source
         m = kernel._load_module(text, kernel.code_name(text))
         funcs.append((m.body, m.h.BODY_SIG, m.h.BODY_OPTIONS))
+    return funcs
 
-    def assembly(f, sig, options, pipeline):
-        lib, _ = native._compile(f, sig, options, pipeline)
-        with global_compiler_lock:
-            return re.sub(r"B\d+v\d+B", "B_v_B", lib.get_asm_str())
 
-    for f, sig, options in funcs:
-        lean = assembly(f, sig, options, None)
+def _assembly(f, sig, options, pipeline=None):
+    from numba.core.compiler_lock import global_compiler_lock
+
+    from stitching.compile import native
+    lib, _ = native._compile(f, sig, options, pipeline)
+    with global_compiler_lock:
+        return re.sub(r"B\d+v\d+B", "B_v_B", lib.get_asm_str())
+
+
+def test_lean_numba_pipeline_gives_the_default_pipelines_machine_code(stream_everything):
+    """native.py compiles generated code through a shortened Numba pipeline (no
+    closure inlining, rewrites, SSA...): for every kind of kernel the assembly is the
+    very same as Numba's default pipeline gives (up to the per-compile counter in the
+    mangled names)."""
+    from numba.core.compiler import Compiler
+
+    for f, sig, options in _representative_kernels():
+        lean = _assembly(f, sig, options)
         assert len(lean) > 2000
-        assert lean == assembly(f, sig, options, Compiler), f.__module__
+        assert lean == _assembly(f, sig, options, Compiler), f.__module__
+
+
+def test_memoized_scalar_typing_gives_the_same_machine_code(stream_everything,
+                                                           monkeypatch):
+    """native._compile memoizes the typing of builtin operators on scalars: every kind
+    of kernel compiles to the very same assembly as with Numba typing each use."""
+    import contextlib
+
+    from stitching.compile import native
+
+    funcs = _representative_kernels()
+    with monkeypatch.context() as m:
+        m.setattr(native, "_memo_scalar_typing", contextlib.nullcontext)
+        plain = [_assembly(*f) for f in funcs]
+    assert native._SCALAR_OPS, "the memo was used"
+    for f, want in zip(funcs, plain):
+        assert _assembly(*f) == want, f[0].__module__
 
 
 def test_without_a_linker_kernels_run_from_numbas_code_with_a_warning(tmp_path,

@@ -54,7 +54,7 @@ TOOLS = PKG.parent / "tools"
 # tools/bench_lib: shared helpers at the bottom, the suites above them, output on top.
 BENCH_FLOORS = {"names": 0, "machine": 0, "cells": 0,
                 "measure": 1, "modes": 1,
-                "suites": 2, "train": 2, "serving": 2, "isolate": 2,
+                "suites": 2, "train": 2, "serving": 2, "short": 2, "isolate": 2,
                 "output": 3, "__init__": 3}
 
 

@@ -240,3 +240,40 @@ def test_benchmarks_md_opens_with_a_summary_made_from_its_sections(tmp_path):
     line = next(ln for ln in head.splitlines() if ln.startswith("- **models**"))
     assert "2026-11-28 05:00:00 UTC" in line and "TF oneDNN off" in line
     assert "stitched vs TF geomean 1.41x" in line and "2 PASS, 1 FAIL" in line
+
+
+def test_short_suite_table_and_bars_from_recorded_rounds(tmp_path):
+    """The short suite's cells are the median round of whole-process times; its bars
+    are the issue's (warm <= 1.1x stock TF, cold <= XLA), and a failed mode fails its
+    job's bars instead of being left out."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from bench_lib import output, short, suites
+
+    def mode(*walls, loss=1.0):
+        runs = [{"ok": True, "process_wall_s": w, "job_s": w - 5,
+                 "result": {"fit_loss": loss}} for w in walls]
+        return suites.median_run(runs, "process_wall_s", 2)
+    ok = {"suite": "short", "name": "mlp_fit", "rounds": 3, "steps": {
+        "tf": mode(7.0, 8.0, 7.5), "xla": mode(9.0, 8.5, 12.0),
+        "stitching_cold": mode(8.0, 8.4, 8.2, loss=1.0001),
+        "stitching_warm": mode(8.0, 8.1, 8.2)}}
+    failed = {"suite": "short", "name": "cnn_fit", "rounds": 1, "steps": {
+        "tf": mode(8.0), "xla": mode(12.0), "stitching_warm": mode(9.0),
+        "stitching_cold": {"ok": False, "error": "child exited 1: boom"}}}
+    head, body = short.short_table([ok, failed])
+    mlp = dict(zip(head, body[0]))
+    assert mlp["TF process s"] == "7.50" and mlp["st cold process s"] == "8.20"
+    assert mlp["cold / XLA"] == "0.91x" and mlp["warm / TF"] == "1.08x"
+    assert mlp["result vs TF, XLA/cold/warm (rel)"] == "0.0e+00 / 1.0e-04 / 0.0e+00"
+    assert dict(zip(head, body[1]))["st cold process s"] == "FAILED"
+    assert short.target_lines([ok, failed]) == [
+        "PASS  short mlp_fit: warm process <= 1.1x stock TF's: 1.08x",
+        "PASS  short mlp_fit: cold process <= XLA's: 0.91x",
+        "FAIL  short cnn_fit: a mode failed"]
+    md = tmp_path / "BENCHMARKS.md"
+    meta = {"date": "d", "cpu": "c", "cores": 2, "python": "3", "tensorflow": "t",
+            "numba": "n", "stitching_rev": "r", "tf_intra_op_threads": 2}
+    output.write_markdown(str(md), {"short": [ok, failed]}, meta)
+    text = md.read_text()
+    assert "<!-- suite:short -->" in text and "mlp_fit rounds (process s): tf 7.0/8.0/7.5" in text
+    assert "- **FAIL** short cnn_fit: a mode failed" in text

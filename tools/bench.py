@@ -8,7 +8,8 @@
 Suites: ``patterns`` (stitching.testing.patterns, large = bandwidth-bound and small =
 latency-bound), ``models`` (keras.applications CNNs + a Keras Transformer encoder),
 ``compile`` (first call in fresh processes: TF, XLA, stitching with an empty and then a
-filled STITCHING_CACHE_DIR), ``serving``, ``train`` (one custom training step per model:
+filled STITCHING_CACHE_DIR), ``short`` (whole short Keras jobs -- fit, evaluate, 100
+predicts -- in fresh processes, cold and warm: bench_lib/short.py), ``serving``, ``train`` (one custom training step per model:
 stitching.testing.train; kernels and coverage per phase, peak memory in fresh
 processes; bench_lib/train.py says how).  A mode that fails (stitching not importable, a trace
 error...) is shown as FAILED with its error's first line; the run goes on.
@@ -35,7 +36,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="patterns",
-                    choices=["patterns", "models", "compile", "serving", "train", "all"])
+                    choices=["patterns", "models", "compile", "short", "serving", "train",
+                             "all"])
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed repeats per mode (default: 10 patterns, 5 models)")
     ap.add_argument("--warmup", type=int, default=None,
@@ -52,6 +54,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile-rounds", type=int, default=3,
                     help="compile suite: rounds of fresh processes; each cell is the "
                          "round with the median first call (default 3)")
+    ap.add_argument("--short-rounds", type=int, default=3,
+                    help="short suite: rounds of fresh processes per job and mode, "
+                         "interleaved (cell: median round)")
     ap.add_argument("--serve-rounds", type=int, default=3,
                     help="serving suite: fresh processes per mode (cell: median round)")
     ap.add_argument("--serve-calls", type=int, default=50,
@@ -85,6 +90,7 @@ def parse_args(argv=None):
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_train_memory", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_short", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_serve-dir", dest="_serve_dir", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -104,6 +110,10 @@ def main(argv=None):
     if args._serve:
         from bench_lib import serving
         serving.child(args._serve, args.only[0], args._serve_dir, args.serve_calls)
+        return 0
+    if args._short:
+        from bench_lib import short
+        short.child(args._short)
         return 0
     if args._child:
         suites.compile_child(args._child, args.only[0], args.batch, args.planner)
@@ -185,6 +195,9 @@ def main(argv=None):
                 "StitchedKernel op library, the shape interpreter, the compiled math helpers) "
                 "run into the default cache before the cold runs, untimed: "
                 + ("ok" if pre.get("ok") else f"FAILED ({pre.get('error')})"))
+    if "short" in run:
+        from bench_lib import short
+        results["short"] = short.run_short(only=args.only, rounds=args.short_rounds)
     if "serving" in run:
         from bench_lib import serving
         results["serving"] = serving.run_serving(only=args.only, rounds=args.serve_rounds,
@@ -241,6 +254,9 @@ def _check_only(only, run):
         known |= set(PATTERNS)
     if "models" in run or "compile" in run or "serving" in run:
         known |= set(MODELS)
+    if "short" in run:
+        from bench_lib.short import JOBS
+        known |= set(JOBS)
     unknown = [n for n in only if n not in known]
     if unknown:
         raise SystemExit(f"--only: unknown {unknown}; known: {sorted(known)}")

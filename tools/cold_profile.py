@@ -11,8 +11,9 @@ graph (import, Grappler, the first run), which stock TF's first call pays too.
 
 ``kernels``: the model's kernel specs are planned as in a cold call, then the codes
 that would be compiled are compiled one by one in this process, each split into
-Numba's front end (bytecode to LLVM IR: typing, lowering; its slowest passes named),
-LLVM's optimization and object code + link.  The first compile in a process also
+Numba's front end (bytecode to LLVM IR: typing, lowering -- which includes LLVM's
+per-function passes; its slowest passes named), LLVM's module optimization and object
+code + link, summed over the codes at the end.  The first compile in a process also
 sets Numba's target up; it is timed apart ("warm-up").
 """
 from __future__ import annotations
@@ -120,7 +121,7 @@ def kernels(model) -> None:
         a, r = sigutils.normalize_signature(sig)
         cf = native._aot_cfunc_class()(pyfunc, (a, r), {}, dict(options),
                                        pipeline_class=pipeline or native._lean_pipeline())
-        with global_compiler_lock:
+        with global_compiler_lock, native._memo_scalar_typing():
             t = time.perf_counter()
             cres = cf._compile_uncached()
             split["front"] = time.perf_counter() - t
@@ -144,15 +145,20 @@ def kernels(model) -> None:
     print(f"{model}: {len(captured)} specs, {len(todo)} codes to compile; "
           f"warm-up {time.perf_counter() - t:.3f} s")
     total = 0.0
+    sums = dict.fromkeys(("front", "llvm", "object"), 0.0)
     for target, text in sorted(todo.values(), key=lambda c: -len(c[1])):
         t = time.perf_counter()
         kernel.compile_kernel(target)
         dt = time.perf_counter() - t
         total += dt
+        for k in sums:
+            sums[k] += split[k]
         slow = ", ".join(f"{n} {v:.3f}" for v, n in split.get("passes", []))
         print(f"  {dt:.3f} s  {len(text.splitlines()):4d} lines  front {split['front']:.3f} "
               f"(slowest: {slow})  llvm {split['llvm']:.3f}  object {split['object']:.3f}")
-    print(f"  sum {total:.3f} s")
+    print(f"  sum {total:.3f} s: " + ", ".join(
+        f"{k} {v:.3f} ({v / total:.0%})" for k, v in sums.items())
+        + f", rest (code generation, load) {total - sum(sums.values()):.3f}")
 
 
 def main(argv=None) -> int:

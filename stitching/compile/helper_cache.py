@@ -151,9 +151,13 @@ def _all(d, ty) -> tuple:
 def prebuild() -> int:
     """Compile (or load) the helpers for the signatures kernels use most: each
     ``*_f32``/``*_f64`` helper with all arguments of that type, ``maximum``/``minimum``
-    of two float32 or float64.  Returns how many signatures are in the cache."""
+    of two float32 or float64.  The big helpers (inlined at Numba-IR level, so never
+    cached themselves) are typed the same way, which compiles and caches the helpers
+    they call with the signatures kernels reach them with: without it each compile
+    worker compiled erfc_f32's ``_erfc_pos(float32)`` anew (~0.2 s; every exact-GELU
+    kernel).  Returns how many signatures were compiled or loaded."""
     todo = []
-    for d in fastmath.HELPERS:
+    for d in fastmath.HELPERS + fastmath.BIG_HELPERS:
         for suffix, ty in (("_f32", types.float32), ("_f64", types.float64)):
             if d.py_func.__name__.endswith(suffix):
                 todo.append((d, _all(d, ty)))

@@ -150,10 +150,75 @@ def _compile(pyfunc, sig, options, pipeline=None):
     args, ret = sigutils.normalize_signature(sig)
     cf = _aot_cfunc_class()(pyfunc, (args, ret), {}, dict(options),
                             pipeline_class=pipeline or _lean_pipeline())
-    with global_compiler_lock:
+    with global_compiler_lock, _memo_scalar_typing():
         cres = cf._compile_uncached()
         cres.library.finalize()             # the optimization pipeline; no codegen
     return cres.library, cres.fndesc.llvm_cfunc_wrapper_name
+
+
+# Typing an operator on scalars is a pure function of the operand types, but Numba
+# works it out afresh at every use, and again when lowering it (lower_binop types
+# each operator once more): each of ``+``'s ~40 templates is tried in turn, NumPy's
+# ufunc loop matching among them, ~0.3 ms a use on this machine, and a kernel has
+# hundreds of uses of a handful of (operator, types) pairs.  While _compile runs,
+# the answers for builtin operators on plain scalars are kept and reused.  The same
+# signature comes back (and the implementation key Numba records beside it on the
+# interned function type stays), so lowering picks the same implementation and the
+# machine code is unchanged (tests/test_codegen_cpu.py compares it).
+_SCALAR_OPS: dict = {}          # (function type, typing context, argument types) -> sig
+_memo_on = False                # only inside _compile (under Numba's compiler lock)
+_MEMO_INSTALLED = False
+
+
+def _pure_scalar_call(func, args, kws) -> bool:
+    """Whether typing ``func(*args)`` depends on nothing but the argument types: a
+    builtin operator (not item access) or min/max/abs/bool/range, no keywords, all
+    arguments numbers or booleans (a literal's value is part of its type)."""
+    import operator
+
+    from numba.core import types
+    if kws or type(func) is not types.Function:
+        return False
+    key = func.typing_key
+    pure = (getattr(key, "__module__", None) == "_operator" and key is not operator.getitem
+            ) or key in (min, max, abs, bool, range)
+    return pure and all(isinstance(a, (types.Number, types.Boolean, types.IntegerLiteral,
+                                       types.BooleanLiteral)) for a in args)
+
+
+class _memo_scalar_typing:
+    """Context manager: typing of pure scalar calls memoized while it is entered
+    (the compiler lock held)."""
+
+    def __enter__(self):
+        global _memo_on, _MEMO_INSTALLED
+        if not _MEMO_INSTALLED:
+            _install_memo()
+            _MEMO_INSTALLED = True
+        self.was, _memo_on = _memo_on, True
+
+    def __exit__(self, *exc):
+        global _memo_on
+        _memo_on = self.was
+
+
+def _install_memo() -> None:
+    """Wrap Numba's ``Function.get_call_type`` (typing and lowering both call it) so
+    that, while _memo_on, pure scalar calls are answered from _SCALAR_OPS; outside
+    _compile it behaves as Numba's own."""
+    from numba.core import types
+    get_call_type = types.Function.get_call_type
+
+    def memo_get_call_type(self, context, args, kws):
+        if not _memo_on or not _pure_scalar_call(self, args, kws):
+            return get_call_type(self, context, args, kws)
+        key = (self, context, tuple(args))
+        sig = _SCALAR_OPS.get(key)
+        if sig is None:
+            sig = get_call_type(self, context, args, kws)   # raises where none fits
+            _SCALAR_OPS[key] = sig
+        return sig
+    types.Function.get_call_type = memo_get_call_type
 
 
 def _default_pipeline():

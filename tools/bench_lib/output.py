@@ -381,7 +381,10 @@ def targets(results, copy_gbs) -> list[str]:
         lines += target_lines(serv)
     else:
         lines.append("SKIP  serving: suite not run")
-    checked = [r for k, v in results.items() if k not in ("compile", "serving") and v
+    if results.get("short"):
+        from .short import target_lines as short_targets
+        lines += short_targets(results["short"])
+    checked = [r for k, v in results.items() if k not in ("compile", "serving", "short") and v
                for r in v]
     if checked:
         mism = mismatch_lines(checked)
@@ -433,6 +436,9 @@ def print_report(results, meta):
         elif suite == "serving":
             from .serving import serving_table
             print(render_text(*serving_table(rows)))
+        elif suite == "short":
+            from .short import short_table
+            print(render_text(*short_table(rows)))
         elif suite == "train":
             from .train import train_table
             print(render_text(*train_table(rows)))
@@ -444,7 +450,8 @@ def print_report(results, meta):
                     print(render_text(*perf_table(rs, gbs)))
         else:
             print(render_text(*perf_table(rows, gbs, bandwidth=False)))
-        if suite not in ("compile", "serving") and any("baseline" in r["modes"] for r in rows):
+        if suite not in ("compile", "serving", "short") and \
+                any("baseline" in r["modes"] for r in rows):
             print(f"-- ablation ({suite}) --")
             print(render_text(*ablation_table(rows)))
             for line in ablation_lines(rows):
@@ -500,7 +507,7 @@ def section_title(suite, meta) -> str:
     return f"{suite} ({'; '.join(what)})"
 
 
-SUITE_ORDER = ("patterns", "models", "compile", "serving", "train", "gpu")   # "gpu": tools/gpu_bench.py
+SUITE_ORDER = ("patterns", "models", "compile", "short", "serving", "train", "gpu")   # "gpu": tools/gpu_bench.py
 
 _HEADER = """# Benchmarks
 
@@ -590,6 +597,14 @@ def _suite_markdown(suite, rows, meta, results):
         out.append(method_text())
         out.append("")
         out.append(render_markdown(*train_table(rows)))
+    elif suite == "short":
+        from .short import method_text, round_lines, short_table
+        rounds = max((r.get("rounds") or 1) for r in rows) if rows else 1
+        out.append(method_text() + f" Rounds: {rounds}.")
+        out.append("")
+        out.append(render_markdown(*short_table(rows)))
+        out.append("")
+        out += [f"- {line}" for line in round_lines(rows)]
     elif suite == "patterns":
         for size in pattern_sizes(rows):
             rs = [r for r in rows if r.get("size") == size]
@@ -597,7 +612,8 @@ def _suite_markdown(suite, rows, meta, results):
                 out += [f"### {size}", "", render_markdown(*perf_table(rs, gbs)), ""]
     else:
         out.append(render_markdown(*perf_table(rows, gbs, bandwidth=False)))
-    if suite not in ("compile", "serving") and any("baseline" in r["modes"] for r in rows):
+    if suite not in ("compile", "serving", "short") and \
+            any("baseline" in r["modes"] for r in rows):
         out += ["", "### ablation: full planner vs XLA-like baseline planner (same run)", "",
                 render_markdown(*ablation_table(rows)), ""]
         out += [f"- {line}" for line in ablation_lines(rows)]

@@ -278,6 +278,13 @@ def _child(mode, model, batch, planner, env, timeout) -> dict:
            "--only", model, "--batch", str(batch)]
     if planner:
         cmd += ["--planner", planner]
+    return run_child(cmd, env, timeout)
+
+
+def run_child(cmd, env, timeout, mark=_MARK) -> dict:
+    """Run ``cmd`` in a fresh process (this repository first on its path): its result
+    is the JSON on its last stdout line that starts with ``mark``, plus
+    ``process_wall_s``, the process's whole life as seen from here."""
     env = dict(env)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -288,8 +295,8 @@ def _child(mode, model, batch, planner, env, timeout) -> dict:
         return {"ok": False, "error": f"child timed out after {timeout} s"}
     wall = time.perf_counter() - t0
     for line in reversed(p.stdout.splitlines()):
-        if line.startswith(_MARK):
-            res = json.loads(line[len(_MARK):])
+        if line.startswith(mark):
+            res = json.loads(line[len(mark):])
             res["process_wall_s"] = wall
             return res
     tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]

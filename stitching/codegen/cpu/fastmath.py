@@ -54,7 +54,15 @@ def helper(fn):
 # Helpers built from several others exceed LLVM's inline budget and would stay a
 # call (no vectorization): those are inlined at Numba-IR level instead; the calls
 # inside them are small helpers that LLVM then inlines.
-big_helper = njit(inline="always", nogil=True, error_model="numpy", fastmath=False)
+_big_helper = njit(inline="always", nogil=True, error_model="numpy", fastmath=False)
+BIG_HELPERS = []    # every ``big_helper``: helper_cache.prebuild types these too, so the
+                    # helpers they call (erfc_f32's _erfc_pos) are in the installed cache
+
+
+def big_helper(fn):
+    d = _big_helper(fn)
+    BIG_HELPERS.append(d)
+    return d
 
 f32 = np.float32
 _ZERO, _HALF, _ONE, _TWO = f32(0.0), f32(0.5), f32(1.0), f32(2.0)
