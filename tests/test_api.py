@@ -90,3 +90,18 @@ def test_build_is_a_console_script():
                if k.arg == "entry_points"][0]["console_scripts"]
     assert "stitching-build=stitching.runtime.build:main" in scripts
     assert "stitching-rewrite=stitching.cli:main" in scripts
+
+
+def test_a_pass_module_imported_before_tensorflow_still_registers_the_op():
+    """Regression: importing ``stitching.tf.passes.remapper`` (``python -m
+    stitching.profile`` did) before TF made TF's first import come from half-way through
+    passmanager's; the hook that registers the op then hit the half-imported module and
+    the op was not registered ("could not register the StitchedKernel op")."""
+    code = ("import warnings; warnings.simplefilter('error', RuntimeWarning)\n"
+            "import stitching.tf.passes.remapper\n"
+            "from stitching import runtime\n"
+            "assert runtime.library() is not None\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "could not register" not in r.stderr

@@ -788,7 +788,7 @@ def _cache_bw(np, nbytes) -> list:
 
 def _exp_rate(np, threads=1) -> list:
     """exp evaluations per second, whole machine, in ``threads`` threads."""
-    a = [np.linspace(-4, 4, 1 << 20, dtype=np.float32) for _ in range(threads)]
+    a = [np.linspace(-4, 4, 1 << 22, dtype=np.float32) for _ in range(threads)]
     out = [np.empty_like(x) for x in a]
     run = _threaded(threads, lambda i: np.exp(a[i], out=out[i]))
     run()

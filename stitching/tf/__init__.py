@@ -117,3 +117,12 @@ def _warn_fallback(e) -> None:
                   f"original subgraph run it instead, at stock TensorFlow's speed "
                   f"(stitching.runtime.stats() counts them; STITCHING_STRICT=1 makes "
                   f"this an error)", RuntimeWarning, stacklevel=2)
+
+
+# TensorFlow itself, last: importing any module of this package imports TF here, once
+# ensure_runtime exists, so the import hook that registers the op (stitching/_autoload.py)
+# runs before a submodule starts importing.  Otherwise the first ``import tensorflow``
+# could come from a submodule half-way through its own import (``stitching.tf.passes.X``
+# imported before TF: passmanager -> tfgraph -> tensorflow -> the hook -> ensure_runtime
+# -> passes.original -> the half-imported passmanager), and the op would not register.
+import tensorflow  # noqa: E402,F401
