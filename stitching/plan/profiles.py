@@ -4,10 +4,14 @@
       │
       ├── pinned "v100" / "a100" / "h100"   published specs (CUDA backend, deterministic tests)
       ├── pinned "cpu-reference"            this project's 2-core VM, written down once
-      │                                     (deterministic CPU-branch tests)
-      └── measured "cpu"                    the running machine, measured once (~0.5 s) and
-                                            cached as JSON under $STITCHING_CACHE_DIR or
-                                            ~/.cache/stitching (device-profile-cpu.json)
+      │                                     (deterministic cost-model tests)
+      ├── machine models "intel-avx512",    the two CPU classes this project runs on, with
+      │   "amd-avx2" (MACHINES)             ISA, caches and TF's oneDNN fact: what tests pin
+      └── measured "cpu"                    the running machine: 7 trials per number (about a
+                                            second), cached as JSON under $STITCHING_CACHE_DIR
+                                            or ~/.cache/stitching (device-profile-cpu.json);
+                                            provisional while measured on a busy machine
+                                            (measured_cpu, settled)
 
 Calibration.  The cost model prices an op left to TF as its memory traffic at the
 profile's bandwidth.  TF's kernels do not all reach it (its column reductions measured
