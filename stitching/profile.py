@@ -41,7 +41,8 @@ def describe(prof, measured=None) -> dict:
     """The profile ``prof`` the planner uses, as a JSON-able dict with each number's
     origin; ``measured``: this machine's measured profile, when it is the source."""
     pinned = measured is None
-    substituted = not pinned and prof.bandwidth != measured.bandwidth and measured.provisional
+    # the throughputs are the class model's exactly where settled() substitutes them
+    substituted = not pinned and profiles.settled(measured) is not measured
     rows = []
     for key, what, unit, unit_name in _THROUGHPUTS:
         if pinned:

@@ -52,6 +52,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import threading
 import time
 from dataclasses import MISSING as dataclasses_MISSING
@@ -564,8 +565,7 @@ def settled(prof: DeviceProfile) -> DeviceProfile:
 
 def _read_cache(path, fp):
     try:
-        with open(path) as f:
-            d = json.load(f)
+        d = json.loads(cachedir.read_file(path, MAX_PROFILE_BYTES))
         if d.get("version") != CACHE_VERSION or d.get("fingerprint") != fp:
             return None
         return DeviceProfile.from_dict(d["profile"])
@@ -590,8 +590,10 @@ def _fingerprint() -> str:
     return f"{cpu_facts()['model']}|{_cores()}|{sorted(_cache_sizes().items())}"
 
 
+@functools.lru_cache(maxsize=None)   # the machine does not change under a process
 def cpu_facts() -> dict:
-    """What this CPU is, from /proc/cpuinfo: model, vendor, widest vector ISA, class."""
+    """What this CPU is, from /proc/cpuinfo: model, vendor, its feature flags (a
+    frozenset), widest vector ISA, class."""
     import platform
     model, vendor, flags = "?", "?", set()
     try:
@@ -614,6 +616,7 @@ def cpu_facts() -> dict:
         isa = next((i for i in ("avx512f", "avx2", "avx") if i in flags), "sse2")
     short = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor, vendor.lower())
     return {"model": model, "vendor": vendor, "arch": arch, "isa": isa,
+            "flags": frozenset(flags),
             "cpu_class": f"{short}-{isa.replace('avx512f', 'avx512')}"}
 
 
@@ -681,12 +684,12 @@ def measure_cpu() -> DeviceProfile:
     exp_one = _exp_rate(np, threads=1)
     exp_all = _exp_rate(np, threads=cores) if cores > 1 else exp_one
     others = _others_busy(before, _cpu_times(), cores)
-    med = {k: _median(v) for k, v in (("one", one), ("all", allc), ("cache", cache_bw),
-                                       ("exp1", exp_one), ("exp", exp_all))}
-    spread = {k: round((max(v) - min(v)) / _median(v), 3)
-              for k, v in (("bandwidth", allc), ("bw_per_lane", one),
-                           ("cache_bandwidth", cache_bw), ("transcendental_per_s", exp_all))}
-    gain = med["exp"] / med["exp1"]
+    trials = {"bandwidth": allc, "bw_per_lane": one, "cache_bandwidth": cache_bw,
+              "transcendental_per_s": exp_all, "exp1": exp_one}
+    med = {k: statistics.median(v) for k, v in trials.items()}
+    spread = {k: round((max(v) - min(v)) / med[k], 3) for k, v in trials.items()
+              if k != "exp1"}
+    gain = med["transcendental_per_s"] / med["exp1"]
     why = []
     if others > BUSY_FRACTION:
         why.append(f"other processes used {others:.0%} of the CPUs")
@@ -696,27 +699,22 @@ def measure_cpu() -> DeviceProfile:
     if cores > 1 and gain < MIN_THREAD_GAIN:
         why.append(f"{cores} threads ran exp only {gain:.2f}x faster than one")
     spread["others_busy"] = round(others, 3)
-    bandwidth = max(med["one"], med["all"])
+    bandwidth = max(med["bw_per_lane"], med["bandwidth"])
     # A loaded machine can measure anything; keep the profile physically sensible.
-    cache_bandwidth = max(med["cache"], _CACHE_OVER_DRAM * bandwidth)
+    cache_bandwidth = max(med["cache_bandwidth"], _CACHE_OVER_DRAM * bandwidth)
     return DeviceProfile(
         name="cpu", backend="cpu", bandwidth=bandwidth, lanes=cores,
-        bw_per_lane=min(med["one"], bandwidth), units=cores,
+        bw_per_lane=min(med["bw_per_lane"], bandwidth), units=cores,
         cache_bandwidth=cache_bandwidth, scratch_per_task=l2, scratch_per_unit=l2,
         registers_per_unit=32 if facts["isa"] == "avx512f" else 16,
         max_threads_per_task=1, max_threads_per_unit=1,
         vector_bytes=VECTOR_BYTES.get(facts["isa"], 16), launch_s=_CPU_LAUNCH_S,
-        task_s=_CPU_TASK_S, transcendental_per_s=max(med["exp"], med["exp1"]),
+        task_s=_CPU_TASK_S, transcendental_per_s=max(med["transcendental_per_s"],
+                                                      med["exp1"]),
         caches=caches, measured=True, isa=facts["isa"], cpu_class=facts["cpu_class"],
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         provisional=bool(why), why_provisional="; ".join(why), spread=spread,
         source=f"cpu (measured on this {facts['model']}, {TRIALS} trials, medians)")
-
-
-def _median(xs) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 def _cpu_times():

@@ -16,18 +16,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _cpu_model() -> str:
     """Model name plus the vector ISA (what Numba and XLA can vectorize with): on a VM
     the model name alone can be as vague as "AMD EPYC"."""
-    name, flags = None, set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name is None:
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    name = name or platform.processor() or "unknown"
-    isa = [f for f in ("avx2", "fma", "avx512f") if f in flags]
+    from stitching.plan import profiles
+    facts = profiles.cpu_facts()
+    name = facts["model"] if facts["model"] != "?" else platform.processor() or "unknown"
+    isa = [f for f in ("avx2", "fma", "avx512f") if f in facts["flags"]]
     return f"{name} ({', '.join(isa)})" if isa else name
 
 
