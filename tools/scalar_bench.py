@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""What a new Python scalar costs: ``f(x, 1.0)``, ``f(x, 1.5)``, ... side by side.
+
+    python tools/scalar_bench.py [--values 16] [--repeats 3] [--json]
+
+TF traces a Python number as a constant, so each new value is a retrace, under
+``tf.function`` and ``stitching.function`` alike (issue 38, item 4: a new value may
+cost at most tf.function's retrace plus a few milliseconds).  Each mode runs in a
+fresh process with an empty kernel cache (a new ``STITCHING_CACHE_DIR``): the first
+call traces (and, stitched, compiles); every later call brings a value the function
+has not seen.  A row gives the first call and the median of the later ones, in
+milliseconds, for each function below; ``--repeats`` runs each process that many
+times and takes the median of the medians.  The functions:
+
+* ``softmax_axpy``: ``softmax(x * scale) * scale + x`` on [64, 256] (the issue's case);
+* ``mlp_block``: a Dense layer, LayerNorm and GELU with ``h * alpha + beta`` on
+  [32, 256] (two scalars, a product in the graph).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = r"""
+import json, sys, time
+import numpy as np
+import tensorflow as tf
+import stitching
+mode, case, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rng = np.random.default_rng(0)
+if case == "softmax_axpy":
+    x = tf.constant(rng.standard_normal((64, 256)), tf.float32)
+    def body(x, scale):
+        return tf.nn.softmax(x * scale) * scale + x
+    args = lambda v: (x, v)
+else:
+    x = tf.constant(rng.standard_normal((32, 256)), tf.float32)
+    w = tf.Variable(rng.standard_normal((256, 256)).astype(np.float32) / 16)
+    def body(x, alpha, beta):
+        h = tf.matmul(x, w)
+        m, v = tf.nn.moments(h, axes=[-1], keepdims=True)
+        h = tf.nn.gelu((h - m) * tf.math.rsqrt(v + 1e-5))
+        return h * alpha + beta
+    args = lambda v: (x, v, 0.5 - v)
+f = tf.function(body) if mode == "tf" else stitching.function(body)
+times, worst = [], 0.0
+for i in range(n):
+    v = 1.0 + 0.5 * i
+    t = time.perf_counter()
+    got = f(*args(v)).numpy()
+    times.append((time.perf_counter() - t) * 1e3)
+    want = body(*args(v)).numpy()
+    worst = max(worst, float(np.max(np.abs(got - want))))
+print(json.dumps({"times": times, "max_abs_diff": worst}))
+"""
+
+CASES = ("softmax_axpy", "mlp_block")
+
+
+def run(mode: str, case: str, n: int) -> dict:
+    """One fresh process, its own empty kernel cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", STITCHING_NO_HINTS="1",
+                   STITCHING_CACHE_DIR=cache,
+                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        r = subprocess.run([sys.executable, "-c", CHILD, mode, case, str(n)], env=env,
+                           capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{mode} {case} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def measure(case: str, n: int, repeats: int) -> dict:
+    """Per mode: first call and the median new-value call (medians over repeats),
+    and the largest difference from eager TF over every value."""
+    row = {}
+    for mode in ("tf", "stitching"):
+        runs = [run(mode, case, n) for _ in range(repeats)]
+        row[mode] = {
+            "first_ms": statistics.median(r["times"][0] for r in runs),
+            "new_value_ms": statistics.median(statistics.median(r["times"][1:])
+                                              for r in runs),
+            "max_abs_diff": max(r["max_abs_diff"] for r in runs)}
+    row["over_tf_ms"] = row["stitching"]["new_value_ms"] - row["tf"]["new_value_ms"]
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--values", type=int, default=16, help="calls per process, each "
+                    "with a new value (default 16)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--case", choices=CASES, action="append",
+                    help="one function (repeatable; default all)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = {c: measure(c, args.values, args.repeats) for c in args.case or CASES}
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"load average {os.getloadavg()[0]:.2f}; {args.values} values per process, "
+          f"median of {args.repeats} processes")
+    print("| function | tf.function first ms | stitching first ms | tf.function new value"
+          " ms | stitching new value ms | over tf.function ms | max abs diff vs TF |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for case, r in rows.items():
+        t, s = r["tf"], r["stitching"]
+        print(f"| {case} | {t['first_ms']:.1f} | {s['first_ms']:.1f} | "
+              f"{t['new_value_ms']:.1f} | {s['new_value_ms']:.1f} | {r['over_tf_ms']:+.1f} | "
+              f"{s['max_abs_diff']:.2g} |")
+
+
+if __name__ == "__main__":
+    main()
