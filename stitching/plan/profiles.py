@@ -126,8 +126,11 @@ class DeviceProfile:
                    "spread", "measured")
 
     def planning_key(self) -> str:
-        """What the planner's decisions depend on, as text."""
-        d = {k: v for k, v in self.to_dict().items() if k not in self.DESCRIPTIVE}
+        """What the planner's decisions depend on, as text.  Read per trace (a
+        stitching.function's key of its stitched graphs), so read off the fields:
+        ``to_dict``'s deep copy made it 0.75 ms."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in self.DESCRIPTIVE}
         return json.dumps(d, sort_keys=True)
 
     @classmethod

@@ -45,12 +45,10 @@ def tensor_type(t: tf.Tensor) -> TensorType:
 
 # ---------------------------------------------------------------- TF graph -> IR
 
-def to_ir(g: tf.Graph, fetches: list[str], scalar_values=frozenset()) -> Graph:
-    """``scalar_values``: the Python scalar arguments of the traced function, whose
-    constants become kernel inputs (``_scalar_input``)."""
+def to_ir(g: tf.Graph, fetches: list[str]) -> Graph:
     nodes = []
     for op in g.get_operations():
-        node = _convert(op, scalar_values)
+        node = _convert(op)
         node.control_inputs = [c.name for c in op.control_inputs]
         read = {r.node for r in node.inputs}
         node.order_inputs = sorted({t.op.name for t in op.inputs if t.op.name not in read
@@ -77,9 +75,9 @@ def _opaque(op, reason: str | None = None) -> Node:
                 [tensor_type(t) for t in op.outputs], origin=op.name)
 
 
-def _convert(op, scalar_values=frozenset()) -> Node:
+def _convert(op) -> Node:
     try:
-        node = (scalar_values and _scalar_input(op, scalar_values)) or _convert_known(op)
+        node = _convert_known(op)
     except _Unfusible as e:
         return _opaque(op, str(e))
     if node is None:
@@ -200,37 +198,6 @@ def _convert_const(op) -> Node | None:
         return Node(op.name, "TFConst", [], {})          # stays a TF constant
     v = _py_scalar(flat[0])
     return Node(op.name, "Const", [], {"value": v, "dtype": dt, "shape": shape})
-
-
-# A Python scalar argument of a stitching.function (``f(x, 1.0)``, ``f(x, 2.0)``, ...:
-# TF traces each value as a constant) that only feeds these as a plain operand is a
-# kernel *input*, not a value in the kernel's spec: every value gives the same spec,
-# one compiled kernel, instead of a compile (~0.5 s) per value.  Reading a scalar
-# input costs a load per kernel; where the value itself makes better code it stays in
-# the spec: a divisor (x / c lowers to x * (1/c), codegen/lower/exprs.py) and an
-# exponent (pow(x, 2) lowers to x * x), which is why those ops are not listed.  The
-# constants of the user's own code (and of graph files) stay in the spec.
-_VALUE_OPERAND_OPS = frozenset({"Add", "AddV2", "Sub", "Mul", "Maximum", "Minimum",
-                                "SquaredDifference", "BiasAdd"})
-
-
-def _scalar_input(op, scalar_values) -> Node | None:
-    """A TF constant kept as a kernel input where ``op`` is a float scalar Const with
-    one of ``scalar_values`` (the trace's Python scalar arguments) feeding arithmetic."""
-    if op.type != "Const" or not op.outputs[0].dtype.is_floating \
-            or op.outputs[0].shape.rank != 0 or not _value_operand(op):
-        return None
-    value = float(tensor_util.MakeNdarray(op.get_attr("value")))
-    return Node(op.name, "TFConst", [], {}) if value in scalar_values else None
-
-
-def _value_operand(op) -> bool:
-    out = op.outputs[0]
-    consumers = out.consumers()
-    return out.dtype.is_floating and bool(consumers) and all(
-        c.type in _VALUE_OPERAND_OPS or (c.type in ("RealDiv", "Div") and
-                                         c.inputs[0] is out and c.inputs[1] is not out)
-        for c in consumers)
 
 
 def _py_scalar(v):

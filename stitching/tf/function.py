@@ -66,7 +66,7 @@ from tensorflow.python.framework.ops import EagerTensor
 from tensorflow.python.util import tf_decorator
 
 from ..options import Options
-from . import control_flow, frontend, pipeline
+from . import control_flow, frontend, pipeline, scalars
 from .passes import original
 
 FAST_CALL_SIGNATURES = 64      # exact (dtype, shape) signatures kept per function
@@ -126,6 +126,7 @@ class StitchedFunction(tf_pf.Function):
         self._general = {}           # family -> [(relaxed shapes, ConcreteFunction)]
         self._pending = {}           # key -> background thread stitching it
         self._pending_lock = threading.Lock()
+        self._templates = scalars.Templates()  # stitched traces by abstracted graph
         self.background_errors = []  # exceptions of background compiles (stock TF kept)
         self._eager_call = False     # tracing for an eager call (the hint's condition)
 
@@ -201,7 +202,7 @@ class StitchedFunction(tf_pf.Function):
     def __getstate__(self):
         state = super().__getstate__()
         for transient in ("_pending_lock", "_concrete", "_general", "_pending", "_shapes",
-                          "_shipped"):
+                          "_shipped", "_templates"):
             state.pop(transient, None)
         return state
 
@@ -209,6 +210,7 @@ class StitchedFunction(tf_pf.Function):
         super().__setstate__(state)
         self._pending_lock = threading.Lock()
         self._concrete, self._general, self._pending, self._shapes = {}, {}, {}, {}
+        self._templates = scalars.Templates()
 
     # -- calls ----------------------------------------------------------------------
     def __call__(self, *args, **kwds):
@@ -355,7 +357,8 @@ class StitchedFunction(tf_pf.Function):
             result = pipeline.stitch_graph_def(
                 graph_def, fetches, keep, self.options, name=display_name(self),
                 resources=frontend.resource_shapes(cf.graph), workers=workers,
-                scalar_values=_python_scalars(flat)) if fetches or keep else None
+                scalar_values=_python_scalars(flat), templates=self._templates,
+            ) if fetches or keep else None
         finally:
             if workers is not None:
                 workers.close()
@@ -422,7 +425,8 @@ class _StitchingTracer:
 
 def _python_scalars(values) -> frozenset:
     """The Python numbers among a trace's arguments (TF traces each as a constant;
-    the pipeline makes them kernel inputs: one compiled kernel for every value)."""
+    the pipeline plans those constants as inputs: one stitched graph and one compiled
+    kernel for every value, tf/scalars.py)."""
     return frozenset(float(v) for v in values
                      if isinstance(v, (int, float)) and not isinstance(v, bool))
 

@@ -69,7 +69,6 @@ class Context:
         self.kernel_names: list = []
         self.autotune = None             # passes/autotune.py: the report's entries
         self.backward = ""               # passes/original.py: Report.backward
-        self.scalar_values = frozenset()  # a trace's Python scalar arguments (lift)
         self.notes: dict = {}            # pass name -> [note]
         self.seconds: dict = {}          # pass name -> seconds
         self.dump_path = None            # this call's dump directory, when dumping

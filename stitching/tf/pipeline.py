@@ -36,6 +36,7 @@ A new pass is one module in passes/ and one line in a table.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import sys
@@ -49,7 +50,7 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import control_flow, dump, opnames, passmanager
+from . import control_flow, dump, opnames, passmanager, scalars
 from .passes import (autotune, bcast, einsum, forward, gemm, grappler, lift, original,
                      padfold, prune, remapper, rewrite, seqsplit, shape_math, shapes,
                      sparse_xent)
@@ -146,33 +147,61 @@ def early_workers():
 def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
                      name: str = "?", resources: dict | None = None,
                      workers=None, bodies: bool = True,
-                     scalar_values=frozenset()) -> StitchResult:
+                     scalar_values=frozenset(), templates=None) -> StitchResult:
     """``resources``: variable shapes from the live graph (frontend.resource_shapes);
     ``workers``: pre-started compile workers (``early_workers``), used or closed;
     ``bodies``: stitch the functions control flow runs (tf/control_flow.py) first;
-    ``scalar_values``: a traced function's Python scalar arguments, kernel inputs
-    rather than constants of the spec (frontend.to_ir)."""
+    ``scalar_values``: a traced function's Python scalar arguments, whose constants
+    are planned as kernel inputs (tf/scalars.py); ``templates``: a
+    ``scalars.Templates`` where a trace that differs from an earlier one only in
+    those constants finds its stitched graph."""
+    t0 = time.perf_counter()
     with _gc_paused():
+        graph_def, consts = scalars.abstract(graph_def, scalar_values)
+        key = (_template_key(graph_def, fetches, keep, options, resources, bodies)
+               if templates is not None and consts and not dump.dump_root(options)
+               else None)
+        template = templates.get(key) if key is not None else None
+        if template is not None:
+            if workers is not None:
+                workers.close()
+            report = copy.copy(template.report)
+            report.compile_seconds = time.perf_counter() - t0
+            return StitchResult(scalars.restore(template.graph_def, consts), report,
+                                template.kernels)
         stitched = []
         if bodies and grappler.has_control_flow(graph_def):
             graph_def = type(graph_def).FromString(graph_def.SerializeToString())
             stitched = control_flow.stitch_bodies(
-                graph_def, lambda g, f, k, label: _stitch(g, f, k, options, label, None,
-                                                         None, scalar_values), name)
-        result = _stitch(graph_def, fetches, keep, options, name, resources, workers,
-                         scalar_values)
+                graph_def, lambda g, f, k, label: _stitch_body(g, f, k, options, label,
+                                                              scalar_values), name)
+        result = _stitch(graph_def, fetches, keep, options, name, resources, workers)
         result.report.bodies = stitched
-        return result
+        if key is not None:
+            templates.put(key, result)
+        return replace(result, graph_def=scalars.restore(result.graph_def, consts))
 
 
-def _stitch(graph_def, fetches, keep, options, name, resources, workers,
-            scalar_values=frozenset()) -> StitchResult:
+def _stitch_body(graph_def, fetches, keep, options, name, scalar_values):
+    """A control-flow body, its own Python-scalar constants planned as inputs."""
+    graph_def, consts = scalars.abstract(graph_def, scalar_values)
+    result = _stitch(graph_def, fetches, keep, options, name, None, None)
+    return replace(result, graph_def=scalars.restore(result.graph_def, consts))
+
+
+def _template_key(graph_def, fetches, keep, options, resources, bodies) -> str:
+    """What a stitched graph depends on: the graph (its abstracted constants are
+    Placeholders), what it must keep, the options and the profile planned with."""
+    return (_graph_key(graph_def, fetches, keep, options, resources) + str(bodies)
+            + profiles.default().planning_key())
+
+
+def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> StitchResult:
     t0 = time.perf_counter()
     from . import ensure_runtime
     from ..compile import kernel as kernel_cache
     from ..compile import parallel
     ctx = passmanager.Context(graph_def, fetches, keep, options, resources)
-    ctx.scalar_values = scalar_values
     ctx.dump_path = _dump_dir(options, name, graph_def)
     dump_pass = _dump_pass if ctx.dump_path else None
     try:

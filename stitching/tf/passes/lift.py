@@ -13,8 +13,7 @@ from ..passmanager import Pass
 
 def _run(ctx):
     ctx.planned = ctx.graph_def
-    # a stitching.function's Python scalar arguments become kernel inputs (frontend.py)
-    ctx.ir = frontend.to_ir(ctx.tf_graph, list(ctx.fetches), ctx.scalar_values)
+    ctx.ir = frontend.to_ir(ctx.tf_graph, list(ctx.fetches))
 
 
 PASS = Pass("lift", _run)
