@@ -31,7 +31,8 @@ def _graph(fn, *specs):
 
 
 def _abstracted(graph_def, values):
-    return sorted(scalars.abstract(graph_def, frozenset(values))[1])
+    abstraction = scalars.abstract(graph_def, frozenset(values))
+    return [] if abstraction is None else sorted(abstraction.abstracted)
 
 
 def test_a_new_value_reuses_the_stitched_graph(plans):
@@ -117,3 +118,32 @@ def test_a_loop_body_takes_the_value_as_an_input():
         np.testing.assert_allclose(f(x, s), want, rtol=1e-5, atol=1e-6)
     bodies = [r for _, r, _ in f.report.bodies if r is not None]
     assert any(r.kernels for r in bodies)
+
+
+def test_a_value_equal_to_a_constant_of_the_function_shares_the_template(plans):
+    """GELU holds 0.5 and 1.0: f(x, 1.0, 0.5) abstracts them too, f(x, 2.0, -1.5)
+    does not; both serve each other's values (the kept constants hold the same
+    values), in either order."""
+    def body(x, alpha, beta):
+        return tf.nn.gelu(tf.nn.softmax(x)) * alpha + beta
+
+    x = tf.random.normal([8, 16])
+    for order in ([(1.0, 0.5), (2.0, -1.5), (3.0, 4.0)],
+                  [(2.0, -1.5), (1.0, 0.5), (3.0, 4.0)]):
+        plans.clear()
+        f = stitching.function(body)
+        for a, b in order:
+            np.testing.assert_allclose(f(x, a, b), body(x, a, b), rtol=1e-6, atol=1e-6)
+        assert len(plans) == 1, (order, plans)
+
+
+def test_a_kept_constant_of_another_value_is_a_new_template(plans):
+    """A candidate the template kept with another value than this trace's: not
+    served (here, the user's own 0.25 kept, then the same graph position holding
+    the argument)."""
+    f = stitching.function(lambda x, s, c: tf.nn.softmax(x) * s + (0.25 if c else s))
+    x = tf.random.normal([8, 16])
+    for s, c in ((2.0, True), (3.0, False), (4.0, False)):
+        want = tf.nn.softmax(x) * s + (0.25 if c else s)
+        np.testing.assert_allclose(f(x, s, c), want, rtol=1e-6, atol=1e-6)
+    assert len(plans) == 2

@@ -157,18 +157,22 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     those constants finds its stitched graph."""
     t0 = time.perf_counter()
     with _gc_paused():
-        graph_def, consts = scalars.abstract(graph_def, scalar_values)
-        key = (_template_key(graph_def, fetches, keep, options, resources, bodies)
-               if templates is not None and consts and not dump.dump_root(options)
-               else None)
-        template = templates.get(key) if key is not None else None
-        if template is not None:
+        abstraction = scalars.abstract(graph_def, scalar_values)
+        if abstraction is not None:
+            graph_def = abstraction.graph_def
+        key = (scalars.Templates.key(abstraction, _template_context(
+            fetches, keep, options, resources, bodies))
+            if templates is not None and abstraction is not None
+            and not dump.dump_root(options) else None)
+        hit = templates.get(key, abstraction) if key is not None else None
+        if hit is not None:
             if workers is not None:
                 workers.close()
+            template, abstracted = hit
             report = copy.copy(template.report)
             report.compile_seconds = time.perf_counter() - t0
-            return StitchResult(scalars.restore(template.graph_def, consts), report,
-                                template.kernels)
+            return StitchResult(abstraction.restore(template.graph_def, abstracted),
+                                report, template.kernels)
         stitched = []
         if bodies and grappler.has_control_flow(graph_def):
             graph_def = type(graph_def).FromString(graph_def.SerializeToString())
@@ -177,22 +181,28 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
                                                               scalar_values), name)
         result = _stitch(graph_def, fetches, keep, options, name, resources, workers)
         result.report.bodies = stitched
+        if abstraction is None:
+            return result
         if key is not None:
-            templates.put(key, result)
-        return replace(result, graph_def=scalars.restore(result.graph_def, consts))
+            templates.put(key, abstraction, result)
+        return replace(result, graph_def=abstraction.restore(result.graph_def,
+                                                             abstraction.abstracted))
 
 
 def _stitch_body(graph_def, fetches, keep, options, name, scalar_values):
     """A control-flow body, its own Python-scalar constants planned as inputs."""
-    graph_def, consts = scalars.abstract(graph_def, scalar_values)
-    result = _stitch(graph_def, fetches, keep, options, name, None, None)
-    return replace(result, graph_def=scalars.restore(result.graph_def, consts))
+    abstraction = scalars.abstract(graph_def, scalar_values)
+    if abstraction is None:
+        return _stitch(graph_def, fetches, keep, options, name, None, None)
+    result = _stitch(abstraction.graph_def, fetches, keep, options, name, None, None)
+    return replace(result, graph_def=abstraction.restore(result.graph_def,
+                                                         abstraction.abstracted))
 
 
-def _template_key(graph_def, fetches, keep, options, resources, bodies) -> str:
-    """What a stitched graph depends on: the graph (its abstracted constants are
-    Placeholders), what it must keep, the options and the profile planned with."""
-    return (_graph_key(graph_def, fetches, keep, options, resources) + str(bodies)
+def _template_context(fetches, keep, options, resources, bodies) -> str:
+    """What a stitched template depends on besides its graph: the plan's context,
+    whether bodies were stitched, and the device profile planned with."""
+    return (_context(fetches, keep, options, resources) + repr(bodies)
             + profiles.default().planning_key())
 
 
@@ -266,12 +276,17 @@ def _dump_dir(options, name, graph_def):
 def _graph_key(graph_def, fetches, keep, options, resources=None) -> str:
     import hashlib
     h = hashlib.sha256(graph_def.SerializeToString(deterministic=True))
-    # keep: a set's order; where dumps go, and what they hold, does not change the plan
-    h.update(repr((list(fetches), sorted(keep),
-                   replace(options, dump_dir=None, dump_passes=None))).encode())
-    h.update(repr(sorted((resources or {}).items())).encode())
-    h.update(remapper.table(profiles.default()).name.encode())  # TF_ENABLE_ONEDNN_OPTS
+    h.update(_context(fetches, keep, options, resources).encode())
     return h.hexdigest()[:32]
+
+
+def _context(fetches, keep, options, resources) -> str:
+    """What a graph's plan depends on besides the graph, as text."""
+    # keep: a set's order; where dumps go, and what they hold, does not change the plan
+    return (repr((list(fetches), sorted(keep),
+                  replace(options, dump_dir=None, dump_passes=None)))
+            + repr(sorted((resources or {}).items()))
+            + remapper.table(profiles.default()).name)      # TF_ENABLE_ONEDNN_OPTS
 
 
 def _compile(regions, options, workers=None):
