@@ -9,7 +9,8 @@ cost at most tf.function's retrace plus a few milliseconds).  Each mode runs in 
 fresh process with an empty kernel cache (a new ``STITCHING_CACHE_DIR``): the first
 call traces (and, stitched, compiles); every later call brings a value the function
 has not seen.  A row gives the first call and the median of the later ones, in
-milliseconds, for each function below; ``--repeats`` runs each process that many
+milliseconds of wall time and of the process's CPU time (which other processes on a
+shared machine disturb less), for each function below; ``--repeats`` runs each process that many
 times and takes the median of the medians.  The functions:
 
 * ``softmax_axpy``: ``softmax(x * scale) * scale + x`` on [64, 256] (the issue's case);
@@ -50,15 +51,16 @@ else:
         return h * alpha + beta
     args = lambda v: (x, v, 0.5 - v)
 f = tf.function(body) if mode == "tf" else stitching.function(body)
-times, worst = [], 0.0
+times, cpu, worst = [], [], 0.0
 for i in range(n):
     v = 1.0 + 0.5 * i
-    t = time.perf_counter()
+    c, t = time.process_time(), time.perf_counter()
     got = f(*args(v)).numpy()
     times.append((time.perf_counter() - t) * 1e3)
+    cpu.append((time.process_time() - c) * 1e3)
     want = body(*args(v)).numpy()
     worst = max(worst, float(np.max(np.abs(got - want))))
-print(json.dumps({"times": times, "max_abs_diff": worst}))
+print(json.dumps({"times": times, "cpu": cpu, "max_abs_diff": worst}))
 """
 
 CASES = ("softmax_axpy", "mlp_block")
@@ -87,8 +89,12 @@ def measure(case: str, n: int, repeats: int) -> dict:
             "first_ms": statistics.median(r["times"][0] for r in runs),
             "new_value_ms": statistics.median(statistics.median(r["times"][1:])
                                               for r in runs),
+            "new_value_cpu_ms": statistics.median(statistics.median(r["cpu"][1:])
+                                                  for r in runs),
             "max_abs_diff": max(r["max_abs_diff"] for r in runs)}
     row["over_tf_ms"] = row["stitching"]["new_value_ms"] - row["tf"]["new_value_ms"]
+    row["over_tf_cpu_ms"] = (row["stitching"]["new_value_cpu_ms"]
+                             - row["tf"]["new_value_cpu_ms"])
     return row
 
 
@@ -107,14 +113,16 @@ def main(argv=None):
         return
     print(f"load average {os.getloadavg()[0]:.2f}; {args.values} values per process, "
           f"median of {args.repeats} processes")
-    print("| function | tf.function first ms | stitching first ms | tf.function new value"
-          " ms | stitching new value ms | over tf.function ms | max abs diff vs TF |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| function | first call ms: tf.function / stitching | new value ms: tf.function"
+          " / stitching (over) | new value CPU ms: tf.function / stitching (over) |"
+          " max abs diff vs TF |")
+    print("|---|---:|---:|---:|---:|")
     for case, r in rows.items():
         t, s = r["tf"], r["stitching"]
-        print(f"| {case} | {t['first_ms']:.1f} | {s['first_ms']:.1f} | "
-              f"{t['new_value_ms']:.1f} | {s['new_value_ms']:.1f} | {r['over_tf_ms']:+.1f} | "
-              f"{s['max_abs_diff']:.2g} |")
+        print(f"| {case} | {t['first_ms']:.1f} / {s['first_ms']:.1f} | "
+              f"{t['new_value_ms']:.1f} / {s['new_value_ms']:.1f} ({r['over_tf_ms']:+.1f}) | "
+              f"{t['new_value_cpu_ms']:.1f} / {s['new_value_cpu_ms']:.1f} "
+              f"({r['over_tf_cpu_ms']:+.1f}) | {s['max_abs_diff']:.2g} |")
 
 
 if __name__ == "__main__":
