@@ -158,35 +158,39 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     t0 = time.perf_counter()
     with _gc_paused():
         abstraction = scalars.abstract(graph_def, scalar_values)
-        if abstraction is not None:
-            graph_def = abstraction.graph_def
+        if abstraction is None:
+            return _stitch_all(graph_def, fetches, keep, options, name, resources, workers,
+                               bodies, scalar_values)
         key = (scalars.Templates.key(abstraction, _template_context(
             fetches, keep, options, resources, bodies))
-            if templates is not None and abstraction is not None
-            and not dump.dump_root(options) else None)
+            if templates is not None and not dump.dump_root(options) else None)
         hit = templates.get(key, abstraction) if key is not None else None
-        if hit is not None:
-            if workers is not None:
-                workers.close()
-            template, abstracted = hit
-            report = copy.copy(template.report)
-            report.compile_seconds = time.perf_counter() - t0
-            return StitchResult(abstraction.restore(template.graph_def, abstracted),
-                                report, template.kernels)
-        stitched = []
-        if bodies and grappler.has_control_flow(graph_def):
-            graph_def = type(graph_def).FromString(graph_def.SerializeToString())
-            stitched = control_flow.stitch_bodies(
-                graph_def, lambda g, f, k, label: _stitch_body(g, f, k, options, label,
-                                                              scalar_values), name)
-        result = _stitch(graph_def, fetches, keep, options, name, resources, workers)
-        result.report.bodies = stitched
-        if abstraction is None:
-            return result
-        if key is not None:
-            templates.put(key, abstraction, result)
-        return replace(result, graph_def=abstraction.restore(result.graph_def,
-                                                             abstraction.abstracted))
+        if hit is None:
+            result = _stitch_all(abstraction.graph_def, fetches, keep, options, name,
+                                 resources, workers, bodies, scalar_values)
+            if key is not None:
+                templates.put(key, abstraction, result)
+            return _restored(result, abstraction, abstraction.abstracted)
+        if workers is not None:
+            workers.close()
+        template, abstracted = hit
+        report = copy.copy(template.report)
+        report.compile_seconds = time.perf_counter() - t0
+        return replace(_restored(template, abstraction, abstracted), report=report)
+
+
+def _stitch_all(graph_def, fetches, keep, options, name, resources, workers, bodies,
+                scalar_values) -> StitchResult:
+    """The functions ``graph_def``'s control flow runs (``bodies``), then the graph."""
+    stitched = []
+    if bodies and grappler.has_control_flow(graph_def):
+        graph_def = type(graph_def).FromString(graph_def.SerializeToString())
+        stitched = control_flow.stitch_bodies(
+            graph_def, lambda g, f, k, label: _stitch_body(g, f, k, options, label,
+                                                          scalar_values), name)
+    result = _stitch(graph_def, fetches, keep, options, name, resources, workers)
+    result.report.bodies = stitched
+    return result
 
 
 def _stitch_body(graph_def, fetches, keep, options, name, scalar_values):
@@ -195,8 +199,12 @@ def _stitch_body(graph_def, fetches, keep, options, name, scalar_values):
     if abstraction is None:
         return _stitch(graph_def, fetches, keep, options, name, None, None)
     result = _stitch(abstraction.graph_def, fetches, keep, options, name, None, None)
-    return replace(result, graph_def=abstraction.restore(result.graph_def,
-                                                         abstraction.abstracted))
+    return _restored(result, abstraction, abstraction.abstracted)
+
+
+def _restored(result, abstraction, names) -> StitchResult:
+    """``result`` with the Placeholders ``names`` ``abstraction``'s constants again."""
+    return replace(result, graph_def=abstraction.restore(result.graph_def, names))
 
 
 def _template_context(fetches, keep, options, resources, bodies) -> str:
