@@ -122,6 +122,7 @@ def check_broadcast(pairs: int = 24) -> tuple[bool, str]:
     def fn(a, c):
         return tf.nn.softmax(a + c) * 2.0 - c
 
+    tf.get_logger().setLevel("ERROR")      # tf.function's retracing warnings, expected
     f, ref = stitching.function(fn), tf.function(fn)
     for n in (8, 9):                                   # relaxes dim 0 of both
         a, c = (rng.standard_normal((n, 16)).astype(np.float32) for _ in range(2))
@@ -203,6 +204,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("STITCHING_NO_HINTS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("STITCHING_CACHE_DIR", tempfile.mkdtemp(prefix="check38-"))
     checks = {"save": check_save, "broadcast": check_broadcast, "loop": check_loop,
               "scalars": lambda: check_scalars(args.values, args.repeats)}
