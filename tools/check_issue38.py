@@ -20,7 +20,7 @@
 
 Each check prints one line, ``PASS``/``FAIL`` and its numbers; the exit status is the
 number of failures.  The scalar check passes when a new value costs at most
-``SCALAR_MARGIN_MS`` of CPU time over tf.function's retrace (the issue's "a few
+``scalar_bench.MARGIN_MS`` of CPU time over tf.function's retrace (the issue's "a few
 milliseconds"; CPU time, since wall time on a shared machine measures the others).
 """
 from __future__ import annotations
@@ -37,8 +37,6 @@ import numpy as np
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TOOLS)
-SCALAR_MARGIN_MS = 5.0     # "a few milliseconds" (issue 38, item 4), as this check reads it
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 
 def _python(code: str, cache: str) -> dict:
@@ -187,12 +185,13 @@ def check_scalars(values: int, repeats: int) -> tuple[bool, str]:
     import scalar_bench
     r = scalar_bench.measure("softmax_axpy", values, repeats)
     t, s = r["tf"], r["stitching"]
-    ok = r["over_tf_cpu_ms"] <= SCALAR_MARGIN_MS and s["max_abs_diff"] < 1e-5
+    margin = scalar_bench.MARGIN_MS
+    ok = r["over_tf_cpu_ms"] <= margin and s["max_abs_diff"] < 1e-5
     return ok, (f"softmax(x*s)*s+x [64,256], {values} values per fresh process (empty "
                 f"kernel cache), median of {repeats}: new value {t['new_value_ms']:.1f} ms "
                 f"tf.function, {s['new_value_ms']:.1f} ms stitched (wall); CPU "
                 f"{t['new_value_cpu_ms']:.1f} / {s['new_value_cpu_ms']:.1f} ms "
-                f"({r['over_tf_cpu_ms']:+.1f}, bar +{SCALAR_MARGIN_MS:.0f}); first call "
+                f"({r['over_tf_cpu_ms']:+.1f}, bar +{margin:.0f}); first call "
                 f"{t['first_ms']:.0f} / {s['first_ms']:.0f} ms; max abs diff vs TF "
                 f"{s['max_abs_diff']:.2g}")
 
