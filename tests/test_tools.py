@@ -277,3 +277,29 @@ def test_short_suite_table_and_bars_from_recorded_rounds(tmp_path):
     text = md.read_text()
     assert "<!-- suite:short -->" in text and "mlp_fit rounds (process s): tf 7.0/8.0/7.5" in text
     assert "- **FAIL** short cnn_fit: a mode failed" in text
+
+
+def test_scalar_bench_section_judges_cpu_time_over_tf_functions_retrace(tmp_path):
+    """tools/scalar_bench.py --markdown: its section from recorded rows, the verdict
+    from the worst row's CPU time over tf.function's, the summary line from it."""
+    import argparse
+    tools = os.path.join(REPO, "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    import scalar_bench
+    from bench_lib.output import replace_sections
+
+    def row(tf_cpu, st_cpu):
+        mode = {"first_ms": 10.0, "new_value_ms": 9.0, "max_abs_diff": 1e-6}
+        return {"tf": dict(mode, new_value_cpu_ms=tf_cpu),
+                "stitching": dict(mode, new_value_cpu_ms=st_cpu),
+                "over_tf_ms": 0.0, "over_tf_cpu_ms": st_cpu - tf_cpu}
+    args = argparse.Namespace(values=16, repeats=3)
+    for rows, verdict in (({"a": row(8.0, 11.0), "b": row(20.0, 24.5)}, "PASS"),
+                          ({"a": row(8.0, 11.0), "b": row(20.0, 26.0)}, "FAIL")):
+        text = scalar_bench.section(rows, args, (1.0, 1.2))
+        assert f"- **{verdict}** a new value costs at most" in text
+        assert "| b | 10.0 / 10.0 |" in text
+        out = tmp_path / "BENCHMARKS.md"
+        replace_sections(str(out), {"python_scalars": text})
+        assert "- **python_scalars" in out.read_text()
