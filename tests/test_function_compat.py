@@ -459,3 +459,21 @@ def test_a_cond_inside_a_loop_and_a_tape_inside_the_function():
     want = tf.function(grad)(x, w)
     np.testing.assert_allclose(g(x, w), want, rtol=1e-5, atol=1e-5 * float(
         tf.reduce_max(tf.abs(want))))
+
+
+def test_integers_that_only_feed_shapes_stay_tf_ops_for_shape_inference():
+    """TF's testShapeInferencePropagateConst*: ``concat([[d1], [d2], [d3]])`` as a
+    Fill's dims, fused into a kernel, hid its values from TF's shape inference, so
+    ``f(1, 2, 3)`` inside another function had the shape [None, None, None]."""
+    @stitching.function(input_signature=[tf.TensorSpec((), tf.int32)] * 3)
+    def f(d1, d2, d3):
+        return tf.ones(tf.concat([[d1], [d2], [d3]], axis=-1), tf.int32)
+
+    @stitching.function
+    def g():
+        y = f(1, 2, 3)
+        assert y.shape.as_list() == [1, 2, 3], y.shape.as_list()
+        return y
+
+    np.testing.assert_array_equal(g(), np.ones([1, 2, 3]))
+    assert not f.report.kernels

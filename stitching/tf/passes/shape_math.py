@@ -1,15 +1,31 @@
 """Shape arithmetic marked before planning: nodes that compute only on shapes.
 
 A Prod of a Shape for a Reshape target runs on a handful of host integers, not on
-tensor data: not memory-intensive work (XLA constant-folds it).  The IR nodes get the
+tensor data: not memory-intensive work (XLA constant-folds it).  So are integers whose
+every reader takes them as a shape, size or axis (``concat([[d1], [d2], [d3]])`` as
+the dims of a Fill): fused into a kernel they would also hide their values from TF's
+shape inference, which propagates constants through them (a call ``f(1, 2, 3)``
+inside another function gets the static shape [1, 2, 3]).  The IR nodes get the
 reason as ``unfusible`` and the report leaves them out of its counts
 (``ctx.shape_math``).
 """
 from __future__ import annotations
 
+from tensorflow.core.framework import types_pb2
+
 from ..passmanager import Pass
 
 _SHAPE_SOURCES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+# Operands read on the host as a shape, size, count or axis: op -> input positions
+# (ConcatV2's axis, its last input, is handled apart).
+_SHAPE_OPERANDS = {
+    "Fill": {0}, "Reshape": {1}, "BroadcastTo": {1}, "Tile": {1}, "ExpandDims": {1},
+    "Transpose": {1}, "Slice": {1, 2}, "StridedSlice": {1, 2, 3}, "Pad": {1},
+    "PadV2": {1}, "MirrorPad": {1}, "Range": {0, 1, 2}, "OneHot": {1},
+    "Sum": {1}, "Mean": {1}, "Max": {1}, "Min": {1}, "Prod": {1}, "All": {1},
+    "Any": {1}, "Split": {0}, "SplitV": {1, 2}, "RandomUniform": {0},
+    "RandomStandardNormal": {0}, "TruncatedNormal": {0}, "Empty": {0}}
+_INTEGERS = frozenset({types_pb2.DT_INT32, types_pb2.DT_INT64})
 SHAPE_MATH = ("shape arithmetic: a few host integers, which TF's constant folding and "
               "tf/shapes.py fold; not memory-intensive work")
 
@@ -44,8 +60,45 @@ def shape_arithmetic(gdef) -> set:
     return {n.name for n in gdef.node if n.op != "Const" and is_shape(n.name)}
 
 
+def shape_operands(gdef, fetches) -> set:
+    """Integer nodes whose every reader takes their value as a shape, size or axis
+    (``_SHAPE_OPERANDS``), directly or through other such nodes; never a node whose
+    value the graph returns (``fetches``: tensor names)."""
+    by_name = {n.name: n for n in gdef.node}
+    readers: dict[str, list] = {}
+    for nd in gdef.node:
+        data = [i for i in nd.input if not i.startswith("^")]
+        for pos, i in enumerate(data):
+            readers.setdefault(i.split(":")[0], []).append((nd, pos, len(data)))
+    fetched = {f.split(":")[0] for f in fetches}
+    memo: dict[str, bool] = {}
+
+    def feeds_shapes(name, depth=0):
+        if name in memo:
+            return memo[name]
+        memo[name] = False                       # a cycle (or too deep) is not
+        nd = by_name.get(name)
+        if nd is None or depth > 200 or name in fetched or not nd.input \
+                or nd.op in ("Placeholder", "Const") or not _integer(nd) \
+                or not readers.get(name):
+            return False
+        memo[name] = all(
+            pos in _SHAPE_OPERANDS.get(r.op, ()) or
+            (r.op == "ConcatV2" and pos == n_data - 1) or feeds_shapes(r.name, depth + 1)
+            for r, pos, n_data in readers[name])
+        return memo[name]
+
+    return {n.name for n in gdef.node if feeds_shapes(n.name)}
+
+
+def _integer(nd) -> bool:
+    return any(nd.attr[a].type in _INTEGERS for a in ("T", "DstT", "dtype")
+               if a in nd.attr)
+
+
 def _run(ctx):
-    ctx.shape_math = shape_arithmetic(ctx.planned)
+    ctx.shape_math = shape_arithmetic(ctx.planned) | shape_operands(ctx.planned,
+                                                                    ctx.fetches)
     for n in ctx.shape_math & ctx.ir.nodes.keys():
         ctx.ir[n].attrs.setdefault("unfusible", SHAPE_MATH)
 
