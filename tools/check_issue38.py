@@ -46,7 +46,7 @@ def _python(code: str, cache: str) -> dict:
                STITCHING_CACHE_DIR=cache,
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
     return json.loads(r.stdout.strip().splitlines()[-1])

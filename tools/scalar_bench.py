@@ -77,8 +77,9 @@ def run(mode: str, case: str, n: int) -> dict:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", STITCHING_NO_HINTS="1",
                    STITCHING_CACHE_DIR=cache,
                    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # cwd: ``python -c`` puts it first on sys.path, before PYTHONPATH
         r = subprocess.run([sys.executable, "-c", CHILD, mode, case, str(n)], env=env,
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, cwd=REPO)
     if r.returncode:
         raise RuntimeError(f"{mode} {case} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
