@@ -344,8 +344,12 @@ class StitchedFunction(tf_pf.Function):
             return out
 
         # a compile worker warming up while TF traces; not behind a background
-        # compile, where stock TF's first call is running and needs the cores
-        workers = None if self.options.background_compile else pipeline.early_workers()
+        # compile, where stock TF's first call is running and needs the cores, nor
+        # once this function has compiled kernels (the cache is not empty: a retrace,
+        # a new Python scalar, does not pay for looking)
+        compiled = self.report is not None and self.report.kernels
+        workers = None if self.options.background_compile or compiled \
+            else pipeline.early_workers()
         try:
             cf = tracing_compilation.trace_function(
                 specs, {}, tracing_compilation.TracingOptions(

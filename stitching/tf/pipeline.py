@@ -210,8 +210,9 @@ def _restored(result, abstraction, names) -> StitchResult:
 def _template_context(fetches, keep, options, resources, bodies) -> str:
     """What a stitched template depends on besides its graph: the plan's context,
     whether bodies were stitched, and the device profile planned with."""
-    return (_context(fetches, keep, options, resources) + repr(bodies)
-            + profiles.default().planning_key())
+    prof = profiles.default()
+    return (_context(fetches, keep, options, resources, prof) + repr(bodies)
+            + prof.planning_key())
 
 
 def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> StitchResult:
@@ -288,13 +289,14 @@ def _graph_key(graph_def, fetches, keep, options, resources=None) -> str:
     return h.hexdigest()[:32]
 
 
-def _context(fetches, keep, options, resources) -> str:
-    """What a graph's plan depends on besides the graph, as text."""
+def _context(fetches, keep, options, resources, prof=None) -> str:
+    """What a graph's plan depends on besides the graph, as text (``prof``: the
+    device profile, where the caller has it)."""
     # keep: a set's order; where dumps go, and what they hold, does not change the plan
     return (repr((list(fetches), sorted(keep),
                   replace(options, dump_dir=None, dump_passes=None)))
             + repr(sorted((resources or {}).items()))
-            + remapper.table(profiles.default()).name)      # TF_ENABLE_ONEDNN_OPTS
+            + remapper.table(prof or profiles.default()).name)   # TF_ENABLE_ONEDNN_OPTS
 
 
 def _compile(regions, options, workers=None):
