@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.util
+import logging
 import sys
 import threading
 import time
@@ -59,6 +60,7 @@ def canonical(text):
     return canon(text)
 
 
+_log = logging.getLogger(__name__)
 _lock = threading.RLock()
 _kernels: dict = {}          # spec hash -> CompiledKernel
 
@@ -224,6 +226,9 @@ class CompiledKernel:
         self.out_dtypes = [t.dtype for t in spec.output_types]
         self.compile_seconds = compile_seconds
         self.cache_hits = code.cache_hit      # loaded, not compiled, in this process
+        # the backend that built the code here ("llvm", "numba"; None: loaded from the
+        # cache) and, where the direct backend was chosen but did not, why
+        self.backend, self.backend_note = code.backend, code.backend_note
         self._body = _BODY_T(self.body_address)
         self._shape = _INTERP_T(self.shape_address)
         self.generic = None                # hash of the generic spec whose code this is
@@ -344,7 +349,15 @@ def code_name(text: str) -> str:
     the same program up to naming compile once and share the shared object.  Measured:
     the Transformer block's two LayerNorms and two of ResNet50's BN kernels differed
     only in node numbering or the spec hash in the header: 5 -> 4 and 6 -> 5 compiles."""
-    return f"k_{hashlib.sha256(canonical(text).encode()).hexdigest()[:24]}"
+    return f"k_{hashlib.sha256((canonical(text) + _backend_mark()).encode()).hexdigest()[:24]}"
+
+
+def _backend_mark() -> str:
+    """What the code name adds for the backend that builds it: nothing for Numba (its
+    cache names stay as they were), the direct backend's name and source hash for it
+    (direct.py), so the two never share a shared object."""
+    from . import direct
+    return "" if direct.backend() == "numba" else f"\n# backend llvm {direct.tag()}"
 
 
 class _Code:
@@ -355,8 +368,11 @@ class _Code:
     through native._lean_pipeline()."""
 
     def __init__(self, stem: Path, symbol: str, source, lean: bool = True,
-                 code: str | None = None):
+                 code: str | None = None, text: str | None = None):
         self.stem, self.cfunc, self.cache_hit = stem, None, False
+        # which backend built it here: "llvm" or "numba" (None: loaded from the
+        # cache); backend_note: why the direct backend did not, where it did not
+        self.backend, self.backend_note = None, None
         if native.built(stem, code):
             try:
                 self.address = native.load(stem, symbol, code)
@@ -365,6 +381,9 @@ class _Code:
             except native.NativeError as e:    # unreadable: built again below
                 _warn_native(e)
         use_helper_cache()
+        if text is not None and self._build_direct(text, symbol):
+            return
+        self.backend = "numba"
         pyfunc, sig, options = source()
         try:
             native.build(pyfunc, sig, options, stem, symbol, lean)
@@ -374,6 +393,28 @@ class _Code:
             from numba import cfunc
             self.cfunc = cfunc(sig, **options)(pyfunc)
             self.address = self.cfunc.address
+
+    def _build_direct(self, text: str, symbol: str) -> bool:
+        """Build through the direct LLVM backend where it is chosen (direct.py);
+        False (the reason kept in backend_note) where the Numba path must."""
+        from ..codegen.cpu.llvm import Unsupported
+        from . import direct
+        if direct.backend() != "llvm":
+            return False
+        try:
+            _write_source(self.stem.with_suffix(".py"), text)   # what was compiled
+            direct.build(text, self.stem, symbol)
+            self.address = native.load(self.stem, symbol)
+        except Unsupported as e:
+            self.backend_note = f"built by Numba: the direct backend does not handle {e}"
+            _log.info("kernel %s: %s", self.stem.name, self.backend_note)
+            return False
+        except (native.NativeError, OSError) as e:
+            self.backend_note = f"built by Numba: the direct backend failed ({e})"
+            _warn_native(e)
+            return False
+        self.backend = "llvm"
+        return True
 
     def llvm_ir(self):
         if self.cfunc is not None:
@@ -558,7 +599,7 @@ def _compile_exact(spec: KernelSpec) -> CompiledKernel:
         module = _load_module(source.text, name)
         return module.body, module.h.BODY_SIG, module.h.BODY_OPTIONS
 
-    code = _Code(kernel_dir() / name, BODY_SYMBOL, body_source)
+    code = _Code(kernel_dir() / name, BODY_SYMBOL, body_source, text=source.text)
     return CompiledKernel(spec, sched, source, code, time.perf_counter() - t0)
 
 
