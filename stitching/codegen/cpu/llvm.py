@@ -117,8 +117,25 @@ def _number(node) -> float | int:
     raise Unsupported(f"module constant {ast.dump(node)[:80]}")
 
 
+def _table(v) -> tuple | None:
+    """``np.array([<ints>], dtype=np.uint8)`` (a view's piece selector or guard,
+    cpu/emitter.py _tables) -> its values, else None."""
+    if not (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute)
+            and v.func.attr == "array" and len(v.args) == 1
+            and isinstance(v.args[0], ast.List)
+            and [(k.arg, getattr(k.value, "attr", None)) for k in v.keywords]
+            == [("dtype", "uint8")]):
+        return None
+    vals = tuple(_number(x) for x in v.args[0].elts)
+    if not all(isinstance(x, int) and 0 <= x < 256 for x in vals):
+        raise Unsupported("a table value outside uint8")
+    return vals
+
+
 def _constants(tree, T) -> dict:
-    """Module-level ``_K<n> = np.<dtype>(<number>)`` (or a bool literal) -> (type, value)."""
+    """Module-level ``_K<n> = np.<dtype>(<number>)`` (or a bool literal) -> (type,
+    value); a uint8 table -> (uint8 pointer, its values): Numba types it as an array,
+    but the emitter only indexes it within its bounds, where the two load the same."""
     out = {}
     for st in tree.body:
         if isinstance(st, (ast.Import, ast.ImportFrom, ast.FunctionDef)):
@@ -133,6 +150,8 @@ def _constants(tree, T) -> dict:
               and isinstance(v.func.value, ast.Name) and v.func.value.id == "np"
               and v.func.attr in T.np_casts and len(v.args) == 1):
             out[st.targets[0].id] = (T.np_casts[v.func.attr], _number(v.args[0]))
+        elif _table(v) is not None:
+            out[st.targets[0].id] = (T.t.CPointer(T.t.uint8), _table(v))
         else:
             raise Unsupported(f"module constant {st.targets[0].id} "
                               f"({ast.dump(v)[:60]}): only np.<dtype>(<number>) scalars")
@@ -334,6 +353,11 @@ class Translator:
                 if any(t is None for t in tys):
                     return None
                 return self.calls.type_call(f.attr, tys)
+            if f.value.id == "math" and f.attr in ("sin", "cos") and len(e.args) == 1:
+                if tys[0] is None:
+                    return None
+                if T.is_float(tys[0]):          # Numba: llvm.sin / llvm.cos, same type
+                    return tys[0]
             raise Unsupported(f"call of {f.value.id}.{f.attr}")
         if isinstance(f, ast.Name) and f.id in ("min", "max") and len(e.args) == 2:
             if any(t is None for t in tys):
@@ -516,6 +540,8 @@ class Translator:
             if e.id in self.vars:
                 return b.load(self.slots[e.id]), ty
             cty, value = self.consts[e.id]
+            if isinstance(value, tuple):
+                return self._table_global(e.id, value), cty
             return ir.Constant(self.context.get_value_type(cty), value), cty
         if isinstance(e, ast.Subscript):
             ptr, _ = self.expr(e.value)
@@ -543,6 +569,18 @@ class Translator:
         if isinstance(e, ast.Call):
             return self._call(e, ty)
         raise Unsupported(f"expression {ast.dump(e)[:80]}")
+
+    def _table_global(self, name: str, values: tuple):
+        """A pointer to the module's constant uint8 array ``name``."""
+        mod = self.b.module
+        try:
+            g = mod.get_global(name)
+        except KeyError:
+            aty = ir.ArrayType(ir.IntType(8), len(values))
+            g = ir.GlobalVariable(mod, aty, name)
+            g.initializer = ir.Constant(aty, bytearray(values))
+            g.global_constant, g.linkage = True, "internal"
+        return self.b.bitcast(g, ir.IntType(8).as_pointer())
 
     def _ifexp(self, e, ty):
         """``x if c else y`` as branches (the arms may call helpers or divide)."""
@@ -630,6 +668,11 @@ class Translator:
             if vt == T.b:
                 raise Unsupported("np.<dtype>(bool)")
             return self.cast(v, vt, ty), ty
+        if isinstance(f, ast.Attribute) and f.value.id == "math":   # sin, cos
+            v, vt = args[0]
+            fn = b.module.declare_intrinsic(f"llvm.{f.attr}", [v.type],
+                                            ir.FunctionType(v.type, [v.type]))
+            return b.call(fn, [v]), vt
         if isinstance(f, ast.Attribute):          # h.<name>
             v, rt = self.calls.emit_call(f.attr, b, [t for _, t in args],
                                          [v for v, _ in args])
