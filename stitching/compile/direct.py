@@ -64,9 +64,11 @@ class _NumbaCalls:
     _resolved: dict = {}        # (name, argument types) -> ("intrinsic" | "function", ...)
 
     def __init__(self):
-        from numba.core import registry
+        from numba.core import callconv, registry
         self.typing = registry.cpu_target.typing_context
-        self.context = registry.cpu_target.target_context
+        base = registry.cpu_target.target_context
+        # as the kernels' cfunc options ask (cpu/rt.py BODY_OPTIONS): no exceptions
+        self.context = base.subtarget(error_model=callconv.create_error_model("numpy", base))
         self.libraries: list = []
 
     def _resolve(self, name, argtypes):

@@ -175,7 +175,9 @@ class Translator:
     def __init__(self, text: str, calls, symbol: str, context):
         self.T = _Types()
         self.calls = calls
-        self.context = context          # Numba's target context: LLVM types of its types
+        # Numba's target context (error model 'numpy'): the LLVM types of its types,
+        # and its lowering of integer // and %
+        self.context = context
         tree = ast.parse(text)
         self.consts = _constants(tree, self.T)
         fns = [st for st in tree.body if isinstance(st, ast.FunctionDef)]
@@ -455,30 +457,41 @@ class Translator:
         b.position_at_end(done)
 
     def _for(self, st) -> None:
-        """``for v in range(lo, hi, step)``: bounds evaluated once; a counter of its
-        own (the body may assign v), v set from it at the top of each trip."""
-        b, i64 = self.b, self.T.i64
-        args = [self.cast(*self.expr(a), i64) for a in self._range_args(st.iter)]
-        lo, hi = (ir.Constant(ir.IntType(64), 0), args[0]) if len(args) == 1 else args[:2]
-        step = args[2] if len(args) == 3 else ir.Constant(ir.IntType(64), 1)
-        counter = self._entry_alloca(ir.IntType(64), "for." + st.target.id)
-        b.store(lo, counter)
-        head, body, inc, done = (b.append_basic_block(n) for n in
-                                 ("for", "fbody", "fnext", "fend"))
+        """``for v in range(lo, hi, step)`` as Numba's range iterator runs it: the trip
+        count computed once (0 where hi - lo and step differ in sign), counted down;
+        v set from the iterator's value at the top of each trip (the body may assign
+        v).  The same shape as Numba's keeps what LLVM proves about the loop (trip
+        count ranges it unrolls by) the same."""
+        b = self.b
+        i64 = ir.IntType(64)
+        zero, one = ir.Constant(i64, 0), ir.Constant(i64, 1)
+        args = [self.cast(*self.expr(a), self.T.i64) for a in self._range_args(st.iter)]
+        lo, hi = (zero, args[0]) if len(args) == 1 else args[:2]
+        step = args[2] if len(args) == 3 else one
+        it = self._entry_alloca(i64, "it." + st.target.id)
+        count = self._entry_alloca(i64, "n." + st.target.id)
+        b.store(lo, it)
+        diff = b.sub(hi, lo)
+        pos_diff = b.icmp_signed(">", diff, zero)
+        rem = b.srem(diff, step)
+        rem = b.select(pos_diff, rem, b.neg(rem))
+        n = b.add(b.sdiv(diff, step), b.select(b.icmp_signed(">", rem, zero), one, zero))
+        b.store(b.select(pos_diff, n, zero), count)     # the step is a positive literal
+        head, body, done = (b.append_basic_block(n) for n in ("for", "fbody", "fend"))
         b.branch(head)
         b.position_at_end(head)
-        cur = b.load(counter)
-        b.cbranch(b.icmp_signed("<", cur, hi), body, done)
+        left = b.load(count)
+        b.cbranch(b.icmp_signed(">", left, zero), body, done)
         b.position_at_end(body)
-        b.store(cur, self.slots[st.target.id])
-        self.loops.append(_Loop(inc, done))
+        value = b.load(it)
+        b.store(b.sub(left, one, flags=["nsw"]), count)
+        b.store(b.add(value, step), it)
+        b.store(value, self.slots[st.target.id])
+        self.loops.append(_Loop(head, done))
         self._block(st.body)
         self.loops.pop()
         if not b.block.is_terminated:
-            b.branch(inc)
-        b.position_at_end(inc)
-        b.store(b.add(b.load(counter), step, flags=["nsw"]), counter)
-        b.branch(head)
+            b.branch(head)
         b.position_at_end(done)
 
     def _entry_alloca(self, ty, name):
@@ -614,22 +627,13 @@ class Translator:
             f = {ast.Add: b.fadd, ast.Sub: b.fsub, ast.Mult: b.fmul, ast.Div: b.fdiv}[type(op)]
             return f(x, y)
         if isinstance(op, (ast.FloorDiv, ast.Mod)):
-            return self._floordiv_mod(x, y, isinstance(op, ast.Mod))
+            # Numba's own lowering (Python's floor semantics; 0 for a 0 divisor under
+            # the numpy error model): its branches tell LLVM the ranges it unrolls by
+            from numba.core.typing import signature
+            from numba.cpython.numbers import int_floordiv_impl, int_rem_impl
+            impl = int_rem_impl if isinstance(op, ast.Mod) else int_floordiv_impl
+            return impl(self.context, b, signature(ty, ty, ty), (x, y))
         return {ast.Add: b.add, ast.Sub: b.sub, ast.Mult: b.mul}[type(op)](x, y)
-
-    def _floordiv_mod(self, x, y, mod: bool):
-        """Python's floor // and % on int64; 0 for a 0 divisor (Numba, numpy error
-        model), never LLVM's undefined division by zero."""
-        b = self.b
-        zero, one = ir.Constant(x.type, 0), ir.Constant(x.type, 1)
-        y0 = b.icmp_signed("==", y, zero)
-        ys = b.select(y0, one, y)
-        q, r = b.sdiv(x, ys), b.srem(x, ys)
-        # the remainder takes the divisor's sign: adjust where they differ
-        adj = b.and_(b.icmp_signed("!=", r, zero),
-                     b.icmp_signed("<", b.xor(r, ys), zero))
-        out = b.select(adj, b.add(r, ys), r) if mod else b.select(adj, b.sub(q, one), q)
-        return b.select(y0, zero, out)
 
     _CMP = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">",
             ast.GtE: ">="}
