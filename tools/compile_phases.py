@@ -3,6 +3,7 @@
     python tools/compile_phases.py collect DIR --model transformer --model llama_decoder
     python tools/compile_phases.py collect DIR --cache CACHE_DIR   # a cold run's kernels
     python tools/compile_phases.py time DIR [--rounds 3]
+    python tools/compile_phases.py speed [--rounds 7]
 
 ``collect`` writes the generated kernel modules (``<code>.py``) of the models' cold
 first call (traced and planned, stopped before compiling, as tools/cold_profile.py
@@ -19,6 +20,11 @@ and reports the median of each phase per kernel, summed over the kernels:
     LLVM module    linking the helpers in and the O3 module pipeline (vectorization)
     object         machine code for the target (native.export_ir, less the link)
     link           the system compiler driver making the .so
+
+``speed`` builds the kernels of a few patterns (element-wise with broadcasts, GELU,
+SwiGLU, LayerNorm, RMSNorm, softmax, log-softmax, a column reduction) with each
+backend and times each kernel alone on this thread (CompiledKernel.__call__: its
+units one after another), the backends interleaved, median of ``--rounds``.
 """
 from __future__ import annotations
 
@@ -166,6 +172,111 @@ def time_dir(src: Path, rounds: int) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def _pattern_specs() -> dict:
+    """{name: (spec, input shapes)} at the patterns suite's "large" sizes."""
+    from stitching.ir.builder import SpecBuilder
+    R, C = 8192, 1024
+    out = {}
+
+    def case(name, fn, shapes):
+        b = SpecBuilder()
+        ins = [b.input("float32", tuple(-1 if i == 0 and len(s) > 1 else d
+                                        for i, d in enumerate(s))) for s in shapes]
+        out[name] = (b.build(fn(b, *ins)), shapes)
+
+    def ln(b, x, g, be):
+        m = b.Mean(x, axes=[1], keep_dims=True)
+        c = b.Sub(x, m)
+        v = b.Mean(b.Square(c), axes=[1], keep_dims=True)
+        return [b.Add(b.Mul(b.Mul(c, b.Rsqrt(b.Add(v, b.const(1e-5)))), g), be)]
+
+    def softmax(b, x):
+        e = b.Exp(b.Sub(x, b.Max(x, axes=[1], keep_dims=True)))
+        return [b.Div(e, b.Sum(e, axes=[1], keep_dims=True))]
+
+    def log_softmax(b, x):
+        sh = b.Sub(x, b.Max(x, axes=[1], keep_dims=True))
+        return [b.Sub(sh, b.Log(b.Sum(b.Exp(sh), axes=[1], keep_dims=True)))]
+
+    def rms(b, x, g):
+        v = b.Mean(b.Square(x), axes=[1], keep_dims=True)
+        return [b.Mul(b.Mul(x, b.Rsqrt(b.Add(v, b.const(1e-6)))), g)]
+
+    def gelu_erf(b, x, bias):
+        y = b.Add(x, bias)
+        return [b.Mul(b.Mul(y, b.const(0.5)),
+                      b.Add(b.const(1.0), b.Erf(b.Mul(y, b.const(0.7071067811865476)))))]
+
+    def gelu_tanh(b, x, bias):
+        y = b.Add(x, bias)
+        inner = b.Mul(b.const(0.7978845608), b.Add(y, b.Mul(b.const(0.044715),
+                                                            b.Mul(y, b.Mul(y, y)))))
+        return [b.Mul(b.Mul(y, b.const(0.5)), b.Add(b.const(1.0), b.Tanh(inner)))]
+
+    def swiglu(b, x, gate):
+        return [b.Mul(b.Mul(x, b.Sigmoid(x)), gate)]
+
+    def bn_relu6(b, x, s, t):
+        return [b.Relu6(b.Add(b.Mul(x, s), t))]
+
+    def center0(b, x):
+        return [b.Sub(x, b.Mean(x, axes=[0], keep_dims=True))]
+
+    case("layernorm", ln, [(R, C), (C,), (C,)])
+    case("softmax", softmax, [(R, C)])
+    case("log_softmax", log_softmax, [(R, C)])
+    case("rmsnorm", rms, [(R, C), (C,)])
+    case("bias_gelu_erf", gelu_erf, [(R, C), (C,)])
+    case("bias_gelu_tanh", gelu_tanh, [(R, C), (C,)])
+    case("swiglu", swiglu, [(R, C), (R, C)])
+    case("bn_relu6", bn_relu6, [(R, C), (C,), (C,)])
+    case("center_axis0", center0, [(R, C)])
+    return out
+
+
+def speed(rounds: int) -> None:
+    import numpy as np
+
+    os.environ.setdefault("STITCHING_CACHE_DIR", tempfile.mkdtemp(prefix="phases-speed-"))
+    from stitching.compile import kernel
+    rng = np.random.default_rng(0)
+    kernels = {}
+    for b in ("numba", "llvm"):
+        os.environ["STITCHING_CPU_BACKEND"] = b
+        kernel.clear_memory_cache()
+        for name, (spec, shapes) in _pattern_specs().items():
+            k = kernel.compile_kernel(spec)
+            assert k.backend == b or k.backend_note is None, (name, k.backend_note)
+            kernels[(b, name)] = (k, shapes)
+    times = {key: [] for key in kernels}
+    for _ in range(rounds):
+        for name in _pattern_specs():
+            args = [rng.standard_normal(s).astype(np.float32)
+                    for s in kernels[("numba", name)][1]]
+            outs = {}
+            for b in ("numba", "llvm"):
+                k = kernels[(b, name)][0]
+                k(*args)
+                t = time.perf_counter()
+                outs[b] = k(*args)
+                times[(b, name)].append(time.perf_counter() - t)
+            same = all(np.array_equal(x, y, equal_nan=True)
+                       for x, y in zip(outs["numba"], outs["llvm"]))
+            times.setdefault(("same", name), []).append(same)
+    print(f"kernel alone, one thread, median of {rounds} rounds interleaved (ms); "
+          "llvm/numba < 1: the direct backend's code is faster")
+    print("| pattern | numba ms | llvm ms | llvm / numba | outputs bit-identical |")
+    print("|---|---:|---:|---:|---|")
+    ratios = []
+    for name in _pattern_specs():
+        a = statistics.median(times[("numba", name)]) * 1e3
+        d = statistics.median(times[("llvm", name)]) * 1e3
+        ratios.append(d / a)
+        print(f"| {name} | {a:.2f} | {d:.2f} | {d / a:.3f} | "
+              f"{'yes' if all(times[('same', name)]) else 'NO'} |")
+    print(f"geomean llvm / numba: {statistics.geometric_mean(ratios):.3f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -176,6 +287,8 @@ def main(argv=None) -> int:
     t = sub.add_parser("time")
     t.add_argument("src", type=Path)
     t.add_argument("--rounds", type=int, default=3)
+    sp = sub.add_parser("speed")
+    sp.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args(argv)
     sys.path.insert(0, REPO)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -183,8 +296,10 @@ def main(argv=None) -> int:
         if args.model:
             os.environ["STITCHING_CACHE_DIR"] = tempfile.mkdtemp(prefix="phases-collect-")
         collect(args.out, args.model, args.cache)
-    else:
+    elif args.what == "time":
         time_dir(args.src, args.rounds)
+    else:
+        speed(args.rounds)
     return 0
 
 

@@ -377,10 +377,8 @@ class Translator:
 
     # ---- code -----------------------------------------------------------------------
     def module(self) -> ir.Module:
-        ctx = self.context
-        T = self.T
         mod = ir.Module(name=self.symbol)
-        lt = ctx.get_value_type
+        lt = self.context.get_value_type
         fnty = ir.FunctionType(ir.VoidType(), [lt(self.vars[n]) for n in BODY_ARGS])
         fn = ir.Function(mod, fnty, self.symbol)
         entry = fn.append_basic_block("entry")
@@ -394,7 +392,6 @@ class Translator:
         self._block(self.fn_ast.body)
         if not b.block.is_terminated:
             b.ret_void()
-        del T
         return mod
 
     def _block(self, stmts) -> None:
