@@ -4,8 +4,11 @@
          └ in-process cache by spec.hash (one CompiledKernel per distinct spec)
     $STITCHING_CACHE_DIR/kernels/<toolchain>/k_<spec hash>_<source hash>
         .so  present: dlopen it, take the body's address (no Numba in this process)
-             absent:  write .py, import it (it defines ``body``), compile that as a
-                      C callback into .so + .ll (native.build), dlopen the .so
+             absent:  write .py; compile it into .so + .ll by the direct LLVM backend
+                      (direct.py: the text translated to LLVM IR, no Numba front end)
+                      or, where that backend is not chosen or cannot translate it,
+                      import it (it defines ``body``) and compile that as a C callback
+                      through Numba (native.build); dlopen the .so
     .../<toolchain>/interp.so: the shape-program interpreter, built the same way
 
 The file name carries the hash of the generated text and the directory a hash of
@@ -362,10 +365,11 @@ def _backend_mark() -> str:
 
 class _Code:
     """A C entry point's native code: loaded from ``stem``.so, or built there first
-    (native.build); where no shared object can be built, Numba's JIT code for it.
+    (direct.build from ``text`` where given and the direct backend is chosen, else
+    native.build); where no shared object can be built, Numba's JIT code for it.
     ``source()`` gives (Python function, cfunc signature, cfunc options); it is called
-    only to build, so a cache hit imports no Numba.  ``lean``: generated code, built
-    through native._lean_pipeline()."""
+    only to build through Numba, so a cache hit imports no Numba.  ``lean``: generated
+    code, built through native._lean_pipeline()."""
 
     def __init__(self, stem: Path, symbol: str, source, lean: bool = True,
                  code: str | None = None, text: str | None = None):
