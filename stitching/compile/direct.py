@@ -114,9 +114,16 @@ class _NumbaCalls:
         fn = ctx.declare_function(builder.module, cres.fndesc)
         if cres.library not in self.libraries:
             self.libraries.append(cres.library)
-        # the helper's status is never an error (error_model='numpy', no raise)
-        _, out = ctx.call_conv.call_function(builder, fn, sig.return_type, sig.args, args,
-                                             attrs=("alwaysinline",) if big else None)
+        status, out = ctx.call_conv.call_function(builder, fn, sig.return_type, sig.args,
+                                                  args, attrs=("alwaysinline",) if big else None)
+        # The helper's status is never an error (error_model='numpy', no raise); the
+        # check stays, as Numba's lowering writes it, because the shape of the code
+        # around the call steers LLVM's scalar passes before vectorization (without it,
+        # sigmoid's two divisions were not merged into one: swiglu's loop 3
+        # instructions longer).  Inlined, the status is a constant and the branch goes.
+        from numba.core import cgutils
+        with cgutils.if_unlikely(builder, status.is_error):
+            builder.ret_void()
         return out, sig.return_type
 
 
