@@ -59,31 +59,10 @@ def collect(out: Path, models, cache) -> None:
 
 def _model_codes(model) -> dict:
     """{code name: module text} of ``model``'s kernels at batch 1, planned as in a
-    cold first call."""
+    cold first call (tools/cold_profile.py)."""
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import cold_profile
-
-    from stitching.compile import kernel, parallel
-    captured = []
-
-    class Planned(BaseException):       # not an Exception: nothing on the way catches it
-        pass
-
-    def capture(specs, jobs, progress, workers):
-        captured.extend(specs)
-        raise Planned
-    parallel._warm_cache = capture
-    fn, args = cold_profile._model_call(model)
-    try:
-        fn(*args)
-    except Planned:
-        pass
-    codes = {}
-    for s in captured:
-        code = kernel.uncached_code(s)
-        if code is not None:
-            codes[code[2]] = code[1]
-    return codes
+    return {name: text for name, (_, text) in cold_profile.planned_codes(model)[1].items()}
 
 
 class _Clock:

@@ -446,8 +446,14 @@ class Translator:
         b.position_at_end(head)
         b.cbranch(self.truth(st.test), body, done)
         b.position_at_end(body)
+        self._loop_body(st.body, head, done)
+
+    def _loop_body(self, stmts, head, done) -> None:
+        """A loop's statements (``continue``: to ``head``, ``break``: to ``done``), back
+        to ``head``; then code goes on at ``done``."""
+        b = self.b
         self.loops.append(_Loop(head, done))
-        self._block(st.body)
+        self._block(stmts)
         self.loops.pop()
         if not b.block.is_terminated:
             b.branch(head)
@@ -484,12 +490,7 @@ class Translator:
         b.store(b.sub(left, one, flags=["nsw"]), count)
         b.store(b.add(value, step), it)
         b.store(value, self.slots[st.target.id])
-        self.loops.append(_Loop(head, done))
-        self._block(st.body)
-        self.loops.pop()
-        if not b.block.is_terminated:
-            b.branch(head)
-        b.position_at_end(done)
+        self._loop_body(st.body, head, done)
 
     def _entry_alloca(self, ty, name):
         b = self.b
