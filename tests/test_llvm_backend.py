@@ -148,7 +148,8 @@ def test_translator_names_what_it_does_not_handle():
              "    x = dims[0]\n    y = x ** 2\n": "operator Pow",
              "    for i in range(0, 9, dims[0]):\n        pass\n": "range step",
              "    x = np.float32(1.0) // np.float32(2.0)\n": "// or % of floats",
-             "    h.exp_f32(1.0)\n": "h.exp_f32"}
+             "    h.exp_f32(1.0)\n": "h.exp_f32",
+             "    x = dims[0] > 0 and dims[dims[0]] > 0\n": "a load inside and/or"}
     for src, what in cases.items():
         with pytest.raises(llvm.Unsupported, match=what):
             llvm.translate(head + src, NoCalls(), "f", ctx)

@@ -160,6 +160,12 @@ def _constants(tree, T) -> dict:
 
 # -- the translator ---------------------------------------------------------------------
 
+def _abi_slot(node) -> bool:
+    """``ins[i]``, ``outs[o]`` or ``dims[d]`` at a literal index: always readable."""
+    return (isinstance(node.value, ast.Name) and node.value.id in ("ins", "outs", "dims")
+            and isinstance(node.slice, ast.Constant))
+
+
 class _Loop:
     def __init__(self, cont, brk):
         self.cont, self.brk = cont, brk
@@ -306,6 +312,12 @@ class Translator:
                 self.type_of(x)
             return T.b
         if isinstance(e, ast.BoolOp):
+            # both sides are evaluated (expr): a load could fault where Python's
+            # short circuit would have skipped it, so none may stand there but the
+            # ABI's own arrays at a literal index (the in-place test's ins[i], outs[o])
+            if any(isinstance(n, ast.Subscript) and not _abi_slot(n)
+                   for v in e.values for n in ast.walk(v)):
+                raise Unsupported("a load inside and/or")
             tys = [self.type_of(v) for v in e.values]
             if any(t is not None and t != T.b for t in tys):
                 raise Unsupported("and/or of non-booleans")
@@ -570,7 +582,7 @@ class Translator:
         if isinstance(e, ast.Compare):
             return self._compare(e), ty
         if isinstance(e, ast.BoolOp):
-            vals = [self.truth(v) for v in e.values]     # pure operands: no short circuit
+            vals = [self.truth(v) for v in e.values]     # no loads (type_of): eager
             out = vals[0]
             for v in vals[1:]:
                 out = b.and_(out, v) if isinstance(e.op, ast.And) else b.or_(out, v)
