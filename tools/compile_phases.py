@@ -22,7 +22,8 @@ and reports the median of each phase per kernel, summed over the kernels:
     link           the system compiler driver making the .so
 
 ``speed`` builds the kernels of a few patterns (element-wise with broadcasts, GELU,
-SwiGLU, LayerNorm, RMSNorm, softmax, log-softmax, a column reduction) with each
+SwiGLU, LayerNorm, RMSNorm, softmax, log-softmax, a column reduction; ``--rows`` x
+1024 float32) with each
 backend and times each kernel alone on this thread (CompiledKernel.__call__: its
 units one after another), the backends interleaved, each the best of 3 calls,
 median of ``--rounds``.
@@ -153,10 +154,11 @@ def time_dir(src: Path, rounds: int) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def _pattern_specs() -> dict:
-    """{name: (spec, input shapes)} at the patterns suite's "large" sizes."""
+def _pattern_specs(rows: int = 8192) -> dict:
+    """{name: (spec, input shapes)}: ``rows`` x 1024 float32 (8192: the patterns
+    suite's "large" size)."""
     from stitching.ir.builder import SpecBuilder
-    R, C = 8192, 1024
+    R, C = rows, 1024
     out = {}
 
     def case(name, fn, shapes):
@@ -215,23 +217,24 @@ def _pattern_specs() -> dict:
     return out
 
 
-def speed(rounds: int) -> None:
+def speed(rounds: int, rows: int) -> None:
     import numpy as np
 
     os.environ.setdefault("STITCHING_CACHE_DIR", tempfile.mkdtemp(prefix="phases-speed-"))
     from stitching.compile import kernel
     rng = np.random.default_rng(0)
+    calls = max(1, 8192 // rows)        # ~ the same time per measurement at any size
     kernels = {}
     for b in ("numba", "llvm"):
         os.environ["STITCHING_CPU_BACKEND"] = b
         kernel.clear_memory_cache()
-        for name, (spec, shapes) in _pattern_specs().items():
+        for name, (spec, shapes) in _pattern_specs(rows).items():
             k = kernel.compile_kernel(spec)
             assert k.backend == b or k.backend_note is None, (name, k.backend_note)
             kernels[(b, name)] = (k, shapes)
     times = {key: [] for key in kernels}
     for _ in range(rounds):
-        for name in _pattern_specs():
+        for name in _pattern_specs(rows):
             args = [rng.standard_normal(s).astype(np.float32)
                     for s in kernels[("numba", name)][1]]
             outs = {}
@@ -240,18 +243,20 @@ def speed(rounds: int) -> None:
                 best = math.inf
                 for _ in range(3):          # best of 3 calls: other processes' noise
                     t = time.perf_counter()
-                    outs[b] = k(*args)
-                    best = min(best, time.perf_counter() - t)
+                    for _ in range(calls):
+                        outs[b] = k(*args)
+                    best = min(best, (time.perf_counter() - t) / calls)
                 times[(b, name)].append(best)
             same = all(np.array_equal(x, y, equal_nan=True)
                        for x, y in zip(outs["numba"], outs["llvm"]))
             times.setdefault(("same", name), []).append(same)
-    print(f"kernel alone, one thread, median of {rounds} rounds interleaved (ms); "
+    print(f"{rows}x1024 float32, kernel alone, one thread, median of {rounds} rounds "
+          "interleaved (ms); "
           "llvm/numba < 1: the direct backend's code is faster")
     print("| pattern | numba ms | llvm ms | llvm / numba | outputs bit-identical |")
     print("|---|---:|---:|---:|---|")
     ratios = []
-    for name in _pattern_specs():
+    for name in _pattern_specs(rows):
         a = statistics.median(times[("numba", name)]) * 1e3
         d = statistics.median(times[("llvm", name)]) * 1e3
         ratios.append(d / a)
@@ -272,6 +277,9 @@ def main(argv=None) -> int:
     t.add_argument("--rounds", type=int, default=3)
     sp = sub.add_parser("speed")
     sp.add_argument("--rounds", type=int, default=7)
+    sp.add_argument("--rows", type=int, default=8192,
+                    help="rows of 1024 floats (64: the data stays in L2, code speed "
+                         "alone; 8192: the patterns suite's large size)")
     args = ap.parse_args(argv)
     sys.path.insert(0, REPO)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -282,7 +290,7 @@ def main(argv=None) -> int:
     elif args.what == "time":
         time_dir(args.src, args.rounds)
     else:
-        speed(args.rounds)
+        speed(args.rounds, args.rows)
     return 0
 
 
