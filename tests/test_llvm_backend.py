@@ -137,6 +137,20 @@ def test_a_kernel_the_backend_cannot_translate_is_built_by_numba_with_the_reason
     assert np.isfinite(k(X, np.ones(8, np.float32))[0]).all()
 
 
+def test_a_direct_backend_bug_costs_a_warning_not_the_kernel(monkeypatch):
+    def broken(*a, **k):
+        raise KeyError("oops")
+    monkeypatch.setattr(llvm, "translate", broken)
+    monkeypatch.setenv("STITCHING_CPU_BACKEND", "llvm")
+    _, sm = layernorm_softmax_specs()
+    with pytest.warns(RuntimeWarning, match="direct backend failed .KeyError: 'oops'.; "
+                                            "please report it"):
+        k = compile_kernel(sm)
+    assert k.backend == "numba" and "KeyError" in k.backend_note
+    X = RNG.standard_normal((1, 2, 5)).astype(np.float32)
+    np.testing.assert_allclose(k(X)[0].sum(-1), 1.0, rtol=1e-6)
+
+
 def test_translator_names_what_it_does_not_handle():
     class NoCalls:
         def type_call(self, name, argtypes):

@@ -413,9 +413,17 @@ class _Code:
             self.backend_note = f"built by Numba: the direct backend does not handle {e}"
             _log.info("kernel %s: %s", self.stem.name, self.backend_note)
             return False
-        except (native.NativeError, OSError) as e:
+        except (native.NativeError, OSError) as e:   # no linker, a read-only cache...
             self.backend_note = f"built by Numba: the direct backend failed ({e})"
             _warn_native(e)
+            return False
+        except Exception as e:  # noqa: BLE001 - a translator bug must not cost the kernel
+            self.backend_note = (f"built by Numba: the direct backend failed "
+                                 f"({type(e).__name__}: {e})")
+            if self.backend_note not in _warned:
+                _warned.add(self.backend_note)
+                warnings.warn(f"stitching: kernel {self.stem.name} {self.backend_note}; "
+                              "please report it", RuntimeWarning, stacklevel=3)
             return False
         self.backend = "llvm"
         return True
