@@ -91,8 +91,11 @@ def timeline(model) -> None:
         print(f"  {s - start:7.3f}  {what}")
 
 
-def kernels(model) -> None:
-    from stitching.compile import kernel, native, parallel
+def planned_codes(model) -> tuple:
+    """(the kernel specs of ``model``'s first call at batch 1, {code name: (the spec
+    compiled for it, its generated module text)} of those not in the kernel cache):
+    traced and planned as in a cold call, stopped before compiling."""
+    from stitching.compile import kernel, parallel
     captured = []
 
     class Planned(BaseException):       # not an Exception: nothing on the way catches it
@@ -101,17 +104,25 @@ def kernels(model) -> None:
     def capture(specs, jobs, progress, workers):
         captured.extend(specs)
         raise Planned
-    parallel._warm_cache = capture
+    warm, parallel._warm_cache = parallel._warm_cache, capture
     fn, args = _model_call(model)
     try:
         fn(*args)                       # traces and plans, stops before compiling
     except Planned:
         pass
+    finally:
+        parallel._warm_cache = warm
     todo = {}
     for s in captured:
         code = kernel.uncached_code(s)
         if code is not None:
             todo.setdefault(code[2], code[:2])
+    return captured, todo
+
+
+def kernels(model) -> None:
+    from stitching.compile import kernel, native
+    captured, todo = planned_codes(model)
     split = {}
     compile_ = native._compile
 

@@ -16,8 +16,9 @@ text; this package turns it into machine code and keeps it):
     CompiledKernel: spec, schedule, body_address, shape_address, in_ranks,
         out_ranks, in_dtypes, out_dtypes, errors, source; __call__(*arrays)
 
-native.py builds shared objects through Numba's ahead-of-time code generator and
-loads them without Numba; helper_cache.py keeps the math helpers kernels inline in
+direct.py builds a kernel's shared object from its generated text through the direct
+LLVM backend (codegen/cpu/llvm.py; the default), native.py through Numba's
+ahead-of-time code generator, and loads them without Numba; helper_cache.py keeps the math helpers kernels inline in
 Numba's disk cache.  Where things live on disk: ``stitching.cachedir``.
 """
 import importlib

@@ -4,8 +4,11 @@
          └ in-process cache by spec.hash (one CompiledKernel per distinct spec)
     $STITCHING_CACHE_DIR/kernels/<toolchain>/k_<spec hash>_<source hash>
         .so  present: dlopen it, take the body's address (no Numba in this process)
-             absent:  write .py, import it (it defines ``body``), compile that as a
-                      C callback into .so + .ll (native.build), dlopen the .so
+             absent:  write .py; compile it into .so + .ll by the direct LLVM backend
+                      (direct.py: the text translated to LLVM IR, no Numba front end)
+                      or, where that backend is not chosen or cannot translate it,
+                      import it (it defines ``body``) and compile that as a C callback
+                      through Numba (native.build); dlopen the .so
     .../<toolchain>/interp.so: the shape-program interpreter, built the same way
 
 The file name carries the hash of the generated text and the directory a hash of
@@ -21,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.util
+import logging
 import sys
 import threading
 import time
@@ -59,6 +63,7 @@ def canonical(text):
     return canon(text)
 
 
+_log = logging.getLogger(__name__)
 _lock = threading.RLock()
 _kernels: dict = {}          # spec hash -> CompiledKernel
 
@@ -224,6 +229,9 @@ class CompiledKernel:
         self.out_dtypes = [t.dtype for t in spec.output_types]
         self.compile_seconds = compile_seconds
         self.cache_hits = code.cache_hit      # loaded, not compiled, in this process
+        # the backend that built the code here ("llvm", "numba"; None: loaded from the
+        # cache) and, where the direct backend was chosen but did not, why
+        self.backend, self.backend_note = code.backend, code.backend_note
         self._body = _BODY_T(self.body_address)
         self._shape = _INTERP_T(self.shape_address)
         self.generic = None                # hash of the generic spec whose code this is
@@ -344,19 +352,31 @@ def code_name(text: str) -> str:
     the same program up to naming compile once and share the shared object.  Measured:
     the Transformer block's two LayerNorms and two of ResNet50's BN kernels differed
     only in node numbering or the spec hash in the header: 5 -> 4 and 6 -> 5 compiles."""
-    return f"k_{hashlib.sha256(canonical(text).encode()).hexdigest()[:24]}"
+    return f"k_{hashlib.sha256((canonical(text) + _backend_mark()).encode()).hexdigest()[:24]}"
+
+
+def _backend_mark() -> str:
+    """What the code name adds for the backend that builds it: nothing for Numba (its
+    cache names stay as they were), the direct backend's name and source hash for it
+    (direct.py), so the two never share a shared object."""
+    from . import direct
+    return "" if direct.backend() == "numba" else f"\n# backend llvm {direct.tag()}"
 
 
 class _Code:
     """A C entry point's native code: loaded from ``stem``.so, or built there first
-    (native.build); where no shared object can be built, Numba's JIT code for it.
+    (direct.build from ``text`` where given and the direct backend is chosen, else
+    native.build); where no shared object can be built, Numba's JIT code for it.
     ``source()`` gives (Python function, cfunc signature, cfunc options); it is called
-    only to build, so a cache hit imports no Numba.  ``lean``: generated code, built
-    through native._lean_pipeline()."""
+    only to build through Numba, so a cache hit imports no Numba.  ``lean``: generated
+    code, built through native._lean_pipeline()."""
 
     def __init__(self, stem: Path, symbol: str, source, lean: bool = True,
-                 code: str | None = None):
+                 code: str | None = None, text: str | None = None):
         self.stem, self.cfunc, self.cache_hit = stem, None, False
+        # which backend built it here: "llvm" or "numba" (None: loaded from the
+        # cache); backend_note: why the direct backend did not, where it did not
+        self.backend, self.backend_note = None, None
         if native.built(stem, code):
             try:
                 self.address = native.load(stem, symbol, code)
@@ -365,6 +385,9 @@ class _Code:
             except native.NativeError as e:    # unreadable: built again below
                 _warn_native(e)
         use_helper_cache()
+        if text is not None and self._build_direct(text, symbol):
+            return
+        self.backend = "numba"
         pyfunc, sig, options = source()
         try:
             native.build(pyfunc, sig, options, stem, symbol, lean)
@@ -374,6 +397,36 @@ class _Code:
             from numba import cfunc
             self.cfunc = cfunc(sig, **options)(pyfunc)
             self.address = self.cfunc.address
+
+    def _build_direct(self, text: str, symbol: str) -> bool:
+        """Build through the direct LLVM backend where it is chosen (direct.py);
+        False (the reason kept in backend_note) where the Numba path must."""
+        from ..codegen.cpu.llvm import Unsupported
+        from . import direct
+        if direct.backend() != "llvm":
+            return False
+        try:
+            _write_source(self.stem.with_suffix(".py"), text)   # what was compiled
+            direct.build(text, self.stem, symbol)
+            self.address = native.load(self.stem, symbol)
+        except Unsupported as e:
+            self.backend_note = f"built by Numba: the direct backend does not handle {e}"
+            _log.info("kernel %s: %s", self.stem.name, self.backend_note)
+            return False
+        except (native.NativeError, OSError) as e:   # no linker, a read-only cache...
+            self.backend_note = f"built by Numba: the direct backend failed ({e})"
+            _warn_native(e)
+            return False
+        except Exception as e:  # noqa: BLE001 - a translator bug must not cost the kernel
+            self.backend_note = (f"built by Numba: the direct backend failed "
+                                 f"({type(e).__name__}: {e})")
+            if self.backend_note not in _warned:
+                _warned.add(self.backend_note)
+                warnings.warn(f"stitching: kernel {self.stem.name} {self.backend_note}; "
+                              "please report it", RuntimeWarning, stacklevel=3)
+            return False
+        self.backend = "llvm"
+        return True
 
     def llvm_ir(self):
         if self.cfunc is not None:
@@ -558,7 +611,7 @@ def _compile_exact(spec: KernelSpec) -> CompiledKernel:
         module = _load_module(source.text, name)
         return module.body, module.h.BODY_SIG, module.h.BODY_OPTIONS
 
-    code = _Code(kernel_dir() / name, BODY_SYMBOL, body_source)
+    code = _Code(kernel_dir() / name, BODY_SYMBOL, body_source, text=source.text)
     return CompiledKernel(spec, sched, source, code, time.perf_counter() - t0)
 
 

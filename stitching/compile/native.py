@@ -282,6 +282,12 @@ def _lean_pipeline():
 _AOT_CFUNC = None
 
 
+def aot_codegen():
+    """Numba's ahead-of-time code generator for this CPU (the one _compile uses): the
+    direct backend (direct.py) builds its code libraries with it."""
+    return _aot_cfunc_class()._targetdescr.target_context.codegen()
+
+
 def _aot_cfunc_class():
     """Numba's CFunc on Numba's CPU target with the AOT code generator for this CPU."""
     global _AOT_CFUNC

@@ -1,0 +1,152 @@
+"""Kernels through the direct LLVM backend (codegen/cpu/llvm.py): no Numba front end.
+
+    module text ─llvm.translate─► IR module (body + calls of the math helpers)
+        ─Numba's AOT code library: the same per-function and module pass pipelines
+         as the Numba path, the helpers' libraries linked in─► optimized IR
+        ─native.export_ir─► <stem>.so (object, link: unchanged)
+
+Only the front end differs: what LLVM optimizes is the same loops, and the helpers
+are Numba's own compiled code for them, loaded from the helper cache the install step
+fills (helper_cache.py) and linked in as the Numba path links them, so LLVM inlines
+and vectorizes the same math (tests/test_llvm_backend.py compares outputs bit for
+bit).  A helper built from several others (fastmath.BIG_HELPERS, which the Numba path
+inlines at Numba-IR level) is called with ``alwaysinline`` at the call site: LLVM's
+inline budget would otherwise keep it a call and the loop scalar.
+
+Which backend builds kernels: ``STITCHING_CPU_BACKEND`` (``llvm``, the default, or
+``numba``; docs/tuning.md).  A kernel whose text leaves the direct backend's language
+is built by Numba instead, and its CompiledKernel says why (``backend_note``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from . import native
+
+# codegen/cpu/llvm.py (and llvmlite's IR layer) are imported when a kernel is built: a
+# process that only loads cached kernels names them with tag() and stops there.
+BACKENDS = ("llvm", "numba")
+_SOURCES = ("codegen/cpu/llvm.py", "compile/direct.py")
+
+
+def backend() -> str:
+    """The CPU backend chosen by STITCHING_CPU_BACKEND (default llvm)."""
+    name = os.environ.get("STITCHING_CPU_BACKEND", "").strip().lower() or "llvm"
+    if name not in BACKENDS:
+        raise ValueError(f"STITCHING_CPU_BACKEND must be one of {', '.join(BACKENDS)}, "
+                         f"got {name!r}")
+    return name
+
+
+_TAG = None
+
+
+def tag() -> str:
+    """A hash of the direct backend's own sources: part of the cache name of every
+    kernel it builds, so an edit to the translator never reuses its old objects."""
+    global _TAG
+    if _TAG is None:
+        h = hashlib.sha256()
+        for name in _SOURCES:
+            h.update((Path(__file__).parent.parent / name).read_bytes())
+        _TAG = h.hexdigest()[:12]
+    return _TAG
+
+
+class _NumbaCalls:
+    """``h.<name>`` calls as the Numba path makes them: an intrinsic's own IR
+    generator run on the translator's builder; a helper function (a Numba
+    dispatcher) compiled or loaded once per process and argument types, called with
+    Numba's calling convention, its library linked into the kernel's."""
+
+    _resolved: dict = {}        # (name, argument types) -> ("intrinsic" | "function", ...)
+
+    def __init__(self):
+        from numba.core import callconv, registry
+        self.typing = registry.cpu_target.typing_context
+        base = registry.cpu_target.target_context
+        # as the kernels' cfunc options ask (cpu/rt.py BODY_OPTIONS): no exceptions
+        self.context = base.subtarget(error_model=callconv.create_error_model("numpy", base))
+        self.libraries: list = []
+
+    def _resolve(self, name, argtypes):
+        key = (name, tuple(argtypes))
+        hit = self._resolved.get(key)
+        if hit is not None:
+            return hit
+        from numba.core.dispatcher import Dispatcher
+        from numba.core.errors import TypingError
+        from numba.core.extending import _Intrinsic
+
+        from ..codegen.cpu import fastmath, llvm, rt
+        obj = getattr(rt, name, None)
+        if isinstance(obj, _Intrinsic):
+            try:
+                sig, codegen = obj._defn(self.typing, *argtypes)
+            except TypingError as e:
+                raise llvm.Unsupported(f"h.{name}{tuple(argtypes)}: {e}") from None
+            hit = ("intrinsic", sig, codegen)
+        elif isinstance(obj, Dispatcher):
+            try:
+                obj.compile(tuple(argtypes))
+            except TypingError as e:
+                raise llvm.Unsupported(f"h.{name}{tuple(argtypes)}: {e}") from None
+            cres = obj.overloads[tuple(argtypes)]
+            big = any(obj is d for d in fastmath.BIG_HELPERS)
+            hit = ("function", cres.signature, (cres, big))
+        else:
+            raise llvm.Unsupported(f"h.{name} is not a helper this backend can call")
+        self._resolved[key] = hit
+        return hit
+
+    def type_call(self, name, argtypes):
+        return self._resolve(name, argtypes)[1].return_type
+
+    def emit_call(self, name, builder, argtypes, args):
+        kind, sig, impl = self._resolve(name, argtypes)
+        ctx = self.context
+        args = [ctx.cast(builder, a, t, s) for a, t, s in zip(args, argtypes, sig.args)]
+        if kind == "intrinsic":
+            return impl(ctx, builder, sig, args), sig.return_type
+        cres, big = impl
+        fn = ctx.declare_function(builder.module, cres.fndesc)
+        if cres.library not in self.libraries:
+            self.libraries.append(cres.library)
+        status, out = ctx.call_conv.call_function(builder, fn, sig.return_type, sig.args,
+                                                  args, attrs=("alwaysinline",) if big else None)
+        # The helper's status is never an error (error_model='numpy', no raise); the
+        # check stays, as Numba's lowering writes it, because the shape of the code
+        # around the call steers LLVM's scalar passes before vectorization (without it,
+        # sigmoid's two divisions were not merged into one: swiglu's loop 3
+        # instructions longer).  Inlined, the status is a constant and the branch goes.
+        from numba.core import cgutils
+        with cgutils.if_unlikely(builder, status.is_error):
+            builder.ret_void()
+        return out, sig.return_type
+
+
+def build(text: str, stem: Path, symbol: str) -> None:
+    """Compile kernel module ``text`` through the direct backend into ``stem``.so
+    exporting ``symbol``; raises llvm.Unsupported (nothing written) where it cannot."""
+    from numba.core.compiler_lock import global_compiler_lock
+
+    from ..codegen.cpu import llvm
+    codegen = native.aot_codegen()
+    with global_compiler_lock:      # Numba's compiles (helpers, libraries) are not reentrant
+        calls = _NumbaCalls()
+        module = llvm.translate(text, calls, symbol, calls.context)
+        module.triple = codegen._llvm_module.triple
+        module.data_layout = codegen._data_layout
+        lib = codegen.create_library(symbol)
+        try:
+            lib.add_ir_module(module)
+        except RuntimeError as e:       # the IR did not verify: a translator bug
+            raise native.NativeError(f"direct backend IR of {symbol} is invalid: {e}") \
+                from e
+        for dep in calls.libraries:
+            lib.add_linking_library(dep)
+        lib.finalize()
+        text, target = lib.get_llvm_str(), lib.codegen.magic_tuple()
+    native.export_ir(text, symbol, target, stem, symbol)

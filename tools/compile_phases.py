@@ -1,0 +1,298 @@
+"""Where a cold kernel's compile time goes, Numba backend against the direct LLVM one.
+
+    python tools/compile_phases.py collect DIR --model transformer --model llama_decoder
+    python tools/compile_phases.py collect DIR --cache CACHE_DIR   # a cold run's kernels
+    python tools/compile_phases.py time DIR [--rounds 3]
+    python tools/compile_phases.py speed [--rounds 7]
+
+``collect`` writes the generated kernel modules (``<code>.py``) of the models' cold
+first call (traced and planned, stopped before compiling, as tools/cold_profile.py
+does), or copies those a cold run left in a kernel cache (``kernels/*/k_*.py``).
+
+``time`` compiles every module in DIR with both backends in one warm process (Numba's
+target set up and the math helpers loaded first), ``--rounds`` times each, in turn,
+and reports the median of each phase per kernel, summed over the kernels:
+
+    front end      Numba: importing the module text, bytecode analysis, typing,
+                   lowering to llvmlite IR and printing it; direct: codegen/cpu/llvm.py
+                   typing and writing the IR, printing and parsing it
+    LLVM function  the per-function pass pipeline Numba runs on each new module
+    LLVM module    linking the helpers in and the O3 module pipeline (vectorization)
+    object         machine code for the target (native.export_ir, less the link)
+    link           the system compiler driver making the .so
+
+``speed`` builds the kernels of a few patterns (element-wise with broadcasts, GELU,
+SwiGLU, LayerNorm, RMSNorm, softmax, log-softmax, a column reduction; ``--rows`` x
+1024 float32) with each
+backend and times each kernel alone on this thread (CompiledKernel.__call__: its
+units one after another), the backends interleaved, each the best of 3 calls,
+median of ``--rounds``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ("front", "function", "module", "object", "link")
+
+
+def collect(out: Path, models, cache) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    n = 0
+    if cache:
+        for f in sorted(Path(cache).glob("kernels/*/k_*.py")):
+            shutil.copy(f, out / f.name)
+            n += 1
+    for model in models:
+        for name, text in _model_codes(model).items():
+            (out / f"{name}.py").write_text(text)
+            n += 1
+    print(f"{n} kernel modules in {out}")
+
+
+def _model_codes(model) -> dict:
+    """{code name: module text} of ``model``'s kernels at batch 1, planned as in a
+    cold first call (tools/cold_profile.py)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import cold_profile
+    return {name: text for name, (_, text) in cold_profile.planned_codes(model)[1].items()}
+
+
+class _Clock:
+    """Seconds spent in the hooked steps of one compile."""
+
+    def __init__(self):
+        self.t = dict.fromkeys(("function", "module", "export", "link"), 0.0)
+
+    def wrap(self, owner, name, key):
+        orig = getattr(owner, name)
+        clock = self
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                clock.t[key] += time.perf_counter() - t
+        setattr(owner, name, timed)
+
+
+def _hook(clock) -> None:
+    from numba.core import codegen
+
+    from stitching.compile import native
+    clock.wrap(codegen.CPUCodeLibrary, "_optimize_functions", "function")
+    clock.wrap(codegen.CPUCodeLibrary, "_optimize_final_module", "module")
+    clock.wrap(native, "export_ir", "export")
+    clock.wrap(native.subprocess, "run", "link")
+
+
+def _compile_once(text, backend, stem, clock) -> dict:
+    from stitching.compile import direct, kernel, native
+    for k in clock.t:
+        clock.t[k] = 0.0
+    t = time.perf_counter()
+    if backend == "llvm":
+        direct.build(text, stem, kernel.BODY_SYMBOL)
+    else:
+        module = kernel._load_module(text, f"phases_{stem.name}")
+        native.build(module.body, module.h.BODY_SIG, module.h.BODY_OPTIONS, stem,
+                     kernel.BODY_SYMBOL)
+    total = time.perf_counter() - t
+    c = clock.t
+    return {"front": total - c["function"] - c["module"] - c["export"],
+            "function": c["function"], "module": c["module"],
+            "object": c["export"] - c["link"], "link": c["link"], "total": total}
+
+
+def time_dir(src: Path, rounds: int) -> None:
+    os.environ.setdefault("STITCHING_CACHE_DIR", tempfile.mkdtemp(prefix="phases-"))
+    from stitching.compile import kernel, native
+    from stitching.compile.helper_cache import preload
+    kernel.use_helper_cache()
+    preload()
+    native.compile_only(lambda x: x + 1, "int64(int64)", {})    # Numba's target set up
+    texts = {f.stem: f.read_text() for f in sorted(src.glob("*.py"))}
+    clock = _Clock()
+    _hook(clock)
+    work = Path(tempfile.mkdtemp(prefix="phases-out-"))
+    runs = {(b, n): [] for b in ("numba", "llvm") for n in texts}
+    for _ in range(2):      # warm: every helper signature the kernels call loaded
+        for n, text in texts.items():
+            _compile_once(text, "llvm", work / f"w_{n}", clock)
+    for r in range(rounds):
+        for n, text in texts.items():
+            for b in ("numba", "llvm"):
+                runs[(b, n)].append(_compile_once(text, b, work / f"{b}_{r}_{n}", clock))
+    lines = sum(len(t.splitlines()) for t in texts.values())
+    print(f"{len(texts)} kernels, {lines} generated lines; median of {rounds} rounds "
+          f"per kernel and phase, summed (s)")
+    print("| backend | total | " + " | ".join(PHASES) + " |")
+    print("|---|---:|" + "---:|" * len(PHASES))
+    sums = {}
+    for b in ("numba", "llvm"):
+        s = {p: sum(statistics.median(x[p] for x in runs[(b, n)]) for n in texts)
+             for p in PHASES + ("total",)}
+        sums[b] = s
+        print(f"| {b} | {s['total']:.2f} | " + " | ".join(
+            f"{s[p]:.2f} ({s[p] / s['total']:.0%})" for p in PHASES) + " |")
+    print(f"speed-up of the total: {sums['numba']['total'] / sums['llvm']['total']:.2f}x; "
+          f"front end {sums['numba']['front'] / max(sums['llvm']['front'], 1e-9):.1f}x")
+    for n in texts:
+        a = statistics.median(x["total"] for x in runs[("numba", n)])
+        d = statistics.median(x["total"] for x in runs[("llvm", n)])
+        print(f"  {n}: {len(texts[n].splitlines())} lines, numba {a:.3f} s, "
+              f"llvm {d:.3f} s ({a / d:.1f}x)")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _pattern_specs(rows: int = 8192) -> dict:
+    """{name: (spec, input shapes)}: ``rows`` x 1024 float32 (8192: the patterns
+    suite's "large" size)."""
+    from stitching.ir.builder import SpecBuilder
+    R, C = rows, 1024
+    out = {}
+
+    def case(name, fn, shapes):
+        b = SpecBuilder()
+        ins = [b.input("float32", tuple(-1 if i == 0 and len(s) > 1 else d
+                                        for i, d in enumerate(s))) for s in shapes]
+        out[name] = (b.build(fn(b, *ins)), shapes)
+
+    def ln(b, x, g, be):
+        m = b.Mean(x, axes=[1], keep_dims=True)
+        c = b.Sub(x, m)
+        v = b.Mean(b.Square(c), axes=[1], keep_dims=True)
+        return [b.Add(b.Mul(b.Mul(c, b.Rsqrt(b.Add(v, b.const(1e-5)))), g), be)]
+
+    def softmax(b, x):
+        e = b.Exp(b.Sub(x, b.Max(x, axes=[1], keep_dims=True)))
+        return [b.Div(e, b.Sum(e, axes=[1], keep_dims=True))]
+
+    def log_softmax(b, x):
+        sh = b.Sub(x, b.Max(x, axes=[1], keep_dims=True))
+        return [b.Sub(sh, b.Log(b.Sum(b.Exp(sh), axes=[1], keep_dims=True)))]
+
+    def rms(b, x, g):
+        v = b.Mean(b.Square(x), axes=[1], keep_dims=True)
+        return [b.Mul(b.Mul(x, b.Rsqrt(b.Add(v, b.const(1e-6)))), g)]
+
+    def gelu_erf(b, x, bias):
+        y = b.Add(x, bias)
+        return [b.Mul(b.Mul(y, b.const(0.5)),
+                      b.Add(b.const(1.0), b.Erf(b.Mul(y, b.const(0.7071067811865476)))))]
+
+    def gelu_tanh(b, x, bias):
+        y = b.Add(x, bias)
+        inner = b.Mul(b.const(0.7978845608), b.Add(y, b.Mul(b.const(0.044715),
+                                                            b.Mul(y, b.Mul(y, y)))))
+        return [b.Mul(b.Mul(y, b.const(0.5)), b.Add(b.const(1.0), b.Tanh(inner)))]
+
+    def swiglu(b, x, gate):
+        return [b.Mul(b.Mul(x, b.Sigmoid(x)), gate)]
+
+    def bn_relu6(b, x, s, t):
+        return [b.Relu6(b.Add(b.Mul(x, s), t))]
+
+    def center0(b, x):
+        return [b.Sub(x, b.Mean(x, axes=[0], keep_dims=True))]
+
+    case("layernorm", ln, [(R, C), (C,), (C,)])
+    case("softmax", softmax, [(R, C)])
+    case("log_softmax", log_softmax, [(R, C)])
+    case("rmsnorm", rms, [(R, C), (C,)])
+    case("bias_gelu_erf", gelu_erf, [(R, C), (C,)])
+    case("bias_gelu_tanh", gelu_tanh, [(R, C), (C,)])
+    case("swiglu", swiglu, [(R, C), (R, C)])
+    case("bn_relu6", bn_relu6, [(R, C), (C,), (C,)])
+    case("center_axis0", center0, [(R, C)])
+    return out
+
+
+def speed(rounds: int, rows: int) -> None:
+    import numpy as np
+
+    os.environ.setdefault("STITCHING_CACHE_DIR", tempfile.mkdtemp(prefix="phases-speed-"))
+    from stitching.compile import kernel
+    rng = np.random.default_rng(0)
+    calls = max(1, 8192 // rows)        # ~ the same time per measurement at any size
+    kernels = {}
+    for b in ("numba", "llvm"):
+        os.environ["STITCHING_CPU_BACKEND"] = b
+        kernel.clear_memory_cache()
+        for name, (spec, shapes) in _pattern_specs(rows).items():
+            k = kernel.compile_kernel(spec)
+            assert k.backend == b or k.backend_note is None, (name, k.backend_note)
+            kernels[(b, name)] = (k, shapes)
+    times = {key: [] for key in kernels}
+    for _ in range(rounds):
+        for name in _pattern_specs(rows):
+            args = [rng.standard_normal(s).astype(np.float32)
+                    for s in kernels[("numba", name)][1]]
+            outs = {}
+            for b in ("numba", "llvm"):
+                k = kernels[(b, name)][0]
+                best = math.inf
+                for _ in range(3):          # best of 3 calls: other processes' noise
+                    t = time.perf_counter()
+                    for _ in range(calls):
+                        outs[b] = k(*args)
+                    best = min(best, (time.perf_counter() - t) / calls)
+                times[(b, name)].append(best)
+            same = all(np.array_equal(x, y, equal_nan=True)
+                       for x, y in zip(outs["numba"], outs["llvm"]))
+            times.setdefault(("same", name), []).append(same)
+    print(f"{rows}x1024 float32, kernel alone, one thread, median of {rounds} rounds "
+          "interleaved (ms); "
+          "llvm/numba < 1: the direct backend's code is faster")
+    print("| pattern | numba ms | llvm ms | llvm / numba | outputs bit-identical |")
+    print("|---|---:|---:|---:|---|")
+    ratios = []
+    for name in _pattern_specs(rows):
+        a = statistics.median(times[("numba", name)]) * 1e3
+        d = statistics.median(times[("llvm", name)]) * 1e3
+        ratios.append(d / a)
+        print(f"| {name} | {a:.2f} | {d:.2f} | {d / a:.3f} | "
+              f"{'yes' if all(times[('same', name)]) else 'NO'} |")
+    print(f"geomean llvm / numba: {statistics.geometric_mean(ratios):.3f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("collect")
+    c.add_argument("out", type=Path)
+    c.add_argument("--model", action="append", default=[])
+    c.add_argument("--cache", help="a kernel cache directory a cold run filled")
+    t = sub.add_parser("time")
+    t.add_argument("src", type=Path)
+    t.add_argument("--rounds", type=int, default=3)
+    sp = sub.add_parser("speed")
+    sp.add_argument("--rounds", type=int, default=7)
+    sp.add_argument("--rows", type=int, default=8192,
+                    help="rows of 1024 floats (64: the data stays in L2, code speed "
+                         "alone; 8192: the patterns suite's large size)")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, REPO)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.what == "collect":
+        if args.model:
+            os.environ["STITCHING_CACHE_DIR"] = tempfile.mkdtemp(prefix="phases-collect-")
+        collect(args.out, args.model, args.cache)
+    elif args.what == "time":
+        time_dir(args.src, args.rounds)
+    else:
+        speed(args.rounds, args.rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
