@@ -12,6 +12,8 @@ around planning, each pass entered once:
                  -> two halves of the sequence (Options(seq_split))     seqsplit.py
     lift         TF nodes -> IR (the frontend, tf/frontend.py)              lift.py
     shape_math   shape arithmetic marked, left out of the counts     shape_math.py
+    shapes       run-time Reshape targets known but for one dim -> constants; the
+                 Shape ops only they read leave the IR (not kernel outputs) shapes.py
     remapper     conv epilogues TF's remapper fuses, priced as free   remapper.py
   plan           plan.get_planner(options.planner); legality from schedule.check;
                  large graphs: stored per graph (plan/cache.py)
@@ -24,7 +26,6 @@ around planning, each pass entered once:
     gemm         BatchMatMul against a 2-D weight -> one MatMul (Options(gemm)) gemm.py
     einsum       two-operand Einsum -> BatchMatMulV2 + row gathers (Options(einsum))
     padfold      a zero Pad before a depthwise conv -> its padding (Options(pad_fold))
-    shapes       run-time Reshape targets known but for one dim -> constants shapes.py
     remapper_identities  the Identity in Keras' swish forwarded         remapper.py
     prune        what the rewrite left unread, equal constants, inlining's Identities
     autotune     kernels with a small predicted margin marked to be timed against
@@ -61,6 +62,7 @@ BEFORE_PLANNING = (
     seqsplit.PASS,
     lift.PASS,
     shape_math.PASS,
+    shapes.PASS,
     remapper.MARK,
 )
 AFTER_PLANNING = (
@@ -70,7 +72,6 @@ AFTER_PLANNING = (
     gemm.PASS,
     einsum.PASS,
     padfold.PASS,
-    shapes.PASS,
     remapper.FORWARD,
     prune.PASS,
     autotune.PASS,
