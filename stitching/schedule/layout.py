@@ -231,9 +231,14 @@ class _Lowering:
             x = self.spec.type_of(n.args[0]).shape
             return self.remap(n.args[0], _reshape_map(x, n.type.shape, M), shape)
         if n.op in ("Const", "FillLike"):
-            value = n.attrs["value"]
-            return self.emit("Const", [], {"value": value, "dtype": n.type.dtype,
-                                           "shape": [1] * len(shape)})
+            # a uniform value; its non-1 dims (the ones a broadcasting Tile multiplies
+            # by) keep their extent in the new index space
+            out = [1] * len(shape)
+            for (o, _, _), size in zip(M, n.type.shape):
+                if o >= 0 and size != 1 and n.op == "Const":
+                    out[o] = shape[o]
+            return self.emit("Const", [], {"value": n.attrs["value"],
+                                           "dtype": n.type.dtype, "shape": out})
         if OPS[n.op].kind != Kind.ELEMENTWISE:
             raise Refusal(f"a {n.op} result is read through a layout op: layout ops are "
                           "folded into the loads of kernel inputs and element-wise "

@@ -10,6 +10,8 @@ around planning, each pass entered once:
     sparse_xent  SparseSoftmaxCrossEntropyWithLogits -> the dense op     sparse_xent.py
     seqsplit     token-wise blocks whose products TF runs on one thread at batch 1
                  -> two halves of the sequence (Options(seq_split))     seqsplit.py
+    reshape_sink a Transpose of a Reshape that groups dims -> a Reshape of a
+                 Transpose (GQA's repeated heads)                   reshape_sink.py
     lift         TF nodes -> IR (the frontend, tf/frontend.py)              lift.py
     shape_math   shape arithmetic marked, left out of the counts     shape_math.py
     shapes       run-time Reshape targets known but for one dim -> constants; the
@@ -52,14 +54,15 @@ from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import control_flow, dump, opnames, passmanager
 from .passes import (autotune, bcast, einsum, forward, gemm, grappler, lift, original,
-                     padfold, prune, remapper, rewrite, seqsplit, shape_math, shapes,
-                     sparse_xent)
+                     padfold, prune, remapper, reshape_sink, rewrite, seqsplit, shape_math,
+                     shapes, sparse_xent)
 
 BEFORE_PLANNING = (
     grappler.PASS,
     bcast.PASS,
     sparse_xent.PASS,
     seqsplit.PASS,
+    reshape_sink.PASS,
     lift.PASS,
     shape_math.PASS,
     shapes.PASS,

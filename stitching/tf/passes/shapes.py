@@ -239,24 +239,26 @@ def _run(ctx):
     value the plan could keep inside a kernel (a rotary embedding's output, read by
     ``keras.ops.repeat``'s run-time Reshape target) made that value a kernel output
     no data consumer reads; once the target is a constant, the Shape and the shape
-    arithmetic after it are dead, and they leave the IR and the graph here."""
+    arithmetic after it are dead, and they leave the IR and the graph here (with
+    any other shape arithmetic nothing reads: reshape_sink.py drops Reshapes)."""
     graph_def = type(ctx.graph_def)()
     graph_def.CopyFrom(ctx.graph_def)
     folded = fold_reshapes(graph_def, ctx.planned, ctx.ir)
-    if not folded:
-        return None
     dead = _dead_shape_math(graph_def, ctx.shape_math, ctx.fetched)
-    if dead:
-        kept = [nd for nd in graph_def.node if nd.name not in dead]
-        del graph_def.node[:]
-        graph_def.node.extend(kept)
-        for name in dead:
-            ctx.ir.nodes.pop(name, None)
-        for node in ctx.ir:       # a folded Reshape no longer waits for its target
-            node.order_inputs = [n for n in node.order_inputs if n not in dead]
-        ctx.shape_math = ctx.shape_math - dead
+    if not folded and not dead:
+        return None
+    kept = [nd for nd in graph_def.node if nd.name not in dead]
+    del graph_def.node[:]
+    graph_def.node.extend(kept)
+    for name in dead:
+        ctx.ir.nodes.pop(name, None)
+    for node in ctx.ir:           # a folded Reshape no longer waits for its target
+        node.order_inputs = [n for n in node.order_inputs if n not in dead]
+    ctx.shape_math = ctx.shape_math - dead
     ctx.replace(graph_def)
     ctx.planned = graph_def
+    if not folded:
+        return None
     return (f"{folded} Reshape target(s) computed at run time (Shape, Gather, "
             "Prod, Concat...) are constants but for one -1 entry (tf/shapes.py)")
 
