@@ -7,6 +7,8 @@ around planning, each pass entered once:
     grappler     TF's inlining, constant folding and arithmetic optimizer, as
                  tf.function runs them; IdentityN forwarded          passes/grappler.py
     bcast        broadcast-gradient shapes known at trace time -> constants   bcast.py
+    concat_grad  a ConcatV2 gradient's Slice bounds known at trace time -> constants
+                                                                      concat_grad.py
     sparse_xent  SparseSoftmaxCrossEntropyWithLogits -> the dense op     sparse_xent.py
     seqsplit     token-wise blocks whose products TF runs on one thread at batch 1
                  -> two halves of the sequence (Options(seq_split))     seqsplit.py
@@ -53,13 +55,14 @@ from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import control_flow, dump, opnames, passmanager
-from .passes import (autotune, bcast, einsum, forward, gemm, grappler, lift, original,
+from .passes import (autotune, bcast, concat_grad, einsum, forward, gemm, grappler, lift, original,
                      padfold, prune, remapper, reshape_sink, rewrite, seqsplit, shape_math,
                      shapes, sparse_xent)
 
 BEFORE_PLANNING = (
     grappler.PASS,
     bcast.PASS,
+    concat_grad.PASS,
     sparse_xent.PASS,
     seqsplit.PASS,
     reshape_sink.PASS,

@@ -17,8 +17,9 @@ Algorithm: for each Reshape left to TF, evaluate its shape input over a two-valu
 domain per entry (a known int, or UNKNOWN), through Const, Shape (static dims from the
 IR's shape inference, with the dims it lost at an earlier such Reshape filled back in:
 ``_refined``), GatherV2, Prod, Pack, ConcatV2, StridedSlice (1-D, constant bounds) and
-Identity, and a scalar Mul or ExpandDims (keras.ops.repeat's target); any other op, or
-more than one UNKNOWN entry, leaves the Reshape
+Identity, a scalar Mul or ExpandDims (keras.ops.repeat's target), and the 2-D Pack,
+Transpose and flattening Reshape of TF's Tile gradient; any other op, or more than one
+UNKNOWN entry, leaves the Reshape
 as it is.  The folded Reshape reads a new Const; the shape ops it no longer reads are
 pruned by TF when it instantiates the function (they are stateless).
 """
@@ -119,11 +120,24 @@ def _value(ref, nodes, before, ir_graph, depth, memo):
         if not isinstance(vals, list) or axis not in (0, [0]) or _flag(nd, "keep_dims"):
             raise _Unfoldable
         return UNKNOWN if UNKNOWN in vals else int(np.prod(vals, dtype=np.int64))
-    if nd.op == "Pack":
+    if nd.op == "Pack":         # scalars, or equal-length vectors (a 2-D value)
         vals = [arg(i) for i in range(len(data))]
-        if _int_attr(nd, "axis") or any(isinstance(v, list) for v in vals):
+        nested = [isinstance(v, list) for v in vals]
+        if _int_attr(nd, "axis") or any(nested) and not (
+                all(nested) and len({len(v) for v in vals}) == 1 and
+                not any(isinstance(x, list) for v in vals for x in v)):
             raise _Unfoldable
         return vals
+    if nd.op == "Transpose":    # TF's Tile gradient: transpose(stack([multiples, shape]))
+        vals, perm = arg(0), arg(1)
+        if perm != [1, 0] or not vals or not all(isinstance(v, list) for v in vals):
+            raise _Unfoldable
+        return [list(col) for col in zip(*vals)]
+    if nd.op == "Reshape":      # ... then reshaped to one dim
+        vals, shape = arg(0), arg(1)
+        if shape not in ([-1], -1) or not isinstance(vals, list):
+            raise _Unfoldable
+        return [x for v in vals for x in (v if isinstance(v, list) else [v])]
     if nd.op == "ConcatV2":
         parts, axis = [arg(i) for i in range(len(data) - 1)], arg(len(data) - 1)
         if axis != 0 or not all(isinstance(p, list) for p in parts):
