@@ -342,3 +342,26 @@ def test_llama_decoder_block_coverage():
     assert rep.coverage >= 0.9, rep.summary()
     assert [op for _, op, _ in rep.unfused] == ["Transpose"], rep.summary()
     assert "lone op" in rep.unfused[0][2]
+
+
+def test_cuda_plans_keep_layout_ops_out_of_kernels():
+    """The CUDA emitter reads no views: a plan for a CUDA profile leaves the transpose
+    to TF with that reason, where a CPU plan fuses it."""
+    import sys
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from irbuild import G
+    from stitching.plan import profiles, search
+    from stitching.schedule import check as legal_check
+
+    def legal(spec):
+        d = legal_check(spec)
+        return None if d.ok else d.reason
+    g = (G().input("x", [-1, T, H, D]).op("e", "Exp", ["x"]).op("n", "Neg", ["e"])
+         .op("t", "Transpose", ["n"], perm=[0, 2, 1, 3]).op("y", "Sigmoid", ["t"])
+         .build("y"))
+    cpu = search.plan(g, legal, config=search.SearchConfig(profile=profiles.get("cpu-reference")))
+    assert "t" in {m for r in cpu.regions for m in r.nodes}
+    gpu = search.plan(g, legal, config=search.SearchConfig(profile=profiles.get("v100")))
+    assert "t" not in {m for r in gpu.regions for m in r.nodes}
+    why = dict((n, r) for n, _, r in gpu.unfused)["t"]
+    assert "the CUDA emitter reads no views" in why

@@ -176,6 +176,9 @@ _reg("Slice", Kind.LAYOUT, 1, attrs={"begin": _int_list, "size": _int_list,
 # ConcatV2 on a constant axis; Pack stacks its inputs along a new axis ``axis``.
 _reg("ConcatV2", Kind.LAYOUT, VARIADIC, attrs={"axis": _int})
 _reg("Pack", Kind.LAYOUT, VARIADIC, attrs={"axis": _int})
+# The layout ops that are index maps (folded into loads, schedule/layout.py), as opposed
+# to Reshape, which only adds or removes size-1 dims.
+INDEX_MAPS = frozenset({"Transpose", "Slice", "ConcatV2", "Pack"})
 # Const: a scalar value splatted to a static shape (usually ()).
 _reg("Const", Kind.SOURCE, 0, attrs={"value": _scalar_value, "dtype": _dtype,
                                       "shape": _int_list})

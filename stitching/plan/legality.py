@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..ir import OPS, Graph, Kind, Node, infer
 from ..ir.composites import COMPOSITE_OPS
+from ..ir.ops import INDEX_MAPS
 
 
 def node_reason(graph: Graph, node: Node) -> str | None:
@@ -32,6 +33,19 @@ def node_reason(graph: Graph, node: Node) -> str | None:
     except ValueError as e:
         return str(e)
     return None
+
+
+def backend_reason(spec, profile) -> str | None:
+    """None if the profile's backend can generate ``spec``.  Layout ops fold into the
+    loads of CPU kernels (schedule/layout.py); the CUDA emitter has no views yet (it
+    refuses such a schedule), so a plan for a CUDA profile keeps them out of kernels."""
+    if profile.backend != "cuda":
+        return None
+    ops = sorted({n.op for n in spec.nodes if n.op in INDEX_MAPS})
+    if not ops:
+        return None
+    return (f"{'/'.join(ops)} inside a CUDA kernel: layout ops fold into the loads of "
+            "CPU kernels only (the CUDA emitter reads no views yet)")
 
 
 def is_candidate(graph: Graph, node: Node) -> bool:

@@ -48,11 +48,10 @@ import hashlib
 from dataclasses import dataclass, field
 
 from ..ir.graph import TensorType
-from ..ir.ops import OPS, Kind, infer
+from ..ir.ops import INDEX_MAPS, OPS, Kind, infer
 from ..ir.spec import KernelSpec, SpecNode
 from .domain import Refusal, live_nodes
 
-INDEX_MAPS = frozenset({"Transpose", "Slice", "ConcatV2", "Pack"})
 MAX_TABLE = 1 << 16     # arbitrary: a concatenated axis longer than this stays a TF op
 _NONE = (-1, 0, 0)      # a map entry: this value dim's index is a constant (0 here)
 
