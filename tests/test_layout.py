@@ -365,3 +365,64 @@ def test_cuda_plans_keep_layout_ops_out_of_kernels():
     assert "t" not in {m for r in gpu.regions for m in r.nodes}
     why = dict((n, r) for n, _, r in gpu.unfused)["t"]
     assert "the CUDA emitter reads no views" in why
+
+
+def test_pad_and_reverse_change_no_bits():
+    """Pad (zeros or a value) on the innermost axis: a select over a constant table,
+    the input's loads guarded; Reverse: a negative stride."""
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 6, 10])
+    outs = [b.Pad(b.Neg(x), paddings=[0, 0, 0, 0, 3, 2], value=0.0),
+            b.Reverse(x, axes=[1]),
+            b.Pad(x, paddings=[0, 0, 0, 0, 1, 0], value=-1.5)]
+    X = RNG.standard_normal((2, 6, 10)).astype(np.float32)
+    X[1, 2, 3] = np.nan
+    want = [np.pad(-X, [(0, 0), (0, 0), (3, 2)]), X[:, ::-1],
+            np.pad(X, [(0, 0), (0, 0), (1, 0)], constant_values=-1.5)]
+    for out, w in zip(outs, want):
+        one = SpecBuilder()
+        one.inputs, one.nodes = list(b.inputs), list(b.nodes)
+        (got,) = compile_kernel(one.build([out]))(X)
+        np.testing.assert_array_equal(got, w)
+
+
+def test_pad_and_reverse_that_stay_out_say_why():
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 6, 10])
+    assert "Pad on an axis other than the kernel's innermost" in check(
+        b.build([b.Pad(b.Exp(x), paddings=[0, 0, 1, 1, 0, 0], value=0.0)])).reason
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 6, 10])
+    assert "a reverse of it" in check(b.build([b.Reverse(b.Exp(x), axes=[2])])).reason
+    with pytest.raises(SpecError, match="known only at run time"):
+        b = SpecBuilder()
+        b.Pad(b.input("float32", [-1, 6]), paddings=[1, 0, 0, 0], value=0.0)
+
+
+def test_tf_pad_reverse_and_strided_slice_gradient_fuse_bitwise():
+    """tf.pad / tf.reverse in a kernel, and the tape's StridedSliceGrad of x[..., 2:9]
+    (a Pad of dy: the SliceGrad composite) fused with its neighbours, equal to TF."""
+    import stitching
+    tf = pytest.importorskip("tensorflow")
+
+    def fwd(x):
+        return tf.pad(-x, [[0, 0], [0, 0], [3, 1]]) * 2.0 + tf.pad(
+            tf.reverse(x, [1]), [[0, 0], [0, 0], [0, 4]], constant_values=0.5)
+
+    def grad(x, g):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.reverse(x[:, :, 2:9], [1]) * g * 3.0)
+        return tape.gradient(loss, x)
+    f = stitching.function(fwd, input_signature=[tf.TensorSpec([None, 6, 10], tf.float32)])
+    f2 = stitching.function(grad, input_signature=[tf.TensorSpec([None, 6, 10], tf.float32),
+                                                   tf.TensorSpec([None, 6, 7], tf.float32)])
+    for batch in (1, 3):
+        x = tf.constant(RNG.standard_normal((batch, 6, 10)).astype(np.float32))
+        g = tf.constant(RNG.standard_normal((batch, 6, 7)).astype(np.float32))
+        np.testing.assert_array_equal(f(x).numpy(), tf.function(fwd)(x).numpy())
+        np.testing.assert_array_equal(f2(x, g).numpy(), tf.function(grad)(x, g).numpy())
+    for rep in (f.report, f2.report):
+        assert rep.coverage == 1.0, rep.summary()
+    assert len(f.report.kernels) == 1
+    assert any("StridedSliceGrad" in [op for _, op in k.ops] for k in f2.report.kernels)

@@ -70,7 +70,7 @@ COMPOSITE_PASSES = {"Softmax": 4, "LogSoftmax": 4, "SoftmaxCrossEntropyWithLogit
 # TF runs each of these as one pass over its data (one Eigen expression per kernel)
 COMPOSITE_PASSES.update(dict.fromkeys(
     ("ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad", "SigmoidGrad",
-     "TanhGrad", "BiasAddGrad", "L2Loss", "Tile", "Split"), 1))
+     "TanhGrad", "BiasAddGrad", "L2Loss", "Tile", "Split", "SliceGrad"), 1))
 PLANNER_ATTRS = ("unfusible", "tf_epilogue")   # for planning only, never in a KernelSpec
 
 
@@ -79,14 +79,13 @@ def work(node: Node) -> int:
 
     Views and constants cost nothing in TF; a composite (Softmax, FusedBatchNorm)
     is one TF op but several passes of work, so fusing it alone still pays.  Of the
-    layout ops only Reshape is a view in TF: a Transpose, Slice, ConcatV2 or Pack is a
-    copy there (a pass over its data), which a kernel reading through it saves.
+    layout ops only Reshape is a view in TF: an index map (Transpose, Slice, ConcatV2,
+    Pack, Pad, Reverse) is a copy there (a pass over its data), which a kernel reading
+    through it saves.
     """
     if node.op in COMPOSITE_OPS:
         return COMPOSITE_PASSES.get(node.op, 2)
     d = OPS.get(node.op)
     return int(d is not None and d.kind not in (Kind.LAYOUT, Kind.SOURCE)
-               and node.op != "Identity" or node.op in LAYOUT_COPIES)
+               and node.op != "Identity" or node.op in INDEX_MAPS)
 
-
-LAYOUT_COPIES = frozenset({"Transpose", "Slice", "ConcatV2", "Pack"})

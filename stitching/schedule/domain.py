@@ -397,8 +397,8 @@ def analyze(spec) -> Domain:
     for r, v in views.items():
         if v.guard and r in used and (value_dims[r][v.guard[0]] is None or axes[-1].classes
                                       != (value_dims[r][v.guard[0]],)):
-            raise Refusal("a concatenation on an axis other than the kernel's innermost "
-                          "reads a piece outside its range: not fused yet")
+            raise Refusal("a concatenation or Pad on an axis other than the kernel's "
+                          "innermost reads a piece outside its range: not fused yet")
     return Domain(classes, axes, value_dims, carries, reduced, view_strides)
 
 
@@ -408,8 +408,8 @@ def _view_axis_strides(ref, axes, carried, class_stride) -> dict:
     out = {a: class_stride[axes[a].classes[-1]] for a in carried}
     if carried and carried[-1] == len(axes) - 1 and out[carried[-1]] != 1:
         raise Refusal(f"{_name(ref)} is read through a layout op that moves its "
-                      "innermost axis (a transpose of the last dim, or a strided slice "
-                      "on it): not fused yet")
+                      "innermost axis (a transpose of the last dim, a strided slice or "
+                      "a reverse of it): not fused yet")
     return out
 
 

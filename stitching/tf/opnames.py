@@ -66,7 +66,8 @@ LEFT_TO_TF = {
 # Memory-intensive TF ops we do not fuse (yet): counted in the denominator, so the
 # report's coverage figure stays honest.
 UNSUPPORTED_MEMORY_INTENSIVE = frozenset({
-    "Transpose", "ConcatV2", "Concat", "Pad", "PadV2", "MirrorPad", "Slice",
+    "Transpose", "ConcatV2", "Concat", "Pad", "PadV2", "MirrorPad", "Slice", "ReverseV2",
+    "StridedSliceGrad",
     "StridedSlice", "GatherV2", "OneHot", "Pack", "Unpack",
     "Split", "SplitV", "ArgMax", "ArgMin", "Cumsum", "Atan2", "Tan", "Asin",
     "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Lgamma", "Digamma",
