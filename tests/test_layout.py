@@ -426,3 +426,9 @@ def test_tf_pad_reverse_and_strided_slice_gradient_fuse_bitwise():
         assert rep.coverage == 1.0, rep.summary()
     assert len(f.report.kernels) == 1
     assert any("StridedSliceGrad" in [op for _, op in k.ops] for k in f2.report.kernels)
+
+
+def test_the_op_table_names_every_layout_converter():
+    pytest.importorskip("tensorflow")
+    from stitching.tf import frontend, opnames
+    assert set(frontend._LAYOUT) == opnames.LAYOUT_MAPS
