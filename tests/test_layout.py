@@ -105,8 +105,13 @@ def test_split_and_softmax_over_transposed_rows():
 def test_what_stays_out_says_why():
     b = SpecBuilder()
     x = b.input("float32", [-1, 8, 16])
-    moved = b.Exp(b.Transpose(x, perm=[0, 2, 1]))       # moves the innermost axis
-    assert "moves its innermost axis" in check(b.build([moved])).reason
+    moved = b.Transpose(x, perm=[0, 2, 1])              # moves the innermost axis
+    assert "only element-wise kernels load along a stride" in check(
+        b.build([b.Sum(b.Exp(moved), axes=[2], keep_dims=True)])).reason
+    b = SpecBuilder()
+    x = b.input("float32", [8192, 32])
+    moved = b.Exp(b.Transpose(x, perm=[1, 0]))           # 8192 lines per row
+    assert "a strided load runs over at most 4096" in check(b.build([moved])).reason
     b = SpecBuilder()
     x = b.input("float32", [-1, 8, 16])
     s = b.Sum(x, axes=[2], keep_dims=True)
@@ -369,15 +374,15 @@ def test_cuda_plans_keep_layout_ops_out_of_kernels():
 
 def test_pad_and_reverse_change_no_bits():
     """Pad (zeros or a value) on the innermost axis: a select over a constant table,
-    the input's loads guarded; Reverse: a negative stride."""
+    the input's loads guarded; Reverse: a negative stride (on the innermost axis too)."""
     b = SpecBuilder()
     x = b.input("float32", [-1, 6, 10])
     outs = [b.Pad(b.Neg(x), paddings=[0, 0, 0, 0, 3, 2], value=0.0),
-            b.Reverse(x, axes=[1]),
+            b.Reverse(x, axes=[1, 2]),
             b.Pad(x, paddings=[0, 0, 0, 0, 1, 0], value=-1.5)]
     X = RNG.standard_normal((2, 6, 10)).astype(np.float32)
     X[1, 2, 3] = np.nan
-    want = [np.pad(-X, [(0, 0), (0, 0), (3, 2)]), X[:, ::-1],
+    want = [np.pad(-X, [(0, 0), (0, 0), (3, 2)]), X[:, ::-1, ::-1],
             np.pad(X, [(0, 0), (0, 0), (1, 0)], constant_values=-1.5)]
     for out, w in zip(outs, want):
         one = SpecBuilder()
@@ -393,7 +398,8 @@ def test_pad_and_reverse_that_stay_out_say_why():
         b.build([b.Pad(b.Exp(x), paddings=[0, 0, 1, 1, 0, 0], value=0.0)])).reason
     b = SpecBuilder()
     x = b.input("float32", [-1, 6, 10])
-    assert "a reverse of it" in check(b.build([b.Reverse(b.Exp(x), axes=[2])])).reason
+    assert "only element-wise kernels load along a stride" in check(b.build([b.Sum(
+        b.Reverse(b.Exp(x), axes=[2]), axes=[2], keep_dims=True)])).reason
     with pytest.raises(SpecError, match="known only at run time"):
         b = SpecBuilder()
         b.Pad(b.input("float32", [-1, 6]), paddings=[1, 0, 0, 0], value=0.0)
@@ -432,3 +438,29 @@ def test_the_op_table_names_every_layout_converter():
     pytest.importorskip("tensorflow")
     from stitching.tf import frontend, opnames
     assert set(frontend._LAYOUT) == opnames.LAYOUT_MAPS
+
+
+def test_transposes_of_the_last_dim_are_strided_loads():
+    """A transpose that moves the innermost axis (attention's k^T, a 2-D transpose) or
+    a strided slice of it: element-wise kernels load along the stride; bit-exact."""
+    cases = []
+    b = SpecBuilder()
+    x = b.input("float32", [-1, H, T, D])
+    cases.append((b, b.Neg(b.Transpose(x, perm=[0, 1, 3, 2])),
+                  lambda X: -np.transpose(X, (0, 1, 3, 2)), (2, H, T, D)))
+    b = SpecBuilder()
+    x = b.input("float32", [48, 64])
+    cases.append((b, b.Mul(b.Transpose(x, perm=[1, 0]), b.Transpose(x, perm=[1, 0])),
+                  lambda X: X.T * X.T, (48, 64)))
+    b = SpecBuilder()
+    x = b.input("float32", [-1, T, D])
+    cases.append((b, b.Neg(b.Slice(x, begin=[0, 0, 1], size=[-1, T, D // 2],
+                                   strides=[1, 1, 2], shape=[-1, T, D // 2])),
+                  lambda X: -X[:, :, 1::2], (3, T, D)))
+    for b, out, ref, shape in cases:
+        spec = b.build([out])
+        assert build_schedule(spec).kind == KernelKind.ELEMENTWISE
+        X = RNG.standard_normal(shape).astype(np.float32)
+        X.flat[5] = np.nan
+        (got,) = compile_kernel(spec)(X)
+        np.testing.assert_array_equal(got, ref(X))
