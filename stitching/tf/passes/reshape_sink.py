@@ -107,9 +107,10 @@ def sink(tf_graph, graph_def):
     # a Reshape only sunk Transposes read is dead after the rewrite: left in, it would
     # make the Tile before it a kernel output (the shape arithmetic of its target is
     # pruned with the other dead shape arithmetic, tf/passes/shapes.py)
+    ordered = {i[1:] for nd in graph_def.node for i in nd.input if i.startswith("^")}
     dead = {r.name for r in {tf_graph.get_operation_by_name(n).inputs[0].op for n in todo}
             if all(c.type == "Transpose" and c.name in todo for c in r.outputs[0].consumers())
-            and not r._control_outputs}
+            and r.name not in ordered}
     out = type(graph_def)()
     out.CopyFrom(graph_def)
     del out.node[:]
