@@ -105,8 +105,13 @@ def test_split_and_softmax_over_transposed_rows():
 def test_what_stays_out_says_why():
     b = SpecBuilder()
     x = b.input("float32", [-1, 8, 16])
-    moved = b.Exp(b.Transpose(x, perm=[0, 2, 1]))       # moves the innermost axis
-    assert "moves its innermost axis" in check(b.build([moved])).reason
+    moved = b.Transpose(x, perm=[0, 2, 1])              # moves the innermost axis
+    assert "only element-wise kernels load along a stride" in check(
+        b.build([b.Sum(b.Exp(moved), axes=[2], keep_dims=True)])).reason
+    b = SpecBuilder()
+    x = b.input("float32", [8192, 32])
+    moved = b.Exp(b.Transpose(x, perm=[1, 0]))           # 8192 lines per row
+    assert "a strided load runs over at most 4096" in check(b.build([moved])).reason
     b = SpecBuilder()
     x = b.input("float32", [-1, 8, 16])
     s = b.Sum(x, axes=[2], keep_dims=True)
@@ -217,3 +222,245 @@ def test_tf_tile_of_unknown_batch_is_a_broadcast():
         x = tf.constant(RNG.standard_normal((batch, 4, 8)).astype(np.float32))
         np.testing.assert_array_equal(f(x).numpy(), tf.function(rep)(x).numpy())
     assert len(f.report.kernels) == 1 and f.report.coverage == 1.0
+
+
+def test_tf_broadcast_constant_keeps_its_extent_through_a_transpose():
+    """A broadcasting Tile (x * ones[..]) read through a transpose: the ones' non-1 dims
+    keep their extent in the transposed index space (a stride-0 view of x)."""
+    b = SpecBuilder()
+    x = b.input("float32", [-1, T, 2, D])
+    ones = b.Const(value=1.0, dtype="float32", shape=[1, T, 2, 3, D])
+    tiled = b.Mul(b.Reshape(x, shape=[-1, T, 2, 1, D]), ones)
+    spec = b.build([b.Transpose(tiled, perm=[0, 2, 3, 1, 4])])
+    assert check(spec).ok
+    X = RNG.standard_normal((2, T, 2, D)).astype(np.float32)
+    (got,) = compile_kernel(spec)(X)
+    want = np.transpose(np.repeat(X[:, :, :, None, :], 3, axis=3), (0, 2, 3, 1, 4))
+    np.testing.assert_array_equal(got, want)
+
+
+# ---- grouped-query attention: the K/V repeat and the gradients --------------------------
+
+KV, R = 2, 2
+
+
+def _gqa_case():
+    tf = pytest.importorskip("tensorflow")
+    rng = np.random.default_rng(11)
+    c = tf.constant(rng.standard_normal((T, 1, D)).astype(np.float32))
+    s = tf.constant(rng.standard_normal((T, 1, D)).astype(np.float32))
+
+    def rope_repeat(k):
+        """keras_hub Llama's K path: rotate-half rotary, repeat_kv, head transpose."""
+        k1, k2 = tf.split(k, 2, axis=-1)
+        k = k * c + tf.concat([-k2, k1], axis=-1) * s
+        return tf.transpose(tf.repeat(k, R, axis=2), [0, 2, 1, 3])
+    return tf, rope_repeat
+
+
+def test_reshape_sink_groups_only_adjacent_dims():
+    from stitching.tf.passes.reshape_sink import groups
+    assert groups([None, 8, 2, 4, 32], [None, 8, 8, 32]) == [[0], [1], [2, 3], [4]]
+    assert groups([2, 3, 1], [6]) == [[0, 1, 2]]
+    assert groups([6, 4], [4, 6]) is None            # regroups across dims
+    assert groups([None, None], [None]) is None      # an unknown dim merged
+
+
+def test_tf_gqa_repeat_is_one_kernel_with_the_rotary_embedding():
+    """The Transpose of repeat_kv's regrouping Reshape is sunk below it
+    (tf/passes/reshape_sink.py), and the Shape that keras.ops.repeat's target reads
+    is folded away before planning (tf/passes/shapes.py): rotary + repeat + head
+    transpose are one kernel, equal to TF bit for bit at two batch sizes."""
+    import stitching
+    tf, rope_repeat = _gqa_case()
+    f = stitching.function(rope_repeat,
+                           input_signature=[tf.TensorSpec([None, T, KV, D], tf.float32)])
+    for batch in (1, 3):
+        x = tf.constant(RNG.standard_normal((batch, T, KV, D)).astype(np.float32))
+        x = tf.tensor_scatter_nd_update(x, [[0, 1, 1, 3]], [np.nan])
+        np.testing.assert_array_equal(f(x).numpy(), tf.function(rope_repeat)(x).numpy())
+    rep = f.report
+    assert len(rep.kernels) == 1 and rep.coverage == 1.0, rep.summary()
+
+
+def test_tf_gqa_backward_is_fused_and_equal_to_tf_bitwise():
+    """The tape's backward of split/concat/repeat/transpose: the ConcatV2 gradient's
+    Slices get constant bounds (tf/passes/concat_grad.py) and fuse with the rest; the
+    math is the same operations in TF's order, so the gradient has TF's bits."""
+    import stitching
+    tf, rope_repeat = _gqa_case()
+
+    def grad(x, g):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(rope_repeat(x) * g)
+        return tape.gradient(loss, x)
+    sig = [tf.TensorSpec([None, T, KV, D], tf.float32),
+           tf.TensorSpec([None, KV * R, T, D], tf.float32)]
+    f = stitching.function(grad, input_signature=sig)
+    for batch in (2, 1):
+        x = tf.constant(RNG.standard_normal((batch, T, KV, D)).astype(np.float32))
+        g = tf.constant(RNG.standard_normal((batch, KV * R, T, D)).astype(np.float32))
+        np.testing.assert_array_equal(f(x, g).numpy(), tf.function(grad)(x, g).numpy())
+    rep = f.report
+    left = {op for _, op, _ in rep.unfused}
+    assert not left & {"Slice", "Split", "ConcatV2", "Tile", "Transpose"}, rep.summary()
+    assert len(rep.kernels) == 3, rep.summary()
+
+
+def test_tf_transpose_folded_into_a_matmul_is_not_counted():
+    """Grappler's FoldTransposeIntoMatMul makes a BatchMatMulV2 with adj_y and leaves
+    the old matmul and its Transpose behind, read by nothing: they are dropped
+    (tf/passes/grappler.py), not reported as a Transpose left to TF."""
+    import stitching
+    tf = pytest.importorskip("tensorflow")
+
+    def scores(q, k):
+        return tf.nn.softmax(tf.matmul(q, tf.transpose(k, [0, 1, 3, 2])) * 0.25)
+    sig = [tf.TensorSpec([None, H, T, D], tf.float32)] * 2
+    f = stitching.function(scores, input_signature=sig)
+    q, k = (tf.constant(RNG.standard_normal((2, H, T, D)).astype(np.float32))
+            for _ in range(2))
+    np.testing.assert_allclose(f(q, k).numpy(), tf.function(scores)(q, k).numpy(),
+                               rtol=1e-6, atol=1e-7)
+    assert "Transpose" not in {op for _, op, _ in f.report.unfused}, f.report.summary()
+    assert f.report.coverage == 1.0
+
+
+@pytest.mark.slow
+def test_llama_decoder_block_coverage():
+    """A Llama-style block from Keras layers (RMSNorm, rotary, GQA, SwiGLU): every
+    memory-intensive op fused but the attention output's head transpose, which sits
+    alone between two matmuls (fusing it alone saves nothing)."""
+    import stitching
+    from stitching.testing.models import llama_decoder
+    tf = pytest.importorskip("tensorflow")
+    import keras
+    keras.utils.set_random_seed(3)
+    model = llama_decoder(num_layers=1, d_model=64, heads=4, kv_heads=2, ff=96, seq_len=16)
+    sig = [tf.TensorSpec([None, 16, 64], tf.float32)]
+    f = stitching.function(lambda x: model(x, training=False), input_signature=sig)
+    x = tf.constant(RNG.standard_normal((2, 16, 64)).astype(np.float32))
+    want = tf.function(lambda x: model(x, training=False))(x).numpy()
+    np.testing.assert_allclose(f(x).numpy(), want, rtol=2e-5, atol=2e-5)
+    rep = f.report
+    assert rep.coverage >= 0.9, rep.summary()
+    assert [op for _, op, _ in rep.unfused] == ["Transpose"], rep.summary()
+    assert "lone op" in rep.unfused[0][2]
+
+
+def test_cuda_plans_keep_layout_ops_out_of_kernels():
+    """The CUDA emitter reads no views: a plan for a CUDA profile leaves the transpose
+    to TF with that reason, where a CPU plan fuses it."""
+    import sys
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from irbuild import G
+    from stitching.plan import profiles, search
+    from stitching.schedule import check as legal_check
+
+    def legal(spec):
+        d = legal_check(spec)
+        return None if d.ok else d.reason
+    g = (G().input("x", [-1, T, H, D]).op("e", "Exp", ["x"]).op("n", "Neg", ["e"])
+         .op("t", "Transpose", ["n"], perm=[0, 2, 1, 3]).op("y", "Sigmoid", ["t"])
+         .build("y"))
+    cpu = search.plan(g, legal, config=search.SearchConfig(profile=profiles.get("cpu-reference")))
+    assert "t" in {m for r in cpu.regions for m in r.nodes}
+    gpu = search.plan(g, legal, config=search.SearchConfig(profile=profiles.get("v100")))
+    assert "t" not in {m for r in gpu.regions for m in r.nodes}
+    why = dict((n, r) for n, _, r in gpu.unfused)["t"]
+    assert "the CUDA emitter reads no views" in why
+
+
+def test_pad_and_reverse_change_no_bits():
+    """Pad (zeros or a value) on the innermost axis: a select over a constant table,
+    the input's loads guarded; Reverse: a negative stride (on the innermost axis too)."""
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 6, 10])
+    outs = [b.Pad(b.Neg(x), paddings=[0, 0, 0, 0, 3, 2], value=0.0),
+            b.Reverse(x, axes=[1, 2]),
+            b.Pad(x, paddings=[0, 0, 0, 0, 1, 0], value=-1.5)]
+    X = RNG.standard_normal((2, 6, 10)).astype(np.float32)
+    X[1, 2, 3] = np.nan
+    want = [np.pad(-X, [(0, 0), (0, 0), (3, 2)]), X[:, ::-1, ::-1],
+            np.pad(X, [(0, 0), (0, 0), (1, 0)], constant_values=-1.5)]
+    for out, w in zip(outs, want):
+        one = SpecBuilder()
+        one.inputs, one.nodes = list(b.inputs), list(b.nodes)
+        (got,) = compile_kernel(one.build([out]))(X)
+        np.testing.assert_array_equal(got, w)
+
+
+def test_pad_and_reverse_that_stay_out_say_why():
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 6, 10])
+    assert "Pad on an axis other than the kernel's innermost" in check(
+        b.build([b.Pad(b.Exp(x), paddings=[0, 0, 1, 1, 0, 0], value=0.0)])).reason
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 6, 10])
+    assert "only element-wise kernels load along a stride" in check(b.build([b.Sum(
+        b.Reverse(b.Exp(x), axes=[2]), axes=[2], keep_dims=True)])).reason
+    with pytest.raises(SpecError, match="known only at run time"):
+        b = SpecBuilder()
+        b.Pad(b.input("float32", [-1, 6]), paddings=[1, 0, 0, 0], value=0.0)
+
+
+def test_tf_pad_reverse_and_strided_slice_gradient_fuse_bitwise():
+    """tf.pad / tf.reverse in a kernel, and the tape's StridedSliceGrad of x[..., 2:9]
+    (a Pad of dy: the SliceGrad composite) fused with its neighbours, equal to TF."""
+    import stitching
+    tf = pytest.importorskip("tensorflow")
+
+    def fwd(x):
+        return tf.pad(-x, [[0, 0], [0, 0], [3, 1]]) * 2.0 + tf.pad(
+            tf.reverse(x, [1]), [[0, 0], [0, 0], [0, 4]], constant_values=0.5)
+
+    def grad(x, g):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.reverse(x[:, :, 2:9], [1]) * g * 3.0)
+        return tape.gradient(loss, x)
+    f = stitching.function(fwd, input_signature=[tf.TensorSpec([None, 6, 10], tf.float32)])
+    f2 = stitching.function(grad, input_signature=[tf.TensorSpec([None, 6, 10], tf.float32),
+                                                   tf.TensorSpec([None, 6, 7], tf.float32)])
+    for batch in (1, 3):
+        x = tf.constant(RNG.standard_normal((batch, 6, 10)).astype(np.float32))
+        g = tf.constant(RNG.standard_normal((batch, 6, 7)).astype(np.float32))
+        np.testing.assert_array_equal(f(x).numpy(), tf.function(fwd)(x).numpy())
+        np.testing.assert_array_equal(f2(x, g).numpy(), tf.function(grad)(x, g).numpy())
+    for rep in (f.report, f2.report):
+        assert rep.coverage == 1.0, rep.summary()
+    assert len(f.report.kernels) == 1
+    assert any("StridedSliceGrad" in [op for _, op in k.ops] for k in f2.report.kernels)
+
+
+def test_the_op_table_names_every_layout_converter():
+    pytest.importorskip("tensorflow")
+    from stitching.tf import frontend, opnames
+    assert set(frontend._LAYOUT) == opnames.LAYOUT_MAPS
+
+
+def test_transposes_of_the_last_dim_are_strided_loads():
+    """A transpose that moves the innermost axis (attention's k^T, a 2-D transpose) or
+    a strided slice of it: element-wise kernels load along the stride; bit-exact."""
+    cases = []
+    b = SpecBuilder()
+    x = b.input("float32", [-1, H, T, D])
+    cases.append((b, b.Neg(b.Transpose(x, perm=[0, 1, 3, 2])),
+                  lambda X: -np.transpose(X, (0, 1, 3, 2)), (2, H, T, D)))
+    b = SpecBuilder()
+    x = b.input("float32", [48, 64])
+    cases.append((b, b.Mul(b.Transpose(x, perm=[1, 0]), b.Transpose(x, perm=[1, 0])),
+                  lambda X: X.T * X.T, (48, 64)))
+    b = SpecBuilder()
+    x = b.input("float32", [-1, T, D])
+    cases.append((b, b.Neg(b.Slice(x, begin=[0, 0, 1], size=[-1, T, D // 2],
+                                   strides=[1, 1, 2], shape=[-1, T, D // 2])),
+                  lambda X: -X[:, :, 1::2], (3, T, D)))
+    for b, out, ref, shape in cases:
+        spec = b.build([out])
+        assert build_schedule(spec).kind == KernelKind.ELEMENTWISE
+        X = RNG.standard_normal(shape).astype(np.float32)
+        X.flat[5] = np.nan
+        (got,) = compile_kernel(spec)(X)
+        np.testing.assert_array_equal(got, ref(X))

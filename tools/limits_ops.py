@@ -36,6 +36,9 @@ def section() -> str:
         f"**Fused, expanded into several IR ops** ({len(opnames.COMPOSITES)}): "
         f"{_line(opnames.COMPOSITES)}.",
         "",
+        f"**Fused as index maps** ({len(opnames.LAYOUT_MAPS)} layout ops, in the forms "
+        f"the layout section names): {_line(opnames.LAYOUT_MAPS)}.",
+        "",
         f"**Views, fused when inside a region, not counted** ({len(views)}): "
         f"{_line(views)}; `Const` and `Fill` are folded into the kernels that read them.",
         "",

@@ -41,6 +41,7 @@ bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
 """
 from __future__ import annotations
 
+from . import dtypes as dt
 from .ops import MAX_VARIADIC, Kind
 
 # composite op -> (kind, number of data inputs)
@@ -64,6 +65,9 @@ COMPOSITE_OPS = {
     # TF's Split / SplitV / Unpack: one Slice per piece along ``axis`` (``sizes``), the
     # axis removed from each piece when ``squeeze`` (Unpack)
     "Split": (Kind.LAYOUT, 1),
+    # TF's StridedSliceGrad with unit strides: dy reshaped to the sliced dims ``shape``
+    # (shrunk axes back as size 1), then a Pad by ``paddings`` with zeros
+    "SliceGrad": (Kind.LAYOUT, 1),
 }
 
 # composites with more than one output: expand returns a tuple, one ref per output
@@ -87,6 +91,10 @@ def expand(op: str, attrs: dict, args: list, types: list, emit) -> int:
     rank = len(x.shape)
     if op == "Split":
         return _split(args[0], x, attrs, emit)
+    if op == "SliceGrad":
+        r = emit("Reshape", [args[0]], {"shape": attrs["shape"]})
+        return emit("Pad", [r], {"paddings": attrs["paddings"],
+                                 "value": 0.0 if dt.is_float(x.dtype) else 0})
     if op in ("Softmax", "LogSoftmax"):
         last = {"axes": [rank - 1], "keep_dims": True}
         m = emit("Max", [args[0]], last)

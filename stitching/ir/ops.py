@@ -176,6 +176,13 @@ _reg("Slice", Kind.LAYOUT, 1, attrs={"begin": _int_list, "size": _int_list,
 # ConcatV2 on a constant axis; Pack stacks its inputs along a new axis ``axis``.
 _reg("ConcatV2", Kind.LAYOUT, VARIADIC, attrs={"axis": _int})
 _reg("Pack", Kind.LAYOUT, VARIADIC, attrs={"axis": _int})
+# Pad: ``paddings`` = (lo, hi) per dim, flattened; new elements are ``value``.  Reverse:
+# the dims ``axes`` read backwards.  Neither applies to a dim known only at run time.
+_reg("Pad", Kind.LAYOUT, 1, attrs={"paddings": _int_list, "value": _scalar_value})
+_reg("Reverse", Kind.LAYOUT, 1, attrs={"axes": _int_list})
+# The layout ops that are index maps (folded into loads, schedule/layout.py), as opposed
+# to Reshape, which only adds or removes size-1 dims.
+INDEX_MAPS = frozenset({"Transpose", "Slice", "ConcatV2", "Pack", "Pad", "Reverse"})
 # Const: a scalar value splatted to a static shape (usually ()).
 _reg("Const", Kind.SOURCE, 0, attrs={"value": _scalar_value, "dtype": _dtype,
                                       "shape": _int_list})
@@ -371,5 +378,33 @@ def format_dims(shape) -> str:
     return "[" + ",".join("?" if d < 0 else str(d) for d in shape) + "]"
 
 
+def _infer_pad(attrs, in_types) -> TensorType:
+    (x,) = in_types
+    p = attrs["paddings"]
+    if len(p) != 2 * len(x.shape) or any(v < 0 for v in p):
+        raise ValueError(f"Pad: paddings need 2 non-negative entries per dim of "
+                         f"{format_dims(x.shape)}, got {list(p)}")
+    _check_value_dtype(attrs["value"], x.dtype)
+    out = []
+    for d, n in enumerate(x.shape):
+        lo, hi = p[2 * d], p[2 * d + 1]
+        if n < 0 and (lo or hi):
+            raise ValueError(f"Pad: dim {d} is known only at run time; it cannot be padded")
+        out.append(n if n < 0 else n + lo + hi)
+    return TensorType(x.dtype, tuple(out))
+
+
+def _infer_reverse(attrs, in_types) -> TensorType:
+    (x,) = in_types
+    axes = attrs["axes"]
+    if len(set(axes)) != len(axes) or any(not 0 <= a < len(x.shape) for a in axes):
+        raise ValueError(f"Reverse: axes {list(axes)} are not distinct dims of "
+                         f"{format_dims(x.shape)}")
+    if any(x.shape[a] < 0 for a in axes):
+        raise ValueError("Reverse: a dim known only at run time cannot be reversed")
+    return x
+
+
 _LAYOUT_INFER = {"Transpose": _infer_transpose, "Slice": _infer_slice,
-                 "ConcatV2": _infer_concat, "Pack": _infer_pack}
+                 "ConcatV2": _infer_concat, "Pack": _infer_pack, "Pad": _infer_pad,
+                 "Reverse": _infer_reverse}

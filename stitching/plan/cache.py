@@ -7,8 +7,11 @@ device profile, so it is stored under the graph's key:
 
     $STITCHING_CACHE_DIR/kernels/<toolchain>/plans/<graph key>_<planner salt>.json
 
-The salt hashes the ir, plan and schedule packages' sources and the device profile;
-a changed op table, cost model or another machine never reads an old plan.
+The salt hashes the ir, plan and schedule packages' sources, the TF edge's (the
+frontend and the graph passes before planning decide the IR a plan is made for: a
+pass that drops a Shape consumer changes which values leave a kernel) and the device
+profile; a changed op table, cost model, pass or another machine never reads an old
+plan.
 
 What is stored is data only (JSON): each region's node names and schedule
 parameters, the unfused/boundary/skipped reasons, notes and the explanation
@@ -47,7 +50,7 @@ def _salt() -> str:
     if _SALT is None:
         h = hashlib.sha256(str(FORMAT).encode())
         root = Path(__file__).parent.parent
-        for pkg in ("ir", "plan", "schedule"):
+        for pkg in ("ir", "plan", "schedule", "tf", "tf/passes"):
             for f in sorted((root / pkg).glob("*.py")):
                 h.update(f.name.encode())
                 h.update(f.read_bytes())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..ir import OPS, Graph, Kind, Node, infer
 from ..ir.composites import COMPOSITE_OPS
+from ..ir.ops import INDEX_MAPS
 
 
 def node_reason(graph: Graph, node: Node) -> str | None:
@@ -34,6 +35,19 @@ def node_reason(graph: Graph, node: Node) -> str | None:
     return None
 
 
+def backend_reason(spec, profile) -> str | None:
+    """None if the profile's backend can generate ``spec``.  Layout ops fold into the
+    loads of CPU kernels (schedule/layout.py); the CUDA emitter has no views yet (it
+    refuses such a schedule), so a plan for a CUDA profile keeps them out of kernels."""
+    if profile.backend != "cuda":
+        return None
+    ops = sorted({n.op for n in spec.nodes if n.op in INDEX_MAPS})
+    if not ops:
+        return None
+    return (f"{'/'.join(ops)} inside a CUDA kernel: layout ops fold into the loads of "
+            "CPU kernels only (the CUDA emitter reads no views yet)")
+
+
 def is_candidate(graph: Graph, node: Node) -> bool:
     return node_reason(graph, node) is None
 
@@ -56,7 +70,7 @@ COMPOSITE_PASSES = {"Softmax": 4, "LogSoftmax": 4, "SoftmaxCrossEntropyWithLogit
 # TF runs each of these as one pass over its data (one Eigen expression per kernel)
 COMPOSITE_PASSES.update(dict.fromkeys(
     ("ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad", "SigmoidGrad",
-     "TanhGrad", "BiasAddGrad", "L2Loss", "Tile", "Split"), 1))
+     "TanhGrad", "BiasAddGrad", "L2Loss", "Tile", "Split", "SliceGrad"), 1))
 PLANNER_ATTRS = ("unfusible", "tf_epilogue")   # for planning only, never in a KernelSpec
 
 
@@ -65,14 +79,13 @@ def work(node: Node) -> int:
 
     Views and constants cost nothing in TF; a composite (Softmax, FusedBatchNorm)
     is one TF op but several passes of work, so fusing it alone still pays.  Of the
-    layout ops only Reshape is a view in TF: a Transpose, Slice, ConcatV2 or Pack is a
-    copy there (a pass over its data), which a kernel reading through it saves.
+    layout ops only Reshape is a view in TF: an index map (Transpose, Slice, ConcatV2,
+    Pack, Pad, Reverse) is a copy there (a pass over its data), which a kernel reading
+    through it saves.
     """
     if node.op in COMPOSITE_OPS:
         return COMPOSITE_PASSES.get(node.op, 2)
     d = OPS.get(node.op)
     return int(d is not None and d.kind not in (Kind.LAYOUT, Kind.SOURCE)
-               and node.op != "Identity" or node.op in LAYOUT_COPIES)
+               and node.op != "Identity" or node.op in INDEX_MAPS)
 
-
-LAYOUT_COPIES = frozenset({"Transpose", "Slice", "ConcatV2", "Pack"})

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..ir import Graph
 from . import legality as _fus
+from . import profiles
 from .acyclic import Reach, indexed, mask_of
 from .region import extract
 
@@ -43,6 +44,7 @@ class Plan:
 
 
 def plan(graph: Graph, legal: Legal, min_ops: int = 2) -> Plan:
+    profile = profiles.default()
     names, order, succ = indexed(graph)
     reach = Reach(succ)
     consumers = graph.consumers()
@@ -61,7 +63,7 @@ def plan(graph: Graph, legal: Legal, min_ops: int = 2) -> Plan:
             reg = extract(graph, list(members), consumers, fetched, order)
         except ValueError as e:
             return None, str(e)
-        reason = legal(reg.spec)
+        reason = legal(reg.spec) or _fus.backend_reason(reg.spec, profile)
         return (members, reason) if reason is None else (None, reason)
 
     for name in names:

@@ -198,7 +198,7 @@ class _Context:
             try:
                 reg = extract(self.graph, [self.names[v] for v in P], self.consumers,
                               self.fetched, self.order)
-                why = self.legal(reg.spec)
+                why = self.legal(reg.spec) or _fus.backend_reason(reg.spec, self.profile)
             except ValueError as e:
                 reg, why = None, str(e)
             hit = self._legal[P] = (reg if why is None else None, why)

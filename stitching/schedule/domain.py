@@ -43,6 +43,12 @@ from dataclasses import dataclass, field
 from ..ir.ops import OPS, Kind
 
 MAX_DOMAIN_RANK = 16   # arbitrary: dims[] holds the collapsed sizes plus a few params
+# A view read with a stride along the innermost axis (a transpose of the last dim) loads
+# one cache line per element; the next rows reuse those lines while they stay cached.
+# 4096 lines are 256 KiB, half the smallest L2 of this project's machines (arbitrary
+# within that bound); longer rows stay TF's transpose, which tiles.
+MAX_STRIDED_ROW = 4096
+LINE_ELEMS = 16        # a 64-byte cache line of float32
 
 
 class Refusal(Exception):
@@ -397,20 +403,34 @@ def analyze(spec) -> Domain:
     for r, v in views.items():
         if v.guard and r in used and (value_dims[r][v.guard[0]] is None or axes[-1].classes
                                       != (value_dims[r][v.guard[0]],)):
-            raise Refusal("a concatenation on an axis other than the kernel's innermost "
-                          "reads a piece outside its range: not fused yet")
+            raise Refusal("a concatenation or Pad on an axis other than the kernel's "
+                          "innermost reads a piece outside its range: not fused yet")
     return Domain(classes, axes, value_dims, carries, reduced, view_strides)
 
 
 def _view_axis_strides(ref, axes, carried, class_stride) -> dict:
     """A view's stride per collapsed axis it carries: its innermost class's (the
-    classes of an axis are contiguous in the view's source, _collapse)."""
+    classes of an axis are contiguous in the view's source, _collapse).  A stride
+    other than 1 on the innermost axis (a transpose that moves the last dim) is a
+    strided load, which only element-wise kernels emit (schedule.py checks the kind);
+    its row of lines must stay in cache for the next rows to reuse them."""
     out = {a: class_stride[axes[a].classes[-1]] for a in carried}
     if carried and carried[-1] == len(axes) - 1 and out[carried[-1]] != 1:
-        raise Refusal(f"{_name(ref)} is read through a layout op that moves its "
-                      "innermost axis (a transpose of the last dim, or a strided slice "
-                      "on it): not fused yet")
+        n = axes[-1].size
+        # a short stride walks lines in order (a slice ::2): no row to keep cached
+        if abs(out[carried[-1]]) > LINE_ELEMS and (n < 0 or n > MAX_STRIDED_ROW):
+            raise Refusal(f"{_name(ref)} is read through a layout op that moves its "
+                          "innermost axis (a transpose of the last dim, a strided slice "
+                          "or a reverse of it) over "
+                          f"{'a run-time number of' if n < 0 else n} elements: a strided "
+                          f"load runs over at most {MAX_STRIDED_ROW}")
     return out
+
+
+def strided_innermost(dom) -> list:
+    """The views read with a stride other than 1 along the innermost axis."""
+    last = len(dom.axes) - 1
+    return [r for r, st in dom.view_strides.items() if st.get(last, 1) != 1]
 
 
 def _name(ref: int) -> str:

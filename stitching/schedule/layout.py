@@ -1,4 +1,5 @@
-"""Layout ops folded into loads: Transpose, Slice, ConcatV2 and Pack as index maps.
+"""Layout ops folded into loads: Transpose, Slice, ConcatV2, Pack, Pad and Reverse as
+index maps.
 
 FusionStitching and XLA call these ops *injective*: each output element is one input
 element, found by an index map from the output index, with no arithmetic.  A kernel
@@ -14,6 +15,9 @@ into the indexing of the values that read it (XLA's elemental emitters do the sa
                               in c's index space, shifted by its offset; the piece an
                               index belongs to is a small constant bool table over the
                               concatenated axis (a view too, of no input)
+    p = pad(f(x), lo, hi) ->  select(inside(i), f(view(i - lo)), value): a concatenation
+                              of constant pieces around x (the gradient of a Slice)
+    r = reverse(x, axis)  ->  a view whose stride along the axis is negative
 
 Maps compose (a slice of a transpose of a kernel input is one view), and an element-wise
 value read in two index spaces is computed in both: the reuse choice for a layout op is
@@ -35,10 +39,11 @@ What stays out, with the reason the report shows (``Refusal``):
     have to be computed in another index space, a second domain);
   - a view whose strides depend on dims known only at run time (the strides are
     constants of the generated code), or that slices a dim known only at run time;
-  - a concatenation on an axis other than the kernel's innermost: every piece is
-    evaluated at every index of the concatenated axis (the table selects afterwards),
-    and a piece's loads outside its own range are guarded by the innermost loop's
-    index (View.guard), which the emitters know;
+  - a concatenation or Pad on an axis other than the kernel's innermost: every piece
+    is evaluated at every index of the concatenated axis (the table selects
+    afterwards), and a piece's loads outside its own range are guarded by the
+    innermost loop's index (View.guard), which the emitters know;
+  - a Reverse of the innermost axis (a negative innermost stride: domain.py);
   - a view that moves the innermost axis (the emitters load the innermost axis
     contiguously): checked in domain.py, where the innermost axis is known.
 """
@@ -48,11 +53,10 @@ import hashlib
 from dataclasses import dataclass, field
 
 from ..ir.graph import TensorType
-from ..ir.ops import OPS, Kind, infer
+from ..ir.ops import INDEX_MAPS, OPS, Kind, infer
 from ..ir.spec import KernelSpec, SpecNode
 from .domain import Refusal, live_nodes
 
-INDEX_MAPS = frozenset({"Transpose", "Slice", "ConcatV2", "Pack"})
 MAX_TABLE = 1 << 16     # arbitrary: a concatenated axis longer than this stays a TF op
 _NONE = (-1, 0, 0)      # a map entry: this value dim's index is a constant (0 here)
 
@@ -231,9 +235,14 @@ class _Lowering:
             x = self.spec.type_of(n.args[0]).shape
             return self.remap(n.args[0], _reshape_map(x, n.type.shape, M), shape)
         if n.op in ("Const", "FillLike"):
-            value = n.attrs["value"]
-            return self.emit("Const", [], {"value": value, "dtype": n.type.dtype,
-                                           "shape": [1] * len(shape)})
+            # a uniform value; its non-1 dims (the ones a broadcasting Tile multiplies
+            # by) keep their extent in the new index space
+            out = [1] * len(shape)
+            for (o, _, _), size in zip(M, n.type.shape):
+                if o >= 0 and size != 1 and n.op == "Const":
+                    out[o] = shape[o]
+            return self.emit("Const", [], {"value": n.attrs["value"],
+                                           "dtype": n.type.dtype, "shape": out})
         if OPS[n.op].kind != Kind.ELEMENTWISE:
             raise Refusal(f"a {n.op} result is read through a layout op: layout ops are "
                           "folded into the loads of kernel inputs and element-wise "
@@ -283,6 +292,42 @@ class _Lowering:
         Mp = M[:axis] + M[axis + 1:]
         pieces = [(a, Mp, p, 1) for p, a in enumerate(n.args)]
         return self.select(pieces, M[axis], shape)
+
+    def map_reverse(self, n, M, shape):
+        x = self.spec.type_of(n.args[0]).shape
+        Mx = list(M)
+        for d in n.attrs["axes"]:       # index n-1-i: the step turns around
+            o, step, b = M[d]
+            Mx[d] = (o, -step, x[d] - 1 - b) if o >= 0 else (-1, 0, x[d] - 1 - b)
+        return self.remap(n.args[0], tuple(Mx), shape)
+
+    def map_pad(self, n, M, shape):
+        """x shifted by each dim's ``lo``; where an index falls in the padding, the
+        value: a select over a constant bool table per padded dim (as a
+        concatenation's pieces), x's loads there guarded (View.guard)."""
+        x = self.spec.type_of(n.args[0]).shape
+        p, value = n.attrs["paddings"], n.attrs["value"]
+        const = self.emit("Const", [], {"value": value, "dtype": n.type.dtype,
+                                        "shape": [1] * len(shape)})
+        Mx, inside = [], []
+        for d, (o, step, b) in enumerate(M):
+            lo = p[2 * d]
+            if o < 0:
+                if not 0 <= b - lo < max(x[d], 1):
+                    return const                 # a constant index into the padding
+                Mx.append((-1, 0, b - lo))
+                continue
+            Mx.append((o, step, b - lo))
+            if p[2 * d] or p[2 * d + 1]:
+                inside.append((o, tuple(0 <= b - lo + step * i < x[d]
+                                        for i in range(shape[o]))))
+        acc = self.remap(n.args[0], tuple(Mx), shape)
+        for o, bits in inside:
+            if len(bits) > MAX_TABLE:
+                raise Refusal(f"a padded axis of {len(bits)} elements (limit {MAX_TABLE})")
+            if not all(bits):
+                acc = self.emit("Select", [self.table(bits, o, len(shape)), acc, const], {})
+        return acc
 
     def select(self, pieces, entry, shape):
         """The value of a concatenation: pieces = [(ref, map, offset, size)] along an
@@ -354,7 +399,7 @@ class _Lowering:
                 if guard or n > MAX_TABLE:
                     raise Refusal(f"input {j} of {_fmt(src)} would be read outside dims "
                                   f"{guard[0] if guard else d} and {d} by concatenations "
-                                  "on two axes: not fused yet")
+                                  "or pads on two axes: not fused yet")
                 guard = (o, tuple(0 <= b + step * i < size for i in range(n)))
             strides[o] += step * (st[d] or 0)
             offset += b * (st[d] or 0)

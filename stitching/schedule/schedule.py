@@ -34,7 +34,7 @@ from ..ir import dtypes as dt
 from . import passes as P
 from . import packed as PK
 from . import layout
-from .domain import Domain, Refusal, analyze
+from .domain import Domain, Refusal, analyze, strided_innermost
 from .passes import KernelKind, Placement
 
 ROW_UNIT_ELEMS = 4096     # tuned: a row unit touches >= ~16 KiB, per-unit overhead < 1%
@@ -272,6 +272,12 @@ def _build_on(spec, dom) -> Schedule:
     if kind == KernelKind.COLUMN and any(v.guard for v in getattr(spec, "views", ())):
         # its loops index columns from a block start, not the guard's absolute index
         raise Refusal("a concatenation read in a column reduction: not fused yet")
+    strided = strided_innermost(dom)
+    if strided and kind != KernelKind.ELEMENTWISE:
+        # row and column loops load rows and tiles contiguously (prefetch, pipelining)
+        raise Refusal(f"input {-strided[0] - 1} is read through a layout op that moves "
+                      f"its innermost axis, in a {kind.value} kernel: only element-wise "
+                      "kernels load along a stride")
     st = P.stages(spec, dom, live)
     vec = P.vector_test(kind, dom, S)
     reds = [k for k in live if P.is_reduction(spec.nodes[k]) and dom.reduced[k]]

@@ -338,9 +338,34 @@ def _whole_or(k, size, b, n) -> int:
 
 
 def _convert_strided_slice(op) -> Node:
-    """StridedSlice's sparse spec (masks, ellipsis) made dense, as NumPy indexing reads
-    it (TF's ValidateStridedSliceOp has the same semantics)."""
     x = _static_shape(op.inputs[0])
+    b_out, k_out, s_out = _dense_strided_slice(op, x)
+    return Node(op.name, "Slice", _inputs(op, [0]),
+                {"begin": b_out, "size": k_out, "strides": s_out, "shape": _out_shape(op)})
+
+
+def _convert_strided_slice_grad(op) -> Node:
+    """StridedSliceGrad (the gradient of ``x[..., 2:9]``): dy placed back into zeros of
+    x's shape, a Pad of dy (the SliceGrad composite) where every stride is 1."""
+    x = _out_shape(op)
+    b_out, k_out, s_out = _dense_strided_slice(op, x)
+    if any(st != 1 for st in s_out):
+        raise _Unfusible("a StridedSliceGrad with a stride other than 1 (zeros between "
+                         "its elements) is not fused yet")
+    if op.inputs[4].dtype == tf.bool:
+        raise _Unfusible("StridedSliceGrad of a bool tensor")
+    pads = []
+    for b, k, n in zip(b_out, k_out, x):
+        pads += [0, 0] if k == -1 else [b, n - b - k]
+    return Node(op.name, "SliceGrad", _inputs(op, [4]),
+                {"shape": k_out, "paddings": pads})
+
+
+def _dense_strided_slice(op, x) -> tuple:
+    """(begin, size, strides) per dim of ``x`` (size -1: a whole dim known only at run
+    time) for a StridedSlice or StridedSliceGrad (begin, end, strides: inputs 1 to 3):
+    the sparse spec (masks, ellipsis) made dense, as NumPy indexing reads it (TF's
+    ValidateStridedSliceOp has the same semantics)."""
     begin, end, strides = (_const_value(op.inputs[i]).reshape(-1).tolist() for i in (1, 2, 3))
     masks = {m: int(op.get_attr(m)) for m in ("begin_mask", "end_mask", "ellipsis_mask",
                                               "new_axis_mask", "shrink_axis_mask")}
@@ -382,8 +407,7 @@ def _convert_strided_slice(op) -> Node:
         start, stop, step = v.indices(n)
         count = len(range(start, stop, step))
         b_out.append(start if count else 0), k_out.append(count), s_out.append(step)
-    return Node(op.name, "Slice", _inputs(op, [0]),
-                {"begin": b_out, "size": k_out, "strides": s_out, "shape": _out_shape(op)})
+    return b_out, k_out, s_out
 
 
 def _convert_concat(op) -> Node:
@@ -418,7 +442,34 @@ def _convert_split(op) -> Node:
                 {"axis": axis, "sizes": sizes, "squeeze": op.type == "Unpack"})
 
 
+def _convert_pad(op) -> Node:
+    """Pad / PadV2 with constant paddings (and value): the gradient of a Slice."""
+    x = _static_shape(op.inputs[0])
+    pads = _const_value(op.inputs[1]).reshape(-1, 2).tolist()
+    if len(pads) != len(x):
+        raise _Unfusible(f"{op.type} paddings do not match the input's rank")
+    if any(n < 0 and (lo or hi) for (lo, hi), n in zip(pads, x)):
+        raise _Unfusible(f"{op.type} of a dim known only at run time")
+    dtype = op.inputs[0].dtype
+    if dtype == tf.bool:
+        raise _Unfusible(f"{op.type} of a bool tensor")
+    value = _const_value(op.inputs[2]).reshape(()) if op.type == "PadV2" else 0
+    value = float(value) if dtype.is_floating else int(value)
+    return Node(op.name, "Pad", _inputs(op, [0]),
+                {"paddings": [int(v) for pair in pads for v in pair], "value": value})
+
+
+def _convert_reverse(op) -> Node:
+    x = _static_shape(op.inputs[0])
+    axes = sorted({int(a) % max(len(x), 1) for a in _const_value(op.inputs[1]).reshape(-1)})
+    if any(x[a] < 0 for a in axes):
+        raise _Unfusible("ReverseV2 of a dim known only at run time")
+    return Node(op.name, "Reverse", _inputs(op, [0]), {"axes": axes})
+
+
 _LAYOUT = {"Transpose": _convert_transpose, "Slice": _convert_slice,
+           "Pad": _convert_pad, "PadV2": _convert_pad, "ReverseV2": _convert_reverse,
+           "StridedSliceGrad": _convert_strided_slice_grad,
            "StridedSlice": _convert_strided_slice, "ConcatV2": _convert_concat,
            "Pack": _convert_pack, "Split": _convert_split, "SplitV": _convert_split,
            "Unpack": _convert_split}

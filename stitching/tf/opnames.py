@@ -63,12 +63,16 @@ LEFT_TO_TF = {
 }
 
 
+# Layout ops fused as index maps (the frontend's converters, schedule/layout.py), in the
+# forms docs/limits.md names: copies in TF, so counted as memory-intensive.
+LAYOUT_MAPS = frozenset({
+    "Transpose", "Slice", "StridedSlice", "ConcatV2", "Pack", "Split", "SplitV", "Unpack",
+    "Pad", "PadV2", "ReverseV2", "StridedSliceGrad"})
+
 # Memory-intensive TF ops we do not fuse (yet): counted in the denominator, so the
 # report's coverage figure stays honest.
 UNSUPPORTED_MEMORY_INTENSIVE = frozenset({
-    "Transpose", "ConcatV2", "Concat", "Pad", "PadV2", "MirrorPad", "Slice",
-    "StridedSlice", "GatherV2", "OneHot", "Pack", "Unpack",
-    "Split", "SplitV", "ArgMax", "ArgMin", "Cumsum", "Atan2", "Tan", "Asin",
+    "Concat", "MirrorPad", "GatherV2", "OneHot", "ArgMax", "ArgMin", "Cumsum", "Atan2", "Tan", "Asin",
     "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Lgamma", "Digamma",
     "Mod", "TruncateDiv", "TruncateMod", "BitwiseAnd", "BitwiseOr", "ResizeBilinear",
     "ResizeNearestNeighbor", "MaxPool", "AvgPool", "Gelu", "Mish", "LRN",
@@ -85,4 +89,5 @@ def is_memory_intensive(tf_op: str) -> bool:
     """Counted in the report's memory-intensive totals (see module docstring)."""
     if tf_op in VIEW_OPS or tf_op == "Const":
         return False
-    return tf_op in ALIASES or tf_op in COMPOSITES or tf_op in UNSUPPORTED_MEMORY_INTENSIVE
+    return tf_op in ALIASES or tf_op in COMPOSITES or tf_op in LAYOUT_MAPS or \
+        tf_op in UNSUPPORTED_MEMORY_INTENSIVE

@@ -7,11 +7,17 @@ around planning, each pass entered once:
     grappler     TF's inlining, constant folding and arithmetic optimizer, as
                  tf.function runs them; IdentityN forwarded          passes/grappler.py
     bcast        broadcast-gradient shapes known at trace time -> constants   bcast.py
+    concat_grad  a ConcatV2 gradient's Slice bounds known at trace time -> constants
+                                                                      concat_grad.py
     sparse_xent  SparseSoftmaxCrossEntropyWithLogits -> the dense op     sparse_xent.py
     seqsplit     token-wise blocks whose products TF runs on one thread at batch 1
                  -> two halves of the sequence (Options(seq_split))     seqsplit.py
+    reshape_sink a Transpose of a Reshape that groups dims -> a Reshape of a
+                 Transpose (GQA's repeated heads)                   reshape_sink.py
     lift         TF nodes -> IR (the frontend, tf/frontend.py)              lift.py
     shape_math   shape arithmetic marked, left out of the counts     shape_math.py
+    shapes       run-time Reshape targets known but for one dim -> constants; the
+                 Shape ops only they read leave the IR (not kernel outputs) shapes.py
     remapper     conv epilogues TF's remapper fuses, priced as free   remapper.py
   plan           plan.get_planner(options.planner); legality from schedule.check;
                  large graphs: stored per graph (plan/cache.py)
@@ -24,7 +30,6 @@ around planning, each pass entered once:
     gemm         BatchMatMul against a 2-D weight -> one MatMul (Options(gemm)) gemm.py
     einsum       two-operand Einsum -> BatchMatMulV2 + row gathers (Options(einsum))
     padfold      a zero Pad before a depthwise conv -> its padding (Options(pad_fold))
-    shapes       run-time Reshape targets known but for one dim -> constants shapes.py
     remapper_identities  the Identity in Keras' swish forwarded         remapper.py
     prune        what the rewrite left unread, equal constants, inlining's Identities
     autotune     kernels with a small predicted margin marked to be timed against
@@ -51,17 +56,20 @@ from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import control_flow, dump, opnames, passmanager, scalars
-from .passes import (autotune, bcast, einsum, forward, gemm, grappler, lift, original,
-                     padfold, prune, remapper, rewrite, seqsplit, shape_math, shapes,
-                     sparse_xent)
+from .passes import (autotune, bcast, concat_grad, einsum, forward, gemm, grappler, lift,
+                     original, padfold, prune, remapper, reshape_sink, rewrite, seqsplit,
+                     shape_math, shapes, sparse_xent)
 
 BEFORE_PLANNING = (
     grappler.PASS,
     bcast.PASS,
+    concat_grad.PASS,
     sparse_xent.PASS,
     seqsplit.PASS,
+    reshape_sink.PASS,
     lift.PASS,
     shape_math.PASS,
+    shapes.PASS,
     remapper.MARK,
 )
 AFTER_PLANNING = (
@@ -71,7 +79,6 @@ AFTER_PLANNING = (
     gemm.PASS,
     einsum.PASS,
     padfold.PASS,
-    shapes.PASS,
     remapper.FORWARD,
     prune.PASS,
     autotune.PASS,

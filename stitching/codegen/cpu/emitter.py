@@ -273,6 +273,13 @@ class _Emitter(Emitter):
         its dim is the innermost axis, whose absolute index is the element loops' ``j``
         (row and element-wise kinds; column kernels are refused with guards)."""
         view = self.spec.view_of(-ref - 1) if ref < 0 and hasattr(self.spec, "views") else None
+        last = self.R - 1
+        if view is not None and self.carries_last(ref) and \
+                self.dom.view_strides[ref].get(last, 1) != 1:
+            # a strided innermost axis (element-wise kernels only, schedule.py)
+            if not (index == "j" or index.endswith(" + j")):
+                raise AssertionError(f"strided view loaded at {index!r}")
+            index = f"{index} * st_{self.tag(ref)}_{last}"
         if view is None or not view.guard:
             super().load_input(w, ref, index)
             return

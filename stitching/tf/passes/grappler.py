@@ -169,9 +169,11 @@ def drop_placeholder_control_inputs(graph_def):
 
 def drop_dead_fusible(graph_def, preserve):
     """Remove nodes the rewrites left without consumers (``exp(x) - 1`` -> Expm1(x)
-    leaves the Exp behind), if their op is one the fuser maps (stateless math):
-    otherwise the planner would count them, or fuse them and write an output nobody
-    reads.  Stateful and unknown ops stay: TF decides what runs."""
+    leaves the Exp behind), if their op is one the fuser maps or counts, or a matmul
+    (FoldTransposeIntoMatMul makes a new BatchMatMulV2 with ``adj_y`` and leaves the
+    old one reading the Transpose: a Llama decoder's ``q @ transpose(k)``): otherwise
+    the planner would count them, or fuse them and write an output nobody reads.
+    Stateful and unknown ops stay: TF decides what runs."""
     keep = {p.split(":")[0].lstrip("^") for p in preserve}
     nodes = {n.name: n for n in graph_def.node}
     users: dict[str, int] = {}
@@ -200,9 +202,20 @@ def drop_dead_fusible(graph_def, preserve):
     return out
 
 
+_MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+
+
 def _removable(nd, keep) -> bool:
     return nd.name not in keep and (opnames.canonical(nd.op) is not None
-                                    or nd.op in opnames.COMPOSITES)
+                                    or nd.op in opnames.COMPOSITES
+                                    or opnames.is_memory_intensive(nd.op)
+                                    or nd.op in _MATMULS) and not _stateful(nd.op)
+
+
+def _stateful(op: str) -> bool:
+    from tensorflow.python.framework import op_def_registry
+    d = op_def_registry.get(op)
+    return d is None or d.is_stateful
 
 
 def expand_tf_internal_ops(graph_def):

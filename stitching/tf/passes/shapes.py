@@ -17,7 +17,9 @@ Algorithm: for each Reshape left to TF, evaluate its shape input over a two-valu
 domain per entry (a known int, or UNKNOWN), through Const, Shape (static dims from the
 IR's shape inference, with the dims it lost at an earlier such Reshape filled back in:
 ``_refined``), GatherV2, Prod, Pack, ConcatV2, StridedSlice (1-D, constant bounds) and
-Identity; any other op, or more than one UNKNOWN entry, leaves the Reshape
+Identity, a scalar Mul or ExpandDims (keras.ops.repeat's target), and the 2-D Pack,
+Transpose and flattening Reshape of TF's Tile gradient; any other op, or more than one
+UNKNOWN entry, leaves the Reshape
 as it is.  The folded Reshape reads a new Const; the shape ops it no longer reads are
 pruned by TF when it instantiates the function (they are stateless).
 """
@@ -118,11 +120,24 @@ def _value(ref, nodes, before, ir_graph, depth, memo):
         if not isinstance(vals, list) or axis not in (0, [0]) or _flag(nd, "keep_dims"):
             raise _Unfoldable
         return UNKNOWN if UNKNOWN in vals else int(np.prod(vals, dtype=np.int64))
-    if nd.op == "Pack":
+    if nd.op == "Pack":         # scalars, or equal-length vectors (a 2-D value)
         vals = [arg(i) for i in range(len(data))]
-        if _int_attr(nd, "axis") or any(isinstance(v, list) for v in vals):
+        nested = [isinstance(v, list) for v in vals]
+        if _int_attr(nd, "axis") or any(nested) and not (
+                all(nested) and len({len(v) for v in vals}) == 1 and
+                not any(isinstance(x, list) for v in vals for x in v)):
             raise _Unfoldable
         return vals
+    if nd.op == "Transpose":    # TF's Tile gradient: transpose(stack([multiples, shape]))
+        vals, perm = arg(0), arg(1)
+        if perm != [1, 0] or not vals or not all(isinstance(v, list) for v in vals):
+            raise _Unfoldable
+        return [list(col) for col in zip(*vals)]
+    if nd.op == "Reshape":      # ... then reshaped to one dim
+        vals, shape = arg(0), arg(1)
+        if shape not in ([-1], -1) or not isinstance(vals, list):
+            raise _Unfoldable
+        return [x for v in vals for x in (v if isinstance(v, list) else [v])]
     if nd.op == "ConcatV2":
         parts, axis = [arg(i) for i in range(len(data) - 1)], arg(len(data) - 1)
         if axis != 0 or not all(isinstance(p, list) for p in parts):
@@ -130,6 +145,16 @@ def _value(ref, nodes, before, ir_graph, depth, memo):
         return [v for p in parts for v in p]
     if nd.op == "StridedSlice":
         return _strided_slice(nd, arg(0), arg(1), arg(2), arg(3))
+    if nd.op == "Mul":           # keras.ops.repeat: the repeated dim's size * repeats
+        a, b = arg(0), arg(1)
+        if isinstance(a, list) or isinstance(b, list):
+            raise _Unfoldable
+        return UNKNOWN if UNKNOWN in (a, b) else a * b
+    if nd.op == "ExpandDims":    # a scalar made a 1-entry piece of a target
+        v, axis = arg(0), arg(1)
+        if isinstance(v, list) or axis not in (0, -1, [0], [-1]):
+            raise _Unfoldable
+        return [v]
     raise _Unfoldable
 
 
@@ -224,11 +249,59 @@ def _flag(nd, name) -> bool:
 
 
 def _run(ctx):
-    folded = fold_reshapes(ctx.graph_def, ctx.planned, ctx.ir)
+    """Before planning: the IR's shape consumers are planning facts.  A ``Shape`` of a
+    value the plan could keep inside a kernel (a rotary embedding's output, read by
+    ``keras.ops.repeat``'s run-time Reshape target) made that value a kernel output
+    no data consumer reads; once the target is a constant, the Shape and the shape
+    arithmetic after it are dead, and they leave the IR and the graph here (with
+    any other shape arithmetic nothing reads: reshape_sink.py drops Reshapes)."""
+    graph_def = type(ctx.graph_def)()
+    graph_def.CopyFrom(ctx.graph_def)
+    folded = fold_reshapes(graph_def, ctx.planned, ctx.ir)
+    dead = _dead_shape_math(graph_def, ctx.shape_math, ctx.fetched)
+    if not folded and not dead:
+        return None
+    kept = [nd for nd in graph_def.node if nd.name not in dead]
+    del graph_def.node[:]
+    graph_def.node.extend(kept)
+    for name in dead:
+        ctx.ir.nodes.pop(name, None)
+    for node in ctx.ir:           # a folded Reshape no longer waits for its target
+        node.order_inputs = [n for n in node.order_inputs if n not in dead]
+    ctx.shape_math = ctx.shape_math - dead
+    ctx.replace(graph_def)
+    ctx.planned = graph_def
     if not folded:
         return None
     return (f"{folded} Reshape target(s) computed at run time (Shape, Gather, "
             "Prod, Concat...) are constants but for one -1 entry (tf/shapes.py)")
+
+
+def _dead_shape_math(graph_def, shape_math: set, fetched: set) -> set:
+    """The shape-arithmetic nodes nothing reads any more (data or control edges),
+    found from the consumers inward, and the constants only they read (Grappler's
+    constant folding anchors the constants it makes to such a node by a control
+    edge)."""
+    shape_math = shape_math | {nd.name for nd in graph_def.node if nd.op == "Const"}
+    users: dict = {}
+    for nd in graph_def.node:
+        for i in nd.input:
+            src = i.lstrip("^").split(":")[0]
+            users[src] = users.get(src, 0) + 1
+    inputs = {nd.name: nd.input for nd in graph_def.node}
+    todo = [n for n in shape_math if n in inputs and not users.get(n) and n not in fetched]
+    dead = set()
+    while todo:
+        name = todo.pop()
+        if name in dead:
+            continue
+        dead.add(name)
+        for i in inputs[name]:
+            src = i.lstrip("^").split(":")[0]
+            users[src] -= 1
+            if src in shape_math and not users[src] and src not in fetched:
+                todo.append(src)
+    return dead
 
 
 PASS = Pass("shapes", _run)
