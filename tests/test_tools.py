@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(REPO, "tools", "gpu_results", "h100_large_2026-11-22.json")
 
@@ -192,6 +194,22 @@ def test_op_breakdown_groups_executor_ops_and_xla_thunks_per_call():
             ev.stats.add(metadata_id=1)
     rows = op_breakdown.group_events(space, calls=2)
     assert rows == {"_MklMatMul": 200.0, "GatherV2": 20.0, "dot": 50.0, "MatMul": 30.0}
+
+
+def test_op_breakdown_splits_op_time_and_bounds_a_fuser_that_leaves_contractions():
+    """tools/op_breakdown.py's ceiling: convolutions and GEMMs (fused or not) are TF's,
+    memory-intensive ops (stitched kernels among them) are what fusing can remove, the
+    rest neither; the bound is op time over op time without the memory-intensive ops."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import op_breakdown
+    rows = {"Conv2D": 50.0, "_FusedConv2D": 10.0, "DepthwiseConv2dNative": 10.0,
+            "_MklNativeFusedMatMul": 5.0, "Sigmoid": 12.0, "Pad": 3.0, "AddV2": 5.0,
+            "StitchedKernel[Mul,Sigmoid]": 2.0, "ReadVariableOp": 3.0}
+    parts = op_breakdown.split(rows)
+    assert parts == {"contraction": 75.0, "memory": 22.0, "other": 3.0}
+    assert op_breakdown.ceiling(parts) == pytest.approx(100.0 / 78.0)
+    assert op_breakdown.ceiling({"contraction": 0.0, "memory": 1.0, "other": 0.0}) \
+        == float("inf")
 
 
 def test_gemm_probe_states_tfs_single_thread_line_and_keeps_other_sections(tmp_path):

@@ -19,6 +19,16 @@ The profiler itself adds overhead and, on the shared 2-core machine, ops that ru
 concurrently on TF's two inter-op threads overlap: the rows show where time goes, the
 wall-clock line (median of ``--calls`` untraced calls per mode, interleaved) is the
 number to compare.
+
+Each mode's rows are also split three ways (``split``): contractions (convolutions and
+matrix products, TF's however the model is stitched), memory-intensive ops (the report's
+definition, stitching.tf.opnames: what a stitched kernel can take over, fused or not yet)
+and the rest (variable reads, shape ops).  For stock TF that gives the ceiling of any
+fuser that leaves the contractions to TF (Amdahl): if every memory-intensive op cost
+nothing, a call would take at least ``1 - share`` of its op time, so no such fuser can
+be faster than ``1 / (1 - share)``.  The bound is of op time; a fused graph also saves
+the executor's dispatch of each op it removes (outside the op events), which can move
+a small model slightly past it.
 """
 from __future__ import annotations
 
@@ -62,6 +72,31 @@ def op_class(name: str, xla_thunk: bool) -> str | None:
     if "::" in name or ":" not in name or "__inference" in name:
         return None
     return name.rsplit(":", 1)[1] or None        # executor: "node/name:OpType"
+
+
+CONTRACTIONS = re.compile(r"Conv|MatMul|Einsum")   # TF's convolutions and GEMMs, plain,
+#                      fused (_FusedConv2D, _MklNativeFusedMatMul, ...) or depthwise
+
+
+def split(rows: dict) -> dict:
+    """Microseconds per call in contractions, memory-intensive ops and the rest: the
+    op-class rows of one mode (``group_events``) summed by class (module docstring);
+    stitched kernels are memory-intensive."""
+    from stitching.tf import opnames
+    out = {"contraction": 0.0, "memory": 0.0, "other": 0.0}
+    for key, us in rows.items():
+        cls = ("memory" if key.startswith("StitchedKernel") or opnames.is_memory_intensive(key)
+               else "contraction" if CONTRACTIONS.search(key) else "other")
+        out[cls] += us
+    return out
+
+
+def ceiling(parts: dict) -> float:
+    """The Amdahl bound of a fuser that leaves contractions to TF: op time over op time
+    without the memory-intensive ops (module docstring)."""
+    total = sum(parts.values())
+    rest = total - parts["memory"]
+    return total / rest if rest > 0 else float("inf")
 
 
 def _model(name: str, layers: int):
@@ -169,7 +204,11 @@ def main(argv=None) -> int:
         rows = group_events(_trace(f, x, args.calls), args.calls)
         if m == "stitched":
             rows.update(_kernel_rows(f, x, args.calls))
-        print(f"== {m}: {sum(rows.values()):.0f} us of op time per call")
+        parts = split(rows)
+        total = sum(parts.values())
+        print(f"== {m}: {total:.0f} us of op time per call: "
+              + ", ".join(f"{k} {v:.0f} us ({v / total:.0%})" for k, v in parts.items())
+              + f"; ceiling with contractions left to TF {ceiling(parts):.2f}x")
         for key, us in sorted(rows.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"   {key:34s} {us:9.1f} us")
     return 0
