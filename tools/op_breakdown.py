@@ -173,6 +173,29 @@ def _wall(modes, x, calls) -> dict:
     return {m: float(np.median(v)) * 1e3 for m, v in times.items()}
 
 
+def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4):
+    """(wall ms per mode, {mode: op-class rows}) of one models-suite case at ``batch``:
+    the module docstring's measurement, modes ``wanted`` (tf, xla, stitched)."""
+    import tensorflow as tf
+    try:
+        model, shape, inputs = _model(model_name, layers)
+    except KeyError as e:
+        raise SystemExit(e.args[0]) from None
+    sig = (tf.TensorSpec((None,) + shape, tf.float32),)
+    modes = _modes(lambda t: model(t, training=False), sig, wanted)
+    x = tf.constant(inputs(batch)[0])
+    for f in modes.values():
+        for _ in range(3):
+            f(x)
+    wall = _wall(modes, x, max(calls, 10))
+    rows = {}
+    for m, f in modes.items():
+        rows[m] = group_events(_trace(f, x, calls), calls)
+        if m == "stitched":
+            rows[m].update(_kernel_rows(f, x, calls))
+    return wall, rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="transformer",
@@ -183,27 +206,14 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20, help="traced calls per mode")
     ap.add_argument("--top", type=int, default=14, help="rows per mode")
     args = ap.parse_args(argv)
-    import tensorflow as tf
-    try:
-        model, shape, inputs = _model(args.model, args.layers)
-    except KeyError as e:
-        raise SystemExit(e.args[0]) from None
-    sig = (tf.TensorSpec((None,) + shape, tf.float32),)
-    modes = _modes(lambda t: model(t, training=False), sig, args.modes.split(","))
-    x = tf.constant(inputs(args.batch)[0])
-    for f in modes.values():
-        for _ in range(3):
-            f(x)
-    wall = _wall(modes, x, max(args.calls, 10))
+    wall, per_mode = breakdown(args.model, args.batch, args.modes.split(","), args.calls,
+                               args.layers)
     what = (f"Transformer {args.layers} layers" if args.model == "transformer"
             else args.model)
     print(f"{what}, batch {args.batch}; load average "
           f"{os.getloadavg()[0]:.2f}; wall ms per call (median, interleaved): "
           + ", ".join(f"{m} {v:.3f}" for m, v in wall.items()))
-    for m, f in modes.items():
-        rows = group_events(_trace(f, x, args.calls), args.calls)
-        if m == "stitched":
-            rows.update(_kernel_rows(f, x, args.calls))
+    for m, rows in per_mode.items():
         parts = split(rows)
         total = sum(parts.values())
         print(f"== {m}: {total:.0f} us of op time per call: "
