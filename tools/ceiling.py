@@ -15,8 +15,9 @@ columns say how much of the memory-intensive time is gone, and whether TF's own
 contractions ran as fast in the stitched graph as in stock TF (a ratio over 1 is time
 lost outside our kernels: load on the machine, or interference).
 
-Times are op time (summed over TF's threads), so on a busy machine they move with the
-load; the shares and the ceiling, ratios within one mode's trace, move much less.  The
+Times are op time (summed over TF's threads), each class's median over calls traced
+one at a time; on a busy machine they still move with the load, the shares and the
+ceiling (ratios within one mode) less.  The
 wall-clock columns are the interleaved medians of op_breakdown (fewer calls than the
 models suite, whose numbers are the ones to quote for speed).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -38,11 +40,17 @@ BAR = 1.4        # issue 37's bar: the models at least 1.4x stock TF (geomean)
 
 
 def measure(model: str, batch: int, calls: int) -> dict:
-    """One row: wall ms per mode and each mode's op time split by class."""
-    wall, rows = op_breakdown.breakdown(model, batch, ["tf", "stitched"], calls)
-    tf_parts, st_parts = op_breakdown.split(rows["tf"]), op_breakdown.split(rows["stitched"])
-    return {"case": model, "batch": batch, "wall": wall, "tf": tf_parts, "st": st_parts,
-            "ceiling": op_breakdown.ceiling(tf_parts)}
+    """One row: wall ms per mode, and each mode's op time split by class, the median
+    over ``calls`` calls traced one at a time (a call the load slowed down, as it does
+    on a shared machine, moves a median little and a sum a lot)."""
+    modes, x = op_breakdown.prepare(model, batch, ["tf", "stitched"])
+    wall = op_breakdown._wall(modes, x, max(calls, 10))
+    parts = {}
+    for m, f in modes.items():
+        per_call = [op_breakdown.split(op_breakdown.op_rows(m, f, x, 1)) for _ in range(calls)]
+        parts[m] = {k: statistics.median(p[k] for p in per_call) for k in per_call[0]}
+    return {"case": model, "batch": batch, "wall": wall, "tf": parts["tf"],
+            "st": parts["stitched"], "ceiling": op_breakdown.ceiling(parts["tf"])}
 
 
 def table(rows) -> tuple[list, list]:

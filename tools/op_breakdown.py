@@ -173,9 +173,9 @@ def _wall(modes, x, calls) -> dict:
     return {m: float(np.median(v)) * 1e3 for m, v in times.items()}
 
 
-def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4):
-    """(wall ms per mode, {mode: op-class rows}) of one models-suite case at ``batch``:
-    the module docstring's measurement, modes ``wanted`` (tf, xla, stitched)."""
+def prepare(model_name: str, batch: int, wanted, layers: int = 4):
+    """({mode: function}, input) of one models-suite case at ``batch``, each mode
+    traced and warm (modes ``wanted``: tf, xla, stitched)."""
     import tensorflow as tf
     try:
         model, shape, inputs = _model(model_name, layers)
@@ -187,13 +187,23 @@ def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4):
     for f in modes.values():
         for _ in range(3):
             f(x)
+    return modes, x
+
+
+def op_rows(mode: str, f, x, calls: int) -> dict:
+    """One mode's op-class rows, microseconds per call over ``calls`` traced calls
+    (stitched kernels from the op's counters)."""
+    rows = group_events(_trace(f, x, calls), calls)
+    if mode == "stitched":
+        rows.update(_kernel_rows(f, x, calls))
+    return rows
+
+
+def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4):
+    """(wall ms per mode, {mode: op-class rows}): the module docstring's measurement."""
+    modes, x = prepare(model_name, batch, wanted, layers)
     wall = _wall(modes, x, max(calls, 10))
-    rows = {}
-    for m, f in modes.items():
-        rows[m] = group_events(_trace(f, x, calls), calls)
-        if m == "stitched":
-            rows[m].update(_kernel_rows(f, x, calls))
-    return wall, rows
+    return wall, {m: op_rows(m, f, x, calls) for m, f in modes.items()}
 
 
 def main(argv=None) -> int:
