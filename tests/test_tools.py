@@ -212,6 +212,26 @@ def test_op_breakdown_splits_op_time_and_bounds_a_fuser_that_leaves_contractions
         == float("inf")
 
 
+def test_ceiling_table_names_the_rows_whose_bound_is_under_the_bar():
+    """tools/ceiling.py: per row the shares of stock TF's op time, the bound, how much
+    memory-intensive time stitching removed and TF's contractions stitched vs stock;
+    the verdicts name every row whose ceiling is under issue 37's 1.4x."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import ceiling
+    rows = [{"case": "resnet50", "batch": 1, "wall": {"tf": 60.0, "stitched": 55.0},
+             "tf": {"contraction": 90.0, "memory": 10.0, "other": 0.0},
+             "st": {"contraction": 90.0, "memory": 4.0, "other": 0.0}, "ceiling": 100 / 90},
+            {"case": "efficientnet_b0", "batch": 8, "wall": {"tf": 160.0, "stitched": 128.0},
+             "tf": {"contraction": 50.0, "memory": 50.0, "other": 0.0},
+             "st": {"contraction": 55.0, "memory": 20.0, "other": 0.0}, "ceiling": 2.0}]
+    head, body = ceiling.table(rows)
+    assert body[0][4:] == ["1.09x", "90%", "10%", "1.11x", "60%", "1.00"]
+    assert body[1][4:] == ["1.25x", "50%", "50%", "2.00x", "60%", "1.10"]
+    lines = ceiling.verdicts(rows)
+    assert lines[0].startswith("- ceiling geomean 1.49x over 2 rows")
+    assert lines[1].endswith("resnet50/b1 1.11x")
+
+
 def test_gemm_probe_states_tfs_single_thread_line_and_keeps_other_sections(tmp_path):
     """tools/gemm_probe.py: TF's oneDNN MatMul runs a product on one thread when
     4 (MN + K(M+N)) < L2; on a 2 MiB L2 that is the Transformer's feed-forward product
