@@ -56,15 +56,17 @@ def measure(model: str, batch: int, calls: int) -> dict:
 def table(rows) -> tuple[list, list]:
     head = ["case", "batch", "TF ms", "stitched ms", "st vs TF", "TF op time: contractions",
             "memory-intensive", "ceiling", "memory-intensive time removed",
-            "contractions st / TF"]
+            "stitched op time: kernels", "TF memory ops left", "contractions st / TF"]
     body = []
     for r in rows:
-        tf_total = sum(r["tf"].values())
+        tf_total, st_total = sum(r["tf"].values()), sum(r["st"].values())
+        st_memory = r["st"]["memory"] + r["st"]["kernels"]
         body.append([
             r["case"], str(r["batch"]), f"{r['wall']['tf']:.4g}", f"{r['wall']['stitched']:.4g}",
             f"{r['wall']['tf'] / r['wall']['stitched']:.2f}x",
             f"{r['tf']['contraction'] / tf_total:.0%}", f"{r['tf']['memory'] / tf_total:.0%}",
-            f"{r['ceiling']:.2f}x", f"{1 - r['st']['memory'] / r['tf']['memory']:.0%}",
+            f"{r['ceiling']:.2f}x", f"{1 - st_memory / r['tf']['memory']:.0%}",
+            f"{r['st']['kernels'] / st_total:.0%}", f"{r['st']['memory'] / st_total:.0%}",
             f"{r['st']['contraction'] / r['tf']['contraction']:.2f}"])
     return head, body
 
@@ -96,7 +98,9 @@ def _markdown(rows, meta: str, key: str, command: str) -> str:
         "memory-intensive ops; ceiling = op time / op time without the memory-intensive "
         "ops, the speed-up a fuser that leaves contractions to TF would reach if its "
         "kernels took no time (Amdahl). 'Memory-intensive time removed': stitched "
-        "kernels plus the memory ops left to TF, against stock TF's memory ops. "
+        "kernels plus the memory ops left to TF, against stock TF's memory ops; then "
+        "the stitched graph's op time in its kernels and in the memory ops it leaves "
+        "to TF. "
         "'Contractions st / TF': TF's own convolutions and products in the stitched "
         "graph against stock TF (1: unchanged). `tools/ceiling.py` says how.", "",
         render_markdown(*table(rows)), "", *verdicts(rows), f"<!-- /suite:{key} -->"])
@@ -117,7 +121,7 @@ def main(argv=None) -> int:
             r = rows[-1]
             print(f"{model} b{batch}: TF {r['wall']['tf']:.2f} ms, stitched "
                   f"{r['wall']['stitched']:.2f} ms; TF op time "
-                  + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in r["tf"].items())
+                  + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in r["tf"].items() if v)
                   + f"; ceiling {r['ceiling']:.2f}x; load {os.getloadavg()[0]:.2f}",
                   flush=True)
     print("\n".join(verdicts(rows)))

@@ -20,10 +20,10 @@ concurrently on TF's two inter-op threads overlap: the rows show where time goes
 wall-clock line (median of ``--calls`` untraced calls per mode, interleaved) is the
 number to compare.
 
-Each mode's rows are also split three ways (``split``): contractions (convolutions and
-matrix products, TF's however the model is stitched), memory-intensive ops (the report's
-definition, stitching.tf.opnames: what a stitched kernel can take over, fused or not yet)
-and the rest (variable reads, shape ops).  For stock TF that gives the ceiling of any
+Each mode's rows are also split (``split``) into contractions (convolutions and matrix
+products, TF's however the model is stitched), TF's memory-intensive ops (the report's
+definition, stitching.tf.opnames: what a stitched kernel can take over, fused or not
+yet), stitched kernels and the rest (variable reads, shape ops).  For stock TF that gives the ceiling of any
 fuser that leaves the contractions to TF (Amdahl): if every memory-intensive op cost
 nothing, a call would take at least ``1 - share`` of its op time, so no such fuser can
 be faster than ``1 / (1 - share)``.  The bound is of op time; a fused graph also saves
@@ -79,23 +79,24 @@ CONTRACTIONS = re.compile(r"Conv|MatMul|Einsum")   # TF's convolutions and GEMMs
 
 
 def split(rows: dict) -> dict:
-    """Microseconds per call in contractions, memory-intensive ops and the rest: the
-    op-class rows of one mode (``group_events``) summed by class (module docstring);
-    stitched kernels are memory-intensive."""
+    """Microseconds per call in contractions, TF's memory-intensive ops, stitched
+    kernels and the rest: the op-class rows of one mode (``group_events``) summed by
+    class (module docstring)."""
     from stitching.tf import opnames
-    out = {"contraction": 0.0, "memory": 0.0, "other": 0.0}
+    out = {"contraction": 0.0, "memory": 0.0, "kernels": 0.0, "other": 0.0}
     for key, us in rows.items():
-        cls = ("memory" if key.startswith("StitchedKernel") or opnames.is_memory_intensive(key)
-               else "contraction" if CONTRACTIONS.search(key) else "other")
+        cls = ("kernels" if key.startswith("StitchedKernel") else
+               "memory" if opnames.is_memory_intensive(key) else
+               "contraction" if CONTRACTIONS.search(key) else "other")
         out[cls] += us
     return out
 
 
 def ceiling(parts: dict) -> float:
     """The Amdahl bound of a fuser that leaves contractions to TF: op time over op time
-    without the memory-intensive ops (module docstring)."""
+    without the memory-intensive ops and kernels (module docstring)."""
     total = sum(parts.values())
-    rest = total - parts["memory"]
+    rest = parts["contraction"] + parts["other"]
     return total / rest if rest > 0 else float("inf")
 
 
