@@ -44,7 +44,7 @@ def measure(model: str, batch: int, calls: int) -> dict:
     over ``calls`` calls traced one at a time (a call the load slowed down, as it does
     on a shared machine, moves a median little and a sum a lot)."""
     modes, x = op_breakdown.prepare(model, batch, ["tf", "stitched"])
-    wall = op_breakdown._wall(modes, x, max(calls, 10))
+    wall = op_breakdown.wall_ms(modes, x, max(calls, 10))
     parts = {}
     for m, f in modes.items():
         per_call = [op_breakdown.split(op_breakdown.op_rows(m, f, x, 1)) for _ in range(calls)]

@@ -23,10 +23,10 @@ number to compare.
 Each mode's rows are also split (``split``) into contractions (convolutions and matrix
 products, TF's however the model is stitched), TF's memory-intensive ops (the report's
 definition, stitching.tf.opnames: what a stitched kernel can take over, fused or not
-yet), stitched kernels and the rest (variable reads, shape ops).  For stock TF that gives the ceiling of any
-fuser that leaves the contractions to TF (Amdahl): if every memory-intensive op cost
-nothing, a call would take at least ``1 - share`` of its op time, so no such fuser can
-be faster than ``1 / (1 - share)``.  The bound is of op time; a fused graph also saves
+yet), stitched kernels and the rest (variable reads, shape ops).  For stock TF that
+gives the ceiling of any fuser that leaves the contractions to TF (Amdahl): if every
+memory-intensive op cost nothing, a call would take at least ``1 - share`` of its op
+time, so no such fuser can be faster than ``1 / (1 - share)``.  The bound is of op time; a fused graph also saves
 the executor's dispatch of each op it removes (outside the op events), which can move
 a small model slightly past it.
 """
@@ -164,7 +164,7 @@ def _kernel_rows(f, x, calls) -> dict:
     return dict(rows)
 
 
-def _wall(modes, x, calls) -> dict:
+def wall_ms(modes, x, calls) -> dict:
     times = {m: [] for m in modes}
     for i in range(calls):
         for m in list(modes)[i % len(modes):] + list(modes)[:i % len(modes)]:
@@ -203,7 +203,7 @@ def op_rows(mode: str, f, x, calls: int) -> dict:
 def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4):
     """(wall ms per mode, {mode: op-class rows}): the module docstring's measurement."""
     modes, x = prepare(model_name, batch, wanted, layers)
-    wall = _wall(modes, x, max(calls, 10))
+    wall = wall_ms(modes, x, max(calls, 10))
     return wall, {m: op_rows(m, f, x, calls) for m, f in modes.items()}
 
 
