@@ -16,8 +16,9 @@ contractions ran as fast in the stitched graph as in stock TF (a ratio over 1 is
 lost outside our kernels: load on the machine, or interference).
 
 Times are op time (summed over TF's threads), each class's median over calls traced
-one at a time; on a busy machine they still move with the load, the shares and the
-ceiling (ratios within one mode) less.  The
+one at a time, the two modes' calls interleaved; on a busy machine they still move
+with the load (measured at load 4-6, the ceilings of five runs spread by about 15%),
+the shares and the ceiling, ratios within one mode, less than the times.  The
 wall-clock columns are the interleaved medians of op_breakdown (fewer calls than the
 models suite, whose numbers are the ones to quote for speed).
 """
@@ -41,14 +42,17 @@ BAR = 1.4        # issue 37's bar: the models at least 1.4x stock TF (geomean)
 
 def measure(model: str, batch: int, calls: int) -> dict:
     """One row: wall ms per mode, and each mode's op time split by class, the median
-    over ``calls`` calls traced one at a time (a call the load slowed down, as it does
-    on a shared machine, moves a median little and a sum a lot)."""
+    over ``calls`` calls traced one at a time, the modes' calls interleaved (a call the
+    load slowed down, as it does on a shared machine, moves a median little and a sum
+    a lot, and a drifting load falls on both modes alike)."""
     modes, x = op_breakdown.prepare(model, batch, ["tf", "stitched"])
     wall = op_breakdown.wall_ms(modes, x, max(calls, 10))
-    parts = {}
-    for m, f in modes.items():
-        per_call = [op_breakdown.split(op_breakdown.op_rows(m, f, x, 1)) for _ in range(calls)]
-        parts[m] = {k: statistics.median(p[k] for p in per_call) for k in per_call[0]}
+    per_call = {m: [] for m in modes}
+    for i in range(calls):
+        for m in list(modes)[i % 2:] + list(modes)[:i % 2]:
+            per_call[m].append(op_breakdown.split(op_breakdown.op_rows(m, modes[m], x, 1)))
+    parts = {m: {k: statistics.median(p[k] for p in calls_) for k in calls_[0]}
+             for m, calls_ in per_call.items()}
     return {"case": model, "batch": batch, "wall": wall, "tf": parts["tf"],
             "st": parts["stitched"], "ceiling": op_breakdown.ceiling(parts["tf"])}
 
