@@ -17,7 +17,7 @@ lost outside our kernels: load on the machine, or interference).
 
 Times are op time (summed over TF's threads), each class's median over calls traced
 one at a time, the two modes' calls interleaved; on a busy machine they still move
-with the load (measured at load 4-6, the ceilings of five runs spread by about 15%),
+with the load (at load 4-9 one model's ceiling moved by 10-40% between runs),
 the shares and the ceiling, ratios within one mode, less than the times.  The
 wall-clock columns are the interleaved medians of op_breakdown (fewer calls than the
 models suite, whose numbers are the ones to quote for speed).
