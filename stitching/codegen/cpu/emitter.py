@@ -1029,7 +1029,7 @@ class _Emitter(Emitter):
         """Accumulate over the reduced axes (the outermost over [lo, hi) when given).
         The innermost reduced axis runs COL_UNROLL rows per trip of the column loop
         (fewer loop entries and accumulator round trips), then the remaining rows one
-        at a time."""
+        at a time; a pass that stores its rows too runs them one at a time."""
         s = self.s
         for k in p.accumulate:
             self._column_acc_init(w, k)
@@ -1041,11 +1041,18 @@ class _Emitter(Emitter):
         for a in red[:-1]:                 # one loop per reduced axis, outer first
             w(f"for q{a} in range({bounds[a][0]}, {bounds[a][1]}):")
             w.depth += 1
-        U = COL_UNROLL
+        # A pass that also stores each row unrolls nothing: U rows' stores and loads
+        # through run-time row offsets need about U^2 pointer checks before LLVM may
+        # vectorize the loop, past its limit (8) from U = 2 on, so the unrolled loop
+        # stayed scalar, sigmoid and all (a BatchNorm + swish + mean over
+        # [8, 3136, 144]: 3.5x the time of the same kernel without the mean).
+        U = 1 if p.stores else COL_UNROLL
         b0, b1 = bounds[last]
-        with w.block(f"for t{last} in range({b0}, {b1} - {U - 1}, {U}):"):
-            self._column_rows(w, p, [(f"_{u}", f"t{last} + {u}") for u in range(U)])
-        rest = f"D{last} - D{last} % {U}" if b0 == "0" else f"{b1} - ({b1} - {b0}) % {U}"
+        rest = b0
+        if U > 1:
+            with w.block(f"for t{last} in range({b0}, {b1} - {U - 1}, {U}):"):
+                self._column_rows(w, p, [(f"_{u}", f"t{last} + {u}") for u in range(U)])
+            rest = f"D{last} - D{last} % {U}" if b0 == "0" else f"{b1} - ({b1} - {b0}) % {U}"
         with w.block(f"for t{last} in range({rest}, {b1}):"):
             self._column_rows(w, p, [("", f"t{last}")])
         w.depth -= len(red) - 1
