@@ -106,7 +106,9 @@ def _markdown(rows, meta: str, key: str, command: str) -> str:
         "the stitched graph's op time in its kernels and in the memory ops it leaves "
         "to TF. "
         "'Contractions st / TF': TF's own convolutions and products in the stitched "
-        "graph against stock TF (1: unchanged). `tools/ceiling.py` says how.", "",
+        "graph against stock TF (1: unchanged). A row can beat its ceiling: stitching's "
+        "layout passes also speed up TF's products (the Transformer's), and each op it "
+        "removes saves TF's dispatch too. `tools/ceiling.py` says how.", "",
         render_markdown(*table(rows)), "", *verdicts(rows), f"<!-- /suite:{key} -->"])
 
 
@@ -136,10 +138,15 @@ def main(argv=None) -> int:
         from bench_lib.output import replace_sections
         from stitching.plan import profiles
         key = "ceiling@" + profiles.cpu_facts()["cpu_class"].replace("-", "_")
+        busy = max(load0, os.getloadavg()[0]) > os.cpu_count()
         meta = (f"Measured {time.strftime('%Y-%m-%d %H:%M:%S UTC', started)} on "
                 f"{machine_line()} ({os.cpu_count()} cores); TensorFlow "
                 f"{tf.__version__}; load average {load0:.2f} at start, "
-                f"{os.getloadavg()[0]:.2f} at end; {args.calls} traced calls per mode.")
+                f"{os.getloadavg()[0]:.2f} at end; {args.calls} traced calls per mode."
+                + (" The machine was busy with other work (load above its cores): the "
+                   "times are inflated and move from run to run; the shares, the "
+                   "ceilings and 'st vs TF' are ratios within one run (between runs at "
+                   "load 4-9 a model's ceiling moved by 10-40%)." if busy else ""))
         command = ("python tools/ceiling.py " + " ".join(argv if argv is not None
                                                            else sys.argv[1:]))
         replace_sections(args.markdown, {key: _markdown(rows, meta, key, command.strip())})
