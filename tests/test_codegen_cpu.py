@@ -802,7 +802,9 @@ def test_split_and_whole_row_paths_assign_disjoint_names():
 
 def test_column_kernel_writes_each_pass_once():
     """Split (chunked rows, phases) and whole column kernels share one copy of each
-    pass: its row loop appears once unrolled and once for the remaining rows."""
+    pass: its row loop appears once unrolled and once for the remaining rows, or once
+    where the pass stores its rows too (here the last pass, the normalized output: an
+    unrolled storing loop stays scalar, emitter._column_pass)."""
     b = SpecBuilder()
     x = b.input("float32", (-1, 300))
     m = b.Mean(x, axes=[0], keep_dims=True)
@@ -810,7 +812,28 @@ def test_column_kernel_writes_each_pass_once():
     v = b.Mean(b.Square(c), axes=[0], keep_dims=True)
     k = build(b, [b.Mul(c, b.Rsqrt(b.Add(v, b.const(1e-3)))), m, v])
     assert k.schedule.kind == KernelKind.COLUMN and len(k.schedule.passes) == 3
-    assert k.source.count("for t0 in range(") == 2 * 3
+    assert k.source.count("for t0 in range(") == 2 + 2 + 1
+
+
+def test_column_pass_that_stores_its_rows_sums_through_float32_partials():
+    """A squeeze-excite's BatchNorm + swish + mean: the pass stores every row and sums
+    it.  Its float32 sum runs through a float32 partial per COL_PART_ROWS rows, merged
+    into the float64 sum (a float64 accumulator in the loop made it 4 lanes wide);
+    200 rows cross three merges and a short last block.  Equal to float64 within the
+    bounds of the other column sums; NaN and Inf reach the output and the mean."""
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 200, 40))
+    y = b.Mul(x, b.Sigmoid(x))
+    k = build(b, [y, b.Mean(y, axes=[1], keep_dims=True)])
+    assert k.schedule.kind == KernelKind.COLUMN
+    assert "pt" in k.source and "tb + 64" in k.source
+    X = (RNG.standard_normal((3, 200, 40)) * 4).astype(np.float32)
+    X[1, 7, 3], X[2, 150, 5] = np.nan, np.inf
+    yo, mo = k(X)
+    ref = f64(X) / (1 + np.exp(-f64(X)))
+    ref[2, 150, 5] = np.inf
+    assert_matches(yo, ref, "float32", "swish", 4e-7, 1e-7)
+    assert_matches(mo, ref.mean(1, keepdims=True), "float32", "mean", 4e-6, 1e-6)
 
 
 def test_nhwc_global_pool_and_scale():

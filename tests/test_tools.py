@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(REPO, "tools", "gpu_results", "h100_large_2026-11-22.json")
 
@@ -192,6 +194,45 @@ def test_op_breakdown_groups_executor_ops_and_xla_thunks_per_call():
             ev.stats.add(metadata_id=1)
     rows = op_breakdown.group_events(space, calls=2)
     assert rows == {"_MklMatMul": 200.0, "GatherV2": 20.0, "dot": 50.0, "MatMul": 30.0}
+
+
+def test_op_breakdown_splits_op_time_and_bounds_a_fuser_that_leaves_contractions():
+    """tools/op_breakdown.py's ceiling: convolutions and GEMMs (fused or not) are TF's,
+    memory-intensive ops (stitched kernels among them) are what fusing can remove, the
+    rest neither; the bound is op time over op time without the memory-intensive ops."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import op_breakdown
+    rows = {"Conv2D": 50.0, "_FusedConv2D": 10.0, "DepthwiseConv2dNative": 10.0,
+            "_MklNativeFusedMatMul": 5.0, "Sigmoid": 12.0, "Pad": 3.0, "AddV2": 5.0,
+            "StitchedKernel[Mul,Sigmoid]": 2.0, "ReadVariableOp": 3.0}
+    parts = op_breakdown.split(rows)
+    assert parts == {"contraction": 75.0, "memory": 20.0, "kernels": 2.0, "other": 3.0}
+    assert op_breakdown.ceiling(parts) == pytest.approx(100.0 / 78.0)
+    assert op_breakdown.ceiling({"contraction": 0.0, "memory": 1.0, "kernels": 0.0,
+                                 "other": 0.0}) == float("inf")
+
+
+def test_ceiling_table_names_the_rows_whose_bound_is_under_the_bar():
+    """tools/ceiling.py: per row the shares of stock TF's op time, the bound, how much
+    memory-intensive time stitching removed, the stitched op time's shares in kernels
+    and in TF memory ops left, and TF's contractions stitched vs stock;
+    the verdicts name every row whose ceiling is under issue 37's 1.4x."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import ceiling
+    rows = [{"case": "resnet50", "batch": 1, "wall": {"tf": 60.0, "stitched": 55.0},
+             "tf": {"contraction": 90.0, "memory": 10.0, "kernels": 0.0, "other": 0.0},
+             "st": {"contraction": 90.0, "memory": 1.0, "kernels": 3.0, "other": 6.0},
+             "ceiling": 100 / 90},
+            {"case": "efficientnet_b0", "batch": 8, "wall": {"tf": 160.0, "stitched": 128.0},
+             "tf": {"contraction": 50.0, "memory": 50.0, "kernels": 0.0, "other": 0.0},
+             "st": {"contraction": 55.0, "memory": 5.0, "kernels": 15.0, "other": 5.0},
+             "ceiling": 2.0}]
+    head, body = ceiling.table(rows)
+    assert body[0][4:] == ["1.09x", "90%", "10%", "1.11x", "60%", "3%", "1%", "1.00"]
+    assert body[1][4:] == ["1.25x", "50%", "50%", "2.00x", "60%", "19%", "6%", "1.10"]
+    lines = ceiling.verdicts(rows)
+    assert lines[0].startswith("- ceiling geomean 1.49x over 2 rows")
+    assert lines[1].endswith("resnet50/b1 1.11x")
 
 
 def test_gemm_probe_states_tfs_single_thread_line_and_keeps_other_sections(tmp_path):

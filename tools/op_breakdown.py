@@ -19,6 +19,16 @@ The profiler itself adds overhead and, on the shared 2-core machine, ops that ru
 concurrently on TF's two inter-op threads overlap: the rows show where time goes, the
 wall-clock line (median of ``--calls`` untraced calls per mode, interleaved) is the
 number to compare.
+
+Each mode's rows are also split (``split``) into contractions (convolutions and matrix
+products, TF's however the model is stitched), TF's memory-intensive ops (the report's
+definition, stitching.tf.opnames: what a stitched kernel can take over, fused or not
+yet), stitched kernels and the rest (variable reads, shape ops).  For stock TF that
+gives the ceiling of any fuser that leaves the contractions to TF (Amdahl): if every
+memory-intensive op cost nothing, a call would take at least ``1 - share`` of its op
+time, so no such fuser can be faster than ``1 / (1 - share)``.  The bound is of op time; a fused graph also saves
+the executor's dispatch of each op it removes (outside the op events), which can move
+a small model slightly past it.
 """
 from __future__ import annotations
 
@@ -62,6 +72,32 @@ def op_class(name: str, xla_thunk: bool) -> str | None:
     if "::" in name or ":" not in name or "__inference" in name:
         return None
     return name.rsplit(":", 1)[1] or None        # executor: "node/name:OpType"
+
+
+CONTRACTIONS = re.compile(r"Conv|MatMul|Einsum")   # TF's convolutions and GEMMs, plain,
+#                      fused (_FusedConv2D, _MklNativeFusedMatMul, ...) or depthwise
+
+
+def split(rows: dict) -> dict:
+    """Microseconds per call in contractions, TF's memory-intensive ops, stitched
+    kernels and the rest: the op-class rows of one mode (``group_events``) summed by
+    class (module docstring)."""
+    from stitching.tf import opnames
+    out = {"contraction": 0.0, "memory": 0.0, "kernels": 0.0, "other": 0.0}
+    for key, us in rows.items():
+        cls = ("kernels" if key.startswith("StitchedKernel") else
+               "memory" if opnames.is_memory_intensive(key) else
+               "contraction" if CONTRACTIONS.search(key) else "other")
+        out[cls] += us
+    return out
+
+
+def ceiling(parts: dict) -> float:
+    """The Amdahl bound of a fuser that leaves contractions to TF: op time over op time
+    without the memory-intensive ops and kernels (module docstring)."""
+    total = sum(parts.values())
+    rest = parts["contraction"] + parts["other"]
+    return total / rest if rest > 0 else float("inf")
 
 
 def _model(name: str, layers: int):
@@ -128,7 +164,7 @@ def _kernel_rows(f, x, calls) -> dict:
     return dict(rows)
 
 
-def _wall(modes, x, calls) -> dict:
+def wall_ms(modes, x, calls) -> dict:
     times = {m: [] for m in modes}
     for i in range(calls):
         for m in list(modes)[i % len(modes):] + list(modes)[:i % len(modes)]:
@@ -136,6 +172,39 @@ def _wall(modes, x, calls) -> dict:
             modes[m](x)
             times[m].append(time.perf_counter() - t)
     return {m: float(np.median(v)) * 1e3 for m, v in times.items()}
+
+
+def prepare(model_name: str, batch: int, wanted, layers: int = 4):
+    """({mode: function}, input) of one models-suite case at ``batch``, each mode
+    traced and warm (modes ``wanted``: tf, xla, stitched)."""
+    import tensorflow as tf
+    try:
+        model, shape, inputs = _model(model_name, layers)
+    except KeyError as e:
+        raise SystemExit(e.args[0]) from None
+    sig = (tf.TensorSpec((None,) + shape, tf.float32),)
+    modes = _modes(lambda t: model(t, training=False), sig, wanted)
+    x = tf.constant(inputs(batch)[0])
+    for f in modes.values():
+        for _ in range(3):
+            f(x)
+    return modes, x
+
+
+def op_rows(mode: str, f, x, calls: int) -> dict:
+    """One mode's op-class rows, microseconds per call over ``calls`` traced calls
+    (stitched kernels from the op's counters)."""
+    rows = group_events(_trace(f, x, calls), calls)
+    if mode == "stitched":
+        rows.update(_kernel_rows(f, x, calls))
+    return rows
+
+
+def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4):
+    """(wall ms per mode, {mode: op-class rows}): the module docstring's measurement."""
+    modes, x = prepare(model_name, batch, wanted, layers)
+    wall = wall_ms(modes, x, max(calls, 10))
+    return wall, {m: op_rows(m, f, x, calls) for m, f in modes.items()}
 
 
 def main(argv=None) -> int:
@@ -148,28 +217,19 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20, help="traced calls per mode")
     ap.add_argument("--top", type=int, default=14, help="rows per mode")
     args = ap.parse_args(argv)
-    import tensorflow as tf
-    try:
-        model, shape, inputs = _model(args.model, args.layers)
-    except KeyError as e:
-        raise SystemExit(e.args[0]) from None
-    sig = (tf.TensorSpec((None,) + shape, tf.float32),)
-    modes = _modes(lambda t: model(t, training=False), sig, args.modes.split(","))
-    x = tf.constant(inputs(args.batch)[0])
-    for f in modes.values():
-        for _ in range(3):
-            f(x)
-    wall = _wall(modes, x, max(args.calls, 10))
+    wall, per_mode = breakdown(args.model, args.batch, args.modes.split(","), args.calls,
+                               args.layers)
     what = (f"Transformer {args.layers} layers" if args.model == "transformer"
             else args.model)
     print(f"{what}, batch {args.batch}; load average "
           f"{os.getloadavg()[0]:.2f}; wall ms per call (median, interleaved): "
           + ", ".join(f"{m} {v:.3f}" for m, v in wall.items()))
-    for m, f in modes.items():
-        rows = group_events(_trace(f, x, args.calls), args.calls)
-        if m == "stitched":
-            rows.update(_kernel_rows(f, x, args.calls))
-        print(f"== {m}: {sum(rows.values()):.0f} us of op time per call")
+    for m, rows in per_mode.items():
+        parts = split(rows)
+        total = sum(parts.values())
+        print(f"== {m}: {total:.0f} us of op time per call: "
+              + ", ".join(f"{k} {v:.0f} us ({v / total:.0%})" for k, v in parts.items())
+              + f"; ceiling with contractions left to TF {ceiling(parts):.2f}x")
         for key, us in sorted(rows.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"   {key:34s} {us:9.1f} us")
     return 0

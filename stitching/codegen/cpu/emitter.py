@@ -76,6 +76,8 @@ ROW_TAIL = 64          # a row's remainder below a multiple of this is a chunk a
 PHASE_SLOT = 31        # dims[31]: the phase the op is running (op.cc kPhaseSlot)
 PREFETCH_MIN_ROW = 512  # row kernels prefetch the next row from this length on
 COL_UNROLL = 4         # tuned: rows of a column pass per trip of its column loop
+COL_PART_ROWS = 64     # arbitrary: rows a column's float32 partial sum takes before it
+                       # is merged into the float64 sum (a row reduction's chunk: 1024)
 
 
 def _stream_min_bytes() -> int:
@@ -235,6 +237,9 @@ class _Emitter(Emitter):
         for k in self._column_accs():
             r = lower.reduction(self.spec, k, self.C)
             w(f"acc{k} = h.ptr_{_PTR[r.acc]}(h.aligned_alloc(cb * {dt.ITEMSIZE[r.acc]}))")
+        for k in self._column_parts():
+            r = lower.reduction(self.spec, k, self.C)
+            w(f"pt{k} = h.ptr_{_PTR[r.part]}(h.aligned_alloc(cb * {dt.ITEMSIZE[r.part]}))")
         for k in self.front:
             cd = dt.COMPUTE[self.dtype(k)]
             w(f"hz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
@@ -386,9 +391,19 @@ class _Emitter(Emitter):
             return []
         return [k for p in self.s.passes for k in p.accumulate]
 
+    def _column_parts(self, passes=None) -> list:
+        """The float32 sums of column passes that store their rows too: summed in a
+        float32 partial per COL_PART_ROWS rows (pt<k>), merged into the float64 sum,
+        so the pass's loop stays 8 lanes wide (_column_pass)."""
+        if self.s.kind != KernelKind.COLUMN:
+            return []
+        return [k for p in (self.s.passes if passes is None else passes) if p.stores
+                for k in p.accumulate if lower.reduction(self.spec, k, self.C).part]
+
     def _buffers(self) -> list:
         return ([f"sc{k}" for k in self.s.scratch] + [f"kb{k}" for k in self.s.blocks] +
                 [f"acc{k}" for k in self._column_accs()] +
+                [f"pt{k}" for k in self._column_parts()] +
                 [f"hz{k}" for k in self.front] +
                 [f"sb_{self.tag(k)}" for k in self.streamed])
 
@@ -1036,7 +1051,7 @@ class _Emitter(Emitter):
         """Accumulate over the reduced axes (the outermost over [lo, hi) when given).
         The innermost reduced axis runs COL_UNROLL rows per trip of the column loop
         (fewer loop entries and accumulator round trips), then the remaining rows one
-        at a time."""
+        at a time; a pass that stores its rows too runs them one at a time."""
         s = self.s
         for k in p.accumulate:
             self._column_acc_init(w, k)
@@ -1048,19 +1063,45 @@ class _Emitter(Emitter):
         for a in red[:-1]:                 # one loop per reduced axis, outer first
             w(f"for q{a} in range({bounds[a][0]}, {bounds[a][1]}):")
             w.depth += 1
-        U = COL_UNROLL
+        # A pass that also stores each row unrolls nothing: U rows' stores and loads
+        # through run-time row offsets need about U^2 pointer checks before LLVM may
+        # vectorize the loop, past its limit (8) from U = 2 on, so the unrolled loop
+        # stayed scalar, sigmoid and all (a BatchNorm + swish + mean over
+        # [8, 3136, 144]: 3.5x the time of the same kernel without the mean).
+        # Its float32 sums go through float32 partials (_column_parts): a float64
+        # accumulator in the loop would make it 4 lanes wide, the sigmoid with it.
+        U = 1 if p.stores else COL_UNROLL
         b0, b1 = bounds[last]
-        with w.block(f"for t{last} in range({b0}, {b1} - {U - 1}, {U}):"):
-            self._column_rows(w, p, [(f"_{u}", f"t{last} + {u}") for u in range(U)])
-        rest = f"D{last} - D{last} % {U}" if b0 == "0" else f"{b1} - ({b1} - {b0}) % {U}"
+        parts = self._column_parts([p])
+        if parts:
+            with w.block(f"for tb in range({b0}, {b1}, {COL_PART_ROWS}):"):
+                for k in parts:
+                    r = lower.reduction(self.spec, k, self.C)
+                    with w.block("for c in range(n):"):
+                        w(f"pt{k}[c] = {store_value(r.part, r.part_init)}")
+                with w.block(f"for t{last} in range(tb, min(tb + {COL_PART_ROWS}, {b1})):"):
+                    self._column_rows(w, p, [("", f"t{last}")], parts)
+                for k in parts:
+                    r = lower.reduction(self.spec, k, self.C)
+                    merged = r.merge.format(a=f"acc{k}[c]", p=f"pt{k}[c]")
+                    with w.block("for c in range(n):"):
+                        w(f"acc{k}[c] = {store_value(r.acc, merged)}")
+            w.depth -= len(red) - 1
+            return
+        rest = b0
+        if U > 1:
+            with w.block(f"for t{last} in range({b0}, {b1} - {U - 1}, {U}):"):
+                self._column_rows(w, p, [(f"_{u}", f"t{last} + {u}") for u in range(U)])
+            rest = f"D{last} - D{last} % {U}" if b0 == "0" else f"{b1} - ({b1} - {b0}) % {U}"
         with w.block(f"for t{last} in range({rest}, {b1}):"):
             self._column_rows(w, p, [("", f"t{last}")])
         w.depth -= len(red) - 1
 
-    def _column_rows(self, w, p, rows) -> None:
+    def _column_rows(self, w, p, rows, parts=()) -> None:
         """One trip of the column loop over the rows ``[(suffix, index of the
         innermost reduced axis)]``: shared loads once, each row's vector values
-        under its suffix, the accumulators folded over the rows in order."""
+        under its suffix, the accumulators folded over the rows in order (those in
+        ``parts`` into their float32 partials)."""
         s = self.s
         idx = {a: f"q{a}" for a in s.reduce_axes}
         here = set(p.compute)
@@ -1089,6 +1130,10 @@ class _Emitter(Emitter):
             self._sfx = ""
             for k in p.accumulate:
                 r = lower.reduction(self.spec, k, self.C)
+                if k in parts:
+                    v = self.var(self.spec.nodes[k].args[0])
+                    w(f"pt{k}[c] = {r.part_step.format(p=f'pt{k}[c]', v=v)}")
+                    continue
                 acc = load_expr(r.acc, f"acc{k}", "c") if r.acc == "bool" else f"acc{k}[c]"
                 for sfx, _ in rows:
                     self._sfx = sfx

@@ -286,8 +286,13 @@ def tanh_f32(x):
 
 @helper
 def sigmoid_f32(x):
-    """1 / (1 + exp(-x)), evaluated with z = exp(-|x|) on both sides.  <= 3 ulp."""
-    z = exp_f32(-I.fabs(x))
+    """1 / (1 + exp(-x)), evaluated with z = exp(-|x|) on both sides.  <= 3 ulp.
+
+    -|x| <= 0, so z is exp_nonpos_f32's (as accurate as exp_f32 there, without its
+    capping step and with a polynomial one degree shorter), 1.24x faster per element
+    than with exp_f32 on AVX2.  A BatchNorm + swish kernel over a large activation is
+    bound by this exp there, not by memory (docs/internals/notes.md, EfficientNetB0)."""
+    z = exp_nonpos_f32(-I.fabs(x))
     d = _ONE + z
     return _ONE / d if x >= _ZERO else (z / d if x < _ZERO else x)
 
