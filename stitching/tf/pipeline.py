@@ -178,6 +178,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers,
     try:
         ensure_runtime()
         passmanager.run(BEFORE_PLANNING, ctx, dump=dump_pass)
+        parallel.check_cancelled()      # a background compile at exit stops here
         ir = ctx.ir
         # A large graph not compiled before will likely need Numba: start the compile
         # workers now (all of them, or the rest beside an early one), so their
