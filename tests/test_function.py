@@ -725,3 +725,22 @@ def test_a_cond_stays_functional_so_the_stitched_graph_imports_into_a_tf_functio
                                    fn(x, tf.constant(p)).numpy(), rtol=1e-6, atol=1e-6)
     assert sf.report is not None and len(sf.report.kernels) >= 1
     assert any("functional control flow" in n for n in sf.report.notes)
+
+
+def test_a_first_trace_that_creates_variables_is_not_stitched():
+    """TF calls the trace that made the function's variables never (it lifts their
+    initializers and traces again without variable creation): only the second trace
+    is stitched, and the function gives tf.function's numbers."""
+    class Scale(tf.Module):
+        def __init__(self):
+            self.v = None
+
+        def __call__(self, x):
+            if self.v is None:
+                self.v = tf.Variable(tf.fill([x.shape[-1]], 1.5))
+            return tf.nn.softmax(x * self.v) + 1.0
+    x = tf.constant(np.random.default_rng(3).standard_normal((4, 24)), tf.float32)
+    f = stitching.function(Scale())
+    got = f(x)
+    assert len(f.reports) == 1 and f.report.kernels
+    np.testing.assert_allclose(got, tf.nn.softmax(x * 1.5) + 1.0, rtol=2e-6, atol=2e-6)
