@@ -67,8 +67,12 @@ from tensorflow.python.framework.ops import EagerTensor
 from tensorflow.python.util import tf_decorator
 
 from ..options import Options
-from . import control_flow, frontend, pipeline
+from . import control_flow
 from .passes import original
+
+# The driver (pipeline.py: the passes, planner, schedules, compile layer: ~90 ms of
+# imports) is imported at the first trace, not with the front door: under tiered
+# execution that trace runs in a background thread, beside the user's stock steps.
 
 FAST_CALL_SIGNATURES = 64      # exact (dtype, shape) signatures kept per function
 HINT_SECONDS = 1.0             # arbitrary: a first call slower than this gets the hint
@@ -355,6 +359,9 @@ class StitchedFunction(tf_pf.Function):
 
         # a compile worker warming up while TF traces; not behind a background
         # compile, where stock TF's first call is running and needs the cores
+        from . import frontend, pipeline
+        from ..compile.parallel import check_cancelled
+        check_cancelled()      # a background compile stopped at exit traces nothing more
         workers = None if self.options.background_compile else pipeline.early_workers()
         try:
             cf = tracing_compilation.trace_function(
@@ -607,11 +614,11 @@ def _stop_background_compiles():
     killed; kernels they finished are in the disk cache for the next process).  The
     threads are then waited for, briefly, so none is inside TF's graph building or
     Numba while the interpreter tears them down."""
-    from ..compile import parallel
     with _BACKGROUND_LOCK:
         threads = list(_BACKGROUND)
     if not threads:
         return
+    from ..compile import parallel
     parallel.cancel()
     deadline = time.monotonic() + EXIT_WAIT_SECONDS
     for t in threads:
