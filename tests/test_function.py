@@ -744,3 +744,31 @@ def test_a_first_trace_that_creates_variables_is_not_stitched():
     got = f(x)
     assert len(f.reports) == 1 and f.report.kernels
     np.testing.assert_allclose(got, tf.nn.softmax(x * 1.5) + 1.0, rtol=2e-6, atol=2e-6)
+
+
+def test_a_small_graphs_plan_is_stored_too_and_a_broken_entry_is_planned_afresh(
+        monkeypatch, tmp_path):
+    """Every graph's plan is stored (not only large ones): a new function of the same
+    graph (as a warm process) does not plan; an entry that is not a plan (cut short,
+    wrong types, empty) is ignored and the graph planned again, with the same
+    numbers."""
+    from stitching.plan import cache as plan_cache
+    from stitching.tf import pipeline
+    monkeypatch.setattr(plan_cache, "_path", lambda key: tmp_path / f"{key}.json")
+    planned, real = [], pipeline.get_planner
+    monkeypatch.setattr(pipeline, "get_planner",
+                        lambda name: planned.append(name) or real(name))
+
+    def fn(x):
+        return tf.nn.softmax(x * 2.0) + 1.0
+    x = tf.constant(np.random.default_rng(5).standard_normal((4, 24)), tf.float32)
+    want = tf.function(fn)(x).numpy()
+    np.testing.assert_allclose(stitching.function(fn)(x), want, rtol=2e-6, atol=2e-6)
+    stored = list(tmp_path.glob("*.json"))
+    assert len(planned) == 1 and len(stored) == 1
+    np.testing.assert_allclose(stitching.function(fn)(x), want, rtol=2e-6, atol=2e-6)
+    assert len(planned) == 1                       # the stored plan: no planning
+    for broken in ('{"format": 1, "regi', json.dumps({"format": 1, "regions": 7}), ""):
+        stored[0].write_text(broken)
+        np.testing.assert_allclose(stitching.function(fn)(x), want, rtol=2e-6, atol=2e-6)
+    assert len(planned) == 4
