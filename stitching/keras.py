@@ -126,8 +126,12 @@ def stitch(model, options: Options | None = None):
     _check(model)
     options = options or Options()
     tiered = options.background_compile is not False and not _distributed(model)
-    # the steps compile in the caller's thread or, tiered, in _Tiered's background one
-    step_options = dataclasses.replace(options, background_compile=False)
+    # the steps compile in the caller's thread or, tiered, in _Tiered's background one,
+    # where a kernel count printed over the user's progress bar would say nothing
+    # useful: the switch gets its own line
+    step_options = dataclasses.replace(
+        options, background_compile=False,
+        progress=bool(options.progress) if tiered else options.progress)
     functions = {}
     for step in STEPS:
         method = getattr(model, f"{step}_step")
@@ -219,6 +223,7 @@ class _Tiered:
         self._progress = progress
         self._tier = threading.local()       # .stitched: the tier being traced here
         self._signature = None               # the step's inputs, from its stock trace
+        self._exact = None                   # the same with the batch dim as traced
         self._thread = None
         self._ready = False
         self.error = None
@@ -241,6 +246,7 @@ class _Tiered:
         if getattr(self._tier, "stitched", False):
             return self.stitched(data)
         self._signature = tf.nest.map_structure(_unknown_batch, data)
+        self._exact = tf.nest.map_structure(_spec, data)
         return self.stock_step(data)
 
     def make(self, force=False):
@@ -273,15 +279,27 @@ class _Tiered:
         self._steps += steps
         if self._thread is None and self._signature is not None:
             # after a stock step: its trace made every variable the step needs
-            self._thread = run_in_background(self._compile, self._signature)
+            self._thread = run_in_background(self._compile, self._signature,
+                                             self._exact)
         return out
 
-    def _compile(self, signature):
-        try:
-            self.stitched.get_concrete_function(signature)
-            self._ready = True
-        except Exception as e:  # noqa: BLE001 — stock TF keeps serving this step
-            self.error = e
+    def _compile(self, signature, exact):
+        """In the background thread: trace and stitch the step for every batch size,
+        or, where the step cannot be traced with its batch dim unknown, for the
+        batch size Keras traced.  One step at a time (train, test and predict all
+        started during a short fit would only share the same cores)."""
+        from .compile.parallel import Cancelled
+        with _ONE_AT_A_TIME:
+            for spec in (signature, exact):
+                try:
+                    self.stitched.get_concrete_function(spec)
+                    self._ready, self.error = True, None
+                    return
+                except Cancelled as e:          # the process is exiting
+                    self.error = e
+                    return
+                except Exception as e:  # noqa: BLE001 — stock TF keeps serving
+                    self.error = e
 
     def _switched(self):
         seconds = time.perf_counter() - self._t0
@@ -297,6 +315,14 @@ class _Tiered:
         if self._thread is not None:
             self._thread.join(timeout)
         return self._thread is None or (self._ready and self.error is None)
+
+
+_ONE_AT_A_TIME = threading.Lock()
+
+
+def _spec(value):
+    return tf.TensorSpec(value.shape, value.dtype) if isinstance(value, tf.Tensor) \
+        else value
 
 
 def _unknown_batch(value):
