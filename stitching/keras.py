@@ -202,7 +202,20 @@ def wait(model, timeout: float | None = None) -> bool:
     return ok
 
 
-class _Tiered:
+class _StitchedStep:
+    """A step function stitch() installs around a StitchedFunction ``stitched``:
+    its reports, as StitchingReports reads them."""
+
+    @property
+    def report(self):
+        return self.stitched.report
+
+    @property
+    def reports(self):
+        return self.stitched.reports
+
+
+class _Tiered(_StitchedStep):
     """One of Keras's step functions (``train``, ``test``, ``predict``) under tiered
     execution (module docstring): stock Keras until the stitched step is ready, then
     the stitched one.
@@ -231,15 +244,6 @@ class _Tiered:
         self._steps = 0                      # steps run so far (all tiers)
         self._t0 = None                      # the first stock step's start
         self._stock_fn = self._stitched_fn = None
-
-    # what Keras reads
-    @property
-    def report(self):
-        return self.stitched.report
-
-    @property
-    def reports(self):
-        return self.stitched.reports
 
     def step(self, data):
         """``model.<kind>_step``, called by Keras's functions as they are traced."""
@@ -351,7 +355,7 @@ def _replicas(model) -> int:
     return _strategy(model).num_replicas_in_sync
 
 
-class _ReplicatedStep:
+class _ReplicatedStep(_StitchedStep):
     """Keras's train (or test) function under a multi-replica strategy with the
     stitched function one level up: ``strategy.run(step)`` + the reduction."""
 
@@ -364,17 +368,9 @@ class _ReplicatedStep:
             return reduce_per_replica(outputs, strategy, reduction="auto")
 
         self._model, self._kind = model, kind
-        self._stitched = StitchedFunction(one_step_on_data, options=options,
-                                          autograph=False, reduce_retracing=True)
-        self._step = model._autoconvert_optionals(self._stitched)
-
-    @property
-    def report(self):
-        return self._stitched.report
-
-    @property
-    def reports(self):
-        return self._stitched.reports
+        self.stitched = StitchedFunction(one_step_on_data, options=options,
+                                         autograph=False, reduce_retracing=True)
+        self._step = model._autoconvert_optionals(self.stitched)
 
     def make(self, force=False):
         model, attr = self._model, f"{self._kind}_function"
