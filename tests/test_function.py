@@ -772,3 +772,25 @@ def test_a_small_graphs_plan_is_stored_too_and_a_broken_entry_is_planned_afresh(
         stored[0].write_text(broken)
         np.testing.assert_allclose(stitching.function(fn)(x), want, rtol=2e-6, atol=2e-6)
     assert len(planned) == 4
+
+
+def test_cancel_at_exit_stops_background_compiles_only(monkeypatch):
+    """parallel.cancel() (what interpreter exit calls) stops a background compile at
+    its next step, never the caller's own; a stopped background compile leaves stock
+    TF serving, with the reason."""
+    import threading
+
+    from stitching.compile import parallel
+    monkeypatch.setattr(parallel, "_cancelled", threading.Event())
+    parallel.cancel()
+    parallel.check_cancelled()                 # a synchronous compile goes on
+    with parallel.background():
+        with pytest.raises(parallel.Cancelled, match="exiting"):
+            parallel.check_cancelled()
+    f = stitching.function(lambda x: tf.exp(x) * 2.0,
+                           options=stitching.Options(background_compile=True))
+    x = tf.constant(np.ones((2, 3), np.float32))
+    np.testing.assert_allclose(f(x).numpy(), np.exp(1.0) * 2, rtol=1e-6)
+    assert not f.wait(timeout=300) and f.report is None
+    assert isinstance(f.background_errors[0], parallel.Cancelled)
+    np.testing.assert_allclose(f(x).numpy(), np.exp(1.0) * 2, rtol=1e-6)
