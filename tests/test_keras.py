@@ -146,6 +146,27 @@ def test_tiered_fit_switches_mid_run_and_keeps_the_loss_curve_of_keras(capsys):
         assert len(m.stitching_report[step].kernels) >= 1, step
 
 
+def test_a_job_whose_stock_steps_stay_under_the_tier_up_time_never_compiles(
+        monkeypatch):
+    """The background compile starts once a step's stock calls (after Keras's trace)
+    have run STITCHING_TIER_UP_SECONDS: a short fit of tiny steps never starts one
+    (no compile, no kernels, stock numbers); 0 starts it after the first step; a
+    value that is not a number of seconds is refused at stitch()."""
+    x, y = _data(64)
+    m = stitching.keras.stitch(_model())
+    m.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    train = m._stitching_steps["train"]
+    assert train._thread is None and train.switch is None and train.report is None
+    monkeypatch.setattr(stitching.keras, "TIER_UP_SECONDS", 0.0)
+    m = stitching.keras.stitch(_model())
+    m.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert m._stitching_steps["train"]._thread is not None
+    assert stitching.keras.wait(m, timeout=300)
+    monkeypatch.setenv("STITCHING_TIER_UP_SECONDS", "soon")
+    with pytest.raises(ValueError, match="STITCHING_TIER_UP_SECONDS"):
+        stitching.keras.stitch(_model())
+
+
 def test_synchronous_when_asked():
     """Options(background_compile=False): no stock steps, the first step waits."""
     m = stitching.keras.stitch(_model(), SYNC)
