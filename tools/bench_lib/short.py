@@ -251,7 +251,10 @@ def method_text() -> str:
         "relative difference of the "
         "job's final loss (or last prediction's mean) from stock TF's. Stitching is "
         "tiered (stitching.keras's default): a step runs stock Keras until its stitched "
-        "twin is compiled in the background; the last column names, for the median "
-        "round, the step at which each of train/test/predict switched, or 'stock "
+        "twin is compiled in the background, which starts once the step's stock calls "
+        "after the first have run 1 s (STITCHING_TIER_UP_SECONDS); the last column "
+        "names, for the median round, the step at which each of train/test/predict switched, or 'stock "
         "only' when the job ended first. The install step "
-        "(op library, shape interpreter, math helpers) runs first, untimed.")
+        "(op library, shape interpreter, math helpers) runs first, untimed, and writes "
+        "the package's bytecode, as installing a wheel does (TF's and Keras's modules "
+        "have theirs).")
