@@ -28,6 +28,9 @@ Background compilation (``Options(background_compile=True)``, as XLA's
 function for stock TF and returns its result while a background thread stitches the
 same signature (plan, Numba compile, rewrite); the call after that thread finished runs
 the stitched graph.  ``wait()`` blocks until every pending signature is stitched.
+A process that exits first does not wait: its background compiles stop at their next
+step (compile/parallel.py: ``cancel``), their kernels finished so far cached on disk.
+``stitching.keras.stitch`` runs Keras's steps this way by default (keras.py).
 
 Shapes: a retrace costs a re-plan and a kernel lookup on top of TF's trace, so by
 default (``reduce_retracing=None``) a function relaxes its input shapes the way
@@ -325,7 +328,8 @@ class StitchedFunction(tf_pf.Function):
         lifting fails, the first trace runs once, to initialize, as stock TF).  Keras's
         train step is such a function (its first trace builds the optimizer's and the
         metrics' state): stitching that trace planned, compiled and loaded kernels no
-        call ever ran -- about a third of a warm MLP fit's stitching time."""
+        call ever ran (a warm MLP fit, measured: 0.21 s of its 0.64 s of stitching,
+        before the control-flow bodies of that trace's variable initializers)."""
         return (scope_type is tracing_compilation.ScopeType.VARIABLE_CREATION
                 and bool(self._created_variables))
 
