@@ -47,10 +47,17 @@ class Options:
             whose matrix products TF would run on one thread as two halves of the
             sequence side by side (default on; helps batch 1, costs ~4% at large
             batches with an unknown batch size).
-        background_compile: ``stitching.function`` only: a new input signature runs
-            the stock TF graph while its kernels compile in a background thread;
-            later calls switch to the stitched graph (``f.wait()`` blocks until
-            then).  For serving, so the first request does not wait for Numba.
+        background_compile: Tiered execution: new work runs stock TF while its
+            kernels compile in the background, then switches to them.  ``None``
+            (default): tiered under ``stitching.keras.stitch`` (``fit``,
+            ``evaluate``, ``predict`` switch at a step boundary; not under a
+            ``tf.distribute`` strategy), synchronous for ``stitching.function``
+            (whose callers -- ``get_concrete_function``, saving, a benchmark's
+            first call -- expect the stitched graph when the call returns).
+            ``True``: also ``stitching.function`` called eagerly serves a new
+            input signature with stock TF and switches once its kernels are ready
+            (``f.wait()`` blocks until then).  ``False``: everywhere the first call
+            waits for its kernels.
         dump_dir: Write a graph dump per traced function into this directory
             (``stitching.load_dump`` reads it back); ``$STITCHING_DUMP_DIR`` does
             the same for a whole process.
@@ -85,7 +92,7 @@ class Options:
     einsum: bool = True                # tf/passes/einsum.py
     pad_fold: bool = True              # tf/passes/padfold.py
     seq_split: bool = True             # tf/passes/seqsplit.py
-    background_compile: bool = False   # tf/function.py
+    background_compile: bool | None = None   # tf/function.py, keras.py
     dump_dir: str | None = None        # tf/dump.py
     dump_passes: str | None = None     # tf/passmanager.py
     fallback: bool = False             # tf/passes/original.py

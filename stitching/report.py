@@ -78,6 +78,8 @@ class Report:
         dump_path: This trace's graph dump, when dumping is on.
         autotune: The kernels timed against their original ops
             (``Options.autotune``); ``autotune_decisions()`` adds what was measured.
+        tiering: Under ``stitching.keras.stitch``'s tiered execution, the steps stock
+            TF ran while the kernels compiled and the step that switched to them.
     """
 
     function: str = "?"
@@ -101,6 +103,8 @@ class Report:
     autotune: list = field(default_factory=list)
     backward: str = ""
     pass_seconds: dict = field(default_factory=dict)   # graph pass -> seconds (tf/passmanager.py)
+    # tiered execution (keras.py): when stock TF handed this step over to the kernels
+    tiering: str = ""
 
     @property
     def coverage(self) -> float:
@@ -201,6 +205,8 @@ class Report:
                          f"{_plural(kernels, 'kernel')}")
         if self.profile:
             lines.append(f"  cost model's device profile: {self.profile}")
+        if self.tiering:
+            lines.append(f"  tiered: {self.tiering}")
         counted = 0
         for k in self.kernels:
             mem, other = k.split_ops()

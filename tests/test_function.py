@@ -725,3 +725,72 @@ def test_a_cond_stays_functional_so_the_stitched_graph_imports_into_a_tf_functio
                                    fn(x, tf.constant(p)).numpy(), rtol=1e-6, atol=1e-6)
     assert sf.report is not None and len(sf.report.kernels) >= 1
     assert any("functional control flow" in n for n in sf.report.notes)
+
+
+def test_a_first_trace_that_creates_variables_is_not_stitched():
+    """TF calls the trace that made the function's variables never (it lifts their
+    initializers and traces again without variable creation): only the second trace
+    is stitched, and the function gives tf.function's numbers."""
+    class Scale(tf.Module):
+        def __init__(self):
+            self.v = None
+
+        def __call__(self, x):
+            if self.v is None:
+                self.v = tf.Variable(tf.fill([x.shape[-1]], 1.5))
+            return tf.nn.softmax(x * self.v) + 1.0
+    x = tf.constant(np.random.default_rng(3).standard_normal((4, 24)), tf.float32)
+    f = stitching.function(Scale())
+    got = f(x)
+    assert len(f.reports) == 1 and f.report.kernels
+    np.testing.assert_allclose(got, tf.nn.softmax(x * 1.5) + 1.0, rtol=2e-6, atol=2e-6)
+
+
+def test_a_small_graphs_plan_is_stored_too_and_a_broken_entry_is_planned_afresh(
+        monkeypatch, tmp_path):
+    """Every graph's plan is stored (not only large ones): a new function of the same
+    graph (as a warm process) does not plan; an entry that is not a plan (cut short,
+    wrong types, empty) is ignored and the graph planned again, with the same
+    numbers."""
+    from stitching.plan import cache as plan_cache
+    from stitching.tf import pipeline
+    monkeypatch.setattr(plan_cache, "_path", lambda key: tmp_path / f"{key}.json")
+    planned, real = [], pipeline.get_planner
+    monkeypatch.setattr(pipeline, "get_planner",
+                        lambda name: planned.append(name) or real(name))
+
+    def fn(x):
+        return tf.nn.softmax(x * 2.0) + 1.0
+    x = tf.constant(np.random.default_rng(5).standard_normal((4, 24)), tf.float32)
+    want = tf.function(fn)(x).numpy()
+    np.testing.assert_allclose(stitching.function(fn)(x), want, rtol=2e-6, atol=2e-6)
+    stored = list(tmp_path.glob("*.json"))
+    assert len(planned) == 1 and len(stored) == 1
+    np.testing.assert_allclose(stitching.function(fn)(x), want, rtol=2e-6, atol=2e-6)
+    assert len(planned) == 1                       # the stored plan: no planning
+    for broken in ('{"format": 1, "regi', json.dumps({"format": 1, "regions": 7}), ""):
+        stored[0].write_text(broken)
+        np.testing.assert_allclose(stitching.function(fn)(x), want, rtol=2e-6, atol=2e-6)
+    assert len(planned) == 4
+
+
+def test_cancel_at_exit_stops_background_compiles_only(monkeypatch):
+    """parallel.cancel() (what interpreter exit calls) stops a background compile at
+    its next step, never the caller's own; a stopped background compile leaves stock
+    TF serving, with the reason."""
+    import threading
+
+    from stitching.compile import parallel
+    monkeypatch.setattr(parallel, "_cancelled", threading.Event())
+    parallel.cancel()
+    parallel.check_cancelled()                 # a synchronous compile goes on
+    with parallel.background():
+        with pytest.raises(parallel.Cancelled, match="exiting"):
+            parallel.check_cancelled()
+    f = stitching.function(lambda x: tf.exp(x) * 2.0,
+                           options=stitching.Options(background_compile=True))
+    x = tf.constant(np.ones((2, 3), np.float32))
+    np.testing.assert_allclose(f(x).numpy(), np.exp(1.0) * 2, rtol=1e-6)
+    assert not f.wait(timeout=300) and f.report is None
+    assert isinstance(f.background_errors[0], parallel.Cancelled)
+    np.testing.assert_allclose(f(x).numpy(), np.exp(1.0) * 2, rtol=1e-6)

@@ -245,12 +245,14 @@ def test_the_background_compile_hint_only_where_it_applies(monkeypatch, capsys):
     assert "background_compile=True" in capsys.readouterr().err
 
 
-def test_keras_stitch_refuses_background_compile():
+def test_keras_stitch_tiers_with_background_compile():
+    """Options(background_compile=True) under keras.stitch is its default: tiered
+    (keras.py), not refused as it was when Keras's steps could only compile first."""
     keras = pytest.importorskip("keras")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match="background_compile"):
-        stitching.keras.stitch(model, stitching.Options(background_compile=True))
+    stitching.keras.stitch(model, stitching.Options(background_compile=True))
+    assert {type(f).__name__ for f in model._stitching_steps.values()} == {"_Tiered"}
 
 
 def test_reports_name_the_users_function():

@@ -60,10 +60,13 @@ def _assert_close(a, b, rtol):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol)
 
 
+SYNC = stitching.Options(background_compile=False)   # every step stitched from the first
+
+
 def test_fit_evaluate_predict_train_on_batch_match_keras_with_steps_per_execution():
     stock = _run(_model(steps_per_execution=2))
     m = _model(steps_per_execution=2)
-    assert stitching.keras.stitch(m) is m
+    assert stitching.keras.stitch(m, SYNC) is m
     got = _run(m)
     _assert_close(got, stock, rtol=1e-5)
     assert len(got["batches"]) > 0 and got["history"]["loss"][-1] < got["history"]["loss"][0]
@@ -92,9 +95,116 @@ def test_mixed_float16_matches_keras_within_half_precision():
                          shuffle=False).history["loss"]
 
         stock = losses(_model())
-        m = stitching.keras.stitch(_model())
+        m = stitching.keras.stitch(_model(), SYNC)
         got = losses(m)
         np.testing.assert_allclose(got, stock, rtol=5e-4)
         assert len(m.stitching_report.train.kernels) >= 1
     finally:
         keras.mixed_precision.set_global_policy(policy)
+
+
+class _WaitAt(_BatchLosses):
+    """Per-step losses; after step ``n`` the step's background compile is waited
+    for, so the next step is the first stitched one (a switch mid-run, made
+    deterministic)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        if len(self.losses) == self.n:
+            assert stitching.keras.wait(self.model, timeout=300)
+
+
+def test_tiered_fit_switches_mid_run_and_keeps_the_loss_curve_of_keras(capsys):
+    """Tiered (the default): the first steps run stock Keras while the train step
+    compiles in the background; the switch happens at a step boundary and every
+    step's loss equals plain Keras's within float rounding, before and after it.
+    The report and a progress line say where the switch was.  evaluate and predict
+    are tiered the same way."""
+    x, y = _data(160)
+    stock, cb = _model(), _BatchLosses()
+    stock.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False, callbacks=[cb])
+    m, tiered = stitching.keras.stitch(_model()), _WaitAt(3)
+    m.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False, callbacks=[tiered])
+    np.testing.assert_allclose(tiered.losses, cb.losses, rtol=1e-5)
+    train = m._stitching_steps["train"]
+    assert train.switch[0] == 4 and len(m.stitching_report.all["train"]) == 1
+    assert "stock TF ran steps 1-3" in m.stitching_report.train.tiering
+    assert "stitched from step 4" in m.stitching_report.summary()
+    assert "train step: stock TF ran steps 1-3" in capsys.readouterr().err
+    # evaluate and predict: stock on their first call, stitched after the wait
+    for run in (lambda model: model.evaluate(x, y, batch_size=32, verbose=0),
+                lambda model: model.predict(x, batch_size=32, verbose=0)):
+        _assert_close(run(m), run(stock), rtol=1e-5)
+        assert stitching.keras.wait(m, timeout=300)
+        _assert_close(run(m), run(stock), rtol=1e-5)
+    for step in ("test", "predict"):
+        assert m._stitching_steps[step].switch is not None, step
+        assert len(m.stitching_report[step].kernels) >= 1, step
+
+
+def test_a_job_whose_stock_steps_stay_under_the_tier_up_time_never_compiles(
+        monkeypatch):
+    """The background compile starts once a step's stock calls (after Keras's trace)
+    have run STITCHING_TIER_UP_SECONDS: a short fit of tiny steps never starts one
+    (no compile, no kernels, stock numbers); 0 starts it after the first step; a
+    value that is not a number of seconds is refused at stitch()."""
+    x, y = _data(64)
+    m = stitching.keras.stitch(_model())
+    m.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    train = m._stitching_steps["train"]
+    assert train._thread is None and train.switch is None and train.report is None
+    monkeypatch.setattr(stitching.keras, "TIER_UP_SECONDS", 0.0)
+    m = stitching.keras.stitch(_model())
+    m.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert m._stitching_steps["train"]._thread is not None
+    assert stitching.keras.wait(m, timeout=300)
+    monkeypatch.setenv("STITCHING_TIER_UP_SECONDS", "soon")
+    with pytest.raises(ValueError, match="STITCHING_TIER_UP_SECONDS"):
+        stitching.keras.stitch(_model())
+
+
+def test_synchronous_when_asked():
+    """Options(background_compile=False): no stock steps, the first step waits."""
+    m = stitching.keras.stitch(_model(), SYNC)
+    x, y = _data(32)
+    m.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert m.stitching_report.train is not None and not m.stitching_report.train.tiering
+    assert "train_function" not in type(m).__dict__ and \
+        "make_train_function" not in vars(m)
+
+
+_SHORT_JOB = r"""
+import sys, time
+import numpy as np, keras, stitching.keras
+keras.utils.set_random_seed(0)
+m = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="gelu"),
+                      keras.layers.LayerNormalization(), keras.layers.Dense(4)])
+m.compile(optimizer="adam", loss="mse")
+stitching.keras.stitch(m)
+x = np.ones((64, 16), np.float32)
+m.fit(x, x[:, :4], batch_size=32, epochs=1, verbose=0)
+print("PENDING", not m._stitching_steps["train"]._ready, flush=True)
+print("END", time.time(), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_short_job_exits_without_waiting_for_its_kernels(tmp_path):
+    """A job that ends while its train step still compiles exits promptly (the
+    background compile is stopped at exit, its workers killed), with status 0."""
+    import os
+    import subprocess
+    import sys
+    import time
+    env = dict(os.environ, STITCHING_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, "-c", _SHORT_JOB], capture_output=True,
+                       text=True, timeout=300, env=env)
+    done = time.time()
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = dict(ln.split(" ", 1) for ln in p.stdout.splitlines() if " " in ln)
+    # interpreter and TF teardown take ~0.5-1.5 s here; compiling the step, ~10 s
+    assert done - float(lines["END"]) < 8.0, (lines, done)

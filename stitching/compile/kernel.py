@@ -66,6 +66,10 @@ def canonical(text):
 _log = logging.getLogger(__name__)
 _lock = threading.RLock()
 _kernels: dict = {}          # spec hash -> CompiledKernel
+# spec hash -> (schedule, source) that uncached_code emitted to find the code's name:
+# compile_kernel, which follows it for the same specs, takes them up (a warm process
+# emitted each kernel twice, ~5 ms each)
+_emitted: dict = {}
 
 _BODY_T = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64,
                            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
@@ -571,10 +575,14 @@ def uncached_code(spec: KernelSpec):
         target = compile_target(spec)
         if target.hash in _kernels:
             return None
-        text = cpu().emit(build_schedule(target)).text
+        sched = build_schedule(target)
+        source = cpu().emit(sched)
     except Exception:  # noqa: BLE001 - compile_kernel reports it
         return None
+    text = source.text
     name = code_name(text)
+    with _lock:                 # compile_kernel takes it up instead of emitting again
+        _emitted[target.hash] = (sched, source)
     return None if native.built(kernel_dir() / name) else (target, text, name)
 
 
@@ -602,8 +610,10 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
 
 def _compile_exact(spec: KernelSpec) -> CompiledKernel:
     t0 = time.perf_counter()
-    sched = build_schedule(spec)
-    source = cpu().emit(sched)
+    sched, source = _emitted.pop(spec.hash, None) or (None, None)
+    if source is None:
+        sched = build_schedule(spec)
+        source = cpu().emit(sched)
     name = code_name(source.text)
     check_code_size(name, source.text)
 
@@ -619,3 +629,4 @@ def clear_memory_cache() -> None:
     """Forget in-process kernels (tests); modules stay imported."""
     with _lock:
         _kernels.clear()
+        _emitted.clear()

@@ -20,6 +20,16 @@ A worker's start-up (Python, Numba, its first compile: ~0.9 s) can be paid befor
 specs exist: ``prestart`` launches warmed workers that wait on stdin while the caller
 plans (pipeline.py does, for graphs it has not compiled before), and ``warm_cache``
 feeds them, or closes them when nothing needs compiling.
+
+Background compiles (tiered execution: stock TF serves a function while its kernels
+compile; tf/function.py, keras.py) run inside ``background()``: there every kernel
+to compile goes to workers, even one (LLVM running in a thread of this process would
+keep a short job from exiting: a daemon thread inside LLVM while the interpreter
+tears down can crash the exit), and the workers run at a lower CPU priority
+(``BACKGROUND_NICE``), so the user's stock TF steps, which share the cores, come
+first.  ``cancel()`` (at interpreter exit) makes every background compile stop at
+its next kernel: the workers are killed, what they finished is in the disk cache,
+and the compile raises ``Cancelled``.
 """
 from __future__ import annotations
 
@@ -33,6 +43,7 @@ import time
 from ..ir.spec import validate
 from . import kernel
 from .kernel import CompileLimitError, cache_root, uncached_code
+from .worker import NICE_ENV
 
 MIN_PARALLEL = 3
 MAX_JOBS = 8
@@ -46,6 +57,44 @@ COMPILE_SECONDS = 30              # arbitrary (5x the planner's largest kernel
                                   # here); STITCHING_COMPILE_SECONDS overrides
 COMPILE_MEMORY_MB = 4096          # arbitrary; STITCHING_COMPILE_MEMORY_MB overrides
 COMPILE_BUDGET_SECONDS = 600      # arbitrary: per process, for graph files' kernels
+BACKGROUND_NICE = 10              # arbitrary: below the user's process, not idle-only
+
+
+class Cancelled(RuntimeError):
+    """A background compile stopped by ``cancel()`` (the process is exiting)."""
+
+
+_background = threading.local()   # .on: this thread compiles behind stock TF
+_cancelled = threading.Event()
+
+
+class background:
+    """``with background():`` the compiles this thread starts are background ones
+    (module note): workers only, at a lower priority, stopped by ``cancel()``."""
+
+    def __enter__(self):
+        self._was = getattr(_background, "on", False)
+        _background.on = True
+        return self
+
+    def __exit__(self, *exc):
+        _background.on = self._was
+
+
+def in_background() -> bool:
+    return getattr(_background, "on", False)
+
+
+def cancel() -> None:
+    """Stop every background compile at its next kernel (interpreter exit)."""
+    _cancelled.set()
+
+
+def check_cancelled() -> None:
+    """Raise ``Cancelled`` in a background compile once ``cancel()`` was called."""
+    if _cancelled.is_set() and in_background():
+        raise Cancelled("background compile stopped: the process is exiting "
+                        "(kernels finished so far are in the disk cache)")
 
 
 def default_jobs() -> int:
@@ -76,6 +125,8 @@ def _spawn():
                STITCHING_WORKER_PARENT=str(os.getpid()),    # it dies with us (worker.py)
                STITCHING_COMPILE_MEMORY_MB=str(_limit("STITCHING_COMPILE_MEMORY_MB",
                                                       COMPILE_MEMORY_MB)))
+    if in_background():
+        env[NICE_ENV] = str(BACKGROUND_NICE)     # worker.py lowers its own priority
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.Popen([sys.executable, "-m", "stitching.compile.worker"],
@@ -139,7 +190,8 @@ def warm_cache(specs, jobs: int | None = None, progress=None,
 
 def _warm_cache(specs, jobs, progress, workers) -> int:
     jobs = default_jobs() if jobs is None else jobs
-    if workers is None and (jobs < 2 or len(specs) < MIN_PARALLEL):
+    bg = in_background()            # every compile to workers (module note)
+    if workers is None and not bg and (jobs < 2 or len(specs) < MIN_PARALLEL):
         return 0                    # in-process anyway: no need to probe the cache
     todo = {}
     for s in specs:                 # one compile per code: generic twins (specialize.py)
@@ -158,7 +210,7 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
         procs = workers.take(min(len(workers.procs), len(todo)))
     else:
         jobs = min(jobs, len(todo))
-        if jobs < 2 or len(todo) < MIN_PARALLEL:
+        if not todo or (not bg and (jobs < 2 or len(todo) < MIN_PARALLEL)):
             return 0
         procs = [_spawn() for _ in range(jobs)]
     queue = list(reversed(todo))    # pop() takes the largest
@@ -170,7 +222,8 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
         try:
             while True:
                 with lock:
-                    spec = queue.pop() if queue else None
+                    spec = queue.pop() if queue and not (bg and _cancelled.is_set()) \
+                        else None
                 if spec is None:
                     break
                 p.stdin.write(json.dumps(spec.to_json()) + "\n")
@@ -198,11 +251,15 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
     # killed and whatever it did not finish compiles in this process.
     per_worker = -(-len(todo) // len(procs))
     deadline = time.monotonic() + WORKER_SECONDS_PER_KERNEL * per_worker
+    # A background compile also stops waiting (and kills its workers) at cancel().
     for p, d in zip(procs, drivers):
-        d.join(max(0.0, deadline - time.monotonic()))
+        while d.is_alive() and time.monotonic() < deadline and \
+                not (bg and _cancelled.is_set()):
+            d.join(min(0.1, max(0.0, deadline - time.monotonic())))
         if d.is_alive():
             p.kill()
             d.join()
+    check_cancelled()
     return len(todo)
 
 
@@ -237,6 +294,7 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
                (lambda done, total: progress(done, total, None)))
     done = {}
     for i, (h, s) in enumerate(distinct.items()):
+        check_cancelled()
         if progress is not None:
             progress(i, n, s)
         try:

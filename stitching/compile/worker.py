@@ -24,11 +24,15 @@ import time
 
 PARENT_ENV = "STITCHING_WORKER_PARENT"
 MEMORY_ENV = "STITCHING_COMPILE_MEMORY_MB"
+NICE_ENV = "STITCHING_WORKER_NICE"     # set for background compiles (parallel.py)
 
 
 def main() -> int:
     _die_with_parent()
     _cap_memory()
+    nice = int(os.environ.get(NICE_ENV, "0") or 0)
+    if nice > 0:
+        os.nice(nice)
     _lean_numba()
     from ..ir.spec import KernelSpec
     from .kernel import compile_kernel

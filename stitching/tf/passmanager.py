@@ -107,9 +107,11 @@ def run(passes, ctx: Context, dump=None) -> None:
     options = ctx.options
     pattern = getattr(options, "dump_passes", None)
     wanted = re.compile(pattern) if pattern and dump is not None else None
+    from ..compile.parallel import check_cancelled
     for p in passes:
         if not p.enabled(options):
             continue
+        check_cancelled()         # a background compile stops here at exit
         t0 = time.perf_counter()
         note = p.run(ctx)
         ctx.seconds[p.name] = time.perf_counter() - t0

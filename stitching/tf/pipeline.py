@@ -20,7 +20,7 @@ around planning, each pass entered once:
                  Shape ops only they read leave the IR (not kernel outputs) shapes.py
     remapper     conv epilogues TF's remapper fuses, priced as free   remapper.py
   plan           plan.get_planner(options.planner); legality from schedule.check;
-                 large graphs: stored per graph (plan/cache.py)
+                 stored per graph, reused by later processes (plan/cache.py)
   compile        compile.compile_kernels (Numba; uncached kernels in parallel worker
                  processes; cached in memory and on disk), runtime.register
   AFTER_PLANNING on the rewrite's own copy of the graph
@@ -233,30 +233,32 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     try:
         ensure_runtime()
         passmanager.run(BEFORE_PLANNING, ctx, dump=dump_pass)
+        parallel.check_cancelled()      # a background compile at exit stops here
         ir = ctx.ir
+        key = _graph_key(graph_def, fetches, keep, options, resources)
         # A large graph not compiled before will likely need Numba: start the compile
         # workers now (all of them, or the rest beside an early one), so their
         # start-up overlaps planning (warm_cache closes them if nothing needs
         # compiling).  Small graphs compile few kernels, often in-process (or in the
-        # early worker), and are not keyed at all.
-        key = (_graph_key(graph_def, fetches, keep, options, resources)
-               if len(ir) >= _PRESTART_MIN_NODES else None)
-        if key is not None and not kernel_cache.graph_seen(key):
+        # early worker).
+        if len(ir) >= _PRESTART_MIN_NODES and not kernel_cache.graph_seen(key):
             workers = parallel.prestart(workers=workers)
-        # a graph planned before (another process, same planner code and machine):
-        # its stored plan, rebuilt and re-checked against this IR (plan/cache.py)
-        the_plan = plan_cache.load(key, ir, legal) if key is not None else None
+        # A graph planned before (another process, same planner code and machine):
+        # its stored plan, rebuilt and re-checked against this IR (plan/cache.py).
+        # Every size: the warm short job's train step (494 nodes) stitched in 0.93 s
+        # with its stored plan against 1.58 s planning, its test step (94 nodes)
+        # 0.37 against 0.40 s (medians of 7, one process, a loaded machine).
+        the_plan = plan_cache.load(key, ir, legal)
         if the_plan is None:
             the_plan = get_planner(options.planner)(ir, legal=legal,
                                                     min_ops=options.min_ops)
-            if key is not None:
-                plan_cache.save(key, the_plan)
+            plan_cache.save(key, the_plan)
         ctx.plan = the_plan
         ctx.regions, ctx.kernels, ctx.failed = _compile(the_plan.regions, options, workers)
     finally:
         if workers is not None:
             workers.close()
-    if key is not None and not ctx.failed:
+    if not ctx.failed:
         kernel_cache.remember_graph(key)
     if ctx.dump_path:
         ctx.labels = dump.labels_for(ctx.dump_path, len(ctx.regions))

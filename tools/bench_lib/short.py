@@ -79,11 +79,24 @@ def child(spec: str) -> None:
         t0 = time.perf_counter()
         res["result"] = _JOBS[job](mode)
         res["job_s"] = time.perf_counter() - t0
+        res["tiers"] = _tiers()
         res["ok"] = True
     except Exception as e:  # noqa: BLE001 - reported as the cell's error
         res["ok"] = False
         res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     print(_MARK + json.dumps(res), flush=True)
+
+
+_MODELS = []                     # the stitched model of this child's job
+
+
+def _tiers() -> dict:
+    """Per step function of the stitched model: the step that first ran stitched
+    (tiered execution, stitching/keras.py), or 0 where it ran stock TF only."""
+    if not _MODELS:
+        return {}
+    return {kind: (f.switch[0] if getattr(f, "switch", None) else 0)
+            for kind, f in _MODELS[0]._stitching_steps.items()}
 
 
 def _data(shape, seed, classes=None):
@@ -102,6 +115,7 @@ def _compiled(model, mode, loss):
     if mode.startswith("stitching"):
         import stitching.keras
         stitching.keras.stitch(model)
+        _MODELS.append(model)
     return model
 
 
@@ -157,7 +171,7 @@ def _result_gap(step, ref) -> str:
 def short_table(rows):
     head = ["job", "TF process s", "XLA process s", "st cold process s",
             "st warm process s", "cold / XLA", "warm / TF", "job s TF/XLA/cold/warm",
-            "result vs TF, XLA/cold/warm (rel)"]
+            "result vs TF, XLA/cold/warm (rel)", "stitched from step, cold / warm"]
     body = []
     for r in rows:
         s = r["steps"]
@@ -176,8 +190,16 @@ def short_table(rows):
             f"{warm / tf_:.2f}x" if warm and tf_ else "-",
             "/".join(f"{val(m, 'job_s'):.2f}" if val(m, "job_s") is not None else "-"
                      for m in MODES),
-            " / ".join(_result_gap(s.get(m), s.get("tf")) for m in MODES[1:])])
+            " / ".join(_result_gap(s.get(m), s.get("tf")) for m in MODES[1:]),
+            " / ".join(_tier_cell(s.get(m)) for m in MODES[2:])])
     return head, body
+
+
+def _tier_cell(step) -> str:
+    """The steps that first ran stitched ('train 4, test 2'), or 'stock only'."""
+    tiers = (step or {}).get("tiers") or {}
+    used = [f"{k} {v}" for k, v in tiers.items() if v]
+    return ", ".join(used) if used else "stock only"
 
 
 def round_lines(rows) -> list[str]:
@@ -227,5 +249,12 @@ def method_text() -> str:
         "a cell is the median round. 'cold / XLA' and 'warm / TF' are ratios of "
         "process times (the issue's bars: <= 1x and <= 1.1x). The last column is the "
         "relative difference of the "
-        "job's final loss (or last prediction's mean) from stock TF's. The install step "
-        "(op library, shape interpreter, math helpers) runs first, untimed.")
+        "job's final loss (or last prediction's mean) from stock TF's. Stitching is "
+        "tiered (stitching.keras's default): a step runs stock Keras until its stitched "
+        "twin is compiled in the background, which starts once the step's stock calls "
+        "after the first have run 1 s (STITCHING_TIER_UP_SECONDS); the last column "
+        "names, for the median round, the step at which each of train/test/predict switched, or 'stock "
+        "only' when the job ended first. The install step "
+        "(op library, shape interpreter, math helpers) runs first, untimed, and writes "
+        "the package's bytecode, as installing a wheel does (TF's and Keras's modules "
+        "have theirs).")
