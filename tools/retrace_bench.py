@@ -48,8 +48,10 @@ print(json.dumps(out))
 def run(mode, batches):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", STITCHING_NO_HINTS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # cwd: ``python -c`` puts it first on sys.path, before PYTHONPATH, so a run from
+    # another checkout would import that checkout's stitching
     r = subprocess.run([sys.executable, "-c", CHILD, mode, batches], env=env,
-                       capture_output=True, text=True, check=True)
+                       capture_output=True, text=True, check=True, cwd=REPO)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
