@@ -124,7 +124,6 @@ class StitchedFunction(tf_pf.Function):
     def _configure(self, options, reduce_retracing):
         """Stitching's own state (also for the bound copies ``__get__`` makes)."""
         self.options = options
-        self.report = None
         self.reports = []            # one per trace, oldest first
         self._reduce_retracing_setting = reduce_retracing
         # None: relax shapes (module docstring); a fixed input_signature leaves nothing to
@@ -156,7 +155,16 @@ class StitchedFunction(tf_pf.Function):
             options=self.options)
         if self._shared_rendezvous:
             f._shared_rendezvous = self._shared_rendezvous
+        # tf.distribute's strategy.run calls a clone in place of this function
+        # (mirrored_run): what the clone traces is this function's work, so its reports
+        # are this one's too (Keras's test step under MirroredStrategy)
+        f.reports = self.reports
         return f
+
+    @property
+    def report(self):
+        """The latest trace's ``stitching.Report``; None before the first trace."""
+        return self.reports[-1] if self.reports else None
 
     def __get__(self, instance, owner):
         """Methods bind as tf.function's do (one Function per instance); the bound one
@@ -391,7 +399,6 @@ class StitchedFunction(tf_pf.Function):
             if workers is not None:
                 workers.close()
         if result is not None:
-            self.report = result.report
             self.reports.append(result.report)
             # only where it would apply: an eager call (not inside Keras's fit or
             # another tf.function, not get_concrete_function or stitching-rewrite)
