@@ -105,11 +105,11 @@ class _Sweep:
             keep = node.attrs.get("keep_dims", False)
             return [None if a in axes else m for a, m in enumerate(ins[0])
                     if keep or a not in axes]
-        if node.op == "Transpose" and ins and ins[0] is not None:
+        if node.op == "Transpose" and "perm" in node.attrs and ins and ins[0] is not None:
             return [ins[0][p] for p in node.attrs["perm"]]
         if node.op == "Reshape" and ins and ins[0] is not None:
             return self.reshape(node, ins[0], shape)
-        if node.op == "Split" and ins and ins[0] is not None:
+        if node.op == "Split" and "axis" in node.attrs and ins and ins[0] is not None:
             axis = node.attrs["axis"]
             return [None if a == axis else m for a, m in enumerate(ins[0])]
         if node.op in _MATMULS and len(ins) == 2 and None not in ins:
