@@ -404,7 +404,9 @@ class _Merger:
                     m |= self.opaque_above[v]
                 self._above[X] = m
             above.append(m)
-        if above[0] == above[1] or self._siblings(*above):
+        # a lone op is no kernel the search chose: left alone, TF may run it for free
+        # (tf/gemm.py adds a projection's bias inside its GEMM), so it keeps the penalty
+        if above[0] == above[1] or min(len(A), len(B)) > 1 and self._siblings(*above):
             return 0.0
         p, costs = self.ctx.profile, self.ctx.costs
         return max(max(0.0, costs.delta(X).fused_s - p.launch_s - p.task_s) for X in (A, B))
