@@ -466,6 +466,10 @@ class _Merger:
     def members(self, g) -> frozenset:
         return frozenset(self.con.members[g])
 
+    def lone(self, g) -> bool:
+        """A group of one op (alone, a kernel of it is not worth a dispatch: _deploy)."""
+        return len(self.con.members[g]) == 1
+
     def free(self, g, h) -> bool:
         """One side is a lone op that moves no data (its TF op costs nothing)."""
         return any(len(self.con.members[x]) == 1
@@ -540,6 +544,11 @@ class _Merger:
             lazy = kind == "remote" and U <= self.simple and not (
                 A <= self.scalar or B <= self.scalar)
             why = ctx.side_reason(U) or (None if lazy else ctx.check(U))
+            if why is None and not lazy and kind == "remote" and \
+                    (self.lone(a) or self.lone(b)) and ctx.region(U).spec.same_dims:
+                why = ("a lone op packs over a run-time dim only where its own kernel "
+                       "pays: left alone, TF may run it inside the product before it "
+                       "(tf/gemm.py adds a projection's bias in its GEMM)")
         better = ctx.gain(U) - self.cur.get(a, 0.0) - self.cur.get(b, 0.0)
         if why is not None:
             ctx.note(kind, U, better, f"refused: {why}")
