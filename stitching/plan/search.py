@@ -353,7 +353,9 @@ class _Merger:
     another's), the part ready first loses its overlap with the opaque work still
     running: a pack pays only if the dispatch it saves exceeds the larger part's own
     work (``overlap_penalty``).  So an optimizer's small updates (biases, norms' gamma
-    and beta) pack together, large ones keep their own kernels.  Measured before this
+    and beta) pack together, large ones keep their own kernels.  Parts below products
+    of one value (attention's K and V projections) become ready together and pack
+    whatever their size (``_siblings``).  Measured before this
     rule (tools/train_bench.py models, one process, modes interleaved, 25-30 rounds,
     a shared 2-core machine at load 4-6): packing every update chain made the MLP step
     (Adam, 0.8M parameters) 8-16% slower than no packing (median, 25th percentile and
