@@ -464,3 +464,25 @@ def test_transposes_of_the_last_dim_are_strided_loads():
         X.flat[5] = np.nan
         (got,) = compile_kernel(spec)(X)
         np.testing.assert_array_equal(got, ref(X))
+
+
+def test_tf_gather_stays_out_with_a_reason_by_its_form():
+    """GatherV2 is not folded into kernels (a data-dependent load, and TF's CPU kernel
+    fails on an out-of-range index): the report says which form it has; the math
+    around it fuses, equal to TF, and an out-of-range index fails as in TF."""
+    import stitching
+    tf = pytest.importorskip("tensorflow")
+    emb = tf.constant(RNG.standard_normal((50, D)).astype(np.float32))
+
+    def lookup(ids, x):
+        return tf.nn.relu(tf.gather(emb, ids) * 2.0 + x) + tf.gather(x, [2, 0, 1], axis=1)
+    sig = [tf.TensorSpec([None, 3], tf.int32), tf.TensorSpec([None, 3, D], tf.float32)]
+    f = stitching.function(lookup, input_signature=sig)
+    ids = tf.constant([[1, 49, 0], [7, 7, 3]], tf.int32)
+    x = tf.constant(RNG.standard_normal((2, 3, D)).astype(np.float32))
+    np.testing.assert_array_equal(f(ids, x).numpy(), tf.function(lookup)(ids, x).numpy())
+    why = {n.rsplit("/", 1)[-1]: r for n, op, r in f.report.unfused if op == "GatherV2"}
+    assert "by run-time indices" in why["GatherV2"], f.report.summary()
+    assert "by constant indices" in why["GatherV2_1"], f.report.summary()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not in"):
+        f(tf.constant([[1, 50, 0]], tf.int32), x[:1])

@@ -379,3 +379,29 @@ def test_a_stored_plan_is_not_trusted_where_nodes_no_longer_fuse_or_kernels_woul
     g3 = graph()
     g3["m"].order_inputs = ["a2"]            # {a, a2, d, e} would now be a cycle
     assert cache.load("k", g3, allow_all) is None
+
+
+def _sibling_chains(ops, shape=(512, 512)):
+    """Two products of one input x (attention's K and V projections) and one of
+    another input y, each followed by a chain of ``ops`` and another product."""
+    b = G().input("x", list(shape)).input("y", list(shape))
+    for p, src in (("k", "x"), ("v", "x"), ("g", "y")):
+        b.opaque(f"{p}m", [src], list(shape))
+        prev = f"{p}m"
+        for i, op in enumerate(ops):
+            b.op(f"{p}{i}", op, [prev])
+            prev = f"{p}{i}"
+        b.opaque(f"{p}out", [prev], list(shape))
+    return b.build("kout", "vout", "gout")
+
+
+def test_chains_below_sibling_products_pack_despite_the_overlap_penalty():
+    """Kernels below products of one input start together (search._Merger._siblings):
+    they pack however large (grouped-query attention's K and V head transposes); the
+    chain below a product of another input waits for other work and keeps its kernel.
+    Lone ops keep the penalty: left alone, TF may run them inside the product."""
+    from stitching.schedule import check
+    p = plan(_sibling_chains(["Exp", "Neg"]), legal=lambda s: check(s).reason)
+    assert sorted(regions(p)) == [["g0", "g1"], ["k0", "k1", "v0", "v1"]]
+    p = plan(_sibling_chains(["Exp"]), legal=lambda s: check(s).reason)
+    assert all(len(r) == 1 for r in regions(p)), regions(p)

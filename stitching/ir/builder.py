@@ -53,9 +53,9 @@ class SpecBuilder:
     def const(self, value, dtype: str = "float32", shape=()) -> int:
         return self.op("Const", value=value, dtype=dtype, shape=list(shape))
 
-    def build(self, outputs, **schedule) -> KernelSpec:
+    def build(self, outputs, same_dims=(), **schedule) -> KernelSpec:
         return validate(KernelSpec(tuple(self.inputs), tuple(self.nodes),
-                                   tuple(outputs), dict(schedule)))
+                                   tuple(outputs), dict(schedule), tuple(same_dims)))
 
     def __getattr__(self, name):
         if name in OPS:

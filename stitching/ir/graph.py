@@ -97,6 +97,9 @@ class Graph:
         for n in nodes:
             self.add(n)
         self.outputs: list[ValueRef] = list(outputs)
+        # ValueRef -> per dim a symbol of a run-time dim the graph proves equal to
+        # others (ir/symdims.py), None where static; set before planning
+        self.dim_symbols: dict = {}
 
     def add(self, node: Node) -> Node:
         if node.name in self.nodes:

@@ -19,7 +19,15 @@ JSON layout::
      "nodes":   [{"op": "Mean", "args": [-1], "attrs": {"axes": [1], "keep_dims": true},
                   "dtype": "float32", "shape": [-1, 1]}, ...],
      "outputs": [5, 9],
-     "schedule": {"rows_per_task": 4}}
+     "schedule": {"rows_per_task": 4},
+     "same_dims": [[[0, 0], [1, 0]]]}
+
+``same_dims`` (optional, absent when empty) lists groups of unknown input dims
+(``[input, dim]``) that the graph proves equal (ir/symdims.py): two independent chains
+of a packed kernel may share a loop axis over them (schedule/domain.py).  It is a
+claim a file could get wrong, and a harmless one: every dim in a group is checked
+against the group's first at run time, as any two dims on one loop axis are, so a
+false claim is an error naming the dims, never a read out of bounds.
 """
 from __future__ import annotations
 
@@ -46,6 +54,7 @@ MAX_RANK = 8
 MAX_JSON_BYTES = 1 << 20     # arbitrary: ~40x the largest spec the planner makes
 MAX_JSON_DEPTH = 16          # a spec nests 5 deep (spec, nodes, node, attrs, a list)
 MAX_DIM = 1 << 40
+MAX_SAME_DIMS = MAX_INPUTS * MAX_RANK   # every unknown input dim in some group, at most
 
 # Schedule parameters: name -> (min, max).  Anything else is rejected.
 SCHEDULE_PARAMS = {
@@ -74,10 +83,11 @@ class KernelSpec:
     nodes: tuple             # tuple[SpecNode]
     outputs: tuple           # tuple[int], node indices
     schedule: dict = field(default_factory=dict)
+    same_dims: tuple = ()    # tuple of groups, each a tuple of (input, dim) pairs
 
     # -- identity ---------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
+        d = {
             "version": VERSION,
             "inputs": [{"dtype": t.dtype, "shape": list(t.shape)} for t in self.inputs],
             "nodes": [{"op": n.op, "args": list(n.args),
@@ -87,6 +97,9 @@ class KernelSpec:
             "outputs": list(self.outputs),
             "schedule": dict(sorted(self.schedule.items())),
         }
+        if self.same_dims:      # absent when empty: every other spec keeps its hash
+            d["same_dims"] = [[list(p) for p in g] for g in self.same_dims]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"),
@@ -107,7 +120,8 @@ class KernelSpec:
     def with_schedule(self, **params) -> "KernelSpec":
         sched = dict(self.schedule)
         sched.update(params)
-        return validate(KernelSpec(self.inputs, self.nodes, self.outputs, sched))
+        return validate(KernelSpec(self.inputs, self.nodes, self.outputs, sched,
+                                   self.same_dims))
 
     # -- parsing ----------------------------------------------------------
     @classmethod
@@ -131,8 +145,7 @@ class KernelSpec:
     @classmethod
     def from_dict(cls, d) -> "KernelSpec":
         _expect(isinstance(d, dict), "spec must be a JSON object")
-        _expect(set(d) <= {"version", "inputs", "nodes", "outputs", "schedule"},
-                f"unknown spec keys {sorted(set(d) - {'version', 'inputs', 'nodes', 'outputs', 'schedule'})}")
+        _expect(set(d) <= _KEYS, f"unknown spec keys {sorted(set(d) - _KEYS)}")
         _expect(_is_int(d.get("version")) and d["version"] == VERSION,
                 f"unsupported spec version {str(d.get('version'))[:20]!r} (must be the "
                 f"integer {VERSION})")
@@ -162,7 +175,15 @@ class KernelSpec:
                 f"outputs must be a non-empty list of at most {MAX_OUTPUTS} ints")
         sched = d.get("schedule", {})
         _expect(isinstance(sched, dict), "schedule must be an object")
-        return validate(cls(in_types, tuple(parsed), tuple(outs), dict(sched)))
+        same = d.get("same_dims", [])
+        _expect(isinstance(same, list) and len(same) <= MAX_SAME_DIMS and all(
+                isinstance(g, list) and len(g) <= MAX_SAME_DIMS and all(
+                    isinstance(p, list) and len(p) == 2 and all(_is_int(x) for x in p)
+                    for p in g) for g in same),
+                f"same_dims must be a list of at most {MAX_SAME_DIMS} groups of "
+                "[input, dim] pairs")
+        return validate(cls(in_types, tuple(parsed), tuple(outs), dict(sched),
+                            tuple(tuple(tuple(p) for p in g) for g in same)))
 
 
 def validate(spec: KernelSpec) -> KernelSpec:
@@ -199,7 +220,24 @@ def validate(spec: KernelSpec) -> KernelSpec:
         lo, hi = SCHEDULE_PARAMS[k]
         _expect(_is_int(v) and lo <= v <= hi, f"schedule.{k} must be an int in [{lo}, {hi}]")
     return KernelSpec(tuple(spec.inputs), tuple(nodes), tuple(spec.outputs),
-                      dict(spec.schedule))
+                      dict(spec.schedule), _check_same_dims(spec))
+
+
+def _check_same_dims(spec) -> tuple:
+    """Groups of two or more distinct unknown input dims, each dim in one group."""
+    seen = set()
+    for g in spec.same_dims:
+        _expect(len(g) >= 2, "same_dims: a group needs at least two dims")
+        for j, i in g:
+            _expect(0 <= j < len(spec.inputs) and 0 <= i < len(spec.inputs[j].shape)
+                    and spec.inputs[j].shape[i] == -1,
+                    f"same_dims: [{j}, {i}] is not an unknown input dim")
+            _expect((j, i) not in seen, f"same_dims: [{j}, {i}] is in two groups")
+            seen.add((j, i))
+    return tuple(tuple(tuple(p) for p in g) for g in spec.same_dims)
+
+
+_KEYS = frozenset({"version", "inputs", "nodes", "outputs", "schedule", "same_dims"})
 
 
 def _shapes_agree(inferred, claimed) -> bool:

@@ -93,7 +93,44 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
     # planners extract hundreds of candidate regions per graph, and re-inferring each
     # was a third of extract's time.
     spec = KernelSpec(tuple(b.inputs), tuple(b.nodes), tuple(out_refs))
+    same = _same_dims(graph, inputs, spec)
+    if same:
+        spec = KernelSpec(spec.inputs, spec.nodes, spec.outputs, {}, same)
     return Region(names, inputs, outputs, spec)
+
+
+def _same_dims(graph: Graph, inputs: list, spec: KernelSpec) -> tuple:
+    """Groups of the spec's unknown input dims that carry one symbol of the graph
+    (ir/symdims.py), for a kernel of independent chains only (what they are for:
+    schedule/domain.py packs such chains over one axis).  Every other spec stays as
+    it was, and so does its hash."""
+    syms = graph.dim_symbols
+    if not syms or not _independent_chains(spec):
+        return ()
+    groups: dict = {}
+    for j, r in enumerate(inputs):
+        for i, m in enumerate(syms.get(r, ())):
+            if m is not None and spec.inputs[j].shape[i] < 0:
+                groups.setdefault(m, []).append((j, i))
+    return tuple(tuple(g) for g in groups.values() if len(g) > 1)
+
+
+def _independent_chains(spec: KernelSpec) -> bool:
+    """Whether the outputs fall into two or more parts that share no node or input."""
+    parent = list(range(len(spec.inputs) + len(spec.nodes)))
+
+    def root(v):
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    def at(ref):            # inputs first, then nodes
+        return -ref - 1 if ref < 0 else len(spec.inputs) + ref
+    for k, n in enumerate(spec.nodes):
+        for a in n.args:
+            parent[root(at(a))] = root(at(k))
+    return len({root(at(o)) for o in spec.outputs}) > 1
 
 
 def _structural_order(graph: Graph, members: set, outputs: list, order: dict) -> list:

@@ -205,11 +205,15 @@ def _unify(spec, live):
 
 def _pack_components(uf, spec, live, dims):
     """Horizontal packing: a kernel made of independent element-wise chains (no path
-    between them, e.g. one optimizer update per variable) gets one iteration domain
-    when every output has the same static shape: the chains' outputs share their
-    axes, so one loop nest computes all of them.  Chains with a reduction, or with
-    outputs of different or unknown shapes, keep their own axes (and the kernel is
-    refused as before: an output would not span the parallel axes)."""
+    between them, e.g. one optimizer update per variable, or grouped-query attention's
+    K and V head transposes) gets one iteration domain when every output has the same
+    shape: the chains' outputs share their axes, so one loop nest computes all of them.
+    A dim known only at run time is shared only where the graph proves it equal
+    (``spec.same_dims``, ir/symdims.py: both K and V are [batch, ...] of one input);
+    two unknown dims merely assumed equal would make the kernel refuse inputs TF runs.
+    Chains with a reduction, or with outputs of different shapes or unproven unknown
+    dims, keep their own axes (and the kernel is refused as before: an output would
+    not span the parallel axes)."""
     parent = {}
 
     def root(v):
@@ -230,13 +234,30 @@ def _pack_components(uf, spec, live, dims):
     if len(heads) < 2:
         return
     shapes = {spec.type_of(o).shape for o in spec.outputs}
-    if len(shapes) != 1 or any(d < 0 for d in next(iter(shapes))) or any(
+    if len(shapes) != 1 or any(
             OPS[spec.nodes[k].op].kind == Kind.REDUCTION for k in live):
         return
+    proven = _proven_classes(uf, spec, dims)
     first, *rest = heads.values()
+    for o in rest:
+        if not all(a is None or uf.find(a) == uf.find(b) or uf.size[uf.find(a)] >= 0 or
+                   proven.get(uf.find(a), set()) & proven.get(uf.find(b), set())
+                   for a, b in zip(dims[first], dims[o])):
+            return
     for o in rest:
         for a, b in zip(dims[first], dims[o]):
             _bind(uf, a, b)
+
+
+def _proven_classes(uf, spec, dims) -> dict:
+    """Dim class root -> the ``same_dims`` groups (by index) of the input dims in it."""
+    out: dict = {}
+    for g, group in enumerate(spec.same_dims):
+        for j, i in group:
+            v = dims[-(j + 1)][i]
+            if v is not None:
+                out.setdefault(uf.find(v), set()).add(g)
+    return out
 
 
 def _bind_ghosts(uf, node, arg_vars, arg_ghosts, out) -> list:

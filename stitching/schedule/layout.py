@@ -184,7 +184,7 @@ class _Lowering:
         digest = hashlib.sha256((self.spec.hash + repr(views)).encode()).hexdigest()[:24]
         return LoweredSpec(tuple(self.spec.inputs) + types, nodes,
                            tuple(ref[o] for o in outputs), dict(self.spec.schedule),
-                           views=views, origin=self.spec.hash, _hash=digest)
+                           self.spec.same_dims, views=views, origin=self.spec.hash, _hash=digest)
 
     def value_of(self, ref: int) -> int:
         return ref if ref < 0 else self.value[ref]

@@ -90,6 +90,8 @@ def _convert(op) -> Node:
                      "TF's Grappler removes"
         elif op.type in opnames.LEFT_TO_TF:
             reason = opnames.LEFT_TO_TF[op.type]
+        elif op.type == "GatherV2":
+            reason = _gather_reason(op)
         elif opnames.is_memory_intensive(op.type):
             reason = f"{op.type} is not supported by the fuser yet"
         return _opaque(op, reason)
@@ -113,6 +115,26 @@ def _convert(op) -> Node:
 
 class _Unfusible(Exception):
     pass
+
+
+def _gather_reason(op) -> str:
+    """Why a GatherV2 stays TF's, by its form (docs/limits.md, Layout ops)."""
+    params = tensor_util.constant_value(op.inputs[0])
+    if params is not None and not np.any(params):
+        return ("a bounds check of run-time indices (a gather of zeros: TF's kernel fails "
+                "with InvalidArgument on an index out of range), kept on purpose")
+    if tensor_util.constant_value(op.inputs[2]) is None:
+        return "GatherV2 on an axis known only at run time: not fused"
+    if op.get_attr("batch_dims"):
+        return "GatherV2 with batch_dims: not fused yet"
+    if tensor_util.constant_value(op.inputs[1]) is not None:
+        return ("GatherV2 by constant indices: not fused yet (its index map is a table "
+                "of rows, not affine: schedule/layout.py folds affine maps only)")
+    return ("GatherV2 by run-time indices (an embedding or position lookup): each output "
+            "element reads params at an index known only when the kernel runs, a "
+            "data-dependent load the kernels do not make yet; fused, it would also have "
+            "to fail on an out-of-range index as TF's CPU kernel does (InvalidArgument) "
+            "rather than read outside params")
 
 
 def _identity_perm(op) -> list | None:

@@ -18,6 +18,8 @@ around planning, each pass entered once:
     shape_math   shape arithmetic marked, left out of the counts     shape_math.py
     shapes       run-time Reshape targets known but for one dim -> constants; the
                  Shape ops only they read leave the IR (not kernel outputs) shapes.py
+    symdims      run-time dims the graph proves equal -> one symbol (for packing
+                 independent chains over an unknown batch)                 symdims.py
     remapper     conv epilogues TF's remapper fuses, priced as free   remapper.py
   plan           plan.get_planner(options.planner); legality from schedule.check;
                  stored per graph, reused by later processes (plan/cache.py)
@@ -58,7 +60,7 @@ from .. import schedule     # the planner's legality and its cost model's schedu
 from . import control_flow, dump, opnames, passmanager, scalars
 from .passes import (autotune, bcast, concat_grad, einsum, forward, gemm, grappler, lift,
                      original, padfold, prune, remapper, reshape_sink, rewrite, seqsplit,
-                     shape_math, shapes, sparse_xent)
+                     shape_math, shapes, sparse_xent, symdims)
 
 BEFORE_PLANNING = (
     grappler.PASS,
@@ -70,6 +72,7 @@ BEFORE_PLANNING = (
     lift.PASS,
     shape_math.PASS,
     shapes.PASS,
+    symdims.PASS,
     remapper.MARK,
 )
 AFTER_PLANNING = (

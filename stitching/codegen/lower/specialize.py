@@ -74,7 +74,7 @@ def generic_twin(spec: KernelSpec) -> KernelSpec | None:
         nodes.append(SpecNode(n.op, n.args, attrs, type(t)(t.dtype, pinned)))
     try:
         twin = validate(KernelSpec(inputs, tuple(nodes), spec.outputs,
-                                   _code_schedule(spec.schedule)))
+                                   _code_schedule(spec.schedule), spec.same_dims))
     except SpecError:
         return None
     return None if twin.to_json() == spec.to_json() else twin
@@ -103,7 +103,7 @@ def _decide(spec: KernelSpec) -> KernelSpec:
     own = spec
     if any(k in spec.schedule for k in LAUNCH_PARAMS):
         own = validate(KernelSpec(spec.inputs, spec.nodes, spec.outputs,
-                                  _code_schedule(spec.schedule)))
+                                  _code_schedule(spec.schedule), spec.same_dims))
     twin = generic_twin(spec)
     if twin is None:
         return own
