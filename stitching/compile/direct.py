@@ -139,14 +139,33 @@ def build(text: str, stem: Path, symbol: str) -> None:
         module = llvm.translate(text, calls, symbol, calls.context)
         module.triple = codegen._llvm_module.triple
         module.data_layout = codegen._data_layout
-        lib = codegen.create_library(symbol)
-        try:
-            lib.add_ir_module(module)
-        except RuntimeError as e:       # the IR did not verify: a translator bug
-            raise native.NativeError(f"direct backend IR of {symbol} is invalid: {e}") \
-                from e
-        for dep in calls.libraries:
-            lib.add_linking_library(dep)
-        lib.finalize()
-        text, target = lib.get_llvm_str(), lib.codegen.magic_tuple()
-    native.export_ir(text, symbol, target, stem, symbol)
+        mod = _parse(module, symbol)
+        for lib in dict.fromkeys(calls.libraries):
+            mod.link_in(lib._get_module_for_linking(), preserve=True)
+        optimize(mod, codegen)
+    native.export_module(mod, symbol, codegen.magic_tuple(), stem, symbol, lsr=False)
+
+
+def _parse(module, symbol: str):
+    """The translator's llvmlite IR module as an LLVM module, verified."""
+    import llvmlite.binding as ll
+    from numba.core import cgutils
+    try:
+        mod = ll.parse_assembly(cgutils.normalize_ir_text(str(module)))
+        mod.verify()
+    except RuntimeError as e:       # the IR did not verify: a translator bug
+        raise native.NativeError(f"direct backend IR of {symbol} is invalid: {e}") from e
+    return mod
+
+
+def optimize(mod, codegen) -> None:
+    """LLVM's default module pipeline at Numba's level (O3), loop vectorizer on, SLP
+    off (Numba's defaults, NUMBA_OPT / NUMBA_LOOP_VECTORIZE / NUMBA_SLP_VECTORIZE
+    honoured), run once over the kernel with its helpers linked in."""
+    import llvmlite.binding as ll
+    from numba.core import config
+    pto = ll.create_pipeline_tuning_options(speed_level=min(int(config.OPT), 3))
+    pto.loop_vectorization = bool(config.LOOP_VECTORIZE)
+    pto.slp_vectorization = bool(config.SLP_VECTORIZE)
+    pb = ll.create_pass_builder(codegen._tm, pto)
+    pb.getModulePassManager().run(mod, pb)

@@ -321,22 +321,83 @@ def export_ir(text: str, wrapper: str, target: tuple, stem: Path, symbol: str) -
     import llvmlite.binding as llvm
     try:
         mod = llvm.parse_assembly(text)
-        mod.get_function(wrapper).name = symbol
-        mod.link_in(llvm.parse_assembly(_GIL_IR))
-        for name in ("numba_gil_ensure", "numba_gil_release"):
-            mod.get_function(name).linkage = "internal"
-        mod.verify()
-        runtime = sorted(f.name for f in mod.functions if f.is_declaration
-                         and f.name.startswith(_NUMBA_RUNTIME))
-        if runtime:
-            raise NativeError(f"{symbol} calls Numba's runtime ({', '.join(runtime)}), "
-                              f"which only a process with Numba loaded has")
-        obj = _target_machine(*target).emit_object(mod)
+    except RuntimeError as e:
+        raise NativeError(f"generating the object code of {symbol} failed: "
+                          f"{type(e).__name__}: {e}") from e
+    export_module(mod, wrapper, target, stem, symbol)
+
+
+def export_module(mod, wrapper: str, target: tuple, stem: Path, symbol: str,
+                  lsr: bool = True) -> None:
+    """export_ir for an optimized llvmlite module ``mod`` (changed in place);
+    ``lsr``: whether code generation runs LLVM's loop strength reduction
+    (emit_object)."""
+    try:
+        _prepare(mod, wrapper, symbol)
+        obj = emit_object(mod, target, lsr)
     except NativeError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the step named
         raise NativeError(f"generating the object code of {symbol} failed: "
                           f"{type(e).__name__}: {e}") from e
+    _link(obj, _ir_file_text(mod, lsr), stem, symbol)
+
+
+def _prepare(mod, wrapper: str, symbol: str) -> None:
+    """``wrapper`` renamed ``symbol``, the GIL helpers linked in; refuses code that
+    needs Numba's runtime."""
+    import llvmlite.binding as llvm
+    mod.get_function(wrapper).name = symbol
+    mod.link_in(llvm.parse_assembly(_GIL_IR))
+    for name in ("numba_gil_ensure", "numba_gil_release"):
+        mod.get_function(name).linkage = "internal"
+    mod.verify()
+    runtime = sorted(f.name for f in mod.functions if f.is_declaration
+                     and f.name.startswith(_NUMBA_RUNTIME))
+    if runtime:
+        raise NativeError(f"{symbol} calls Numba's runtime ({', '.join(runtime)}), "
+                          f"which only a process with Numba loaded has")
+
+
+# Loop strength reduction is the costliest pass of code generation for the direct
+# backend's kernels (~40% of object emission, LLVM 22's -time-passes over the
+# transformer's and llama's codes), and x86's addressing modes (base + index * scale)
+# leave it little to gain in loops that index several arrays by one induction
+# variable: kernel alone, nine pattern kernels without it ran within 1% of with it
+# (BENCHMARKS.md, compile phases).  It is an LLVM command-line option, global to the
+# process, so it is switched off around one emission at a time, under _emit_lock.
+_LSR_MARK = "; stitching: code generated without loop strength reduction\n"
+_emit_lock = threading.Lock()
+
+
+def emit_object(mod, target: tuple, lsr: bool = True) -> bytes:
+    """Machine code (an ELF object) for ``mod``, for ``target`` (triple, CPU, features)."""
+    return _emit(mod, target, lsr, "object")
+
+
+def _emit(mod, target: tuple, lsr: bool, kind: str):
+    import llvmlite.binding as llvm
+    tm = _target_machine(*target)
+    emit = tm.emit_object if kind == "object" else tm.emit_assembly
+    if lsr:
+        return emit(mod)
+    with _emit_lock:
+        llvm.set_option("", "-disable-lsr=true")
+        try:
+            return emit(mod)
+        finally:
+            llvm.set_option("", "-disable-lsr=false")
+
+
+def _ir_file_text(mod, lsr: bool) -> str:
+    """The .ll kept beside a kernel: its IR, marked when generated without LSR, so that
+    assembly() regenerates the same code."""
+    return ("" if lsr else _LSR_MARK) + str(mod)
+
+
+def _link(obj: bytes, ir_text: str, stem: Path, symbol: str) -> None:
+    """``obj`` linked into ``stem``.so (sealed, written atomically), ``ir_text`` beside
+    it as ``stem``.ll."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=stem.parent, prefix=".link-") as tmp:
         o, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
@@ -351,7 +412,7 @@ def export_ir(text: str, wrapper: str, target: tuple, stem: Path, symbol: str) -
         if r.returncode:
             raise NativeError(f"linking {symbol} failed: {shlex.join(cmd)}: "
                               f"{r.stderr.strip()[-1000:]}")
-        atomic_write(stem.with_suffix(".ll"), str(mod).encode())
+        atomic_write(stem.with_suffix(".ll"), ir_text.encode())
         # the identity inside, then size and hash, then the object: a reader checks
         # each against the others
         data = integrity.with_identity(so.read_bytes(), {"code": stem.name})
@@ -423,4 +484,4 @@ def assembly(stem: Path) -> str | None:
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     mod = llvm.parse_assembly(text)
-    return _target_machine(mod.triple, *_host_cpu()).emit_assembly(mod)
+    return _emit(mod, (mod.triple, *_host_cpu()), not text.startswith(_LSR_MARK), "assembly")
