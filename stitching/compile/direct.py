@@ -1,17 +1,29 @@
 """Kernels through the direct LLVM backend (codegen/cpu/llvm.py): no Numba front end.
 
     module text ─llvm.translate─► IR module (body + calls of the math helpers)
-        ─Numba's AOT code library: the same per-function and module pass pipelines
-         as the Numba path, the helpers' libraries linked in─► optimized IR
-        ─native.export_ir─► <stem>.so (object, link: unchanged)
+        ─parse, helpers' modules linked in─► one LLVM module
+        ─optimize: LLVM's O3 module pipeline, once (loop vectorizer on)─► optimized
+        ─native.export_module: object code without loop strength reduction, link─►
+         <stem>.so
 
-Only the front end differs: what LLVM optimizes is the same loops, and the helpers
-are Numba's own compiled code for them, loaded from the helper cache the install step
-fills (helper_cache.py) and linked in as the Numba path links them, so LLVM inlines
-and vectorizes the same math (tests/test_llvm_backend.py compares outputs bit for
-bit).  A helper built from several others (fastmath.BIG_HELPERS, which the Numba path
-inlines at Numba-IR level) is called with ``alwaysinline`` at the call site: LLVM's
-inline budget would otherwise keep it a call and the loop scalar.
+The helpers are Numba's own compiled code for them, loaded from the helper cache the
+install step fills (helper_cache.py) and linked in as the Numba path links them, so
+LLVM inlines and vectorizes the same math (tests/test_llvm_backend.py compares outputs
+bit for bit).  A helper built from several others (fastmath.BIG_HELPERS, which the
+Numba path inlines at Numba-IR level) is called with ``alwaysinline`` at the call
+site: LLVM's inline budget would otherwise keep it a call and the loop scalar.
+
+What LLVM does is cut to what these kernels need (issue 39; BENCHMARKS.md, "compile
+phases"): Numba runs its per-function O3 pipeline on every new function, then a cheap
+module pass (inlining, for its reference-count pruning) and then the full O3 module
+pipeline; the kernels carry no reference counts and the module pipeline simplifies
+every function again, so here that pipeline runs alone, once.  Code generation skips
+loop strength reduction (native.py says why).  The machine code is not the Numba
+path's byte for byte, but the same vector loops: element-wise math is never reordered
+or contracted (no fast-math flags but the reductions' own), and the reductions'
+accumulators are vectorized at the same width and interleave, so outputs stayed
+bit-identical to the Numba path's on every kernel compared (tests/test_llvm_backend.py,
+``tools/compile_phases.py speed``), at the same kernel-alone speed within noise.
 
 Which backend builds kernels: ``STITCHING_CPU_BACKEND`` (``llvm``, the default, or
 ``numba``; docs/tuning.md).  A kernel whose text leaves the direct backend's language
