@@ -387,12 +387,17 @@ def _prepare(mod, wrapper: str, symbol: str) -> None:
 
 
 # Loop strength reduction is the costliest pass of code generation for the direct
-# backend's kernels (~40% of object emission, LLVM 22's -time-passes over the
-# transformer's and llama's codes), and x86's addressing modes (base + index * scale)
-# leave it little to gain in loops that index several arrays by one induction
-# variable: kernel alone, nine pattern kernels without it ran within 1% of with it
-# (BENCHMARKS.md, compile phases).  It is an LLVM command-line option, global to the
-# process, so it is switched off around one emission at a time, under _emit_lock.
+# backend's kernels (LLVM 22's -time-passes: 44% of the largest transformer kernel's
+# emission; the transformer's and llama's 10 codes emit in 0.29 s without it, 0.52 s
+# with it), and x86's addressing modes (base + index * scale) leave it little to gain
+# in loops that index several arrays by one induction variable: the pattern kernels'
+# innermost vector loops keep one more integer instruction at most (three in the
+# streamed-output copy), and ran within 1% kernel alone (BENCHMARKS.md, compile
+# phases).  It is an LLVM command-line option, global to the
+# process, so it is switched off around one emission, and this module's emissions
+# take turns (_emit_lock; kernel.py builds one kernel at a time in a process anyway).
+# Numba's own JIT (helpers, at most) could still emit inside that window: other code,
+# never other results.
 _LSR_MARK = "; stitching: code generated without loop strength reduction\n"
 _emit_lock = threading.Lock()
 
@@ -406,9 +411,9 @@ def _emit(mod, target: tuple, lsr: bool, kind: str):
     import llvmlite.binding as llvm
     tm = _target_machine(*target)
     emit = tm.emit_object if kind == "object" else tm.emit_assembly
-    if lsr:
-        return emit(mod)
-    with _emit_lock:
+    with _emit_lock:        # every emission: none with LSR runs inside another's window
+        if lsr:
+            return emit(mod)
         llvm.set_option("", "-disable-lsr=true")
         try:
             return emit(mod)
