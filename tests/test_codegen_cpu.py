@@ -1622,6 +1622,25 @@ def test_without_a_linker_kernels_run_from_numbas_code_with_a_warning(tmp_path,
     assert_matches(k(x)[0], softmax_ref(f64(x)) * 0.77, "float32", "no linker", 4e-6)
 
 
+def test_kernels_link_with_the_linker_the_compiler_driver_names(tmp_path, monkeypatch):
+    """native.link_command: the driver's own linker called directly; the driver itself
+    where CXX carries flags of its own (they may choose the linker)."""
+    import shutil
+
+    from stitching.compile import native
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ here")
+    out, obj = tmp_path / "k.so", tmp_path / "k.o"
+    monkeypatch.setenv("CXX", "g++")
+    ld = subprocess.run(["g++", "-print-prog-name=ld"], capture_output=True,
+                        text=True).stdout.strip()
+    assert native.link_command(out, obj) == [shutil.which(ld), "-shared", "--eh-frame-hdr",
+                                             "-o", str(out), str(obj)]
+    monkeypatch.setenv("CXX", "g++ -fuse-ld=gold")
+    assert native.link_command(out, obj) == ["g++", "-fuse-ld=gold", "-shared", "-nostdlib",
+                                             "-o", str(out), str(obj)]
+
+
 def test_row_kernel_with_two_outer_axes_and_broadcasts():
     """x[A,B,L] * s[A,1,L] keeps A and B apart (s does not carry B): each row's
     index is split into (a, b) and s is read at (a, j)."""

@@ -151,6 +151,53 @@ def test_a_direct_backend_bug_costs_a_warning_not_the_kernel(monkeypatch):
     np.testing.assert_allclose(k(X)[0].sum(-1), 1.0, rtol=1e-6)
 
 
+# A loop whose addressing LSR rewrites (a strided and a unit-stride access).
+_STRIDED_LOOP = """
+define void @f(ptr %a, ptr %c, i64 %n, i64 %s) {
+entry:
+  br label %loop
+loop:
+  %i = phi i64 [0, %entry], [%i1, %loop]
+  %k = mul i64 %i, %s
+  %pa = getelementptr float, ptr %a, i64 %k
+  %pc = getelementptr float, ptr %c, i64 %i
+  %x = load float, ptr %pa
+  %z = fadd float %x, %x
+  store float %z, ptr %pc
+  %i1 = add i64 %i, 1
+  %cc = icmp slt i64 %i1, %n
+  br i1 %cc, label %loop, label %exit
+exit:
+  ret void
+}
+"""
+
+
+def test_code_without_loop_strength_reduction_leaves_the_option_as_it_was(monkeypatch):
+    """native.py switches LSR off for one emission (an LLVM option, global to the
+    process): the loop's code differs without it and is the same again after it; a
+    direct kernel's kept IR says so, and its assembly is regenerated that way."""
+    import llvmlite.binding as ll
+
+    from stitching.compile import native
+    ll.initialize_native_target()
+    ll.initialize_native_asmprinter()
+    target = (ll.get_process_triple(), *native._host_cpu())
+
+    def asm(lsr):
+        return native._emit(ll.parse_assembly(_STRIDED_LOOP), target, lsr, "assembly")
+    before = asm(True)
+    assert asm(False) != before
+    assert asm(True) == before
+    monkeypatch.setenv("STITCHING_CPU_BACKEND", "llvm")
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 16))
+    k = compile_kernel(b.build([b.Mul(x, x)]))
+    assert k.backend == "llvm"
+    assert k.inspect_llvm().startswith(native._LSR_MARK)
+    assert "ymm" in k.inspect_asm() and asm(True) == before
+
+
 def test_translator_names_what_it_does_not_handle():
     class NoCalls:
         def type_call(self, name, argtypes):

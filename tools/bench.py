@@ -254,6 +254,8 @@ def _check_only(only, run):
         known |= set(PATTERNS)
     if "models" in run or "compile" in run or "serving" in run:
         known |= set(MODELS)
+    if "compile" in run:        # its training rows (bench_lib/suites.py)
+        known |= {"train:" + n for n in T.CASES}
     if "short" in run:
         from bench_lib.short import JOBS
         known |= set(JOBS)

@@ -15,11 +15,14 @@ and reports the median of each phase per kernel, summed over the kernels:
 
     front end      Numba: importing the module text, bytecode analysis, typing,
                    lowering to llvmlite IR and printing it; direct: codegen/cpu/llvm.py
-                   typing and writing the IR, printing and parsing it
+                   typing and writing the IR, printing and parsing it; both: the
+                   checks before code generation (native._prepare)
     LLVM function  the per-function pass pipeline Numba runs on each new module
-    LLVM module    linking the helpers in and the O3 module pipeline (vectorization)
-    object         machine code for the target (native.export_ir, less the link)
-    link           the system compiler driver making the .so
+                   (none on the direct backend)
+    LLVM module    the module pipeline: Numba's cheap and full O3 passes, or the
+                   direct backend's one O3 pass (direct.optimize)
+    object         machine code for the target (native.emit_object)
+    link           the system compiler driver making the .so, the files written
 
 ``speed`` builds the kernels of a few patterns (element-wise with broadcasts, GELU,
 SwiGLU, LayerNorm, RMSNorm, softmax, log-softmax, a column reduction; ``--rows`` x
@@ -70,7 +73,7 @@ class _Clock:
     """Seconds spent in the hooked steps of one compile."""
 
     def __init__(self):
-        self.t = dict.fromkeys(("function", "module", "export", "link"), 0.0)
+        self.t = dict.fromkeys(("function", "module", "object", "link"), 0.0)
 
     def wrap(self, owner, name, key):
         orig = getattr(owner, name)
@@ -88,11 +91,12 @@ class _Clock:
 def _hook(clock) -> None:
     from numba.core import codegen
 
-    from stitching.compile import native
+    from stitching.compile import direct, native
     clock.wrap(codegen.CPUCodeLibrary, "_optimize_functions", "function")
     clock.wrap(codegen.CPUCodeLibrary, "_optimize_final_module", "module")
-    clock.wrap(native, "export_ir", "export")
-    clock.wrap(native.subprocess, "run", "link")
+    clock.wrap(direct, "optimize", "module")
+    clock.wrap(native, "emit_object", "object")
+    clock.wrap(native, "_link", "link")
 
 
 def _compile_once(text, backend, stem, clock) -> dict:
@@ -108,9 +112,7 @@ def _compile_once(text, backend, stem, clock) -> dict:
                      kernel.BODY_SYMBOL)
     total = time.perf_counter() - t
     c = clock.t
-    return {"front": total - c["function"] - c["module"] - c["export"],
-            "function": c["function"], "module": c["module"],
-            "object": c["export"] - c["link"], "link": c["link"], "total": total}
+    return {"front": total - sum(c.values()), **c, "total": total}
 
 
 def time_dir(src: Path, rounds: int) -> None:

@@ -1,17 +1,29 @@
 """Kernels through the direct LLVM backend (codegen/cpu/llvm.py): no Numba front end.
 
     module text ─llvm.translate─► IR module (body + calls of the math helpers)
-        ─Numba's AOT code library: the same per-function and module pass pipelines
-         as the Numba path, the helpers' libraries linked in─► optimized IR
-        ─native.export_ir─► <stem>.so (object, link: unchanged)
+        ─parse, helpers' modules linked in─► one LLVM module
+        ─optimize: LLVM's O3 module pipeline, once (loop vectorizer on)─► optimized
+        ─native.export_module: object code without loop strength reduction, link─►
+         <stem>.so
 
-Only the front end differs: what LLVM optimizes is the same loops, and the helpers
-are Numba's own compiled code for them, loaded from the helper cache the install step
-fills (helper_cache.py) and linked in as the Numba path links them, so LLVM inlines
-and vectorizes the same math (tests/test_llvm_backend.py compares outputs bit for
-bit).  A helper built from several others (fastmath.BIG_HELPERS, which the Numba path
-inlines at Numba-IR level) is called with ``alwaysinline`` at the call site: LLVM's
-inline budget would otherwise keep it a call and the loop scalar.
+The helpers are Numba's own compiled code for them, loaded from the helper cache the
+install step fills (helper_cache.py) and linked in as the Numba path links them, so
+LLVM inlines and vectorizes the same math (tests/test_llvm_backend.py compares outputs
+bit for bit).  A helper built from several others (fastmath.BIG_HELPERS, which the
+Numba path inlines at Numba-IR level) is called with ``alwaysinline`` at the call
+site: LLVM's inline budget would otherwise keep it a call and the loop scalar.
+
+What LLVM does is cut to what these kernels need (issue 39; BENCHMARKS.md, "compile
+phases"): Numba runs its per-function O3 pipeline on every new function, then a cheap
+module pass (inlining, for its reference-count pruning) and then the full O3 module
+pipeline; the kernels carry no reference counts and the module pipeline simplifies
+every function again, so here that pipeline runs alone, once.  Code generation skips
+loop strength reduction (native.py says why).  The machine code is not the Numba
+path's byte for byte, but the same vector loops: element-wise math is never reordered
+or contracted (no fast-math flags but the reductions' own), and the reductions'
+accumulators are vectorized at the same width and interleave, so outputs stayed
+bit-identical to the Numba path's on every kernel compared (tests/test_llvm_backend.py,
+``tools/compile_phases.py speed``), at the same kernel-alone speed within noise.
 
 Which backend builds kernels: ``STITCHING_CPU_BACKEND`` (``llvm``, the default, or
 ``numba``; docs/tuning.md).  A kernel whose text leaves the direct backend's language
@@ -139,14 +151,33 @@ def build(text: str, stem: Path, symbol: str) -> None:
         module = llvm.translate(text, calls, symbol, calls.context)
         module.triple = codegen._llvm_module.triple
         module.data_layout = codegen._data_layout
-        lib = codegen.create_library(symbol)
-        try:
-            lib.add_ir_module(module)
-        except RuntimeError as e:       # the IR did not verify: a translator bug
-            raise native.NativeError(f"direct backend IR of {symbol} is invalid: {e}") \
-                from e
-        for dep in calls.libraries:
-            lib.add_linking_library(dep)
-        lib.finalize()
-        text, target = lib.get_llvm_str(), lib.codegen.magic_tuple()
-    native.export_ir(text, symbol, target, stem, symbol)
+        mod = _parse(module, symbol)
+        for lib in dict.fromkeys(calls.libraries):
+            mod.link_in(lib._get_module_for_linking(), preserve=True)
+        optimize(mod, codegen)
+    native.export_module(mod, symbol, codegen.magic_tuple(), stem, symbol, lsr=False)
+
+
+def _parse(module, symbol: str):
+    """The translator's llvmlite IR module as an LLVM module, verified."""
+    import llvmlite.binding as ll
+    from numba.core import cgutils
+    try:
+        mod = ll.parse_assembly(cgutils.normalize_ir_text(str(module)))
+        mod.verify()
+    except RuntimeError as e:       # the IR did not verify: a translator bug
+        raise native.NativeError(f"direct backend IR of {symbol} is invalid: {e}") from e
+    return mod
+
+
+def optimize(mod, codegen) -> None:
+    """LLVM's default module pipeline at Numba's level (O3), loop vectorizer on, SLP
+    off (Numba's defaults, NUMBA_OPT / NUMBA_LOOP_VECTORIZE / NUMBA_SLP_VECTORIZE
+    honoured), run once over the kernel with its helpers linked in."""
+    import llvmlite.binding as ll
+    from numba.core import config
+    pto = ll.create_pipeline_tuning_options(speed_level=min(int(config.OPT), 3))
+    pto.loop_vectorization = bool(config.LOOP_VECTORIZE)
+    pto.slp_vectorization = bool(config.SLP_VECTORIZE)
+    pb = ll.create_pass_builder(codegen._tm, pto)
+    pb.getModulePassManager().run(mod, pb)

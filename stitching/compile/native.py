@@ -110,9 +110,36 @@ def compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
-def linker() -> list:
-    """The compiler driver that links objects into shared objects."""
-    return shlex.split(compiler())
+_LD: dict = {}       # compiler driver -> the linker it runs (None: link through it)
+
+
+def link_command(out: Path, obj: Path) -> list:
+    """The command linking kernel object ``obj`` into shared object ``out``.
+
+    The linker the compiler driver would run, called directly where the driver names
+    it (``-print-prog-name=ld``; gcc and clang both answer): the driver's own start-up
+    (~3 ms of a 6 ms link on this project's machines) is then saved for every kernel.
+    Otherwise, or when ``CXX`` carries flags of its own, the driver links, with
+    -nostdlib: no start files or C++ runtime.  Either way libc and the Python C API
+    resolve from the process at load time."""
+    driver = shlex.split(compiler())
+    key = tuple(driver)
+    if key not in _LD:
+        _LD[key] = _driver_ld(driver) if len(driver) == 1 else None
+    if _LD[key]:
+        return [_LD[key], "-shared", "--eh-frame-hdr", "-o", str(out), str(obj)]
+    return [*driver, "-shared", "-nostdlib", "-o", str(out), str(obj)]
+
+
+def _driver_ld(driver: list) -> str | None:
+    import shutil
+    try:
+        r = subprocess.run([*driver, "-print-prog-name=ld"], capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    name = r.stdout.strip()
+    return shutil.which(name) if r.returncode == 0 and name else None
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -321,29 +348,93 @@ def export_ir(text: str, wrapper: str, target: tuple, stem: Path, symbol: str) -
     import llvmlite.binding as llvm
     try:
         mod = llvm.parse_assembly(text)
-        mod.get_function(wrapper).name = symbol
-        mod.link_in(llvm.parse_assembly(_GIL_IR))
-        for name in ("numba_gil_ensure", "numba_gil_release"):
-            mod.get_function(name).linkage = "internal"
-        mod.verify()
-        runtime = sorted(f.name for f in mod.functions if f.is_declaration
-                         and f.name.startswith(_NUMBA_RUNTIME))
-        if runtime:
-            raise NativeError(f"{symbol} calls Numba's runtime ({', '.join(runtime)}), "
-                              f"which only a process with Numba loaded has")
-        obj = _target_machine(*target).emit_object(mod)
+    except RuntimeError as e:
+        raise NativeError(f"generating the object code of {symbol} failed: "
+                          f"{type(e).__name__}: {e}") from e
+    export_module(mod, wrapper, target, stem, symbol)
+
+
+def export_module(mod, wrapper: str, target: tuple, stem: Path, symbol: str,
+                  lsr: bool = True) -> None:
+    """export_ir for an optimized llvmlite module ``mod`` (changed in place);
+    ``lsr``: whether code generation runs LLVM's loop strength reduction
+    (emit_object)."""
+    try:
+        _prepare(mod, wrapper, symbol)
+        obj = emit_object(mod, target, lsr)
     except NativeError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the step named
         raise NativeError(f"generating the object code of {symbol} failed: "
                           f"{type(e).__name__}: {e}") from e
+    _link(obj, _ir_file_text(mod, lsr), stem, symbol)
+
+
+def _prepare(mod, wrapper: str, symbol: str) -> None:
+    """``wrapper`` renamed ``symbol``, the GIL helpers linked in; refuses code that
+    needs Numba's runtime."""
+    import llvmlite.binding as llvm
+    mod.get_function(wrapper).name = symbol
+    mod.link_in(llvm.parse_assembly(_GIL_IR))
+    for name in ("numba_gil_ensure", "numba_gil_release"):
+        mod.get_function(name).linkage = "internal"
+    mod.verify()
+    runtime = sorted(f.name for f in mod.functions if f.is_declaration
+                     and f.name.startswith(_NUMBA_RUNTIME))
+    if runtime:
+        raise NativeError(f"{symbol} calls Numba's runtime ({', '.join(runtime)}), "
+                          f"which only a process with Numba loaded has")
+
+
+# Loop strength reduction is the costliest pass of code generation for the direct
+# backend's kernels (LLVM 22's -time-passes: 44% of the largest transformer kernel's
+# emission; the transformer's and llama's 10 codes emit in 0.29 s without it, 0.52 s
+# with it), and x86's addressing modes (base + index * scale) leave it little to gain
+# in loops that index several arrays by one induction variable: the pattern kernels'
+# innermost vector loops keep one more integer instruction at most (three in the
+# streamed-output copy), and ran within 1% kernel alone (BENCHMARKS.md, compile
+# phases).  It is an LLVM command-line option, global to the
+# process, so it is switched off around one emission, and this module's emissions
+# take turns (_emit_lock; kernel.py builds one kernel at a time in a process anyway).
+# Numba's own JIT (helpers, at most) could still emit inside that window: other code,
+# never other results.
+_LSR_MARK = "; stitching: code generated without loop strength reduction\n"
+_emit_lock = threading.Lock()
+
+
+def emit_object(mod, target: tuple, lsr: bool = True) -> bytes:
+    """Machine code (an ELF object) for ``mod``, for ``target`` (triple, CPU, features)."""
+    return _emit(mod, target, lsr, "object")
+
+
+def _emit(mod, target: tuple, lsr: bool, kind: str):
+    import llvmlite.binding as llvm
+    tm = _target_machine(*target)
+    emit = tm.emit_object if kind == "object" else tm.emit_assembly
+    with _emit_lock:        # every emission: none with LSR runs inside another's window
+        if lsr:
+            return emit(mod)
+        llvm.set_option("", "-disable-lsr=true")
+        try:
+            return emit(mod)
+        finally:
+            llvm.set_option("", "-disable-lsr=false")
+
+
+def _ir_file_text(mod, lsr: bool) -> str:
+    """The .ll kept beside a kernel: its IR, marked when generated without LSR, so that
+    assembly() regenerates the same code."""
+    return ("" if lsr else _LSR_MARK) + str(mod)
+
+
+def _link(obj: bytes, ir_text: str, stem: Path, symbol: str) -> None:
+    """``obj`` linked into ``stem``.so (sealed, written atomically), ``ir_text`` beside
+    it as ``stem``.ll."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=stem.parent, prefix=".link-") as tmp:
         o, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
         o.write_bytes(obj)
-        # -nostdlib: no start files or C++ runtime; libc and the Python C API resolve
-        # from the process at load time
-        cmd = [*linker(), "-shared", "-nostdlib", "-o", str(so), str(o)]
+        cmd = link_command(so, o)
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -351,7 +442,7 @@ def export_ir(text: str, wrapper: str, target: tuple, stem: Path, symbol: str) -
         if r.returncode:
             raise NativeError(f"linking {symbol} failed: {shlex.join(cmd)}: "
                               f"{r.stderr.strip()[-1000:]}")
-        atomic_write(stem.with_suffix(".ll"), str(mod).encode())
+        atomic_write(stem.with_suffix(".ll"), ir_text.encode())
         # the identity inside, then size and hash, then the object: a reader checks
         # each against the others
         data = integrity.with_identity(so.read_bytes(), {"code": stem.name})
@@ -423,4 +514,4 @@ def assembly(stem: Path) -> str | None:
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     mod = llvm.parse_assembly(text)
-    return _target_machine(mod.triple, *_host_cpu()).emit_assembly(mod)
+    return _emit(mod, (mod.triple, *_host_cpu()), not text.startswith(_LSR_MARK), "assembly")

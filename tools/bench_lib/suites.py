@@ -206,14 +206,13 @@ def run_compile(*, only=None, batch=1, planner=None, mode_list=modes.MODES,
     """First calls in fresh processes, ``rounds`` times (each round: its own empty kernel
     cache for the cold run, reused by the warm one).  A step's cell is the round with
     the median first call; every round's time is kept in ``samples_s``."""
-    from stitching.testing import models as M
     rows = []
     prebuild = _prebuild_op_library() if "stitching" in mode_list else None
-    for case in M.all_models():
+    for case in _compile_cases(batch):
         if only and case.name not in only:
             continue
-        row = {"suite": "compile", "op_library_prebuild": prebuild, "name": case.name, "batch": batch, "kind": case.kind,
-               "steps": {}, "rounds": rounds}
+        row = {"suite": "compile", "op_library_prebuild": prebuild, "name": case.name,
+               "batch": case.batch, "kind": case.kind, "steps": {}, "rounds": rounds}
         runs = {}
         for rnd in range(max(1, rounds)):
             with tempfile.TemporaryDirectory(prefix="stitching-bench-cache-") as cache, \
@@ -226,7 +225,7 @@ def run_compile(*, only=None, batch=1, planner=None, mode_list=modes.MODES,
                     if cache_use:
                         env["STITCHING_CACHE_DIR"] = cache_bg if mode == "stitching_bg" \
                             else cache
-                    s = _child(mode, case.name, batch, planner, env, timeout)
+                    s = _child(mode, case.name, case.batch, planner, env, timeout)
                     runs.setdefault(key, []).append(s)
                     _log(f"  {key}: " + (f"{s['first_call_s']:.2f} s" if s.get("ok")
                                          else f"FAILED ({s.get('error')})"))
@@ -234,6 +233,22 @@ def run_compile(*, only=None, batch=1, planner=None, mode_list=modes.MODES,
             row["steps"][key] = median_run(results)
         rows.append(row)
     return rows
+
+
+TRAIN_PREFIX = "train:"
+
+
+def _compile_cases(batch: int) -> list:
+    """The compile suite's rows: every inference model at ``batch``, then each training
+    case of the train suite (``train:<name>``, its own batch): the first call of one
+    training step (forward, gradients, optimizer update)."""
+    from types import SimpleNamespace
+
+    from stitching.testing import models as M
+    from stitching.testing import train as T
+    return ([SimpleNamespace(name=c.name, batch=batch, kind=c.kind) for c in M.all_models()]
+            + [SimpleNamespace(name=TRAIN_PREFIX + n, batch=c.batch, kind="train")
+               for n, c in T.CASES.items()])
 
 
 def median_run(results: list, key: str = "first_call_s", digits: int = 3) -> dict:
@@ -316,13 +331,18 @@ def compile_child(mode, model, batch, planner) -> None:
     """Runs in a fresh process: build the model (not timed), then time the first call
     (trace + graph optimization / XLA compile / stitching plan + kernel compile + run)
     and one more call for reference."""
-    from stitching.testing import models as M
-    case = M.get(model)
     res = {"mode": mode, "model": model, "batch": batch}
     try:
-        fn = case.make_fn()
-        args = [tf.constant(a) for a in case.inputs(batch)]
-        r = modes.build(mode, fn, case.input_signature(), planner)
+        if model.startswith(TRAIN_PREFIX):      # one training step, its case's batch
+            from stitching.testing import train as T
+            step = T.make_step(model[len(TRAIN_PREFIX):])
+            fn, args, signature = step.fn, [step.x, step.y], None
+        else:
+            from stitching.testing import models as M
+            case = M.get(model)
+            fn, signature = case.make_fn(), case.input_signature()
+            args = [tf.constant(a) for a in case.inputs(batch)]
+        r = modes.build(mode, fn, signature, planner)
         modes.first_call(r, args)
         res["ok"] = r.ok
         res["error"] = r.error
