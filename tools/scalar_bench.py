@@ -12,11 +12,14 @@ call traces (and, stitched, compiles); every later call brings a value the funct
 has not seen.  A row gives the first call and the median of the later ones, in
 milliseconds of wall time and of the process's CPU time (which other processes on a
 shared machine disturb less), for each function below; ``--repeats`` runs each process that many
-times and takes the median of the medians.  The functions:
+times (the two modes alternating) and takes the median of the medians.  The functions:
 
 * ``softmax_axpy``: ``softmax(x * scale) * scale + x`` on [64, 256] (the issue's case);
 * ``mlp_block``: a Dense layer, LayerNorm and GELU with ``h * alpha + beta`` on
-  [32, 256] (two scalars, a product in the graph).
+  [32, 256] (two scalars, a product in the graph);
+* ``softmax_loop``: ``softmax_axpy`` three times in an AutoGraph ``for`` over
+  ``tf.range`` (the value is a constant of the loop's body, which AutoGraph names anew
+  on every trace).
 
 The bar (issue 38, item 4): a new value costs at most tf.function's retrace plus
 ``MARGIN_MS``, "a few milliseconds" as this tool reads it, in CPU time.
@@ -45,6 +48,13 @@ if case == "softmax_axpy":
     def body(x, scale):
         return tf.nn.softmax(x * scale) * scale + x
     args = lambda v: (x, v)
+elif case == "softmax_loop":
+    x = tf.constant(rng.standard_normal((64, 256)), tf.float32)
+    def body(x, scale):
+        for _ in tf.range(3):
+            x = tf.nn.softmax(x * scale) * scale + x
+        return x
+    args = lambda v: (x, v)
 else:
     x = tf.constant(rng.standard_normal((32, 256)), tf.float32)
     w = tf.Variable(rng.standard_normal((256, 256)).astype(np.float32) / 16)
@@ -67,7 +77,7 @@ for i in range(n):
 print(json.dumps({"times": times, "cpu": cpu, "max_abs_diff": worst}))
 """
 
-CASES = ("softmax_axpy", "mlp_block")
+CASES = ("softmax_axpy", "mlp_block", "softmax_loop")
 MARGIN_MS = 5.0
 
 
@@ -88,9 +98,11 @@ def run(mode: str, case: str, n: int) -> dict:
 def measure(case: str, n: int, repeats: int) -> dict:
     """Per mode: first call and the median new-value call (medians over repeats),
     and the largest difference from eager TF over every value."""
-    row = {}
-    for mode in ("tf", "stitching"):
-        runs = [run(mode, case, n) for _ in range(repeats)]
+    row, runs_of = {}, {"tf": [], "stitching": []}
+    for _ in range(repeats):    # interleaved: a shared machine's load drifts
+        for mode in runs_of:
+            runs_of[mode].append(run(mode, case, n))
+    for mode, runs in runs_of.items():
         row[mode] = {
             "first_ms": statistics.median(r["times"][0] for r in runs),
             "new_value_ms": statistics.median(statistics.median(r["times"][1:])
