@@ -87,8 +87,13 @@ def run(mode: str, case: str, n: int) -> dict:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", STITCHING_NO_HINTS="1",
                    STITCHING_CACHE_DIR=cache,
                    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        # cwd: ``python -c`` puts it first on sys.path, before PYTHONPATH
-        r = subprocess.run([sys.executable, "-c", CHILD, mode, case, str(n)], env=env,
+        # a file, not ``python -c``: AutoGraph converts a loop only where it can read
+        # the function's source; the script's directory (first on sys.path) holds
+        # nothing importable
+        script = os.path.join(cache, "scalar_child.py")
+        with open(script, "w") as f:
+            f.write(CHILD)
+        r = subprocess.run([sys.executable, script, mode, case, str(n)], env=env,
                            capture_output=True, text=True, cwd=REPO)
     if r.returncode:
         raise RuntimeError(f"{mode} {case} failed:\n{r.stderr[-3000:]}")

@@ -89,6 +89,12 @@ def stitch_bodies(graph_def, stitch, name: str) -> list:
         out.append((fname, report, ""))
     if renamed:
         _rename_calls(graph_def, renamed)
+        # the functions replaced: nothing calls them now (every caller was renamed);
+        # a trace's first call would import and register them for nothing
+        functions = graph_def.library.function
+        for i in reversed(range(len(functions))):
+            if functions[i].signature.name in renamed:
+                del functions[i]
     return out
 
 
