@@ -479,3 +479,29 @@ def test_integers_that_only_feed_shapes_stay_tf_ops_for_shape_inference():
 
     np.testing.assert_array_equal(g(), np.ones([1, 2, 3]))
     assert not f.report.kernels
+
+
+def test_a_function_rebuilt_from_its_function_def_alone_runs():
+    """TF's test_generate_from_def with a plan that fuses: the FunctionDef of a
+    stitched trace names its kernels' original functions by a string attr, not a func
+    attr, so a ConcreteFunction rebuilt from it alone (no library) instantiates; the
+    originals stay reachable for a call the kernel was not built for (the process's
+    library, op.cc InstantiateOriginal)."""
+    from tensorflow.python.eager.polymorphic_function import atomic_function
+    from tensorflow.python.eager.polymorphic_function import concrete_function
+
+    f = stitching.function(lambda x, c: tf.nn.softmax(x * 2.0) + c)
+    spec = tf.TensorSpec([None, 8], tf.float32)
+    original = f.get_concrete_function(spec, spec)
+    fdef, function_type = original.function_def, original.function_type
+    assert any(n.op == "StitchedKernel" for n in fdef.node_def)
+    assert not [n.name for n in fdef.node_def for v in n.attr.values()
+                if v.HasField("list") and v.list.func], "a func attr names a function"
+    del f, original
+    gc.collect()
+    rebuilt = concrete_function.ConcreteFunction(
+        atomic_function.from_function_def(fdef, function_type))
+    x = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)
+    for c in (x, x[:1]):    # [1, 8]: a relaxed dim that broadcasts runs the originals
+        np.testing.assert_allclose(rebuilt(tf.constant(x), tf.constant(c)),
+                                   tf.nn.softmax(x * 2.0) + c, rtol=1e-6, atol=1e-6)

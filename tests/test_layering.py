@@ -42,10 +42,11 @@ RANK = {name: i for i, s in enumerate(STAGES)
 # Inside codegen: the shared lowering first, then the backends, side by side.
 CODEGEN = {"lower": 0, "cpu": 1, "cuda": 1}
 # Inside tf: floors; a module imports its own floor or lower ones.
-TF_FLOORS = {"opnames": 0, "graph_file": 0, "tfgraph": 0, "scalars": 0,
+TF_FLOORS = {"opnames": 0, "graph_file": 0, "tfgraph": 0,
              "frontend": 1, "passmanager": 1,
              "passes": 2,
-             "pipeline": 3, "control_flow": 3, "dump": 3, "tensorboard": 3,
+             # scalars reads control-flow bodies (their names, their stitched copies)
+             "pipeline": 3, "control_flow": 3, "scalars": 3, "dump": 3, "tensorboard": 3,
              "kernel_assets": 3, "__init__": 3,
              "function": 4}
 TF_EDGE = ("stitching.tf", "stitching.testing", "stitching.runtime",

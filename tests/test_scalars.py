@@ -147,3 +147,53 @@ def test_a_kept_constant_of_another_value_is_a_new_template(plans):
         want = tf.nn.softmax(x) * s + (0.25 if c else s)
         np.testing.assert_allclose(f(x, s, c), want, rtol=1e-6, atol=1e-6)
     assert len(plans) == 2
+
+
+def test_a_new_value_inside_a_loop_reuses_the_template(plans):
+    """AutoGraph names a loop's body anew on each trace (while_body_40, then
+    while_body_205): the template's key leaves function names out, so a second and a
+    third value plan nothing; each gets stitched bodies of its own (a function is kept
+    by name: two contents never share one), equal to TF, gradient included."""
+    @stitching.function
+    def f(x, s):
+        for _ in tf.range(3):
+            x = tf.nn.softmax(x * s) + s
+        return x
+
+    def reference(x, s):
+        for _ in range(3):
+            x = tf.nn.softmax(x * s) + s
+        return x
+
+    x = tf.random.normal([8, 16], seed=3)
+    bodies, planned = set(), []
+    for s in (0.5, 2.0, -1.25):
+        np.testing.assert_allclose(f(x, s), reference(x, s), rtol=1e-5, atol=1e-6)
+        planned.append(len(plans))
+        library = f.get_concrete_function(x, s).graph.as_graph_def().library
+        bodies |= {fn.signature.name for fn in library.function
+                   if "_stitched_" in fn.signature.name}
+    assert planned[0] >= 2 and planned == planned[:1] * 3, plans  # body(s) + graph, once
+    assert len(bodies) == 3, bodies
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        got, want = f(x, -1.25), reference(x, -1.25)
+    np.testing.assert_allclose(tape.gradient(got, x), tape.gradient(want, x),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_a_new_value_inside_a_cond_reuses_the_template(plans):
+    @stitching.function
+    def f(x, s):
+        return tf.cond(tf.reduce_sum(x) > 0, lambda: tf.nn.softmax(x * s) + s,
+                       lambda: tf.nn.softmax(x) * s)
+
+    x = tf.abs(tf.random.normal([4, 8], seed=5))
+    planned = []
+    for s in (1.5, 3.0, 0.25):
+        np.testing.assert_allclose(f(x, s), tf.nn.softmax(x * s) + s, rtol=1e-6,
+                                   atol=1e-6)
+        np.testing.assert_allclose(f(-x, s), tf.nn.softmax(-x) * s, rtol=1e-6,
+                                   atol=1e-6)
+        planned.append(len(plans))
+    assert planned[0] >= 2 and planned == planned[:1] * 3, plans  # only the first value

@@ -12,11 +12,14 @@ call traces (and, stitched, compiles); every later call brings a value the funct
 has not seen.  A row gives the first call and the median of the later ones, in
 milliseconds of wall time and of the process's CPU time (which other processes on a
 shared machine disturb less), for each function below; ``--repeats`` runs each process that many
-times and takes the median of the medians.  The functions:
+times (the two modes alternating) and takes the median of the medians.  The functions:
 
 * ``softmax_axpy``: ``softmax(x * scale) * scale + x`` on [64, 256] (the issue's case);
 * ``mlp_block``: a Dense layer, LayerNorm and GELU with ``h * alpha + beta`` on
-  [32, 256] (two scalars, a product in the graph).
+  [32, 256] (two scalars, a product in the graph);
+* ``softmax_loop``: ``softmax_axpy`` three times in an AutoGraph ``for`` over
+  ``tf.range`` (the value is a constant of the loop's body, which AutoGraph names anew
+  on every trace).
 
 The bar (issue 38, item 4): a new value costs at most tf.function's retrace plus
 ``MARGIN_MS``, "a few milliseconds" as this tool reads it, in CPU time.
@@ -45,6 +48,13 @@ if case == "softmax_axpy":
     def body(x, scale):
         return tf.nn.softmax(x * scale) * scale + x
     args = lambda v: (x, v)
+elif case == "softmax_loop":
+    x = tf.constant(rng.standard_normal((64, 256)), tf.float32)
+    def body(x, scale):
+        for _ in tf.range(3):
+            x = tf.nn.softmax(x * scale) * scale + x
+        return x
+    args = lambda v: (x, v)
 else:
     x = tf.constant(rng.standard_normal((32, 256)), tf.float32)
     w = tf.Variable(rng.standard_normal((256, 256)).astype(np.float32) / 16)
@@ -67,7 +77,7 @@ for i in range(n):
 print(json.dumps({"times": times, "cpu": cpu, "max_abs_diff": worst}))
 """
 
-CASES = ("softmax_axpy", "mlp_block")
+CASES = ("softmax_axpy", "mlp_block", "softmax_loop")
 MARGIN_MS = 5.0
 
 
@@ -77,8 +87,13 @@ def run(mode: str, case: str, n: int) -> dict:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", STITCHING_NO_HINTS="1",
                    STITCHING_CACHE_DIR=cache,
                    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        # cwd: ``python -c`` puts it first on sys.path, before PYTHONPATH
-        r = subprocess.run([sys.executable, "-c", CHILD, mode, case, str(n)], env=env,
+        # a file, not ``python -c``: AutoGraph converts a loop only where it can read
+        # the function's source; the script's directory (first on sys.path) holds
+        # nothing importable
+        script = os.path.join(cache, "scalar_child.py")
+        with open(script, "w") as f:
+            f.write(CHILD)
+        r = subprocess.run([sys.executable, script, mode, case, str(n)], env=env,
                            capture_output=True, text=True, cwd=REPO)
     if r.returncode:
         raise RuntimeError(f"{mode} {case} failed:\n{r.stderr[-3000:]}")
@@ -88,9 +103,11 @@ def run(mode: str, case: str, n: int) -> dict:
 def measure(case: str, n: int, repeats: int) -> dict:
     """Per mode: first call and the median new-value call (medians over repeats),
     and the largest difference from eager TF over every value."""
-    row = {}
-    for mode in ("tf", "stitching"):
-        runs = [run(mode, case, n) for _ in range(repeats)]
+    row, runs_of = {}, {"tf": [], "stitching": []}
+    for _ in range(repeats):    # interleaved: a shared machine's load drifts
+        for mode in runs_of:
+            runs_of[mode].append(run(mode, case, n))
+    for mode, runs in runs_of.items():
         row[mode] = {
             "first_ms": statistics.median(r["times"][0] for r in runs),
             "new_value_ms": statistics.median(statistics.median(r["times"][1:])

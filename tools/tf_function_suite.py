@@ -48,10 +48,6 @@ IMPORT = "from tensorflow.python.eager.polymorphic_function import polymorphic_f
 _INLINED = ("a stitched trace runs Grappler's function inlining before planning, so a "
             "tf.function it calls is inlined: the trace's library does not hold it")
 KNOWN: dict[str, str] = {
-    "concrete_function_test::ConcreteFunctionTest.test_generate_from_def":
-        "a stitched FunctionDef names its regions' original ops (the kernels' guard "
-        "functions, a func attr); rebuilt from the FunctionDef alone in a graph, TF "
-        "looks them up in that graph, which does not have them",
     "polymorphic_function_test::FunctionTest.testNestedFunctionGraphNotOutOfDate":
         "the user's function is traced in an inner graph (then stitched and imported "
         "into TF's trace), so a ConcreteFunction made while tracing has that inner "

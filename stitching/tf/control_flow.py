@@ -36,6 +36,7 @@ CALLERS = {"If": ("then_branch", "else_branch"),
            "While": ("cond", "body"),
            "StatelessWhile": ("cond", "body")}
 STITCHED = "_stitched_"          # in a stitched function's name: <name>_stitched_<hash>
+BODY_SCOPE = "b"                 # a stitched function's nodes are named b/<traced name>
 
 
 def is_stitched(name: str) -> bool:
@@ -88,6 +89,12 @@ def stitch_bodies(graph_def, stitch, name: str) -> list:
         out.append((fname, report, ""))
     if renamed:
         _rename_calls(graph_def, renamed)
+        # the functions replaced: nothing calls them now (every caller was renamed);
+        # a trace's first call would import and register them for nothing
+        functions = graph_def.library.function
+        for i in reversed(range(len(functions))):
+            if functions[i].signature.name in renamed:
+                del functions[i]
     return out
 
 
@@ -128,7 +135,8 @@ def _to_function_def(fdef, gdef, fetches, keep):
         input_map = {a.name + ":0": t for a, t in zip(fdef.signature.input_arg, inputs)
                      if a.name in present}
         outs = tf.graph_util.import_graph_def(body, input_map=input_map,
-                                              return_elements=fetches + keep, name="b")
+                                              return_elements=fetches + keep,
+                                              name=BODY_SCOPE)
     args = {t.op for t in inputs}
     new = graph_to_function_def.graph_to_function_def(
         g, [op for op in g.get_operations() if op not in args], inputs,

@@ -378,7 +378,8 @@ class StitchedFunction(tf_pf.Function):
         from . import frontend, pipeline
         from ..compile.parallel import check_cancelled
         check_cancelled()      # a background compile stopped at exit traces nothing more
-        compiled = self.report is not None and self.report.kernels
+        compiled = self.report is not None and (self.report.kernels or any(
+            r is not None and r.kernels for _, r, _ in self.report.bodies))
         workers = None if self.options.background_compile or compiled \
             else pipeline.early_workers()
         try:

@@ -183,10 +183,11 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
             return _restored(result, abstraction, abstraction.abstracted)
         if workers is not None:
             workers.close()
-        template, abstracted = hit
+        template, abstracted, functions = hit
         report = copy.copy(template.report)
         report.compile_seconds = time.perf_counter() - t0
-        return replace(_restored(template, abstraction, abstracted), report=report)
+        return replace(template, report=report, graph_def=abstraction.restore(
+            template.graph_def, abstracted, functions))
 
 
 def _stitch_all(graph_def, fetches, keep, options, name, resources, workers, bodies,
@@ -205,7 +206,7 @@ def _stitch_all(graph_def, fetches, keep, options, name, resources, workers, bod
 
 def _stitch_body(graph_def, fetches, keep, options, name, scalar_values):
     """A control-flow body, its own Python-scalar constants planned as inputs."""
-    abstraction = scalars.abstract(graph_def, scalar_values)
+    abstraction = scalars.abstract(graph_def, scalar_values, functions=False)
     if abstraction is None:
         return _stitch(graph_def, fetches, keep, options, name, None, None)
     result = _stitch(abstraction.graph_def, fetches, keep, options, name, None, None)
@@ -213,7 +214,8 @@ def _stitch_body(graph_def, fetches, keep, options, name, scalar_values):
 
 
 def _restored(result, abstraction, names) -> StitchResult:
-    """``result`` with the Placeholders ``names`` ``abstraction``'s constants again."""
+    """``result`` (stitched from ``abstraction``) with the Placeholders ``names``
+    ``abstraction``'s constants again."""
     return replace(result, graph_def=abstraction.restore(result.graph_def, names))
 
 

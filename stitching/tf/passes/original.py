@@ -222,9 +222,12 @@ def attach(graph_def, original_def, ir_graph, regions, kernel_names,
     where its own kernel cannot be built (no compiler, another CPU, a compile error;
     op.cc logs why, ``stitching.runtime.stats()`` counts it, STITCHING_STRICT=1 makes
     it an error).  Its arguments are the kernel's inputs in order, its results the
-    kernel's outputs.  Every node names it in ``guard`` too: the op runs it for a call
-    whose inputs the kernel was not built for (op.cc Guard).  ``options``: the forward's Options, recorded for the stitched
-    backward (options_attr)."""
+    kernel's outputs.  The op also runs it for a call whose inputs the kernel was not
+    built for (op.cc Guard), found by the name in ``ATTR``: a string, not the op's
+    ``guard`` func attr, which TF would instantiate with every graph that holds the
+    node (+1.4-2.6 ms on each trace's first call, tools/scalar_bench.py).
+    ``options``: the forward's Options, recorded for the stitched backward
+    (options_attr)."""
     nodes = {n.name: n for n in original_def.node}
     have = {f.signature.name for f in graph_def.library.function}
     kernel_nodes = {n.name: n for n in graph_def.node if n.op == "StitchedKernel"}
@@ -238,8 +241,6 @@ def attach(graph_def, original_def, ir_graph, regions, kernel_names,
             have.add(fdef.signature.name)
             graph_def.library.function.add().CopyFrom(fdef)
         kernel_nodes[kname].attr[ATTR].s = fdef.signature.name.encode()
-        # run (op.cc Guard) for a call whose inputs the kernel was not built for
-        kernel_nodes[kname].attr["guard"].list.func.add().name = fdef.signature.name
         if fallback:
             kernel_nodes[kname].attr["fallback"].list.func.add().name = \
                 fdef.signature.name
