@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from ..ir import dtypes as dt
 from . import passes as P
 from . import packed as PK
+from . import contract
 from . import layout
 from .domain import Domain, Refusal, analyze, strided_innermost
 from .passes import KernelKind, Placement
@@ -121,6 +122,7 @@ class Schedule:
     notes: tuple = field(default=())
     split_rows: bool = False   # row kind: the code can split a row across units
     segments: tuple = ()       # packed kind: (offset, size) of each pass's flat range
+    side_groups: tuple = ()    # SmallMatMul's side loops, in run order (contract.py)
 
     # -- queries the emitters use -----------------------------------------------------
     @property
@@ -152,7 +154,8 @@ class Schedule:
             return (), ()
         last, mid = self.rank - 1, self.rank - 2
         p = self.passes[0]
-        inner = [k for k in p.compute if mid not in self.carries(k)]
+        side = self.domain.side
+        inner = [k for k in p.compute if mid not in self.carries(k) and k not in side]
         vec = {k for k in inner if last in self.carries(k)}
         if not vec:
             return (), ()
@@ -172,8 +175,10 @@ class Schedule:
         again whenever the row's group ``r // D[R-2]`` changes (rows of one group share
         every hoisted value); else once per call."""
         inner, _ = self.hoisted()
+        inner = list(inner) + [k for g in self.side_groups for k in g.nodes]
         last = self.rank - 1
-        refs = set(inner) | {a for k in inner for a in self.spec.nodes[k].args}
+        refs = set(inner) | {a for k in inner for a in self.spec.nodes[k].args
+                             if a not in self.domain.weights}
         return any(a != last for r in refs for a in self.carries(r))
 
     def placement(self, src: int, dst: int) -> Placement:
@@ -272,6 +277,7 @@ def _build_on(spec, dom) -> Schedule:
     if kind == KernelKind.COLUMN and any(v.guard for v in getattr(spec, "views", ())):
         # its loops index columns from a block start, not the guard's absolute index
         raise Refusal("a concatenation read in a column reduction: not fused yet")
+    side_groups = contract.groups(spec, dom, kind, live)
     strided = strided_innermost(dom)
     if strided and kind != KernelKind.ELEMENTWISE:
         # row and column loops load rows and tiles contiguously (prefetch, pipelining)
@@ -304,7 +310,8 @@ def _build_on(spec, dom) -> Schedule:
         scalars=scalars, edges=edges, scratch=tuple(sorted(scratch)), blocks=blocks,
         rows_per_task=spec.schedule.get("rows_per_task"),
         col_block=spec.schedule.get("col_block"), notes=tuple(notes),
-        split_rows=kind == KernelKind.ROW and spec.schedule.get("split_rows") == 1)
+        split_rows=kind == KernelKind.ROW and spec.schedule.get("split_rows") == 1,
+        side_groups=side_groups)
 
 
 def _check_dtypes(spec):

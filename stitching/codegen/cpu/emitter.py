@@ -66,6 +66,7 @@ from contextlib import contextmanager
 from ...ir import dtypes as dt
 from ...ir.ops import OPS
 from ...schedule import KernelKind
+from ...schedule import contract
 from ...schedule.inplace import pairs as inplace_pairs
 from ..lower import exprs as lower
 from ..lower.emitter import Emitter, KernelSource, Writer, load_expr, store_value
@@ -157,6 +158,7 @@ class _Emitter(Emitter):
         self.streamed = self._streamed_outputs()     # output -> its element count
         self._staging: dict = {}     # (output, row suffix) -> (index base, loop var)
         self._through: dict = {}     # output node -> input tag it is stored through
+        self._product_sizes = self._find_products()
 
     def store_output(self, w, k: int, index: str) -> None:
         if k in self._through:                  # the in-place loop nest (_in_place)
@@ -225,8 +227,10 @@ class _Emitter(Emitter):
             src = f"ins[{-ref - 1}]" if ref < 0 else f"outs[{self.out_index[ref]}]"
             w(f"p_{t} = h.ptr_{_PTR[self.dtype(ref)]}({src})")
             car = self.dom.carries[ref]
+            # a SmallMatMul's vector [..., K]: its side dim K is innermost, static
+            side = [str(self._side_size(ref))] if ref in self.dom.side else []
             for n, a in enumerate(car):
-                rest = " * ".join(f"D{b}" for b in car[n + 1:]) or "1"
+                rest = " * ".join([f"D{b}" for b in car[n + 1:]] + side) or "1"
                 w(f"st_{t}_{a} = {rest}")
         for k in self.s.scratch:
             cd = dt.COMPUTE[self.dtype(k)]
@@ -243,6 +247,12 @@ class _Emitter(Emitter):
         for k in self.front:
             cd = dt.COMPUTE[self.dtype(k)]
             w(f"hz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
+        for k, size in self._products().items():
+            w(f"ac{k} = h.ptr_float64(h.aligned_alloc({size} * 8))")
+        for k in self._side_scratch():
+            cd = dt.COMPUTE[self.dtype(k)]
+            w(f"sz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc({self._side_size(k)} * "
+              f"{dt.ITEMSIZE[cd]}))")
         for k, size in self.streamed.items():
             t, item = self.tag(k), dt.ITEMSIZE[self.dtype(k)]
             w(f"ns_{t} = {size} >= {-(-self.stream_min // item)}")
@@ -405,6 +415,8 @@ class _Emitter(Emitter):
                 [f"acc{k}" for k in self._column_accs()] +
                 [f"pt{k}" for k in self._column_parts()] +
                 [f"hz{k}" for k in self.front] +
+                [f"ac{k}" for k in self._products()] +
+                [f"sz{k}" for k in self._side_scratch()] +
                 [f"sb_{self.tag(k)}" for k in self.streamed])
 
     # -- node evaluation ------------------------------------------------------------------
@@ -448,7 +460,9 @@ class _Emitter(Emitter):
     def _hoist_loop(self, w, p, flat: bool) -> None:
         """The hoisted values (Schedule.hoisted) over the whole last axis into their
         scratch; ``flat``: they carry nothing but that axis, else the row bases of the
-        current row locate the inputs they read."""
+        current row locate the inputs they read.  SmallMatMul's side loops and products
+        run first (_side_loops)."""
+        self._side_loops(w, flat)
         with w.block("for j in range(L):"):
             for j in p.loads:
                 ref = -(j + 1)
@@ -480,7 +494,78 @@ class _Emitter(Emitter):
                     self._ew_body(w, p, idx, flat)
 
     def _used_by(self, ref: int, nodes) -> bool:
-        return any(ref in self.spec.nodes[k].args for k in nodes)
+        """Whether a node of ``nodes`` reads ``ref`` element by element (a product
+        reads its vector and weight whole: _product)."""
+        return any(ref in self.spec.nodes[k].args for k in nodes
+                   if k not in self._products())
+
+    # -- SmallMatMul: side loops and products (schedule/contract.py) --------------------
+    def _products(self) -> dict:
+        return self._product_sizes
+
+    def _find_products(self) -> dict:
+        """SmallMatMul node -> its output length (a side group's size, or L)."""
+        out = {}
+        for g in self.s.side_groups:
+            out.update(dict.fromkeys(g.products, str(g.size)))
+        out.update({k: "L" for k in self.hoist if contract.is_contraction(self.spec.nodes[k])})
+        return out
+
+    def _side_scratch(self) -> list:
+        """Side values a product reads back whole: kept in a scratch of their size."""
+        side = {k for g in self.s.side_groups for k in g.nodes}
+        return sorted({self.spec.nodes[k].args[0] for k in self._products()} & side)
+
+    def _side_size(self, ref: int) -> int:
+        return self.dom.classes[self.dom.side[ref]].size
+
+    def _side_loops(self, w, flat: bool) -> None:
+        """Per side group: its products, then a loop over its size computing its
+        values, the ones a later product reads stored to their scratch (sz); then the
+        main prologue's products."""
+        stored = set(self._side_scratch())
+        for g in self.s.side_groups:
+            for k in g.products:
+                self._product(w, k, str(g.size), flat)
+            with w.block(f"for j in range({g.size}):"):
+                for k in g.scalars:
+                    self.compute(w, k)
+                for ref in sorted({a for k in g.nodes for a in self.spec.nodes[k].args
+                                   if a < 0 and self._used_by(a, g.nodes)}, reverse=True):
+                    at = "j" if ref in self.dom.side else "0"
+                    self.load_input(w, ref, at if flat else f"b_{self.tag(ref)} + {at}")
+                for k in g.nodes:
+                    self.compute(w, k)
+                    if k in stored:
+                        w(f"sz{k}[j] = v{k}")
+        for k, size in self._products().items():
+            if size == "L":
+                self._product(w, k, "L", flat)
+
+    def _product(self, w, k: int, size: str, flat: bool) -> None:
+        """ac{k}[j] = sum over kk of x[kk] * W[kk, j], j < size: the weight's rows
+        streamed in order (a vector loop over j per kk), products and sums in float64,
+        then rounded once (compute)."""
+        x, wt = self.spec.nodes[k].args
+        K = self.spec.type_of(wt).shape[-2]
+        with w.block(f"for j in range({size}):"):
+            w(f"ac{k}[j] = 0.0")
+        with w.block(f"for kk in range({K}):"):
+            if x >= 0:
+                xv = f"sz{x}[kk]"
+            else:
+                xv = load_expr(self.dtype(x), f"p_{self.tag(x)}",
+                               "kk" if flat else f"b_{self.tag(x)} + kk")
+            w(f"xk = np.float64({xv})")
+            w(f"wb = kk * {size}")
+            with w.block(f"for j in range({size}):"):
+                w(f"ac{k}[j] = ac{k}[j] + xk * np.float64(p_{self.tag(wt)}[wb + j])")
+
+    def compute(self, w, k: int) -> None:
+        if k in self._products():
+            w(f"{self.var(k)} = np.{dt.COMPUTE[self.dtype(k)]}(ac{k}[j])")
+            return
+        super().compute(w, k)
 
     def _ew_body(self, w, p, idx, flat: bool) -> None:
         """Loads, computes and stores of one element; ``flat``: no row bases.  Values
@@ -490,7 +575,8 @@ class _Emitter(Emitter):
             if self.carries_last(ref):
                 return "j" if flat else f"{base} + j"
             return "0" if flat else base
-        rest = [k for k in p.compute if k not in self.hoisted_vectors]
+        side = {k for g in self.s.side_groups for k in g.nodes}
+        rest = [k for k in p.compute if k not in self.hoisted_vectors and k not in side]
         for k in self.front:
             w(f"v{k} = hz{k}[j]")
         for j in p.loads:
