@@ -18,9 +18,11 @@ gets a loop of its own over its static size::
 ``groups`` returns the side groups in the order they run, each with its nodes; a
 product's vector must come from an earlier group (or be a kernel input), and nothing a
 side group computes may depend on a value of the main prologue.  Legal only in
-element-wise kernels of rank >= 2 whose products and side values do not carry the row
-axis (they would be recomputed per element): the CUDA backend has no such prologue,
-so plans for a CUDA profile keep SmallMatMul out (plan/legality.py).
+element-wise kernels.  Where a product varies along the row axis (a kernel over
+[N, M] that ends in the product: the squeeze's own swish, left without the multiply it
+gates) every value is computed in the prologue, once per row (rank 1: once per call;
+Schedule.products_per_row).  The CUDA backend has no such prologue, so plans for a
+CUDA profile keep SmallMatMul out (plan/legality.py).
 """
 from __future__ import annotations
 
@@ -51,17 +53,16 @@ def groups(spec, dom, kind, live) -> tuple:
     if not products:
         return ()
     R = dom.rank
-    if kind != KernelKind.ELEMENTWISE or R < 2:
-        raise Refusal(f"a SmallMatMul in a {kind.value} kernel of rank {R}: products run "
-                      "once per row group in element-wise kernels only (a squeeze-excite "
-                      "gate and the multiply it scales)")
+    if kind != KernelKind.ELEMENTWISE:
+        raise Refusal(f"a SmallMatMul in a {kind.value} kernel: products run once per "
+                      "row group in element-wise kernels only (a squeeze-excite gate and "
+                      "the multiply it scales)")
     outputs = set(spec.outputs)
     side = {k for k in live if k in dom.side}
-    row = R - 2
-    for k in products + sorted(side) + [r for r in dom.side if r < 0]:
-        if row in dom.carries[k] or k in dom.side and R - 1 in dom.carries[k]:
-            raise Refusal(f"{_name(spec, k)} varies along the kernel's rows: a product "
-                          "and its vector are computed once per row group, not per row")
+    for k in sorted(side) + [r for r in dom.side if r < 0]:
+        if R - 1 in dom.carries[k]:
+            raise Refusal(f"{_name(spec, k)} runs along the kernel's last axis and a "
+                          "contracted one: not fused")
     for k in sorted(side):
         if k in outputs:
             raise Refusal(f"{_name(spec, k)} (a value between two products) leaves the "

@@ -150,12 +150,17 @@ class Schedule:
         order; the ones the element loop reads back from the scratch).  Empty for
         other kinds: row/column kernels already evaluate values that do not carry the
         parallel axes outside their element loops."""
-        if self.kind != KernelKind.ELEMENTWISE or self.rank < 2:
+        if self.kind != KernelKind.ELEMENTWISE or self.rank < 2 and not self.side_groups \
+                and not self.products():
             return (), ()
         last, mid = self.rank - 1, self.rank - 2
         p = self.passes[0]
         side = self.domain.side
-        inner = [k for k in p.compute if mid not in self.carries(k) and k not in side]
+        # a kernel whose products vary along the row axis (one [N, M] row per image, or
+        # rank 1) computes everything in the prologue, per row (or once per call)
+        per_row = self.products_per_row() or self.rank < 2
+        inner = [k for k in p.compute
+                 if (per_row or mid not in self.carries(k)) and k not in side]
         vec = {k for k in inner if last in self.carries(k)}
         if not vec:
             return (), ()
@@ -169,11 +174,26 @@ class Schedule:
             return (), ()
         return tuple(inner), front
 
+    def products(self) -> tuple:
+        """The SmallMatMul nodes (contract.py)."""
+        return tuple(k for k in self.live if contract.is_contraction(self.spec.nodes[k]))
+
+    def products_per_row(self) -> bool:
+        """Whether the SmallMatMuls or their side values vary along the row axis R-2
+        (a kernel over [N, M] rows ending in a product): its prologue groups are single
+        rows."""
+        R = self.rank
+        return R >= 2 and any(R - 2 in self.carries(k) for k in
+                              self.products() + tuple(k for g in self.side_groups
+                                                      for k in g.nodes))
+
     def hoist_per_group(self) -> bool:
         """Whether the hoisted prologue depends on the row: some value it computes or
         input it reads carries an outer axis (the SE gate's batch axis).  Then it runs
         again whenever the row's group ``r // D[R-2]`` changes (rows of one group share
         every hoisted value); else once per call."""
+        if self.products_per_row():
+            return True
         inner, _ = self.hoisted()
         inner = list(inner) + [k for g in self.side_groups for k in g.nodes]
         last = self.rank - 1
