@@ -399,10 +399,10 @@ class KernelShape:
     live: int               # values alive at once
     split: str              # splitting a row across units: "free" | "combine" | "no"
     source: str             # "schedule" (stitching.schedule's placements) | "estimate"
-    # SmallMatMul's products (schedule/contract.py): rows of one prologue group (0: no
-    # products, or the group's size is known only at run time) and the seconds one
-    # lane spends on a group's products, paid again by every task that starts a group
-    group_rows: int = 0
+    # SmallMatMul's products (schedule/contract.py): rows of one prologue group and the
+    # seconds one lane spends on a group's products, in a phase before the element loop
+    # (groups spread over the lanes)
+    group_rows: int = 1
     prologue_s: float = 0.0
 
     @property
@@ -493,7 +493,8 @@ def _prologue(spec, sched, axes) -> dict:
         return {}
     macs = sum(math.prod(spec.type_of(spec.nodes[k].args[1]).shape) for k in products)
     group = 1 if sched.products_per_row() or len(axes) < 2 else axes[-2]
-    return dict(group_rows=max(0, group), prologue_s=macs / PRODUCT_MACS_PER_S)
+    return dict(group_rows=group if group > 0 else DEFAULT_DIM,
+                prologue_s=macs / PRODUCT_MACS_PER_S)
 
 
 def _estimate(spec) -> dict:
@@ -588,12 +589,6 @@ def choose_launch(spec, profile: DeviceProfile, keep: int = 5) -> Launch:
                                -s[2]["col_block"], s[2]["rows_per_task"], s[3]))
     t, tasks, params, threads = scored[0]
     alts = tuple((p, th, tt) for tt, _, p, th in scored[:keep])
-    if not ks.rows_known and ks.group_rows > 1:
-        # the batch is unknown but a prologue group is not: units of whole groups (the
-        # run-time default, EW_BLOCK elements, would recompute a group's products in
-        # every unit that cuts it)
-        whole = {"rows_per_task": ks.group_rows, "col_block": ks.row_len}
-        return Launch(whole, threads, t, tasks, (), ks)
     if not ks.rows_known:
         return Launch({}, threads, t, tasks, (), ks)
     return Launch(params, threads, t, tasks, alts, ks)
@@ -622,10 +617,6 @@ def _candidates(ks: KernelShape, p: DeviceProfile):
             if p.backend == "cpu" or r * min(L, th) <= 4 * th:
                 yield r, L, th
             r *= 2
-        g = ks.group_rows
-        while 1 < g <= R:      # units of whole prologue groups (SmallMatMul)
-            yield g, L, th
-            g *= 2
 
 
 def _time_cpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, _th: int):
@@ -638,9 +629,17 @@ def _time_cpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, _th: int):
     reuse = ks.reuse_bytes * frac / ((p.cache_bandwidth / p.lanes) if on_chip else lane_bw)
     compute = ks.transcendentals * frac / (p.transcendental_per_s / p.lanes)
     task = p.task_s + max(ks.io_bytes * frac / lane_bw, compute) + reuse
-    if ks.group_rows:       # each task computes the products of every group it starts
-        task += ks.prologue_s * (-(-min(r, R) // ks.group_rows) + (r % ks.group_rows != 0))
-    return p.launch_s + -(-tasks // active) * task + _split_s(ks, p, c, active), tasks
+    return (p.launch_s + -(-tasks // active) * task + _split_s(ks, p, c, active)
+            + _prologue_s(ks, p), tasks)
+
+
+def _prologue_s(ks: KernelShape, p: DeviceProfile) -> float:
+    """SmallMatMul's prologue phase: each row group's products once, the groups
+    spread over the lanes, one more pass of the op over its units."""
+    if not ks.prologue_s:
+        return 0.0
+    groups = max(1, ks.rows // ks.group_rows)
+    return p.task_s + -(-groups // min(groups, p.lanes)) * ks.prologue_s
 
 
 def _time_gpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, th: int):

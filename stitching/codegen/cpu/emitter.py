@@ -202,7 +202,13 @@ class _Emitter(Emitter):
             self._prologue(w)
             loops = {KernelKind.ELEMENTWISE: self._elementwise, KernelKind.ROW: self._row,
                      KernelKind.COLUMN: self._column, KernelKind.PACKED: self._packed}[self.s.kind]
-            if not self._in_place(w, loops):
+            if self._product_sizes:
+                with w.block(f"if dims[{PHASE_SLOT}] == 0:"):
+                    self._product_phase(w)
+                with w.block("else:"):
+                    if not self._in_place(w, loops):
+                        loops(w)
+            elif not self._in_place(w, loops):
                 loops(w)
             for name in self._buffers():
                 w(f"h.free({name})")
@@ -245,9 +251,19 @@ class _Emitter(Emitter):
         for k in self._column_parts():
             r = lower.reduction(self.spec, k, self.C)
             w(f"pt{k} = h.ptr_{_PTR[r.part]}(h.aligned_alloc(cb * {dt.ITEMSIZE[r.part]}))")
-        for k in self.front:
-            cd = dt.COMPUTE[self.dtype(k)]
-            w(f"hz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
+        if self._product_sizes:
+            # the prologue phase's values per group: 8-byte slots of the temp buffer
+            gr = "rows" if self.s.products_per_row() or R < 2 else f"rows // D{R - 2}"
+            w(f"G = {gr}")
+            for f, k in enumerate(self.front):
+                cd = dt.COMPUTE[self.dtype(k)]
+                slots = 8 // dt.ITEMSIZE[cd]
+                w(f"hz{k} = h.ptr_offset(h.ptr_{_PTR[cd]}(outs[{len(self.spec.outputs)}]), "
+                  f"{f * slots} * G * L)")
+        else:
+            for k in self.front:
+                cd = dt.COMPUTE[self.dtype(k)]
+                w(f"hz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
         for k, size in self._products().items():
             w(f"ac{k} = h.ptr_float64(h.aligned_alloc({size} * 8))")
         for k in self._side_scratch():
@@ -415,7 +431,7 @@ class _Emitter(Emitter):
         return ([f"sc{k}" for k in self.s.scratch] + [f"kb{k}" for k in self.s.blocks] +
                 [f"acc{k}" for k in self._column_accs()] +
                 [f"pt{k}" for k in self._column_parts()] +
-                [f"hz{k}" for k in self.front] +
+                [f"hz{k}" for k in self.front if not self._product_sizes] +
                 [f"ac{k}" for k in self._products()] +
                 [f"sz{k}" for k in self._side_scratch()] +
                 [f"sb_{self.tag(k)}" for k in self.streamed])
@@ -432,12 +448,11 @@ class _Emitter(Emitter):
             # One row: units are consecutive blocks, so [begin, end) is one flat range.
             # A single loop (not a unit loop around a block loop) lets LLVM keep the
             # helpers' constants in registers/stack slots (measured 17% on erf).
-            if self.front:      # SmallMatMul's products, once per call
-                self._hoist_loop(w, p, flat=True)
             self._ew_loop(w, p, {}, "begin * cb", "min(end * cb, L)", flat=True)
             return
-        per_group = bool(self.front) and self.s.hoist_per_group()
-        if self.front and not per_group:
+        products = bool(self._product_sizes)    # hoisted values from the prologue phase
+        per_group = bool(self.front) and self.s.hoist_per_group() and not products
+        if self.front and not per_group and not products:
             # per-column values once per call (Schedule.hoisted), over the whole row
             self._hoist_loop(w, p, flat=True)
         if per_group:
@@ -450,6 +465,8 @@ class _Emitter(Emitter):
             with w.block("for r in range(r0, min(r0 + rpt, rows)):"):
                 idx = self.decompose(w, "r", list(range(R - 1)))
                 self.bases(w, idx)
+                if products:
+                    w("hb = r * L" if self.s.products_per_row() else f"hb = (r // D{R - 2}) * L")
                 if per_group:
                     # rows r // D[R-2] share every hoisted value (they differ only
                     # along axis R-2, which no hoisted value carries): recompute the
@@ -461,12 +478,10 @@ class _Emitter(Emitter):
                         self._hoist_loop(w, p, flat=False)
                 self._ew_loop(w, p, idx, "c0", "c1", flat=False)
 
-    def _hoist_loop(self, w, p, flat: bool) -> None:
+    def _hoist_loop(self, w, p, flat: bool, at: str = "j") -> None:
         """The hoisted values (Schedule.hoisted) over the whole last axis into their
         scratch; ``flat``: they carry nothing but that axis, else the row bases of the
-        current row locate the inputs they read.  SmallMatMul's side loops and products
-        run first (_side_loops)."""
-        self._side_loops(w, flat)
+        current row locate the inputs they read; ``at``: where in the scratch."""
         with w.block("for j in range(L):"):
             for j in p.loads:
                 ref = -(j + 1)
@@ -480,7 +495,7 @@ class _Emitter(Emitter):
             for k in self.hoist:
                 self.compute(w, k)
             for k in self.front:
-                w(f"hz{k}[j] = v{k}")
+                w(f"hz{k}[{at}] = v{k}")
 
     def _ew_loop(self, w, p, idx, lo: str, hi: str, flat: bool) -> None:
         """The element loop over [lo, hi); in chunks of ROW_CHUNK when an output it
@@ -514,6 +529,20 @@ class _Emitter(Emitter):
             out.update(dict.fromkeys(g.products, str(g.size)))
         out.update({k: "L" for k in self.hoist if contract.is_contraction(self.spec.nodes[k])})
         return out
+
+    def _product_phase(self, w) -> None:
+        """Phase 0 of a kernel with SmallMatMuls: units [begin, end) of the element
+        phase's U take row groups [begin * G // U, end * G // U) (each group exactly
+        once, spread over the units): per group its side loops and products, then the
+        hoisted values over the last axis into the group's temp slots (hz), which the
+        element phase reads."""
+        R = self.R
+        w("U = ((rows + rpt - 1) // rpt) * nb")
+        axes = list(range(R - 1)) if self.s.products_per_row() else list(range(R - 2))
+        with w.block("for gi in range(begin * G // U, end * G // U):"):
+            self.bases(w, self.decompose(w, "gi", axes) if R >= 2 else {})
+            self._side_loops(w, flat=False)
+            self._hoist_loop(w, self.s.passes[0], flat=False, at="gi * L + j")
 
     def _side_scratch(self) -> list:
         """Side values a product reads back whole: kept in a scratch of their size."""
@@ -600,7 +629,7 @@ class _Emitter(Emitter):
         side = {k for g in self.s.side_groups for k in g.nodes}
         rest = [k for k in p.compute if k not in self.hoisted_vectors and k not in side]
         for k in self.front:
-            w(f"v{k} = hz{k}[j]")
+            w(f"v{k} = hz{k}[j]" if flat or not self._product_sizes else f"v{k} = hz{k}[hb + j]")
         for j in p.loads:
             if not self.hoist or self._used_by(-(j + 1), rest):
                 self.load_input(w, -(j + 1), at(-(j + 1)))
