@@ -404,6 +404,7 @@ class KernelShape:
     # (groups spread over the lanes)
     group_rows: int = 1
     prologue_s: float = 0.0
+    prologue_phase: bool = False   # else recomputed by every task that starts a group
 
     @property
     def io_bytes(self) -> int:
@@ -494,7 +495,7 @@ def _prologue(spec, sched, axes) -> dict:
     macs = sum(math.prod(spec.type_of(spec.nodes[k].args[1]).shape) for k in products)
     group = 1 if sched.products_per_row() or len(axes) < 2 else axes[-2]
     return dict(group_rows=group if group > 0 else DEFAULT_DIM,
-                prologue_s=macs / PRODUCT_MACS_PER_S)
+                prologue_s=macs / PRODUCT_MACS_PER_S, prologue_phase=sched.prologue_phase())
 
 
 def _estimate(spec) -> dict:
@@ -629,14 +630,16 @@ def _time_cpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, _th: int):
     reuse = ks.reuse_bytes * frac / ((p.cache_bandwidth / p.lanes) if on_chip else lane_bw)
     compute = ks.transcendentals * frac / (p.transcendental_per_s / p.lanes)
     task = p.task_s + max(ks.io_bytes * frac / lane_bw, compute) + reuse
+    if ks.prologue_s and not ks.prologue_phase:  # each task: the groups it starts
+        task += ks.prologue_s * (-(-min(r, R) // ks.group_rows) + (r % ks.group_rows != 0))
     return (p.launch_s + -(-tasks // active) * task + _split_s(ks, p, c, active)
             + _prologue_s(ks, p), tasks)
 
 
 def _prologue_s(ks: KernelShape, p: DeviceProfile) -> float:
-    """SmallMatMul's prologue phase: each row group's products once, the groups
-    spread over the lanes, one more pass of the op over its units."""
-    if not ks.prologue_s:
+    """SmallMatMul's prologue phase (large products): each row group's products
+    once, the groups spread over the lanes, one more pass of the op over its units."""
+    if not ks.prologue_phase:
         return 0.0
     groups = max(1, ks.rows // ks.group_rows)
     return p.task_s + -(-groups // min(groups, p.lanes)) * ks.prologue_s

@@ -28,6 +28,7 @@ them, else the shape function picks them at run time (defaults below).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..ir import dtypes as dt
@@ -47,6 +48,12 @@ COL_BLOCK_MIN = 64        #   kernel has COL_UNITS units, not below 64 columns. 
                           #   one for a sixth of the call; now such a kernel cuts its
                           #   rows (squeeze-excite [5, 57, 57, 256]: 5 -> 20 units, 1.17
                           #   -> 1.29x XLA); 16 measured slower (4m, 64m: narrow blocks)
+PHASE_MIN_MACS = 16384   # tuned: SmallMatMul products of at least this many multiply-adds
+                         # per row group run once per group in a phase of their own (the
+                         # op's extra pass over its units and the temp buffer cost ~5-20
+                         # us); smaller ones are recomputed by every unit that starts a
+                         # group (EfficientNet's SE blocks of 32..240 channels: 512 to
+                         # 4800; 480..1152 channels: 19k to 110k)
 COL_SPLIT_UNITS = 16      # tuned: fewer column units than COL_UNITS: cut the reduced
 COL_CHUNK_ROWS = 128      #   rows into chunks for ~16 units, each >= 128 rows (cpu/emitter.py)
 
@@ -186,6 +193,13 @@ class Schedule:
         return R >= 2 and any(R - 2 in self.carries(k) for k in
                               self.products() + tuple(k for g in self.side_groups
                                                       for k in g.nodes))
+
+    def prologue_phase(self) -> bool:
+        """Whether the products run in a prologue phase (PHASE_MIN_MACS), not in the
+        element loops' per-group prologue."""
+        macs = sum(math.prod(self.spec.type_of(self.spec.nodes[k].args[1]).shape)
+                   for k in self.products())
+        return macs >= PHASE_MIN_MACS
 
     def hoist_per_group(self) -> bool:
         """Whether the hoisted prologue depends on the row: some value it computes or

@@ -160,6 +160,7 @@ class _Emitter(Emitter):
         self._staging: dict = {}     # (output, row suffix) -> (index base, loop var)
         self._through: dict = {}     # output node -> input tag it is stored through
         self._product_sizes = self._find_products()
+        self._phase = sched.prologue_phase()     # products in a phase of their own
 
     def store_output(self, w, k: int, index: str) -> None:
         if k in self._through:                  # the in-place loop nest (_in_place)
@@ -202,7 +203,7 @@ class _Emitter(Emitter):
             self._prologue(w)
             loops = {KernelKind.ELEMENTWISE: self._elementwise, KernelKind.ROW: self._row,
                      KernelKind.COLUMN: self._column, KernelKind.PACKED: self._packed}[self.s.kind]
-            if self._product_sizes:
+            if self._phase:
                 with w.block(f"if dims[{PHASE_SLOT}] == 0:"):
                     self._product_phase(w)
                 with w.block("else:"):
@@ -251,7 +252,7 @@ class _Emitter(Emitter):
         for k in self._column_parts():
             r = lower.reduction(self.spec, k, self.C)
             w(f"pt{k} = h.ptr_{_PTR[r.part]}(h.aligned_alloc(cb * {dt.ITEMSIZE[r.part]}))")
-        if self._product_sizes:
+        if self._phase:
             # the prologue phase's values per group: 8-byte slots of the temp buffer
             gr = "rows" if self.s.products_per_row() or R < 2 else f"rows // D{R - 2}"
             w(f"G = {gr}")
@@ -431,7 +432,7 @@ class _Emitter(Emitter):
         return ([f"sc{k}" for k in self.s.scratch] + [f"kb{k}" for k in self.s.blocks] +
                 [f"acc{k}" for k in self._column_accs()] +
                 [f"pt{k}" for k in self._column_parts()] +
-                [f"hz{k}" for k in self.front if not self._product_sizes] +
+                [f"hz{k}" for k in self.front if not self._phase] +
                 [f"ac{k}" for k in self._products()] +
                 [f"sz{k}" for k in self._side_scratch()] +
                 [f"sb_{self.tag(k)}" for k in self.streamed])
@@ -448,9 +449,11 @@ class _Emitter(Emitter):
             # One row: units are consecutive blocks, so [begin, end) is one flat range.
             # A single loop (not a unit loop around a block loop) lets LLVM keep the
             # helpers' constants in registers/stack slots (measured 17% on erf).
+            if self.front and not self._phase:      # small products, once per call
+                self._hoist_loop(w, p, flat=True)
             self._ew_loop(w, p, {}, "begin * cb", "min(end * cb, L)", flat=True)
             return
-        products = bool(self._product_sizes)    # hoisted values from the prologue phase
+        products = self._phase      # hoisted values from the prologue phase
         per_group = bool(self.front) and self.s.hoist_per_group() and not products
         if self.front and not per_group and not products:
             # per-column values once per call (Schedule.hoisted), over the whole row
@@ -481,7 +484,10 @@ class _Emitter(Emitter):
     def _hoist_loop(self, w, p, flat: bool, at: str = "j") -> None:
         """The hoisted values (Schedule.hoisted) over the whole last axis into their
         scratch; ``flat``: they carry nothing but that axis, else the row bases of the
-        current row locate the inputs they read; ``at``: where in the scratch."""
+        current row locate the inputs they read; ``at``: where in the scratch.  Small
+        SmallMatMul products (not in a phase of their own) run first."""
+        if not self._phase:
+            self._side_loops(w, flat)
         with w.block("for j in range(L):"):
             for j in p.loads:
                 ref = -(j + 1)
@@ -629,7 +635,7 @@ class _Emitter(Emitter):
         side = {k for g in self.s.side_groups for k in g.nodes}
         rest = [k for k in p.compute if k not in self.hoisted_vectors and k not in side]
         for k in self.front:
-            w(f"v{k} = hz{k}[j]" if flat or not self._product_sizes else f"v{k} = hz{k}[hb + j]")
+            w(f"v{k} = hz{k}[j]" if flat or not self._phase else f"v{k} = hz{k}[hb + j]")
         for j in p.loads:
             if not self.hoist or self._used_by(-(j + 1), rest):
                 self.load_input(w, -(j + 1), at(-(j + 1)))

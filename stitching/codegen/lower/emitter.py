@@ -257,7 +257,7 @@ class Emitter:
                                list(range(R - 1)), [])
         split = self.column_split() if s.kind == KernelKind.COLUMN else int(s.split_rows)
         reds = len(self._split_reds())
-        if s.products():
+        if s.prologue_phase():
             # SmallMatMul's prologue phase (cpu/emitter.py): the hoisted values of each
             # row group (3: of each row) into the temp buffer, 8 bytes per element
             split, reds = (3 if s.products_per_row() or R < 2 else 2), len(self.front)
