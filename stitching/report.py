@@ -215,7 +215,10 @@ class Report:
             if other:
                 kinds = {t: sum(1 for _, o in other if o == t) for _, t in other}
                 also = ", ".join(t if n == 1 else f"{n} {t}" for t, n in kinds.items())
-                line += f" (also {also}: no data work, not counted)"
+                # the 1x1 convolutions of a squeeze-excite gate (SmallMatMul) are
+                # contractions: real work, but not memory-intensive ops
+                what = "contractions and views" if "Conv2D" in kinds else "no data work"
+                line += f" (also {also}: {what}, not counted)"
             lines.append(f"{line} — {k.schedule}" if k.schedule else line)
         if counted > self.fused_ops:
             lines.append(f"  ({counted - self.fused_ops} op(s) computed in more than one "

@@ -27,6 +27,8 @@ class Kind(enum.IntEnum):
     LAYOUT = 2        # index maps, no arithmetic: size-1 reshapes, transposes, slices,
                       # concatenations (schedule/layout.py folds them into loads)
     REDUCTION = 3     # reduces a set of axes
+    CONTRACTION = 4   # a small matrix product of a per-row vector (SmallMatMul): its
+                      # contracted and weight dims are outside the iteration domain
     OPAQUE = 9        # anything else: stays a TF op
 
 
@@ -163,6 +165,16 @@ for _n in ("Max", "Min"):
 for _n in ("All", "Any"):
     _reg(_n, R, 1, in_dtypes=BOOL, attrs={"axes": _int_list, "keep_dims": _bool})
 
+# SmallMatMul(x[..., K], w[1.., K, M]) -> [..., M]: y[..., m] = sum_k x[..., k] w[k, m].
+# A 1x1 convolution over a 1x1 image (a squeeze-excite block's two products on its
+# pooled [N, 1, 1, C] vector, tf/frontend.py).  The weight is a small static matrix read
+# whole (schedule/domain.py keeps K and the weight's dims out of the iteration domain);
+# the CPU backend computes the product once per row group (codegen/cpu/emitter.py).
+_reg("SmallMatMul", Kind.CONTRACTION, 2, in_dtypes=frozenset({"float32", "float64"}))
+SMALL_MATMUL_MAX_WEIGHTS = 1 << 16   # arbitrary: a weight matrix of at most 256 KiB of
+                                     # float32 (half the smallest L2 of this project's
+                                     # machines), re-read once per row group
+
 _reg("Reshape", Kind.LAYOUT, 1, attrs={"shape": _int_list})
 # Index maps (schedule/layout.py): the element at output index i is an input element at
 # an affine function of i (no arithmetic, so a fused layout op changes no bits).
@@ -251,6 +263,8 @@ def infer(op: str, attrs: dict, in_types: list) -> TensorType:
         else:
             shape = tuple(s for i, s in enumerate(x.shape) if i not in axes)
         return TensorType(x.dtype, shape)
+    if d.kind == Kind.CONTRACTION:
+        return _infer_small_matmul(*in_types)
     if op in _LAYOUT_INFER:
         return _LAYOUT_INFER[op](attrs, in_types)
     if op == "Reshape":
@@ -273,6 +287,24 @@ def infer(op: str, attrs: dict, in_types: list) -> TensorType:
         _check_value_dtype(attrs["value"], attrs["dtype"])
         return TensorType(attrs["dtype"], in_types[0].shape)
     raise AssertionError(op)
+
+
+def _infer_small_matmul(x: TensorType, w: TensorType) -> TensorType:
+    """x [..., K] times a static weight [1.., K, M] (size-1 leading dims, as a 1x1
+    convolution's filter [1, 1, K, M]): [..., M]."""
+    ws = w.shape
+    if len(ws) < 2 or any(d != 1 for d in ws[:-2]) or any(d < 2 for d in ws[-2:]):
+        raise ValueError(f"SmallMatMul: the weight {format_dims(ws)} must be a static "
+                         "[K, M] matrix (size-1 leading dims allowed), K and M >= 2")
+    k, m = ws[-2:]
+    if k * m > SMALL_MATMUL_MAX_WEIGHTS:
+        raise ValueError(f"SmallMatMul: a {k}x{m} weight is over "
+                         f"{SMALL_MATMUL_MAX_WEIGHTS} elements (a product that large "
+                         "stays TF's)")
+    if not x.shape or x.shape[-1] != k:
+        raise ValueError(f"SmallMatMul: x {format_dims(x.shape)} does not end in the "
+                         f"weight's K = {k}")
+    return TensorType(x.dtype, tuple(x.shape[:-1]) + (m,))
 
 
 def _check_value_dtype(value, dtype):

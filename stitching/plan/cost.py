@@ -399,6 +399,12 @@ class KernelShape:
     live: int               # values alive at once
     split: str              # splitting a row across units: "free" | "combine" | "no"
     source: str             # "schedule" (stitching.schedule's placements) | "estimate"
+    # SmallMatMul's products (schedule/contract.py): rows of one prologue group and the
+    # seconds one lane spends on a group's products, in a phase before the element loop
+    # (groups spread over the lanes)
+    group_rows: int = 1
+    prologue_s: float = 0.0
+    prologue_phase: bool = False   # else recomputed by every task that starts a group
 
     @property
     def io_bytes(self) -> int:
@@ -474,7 +480,22 @@ def _from_schedule(spec, sched) -> dict:
     return dict(kind=kind, rows=max(1, R), row_len=max(1, L),
                 rows_known=all(a >= 0 for a in axes), reuse_bytes=reuse,
                 footprint_row=foot / max(1, R),
-                split="combine" if kind == "row" else "free")
+                split="combine" if kind == "row" else "free", **_prologue(spec, sched, axes))
+
+
+PRODUCT_MACS_PER_S = 8e9      # tuned: one lane's float64 multiply-adds per second in a
+                              # product's vector loop (~9 G measured on the AMD EPYC, AVX2)
+
+
+def _prologue(spec, sched, axes) -> dict:
+    """group_rows and prologue_s of a kernel with SmallMatMuls (KernelShape)."""
+    products = sched.products() if hasattr(sched, "products") else ()
+    if not products:
+        return {}
+    macs = sum(math.prod(spec.type_of(spec.nodes[k].args[1]).shape) for k in products)
+    group = 1 if sched.products_per_row() or len(axes) < 2 else axes[-2]
+    return dict(group_rows=group if group > 0 else DEFAULT_DIM,
+                prologue_s=macs / PRODUCT_MACS_PER_S, prologue_phase=sched.prologue_phase())
 
 
 def _estimate(spec) -> dict:
@@ -609,7 +630,19 @@ def _time_cpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, _th: int):
     reuse = ks.reuse_bytes * frac / ((p.cache_bandwidth / p.lanes) if on_chip else lane_bw)
     compute = ks.transcendentals * frac / (p.transcendental_per_s / p.lanes)
     task = p.task_s + max(ks.io_bytes * frac / lane_bw, compute) + reuse
-    return p.launch_s + -(-tasks // active) * task + _split_s(ks, p, c, active), tasks
+    if ks.prologue_s and not ks.prologue_phase:  # each task: the groups it starts
+        task += ks.prologue_s * (-(-min(r, R) // ks.group_rows) + (r % ks.group_rows != 0))
+    return (p.launch_s + -(-tasks // active) * task + _split_s(ks, p, c, active)
+            + _prologue_s(ks, p), tasks)
+
+
+def _prologue_s(ks: KernelShape, p: DeviceProfile) -> float:
+    """SmallMatMul's prologue phase (large products): each row group's products
+    once, the groups spread over the lanes, one more pass of the op over its units."""
+    if not ks.prologue_phase:
+        return 0.0
+    groups = max(1, ks.rows // ks.group_rows)
+    return p.task_s + -(-groups // min(groups, p.lanes)) * ks.prologue_s
 
 
 def _time_gpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, th: int):

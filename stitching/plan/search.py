@@ -45,7 +45,7 @@ import heapq
 from dataclasses import dataclass, field, replace
 
 from ..ir import SpecError
-from ..ir.composites import MULTI_OUTPUT
+from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT
 from ..ir.ops import Kind, kind_of
 from ..ir.spec import SCHEDULE_PARAMS
 from . import epilogue as _epi
@@ -129,6 +129,13 @@ class _Context:
         self.fusible = [i for i, n in enumerate(self.names)
                         if _fus.is_candidate(graph, graph[n])]
         self.side_users = self._side_users()
+        # SmallMatMul runs in element-wise kernels only (schedule/contract.py): a pattern
+        # with a product and a reduction is refused without building its spec, and the
+        # DP does not spend its width on such patterns (a squeeze-excite's products
+        # grown together with its pooling mean would crowd out the gate's own pattern)
+        kinds = [_kind(graph[n].op) for n in self.names]
+        self.products = mask_of(i for i, k in enumerate(kinds) if k == Kind.CONTRACTION)
+        self.reductions = mask_of(i for i, k in enumerate(kinds) if k == Kind.REDUCTION)
         self.boundaries: dict = {}         # (node, reason) -> None, insertion ordered
         self.log: dict = {}                # node -> [(kind, pattern, score_s, outcome)]
         self.C: dict = {}                  # vertex -> candidate patterns (last DP run)
@@ -184,8 +191,16 @@ class _Context:
                 return "only the first output of a fused node can leave a kernel"
         return None
 
+    def clash(self, P) -> bool:
+        """A SmallMatMul and a reduction in one pattern (see __init__)."""
+        m = self.mask(P)
+        return bool(m & self.products) and bool(m & self.reductions)
+
     def shape_reason(self, P) -> str | None:
         """Cheap structural refusals (before any spec is built): None when fine."""
+        if self.clash(P):
+            return ("a SmallMatMul and a reduction in one kernel: products run in "
+                    "element-wise kernels only")
         why = self.side_reason(P)
         if why is None and len(P) > 1 and not self.reach.convex(P, self.mask(P)):
             why = "merging would create a cycle through an unfused op"
@@ -235,11 +250,18 @@ def _candidates(ctx: _Context) -> dict:
             for p in partial:
                 for q in opts:
                     u = p | q
-                    if len(u) <= cfg.max_pattern:
+                    if len(u) <= cfg.max_pattern and not ctx.clash(u):
                         grown.add(u)
             partial = sorted(grown, key=lambda P: (-gain(P), -len(P)))[:cfg.width]
         C[v] = _keep(ctx, v, partial)
     return C
+
+
+def _kind(op: str) -> Kind:
+    """An op's kind; a composite's (Softmax: a reduction) from its table."""
+    if op in COMPOSITE_OPS:
+        return COMPOSITE_OPS[op][0]
+    return kind_of(op)
 
 
 def _keep(ctx: _Context, v: int, partial: list) -> list:

@@ -75,6 +75,13 @@ def describe(sched) -> str:
         when = "per group of rows" if sched.hoist_per_group() else "per call"
         lines.append(f"  once {when}, per column (last-axis scratch): " +
                      " ".join(_node(sched, k) for k in front))
+    products = sched.products()
+    if products:
+        how = "in a prologue phase" if sched.prologue_phase() else "in each unit's prologue"
+        sizes = ", ".join(str(g.size) for g in sched.side_groups)
+        lines.append(f"  products once per row group, {how}: " +
+                     " ".join(_node(sched, k) for k in products) +
+                     (f" (side loops over {sizes})" if sizes else ""))
     lines.extend(f"  note: {n}" for n in sched.notes)
     return "\n".join(lines)
 

@@ -32,6 +32,14 @@ Algorithm
    stride 1 (the emitters load it contiguously).  A view's dim that covers a source dim
    whole is the source dim's class, so the shape function still checks the source.
 
+4. **Contractions** (SmallMatMul, x[..., K] @ w[K, M]): the output's leading dims are
+   x's, its last is the weight's M; K is *contracted*.  K's class and everything that
+   carries it (the hidden vector of a squeeze-excite block between its two products)
+   is a *side* class: not an axis of the domain.  A value carrying one has it as its
+   last dim, of static size (``Domain.side``), and is computed per row group in a loop
+   of its own (codegen/cpu/emitter.py); the weights are read whole (``Domain.weights``:
+   static kernel inputs no other node reads) and take no part in the domain either.
+
 Nothing here knows about loops; ``passes.py`` decides the kernel kind from the
 collapsed axes and ``reduced`` sets.
 """
@@ -77,6 +85,10 @@ class Domain:
     # view input ref -> {collapsed axis: element stride in its source} (layout.py);
     # every other value is row-major over the axes it carries
     view_strides: dict = field(default_factory=dict)
+    # contractions (step 4): ref -> the side class of its last dim (static size), for
+    # the values that carry a contracted class; the weight inputs, read whole
+    side: dict = field(default_factory=dict)
+    weights: frozenset = frozenset()
 
     @property
     def rank(self) -> int:
@@ -190,17 +202,25 @@ def _unify(spec, live):
                 _bind(uf, dims[-(view.source + 1)][d], dims[ref][o])
     ghosts = {r: [None] * len(v) for r, v in dims.items()}
     reduced_vars = {}
+    contracted = []
     for k in live:
         n = spec.nodes[k]
         out = _vars(uf, n.type.shape)
         dims[k] = out
+        if OPS[n.op].kind == Kind.CONTRACTION:
+            x = dims[n.args[0]]
+            for v, o in zip(x[:-1], out[:-1]):
+                _bind(uf, v, o)
+            contracted.append(x[-1])
+            ghosts[k] = [None] * len(out)
+            continue
         red = _bind_node(uf, n, [dims[a] for a in n.args], out)
         ghosts[k] = _bind_ghosts(uf, n, [dims[a] for a in n.args],
                                  [ghosts[a] for a in n.args], out)
         if OPS[n.op].kind == Kind.REDUCTION:
             reduced_vars[k] = red
     _pack_components(uf, spec, live, dims)
-    return uf, dims, reduced_vars
+    return uf, dims, reduced_vars, contracted
 
 
 def _pack_components(uf, spec, live, dims):
@@ -397,23 +417,31 @@ def analyze(spec) -> Domain:
     Only live values (nodes an output needs, inputs they read) make axes; every
     input keeps its dim classes so the shape function still checks it."""
     live = live_nodes(spec)
-    uf, dims, reduced_vars = _unify(spec, live)
+    uf, dims, reduced_vars, contracted = _unify(spec, live)
     views = _views(spec)
     classes, value_dims, ids = _classes(uf, dims, views)
+    weights = _weights(spec, live, views)
+    side_classes = {ids[uf.find(v)] for v in contracted}
+    side = _side_sizes(classes, value_dims, side_classes, weights)
+    if any(r in views for r in side):
+        raise Refusal("a SmallMatMul's vector read through a layout op: not fused")
     reduced_classes = {
         k: sorted({ids[uf.find(v)] for v in vs if ids.get(uf.find(v)) is not None
                    and classes[ids[uf.find(v)]].size != 1})
         for k, vs in reduced_vars.items()}
-    used = set(live) | {a for k in live for a in spec.nodes[k].args if a < 0}
-    order = _order(classes, {r: vd for r, vd in value_dims.items() if r in used})
+    if any(side_classes & set(cs) for cs in reduced_classes.values()):
+        raise Refusal("a reduction over a SmallMatMul's contracted dimension: not fused")
+    used = (set(live) | {a for k in live for a in spec.nodes[k].args if a < 0}) - weights
+    # the domain's dims: side classes and weights take no part (step 4)
+    main_dims = {r: tuple(None if c in side_classes else c for c in vd)
+                 for r, vd in value_dims.items() if r in used}
+    order = _order(classes, main_dims)
     if len(order) > MAX_DOMAIN_RANK:
         raise Refusal(f"the kernel would loop over {len(order)} independent axes "
                       f"(limit {MAX_DOMAIN_RANK})")
     class_strides = {r: {c: st for c, st in zip(value_dims[r], v.strides) if c is not None}
                      for r, v in views.items() if r in used}
-    axes, axis_of = _collapse(classes, order,
-                              {r: vd for r, vd in value_dims.items() if r in used},
-                              reduced_classes, list(class_strides.values()))
+    axes, axis_of = _collapse(classes, order, main_dims, reduced_classes, list(class_strides.values()))
     carries = {ref: tuple(sorted({axis_of[c] for c in _live_axes(classes, vd)
                                   if c in axis_of}))
                for ref, vd in value_dims.items()}
@@ -426,7 +454,47 @@ def analyze(spec) -> Domain:
                                       != (value_dims[r][v.guard[0]],)):
             raise Refusal("a concatenation or Pad on an axis other than the kernel's "
                           "innermost reads a piece outside its range: not fused yet")
-    return Domain(classes, axes, value_dims, carries, reduced, view_strides)
+    return Domain(classes, axes, value_dims, carries, reduced, view_strides, side,
+                  weights)
+
+
+def _weights(spec, live, views) -> frozenset:
+    """The contractions' weight inputs (step 4): static kernel inputs that no other
+    node reads, not views."""
+    weights, other = set(), set()
+    for k in live:
+        n = spec.nodes[k]
+        if OPS[n.op].kind == Kind.CONTRACTION:
+            weights.add(n.args[1])
+            other.add(n.args[0])
+        else:
+            other.update(n.args)
+    for w in weights:
+        t = spec.type_of(w)
+        if w >= 0 or w in views or w in other or any(d < 0 for d in t.shape):
+            raise Refusal(f"the weight of a SmallMatMul ({_name(w)}) must be a kernel "
+                          "input of static shape read by nothing else")
+    return frozenset(weights)
+
+
+def _side_sizes(classes, value_dims, side_classes, weights) -> dict:
+    """ref -> the class of its side dim, for the values that carry a contracted
+    class (step 4); refused unless that is their last dim, of static size, and their
+    only one."""
+    side = {}
+    for ref, vd in value_dims.items():
+        if ref in weights:
+            continue
+        at = [i for i, c in enumerate(vd) if c in side_classes]
+        if not at:
+            continue
+        size = classes[vd[at[0]]].size
+        if at != [len(vd) - 1] or size < 0:
+            raise Refusal(f"{_name(ref)} carries a contracted dimension other than as "
+                          "its last, or one known only at run time: a SmallMatMul's "
+                          "vector must be [..., K] with K static")
+        side[ref] = vd[at[0]]
+    return side
 
 
 def _view_axis_strides(ref, axes, carried, class_stride) -> dict:

@@ -52,6 +52,8 @@ def segments(spec):
         return "a packed kernel needs static shapes"
     if any(OPS[spec.nodes[k].op].kind == Kind.REDUCTION for k in live):
         return "a packed kernel holds no reduction"
+    if any(OPS[spec.nodes[k].op].kind == Kind.CONTRACTION for k in live):
+        return "a packed kernel holds no SmallMatMul"
     parent: dict = {}
 
     def root(v):

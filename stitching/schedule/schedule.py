@@ -28,11 +28,13 @@ them, else the shape function picks them at run time (defaults below).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..ir import dtypes as dt
 from . import passes as P
 from . import packed as PK
+from . import contract
 from . import layout
 from .domain import Domain, Refusal, analyze, strided_innermost
 from .passes import KernelKind, Placement
@@ -46,6 +48,12 @@ COL_BLOCK_MIN = 64        #   kernel has COL_UNITS units, not below 64 columns. 
                           #   one for a sixth of the call; now such a kernel cuts its
                           #   rows (squeeze-excite [5, 57, 57, 256]: 5 -> 20 units, 1.17
                           #   -> 1.29x XLA); 16 measured slower (4m, 64m: narrow blocks)
+PHASE_MIN_MACS = 16384   # tuned: SmallMatMul products of at least this many multiply-adds
+                         # per row group run once per group in a phase of their own (the
+                         # op's extra pass over its units and the temp buffer cost ~5-20
+                         # us); smaller ones are recomputed by every unit that starts a
+                         # group (EfficientNet's SE blocks of 32..240 channels: 512 to
+                         # 4800; 480..1152 channels: 19k to 110k)
 COL_SPLIT_UNITS = 16      # tuned: fewer column units than COL_UNITS: cut the reduced
 COL_CHUNK_ROWS = 128      #   rows into chunks for ~16 units, each >= 128 rows (cpu/emitter.py)
 
@@ -121,6 +129,7 @@ class Schedule:
     notes: tuple = field(default=())
     split_rows: bool = False   # row kind: the code can split a row across units
     segments: tuple = ()       # packed kind: (offset, size) of each pass's flat range
+    side_groups: tuple = ()    # SmallMatMul's side loops, in run order (contract.py)
 
     # -- queries the emitters use -----------------------------------------------------
     @property
@@ -148,11 +157,17 @@ class Schedule:
         order; the ones the element loop reads back from the scratch).  Empty for
         other kinds: row/column kernels already evaluate values that do not carry the
         parallel axes outside their element loops."""
-        if self.kind != KernelKind.ELEMENTWISE or self.rank < 2:
+        if self.kind != KernelKind.ELEMENTWISE or self.rank < 2 and not self.side_groups \
+                and not self.products():
             return (), ()
         last, mid = self.rank - 1, self.rank - 2
         p = self.passes[0]
-        inner = [k for k in p.compute if mid not in self.carries(k)]
+        side = self.domain.side
+        # a kernel whose products vary along the row axis (one [N, M] row per image, or
+        # rank 1) computes everything in the prologue, per row (or once per call)
+        per_row = self.products_per_row() or self.rank < 2
+        inner = [k for k in p.compute
+                 if (per_row or mid not in self.carries(k)) and k not in side]
         vec = {k for k in inner if last in self.carries(k)}
         if not vec:
             return (), ()
@@ -166,14 +181,38 @@ class Schedule:
             return (), ()
         return tuple(inner), front
 
+    def products(self) -> tuple:
+        """The SmallMatMul nodes (contract.py)."""
+        return tuple(k for k in self.live if contract.is_contraction(self.spec.nodes[k]))
+
+    def products_per_row(self) -> bool:
+        """Whether the SmallMatMuls or their side values vary along the row axis R-2
+        (a kernel over [N, M] rows ending in a product): its prologue groups are single
+        rows."""
+        R = self.rank
+        return R >= 2 and any(R - 2 in self.carries(k) for k in
+                              self.products() + tuple(k for g in self.side_groups
+                                                      for k in g.nodes))
+
+    def prologue_phase(self) -> bool:
+        """Whether the products run in a prologue phase (PHASE_MIN_MACS), not in the
+        element loops' per-group prologue."""
+        macs = sum(math.prod(self.spec.type_of(self.spec.nodes[k].args[1]).shape)
+                   for k in self.products())
+        return macs >= PHASE_MIN_MACS
+
     def hoist_per_group(self) -> bool:
         """Whether the hoisted prologue depends on the row: some value it computes or
         input it reads carries an outer axis (the SE gate's batch axis).  Then it runs
         again whenever the row's group ``r // D[R-2]`` changes (rows of one group share
         every hoisted value); else once per call."""
+        if self.products_per_row():
+            return True
         inner, _ = self.hoisted()
+        inner = list(inner) + [k for g in self.side_groups for k in g.nodes]
         last = self.rank - 1
-        refs = set(inner) | {a for k in inner for a in self.spec.nodes[k].args}
+        refs = set(inner) | {a for k in inner for a in self.spec.nodes[k].args
+                             if a not in self.domain.weights}
         return any(a != last for r in refs for a in self.carries(r))
 
     def placement(self, src: int, dst: int) -> Placement:
@@ -272,6 +311,7 @@ def _build_on(spec, dom) -> Schedule:
     if kind == KernelKind.COLUMN and any(v.guard for v in getattr(spec, "views", ())):
         # its loops index columns from a block start, not the guard's absolute index
         raise Refusal("a concatenation read in a column reduction: not fused yet")
+    side_groups = contract.groups(spec, dom, kind, live)
     strided = strided_innermost(dom)
     if strided and kind != KernelKind.ELEMENTWISE:
         # row and column loops load rows and tiles contiguously (prefetch, pipelining)
@@ -304,7 +344,8 @@ def _build_on(spec, dom) -> Schedule:
         scalars=scalars, edges=edges, scratch=tuple(sorted(scratch)), blocks=blocks,
         rows_per_task=spec.schedule.get("rows_per_task"),
         col_block=spec.schedule.get("col_block"), notes=tuple(notes),
-        split_rows=kind == KernelKind.ROW and spec.schedule.get("split_rows") == 1)
+        split_rows=kind == KernelKind.ROW and spec.schedule.get("split_rows") == 1,
+        side_groups=side_groups)
 
 
 def _check_dtypes(spec):

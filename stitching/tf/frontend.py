@@ -23,6 +23,7 @@ from tensorflow.python.framework import tensor_util
 
 from ..ir import Graph, Node, TensorType, ValueRef
 from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT
+from ..ir.ops import SMALL_MATMUL_MAX_WEIGHTS
 from . import opnames
 from .tfgraph import DTYPE_NAMES
 # kept here for their callers (stitching.function, tools): they live in tfgraph.py
@@ -166,6 +167,8 @@ def _convert_known(op) -> Node | None:
         return _LAYOUT[t](op)
     if t in COMPOSITE_OPS or t in opnames.COMPOSITES:
         return _convert_composite(op)
+    if t == "Conv2D":
+        return _convert_small_conv(op)
     canon = opnames.canonical(t)
     if canon is None:
         return None
@@ -201,6 +204,28 @@ def _convert_known(op) -> Node | None:
     elif canon == "Identity" and op.outputs[0].dtype not in DTYPE_NAMES:
         return None
     return Node(op.name, canon, ins, attrs)
+
+
+def _convert_small_conv(op) -> Node | None:
+    """A 1x1 convolution over a 1x1 image (squeeze-excite's two products on the pooled
+    [N, 1, 1, C] vector) is a small matrix product: SmallMatMul (ir/ops.py), which a
+    kernel computes once per image.  Any other convolution stays TF's (None)."""
+    x, f = op.inputs
+    if x.shape.rank != 4 or f.shape.rank != 4:
+        return None
+    xs, fs = _static_shape(x), _static_shape(f)
+    if op.get_attr("data_format") != b"NHWC" or xs[1:3] != [1, 1] or fs[:2] != [1, 1] or xs[3] != fs[2] \
+            or any(d < 2 for d in fs[2:]) or x.dtype not in (tf.float32, tf.float64):
+        return None
+    if op.get_attr("padding") == b"EXPLICIT" and any(op.get_attr("explicit_paddings")):
+        return None
+    if fs[2] * fs[3] > SMALL_MATMUL_MAX_WEIGHTS:
+        return None
+    # strides and dilations move a 1x1 window over a 1x1 image nowhere: any value reads
+    # the one pixel, and the output is 1x1 (TF's shape inference says so too)
+    if _static_shape(op.outputs[0])[1:] != [1, 1, fs[3]]:
+        return None
+    return Node(op.name, "SmallMatMul", _inputs(op), {})
 
 
 def _convert_const(op) -> Node | None:

@@ -66,6 +66,7 @@ from contextlib import contextmanager
 from ...ir import dtypes as dt
 from ...ir.ops import OPS
 from ...schedule import KernelKind
+from ...schedule import contract
 from ...schedule.inplace import pairs as inplace_pairs
 from ..lower import exprs as lower
 from ..lower.emitter import Emitter, KernelSource, Writer, load_expr, store_value
@@ -76,6 +77,7 @@ ROW_TAIL = 64          # a row's remainder below a multiple of this is a chunk a
 PHASE_SLOT = 31        # dims[31]: the phase the op is running (op.cc kPhaseSlot)
 PREFETCH_MIN_ROW = 512  # row kernels prefetch the next row from this length on
 COL_UNROLL = 4         # tuned: rows of a column pass per trip of its column loop
+PRODUCT_ROWS = 4       # tuned: weight rows of a SmallMatMul per trip of its vector loop
 COL_PART_ROWS = 64     # arbitrary: rows a column's float32 partial sum takes before it
                        # is merged into the float64 sum (a row reduction's chunk: 1024)
 
@@ -157,6 +159,8 @@ class _Emitter(Emitter):
         self.streamed = self._streamed_outputs()     # output -> its element count
         self._staging: dict = {}     # (output, row suffix) -> (index base, loop var)
         self._through: dict = {}     # output node -> input tag it is stored through
+        self._product_sizes = self._find_products()
+        self._phase = sched.prologue_phase()     # products in a phase of their own
 
     def store_output(self, w, k: int, index: str) -> None:
         if k in self._through:                  # the in-place loop nest (_in_place)
@@ -199,7 +203,13 @@ class _Emitter(Emitter):
             self._prologue(w)
             loops = {KernelKind.ELEMENTWISE: self._elementwise, KernelKind.ROW: self._row,
                      KernelKind.COLUMN: self._column, KernelKind.PACKED: self._packed}[self.s.kind]
-            if not self._in_place(w, loops):
+            if self._phase:
+                with w.block(f"if dims[{PHASE_SLOT}] == 0:"):
+                    self._product_phase(w)
+                with w.block("else:"):
+                    if not self._in_place(w, loops):
+                        loops(w)
+            elif not self._in_place(w, loops):
                 loops(w)
             for name in self._buffers():
                 w(f"h.free({name})")
@@ -225,8 +235,10 @@ class _Emitter(Emitter):
             src = f"ins[{-ref - 1}]" if ref < 0 else f"outs[{self.out_index[ref]}]"
             w(f"p_{t} = h.ptr_{_PTR[self.dtype(ref)]}({src})")
             car = self.dom.carries[ref]
+            # a SmallMatMul's vector [..., K]: its side dim K is innermost, static
+            side = [str(self._side_size(ref))] if ref in self.dom.side else []
             for n, a in enumerate(car):
-                rest = " * ".join(f"D{b}" for b in car[n + 1:]) or "1"
+                rest = " * ".join([f"D{b}" for b in car[n + 1:]] + side) or "1"
                 w(f"st_{t}_{a} = {rest}")
         for k in self.s.scratch:
             cd = dt.COMPUTE[self.dtype(k)]
@@ -240,9 +252,25 @@ class _Emitter(Emitter):
         for k in self._column_parts():
             r = lower.reduction(self.spec, k, self.C)
             w(f"pt{k} = h.ptr_{_PTR[r.part]}(h.aligned_alloc(cb * {dt.ITEMSIZE[r.part]}))")
-        for k in self.front:
+        if self._phase:
+            # the prologue phase's values per group: 8-byte slots of the temp buffer
+            gr = "rows" if self.s.products_per_row() or R < 2 else f"rows // D{R - 2}"
+            w(f"G = {gr}")
+            for f, k in enumerate(self.front):
+                cd = dt.COMPUTE[self.dtype(k)]
+                slots = 8 // dt.ITEMSIZE[cd]
+                w(f"hz{k} = h.ptr_offset(h.ptr_{_PTR[cd]}(outs[{len(self.spec.outputs)}]), "
+                  f"{f * slots} * G * L)")
+        else:
+            for k in self.front:
+                cd = dt.COMPUTE[self.dtype(k)]
+                w(f"hz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
+        for k, size in self._product_sizes.items():
+            w(f"ac{k} = h.ptr_float64(h.aligned_alloc({size} * 8))")
+        for k in self._side_scratch():
             cd = dt.COMPUTE[self.dtype(k)]
-            w(f"hz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
+            w(f"sz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc({self._side_size(k)} * "
+              f"{dt.ITEMSIZE[cd]}))")
         for k, size in self.streamed.items():
             t, item = self.tag(k), dt.ITEMSIZE[self.dtype(k)]
             w(f"ns_{t} = {size} >= {-(-self.stream_min // item)}")
@@ -404,7 +432,9 @@ class _Emitter(Emitter):
         return ([f"sc{k}" for k in self.s.scratch] + [f"kb{k}" for k in self.s.blocks] +
                 [f"acc{k}" for k in self._column_accs()] +
                 [f"pt{k}" for k in self._column_parts()] +
-                [f"hz{k}" for k in self.front] +
+                [f"hz{k}" for k in self.front if not self._phase] +
+                [f"ac{k}" for k in self._product_sizes] +
+                [f"sz{k}" for k in self._side_scratch()] +
                 [f"sb_{self.tag(k)}" for k in self.streamed])
 
     # -- node evaluation ------------------------------------------------------------------
@@ -419,10 +449,13 @@ class _Emitter(Emitter):
             # One row: units are consecutive blocks, so [begin, end) is one flat range.
             # A single loop (not a unit loop around a block loop) lets LLVM keep the
             # helpers' constants in registers/stack slots (measured 17% on erf).
+            if self.front and not self._phase:      # small products, once per call
+                self._hoist_loop(w, p, flat=True)
             self._ew_loop(w, p, {}, "begin * cb", "min(end * cb, L)", flat=True)
             return
-        per_group = bool(self.front) and self.s.hoist_per_group()
-        if self.front and not per_group:
+        products = self._phase      # hoisted values from the prologue phase
+        per_group = bool(self.front) and self.s.hoist_per_group() and not products
+        if self.front and not per_group and not products:
             # per-column values once per call (Schedule.hoisted), over the whole row
             self._hoist_loop(w, p, flat=True)
         if per_group:
@@ -435,20 +468,26 @@ class _Emitter(Emitter):
             with w.block("for r in range(r0, min(r0 + rpt, rows)):"):
                 idx = self.decompose(w, "r", list(range(R - 1)))
                 self.bases(w, idx)
+                if products:
+                    w("hb = r * L" if self.s.products_per_row() else f"hb = (r // D{R - 2}) * L")
                 if per_group:
                     # rows r // D[R-2] share every hoisted value (they differ only
                     # along axis R-2, which no hoisted value carries): recompute the
                     # scratch when the group changes, once per group and thread
-                    w(f"g = r // D{R - 2}")
+                    # (products varying along the rows: one row per group)
+                    w("g = r" if self.s.products_per_row() else f"g = r // D{R - 2}")
                     with w.block("if g != hg:"):
                         w("hg = g")
                         self._hoist_loop(w, p, flat=False)
                 self._ew_loop(w, p, idx, "c0", "c1", flat=False)
 
-    def _hoist_loop(self, w, p, flat: bool) -> None:
+    def _hoist_loop(self, w, p, flat: bool, at: str = "j") -> None:
         """The hoisted values (Schedule.hoisted) over the whole last axis into their
         scratch; ``flat``: they carry nothing but that axis, else the row bases of the
-        current row locate the inputs they read."""
+        current row locate the inputs they read; ``at``: where in the scratch.  Small
+        SmallMatMul products (not in a phase of their own) run first."""
+        if not self._phase:
+            self._side_loops(w, flat)
         with w.block("for j in range(L):"):
             for j in p.loads:
                 ref = -(j + 1)
@@ -462,7 +501,7 @@ class _Emitter(Emitter):
             for k in self.hoist:
                 self.compute(w, k)
             for k in self.front:
-                w(f"hz{k}[j] = v{k}")
+                w(f"hz{k}[{at}] = v{k}")
 
     def _ew_loop(self, w, p, idx, lo: str, hi: str, flat: bool) -> None:
         """The element loop over [lo, hi); in chunks of ROW_CHUNK when an output it
@@ -480,7 +519,108 @@ class _Emitter(Emitter):
                     self._ew_body(w, p, idx, flat)
 
     def _used_by(self, ref: int, nodes) -> bool:
-        return any(ref in self.spec.nodes[k].args for k in nodes)
+        """Whether a node of ``nodes`` reads ``ref`` element by element (a product
+        reads its vector and weight whole: _product)."""
+        return any(ref in self.spec.nodes[k].args for k in nodes
+                   if k not in self._product_sizes)
+
+    # -- SmallMatMul: side loops and products (schedule/contract.py) --------------------
+    def _find_products(self) -> dict:
+        """SmallMatMul node -> its output length (a side group's size, or L)."""
+        out = {}
+        for g in self.s.side_groups:
+            out.update(dict.fromkeys(g.products, str(g.size)))
+        out.update({k: "L" for k in self.hoist if contract.is_contraction(self.spec.nodes[k])})
+        return out
+
+    def _product_phase(self, w) -> None:
+        """Phase 0 of a kernel with SmallMatMuls: units [begin, end) of the element
+        phase's U take row groups [begin * G // U, end * G // U) (each group exactly
+        once, spread over the units): per group its side loops and products, then the
+        hoisted values over the last axis into the group's temp slots (hz), which the
+        element phase reads."""
+        R = self.R
+        w("U = ((rows + rpt - 1) // rpt) * nb")
+        axes = list(range(R - 1)) if self.s.products_per_row() else list(range(R - 2))
+        with w.block("for gi in range(begin * G // U, end * G // U):"):
+            self.bases(w, self.decompose(w, "gi", axes) if R >= 2 else {})
+            self._side_loops(w, flat=False)
+            self._hoist_loop(w, self.s.passes[0], flat=False, at="gi * L + j")
+
+    def _side_scratch(self) -> list:
+        """Side values a product reads back whole: kept in a scratch of their size."""
+        side = {k for g in self.s.side_groups for k in g.nodes}
+        return sorted({self.spec.nodes[k].args[0] for k in self._product_sizes} & side)
+
+    def _side_size(self, ref: int) -> int:
+        return self.dom.classes[self.dom.side[ref]].size
+
+    def _side_loops(self, w, flat: bool) -> None:
+        """Per side group: its products, then a loop over its size computing its
+        values, the ones a later product reads stored to their scratch (sz); then the
+        main prologue's products."""
+        stored = set(self._side_scratch())
+        for g in self.s.side_groups:
+            for k in g.products:
+                self._product(w, k, str(g.size), flat)
+            with w.block(f"for j in range({g.size}):"):
+                for k in g.scalars:
+                    self.compute(w, k)
+                for ref in sorted({a for k in g.nodes for a in self.spec.nodes[k].args
+                                   if a < 0 and self._used_by(a, g.nodes)}, reverse=True):
+                    at = "j" if ref in self.dom.side else "0"
+                    self.load_input(w, ref, at if flat else f"b_{self.tag(ref)} + {at}")
+                for k in g.nodes:
+                    self.compute(w, k)
+                    if k in stored:
+                        w(f"sz{k}[j] = v{k}")
+        for k, size in self._product_sizes.items():
+            if size == "L":
+                self._product(w, k, "L", flat)
+
+    def _product(self, w, k: int, size: str, flat: bool) -> None:
+        """ac{k}[j] = sum over kk of x[kk] * W[kk, j], j < size: the weight's rows
+        streamed in order, PRODUCT_ROWS of them per trip of a vector loop over j (their
+        products summed in the vector's dtype, as TF's own product sums float32), each
+        trip's sum added to a float64 accumulator, rounded once at the end (compute).
+        Adding every product straight to the float64 accumulator took 3x the time
+        (672 x 28 per image: a loop 4 lanes wide that loads and stores the accumulator
+        once per weight row)."""
+        x, wt = self.spec.nodes[k].args
+        K = self.spec.type_of(wt).shape[-2]
+        cd = dt.COMPUTE[self.dtype(k)]
+        with w.block(f"for j in range({size}):"):
+            w(f"ac{k}[j] = 0.0")
+
+        def xval(kk: str) -> str:
+            if x >= 0:
+                return f"sz{x}[{kk}]"
+            return load_expr(self.dtype(x), f"p_{self.tag(x)}",
+                             kk if flat else f"b_{self.tag(x)} + {kk}")
+
+        wp = f"p_{self.tag(wt)}"
+        for lo, hi, n in ((0, K - K % PRODUCT_ROWS, PRODUCT_ROWS),
+                          (K - K % PRODUCT_ROWS, K, 1)):
+            if lo >= hi:
+                continue
+            with w.block(f"for kk in range({lo}, {hi}, {n}):" if n > 1 else
+                         f"for kk in range({lo}, {hi}):"):
+                for i in range(n):
+                    w(f"xk{i} = np.{cd}({xval(f'kk + {i}' if i else 'kk')})")
+                w(f"wb = kk * {size}")
+                terms = [f"xk{i} * {wp}[wb + {i} * {size} + j]" if i else f"xk0 * {wp}[wb + j]"
+                         for i in range(n)]
+                while len(terms) > 1:    # a balanced sum: (t0 + t1) + (t2 + t3)
+                    terms = [f"({a} + {b})" for a, b in zip(terms[::2], terms[1::2])] + \
+                            (terms[-1:] if len(terms) % 2 else [])
+                with w.block(f"for j in range({size}):"):
+                    w(f"ac{k}[j] = ac{k}[j] + np.float64({terms[0]})")
+
+    def compute(self, w, k: int) -> None:
+        if k in self._product_sizes:
+            w(f"{self.var(k)} = np.{dt.COMPUTE[self.dtype(k)]}(ac{k}[j])")
+            return
+        super().compute(w, k)
 
     def _ew_body(self, w, p, idx, flat: bool) -> None:
         """Loads, computes and stores of one element; ``flat``: no row bases.  Values
@@ -490,9 +630,10 @@ class _Emitter(Emitter):
             if self.carries_last(ref):
                 return "j" if flat else f"{base} + j"
             return "0" if flat else base
-        rest = [k for k in p.compute if k not in self.hoisted_vectors]
+        side = {k for g in self.s.side_groups for k in g.nodes}
+        rest = [k for k in p.compute if k not in self.hoisted_vectors and k not in side]
         for k in self.front:
-            w(f"v{k} = hz{k}[j]")
+            w(f"v{k} = hz{k}[j]" if flat or not self._phase else f"v{k} = hz{k}[hb + j]")
         for j in p.loads:
             if not self.hoist or self._used_by(-(j + 1), rest):
                 self.load_input(w, -(j + 1), at(-(j + 1)))

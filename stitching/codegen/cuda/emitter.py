@@ -130,6 +130,10 @@ def emit(sched) -> CudaSource:
         # need its source's array at an offset and constant tables: not done yet
         raise NotImplementedError("layout ops (Transpose, Slice, ConcatV2, Pack, Split) "
                                   "are folded into loads by the CPU backend only")
+    if sched.products():
+        # the products run in the CPU emitter's per-group prologue (schedule/contract.py)
+        raise NotImplementedError("SmallMatMul (a 1x1 convolution over a 1x1 image) is "
+                                  "computed by the CPU backend only")
     e = _CudaEmitter(sched)
     program = tuple(e.shape_program())      # first: its error codes come first
     text = e.module_text()

@@ -256,9 +256,14 @@ class Emitter:
             kind, kept, red = (SP.ROW if s.kind == KernelKind.ROW else SP.ELEMENTWISE,
                                list(range(R - 1)), [])
         split = self.column_split() if s.kind == KernelKind.COLUMN else int(s.split_rows)
+        reds = len(self._split_reds())
+        if s.prologue_phase():
+            # SmallMatMul's prologue phase (cpu/emitter.py): the hoisted values of each
+            # row group (3: of each row) into the temp buffer, 8 bytes per element
+            split, reds = (3 if s.products_per_row() or R < 2 else 2), len(self.front)
         P += [SP.UNITS, kind, R, cost, big, ROW_UNIT_ELEMS, EW_BLOCK, COL_UNITS, COL_BLOCK,
               COL_BLOCK_MIN, COL_SPLIT_UNITS, COL_CHUNK_ROWS, split, len(s.passes),
-              len(self._split_reds()), len(kept), *kept, len(red), *red]
+              reds, len(kept), *kept, len(red), *red]
         pos = 0
         for k in spec.outputs:
             for i, d in enumerate(spec.nodes[k].type.shape):

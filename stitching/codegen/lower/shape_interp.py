@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from numba import njit, types
 
-from .shape_program import (AXIS, COLUMN, END, EQ, MAX_COST, MAX_ELEMS, NONNEG, OUT,
-                            ROW, UNITS)
+from .shape_program import (AXIS, COLUMN, ELEMENTWISE, END, EQ, MAX_COST, MAX_ELEMS,
+                            NONNEG, OUT, ROW, UNITS)
 
 OPTIONS = {"nogil": True, "error_model": "numpy"}
 _jit = njit(**OPTIONS)
@@ -148,6 +148,12 @@ def run(prog, in_dims, dims, out_dims, sched):
                         rpt = rh if rh > 0 else max(1, cb // max(L, 1))
                 units = ((rows + rpt - 1) // rpt) * nb
                 work = _cost(rpt, min(L, cb), cost)
+                if kind == ELEMENTWISE and split >= 2:
+                    # SmallMatMul's prologue phase: ``reds`` hoisted values per row
+                    # group (split 2: rows sharing the outer axes; 3: each row)
+                    groups = rows if split == 3 or R < 2 else rows // max(1, dims[R - 2])
+                    phases = 2
+                    temp = reds * groups * max(L, 1) * 8
             dims[R] = rpt
             dims[R + 1] = cb
             dims[R + 2] = nb

@@ -32,6 +32,11 @@ else ``in_dims[-v - 1]``)::
                               col_split units) of full-width blocks, run in passes + 1
                               (split = 1) or passes (2) phases with reds x units x cb
                               8-byte partials
+                              split = 2 or 3 (element-wise kind, SmallMatMul): a
+                              prologue phase computes reds hoisted values over the
+                              last axis per row group (2: rows sharing every axis but
+                              R-2; 3: each row) into reds x groups x L 8-byte slots,
+                              then the element phase reads them (2 phases)
     OUT    pos value          out_dims[pos] = value
     END                       return 0
 
