@@ -98,6 +98,10 @@ class StitchedFunction(tf_pf.Function):
         options: The ``stitching.Options`` it plans with.
         background_errors: Exceptions raised by background compiles
             (``Options.background_compile``); stock TF keeps serving those calls.
+        cached_only: Stitch traces only from the result cache (tf/results.py: a
+            warm process's kernels, plan and rewritten graph); a trace it does not
+            hold is imported as traced (stock TF).  Tiered execution's probe.
+        cache_hits, cache_misses: Traces the result cache served, or did not.
     """
 
     def __init__(self, python_function, name=None, input_signature=None, autograph=True,
@@ -137,6 +141,10 @@ class StitchedFunction(tf_pf.Function):
         self._templates = scalars.Templates()  # stitched traces by abstracted graph
         self.background_errors = []  # exceptions of background compiles (stock TF kept)
         self._eager_call = False     # tracing for an eager call (the hint's condition)
+        # a probe (tiered execution): traces stitch only from the result cache, and
+        # are stock TF's graph where it holds nothing (keras.py, _stock_then_stitch)
+        self.cached_only = False
+        self.cache_hits = self.cache_misses = 0    # traces served / not by that cache
 
     # -- what TF traces ----------------------------------------------------------
     def _generate_tracing_options(self, fn, scope_type):
@@ -335,6 +343,30 @@ class StitchedFunction(tf_pf.Function):
         return (scope_type is tracing_compilation.ScopeType.VARIABLE_CREATION
                 and bool(self._created_variables))
 
+    def _stitch(self, graph_def, fetches, keep, graph, flat, workers):
+        """One inner trace's stitched result (``.graph_def``, ``.report``): the result
+        cache's where it holds one (results.py), else the pipeline's, stored for the
+        next process; None for a ``cached_only`` function that missed (its trace
+        then imports the graph as traced: stock TF).  Closes ``workers``."""
+        from . import results
+        from .tfgraph import resource_shapes
+        resources = resource_shapes(graph)
+        scalar_values = _python_scalars(flat)
+        key = results.key(graph_def, fetches, keep, self.options, resources, True,
+                          scalar_values)
+        hit = results.probe(key)
+        if hit is not None or self.cached_only:
+            if workers is not None:
+                workers.close()
+            self.cache_hits += hit is not None
+            self.cache_misses += hit is None
+            return hit
+        from . import pipeline
+        return pipeline.stitch_graph_def(
+            graph_def, fetches, keep, self.options, name=display_name(self),
+            resources=resources, workers=workers, scalar_values=scalar_values,
+            templates=self._templates, result_key=key)
+
     def _stitched_trace(self, fn, args, kwargs, scope_type=None):
         """Inside TF's trace (the outer graph): trace ``fn`` (the user's function, as TF
         would call it: autograph-converted, under its variable scope) alone, stitch that
@@ -366,13 +398,16 @@ class StitchedFunction(tf_pf.Function):
         # a compile worker warming up while TF traces; not behind a background
         # compile, where stock TF's first call is running and needs the cores, nor
         # once this function has compiled kernels (the cache is not empty: a retrace,
-        # a new Python scalar, does not pay for looking)
-        from . import frontend, pipeline
+        # a new Python scalar, does not pay for looking), nor for a probe
+        from ..compile import kernel as kernel_cache
         from ..compile.parallel import check_cancelled
         check_cancelled()      # a background compile stopped at exit traces nothing more
         compiled = self.report is not None and self.report.kernels
-        workers = None if self.options.background_compile or compiled \
-            else pipeline.early_workers()
+        workers = None
+        if not (self.options.background_compile or compiled or self.cached_only) \
+                and kernel_cache.cache_is_empty():
+            from . import pipeline
+            workers = pipeline.early_workers()
         try:
             cf = tracing_compilation.trace_function(
                 specs, {}, tracing_compilation.TracingOptions(
@@ -382,11 +417,9 @@ class StitchedFunction(tf_pf.Function):
             keep = [op.name for op in cf.graph.control_outputs]
             graph_def = cf.graph.as_graph_def()
             stitch = bool(fetches or keep) and not self._throwaway(scope_type)
-            result = pipeline.stitch_graph_def(
-                graph_def, fetches, keep, self.options, name=display_name(self),
-                resources=frontend.resource_shapes(cf.graph), workers=workers,
-                scalar_values=_python_scalars(flat), templates=self._templates,
-            ) if stitch else None
+            result = self._stitch(graph_def, fetches, keep, cf.graph, flat, workers) \
+                if stitch else None
+            workers = None                      # used or closed
         finally:
             if workers is not None:
                 workers.close()
