@@ -152,7 +152,10 @@ def stitch(model, options: Options | None = None):
             continue
         stitched = StitchedFunction(method, options=step_options, autograph=False)
         if tiered:
-            functions[step] = _Tiered(model, step, method, stitched, options.progress)
+            probe = StitchedFunction(method, options=step_options, autograph=False)
+            probe.cached_only = True
+            functions[step] = _Tiered(model, step, method, stitched, probe,
+                                      options.progress)
             object.__setattr__(model, f"{step}_step", functions[step].step)
             object.__setattr__(model, f"make_{step}_function", functions[step].make)
             continue
@@ -223,21 +226,26 @@ class _StitchedStep:
 class _Tiered(_StitchedStep):
     """One of Keras's step functions (``train``, ``test``, ``predict``) under tiered
     execution (module docstring): stock Keras until the stitched step is ready, then
-    the stitched one.
+    the stitched one -- from the first step where the result cache holds it.
 
     Attributes:
         stock_step: Keras's step method.
         stitched: The StitchedFunction of it.
+        probe: The same, ``cached_only`` (tf/results.py): what the first tier's
+            trace runs while the result cache holds anything, so a warm process's
+            first step is already stitched; stock TF's graph where it misses.
         switch: ``(step, seconds)``: the step (counted from this function's first,
             across fits) that first ran stitched and the seconds since the first
-            stock step; None before the switch.
+            stock step (0 when stitched from the start); None before the switch.
+        stock_steps, stitched_steps: Steps run each way so far.
         error: The exception that ended the background compile (stock TF keeps
             serving), or None.
     """
 
-    def __init__(self, model, kind, stock_step, stitched, progress):
+    def __init__(self, model, kind, stock_step, stitched, probe, progress):
         self._model, self._kind = model, kind
-        self.stock_step, self.stitched = stock_step, stitched
+        self.stock_step, self.stitched, self.probe = stock_step, stitched, probe
+        self.stock_steps = self.stitched_steps = 0
         self._progress = progress
         self._tier = threading.local()       # .stitched: the tier being traced here
         self._signature = None               # the step's inputs, from its stock trace
@@ -252,12 +260,35 @@ class _Tiered(_StitchedStep):
         self._tier_up = tier_up_seconds()
         self._stock_fn = self._stitched_fn = None
 
+    @property
+    def report(self):
+        return self.probe.report if self.warm else self.stitched.report
+
+    @property
+    def reports(self):
+        return self.probe.reports + self.stitched.reports
+
+    @property
+    def warm(self) -> bool:
+        """Whether the first tier runs stitched: every trace of it was served by the
+        result cache."""
+        return bool(self.probe.cache_hits) and not self.probe.cache_misses
+
     def step(self, data):
         """``model.<kind>_step``, called by Keras's functions as they are traced."""
         if getattr(self._tier, "stitched", False):
             return self.stitched(data)
         self._signature = tf.nest.map_structure(_unknown_batch, data)
         self._exact = tf.nest.map_structure(_spec, data)
+        if _probing():
+            # traced as the background compile traces (for every batch size, else
+            # Keras's): the same graph, so the key it stored its result under
+            for spec in (self._signature, self._exact):
+                try:
+                    self.probe.get_concrete_function(spec)
+                    return self.probe(data)
+                except Exception:  # noqa: BLE001 — as _compile: the next, or stock
+                    continue
         return self.stock_step(data)
 
     def make(self, force=False):
@@ -284,13 +315,20 @@ class _Tiered(_StitchedStep):
             finally:
                 self._tier.stitched = False
                 self._steps += steps
+                self.stitched_steps += steps
         start = time.perf_counter()
         out = self._stock_fn(data)
         if self._t0 is None:
             self._t0 = start              # the first call: Keras's trace, not rent
-        else:
+        elif not self.warm:
             self._stock_seconds += time.perf_counter() - start
         self._steps += steps
+        if self.warm:
+            if self.switch is None:
+                self._switched(warm=True)
+            self.stitched_steps += steps
+            return out
+        self.stock_steps += steps
         if self._stock_seconds >= self._tier_up:
             self._start()
         return out
@@ -320,17 +358,24 @@ class _Tiered(_StitchedStep):
                 except Exception as e:  # noqa: BLE001 — stock TF keeps serving
                     self.error = e
 
-    def _switched(self):
-        seconds = time.perf_counter() - self._t0
-        self.switch = (self._steps + 1, seconds)
-        text = (f"stock TF ran steps 1-{self._steps} while the kernels compiled "
-                f"({seconds:.1f} s); stitched from step {self._steps + 1}")
+    def _switched(self, warm=False):
+        if warm:
+            self.switch = (1, 0.0)
+            text = ("stitched from step 1 (graph, plan and kernels from the cache; "
+                    "nothing to compile)")
+        else:
+            seconds = time.perf_counter() - self._t0
+            self.switch = (self._steps + 1, seconds)
+            text = (f"stock TF ran steps 1-{self._steps} while the kernels compiled "
+                    f"({seconds:.1f} s); stitched from step {self._steps + 1}")
         if self.report is not None:
             self.report.tiering = text
         if self._progress is not False:
             print(f"stitching: {self._kind} step: {text}", file=sys.stderr, flush=True)
 
     def wait(self, timeout=None) -> bool:
+        if self.warm:
+            return True
         self._start()                     # asked for the kernels: no threshold
         if self._thread is not None:
             self._thread.join(timeout)
@@ -338,6 +383,14 @@ class _Tiered(_StitchedStep):
 
 
 _ONE_AT_A_TIME = threading.Lock()
+
+
+def _probing() -> bool:
+    """Whether a first tier traces through the probe: where the result cache holds
+    something (else the probe would miss, its trace costing more than stock's: the
+    graph's key and an import)."""
+    from .tf import results
+    return results.any_stored()
 TIER_UP_SECONDS = 1.0     # arbitrary: about a warm stitch of a small model's step, in
 #                           CPU time the background takes from the stock steps
 

@@ -354,7 +354,7 @@ class StitchedFunction(tf_pf.Function):
         scalar_values = _python_scalars(flat)
         key = results.key(graph_def, fetches, keep, self.options, resources, True,
                           scalar_values)
-        hit = results.probe(key)
+        hit = results.probe(key, graph_def)
         if hit is not None or self.cached_only:
             if workers is not None:
                 workers.close()
@@ -400,8 +400,7 @@ class StitchedFunction(tf_pf.Function):
         # once this function has compiled kernels (the cache is not empty: a retrace,
         # a new Python scalar, does not pay for looking), nor for a probe
         from ..compile import kernel as kernel_cache
-        from ..compile.parallel import check_cancelled
-        check_cancelled()      # a background compile stopped at exit traces nothing more
+        _check_cancelled()     # a background compile stopped at exit traces nothing more
         compiled = self.report is not None and self.report.kernels
         workers = None
         if not (self.options.background_compile or compiled or self.cached_only) \
@@ -628,6 +627,7 @@ original.use_backward_stitcher(_backward_function)
 
 _BACKGROUND = set()              # threads of running background compiles
 _BACKGROUND_LOCK = threading.Lock()
+_BACKGROUND_STARTED = False      # whether run_in_background was ever called here
 EXIT_WAIT_SECONDS = 5.0          # arbitrary: a cancelled compile stops within ~0.5 s
 
 
@@ -645,11 +645,21 @@ def run_in_background(target, *args) -> threading.Thread:
             with _BACKGROUND_LOCK:
                 _BACKGROUND.discard(thread)
 
+    global _BACKGROUND_STARTED
     thread = threading.Thread(target=run, name="stitching-compile", daemon=True)
     with _BACKGROUND_LOCK:
         _BACKGROUND.add(thread)
+        _BACKGROUND_STARTED = True
     thread.start()
     return thread
+
+
+def _check_cancelled() -> None:
+    """``parallel.check_cancelled`` where a background compile ever ran here (else
+    nothing can be cancelled, and compile.parallel need not be imported: ~60 ms)."""
+    if _BACKGROUND_STARTED:
+        from ..compile.parallel import check_cancelled
+        check_cancelled()
 
 
 @atexit.register

@@ -169,7 +169,7 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     result = _stitch_graph_def(graph_def, fetches, keep, options, name, resources,
                                workers, bodies, scalar_values, templates)
     if result_key is not None and not result.failed:
-        results.save(result_key, result.graph_def, result.report)
+        results.save(result_key, graph_def, result.graph_def, result.report)
     return result
 
 

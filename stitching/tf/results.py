@@ -23,6 +23,12 @@ as before (and stores the new result).
 
 The key's salt hashes every source file of the package and TF's version (Grappler's
 output is part of the result): another stitching or TF never reads an old result.
+One thing in a traced graph is a process's, not the program's: ``tf.custom_gradient``
+names each gradient it registers ``CustomGradient-<uid>`` (Keras's Adam traces one),
+counted over the process, so the same step traced in two processes, or twice in one,
+differs there.  The key reads those names as their order of first appearance, and a
+hit renames them in the stored graph to the ones this trace registered (a gradient
+taken through the graph later finds this process's function).
 Results with a kernel that failed to build are not stored (the failure may be
 transient: a compile limit, a killed worker), nor are calls that dump (a dump is
 written by the pipeline's run).
@@ -86,6 +92,9 @@ def key(graph_def, fetches, keep, options, resources, bodies, scalar_values) -> 
         return None
     prof = profiles.default()
     h = hashlib.sha256(_salt().encode())
+    names = _gradient_names(graph_def)
+    if names:
+        graph_def = _renamed(graph_def, {n: f"G{i}" for i, n in enumerate(names)})
     h.update(graph_def.SerializeToString(deterministic=True))
     h.update(context(fetches, keep, options, resources, prof).encode())
     h.update(repr((bodies, sorted(scalar_values))).encode())
@@ -107,10 +116,11 @@ def any_stored() -> bool:
         return False
 
 
-def save(key: str, graph_def, report: Report) -> bool:
-    """Store a stitched result whose every kernel is registered from Python in this
-    process (best effort: a read-only cache only costs time).  False where a kernel
-    cannot be indexed (registered from a shipped model, or not at all)."""
+def save(key: str, traced, graph_def, report: Report) -> bool:
+    """Store the stitched result ``graph_def`` of the graph ``traced``, every kernel
+    of it registered from Python in this process (best effort: a read-only cache only
+    costs time).  False where a kernel cannot be indexed (registered from a shipped
+    model, or not at all)."""
     from .. import runtime
     from .kernel_assets import specs_in
     entries = {}
@@ -124,6 +134,7 @@ def save(key: str, graph_def, report: Report) -> bool:
             "errors": [str(e) for e in k.errors],
             "generic": getattr(k, "in_static_dims", None) is not None}
     doc = {"format": FORMAT, "kernels": entries, "report": _report_state(report),
+           "gradients": _gradient_names(traced),
            "graph_def": base64.b64encode(graph_def.SerializeToString()).decode("ascii")}
     path = _path(key)
     try:
@@ -143,9 +154,10 @@ class Stored:
     report: Report
 
 
-def probe(key: str | None) -> Stored | None:
-    """The result stored under ``key``, every kernel of it registered in this
-    process, or None (nothing stored, or anything of it unusable)."""
+def probe(key: str | None, traced) -> Stored | None:
+    """The result stored under ``key`` for the graph ``traced``, every kernel of it
+    registered in this process, or None (nothing stored, or anything of it
+    unusable)."""
     if key is None:
         return None
     t0 = time.perf_counter()
@@ -161,6 +173,11 @@ def probe(key: str | None) -> Stored | None:
         if doc.get("format") != FORMAT:
             return None
         graph_def = tf.compat.v1.GraphDef.FromString(base64.b64decode(doc["graph_def"]))
+        stored, names = doc["gradients"], _gradient_names(traced)
+        if len(stored) != len(names):
+            return None
+        if stored != names:
+            graph_def = _renamed(graph_def, dict(zip(stored, names)))
         report = _report_from(doc["report"])
         if not _register_all(graph_def, doc["kernels"]):
             return None
@@ -195,6 +212,35 @@ def _register_all(graph_def, entries) -> bool:
         runtime.register(shipped.ShippedKernel(spec, e, body, kernel.interp_address()),
                          text)
     return True
+
+
+GRADIENT_ATTR = "_gradient_op_type"
+
+
+def _nodes(graph_def):
+    yield from graph_def.node
+    for f in graph_def.library.function:
+        yield from f.node_def
+
+
+def _gradient_names(graph_def) -> list:
+    """The custom gradients' names (``GRADIENT_ATTR``) in order of first appearance."""
+    seen = {}
+    for n in _nodes(graph_def):
+        if GRADIENT_ATTR in n.attr:
+            seen.setdefault(n.attr[GRADIENT_ATTR].s.decode("utf-8", "replace"), None)
+    return list(seen)
+
+
+def _renamed(graph_def, names: dict):
+    """A copy of ``graph_def`` with the custom gradients' names mapped by ``names``."""
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    for n in _nodes(out):
+        if GRADIENT_ATTR in n.attr:
+            old = n.attr[GRADIENT_ATTR].s.decode("utf-8", "replace")
+            n.attr[GRADIENT_ATTR].s = names.get(old, old).encode("utf-8")
+    return out
 
 
 # ---- the report as JSON data, and back
