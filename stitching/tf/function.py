@@ -145,6 +145,7 @@ class StitchedFunction(tf_pf.Function):
         # are stock TF's graph where it holds nothing (keras.py, _stock_then_stitch)
         self.cached_only = False
         self.cache_hits = self.cache_misses = 0    # traces served / not by that cache
+        self._probe = None           # the cached_only twin background compile probes
 
     # -- what TF traces ----------------------------------------------------------
     def _generate_tracing_options(self, fn, scope_type):
@@ -218,7 +219,7 @@ class StitchedFunction(tf_pf.Function):
     def __getstate__(self):
         state = super().__getstate__()
         for transient in ("_pending_lock", "_concrete", "_general", "_pending", "_shapes",
-                          "_shipped", "_templates"):
+                          "_shipped", "_templates", "_probe"):
             state.pop(transient, None)
         return state
 
@@ -227,6 +228,7 @@ class StitchedFunction(tf_pf.Function):
         self._pending_lock = threading.Lock()
         self._concrete, self._general, self._pending, self._shapes = {}, {}, {}, {}
         self._templates = scalars.Templates()
+        self._probe = None
 
     # -- calls ----------------------------------------------------------------------
     def __call__(self, *args, **kwds):
@@ -295,15 +297,40 @@ class StitchedFunction(tf_pf.Function):
     def _stock_then_stitch(self, key, args, family=None, relaxed=None):
         """Stock TF's ConcreteFunction for ``args`` now; the stitched one (traced with
         ``relaxed`` shapes when given) replaces it in ``_concrete`` when a background
-        thread has built it."""
-        stock = tf.function(self._python_function, autograph=self._autograph) \
-            .get_concrete_function(*args)
+        thread has built it -- or is the one returned now, where the result cache
+        holds it (a warm process: ``_probe_now``)."""
         specs = tensor_specs(key, relaxed)
         general = (family, relaxed) if relaxed is not None else None
+        cf, warm = self._probe_now(specs)
+        if warm:
+            if general is not None:
+                self._general.setdefault(family, []).append((relaxed, cf))
+            return cf
+        stock = cf or tf.function(self._python_function, autograph=self._autograph) \
+            .get_concrete_function(*args)
         with self._pending_lock:
             self._pending[key] = run_in_background(self._stitch_in_background, key,
                                                    specs, general)
         return stock
+
+    def _probe_now(self, specs):
+        """(ConcreteFunction, stitched?) of a ``cached_only`` twin traced for ``specs``
+        as the background compile traces them (so with the graph its result is kept
+        under): stitched where the result cache holds that graph, else stock TF's
+        graph; (None, False) while the cache holds nothing (the probe would miss)."""
+        from . import results
+        if not results.any_stored():
+            return None, False
+        if self._probe is None:
+            self._probe = self._clone(None)
+            self._probe.cached_only = True
+        hits, misses = self._probe.cache_hits, self._probe.cache_misses
+        cf = self._probe.get_concrete_function(*specs)
+        warm = self._probe.cache_hits > hits and self._probe.cache_misses == misses
+        if warm:
+            self.report = self._probe.report
+            self.reports.append(self.report)
+        return cf, warm
 
     def _stitch_in_background(self, key, specs, general=None):
         try:
