@@ -7,7 +7,8 @@
 Inside ``tf`` the floors run the same way:
 
     opnames, graph_file, tfgraph ─► frontend, passmanager ─► passes/
-             ─► pipeline (the driver), dump, tensorboard, kernel_assets ─► function
+             ─► pipeline (the driver), results, dump, tensorboard, kernel_assets
+             ─► function
 
 and of the passes only ``passes/lift.py`` reaches the frontend (a graph enters it once).
 
@@ -46,7 +47,7 @@ TF_FLOORS = {"opnames": 0, "graph_file": 0, "tfgraph": 0, "scalars": 0,
              "frontend": 1, "passmanager": 1,
              "passes": 2,
              "pipeline": 3, "control_flow": 3, "dump": 3, "tensorboard": 3,
-             "kernel_assets": 3, "__init__": 3,
+             "kernel_assets": 3, "results": 3, "__init__": 3,
              "function": 4}
 TF_EDGE = ("stitching.tf", "stitching.testing", "stitching.runtime",
            "stitching.keras", "stitching.saved_model", "stitching.cli")
