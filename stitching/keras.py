@@ -41,6 +41,13 @@ boundary:
     background: StitchedFunction(train_step).get_concrete_function(the step's
                 input signature, batch dim unknown) after 1 s of stock steps
 
+Warm (the result cache, tf/results.py, holds anything): the stock tier's trace goes
+through ``_Tiered.probe``, a ``cached_only`` StitchedFunction traced as the background
+compile traces (the step's signature, batch dim unknown), so it meets the graph an
+earlier run stored its stitched result under.  A hit makes that first tier stitched
+from step 1: nothing to compile, no background thread, ``switch == (1, 0.0)``; a miss
+imports the step's traced graph as it is, stock TF, and tiering goes on as above.
+
 Both are Keras's own functions (``make_train_function`` called twice), over the same
 variables, optimizer state and metrics, fed from the same iterator; the step they
 call (``_Tiered.step``) is the stock one or the stitched one by the tier being

@@ -27,7 +27,10 @@ Background compilation (``Options(background_compile=True)``, as XLA's
 ``--tf_xla_async_compilation``): the first call with a new eager signature traces the
 function for stock TF and returns its result while a background thread stitches the
 same signature (plan, Numba compile, rewrite); the call after that thread finished runs
-the stitched graph.  ``wait()`` blocks until every pending signature is stitched.
+the stitched graph.  Where the result cache holds the signature's stitched graph
+(tf/results.py: an earlier process built it), the first call runs it instead, through
+a ``cached_only`` twin that traces the signature as the background would.
+``wait()`` blocks until every pending signature is stitched.
 A process that exits first does not wait: its background compiles stop at their next
 step (compile/parallel.py: ``cancel``), their kernels finished so far cached on disk.
 ``stitching.keras.stitch`` runs Keras's steps this way by default (keras.py).
