@@ -390,14 +390,6 @@ class _Tiered(_StitchedStep):
 
 
 _ONE_AT_A_TIME = threading.Lock()
-
-
-def _probing() -> bool:
-    """Whether a first tier traces through the probe: where the result cache holds
-    something (else the probe would miss, its trace costing more than stock's: the
-    graph's key and an import)."""
-    from .tf import results
-    return results.any_stored()
 TIER_UP_SECONDS = 1.0     # arbitrary: about a warm stitch of a small model's step, in
 #                           CPU time the background takes from the stock steps
 
@@ -421,6 +413,14 @@ def tier_up_seconds() -> float:
         raise ValueError("STITCHING_TIER_UP_SECONDS must be a number of seconds >= 0, "
                          f"got {env!r}")
     return value
+
+
+def _probing() -> bool:
+    """Whether a first tier traces through the probe: where the result cache holds
+    something (else the probe would miss, its trace costing more than stock's: the
+    graph's key and an import)."""
+    from .tf import results
+    return results.any_stored()
 
 
 def _spec(value):
