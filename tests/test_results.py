@@ -1,6 +1,8 @@
 """The result cache (stitching/tf/results.py): a traced graph stitched before is taken
 whole from the cache, with stock TF's numbers, and anything unusable there is a miss
 that stitches as before."""
+import json
+
 import numpy as np
 import tensorflow as tf
 
@@ -48,17 +50,17 @@ def test_a_graph_stitched_before_is_taken_from_the_cache(monkeypatch):
 
 
 def test_an_unusable_stored_result_is_a_miss_that_stitches_again():
-    """A result file that does not parse, or whose kernel code left the compile
-    cache, is a miss: the trace stitches through the pipeline (same numbers) and
-    stores a good result again."""
+    """A result file that does not parse, or that another format wrote, is a miss:
+    the trace stitches through the pipeline (same numbers) and stores a good result
+    again."""
     _, ref = _stitched()
-    for damage in ("garbage", "kernel gone"):
+    for damage in ("garbage", "another format"):
         for path in _result_files():
             if damage == "garbage":
                 path.write_bytes(b"{not json")
             else:
-                doc = path.read_text()
-                path.write_text(doc.replace('"code": "k_', '"code": "k_0'))
+                doc = json.loads(path.read_text())
+                path.write_text(json.dumps(dict(doc, format=results.FORMAT + 1)))
         f, out = _stitched()
         assert f.report.kernels and REUSED not in " ".join(f.report.notes), damage
         np.testing.assert_allclose(out, ref, rtol=0, atol=0)
@@ -84,3 +86,17 @@ def test_the_key_reads_custom_gradient_ids_by_order_and_a_hit_renames_them():
     assert key(a) == key(b)
     renamed = results._renamed(a, dict(zip(names_a, names_b)))
     assert results._gradient_names(renamed) == names_b
+
+
+def test_a_result_whose_kernel_code_left_the_cache_is_a_miss(monkeypatch):
+    """A new process registers a stored result's kernels from the compile cache: where
+    a kernel's code is not there (evicted, another toolchain), the result is a miss."""
+    import base64
+    from stitching import runtime
+    _stitched()
+    doc = json.loads(_result_files()[0].read_text())
+    graph_def = tf.compat.v1.GraphDef.FromString(base64.b64decode(doc["graph_def"]))
+    monkeypatch.setattr(runtime, "is_registered", lambda spec: False)   # a new process
+    assert results._register_all(graph_def, doc["kernels"])
+    gone = {h: dict(e, code="k_" + "0" * 24) for h, e in doc["kernels"].items()}
+    assert not results._register_all(graph_def, gone)

@@ -146,15 +146,7 @@ def save(key: str, traced, graph_def, report: Report) -> bool:
     doc = {"format": FORMAT, "kernels": entries, "report": _report_state(report),
            "gradients": _gradient_names(traced),
            "graph_def": base64.b64encode(graph_def.SerializeToString()).decode("ascii")}
-    path = _path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, path)
-    except OSError:
-        return False
-    return True
+    return cachedir.store(_path(key), json.dumps(doc).encode())
 
 
 @dataclass
