@@ -41,8 +41,8 @@ boundary:
     background: StitchedFunction(train_step).get_concrete_function(the step's
                 input signature, batch dim unknown) after 1 s of stock steps
 
-Warm (the result cache, tf/results.py, holds anything): the stock tier's trace goes
-through ``_Tiered.probe``, a ``cached_only`` StitchedFunction traced as the background
+Warm (the result cache, tf/results.py, stored a result for a step like this one:
+``_hint``, no trace needed): the stock tier's trace goes through ``_Tiered.probe``, a ``cached_only`` StitchedFunction traced as the background
 compile traces (the step's signature, batch dim unknown), so it meets the graph an
 earlier run stored its stitched result under.  A hit makes that first tier stitched
 from step 1: nothing to compile, no background thread, ``switch == (1, 0.0)``; a miss
@@ -239,8 +239,9 @@ class _Tiered(_StitchedStep):
         stock_step: Keras's step method.
         stitched: The StitchedFunction of it.
         probe: The same, ``cached_only`` (tf/results.py): what the first tier's
-            trace runs while the result cache holds anything, so a warm process's
-            first step is already stitched; stock TF's graph where it misses.
+            trace runs where the result cache stored a result for a step like this
+            one, so a warm process's first step is already stitched; stock TF's
+            graph where it misses.
         switch: ``(step, seconds)``: the step (counted from this function's first,
             across fits) that first ran stitched and the seconds since the first
             stock step (0 when stitched from the start); None before the switch.
@@ -253,6 +254,7 @@ class _Tiered(_StitchedStep):
         self._model, self._kind = model, kind
         self.stock_step, self.stitched, self.probe = stock_step, stitched, probe
         self.stock_steps = self.stitched_steps = 0
+        self._hint = None                    # results.hint of the step (_hint)
         self._progress = progress
         self._tier = threading.local()       # .stitched: the tier being traced here
         self._signature = None               # the step's inputs, from its stock trace
@@ -287,7 +289,10 @@ class _Tiered(_StitchedStep):
             return self.stitched(data)
         self._signature = tf.nest.map_structure(_unknown_batch, data)
         self._exact = tf.nest.map_structure(_spec, data)
-        if _probing():
+        if self._hint is None:           # the model as its first trace finds it
+            self._hint = _hint(self._model, self._kind, self._signature,
+                               self.stitched.options)
+        if _probing(self._hint):
             # traced as the background compile traces (for every batch size, else
             # Keras's): the same graph, so the key it stored its result under
             for spec in (self._signature, self._exact):
@@ -358,6 +363,8 @@ class _Tiered(_StitchedStep):
                 try:
                     self.stitched.get_concrete_function(spec)
                     self._ready, self.error = True, None
+                    from .tf import results
+                    results.mark(self._hint)     # the next process probes for it
                     return
                 except Cancelled as e:          # the process is exiting
                     self.error = e
@@ -415,12 +422,25 @@ def tier_up_seconds() -> float:
     return value
 
 
-def _probing() -> bool:
-    """Whether a first tier traces through the probe: where the result cache holds
-    something (else the probe would miss, its trace costing more than stock's: the
-    graph's key and an import)."""
+def _probing(hint) -> bool:
+    """Whether a first tier traces through the probe: where a result was stored for
+    a step with this hint (else the probe would miss, its trace costing more than
+    stock's: the graph's key, the graph out and back in)."""
     from .tf import results
-    return results.any_stored()
+    return results.probed(hint)
+
+
+def _hint(model, kind, signature, options) -> str:
+    """The step's ``results.hint``: its kind and signature, the options, and the
+    model's and optimizer's variables (name, shape, dtype) as the first trace finds
+    them -- a script run again finds the same; another model, other names."""
+    from .tf import results
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.variables) + list(getattr(optimizer, "variables", []) or [])
+    return results.hint(
+        kind, model.name, repr(signature), repr(options),
+        sorted((getattr(v, "path", v.name), tuple(v.shape), str(v.dtype))
+               for v in variables))
 
 
 def _spec(value):

@@ -320,9 +320,11 @@ class StitchedFunction(tf_pf.Function):
         """(ConcreteFunction, stitched?) of a ``cached_only`` twin traced for ``specs``
         as the background compile traces them (so with the graph its result is kept
         under): stitched where the result cache holds that graph, else stock TF's
-        graph; (None, False) while the cache holds nothing (the probe would miss)."""
+        graph; (None, False) where no result was stored for this signature (the probe
+        would miss)."""
         from . import results
-        if not results.any_stored():
+        hint = self._hint(specs)
+        if not results.probed(hint):
             return None, False
         if self._probe is None:
             self._probe = self._clone(None)
@@ -335,9 +337,17 @@ class StitchedFunction(tf_pf.Function):
             self.reports.append(self.report)
         return cf, warm
 
+    def _hint(self, specs) -> str:
+        """This signature's ``results.hint``: the function's name, the specs, the
+        options (a probe is worth tracing only where one was marked)."""
+        from . import results
+        return results.hint(display_name(self), repr(specs), repr(self.options))
+
     def _stitch_in_background(self, key, specs, general=None):
+        from . import results
         try:
             cf = self.get_concrete_function(*specs)
+            results.mark(self._hint(specs))     # the next process probes for it
             self._concrete[key] = cf            # one dict store: calls see old or new
             if general is not None:
                 family, relaxed = general
