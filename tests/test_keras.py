@@ -217,6 +217,11 @@ def test_a_warm_cache_runs_every_step_stitched_from_the_first(capsys):
         assert len(m.stitching_report[kind].kernels) >= 1, kind
         assert "stitched from step 1" in m.stitching_report[kind].tiering
     assert "train step: stitched from step 1" in capsys.readouterr().err
+    # another model (other names, so other graphs): not probed, stock steps first
+    other = stitching.keras.stitch(_model())
+    other.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    f = other._stitching_steps["train"]
+    assert (f.stock_steps, f.probe.cache_hits, f.probe.cache_misses) == (3, 0, 0)
 
 
 def test_synchronous_when_asked():

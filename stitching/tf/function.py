@@ -309,8 +309,8 @@ class StitchedFunction(tf_pf.Function):
             if general is not None:
                 self._general.setdefault(family, []).append((relaxed, cf))
             return cf
-        stock = cf or tf.function(self._python_function, autograph=self._autograph) \
-            .get_concrete_function(*args)
+        stock = cf if cf is not None else tf.function(
+            self._python_function, autograph=self._autograph).get_concrete_function(*args)
         with self._pending_lock:
             self._pending[key] = run_in_background(self._stitch_in_background, key,
                                                    specs, general)
@@ -456,9 +456,10 @@ class StitchedFunction(tf_pf.Function):
             keep = [op.name for op in cf.graph.control_outputs]
             graph_def = cf.graph.as_graph_def()
             stitch = bool(fetches or keep) and not self._throwaway(scope_type)
-            result = self._stitch(graph_def, fetches, keep, cf.graph, flat, workers) \
-                if stitch else None
-            workers = None                      # used or closed
+            result = None
+            if stitch:
+                workers, used = None, workers       # _stitch uses or closes them
+                result = self._stitch(graph_def, fetches, keep, cf.graph, flat, used)
         finally:
             if workers is not None:
                 workers.close()
