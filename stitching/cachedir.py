@@ -32,6 +32,22 @@ def default_root() -> Path:
     return Path(DEFAULT_ROOT).expanduser()
 
 
+def store(path, data: bytes) -> bool:
+    """Write ``path`` so that no reader ever sees it half-written (a temporary file,
+    named for this process and thread, renamed over it); best effort: False where the
+    cache cannot be written (read-only, full), which only costs a later process time."""
+    import threading
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
+
+
 class NotAFile(OSError):
     """A path that is not a plain file to read (a FIFO, a device, a directory, a
     symlink leaving its directory, or over its size limit): never read."""

@@ -41,6 +41,13 @@ boundary:
     background: StitchedFunction(train_step).get_concrete_function(the step's
                 input signature, batch dim unknown) after 1 s of stock steps
 
+Warm (the result cache, tf/results.py, stored a result for a step like this one:
+``_hint``, no trace needed): the stock tier's trace goes through ``_Tiered.probe``, a ``cached_only`` StitchedFunction traced as the background
+compile traces (the step's signature, batch dim unknown), so it meets the graph an
+earlier run stored its stitched result under.  A hit makes that first tier stitched
+from step 1: nothing to compile, no background thread, ``switch == (1, 0.0)``; a miss
+imports the step's traced graph as it is, stock TF, and tiering goes on as above.
+
 Both are Keras's own functions (``make_train_function`` called twice), over the same
 variables, optimizer state and metrics, fed from the same iterator; the step they
 call (``_Tiered.step``) is the stock one or the stitched one by the tier being
@@ -152,7 +159,10 @@ def stitch(model, options: Options | None = None):
             continue
         stitched = StitchedFunction(method, options=step_options, autograph=False)
         if tiered:
-            functions[step] = _Tiered(model, step, method, stitched, options.progress)
+            probe = StitchedFunction(method, options=step_options, autograph=False)
+            probe.cached_only = True
+            functions[step] = _Tiered(model, step, method, stitched, probe,
+                                      options.progress)
             object.__setattr__(model, f"{step}_step", functions[step].step)
             object.__setattr__(model, f"make_{step}_function", functions[step].make)
             continue
@@ -223,21 +233,28 @@ class _StitchedStep:
 class _Tiered(_StitchedStep):
     """One of Keras's step functions (``train``, ``test``, ``predict``) under tiered
     execution (module docstring): stock Keras until the stitched step is ready, then
-    the stitched one.
+    the stitched one -- from the first step where the result cache holds it.
 
     Attributes:
         stock_step: Keras's step method.
         stitched: The StitchedFunction of it.
+        probe: The same, ``cached_only`` (tf/results.py): what the first tier's
+            trace runs where the result cache stored a result for a step like this
+            one, so a warm process's first step is already stitched; stock TF's
+            graph where it misses.
         switch: ``(step, seconds)``: the step (counted from this function's first,
             across fits) that first ran stitched and the seconds since the first
-            stock step; None before the switch.
+            stock step (0 when stitched from the start); None before the switch.
+        stock_steps, stitched_steps: Steps run each way so far.
         error: The exception that ended the background compile (stock TF keeps
             serving), or None.
     """
 
-    def __init__(self, model, kind, stock_step, stitched, progress):
+    def __init__(self, model, kind, stock_step, stitched, probe, progress):
         self._model, self._kind = model, kind
-        self.stock_step, self.stitched = stock_step, stitched
+        self.stock_step, self.stitched, self.probe = stock_step, stitched, probe
+        self.stock_steps = self.stitched_steps = 0
+        self._hint = None                    # results.hint of the step (_hint)
         self._progress = progress
         self._tier = threading.local()       # .stitched: the tier being traced here
         self._signature = None               # the step's inputs, from its stock trace
@@ -252,12 +269,38 @@ class _Tiered(_StitchedStep):
         self._tier_up = tier_up_seconds()
         self._stock_fn = self._stitched_fn = None
 
+    @property
+    def report(self):
+        return self.probe.report if self.warm else self.stitched.report
+
+    @property
+    def reports(self):
+        return self.probe.reports + self.stitched.reports
+
+    @property
+    def warm(self) -> bool:
+        """Whether the first tier runs stitched: every trace of it was served by the
+        result cache."""
+        return bool(self.probe.cache_hits) and not self.probe.cache_misses
+
     def step(self, data):
         """``model.<kind>_step``, called by Keras's functions as they are traced."""
         if getattr(self._tier, "stitched", False):
             return self.stitched(data)
         self._signature = tf.nest.map_structure(_unknown_batch, data)
         self._exact = tf.nest.map_structure(_spec, data)
+        if self._hint is None:           # the model as its first trace finds it
+            self._hint = _hint(self._model, self._kind, self._signature,
+                               self.stitched.options)
+        if _probing(self._hint):
+            # traced as the background compile traces (for every batch size, else
+            # Keras's): the same graph, so the key it stored its result under
+            for spec in (self._signature, self._exact):
+                try:
+                    self.probe.get_concrete_function(spec)
+                    return self.probe(data)
+                except Exception:  # noqa: BLE001 — as _compile: the next, or stock
+                    continue
         return self.stock_step(data)
 
     def make(self, force=False):
@@ -284,13 +327,20 @@ class _Tiered(_StitchedStep):
             finally:
                 self._tier.stitched = False
                 self._steps += steps
+                self.stitched_steps += steps
         start = time.perf_counter()
         out = self._stock_fn(data)
         if self._t0 is None:
             self._t0 = start              # the first call: Keras's trace, not rent
-        else:
+        elif not self.warm:
             self._stock_seconds += time.perf_counter() - start
         self._steps += steps
+        if self.warm:
+            if self.switch is None:
+                self._switched(warm=True)
+            self.stitched_steps += steps
+            return out
+        self.stock_steps += steps
         if self._stock_seconds >= self._tier_up:
             self._start()
         return out
@@ -313,6 +363,8 @@ class _Tiered(_StitchedStep):
                 try:
                     self.stitched.get_concrete_function(spec)
                     self._ready, self.error = True, None
+                    from .tf import results
+                    results.mark(self._hint)     # the next process probes for it
                     return
                 except Cancelled as e:          # the process is exiting
                     self.error = e
@@ -320,17 +372,24 @@ class _Tiered(_StitchedStep):
                 except Exception as e:  # noqa: BLE001 — stock TF keeps serving
                     self.error = e
 
-    def _switched(self):
-        seconds = time.perf_counter() - self._t0
-        self.switch = (self._steps + 1, seconds)
-        text = (f"stock TF ran steps 1-{self._steps} while the kernels compiled "
-                f"({seconds:.1f} s); stitched from step {self._steps + 1}")
+    def _switched(self, warm=False):
+        if warm:
+            self.switch = (1, 0.0)
+            text = ("stitched from step 1 (graph, plan and kernels from the cache; "
+                    "nothing to compile)")
+        else:
+            seconds = time.perf_counter() - self._t0
+            self.switch = (self._steps + 1, seconds)
+            text = (f"stock TF ran steps 1-{self._steps} while the kernels compiled "
+                    f"({seconds:.1f} s); stitched from step {self._steps + 1}")
         if self.report is not None:
             self.report.tiering = text
         if self._progress is not False:
             print(f"stitching: {self._kind} step: {text}", file=sys.stderr, flush=True)
 
     def wait(self, timeout=None) -> bool:
+        if self.warm:
+            return True
         self._start()                     # asked for the kernels: no threshold
         if self._thread is not None:
             self._thread.join(timeout)
@@ -361,6 +420,27 @@ def tier_up_seconds() -> float:
         raise ValueError("STITCHING_TIER_UP_SECONDS must be a number of seconds >= 0, "
                          f"got {env!r}")
     return value
+
+
+def _probing(hint) -> bool:
+    """Whether a first tier traces through the probe: where a result was stored for
+    a step with this hint (else the probe would miss, its trace costing more than
+    stock's: the graph's key, the graph out and back in)."""
+    from .tf import results
+    return results.probed(hint)
+
+
+def _hint(model, kind, signature, options) -> str:
+    """The step's ``results.hint``: its kind and signature, the options, and the
+    model's and optimizer's variables (name, shape, dtype) as the first trace finds
+    them -- a script run again finds the same; another model, other names."""
+    from .tf import results
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.variables) + list(getattr(optimizer, "variables", []) or [])
+    return results.hint(
+        kind, model.name, repr(signature), repr(options),
+        sorted((getattr(v, "path", v.name), tuple(v.shape), str(v.dtype))
+               for v in variables))
 
 
 def _spec(value):

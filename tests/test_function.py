@@ -171,6 +171,26 @@ def test_background_compile_serves_stock_tf_first_then_the_stitched_graph():
     assert f.wait(timeout=300) and len(f.reports) == 2 and not f.background_errors
 
 
+def test_background_compile_runs_a_cached_result_from_the_first_call():
+    """Where the result cache holds a signature's stitched graph (plan and kernels
+    built before: by another process, here by another function of the same code), a
+    background-compiling function's first call runs it: no stock call, nothing left
+    to compile in the background, stock TF's numbers."""
+    def fn(x):
+        return tf.nn.softmax(x * 3.0) - 1.0
+    opts = stitching.Options(background_compile=True)
+    x = tf.constant(np.random.default_rng(9).standard_normal((5, 24)).astype(np.float32))
+    first = stitching.function(fn, options=opts)
+    first(x)
+    assert first.wait(timeout=300) and first.report.kernels
+    f = stitching.function(fn, options=opts)
+    out = f(x).numpy()
+    cf = f._concrete[((tf.float32, (5, 24)),)]
+    assert "StitchedKernel" in {op.type for op in cf.graph.get_operations()}
+    assert not f._pending and f.report.kernels and f._probe.cache_hits == 1
+    np.testing.assert_allclose(out, tf.function(fn)(x).numpy(), rtol=2e-6, atol=2e-6)
+
+
 def test_background_compile_failure_keeps_stock_tf(monkeypatch):
     from stitching.tf import pipeline
 
@@ -504,8 +524,11 @@ def test_large_graph_plan_is_stored_and_reused_after_checking_it(monkeypatch, tm
     running the planner, with the same kernels, report and numerics.  A stored plan
     that does not fit the graph is ignored, not trusted."""
     from stitching.plan import cache as plan_cache
-    from stitching.tf import pipeline
+    from stitching.tf import pipeline, results
     monkeypatch.setattr(plan_cache, "_path", lambda key: tmp_path / f"{key}.json")
+    # the whole stitched result would be taken from its own cache before a plan is
+    # looked for (test_results.py): here the pipeline runs every time
+    monkeypatch.setattr(results, "probe", lambda key, traced: None)
 
     def chain(x):
         for i in range(160):            # over the 300-node threshold
@@ -753,8 +776,9 @@ def test_a_small_graphs_plan_is_stored_too_and_a_broken_entry_is_planned_afresh(
     wrong types, empty) is ignored and the graph planned again, with the same
     numbers."""
     from stitching.plan import cache as plan_cache
-    from stitching.tf import pipeline
+    from stitching.tf import pipeline, results
     monkeypatch.setattr(plan_cache, "_path", lambda key: tmp_path / f"{key}.json")
+    monkeypatch.setattr(results, "probe", lambda key, traced: None)   # as above
     planned, real = [], pipeline.get_planner
     monkeypatch.setattr(pipeline, "get_planner",
                         lambda name: planned.append(name) or real(name))

@@ -118,7 +118,15 @@ class _WaitAt(_BatchLosses):
             assert stitching.keras.wait(self.model, timeout=300)
 
 
-def test_tiered_fit_switches_mid_run_and_keeps_the_loss_curve_of_keras(capsys):
+@pytest.fixture
+def cold_results(monkeypatch):
+    """First tiers run stock Keras whatever the result cache holds (a cache kept
+    between test runs would otherwise serve a graph traced the same way before)."""
+    monkeypatch.setattr(stitching.keras, "_probing", lambda hint: False)
+
+
+def test_tiered_fit_switches_mid_run_and_keeps_the_loss_curve_of_keras(capsys,
+                                                                        cold_results):
     """Tiered (the default): the first steps run stock Keras while the train step
     compiles in the background; the switch happens at a step boundary and every
     step's loss equals plain Keras's within float rounding, before and after it.
@@ -147,7 +155,7 @@ def test_tiered_fit_switches_mid_run_and_keeps_the_loss_curve_of_keras(capsys):
 
 
 def test_a_job_whose_stock_steps_stay_under_the_tier_up_time_never_compiles(
-        monkeypatch):
+        monkeypatch, cold_results):
     """The background compile starts once a step's stock calls (after Keras's trace)
     have run STITCHING_TIER_UP_SECONDS: a short fit of tiny steps never starts one
     (no compile, no kernels, stock numbers); 0 starts it after the first step; a
@@ -165,6 +173,55 @@ def test_a_job_whose_stock_steps_stay_under_the_tier_up_time_never_compiles(
     monkeypatch.setenv("STITCHING_TIER_UP_SECONDS", "soon")
     with pytest.raises(ValueError, match="STITCHING_TIER_UP_SECONDS"):
         stitching.keras.stitch(_model())
+
+
+def _named_model():
+    """_model with every name fixed: traced again in this process, its steps are the
+    same graphs (as a script's are, run again in a new process), and their kernels
+    _model's."""
+    keras.utils.set_random_seed(0)
+    L = keras.layers
+    m = keras.Sequential([keras.Input((16,)), L.Dense(32, activation="gelu", name="wd1"),
+                          L.LayerNormalization(name="wln"),
+                          L.Dense(4, dtype="float32", name="wd2")], name="warm_mlp")
+    m.compile(optimizer=keras.optimizers.Adam(1e-2, name="warm_adam"), loss="mse",
+              metrics=["mae"])
+    return m
+
+
+def test_a_warm_cache_runs_every_step_stitched_from_the_first(capsys):
+    """Where the result cache holds a step's stitched graph (its plan and kernels
+    built by an earlier run, here one that waited for them), the step runs stitched
+    from step 1: no stock step, no background compile, Keras's losses; the report
+    and a progress line say so."""
+    x, y = _data(96)
+    stock, cb = _named_model(), _BatchLosses()
+    stock.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False, callbacks=[cb])
+    first = stitching.keras.stitch(_named_model())
+    first.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    first.evaluate(x, y, batch_size=32, verbose=0)
+    first.predict(x, batch_size=32, verbose=0)
+    assert stitching.keras.wait(first, timeout=300)
+    capsys.readouterr()
+    m, warm = stitching.keras.stitch(_named_model()), _BatchLosses()
+    m.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False, callbacks=[warm])
+    np.testing.assert_allclose(warm.losses, cb.losses, rtol=1e-5)
+    _assert_close(m.evaluate(x, y, batch_size=32, verbose=0),
+                  stock.evaluate(x, y, batch_size=32, verbose=0), rtol=1e-5)
+    _assert_close(m.predict(x, batch_size=32, verbose=0),
+                  stock.predict(x, batch_size=32, verbose=0), rtol=1e-5)
+    for kind, steps in (("train", 6), ("test", 3), ("predict", 3)):
+        f = m._stitching_steps[kind]
+        assert (f.stock_steps, f.stitched_steps, f.switch) == (0, steps, (1, 0.0)), kind
+        assert f._thread is None and f.probe.cache_misses == 0, kind
+        assert len(m.stitching_report[kind].kernels) >= 1, kind
+        assert "stitched from step 1" in m.stitching_report[kind].tiering
+    assert "train step: stitched from step 1" in capsys.readouterr().err
+    # another model (other names, so other graphs): not probed, stock steps first
+    other = stitching.keras.stitch(_model())
+    other.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    f = other._stitching_steps["train"]
+    assert (f.stock_steps, f.probe.cache_hits, f.probe.cache_misses) == (3, 0, 0)
 
 
 def test_synchronous_when_asked():

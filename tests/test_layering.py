@@ -7,7 +7,8 @@
 Inside ``tf`` the floors run the same way:
 
     opnames, graph_file, tfgraph ─► frontend, passmanager ─► passes/
-             ─► pipeline (the driver), dump, tensorboard, kernel_assets ─► function
+             ─► pipeline (the driver), results, dump, tensorboard, kernel_assets
+             ─► function
 
 and of the passes only ``passes/lift.py`` reaches the frontend (a graph enters it once).
 
@@ -47,7 +48,7 @@ TF_FLOORS = {"opnames": 0, "graph_file": 0, "tfgraph": 0,
              "passes": 2,
              # scalars reads control-flow bodies (their names, their stitched copies)
              "pipeline": 3, "control_flow": 3, "scalars": 3, "dump": 3, "tensorboard": 3,
-             "kernel_assets": 3, "__init__": 3,
+             "kernel_assets": 3, "results": 3, "__init__": 3,
              "function": 4}
 TF_EDGE = ("stitching.tf", "stitching.testing", "stitching.runtime",
            "stitching.keras", "stitching.saved_model", "stitching.cli")

@@ -298,7 +298,11 @@ def test_short_suite_table_and_bars_from_recorded_rounds(tmp_path):
         "tf": mode(7.0, 8.0, 7.5), "xla": mode(9.0, 8.5, 12.0),
         "stitching_cold": mode(8.0, 8.4, 8.2, loss=1.0001),
         "stitching_warm": mode(8.0, 8.1, 8.2)}}
-    ok["steps"]["stitching_warm"]["tiers"] = {"train": 5, "test": 0, "predict": 0}
+    ok["steps"]["stitching_cold"]["tiers"] = {"train": {"stock": 16, "stitched": 0,
+                                                        "from": 0}}
+    ok["steps"]["stitching_warm"]["tiers"] = {
+        "train": {"stock": 0, "stitched": 16, "from": 1},
+        "test": {"stock": 0, "stitched": 8, "from": 1}}
     failed = {"suite": "short", "name": "cnn_fit", "rounds": 1, "steps": {
         "tf": mode(8.0), "xla": mode(12.0), "stitching_warm": mode(9.0),
         "stitching_cold": {"ok": False, "error": "child exited 1: boom"}}}
@@ -307,7 +311,7 @@ def test_short_suite_table_and_bars_from_recorded_rounds(tmp_path):
     assert mlp["TF process s"] == "7.50" and mlp["st cold process s"] == "8.20"
     assert mlp["cold / XLA"] == "0.91x" and mlp["warm / TF"] == "1.08x"
     assert mlp["result vs TF, XLA/cold/warm (rel)"] == "0.0e+00 / 1.0e-04 / 0.0e+00"
-    assert mlp["stitched from step, cold / warm"] == "stock only / train 5"
+    assert mlp["steps stock/stitched, cold | warm"] == "train 16/0 | train 0/16, test 0/8"
     assert dict(zip(head, body[1]))["st cold process s"] == "FAILED"
     assert short.target_lines([ok, failed]) == [
         "PASS  short mlp_fit: warm process <= 1.1x stock TF's: 1.08x",

@@ -41,7 +41,7 @@ import warnings
 from pathlib import Path
 
 _lock = threading.Lock()
-_index: dict = {}            # spec hash -> entry (validated, see _entry) + its "sha256"
+_index: dict = {}            # spec hash -> entry (validated, see well_formed_entry) + its "sha256"
 _EMITTER = None
 _CODE_NAME = re.compile(r"k_[0-9a-f]{24}\Z")
 # the sources a spec's code, shape program and errors are generated from
@@ -85,7 +85,7 @@ def add(entries, emitter: str, installed: dict) -> tuple:
         return 0, []
     taken, refused = {}, []
     for key, e in entries.items():
-        e = _entry(key, e)
+        e = well_formed_entry(key, e)
         if e is None or e["code"] not in installed:
             continue
         sha, ident = installed[e["code"]]
@@ -99,8 +99,9 @@ def add(entries, emitter: str, installed: dict) -> tuple:
     return len(taken), refused
 
 
-def _entry(key, e):
-    """A well-formed entry, or None (a manifest is checked, but still parsed with care)."""
+def well_formed_entry(key, e):
+    """A well-formed entry for spec hash ``key``, or None (a manifest is checked, and a
+    stored result (tf/results.py) is ours, but both are still parsed with care)."""
     try:
         ok = (isinstance(key, str) and re.fullmatch(r"[0-9a-f]{24}", key)
               and isinstance(e, dict) and _CODE_NAME.match(e["code"])

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,14 +87,7 @@ def save(key: str, plan: Plan) -> None:
                               if c.region is not None else None)
                          for c in plan.alternatives],
     }
-    path = _path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    cachedir.store(_path(key), json.dumps(doc).encode())
 
 
 def load(key: str, graph, legal) -> Plan | None:

@@ -27,7 +27,10 @@ Background compilation (``Options(background_compile=True)``, as XLA's
 ``--tf_xla_async_compilation``): the first call with a new eager signature traces the
 function for stock TF and returns its result while a background thread stitches the
 same signature (plan, Numba compile, rewrite); the call after that thread finished runs
-the stitched graph.  ``wait()`` blocks until every pending signature is stitched.
+the stitched graph.  Where the result cache holds the signature's stitched graph
+(tf/results.py: an earlier process built it), the first call runs it instead, through
+a ``cached_only`` twin that traces the signature as the background would.
+``wait()`` blocks until every pending signature is stitched.
 A process that exits first does not wait: its background compiles stop at their next
 step (compile/parallel.py: ``cancel``), their kernels finished so far cached on disk.
 ``stitching.keras.stitch`` runs Keras's steps this way by default (keras.py).
@@ -98,6 +101,10 @@ class StitchedFunction(tf_pf.Function):
         options: The ``stitching.Options`` it plans with.
         background_errors: Exceptions raised by background compiles
             (``Options.background_compile``); stock TF keeps serving those calls.
+        cached_only: Stitch traces only from the result cache (tf/results.py: a
+            warm process's kernels, plan and rewritten graph); a trace it does not
+            hold is imported as traced (stock TF).  Tiered execution's probe.
+        cache_hits, cache_misses: Traces the result cache served, or did not.
     """
 
     def __init__(self, python_function, name=None, input_signature=None, autograph=True,
@@ -136,6 +143,11 @@ class StitchedFunction(tf_pf.Function):
         self._templates = scalars.Templates()  # stitched traces by abstracted graph
         self.background_errors = []  # exceptions of background compiles (stock TF kept)
         self._eager_call = False     # tracing for an eager call (the hint's condition)
+        # a probe (tiered execution): traces stitch only from the result cache, and
+        # are stock TF's graph where it holds nothing (keras.py, _stock_then_stitch)
+        self.cached_only = False
+        self.cache_hits = self.cache_misses = 0    # traces served / not by that cache
+        self._probe = None           # the cached_only twin background compile probes
 
     # -- what TF traces ----------------------------------------------------------
     def _generate_tracing_options(self, fn, scope_type):
@@ -218,7 +230,7 @@ class StitchedFunction(tf_pf.Function):
     def __getstate__(self):
         state = super().__getstate__()
         for transient in ("_pending_lock", "_concrete", "_general", "_pending", "_shapes",
-                          "_shipped", "_templates"):
+                          "_shipped", "_templates", "_probe"):
             state.pop(transient, None)
         return state
 
@@ -227,6 +239,7 @@ class StitchedFunction(tf_pf.Function):
         self._pending_lock = threading.Lock()
         self._concrete, self._general, self._pending, self._shapes = {}, {}, {}, {}
         self._templates = scalars.Templates()
+        self._probe = None
 
     # -- calls ----------------------------------------------------------------------
     def __call__(self, *args, **kwds):
@@ -295,19 +308,52 @@ class StitchedFunction(tf_pf.Function):
     def _stock_then_stitch(self, key, args, family=None, relaxed=None):
         """Stock TF's ConcreteFunction for ``args`` now; the stitched one (traced with
         ``relaxed`` shapes when given) replaces it in ``_concrete`` when a background
-        thread has built it."""
-        stock = tf.function(self._python_function, autograph=self._autograph) \
-            .get_concrete_function(*args)
+        thread has built it -- or is the one returned now, where the result cache
+        holds it (a warm process: ``_probe_now``)."""
         specs = tensor_specs(key, relaxed)
         general = (family, relaxed) if relaxed is not None else None
+        cf, warm = self._probe_now(specs)
+        if warm:
+            if general is not None:
+                self._general.setdefault(family, []).append((relaxed, cf))
+            return cf
+        stock = cf if cf is not None else tf.function(
+            self._python_function, autograph=self._autograph).get_concrete_function(*args)
         with self._pending_lock:
             self._pending[key] = run_in_background(self._stitch_in_background, key,
                                                    specs, general)
         return stock
 
+    def _probe_now(self, specs):
+        """(ConcreteFunction, stitched?) of a ``cached_only`` twin traced for ``specs``
+        as the background compile traces them (so with the graph its result is kept
+        under): stitched where the result cache holds that graph, else stock TF's
+        graph; (None, False) where no result was stored for this signature (the probe
+        would miss)."""
+        from . import results
+        hint = self._hint(specs)
+        if not results.probed(hint):
+            return None, False
+        if self._probe is None:
+            self._probe = self._clone(None)
+            self._probe.cached_only = True
+        hits, misses = self._probe.cache_hits, self._probe.cache_misses
+        cf = self._probe.get_concrete_function(*specs)
+        # the probe, a clone, shares this function's reports: a hit's is there already
+        warm = self._probe.cache_hits > hits and self._probe.cache_misses == misses
+        return cf, warm
+
+    def _hint(self, specs) -> str:
+        """This signature's ``results.hint``: the function's name, the specs, the
+        options (a probe is worth tracing only where one was marked)."""
+        from . import results
+        return results.hint(display_name(self), repr(specs), repr(self.options))
+
     def _stitch_in_background(self, key, specs, general=None):
+        from . import results
         try:
             cf = self.get_concrete_function(*specs)
+            results.mark(self._hint(specs))     # the next process probes for it
             self._concrete[key] = cf            # one dict store: calls see old or new
             if general is not None:
                 family, relaxed = general
@@ -343,6 +389,30 @@ class StitchedFunction(tf_pf.Function):
         return (scope_type is tracing_compilation.ScopeType.VARIABLE_CREATION
                 and bool(self._created_variables))
 
+    def _stitch(self, graph_def, fetches, keep, graph, flat, workers):
+        """One inner trace's stitched result (``.graph_def``, ``.report``): the result
+        cache's where it holds one (results.py), else the pipeline's, stored for the
+        next process; None for a ``cached_only`` function that missed (its trace
+        then imports the graph as traced: stock TF).  Closes ``workers``."""
+        from . import results
+        from .tfgraph import resource_shapes
+        resources = resource_shapes(graph)
+        scalar_values = _python_scalars(flat)
+        key = results.key(graph_def, fetches, keep, self.options, resources, True,
+                          scalar_values)
+        hit = results.probe(key, graph_def)
+        if hit is not None or self.cached_only:
+            if workers is not None:
+                workers.close()
+            self.cache_hits += hit is not None
+            self.cache_misses += hit is None
+            return hit
+        from . import pipeline
+        return pipeline.stitch_graph_def(
+            graph_def, fetches, keep, self.options, name=display_name(self),
+            resources=resources, workers=workers, scalar_values=scalar_values,
+            templates=self._templates, result_key=key)
+
     def _stitched_trace(self, fn, args, kwargs, scope_type=None):
         """Inside TF's trace (the outer graph): trace ``fn`` (the user's function, as TF
         would call it: autograph-converted, under its variable scope) alone, stitch that
@@ -374,14 +444,16 @@ class StitchedFunction(tf_pf.Function):
         # a compile worker warming up while TF traces; not behind a background
         # compile, where stock TF's first call is running and needs the cores, nor
         # once this function has compiled kernels (the cache is not empty: a retrace,
-        # a new Python scalar, does not pay for looking)
-        from . import frontend, pipeline
-        from ..compile.parallel import check_cancelled
-        check_cancelled()      # a background compile stopped at exit traces nothing more
+        # a new Python scalar, does not pay for looking), nor for a probe
+        from ..compile import kernel as kernel_cache
+        _check_cancelled()     # a background compile stopped at exit traces nothing more
         compiled = self.report is not None and (self.report.kernels or any(
             r is not None and r.kernels for _, r, _ in self.report.bodies))
-        workers = None if self.options.background_compile or compiled \
-            else pipeline.early_workers()
+        workers = None
+        if not (self.options.background_compile or compiled or self.cached_only) \
+                and kernel_cache.cache_is_empty():
+            from . import pipeline
+            workers = pipeline.early_workers()
         try:
             cf = tracing_compilation.trace_function(
                 specs, {}, tracing_compilation.TracingOptions(
@@ -391,11 +463,10 @@ class StitchedFunction(tf_pf.Function):
             keep = [op.name for op in cf.graph.control_outputs]
             graph_def = cf.graph.as_graph_def()
             stitch = bool(fetches or keep) and not self._throwaway(scope_type)
-            result = pipeline.stitch_graph_def(
-                graph_def, fetches, keep, self.options, name=display_name(self),
-                resources=frontend.resource_shapes(cf.graph), workers=workers,
-                scalar_values=_python_scalars(flat), templates=self._templates,
-            ) if stitch else None
+            result = None
+            if stitch:
+                workers, used = None, workers       # _stitch uses or closes them
+                result = self._stitch(graph_def, fetches, keep, cf.graph, flat, used)
         finally:
             if workers is not None:
                 workers.close()
@@ -603,6 +674,7 @@ original.use_backward_stitcher(_backward_function)
 
 _BACKGROUND = set()              # threads of running background compiles
 _BACKGROUND_LOCK = threading.Lock()
+_BACKGROUND_STARTED = False      # whether run_in_background was ever called here
 EXIT_WAIT_SECONDS = 5.0          # arbitrary: a cancelled compile stops within ~0.5 s
 
 
@@ -620,11 +692,21 @@ def run_in_background(target, *args) -> threading.Thread:
             with _BACKGROUND_LOCK:
                 _BACKGROUND.discard(thread)
 
+    global _BACKGROUND_STARTED
     thread = threading.Thread(target=run, name="stitching-compile", daemon=True)
     with _BACKGROUND_LOCK:
         _BACKGROUND.add(thread)
+        _BACKGROUND_STARTED = True
     thread.start()
     return thread
+
+
+def _check_cancelled() -> None:
+    """``parallel.check_cancelled`` where a background compile ever ran here (else
+    nothing can be cancelled, and compile.parallel need not be imported: ~60 ms)."""
+    if _BACKGROUND_STARTED:
+        from ..compile.parallel import check_cancelled
+        check_cancelled()
 
 
 @atexit.register

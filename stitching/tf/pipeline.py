@@ -57,7 +57,7 @@ from ..options import Options
 from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
-from . import control_flow, dump, opnames, passmanager, scalars
+from . import control_flow, dump, opnames, passmanager, results, scalars
 from .passes import (autotune, bcast, concat_grad, einsum, forward, gemm, grappler, lift,
                      original, padfold, prune, remapper, reshape_sink, rewrite, seqsplit,
                      shape_math, shapes, sparse_xent, symdims)
@@ -129,6 +129,7 @@ class StitchResult:
     graph_def: object
     report: _report.Report
     kernels: list = field(default_factory=list)
+    failed: int = 0          # regions left unfused because their kernel failed to build
 
 
 def legal(spec):
@@ -157,14 +158,26 @@ def early_workers():
 def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
                      name: str = "?", resources: dict | None = None,
                      workers=None, bodies: bool = True,
-                     scalar_values=frozenset(), templates=None) -> StitchResult:
+                     scalar_values=frozenset(), templates=None,
+                     result_key: str | None = None) -> StitchResult:
     """``resources``: variable shapes from the live graph (frontend.resource_shapes);
     ``workers``: pre-started compile workers (``early_workers``), used or closed;
     ``bodies``: stitch the functions control flow runs (tf/control_flow.py) first;
     ``scalar_values``: a traced function's Python scalar arguments, whose constants
     are planned as kernel inputs (tf/scalars.py); ``templates``: a
     ``scalars.Templates`` where a trace that differs from an earlier one only in
-    those constants finds its stitched graph."""
+    those constants finds its stitched graph; ``result_key``: where the result
+    cache keeps this call's result (``results.key``; the caller probed it first):
+    stored there when every kernel was built."""
+    result = _stitch_graph_def(graph_def, fetches, keep, options, name, resources,
+                               workers, bodies, scalar_values, templates)
+    if result_key is not None and not result.failed:
+        results.save(result_key, graph_def, result.graph_def, result.report)
+    return result
+
+
+def _stitch_graph_def(graph_def, fetches, keep, options, name, resources, workers,
+                      bodies, scalar_values, templates) -> StitchResult:
     t0 = time.perf_counter()
     with _gc_paused():
         abstraction = scalars.abstract(graph_def, scalar_values)
@@ -223,7 +236,7 @@ def _template_context(fetches, keep, options, resources, bodies) -> str:
     """What a stitched template depends on besides its graph: the plan's context,
     whether bodies were stitched, and the device profile planned with."""
     prof = profiles.default()
-    return (_context(fetches, keep, options, resources, prof) + repr(bodies)
+    return (results.context(fetches, keep, options, resources, prof) + repr(bodies)
             + prof.planning_key())
 
 
@@ -279,7 +292,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
                    kernel_names=ctx.kernel_names, labels=ctx.labels, failed=ctx.failed,
                    report=rep)
         rep.dump_path = ctx.dump_path
-    return StitchResult(ctx.graph_def, rep, ctx.kernels)
+    broken = [r for r, why in ctx.failed if r.spec.outputs]    # not the dead regions
+    return StitchResult(ctx.graph_def, rep, ctx.kernels, failed=len(broken))
 
 
 def _dump_pass(index, name, ctx):
@@ -299,18 +313,8 @@ def _dump_dir(options, name, graph_def):
 def _graph_key(graph_def, fetches, keep, options, resources=None) -> str:
     import hashlib
     h = hashlib.sha256(graph_def.SerializeToString(deterministic=True))
-    h.update(_context(fetches, keep, options, resources).encode())
+    h.update(results.context(fetches, keep, options, resources).encode())
     return h.hexdigest()[:32]
-
-
-def _context(fetches, keep, options, resources, prof=None) -> str:
-    """What a graph's plan depends on besides the graph, as text (``prof``: the
-    device profile, where the caller has it)."""
-    # keep: a set's order; where dumps go, and what they hold, does not change the plan
-    return (repr((list(fetches), sorted(keep),
-                  replace(options, dump_dir=None, dump_passes=None)))
-            + repr(sorted((resources or {}).items()))
-            + remapper.table(prof or profiles.default()).name)   # TF_ENABLE_ONEDNN_OPTS
 
 
 def _compile(regions, options, workers=None):

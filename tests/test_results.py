@@ -1,0 +1,107 @@
+"""The result cache (stitching/tf/results.py): a traced graph stitched before is taken
+whole from the cache, with stock TF's numbers, and anything unusable there is a miss
+that stitches as before."""
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stitching
+from stitching.tf import pipeline, results
+
+
+def _fn(x):
+    return tf.nn.softmax(x * 5.0, axis=-1) * 0.5 + tf.nn.relu(x)
+
+
+X = tf.constant(np.random.default_rng(11).standard_normal((7, 36)).astype(np.float32))
+REUSED = "reused from the result cache"
+
+
+def _stitched():
+    f = stitching.function(_fn)
+    return f, f(X).numpy()
+
+
+@pytest.fixture(autouse=True)
+def own_results(monkeypatch, tmp_path):
+    """Each test its own result cache (the kernels stay the session's)."""
+    monkeypatch.setattr(results, "_dir", lambda: tmp_path / "results")
+
+
+def _result_files():
+    d = results._dir()
+    return sorted(d.glob("*.json")) if d.is_dir() else []
+
+
+def test_a_graph_stitched_before_is_taken_from_the_cache(monkeypatch):
+    """The second function of the same code traces the same graph: its report, kernels
+    and rewritten graph come from the cache (no pipeline), and it computes stock TF's
+    numbers."""
+    first, ref = _stitched()
+    assert first.report.kernels and REUSED not in " ".join(first.report.notes)
+    assert _result_files(), "nothing stored"
+
+    def refuse(*a, **k):
+        raise AssertionError("the pipeline ran: the result cache missed")
+    monkeypatch.setattr(pipeline, "stitch_graph_def", refuse)
+    again, out = _stitched()
+    assert REUSED in " ".join(again.report.notes)
+    assert [k.spec_hash for k in again.report.kernels] == \
+        [k.spec_hash for k in first.report.kernels]
+    np.testing.assert_allclose(out, ref, rtol=0, atol=0)
+    np.testing.assert_allclose(out, tf.function(_fn)(X).numpy(), rtol=2e-6, atol=2e-6)
+
+
+def test_an_unusable_stored_result_is_a_miss_that_stitches_again():
+    """A result file that does not parse, or that another format wrote, is a miss:
+    the trace stitches through the pipeline (same numbers) and stores a good result
+    again."""
+    _, ref = _stitched()
+    for damage in ("garbage", "another format"):
+        for path in _result_files():
+            if damage == "garbage":
+                path.write_bytes(b"{not json")
+            else:
+                doc = json.loads(path.read_text())
+                path.write_text(json.dumps(dict(doc, format=results.FORMAT + 1)))
+        f, out = _stitched()
+        assert f.report.kernels and REUSED not in " ".join(f.report.notes), damage
+        np.testing.assert_allclose(out, ref, rtol=0, atol=0)
+    assert REUSED in " ".join(_stitched()[0].report.notes)
+
+
+def test_the_key_reads_custom_gradient_ids_by_order_and_a_hit_renames_them():
+    """tf.custom_gradient numbers its gradients over the process: the same function
+    traced twice differs only there, and gets one key; the stored graph's names
+    become this trace's."""
+    @tf.custom_gradient
+    def clip_grad(x):
+        return tf.identity(x), lambda dy: tf.clip_by_value(dy, -1.0, 1.0)
+
+    def traced():
+        return tf.function(lambda x: clip_grad(x) * 2.0).get_concrete_function(
+            tf.TensorSpec([4], tf.float32)).graph.as_graph_def()
+    a, b = traced(), traced()
+    names_a, names_b = results._gradient_names(a), results._gradient_names(b)
+    assert names_a and names_a != names_b
+    opts = stitching.Options()
+    key = lambda g: results.key(g, ["y:0"], [], opts, {}, True, frozenset())  # noqa: E731
+    assert key(a) == key(b)
+    renamed = results._renamed(a, dict(zip(names_a, names_b)))
+    assert results._gradient_names(renamed) == names_b
+
+
+def test_a_result_whose_kernel_code_left_the_cache_is_a_miss(monkeypatch):
+    """A new process registers a stored result's kernels from the compile cache: where
+    a kernel's code is not there (evicted, another toolchain), the result is a miss."""
+    import base64
+    from stitching import runtime
+    _stitched()
+    doc = json.loads(_result_files()[0].read_text())
+    graph_def = tf.compat.v1.GraphDef.FromString(base64.b64decode(doc["graph_def"]))
+    monkeypatch.setattr(runtime, "is_registered", lambda spec: False)   # a new process
+    assert results._register_all(graph_def, doc["kernels"])
+    gone = {h: dict(e, code="k_" + "0" * 24) for h, e in doc["kernels"].items()}
+    assert not results._register_all(graph_def, gone)
