@@ -52,6 +52,10 @@ def test_a_keras_downsample_loses_its_pad_and_equals_tf():
     assert len(convs) == 1 and convs[0].attr["padding"].s == b"EXPLICIT"
     assert list(convs[0].attr["explicit_paddings"].list.i) == [0, 0, 0, 1, 0, 1, 0, 0]
     assert len(_notes(report)) == 1 and _notes(report)[0].startswith("1 zero Pad")
+    # the report says where the Pad went, not that TF runs it
+    pads = [why for _, op, why in report.unfused if op in ("Pad", "PadV2")]
+    assert len(pads) == 1 and pads[0].startswith("folded into the explicit padding"), \
+        report.unfused
 
     f = stitching.function(lambda t: model(t, training=False), input_signature=sig)
     ref = tf.function(lambda t: model(t, training=False), input_signature=sig)

@@ -390,7 +390,7 @@ def _make_report(name, ctx):
             reasons[m] = why
     fetches = {r.node for r in ir.outputs}
     for n in sorted(mem - fused, key=list(tf_op).index):
-        why = reasons.get(n) or legality.node_reason(ir, ir[n]) or \
+        why = ctx.folded.get(n) or reasons.get(n) or legality.node_reason(ir, ir[n]) or \
             ("a function output the plan leaves to TF" if n in fetches else
              "left to TF by the planner")
         rep.unfused.append((n, tf_op[n], why))

@@ -126,6 +126,9 @@ def _run(ctx):
     if not found:
         return None
     rewrite(ctx.graph_def, found)
+    for conv, (pad, _) in found.items():
+        ctx.folded[pad] = (f"folded into the explicit padding of {conv} (tf/padfold.py): "
+                           "TF runs no Pad")
     return (f"{len(found)} zero Pad(s) before a depthwise convolution folded "
             "into its explicit padding (tf/padfold.py; Options(pad_fold=False) "
             "keeps them)")
