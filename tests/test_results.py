@@ -105,3 +105,21 @@ def test_a_result_whose_kernel_code_left_the_cache_is_a_miss(monkeypatch):
     assert results._register_all(graph_def, doc["kernels"])
     gone = {h: dict(e, code="k_" + "0" * 24) for h, e in doc["kernels"].items()}
     assert not results._register_all(graph_def, gone)
+
+
+def test_new_python_scalars_take_the_template_and_store_nothing(monkeypatch):
+    """A function stitched once: each new Python scalar is served by its template
+    (tf/scalars.py), never hashed, probed or stored here, so one result file for the
+    first trace only, and every value equals TF's."""
+    def g(x, s):
+        return tf.nn.softmax(x * s, axis=-1) * s + x
+    f = stitching.function(g)
+    f(X, 1.0)
+    assert len(_result_files()) == 1
+    probes = []
+    monkeypatch.setattr(results, "probe", lambda *a: probes.append(a))
+    for s in (1.5, 2.0, 3.0):
+        np.testing.assert_allclose(f(X, s).numpy(), g(X, s).numpy(), rtol=1e-5, atol=1e-6)
+    assert not probes
+    assert len(_result_files()) == 1
+    assert f.experimental_get_tracing_count() == 4 and f.report.kernels

@@ -330,6 +330,10 @@ class Templates:
         self._lock = threading.Lock()
         self._by_key: collections.OrderedDict = collections.OrderedDict()
 
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_key)
+
     @staticmethod
     def key(abstraction: Abstraction, context: str) -> str:
         """``context``: what else the stitched graph depends on (fetches, options,
