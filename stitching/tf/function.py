@@ -398,25 +398,20 @@ class StitchedFunction(tf_pf.Function):
         from .tfgraph import resource_shapes
         resources = resource_shapes(graph)
         scalar_values = _python_scalars(flat)
-        if scalar_values and len(self._templates) and not self.cached_only:
-            # most likely a new Python scalar of a function stitched before: its
-            # template serves it in ~1 ms, and a template's copies are not stored
-            # (pipeline.stitch_graph_def), so hashing the graph to probe for one
-            # would only cost time
-            from . import pipeline
-            return pipeline.stitch_graph_def(
-                graph_def, fetches, keep, self.options, name=display_name(self),
-                resources=resources, workers=workers, scalar_values=scalar_values,
-                templates=self._templates)
-        key = results.key(graph_def, fetches, keep, self.options, resources, True,
-                          scalar_values)
-        hit = results.probe(key, graph_def)
-        if hit is not None or self.cached_only:
-            if workers is not None:
-                workers.close()
-            self.cache_hits += hit is not None
-            self.cache_misses += hit is None
-            return hit
+        key = None
+        # A new Python scalar of a function stitched before: its template serves it in
+        # ~1 ms (tf/scalars.py); the result cache is skipped, never probed or written
+        # per value (hashing, probing and storing the graph cost 1-3 ms on each).
+        if self.cached_only or not (scalar_values and len(self._templates)):
+            key = results.key(graph_def, fetches, keep, self.options, resources, True,
+                              scalar_values)
+            hit = results.probe(key, graph_def)
+            if hit is not None or self.cached_only:
+                if workers is not None:
+                    workers.close()
+                self.cache_hits += hit is not None
+                self.cache_misses += hit is None
+                return hit
         from . import pipeline
         return pipeline.stitch_graph_def(
             graph_def, fetches, keep, self.options, name=display_name(self),

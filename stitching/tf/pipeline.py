@@ -130,7 +130,6 @@ class StitchResult:
     report: _report.Report
     kernels: list = field(default_factory=list)
     failed: int = 0          # regions left unfused because their kernel failed to build
-    templated: bool = False  # made from a Python-scalar template (tf/scalars.py)
 
 
 def legal(spec):
@@ -172,10 +171,7 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     stored there when every kernel was built."""
     result = _stitch_graph_def(graph_def, fetches, keep, options, name, resources,
                                workers, bodies, scalar_values, templates)
-    # Not a template's copy: a new Python scalar gets it in ~1 ms from the template,
-    # where storing it (the graph serialized, encoded and written) cost a few ms on
-    # every new value, and one more file per value.
-    if result_key is not None and not result.failed and not result.templated:
+    if result_key is not None and not result.failed:
         results.save(result_key, graph_def, result.graph_def, result.report)
     return result
 
@@ -203,9 +199,8 @@ def _stitch_graph_def(graph_def, fetches, keep, options, name, resources, worker
         template, abstracted, functions = hit
         report = copy.copy(template.report)
         report.compile_seconds = time.perf_counter() - t0
-        return replace(template, report=report, templated=True,
-                       graph_def=abstraction.restore(template.graph_def, abstracted,
-                                                     functions))
+        return replace(template, report=report, graph_def=abstraction.restore(
+            template.graph_def, abstracted, functions))
 
 
 def _stitch_all(graph_def, fetches, keep, options, name, resources, workers, bodies,
