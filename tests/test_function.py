@@ -769,6 +769,30 @@ def test_a_first_trace_that_creates_variables_is_not_stitched():
     np.testing.assert_allclose(got, tf.nn.softmax(x * 1.5) + 1.0, rtol=2e-6, atol=2e-6)
 
 
+def test_an_unliftable_initializer_runs_the_throwaway_trace_as_tf_does():
+    """A variable whose initial value is computed from the argument cannot be lifted
+    out: TF then runs the first (variable-creating) trace once, under a cond, to
+    initialize it.  That trace is a call of the inner trace (not stitched, not
+    imported): the first call initializes as tf.function's does, later calls run the
+    stitched trace and read the variable, their numbers tf.function's."""
+    def module():
+        class Init(tf.Module):
+            def __init__(self):
+                self.v = None
+
+            def __call__(self, x):
+                if self.v is None:
+                    self.v = tf.Variable(tf.nn.softmax(x[0]) * 3.0)
+                return tf.nn.softmax(x * self.v) * 2.0 + x
+        return Init()
+    rng = np.random.default_rng(8)
+    x1, x2 = (tf.constant(rng.standard_normal((4, 24)), tf.float32) for _ in range(2))
+    ref, f = tf.function(module()), stitching.function(module())
+    for x in (x1, x2):
+        np.testing.assert_allclose(f(x), ref(x), rtol=2e-6, atol=2e-6)
+    assert f.report is not None and f.report.kernels
+
+
 def test_a_small_graphs_plan_is_stored_too_and_a_broken_entry_is_planned_afresh(
         monkeypatch, tmp_path):
     """Every graph's plan is stored (not only large ones): a new function of the same
