@@ -3,6 +3,7 @@
 
     python tools/scalar_bench.py [--values 16] [--repeats 3] [--json]
     python tools/scalar_bench.py --markdown BENCHMARKS.md   # its section there
+    python tools/scalar_bench.py --paired    # both modes in one process, alternating
 
 TF traces a Python number as a constant, so each new value is a retrace, under
 ``tf.function`` and ``stitching.function`` alike (issue 38, item 4: a new value may
@@ -64,17 +65,20 @@ else:
         h = tf.nn.gelu((h - m) * tf.math.rsqrt(v + 1e-5))
         return h * alpha + beta
     args = lambda v: (x, v, 0.5 - v)
-f = tf.function(body) if mode == "tf" else stitching.function(body)
-times, cpu, worst = [], [], 0.0
+modes = ("tf", "stitching") if mode == "paired" else (mode,)
+fs = {m: tf.function(body) if m == "tf" else stitching.function(body) for m in modes}
+out = {m: {"times": [], "cpu": [], "max_abs_diff": 0.0} for m in modes}
 for i in range(n):
     v = 1.0 + 0.5 * i
-    c, t = time.process_time(), time.perf_counter()
-    got = f(*args(v)).numpy()
-    times.append((time.perf_counter() - t) * 1e3)
-    cpu.append((time.process_time() - c) * 1e3)
-    want = body(*args(v)).numpy()
-    worst = max(worst, float(np.max(np.abs(got - want))))
-print(json.dumps({"times": times, "cpu": cpu, "max_abs_diff": worst}))
+    for m in (modes if i % 2 else modes[::-1]):   # paired: alternating which goes first
+        c, t = time.process_time(), time.perf_counter()
+        got = fs[m](*args(v)).numpy()
+        out[m]["times"].append((time.perf_counter() - t) * 1e3)
+        out[m]["cpu"].append((time.process_time() - c) * 1e3)
+        want = body(*args(v)).numpy()
+        out[m]["max_abs_diff"] = max(out[m]["max_abs_diff"],
+                                     float(np.max(np.abs(got - want))))
+print(json.dumps(out if mode == "paired" else out[mode]))
 """
 
 CASES = ("softmax_axpy", "mlp_block", "softmax_loop")
@@ -100,11 +104,18 @@ def run(mode: str, case: str, n: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def measure(case: str, n: int, repeats: int) -> dict:
+def measure(case: str, n: int, repeats: int, paired: bool = False) -> dict:
     """Per mode: first call and the median new-value call (medians over repeats),
-    and the largest difference from eager TF over every value."""
+    and the largest difference from eager TF over every value.  ``paired``: both
+    modes in one process, their calls alternating (a loaded machine disturbs both
+    alike); else each mode in its own process, the processes interleaved."""
     row, runs_of = {}, {"tf": [], "stitching": []}
     for _ in range(repeats):    # interleaved: a shared machine's load drifts
+        if paired:
+            both = run("paired", case, n)
+            for mode in runs_of:
+                runs_of[mode].append(both[mode])
+            continue
         for mode in runs_of:
             runs_of[mode].append(run(mode, case, n))
     for mode, runs in runs_of.items():
@@ -141,6 +152,7 @@ def section(rows: dict, args, loads) -> str:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_lib import machine
     worst = max(r["over_tf_cpu_ms"] for r in rows.values())
+    paired = getattr(args, "paired", False)
     verdict = "PASS" if worst <= MARGIN_MS else "FAIL"
     return "\n".join([
         "<!-- suite:python_scalars -->",
@@ -150,8 +162,12 @@ def section(rows: dict, args, loads) -> str:
         f"{machine.machine_line()} ({machine.cores()} cores); stitching "
         f"`{machine.git_rev()}`; load average {loads[0]:.2f} at start, {loads[1]:.2f} at "
         f"end; command `python tools/scalar_bench.py --values {args.values} --repeats "
-        f"{args.repeats} --markdown BENCHMARKS.md`. Each mode runs in a fresh process "
-        "with an empty kernel cache; its first call traces (stitched: and compiles), each "
+        f"{args.repeats}{' --paired' if paired else ''} --markdown BENCHMARKS.md`. "
+        + ("Both modes run in one fresh process per repeat, their calls alternating "
+           "(--paired: a loaded machine slows both alike), with an empty kernel cache; "
+           if paired else "Each mode runs in a fresh process with an empty kernel "
+           "cache; ")
+        + "its first call traces (stitched: and compiles), each "
         f"later one brings a value not seen before ({args.values - 1} of them); a cell is "
         f"the median of the new-value calls, the median over {args.repeats} processes. "
         "CPU time is the process's (other processes on this shared machine disturb it "
@@ -172,12 +188,16 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--case", choices=CASES, action="append",
                     help="one function (repeatable; default all)")
+    ap.add_argument("--paired", action="store_true", help="tf.function and "
+                    "stitching.function in one process, alternating (for a loaded "
+                    "machine; the first call of each then shares a process)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", metavar="PATH", help="replace (or add) this run's "
                     "section of a BENCHMARKS.md")
     args = ap.parse_args(argv)
     load0 = os.getloadavg()[0]
-    rows = {c: measure(c, args.values, args.repeats) for c in args.case or CASES}
+    rows = {c: measure(c, args.values, args.repeats, args.paired)
+            for c in args.case or CASES}
     if args.json:
         print(json.dumps(rows, indent=1))
         return
