@@ -423,7 +423,8 @@ class StitchedFunction(tf_pf.Function):
         would call it: autograph-converted, under its variable scope) alone, stitch that
         graph, import the result here; returns ``fn``'s structured outputs.
 
-        A first trace that creates variables is not stitched (``_throwaway``)."""
+        A first trace that creates variables is not stitched (``_throwaway``): it is a
+        call of the inner trace."""
         structure = (args, kwargs)
         flat = tf.nest.flatten(structure, expand_composites=True)
         where = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor)]
