@@ -270,8 +270,17 @@ def _close(p):
         pass  # the worker died; its specs compile in-process afterwards
 
 
+def tiered_default() -> bool:
+    """Whether compile_kernels compiles tiered when not told (``STITCHING_TIERED_COMPILE``
+    = 1; off by default: module note, Tiers)."""
+    env = os.environ.get("STITCHING_TIERED_COMPILE", "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"STITCHING_TIERED_COMPILE must be 0 or 1, got {env!r}")
+    return env == "1"
+
+
 def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None,
-                    workers=None) -> list:
+                    workers=None, tiered: bool | None = None) -> list:
     """Compile many specs, each distinct spec once.  Returns kernels aligned with
     ``specs``.
 
@@ -283,28 +292,87 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
     the workers do, one per distinct code).  ``workers``: pre-started workers
     (parallel.prestart) to use, or to close when nothing needs compiling.  ``on_error(spec, exc)``,
     if given, is called for a spec that fails and its slot is None; without it the
-    first failure raises."""
+    first failure raises.  ``tiered`` (default tiered_default()): kernels missing from
+    the disk cache are built here at tier 1 and run at once, their tier-2 code
+    compiled behind them (module note, Tiers); ``wait_upgrades`` waits for it."""
     specs = [validate(s) for s in specs]
     distinct = {}
     for s in specs:
         distinct.setdefault(s.hash, s)
     n = len(distinct)
-    warm_cache(list(distinct.values()), jobs=jobs, workers=workers,
-               progress=None if progress is None else
-               (lambda done, total: progress(done, total, None)))
+    tier = 1 if (tiered_default() if tiered is None else tiered) else 2
+    if tier == 2:
+        warm_cache(list(distinct.values()), jobs=jobs, workers=workers,
+                   progress=None if progress is None else
+                   (lambda done, total: progress(done, total, None)))
     done = {}
     for i, (h, s) in enumerate(distinct.items()):
         check_cancelled()
         if progress is not None:
             progress(i, n, s)
         try:
-            done[h] = kernel.compile_kernel(s)   # through the module: tests patch it
+            done[h] = kernel.compile_kernel(s, tier)   # through the module: tests patch it
         except Exception as e:
             if on_error is None:
                 raise
             on_error(s, e)
             done[h] = None
+    if tier == 1:
+        _upgrade_later([k for k in done.values() if k is not None and k.tier == 1],
+                       jobs, workers)
     return [done[s.hash] for s in specs]
+
+
+# ---- Tiers -----------------------------------------------------------------------
+# A tiered compile (JVMs' tiered compilation; XLA's autotuner compiles fast first too)
+# puts each kernel to work after a quick, unoptimized build (direct.py, tier 1:
+# ~5-10x less LLVM time, scalar loops) and builds its optimized code (tier 2, the
+# code a plain compile makes) in background workers; each kernel then switches to it
+# (kernel._Code.upgrade; the op's registry switches the registered kernels between two
+# calls, runtime/op.cc Registry::Upgrade).  Only tier-2 code is ever written to the
+# disk cache, so a warm process and the steady state run the same machine code as
+# without tiers.  Off by default (STITCHING_TIERED_COMPILE=1 turns it on): tier-1
+# code is several times slower than tier 2 (BENCHMARKS.md, compile phases) and not
+# checked against stock TF, so a region may run slower than TF's own ops until its
+# upgrade.
+
+_upgrades: list = []            # threads compiling tier 2 behind tier-1 kernels
+
+
+def _upgrade_later(kernels, jobs, workers) -> None:
+    """Compile ``kernels``' tier-2 code in background workers (``workers`` if given),
+    then switch each to it; a kernel whose tier 2 fails keeps running tier 1."""
+    if not kernels:
+        if workers is not None:
+            workers.close()
+        return
+
+    def run():
+        with background():
+            try:
+                warm_cache([k.spec for k in kernels], jobs=jobs, workers=workers)
+            except Cancelled:
+                return
+            except Exception as e:  # noqa: BLE001 - tier 1 keeps serving
+                kernel._log.warning("tier-2 compile failed (%s: %s); kernels keep "
+                                    "their tier-1 code", type(e).__name__, e)
+        for k in kernels:
+            k.upgrade()
+
+    t = threading.Thread(target=run, name="stitching-tier2", daemon=True)
+    _upgrades.append(t)
+    t.start()
+
+
+def wait_upgrades(timeout: float | None = None) -> bool:
+    """Wait for the tier-2 compiles started so far (tests, tools); True if none is
+    left running."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for t in list(_upgrades):
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not t.is_alive():
+            _upgrades.remove(t)
+    return not _upgrades
 
 
 def compile_bounded(spec):

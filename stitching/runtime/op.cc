@@ -94,7 +94,8 @@ using InterpFn = int64_t (*)(const int64_t* program, const int64_t* in_dims,
                             int64_t* params, int64_t* out_dims, int64_t* sched);
 using CompilerFn = int (*)(const char* spec);
 
-constexpr int kAbiVersion = 8;   // 8: the assets installer is a callback of its own
+constexpr int kAbiVersion = 9;   // 8: the assets installer is a callback of its own,
+                                 // 9: stitching_upgrade_body (tiered compiles)
 constexpr int64_t kMaxProgram = 1 << 20;   // sanity bound on a shape program's words
 constexpr int kMaxParams = 32;      // size of the params array shape_fn may fill
 constexpr int kPhaseSlot = kMaxParams - 1;   // params[31]: the phase being run
@@ -103,10 +104,15 @@ constexpr int kMaxRank = 64;        // sanity bound; the IR itself stops at 8
 constexpr int kMaxTensors = 1024;   // sanity bound on inputs/outputs per kernel
 constexpr size_t kMaxSpecBytes = size_t{1} << 20;   // ir/spec.py MAX_JSON_BYTES
 
-// Everything needed to run one compiled kernel.  Immutable once registered; kernels
-// share it through shared_ptr so it outlives any registry change.
+// Everything needed to run one compiled kernel.  Immutable once registered but for
+// `body`; kernels share it through shared_ptr so it outlives any registry change.
 struct Entry {
-  BodyFn body = nullptr;
+  // The kernel's code.  A kernel first built quickly (tier 1, compile/tiers.py) has it
+  // replaced by its optimized build once that is ready (Registry::Upgrade).  A call
+  // reads it once (RunKernel) and runs every unit and phase on that code, so a swap
+  // takes effect at a call boundary; the old code stays mapped for the process's life
+  // (no kernel object is ever unloaded), so calls still running it finish safely.
+  mutable std::atomic<BodyFn> body{nullptr};
   ShapeFn shape_fn = nullptr;       // with an empty `program`
   InterpFn interp = nullptr;        // with a non-empty `program`
   std::vector<int64_t> program;
@@ -134,9 +140,30 @@ class Registry {
 
   // Returns true if newly inserted; an existing entry for the same spec is kept, so
   // registration is idempotent and a running kernel never sees its entry replaced.
+  // Code already upgraded (Upgrade) is registered as its replacement: Python may read
+  // a kernel's old address just before it upgrades.
   bool Insert(const std::string& spec, std::shared_ptr<const Entry> e) {
     std::lock_guard<std::mutex> lock(mu_);
+    auto up = upgraded_.find(e->body.load(std::memory_order_relaxed));
+    if (up != upgraded_.end()) e->body.store(up->second, std::memory_order_release);
     return map_.emplace(spec, std::move(e)).second;
+  }
+
+  // Every entry running `from` runs `to` from its next call on, and so does any entry
+  // registered with `from` later.  Returns how many entries were switched now.
+  int64_t Upgrade(BodyFn from, BodyFn to) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : upgraded_) {
+      if (kv.second == from) kv.second = to;  // a chain of upgrades ends at `to`
+    }
+    upgraded_[from] = to;
+    int64_t n = 0;
+    for (auto& kv : map_) {
+      BodyFn expected = from;
+      n += kv.second->body.compare_exchange_strong(expected, to,
+                                                   std::memory_order_acq_rel);
+    }
+    return n;
   }
 
   std::shared_ptr<const Entry> Find(const std::string& spec) {
@@ -160,6 +187,7 @@ class Registry {
  private:
   std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<const Entry>> map_;
+  std::unordered_map<BodyFn, BodyFn> upgraded_;  // replaced code -> its replacement
   std::atomic<CompilerFn> compiler_{nullptr};
   std::atomic<CompilerFn> installer_{nullptr};
 };
@@ -957,7 +985,9 @@ class StitchedKernelOp : public OpKernel {
     }
 
     // Split [0, total) across this thread and the intra-op pool (RunUnits); small
-    // totals run inline on this thread.
+    // totals run inline on this thread.  One read of the code for the whole call
+    // (Entry::body): its phases never mix two builds.
+    const BodyFn body = e.body.load(std::memory_order_acquire);
     const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     const int64_t cost = std::max<int64_t>(1, sched[1]);
     const bool inline_run = workers == nullptr || workers->workers == nullptr ||
@@ -966,9 +996,9 @@ class StitchedKernelOp : public OpKernel {
     for (int64_t phase = 0; phase < sched[2]; ++phase) {
       params[kPhaseSlot] = phase;  // each phase returns when every unit is done
       if (inline_run) {
-        e.body(0, sched[0], ins.data(), outs.data(), params);
+        body(0, sched[0], ins.data(), outs.data(), params);
       } else {
-        RunUnits(workers->workers, e.body, ins.data(), outs.data(), params, sched[0],
+        RunUnits(workers->workers, body, ins.data(), outs.data(), params, sched[0],
                  cost);
       }
     }
@@ -1568,7 +1598,7 @@ __attribute__((visibility("default"))) int stitching_register(
   if (spec == nullptr || body == nullptr || shape_fn == nullptr) return -1;
   if (n_out < 1) return -2;
   auto e = std::make_shared<Entry>();
-  e->body = reinterpret_cast<stitching::BodyFn>(body);
+  e->body.store(reinterpret_cast<stitching::BodyFn>(body));
   if (program != nullptr) {
     if (program_len < 1 || program_len > stitching::kMaxProgram) return -8;
     e->interp = reinterpret_cast<stitching::InterpFn>(shape_fn);
@@ -1599,6 +1629,23 @@ __attribute__((visibility("default"))) int stitching_register(
     }
   }
   return stitching::Registry::Get().Insert(spec, std::move(e)) ? 0 : 1;
+}
+
+// Kernels registered with code `from` run `to` from their next call on (and so do
+// those registered with `from` later): a tiered compile's optimized build replacing
+// its quick one.  Returns how many registered kernels were switched, -1 on NULL.
+__attribute__((visibility("default"))) int64_t stitching_upgrade_body(void* from,
+                                                                      void* to) {
+  if (from == nullptr || to == nullptr) return -1;
+  return stitching::Registry::Get().Upgrade(reinterpret_cast<stitching::BodyFn>(from),
+                                            reinterpret_cast<stitching::BodyFn>(to));
+}
+
+// The code the kernel registered under `spec` runs now (NULL: none registered).
+__attribute__((visibility("default"))) void* stitching_body_of(const char* spec) {
+  if (spec == nullptr) return nullptr;
+  auto e = stitching::Registry::Get().Find(spec);
+  return e ? reinterpret_cast<void*>(e->body.load(std::memory_order_acquire)) : nullptr;
 }
 
 // Installs (or, with NULL, removes) the compiler called on a registry miss.  It must
