@@ -20,7 +20,9 @@ and reports the median of each phase per kernel, summed over the kernels:
     LLVM function  the per-function pass pipeline Numba runs on each new module
                    (none on the direct backend)
     LLVM module    the module pipeline: Numba's cheap and full O3 passes, or the
-                   direct backend's one O3 pass (direct.optimize)
+                   direct backend's one O3 pass (direct.optimize), or its tier-1
+                   pipeline (direct.quick_optimize; backend "tier1": the quick code
+                   a tiered compile runs first, compile/parallel.py)
     object         machine code for the target (native.emit_object)
     link           the system compiler driver making the .so, the files written
 
@@ -45,6 +47,7 @@ from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("front", "function", "module", "object", "link")
+BACKENDS = ("numba", "llvm", "tier1")
 
 
 def collect(out: Path, models, cache) -> None:
@@ -95,7 +98,9 @@ def _hook(clock) -> None:
     clock.wrap(codegen.CPUCodeLibrary, "_optimize_functions", "function")
     clock.wrap(codegen.CPUCodeLibrary, "_optimize_final_module", "module")
     clock.wrap(direct, "optimize", "module")
+    clock.wrap(direct, "quick_optimize", "module")
     clock.wrap(native, "emit_object", "object")
+    clock.wrap(direct, "_emit_quick", "object")
     clock.wrap(native, "_link", "link")
 
 
@@ -104,8 +109,8 @@ def _compile_once(text, backend, stem, clock) -> dict:
     for k in clock.t:
         clock.t[k] = 0.0
     t = time.perf_counter()
-    if backend == "llvm":
-        direct.build(text, stem, kernel.BODY_SYMBOL)
+    if backend in ("llvm", "tier1"):
+        direct.build(text, stem, kernel.BODY_SYMBOL, 1 if backend == "tier1" else 2)
     else:
         module = kernel._load_module(text, f"phases_{stem.name}")
         native.build(module.body, module.h.BODY_SIG, module.h.BODY_OPTIONS, stem,
@@ -126,13 +131,13 @@ def time_dir(src: Path, rounds: int) -> None:
     clock = _Clock()
     _hook(clock)
     work = Path(tempfile.mkdtemp(prefix="phases-out-"))
-    runs = {(b, n): [] for b in ("numba", "llvm") for n in texts}
+    runs = {(b, n): [] for b in BACKENDS for n in texts}
     for _ in range(2):      # warm: every helper signature the kernels call loaded
         for n, text in texts.items():
             _compile_once(text, "llvm", work / f"w_{n}", clock)
     for r in range(rounds):
         for n, text in texts.items():
-            for b in ("numba", "llvm"):
+            for b in BACKENDS:
                 runs[(b, n)].append(_compile_once(text, b, work / f"{b}_{r}_{n}", clock))
     lines = sum(len(t.splitlines()) for t in texts.values())
     print(f"{len(texts)} kernels, {lines} generated lines; median of {rounds} rounds "
@@ -140,19 +145,19 @@ def time_dir(src: Path, rounds: int) -> None:
     print("| backend | total | " + " | ".join(PHASES) + " |")
     print("|---|---:|" + "---:|" * len(PHASES))
     sums = {}
-    for b in ("numba", "llvm"):
+    for b in BACKENDS:
         s = {p: sum(statistics.median(x[p] for x in runs[(b, n)]) for n in texts)
              for p in PHASES + ("total",)}
         sums[b] = s
         print(f"| {b} | {s['total']:.2f} | " + " | ".join(
             f"{s[p]:.2f} ({s[p] / s['total']:.0%})" for p in PHASES) + " |")
-    print(f"speed-up of the total: {sums['numba']['total'] / sums['llvm']['total']:.2f}x; "
+    print(f"speed-up of the total: {sums['numba']['total'] / sums['llvm']['total']:.2f}x, "
+          f"tier 1 {sums['numba']['total'] / sums['tier1']['total']:.2f}x; "
           f"front end {sums['numba']['front'] / max(sums['llvm']['front'], 1e-9):.1f}x")
     for n in texts:
-        a = statistics.median(x["total"] for x in runs[("numba", n)])
-        d = statistics.median(x["total"] for x in runs[("llvm", n)])
+        a, d, q = (statistics.median(x["total"] for x in runs[(b, n)]) for b in BACKENDS)
         print(f"  {n}: {len(texts[n].splitlines())} lines, numba {a:.3f} s, "
-              f"llvm {d:.3f} s ({a / d:.1f}x)")
+              f"llvm {d:.3f} s ({a / d:.1f}x), tier1 {q:.3f} s ({a / q:.1f}x)")
     shutil.rmtree(work, ignore_errors=True)
 
 

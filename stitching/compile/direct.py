@@ -229,22 +229,27 @@ _TIER1_MARK = "; stitching: tier-1 code (direct.quick_optimize), never cached\n"
 
 def _export_quick(mod, symbol: str, target: tuple, stem: Path) -> None:
     """native.export_module for tier-1 code: machine code at QUICK_CODEGEN_LEVEL."""
-    import llvmlite.binding as ll
     try:
         native._prepare(mod, symbol, symbol)
-        triple, cpu, features = target
-        tm = ll.Target.from_triple(triple).create_target_machine(
-            cpu=cpu, features=features, opt=QUICK_CODEGEN_LEVEL, reloc="pic",
-            codemodel="default")
-        with native._emit_lock:      # no loop strength reduction either (native.py)
-            ll.set_option("", "-disable-lsr=true")
-            try:
-                obj = tm.emit_object(mod)
-            finally:
-                ll.set_option("", "-disable-lsr=false")
+        obj = _emit_quick(mod, target)
     except native.NativeError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the step named
         raise native.NativeError(f"generating the tier-1 code of {symbol} failed: "
                                  f"{type(e).__name__}: {e}") from e
     native._link(obj, _TIER1_MARK + str(mod), stem, symbol)
+
+
+def _emit_quick(mod, target: tuple) -> bytes:
+    """Tier-1 machine code: QUICK_CODEGEN_LEVEL, no loop strength reduction (native.py)."""
+    import llvmlite.binding as ll
+    triple, cpu, features = target
+    tm = ll.Target.from_triple(triple).create_target_machine(
+        cpu=cpu, features=features, opt=QUICK_CODEGEN_LEVEL, reloc="pic",
+        codemodel="default")
+    with native._emit_lock:
+        ll.set_option("", "-disable-lsr=true")
+        try:
+            return tm.emit_object(mod)
+        finally:
+            ll.set_option("", "-disable-lsr=false")
