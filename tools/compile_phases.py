@@ -4,6 +4,7 @@
     python tools/compile_phases.py collect DIR --cache CACHE_DIR   # a cold run's kernels
     python tools/compile_phases.py time DIR [--rounds 3]
     python tools/compile_phases.py speed [--rounds 7]
+    python tools/compile_phases.py tiers MODEL [--rounds 3] [--calls 20]
 
 ``collect`` writes the generated kernel modules (``<code>.py``) of the models' cold
 first call (traced and planned, stopped before compiling, as tools/cold_profile.py
@@ -32,6 +33,14 @@ SwiGLU, LayerNorm, RMSNorm, softmax, log-softmax, a column reduction; ``--rows``
 backend and times each kernel alone on this thread (CompiledKernel.__call__: its
 units one after another), the backends interleaved, each the best of 3 calls,
 median of ``--rounds``.
+
+``tiers`` times a model's cold first call (``stitching.function``, batch 1, a fresh
+process and an empty kernel cache each) without and with tiered compiles
+(STITCHING_TIERED_COMPILE=1: tier-1 kernels first, compile/parallel.py), the modes
+interleaved, ``--rounds`` each: the first call, ``--calls`` calls right after it
+(with tiers: on tier-1 code while tier 2 compiles), the time until every kernel runs
+tier-2 code, ``--calls`` calls then, and stock TF's first and steady calls in the
+same process.
 """
 from __future__ import annotations
 
@@ -272,6 +281,74 @@ def speed(rounds: int, rows: int) -> None:
     print(f"geomean llvm / numba: {statistics.geometric_mean(ratios):.3f}")
 
 
+_MARK = "@@TIERS@@"
+
+
+def tiers(model: str, rounds: int, calls: int) -> None:
+    import json
+    import subprocess
+    rows = {False: [], True: []}
+    for _ in range(rounds):
+        for tiered in (False, True):
+            env = dict(os.environ, STITCHING_TIERED_COMPILE="1" if tiered else "0",
+                       STITCHING_CACHE_DIR=tempfile.mkdtemp(prefix="phases-tiers-"))
+            r = subprocess.run([sys.executable, __file__, "_tiers_child", model,
+                                str(calls)], env=env, capture_output=True, text=True)
+            line = [x for x in r.stdout.splitlines() if x.startswith(_MARK)]
+            if not line:
+                raise RuntimeError(f"child failed: {r.stderr[-2000:]}")
+            rows[tiered].append(json.loads(line[0][len(_MARK):]))
+            shutil.rmtree(env["STITCHING_CACHE_DIR"], ignore_errors=True)
+    print(f"{model}, batch 1, median of {rounds} fresh processes per mode (s; per call: ms); "
+          f"load {os.getloadavg()[0]:.1f}")
+    keys = ("first_s", "early_ms", "ready_s", "steady_ms", "tf_first_s", "tf_ms", "max_diff")
+    print("| mode | first call s | next calls ms | all tier 2 s | then ms | TF first s | "
+          "TF ms | max diff vs TF |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for tiered in (False, True):
+        med = {k: statistics.median(r[k] for r in rows[tiered]) for k in keys}
+        print(f"| {'tiered' if tiered else 'plain'} | " + " | ".join(
+            f"{med[k]:.3g}" for k in keys) + " |")
+
+
+def _tiers_child(model: str, calls: int) -> None:
+    import json
+
+    import numpy as np
+    import tensorflow as tf
+
+    import stitching
+    from stitching.compile import parallel
+    from stitching.testing import models as M
+    case = M.get(model)
+    args = [tf.constant(a) for a in case.inputs(1)]
+    fn = stitching.function(case.make_fn(), input_signature=case.input_signature())
+
+    def per_call(f):
+        t = time.perf_counter()
+        for _ in range(calls):
+            out = f(*args)
+        return (time.perf_counter() - t) / calls * 1e3, out
+    t0 = time.perf_counter()
+    fn(*args)
+    first = time.perf_counter() - t0
+    early, out = per_call(fn)
+    parallel.wait_upgrades()
+    ready = time.perf_counter() - t0
+    steady, _ = per_call(fn)
+    ref = tf.function(case.make_fn(), input_signature=case.input_signature())
+    t = time.perf_counter()
+    ref(*args)
+    tf_first = time.perf_counter() - t
+    tf_ms, want = per_call(ref)
+    flat = lambda o: [np.asarray(x) for x in tf.nest.flatten(o)]   # noqa: E731
+    diff = max(float(np.max(np.abs(a.astype(np.float64) - b))) for a, b in
+               zip(flat(out), flat(want)))
+    print(_MARK + json.dumps(dict(first_s=first, early_ms=early, ready_s=ready,
+                                  steady_ms=steady, tf_first_s=tf_first, tf_ms=tf_ms,
+                                  max_diff=diff)), flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -287,6 +364,13 @@ def main(argv=None) -> int:
     sp.add_argument("--rows", type=int, default=8192,
                     help="rows of 1024 floats (64: the data stays in L2, code speed "
                          "alone; 8192: the patterns suite's large size)")
+    tr = sub.add_parser("tiers")
+    tr.add_argument("model")
+    tr.add_argument("--rounds", type=int, default=3)
+    tr.add_argument("--calls", type=int, default=20)
+    ch = sub.add_parser("_tiers_child")
+    ch.add_argument("model")
+    ch.add_argument("calls", type=int)
     args = ap.parse_args(argv)
     sys.path.insert(0, REPO)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -296,6 +380,10 @@ def main(argv=None) -> int:
         collect(args.out, args.model, args.cache)
     elif args.what == "time":
         time_dir(args.src, args.rounds)
+    elif args.what == "tiers":
+        tiers(args.model, args.rounds, args.calls)
+    elif args.what == "_tiers_child":
+        _tiers_child(args.model, args.calls)
     else:
         speed(args.rounds, args.rows)
     return 0

@@ -294,13 +294,17 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
     if given, is called for a spec that fails and its slot is None; without it the
     first failure raises.  ``tiered`` (default tiered_default()): kernels missing from
     the disk cache are built here at tier 1 and run at once, their tier-2 code
-    compiled behind them (module note, Tiers); ``wait_upgrades`` waits for it."""
+    compiled behind them (module note, Tiers); ``wait_upgrades`` waits for it.  Not
+    inside ``background()`` unless asked: stock TF serves there meanwhile."""
     specs = [validate(s) for s in specs]
     distinct = {}
     for s in specs:
         distinct.setdefault(s.hash, s)
     n = len(distinct)
-    tier = 1 if (tiered_default() if tiered is None else tiered) else 2
+    # A background compile (stock TF serving meanwhile) has no one waiting for a
+    # kernel: it compiles tier 2 in workers only, off this process's cores
+    tiered = (tiered_default() and not in_background()) if tiered is None else tiered
+    tier = 1 if tiered else 2
     if tier == 2:
         warm_cache(list(distinct.values()), jobs=jobs, workers=workers,
                    progress=None if progress is None else
