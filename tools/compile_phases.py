@@ -30,9 +30,9 @@ and reports the median of each phase per kernel, summed over the kernels:
 ``speed`` builds the kernels of a few patterns (element-wise with broadcasts, GELU,
 SwiGLU, LayerNorm, RMSNorm, softmax, log-softmax, a column reduction; ``--rows`` x
 1024 float32) with each
-backend and times each kernel alone on this thread (CompiledKernel.__call__: its
-units one after another), the backends interleaved, each the best of 3 calls,
-median of ``--rounds``.
+backend, and the direct backend's tier-1 code, and times each kernel alone on this
+thread (CompiledKernel.__call__: its units one after another), the backends
+interleaved, each the best of 3 calls, median of ``--rounds``.
 
 ``tiers`` times a model's cold first call (``stitching.function``, batch 1, a fresh
 process and an empty kernel cache each) without and with tiered compiles
@@ -241,12 +241,12 @@ def speed(rounds: int, rows: int) -> None:
     rng = np.random.default_rng(0)
     calls = max(1, 8192 // rows)        # ~ the same time per measurement at any size
     kernels = {}
-    for b in ("numba", "llvm"):
-        os.environ["STITCHING_CPU_BACKEND"] = b
+    for b in BACKENDS:      # tier1: the direct backend's tier-1 code (never upgraded here)
+        os.environ["STITCHING_CPU_BACKEND"] = "llvm" if b == "tier1" else b
         kernel.clear_memory_cache()
         for name, (spec, shapes) in _pattern_specs(rows).items():
-            k = kernel.compile_kernel(spec)
-            assert k.backend == b or k.backend_note is None, (name, k.backend_note)
+            k = kernel.compile_kernel(spec, 1 if b == "tier1" else 2)
+            assert k.backend_note is None and k.tier == (1 if b == "tier1" else 2), name
             kernels[(b, name)] = (k, shapes)
     times = {key: [] for key in kernels}
     for _ in range(rounds):
@@ -254,7 +254,7 @@ def speed(rounds: int, rows: int) -> None:
             args = [rng.standard_normal(s).astype(np.float32)
                     for s in kernels[("numba", name)][1]]
             outs = {}
-            for b in ("numba", "llvm"):
+            for b in BACKENDS:
                 k = kernels[(b, name)][0]
                 best = math.inf
                 for _ in range(3):          # best of 3 calls: other processes' noise
@@ -269,16 +269,18 @@ def speed(rounds: int, rows: int) -> None:
     print(f"{rows}x1024 float32, kernel alone, one thread, median of {rounds} rounds "
           "interleaved (ms); "
           "llvm/numba < 1: the direct backend's code is faster")
-    print("| pattern | numba ms | llvm ms | llvm / numba | outputs bit-identical |")
-    print("|---|---:|---:|---:|---|")
-    ratios = []
+    print("| pattern | numba ms | llvm ms | llvm / numba | outputs bit-identical | "
+          "tier1 ms | tier1 / llvm |")
+    print("|---|---:|---:|---:|---|---:|---:|")
+    ratios, slow = [], []
     for name in _pattern_specs(rows):
-        a = statistics.median(times[("numba", name)]) * 1e3
-        d = statistics.median(times[("llvm", name)]) * 1e3
+        a, d, q = (statistics.median(times[(b, name)]) * 1e3 for b in BACKENDS)
         ratios.append(d / a)
+        slow.append(q / d)
         print(f"| {name} | {a:.2f} | {d:.2f} | {d / a:.3f} | "
-              f"{'yes' if all(times[('same', name)]) else 'NO'} |")
-    print(f"geomean llvm / numba: {statistics.geometric_mean(ratios):.3f}")
+              f"{'yes' if all(times[('same', name)]) else 'NO'} | {q:.2f} | {q / d:.2f} |")
+    print(f"geomean llvm / numba: {statistics.geometric_mean(ratios):.3f}; "
+          f"tier1 / llvm: {statistics.geometric_mean(slow):.2f}")
 
 
 _MARK = "@@TIERS@@"
