@@ -243,6 +243,8 @@ def speed(rounds: int, rows: int) -> None:
     kernels = {}
     for b in BACKENDS:      # tier1: the direct backend's tier-1 code (never upgraded here)
         os.environ["STITCHING_CPU_BACKEND"] = "llvm" if b == "tier1" else b
+        if b == "tier1":    # a cache without the tier-2 code just built
+            os.environ["STITCHING_CACHE_DIR"] = tempfile.mkdtemp(prefix="phases-speed-")
         kernel.clear_memory_cache()
         for name, (spec, shapes) in _pattern_specs(rows).items():
             k = kernel.compile_kernel(spec, 1 if b == "tier1" else 2)
