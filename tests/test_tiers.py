@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from stitching.compile import kernel, native, parallel
+from stitching.compile import kernel, parallel
 from stitching.ir.builder import SpecBuilder
 
 RNG = np.random.default_rng(3939)
