@@ -248,6 +248,11 @@ class CompiledKernel:
         return self._code.address
 
     @property
+    def _body(self):
+        """The body as a ctypes function (the code running now)."""
+        return self._code.fn
+
+    @property
     def tier(self) -> int:
         """1: quick code running while the optimized code compiles (tiers: _Code);
         2: the optimized code every cache holds."""
@@ -335,7 +340,7 @@ class CompiledKernel:
             ip = (ctypes.c_void_p * max(1, len(ins)))(*[a.ctypes.data for a in ins])
             op = (ctypes.c_void_p * (len(outs) + 1))(*[o.ctypes.data for o in outs],
                                                      scratch.ctypes.data)
-            body = self._code.fn           # one build for every phase of the call
+            body = self._body              # one build for every phase of the call
             for phase in range(phases):
                 dims[cpu().PHASE_SLOT] = phase
                 body(0, units, ip, op,
