@@ -5,6 +5,7 @@
     python tools/compile_phases.py time DIR [--rounds 3]
     python tools/compile_phases.py speed [--rounds 7]
     python tools/compile_phases.py tiers MODEL [--rounds 3] [--calls 20]
+    python tools/compile_phases.py tier1 [--size large] [--calls 10] PATTERN...
 
 ``collect`` writes the generated kernel modules (``<code>.py``) of the models' cold
 first call (traced and planned, stopped before compiling, as tools/cold_profile.py
@@ -41,6 +42,13 @@ interleaved, ``--rounds`` each: the first call, ``--calls`` calls right after it
 (with tiers: on tier-1 code while tier 2 compiles), the time until every kernel runs
 tier-2 code, ``--calls`` calls then, and stock TF's first and steady calls in the
 same process.
+
+``tier1`` runs patterns of the patterns suite (stitching/testing/patterns.py) through
+the op, tiered, in one process with an empty kernel cache: each pattern's calls on its
+tier-1 code (right after the first call, while tier 2 compiles; a row is left out if
+the switch came before the calls ended), then on tier 2, and stock TF's
+(``tf.function``), median of ``--calls`` calls each: whether tier-1 code is slower than
+the TF ops it replaces.
 """
 from __future__ import annotations
 
@@ -353,6 +361,42 @@ def _tiers_child(model: str, calls: int) -> None:
                                   max_diff=diff)), flush=True)
 
 
+def tier1(patterns, size: str, calls: int) -> None:
+    os.environ["STITCHING_TIERED_COMPILE"] = "1"
+    os.environ.setdefault("STITCHING_CACHE_DIR", tempfile.mkdtemp(prefix="phases-tier1-"))
+    import tensorflow as tf
+
+    import stitching
+    from stitching.compile import parallel
+    from stitching.testing import patterns as P
+
+    def ms(f, args):
+        out = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            f(*args)
+            out.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(out)
+    print(f"patterns at size {size}, through the op (TF's intra-op threads), median of "
+          f"{calls} calls (ms); load {os.getloadavg()[0]:.1f}")
+    print("| pattern | TF ms | tier 1 ms | tier 2 ms | tier 1 / TF | tier 2 / TF |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in patterns:
+        p = P.get(name)
+        args = [tf.constant(a) for a in p.inputs(size)]
+        ref = tf.function(p.fn, input_signature=p.input_signature(size))
+        st = stitching.function(p.fn, input_signature=p.input_signature(size))
+        ref(*args)
+        st(*args)
+        early = ms(st, args)
+        pending = not parallel.wait_upgrades(0)
+        parallel.wait_upgrades()
+        late, base = ms(st, args), ms(ref, args)
+        t1 = f"{early:.2f}" if pending else "(switched)"
+        r1 = f"{early / base:.2f}x" if pending else "-"
+        print(f"| {name} | {base:.2f} | {t1} | {late:.2f} | {r1} | {late / base:.2f}x |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -372,6 +416,10 @@ def main(argv=None) -> int:
     tr.add_argument("model")
     tr.add_argument("--rounds", type=int, default=3)
     tr.add_argument("--calls", type=int, default=20)
+    t1 = sub.add_parser("tier1")
+    t1.add_argument("patterns", nargs="+")
+    t1.add_argument("--size", default="large")
+    t1.add_argument("--calls", type=int, default=10)
     ch = sub.add_parser("_tiers_child")
     ch.add_argument("model")
     ch.add_argument("calls", type=int)
@@ -386,6 +434,8 @@ def main(argv=None) -> int:
         time_dir(args.src, args.rounds)
     elif args.what == "tiers":
         tiers(args.model, args.rounds, args.calls)
+    elif args.what == "tier1":
+        tier1(args.patterns, args.size, args.calls)
     elif args.what == "_tiers_child":
         _tiers_child(args.model, args.calls)
     else:
