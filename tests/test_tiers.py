@@ -80,6 +80,13 @@ def test_tier1_code_runs_outside_the_cache_and_matches_tier2_and_float64():
     assert np.array_equal(a, b)
 
 
+def test_asking_for_tier2_of_a_tier1_kernel_in_memory_builds_it_into_the_cache():
+    k = kernel.compile_kernel(gelu_spec(), tier=1)
+    assert k.tier == 1 and cache_objects() == []
+    assert kernel.compile_kernel(gelu_spec()) is k
+    assert k.tier == 2 and [p.name for p in cache_objects()] == [k.code_name + ".so"]
+
+
 def test_tier1_is_a_direct_backend_tier_the_numba_backend_builds_tier2(monkeypatch):
     monkeypatch.setenv("STITCHING_CPU_BACKEND", "numba")
     k = kernel.compile_kernel(gelu_spec(), tier=1)
@@ -102,6 +109,33 @@ def test_tiered_compile_kernels_run_tier1_then_switch_to_the_cached_tier2():
     plain = kernel.compile_kernel(spec)
     assert plain.cache_hits and plain.tier == 2
     assert np.array_equal(got, plain(x, g)[0])
+
+
+def softmax_spec():
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 80))
+    e = b.Exp(b.Sub(x, b.Max(x, axes=[1], keep_dims=True)))
+    return b.build([b.Div(e, b.Sum(e, axes=[1], keep_dims=True))])
+
+
+def test_workers_build_tier1_into_this_process_dir_then_tier2_into_the_cache(monkeypatch):
+    """A batch that goes to workers: each builds tier-1 code first (into this
+    process's tier-1 directory: nothing built here), then tier 2 into the cache."""
+    from stitching.compile import direct
+    built_here = []
+    monkeypatch.setattr(direct, "build", lambda *a, **k: built_here.append(a))
+    specs = [layernorm_spec(), gelu_spec(), softmax_spec()]
+    ks = parallel.compile_kernels(specs, jobs=2, tiered=True)
+    assert built_here == []
+    assert sorted(p.name for p in kernel._tier1_dir().glob("k_*.so")) == \
+        sorted(k.code_name + ".so" for k in ks)
+    assert parallel.wait_upgrades(120)
+    assert [k.tier for k in ks] == [2, 2, 2]
+    assert sorted(p.name for p in cache_objects()) == sorted(k.code_name + ".so" for k in ks)
+    x = RNG.standard_normal((6, 80)).astype(np.float32)
+    (y,) = ks[2](x)
+    e = np.exp(x - x.max(1, keepdims=True))
+    np.testing.assert_allclose(y, e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
 
 
 def test_a_failed_tier2_compile_leaves_tier1_serving(monkeypatch):

@@ -25,6 +25,7 @@ import ctypes
 import hashlib
 import importlib.util
 import logging
+import os
 import sys
 import threading
 import time
@@ -121,7 +122,6 @@ def _memo_key() -> str | None:
     """A hash of the toolchain tag's inputs, cheap to read; None where they cannot be
     read this way (then the tag is computed every time)."""
     import importlib.util
-    import os
     h = hashlib.sha256(f"{sys.version}|{sys.executable}".encode())
     try:
         for name in ("numba", "llvmlite"):
@@ -446,12 +446,19 @@ class _Code:
             if not native.built(self.stem):
                 return False
             old, self.address = self.address, native.load(self.stem, self.symbol)
-            self.tier, self.built_at = 2, self.stem
+            self.tier, self.built_at, self.text = 2, self.stem, None
             # after the switch: a kernel registered from now on reads the new
             # address, one registered before is switched by the listener
             for fn in _upgrade_listeners:
                 fn(old, self.address)
         return True
+
+    def build_tier2(self) -> None:
+        """Build the tier-2 code of this tier-1 code here, into the cache, and switch
+        to it (upgrade)."""
+        from . import direct
+        direct.build(self.text, self.stem, self.symbol, 2)
+        self.upgrade()
 
     def _build_direct(self, text: str, symbol: str, tier: int = 2) -> bool:
         """Build through the direct LLVM backend where it is chosen (direct.py), at
@@ -464,9 +471,11 @@ class _Code:
         try:
             _write_source(self.stem.with_suffix(".py"), text)   # what was compiled
             at = self.stem if tier == 2 else _tier1_dir() / self.stem.name
-            direct.build(text, at, symbol, tier)
+            if not (tier == 1 and native.built(at)):    # a compile worker's tier 1
+                direct.build(text, at, symbol, tier)
             self.address = native.load(at, symbol)
             self.tier, self.built_at = tier, at
+            self.text = text if tier == 1 else None       # for build_tier2
         except Unsupported as e:
             self.backend_note = f"built by Numba: the direct backend does not handle {e}"
             _log.info("kernel %s: %s", self.stem.name, self.backend_note)
@@ -511,11 +520,17 @@ def on_upgrade(fn) -> None:
             _upgrade_listeners.append(fn)
 
 
+TIER1_ENV = "STITCHING_TIER1_DIR"     # a compile worker's parent's _tier1_dir()
+
+
 def _tier1_dir() -> Path:
-    """Where this process's tier-1 objects go: a directory of its own, removed at exit
-    (the objects stay mapped), so that no cache ever holds tier-1 code."""
+    """Where this process's tier-1 objects go: a directory of its own (a compile
+    worker: its parent's), removed at exit (the objects stay mapped), so that no
+    cache ever holds tier-1 code."""
     global _TIER1_DIR
     with _lock:
+        if _TIER1_DIR is None and os.environ.get(TIER1_ENV):
+            _TIER1_DIR = Path(os.environ[TIER1_ENV])
         if _TIER1_DIR is None:
             import atexit
             import shutil
@@ -685,8 +700,10 @@ def compile_kernel(spec: KernelSpec, tier: int = 2) -> CompiledKernel:
     with _lock:
         k = _kernels.get(key)
         if k is not None:
-            if k.tier == 1:         # its tier 2 may be in the cache by now
-                k.upgrade()
+            # its tier 2 may be in the cache by now; or it is asked for here (a compile
+            # worker asked for a kernel's tier 1, then its tier 2: parallel.py)
+            if k.tier == 1 and not k.upgrade() and tier == 2:
+                k._code.build_tier2()
             return k
         target = compile_target(spec)
         if target.hash == key:
