@@ -204,3 +204,38 @@ def test_the_op_switches_to_tier2_between_calls_while_tf_threads_run_it():
     assert rt.register(stale, spec=key + " ") is True
     assert rt.registry.body_of(key + " ") == k.body_address
     np.testing.assert_allclose(run(x, g).numpy(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_region_slower_at_tier1_than_tf_runs_its_original_ops_until_the_upgrade(
+        monkeypatch):
+    """softmax (exp: kernel.slow_at_tier1): while its kernel is at tier 1 the node runs
+    the region's TF ops (outputs are TF's, bit for bit); after the upgrade, tier 2."""
+    tf = pytest.importorskip("tensorflow")
+    import stitching
+    from stitching.runtime import registry
+    pending = []
+    monkeypatch.setattr(parallel, "_upgrade_later", lambda ks, jobs, batch: pending.extend(ks))
+    monkeypatch.setenv("STITCHING_TIERED_COMPILE", "1")
+
+    def softmax(x):
+        e = tf.exp(x - tf.reduce_max(x, axis=-1, keepdims=True))
+        return e / tf.reduce_sum(e, axis=-1, keepdims=True)
+    x = tf.constant(np.random.default_rng(80).standard_normal((64, 80)).astype(np.float32))
+    want = tf.function(softmax)(x).numpy()
+    st = stitching.function(softmax)
+    got = st(x).numpy()
+    assert [k.tier for k in pending] == [1] and pending[0].hold_until_upgrade
+    (k,) = pending
+    keys = [s for s, v in registry._kernels.items() if v._code is k._code]
+    assert keys and all(registry.is_held(s) for s in keys)
+    assert np.array_equal(got, want)                # TF's own ops ran:
+    assert not np.array_equal(k(x.numpy())[0], want)   # the tier-1 code's differ
+    assert kernel.compile_kernel(k.spec) is k and k.tier == 2     # tier 2 built, in
+    assert not any(registry.is_held(s) for s in keys)
+    assert all(registry.body_of(s) == k.body_address for s in keys)
+    np.testing.assert_allclose(st(x).numpy(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_tier1_kernels_without_transcendentals_run_at_once():
+    assert not kernel.compile_kernel(layernorm_spec(), tier=1).hold_until_upgrade
+    assert kernel.compile_kernel(gelu_spec(), tier=1).hold_until_upgrade

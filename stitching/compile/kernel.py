@@ -214,6 +214,18 @@ def check_code_size(name: str, text: str) -> None:
                                 f"more than the {MAX_CODE_BYTES} compiled")
 
 
+def slow_at_tier1(spec) -> bool:
+    """Whether ``spec``'s tier-1 code is expected to be slower than TF's own ops: it
+    computes a transcendental function (exp, erf, tanh, log...), which tier 1 runs as
+    scalar polynomials (direct.py) and TF's kernels vectorize.  Measured, tier 1 / TF
+    at the patterns suite's large size (BENCHMARKS.md, compile phases; load ~8):
+    swiglu 1.71x, softmax 0.84x, log-softmax 0.87x, GELU 0.61x -- and 0.31-0.88x for
+    the kernels without one (LayerNorm, RMSNorm, BN + ReLU6, centering).  A rule of
+    thumb, conservative where it holds: a held region runs at TF's speed."""
+    from ..ir.ops import OPS
+    return any(n.op in OPS and OPS[n.op].transcendental for n in spec.nodes)
+
+
 class CompiledKernel:
     """A compiled kernel: addresses for the TF op, and a TF-free ``__call__``."""
 
@@ -251,6 +263,12 @@ class CompiledKernel:
     def _body(self):
         """The body as a ctypes function (the code running now)."""
         return self._code.fn
+
+    @property
+    def hold_until_upgrade(self) -> bool:
+        """Tier-1 code expected to be slower than the TF ops it replaces
+        (slow_at_tier1): the op runs a node's original ops until the upgrade."""
+        return self._code.tier == 1 and slow_at_tier1(self.spec)
 
     @property
     def tier(self) -> int:

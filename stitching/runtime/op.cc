@@ -113,6 +113,10 @@ struct Entry {
   // takes effect at a call boundary; the old code stays mapped for the process's life
   // (no kernel object is ever unloaded), so calls still running it finish safely.
   mutable std::atomic<BodyFn> body{nullptr};
+  // Set while `body` is tier-1 code expected to be slower than the region's own TF
+  // ops (Registry::Hold): a node that has them runs them instead, until the upgrade
+  // clears it.
+  mutable std::atomic<bool> hold{false};
   ShapeFn shape_fn = nullptr;       // with an empty `program`
   InterpFn interp = nullptr;        // with a non-empty `program`
   std::vector<int64_t> program;
@@ -146,7 +150,23 @@ class Registry {
     std::lock_guard<std::mutex> lock(mu_);
     auto up = upgraded_.find(e->body.load(std::memory_order_relaxed));
     if (up != upgraded_.end()) e->body.store(up->second, std::memory_order_release);
+    if (held_.count(e->body.load(std::memory_order_relaxed))) {
+      e->hold.store(true, std::memory_order_release);
+    }
     return map_.emplace(spec, std::move(e)).second;
+  }
+
+  // Kernels running `body` (registered now or later, until its upgrade) hold: their
+  // nodes run the region's original ops (Entry::hold).
+  void Hold(BodyFn body) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (upgraded_.count(body)) return;  // upgraded already: nothing to wait for
+    held_.insert(body);
+    for (auto& kv : map_) {
+      if (kv.second->body.load(std::memory_order_relaxed) == body) {
+        kv.second->hold.store(true, std::memory_order_release);
+      }
+    }
   }
 
   // Every entry running `from` runs `to` from its next call on, and so does any entry
@@ -157,11 +177,15 @@ class Registry {
       if (kv.second == from) kv.second = to;  // a chain of upgrades ends at `to`
     }
     upgraded_[from] = to;
+    held_.erase(from);
     int64_t n = 0;
     for (auto& kv : map_) {
       BodyFn expected = from;
-      n += kv.second->body.compare_exchange_strong(expected, to,
-                                                   std::memory_order_acq_rel);
+      if (kv.second->body.compare_exchange_strong(expected, to,
+                                                  std::memory_order_acq_rel)) {
+        kv.second->hold.store(false, std::memory_order_release);  // after the code
+        ++n;
+      }
     }
     return n;
   }
@@ -188,6 +212,7 @@ class Registry {
   std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<const Entry>> map_;
   std::unordered_map<BodyFn, BodyFn> upgraded_;  // replaced code -> its replacement
+  std::unordered_set<BodyFn> held_;              // tier-1 code whose nodes hold (Hold)
   std::atomic<CompilerFn> compiler_{nullptr};
   std::atomic<CompilerFn> installer_{nullptr};
 };
@@ -890,12 +915,23 @@ class StitchedKernelOp : public OpKernel {
         !tune.empty()) {
       SetUpTuning(ctx, fallback[0], spec_hash);
     }
+    // A held tier-1 kernel (Entry::hold): the region's original ops serve until its
+    // tier-2 code is in; a node without them runs the tier-1 code.
+    if (entry_->hold.load(std::memory_order_acquire) && !fallback.empty() &&
+        ctx->function_library() != nullptr) {
+      hold_ready_ = tune_ || InstantiateOriginal(ctx->function_library(), fallback[0],
+                                                 &flib_, &fallback_handle_).ok();
+    }
     OP_REQUIRES_OK(ctx, ReadForwards(ctx, tin, tout));
   }
 
   void Compute(OpKernelContext* ctx) override {
     ProfileScope profile(ctx, label_, &profile_slot_);  // no-op unless profiling is on
     if (entry_ == nullptr) {
+      RunFallback(ctx);
+      return;
+    }
+    if (hold_ready_ && entry_->hold.load(std::memory_order_acquire)) {
       RunFallback(ctx);
       return;
     }
@@ -1270,6 +1306,7 @@ class StitchedKernelOp : public OpKernel {
   }
 
   bool tune_ = false;
+  bool hold_ready_ = false;   // the original ops are instantiated for a held entry
   std::string tune_hash_;
   std::atomic<int> decided_[kTuneClasses] = {};   // per shape class: a TuneChoice
 
@@ -1639,6 +1676,22 @@ __attribute__((visibility("default"))) int64_t stitching_upgrade_body(void* from
   if (from == nullptr || to == nullptr) return -1;
   return stitching::Registry::Get().Upgrade(reinterpret_cast<stitching::BodyFn>(from),
                                             reinterpret_cast<stitching::BodyFn>(to));
+}
+
+// Kernels registered with code `body`, now or until its upgrade, run their nodes'
+// original ops instead (tier-1 code expected to be slower than them).
+__attribute__((visibility("default"))) void stitching_hold_body(void* body) {
+  if (body != nullptr) {
+    stitching::Registry::Get().Hold(reinterpret_cast<stitching::BodyFn>(body));
+  }
+}
+
+// 1 if the kernel registered under `spec` holds (stitching_hold_body), 0 if not, -1 if
+// none is registered.
+__attribute__((visibility("default"))) int stitching_is_held(const char* spec) {
+  if (spec == nullptr) return -1;
+  auto e = stitching::Registry::Get().Find(spec);
+  return e ? static_cast<int>(e->hold.load(std::memory_order_acquire)) : -1;
 }
 
 // The code the kernel registered under `spec` runs now (NULL: none registered).
