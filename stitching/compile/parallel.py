@@ -403,10 +403,11 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
 # (a few kernels, no workers started), tier 1 is built here and tier 2 by background
 # workers.  Only tier-2 code is ever written to the
 # disk cache, so a warm process and the steady state run the same machine code as
-# without tiers.  Off by default (STITCHING_TIERED_COMPILE=1 turns it on): tier-1
-# code is several times slower than tier 2 (BENCHMARKS.md, compile phases) and not
-# checked against stock TF, so a region may run slower than TF's own ops until its
-# upgrade.
+# without tiers.  Tier-1 code is ~3x slower than tier 2 (BENCHMARKS.md, compile
+# phases); where that would lose to TF's own ops (kernel.slow_at_tier1, a rule of
+# thumb) the op runs the region's original ops until the upgrade (op.cc Entry::hold).
+# Off by default (STITCHING_TIERED_COMPILE=1 turns it on): which regions hold is a
+# rule of thumb, not a per-region estimate.
 
 _upgrades: list = []            # threads compiling tier 2 behind tier-1 kernels
 
