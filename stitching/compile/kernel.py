@@ -361,8 +361,7 @@ class CompiledKernel:
             body = self._body              # one build for every phase of the call
             for phase in range(phases):
                 dims[cpu().PHASE_SLOT] = phase
-                body(0, units, ip, op,
-                           dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+                body(0, units, ip, op, dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
         return outs
 
     def _as_input(self, i, a):
