@@ -48,7 +48,8 @@ the op, tiered, in one process with an empty kernel cache: each pattern's calls 
 tier-1 code (right after the first call, while tier 2 compiles; a row is left out if
 the switch came before the calls ended), then on tier 2, and stock TF's
 (``tf.function``), median of ``--calls`` calls each: whether tier-1 code is slower than
-the TF ops it replaces.
+the TF ops it replaces.  A region that holds at tier 1 (kernel.slow_at_tier1: its node
+runs the region's TF ops until the switch) shows those ops' time in the tier-1 column.
 """
 from __future__ import annotations
 
