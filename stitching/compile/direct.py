@@ -139,12 +139,16 @@ class _NumbaCalls:
         return out, sig.return_type
 
 
-def build(text: str, stem: Path, symbol: str) -> None:
+def build(text: str, stem: Path, symbol: str, tier: int = 2) -> None:
     """Compile kernel module ``text`` through the direct backend into ``stem``.so
-    exporting ``symbol``; raises llvm.Unsupported (nothing written) where it cannot."""
+    exporting ``symbol``; raises llvm.Unsupported (nothing written) where it cannot.
+    ``tier`` 2: the code every cache holds (optimize, no LSR); 1: the quick code a
+    kernel runs while its tier 2 compiles (quick_optimize, module note of tiers.py)."""
     from numba.core.compiler_lock import global_compiler_lock
 
     from ..codegen.cpu import llvm
+    if tier not in (1, 2):
+        raise ValueError(f"tier must be 1 or 2, got {tier!r}")
     codegen = native.aot_codegen()
     with global_compiler_lock:      # Numba's compiles (helpers, libraries) are not reentrant
         calls = _NumbaCalls()
@@ -154,8 +158,14 @@ def build(text: str, stem: Path, symbol: str) -> None:
         mod = _parse(module, symbol)
         for lib in dict.fromkeys(calls.libraries):
             mod.link_in(lib._get_module_for_linking(), preserve=True)
-        optimize(mod, codegen)
-    native.export_module(mod, symbol, codegen.magic_tuple(), stem, symbol, lsr=False)
+        if tier == 2:
+            optimize(mod, codegen)
+        else:
+            quick_optimize(mod, codegen, symbol)
+    if tier == 2:
+        native.export_module(mod, symbol, codegen.magic_tuple(), stem, symbol, lsr=False)
+    else:
+        _export_quick(mod, symbol, codegen.magic_tuple(), stem)
 
 
 def _parse(module, symbol: str):
@@ -181,3 +191,65 @@ def optimize(mod, codegen) -> None:
     pto.slp_vectorization = bool(config.SLP_VECTORIZE)
     pb = ll.create_pass_builder(codegen._tm, pto)
     pb.getModulePassManager().run(mod, pb)
+
+
+# Tier 1 (compile/tiers.py): code that runs soon, not fast.  LLVM's module pipeline and
+# code generation are ~85% of a tier-2 compile and scale with the IR; what tier 1 keeps
+# is what turns the translator's IR into straight-line scalar code at all: the big
+# helpers inlined (alwaysinline), the local variables' stack slots into registers
+# (SROA), the constant folding and dead branches of the status checks gone
+# (instcombine, simplifycfg), the unused helpers dropped.  No loop passes, no
+# vectorizer: measured over the transformer's and llama's 10 codes (load 3.2), LLVM's
+# time per kernel 106 ms at tier 2, 10 ms with this pipeline and the object at
+# codegen level 0, 18 ms at level 1 (kept: level 0's register allocator spills every
+# value of the loops, level 1's does not).  Arbitrary beyond that measurement.
+QUICK_CODEGEN_LEVEL = 1
+
+
+def quick_optimize(mod, codegen, keep: str) -> None:
+    """The tier-1 pipeline (note above) over the kernel with its helpers linked in;
+    ``keep``: the kernel's entry, which is not inlined anywhere."""
+    import llvmlite.binding as ll
+    pb = ll.create_pass_builder(codegen._tm, ll.create_pipeline_tuning_options(0))
+    for fn in mod.functions:        # every helper inlined: no general inliner here
+        if not fn.is_declaration and fn.name != keep and \
+                not any(b"noinline" in a for a in fn.attributes):
+            fn.add_function_attribute("alwaysinline")
+    pm = ll.create_new_module_pass_manager()
+    pm.add_always_inliner_pass()
+    pm.add_sroa_pass()
+    pm.add_instruction_combine_pass()
+    pm.add_simplify_cfg_pass()
+    pm.add_global_dead_code_eliminate_pass()
+    pm.run(mod, pb)
+
+
+_TIER1_MARK = "; stitching: tier-1 code (direct.quick_optimize), never cached\n"
+
+
+def _export_quick(mod, symbol: str, target: tuple, stem: Path) -> None:
+    """native.export_module for tier-1 code: machine code at QUICK_CODEGEN_LEVEL."""
+    try:
+        native._prepare(mod, symbol, symbol)
+        obj = _emit_quick(mod, target)
+    except native.NativeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the step named
+        raise native.NativeError(f"generating the tier-1 code of {symbol} failed: "
+                                 f"{type(e).__name__}: {e}") from e
+    native._link(obj, _TIER1_MARK + str(mod), stem, symbol)
+
+
+def _emit_quick(mod, target: tuple) -> bytes:
+    """Tier-1 machine code: QUICK_CODEGEN_LEVEL, no loop strength reduction (native.py)."""
+    import llvmlite.binding as ll
+    triple, cpu, features = target
+    tm = ll.Target.from_triple(triple).create_target_machine(
+        cpu=cpu, features=features, opt=QUICK_CODEGEN_LEVEL, reloc="pic",
+        codemodel="default")
+    with native._emit_lock:
+        ll.set_option("", "-disable-lsr=true")
+        try:
+            return tm.emit_object(mod)
+        finally:
+            ll.set_option("", "-disable-lsr=false")

@@ -25,6 +25,7 @@ import ctypes
 import hashlib
 import importlib.util
 import logging
+import os
 import sys
 import threading
 import time
@@ -121,7 +122,6 @@ def _memo_key() -> str | None:
     """A hash of the toolchain tag's inputs, cheap to read; None where they cannot be
     read this way (then the tag is computed every time)."""
     import importlib.util
-    import os
     h = hashlib.sha256(f"{sys.version}|{sys.executable}".encode())
     try:
         for name in ("numba", "llvmlite"):
@@ -214,6 +214,18 @@ def check_code_size(name: str, text: str) -> None:
                                 f"more than the {MAX_CODE_BYTES} compiled")
 
 
+def slow_at_tier1(spec) -> bool:
+    """Whether ``spec``'s tier-1 code is expected to be slower than TF's own ops: it
+    computes a transcendental function (exp, erf, tanh, log...), which tier 1 runs as
+    scalar polynomials (direct.py) and TF's kernels vectorize.  Measured, tier 1 / TF
+    at the patterns suite's large size (BENCHMARKS.md, compile phases; load ~8):
+    swiglu 1.71x, softmax 0.84x, log-softmax 0.87x, GELU 0.61x -- and 0.31-0.88x for
+    the kernels without one (LayerNorm, RMSNorm, BN + ReLU6, centering).  A rule of
+    thumb, conservative where it holds: a held region runs at TF's speed."""
+    from ..ir.ops import OPS
+    return any(n.op in OPS and OPS[n.op].transcendental for n in spec.nodes)
+
+
 class CompiledKernel:
     """A compiled kernel: addresses for the TF op, and a TF-free ``__call__``."""
 
@@ -222,8 +234,8 @@ class CompiledKernel:
         self.schedule = schedule
         self.source = source.text
         self.errors = list(source.errors)
-        self._code = code                  # keeps the code alive
-        self.body_address = code.address
+        self._code = code                  # keeps the code alive; its address may
+                                           # change once (tier 1 -> 2, _Code.upgrade)
         # the shape function: the shared interpreter, run on this kernel's program
         self.shape_program = np.array(source.program, np.int64)
         self.shape_address = interp_address()
@@ -236,11 +248,38 @@ class CompiledKernel:
         # the backend that built the code here ("llvm", "numba"; None: loaded from the
         # cache) and, where the direct backend was chosen but did not, why
         self.backend, self.backend_note = code.backend, code.backend_note
-        self._body = _BODY_T(self.body_address)
         self._shape = _INTERP_T(self.shape_address)
         self.generic = None                # hash of the generic spec whose code this is
         self.in_static_dims = None         # set when the code does not check them itself
         self.launch = launch_hint(spec)
+
+    @property
+    def body_address(self) -> int:
+        """The body's address now: a tier-1 kernel's changes once its tier 2 is in
+        (every copy ``serving`` made shares the code)."""
+        return self._code.address
+
+    @property
+    def _body(self):
+        """The body as a ctypes function (the code running now)."""
+        return self._code.fn
+
+    @property
+    def hold_until_upgrade(self) -> bool:
+        """Tier-1 code expected to be slower than the TF ops it replaces
+        (slow_at_tier1): the op runs a node's original ops until the upgrade."""
+        return self._code.tier == 1 and slow_at_tier1(self.spec)
+
+    @property
+    def tier(self) -> int:
+        """1: quick code running while the optimized code compiles (tiers: _Code);
+        2: the optimized code every cache holds."""
+        return self._code.tier
+
+    def upgrade(self) -> bool:
+        """Switch a tier-1 kernel to its tier-2 code once that is in the disk cache;
+        True if the kernel runs tier-2 code now (_Code.upgrade)."""
+        return self._code.upgrade()
 
     @property
     def code_name(self) -> str:
@@ -319,10 +358,10 @@ class CompiledKernel:
             ip = (ctypes.c_void_p * max(1, len(ins)))(*[a.ctypes.data for a in ins])
             op = (ctypes.c_void_p * (len(outs) + 1))(*[o.ctypes.data for o in outs],
                                                      scratch.ctypes.data)
+            body = self._body              # one build for every phase of the call
             for phase in range(phases):
                 dims[cpu().PHASE_SLOT] = phase
-                self._body(0, units, ip, op,
-                           dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+                body(0, units, ip, op, dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
         return outs
 
     def _as_input(self, i, a):
@@ -376,11 +415,13 @@ class _Code:
     code, built through native._lean_pipeline()."""
 
     def __init__(self, stem: Path, symbol: str, source, lean: bool = True,
-                 code: str | None = None, text: str | None = None):
-        self.stem, self.cfunc, self.cache_hit = stem, None, False
+                 code: str | None = None, text: str | None = None, tier: int = 2):
+        self.stem, self.symbol, self.cfunc, self.cache_hit = stem, symbol, None, False
         # which backend built it here: "llvm" or "numba" (None: loaded from the
         # cache); backend_note: why the direct backend did not, where it did not
         self.backend, self.backend_note = None, None
+        # 1: quick code from _tier1_dir(), not the cache (upgrade); 2: stem's
+        self.tier, self.built_at = 2, stem
         if native.built(stem, code):
             try:
                 self.address = native.load(stem, symbol, code)
@@ -389,7 +430,7 @@ class _Code:
             except native.NativeError as e:    # unreadable: built again below
                 _warn_native(e)
         use_helper_cache()
-        if text is not None and self._build_direct(text, symbol):
+        if text is not None and self._build_direct(text, symbol, tier):
             return
         self.backend = "numba"
         pyfunc, sig, options = source()
@@ -402,17 +443,56 @@ class _Code:
             self.cfunc = cfunc(sig, **options)(pyfunc)
             self.address = self.cfunc.address
 
-    def _build_direct(self, text: str, symbol: str) -> bool:
-        """Build through the direct LLVM backend where it is chosen (direct.py);
-        False (the reason kept in backend_note) where the Numba path must."""
+    @property
+    def address(self) -> int:
+        return self._address
+
+    @address.setter
+    def address(self, value: int) -> None:
+        self._address = value
+        self.fn = _BODY_T(value)        # what CompiledKernel.__call__ runs
+
+    def upgrade(self) -> bool:
+        """Tier 1 -> 2: where ``stem``.so (the optimized build, which a compile worker
+        put in the cache) is there, load it, run it from now on, and tell the
+        listeners (on_upgrade: the op's registry switches the kernels registered
+        with the old address).  True if this code is tier 2 now."""
+        with _upgrade_lock:
+            if self.tier == 2:
+                return True
+            if not native.built(self.stem):
+                return False
+            old, self.address = self.address, native.load(self.stem, self.symbol)
+            self.tier, self.built_at, self.text = 2, self.stem, None
+            # after the switch: a kernel registered from now on reads the new
+            # address, one registered before is switched by the listener
+            for fn in _upgrade_listeners:
+                fn(old, self.address)
+        return True
+
+    def build_tier2(self) -> None:
+        """Build the tier-2 code of this tier-1 code here, into the cache, and switch
+        to it (upgrade)."""
+        from . import direct
+        direct.build(self.text, self.stem, self.symbol, 2)
+        self.upgrade()
+
+    def _build_direct(self, text: str, symbol: str, tier: int = 2) -> bool:
+        """Build through the direct LLVM backend where it is chosen (direct.py), at
+        ``tier`` (1: into _tier1_dir(), never the cache); False (the reason kept in
+        backend_note) where the Numba path must."""
         from ..codegen.cpu.llvm import Unsupported
         from . import direct
         if direct.backend() != "llvm":
             return False
         try:
             _write_source(self.stem.with_suffix(".py"), text)   # what was compiled
-            direct.build(text, self.stem, symbol)
-            self.address = native.load(self.stem, symbol)
+            at = self.stem if tier == 2 else _tier1_dir() / self.stem.name
+            if not (tier == 1 and native.built(at)):    # a compile worker's tier 1
+                direct.build(text, at, symbol, tier)
+            self.address = native.load(at, symbol)
+            self.tier, self.built_at = tier, at
+            self.text = text if tier == 1 else None       # for build_tier2
         except Unsupported as e:
             self.backend_note = f"built by Numba: the direct backend does not handle {e}"
             _log.info("kernel %s: %s", self.stem.name, self.backend_note)
@@ -435,15 +515,46 @@ class _Code:
     def llvm_ir(self):
         if self.cfunc is not None:
             return self.cfunc._library.get_llvm_str()
-        return native.llvm_ir(self.stem)
+        return native.llvm_ir(self.built_at)
 
     def assembly(self):
         if self.cfunc is not None:
             return self.cfunc._library.get_asm_str()
-        return native.assembly(self.stem)
+        return native.assembly(self.built_at)
 
 
 _warned = set()
+_upgrade_lock = threading.Lock()
+_upgrade_listeners: list = []     # fn(old address, new address), on_upgrade
+_TIER1_DIR = None
+
+
+def on_upgrade(fn) -> None:
+    """Call ``fn(old address, new address)`` whenever a tier-1 kernel's code is
+    replaced by its tier-2 code (the runtime's registry switches the op's kernels)."""
+    with _upgrade_lock:
+        if fn not in _upgrade_listeners:
+            _upgrade_listeners.append(fn)
+
+
+TIER1_ENV = "STITCHING_TIER1_DIR"     # a compile worker's parent's _tier1_dir()
+
+
+def _tier1_dir() -> Path:
+    """Where this process's tier-1 objects go: a directory of its own (a compile
+    worker: its parent's), removed at exit (the objects stay mapped), so that no
+    cache ever holds tier-1 code."""
+    global _TIER1_DIR
+    with _lock:
+        if _TIER1_DIR is None and os.environ.get(TIER1_ENV):
+            _TIER1_DIR = Path(os.environ[TIER1_ENV])
+        if _TIER1_DIR is None:
+            import atexit
+            import shutil
+            import tempfile
+            _TIER1_DIR = Path(tempfile.mkdtemp(prefix="stitching-tier1-"))
+            atexit.register(shutil.rmtree, _TIER1_DIR, True)
+        return _TIER1_DIR
 
 
 def _warn_native(e) -> None:
@@ -569,11 +680,11 @@ def uncached_code(spec: KernelSpec):
     """(the spec compiled for ``spec``, its generated source, the code's cache name
     ``code_name``) if that code is neither in memory nor in the disk cache, else None
     (as ``is_cached``)."""
-    if spec.hash in _kernels:
+    if _final(spec.hash):
         return None
     try:
         target = compile_target(spec)
-        if target.hash in _kernels:
+        if _final(target.hash):
             return None
         sched = build_schedule(target)
         source = cpu().emit(sched)
@@ -586,29 +697,43 @@ def uncached_code(spec: KernelSpec):
     return None if native.built(kernel_dir() / name) else (target, text, name)
 
 
-def compile_kernel(spec: KernelSpec) -> CompiledKernel:
+def _final(key: str) -> bool:
+    """A kernel for spec hash ``key`` is in memory, running its tier-2 code."""
+    k = _kernels.get(key)
+    return k is not None and k.tier == 2
+
+
+def compile_kernel(spec: KernelSpec, tier: int = 2) -> CompiledKernel:
     """Compiled kernel for a spec (raises ScheduleError if it is not one kernel).
 
     The code may be that of the spec's shape-generic twin (specialize.py), shared by
-    every spec that differs from it only in static sizes."""
+    every spec that differs from it only in static sizes.  ``tier`` 1: code not in
+    the disk cache is built quickly, not optimized, outside the cache (direct.py's
+    tier 1; the Numba backend has no tier 1): the kernel's ``upgrade()`` switches it
+    to its tier-2 code once a compile worker put that in the cache
+    (parallel.compile_kernels does both)."""
     spec = validate(spec)
     key = spec.hash
     with _lock:
         k = _kernels.get(key)
         if k is not None:
+            # its tier 2 may be in the cache by now; or it is asked for here (a compile
+            # worker asked for a kernel's tier 1, then its tier 2: parallel.py)
+            if k.tier == 1 and not k.upgrade() and tier == 2:
+                k._code.build_tier2()
             return k
         target = compile_target(spec)
         if target.hash == key:
-            k = _compile_exact(spec)
+            k = _compile_exact(spec, tier)
         else:
-            base = _kernels.get(target.hash) or _compile_exact(target)
+            base = _kernels.get(target.hash) or _compile_exact(target, tier)
             _kernels[target.hash] = base
             k = base.serving(spec, build_schedule(spec))
         _kernels[key] = k
         return k
 
 
-def _compile_exact(spec: KernelSpec) -> CompiledKernel:
+def _compile_exact(spec: KernelSpec, tier: int = 2) -> CompiledKernel:
     t0 = time.perf_counter()
     sched, source = _emitted.pop(spec.hash, None) or (None, None)
     if source is None:
@@ -621,7 +746,7 @@ def _compile_exact(spec: KernelSpec) -> CompiledKernel:
         module = _load_module(source.text, name)
         return module.body, module.h.BODY_SIG, module.h.BODY_OPTIONS
 
-    code = _Code(kernel_dir() / name, BODY_SYMBOL, body_source, text=source.text)
+    code = _Code(kernel_dir() / name, BODY_SYMBOL, body_source, text=source.text, tier=tier)
     return CompiledKernel(spec, sched, source, code, time.perf_counter() - t0)
 
 

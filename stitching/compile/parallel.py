@@ -125,6 +125,7 @@ def _spawn():
                STITCHING_WORKER_PARENT=str(os.getpid()),    # it dies with us (worker.py)
                STITCHING_COMPILE_MEMORY_MB=str(_limit("STITCHING_COMPILE_MEMORY_MB",
                                                       COMPILE_MEMORY_MB)))
+    env[kernel.TIER1_ENV] = str(kernel._tier1_dir())    # where it builds tier 1 (Tiers)
     if in_background():
         env[NICE_ENV] = str(BACKGROUND_NICE)     # worker.py lowers its own priority
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -189,10 +190,21 @@ def warm_cache(specs, jobs: int | None = None, progress=None,
 
 
 def _warm_cache(specs, jobs, progress, workers) -> int:
+    batch = _start(specs, jobs, progress, workers)
+    if batch is None:
+        return 0
+    batch.finish()
+    return batch.size
+
+
+def _start(specs, jobs, progress, workers, tiered: bool = False):
+    """Hand the uncached codes of ``specs`` to workers (warm_cache); a _Batch under
+    way, or None where they compile in-process.  ``tiered``: each code's tier-1 build
+    is asked first, then its tier 2 (Tiers)."""
     jobs = default_jobs() if jobs is None else jobs
     bg = in_background()            # every compile to workers (module note)
     if workers is None and not bg and (jobs < 2 or len(specs) < MIN_PARALLEL):
-        return 0                    # in-process anyway: no need to probe the cache
+        return None                 # in-process anyway: no need to probe the cache
     todo = {}
     for s in specs:                 # one compile per code: generic twins (specialize.py)
         code = uncached_code(s)     # and specs equal up to naming (kernel.code_name)
@@ -211,32 +223,67 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
     else:
         jobs = min(jobs, len(todo))
         if not todo or (not bg and (jobs < 2 or len(todo) < MIN_PARALLEL)):
-            return 0
+            return None
         procs = [_spawn() for _ in range(jobs)]
-    queue = list(reversed(todo))    # pop() takes the largest
-    done = 0
-    lock = threading.Lock()
+    return _Batch(todo, procs, progress, bg, tiered)
 
-    def drive(p):
-        nonlocal done
+
+class _Batch:
+    """Codes being compiled by worker processes: each worker's driver thread hands it
+    the next request as it answers the last (pop(): tier-1 requests first, largest
+    first) and closes it when none is left."""
+
+    def __init__(self, todo, procs, progress, bg, tiered):
+        self.size, self.procs, self.progress, self.bg = len(todo), procs, progress, bg
+        self.tiered = tiered
+        self.queue = [(2, t) for t in reversed(todo)]
+        if tiered:
+            self.queue += [(1, t) for t in reversed(todo)]
+        self.first_left = len(todo) if tiered else 0      # tier-1 answers awaited
+        self.first = threading.Event()                    # every tier 1 answered
+        if not tiered:
+            self.first.set()
+        self.done = 0
+        self.lock = threading.Lock()
+        # A worker that hangs must not hang the caller: past a generous budget it is
+        # killed and whatever it did not finish compiles in this process.
+        per_worker = -(-len(self.queue) // len(procs))
+        self.deadline = time.monotonic() + WORKER_SECONDS_PER_KERNEL * per_worker
+        self.drivers = [threading.Thread(target=self._drive, args=(p,), daemon=True)
+                        for p in procs]
+        for d in self.drivers:
+            d.start()
+
+    def _drive(self, p):
+        lowered = False
         try:
             while True:
-                with lock:
-                    spec = queue.pop() if queue and not (bg and _cancelled.is_set()) \
-                        else None
-                if spec is None:
+                with self.lock:
+                    item = self.queue.pop() if self.queue and not (
+                        self.bg and _cancelled.is_set()) else None
+                if item is None:
                     break
-                p.stdin.write(json.dumps(spec.to_json()) + "\n")
+                tier, spec = item
+                if tier == 2 and self.tiered and not lowered:
+                    _lower_priority(p)      # its tier-1 work is done: behind the user's
+                    lowered = True
+                req = spec.to_json() if tier == 2 else {"spec": spec.to_json(), "tier": 1}
+                p.stdin.write(json.dumps(req) + "\n")
                 p.stdin.flush()
                 line = p.stdout.readline()
                 while line and not line.startswith("{"):   # not an answer: skipped
                     line = p.stdout.readline()
                 if not line:
                     break           # it died: what it did not finish compiles here
-                with lock:
-                    done += 1
-                    if progress is not None:
-                        progress(done, len(todo))
+                with self.lock:
+                    if tier == 1:
+                        self.first_left -= 1
+                        if not self.first_left:
+                            self.first.set()
+                    else:
+                        self.done += 1
+                        if self.progress is not None:
+                            self.progress(self.done, self.size)
         except (BrokenPipeError, OSError, ValueError):
             pass                    # it died or was killed
         _close(p)                   # no more specs: it exits
@@ -244,23 +291,32 @@ def _warm_cache(specs, jobs, progress, workers) -> int:
         # exit (4-9 ms; worker._exit_now skips Python's teardown).
         threading.Thread(target=p.wait, daemon=True).start()
 
-    drivers = [threading.Thread(target=drive, args=(p,), daemon=True) for p in procs]
-    for d in drivers:
-        d.start()
-    # A worker that hangs must not hang the caller: past a generous budget it is
-    # killed and whatever it did not finish compiles in this process.
-    per_worker = -(-len(todo) // len(procs))
-    deadline = time.monotonic() + WORKER_SECONDS_PER_KERNEL * per_worker
-    # A background compile also stops waiting (and kills its workers) at cancel().
-    for p, d in zip(procs, drivers):
-        while d.is_alive() and time.monotonic() < deadline and \
-                not (bg and _cancelled.is_set()):
-            d.join(min(0.1, max(0.0, deadline - time.monotonic())))
-        if d.is_alive():
-            p.kill()
-            d.join()
-    check_cancelled()
-    return len(todo)
+    def wait_first(self) -> None:
+        """Until every tier-1 request is answered, the workers died, or the deadline."""
+        while not self.first.is_set() and any(d.is_alive() for d in self.drivers) and \
+                time.monotonic() < self.deadline:
+            self.first.wait(0.05)
+
+    def finish(self) -> None:
+        """Until every request is answered (or given up: hung workers are killed; a
+        background compile also stops waiting, and kills its workers, at cancel())."""
+        for p, d in zip(self.procs, self.drivers):
+            while d.is_alive() and time.monotonic() < self.deadline and \
+                    not (self.bg and _cancelled.is_set()):
+                d.join(min(0.1, max(0.0, self.deadline - time.monotonic())))
+            if d.is_alive():
+                p.kill()
+                d.join()
+        check_cancelled()
+
+
+def _lower_priority(p) -> None:
+    """A worker's priority lowered to a background compile's (BACKGROUND_NICE)."""
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, p.pid)
+        os.setpriority(os.PRIO_PROCESS, p.pid, max(now, BACKGROUND_NICE))
+    except OSError:
+        pass                        # it exited, or may not be changed: same results
 
 
 def _close(p):
@@ -270,8 +326,17 @@ def _close(p):
         pass  # the worker died; its specs compile in-process afterwards
 
 
+def tiered_default() -> bool:
+    """Whether compile_kernels compiles tiered when not told (``STITCHING_TIERED_COMPILE``
+    = 1; off by default: module note, Tiers)."""
+    env = os.environ.get("STITCHING_TIERED_COMPILE", "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"STITCHING_TIERED_COMPILE must be 0 or 1, got {env!r}")
+    return env == "1"
+
+
 def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None,
-                    workers=None) -> list:
+                    workers=None, tiered: bool | None = None) -> list:
     """Compile many specs, each distinct spec once.  Returns kernels aligned with
     ``specs``.
 
@@ -283,28 +348,106 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
     the workers do, one per distinct code).  ``workers``: pre-started workers
     (parallel.prestart) to use, or to close when nothing needs compiling.  ``on_error(spec, exc)``,
     if given, is called for a spec that fails and its slot is None; without it the
-    first failure raises."""
+    first failure raises.  ``tiered`` (default tiered_default()): kernels missing from
+    the disk cache are built here at tier 1 and run at once, their tier-2 code
+    compiled behind them (module note, Tiers); ``wait_upgrades`` waits for it.  Not
+    inside ``background()`` unless asked: stock TF serves there meanwhile."""
     specs = [validate(s) for s in specs]
     distinct = {}
     for s in specs:
         distinct.setdefault(s.hash, s)
     n = len(distinct)
-    warm_cache(list(distinct.values()), jobs=jobs, workers=workers,
-               progress=None if progress is None else
-               (lambda done, total: progress(done, total, None)))
+    # A background compile (stock TF serving meanwhile) has no one waiting for a
+    # kernel: it compiles tier 2 in workers only, off this process's cores
+    tiered = (tiered_default() and not in_background()) if tiered is None else tiered
+    tier = 1 if tiered else 2
+    batch = None
+    if tier == 2:
+        warm_cache(list(distinct.values()), jobs=jobs, workers=workers,
+                   progress=None if progress is None else
+                   (lambda done, total: progress(done, total, None)))
+    else:           # workers build tier 1, then tier 2 behind it (Tiers)
+        batch = _start(list(distinct.values()), jobs, None, workers, tiered=True)
+        if workers is not None:
+            workers.close()         # those the batch did not take
+        if batch is not None:
+            batch.wait_first()
     done = {}
     for i, (h, s) in enumerate(distinct.items()):
         check_cancelled()
         if progress is not None:
             progress(i, n, s)
         try:
-            done[h] = kernel.compile_kernel(s)   # through the module: tests patch it
+            done[h] = kernel.compile_kernel(s, tier)   # through the module: tests patch it
         except Exception as e:
             if on_error is None:
                 raise
             on_error(s, e)
             done[h] = None
+    if tier == 1:
+        _upgrade_later([k for k in done.values() if k is not None and k.tier == 1],
+                       jobs, batch)
     return [done[s.hash] for s in specs]
+
+
+# ---- Tiers -----------------------------------------------------------------------
+# A tiered compile (JVMs' tiered compilation; XLA's autotuner compiles fast first too)
+# puts each kernel to work after a quick, unoptimized build (direct.py, tier 1:
+# ~5-10x less LLVM time, scalar loops) and builds its optimized code (tier 2, the
+# code a plain compile makes) behind it; each kernel then switches to it
+# (kernel._Code.upgrade; the op's registry switches the registered kernels between two
+# calls, runtime/op.cc Registry::Upgrade).  Where a batch goes to workers, each worker
+# is asked for tier-1 builds first (into this process's kernel._tier1_dir()), the
+# caller goes on once all are answered, and the same workers go on to the tier-2
+# builds at a background compile's priority; where a batch compiles in this process
+# (a few kernels, no workers started), tier 1 is built here and tier 2 by background
+# workers.  Only tier-2 code is ever written to the
+# disk cache, so a warm process and the steady state run the same machine code as
+# without tiers.  Tier-1 code is ~3x slower than tier 2 (BENCHMARKS.md, compile
+# phases); where that would lose to TF's own ops (kernel.slow_at_tier1, a rule of
+# thumb) the op runs the region's original ops until the upgrade (op.cc Entry::hold).
+# Off by default (STITCHING_TIERED_COMPILE=1 turns it on): which regions hold is a
+# rule of thumb, not a per-region estimate.
+
+_upgrades: list = []            # threads compiling tier 2 behind tier-1 kernels
+
+
+def _upgrade_later(kernels, jobs, batch) -> None:
+    """Let ``batch`` finish its tier-2 requests (where there was none: compile
+    ``kernels``' tier-2 code in background workers), then switch each kernel to it; a
+    kernel whose tier 2 fails keeps running tier 1."""
+    if not kernels and batch is None:
+        return
+
+    def run():
+        with background():
+            try:
+                if batch is not None:
+                    batch.finish()
+                else:
+                    warm_cache([k.spec for k in kernels], jobs=jobs)
+            except Cancelled:
+                return
+            except Exception as e:  # noqa: BLE001 - tier 1 keeps serving
+                kernel._log.warning("tier-2 compile failed (%s: %s); kernels keep "
+                                    "their tier-1 code", type(e).__name__, e)
+        for k in kernels:
+            k.upgrade()
+
+    t = threading.Thread(target=run, name="stitching-tier2", daemon=True)
+    _upgrades.append(t)
+    t.start()
+
+
+def wait_upgrades(timeout: float | None = None) -> bool:
+    """Wait for the tier-2 compiles started so far (tests, tools); True if none is
+    left running."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for t in list(_upgrades):
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not t.is_alive():
+            _upgrades.remove(t)
+    return not _upgrades
 
 
 def compile_bounded(spec):

@@ -2,7 +2,10 @@
 
 Reads specs from stdin, one per line (each a JSON string holding a spec's JSON text),
 compiles each into the disk cache named by STITCHING_CACHE_DIR and answers each with
-one JSON line: {"hash", "ok", "seconds"} and, on failure, "error".  The parent sends
+one JSON line: {"hash", "ok", "seconds"} and, on failure, "error".  A line
+``{"spec": <the JSON string>, "tier": 1}`` asks for the kernel's tier-1 code instead
+(a tiered compile, parallel.py: Tiers), built into the parent's own tier-1 directory
+(STITCHING_TIER1_DIR), never the cache.  The parent sends
 the next spec when an answer comes (work is handed out as workers free up) and closes
 stdin when there is none left; the worker then exits.  Specs are parsed with
 KernelSpec.from_json, which validates the whole structure; nothing in them is
@@ -41,17 +44,26 @@ def main() -> int:
         t0 = time.perf_counter()
         out = {"hash": None, "ok": True}
         try:
-            text = json.loads(line)
-            if not isinstance(text, str):
-                raise TypeError("expected a JSON string holding a spec")
+            text, tier = _request(json.loads(line))
             spec = KernelSpec.from_json(text)
             out["hash"] = spec.hash
-            compile_kernel(spec)
+            compile_kernel(spec, tier)
         except Exception as e:  # noqa: BLE001 - reported; the parent compiles it again
             out.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
         out["seconds"] = round(time.perf_counter() - t0, 3)
         print(json.dumps(out), flush=True)
     return 0
+
+
+def _request(req) -> tuple:
+    """(spec text, tier) of one request line (module note)."""
+    if isinstance(req, dict) and set(req) == {"spec", "tier"} and req["tier"] in (1, 2):
+        req, tier = req["spec"], req["tier"]
+    else:
+        tier = 2
+    if not isinstance(req, str):
+        raise TypeError("expected a JSON string holding a spec, or {\"spec\", \"tier\"}")
+    return req, tier
 
 
 def _exit_now(code: int) -> None:

@@ -94,7 +94,8 @@ using InterpFn = int64_t (*)(const int64_t* program, const int64_t* in_dims,
                             int64_t* params, int64_t* out_dims, int64_t* sched);
 using CompilerFn = int (*)(const char* spec);
 
-constexpr int kAbiVersion = 8;   // 8: the assets installer is a callback of its own
+constexpr int kAbiVersion = 9;   // 8: the assets installer is a callback of its own,
+                                 // 9: stitching_upgrade_body (tiered compiles)
 constexpr int64_t kMaxProgram = 1 << 20;   // sanity bound on a shape program's words
 constexpr int kMaxParams = 32;      // size of the params array shape_fn may fill
 constexpr int kPhaseSlot = kMaxParams - 1;   // params[31]: the phase being run
@@ -103,10 +104,19 @@ constexpr int kMaxRank = 64;        // sanity bound; the IR itself stops at 8
 constexpr int kMaxTensors = 1024;   // sanity bound on inputs/outputs per kernel
 constexpr size_t kMaxSpecBytes = size_t{1} << 20;   // ir/spec.py MAX_JSON_BYTES
 
-// Everything needed to run one compiled kernel.  Immutable once registered; kernels
-// share it through shared_ptr so it outlives any registry change.
+// Everything needed to run one compiled kernel.  Immutable once registered but for
+// `body`; kernels share it through shared_ptr so it outlives any registry change.
 struct Entry {
-  BodyFn body = nullptr;
+  // The kernel's code.  A kernel first built quickly (tier 1, compile/tiers.py) has it
+  // replaced by its optimized build once that is ready (Registry::Upgrade).  A call
+  // reads it once (RunKernel) and runs every unit and phase on that code, so a swap
+  // takes effect at a call boundary; the old code stays mapped for the process's life
+  // (no kernel object is ever unloaded), so calls still running it finish safely.
+  mutable std::atomic<BodyFn> body{nullptr};
+  // Set while `body` is tier-1 code expected to be slower than the region's own TF
+  // ops (Registry::Hold): a node that has them runs them instead, until the upgrade
+  // clears it.
+  mutable std::atomic<bool> hold{false};
   ShapeFn shape_fn = nullptr;       // with an empty `program`
   InterpFn interp = nullptr;        // with a non-empty `program`
   std::vector<int64_t> program;
@@ -134,9 +144,50 @@ class Registry {
 
   // Returns true if newly inserted; an existing entry for the same spec is kept, so
   // registration is idempotent and a running kernel never sees its entry replaced.
+  // Code already upgraded (Upgrade) is registered as its replacement: Python may read
+  // a kernel's old address just before it upgrades.
   bool Insert(const std::string& spec, std::shared_ptr<const Entry> e) {
     std::lock_guard<std::mutex> lock(mu_);
+    auto up = upgraded_.find(e->body.load(std::memory_order_relaxed));
+    if (up != upgraded_.end()) e->body.store(up->second, std::memory_order_release);
+    if (held_.count(e->body.load(std::memory_order_relaxed))) {
+      e->hold.store(true, std::memory_order_release);
+    }
     return map_.emplace(spec, std::move(e)).second;
+  }
+
+  // Kernels running `body` (registered now or later, until its upgrade) hold: their
+  // nodes run the region's original ops (Entry::hold).
+  void Hold(BodyFn body) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (upgraded_.count(body)) return;  // upgraded already: nothing to wait for
+    held_.insert(body);
+    for (auto& kv : map_) {
+      if (kv.second->body.load(std::memory_order_relaxed) == body) {
+        kv.second->hold.store(true, std::memory_order_release);
+      }
+    }
+  }
+
+  // Every entry running `from` runs `to` from its next call on, and so does any entry
+  // registered with `from` later.  Returns how many entries were switched now.
+  int64_t Upgrade(BodyFn from, BodyFn to) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : upgraded_) {
+      if (kv.second == from) kv.second = to;  // a chain of upgrades ends at `to`
+    }
+    upgraded_[from] = to;
+    held_.erase(from);
+    int64_t n = 0;
+    for (auto& kv : map_) {
+      BodyFn expected = from;
+      if (kv.second->body.compare_exchange_strong(expected, to,
+                                                  std::memory_order_acq_rel)) {
+        kv.second->hold.store(false, std::memory_order_release);  // after the code
+        ++n;
+      }
+    }
+    return n;
   }
 
   std::shared_ptr<const Entry> Find(const std::string& spec) {
@@ -160,6 +211,8 @@ class Registry {
  private:
   std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<const Entry>> map_;
+  std::unordered_map<BodyFn, BodyFn> upgraded_;  // replaced code -> its replacement
+  std::unordered_set<BodyFn> held_;              // tier-1 code whose nodes hold (Hold)
   std::atomic<CompilerFn> compiler_{nullptr};
   std::atomic<CompilerFn> installer_{nullptr};
 };
@@ -862,12 +915,23 @@ class StitchedKernelOp : public OpKernel {
         !tune.empty()) {
       SetUpTuning(ctx, fallback[0], spec_hash);
     }
+    // A held tier-1 kernel (Entry::hold): the region's original ops serve until its
+    // tier-2 code is in; a node without them runs the tier-1 code.
+    if (entry_->hold.load(std::memory_order_acquire) && !fallback.empty() &&
+        ctx->function_library() != nullptr) {
+      hold_ready_ = tune_ || InstantiateOriginal(ctx->function_library(), fallback[0],
+                                                 &flib_, &fallback_handle_).ok();
+    }
     OP_REQUIRES_OK(ctx, ReadForwards(ctx, tin, tout));
   }
 
   void Compute(OpKernelContext* ctx) override {
     ProfileScope profile(ctx, label_, &profile_slot_);  // no-op unless profiling is on
     if (entry_ == nullptr) {
+      RunFallback(ctx);
+      return;
+    }
+    if (hold_ready_ && entry_->hold.load(std::memory_order_acquire)) {
       RunFallback(ctx);
       return;
     }
@@ -957,7 +1021,9 @@ class StitchedKernelOp : public OpKernel {
     }
 
     // Split [0, total) across this thread and the intra-op pool (RunUnits); small
-    // totals run inline on this thread.
+    // totals run inline on this thread.  One read of the code for the whole call
+    // (Entry::body): its phases never mix two builds.
+    const BodyFn body = e.body.load(std::memory_order_acquire);
     const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     const int64_t cost = std::max<int64_t>(1, sched[1]);
     const bool inline_run = workers == nullptr || workers->workers == nullptr ||
@@ -966,9 +1032,9 @@ class StitchedKernelOp : public OpKernel {
     for (int64_t phase = 0; phase < sched[2]; ++phase) {
       params[kPhaseSlot] = phase;  // each phase returns when every unit is done
       if (inline_run) {
-        e.body(0, sched[0], ins.data(), outs.data(), params);
+        body(0, sched[0], ins.data(), outs.data(), params);
       } else {
-        RunUnits(workers->workers, e.body, ins.data(), outs.data(), params, sched[0],
+        RunUnits(workers->workers, body, ins.data(), outs.data(), params, sched[0],
                  cost);
       }
     }
@@ -1240,6 +1306,7 @@ class StitchedKernelOp : public OpKernel {
   }
 
   bool tune_ = false;
+  bool hold_ready_ = false;   // the original ops are instantiated for a held entry
   std::string tune_hash_;
   std::atomic<int> decided_[kTuneClasses] = {};   // per shape class: a TuneChoice
 
@@ -1568,7 +1635,7 @@ __attribute__((visibility("default"))) int stitching_register(
   if (spec == nullptr || body == nullptr || shape_fn == nullptr) return -1;
   if (n_out < 1) return -2;
   auto e = std::make_shared<Entry>();
-  e->body = reinterpret_cast<stitching::BodyFn>(body);
+  e->body.store(reinterpret_cast<stitching::BodyFn>(body));
   if (program != nullptr) {
     if (program_len < 1 || program_len > stitching::kMaxProgram) return -8;
     e->interp = reinterpret_cast<stitching::InterpFn>(shape_fn);
@@ -1599,6 +1666,39 @@ __attribute__((visibility("default"))) int stitching_register(
     }
   }
   return stitching::Registry::Get().Insert(spec, std::move(e)) ? 0 : 1;
+}
+
+// Kernels registered with code `from` run `to` from their next call on (and so do
+// those registered with `from` later): a tiered compile's optimized build replacing
+// its quick one.  Returns how many registered kernels were switched, -1 on NULL.
+__attribute__((visibility("default"))) int64_t stitching_upgrade_body(void* from,
+                                                                      void* to) {
+  if (from == nullptr || to == nullptr) return -1;
+  return stitching::Registry::Get().Upgrade(reinterpret_cast<stitching::BodyFn>(from),
+                                            reinterpret_cast<stitching::BodyFn>(to));
+}
+
+// Kernels registered with code `body`, now or until its upgrade, run their nodes'
+// original ops instead (tier-1 code expected to be slower than them).
+__attribute__((visibility("default"))) void stitching_hold_body(void* body) {
+  if (body != nullptr) {
+    stitching::Registry::Get().Hold(reinterpret_cast<stitching::BodyFn>(body));
+  }
+}
+
+// 1 if the kernel registered under `spec` holds (stitching_hold_body), 0 if not, -1 if
+// none is registered.
+__attribute__((visibility("default"))) int stitching_is_held(const char* spec) {
+  if (spec == nullptr) return -1;
+  auto e = stitching::Registry::Get().Find(spec);
+  return e ? static_cast<int>(e->hold.load(std::memory_order_acquire)) : -1;
+}
+
+// The code the kernel registered under `spec` runs now (NULL: none registered).
+__attribute__((visibility("default"))) void* stitching_body_of(const char* spec) {
+  if (spec == nullptr) return nullptr;
+  auto e = stitching::Registry::Get().Find(spec);
+  return e ? reinterpret_cast<void*>(e->body.load(std::memory_order_acquire)) : nullptr;
 }
 
 // Installs (or, with NULL, removes) the compiler called on a registry miss.  It must

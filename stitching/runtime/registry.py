@@ -30,6 +30,7 @@ import ctypes
 import os
 import threading
 
+from ..compile import kernel
 from . import autotune
 from . import build as _build
 
@@ -92,6 +93,9 @@ def load():
             module = tf.load_op_library(path)
             _lib = _open_same_image(path)
             autotune.install(_lib)
+            # tiered compiles (compile/parallel.py, Tiers): a kernel's tier-2 code
+            # replaces its tier-1 code in every kernel registered with it
+            kernel.on_upgrade(_lib.stitching_upgrade_body)
             _module = module
             atexit.register(_uninstall_compiler)
     return _module
@@ -104,8 +108,10 @@ def library():
     return _lib
 
 
-ABI_VERSION = 8   # op.cc's kAbiVersion: the stitching_register signature (6: profiling
-#                 exports, 7: autotune exports, 8: the assets installer's own callback)
+ABI_VERSION = 9   # op.cc's kAbiVersion: the stitching_register signature (6: profiling
+#                 exports, 7: autotune exports, 8: the assets installer's own callback,
+#                 9: stitching_upgrade_body, _hold_body, _is_held, _body_of: tiered
+#                 compiles)
 
 
 def _open_same_image(path: str):
@@ -128,6 +134,14 @@ def _open_same_image(path: str):
     lib.stitching_set_assets_installer.argtypes = [_CompilerCallback]
     lib.stitching_set_compile_error.restype = None
     lib.stitching_set_compile_error.argtypes = [ctypes.c_char_p]
+    lib.stitching_upgrade_body.restype = ctypes.c_int64
+    lib.stitching_upgrade_body.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.stitching_hold_body.restype = None
+    lib.stitching_hold_body.argtypes = [ctypes.c_void_p]
+    lib.stitching_is_held.restype = ctypes.c_int
+    lib.stitching_is_held.argtypes = [ctypes.c_char_p]
+    lib.stitching_body_of.restype = ctypes.c_void_p
+    lib.stitching_body_of.argtypes = [ctypes.c_char_p]
     lib.stitching_num_registered.restype = ctypes.c_int64
     lib.stitching_num_registered.argtypes = []
     lib.stitching_is_registered.restype = ctypes.c_int
@@ -173,7 +187,8 @@ def register(kernel, spec: str | None = None) -> bool:
 
     ``kernel`` needs: ``spec`` (with ``to_json()``), ``body_address``,
     ``shape_address``, ``in_ranks``, ``out_ranks``, ``in_dtypes``, ``out_dtypes``
-    (dtype names) and ``errors`` (list of str).  Idempotent per spec string: returns
+    (dtype names) and ``errors`` (list of str).  Optional ``hold_until_upgrade``:
+    its nodes run their original ops until its code is upgraded (tiered compiles).  Idempotent per spec string: returns
     True if this call registered it, False if the spec was already registered.
     """
     canonical = spec is None
@@ -186,6 +201,8 @@ def register(kernel, spec: str | None = None) -> bool:
         if spec in _kernels:
             return False
         args = _abi_arguments(kernel)
+        if getattr(kernel, "hold_until_upgrade", False):
+            lib.stitching_hold_body(args[0])     # tier-1 code slower than TF's ops
         rc = lib.stitching_register(spec.encode("utf-8"), *args)
         if rc < 0:
             raise RegistrationError(f"op library rejected the kernel: "
@@ -272,6 +289,20 @@ def _dtype_enum(name) -> int:
 def registered_kernel(spec: str):
     """The kernel object registered from Python under ``spec``, or None."""
     return _kernels.get(spec)
+
+
+@no_autograph
+def body_of(spec: str) -> int | None:
+    """The address of the code the kernel registered under ``spec`` runs now (a
+    tier-1 kernel's changes at its upgrade), or None."""
+    return library().stitching_body_of(spec.encode("utf-8"))
+
+
+@no_autograph
+def is_held(spec: str) -> bool:
+    """Whether the kernel registered under ``spec`` holds: its nodes run their
+    original ops until its tier-1 code is upgraded."""
+    return library().stitching_is_held(spec.encode("utf-8")) == 1
 
 
 @no_autograph

@@ -1,0 +1,243 @@
+"""Tiered compiles (compile/parallel.py, Tiers; compile/direct.py, tier 1): a cold
+kernel runs quick tier-1 code built outside the disk cache, its tier-2 code (the code a
+plain compile makes) is compiled behind it and swapped in between two calls, also in
+the op's registry while TF's threads run the kernel; a failed tier 2 leaves tier 1
+serving."""
+import threading
+
+import numpy as np
+import pytest
+
+from stitching.compile import kernel, parallel
+from stitching.ir.builder import SpecBuilder
+
+RNG = np.random.default_rng(3939)
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Kernels built here, not loaded from the session's cache; the direct backend."""
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("STITCHING_CPU_BACKEND", "llvm")
+    kernel.clear_memory_cache()
+    yield
+    parallel.wait_upgrades(120)
+    kernel.clear_memory_cache()
+
+
+def layernorm_spec(n: int = 96):
+    b = SpecBuilder()
+    x = b.input("float32", (-1, n))
+    g = b.input("float32", (n,))
+    m = b.Mean(x, axes=[1], keep_dims=True)
+    c = b.Sub(x, m)
+    v = b.Mean(b.Square(c), axes=[1], keep_dims=True)
+    return b.build([b.Add(b.Mul(c, b.Rsqrt(b.Add(v, b.const(1e-5)))), g)])
+
+
+def gelu_spec():
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 64))
+    bias = b.input("float32", (64,))
+    y = b.Add(x, bias)
+    return b.build([b.Mul(b.Mul(y, b.const(0.5)), b.Add(b.const(1.0), b.Erf(
+        b.Mul(y, b.const(0.7071067811865476)))))])
+
+
+def layernorm64(x, g):
+    x = x.astype(np.float64)
+    with np.errstate(invalid="ignore"):     # the rows holding NaN and Inf
+        c = x - x.mean(1, keepdims=True)
+        return c / np.sqrt((c * c).mean(1, keepdims=True) + 1e-5) + g
+
+
+def cache_objects() -> list:
+    return sorted(kernel.kernel_dir().glob("k_*.so"))
+
+
+def test_tier1_code_runs_outside_the_cache_and_matches_tier2_and_float64():
+    x = RNG.standard_normal((37, 96)).astype(np.float32)
+    x[3, 5], x[4, 7] = np.nan, np.inf
+    g = RNG.standard_normal(96).astype(np.float32)
+    k1 = kernel.compile_kernel(layernorm_spec(), tier=1)
+    assert (k1.tier, k1.backend) == (1, "llvm")
+    assert cache_objects() == [], "tier-1 code must never reach the disk cache"
+    (y1,) = k1(x, g)
+    want = layernorm64(x, g)
+    np.testing.assert_allclose(y1, want, rtol=2e-5, atol=2e-5)
+    assert np.isnan(y1[3]).all() and np.isnan(y1[4]).all()      # NaN/Inf propagate
+    kernel.clear_memory_cache()
+    k2 = kernel.compile_kernel(layernorm_spec())
+    assert k2.tier == 2 and len(cache_objects()) == 1
+    np.testing.assert_allclose(y1, k2(x, g)[0], rtol=2e-6, atol=2e-6)   # sums reassociate
+    # element-wise math is neither reordered nor contracted at either tier: same bits
+    xs = RNG.standard_normal((33, 64)).astype(np.float32)
+    bias = RNG.standard_normal(64).astype(np.float32)
+    e1 = kernel.compile_kernel(gelu_spec(), tier=1)
+    (a,) = e1(xs, bias)
+    kernel.clear_memory_cache()
+    (b,) = kernel.compile_kernel(gelu_spec())(xs, bias)
+    assert np.array_equal(a, b)
+
+
+def test_asking_for_tier2_of_a_tier1_kernel_in_memory_builds_it_into_the_cache():
+    k = kernel.compile_kernel(gelu_spec(), tier=1)
+    assert k.tier == 1 and cache_objects() == []
+    assert kernel.compile_kernel(gelu_spec()) is k
+    assert k.tier == 2 and [p.name for p in cache_objects()] == [k.code_name + ".so"]
+
+
+def test_tier1_is_a_direct_backend_tier_the_numba_backend_builds_tier2(monkeypatch):
+    monkeypatch.setenv("STITCHING_CPU_BACKEND", "numba")
+    k = kernel.compile_kernel(gelu_spec(), tier=1)
+    assert (k.tier, k.backend) == (2, "numba") and len(cache_objects()) == 1
+
+
+def test_tiered_compile_kernels_run_tier1_then_switch_to_the_cached_tier2():
+    spec = layernorm_spec()
+    (k,) = parallel.compile_kernels([spec], tiered=True)
+    assert k.tier == 1
+    old = k.body_address
+    assert parallel.wait_upgrades(120)
+    assert k.tier == 2 and k.body_address != old
+    assert [p.name for p in cache_objects()] == [k.code_name + ".so"]
+    assert kernel.compile_kernel(spec) is k
+    x = RNG.standard_normal((5, 96)).astype(np.float32)
+    g = RNG.standard_normal(96).astype(np.float32)
+    (got,) = k(x, g)
+    kernel.clear_memory_cache()                 # a warm process: the same code
+    plain = kernel.compile_kernel(spec)
+    assert plain.cache_hits and plain.tier == 2
+    assert np.array_equal(got, plain(x, g)[0])
+
+
+def softmax_spec():
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 80))
+    e = b.Exp(b.Sub(x, b.Max(x, axes=[1], keep_dims=True)))
+    return b.build([b.Div(e, b.Sum(e, axes=[1], keep_dims=True))])
+
+
+def test_workers_build_tier1_into_this_process_dir_then_tier2_into_the_cache(monkeypatch):
+    """A batch that goes to workers: each builds tier-1 code first (into this
+    process's tier-1 directory: nothing built here), then tier 2 into the cache."""
+    from stitching.compile import direct
+    built_here = []
+    monkeypatch.setattr(direct, "build", lambda *a, **k: built_here.append(a))
+    specs = [layernorm_spec(), gelu_spec(), softmax_spec()]
+    ks = parallel.compile_kernels(specs, jobs=2, tiered=True)
+    assert built_here == []
+    assert sorted(p.name for p in kernel._tier1_dir().glob("k_*.so")) == \
+        sorted(k.code_name + ".so" for k in ks)
+    assert parallel.wait_upgrades(120)
+    assert [k.tier for k in ks] == [2, 2, 2]
+    assert sorted(p.name for p in cache_objects()) == sorted(k.code_name + ".so" for k in ks)
+    x = RNG.standard_normal((6, 80)).astype(np.float32)
+    (y,) = ks[2](x)
+    e = np.exp(x - x.max(1, keepdims=True))
+    np.testing.assert_allclose(y, e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
+
+
+def test_a_failed_tier2_compile_leaves_tier1_serving(monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("no workers here")
+    monkeypatch.setattr(parallel, "warm_cache", broken)
+    (k,) = parallel.compile_kernels([gelu_spec()], tiered=True)
+    assert parallel.wait_upgrades(60)
+    assert k.tier == 1 and cache_objects() == []
+    x = RNG.standard_normal((4, 64)).astype(np.float32)
+    b = np.zeros(64, np.float32)
+    y = x.astype(np.float64) * 0.5 * (1 + np.vectorize(__import__("math").erf)(
+        x.astype(np.float64) / np.sqrt(2)))
+    np.testing.assert_allclose(k(x, b)[0], y, rtol=1e-5, atol=1e-6)
+
+
+def test_tiered_compiles_are_opt_in_and_the_setting_is_checked(monkeypatch):
+    monkeypatch.delenv("STITCHING_TIERED_COMPILE", raising=False)
+    assert parallel.tiered_default() is False
+    monkeypatch.setenv("STITCHING_TIERED_COMPILE", "1")
+    assert parallel.tiered_default() is True
+    monkeypatch.setenv("STITCHING_TIERED_COMPILE", "yes")
+    with pytest.raises(ValueError, match="STITCHING_TIERED_COMPILE must be 0 or 1"):
+        parallel.tiered_default()
+
+
+def test_the_op_switches_to_tier2_between_calls_while_tf_threads_run_it():
+    """TF's threads keep calling the op on a tier-1 kernel while it upgrades: every
+    call's output is right (one build per call: a row reduction's phases never mix),
+    the registry runs the new code afterwards, and a kernel registered with the old
+    address after the upgrade runs the new code too."""
+    tf = pytest.importorskip("tensorflow")
+    from stitching import runtime as rt
+    # a code of its own: another test's tier-1 object of the same code, upgraded in
+    # this process, would be registered as its tier 2 (Registry::Insert)
+    spec = layernorm_spec(112)
+    k = kernel.compile_kernel(spec, tier=1)
+    x = tf.constant(RNG.standard_normal((512, 112)).astype(np.float32))
+    g = tf.constant(RNG.standard_normal(112).astype(np.float32))
+    want = layernorm64(x.numpy(), g.numpy())
+    run = tf.function(lambda x, g: rt.stitched_kernel([x, g], k, label="ln")[0])
+    run(x, g)
+    key = rt.registry.spec_of(k)
+    old = rt.registry.body_of(key)
+    assert old == k.body_address
+    errors, stop = [], threading.Event()
+
+    def caller():
+        while not stop.is_set():
+            got = run(x, g).numpy()
+            if not np.allclose(got, want, rtol=2e-5, atol=2e-5):
+                errors.append(np.abs(got - want).max())
+    threads = [threading.Thread(target=caller) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        kernel.clear_memory_cache()         # tier 2 into the cache, as a worker would
+        kernel.compile_kernel(spec)
+        assert k.upgrade() and k.tier == 2
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == []
+    assert rt.registry.body_of(key) == k.body_address != old
+    # a registration that read the old address just before the upgrade
+    stale = type("Stale", (), dict(k.__dict__, body_address=old, spec=k.spec))()
+    assert rt.register(stale, spec=key + " ") is True
+    assert rt.registry.body_of(key + " ") == k.body_address
+    np.testing.assert_allclose(run(x, g).numpy(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_region_slower_at_tier1_than_tf_runs_its_original_ops_until_the_upgrade(
+        monkeypatch):
+    """softmax (exp: kernel.slow_at_tier1): while its kernel is at tier 1 the node runs
+    the region's TF ops (outputs are TF's, bit for bit); after the upgrade, tier 2."""
+    tf = pytest.importorskip("tensorflow")
+    import stitching
+    from stitching.runtime import registry
+    pending = []
+    monkeypatch.setattr(parallel, "_upgrade_later", lambda ks, jobs, batch: pending.extend(ks))
+    monkeypatch.setenv("STITCHING_TIERED_COMPILE", "1")
+
+    def softmax(x):
+        e = tf.exp(x - tf.reduce_max(x, axis=-1, keepdims=True))
+        return e / tf.reduce_sum(e, axis=-1, keepdims=True)
+    x = tf.constant(np.random.default_rng(80).standard_normal((64, 80)).astype(np.float32))
+    want = tf.function(softmax)(x).numpy()
+    st = stitching.function(softmax)
+    got = st(x).numpy()
+    assert [k.tier for k in pending] == [1] and pending[0].hold_until_upgrade
+    (k,) = pending
+    keys = [s for s, v in registry._kernels.items() if v._code is k._code]
+    assert keys and all(registry.is_held(s) for s in keys)
+    assert np.array_equal(got, want)                # TF's own ops ran:
+    assert not np.array_equal(k(x.numpy())[0], want)   # the tier-1 code's differ
+    assert kernel.compile_kernel(k.spec) is k and k.tier == 2     # tier 2 built, in
+    assert not any(registry.is_held(s) for s in keys)
+    assert all(registry.body_of(s) == k.body_address for s in keys)
+    np.testing.assert_allclose(st(x).numpy(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_tier1_kernels_without_transcendentals_run_at_once():
+    assert not kernel.compile_kernel(layernorm_spec(), tier=1).hold_until_upgrade
+    assert kernel.compile_kernel(gelu_spec(), tier=1).hold_until_upgrade
