@@ -3,9 +3,11 @@
     python tools/op_breakdown.py --batch 1                 # the models suite's Transformer
     python tools/op_breakdown.py --batch 8 --layers 2 --modes xla,stitched
     python tools/op_breakdown.py --model resnet50 --modes tf,stitched  # any models-suite model
+    python tools/op_breakdown.py --stat min --nodes 'MatMul|dot'  # per-node minima, GEMMs listed
 
 Each mode runs ``--calls`` calls under TF's profiler (``tf.profiler.experimental``);
-the trace's host events are summed per op class and divided by the calls:
+the trace's host events are summed per op class and divided by the calls
+(``--stat min``: each node's fastest call instead, see ``group_events``):
 
 - TF ops (stock TF, and the TF ops of the stitched graph): the executor's
   ``node:OpType`` events, grouped by op type (``_MklMatMul``, ``GatherV2``, ...);
@@ -47,20 +49,36 @@ import numpy as np
 _XLA_SUFFIX = re.compile(r"\.\d+$")
 
 
-def group_events(xspace, calls: int) -> dict:
-    """op class -> microseconds per call, from a profiler XSpace (see module docstring):
-    XLA thunks (events with an ``hlo_op`` stat) by name without their ``.N``, executor
-    events ``node:OpType`` by op type; runtime frames are left out."""
-    total = collections.defaultdict(float)
+def node_events(xspace) -> dict:
+    """(op class, event name) -> every duration in microseconds, from a profiler XSpace
+    (see module docstring): XLA thunks (events with an ``hlo_op`` stat) by name without
+    their ``.N``, executor events ``node:OpType`` by op type; runtime frames are left
+    out.  The event name is the node's (or thunk's): one entry per call."""
+    out = collections.defaultdict(list)
     for plane in xspace.planes:
         names = {k: v.name for k, v in plane.event_metadata.items()}
         hlo = {k for k, v in plane.stat_metadata.items() if v.name == "hlo_op"}
         for line in plane.lines:
             for ev in line.events:
-                key = op_class(names.get(ev.metadata_id, ""),
-                               any(st.metadata_id in hlo for st in ev.stats))
+                name = names.get(ev.metadata_id, "")
+                key = op_class(name, any(st.metadata_id in hlo for st in ev.stats))
                 if key is not None:
-                    total[key] += ev.duration_ps / 1e6 / calls
+                    out[(key, name.strip())].append(ev.duration_ps / 1e6)
+    return out
+
+
+def group_events(events: dict, calls: int, stat: str = "mean") -> dict:
+    """op class -> microseconds per call, from ``node_events`` over ``calls`` calls.
+
+    ``mean``: all of a class's time over ``calls``.  ``min``: each node's fastest call,
+    times its events per call: on a machine other processes load, a call that lost
+    its core counts in the mean but not in the minimum, so ``min`` is what the op
+    itself costs (concurrent ops still slow each other: that stays in both)."""
+    if stat not in ("mean", "min"):
+        raise ValueError(f"stat must be 'mean' or 'min', not {stat!r}")
+    total = collections.defaultdict(float)
+    for (key, _), us in events.items():
+        total[key] += sum(us) / calls if stat == "mean" else min(us) * len(us) / calls
     return dict(total)
 
 
@@ -191,20 +209,27 @@ def prepare(model_name: str, batch: int, wanted, layers: int = 4):
     return modes, x
 
 
-def op_rows(mode: str, f, x, calls: int) -> dict:
+def op_rows(mode: str, f, x, calls: int, stat: str = "mean", nodes=None) -> dict:
     """One mode's op-class rows, microseconds per call over ``calls`` traced calls
-    (stitched kernels from the op's counters)."""
-    rows = group_events(_trace(f, x, calls), calls)
+    (``group_events``'s ``stat``; stitched kernels from the op's counters, which are
+    means whatever ``stat`` says).  ``nodes``: a regex; when given, the rows also
+    hold ``"  " + name`` (min and median microseconds) per node whose class matches."""
+    events = node_events(_trace(f, x, calls))
+    rows = group_events(events, calls, stat)
     if mode == "stitched":
         rows.update(_kernel_rows(f, x, calls))
+    if nodes:
+        rows.update({"  " + name: (min(us), float(np.median(us)))
+                     for (key, name), us in events.items() if re.search(nodes, key)})
     return rows
 
 
-def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4):
+def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4,
+              stat: str = "mean", nodes=None):
     """(wall ms per mode, {mode: op-class rows}): the module docstring's measurement."""
     modes, x = prepare(model_name, batch, wanted, layers)
     wall = wall_ms(modes, x, max(calls, 10))
-    return wall, {m: op_rows(m, f, x, calls) for m, f in modes.items()}
+    return wall, {m: op_rows(m, f, x, calls, stat, nodes) for m, f in modes.items()}
 
 
 def main(argv=None) -> int:
@@ -216,22 +241,32 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="tf,xla,stitched")
     ap.add_argument("--calls", type=int, default=20, help="traced calls per mode")
     ap.add_argument("--top", type=int, default=14, help="rows per mode")
+    ap.add_argument("--stat", choices=("mean", "min"), default="mean",
+                    help="per op class: mean time, or each node's fastest call "
+                         "(steadier on a loaded machine; kernels stay means)")
+    ap.add_argument("--nodes", metavar="REGEX",
+                    help="also list each node of the op classes matching REGEX "
+                         "(min / median us per call), e.g. 'MatMul|dot'")
     args = ap.parse_args(argv)
     wall, per_mode = breakdown(args.model, args.batch, args.modes.split(","), args.calls,
-                               args.layers)
+                               args.layers, args.stat, args.nodes)
     what = (f"Transformer {args.layers} layers" if args.model == "transformer"
             else args.model)
     print(f"{what}, batch {args.batch}; load average "
           f"{os.getloadavg()[0]:.2f}; wall ms per call (median, interleaved): "
           + ", ".join(f"{m} {v:.3f}" for m, v in wall.items()))
-    for m, rows in per_mode.items():
+    for m, all_rows in per_mode.items():
+        rows = {k: v for k, v in all_rows.items() if not k.startswith("  ")}
         parts = split(rows)
         total = sum(parts.values())
-        print(f"== {m}: {total:.0f} us of op time per call: "
+        print(f"== {m} ({args.stat}): {total:.0f} us of op time per call: "
               + ", ".join(f"{k} {v:.0f} us ({v / total:.0%})" for k, v in parts.items())
               + f"; ceiling with contractions left to TF {ceiling(parts):.2f}x")
         for key, us in sorted(rows.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"   {key:34s} {us:9.1f} us")
+        for key, (low, mid) in sorted(((k, v) for k, v in all_rows.items()
+                                       if k.startswith("  ")), key=lambda kv: -kv[1][1]):
+            print(f"   {key:70.70s} min {low:8.1f} median {mid:8.1f} us")
     return 0
 
 
