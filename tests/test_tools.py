@@ -212,6 +212,35 @@ def test_op_breakdown_min_takes_each_nodes_fastest_call():
         op_breakdown.group_events(events, calls=2, stat="median")
 
 
+def test_op_breakdown_interleaved_trace_gives_each_event_to_the_call_around_it():
+    """tools/op_breakdown.py --interleave: one profiler session, each call under a
+    marker named for its mode; an op event belongs to the mode whose marker spans its
+    start, on any thread's line; an event outside every call is dropped."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import op_breakdown
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    plane.stat_metadata[1].name = "hlo_op"
+    names = ["op_breakdown call tf", "op_breakdown call xla", "a/MatMul:MatMul", "dot.2",
+             "b/Mul:Mul"]
+    for i, name in enumerate(names):
+        plane.event_metadata[i + 1].name = name
+    caller = plane.lines.add(name="python", timestamp_ns=1000)
+    worker = plane.lines.add(name="worker", timestamp_ns=1000)
+    us = 10**6                                  # picoseconds per microsecond
+    caller.events.add(metadata_id=1, offset_ps=0, duration_ps=100 * us)        # tf call
+    caller.events.add(metadata_id=2, offset_ps=200 * us, duration_ps=100 * us)  # xla call
+    worker.events.add(metadata_id=3, offset_ps=10 * us, duration_ps=40 * us)    # in tf's
+    worker.events.add(metadata_id=4, offset_ps=250 * us, duration_ps=30 * us,   # in xla's
+                      stats=[xplane_pb2.XStat(metadata_id=1)])
+    worker.events.add(metadata_id=5, offset_ps=150 * us, duration_ps=5 * us)    # between
+    marks = {"op_breakdown call tf": "tf", "op_breakdown call xla": "xla"}
+    per_mode = op_breakdown.node_events(space, marks)
+    assert {m: dict(v) for m, v in per_mode.items()} == {
+        "tf": {("MatMul", "a/MatMul:MatMul"): [40.0]}, "xla": {("dot", "dot.2"): [30.0]}}
+
+
 def test_op_breakdown_splits_op_time_and_bounds_a_fuser_that_leaves_contractions():
     """tools/op_breakdown.py's ceiling: convolutions and GEMMs (fused or not) are TF's,
     memory-intensive ops (stitched kernels among them) are what fusing can remove, the

@@ -4,6 +4,7 @@
     python tools/op_breakdown.py --batch 8 --layers 2 --modes xla,stitched
     python tools/op_breakdown.py --model resnet50 --modes tf,stitched  # any models-suite model
     python tools/op_breakdown.py --stat min --nodes 'MatMul|dot'  # per-node minima, GEMMs listed
+    python tools/op_breakdown.py --interleave --stat min   # modes traced call by call
 
 Each mode runs ``--calls`` calls under TF's profiler (``tf.profiler.experimental``);
 the trace's host events are summed per op class and divided by the calls
@@ -35,6 +36,7 @@ a small model slightly past it.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import glob
 import os
@@ -49,22 +51,42 @@ import numpy as np
 _XLA_SUFFIX = re.compile(r"\.\d+$")
 
 
-def node_events(xspace) -> dict:
+def node_events(xspace, marks: dict | None = None) -> dict:
     """(op class, event name) -> every duration in microseconds, from a profiler XSpace
     (see module docstring): XLA thunks (events with an ``hlo_op`` stat) by name without
     their ``.N``, executor events ``node:OpType`` by op type; runtime frames are left
-    out.  The event name is the node's (or thunk's): one entry per call."""
-    out = collections.defaultdict(list)
+    out.  The event name is the node's (or thunk's): one entry per call.
+
+    ``marks``: {marker event name: mode} of the calls of an interleaved trace
+    (``_trace_interleaved``); then {mode: such a dict}, each event given to the mode
+    whose call marker spans its start (events outside every call are dropped)."""
+    spans, found = [], []
     for plane in xspace.planes:
         names = {k: v.name for k, v in plane.event_metadata.items()}
         hlo = {k for k, v in plane.stat_metadata.items() if v.name == "hlo_op"}
         for line in plane.lines:
             for ev in line.events:
                 name = names.get(ev.metadata_id, "")
+                start = line.timestamp_ns * 1000 + ev.offset_ps
+                if marks and name in marks:
+                    spans.append((start, start + ev.duration_ps, marks[name]))
+                    continue
                 key = op_class(name, any(st.metadata_id in hlo for st in ev.stats))
                 if key is not None:
-                    out[(key, name.strip())].append(ev.duration_ps / 1e6)
-    return out
+                    found.append((start, (key, name.strip()), ev.duration_ps / 1e6))
+    if not marks:
+        out = collections.defaultdict(list)
+        for _, key, us in found:
+            out[key].append(us)
+        return out
+    spans.sort()
+    starts = [s for s, _, _ in spans]
+    per_mode = {m: collections.defaultdict(list) for m in marks.values()}
+    for start, key, us in found:
+        i = bisect.bisect_right(starts, start) - 1
+        if i >= 0 and start <= spans[i][1]:
+            per_mode[spans[i][2]][key].append(us)
+    return per_mode
 
 
 def group_events(events: dict, calls: int, stat: str = "mean") -> dict:
@@ -146,14 +168,14 @@ def _modes(fn, sig, wanted):
     return {m: make[m]() for m in wanted}
 
 
-def _trace(f, x, calls):
+def _profile(run):
+    """The XSpace of TF's profiler around ``run()``."""
     import tensorflow as tf
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
     logdir = tempfile.mkdtemp(prefix="op_breakdown_")
     try:
         tf.profiler.experimental.start(logdir)
-        for _ in range(calls):
-            f(x)
+        run()
         tf.profiler.experimental.stop()
         space = xplane_pb2.XSpace()
         with open(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0], "rb") as fh:
@@ -163,16 +185,39 @@ def _trace(f, x, calls):
         shutil.rmtree(logdir, ignore_errors=True)
 
 
-def _kernel_rows(f, x, calls) -> dict:
-    """StitchedKernel time per call, one row per kind of kernel (its distinct op types,
-    from the report; the label is ``stitching/kernel_N``, the report's kernel name)."""
+def _trace(f, x, calls):
+    return _profile(lambda: [f(x) for _ in range(calls)])
+
+
+def _interleaved(modes, x, calls):
+    """(run, marks): ``run()`` makes ``calls`` rounds, each calling every mode once in
+    turn (the order rotating), each call under a profiler marker named for its mode
+    (no ':' in it, so op_class takes it for a runtime frame); ``marks`` maps the marker
+    names to the modes (node_events).  Traced as one session, every mode meets the same
+    load, which on a shared machine moves more between two sequential traces than
+    between the modes."""
+    import tensorflow as tf
+    marks = {f"op_breakdown call {m}": m for m in modes}
+    order = list(modes)
+
+    def run():
+        for i in range(calls):
+            for m in order[i % len(order):] + order[:i % len(order)]:
+                with tf.profiler.experimental.Trace(f"op_breakdown call {m}"):
+                    modes[m](x)
+    return run, marks
+
+
+def _kernel_rows(f, run, calls) -> dict:
+    """StitchedKernel time per call of ``f`` while ``run()`` runs ``calls`` of them, one
+    row per kind of kernel (its distinct op types, from the report; the label is
+    ``stitching/kernel_N``, the report's kernel name)."""
     from stitching.runtime import registry
     kinds = {k.name: "StitchedKernel[" + ",".join(sorted({op for _, op in k.ops})) + "]"
              for k in f.report.kernels}
     registry.set_profiling(True)
     registry.profile_reset()
-    for _ in range(calls):
-        f(x)
+    run()
     counters = registry.profile()
     registry.set_profiling(False)
     rows = collections.defaultdict(float)
@@ -209,27 +254,48 @@ def prepare(model_name: str, batch: int, wanted, layers: int = 4):
     return modes, x
 
 
-def op_rows(mode: str, f, x, calls: int, stat: str = "mean", nodes=None) -> dict:
-    """One mode's op-class rows, microseconds per call over ``calls`` traced calls
-    (``group_events``'s ``stat``; stitched kernels from the op's counters, which are
-    means whatever ``stat`` says).  ``nodes``: a regex; when given, the rows also
-    hold ``"  " + name`` (min and median microseconds) per node whose class matches."""
-    events = node_events(_trace(f, x, calls))
+def rows_of(events: dict, calls: int, stat: str = "mean", nodes=None) -> dict:
+    """One mode's op-class rows from its ``node_events`` (``group_events``'s ``stat``).
+    ``nodes``: a regex; when given, the rows also hold ``"  " + name`` (min and median
+    microseconds) per node whose class matches."""
     rows = group_events(events, calls, stat)
-    if mode == "stitched":
-        rows.update(_kernel_rows(f, x, calls))
     if nodes:
         rows.update({"  " + name: (min(us), float(np.median(us)))
                      for (key, name), us in events.items() if re.search(nodes, key)})
     return rows
 
 
+def op_rows(mode: str, f, x, calls: int, stat: str = "mean", nodes=None) -> dict:
+    """One mode's rows (``rows_of``) over ``calls`` traced calls; stitched kernels from
+    the op's counters (means whatever ``stat`` says) over as many more calls."""
+    rows = rows_of(node_events(_trace(f, x, calls)), calls, stat, nodes)
+    if mode == "stitched":
+        rows.update(_kernel_rows(f, lambda: [f(x) for _ in range(calls)], calls))
+    return rows
+
+
 def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4,
-              stat: str = "mean", nodes=None):
-    """(wall ms per mode, {mode: op-class rows}): the module docstring's measurement."""
+              stat: str = "mean", nodes=None, interleave: bool = False):
+    """(wall ms per mode, {mode: op-class rows}): the module docstring's measurement;
+    ``interleave``: the modes traced in one session, call by call (``_interleaved``)."""
     modes, x = prepare(model_name, batch, wanted, layers)
     wall = wall_ms(modes, x, max(calls, 10))
-    return wall, {m: op_rows(m, f, x, calls, stat, nodes) for m, f in modes.items()}
+    if not interleave:
+        return wall, {m: op_rows(m, f, x, calls, stat, nodes) for m, f in modes.items()}
+    run, marks = _interleaved(modes, x, calls)
+    traced = []
+
+    def trace():
+        traced.append(_profile(run))
+    if "stitched" in modes:     # the kernels' counters count during the same calls
+        kernels = _kernel_rows(modes["stitched"], trace, calls)
+    else:
+        trace()
+        kernels = {}
+    per_mode = node_events(traced[0], marks)
+    out = {m: rows_of(per_mode[m], calls, stat, nodes) for m in modes}
+    out.get("stitched", {}).update(kernels)
+    return wall, out
 
 
 def main(argv=None) -> int:
@@ -247,9 +313,12 @@ def main(argv=None) -> int:
     ap.add_argument("--nodes", metavar="REGEX",
                     help="also list each node of the op classes matching REGEX "
                          "(min / median us per call), e.g. 'MatMul|dot'")
+    ap.add_argument("--interleave", action="store_true",
+                    help="trace the modes in one profiler session, call by call, so "
+                         "they meet the same load (default: one session per mode)")
     args = ap.parse_args(argv)
     wall, per_mode = breakdown(args.model, args.batch, args.modes.split(","), args.calls,
-                               args.layers, args.stat, args.nodes)
+                               args.layers, args.stat, args.nodes, args.interleave)
     what = (f"Transformer {args.layers} layers" if args.model == "transformer"
             else args.model)
     print(f"{what}, batch {args.batch}; load average "
