@@ -208,10 +208,11 @@ def _interleaved(modes, x, calls):
     return run, marks
 
 
-def _kernel_rows(f, run, calls) -> dict:
+def _kernel_rows(f, run, calls, stat: str = "mean") -> dict:
     """StitchedKernel time per call of ``f`` while ``run()`` runs ``calls`` of them, one
     row per kind of kernel (its distinct op types, from the report; the label is
-    ``stitching/kernel_N``, the report's kernel name)."""
+    ``stitching/kernel_N``, the report's kernel name); ``stat`` as group_events's (the
+    op's counters keep each label's fastest call)."""
     from stitching.runtime import registry
     kinds = {k.name: "StitchedKernel[" + ",".join(sorted({op for _, op in k.ops})) + "]"
              for k in f.report.kernels}
@@ -223,7 +224,8 @@ def _kernel_rows(f, run, calls) -> dict:
     rows = collections.defaultdict(float)
     for label, c in counters.items():
         if c["calls"]:
-            rows[kinds.get(label, label)] += c["seconds"] * 1e6 / calls
+            total = c["seconds"] if stat == "mean" else c["min_seconds"] * c["calls"]
+            rows[kinds.get(label, label)] += total * 1e6 / calls
     return dict(rows)
 
 
@@ -267,10 +269,10 @@ def rows_of(events: dict, calls: int, stat: str = "mean", nodes=None) -> dict:
 
 def op_rows(mode: str, f, x, calls: int, stat: str = "mean", nodes=None) -> dict:
     """One mode's rows (``rows_of``) over ``calls`` traced calls; stitched kernels from
-    the op's counters (means whatever ``stat`` says) over as many more calls."""
+    the op's counters over as many more calls."""
     rows = rows_of(node_events(_trace(f, x, calls)), calls, stat, nodes)
     if mode == "stitched":
-        rows.update(_kernel_rows(f, lambda: [f(x) for _ in range(calls)], calls))
+        rows.update(_kernel_rows(f, lambda: [f(x) for _ in range(calls)], calls, stat))
     return rows
 
 
@@ -288,7 +290,7 @@ def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4,
     def trace():
         traced.append(_profile(run))
     if "stitched" in modes:     # the kernels' counters count during the same calls
-        kernels = _kernel_rows(modes["stitched"], trace, calls)
+        kernels = _kernel_rows(modes["stitched"], trace, calls, stat)
     else:
         trace()
         kernels = {}
@@ -309,7 +311,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=14, help="rows per mode")
     ap.add_argument("--stat", choices=("mean", "min"), default="mean",
                     help="per op class: mean time, or each node's fastest call "
-                         "(steadier on a loaded machine; kernels stay means)")
+                         "(steadier on a loaded machine)")
     ap.add_argument("--nodes", metavar="REGEX",
                     help="also list each node of the op classes matching REGEX "
                          "(min / median us per call), e.g. 'MatMul|dot'")
