@@ -39,9 +39,14 @@ import hashlib
 from tensorflow.core.framework import attr_value_pb2, function_pb2, types_pb2
 
 from ..passmanager import Pass
+from . import original
 
 PRODUCTS = ("MatMul", "BatchMatMulV2", "BatchMatMul")
-PREFIX = "stitching_xla_dot_"
+# The functions must be in the runtime's library when the stitched graph, imported into
+# the caller's trace, runs: the imported graph's own library does not reach it, and
+# tf/function.py defines there the library functions named with the regions' original
+# functions' prefix, whether the graph was just stitched or read from the result cache.
+PREFIX = original.PREFIX + "xla_dot_"
 _DTYPES = (types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE)
 # the product's attributes that change what it computes (the rest, such as grad_a,
 # are hints): part of the shared function's signature
@@ -165,18 +170,6 @@ def rewrite(graph_def, pairs) -> list:
     return list(functions.values())
 
 
-def define(fdefs) -> None:
-    """The functions, defined in the eager context too: a stitched graph imported into
-    the caller's trace (tf/function.py) takes its calls' functions from the runtime's
-    library, which the imported graph's own library does not reach (the regions'
-    original functions are defined there for the same reason)."""
-    from tensorflow.python.eager import context
-    ctx = context.context()
-    for fdef in fdefs:
-        if not ctx.has_function(fdef.signature.name):
-            ctx.add_function_def(fdef)
-
-
 def _run(ctx):
     from ...plan import profiles
     from . import remapper
@@ -186,9 +179,7 @@ def _run(ctx):
     pairs = candidates(ctx.graph_def, ctx.fetched)
     if not pairs:
         return None
-    fdefs = rewrite(ctx.graph_def, pairs)
-    define(fdefs)
-    shared = len(fdefs)
+    shared = len(rewrite(ctx.graph_def, pairs))
     biased = sum(b is not None for _, b in pairs)
     return (f"{len(pairs)} matrix product(s) run by XLA's dot ({biased} with their "
             f"BiasAdd), {shared} compiled function(s) shared by signature: TF's GEMM "
