@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 
+import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, function_pb2, types_pb2
 
 from ..passmanager import Pass
@@ -122,9 +123,14 @@ def _function(name: str, product, bias) -> function_pb2.FunctionDef:
     return fdef
 
 
-def _call(node, fname: str, inputs, dtype) -> None:
+def _call(node, fname: str, inputs, dtype, product, bias) -> None:
     """``node`` (its name, device, control inputs and ``_output_shapes`` kept) turned
-    into the call of ``fname``."""
+    into the call of ``fname``, carrying what the gradient needs (``_dot_grad``)."""
+    kind = product.op                   # read before the node (maybe the product) clears
+    adjoint = [product.attr[a].b if a in product.attr else False
+               for a in _PRODUCT_ATTRS[kind]]
+    fmt = (bias.attr["data_format"].s if "data_format" in bias.attr else b"NHWC") \
+        if bias is not None else None
     controls = [i for i in node.input if i.startswith("^")]
     shapes = (attr_value_pb2.AttrValue().FromString(
         node.attr["_output_shapes"].SerializeToString())
@@ -137,6 +143,11 @@ def _call(node, fname: str, inputs, dtype) -> None:
     node.attr["Tout"].list.type.append(dtype)
     node.attr["f"].func.name = fname
     node.attr["_XlaMustCompile"].b = True
+    node.attr[GRADIENT_ATTR].s = GRADIENT.encode()
+    node.attr["_stitching_dot_op"].s = kind.encode()
+    node.attr["_stitching_dot_adjoint"].list.b.extend(adjoint)
+    if fmt is not None:
+        node.attr["_stitching_dot_bias_format"].s = fmt
     if shapes is not None:
         node.attr["_output_shapes"].CopyFrom(shapes)
 
@@ -159,15 +170,42 @@ def rewrite(graph_def, pairs) -> list:
         dtype = product.attr["T"].type
         ins = [i for i in product.input if not i.startswith("^")]
         if bias is None:
-            _call(product, fname, ins, dtype)
+            _call(product, fname, ins, dtype, product, None)
         else:                               # the BiasAdd's node calls product + bias
-            _call(bias, fname, ins + [bias.input[1]], dtype)
+            _call(bias, fname, ins + [bias.input[1]], dtype, product, bias)
             fused.add(product.name)
     if fused:
         keep = [nd for nd in graph_def.node if nd.name not in fused]
         del graph_def.node[:]
         graph_def.node.extend(keep)
     return list(functions.values())
+
+
+# A tape outside the stitched function differentiates each call through this gradient
+# (TF's own for a function call, SymbolicGradient, cannot instantiate an XLA-compiled
+# function's gradient): the product written again as TF ops, differentiated by TF's
+# registered gradients.  The product itself is dead code in the backward graph (the
+# gradients of a product read its inputs, not its value), which Grappler prunes.
+GRADIENT_ATTR = "_gradient_op_type"
+GRADIENT = "StitchingXlaDot"
+
+
+@tf.RegisterGradient(GRADIENT)
+def _dot_grad(op, grad):
+    kind = op.get_attr("_stitching_dot_op").decode()
+    adj = list(op.get_attr("_stitching_dot_adjoint"))
+    # one tensor per input, so each gets its own partial (attention's y y^T reads one
+    # tensor twice: tf.gradients would give both entries the sum)
+    xs = [tf.identity(t) for t in op.inputs]
+    a, b = xs[0], xs[1]
+    if kind == "MatMul":
+        y = tf.raw_ops.MatMul(a=a, b=b, transpose_a=adj[0], transpose_b=adj[1])
+    else:
+        y = getattr(tf.raw_ops, kind)(x=a, y=b, adj_x=adj[0], adj_y=adj[1])
+    if len(xs) == 3:
+        fmt = op.get_attr("_stitching_dot_bias_format").decode()
+        y = tf.nn.bias_add(y, xs[2], data_format=fmt)
+    return tf.gradients(y, xs, grad_ys=grad)
 
 
 def _run(ctx):
