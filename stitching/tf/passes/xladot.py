@@ -190,8 +190,24 @@ GRADIENT_ATTR = "_gradient_op_type"
 GRADIENT = "StitchingXlaDot"
 
 
+_NOT_SAVED = ("the gradient of a stitched function's matrix products (XLA dots, "
+              "tf/passes/xladot.py) is not in this SavedModel: import stitching before "
+              "tf.saved_model.load (its registered gradient serves), or save the "
+              "function with stitching.Options(xla_gemm=False)")
+
+
 @tf.RegisterGradient(GRADIENT)
-def _dot_grad(op, grad):
+def _dot_grad(op, *grads):
+    if op is None:
+        # tf.saved_model.save traces each custom gradient once, with no op (it passes
+        # the op's inputs where the output gradients go), and keeps the result under
+        # this name; a process that imports stitching -- which the StitchedKernel op
+        # needs anyway -- keeps this registration instead.  The stand-in fails with
+        # the reason if ever run.
+        check = tf.debugging.Assert(tf.equal(tf.size(grads[0]), -1), [_NOT_SAVED])
+        with tf.control_dependencies([check]):
+            return [tf.zeros_like(g) for g in grads]
+    grad, = grads
     kind = op.get_attr("_stitching_dot_op").decode()
     adj = list(op.get_attr("_stitching_dot_adjoint"))
     # one tensor per input, so each gets its own partial (attention's y y^T reads one
