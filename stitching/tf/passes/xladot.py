@@ -29,8 +29,10 @@ So each product becomes a call of a one-product function that XLA compiles, the 
 
 Numerics: XLA's dot sums in its own order, as a different GEMM kernel does (float
 rounding, checked against TF and float64 in tests/test_xladot.py).  The first call at
-each new input shape compiles the product (tens of ms each, once per process and
-shape).  ``Options(xla_gemm=False)`` keeps TF's products.
+each new input shape compiles the products (once per process, shape and signature: a
+4-layer encoder's first call at a new batch size took ~0.2 s more, docs/internals/
+notes.md), where the kernels alone serve every batch size.  ``Options(xla_gemm=False)``
+keeps TF's products.
 """
 from __future__ import annotations
 
