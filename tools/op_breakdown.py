@@ -114,8 +114,9 @@ def op_class(name: str, xla_thunk: bool) -> str | None:
     return name.rsplit(":", 1)[1] or None        # executor: "node/name:OpType"
 
 
-CONTRACTIONS = re.compile(r"Conv|MatMul|Einsum")   # TF's convolutions and GEMMs, plain,
-#                      fused (_FusedConv2D, _MklNativeFusedMatMul, ...) or depthwise
+CONTRACTIONS = re.compile(r"Conv|MatMul|Einsum|^dot$|^convolution")   # TF's convolutions
+#   and GEMMs, plain, fused (_FusedConv2D, _MklNativeFusedMatMul, ...) or depthwise, and
+#   XLA's dot and convolution thunks (XLA's own, or a stitched graph's, tf/passes/xladot.py)
 
 
 def split(rows: dict) -> dict:

@@ -108,11 +108,12 @@ def _function(name: str, product, bias) -> function_pb2.FunctionDef:
     for arg in args:
         fdef.signature.input_arg.add(name=arg, type=dtype)
     fdef.signature.output_arg.add(name="y", type=dtype)
-    body = fdef.node_def.add(name="product", op=product.op, input=["a", "b"])
+    # "dot": XLA names its thunk after the node, so profiles show XLA's own word
+    body = fdef.node_def.add(name="dot", op=product.op, input=["a", "b"])
     for key in ("T",) + _PRODUCT_ATTRS[product.op]:
         if key in product.attr:
             body.attr[key].CopyFrom(product.attr[key])
-    out = "product:" + _OUTPUT_ARG[product.op] + ":0"
+    out = "dot:" + _OUTPUT_ARG[product.op] + ":0"
     if bias is not None:
         add = fdef.node_def.add(name="bias_add", op="BiasAdd", input=[out, "bias"])
         for key in ("T", "data_format"):
