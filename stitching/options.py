@@ -47,6 +47,10 @@ class Options:
             whose matrix products TF would run on one thread as two halves of the
             sequence side by side (default on; helps batch 1, costs ~4% at large
             batches with an unknown batch size).
+        xla_gemm: Run the matrix products between kernels with XLA's dot (each a
+            one-product function XLA compiles) where TF's GEMM is Eigen's (oneDNN
+            off), which is slower (default on; the first call at each new shape
+            compiles them).
         background_compile: Tiered execution: new work runs stock TF while its
             kernels compile in the background, then switches to them.  ``None``
             (default): tiered under ``stitching.keras.stitch`` (``fit``,
@@ -92,6 +96,7 @@ class Options:
     einsum: bool = True                # tf/passes/einsum.py
     pad_fold: bool = True              # tf/passes/padfold.py
     seq_split: bool = True             # tf/passes/seqsplit.py
+    xla_gemm: bool = True              # tf/passes/xladot.py
     background_compile: bool | None = None   # tf/function.py, keras.py
     dump_dir: str | None = None        # tf/dump.py
     dump_passes: str | None = None     # tf/passmanager.py

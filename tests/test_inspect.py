@@ -145,6 +145,8 @@ def test_profile_counts_calls_and_time(transformer_dump):
     for k in d.kernels:
         assert k.measured["calls"] == 3, k
         assert k.measured_us > 0
+        # the fastest call: one of the three, so at most their mean
+        assert 0 < k.measured["min_seconds"] <= k.measured["seconds"] / 3
         # bytes: the kernel's inputs and outputs, every call (the dump's shapes say -1
         # for the batch, so compare with what the static part and batch 2 give)
         per_call = k.measured["bytes"] / 3
@@ -152,6 +154,9 @@ def test_profile_counts_calls_and_time(transformer_dump):
                                for v in k.inputs + k.outputs)
     rows = d.kernel_rows()
     assert all(r["measured_us"] and r["calls"] == 3 for r in rows)
+    runtime.profile_reset()                # the fastest call is forgotten too
+    assert all(c["calls"] == 0 and c["min_seconds"] == 0
+               for c in runtime.profile().values())
 
 
 def test_tensorboard_groups_each_kernel_with_its_fused_ops(transformer_dump, tmp_path):

@@ -192,8 +192,53 @@ def test_op_breakdown_groups_executor_ops_and_xla_thunks_per_call():
         ev = line.events.add(metadata_id=i + 1, duration_ps=us * 10**6)
         if thunk:
             ev.stats.add(metadata_id=1)
-    rows = op_breakdown.group_events(space, calls=2)
+    events = op_breakdown.node_events(space)
+    rows = op_breakdown.group_events(events, calls=2)
     assert rows == {"_MklMatMul": 200.0, "GatherV2": 20.0, "dot": 50.0, "MatMul": 30.0}
+    assert events[("_MklMatMul", "layer0/MatMul:_MklMatMul")] == [300.0]
+
+
+def test_op_breakdown_min_takes_each_nodes_fastest_call():
+    """tools/op_breakdown.py --stat min: a call that lost its core to another process
+    counts in the mean, not in the minimum; a node's events per call still count."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import op_breakdown
+    events = {("MatMul", "a:MatMul"): [100.0, 900.0], ("MatMul", "b:MatMul"): [50.0, 70.0],
+              ("AddV2", "c:AddV2"): [5.0, 6.0, 7.0, 8.0]}     # c: twice per call
+    assert op_breakdown.group_events(events, calls=2) == {"MatMul": 560.0, "AddV2": 13.0}
+    assert op_breakdown.group_events(events, calls=2, stat="min") == {"MatMul": 150.0,
+                                                                      "AddV2": 10.0}
+    with pytest.raises(ValueError, match="stat"):
+        op_breakdown.group_events(events, calls=2, stat="median")
+
+
+def test_op_breakdown_interleaved_trace_gives_each_event_to_the_call_around_it():
+    """tools/op_breakdown.py --interleave: one profiler session, each call under a
+    marker named for its mode; an op event belongs to the mode whose marker spans its
+    start, on any thread's line; an event outside every call is dropped."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import op_breakdown
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    plane.stat_metadata[1].name = "hlo_op"
+    names = ["op_breakdown call tf", "op_breakdown call xla", "a/MatMul:MatMul", "dot.2",
+             "b/Mul:Mul"]
+    for i, name in enumerate(names):
+        plane.event_metadata[i + 1].name = name
+    caller = plane.lines.add(name="python", timestamp_ns=1000)
+    worker = plane.lines.add(name="worker", timestamp_ns=1000)
+    us = 10**6                                  # picoseconds per microsecond
+    caller.events.add(metadata_id=1, offset_ps=0, duration_ps=100 * us)        # tf call
+    caller.events.add(metadata_id=2, offset_ps=200 * us, duration_ps=100 * us)  # xla call
+    worker.events.add(metadata_id=3, offset_ps=10 * us, duration_ps=40 * us)    # in tf's
+    worker.events.add(metadata_id=4, offset_ps=250 * us, duration_ps=30 * us,   # in xla's
+                      stats=[xplane_pb2.XStat(metadata_id=1)])
+    worker.events.add(metadata_id=5, offset_ps=150 * us, duration_ps=5 * us)    # between
+    marks = {"op_breakdown call tf": "tf", "op_breakdown call xla": "xla"}
+    per_mode = op_breakdown.node_events(space, marks)
+    assert {m: dict(v) for m, v in per_mode.items()} == {
+        "tf": {("MatMul", "a/MatMul:MatMul"): [40.0]}, "xla": {("dot", "dot.2"): [30.0]}}
 
 
 def test_op_breakdown_splits_op_time_and_bounds_a_fuser_that_leaves_contractions():

@@ -3,9 +3,12 @@
     python tools/op_breakdown.py --batch 1                 # the models suite's Transformer
     python tools/op_breakdown.py --batch 8 --layers 2 --modes xla,stitched
     python tools/op_breakdown.py --model resnet50 --modes tf,stitched  # any models-suite model
+    python tools/op_breakdown.py --stat min --nodes 'MatMul|dot'  # per-node minima, GEMMs listed
+    python tools/op_breakdown.py --interleave --stat min   # modes traced call by call
 
 Each mode runs ``--calls`` calls under TF's profiler (``tf.profiler.experimental``);
-the trace's host events are summed per op class and divided by the calls:
+the trace's host events are summed per op class and divided by the calls
+(``--stat min``: each node's fastest call instead, see ``group_events``):
 
 - TF ops (stock TF, and the TF ops of the stitched graph): the executor's
   ``node:OpType`` events, grouped by op type (``_MklMatMul``, ``GatherV2``, ...);
@@ -33,6 +36,7 @@ a small model slightly past it.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import glob
 import os
@@ -47,20 +51,56 @@ import numpy as np
 _XLA_SUFFIX = re.compile(r"\.\d+$")
 
 
-def group_events(xspace, calls: int) -> dict:
-    """op class -> microseconds per call, from a profiler XSpace (see module docstring):
-    XLA thunks (events with an ``hlo_op`` stat) by name without their ``.N``, executor
-    events ``node:OpType`` by op type; runtime frames are left out."""
-    total = collections.defaultdict(float)
+def node_events(xspace, marks: dict | None = None) -> dict:
+    """(op class, event name) -> every duration in microseconds, from a profiler XSpace
+    (see module docstring): XLA thunks (events with an ``hlo_op`` stat) by name without
+    their ``.N``, executor events ``node:OpType`` by op type; runtime frames are left
+    out.  The event name is the node's (or thunk's): one entry per call.
+
+    ``marks``: {marker event name: mode} of the calls of an interleaved trace
+    (``_trace_interleaved``); then {mode: such a dict}, each event given to the mode
+    whose call marker spans its start (events outside every call are dropped)."""
+    spans, found = [], []
     for plane in xspace.planes:
         names = {k: v.name for k, v in plane.event_metadata.items()}
         hlo = {k for k, v in plane.stat_metadata.items() if v.name == "hlo_op"}
         for line in plane.lines:
             for ev in line.events:
-                key = op_class(names.get(ev.metadata_id, ""),
-                               any(st.metadata_id in hlo for st in ev.stats))
+                name = names.get(ev.metadata_id, "")
+                start = line.timestamp_ns * 1000 + ev.offset_ps
+                if marks and name in marks:
+                    spans.append((start, start + ev.duration_ps, marks[name]))
+                    continue
+                key = op_class(name, any(st.metadata_id in hlo for st in ev.stats))
                 if key is not None:
-                    total[key] += ev.duration_ps / 1e6 / calls
+                    found.append((start, (key, name.strip()), ev.duration_ps / 1e6))
+    if not marks:
+        out = collections.defaultdict(list)
+        for _, key, us in found:
+            out[key].append(us)
+        return out
+    spans.sort()
+    starts = [s for s, _, _ in spans]
+    per_mode = {m: collections.defaultdict(list) for m in marks.values()}
+    for start, key, us in found:
+        i = bisect.bisect_right(starts, start) - 1
+        if i >= 0 and start <= spans[i][1]:
+            per_mode[spans[i][2]][key].append(us)
+    return per_mode
+
+
+def group_events(events: dict, calls: int, stat: str = "mean") -> dict:
+    """op class -> microseconds per call, from ``node_events`` over ``calls`` calls.
+
+    ``mean``: all of a class's time over ``calls``.  ``min``: each node's fastest call,
+    times its events per call: on a machine other processes load, a call that lost
+    its core counts in the mean but not in the minimum, so ``min`` is what the op
+    itself costs (concurrent ops still slow each other: that stays in both)."""
+    if stat not in ("mean", "min"):
+        raise ValueError(f"stat must be 'mean' or 'min', not {stat!r}")
+    total = collections.defaultdict(float)
+    for (key, _), us in events.items():
+        total[key] += sum(us) / calls if stat == "mean" else min(us) * len(us) / calls
     return dict(total)
 
 
@@ -74,8 +114,9 @@ def op_class(name: str, xla_thunk: bool) -> str | None:
     return name.rsplit(":", 1)[1] or None        # executor: "node/name:OpType"
 
 
-CONTRACTIONS = re.compile(r"Conv|MatMul|Einsum")   # TF's convolutions and GEMMs, plain,
-#                      fused (_FusedConv2D, _MklNativeFusedMatMul, ...) or depthwise
+CONTRACTIONS = re.compile(r"Conv|MatMul|Einsum|^dot$|^convolution")   # TF's convolutions
+#   and GEMMs, plain, fused (_FusedConv2D, _MklNativeFusedMatMul, ...) or depthwise, and
+#   XLA's dot and convolution thunks (XLA's own, or a stitched graph's, tf/passes/xladot.py)
 
 
 def split(rows: dict) -> dict:
@@ -128,14 +169,14 @@ def _modes(fn, sig, wanted):
     return {m: make[m]() for m in wanted}
 
 
-def _trace(f, x, calls):
+def _profile(run):
+    """The XSpace of TF's profiler around ``run()``."""
     import tensorflow as tf
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
     logdir = tempfile.mkdtemp(prefix="op_breakdown_")
     try:
         tf.profiler.experimental.start(logdir)
-        for _ in range(calls):
-            f(x)
+        run()
         tf.profiler.experimental.stop()
         space = xplane_pb2.XSpace()
         with open(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0], "rb") as fh:
@@ -145,22 +186,47 @@ def _trace(f, x, calls):
         shutil.rmtree(logdir, ignore_errors=True)
 
 
-def _kernel_rows(f, x, calls) -> dict:
-    """StitchedKernel time per call, one row per kind of kernel (its distinct op types,
-    from the report; the label is ``stitching/kernel_N``, the report's kernel name)."""
+def _trace(f, x, calls):
+    return _profile(lambda: [f(x) for _ in range(calls)])
+
+
+def _interleaved(modes, x, calls):
+    """(run, marks): ``run()`` makes ``calls`` rounds, each calling every mode once in
+    turn (the order rotating), each call under a profiler marker named for its mode
+    (no ':' in it, so op_class takes it for a runtime frame); ``marks`` maps the marker
+    names to the modes (node_events).  Traced as one session, every mode meets the same
+    load, which on a shared machine moves more between two sequential traces than
+    between the modes."""
+    import tensorflow as tf
+    marks = {f"op_breakdown call {m}": m for m in modes}
+    order = list(modes)
+
+    def run():
+        for i in range(calls):
+            for m in order[i % len(order):] + order[:i % len(order)]:
+                with tf.profiler.experimental.Trace(f"op_breakdown call {m}"):
+                    modes[m](x)
+    return run, marks
+
+
+def _kernel_rows(f, run, calls, stat: str = "mean") -> dict:
+    """StitchedKernel time per call of ``f`` while ``run()`` runs ``calls`` of them, one
+    row per kind of kernel (its distinct op types, from the report; the label is
+    ``stitching/kernel_N``, the report's kernel name); ``stat`` as group_events's (the
+    op's counters keep each label's fastest call)."""
     from stitching.runtime import registry
     kinds = {k.name: "StitchedKernel[" + ",".join(sorted({op for _, op in k.ops})) + "]"
              for k in f.report.kernels}
     registry.set_profiling(True)
     registry.profile_reset()
-    for _ in range(calls):
-        f(x)
+    run()
     counters = registry.profile()
     registry.set_profiling(False)
     rows = collections.defaultdict(float)
     for label, c in counters.items():
         if c["calls"]:
-            rows[kinds.get(label, label)] += c["seconds"] * 1e6 / calls
+            total = c["seconds"] if stat == "mean" else c["min_seconds"] * c["calls"]
+            rows[kinds.get(label, label)] += total * 1e6 / calls
     return dict(rows)
 
 
@@ -191,20 +257,48 @@ def prepare(model_name: str, batch: int, wanted, layers: int = 4):
     return modes, x
 
 
-def op_rows(mode: str, f, x, calls: int) -> dict:
-    """One mode's op-class rows, microseconds per call over ``calls`` traced calls
-    (stitched kernels from the op's counters)."""
-    rows = group_events(_trace(f, x, calls), calls)
-    if mode == "stitched":
-        rows.update(_kernel_rows(f, x, calls))
+def rows_of(events: dict, calls: int, stat: str = "mean", nodes=None) -> dict:
+    """One mode's op-class rows from its ``node_events`` (``group_events``'s ``stat``).
+    ``nodes``: a regex; when given, the rows also hold ``"  " + name`` (min and median
+    microseconds) per node whose class matches."""
+    rows = group_events(events, calls, stat)
+    if nodes:
+        rows.update({"  " + name: (min(us), float(np.median(us)))
+                     for (key, name), us in events.items() if re.search(nodes, key)})
     return rows
 
 
-def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4):
-    """(wall ms per mode, {mode: op-class rows}): the module docstring's measurement."""
+def op_rows(mode: str, f, x, calls: int, stat: str = "mean", nodes=None) -> dict:
+    """One mode's rows (``rows_of``) over ``calls`` traced calls; stitched kernels from
+    the op's counters over as many more calls."""
+    rows = rows_of(node_events(_trace(f, x, calls)), calls, stat, nodes)
+    if mode == "stitched":
+        rows.update(_kernel_rows(f, lambda: [f(x) for _ in range(calls)], calls, stat))
+    return rows
+
+
+def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4,
+              stat: str = "mean", nodes=None, interleave: bool = False):
+    """(wall ms per mode, {mode: op-class rows}): the module docstring's measurement;
+    ``interleave``: the modes traced in one session, call by call (``_interleaved``)."""
     modes, x = prepare(model_name, batch, wanted, layers)
     wall = wall_ms(modes, x, max(calls, 10))
-    return wall, {m: op_rows(m, f, x, calls) for m, f in modes.items()}
+    if not interleave:
+        return wall, {m: op_rows(m, f, x, calls, stat, nodes) for m, f in modes.items()}
+    run, marks = _interleaved(modes, x, calls)
+    traced = []
+
+    def trace():
+        traced.append(_profile(run))
+    if "stitched" in modes:     # the kernels' counters count during the same calls
+        kernels = _kernel_rows(modes["stitched"], trace, calls, stat)
+    else:
+        trace()
+        kernels = {}
+    per_mode = node_events(traced[0], marks)
+    out = {m: rows_of(per_mode[m], calls, stat, nodes) for m in modes}
+    out.get("stitched", {}).update(kernels)
+    return wall, out
 
 
 def main(argv=None) -> int:
@@ -216,22 +310,35 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="tf,xla,stitched")
     ap.add_argument("--calls", type=int, default=20, help="traced calls per mode")
     ap.add_argument("--top", type=int, default=14, help="rows per mode")
+    ap.add_argument("--stat", choices=("mean", "min"), default="mean",
+                    help="per op class: mean time, or each node's fastest call "
+                         "(steadier on a loaded machine)")
+    ap.add_argument("--nodes", metavar="REGEX",
+                    help="also list each node of the op classes matching REGEX "
+                         "(min / median us per call), e.g. 'MatMul|dot'")
+    ap.add_argument("--interleave", action="store_true",
+                    help="trace the modes in one profiler session, call by call, so "
+                         "they meet the same load (default: one session per mode)")
     args = ap.parse_args(argv)
     wall, per_mode = breakdown(args.model, args.batch, args.modes.split(","), args.calls,
-                               args.layers)
+                               args.layers, args.stat, args.nodes, args.interleave)
     what = (f"Transformer {args.layers} layers" if args.model == "transformer"
             else args.model)
     print(f"{what}, batch {args.batch}; load average "
           f"{os.getloadavg()[0]:.2f}; wall ms per call (median, interleaved): "
           + ", ".join(f"{m} {v:.3f}" for m, v in wall.items()))
-    for m, rows in per_mode.items():
+    for m, all_rows in per_mode.items():
+        rows = {k: v for k, v in all_rows.items() if not k.startswith("  ")}
         parts = split(rows)
         total = sum(parts.values())
-        print(f"== {m}: {total:.0f} us of op time per call: "
+        print(f"== {m} ({args.stat}): {total:.0f} us of op time per call: "
               + ", ".join(f"{k} {v:.0f} us ({v / total:.0%})" for k, v in parts.items())
               + f"; ceiling with contractions left to TF {ceiling(parts):.2f}x")
         for key, us in sorted(rows.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"   {key:34s} {us:9.1f} us")
+        for key, (low, mid) in sorted(((k, v) for k, v in all_rows.items()
+                                       if k.startswith("  ")), key=lambda kv: -kv[1][1]):
+            print(f"   {key:70.70s} min {low:8.1f} median {mid:8.1f} us")
     return 0
 
 

@@ -60,7 +60,7 @@ from .. import schedule     # the planner's legality and its cost model's schedu
 from . import control_flow, dump, opnames, passmanager, results, scalars
 from .passes import (autotune, bcast, concat_grad, einsum, forward, gemm, grappler, lift,
                      original, padfold, prune, remapper, reshape_sink, rewrite, seqsplit,
-                     shape_math, shapes, sparse_xent, symdims)
+                     shape_math, shapes, sparse_xent, symdims, xladot)
 
 BEFORE_PLANNING = (
     grappler.PASS,
@@ -82,13 +82,15 @@ AFTER_PLANNING = (
     gemm.PASS,
     einsum.PASS,
     padfold.PASS,
+    xladot.PASS,
     remapper.FORWARD,
     prune.PASS,
     autotune.PASS,
 )
 # The report's notes come in this order of passes (the order they had before the
 # passes ran from tables); a pass not named here adds its note after these.
-NOTE_ORDER = ("original", "grappler", "gemm", "seqsplit", "einsum", "padfold", "shapes")
+NOTE_ORDER = ("original", "grappler", "gemm", "seqsplit", "einsum", "padfold", "xladot",
+              "shapes")
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
