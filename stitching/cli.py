@@ -111,9 +111,10 @@ _OPTION_FLAGS = [
     ("--no-seq-split", "seq_split", dict(action="store_false", default=None,
                                          help="keep token-wise blocks whole (for "
                                               "large-batch throughput)")),
-    ("--no-xla-gemm", "xla_gemm", dict(action="store_false", default=None,
-                                       help="keep matrix products as TF's ops (where "
-                                            "TF's GEMM is Eigen's they run as XLA dots)")),
+    ("--xla-gemm", "xla_gemm", dict(action="store_true", default=None,
+                                    help="where TF's GEMM is Eigen's, run the matrix "
+                                         "products as XLA dots (less accurate; each new "
+                                         "shape compiles them)")),
     ("--no-fallback", "fallback", dict(action="store_false", default=None,
                                        help="do not keep each region's original ops in "
                                             "the output (smaller; a kernel that cannot "

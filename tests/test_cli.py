@@ -85,10 +85,10 @@ def test_option_flags_reach_options():
     ap = cli._parser()
     o = cli._options(ap.parse_args(["a.pb", "b.pb", "--planner", "greedy", "--min-ops", "1",
                                     "--no-seq-split", "--no-gemm", "--autotune",
-                                    "--no-xla-gemm"]))
+                                    "--xla-gemm"]))
     assert (o.planner, o.min_ops, o.seq_split, o.gemm, o.einsum) == ("greedy", 1, False,
                                                                     False, True)
-    assert not o.xla_gemm
+    assert o.xla_gemm
     assert o.autotune and o.autotune_margin == 1.3 and o.fallback
     o = cli._options(ap.parse_args(["a.pb", "b.pb", "--no-fallback"]))
     assert not o.fallback and not o.autotune

@@ -6,6 +6,7 @@ import stitching
 from stitching.tf.passes import xladot
 
 EIGEN = "amd-avx2"          # a machine model whose TF runs Eigen's GEMM (oneDNN off)
+ON = stitching.Options(xla_gemm=True)      # opt-in (stitching/options.py says why)
 
 
 class _Block:
@@ -42,7 +43,7 @@ def test_products_run_as_xla_dots_under_an_eigen_machine_and_equal_tf(monkeypatc
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
     model = _Block()
     sig = [tf.TensorSpec([None, 16, 64], tf.float32)]
-    f = stitching.function(lambda t: model(t), input_signature=sig)
+    f = stitching.function(lambda t: model(t), input_signature=sig, options=ON)
     off = stitching.function(lambda t: model(t), input_signature=sig,
                              options=stitching.Options(xla_gemm=False))
     x = np.random.default_rng(1).standard_normal((3, 16, 64)).astype(np.float32)
@@ -94,7 +95,7 @@ def _reference64(model, x):
 def test_only_where_tf_runs_eigen(machine):
     model = _Block(name="m")
     sig = [tf.TensorSpec([None, 16, 64], tf.float32)]
-    f = stitching.function(lambda t: model(t), input_signature=sig)
+    f = stitching.function(lambda t: model(t), input_signature=sig, options=ON)
     x = tf.constant(np.random.default_rng(2).standard_normal((2, 16, 64)), tf.float32)
     f(x)
     calls, plain, _ = _calls(f, x)
@@ -111,7 +112,7 @@ def test_gradients_through_the_dots_match_tf(monkeypatch):
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
     model = _Block(name="g")
     sig = [tf.TensorSpec([None, 16, 64], tf.float32)]
-    f = stitching.function(lambda t: model(t), input_signature=sig)
+    f = stitching.function(lambda t: model(t), input_signature=sig, options=ON)
     x = tf.constant(np.random.default_rng(3).standard_normal((2, 16, 64)), tf.float32)
     grads = []
     for g in (f, tf.function(lambda t: model(t))):
@@ -161,7 +162,8 @@ def test_a_saved_model_keeps_the_dots_and_their_gradient(monkeypatch, tmp_path):
     m = tf.Module()
     m.weights = model.weights
     m.f = stitching.function(lambda t: model(t),
-                             input_signature=[tf.TensorSpec([None, 16, 64], tf.float32)])
+                             input_signature=[tf.TensorSpec([None, 16, 64], tf.float32)],
+                             options=ON)
     x = tf.constant(np.random.default_rng(4).standard_normal((2, 16, 64)), tf.float32)
     want = m.f(x).numpy()
     assert _calls(m.f, x)[0]
