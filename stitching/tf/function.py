@@ -349,8 +349,9 @@ class StitchedFunction(tf_pf.Function):
 
     def _stock_then_stitch(self, key, args, family=None, relaxed=None):
         """What a new tiered signature runs now: stock TF's ConcreteFunction for
-        ``args`` behind a ``_StockTier``, which switches to the stitched one (traced
-        with ``relaxed`` shapes when given) at the first call after a background
+        ``args`` behind a ``_StockTier``, which starts a background thread stitching
+        the signature (traced with ``relaxed`` shapes when given) once its first call
+        returned, and switches to the stitched graph at the first call after that
         thread built it -- or the stitched one at once, where the result cache holds
         it (a warm process: ``_probe_now``)."""
         specs = tensor_specs(key, relaxed)
@@ -368,10 +369,13 @@ class StitchedFunction(tf_pf.Function):
         if not _flat_in(stock, args):
             return stock       # never called the fast way: TF's call path, synchronous
         tier = _StockTier(self, key, stock)
-        with self._pending_lock:
-            self._pending[key] = run_in_background(self._stitch_in_background, tier,
-                                                   specs, general)
+        tier.start = functools.partial(self._start_background, tier, specs, general)
         return tier
+
+    def _start_background(self, tier, specs, general):
+        with self._pending_lock:
+            self._pending[tier.key] = run_in_background(self._stitch_in_background, tier,
+                                                        specs, general)
 
     def _probe_now(self, specs):
         """(ConcreteFunction, stitched?) of a ``cached_only`` twin traced for ``specs``
@@ -546,8 +550,7 @@ class StitchedFunction(tf_pf.Function):
             # only where tiering would apply but did not: an eager call through TF's
             # call path (keyword, Python or NumPy arguments), not inside Keras's fit
             # or another tf.function, not get_concrete_function or stitching-rewrite
-            if self._eager_call and not _in_background() \
-                    and background_compile_on(self.options):
+            if self._eager_call and not _in_background() and self._tiers():
                 _hint_background_compile(result.report.compile_seconds)
             graph_def = result.graph_def
             _define_fallbacks(graph_def)
@@ -810,13 +813,19 @@ class _StockTier:
     stitched call: stock TF's ConcreteFunction, counting the calls it serves, until
     the background compile sets ``stitched``; the call after that switches
     (``StitchedFunction._switched``) and replaces this entry by the stitched graph.
-    One Python call more per stock call, none once switched."""
+    One Python call more per stock call, none once switched.
+
+    The background compile starts (``start``) when the first stock call returned, not
+    before: that call (TF's function instantiation, its Grappler pass, the run) then
+    has the cores and the interpreter to itself, where a trace, a plan and compile
+    workers beside it made ResNet50's first call ~3x stock TF's on a loaded 2-core
+    machine; the kernels are ready that one call later."""
 
     def __init__(self, owner, key, stock):
         self.owner, self.key, self.stock = owner, key, stock
         self.started = time.perf_counter()
         self.calls = 0
-        self.stitched = self.report = None
+        self.stitched = self.report = self.start = None
 
     @property
     def inputs(self):                  # as the ConcreteFunction's (_flat_in)
@@ -829,7 +838,12 @@ class _StockTier:
     def __call__(self, args):
         if self.stitched is None:
             self.calls += 1
-            return _call_concrete(self.stock, args)
+            try:
+                return _call_concrete(self.stock, args)
+            finally:
+                start, self.start = self.start, None
+                if start is not None:
+                    start()
         self.owner._switched(self)
         return _call_concrete(self.stitched, args)
 
