@@ -172,6 +172,7 @@ class StitchedFunction(tf_pf.Function):
         self.cached_only = False
         self.cache_hits = self.cache_misses = 0    # traces served / not by that cache
         self._probe = None           # the cached_only twin background compile probes
+        self._stock = None           # the stock tf.function tiered signatures start on
 
     # -- what TF traces ----------------------------------------------------------
     def _generate_tracing_options(self, fn, scope_type):
@@ -202,9 +203,24 @@ class StitchedFunction(tf_pf.Function):
         """The latest trace's ``stitching.Report``; None before the first trace.
         Waits for pending background compiles first (tiered execution: the first
         call returned stock TF's result, and the report is the stitched graph's)."""
-        if self._pending and threading.current_thread() not in _BACKGROUND:
-            self.wait()
+        self._settle()
         return self.reports[-1] if self.reports else None
+
+    def experimental_get_tracing_count(self):
+        """TF's count of this function's traces, once pending background compiles
+        (one trace each) are done: a tiered call counts as tf.function's call would."""
+        self._settle()
+        return super().experimental_get_tracing_count()
+
+    def _list_all_concrete_functions(self):
+        """TF's list of traces (saving, signatures), the pending ones done first."""
+        self._settle()
+        return super()._list_all_concrete_functions()
+
+    def _settle(self) -> None:
+        """Wait for pending background compiles, from any thread but theirs."""
+        if self._pending and not _in_background():
+            self.wait()
 
     def __get__(self, instance, owner):
         """Methods bind as tf.function's do (one Function per instance); the bound one
@@ -227,7 +243,7 @@ class StitchedFunction(tf_pf.Function):
         ``stitching-rewrite`` ships them (kernel_assets.py): a load on this CPU and
         toolchain compiles nothing."""
         if save_type == "savedmodel":
-            self.wait()      # tiered signatures: save their stitched graphs, not none
+            self._settle()   # tiered signatures: save their stitched graphs, not none
         children = super()._trackable_children(save_type, **kwargs)
         if save_type == "savedmodel":
             cfs = list(children.values())
@@ -260,7 +276,7 @@ class StitchedFunction(tf_pf.Function):
     def __getstate__(self):
         state = super().__getstate__()
         for transient in ("_pending_lock", "_concrete", "_general", "_pending", "_shapes",
-                          "_shipped", "_templates", "_probe"):
+                          "_shipped", "_templates", "_probe", "_stock"):
             state.pop(transient, None)
         return state
 
@@ -269,7 +285,7 @@ class StitchedFunction(tf_pf.Function):
         self._pending_lock = threading.Lock()
         self._concrete, self._general, self._pending, self._shapes = {}, {}, {}, {}
         self._templates = scalars.Templates()
-        self._probe = None
+        self._probe = self._stock = None
 
     # -- calls ----------------------------------------------------------------------
     def __call__(self, *args, **kwds):
@@ -278,14 +294,15 @@ class StitchedFunction(tf_pf.Function):
             if key is not None:
                 cf = self._concrete.get(key)
                 if cf is None and len(self._concrete) < FAST_CALL_SIGNATURES:
-                    count = self.experimental_get_tracing_count()
+                    # TF's count, not the override (which waits for pending compiles)
+                    count = super().experimental_get_tracing_count()
                     self._eager_call = True
                     try:
                         cf = _flat_in(self._concrete_for(key, args), args)
                     finally:
                         self._eager_call = False
                     self._concrete[key] = cf
-                    if self.experimental_get_tracing_count() != count:
+                    if super().experimental_get_tracing_count() != count:
                         tf_pf._frequent_tracing_detector_manager.called_with_tracing(
                             self._key_for_call_stats, self._python_function,
                             self._omit_frequent_tracing_warning)
@@ -348,12 +365,12 @@ class StitchedFunction(tf_pf.Function):
         return background_compile_on(self.options) and not tf.distribute.has_strategy()
 
     def _stock_then_stitch(self, key, args, family=None, relaxed=None):
-        """What a new tiered signature runs now: stock TF's ConcreteFunction for
-        ``args`` behind a ``_StockTier``, which starts a background thread stitching
-        the signature (traced with ``relaxed`` shapes when given) once its first call
-        returned, and switches to the stitched graph at the first call after that
-        thread built it -- or the stitched one at once, where the result cache holds
-        it (a warm process: ``_probe_now``)."""
+        """What a new tiered signature runs now: stock TF (``_stock_function``) behind
+        a ``_StockTier``, which starts a background thread stitching the signature
+        (traced with ``relaxed`` shapes when given) once its first call returned, and
+        switches to the stitched graph at the first call after that thread built it
+        -- or the stitched one at once, where the result cache holds it (a warm
+        process: ``_probe_now``)."""
         specs = tensor_specs(key, relaxed)
         general = (family, relaxed) if relaxed is not None else None
         cf, warm = self._probe_now(specs)
@@ -364,13 +381,25 @@ class StitchedFunction(tf_pf.Function):
                 self.reports[-1].tiering = ("stitched from call 1 (graph, plan and "
                                             "kernels from the cache; nothing to compile)")
             return cf
-        stock = cf if cf is not None else tf.function(
-            self._python_function, autograph=self._autograph).get_concrete_function(*args)
-        if not _flat_in(stock, args):
-            return stock       # never called the fast way: TF's call path, synchronous
-        tier = _StockTier(self, key, stock)
+        tier = _StockTier(self, key, self._stock_function())
         tier.start = functools.partial(self._start_background, tier, specs, general)
         return tier
+
+    def _stock_function(self):
+        """The stock ``tf.function`` of the same Python function and parameters, made
+        once: tiered signatures run their stock calls through TF's own call path,
+        which makes the function's variables at its first call (lifting their
+        initializers, or running them under a cond where an initializer depends on
+        the arguments), checks arguments against an ``input_signature`` and relaxes
+        shapes under ``reduce_retracing=True``, as ``tf.function`` does."""
+        if self._stock is None:
+            self._stock = tf.function(
+                self._python_function, input_signature=self.input_signature,
+                autograph=self._autograph,
+                reduce_retracing=bool(self._reduce_retracing_setting),
+                experimental_attributes=self._attributes,
+                experimental_autograph_options=self._experimental_autograph_options)
+        return self._stock
 
     def _start_background(self, tier, specs, general):
         with self._pending_lock:
@@ -810,10 +839,12 @@ def _in_background() -> bool:
 
 class _StockTier:
     """A tiered signature's fast-path entry (``_concrete[key]``) until its first
-    stitched call: stock TF's ConcreteFunction, counting the calls it serves, until
+    stitched call: stock TF's ``tf.function``, counting the calls it serves, until
     the background compile sets ``stitched``; the call after that switches
-    (``StitchedFunction._switched``) and replaces this entry by the stitched graph.
-    One Python call more per stock call, none once switched.
+    (``StitchedFunction._switched``) and replaces this entry by the stitched graph,
+    called directly from then on.  A first call that raises (an argument the
+    ``input_signature`` refuses, a failing assertion) leaves no entry and starts no
+    compile: the next call is a first call again.
 
     The background compile starts (``start``) when the first stock call returned, not
     before: that call (TF's function instantiation, its Grappler pass, the run) then
@@ -827,23 +858,23 @@ class _StockTier:
         self.calls = 0
         self.stitched = self.report = self.start = None
 
-    @property
-    def inputs(self):                  # as the ConcreteFunction's (_flat_in)
-        return self.stock.inputs
-
-    @property
-    def captured_inputs(self):
-        return self.stock.captured_inputs
-
     def __call__(self, args):
         if self.stitched is None:
-            self.calls += 1
+            if self.start is None:
+                self.calls += 1
+                return self.stock(*args)
             try:
-                return _call_concrete(self.stock, args)
-            finally:
-                start, self.start = self.start, None
-                if start is not None:
-                    start()
+                out = self.stock(*args)
+            except BaseException:
+                self.owner._concrete.pop(self.key, None)
+                raise
+            start, self.start = self.start, None
+            self.calls += 1
+            start()
+            return out
+        if not _flat_in(self.stitched, args):     # a default tensor argument: TF's call
+            self.owner._concrete[self.key] = False
+            return self.owner(*args)
         self.owner._switched(self)
         return _call_concrete(self.stitched, args)
 
@@ -892,7 +923,10 @@ def tensor_specs(key, shapes=None) -> list:
 
 def _flat_in(cf, args):
     """``cf``, or False where its flat inputs are not exactly ``args`` (a default
-    argument that is a tensor): that signature is never called the fast way."""
+    argument that is a tensor): that signature is never called the fast way.  A
+    ``_StockTier`` calls through TF, and checks its stitched graph at the switch."""
+    if type(cf) is _StockTier:
+        return cf
     return cf if len(cf.inputs) - len(cf.captured_inputs) == len(args) else False
 
 
