@@ -228,6 +228,39 @@ def test_synchronous_where_tiering_is_not_safe(tiered, monkeypatch):
         stitching.function(fn)(x)
 
 
+def test_tiered_stock_calls_are_tf_functions_own(tiered):
+    """A tiered signature's stock calls go through tf.function's call: an argument
+    its input_signature refuses raises TypeError and leaves nothing behind; a
+    variable whose initializer reads the argument is made once (TF runs it under a
+    cond) and the stitched graph, after the switch, uses that same variable; the
+    tracing count is tf.function's once the background trace is done."""
+    f = stitching.function(lambda x: tf.nn.softmax(x) * 2.0,
+                           input_signature=[tf.TensorSpec([None, 8], tf.float32)])
+    with pytest.raises(TypeError):
+        f(tf.zeros([2, 3]))
+    assert not f._pending and not f._concrete
+
+    def made_once(state):
+        def fn(x):
+            if not state:
+                state.append(tf.Variable(2.0 * x))
+            return tf.exp(state[0] * x) * 0.5 + 1.0
+        return fn
+    x = [tf.constant(np.full((4, 8), v, np.float32)) for v in (0.5, 0.25, -0.5)]
+    stock, st = tf.function(made_once([])), stitching.function(made_once([]))
+    want = [stock(v).numpy() for v in x]
+    got = [st(x[0]).numpy()]
+    assert st.wait(timeout=300)
+    got += [st(v).numpy() for v in x[1:]]                  # switched at the second
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    assert st.report.kernels and "stitched from call 2" in st.report.tiering
+
+    double = stitching.function(lambda a: a + a)
+    double(tf.constant(1))
+    double(tf.constant(2))
+    assert double.experimental_get_tracing_count() == 1
+
+
 def test_saving_right_after_a_tiered_call_saves_the_stitched_graph(tiered, tmp_path):
     """tf.saved_model.save waits for the function's pending background compiles: the
     SavedModel holds the stitched trace (not stock TF's, nor none)."""
