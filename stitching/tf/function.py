@@ -208,9 +208,11 @@ class StitchedFunction(tf_pf.Function):
 
     def experimental_get_tracing_count(self):
         """TF's count of this function's traces, once pending background compiles
-        (one trace each) are done: a tiered call counts as tf.function's call would."""
+        (one trace each) are done, plus the traces the result cache served through
+        the probe (``_probe_now``): a tiered call counts as tf.function's would."""
         self._settle()
-        return super().experimental_get_tracing_count()
+        served = self._probe.cache_hits if self._probe is not None else 0
+        return super().experimental_get_tracing_count() + served
 
     def _list_all_concrete_functions(self):
         """TF's list of traces (saving, signatures), the pending ones done first."""
@@ -853,7 +855,8 @@ class _StockTier:
     machine; the kernels are ready that one call later."""
 
     def __init__(self, owner, key, stock):
-        self.owner, self.key, self.stock = owner, key, stock
+        # weakly: the function holds this entry (a cycle would outlive ``del f``)
+        self._owner, self.key, self.stock = weakref.ref(owner), key, stock
         self.started = time.perf_counter()
         self.calls = 0
         self.stitched = self.report = self.start = None
@@ -866,16 +869,17 @@ class _StockTier:
             try:
                 out = self.stock(*args)
             except BaseException:
-                self.owner._concrete.pop(self.key, None)
+                self._owner()._concrete.pop(self.key, None)
                 raise
             start, self.start = self.start, None
             self.calls += 1
             start()
             return out
+        owner = self._owner()
         if not _flat_in(self.stitched, args):     # a default tensor argument: TF's call
-            self.owner._concrete[self.key] = False
-            return self.owner(*args)
-        self.owner._switched(self)
+            owner._concrete[self.key] = False
+            return owner(*args)
+        owner._switched(self)
         return _call_concrete(self.stitched, args)
 
 
