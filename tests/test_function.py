@@ -344,24 +344,35 @@ def test_a_training_loop_switching_mid_run_keeps_tf_losses(tiered):
     assert fwd.report.kernels and "stitched from call 4" in fwd.report.tiering
 
 
-def test_background_compile_runs_a_cached_result_from_the_first_call():
+def test_a_cached_result_serves_tiered_signatures_without_compiling():
     """Where the result cache holds a signature's stitched graph (plan and kernels
-    built before: by another process, here by another function of the same code), a
-    background-compiling function's first call runs it: no stock call, nothing left
-    to compile in the background, stock TF's numbers."""
+    built before: by another process, here by another function of the same code):
+    a tiered function's first call runs stock TF (it may make the function's
+    variables), and the background trace finds that graph in the cache, compiling
+    nothing; a later new signature of a function that ran is probed at its first
+    call and runs stitched at once: no stock call, nothing pending.  Stock TF's
+    numbers throughout."""
     def fn(x):
         return tf.nn.softmax(x * 3.0) - 1.0
     opts = stitching.Options(background_compile=True)
-    x = tf.constant(np.random.default_rng(9).standard_normal((5, 24)).astype(np.float32))
+    rng = np.random.default_rng(9)
+    x = tf.constant(rng.standard_normal((5, 24)).astype(np.float32))
+    y = tf.constant(rng.standard_normal((3, 24)).astype(np.float32))
     first = stitching.function(fn, options=opts)
-    first(x)
-    assert first.wait(timeout=300) and first.report.kernels
+    for v in (x, y):
+        first(v)
+        assert first.wait(timeout=300) and first.report.kernels
     f = stitching.function(fn, options=opts)
-    out = f(x).numpy()
-    cf = f._concrete[((tf.float32, (5, 24)),)]
+    got = [f(x).numpy()]
+    assert type(f._concrete[((tf.float32, (5, 24)),)]).__name__ == "_StockTier"
+    assert f.wait(timeout=300) and f.cache_hits == 1 and f.cache_misses == 0
+    got.append(f(y).numpy())                   # relaxed [None, 24]: first's key too
+    cf = f._concrete[((tf.float32, (3, 24)),)]
     assert "StitchedKernel" in {op.type for op in cf.graph.get_operations()}
-    assert not f._pending and f.report.kernels and f._probe.cache_hits == 1
-    np.testing.assert_allclose(out, tf.function(fn)(x).numpy(), rtol=2e-6, atol=2e-6)
+    assert not f._pending and f._probe.cache_hits == 1
+    assert f.report.tiering.startswith("stitched from call 1")
+    for v, out in zip((x, y), got):
+        np.testing.assert_allclose(out, tf.function(fn)(v).numpy(), rtol=2e-6, atol=2e-6)
 
 
 def test_background_compile_failure_keeps_stock_tf(monkeypatch):

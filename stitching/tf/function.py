@@ -372,10 +372,16 @@ class StitchedFunction(tf_pf.Function):
         (traced with ``relaxed`` shapes when given) once its first call returned, and
         switches to the stitched graph at the first call after that thread built it
         -- or the stitched one at once, where the result cache holds it (a warm
-        process: ``_probe_now``)."""
+        process: ``_probe_now``) and the function ran before.  Its first call never
+        probes: a trace there (the probe's, through ``get_concrete_function``) would
+        make the function's variables, and one whose initializer reads an argument
+        cannot be made that way (TF's call runs it under a cond; so does the stock
+        tf.function's first call).  The background trace after it finds the result
+        cache's graph as quickly: a warm first signature switches at its second call."""
         specs = tensor_specs(key, relaxed)
         general = (family, relaxed) if relaxed is not None else None
-        cf, warm = self._probe_now(specs)
+        ran = self._stock is not None and self._stock._variable_creation_config is not None
+        cf, warm = self._probe_now(specs) if ran else (None, False)
         if warm:
             if general is not None:
                 self._general.setdefault(family, []).append((relaxed, cf))
@@ -873,9 +879,10 @@ class _StockTier:
             except BaseException:
                 self._owner()._concrete.pop(self.key, None)
                 raise
-            start, self.start = self.start, None
+            start, self.start = self.start, None    # once, also where calls race
             self.calls += 1
-            start()
+            if start is not None:
+                start()
             return out
         owner = self._owner()
         if not _flat_in(self.stitched, args):     # a default tensor argument: TF's call
