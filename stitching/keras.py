@@ -29,7 +29,8 @@ inside its while loop's cond.)
 
 ``model.export(path)`` (a SavedModel) exports the stitched ``serve`` endpoint.
 
-Tiered execution (the default: ``Options(background_compile=None)``, or ``True``):
+Tiered execution (the default: ``Options(background_compile=None)``, or ``True``;
+``$STITCHING_BACKGROUND_COMPILE=0`` turns it off for a process):
 a step function's first calls run stock Keras; once they have run for
 ``tier_up_seconds()`` (1 s; the first call, Keras's trace, not counted) a background
 thread stitches the same step (plan, compile in lower-priority worker processes,
@@ -59,7 +60,7 @@ background compiles at exit; the kernels finished are in the disk cache, and the
 next process's compile starts from there).
 
 Not tiered, the first step waiting for its kernels instead: ``Options(
-background_compile=False)``, and any model under a ``tf.distribute`` strategy (a
+background_compile=False)`` (or ``$STITCHING_BACKGROUND_COMPILE=0``), and any model under a ``tf.distribute`` strategy (a
 step that Keras calls inside ``strategy.run`` cannot be traced on its own in another
 thread: its per-replica inputs and cross-replica reductions belong to the strategy's
 call).
@@ -78,7 +79,7 @@ import time
 
 import tensorflow as tf
 
-from .options import Options
+from .options import Options, background_compile_on
 from .tf.function import StitchedFunction, run_in_background
 
 STEPS = ("train", "test", "predict")
@@ -136,7 +137,7 @@ def stitch(model, options: Options | None = None):
     """
     _check(model)
     options = options or Options()
-    tiered = options.background_compile is not False and not _distributed(model)
+    tiered = background_compile_on(options) and not _distributed(model)
     # the steps compile in the caller's thread or, tiered, in _Tiered's background one,
     # where a kernel count printed over the user's progress bar would say nothing
     # useful: the switch gets its own line

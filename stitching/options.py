@@ -56,15 +56,21 @@ class Options:
             (none shown at batch 8).
         background_compile: Tiered execution: new work runs stock TF while its
             kernels compile in the background, then switches to them.  ``None``
-            (default): tiered under ``stitching.keras.stitch`` (``fit``,
-            ``evaluate``, ``predict`` switch at a step boundary; not under a
-            ``tf.distribute`` strategy), synchronous for ``stitching.function``
-            (whose callers -- ``get_concrete_function``, saving, a benchmark's
-            first call -- expect the stitched graph when the call returns).
-            ``True``: also ``stitching.function`` called eagerly serves a new
-            input signature with stock TF and switches once its kernels are ready
-            (``f.wait()`` blocks until then).  ``False``: everywhere the first call
-            waits for its kernels.
+            (default) and ``True``: tiered wherever that is safe --
+            ``stitching.keras.stitch``'s ``fit``, ``evaluate`` and ``predict``
+            (switching at a step boundary) and ``stitching.function`` called
+            eagerly with tensors as its positional arguments (a new input signature
+            returns stock TF's result; a later call switches; ``f.wait()`` blocks
+            until then, and so do ``f.report``, saving and
+            ``get_concrete_function``, which ask for the stitched graph).
+            Synchronous, the first call waiting for its kernels, where it is not
+            safe: a call inside another ``tf.function`` or graph trace, under a
+            ``tf.distribute`` strategy, a call with keyword, Python or NumPy
+            arguments, ``get_concrete_function`` and ``stitching-rewrite``
+            (``background_compile_on`` and tf/function.py say why).  ``None``
+            follows ``$STITCHING_BACKGROUND_COMPILE`` where set (``0`` turns
+            tiering off for the process).  ``False``: every first call waits for
+            its kernels.
         dump_dir: Write a graph dump per traced function into this directory
             (``stitching.load_dump`` reads it back); ``$STITCHING_DUMP_DIR`` does
             the same for a whole process.
@@ -100,7 +106,7 @@ class Options:
     pad_fold: bool = True              # tf/passes/padfold.py
     seq_split: bool = True             # tf/passes/seqsplit.py
     xla_gemm: bool = False             # tf/passes/xladot.py (opt-in)
-    background_compile: bool | None = None   # tf/function.py, keras.py
+    background_compile: bool | None = None   # background_compile_on(); tf/function.py, keras.py
     dump_dir: str | None = None        # tf/dump.py
     dump_passes: str | None = None     # tf/passmanager.py
     fallback: bool = False             # tf/passes/original.py
@@ -153,3 +159,30 @@ def _check(name: str, annotation: str, value) -> None:
         if value is not None and not isinstance(value, (str, os.PathLike)):
             raise TypeError(f"{where} must be a directory path or None, "
                             f"got {type(value).__name__}")
+
+
+BACKGROUND_ENV = "STITCHING_BACKGROUND_COMPILE"
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def background_compile_on(options: Options) -> bool:
+    """Whether ``options`` asks for tiered execution (where it is safe: the callers
+    decide that).  An explicit ``background_compile`` wins; ``None`` is on unless
+    ``$STITCHING_BACKGROUND_COMPILE`` turns it off (``0``, ``false``, ``no``,
+    ``off``), a switch for a whole process (a benchmark's steady state, a test
+    session that expects kernels at the first call) without touching its code.
+
+    Raises:
+        ValueError: the variable holds something else (a typo must not silently
+            pick one behaviour).
+    """
+    if options.background_compile is not None:
+        return options.background_compile
+    value = os.environ.get(BACKGROUND_ENV, "").strip().lower()
+    if value in _OFF:
+        return False
+    if value in _ON or not value:
+        return True
+    raise ValueError(f"${BACKGROUND_ENV}={value!r}: use 0 (synchronous: first calls "
+                     "wait for their kernels) or 1 (tiered, the default)")

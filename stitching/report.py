@@ -78,8 +78,9 @@ class Report:
         dump_path: This trace's graph dump, when dumping is on.
         autotune: The kernels timed against their original ops
             (``Options.autotune``); ``autotune_decisions()`` adds what was measured.
-        tiering: Under ``stitching.keras.stitch``'s tiered execution, the steps stock
-            TF ran while the kernels compiled and the step that switched to them.
+        tiering: Under tiered execution (``stitching.keras.stitch``'s steps, a
+            ``stitching.function``'s eager calls), the steps or calls stock TF ran
+            while the kernels compiled and the one that switched to them.
     """
 
     function: str = "?"

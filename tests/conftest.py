@@ -9,6 +9,12 @@
   session (``intel-avx512`` unless ``STITCHING_TEST_MACHINE`` names another model).
   Tests of a decision that depends on the machine take the ``machine`` fixture and run
   under each model (plan/profiles.py: MACHINES).
+- Every first call waits for its kernels: tiered execution, the default a user gets
+  (stock TF first, kernels compiled in the background), is off for the session
+  (``STITCHING_BACKGROUND_COMPILE=0``, inherited by subprocesses), so a test that
+  checks kernels, reports or numbers after one call is deterministic without sleeping.
+  Tests of tiering take the ``tiered`` fixture, or pass ``Options(background_compile=
+  True)``.
 """
 import os
 import tempfile
@@ -27,6 +33,7 @@ os.environ.setdefault("STITCHING_CACHE_DIR", os.path.join(_SESSION, "cache"))
 SESSION_MACHINE = os.environ.get("STITCHING_TEST_MACHINE", "intel-avx512")
 os.environ["STITCHING_DEVICE_PROFILE"] = SESSION_MACHINE
 os.environ.pop("STITCHING_PROFILE", None)      # the older spelling would name a device too
+os.environ["STITCHING_BACKGROUND_COMPILE"] = "0"
 
 # The planner's cost model sees schedules through a hook the schedule stage fills on
 # import (plan/cost.py: use_scheduler), as every driver does; tests that plan without
@@ -47,3 +54,9 @@ def machine(request, monkeypatch):
     the test gets its DeviceProfile (``machine.name``, ``machine.tf_onednn``...)."""
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", request.param)
     return profiles.get(request.param)
+
+
+@pytest.fixture
+def tiered(monkeypatch):
+    """Tiered execution as a user gets it by default (the session turns it off)."""
+    monkeypatch.delenv("STITCHING_BACKGROUND_COMPILE", raising=False)

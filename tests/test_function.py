@@ -13,6 +13,7 @@ ONE_KERNEL = ["layernorm_manual", "layernorm_keras", "add_layernorm", "rmsnorm",
               "softmax_manual", "attention_softmax", "log_softmax", "bias_gelu_erf",
               "bias_gelu_tanh", "bn_swish", "leading_axis_reduction",
               "swiglu"]      # tf.nn.silu's custom-gradient IdentityN is bypassed
+SYNC = stitching.Options(background_compile=False)
 
 
 def _pattern(name):
@@ -160,8 +161,8 @@ def test_background_compile_serves_stock_tf_first_then_the_stitched_graph():
     key = ((tf.float32, (6, 40)),)
     ops = lambda: {op.type for op in f._concrete[key].graph.get_operations()}  # noqa: E731
     assert f.wait(timeout=300)
+    second = f(tf.constant(x)).numpy()          # the call that switches
     assert "StitchedKernel" in ops() and f.report.kernels, f.report
-    second = f(tf.constant(x)).numpy()
     ref = tf.function(fn)(tf.constant(x)).numpy()
     np.testing.assert_allclose(first, ref, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(second, ref, rtol=2e-6, atol=2e-6)
@@ -171,24 +172,207 @@ def test_background_compile_serves_stock_tf_first_then_the_stitched_graph():
     assert f.wait(timeout=300) and len(f.reports) == 2 and not f.background_errors
 
 
-def test_background_compile_runs_a_cached_result_from_the_first_call():
+def test_tiered_by_default_stock_first_then_stitched_with_the_switch_reported(tiered,
+                                                                             capsys):
+    """Default options: an eager call of a new signature returns stock TF's result
+    (nothing stitched yet); after wait() the next call switches to the kernels, with
+    TF's numbers; the report and a progress line name the call that switched.
+    ``report`` waits for the pending compile (it describes the stitched graph)."""
+    def fn(x):
+        return tf.nn.softmax(x * 4.0) * 2.0 - 0.5
+    f = stitching.function(fn)
+    x = tf.constant(np.random.default_rng(3).standard_normal((7, 48)).astype(np.float32))
+    ref = tf.function(fn)(x).numpy()
+    key = ((tf.float32, (7, 48)),)
+    first = f(x).numpy()
+    assert type(f._concrete[key]).__name__ == "_StockTier"
+    np.testing.assert_array_equal(first, ref)              # stock TF's own graph
+    np.testing.assert_array_equal(f(x).numpy(), ref)
+    assert f.report.kernels and not f._pending             # report waited
+    third = f(x).numpy()
+    assert "StitchedKernel" in {op.type for op in f._concrete[key].graph.get_operations()}
+    np.testing.assert_allclose(third, ref, rtol=2e-6, atol=2e-6)
+    assert f.report.tiering.startswith("stock TF ran calls 1-2 while the kernels compiled")
+    assert f.report.tiering.endswith("stitched from call 3")
+    assert "fn (float32[7,48]): stock TF ran calls 1-2" in capsys.readouterr().err
+    assert "tiered" in f.report.summary()
+
+
+def test_synchronous_where_tiering_is_not_safe(tiered, monkeypatch):
+    """The first call waits for its kernels (kernels right after it, nothing pending)
+    inside another tf.function's trace, under a tf.distribute strategy, through TF's
+    call path (a keyword argument), and where the user turned tiering off: by
+    Options or by the environment; a value there that is neither is refused."""
+    def fn(x):
+        return tf.nn.relu(x * 1.5 - 0.25) + 1.0
+
+    def synchronous(f, call):
+        out = call(f)
+        assert not f._pending and f.reports and f.reports[-1].kernels
+        np.testing.assert_allclose(np.asarray(out), np.asarray(call(tf.function(fn))),
+                                   rtol=2e-6, atol=2e-6)
+    x = tf.constant(np.linspace(-2, 2, 60, dtype=np.float32).reshape(6, 10))
+    synchronous(stitching.function(fn), lambda f: tf.function(lambda t: f(t) * 2.0)(x))
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        synchronous(stitching.function(fn), lambda f: f(x))
+    synchronous(stitching.function(fn), lambda f: f(x=x))
+    synchronous(stitching.function(fn, options=SYNC), lambda f: f(x))
+    monkeypatch.setenv("STITCHING_BACKGROUND_COMPILE", "0")
+    synchronous(stitching.function(fn), lambda f: f(x))
+    asked = stitching.function(fn, options=stitching.Options(background_compile=True))
+    asked(x)                                    # an explicit True wins over the variable
+    assert [type(v).__name__ for v in asked._concrete.values()] == ["_StockTier"]
+    assert asked.wait(timeout=300)
+    monkeypatch.setenv("STITCHING_BACKGROUND_COMPILE", "later")
+    with pytest.raises(ValueError, match="STITCHING_BACKGROUND_COMPILE"):
+        stitching.function(fn)(x)
+
+
+def test_tiered_stock_calls_are_tf_functions_own(tiered):
+    """A tiered signature's stock calls go through tf.function's call: an argument
+    its input_signature refuses raises TypeError and leaves nothing behind; a
+    variable whose initializer reads the argument is made once (TF runs it under a
+    cond) and the stitched graph, after the switch, uses that same variable; the
+    tracing count is tf.function's once the background trace is done."""
+    f = stitching.function(lambda x: tf.nn.softmax(x) * 2.0,
+                           input_signature=[tf.TensorSpec([None, 8], tf.float32)])
+    with pytest.raises(TypeError):
+        f(tf.zeros([2, 3]))
+    assert not f._pending and not f._concrete
+
+    def made_once(state):
+        def fn(x):
+            if not state:
+                state.append(tf.Variable(2.0 * x))
+            return tf.exp(state[0] * x) * 0.5 + 1.0
+        return fn
+    x = [tf.constant(np.full((4, 8), v, np.float32)) for v in (0.5, 0.25, -0.5)]
+    stock, st = tf.function(made_once([])), stitching.function(made_once([]))
+    want = [stock(v).numpy() for v in x]
+    got = [st(x[0]).numpy()]
+    assert st.wait(timeout=300)
+    got += [st(v).numpy() for v in x[1:]]                  # switched at the second
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    assert st.report.kernels and "stitched from call 2" in st.report.tiering
+
+    double = stitching.function(lambda a: a + a)
+    double(tf.constant(1))
+    double(tf.constant(2))
+    assert double.experimental_get_tracing_count() == 1
+
+
+def test_saving_right_after_a_tiered_call_saves_the_stitched_graph(tiered, tmp_path):
+    """tf.saved_model.save waits for the function's pending background compiles: the
+    SavedModel holds the stitched trace (not stock TF's, nor none)."""
+    m = tf.Module()
+    m.f = stitching.function(lambda x: tf.nn.softmax(x * 2.0) + 1.0)
+    x = tf.constant(np.ones((4, 16), np.float32))
+    m.f(x)
+    tf.saved_model.save(m, str(tmp_path / "m"))
+    loaded = tf.saved_model.load(str(tmp_path / "m"))
+    np.testing.assert_allclose(loaded.f(x), tf.nn.softmax(x * 2.0) + 1.0, rtol=2e-6)
+    gd = loaded.f.get_concrete_function(x).graph.as_graph_def()
+    assert "StitchedKernel" in {n.op for f in gd.library.function for n in f.node_def} | \
+        {n.op for n in gd.node}
+
+
+def test_a_training_loop_switching_mid_run_keeps_tf_losses(tiered):
+    """A training step (GradientTape and an update inside; its variables made at the
+    first call, in the stock trace, as tf.function allows) run tiered: steps 1-3 on
+    stock TF, then wait(), then the kernels; and a loop whose tape is outside a
+    tiered forward.  Every step's loss equals stock tf.function's within float
+    rounding, across the switch."""
+    def make():
+        class Net(tf.Module):
+            w = None
+
+            def loss(self, x, y):
+                if self.w is None:              # made once, at the first trace
+                    init = np.random.default_rng(0).standard_normal((12, 8))
+                    self.w = tf.Variable(init.astype(np.float32) * 0.3)
+                    self.g = tf.Variable(tf.ones([8]))
+                h = tf.matmul(x, self.w)
+                mean, var = tf.nn.moments(h, axes=[-1], keepdims=True)
+                h = (h - mean) * tf.math.rsqrt(var + 1e-5) * self.g
+                return tf.reduce_mean(tf.square(tf.nn.gelu(h) - y))
+
+            def step(self, x, y):
+                with tf.GradientTape() as tape:
+                    loss = self.loss(x, y)
+                grads = tape.gradient(loss, [self.w, self.g])
+                for v, g in zip([self.w, self.g], grads):
+                    v.assign_sub(0.1 * g)
+                return loss
+        return Net()
+
+    rng = np.random.default_rng(1)
+    x = tf.constant(rng.standard_normal((16, 12)).astype(np.float32))
+    y = tf.constant(rng.standard_normal((16, 8)).astype(np.float32))
+
+    def losses(step, wait=None):
+        out = []
+        for i in range(6):
+            out.append(float(step(x, y)))
+            if i == 2 and wait is not None:
+                assert wait(timeout=300)
+        return out
+
+    stock_net, net = make(), make()
+    want = losses(tf.function(stock_net.step))
+    f = stitching.function(net.step)
+    got = losses(f, f.wait)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert f.report.kernels and "stitched from call 4" in f.report.tiering
+
+    # the tape outside: a tiered forward, differentiated by its registered gradient
+    def outside(loss_fn, net, wait=None):
+        out = []
+        for i in range(6):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(x, y)
+            grads = tape.gradient(loss, [net.w, net.g])
+            for v, g in zip([net.w, net.g], grads):
+                v.assign_sub(0.1 * g)
+            out.append(float(loss))
+            if i == 2 and wait is not None:
+                assert wait(timeout=300)
+        return out
+    stock_net, net = make(), make()
+    want = outside(tf.function(stock_net.loss), stock_net)
+    fwd = stitching.function(net.loss)
+    np.testing.assert_allclose(outside(fwd, net, fwd.wait), want, rtol=1e-5)
+    assert fwd.report.kernels and "stitched from call 4" in fwd.report.tiering
+
+
+def test_a_cached_result_serves_tiered_signatures_without_compiling():
     """Where the result cache holds a signature's stitched graph (plan and kernels
-    built before: by another process, here by another function of the same code), a
-    background-compiling function's first call runs it: no stock call, nothing left
-    to compile in the background, stock TF's numbers."""
+    built before: by another process, here by another function of the same code):
+    a tiered function's first call runs stock TF (it may make the function's
+    variables), and the background trace finds that graph in the cache, compiling
+    nothing; a later new signature of a function that ran is probed at its first
+    call and runs stitched at once: no stock call, nothing pending.  Stock TF's
+    numbers throughout."""
     def fn(x):
         return tf.nn.softmax(x * 3.0) - 1.0
     opts = stitching.Options(background_compile=True)
-    x = tf.constant(np.random.default_rng(9).standard_normal((5, 24)).astype(np.float32))
+    rng = np.random.default_rng(9)
+    x = tf.constant(rng.standard_normal((5, 24)).astype(np.float32))
+    y = tf.constant(rng.standard_normal((3, 24)).astype(np.float32))
     first = stitching.function(fn, options=opts)
-    first(x)
-    assert first.wait(timeout=300) and first.report.kernels
+    for v in (x, y):
+        first(v)
+        assert first.wait(timeout=300) and first.report.kernels
     f = stitching.function(fn, options=opts)
-    out = f(x).numpy()
-    cf = f._concrete[((tf.float32, (5, 24)),)]
+    got = [f(x).numpy()]
+    assert type(f._concrete[((tf.float32, (5, 24)),)]).__name__ == "_StockTier"
+    assert f.wait(timeout=300) and f.cache_hits == 1 and f.cache_misses == 0
+    got.append(f(y).numpy())                   # relaxed [None, 24]: first's key too
+    cf = f._concrete[((tf.float32, (3, 24)),)]
     assert "StitchedKernel" in {op.type for op in cf.graph.get_operations()}
-    assert not f._pending and f.report.kernels and f._probe.cache_hits == 1
-    np.testing.assert_allclose(out, tf.function(fn)(x).numpy(), rtol=2e-6, atol=2e-6)
+    assert not f._pending and f._probe.cache_hits == 1
+    assert f.report.tiering.startswith("stitched from call 1")
+    for v, out in zip((x, y), got):
+        np.testing.assert_allclose(out, tf.function(fn)(v).numpy(), rtol=2e-6, atol=2e-6)
 
 
 def test_background_compile_failure_keeps_stock_tf(monkeypatch):
@@ -646,19 +830,23 @@ def test_reduce_retracing_false_traces_every_shape():
     assert traces == [[2, 4], [3, 4], [4, 4]]
 
 
-def test_a_slow_first_call_names_background_compile_once(monkeypatch, capsys):
+def test_a_slow_synchronous_first_call_names_tiering_once(monkeypatch, capsys, tiered):
+    """An eager call that waited for its kernels though tiering is on (a keyword
+    argument: TF's call path) says which calls are tiered, once per process; not
+    where tiering was turned off, nor with STITCHING_NO_HINTS."""
     from stitching.tf import function as fn_module
     monkeypatch.setattr(fn_module, "HINT_SECONDS", 0.0)
     monkeypatch.setattr(fn_module, "_hinted", False)
     monkeypatch.delenv("STITCHING_NO_HINTS", raising=False)
-    stitching.function(lambda x: tf.tanh(x) * 2.0 + 1.0)(tf.zeros([2, 3]))
-    stitching.function(lambda x: tf.sigmoid(x) * 3.0 + 1.0)(tf.zeros([2, 3]))
+    stitching.function(lambda x: tf.tanh(x) * 2.0 + 1.0)(x=tf.zeros([2, 3]))
+    stitching.function(lambda x: tf.sigmoid(x) * 3.0 + 1.0)(x=tf.zeros([2, 3]))
     err = capsys.readouterr().err
-    assert err.count("background_compile=True") == 1
+    assert err.count("run stock TF while they compile") == 1
     monkeypatch.setattr(fn_module, "_hinted", False)
+    stitching.function(lambda x: tf.exp(x) * 3.0 + 1.0, options=SYNC)(x=tf.zeros([2, 3]))
     monkeypatch.setenv("STITCHING_NO_HINTS", "1")
-    stitching.function(lambda x: tf.exp(x) * 3.0 + 1.0)(tf.zeros([2, 3]))
-    assert "background_compile" not in capsys.readouterr().err
+    stitching.function(lambda x: tf.exp(x) * 4.0 + 1.0)(x=tf.zeros([2, 3]))
+    assert "stock TF while" not in capsys.readouterr().err
 
 
 def test_a_new_rank_is_traced_exactly_not_relaxed_to_unknown_rank():

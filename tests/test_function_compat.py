@@ -230,9 +230,11 @@ def test_new_python_scalars_share_one_compiled_kernel():
     assert specs[0] and specs[0] == specs[1] == specs[2]
 
 
-def test_the_background_compile_hint_only_where_it_applies(monkeypatch, capsys):
+def test_the_background_compile_hint_only_where_it_applies(monkeypatch, capsys, tiered):
     """Not for get_concrete_function (stitching-rewrite's way in) nor a call inside
-    another tf.function (Keras's fit): background compile cannot serve those."""
+    another tf.function (Keras's fit): tiering cannot serve those; nor a tiered call.
+    An eager call through TF's call path (a keyword argument) waited: it says which
+    calls are tiered."""
     from stitching.tf import function as fn_module
     monkeypatch.setattr(fn_module, "HINT_SECONDS", 0.0)
     monkeypatch.setattr(fn_module, "_hinted", False)
@@ -240,9 +242,11 @@ def test_the_background_compile_hint_only_where_it_applies(monkeypatch, capsys):
     f = stitching.function(lambda x: tf.tanh(x) * 2.0 + 1.0)
     f.get_concrete_function(tf.TensorSpec([2, 3]))
     tf.function(lambda x: f(x) * 2.0)(tf.zeros([4, 3]))
-    assert "background_compile" not in capsys.readouterr().err
     f(tf.zeros([5, 3]))
-    assert "background_compile=True" in capsys.readouterr().err
+    assert f.wait(timeout=300)
+    assert "run stock TF while" not in capsys.readouterr().err
+    f(x=tf.zeros([6, 3]))
+    assert "passed positionally, run stock TF while" in capsys.readouterr().err
 
 
 def test_keras_stitch_tiers_with_background_compile():

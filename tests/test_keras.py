@@ -126,7 +126,8 @@ def cold_results(monkeypatch):
 
 
 def test_tiered_fit_switches_mid_run_and_keeps_the_loss_curve_of_keras(capsys,
-                                                                        cold_results):
+                                                                        cold_results,
+                                                                        tiered):
     """Tiered (the default): the first steps run stock Keras while the train step
     compiles in the background; the switch happens at a step boundary and every
     step's loss equals plain Keras's within float rounding, before and after it.
@@ -155,7 +156,7 @@ def test_tiered_fit_switches_mid_run_and_keeps_the_loss_curve_of_keras(capsys,
 
 
 def test_a_job_whose_stock_steps_stay_under_the_tier_up_time_never_compiles(
-        monkeypatch, cold_results):
+        monkeypatch, cold_results, tiered):
     """The background compile starts once a step's stock calls (after Keras's trace)
     have run STITCHING_TIER_UP_SECONDS: a short fit of tiny steps never starts one
     (no compile, no kernels, stock numbers); 0 starts it after the first step; a
@@ -189,7 +190,7 @@ def _named_model():
     return m
 
 
-def test_a_warm_cache_runs_every_step_stitched_from_the_first(capsys):
+def test_a_warm_cache_runs_every_step_stitched_from_the_first(capsys, tiered):
     """Where the result cache holds a step's stitched graph (its plan and kernels
     built by an earlier run, here one that waited for them), the step runs stitched
     from step 1: no stock step, no background compile, Keras's losses; the report
@@ -250,7 +251,7 @@ print("END", time.time(), flush=True)
 
 
 @pytest.mark.slow
-def test_a_short_job_exits_without_waiting_for_its_kernels(tmp_path):
+def test_a_short_job_exits_without_waiting_for_its_kernels(tmp_path, tiered):
     """A job that ends while its train step still compiles exits promptly (the
     background compile is stopped at exit, its workers killed), with status 0."""
     import os

@@ -101,7 +101,7 @@ def measured(fn, shape) -> tuple:
 
     import stitching
     x = tf.constant(np.random.default_rng(0).standard_normal(shape, np.float32))
-    st = stitching.function(fn, options=stitching.Options(min_ops=1))
+    st = stitching.function(fn, options=stitching.Options(min_ops=1, background_compile=False))
     st(x)
     if len(st.report.kernels) != 1:
         raise RuntimeError(f"calibrate: {fn} on {shape} became {len(st.report.kernels)} "
@@ -118,7 +118,8 @@ def _call_overheads() -> tuple:
 
     import stitching
     x = tf.constant(np.zeros((1, 1), np.float32))
-    st = stitching.function(lambda x: x + 0.0, options=stitching.Options(min_ops=1 << 30))
+    st = stitching.function(lambda x: x + 0.0,
+                            options=stitching.Options(min_ops=1 << 30, background_compile=False))
     times = time_modes([Runner("tf", tf.function(lambda x: x + 0.0)), Runner("st", st)],
                        (x,), repeats=7, warmup=3)
     return times["tf"]["median_s"], times["st"]["median_s"]

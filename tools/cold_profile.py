@@ -52,7 +52,8 @@ def _model_call(model):
     from stitching.testing import models as M
     case = M.get(model)
     args = [tf.constant(a) for a in case.inputs(1)]
-    return stitching.function(case.make_fn(), input_signature=case.input_signature()), args
+    return stitching.function(case.make_fn(), input_signature=case.input_signature(),
+                              options=stitching.Options(background_compile=False)), args
 
 
 def timeline(model) -> None:

@@ -162,7 +162,8 @@ def _modes(fn, sig, wanted):
     import stitching
     make = {"tf": lambda: tf.function(fn, input_signature=sig),
             "xla": lambda: tf.function(fn, input_signature=sig, jit_compile=True),
-            "stitched": lambda: stitching.function(fn, input_signature=sig)}
+            "stitched": lambda: stitching.function(
+                fn, input_signature=sig, options=stitching.Options(background_compile=False))}
     unknown = set(wanted) - set(make)
     if unknown:
         raise SystemExit(f"unknown mode(s) {sorted(unknown)}; choose from {sorted(make)}")

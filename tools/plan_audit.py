@@ -37,6 +37,7 @@ alone with its seed and index (the table prints the program too).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -84,9 +85,10 @@ def audit_fn(name, size, fn, args, repeats, margin, dump_root) -> dict:
     """One function timed three ways (stock TF, the cost model's plan, greedy) beside
     the model's prediction for its kernels."""
     stock = tf.function(fn)
-    search = stitching.function(fn, options=stitching.Options(dump_dir=dump_root))
-    greedy = stitching.function(fn, options=stitching.Options(planner="greedy"))
-    unfused = stitching.function(fn, options=stitching.Options(min_ops=_NOTHING))
+    sync = functools.partial(stitching.Options, background_compile=False)   # timed
+    search = stitching.function(fn, options=sync(dump_dir=dump_root))
+    greedy = stitching.function(fn, options=sync(planner="greedy"))
+    unfused = stitching.function(fn, options=sync(min_ops=_NOTHING))
     # bench.py's timing: modes interleaved in shuffled order, loops of calls, lead-ins
     times = time_modes([Runner("tf", stock), Runner("unfused", unfused),
                         Runner("search", search), Runner("greedy", greedy)], args,

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 import stitching
 
-OPTS = stitching.Options(min_ops=1)
+OPTS = stitching.Options(min_ops=1, background_compile=False)   # outputs of the first call
 F32_MAX = float(np.finfo(np.float32).max)
 
 # ---- input ranges: name -> (description, sampler(rng, n) -> float64 values) --------

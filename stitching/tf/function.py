@@ -23,17 +23,40 @@ Saving: ``tf.saved_model.save`` saves a StitchedFunction's ConcreteFunctions as 
 saves a tf.function's (StitchedKernel nodes, their original ops as functions) and
 ships the kernels' shared objects in ``assets/`` (kernel_assets.py).
 
-Background compilation (``Options(background_compile=True)``, as XLA's
-``--tf_xla_async_compilation``): the first call with a new eager signature traces the
+Tiered execution, the default (``Options.background_compile`` None or True, as XLA's
+``--tf_xla_async_compilation``): the first eager call with a new signature traces the
 function for stock TF and returns its result while a background thread stitches the
-same signature (plan, Numba compile, rewrite); the call after that thread finished runs
-the stitched graph.  Where the result cache holds the signature's stitched graph
+same signature (plan, compile, rewrite); the first call after that thread finished
+switches to the stitched graph (``_StockTier``: the report's ``tiering`` and a progress
+line say at which call).  Where the result cache holds the signature's stitched graph
 (tf/results.py: an earlier process built it), the first call runs it instead, through
 a ``cached_only`` twin that traces the signature as the background would.
-``wait()`` blocks until every pending signature is stitched.
-A process that exits first does not wait: its background compiles stop at their next
-step (compile/parallel.py: ``cancel``), their kernels finished so far cached on disk.
-``stitching.keras.stitch`` runs Keras's steps this way by default (keras.py).
+``wait()`` blocks until every pending signature is stitched; so do ``report``,
+``get_concrete_function`` (TF's trace lock: the background trace holds it) and saving
+(a SavedModel holds the stitched graphs).  A process that exits first does not wait:
+its background compiles stop at their next step (compile/parallel.py: ``cancel``),
+their kernels finished so far cached on disk.  ``stitching.keras.stitch`` runs Keras's
+steps this way (keras.py).
+
+Only an eager call whose arguments are all tensors, passed positionally, is tiered
+(``_tiers``): that call path keeps one ConcreteFunction per exact signature, so the
+stock one can be swapped for the stitched one between two calls.  Synchronous, the
+call waiting for its kernels:
+- a call inside another ``tf.function`` or graph trace (Keras's ``fit``, a caller's
+  own tf.function): it is being traced, not run; the graph it goes into is built now
+  and cannot switch later (keras.py tiers Keras's steps at the step function instead);
+- under a ``tf.distribute`` strategy (its scope, ``strategy.run``): the strategy's
+  replica context and per-replica values belong to the caller's thread, and a
+  background thread would trace outside them;
+- a call with keyword, Python or NumPy arguments: TF's own call path, whose cache
+  TF owns (a Python value is also a constant of the trace: its own signature);
+- ``get_concrete_function``, ``stitching-rewrite``, a stitched backward (traced inside
+  the gradient's trace): each asks for the stitched graph itself.
+The background trace of a signature runs the user's Python function a second time (the
+stock trace is the first), in that thread, just after the first call: Python state
+read at trace time is read then, as any retrace of a ``tf.function`` reads it when it
+happens (docs/differences-from-tf-function.md).  ``Options(background_compile=False)``
+or ``STITCHING_BACKGROUND_COMPILE=0`` makes every call synchronous.
 
 Shapes: a retrace costs a re-plan and a kernel lookup on top of TF's trace, so by
 default (``reduce_retracing=None``) a function relaxes its input shapes the way
@@ -72,7 +95,7 @@ from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework.ops import EagerTensor
 from tensorflow.python.util import tf_decorator
 
-from ..options import Options
+from ..options import Options, background_compile_on
 from . import control_flow, scalars
 from .passes import original
 
@@ -99,8 +122,9 @@ class StitchedFunction(tf_pf.Function):
         report: The latest trace's ``stitching.Report`` (None before the first call).
         reports: Every trace's report, oldest first.
         options: The ``stitching.Options`` it plans with.
-        background_errors: Exceptions raised by background compiles
-            (``Options.background_compile``); stock TF keeps serving those calls.
+        background_errors: Exceptions raised by background compiles (tiered
+            execution, ``Options.background_compile``); stock TF keeps serving
+            those calls.
         cached_only: Stitch traces only from the result cache (tf/results.py: a
             warm process's kernels, plan and rewritten graph); a trace it does not
             hold is imported as traced (stock TF).  Tiered execution's probe.
@@ -148,6 +172,7 @@ class StitchedFunction(tf_pf.Function):
         self.cached_only = False
         self.cache_hits = self.cache_misses = 0    # traces served / not by that cache
         self._probe = None           # the cached_only twin background compile probes
+        self._stock = None           # the stock tf.function tiered signatures start on
 
     # -- what TF traces ----------------------------------------------------------
     def _generate_tracing_options(self, fn, scope_type):
@@ -175,8 +200,29 @@ class StitchedFunction(tf_pf.Function):
 
     @property
     def report(self):
-        """The latest trace's ``stitching.Report``; None before the first trace."""
+        """The latest trace's ``stitching.Report``; None before the first trace.
+        Waits for pending background compiles first (tiered execution: the first
+        call returned stock TF's result, and the report is the stitched graph's)."""
+        self._settle()
         return self.reports[-1] if self.reports else None
+
+    def experimental_get_tracing_count(self):
+        """TF's count of this function's traces, once pending background compiles
+        (one trace each) are done, plus the traces the result cache served through
+        the probe (``_probe_now``): a tiered call counts as tf.function's would."""
+        self._settle()
+        served = self._probe.cache_hits if self._probe is not None else 0
+        return super().experimental_get_tracing_count() + served
+
+    def _list_all_concrete_functions(self):
+        """TF's list of traces (saving, signatures), the pending ones done first."""
+        self._settle()
+        return super()._list_all_concrete_functions()
+
+    def _settle(self) -> None:
+        """Wait for pending background compiles, from any thread but theirs."""
+        if self._pending and not _in_background():
+            self.wait()
 
     def __get__(self, instance, owner):
         """Methods bind as tf.function's do (one Function per instance); the bound one
@@ -198,6 +244,8 @@ class StitchedFunction(tf_pf.Function):
         shared objects of those kernels for this machine, shipped in ``assets/`` as
         ``stitching-rewrite`` ships them (kernel_assets.py): a load on this CPU and
         toolchain compiles nothing."""
+        if save_type == "savedmodel":
+            self._settle()   # tiered signatures: save their stitched graphs, not none
         children = super()._trackable_children(save_type, **kwargs)
         if save_type == "savedmodel":
             cfs = list(children.values())
@@ -230,7 +278,7 @@ class StitchedFunction(tf_pf.Function):
     def __getstate__(self):
         state = super().__getstate__()
         for transient in ("_pending_lock", "_concrete", "_general", "_pending", "_shapes",
-                          "_shipped", "_templates", "_probe"):
+                          "_shipped", "_templates", "_probe", "_stock"):
             state.pop(transient, None)
         return state
 
@@ -239,7 +287,7 @@ class StitchedFunction(tf_pf.Function):
         self._pending_lock = threading.Lock()
         self._concrete, self._general, self._pending, self._shapes = {}, {}, {}, {}
         self._templates = scalars.Templates()
-        self._probe = None
+        self._probe = self._stock = None
 
     # -- calls ----------------------------------------------------------------------
     def __call__(self, *args, **kwds):
@@ -248,17 +296,20 @@ class StitchedFunction(tf_pf.Function):
             if key is not None:
                 cf = self._concrete.get(key)
                 if cf is None and len(self._concrete) < FAST_CALL_SIGNATURES:
-                    count = self.experimental_get_tracing_count()
+                    # TF's count, not the override (which waits for pending compiles)
+                    count = super().experimental_get_tracing_count()
                     self._eager_call = True
                     try:
                         cf = _flat_in(self._concrete_for(key, args), args)
                     finally:
                         self._eager_call = False
                     self._concrete[key] = cf
-                    if self.experimental_get_tracing_count() != count:
+                    if super().experimental_get_tracing_count() != count:
                         tf_pf._frequent_tracing_detector_manager.called_with_tracing(
                             self._key_for_call_stats, self._python_function,
                             self._omit_frequent_tracing_warning)
+                if type(cf) is _StockTier:
+                    return cf(args)
                 if cf:
                     return _call_concrete(cf, args)
         first = self._variable_creation_config is None
@@ -277,10 +328,12 @@ class StitchedFunction(tf_pf.Function):
         """The first call goes through TF (it creates and lifts variables); later ones
         may skip TF's argument canonicalisation when the function created no variables
         (else TF may have to run their initializers under a cond: its call does that).
-        Under background compile the first call too: stock TF serves it."""
+        Tiered, the first call too: stock TF's tf.function serves it (a function
+        creating variables makes them there, at that tf.function's first call, as
+        tf.function does; the stitched trace later finds them made)."""
         if self._run_functions_eagerly:
             return False
-        if self.options.background_compile:
+        if self._tiers():
             return True
         return self._variable_creation_config is not None and not self._created_variables
 
@@ -296,7 +349,7 @@ class StitchedFunction(tf_pf.Function):
         seen = self._shapes.setdefault(family, [])
         relaxed = _relaxed(seen + [shapes]) if self._relax and seen else None
         seen.append(shapes)
-        if self.options.background_compile:
+        if self._tiers():
             return self._stock_then_stitch(key, args, family, relaxed)
         if relaxed is None:
             return self.get_concrete_function(*args)
@@ -304,25 +357,62 @@ class StitchedFunction(tf_pf.Function):
         self._general.setdefault(family, []).append((relaxed, cf))
         return cf
 
-    # -- background compilation ----------------------------------------------------
+    # -- tiered execution ------------------------------------------------------------
+    def _tiers(self) -> bool:
+        """Whether an eager call of a new signature (the fast path's: tensors only,
+        positional) runs stock TF while the signature compiles in the background:
+        asked for (``Options.background_compile``, ``$STITCHING_BACKGROUND_COMPILE``)
+        and not under a ``tf.distribute`` strategy, whose replica context a
+        background thread would trace outside of (module docstring)."""
+        return background_compile_on(self.options) and not tf.distribute.has_strategy()
+
     def _stock_then_stitch(self, key, args, family=None, relaxed=None):
-        """Stock TF's ConcreteFunction for ``args`` now; the stitched one (traced with
-        ``relaxed`` shapes when given) replaces it in ``_concrete`` when a background
-        thread has built it -- or is the one returned now, where the result cache
-        holds it (a warm process: ``_probe_now``)."""
+        """What a new tiered signature runs now: stock TF (``_stock_function``) behind
+        a ``_StockTier``, which starts a background thread stitching the signature
+        (traced with ``relaxed`` shapes when given) once its first call returned, and
+        switches to the stitched graph at the first call after that thread built it
+        -- or the stitched one at once, where the result cache holds it (a warm
+        process: ``_probe_now``) and the function ran before.  Its first call never
+        probes: a trace there (the probe's, through ``get_concrete_function``) would
+        make the function's variables, and one whose initializer reads an argument
+        cannot be made that way (TF's call runs it under a cond; so does the stock
+        tf.function's first call).  The background trace after it finds the result
+        cache's graph as quickly: a warm first signature switches at its second call."""
         specs = tensor_specs(key, relaxed)
         general = (family, relaxed) if relaxed is not None else None
-        cf, warm = self._probe_now(specs)
+        ran = self._stock is not None and self._stock._variable_creation_config is not None
+        cf, warm = self._probe_now(specs) if ran else (None, False)
         if warm:
             if general is not None:
                 self._general.setdefault(family, []).append((relaxed, cf))
+            if self.reports:
+                self.reports[-1].tiering = ("stitched from call 1 (graph, plan and "
+                                            "kernels from the cache; nothing to compile)")
             return cf
-        stock = cf if cf is not None else tf.function(
-            self._python_function, autograph=self._autograph).get_concrete_function(*args)
+        tier = _StockTier(self, key, self._stock_function())
+        tier.start = functools.partial(self._start_background, tier, specs, general)
+        return tier
+
+    def _stock_function(self):
+        """The stock ``tf.function`` of the same Python function and parameters, made
+        once: tiered signatures run their stock calls through TF's own call path,
+        which makes the function's variables at its first call (lifting their
+        initializers, or running them under a cond where an initializer depends on
+        the arguments), checks arguments against an ``input_signature`` and relaxes
+        shapes under ``reduce_retracing=True``, as ``tf.function`` does."""
+        if self._stock is None:
+            self._stock = tf.function(
+                self._python_function, input_signature=self.input_signature,
+                autograph=self._autograph,
+                reduce_retracing=bool(self._reduce_retracing_setting),
+                experimental_attributes=self._attributes,
+                experimental_autograph_options=self._experimental_autograph_options)
+        return self._stock
+
+    def _start_background(self, tier, specs, general):
         with self._pending_lock:
-            self._pending[key] = run_in_background(self._stitch_in_background, key,
-                                                   specs, general)
-        return stock
+            self._pending[tier.key] = run_in_background(self._stitch_in_background, tier,
+                                                        specs, general)
 
     def _probe_now(self, specs):
         """(ConcreteFunction, stitched?) of a ``cached_only`` twin traced for ``specs``
@@ -349,12 +439,14 @@ class StitchedFunction(tf_pf.Function):
         from . import results
         return results.hint(display_name(self), repr(specs), repr(self.options))
 
-    def _stitch_in_background(self, key, specs, general=None):
+    def _stitch_in_background(self, tier, specs, general=None):
         from . import results
         try:
+            before = len(self.reports)
             cf = self.get_concrete_function(*specs)
             results.mark(self._hint(specs))     # the next process probes for it
-            self._concrete[key] = cf            # one dict store: calls see old or new
+            tier.report = self.reports[-1] if len(self.reports) > before else None
+            tier.stitched = cf                  # the next call through it switches
             if general is not None:
                 family, relaxed = general
                 self._general.setdefault(family, []).append((relaxed, cf))
@@ -362,7 +454,21 @@ class StitchedFunction(tf_pf.Function):
             self.background_errors.append(e)
         finally:
             with self._pending_lock:
-                self._pending.pop(key, None)
+                self._pending.pop(tier.key, None)
+
+    def _switched(self, tier) -> None:
+        """The first call of ``tier``'s signature on its stitched graph: from now on
+        the fast path calls that graph directly; the report and a progress line say
+        where the switch was."""
+        seconds = time.perf_counter() - tier.started
+        text = (f"stock TF ran calls 1-{tier.calls} while the kernels compiled "
+                f"({seconds:.1f} s); stitched from call {tier.calls + 1}")
+        self._concrete[tier.key] = tier.stitched      # one dict store: calls see either
+        if tier.report is not None:
+            tier.report.tiering = text
+        if self.options.progress is not False:
+            print(f"stitching: {display_name(self)} {_signature_text(tier.key)}: {text}",
+                  file=sys.stderr, flush=True)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until background compiles are done (or ``timeout`` seconds passed);
@@ -453,10 +559,11 @@ class StitchedFunction(tf_pf.Function):
         # a new Python scalar, does not pay for looking), nor for a probe
         from ..compile import kernel as kernel_cache
         _check_cancelled()     # a background compile stopped at exit traces nothing more
-        compiled = self.report is not None and (self.report.kernels or any(
-            r is not None and r.kernels for _, r, _ in self.report.bodies))
+        last = self.reports[-1] if self.reports else None    # not .report: it waits
+        compiled = last is not None and (last.kernels or any(
+            r is not None and r.kernels for _, r, _ in last.bodies))
         workers = None
-        if not (self.options.background_compile or compiled or self.cached_only) \
+        if not (_in_background() or compiled or self.cached_only) \
                 and kernel_cache.cache_is_empty():
             from . import pipeline
             workers = pipeline.early_workers()
@@ -488,9 +595,10 @@ class StitchedFunction(tf_pf.Function):
                 workers.close()
         if result is not None:
             self.reports.append(result.report)
-            # only where it would apply: an eager call (not inside Keras's fit or
-            # another tf.function, not get_concrete_function or stitching-rewrite)
-            if not self.options.background_compile and self._eager_call:
+            # only where tiering would apply but did not: an eager call through TF's
+            # call path (keyword, Python or NumPy arguments), not inside Keras's fit
+            # or another tf.function, not get_concrete_function or stitching-rewrite
+            if self._eager_call and not _in_background() and self._tiers():
                 _hint_background_compile(result.report.compile_seconds)
             graph_def = result.graph_def
             _define_fallbacks(graph_def)
@@ -754,19 +862,77 @@ def _stop_background_compiles():
         t.join(max(0.0, deadline - time.monotonic()))
 
 
+def _in_background() -> bool:
+    """Whether this thread is a background compile's (run_in_background)."""
+    return threading.current_thread() in _BACKGROUND
+
+
+class _StockTier:
+    """A tiered signature's fast-path entry (``_concrete[key]``) until its first
+    stitched call: stock TF's ``tf.function``, counting the calls it serves, until
+    the background compile sets ``stitched``; the call after that switches
+    (``StitchedFunction._switched``) and replaces this entry by the stitched graph,
+    called directly from then on.  A first call that raises (an argument the
+    ``input_signature`` refuses, a failing assertion) leaves no entry and starts no
+    compile: the next call is a first call again.
+
+    The background compile starts (``start``) when the first stock call returned, not
+    before: that call (TF's function instantiation, its Grappler pass, the run) then
+    has the cores and the interpreter to itself.  With the compile started beside it
+    (a trace, a plan, compile workers), ResNet50's first call took 9.2 s against stock
+    TF's 3.1 s in one loaded run of the compile suite (BENCHMARKS.md); the kernels
+    are ready that one call later.  Stock calls go through TF's call path (~0.1 ms
+    more per call than the fast path): they are the few before the switch."""
+
+    def __init__(self, owner, key, stock):
+        # weakly: the function holds this entry (a cycle would outlive ``del f``)
+        self._owner, self.key, self.stock = weakref.ref(owner), key, stock
+        self.started = time.perf_counter()
+        self.calls = 0
+        self.stitched = self.report = self.start = None
+
+    def __call__(self, args):
+        if self.stitched is None:
+            if self.start is None:
+                self.calls += 1
+                return self.stock(*args)
+            try:
+                out = self.stock(*args)
+            except BaseException:
+                self._owner()._concrete.pop(self.key, None)
+                raise
+            start, self.start = self.start, None    # once, also where calls race
+            self.calls += 1
+            if start is not None:
+                start()
+            return out
+        owner = self._owner()
+        if not _flat_in(self.stitched, args):     # a default tensor argument: TF's call
+            owner._concrete[self.key] = False
+            return owner(*args)
+        owner._switched(self)
+        return _call_concrete(self.stitched, args)
+
+
+def _signature_text(key) -> str:
+    """``(float32[6,40], int32[3])`` for an exact-signature key."""
+    return "(" + ", ".join(f"{dtype.name}[{','.join(map(str, shape))}]"
+                           for dtype, shape in key) + ")"
+
+
 _hinted = False
 
 
 def _hint_background_compile(seconds: float) -> None:
-    """Once per process: a slow first call says that background compile exists."""
+    """Once per process: a slow synchronous first call says which calls are tiered."""
     global _hinted
     if _hinted or seconds < HINT_SECONDS or os.environ.get("STITCHING_NO_HINTS"):
         return
     _hinted = True
     print(f"stitching: this call waited {seconds:.1f} s to plan and compile its kernels. "
-          "stitching.Options(background_compile=True) serves first calls with stock TF "
-          "while they compile (STITCHING_NO_HINTS=1 hides this line).",
-          file=sys.stderr, flush=True)
+          "Calls whose arguments are all tensors, passed positionally, run stock TF "
+          "while they compile (tiered execution; STITCHING_NO_HINTS=1 hides this "
+          "line).", file=sys.stderr, flush=True)
 
 
 def _relaxed(shapes_seen) -> list:
@@ -792,7 +958,10 @@ def tensor_specs(key, shapes=None) -> list:
 
 def _flat_in(cf, args):
     """``cf``, or False where its flat inputs are not exactly ``args`` (a default
-    argument that is a tensor): that signature is never called the fast way."""
+    argument that is a tensor): that signature is never called the fast way.  A
+    ``_StockTier`` calls through TF, and checks its stitched graph at the switch."""
+    if type(cf) is _StockTier:
+        return cf
     return cf if len(cf.inputs) - len(cf.captured_inputs) == len(args) else False
 
 
