@@ -161,6 +161,9 @@ class _Emitter(Emitter):
         self._through: dict = {}     # output node -> input tag it is stored through
         self._product_sizes = self._find_products()
         self._phase = sched.prologue_phase()     # products in a phase of their own
+        # DepthwiseConv2D nodes: their taps summed per row into dz<k> (_windows)
+        self._window_nodes = [k for k in sched.live if self.spec.nodes[k].op == "DepthwiseConv2D"]
+        self._window_reads = {a for k in self._window_nodes for a in self.spec.nodes[k].args}
 
     def store_output(self, w, k: int, index: str) -> None:
         if k in self._through:                  # the in-place loop nest (_in_place)
@@ -267,6 +270,9 @@ class _Emitter(Emitter):
                 w(f"hz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
         for k, size in self._product_sizes.items():
             w(f"ac{k} = h.ptr_float64(h.aligned_alloc({size} * 8))")
+        for k in self._window_nodes:
+            cd = dt.COMPUTE[self.dtype(k)]
+            w(f"dz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
         for k in self._side_scratch():
             cd = dt.COMPUTE[self.dtype(k)]
             w(f"sz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc({self._side_size(k)} * "
@@ -434,6 +440,7 @@ class _Emitter(Emitter):
                 [f"pt{k}" for k in self._column_parts()] +
                 [f"hz{k}" for k in self.front if not self._phase] +
                 [f"ac{k}" for k in self._product_sizes] +
+                [f"dz{k}" for k in self._window_nodes] +
                 [f"sz{k}" for k in self._side_scratch()] +
                 [f"sb_{self.tag(k)}" for k in self.streamed])
 
@@ -479,6 +486,7 @@ class _Emitter(Emitter):
                     with w.block("if g != hg:"):
                         w("hg = g")
                         self._hoist_loop(w, p, flat=False)
+                self._windows(w, "r", "c0", "c1")
                 self._ew_loop(w, p, idx, "c0", "c1", flat=False)
 
     def _hoist_loop(self, w, p, flat: bool, at: str = "j") -> None:
@@ -616,7 +624,46 @@ class _Emitter(Emitter):
                 with w.block(f"for j in range({size}):"):
                     w(f"ac{k}[j] = ac{k}[j] + np.float64({terms[0]})")
 
+    # -- DepthwiseConv2D: a window's taps per row (schedule/domain.py, step 5) ----------
+    def _windows(self, w, row: str, lo: str, hi: str) -> None:
+        """For each depthwise convolution, its outputs at row ``row`` (one output pixel:
+        the domain's rows are the output's N x Ho x Wo, its channels the last axis),
+        columns [lo, hi), into dz<k>: the taps inside the input, one vector loop each,
+        in TF's order (row-major over the window, each product added to a float32 sum
+        that starts at 0, as Eigen's kernel does; the taps in the padding add zeros
+        there and are skipped here).  A loop per tap over a row scratch in L1 rather
+        than all taps in the element loop: that one loop would read the input through
+        KH x KW run-time bases, more pointer checks than LLVM makes before it vectorizes."""
+        for k in self._window_nodes:
+            node = self.spec.nodes[k]
+            x, f = node.args
+            _, H, W, C = self.spec.type_of(x).shape
+            _, Ho, Wo, _ = node.type.shape
+            KH, KW = self.spec.type_of(f).shape[:2]
+            (sh, sw), (top, _, left, _) = node.attrs["strides"], node.attrs["pads"]
+            acc, xp, fp = f"dz{k}", f"p_{self.tag(x)}", f"p_{self.tag(f)}"
+            w(f"wn{k} = {row} // {Ho * Wo}")
+            w(f"wt{k} = {row} - wn{k} * {Ho * Wo}")
+            w(f"wi{k} = wt{k} // {Wo}")
+            w(f"wh{k} = wi{k} * {sh} - {top}")
+            w(f"ww{k} = (wt{k} - wi{k} * {Wo}) * {sw} - {left}")
+            with w.block(f"for j in range({lo}, {hi}):"):
+                w(f"{acc}[j] = {self.C(0, dt.COMPUTE[self.dtype(k)])}")
+            with w.block(f"for kh in range({KH}):"):
+                w(f"hh = wh{k} + kh")
+                with w.block("if hh >= 0:"), w.block(f"if hh < {H}:"):
+                    with w.block(f"for kw in range({KW}):"):
+                        w(f"wc = ww{k} + kw")
+                        with w.block("if wc >= 0:"), w.block(f"if wc < {W}:"):
+                            w(f"xb = (wn{k} * {H * W} + hh * {W} + wc) * {C}")
+                            w(f"fb = (kh * {KW} + kw) * {C}")
+                            with w.block(f"for j in range({lo}, {hi}):"):
+                                w(f"{acc}[j] = {acc}[j] + {xp}[xb + j] * {fp}[fb + j]")
+
     def compute(self, w, k: int) -> None:
+        if k in self._window_nodes:
+            w(f"{self.var(k)} = dz{k}[j]")
+            return
         if k in self._product_sizes:
             w(f"{self.var(k)} = np.{dt.COMPUTE[self.dtype(k)]}(ac{k}[j])")
             return
@@ -635,6 +682,8 @@ class _Emitter(Emitter):
         for k in self.front:
             w(f"v{k} = hz{k}[j]" if flat or not self._phase else f"v{k} = hz{k}[hb + j]")
         for j in p.loads:
+            if -(j + 1) in self._window_reads:   # read per row by _windows
+                continue
             if not self.hoist or self._used_by(-(j + 1), rest):
                 self.load_input(w, -(j + 1), at(-(j + 1)))
         for k in rest:
