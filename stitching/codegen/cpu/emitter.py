@@ -625,10 +625,11 @@ class _Emitter(Emitter):
                     w(f"ac{k}[j] = ac{k}[j] + np.float64({terms[0]})")
 
     # -- DepthwiseConv2D: a window's taps per row (schedule/domain.py, step 5) ----------
-    def _windows(self, w, row: str, lo: str, hi: str) -> None:
+    def _windows(self, w, row: str, lo: str, hi: str, var: str = "j", shift: str = "") -> None:
         """For each depthwise convolution, its outputs at row ``row`` (one output pixel:
         the domain's rows are the output's N x Ho x Wo, its channels the last axis),
-        columns [lo, hi), into dz<k>: the taps inside the input, one vector loop each,
+        columns [lo, hi) (``var``, at channel ``shift`` + ``var``), into dz<k>[var]
+        (compute reads it there): the taps inside the input, one vector loop each,
         in TF's order (row-major over the window, each product added to a float32 sum
         that starts at 0, as Eigen's kernel does; the taps in the padding add zeros
         there and are skipped here).  A loop per tap over a row scratch in L1 rather
@@ -642,27 +643,42 @@ class _Emitter(Emitter):
             KH, KW = self.spec.type_of(f).shape[:2]
             (sh, sw), (top, _, left, _) = node.attrs["strides"], node.attrs["pads"]
             acc, xp, fp = f"dz{k}", f"p_{self.tag(x)}", f"p_{self.tag(f)}"
-            w(f"wn{k} = {row} // {Ho * Wo}")
-            w(f"wt{k} = {row} - wn{k} * {Ho * Wo}")
+            w(f"wt{k} = {row}")
+            w(f"wn{k} = wt{k} // {Ho * Wo}")
+            w(f"wt{k} = wt{k} - wn{k} * {Ho * Wo}")
             w(f"wi{k} = wt{k} // {Wo}")
             w(f"wh{k} = wi{k} * {sh} - {top}")
             w(f"ww{k} = (wt{k} - wi{k} * {Wo}) * {sw} - {left}")
-            with w.block(f"for j in range({lo}, {hi}):"):
-                w(f"{acc}[j] = {self.C(0, dt.COMPUTE[self.dtype(k)])}")
+            with w.block(f"for {var} in range({lo}, {hi}):"):
+                w(f"{acc}[{var}] = {self.C(0, dt.COMPUTE[self.dtype(k)])}")
             with w.block(f"for kh in range({KH}):"):
                 w(f"hh = wh{k} + kh")
                 with w.block("if hh >= 0:"), w.block(f"if hh < {H}:"):
                     with w.block(f"for kw in range({KW}):"):
                         w(f"wc = ww{k} + kw")
                         with w.block("if wc >= 0:"), w.block(f"if wc < {W}:"):
-                            w(f"xb = (wn{k} * {H * W} + hh * {W} + wc) * {C}")
-                            w(f"fb = (kh * {KW} + kw) * {C}")
-                            with w.block(f"for j in range({lo}, {hi}):"):
-                                w(f"{acc}[j] = {acc}[j] + {xp}[xb + j] * {fp}[fb + j]")
+                            w(f"xb = (wn{k} * {H * W} + hh * {W} + wc) * {C}{shift}")
+                            w(f"fb = (kh * {KW} + kw) * {C}{shift}")
+                            with w.block(f"for {var} in range({lo}, {hi}):"):
+                                w(f"{acc}[{var}] = {acc}[{var}] + {xp}[xb + {var}] * "
+                                  f"{fp}[fb + {var}]")
+
+    def _column_window_rows(self, w, p, q: str) -> None:
+        """A column pass's row ``q`` (the innermost reduced axis): the windows it
+        computes summed for the unit's column block (_windows), the row's flat index
+        built from the kept and reduced axes' indices."""
+        if not any(k in p.compute for k in self._window_nodes):
+            return
+        inner = self.s.reduce_axes[-1]
+        row = ""
+        for a in range(self.R - 1):
+            at = f"({q})" if a == inner else f"q{a}"
+            row = f"({row}) * D{a} + {at}" if row else at
+        self._windows(w, row, "0", "n", var="c", shift=" + c0")
 
     def compute(self, w, k: int) -> None:
         if k in self._window_nodes:
-            w(f"{self.var(k)} = dz{k}[j]")
+            w(f"{self.var(k)} = dz{k}[{'c' if self.s.kind == KernelKind.COLUMN else 'j'}]")
             return
         if k in self._product_sizes:
             w(f"{self.var(k)} = np.{dt.COMPUTE[self.dtype(k)]}(ac{k}[j])")
@@ -1219,7 +1235,7 @@ class _Emitter(Emitter):
         seen = set()
         for k in nodes:
             for a in self.spec.nodes[k].args:
-                if a in seen or a in here:
+                if a in seen or a in here or a in self._window_reads:
                     continue
                 seen.add(a)
                 if vector is not None and self.s.is_vector(a) != vector:
@@ -1260,7 +1276,8 @@ class _Emitter(Emitter):
         # [8, 3136, 144]: 3.5x the time of the same kernel without the mean).
         # Its float32 sums go through float32 partials (_column_parts): a float64
         # accumulator in the loop would make it 4 lanes wide, the sigmoid with it.
-        U = 1 if p.stores else COL_UNROLL
+        # (a pass computing a window sums its taps per row into one scratch: one row)
+        U = 1 if p.stores or any(k in p.compute for k in self._window_nodes) else COL_UNROLL
         b0, b1 = bounds[last]
         parts = self._column_parts([p])
         if parts:
@@ -1306,6 +1323,8 @@ class _Emitter(Emitter):
                 extra = self.offset(ref, idx)
                 w(f"b_{self.tag(ref)}{sfx} = k_{self.tag(ref)}" +
                   (f" + {extra}" if extra != "0" else ""))
+        if len(rows) == 1:
+            self._column_window_rows(w, p, rows[0][1])
         stores = [(k, sfx, f"b_{self.tag(k)}{sfx}", f"{u} * cb")
                   for u, (sfx, _) in enumerate(rows) for k in p.stores]
         with self._staged(w, stores, "c", "0", "n"), w.block("for c in range(n):"):

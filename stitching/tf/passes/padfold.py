@@ -30,6 +30,8 @@ checked here); the Keras models this is for have no bias there (a BatchNorm foll
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
@@ -110,8 +112,9 @@ def candidates(graph_def, keep: set) -> dict:
 
 
 def rewrite(graph_def, found: dict) -> None:
-    """In place: each convolution reads its Pad's input with the padding as its own
-    (the Pad, now unread, is pruned with the other dead nodes)."""
+    """In place: each convolution reads its Pad's input with the padding as its own,
+    and the Pad, now unread, is removed (planned, it would be a kernel's output that
+    nothing reads)."""
     by_name = {nd.name: nd for nd in graph_def.node}
     for conv_name, (pad_name, (t, b, l, r)) in found.items():
         conv, pad = by_name[conv_name], by_name[pad_name]
@@ -119,16 +122,22 @@ def rewrite(graph_def, found: dict) -> None:
         conv.attr["padding"].s = b"EXPLICIT"
         conv.attr["explicit_paddings"].CopyFrom(attr_value_pb2.AttrValue(
             list=attr_value_pb2.AttrValue.ListValue(i=[0, 0, t, b, l, r, 0, 0])))
+    pads = {pad for pad, _ in found.values()}
+    kept = [nd for nd in graph_def.node if nd.name not in pads]
+    del graph_def.node[:]
+    graph_def.node.extend(kept)
 
 
 def _run(ctx):
+    """Before lifting (tf/pipeline.py): a convolution that a kernel computes
+    (DepthwiseConv2D, ir/ops.py) then reads the Pad's input through its window, and one
+    left to TF runs with the padding inside it; either way no Pad is left to run."""
     found = candidates(ctx.graph_def, ctx.fetched)
     if not found:
         return None
-    rewrite(ctx.graph_def, found)
-    for conv, (pad, _) in found.items():
-        ctx.folded[pad] = (f"folded into the explicit padding of {conv} (tf/padfold.py): "
-                           "TF runs no Pad")
+    graph_def = copy.deepcopy(ctx.graph_def)
+    rewrite(graph_def, found)
+    ctx.replace(graph_def)
     return (f"{len(found)} zero Pad(s) before a depthwise convolution folded "
             "into its explicit padding (tf/padfold.py; Options(pad_fold=False) "
             "keeps them)")
