@@ -487,20 +487,18 @@ def _weights(spec, live, views) -> tuple:
     that no other node reads, not views; and the window inputs (step 5): kernel inputs
     read only by windows, not views (a value computed in the kernel would have to be
     computed at every pixel a window reads: its producer stays a kernel of its own)."""
-    weights, windows, other = set(), set(), set()
+    weights, windows, other = {}, set(), set()     # weight -> the op reading it
     for k in live:
         n = spec.nodes[k]
         if OPS[n.op].kind in (Kind.CONTRACTION, Kind.WINDOW):
-            weights.add(n.args[1])
+            weights[n.args[1]] = "a SmallMatMul" if OPS[n.op].kind == Kind.CONTRACTION \
+                else "a depthwise convolution"
             (windows if OPS[n.op].kind == Kind.WINDOW else other).add(n.args[0])
         else:
             other.update(n.args)
-    for w in weights:
+    for w, what in weights.items():
         t = spec.type_of(w)
         if w >= 0 or w in views or w in other or w in windows or any(d < 0 for d in t.shape):
-            what = "a SmallMatMul" if w not in windows and all(
-                OPS[spec.nodes[k].op].kind == Kind.CONTRACTION for k in live
-                if w in spec.nodes[k].args) else "a depthwise convolution"
             raise Refusal(f"the weight of {what} ({_name(w)}) must be a kernel "
                           "input of static shape read by nothing else")
     for x in windows:
