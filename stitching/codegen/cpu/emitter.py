@@ -629,12 +629,17 @@ class _Emitter(Emitter):
         """For each depthwise convolution, its outputs at row ``row`` (one output pixel:
         the domain's rows are the output's N x Ho x Wo, its channels the last axis),
         columns [lo, hi) (``var``, at channel ``shift`` + ``var``), into dz<k>[var]
-        (compute reads it there): the taps inside the input, one vector loop each,
-        in TF's order (row-major over the window, each product added to a float32 sum
-        that starts at 0, as Eigen's kernel does; the taps in the padding add zeros
-        there and are skipped here).  A loop per tap over a row scratch in L1 rather
-        than all taps in the element loop: that one loop would read the input through
-        KH x KW run-time bases, more pointer checks than LLVM makes before it vectorizes."""
+        (compute reads it there), summed in TF's order: row-major over the window, each
+        product added to a sum in the compute dtype that starts at 0, as Eigen's kernel
+        does (the taps in the padding add zeros there).
+
+        A window wholly inside the input (most pixels) is one vector loop: every tap
+        at a constant offset from the window's corner, so LLVM needs two pointer checks
+        (the scratch against the input's and the filter's accesses) before it
+        vectorizes.  A window over the padding loops per tap inside the input, adding
+        into the scratch (the padded taps' zeros change no sum but the sign of a zero).
+        The scratch is a row in L1, and the element loop that reads it stays as it
+        was: with the taps in it, its stores would need a check against every input."""
         for k in self._window_nodes:
             node = self.spec.nodes[k]
             x, f = node.args
@@ -643,25 +648,46 @@ class _Emitter(Emitter):
             KH, KW = self.spec.type_of(f).shape[:2]
             (sh, sw), (top, _, left, _) = node.attrs["strides"], node.attrs["pads"]
             acc, xp, fp = f"dz{k}", f"p_{self.tag(x)}", f"p_{self.tag(f)}"
+            zero = self.C(0, dt.COMPUTE[self.dtype(k)])
             w(f"wt{k} = {row}")
             w(f"wn{k} = wt{k} // {Ho * Wo}")
             w(f"wt{k} = wt{k} - wn{k} * {Ho * Wo}")
             w(f"wi{k} = wt{k} // {Wo}")
             w(f"wh{k} = wi{k} * {sh} - {top}")
             w(f"ww{k} = (wt{k} - wi{k} * {Wo}) * {sw} - {left}")
-            with w.block(f"for {var} in range({lo}, {hi}):"):
-                w(f"{acc}[{var}] = {self.C(0, dt.COMPUTE[self.dtype(k)])}")
-            with w.block(f"for kh in range({KH}):"):
-                w(f"hh = wh{k} + kh")
-                with w.block("if hh >= 0:"), w.block(f"if hh < {H}:"):
-                    with w.block(f"for kw in range({KW}):"):
-                        w(f"wc = ww{k} + kw")
-                        with w.block("if wc >= 0:"), w.block(f"if wc < {W}:"):
-                            w(f"xb = (wn{k} * {H * W} + hh * {W} + wc) * {C}{shift}")
-                            w(f"fb = (kh * {KW} + kw) * {C}{shift}")
-                            with w.block(f"for {var} in range({lo}, {hi}):"):
-                                w(f"{acc}[{var}] = {acc}[{var}] + {xp}[xb + {var}] * "
-                                  f"{fp}[fb + {var}]")
+            inside = (f"(wh{k} >= 0) & (wh{k} <= {H - KH}) & (ww{k} >= 0) & "
+                      f"(ww{k} <= {W - KW})")
+            with w.block(f"if {inside}:"):
+                w(f"xb = (wn{k} * {H * W} + wh{k} * {W} + ww{k}) * {C}{shift}")
+                total = zero
+                for kh in range(KH):
+                    for kw in range(KW):
+                        xo, fo = (kh * W + kw) * C, (kh * KW + kw) * C
+                        total = (f"({total} + {xp}[xb + {xo} + {var}] * "
+                                 f"{fp}[{fo}{shift} + {var}])")
+                with w.block(f"for {var} in range({lo}, {hi}):"):
+                    w(f"{acc}[{var}] = {total[1:-1]}")
+            with w.block("else:"):
+                with w.block(f"for {var} in range({lo}, {hi}):"):
+                    w(f"{acc}[{var}] = {zero}")
+                self._window_taps(w, k, (H, W, C, KH, KW), lo, hi, var, shift)
+
+    def _window_taps(self, w, k, sizes, lo, hi, var, shift) -> None:
+        """A window over the padding (_windows): a loop per tap inside the input."""
+        H, W, C, KH, KW = sizes
+        x, f = self.spec.nodes[k].args
+        acc, xp, fp = f"dz{k}", f"p_{self.tag(x)}", f"p_{self.tag(f)}"
+        with w.block(f"for kh in range({KH}):"):
+            w(f"hh = wh{k} + kh")
+            with w.block("if hh >= 0:"), w.block(f"if hh < {H}:"):
+                with w.block(f"for kw in range({KW}):"):
+                    w(f"wc = ww{k} + kw")
+                    with w.block("if wc >= 0:"), w.block(f"if wc < {W}:"):
+                        w(f"xb = (wn{k} * {H * W} + hh * {W} + wc) * {C}{shift}")
+                        w(f"fb = (kh * {KW} + kw) * {C}{shift}")
+                        with w.block(f"for {var} in range({lo}, {hi}):"):
+                            w(f"{acc}[{var}] = {acc}[{var}] + {xp}[xb + {var}] * "
+                              f"{fp}[fb + {var}]")
 
     def _column_window_rows(self, w, p, q: str) -> None:
         """A column pass's row ``q`` (the innermost reduced axis): the windows it
