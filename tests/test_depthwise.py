@@ -330,17 +330,10 @@ def _plan_regions(case_name):
     return ctx.ir, get_planner("search")(ctx.ir, legal=pipeline.legal, min_ops=2).regions
 
 
-# kernels per machine model.  MobileNetV2 on intel-avx512 was 53 with the convolutions
-# left to TF: its plan now packs the variance + epsilon adds of 8 expand BatchNorms
-# (per-channel [C] values) into one kernel of their own, a near-tie of the search that
-# the convolutions' nodes in the IR tipped (not investigated further)
-KERNELS = {("mobilenet_v2", "amd-avx2"): 53, ("mobilenet_v2", "intel-avx512"): 54,
-           ("efficientnet_b0", "amd-avx2"): 67, ("efficientnet_b0", "intel-avx512"): 67}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("model,convs", [("mobilenet_v2", 17), ("efficientnet_b0", 16)])
-def test_model_kernels_under_each_machine_model(machine, model, convs):
+@pytest.mark.parametrize("model,kernels,convs", [("mobilenet_v2", 53, 17),
+                                                 ("efficientnet_b0", 67, 16)])
+def test_model_kernels_under_each_machine_model(machine, model, kernels, convs):
     """Issue 37: every depthwise convolution of MobileNetV2 and EfficientNetB0 (batch
     unknown, the models suite's trace) is computed in the kernel of its BatchNorm (and
     EfficientNetB0's swish and squeeze mean), under both machine models; no Pad is
@@ -352,6 +345,9 @@ def test_model_kernels_under_each_machine_model(machine, model, convs):
     assert not [n for n in ir if n.op == "DepthwiseConv2dNative"]
     cons = ir.consumers()       # the only Pad left is EfficientNetB0's stem Conv2D's
     assert all(ir[c].op == "Conv2D" for n in ir if n.op == "Pad" for c in cons[n.name])
-    assert len(regions) == KERNELS[model, machine.name]
+    # (on intel-avx512 MobileNetV2 planned 54 while the search's DP spent its width on
+    # patterns holding a convolution and its input's producer: plan/search.py refuses
+    # those structurally)
+    assert len(regions) == kernels
     if model == "efficientnet_b0":
         assert len(regions) <= 0.4 * 174
