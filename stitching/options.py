@@ -43,6 +43,9 @@ class Options:
             transposes done as row gathers (default on).
         pad_fold: Fold a zero ``Pad`` before a depthwise convolution into the
             convolution's explicit padding (default on).
+        depthwise: Compute depthwise convolutions (NHWC, depth multiplier 1) inside
+            the kernel of the BatchNorm and activation after them, where the cost
+            model says it pays (default on; ``False`` leaves them to TF).
         seq_split: Run token-wise blocks (Dense, GELU, Dense, residual, LayerNorm)
             whose matrix products TF would run on one thread as two halves of the
             sequence side by side (default on; helps batch 1, costs ~4% at large
@@ -104,6 +107,7 @@ class Options:
     gemm: bool = True                  # tf/passes/gemm.py
     einsum: bool = True                # tf/passes/einsum.py
     pad_fold: bool = True              # tf/passes/padfold.py
+    depthwise: bool = True             # tf/passes/lift.py, ir/ops.py DepthwiseConv2D
     seq_split: bool = True             # tf/passes/seqsplit.py
     xla_gemm: bool = False             # tf/passes/xladot.py (opt-in)
     background_compile: bool | None = None   # background_compile_on(); tf/function.py, keras.py

@@ -216,9 +216,12 @@ class Report:
             if other:
                 kinds = {t: sum(1 for _, o in other if o == t) for _, t in other}
                 also = ", ".join(t if n == 1 else f"{n} {t}" for t, n in kinds.items())
-                # the 1x1 convolutions of a squeeze-excite gate (SmallMatMul) are
-                # contractions: real work, but not memory-intensive ops
-                what = "contractions and views" if "Conv2D" in kinds else "no data work"
+                # the 1x1 convolutions of a squeeze-excite gate (SmallMatMul) and
+                # depthwise convolutions are contractions: real work, but not
+                # memory-intensive ops
+                convs = ("Conv2D", "DepthwiseConv2dNative")
+                what = "contractions and views" if any(c in kinds for c in convs) \
+                    else "no data work"
                 line += f" (also {also}: {what}, not counted)"
             lines.append(f"{line} — {k.schedule}" if k.schedule else line)
         if counted > self.fused_ops:

@@ -49,9 +49,10 @@ def section() -> str:
         f"mask equals TF's for the same seed): {_line(opnames.LEFT_TO_TF)}.",
         "",
         "Any other op (matrix products, convolutions, stateful ops, control flow) "
-        "stays a TF op; the report does not count it. The exception: a `Conv2D` that "
-        "is a 1x1 convolution over a 1x1 image becomes `SmallMatMul` (see above), "
-        "fused but not counted.",
+        "stays a TF op; the report does not count it. The exceptions: a `Conv2D` that "
+        "is a 1x1 convolution over a 1x1 image becomes `SmallMatMul`, and a "
+        "`DepthwiseConv2dNative` (NHWC, depth multiplier 1) becomes `DepthwiseConv2D` "
+        "(see above), fused but not counted.",
         END,
     ])
 

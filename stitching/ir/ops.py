@@ -29,6 +29,8 @@ class Kind(enum.IntEnum):
     REDUCTION = 3     # reduces a set of axes
     CONTRACTION = 4   # a small matrix product of a per-row vector (SmallMatMul): its
                       # contracted and weight dims are outside the iteration domain
+    WINDOW = 5        # reads its input through a window (DepthwiseConv2D): a stencil over
+                      # a kernel input, whose H and W are outside the iteration domain
     OPAQUE = 9        # anything else: stays a TF op
 
 
@@ -175,6 +177,17 @@ SMALL_MATMUL_MAX_WEIGHTS = 1 << 16   # arbitrary: a weight matrix of at most 256
                                      # float32 (half the smallest L2 of this project's
                                      # machines), re-read once per row group
 
+# DepthwiseConv2D(x[N, H, W, C], f[KH, KW, C, 1]) -> [N, Ho, Wo, C], NHWC, depth
+# multiplier 1, no dilation: y[n, i, j, c] = sum over (kh, kw) of
+# x[n, i*sh - top + kh, j*sw - left + kw, c] * f[kh, kw, c, 0], taps outside x are zeros.
+# ``pads`` = [top, bottom, left, right] (TF's SAME/VALID/EXPLICIT made explicit,
+# tf/frontend.py).  A stencil: x is a kernel input read through the window, f a static
+# weight read whole (schedule/domain.py, step 5); the CPU emitter sums the taps per
+# output row (codegen/cpu/emitter.py, _windows).
+_reg("DepthwiseConv2D", Kind.WINDOW, 2, in_dtypes=frozenset({"float32", "float64"}),
+     attrs={"strides": _int_list, "pads": _int_list})
+WINDOW_MAX_TAPS = 64     # arbitrary: up to 8x8 windows (the models' are 3x3 and 5x5)
+
 _reg("Reshape", Kind.LAYOUT, 1, attrs={"shape": _int_list})
 # Index maps (schedule/layout.py): the element at output index i is an input element at
 # an affine function of i (no arithmetic, so a fused layout op changes no bits).
@@ -265,6 +278,8 @@ def infer(op: str, attrs: dict, in_types: list) -> TensorType:
         return TensorType(x.dtype, shape)
     if d.kind == Kind.CONTRACTION:
         return _infer_small_matmul(*in_types)
+    if d.kind == Kind.WINDOW:
+        return _infer_depthwise(attrs, *in_types)
     if op in _LAYOUT_INFER:
         return _LAYOUT_INFER[op](attrs, in_types)
     if op == "Reshape":
@@ -305,6 +320,33 @@ def _infer_small_matmul(x: TensorType, w: TensorType) -> TensorType:
         raise ValueError(f"SmallMatMul: x {format_dims(x.shape)} does not end in the "
                          f"weight's K = {k}")
     return TensorType(x.dtype, tuple(x.shape[:-1]) + (m,))
+
+
+def _infer_depthwise(attrs: dict, x: TensorType, f: TensorType) -> TensorType:
+    """x [N, H, W, C] (H, W, C static) through a static filter [KH, KW, C, 1] with
+    ``strides`` [sh, sw] and ``pads`` [top, bottom, left, right]: [N, Ho, Wo, C]."""
+    strides, pads = list(attrs["strides"]), list(attrs["pads"])
+    if len(strides) != 2 or any(s < 1 for s in strides) or len(pads) != 4 or \
+            any(p < 0 for p in pads):
+        raise ValueError(f"DepthwiseConv2D: strides {strides} must be two values >= 1 "
+                         f"and pads {pads} four values >= 0")
+    if len(x.shape) != 4 or any(d < 1 for d in x.shape[1:]):
+        raise ValueError(f"DepthwiseConv2D: x {format_dims(x.shape)} must be NHWC with "
+                         "static H, W and C")
+    fs = f.shape
+    if len(fs) != 4 or any(d < 1 for d in fs) or fs[2] != x.shape[3] or fs[3] != 1:
+        raise ValueError(f"DepthwiseConv2D: the filter {format_dims(fs)} must be a static "
+                         f"[KH, KW, {x.shape[3]}, 1] (depth multiplier 1)")
+    if fs[0] * fs[1] > WINDOW_MAX_TAPS:
+        raise ValueError(f"DepthwiseConv2D: a {fs[0]}x{fs[1]} window is over "
+                         f"{WINDOW_MAX_TAPS} taps")
+    n, h, w, c = x.shape
+    ho = (h + pads[0] + pads[1] - fs[0]) // strides[0] + 1
+    wo = (w + pads[2] + pads[3] - fs[1]) // strides[1] + 1
+    if ho < 1 or wo < 1 or max(pads[:2]) >= fs[0] or max(pads[2:]) >= fs[1]:
+        raise ValueError(f"DepthwiseConv2D: a {fs[0]}x{fs[1]} window over {h}x{w} with "
+                         f"pads {pads} (each below the window) has no output")
+    return TensorType(x.dtype, (n, ho, wo, c))
 
 
 def _check_value_dtype(value, dtype):

@@ -74,6 +74,8 @@ EPILOGUE_TIE_S = 1e-9         # arbitrary: a conv epilogue TF's remapper would f
                               # (epilogue.py) costs a kernel this much more: on a tie (a
                               # compute-bound kernel, where its Relu is free either way) it
                               # stays in the convolution, as stock TF runs it
+TAPS_PER_TRANSCENDENTAL = 8   # rough: a window's tap is a multiply-add and two loads,
+                              # a vectorized exp ~8 simple ops (schedule/passes.py)
 GPU_THREADS = (32, 64, 128, 256, 512, 1024)
 _SOFTMAX = ("Softmax", "LogSoftmax")
 
@@ -205,7 +207,7 @@ class GraphCosts:
             work.append(_leg.work(node))
             red.append(geometry(node.op, node.attrs, graph.type_of(node.inputs[0]))
                        if node.inputs else None)
-            tr.append(self._transcendentals(node))
+            tr.append(self._transcendentals(graph, node))
             outs.append(sum(nbytes(t) for t in node.outputs))
             cls = tf_class(node.op, node.attrs,
                            graph.type_of(node.inputs[0]) if node.inputs else None, tr[-1] > 0)
@@ -240,10 +242,15 @@ class GraphCosts:
         return tuple(out)
 
     @staticmethod
-    def _transcendentals(node) -> int:
+    def _transcendentals(graph, node) -> int:
+        """Compute, in transcendentals' worth: a depthwise convolution's taps count
+        (TF's kernel or the fused one alike, TAPS_PER_TRANSCENDENTAL to one)."""
         d = OPS.get(node.op)
         if node.op in _SOFTMAX or (d is not None and d.transcendental):
             return elems(node.outputs[0])
+        if d is not None and d.kind == Kind.WINDOW:
+            taps = math.prod(graph.type_of(node.inputs[1]).shape[:2])
+            return elems(node.outputs[0]) * taps // TAPS_PER_TRANSCENDENTAL
         return 0
 
     def _unfused(self, i: int) -> float:

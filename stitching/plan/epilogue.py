@@ -61,8 +61,11 @@ class Remapper:
     dtypes: frozenset
 
 
+# a depthwise convolution is DepthwiseConv2D in the IR (ir/ops.py), the TF op's name
+# where the frontend leaves it opaque (a form the kernels do not compute)
 ONEDNN = Remapper("onednn", {"Conv2D": _ACTS | {SWISH},
-                             "DepthwiseConv2dNative": _ACTS - {"LeakyRelu"}},
+                             "DepthwiseConv2dNative": _ACTS - {"LeakyRelu"},
+                             "DepthwiseConv2D": _ACTS - {"LeakyRelu"}},
                   frozenset({"float32", "bfloat16"}))
 EIGEN = Remapper("eigen", {"Conv2D": _ACTS}, frozenset({"float32"}))
 NONE = Remapper("none", {}, frozenset())

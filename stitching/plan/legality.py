@@ -39,13 +39,17 @@ def backend_reason(spec, profile) -> str | None:
     """None if the profile's backend can generate ``spec``.  Layout ops fold into the
     loads of CPU kernels (schedule/layout.py); the CUDA emitter has no views yet (it
     refuses such a schedule), so a plan for a CUDA profile keeps them out of kernels;
-    SmallMatMul likewise (schedule/contract.py)."""
+    SmallMatMul (schedule/contract.py) and DepthwiseConv2D likewise."""
     if profile.backend != "cuda":
         return None
     if any(OPS[n.op].kind == Kind.CONTRACTION for n in spec.nodes):
         return ("SmallMatMul (a 1x1 convolution over a 1x1 image) inside a CUDA kernel: "
                 "its products run in the CPU emitter's per-group prologue only (the CUDA "
                 "emitter has none yet), so the convolution stays TF's")
+    if any(OPS[n.op].kind == Kind.WINDOW for n in spec.nodes):
+        return ("a depthwise convolution inside a CUDA kernel: its taps are summed by the "
+                "CPU emitter only (the CUDA emitter has no window loop yet), so the "
+                "convolution stays TF's")
     ops = sorted({n.op for n in spec.nodes if n.op in INDEX_MAPS})
     if not ops:
         return None

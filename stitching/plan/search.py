@@ -136,6 +136,13 @@ class _Context:
         kinds = [_kind(graph[n].op) for n in self.names]
         self.products = mask_of(i for i, k in enumerate(kinds) if k == Kind.CONTRACTION)
         self.reductions = mask_of(i for i, k in enumerate(kinds) if k == Kind.REDUCTION)
+        # likewise a depthwise convolution with the producer of its input: the window
+        # reads that input at other pixels, so it must be a kernel input
+        # (schedule/domain.py, step 5); on intel-avx512 such patterns had crowded the
+        # expand BatchNorms' own out of MobileNetV2's DP (53 -> 54 kernels)
+        self.windows = [mask_of([i, self.order[graph[n].inputs[0].node]])
+                        for i, (n, k) in enumerate(zip(self.names, kinds))
+                        if k == Kind.WINDOW]
         self.boundaries: dict = {}         # (node, reason) -> None, insertion ordered
         self.log: dict = {}                # node -> [(kind, pattern, score_s, outcome)]
         self.C: dict = {}                  # vertex -> candidate patterns (last DP run)
@@ -191,16 +198,23 @@ class _Context:
                 return "only the first output of a fused node can leave a kernel"
         return None
 
-    def clash(self, P) -> bool:
-        """A SmallMatMul and a reduction in one pattern (see __init__)."""
+    def clash(self, P) -> str | None:
+        """A SmallMatMul and a reduction in one pattern, or a depthwise convolution and
+        its input's producer (see __init__): why, or None."""
         m = self.mask(P)
-        return bool(m & self.products) and bool(m & self.reductions)
+        if m & self.products and m & self.reductions:
+            return ("a SmallMatMul and a reduction in one kernel: products run in "
+                    "element-wise kernels only")
+        if any(m & w == w for w in self.windows):
+            return ("a depthwise convolution and the producer of its input in one "
+                    "kernel: the window reads that input at other pixels")
+        return None
 
     def shape_reason(self, P) -> str | None:
         """Cheap structural refusals (before any spec is built): None when fine."""
-        if self.clash(P):
-            return ("a SmallMatMul and a reduction in one kernel: products run in "
-                    "element-wise kernels only")
+        why = self.clash(P)
+        if why is not None:
+            return why
         why = self.side_reason(P)
         if why is None and len(P) > 1 and not self.reach.convex(P, self.mask(P)):
             why = "merging would create a cycle through an unfused op"

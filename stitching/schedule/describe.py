@@ -82,6 +82,13 @@ def describe(sched) -> str:
         lines.append(f"  products once per row group, {how}: " +
                      " ".join(_node(sched, k) for k in products) +
                      (f" (side loops over {sizes})" if sizes else ""))
+    for k in sched.live:
+        n = sched.spec.nodes[k]
+        if n.op == "DepthwiseConv2D":
+            kh, kw = sched.spec.type_of(n.args[1]).shape[:2]
+            lines.append(f"  window {_node(sched, k)}: {kh}x{kw}, strides "
+                         f"{n.attrs['strides']}, pads {n.attrs['pads']}, input "
+                         f"{_node(sched, n.args[0])} read through it, taps summed per row")
     lines.extend(f"  note: {n}" for n in sched.notes)
     return "\n".join(lines)
 

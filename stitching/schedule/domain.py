@@ -40,6 +40,15 @@ Algorithm
    of its own (codegen/cpu/emitter.py); the weights are read whole (``Domain.weights``:
    static kernel inputs no other node reads) and take no part in the domain either.
 
+5. **Windows** (DepthwiseConv2D, x[N, H, W, C] -> [N, Ho, Wo, C]): the output's N and C
+   are x's; x's H and W are not axes of the domain.  x is a *window input*
+   (``Domain.windows``): a kernel input read only through the window, so every output
+   element may read any pixel of it (a stencil: its producer is materialized, not
+   fused in); its filter is a weight like a contraction's.  The output's channel class
+   is an axis of its own, the innermost (``Domain.window_channels``), so that each row
+   of the domain is one output pixel (n, i, j) at the flat row index (the emitter
+   recovers i and j from it) and the window's taps are contiguous along the row.
+
 Nothing here knows about loops; ``passes.py`` decides the kernel kind from the
 collapsed axes and ``reduced`` sets.
 """
@@ -89,6 +98,8 @@ class Domain:
     # the values that carry a contracted class; the weight inputs, read whole
     side: dict = field(default_factory=dict)
     weights: frozenset = frozenset()
+    # windows (step 5): the window inputs (refs), read only through a DepthwiseConv2D
+    windows: frozenset = frozenset()
 
     @property
     def rank(self) -> int:
@@ -212,6 +223,12 @@ def _unify(spec, live):
             for v, o in zip(x[:-1], out[:-1]):
                 _bind(uf, v, o)
             contracted.append(x[-1])
+            ghosts[k] = [None] * len(out)
+            continue
+        if OPS[n.op].kind == Kind.WINDOW:     # step 5: N and C are x's, H and W not
+            x = dims[n.args[0]]
+            _bind(uf, x[0], out[0])
+            _bind(uf, x[3], out[3])
             ghosts[k] = [None] * len(out)
             continue
         red = _bind_node(uf, n, [dims[a] for a in n.args], out)
@@ -379,10 +396,13 @@ def _order(classes, value_dims) -> list:
 
 # ---- step 3: collapse ----------------------------------------------------------------
 
-def _collapse(classes, order, value_dims, reduced_classes, view_class_strides=()):
+def _collapse(classes, order, value_dims, reduced_classes, view_class_strides=(),
+              apart=()):
+    """``apart``: classes that stay an axis of their own (windows' channels)."""
     pos = {c: i for i, c in enumerate(order)}
     carried = [frozenset(pos[c] for c in _live_axes(classes, vd))
                for vd in value_dims.values()]
+    carried += [frozenset({pos[c]}) for c in apart if c in pos]
     reds = [frozenset(pos[c] for c in cs) for cs in reduced_classes.values()]
 
     def contiguous(p):  # every view carrying classes p and p+1 has them contiguous
@@ -420,7 +440,7 @@ def analyze(spec) -> Domain:
     uf, dims, reduced_vars, contracted = _unify(spec, live)
     views = _views(spec)
     classes, value_dims, ids = _classes(uf, dims, views)
-    weights = _weights(spec, live, views)
+    weights, windows = _weights(spec, live, views)
     side_classes = {ids[uf.find(v)] for v in contracted}
     side = _side_sizes(classes, value_dims, side_classes, weights)
     if any(r in views for r in side):
@@ -431,7 +451,8 @@ def analyze(spec) -> Domain:
         for k, vs in reduced_vars.items()}
     if any(side_classes & set(cs) for cs in reduced_classes.values()):
         raise Refusal("a reduction over a SmallMatMul's contracted dimension: not fused")
-    used = (set(live) | {a for k in live for a in spec.nodes[k].args if a < 0}) - weights
+    used = (set(live) | {a for k in live for a in spec.nodes[k].args if a < 0}) - weights \
+        - windows
     # the domain's dims: side classes and weights take no part (step 4)
     main_dims = {r: tuple(None if c in side_classes else c for c in vd)
                  for r, vd in value_dims.items() if r in used}
@@ -441,7 +462,9 @@ def analyze(spec) -> Domain:
                       f"(limit {MAX_DOMAIN_RANK})")
     class_strides = {r: {c: st for c, st in zip(value_dims[r], v.strides) if c is not None}
                      for r, v in views.items() if r in used}
-    axes, axis_of = _collapse(classes, order, main_dims, reduced_classes, list(class_strides.values()))
+    channels = _window_channels(spec, live, value_dims)
+    axes, axis_of = _collapse(classes, order, main_dims, reduced_classes,
+                              list(class_strides.values()), channels)
     carries = {ref: tuple(sorted({axis_of[c] for c in _live_axes(classes, vd)
                                   if c in axis_of}))
                for ref, vd in value_dims.items()}
@@ -454,27 +477,56 @@ def analyze(spec) -> Domain:
                                       != (value_dims[r][v.guard[0]],)):
             raise Refusal("a concatenation or Pad on an axis other than the kernel's "
                           "innermost reads a piece outside its range: not fused yet")
+    _check_windows(spec, live, axes, axis_of, carries, channels)
     return Domain(classes, axes, value_dims, carries, reduced, view_strides, side,
-                  weights)
+                  weights, windows)
 
 
-def _weights(spec, live, views) -> frozenset:
-    """The contractions' weight inputs (step 4): static kernel inputs that no other
-    node reads, not views."""
-    weights, other = set(), set()
+def _weights(spec, live, views) -> tuple:
+    """The contractions' and windows' weight inputs (steps 4, 5): static kernel inputs
+    that no other node reads, not views; and the window inputs (step 5): kernel inputs
+    read only by windows, not views (a value computed in the kernel would have to be
+    computed at every pixel a window reads: its producer stays a kernel of its own)."""
+    weights, windows, other = {}, set(), set()     # weight -> the op reading it
     for k in live:
         n = spec.nodes[k]
-        if OPS[n.op].kind == Kind.CONTRACTION:
-            weights.add(n.args[1])
-            other.add(n.args[0])
+        if OPS[n.op].kind in (Kind.CONTRACTION, Kind.WINDOW):
+            weights[n.args[1]] = "a SmallMatMul" if OPS[n.op].kind == Kind.CONTRACTION \
+                else "a depthwise convolution"
+            (windows if OPS[n.op].kind == Kind.WINDOW else other).add(n.args[0])
         else:
             other.update(n.args)
-    for w in weights:
+    for w, what in weights.items():
         t = spec.type_of(w)
-        if w >= 0 or w in views or w in other or any(d < 0 for d in t.shape):
-            raise Refusal(f"the weight of a SmallMatMul ({_name(w)}) must be a kernel "
+        if w >= 0 or w in views or w in other or w in windows or any(d < 0 for d in t.shape):
+            raise Refusal(f"the weight of {what} ({_name(w)}) must be a kernel "
                           "input of static shape read by nothing else")
-    return frozenset(weights)
+    for x in windows:
+        if x >= 0:
+            raise Refusal(f"a depthwise convolution reads {_name(x)}, computed in the "
+                          "same kernel, through its window: its producer stays a kernel "
+                          "of its own (a stencil reads its input at other pixels)")
+        if x in views or x in other:
+            raise Refusal(f"the input of a depthwise convolution ({_name(x)}) is read "
+                          "through a layout op or element-wise too: not fused")
+    return frozenset(weights), frozenset(windows)
+
+
+def _window_channels(spec, live, value_dims) -> list:
+    """The channel class of each window's output (step 5)."""
+    return [value_dims[k][3] for k in live if OPS[spec.nodes[k].op].kind == Kind.WINDOW]
+
+
+def _check_windows(spec, live, axes, axis_of, carries, channels) -> None:
+    """Each window's output spans the domain, its channels the innermost axis alone,
+    its pixels static (step 5: the emitter finds the pixel from the row index)."""
+    for k, c in zip([k for k in live if OPS[spec.nodes[k].op].kind == Kind.WINDOW],
+                    channels):
+        shape = spec.nodes[k].type.shape
+        if c is None or axis_of.get(c) != len(axes) - 1 or axes[-1].classes != (c,) \
+                or carries[k] != tuple(range(len(axes))) or len(axes) < 2:
+            raise Refusal(f"a depthwise convolution's output {list(shape)} is not the "
+                          "kernel's whole domain with its channels innermost: not fused")
 
 
 def _side_sizes(classes, value_dims, side_classes, weights) -> dict:

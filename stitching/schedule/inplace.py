@@ -40,6 +40,8 @@ def pairs(spec, sched) -> list:
     views = getattr(sched.spec, "views", ())
     n_real = len(sched.spec.inputs) - len(views)
     viewed = {v.source for v in views} | set(range(n_real, len(sched.spec.inputs)))
+    # a depthwise convolution's input is read at the neighbours of each pixel stored
+    viewed |= {-r - 1 for r in sched.domain.windows}
     out, used = [], set()
     for o, node in enumerate(spec.outputs):
         t = spec.type_of(node)

@@ -54,6 +54,8 @@ def segments(spec):
         return "a packed kernel holds no reduction"
     if any(OPS[spec.nodes[k].op].kind == Kind.CONTRACTION for k in live):
         return "a packed kernel holds no SmallMatMul"
+    if any(OPS[spec.nodes[k].op].kind == Kind.WINDOW for k in live):
+        return "a packed kernel holds no depthwise convolution"
     parent: dict = {}
 
     def root(v):

@@ -312,6 +312,13 @@ def _build_on(spec, dom) -> Schedule:
         # its loops index columns from a block start, not the guard's absolute index
         raise Refusal("a concatenation read in a column reduction: not fused yet")
     side_groups = contract.groups(spec, dom, kind, live)
+    if dom.windows and (kind == KernelKind.ROW or side_groups or any(
+            contract.is_contraction(spec.nodes[k]) for k in live)):
+        # the emitter sums a window's taps per row of an element-wise or column loop
+        # nest (codegen/cpu/emitter.py, _windows); a row reduction's row is its channels
+        raise Refusal(f"a depthwise convolution in a {kind.value} kernel"
+                      f"{'' if kind == KernelKind.ROW else ' with a SmallMatMul'}: its "
+                      "taps are summed per row of element-wise and column kernels only")
     strided = strided_innermost(dom)
     if strided and kind != KernelKind.ELEMENTWISE:
         # row and column loops load rows and tiles contiguously (prefetch, pipelining)

@@ -169,6 +169,8 @@ def _convert_known(op) -> Node | None:
         return _convert_composite(op)
     if t == "Conv2D":
         return _convert_small_conv(op)
+    if t == "DepthwiseConv2dNative":
+        return _convert_depthwise(op)
     canon = opnames.canonical(t)
     if canon is None:
         return None
@@ -226,6 +228,48 @@ def _convert_small_conv(op) -> Node | None:
     if _static_shape(op.outputs[0])[1:] != [1, 1, fs[3]]:
         return None
     return Node(op.name, "SmallMatMul", _inputs(op), {})
+
+
+def _convert_depthwise(op) -> Node:
+    """A depthwise convolution (NHWC, depth multiplier 1, no dilation, float32/64,
+    static H, W, C) as DepthwiseConv2D (ir/ops.py), its SAME/VALID/EXPLICIT padding
+    made explicit; any other form stays TF's, with the reason (_Unfusible)."""
+    x, f = op.inputs
+    xs, fs = _static_shape(x), _static_shape(f)
+    why = None
+    if op.get_attr("data_format") != b"NHWC":
+        why = "in NCHW (the kernels read NHWC)"
+    elif list(op.get_attr("dilations")) != [1, 1, 1, 1]:
+        why = "dilated"
+    elif x.dtype not in (tf.float32, tf.float64):
+        why = f"of {x.dtype.name}"
+    elif len(xs) != 4 or len(fs) != 4 or any(d < 1 for d in xs[1:] + fs):
+        why = "over an input whose H, W or C is known only at run time"
+    elif fs[3] != 1:
+        why = f"with depth multiplier {fs[3]} (1 is fused)"
+    if why is not None:
+        raise _Unfusible(f"a depthwise convolution {why}: stays TF's")
+    strides = list(op.get_attr("strides"))
+    if strides[0] != 1 or strides[3] != 1:
+        raise _Unfusible("a depthwise convolution striding the batch or channels: "
+                         "stays TF's")
+    sh, sw = strides[1:3]
+    padding = op.get_attr("padding")
+    if padding == b"EXPLICIT":
+        e = list(op.get_attr("explicit_paddings"))
+        if e[:2] != [0, 0] or e[6:] != [0, 0]:
+            raise _Unfusible("a depthwise convolution padding the batch or channels: "
+                             "stays TF's")
+        pads = e[2:6]
+    elif padding == b"SAME":       # TF's rule: the output is ceil(in / stride)
+        pads = []
+        for n, k, st in ((xs[1], fs[0], sh), (xs[2], fs[1], sw)):
+            total = max((-(-n // st) - 1) * st + k - n, 0)
+            pads += [total // 2, total - total // 2]
+    else:
+        pads = [0, 0, 0, 0]
+    return Node(op.name, "DepthwiseConv2D", _inputs(op),
+                {"strides": [int(sh), int(sw)], "pads": [int(p) for p in pads]})
 
 
 def _convert_const(op) -> Node | None:

@@ -61,8 +61,6 @@ class Context:
         self.ir = None
         self.planned = None
         self.shape_math: set = set()     # passes/shape_math.py: left out of the counts
-        self.folded: dict = {}           # node -> what absorbed it after planning
-        #                                  (passes/padfold.py): the report's reason
         self.plan = None
         self.regions: list = []
         self.kernels: list = []

@@ -14,6 +14,9 @@ around planning, each pass entered once:
                  -> two halves of the sequence (Options(seq_split))     seqsplit.py
     reshape_sink a Transpose of a Reshape that groups dims -> a Reshape of a
                  Transpose (GQA's repeated heads)                   reshape_sink.py
+    padfold      a zero Pad before a depthwise conv -> its padding (Options(pad_fold)),
+                 before lifting, so a convolution a kernel computes reads the Pad's
+                 input, not a Pad TF runs                              padfold.py
     lift         TF nodes -> IR (the frontend, tf/frontend.py)              lift.py
     shape_math   shape arithmetic marked, left out of the counts     shape_math.py
     shapes       run-time Reshape targets known but for one dim -> constants; the
@@ -31,7 +34,8 @@ around planning, each pass entered once:
     forward      outputs written over dead inputs                        forward.py
     gemm         BatchMatMul against a 2-D weight -> one MatMul (Options(gemm)) gemm.py
     einsum       two-operand Einsum -> BatchMatMulV2 + row gathers (Options(einsum))
-    padfold      a zero Pad before a depthwise conv -> its padding (Options(pad_fold))
+    xladot       where TF's GEMM is Eigen's, each matrix product -> a one-product XLA
+                 function (opt-in: Options(xla_gemm))                     xladot.py
     remapper_identities  the Identity in Keras' swish forwarded         remapper.py
     prune        what the rewrite left unread, equal constants, inlining's Identities
     autotune     kernels with a small predicted margin marked to be timed against
@@ -69,6 +73,7 @@ BEFORE_PLANNING = (
     sparse_xent.PASS,
     seqsplit.PASS,
     reshape_sink.PASS,
+    padfold.PASS,
     lift.PASS,
     shape_math.PASS,
     shapes.PASS,
@@ -81,7 +86,6 @@ AFTER_PLANNING = (
     forward.PASS,
     gemm.PASS,
     einsum.PASS,
-    padfold.PASS,
     xladot.PASS,
     remapper.FORWARD,
     prune.PASS,
@@ -410,7 +414,7 @@ def _make_report(name, ctx):
             reasons[m] = why
     fetches = {r.node for r in ir.outputs}
     for n in sorted(mem - fused, key=list(tf_op).index):
-        why = ctx.folded.get(n) or reasons.get(n) or legality.node_reason(ir, ir[n]) or \
+        why = reasons.get(n) or legality.node_reason(ir, ir[n]) or \
             ("a function output the plan leaves to TF" if n in fetches else
              "left to TF by the planner")
         rep.unfused.append((n, tf_op[n], why))

@@ -161,6 +161,9 @@ class _Emitter(Emitter):
         self._through: dict = {}     # output node -> input tag it is stored through
         self._product_sizes = self._find_products()
         self._phase = sched.prologue_phase()     # products in a phase of their own
+        # DepthwiseConv2D nodes: their taps summed per row into dz<k> (_windows)
+        self._window_nodes = [k for k in sched.live if self.spec.nodes[k].op == "DepthwiseConv2D"]
+        self._window_reads = {a for k in self._window_nodes for a in self.spec.nodes[k].args}
 
     def store_output(self, w, k: int, index: str) -> None:
         if k in self._through:                  # the in-place loop nest (_in_place)
@@ -267,6 +270,9 @@ class _Emitter(Emitter):
                 w(f"hz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
         for k, size in self._product_sizes.items():
             w(f"ac{k} = h.ptr_float64(h.aligned_alloc({size} * 8))")
+        for k in self._window_nodes:
+            cd = dt.COMPUTE[self.dtype(k)]
+            w(f"dz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc(L * {dt.ITEMSIZE[cd]}))")
         for k in self._side_scratch():
             cd = dt.COMPUTE[self.dtype(k)]
             w(f"sz{k} = h.ptr_{_PTR[cd]}(h.aligned_alloc({self._side_size(k)} * "
@@ -434,6 +440,7 @@ class _Emitter(Emitter):
                 [f"pt{k}" for k in self._column_parts()] +
                 [f"hz{k}" for k in self.front if not self._phase] +
                 [f"ac{k}" for k in self._product_sizes] +
+                [f"dz{k}" for k in self._window_nodes] +
                 [f"sz{k}" for k in self._side_scratch()] +
                 [f"sb_{self.tag(k)}" for k in self.streamed])
 
@@ -479,6 +486,7 @@ class _Emitter(Emitter):
                     with w.block("if g != hg:"):
                         w("hg = g")
                         self._hoist_loop(w, p, flat=False)
+                self._windows(w, "r", "c0", "c1")
                 self._ew_loop(w, p, idx, "c0", "c1", flat=False)
 
     def _hoist_loop(self, w, p, flat: bool, at: str = "j") -> None:
@@ -616,7 +624,88 @@ class _Emitter(Emitter):
                 with w.block(f"for j in range({size}):"):
                     w(f"ac{k}[j] = ac{k}[j] + np.float64({terms[0]})")
 
+    # -- DepthwiseConv2D: a window's taps per row (schedule/domain.py, step 5) ----------
+    def _windows(self, w, row: str, lo: str, hi: str, var: str = "j", shift: str = "") -> None:
+        """For each depthwise convolution, its outputs at row ``row`` (one output pixel:
+        the domain's rows are the output's N x Ho x Wo, its channels the last axis),
+        columns [lo, hi) (``var``, at channel ``shift`` + ``var``), into dz<k>[var]
+        (compute reads it there), summed in TF's order: row-major over the window, each
+        product added to a sum in the compute dtype that starts at 0, as Eigen's kernel
+        does (the taps in the padding add zeros there).
+
+        A window wholly inside the input (most pixels) is one vector loop: every tap
+        at a constant offset from the window's corner, so LLVM needs two pointer checks
+        (the scratch against the input's and the filter's accesses) before it
+        vectorizes.  A window over the padding loops per tap inside the input, adding
+        into the scratch (the padded taps' zeros change no sum but the sign of a zero).
+        The scratch is a row in L1, and the element loop that reads it stays as it
+        was: with the taps in it, its stores would need a check against every input."""
+        for k in self._window_nodes:
+            node = self.spec.nodes[k]
+            x, f = node.args
+            _, H, W, C = self.spec.type_of(x).shape
+            _, Ho, Wo, _ = node.type.shape
+            KH, KW = self.spec.type_of(f).shape[:2]
+            (sh, sw), (top, _, left, _) = node.attrs["strides"], node.attrs["pads"]
+            acc, xp, fp = f"dz{k}", f"p_{self.tag(x)}", f"p_{self.tag(f)}"
+            zero = self.C(0, dt.COMPUTE[self.dtype(k)])
+            w(f"wt{k} = {row}")
+            w(f"wn{k} = wt{k} // {Ho * Wo}")
+            w(f"wt{k} = wt{k} - wn{k} * {Ho * Wo}")
+            w(f"wi{k} = wt{k} // {Wo}")
+            w(f"wh{k} = wi{k} * {sh} - {top}")
+            w(f"ww{k} = (wt{k} - wi{k} * {Wo}) * {sw} - {left}")
+            inside = (f"(wh{k} >= 0) & (wh{k} <= {H - KH}) & (ww{k} >= 0) & "
+                      f"(ww{k} <= {W - KW})")
+            with w.block(f"if {inside}:"):
+                w(f"xb = (wn{k} * {H * W} + wh{k} * {W} + ww{k}) * {C}{shift}")
+                total = zero
+                for kh in range(KH):
+                    for kw in range(KW):
+                        xo, fo = (kh * W + kw) * C, (kh * KW + kw) * C
+                        total = (f"({total} + {xp}[xb + {xo} + {var}] * "
+                                 f"{fp}[{fo}{shift} + {var}])")
+                with w.block(f"for {var} in range({lo}, {hi}):"):
+                    w(f"{acc}[{var}] = {total[1:-1]}")
+            with w.block("else:"):
+                with w.block(f"for {var} in range({lo}, {hi}):"):
+                    w(f"{acc}[{var}] = {zero}")
+                self._window_taps(w, k, (H, W, C, KH, KW), lo, hi, var, shift)
+
+    def _window_taps(self, w, k, sizes, lo, hi, var, shift) -> None:
+        """A window over the padding (_windows): a loop per tap inside the input."""
+        H, W, C, KH, KW = sizes
+        x, f = self.spec.nodes[k].args
+        acc, xp, fp = f"dz{k}", f"p_{self.tag(x)}", f"p_{self.tag(f)}"
+        with w.block(f"for kh in range({KH}):"):
+            w(f"hh = wh{k} + kh")
+            with w.block("if hh >= 0:"), w.block(f"if hh < {H}:"):
+                with w.block(f"for kw in range({KW}):"):
+                    w(f"wc = ww{k} + kw")
+                    with w.block("if wc >= 0:"), w.block(f"if wc < {W}:"):
+                        w(f"xb = (wn{k} * {H * W} + hh * {W} + wc) * {C}{shift}")
+                        w(f"fb = (kh * {KW} + kw) * {C}{shift}")
+                        with w.block(f"for {var} in range({lo}, {hi}):"):
+                            w(f"{acc}[{var}] = {acc}[{var}] + {xp}[xb + {var}] * "
+                              f"{fp}[fb + {var}]")
+
+    def _column_window_rows(self, w, p, q: str) -> None:
+        """A column pass's row ``q`` (the innermost reduced axis): the windows it
+        computes summed for the unit's column block (_windows), the row's flat index
+        built from the kept and reduced axes' indices."""
+        if not any(k in p.compute for k in self._window_nodes):
+            return
+        inner = self.s.reduce_axes[-1]
+        row = ""
+        for a in range(self.R - 1):
+            at = f"({q})" if a == inner else f"q{a}"
+            row = f"({row}) * D{a} + {at}" if row else at
+        self._windows(w, row, "0", "n", var="c", shift=" + c0")
+
     def compute(self, w, k: int) -> None:
+        if k in self._window_nodes:
+            w(f"{self.var(k)} = dz{k}[{'c' if self.s.kind == KernelKind.COLUMN else 'j'}]")
+            return
         if k in self._product_sizes:
             w(f"{self.var(k)} = np.{dt.COMPUTE[self.dtype(k)]}(ac{k}[j])")
             return
@@ -635,6 +724,8 @@ class _Emitter(Emitter):
         for k in self.front:
             w(f"v{k} = hz{k}[j]" if flat or not self._phase else f"v{k} = hz{k}[hb + j]")
         for j in p.loads:
+            if -(j + 1) in self._window_reads:   # read per row by _windows
+                continue
             if not self.hoist or self._used_by(-(j + 1), rest):
                 self.load_input(w, -(j + 1), at(-(j + 1)))
         for k in rest:
@@ -1170,7 +1261,7 @@ class _Emitter(Emitter):
         seen = set()
         for k in nodes:
             for a in self.spec.nodes[k].args:
-                if a in seen or a in here:
+                if a in seen or a in here or a in self._window_reads:
                     continue
                 seen.add(a)
                 if vector is not None and self.s.is_vector(a) != vector:
@@ -1211,7 +1302,8 @@ class _Emitter(Emitter):
         # [8, 3136, 144]: 3.5x the time of the same kernel without the mean).
         # Its float32 sums go through float32 partials (_column_parts): a float64
         # accumulator in the loop would make it 4 lanes wide, the sigmoid with it.
-        U = 1 if p.stores else COL_UNROLL
+        # (a pass computing a window sums its taps per row into one scratch: one row)
+        U = 1 if p.stores or any(k in p.compute for k in self._window_nodes) else COL_UNROLL
         b0, b1 = bounds[last]
         parts = self._column_parts([p])
         if parts:
@@ -1257,6 +1349,8 @@ class _Emitter(Emitter):
                 extra = self.offset(ref, idx)
                 w(f"b_{self.tag(ref)}{sfx} = k_{self.tag(ref)}" +
                   (f" + {extra}" if extra != "0" else ""))
+        if len(rows) == 1:
+            self._column_window_rows(w, p, rows[0][1])
         stores = [(k, sfx, f"b_{self.tag(k)}{sfx}", f"{u} * cb")
                   for u, (sfx, _) in enumerate(rows) for k in p.stores]
         with self._staged(w, stores, "c", "0", "n"), w.block("for c in range(n):"):

@@ -134,6 +134,10 @@ def emit(sched) -> CudaSource:
         # the products run in the CPU emitter's per-group prologue (schedule/contract.py)
         raise NotImplementedError("SmallMatMul (a 1x1 convolution over a 1x1 image) is "
                                   "computed by the CPU backend only")
+    if sched.domain.windows:
+        # the taps are summed per row by the CPU emitter (cpu/emitter.py, _windows)
+        raise NotImplementedError("a depthwise convolution is computed by the CPU "
+                                  "backend only")
     e = _CudaEmitter(sched)
     program = tuple(e.shape_program())      # first: its error codes come first
     text = e.module_text()

@@ -435,6 +435,9 @@ def cycles_per_element(spec, passes) -> int:
     for p in passes:
         for k in p.compute:
             quarters += 12 if OPS[spec.nodes[k].op].transcendental else 1
+            if spec.nodes[k].op == "DepthwiseConv2D":    # a multiply-add per tap
+                fs = spec.type_of(spec.nodes[k].args[1]).shape
+                quarters += 2 * fs[0] * fs[1]
         for ref in p.loads:
             t = spec.inputs[ref]                 # loads are input positions
             quarters += dt.ITEMSIZE[t.dtype] if streamed(t) and ref not in seen else 1

@@ -14,6 +14,10 @@ from ..passmanager import Pass
 def _run(ctx):
     ctx.planned = ctx.graph_def
     ctx.ir = frontend.to_ir(ctx.tf_graph, list(ctx.fetches))
+    if not ctx.options.depthwise:
+        for node in ctx.ir:
+            if node.op == "DepthwiseConv2D":
+                node.attrs["unfusible"] = "Options(depthwise=False): left to TF"
 
 
 PASS = Pass("lift", _run)

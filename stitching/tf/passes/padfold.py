@@ -22,19 +22,26 @@ zero on the batch and channel axes and non-negative, whose only reader is the in
 a ``DepthwiseConv2dNative`` with ``padding="VALID"`` in NHWC.  A Pad read by anything
 else (a training graph's filter gradient reads the padded input) or fetched is kept.
 
-Not folded where the convolution's output is read by an add (BiasAdd, Add, AddV2):
-TF's remapper fuses such a bias into the convolution (``_FusedDepthwiseConv2dNative``,
-oneDNN's), and that fused kernel aborts the process on explicit padding (TF 2.21:
-``tensor_format.h`` "Check failed: ... Invalid index from the dimension: 1, 0, H",
-checked here); the Keras models this is for have no bias there (a BatchNorm follows).
+Not folded, where TF runs oneDNN's remapper (the device profile says so:
+tf/passes/remapper.py), when the convolution's output is read by an add (BiasAdd, Add,
+AddV2): that remapper fuses such a bias into the convolution
+(``_FusedDepthwiseConv2dNative``), and that fused kernel aborts the process on explicit
+padding (TF 2.21: ``tensor_format.h`` "Check failed: ... Invalid index from the
+dimension: 1, 0, H", checked here).  The pass runs before planning, so it cannot know
+whether a kernel will take the bias; the Keras models this is for have no bias there (a
+BatchNorm follows).  Eigen's remapper fuses nothing into a depthwise convolution.
 """
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
+from ...plan import profiles
 from ..passmanager import Pass
+from . import remapper
 
 CONVS = ("DepthwiseConv2dNative",)
 PADS = ("Pad", "PadV2")
@@ -80,9 +87,10 @@ def _attr_s(nd, key: str, default: bytes) -> bytes:
     return nd.attr[key].s if key in nd.attr else default
 
 
-def candidates(graph_def, keep: set) -> dict:
+def candidates(graph_def, keep: set, bias_fused: bool = True) -> dict:
     """conv node name -> (Pad node name, [top, bottom, left, right]).  ``keep``: node
-    names fetched or kept (their Pad is never folded)."""
+    names fetched or kept (their Pad is never folded); ``bias_fused``: whether TF's
+    remapper fuses a bias into a depthwise convolution (oneDNN's)."""
     by_name = {nd.name: nd for nd in graph_def.node}
     readers: dict = {}
     for nd in graph_def.node:
@@ -92,7 +100,8 @@ def candidates(graph_def, keep: set) -> dict:
     for nd in graph_def.node:
         if nd.op not in CONVS or not nd.input:
             continue
-        if any(by_name[r].op in _BIAS_ADDS for r in readers.get(nd.name, ())):
+        if bias_fused and any(by_name[r].op in _BIAS_ADDS
+                              for r in readers.get(nd.name, ())):
             continue                        # the remapper's fused kernel: see above
         if _attr_s(nd, "padding", b"") != b"VALID" or \
                 _attr_s(nd, "data_format", b"NHWC") != b"NHWC":
@@ -110,8 +119,9 @@ def candidates(graph_def, keep: set) -> dict:
 
 
 def rewrite(graph_def, found: dict) -> None:
-    """In place: each convolution reads its Pad's input with the padding as its own
-    (the Pad, now unread, is pruned with the other dead nodes)."""
+    """In place: each convolution reads its Pad's input with the padding as its own,
+    and the Pad, now unread, is removed (planned, it would be a kernel's output that
+    nothing reads)."""
     by_name = {nd.name: nd for nd in graph_def.node}
     for conv_name, (pad_name, (t, b, l, r)) in found.items():
         conv, pad = by_name[conv_name], by_name[pad_name]
@@ -119,16 +129,23 @@ def rewrite(graph_def, found: dict) -> None:
         conv.attr["padding"].s = b"EXPLICIT"
         conv.attr["explicit_paddings"].CopyFrom(attr_value_pb2.AttrValue(
             list=attr_value_pb2.AttrValue.ListValue(i=[0, 0, t, b, l, r, 0, 0])))
+    pads = {pad for pad, _ in found.values()}
+    kept = [nd for nd in graph_def.node if nd.name not in pads]
+    del graph_def.node[:]
+    graph_def.node.extend(kept)
 
 
 def _run(ctx):
-    found = candidates(ctx.graph_def, ctx.fetched)
+    """Before lifting (tf/pipeline.py): a convolution that a kernel computes
+    (DepthwiseConv2D, ir/ops.py) then reads the Pad's input through its window, and one
+    left to TF runs with the padding inside it; either way no Pad is left to run."""
+    bias_fused = "DepthwiseConv2dNative" in remapper.table(profiles.default()).convs
+    found = candidates(ctx.graph_def, ctx.fetched, bias_fused)
     if not found:
         return None
-    rewrite(ctx.graph_def, found)
-    for conv, (pad, _) in found.items():
-        ctx.folded[pad] = (f"folded into the explicit padding of {conv} (tf/padfold.py): "
-                           "TF runs no Pad")
+    graph_def = copy.deepcopy(ctx.graph_def)
+    rewrite(graph_def, found)
+    ctx.replace(graph_def)
     return (f"{len(found)} zero Pad(s) before a depthwise convolution folded "
             "into its explicit padding (tf/padfold.py; Options(pad_fold=False) "
             "keeps them)")
