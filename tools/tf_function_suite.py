@@ -58,11 +58,6 @@ KNOWN: dict[str, str] = {
         "graph as its outer_graph",
     "polymorphic_function_test::FunctionTest.testRegisterConcreteFunction": _INLINED,
     "polymorphic_function_test::MultiDeviceTest.testGraphRemoveFunction": _INLINED,
-    "polymorphic_function_test::FunctionTest.test_restored_function_retracing_warning":
-        "stitching.function relaxes input shapes after the second shape of a family by "
-        "default (reduce_retracing=None: a new batch size costs no re-plan), so five "
-        "shapes trace twice and TF's frequent-retracing warning does not fire; with "
-        "reduce_retracing=False it traces and warns as tf.function does",
     "polymorphic_function_test::FunctionTest.testOnExitCallback": _TIERED,
     # the methods decorated by assert_no_garbage_created are grouped under its name
     "polymorphic_function_test::FunctionTest.decorator":
