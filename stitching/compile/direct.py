@@ -143,7 +143,7 @@ def build(text: str, stem: Path, symbol: str, tier: int = 2) -> None:
     """Compile kernel module ``text`` through the direct backend into ``stem``.so
     exporting ``symbol``; raises llvm.Unsupported (nothing written) where it cannot.
     ``tier`` 2: the code every cache holds (optimize, no LSR); 1: the quick code a
-    kernel runs while its tier 2 compiles (quick_optimize, module note of tiers.py)."""
+    kernel runs while its tier 2 compiles (quick_optimize; compile/parallel.py: Tiers)."""
     from numba.core.compiler_lock import global_compiler_lock
 
     from ..codegen.cpu import llvm
@@ -193,10 +193,10 @@ def optimize(mod, codegen) -> None:
     pb.getModulePassManager().run(mod, pb)
 
 
-# Tier 1 (compile/tiers.py): code that runs soon, not fast.  LLVM's module pipeline and
-# code generation are ~85% of a tier-2 compile and scale with the IR; what tier 1 keeps
-# is what turns the translator's IR into straight-line scalar code at all: the big
-# helpers inlined (alwaysinline), the local variables' stack slots into registers
+# Tier 1 (compile/parallel.py, "Tiers"): code that runs soon, not fast.  LLVM's module
+# pipeline and code generation are ~85% of a tier-2 compile and scale with the IR; what
+# tier 1 keeps is what turns the translator's IR into straight-line scalar code at all:
+# the big helpers inlined (alwaysinline), the local variables' stack slots into registers
 # (SROA), the constant folding and dead branches of the status checks gone
 # (instcombine, simplifycfg), the unused helpers dropped.  No loop passes, no
 # vectorizer: measured over the transformer's and llama's 10 codes (load 3.2), LLVM's

@@ -108,8 +108,9 @@ constexpr size_t kMaxSpecBytes = size_t{1} << 20;   // ir/spec.py MAX_JSON_BYTES
 // Everything needed to run one compiled kernel.  Immutable once registered but for
 // `body`; kernels share it through shared_ptr so it outlives any registry change.
 struct Entry {
-  // The kernel's code.  A kernel first built quickly (tier 1, compile/tiers.py) has it
-  // replaced by its optimized build once that is ready (Registry::Upgrade).  A call
+  // The kernel's code.  A kernel first built quickly (tier 1; compile/parallel.py,
+  // "Tiers") has it replaced by its optimized build once that is ready
+  // (Registry::Upgrade).  A call
   // reads it once (RunKernel) and runs every unit and phase on that code, so a swap
   // takes effect at a call boundary; the old code stays mapped for the process's life
   // (no kernel object is ever unloaded), so calls still running it finish safely.
