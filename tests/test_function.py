@@ -405,7 +405,7 @@ def test_nan_inf_and_zero_size():
 def test_kernel_that_fails_to_compile_leaves_region_to_tf(monkeypatch):
     from stitching.compile import kernel
 
-    def broken(spec):
+    def broken(spec, tier=2):
         raise RuntimeError("simulated codegen failure")
 
     monkeypatch.setattr(kernel, "compile_kernel", broken)

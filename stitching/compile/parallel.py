@@ -378,10 +378,7 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
         if progress is not None:
             progress(i, n, s)
         try:
-            # through the module (tests patch it); the tier only where tiered, so a
-            # stand-in taking a spec alone still serves the default path
-            done[h] = kernel.compile_kernel(s, tier) if tier != 2 else \
-                kernel.compile_kernel(s)
+            done[h] = kernel.compile_kernel(s, tier)   # through the module: tests patch it
         except Exception as e:
             if on_error is None:
                 raise
