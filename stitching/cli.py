@@ -117,6 +117,9 @@ _OPTION_FLAGS = [
                                     help="where TF's GEMM is Eigen's, run the matrix "
                                          "products as XLA dots (less accurate; each new "
                                          "shape compiles them)")),
+    ("--no-blas-gemm", "blas_gemm", dict(action="store_false", default=None,
+                                         help="where TF's GEMM is Eigen's, leave the "
+                                              "matrix products to it instead of OpenBLAS")),
     ("--no-fallback", "fallback", dict(action="store_false", default=None,
                                        help="do not keep each region's original ops in "
                                             "the output (smaller; a kernel that cannot "

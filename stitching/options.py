@@ -57,6 +57,11 @@ class Options:
             [1024, 256] product, each new input shape compiles the products (~0.2 s
             for a 4-layer encoder), and it gained ~4% on a Transformer at batch 1
             (none shown at batch 8).
+        blas_gemm: Run the matrix products between kernels (``MatMul``, with the
+            ``BiasAdd`` after it, and ``BatchMatMulV2``) with OpenBLAS (the
+            ``scipy-openblas32`` package) where TF's GEMM is Eigen's (oneDNN off),
+            split over TF's intra-op threads (default on; without the package the
+            products stay TF's and the report says why).
         background_compile: Tiered execution: new work runs stock TF while its
             kernels compile in the background, then switches to them.  ``None``
             (default) and ``True``: tiered wherever that is safe --
@@ -110,6 +115,7 @@ class Options:
     depthwise: bool = True             # tf/passes/lift.py, ir/ops.py DepthwiseConv2D
     seq_split: bool = True             # tf/passes/seqsplit.py
     xla_gemm: bool = False             # tf/passes/xladot.py (opt-in)
+    blas_gemm: bool = True             # tf/passes/blas.py, runtime/gemm.cc
     background_compile: bool | None = None   # background_compile_on(); tf/function.py, keras.py
     dump_dir: str | None = None        # tf/dump.py
     dump_passes: str | None = None     # tf/passmanager.py

@@ -68,27 +68,32 @@ def _tf_flags() -> tuple[list, list, str]:
             tf.__version__)
 
 
-def command(source: Path, output: Path) -> list:
-    """The full compiler command line for building ``source`` into ``output``."""
+def command(source: Path, output: Path, extra: tuple = ()) -> list:
+    """The full compiler command line for building ``source`` into ``output``;
+    ``extra``: flags of a library it links (runtime/blas.py: OpenBLAS's)."""
     cflags, lflags, _ = _tf_flags()
     return ([*shlex.split(compiler()), "-shared", "-fPIC", "-O2", *QUIET, str(source),
-             "-o", str(output)] + cflags + lflags)
+             "-o", str(output)] + cflags + lflags + list(extra))
 
 
-def library_path() -> Path:
+def library_path(source: Path = SOURCE, prefix: str = LIB_PREFIX,
+                 extra: tuple = ()) -> Path:
     """Where the library for the current TF/source/flags lives (built or not)."""
     cflags, lflags, tf_version = _tf_flags()
     h = hashlib.sha256()
     for part in (tf_version, platform.machine(), compiler(), " ".join(QUIET),
-                 " ".join(cflags), " ".join(lflags)):
+                 " ".join(cflags), " ".join(lflags)) + tuple(extra):
         h.update(part.encode() + b"\0")
-    h.update(SOURCE.read_bytes())
-    return cache_dir() / f"{LIB_PREFIX}-tf{tf_version}-{h.hexdigest()[:16]}.so"
+    h.update(source.read_bytes())
+    return cache_dir() / f"{prefix}-tf{tf_version}-{h.hexdigest()[:16]}.so"
 
 
-def build(force: bool = False) -> Path:
-    """Return the path of the op library, compiling it first if it is not cached."""
-    path = library_path()
+def build(force: bool = False, source: Path = SOURCE, prefix: str = LIB_PREFIX,
+          extra: tuple = ()) -> Path:
+    """Return the path of the op library (by default the StitchedKernel one; another
+    ``source`` with its ``prefix`` and link flags ``extra``), compiling it first if it
+    is not cached."""
+    path = library_path(source, prefix, extra)
     if not force:
         if _whole(path):
             return path
@@ -100,7 +105,7 @@ def build(force: bool = False) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if _whole(path) and not force:    # another process built it while we waited
             return path
-        _compile_to(path)
+        _compile_to(path, source, extra)
     return path
 
 
@@ -121,7 +126,7 @@ def _whole(path: Path) -> bool:
     return integrity.elf_problem(head, size) is None
 
 
-def _compile_to(path: Path) -> None:
+def _compile_to(path: Path, source: Path = SOURCE, extra: tuple = ()) -> None:
     cxx = shlex.split(compiler())[0]
     if shutil.which(cxx) is None:
         raise BuildError(f"stitching needs a C++ compiler to build its TensorFlow op "
@@ -129,11 +134,11 @@ def _compile_to(path: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
     os.close(fd)
     try:
-        cmd = command(SOURCE, Path(tmp))
+        cmd = command(source, Path(tmp), extra)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = proc.stderr[-STDERR_TAIL:]
-            raise BuildError(f"building the StitchedKernel op library failed "
+            raise BuildError(f"building the op library {source.name} failed "
                              f"(exit {proc.returncode}):\n  {shlex.join(cmd)}\n{tail}")
         integrity.seal(path, Path(tmp).read_bytes())   # size and hash, then the file
         os.replace(tmp, path)  # atomic publish

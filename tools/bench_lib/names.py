@@ -2,5 +2,8 @@
 MODES = ("tf", "xla", "stitching")
 # Optional fourth mode (--modes ...,baseline or --ablation): stitching with the XLA-like
 # baseline planner, timed side by side with the full planner for the ablation.
-EXTRA_MODES = ("baseline",)
-LABELS = {"tf": "TF", "xla": "XLA", "stitching": "stitched", "baseline": "baseline"}
+# "tf_gemm" (--modes ...,tf_gemm): stitching with Options(blas_gemm=False), the matrix
+# products left to TF, timed side by side with OpenBLAS's (tf/passes/blas.py).
+EXTRA_MODES = ("baseline", "tf_gemm")
+LABELS = {"tf": "TF", "xla": "XLA", "stitching": "stitched", "baseline": "baseline",
+          "tf_gemm": "stitched, TF GEMM"}

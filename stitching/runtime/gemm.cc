@@ -1,0 +1,383 @@
+// Matrix products through OpenBLAS: StitchedMatMul and StitchedBatchMatMul.
+//
+// Why: where TF's oneDNN is off (IsMklEnabled() False: the AMD EPYC machines), TF's
+// MatMul and BatchMatMulV2 are Eigen's tensor contraction, and between our kernels
+// those products are most of a Transformer's time (92% of the stitched op time at
+// batch 1, tools/op_breakdown.py).  OpenBLAS's sgemm, from the scipy-openblas32 wheel
+// the NumPy/SciPy project builds numpy with, ran the same products 0.75x-0.9x of TF's
+// time (BENCHMARKS.md "gemm").  A well-kept GEMM library serves better than one we
+// would write: its kernels are tuned per CPU core (DYNAMIC_ARCH picks Haswell,
+// SkylakeX, Zen... at load time).
+//
+// The ops take TF's own attributes (transpose_a/b, adj_x/adj_y) and shape functions,
+// so the graph pass (tf/passes/blas.py) only changes a node's op type; StitchedMatMul
+// may also take the bias of a BiasAdd that read the product (the remapper's
+// _FusedMatMul): the bias is written into the output first and the GEMM adds to it
+// (beta = 1), so no pass over the product is left to run.
+//
+// Threads: OpenBLAS is set to one thread of its own, and a product is split into
+// shards, each a plain strided sgemm/dgemm call on one thread: the calling thread and
+// TF's intra-op pool take shards from one counter (the way StitchedKernel's units are
+// shared, op.cc's UnitQueue), so OpenBLAS starts no pool of its own to compete with
+// TF's.  A 2-D product splits by rows of the output when M >= N, else by columns:
+// every shard packs the whole of the other operand, and that operand is the smaller.
+// A batch of products is shared out by whole products, and each product cut into
+// blocks only when there are fewer products than threads.  Small products run inline on the
+// calling thread (a pool wake-up costs more than they do).
+//
+// Numerics: each output element is one dot product of length K summed by OpenBLAS's
+// kernel (FMA, in blocks of K), as TF's Eigen kernel does in its own order: equal
+// within float rounding, not bitwise (tests/test_blas.py bounds both against float64).
+// blasint is 32-bit in scipy-openblas32: a dimension or leading dimension of 2^31 or
+// more is refused with a message rather than wrapped.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "cblas.h"   // scipy_openblas32's, prefixed: scipy_cblas_sgemm
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/platform/threadpool.h"
+#include "tensorflow/core/util/matmul_bcast.h"
+
+namespace {
+
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+// OpenBLAS runs on the thread that calls it: TF's pool is the only one.  Set once
+// when the library loads, before any product runs.
+const bool kOneThread = [] {
+  scipy_openblas_set_num_threads(1);
+  return true;
+}();
+
+// Multiply-adds below which a product runs inline on the calling thread.  Tuned
+// (loosely) on the 2-core AMD EPYC: a pool wake-up and hand-off costs ~5-10 us; a
+// [1, 256] x [256, 1024] product (2^18, reading 1 MiB of weights: bandwidth-bound)
+// took 0.066 ms inline against TF's 0.035 on two threads, so the line sits lower.
+constexpr int64_t kInlineMacs = int64_t{1} << 16;
+// Rows or columns per shard are a multiple of this: the widest register block of
+// OpenBLAS's Haswell/SkylakeX sgemm kernels (16), so no shard ends in a partial
+// block where a whole one would do.
+constexpr int64_t kShardAlign = 16;
+// Multiply-adds in the smallest share a thread takes (arbitrary, ~2-4 us of one
+// core): a share is one GEMM call that packs the other operand again.
+constexpr int64_t kShareMacs = int64_t{1} << 16;
+
+void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  scipy_cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
+                    tb ? CblasTrans : CblasNoTrans, m, n, k, 1.0f, a, lda, b, ldb, beta,
+                    c, ldc);
+}
+
+void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const double* a,
+          int64_t lda, const double* b, int64_t ldb, double beta, double* c,
+          int64_t ldc) {
+  scipy_cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
+                    tb ? CblasTrans : CblasNoTrans, m, n, k, 1.0, a, lda, b, ldb, beta, c,
+                    ldc);
+}
+
+// One row-major product C[m, n] (+)= op(A) op(B) + bias, cut into blocks of
+// kShardAlign rows (by_rows) or columns; a share of the work is a range of blocks.
+template <typename T>
+struct Product {
+  bool ta, tb;
+  int64_t m, n, k;
+  const T* bias;          // [n] added to C, or nullptr
+  bool by_rows;           // blocks of rows (else of columns)
+  int64_t blocks;         // blocks per product (1: products are not cut)
+
+  // Blocks [lo, hi) of the product of A (at a) and B (at b) into C (at c): one
+  // strided GEMM call.
+  void Run(int64_t lo, int64_t hi, const T* a, const T* b, T* c) const {
+    const int64_t len = by_rows ? m : n;
+    const int64_t begin = blocks == 1 ? 0 : lo * kShardAlign;
+    const int64_t end = blocks == 1 ? len : std::min(len, hi * kShardAlign);
+    if (end <= begin) return;
+    const int64_t lda = ta ? m : k, ldb = tb ? k : n;
+    int64_t rows = m, cols = n;
+    if (by_rows) {
+      a += ta ? begin : begin * k;   // op(A)'s rows: columns of a stored A^T
+      c += begin * n;
+      rows = end - begin;
+    } else {
+      b += tb ? begin * k : begin;   // op(B)'s columns: rows of a stored B^T
+      c += begin;
+      cols = end - begin;
+    }
+    const T* bias_part = bias == nullptr ? nullptr : bias + (by_rows ? 0 : begin);
+    if (bias_part != nullptr) {
+      for (int64_t i = 0; i < rows; ++i) std::copy(bias_part, bias_part + cols, c + i * n);
+    }
+    if (k == 0) {            // BLAS wants lda >= 1; the product of nothing is zero
+      if (bias_part == nullptr) {
+        for (int64_t i = 0; i < rows; ++i) std::fill(c + i * n, c + i * n + cols, T(0));
+      }
+      return;
+    }
+    Gemm(ta, tb, rows, cols, k, a, lda, b, ldb, bias_part != nullptr ? T(1) : T(0), c, n);
+  }
+};
+
+// Units [0, total) shared by the calling thread and pool threads.  Each takes the
+// next share (guided: 1/guide of what is left, at least `chunk` units) until none is
+// left, as op.cc's UnitQueue does for StitchedKernel: the caller starts at once, a
+// pool thread that wakes late takes only what is left, so a slow wake-up (a busy
+// machine) delays part of the product instead of half of it.  A pool thread that
+// wakes after the last share was taken returns without touching the call's buffers
+// (the state is kept alive by its shared_ptr); the caller returns when all is done.
+class Shares {
+ public:
+  using Fn = std::function<void(int64_t, int64_t)>;
+  Shares(Fn run, int64_t total, int64_t chunk, int64_t guide)
+      : run_(std::move(run)), total_(total), chunk_(chunk), guide_(guide) {}
+
+  void Work() {
+    for (;;) {
+      int64_t begin = next_.load(std::memory_order_relaxed), end;
+      do {
+        if (begin >= total_) return;
+        end = std::min(total_, begin + std::max(chunk_, (total_ - begin) / guide_));
+      } while (!next_.compare_exchange_weak(begin, end, std::memory_order_relaxed));
+      run_(begin, end);
+      if (done_.fetch_add(end - begin, std::memory_order_acq_rel) + (end - begin) ==
+          total_) {
+        std::lock_guard<std::mutex> lock(mu_);   // so a waiter cannot miss it
+        cv_.notify_all();
+      }
+    }
+  }
+
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return done_.load(std::memory_order_acquire) == total_; });
+  }
+
+ private:
+  const Fn run_;
+  const int64_t total_, chunk_, guide_;
+  std::atomic<int64_t> next_{0}, done_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+tsl::thread::ThreadPool* Pool(OpKernelContext* ctx) {
+  const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+  return workers == nullptr ? nullptr : workers->workers;
+}
+
+// Runs `count` products of shape `p` (run(i, lo, hi): blocks [lo, hi) of product i)
+// over the calling thread and the intra-op pool, or inline when small.
+template <typename T>
+void RunProducts(OpKernelContext* ctx, Product<T>* p, int64_t count,
+                 std::function<void(int64_t, int64_t, int64_t)> run) {
+  tsl::thread::ThreadPool* pool = Pool(ctx);
+  const int64_t threads = pool == nullptr ? 1 : std::max(1, pool->NumThreads());
+  const int64_t macs = p->m * p->n * p->k;
+  // Cut products into blocks only when there are fewer of them than threads; cut
+  // along the longer side of the output (each block packs all of the other operand).
+  p->by_rows = p->m >= p->n;
+  const int64_t len = p->by_rows ? p->m : p->n;
+  p->blocks = count >= threads ? 1 : (len + kShardAlign - 1) / kShardAlign;
+  if (threads < 2 || count * macs < kInlineMacs || count * p->blocks < 2) {
+    for (int64_t i = 0; i < count; ++i) run(i, 0, p->blocks);
+    return;
+  }
+  const int64_t blocks = p->blocks;
+  const int64_t unit_macs = std::max<int64_t>(1, macs / blocks);
+  const int64_t total = count * blocks;
+  const int64_t chunk = std::max<int64_t>(1, kShareMacs / unit_macs);
+  auto shares = std::make_shared<Shares>(
+      [run, blocks](int64_t lo, int64_t hi) {
+        for (int64_t u = lo; u < hi;) {   // a share may span products
+          const int64_t i = u / blocks, end = std::min(hi, (i + 1) * blocks);
+          run(i, u - i * blocks, end - i * blocks);
+          u = end;
+        }
+      },
+      total, std::min(chunk, (total + threads - 1) / threads), 2 * threads);
+  const int64_t helpers = std::min(threads - 1, (total + chunk - 1) / chunk - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool->Schedule([shares] { shares->Work(); });
+  shares->Work();
+  shares->Wait();
+}
+
+bool FitsBlas(int64_t v) { return v < std::numeric_limits<int32_t>::max(); }
+
+template <typename T>
+class MatMulOp : public OpKernel {
+ public:
+  explicit MatMulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_a", &ta_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_b", &tb_));
+    int n_bias;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("n_bias", &n_bias));
+    OP_REQUIRES(ctx, n_bias <= 1,
+                absl::InvalidArgumentError("StitchedMatMul takes at most one bias"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& a = ctx->input(0);
+    const Tensor& b = ctx->input(1);
+    OP_REQUIRES(ctx, a.dims() == 2 && b.dims() == 2,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedMatMul: both operands must be matrices, got shapes ",
+                    a.shape().DebugString(), " and ", b.shape().DebugString())));
+    Product<T> p{ta_, tb_, a.dim_size(ta_ ? 1 : 0), b.dim_size(tb_ ? 0 : 1),
+                 a.dim_size(ta_ ? 0 : 1), nullptr, true, 1};
+    const int64_t kb = b.dim_size(tb_ ? 1 : 0);
+    OP_REQUIRES(ctx, p.k == kb,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedMatMul: inner dimensions differ: ", a.shape().DebugString(),
+                    " (transpose_a=", ta_, ") and ", b.shape().DebugString(),
+                    " (transpose_b=", tb_, ")")));
+    OP_REQUIRES(ctx, FitsBlas(p.m) && FitsBlas(p.n) && FitsBlas(p.k),
+                absl::InvalidArgumentError("StitchedMatMul: a dimension is 2^31 or more, "
+                                           "beyond 32-bit OpenBLAS"));
+    if (ctx->num_inputs() == 3) {
+      const Tensor& bias = ctx->input(2);
+      OP_REQUIRES(ctx, bias.dims() == 1 && bias.dim_size(0) == p.n,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "StitchedMatMul: the bias must have shape [", p.n, "], got ",
+                      bias.shape().DebugString())));
+      p.bias = bias.flat<T>().data();
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({p.m, p.n}), &out));
+    if (p.m == 0 || p.n == 0) return;
+    const T* ap = a.flat<T>().data();
+    const T* bp = b.flat<T>().data();
+    T* cp = out->flat<T>().data();
+    const Product<T>* pp = &p;   // RunProducts sets the split first; lives till it returns
+    RunProducts(ctx, &p, 1, [pp, ap, bp, cp](int64_t, int64_t lo, int64_t hi) {
+      pp->Run(lo, hi, ap, bp, cp);
+    });
+  }
+
+  bool IsExpensive() override { return false; }   // the work is split in Compute
+
+ private:
+  bool ta_ = false, tb_ = false;
+};
+
+template <typename T>
+class BatchMatMulOp : public OpKernel {
+ public:
+  explicit BatchMatMulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_x", &ax_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_y", &ay_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& y = ctx->input(1);
+    OP_REQUIRES(ctx, x.dims() >= 2 && y.dims() >= 2,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedBatchMatMul: operands must have rank >= 2, got shapes ",
+                    x.shape().DebugString(), " and ", y.shape().DebugString())));
+    const int rx = x.dims(), ry = y.dims();
+    Product<T> p{ax_, ay_, x.dim_size(ax_ ? rx - 1 : rx - 2),
+                 y.dim_size(ay_ ? ry - 2 : ry - 1), x.dim_size(ax_ ? rx - 2 : rx - 1),
+                 nullptr, true, 1};
+    OP_REQUIRES(ctx, p.k == y.dim_size(ay_ ? ry - 1 : ry - 2),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedBatchMatMul: inner dimensions differ: ",
+                    x.shape().DebugString(), " (adj_x=", ax_, ") and ",
+                    y.shape().DebugString(), " (adj_y=", ay_, ")")));
+    tensorflow::MatMulBCast bcast(x.shape().dim_sizes(), y.shape().dim_sizes());
+    OP_REQUIRES(ctx, bcast.IsValid(),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedBatchMatMul: batch dimensions do not broadcast: ",
+                    x.shape().DebugString(), " and ", y.shape().DebugString())));
+    OP_REQUIRES(ctx, FitsBlas(p.m) && FitsBlas(p.n) && FitsBlas(p.k),
+                absl::InvalidArgumentError("StitchedBatchMatMul: a dimension is 2^31 or "
+                                           "more, beyond 32-bit OpenBLAS"));
+    TensorShape shape = bcast.output_batch_shape();
+    shape.AddDim(p.m);
+    shape.AddDim(p.n);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    const int64_t count = bcast.output_batch_size();
+    if (count == 0 || p.m == 0 || p.n == 0) return;
+    const T* xp = x.flat<T>().data();
+    const T* yp = y.flat<T>().data();
+    T* cp = out->flat<T>().data();
+    const int64_t sx = p.m * p.k, sy = p.k * p.n, sc = p.m * p.n;
+    // the broadcast's batch index maps (empty when no operand is broadcast)
+    auto xi = std::make_shared<std::vector<int64_t>>(bcast.x_batch_indices());
+    auto yi = std::make_shared<std::vector<int64_t>>(bcast.y_batch_indices());
+    const bool bc = bcast.IsBroadcastingRequired();
+    const int64_t nx = bcast.x_batch_size(), ny = bcast.y_batch_size();
+    const Product<T>* pp = &p;   // RunProducts sets the split first; lives till it returns
+    RunProducts(ctx, &p, count, [=](int64_t i, int64_t lo, int64_t hi) {
+      const int64_t ix = bc ? (*xi)[i] : (nx == 1 ? 0 : i);
+      const int64_t iy = bc ? (*yi)[i] : (ny == 1 ? 0 : i);
+      pp->Run(lo, hi, xp + ix * sx, yp + iy * sy, cp + i * sc);
+    });
+  }
+
+  bool IsExpensive() override { return false; }   // the work is split in Compute
+
+ private:
+  bool ax_ = false, ay_ = false;
+};
+
+REGISTER_OP("StitchedMatMul")
+    .Input("a: T")
+    .Input("b: T")
+    .Input("bias: n_bias * T")
+    .Output("product: T")
+    .Attr("transpose_a: bool = false")
+    .Attr("transpose_b: bool = false")
+    .Attr("n_bias: int >= 0 = 0")
+    .Attr("T: {float, double}")
+    .SetShapeFn(tensorflow::shape_inference::MatMulShape)
+    .Doc("MatMul (TF's attributes and shapes) by OpenBLAS, plus an optional bias [N] "
+         "(a BiasAdd that read the product), split over TF's intra-op threads.");
+
+REGISTER_OP("StitchedBatchMatMul")
+    .Input("x: T")
+    .Input("y: T")
+    .Output("output: T")
+    .Attr("adj_x: bool = false")
+    .Attr("adj_y: bool = false")
+    .Attr("T: {float, double}")
+    .SetShapeFn(tensorflow::shape_inference::BatchMatMulV2Shape)
+    .Doc("BatchMatMulV2 (TF's attributes, broadcast and shapes) by OpenBLAS, split over "
+         "TF's intra-op threads.");
+
+#define REGISTER(T)                                                                   \
+  REGISTER_KERNEL_BUILDER(                                                            \
+      Name("StitchedMatMul").Device(tensorflow::DEVICE_CPU).TypeConstraint<T>("T"),   \
+      MatMulOp<T>);                                                                   \
+  REGISTER_KERNEL_BUILDER(Name("StitchedBatchMatMul")                                 \
+                              .Device(tensorflow::DEVICE_CPU)                         \
+                              .TypeConstraint<T>("T"),                                \
+                          BatchMatMulOp<T>);
+REGISTER(float)
+REGISTER(double)
+#undef REGISTER
+
+}  // namespace
+
+// For the Python side's report: OpenBLAS's build and the core it picked.
+extern "C" const char* stitching_blas_config() {
+  (void)kOneThread;
+  return scipy_openblas_get_config();
+}
+extern "C" const char* stitching_blas_corename() { return scipy_openblas_get_corename(); }

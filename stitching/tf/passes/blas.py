@@ -1,0 +1,107 @@
+"""Matrix products run by OpenBLAS where TF's own GEMM is Eigen's.
+
+Stitching generates no GEMM: the products between its kernels stay library calls.
+Where TF's oneDNN is off (the AMD EPYC machines here: ``IsMklEnabled()`` False), TF's
+``MatMul`` and ``BatchMatMulV2`` are Eigen's tensor contraction, and they were 92% of
+a stitched Transformer's op time at batch 1.  OpenBLAS (the ``scipy-openblas32``
+wheel, runtime/gemm.cc) is faster on those shapes, so each product becomes our op:
+
+    MatMul(a, b)                    ->  StitchedMatMul(a, b)
+    MatMul(a, b) -> BiasAdd(., c)   ->  StitchedMatMul(a, b, c)   (the BiasAdd's name)
+    BatchMatMul[V2](x, y)           ->  StitchedBatchMatMul(x, y)
+
+The ops take TF's attributes and shape functions, so a node keeps its name, inputs,
+attributes and ``_output_shapes``; only the op type changes.  A BiasAdd that is a
+MatMul's only reader (TF's remapper would have run it inside ``_FusedMatMul``) is taken
+into the product (xladot.py finds the same pairs).
+
+Why after planning: the gemm and einsum passes (after planning too) make most of a
+Transformer's products -- an EinsumDense's BatchMatMul against a weight becomes a
+MatMul plus the bias as a BiasAdd, an Einsum becomes a BatchMatMulV2 -- so a pass
+before planning would see few of them.  The planner already fuses a MatMul's BiasAdd
+into its kernels where that pays (plan/epilogue.py keeps only convolution epilogues
+with TF); the ones it leaves to TF are the pairs taken here.
+
+Only float32 and float64 products on the CPU, and only where the device profile says
+TF runs Eigen's GEMM (``remapper.onednn``): oneDNN's GEMM was not measured against
+OpenBLAS.  Without the wheel (or if the op library does not build) the products stay
+TF's and the report says why.
+"""
+from __future__ import annotations
+
+from ..passmanager import Pass
+from . import xladot
+
+OPS = {"MatMul": "StitchedMatMul", "BatchMatMulV2": "StitchedBatchMatMul",
+       "BatchMatMul": "StitchedBatchMatMul"}
+
+
+# attributes TF's products carry that our ops do not declare (hints for its gradients)
+_HINTS = ("grad_a", "grad_b", "grad_x", "grad_y")
+
+
+def rewrite(graph_def, pairs) -> int:
+    """Turn each (product, BiasAdd or None) of ``pairs`` into our op, in place;
+    returns how many BiasAdds were taken into their product."""
+    taken = set()
+    for product, bias in pairs:
+        product.op = OPS[product.op]
+        for key in _HINTS:                            # TF's hints, not our ops' attrs
+            if key in product.attr:
+                del product.attr[key]
+        if product.op == "StitchedMatMul":
+            product.attr["n_bias"].i = 0 if bias is None else 1
+        if bias is None:
+            continue
+        # the BiasAdd's node becomes the product (its name, so its readers and
+        # fetches are untouched); the MatMul's node goes
+        controls = [i for i in bias.input if i.startswith("^")]
+        name, device = bias.name, bias.device
+        shapes = bias.attr["_output_shapes"] if "_output_shapes" in bias.attr else None
+        saved = shapes.SerializeToString() if shapes is not None else None
+        bias_input = bias.input[1]
+        bias.CopyFrom(product)
+        bias.name, bias.device = name, device
+        del bias.input[:]
+        bias.input.extend([i for i in product.input if not i.startswith("^")] +
+                          [bias_input] + controls)
+        if saved is not None:
+            bias.attr["_output_shapes"].ParseFromString(saved)
+        taken.add(product.name)
+    if taken:
+        keep = [nd for nd in graph_def.node if nd.name not in taken]
+        del graph_def.node[:]
+        graph_def.node.extend(keep)
+    return len(taken)
+
+
+def _nhwc(bias):
+    """The BiasAdd if it adds along the last axis (NHWC, the default), else None."""
+    if bias is None or "data_format" not in bias.attr or \
+            bias.attr["data_format"].s == b"NHWC":
+        return bias
+    return None
+
+
+def _run(ctx):
+    from ...plan import profiles
+    from ...runtime import blas
+    from . import remapper
+    prof = profiles.default()
+    if prof.backend != "cpu" or remapper.onednn(prof):
+        return None          # measured against Eigen's GEMM only (the module's docstring)
+    pairs = [(p, _nhwc(b)) for p, b in xladot.candidates(ctx.graph_def, ctx.fetched)
+             if p.op in OPS]
+    if not pairs:
+        return None
+    problem = blas.unavailable()
+    if problem is not None:
+        return (f"{len(pairs)} matrix product(s) left to TF's Eigen GEMM: {problem} "
+                f"(tf/passes/blas.py)")
+    biased = rewrite(ctx.graph_def, pairs)
+    return (f"{len(pairs)} matrix product(s) run by OpenBLAS ({biased} with their "
+            f"BiasAdd): TF's GEMM here is Eigen's (oneDNN off), slower "
+            f"(tf/passes/blas.py; Options(blas_gemm=False) leaves them to TF)")
+
+
+PASS = Pass("blas", _run, option="blas_gemm")
