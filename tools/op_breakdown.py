@@ -163,7 +163,11 @@ def _modes(fn, sig, wanted):
     make = {"tf": lambda: tf.function(fn, input_signature=sig),
             "xla": lambda: tf.function(fn, input_signature=sig, jit_compile=True),
             "stitched": lambda: stitching.function(
-                fn, input_signature=sig, options=stitching.Options(background_compile=False))}
+                fn, input_signature=sig, options=stitching.Options(background_compile=False)),
+            # the products left to TF's GEMM (tf/passes/blas.py off), for an A/B
+            "tf_gemm": lambda: stitching.function(
+                fn, input_signature=sig,
+                options=stitching.Options(background_compile=False, blas_gemm=False))}
     unknown = set(wanted) - set(make)
     if unknown:
         raise SystemExit(f"unknown mode(s) {sorted(unknown)}; choose from {sorted(make)}")
@@ -308,7 +312,9 @@ def main(argv=None) -> int:
                     help="a models-suite case (tools/bench.py --list)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=4, help="Transformer layers (suite: 4)")
-    ap.add_argument("--modes", default="tf,xla,stitched")
+    ap.add_argument("--modes", default="tf,xla,stitched",
+                    help="any of tf,xla,stitched,tf_gemm (stitched with the matrix "
+                         "products left to TF: Options(blas_gemm=False))")
     ap.add_argument("--calls", type=int, default=20, help="traced calls per mode")
     ap.add_argument("--top", type=int, default=14, help="rows per mode")
     ap.add_argument("--stat", choices=("mean", "min"), default="mean",

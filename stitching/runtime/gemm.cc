@@ -194,7 +194,8 @@ void RunProducts(OpKernelContext* ctx, Product<T>* p, int64_t count,
   p->by_rows = p->m >= p->n;
   const int64_t len = p->by_rows ? p->m : p->n;
   p->blocks = count >= threads ? 1 : (len + kShardAlign - 1) / kShardAlign;
-  if (threads < 2 || count * macs < kInlineMacs || count * p->blocks < 2) {
+  static const bool kExpInline = getenv("STITCHING_BLAS_INLINE") != nullptr;  // EXPERIMENT
+  if (kExpInline || threads < 2 || count * macs < kInlineMacs || count * p->blocks < 2) {
     for (int64_t i = 0; i < count; ++i) run(i, 0, p->blocks);
     return;
   }
@@ -269,7 +270,6 @@ class MatMulOp : public OpKernel {
     });
   }
 
-  bool IsExpensive() override { return false; }   // the work is split in Compute
 
  private:
   bool ta_ = false, tb_ = false;
@@ -331,7 +331,6 @@ class BatchMatMulOp : public OpKernel {
     });
   }
 
-  bool IsExpensive() override { return false; }   // the work is split in Compute
 
  private:
   bool ax_ = false, ay_ = false;

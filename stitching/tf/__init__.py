@@ -57,6 +57,12 @@ def ensure_runtime():
     runtime.set_compiler(_compile_spec)
     runtime.set_assets_installer(_install_assets)
     from .passes import original  # noqa: F401 -- registers StitchedKernel's gradient
+    # The OpenBLAS product ops (tf/passes/blas.py), for graphs that hold them (a stored
+    # result, a SavedModel); without the wheel they are simply not registered, and the
+    # pass, which asks again, says why.
+    from ..runtime import blas
+    from .passes import blas as _blas_pass  # noqa: F401 -- registers their gradients
+    blas.unavailable()
     _READY = True
 
 

@@ -29,6 +29,8 @@ TF's and the report says why.
 """
 from __future__ import annotations
 
+import tensorflow as tf
+
 from ..passmanager import Pass
 from . import xladot
 
@@ -105,3 +107,51 @@ def _run(ctx):
 
 
 PASS = Pass("blas", _run, option="blas_gemm")
+
+
+# Gradients, for a tape outside the stitched function (or a SavedModel's function
+# differentiated after loading; importing stitching registers them): TF's own
+# formulas for MatMul and BatchMatMulV2 (math_grad.py), each product again by our ops.
+# A tape inside a stitched function never needs them: the backward there is TF's
+# products, which this pass turns into ours with the rest of the graph.
+
+def _pair(ta: bool, tb: bool, a, b, grad, mul):
+    """(dA, dB) of op(A) op(B) = C given dC, ``mul(x, y, tx, ty)`` computing
+    op(x) op(y): TF's _MatMulGrad table."""
+    if not ta and not tb:
+        return mul(grad, b, False, True), mul(a, grad, True, False)
+    if not ta and tb:
+        return mul(grad, b, False, False), mul(grad, a, True, False)
+    if ta and not tb:
+        return mul(b, grad, False, True), mul(a, grad, False, False)
+    return mul(b, grad, True, True), mul(grad, a, True, True)
+
+
+@tf.RegisterGradient("StitchedMatMul")
+def _matmul_grad(op, grad):
+    from ...runtime import blas
+    ops = blas.load()
+    a, b = op.inputs[0], op.inputs[1]
+    grads = list(_pair(op.get_attr("transpose_a"), op.get_attr("transpose_b"), a, b, grad,
+                       lambda x, y, tx, ty: ops.stitched_mat_mul(
+                           a=x, b=y, bias=[], transpose_a=tx, transpose_b=ty)))
+    if len(op.inputs) == 3:
+        grads.append(tf.raw_ops.BiasAddGrad(out_backprop=grad))
+    return grads
+
+
+@tf.RegisterGradient("StitchedBatchMatMul")
+def _batch_matmul_grad(op, grad):
+    from ...runtime import blas
+    ops = blas.load()
+    x, y = op.inputs
+    gx, gy = _pair(op.get_attr("adj_x"), op.get_attr("adj_y"), x, y, grad,
+                   lambda u, v, tu, tv: ops.stitched_batch_mat_mul(
+                       x=u, y=v, adj_x=tu, adj_y=tv))
+    lead_x, lead_y = x.shape[:-2], y.shape[:-2]
+    if lead_x.is_fully_defined() and lead_y.is_fully_defined() and lead_x == lead_y:
+        return gx, gy                          # no broadcast: nothing to sum
+    # sum each gradient over the batch dims its operand was broadcast along
+    sx, sy = tf.shape(x), tf.shape(y)
+    rx, ry = tf.raw_ops.BroadcastGradientArgs(s0=sx[:-2], s1=sy[:-2])
+    return (tf.reshape(tf.reduce_sum(gx, rx), sx), tf.reshape(tf.reduce_sum(gy, ry), sy))
