@@ -83,11 +83,23 @@ def context(fetches, keep, options, resources, prof=None) -> str:
     device profile, where the caller has it)."""
     from ..plan import profiles
     from .passes import remapper
+    prof = prof or profiles.default()
     # keep: a set's order; where dumps go, and what they hold, does not change the plan
     return (repr((list(fetches), sorted(keep),
                   replace(options, dump_dir=None, dump_passes=None)))
             + repr(sorted((resources or {}).items()))
-            + remapper.table(prof or profiles.default()).name)   # TF_ENABLE_ONEDNN_OPTS
+            + remapper.table(prof).name                          # TF_ENABLE_ONEDNN_OPTS
+            + _blas(options, prof))
+
+
+def _blas(options, prof) -> str:
+    """Whether the products become OpenBLAS ops (tf/passes/blas.py): a graph stored
+    with them must not be reused by a process without the library."""
+    from ..runtime import blas
+    from .passes import remapper
+    if not options.blas_gemm or prof.backend != "cpu" or remapper.onednn(prof):
+        return ""
+    return "+blas" if blas.unavailable() is None else "-blas"
 
 
 def key(graph_def, fetches, keep, options, resources, bodies, scalar_values) -> str | None:

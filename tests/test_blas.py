@@ -1,0 +1,238 @@
+"""runtime/gemm.cc and tf/passes/blas.py: matrix products run by OpenBLAS where TF's GEMM
+is Eigen's (StitchedMatMul, StitchedBatchMatMul)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stitching
+from stitching.runtime import blas
+from stitching.tf.passes import blas as blas_pass
+
+pytest.importorskip("scipy_openblas32")
+
+EIGEN = "amd-avx2"            # a machine model whose TF runs Eigen's GEMM (oneDNN off)
+ONEDNN = "intel-avx512"       # one whose TF runs oneDNN's
+OURS = ("StitchedMatMul", "StitchedBatchMatMul")
+TFS = ("MatMul", "BatchMatMulV2", "BatchMatMul", "_FusedMatMul")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return blas.load()
+
+
+def _rand(shape, dtype=np.float32, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _err(got, ref):
+    return float(np.abs(np.asarray(got, np.float64) - ref).max())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("mkn", [(64, 96, 200), (1, 256, 64), (300, 17, 5), (40, 1, 33)])
+def test_matmul_equals_tf_and_float64(ops, dtype, ta, tb, mkn):
+    m, k, n = mkn
+    a = _rand((k, m) if ta else (m, k), dtype, 1)
+    b = _rand((n, k) if tb else (k, n), dtype, 2)
+    bias = _rand((n,), dtype, 3)
+    got = ops.stitched_mat_mul(a=a, b=b, bias=[bias], transpose_a=ta, transpose_b=tb)
+    want = tf.nn.bias_add(tf.linalg.matmul(a, b, transpose_a=ta, transpose_b=tb), bias)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    ref = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b).astype(np.float64) + bias
+    # no less accurate than TF's own product (both sum K terms with FMAs, in their
+    # own orders); the floor is a few ulps of the largest value
+    ulp = np.finfo(dtype).eps * np.abs(ref).max()
+    assert _err(got, ref) <= 1.5 * _err(want, ref) + 8 * ulp
+
+
+@pytest.mark.parametrize("xs, ys, ax, ay", [
+    ((3, 16, 8), (3, 8, 24), False, False),
+    ((4, 2, 16, 8), (4, 2, 24, 8), False, True),     # attention's Q K^T
+    ((2, 8, 16), (2, 8, 12), True, False),
+    ((2, 1, 5, 7), (3, 7, 6), False, False),         # broadcast batch, ranks differ
+    ((5, 7), (4, 7, 6), False, False),               # a matrix against a batch
+    ((1, 9, 7), (6, 5, 9), True, True),
+])
+def test_batch_matmul_equals_tf_with_adjoints_and_broadcast(ops, xs, ys, ax, ay):
+    x, y = _rand(xs, seed=4), _rand(ys, seed=5)
+    got = ops.stitched_batch_mat_mul(x=x, y=y, adj_x=ax, adj_y=ay)
+    want = tf.linalg.matmul(x, y, adjoint_a=ax, adjoint_b=ay)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_dims(ops):
+    z = ops.stitched_mat_mul(a=np.zeros((0, 4), np.float32), b=_rand((4, 3)), bias=[])
+    assert z.shape == (0, 3)
+    # K = 0: the product of nothing is zero (plus the bias)
+    bias = np.arange(3, dtype=np.float32)
+    z = ops.stitched_mat_mul(a=np.zeros((2, 0), np.float32), b=np.zeros((0, 3), np.float32),
+                             bias=[bias])
+    np.testing.assert_array_equal(z, np.broadcast_to(bias, (2, 3)))
+    z = ops.stitched_batch_mat_mul(x=np.zeros((0, 2, 4), np.float32), y=_rand((4, 3)))
+    assert z.shape == (0, 2, 3)
+
+
+def test_nan_and_inf_propagate_as_in_tf(ops):
+    a, b = _rand((40, 64)), _rand((64, 48))
+    a[3, 5], a[7, 2], b[9, 11] = np.nan, np.inf, -np.inf
+    got = ops.stitched_mat_mul(a=a, b=b, bias=[]).numpy()
+    want = tf.linalg.matmul(a, b).numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+
+
+def test_unknown_batch_in_a_function(ops):
+    w = _rand((32, 16))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None, 32], tf.float32)])
+    def f(x):
+        return ops.stitched_batch_mat_mul(x=x, y=w), ops.stitched_mat_mul(
+            a=tf.reshape(x, [-1, 32]), b=w, bias=[])
+    for shape in [(1, 3, 32), (5, 7, 32)]:
+        x = _rand(shape, seed=6)
+        y3, y2 = f(x)
+        np.testing.assert_allclose(y3, x @ w, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(y2, x.reshape(-1, 32) @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda o: o.stitched_mat_mul(a=_rand((3, 4)), b=_rand((5, 6)), bias=[]),
+     "inner dimensions differ"),
+    (lambda o: o.stitched_mat_mul(a=_rand((3, 4)), b=_rand((4, 6)), bias=[_rand((5,))]),
+     "bias must have shape"),
+    (lambda o: o.stitched_batch_mat_mul(x=_rand((2, 3, 4)), y=_rand((3, 4, 5))),
+     "do not broadcast"),
+])
+def test_bad_operands_are_refused_with_the_reason(ops, call, message):
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=message):
+        call(ops)
+
+
+@pytest.mark.parametrize("ta, tb", [(False, False), (False, True), (True, False), (True, True)])
+def test_matmul_gradient_equals_tf(ops, ta, tb):
+    a, b, c = (tf.constant(_rand(s, seed=i)) for i, s in
+               enumerate([(7, 5) if ta else (5, 7), (3, 7) if tb else (7, 3), (3,)]))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([a, b, c])
+        ours = tf.reduce_sum(tf.sin(ops.stitched_mat_mul(a=a, b=b, bias=[c], transpose_a=ta,
+                                                         transpose_b=tb)))
+        theirs = tf.reduce_sum(tf.sin(tf.nn.bias_add(
+            tf.linalg.matmul(a, b, transpose_a=ta, transpose_b=tb), c)))
+    for g, w in zip(tape.gradient(ours, [a, b, c]), tape.gradient(theirs, [a, b, c])):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_matmul_gradient_sums_over_broadcast_dims(ops):
+    x, y = tf.constant(_rand((2, 1, 4, 5), seed=7)), tf.constant(_rand((3, 6, 5), seed=8))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x, y])
+        ours = tf.reduce_sum(tf.sin(ops.stitched_batch_mat_mul(x=x, y=y, adj_y=True)))
+        theirs = tf.reduce_sum(tf.sin(tf.linalg.matmul(x, y, adjoint_b=True)))
+    for g, w in zip(tape.gradient(ours, [x, y]), tape.gradient(theirs, [x, y])):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+# ---- the pass -------------------------------------------------------------------------
+
+def _encoder():
+    from stitching.testing.models import transformer_encoder
+    import keras
+    keras.utils.set_random_seed(3)
+    return transformer_encoder(num_layers=1, d_model=32, heads=2, ff=64, seq_len=8)
+
+
+def _ops_of(f, sig):
+    return [n.op for n in f.get_concrete_function(*sig).graph.as_graph_def().node]
+
+
+# Exact kernel counts of the one-layer encoder, with the products ours or TF's: the
+# pass moves products only, never a kernel.
+KERNELS = {EIGEN: 4, ONEDNN: 4}
+
+
+@pytest.mark.parametrize("machine_name", [EIGEN, ONEDNN])
+def test_encoder_products_and_kernels_under_each_machine(monkeypatch, machine_name):
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", machine_name)
+    model = _encoder()
+    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
+    on = stitching.function(lambda t: model(t), input_signature=sig)
+    off = stitching.function(lambda t: model(t), input_signature=sig,
+                             options=stitching.Options(blas_gemm=False))
+    x = _rand((3, 8, 32), seed=9)
+    x[1, 2, 5] = np.nan                              # one token's row goes NaN
+    want = model(x).numpy()
+    got = on(tf.constant(x)).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(on(x[:1]).numpy(), model(x[:1]).numpy(), rtol=2e-5, atol=2e-5)
+    off(tf.constant(x))
+    assert len(on.report.kernels) == len(off.report.kernels) == KERNELS[machine_name]
+    names = _ops_of(on, sig)
+    notes = [n for n in on.report.notes if "OpenBLAS" in n]
+    if machine_name == EIGEN:
+        # 4 projections (their BiasAdds taken in), 2 attention products, 2 Dense
+        assert names.count("StitchedMatMul") == 6 and names.count("StitchedBatchMatMul") == 2
+        assert not set(TFS) & set(names) and "BiasAdd" not in names, names
+        assert notes and notes[0].startswith("8 matrix product(s) run by OpenBLAS")
+    else:      # oneDNN's GEMM was not measured against OpenBLAS: left to TF
+        assert not set(OURS) & set(names) and not notes
+    assert not set(OURS) & set(_ops_of(off, sig))
+
+
+def test_without_the_library_products_stay_tf_and_the_report_says_why(monkeypatch):
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
+    monkeypatch.setattr(blas, "unavailable",
+                        lambda: "the scipy-openblas32 package is not installed")
+    model = _encoder()
+    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
+    f = stitching.function(lambda t: model(t), input_signature=sig)
+    x = _rand((2, 8, 32), seed=10)
+    np.testing.assert_allclose(f(x).numpy(), model(x).numpy(), rtol=2e-5, atol=2e-5)
+    assert not set(OURS) & set(_ops_of(f, sig))
+    note = [n for n in f.report.notes if "left to TF's Eigen GEMM" in n]
+    assert note and "scipy-openblas32 package is not installed" in note[0]
+
+
+def test_a_tape_outside_the_stitched_function_uses_the_registered_gradients(monkeypatch):
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
+    w1, b1, w2 = (tf.Variable(_rand(s, seed=i)) for i, s in
+                  enumerate([(16, 24), (24,), (24, 16)]))
+
+    def fn(x):
+        h = tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w1), b1))
+        return tf.reduce_sum(tf.linalg.matmul(h[None], h[None], adjoint_b=True)) + \
+            tf.reduce_sum(tf.matmul(h, w2) ** 2)
+    sig = [tf.TensorSpec([None, 16], tf.float32)]
+    f = stitching.function(fn, input_signature=sig)
+    x = tf.constant(_rand((6, 16), seed=11))
+    assert {"StitchedMatMul", "StitchedBatchMatMul"} <= set(_ops_of(f, sig))
+    with tf.GradientTape() as tape:
+        y = f(x)
+    got = tape.gradient(y, [w1, b1, w2])
+    with tf.GradientTape() as tape:
+        y = fn(x)
+    want = tape.gradient(y, [w1, b1, w2])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_rewrite_drops_tf_hints_and_keeps_the_bias_node_name():
+    g = tf.Graph()
+    with g.as_default():
+        a = tf.compat.v1.placeholder(tf.float32, [None, 4], name="a")
+        w = tf.constant(_rand((4, 3)), name="w")
+        c = tf.constant(_rand((3,)), name="c")
+        tf.nn.bias_add(tf.raw_ops.MatMul(a=a, b=w, grad_a=True, name="mm"), c, name="out")
+    gd = g.as_graph_def()
+    pairs = [(p, blas_pass._nhwc(b)) for p, b in
+             blas_pass.xladot.candidates(gd, {"out"})]
+    assert blas_pass.rewrite(gd, pairs) == 1
+    out = {n.name: n for n in gd.node}
+    assert "mm" not in out and out["out"].op == "StitchedMatMul"
+    assert list(out["out"].input) == ["a", "w", "c"] and out["out"].attr["n_bias"].i == 1
+    assert "grad_a" not in out["out"].attr
