@@ -236,3 +236,15 @@ def test_rewrite_drops_tf_hints_and_keeps_the_bias_node_name():
     assert "mm" not in out and out["out"].op == "StitchedMatMul"
     assert list(out["out"].input) == ["a", "w", "c"] and out["out"].attr["n_bias"].i == 1
     assert "grad_a" not in out["out"].attr
+
+
+def test_the_missing_wheel_is_the_reason_given(monkeypatch):
+    def no_wheel(force=False):
+        raise ImportError("No module named 'scipy_openblas32'")
+    monkeypatch.setattr(blas, "_module", None)
+    monkeypatch.setattr(blas, "_problem", None)
+    monkeypatch.setattr(blas._build, "build_blas", no_wheel)
+    assert blas.unavailable() == ("the scipy-openblas32 package is not installed "
+                                  "(pip install scipy-openblas32)")
+    with pytest.raises(RuntimeError, match="scipy-openblas32 package is not installed"):
+        blas.load()

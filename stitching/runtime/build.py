@@ -109,6 +109,30 @@ def build(force: bool = False, source: Path = SOURCE, prefix: str = LIB_PREFIX,
     return path
 
 
+# The OpenBLAS product ops (gemm.cc; loaded by blas.py): a second library, linked
+# against the OpenBLAS of the scipy-openblas32 wheel (the NumPy/SciPy project's build,
+# with prefixed symbols such as scipy_cblas_sgemm, so it never clashes with another
+# BLAS in the process); the wheel's folder is its run path.
+BLAS_SOURCE = SOURCE.with_name("gemm.cc")
+BLAS_PREFIX = "stitching_blas"
+BLAS_WHEEL = "scipy-openblas32"
+
+
+def blas_flags() -> tuple:
+    """Compiler flags that find the wheel's header and library (ImportError without
+    the wheel); its version is among them, so a new wheel builds a new library."""
+    import scipy_openblas32 as sob
+    lib_dir = sob.get_lib_dir()
+    return (f"-I{sob.get_include_dir()}", f"-L{lib_dir}", f"-l{sob.get_library()}",
+            f"-Wl,-rpath,{lib_dir}", f"-DSTITCHING_OPENBLAS={sob.__version__}")
+
+
+def build_blas(force: bool = False) -> Path:
+    """The OpenBLAS product ops' library, built first if not cached (ImportError
+    without the wheel, BuildError if it does not build)."""
+    return build(force, BLAS_SOURCE, BLAS_PREFIX, blas_flags())
+
+
 def _whole(path: Path) -> bool:
     """``path`` exists and is not damaged (integrity.py: a truncated library would
     kill the process at dlopen with SIGBUS).  A library built before size and hash
@@ -185,6 +209,7 @@ def main(argv=None) -> int:
         description="Build stitching's install-time products into its cache "
                     "($STITCHING_CACHE_DIR, default ~/.cache/stitching): the TensorFlow op "
                     "library (needs g++ or $CXX and the installed TensorFlow's headers), "
+                    "the OpenBLAS product ops (with scipy-openblas32), "
                     "this CPU's profile for the cost model, the shape-program interpreter "
                     "and the math helpers generated kernels call.  Run it again after "
                     "upgrading TensorFlow, Numba or stitching; each product is rebuilt "
@@ -207,6 +232,18 @@ def main(argv=None) -> int:
     _, _, tf_version = _tf_flags()
     print(f"stitching-build: cache {cachedir.root()}")
     _line("TensorFlow op library (TF " + tf_version + ")", lib, fresh)
+    # The OpenBLAS product ops (blas.py), where the scipy-openblas32 wheel is installed.
+    try:
+        flags = blas_flags()
+    except ImportError:
+        print(f"  OpenBLAS product ops: skipped ({BLAS_WHEEL} is not installed; matrix "
+              f"products stay TF's)")
+    else:
+        had = _whole(library_path(BLAS_SOURCE, BLAS_PREFIX, flags))
+        try:
+            _line("OpenBLAS product ops", build_blas(args.force), not had or args.force)
+        except BuildError as e:
+            print(f"stitching-build: warning: {e}", file=sys.stderr)
     # The machine's profile for the cost model (~0.5 s of measurement), like the
     # library an install-time product reused by every kernel cache (plan/profiles.py).
     from ..plan import profiles
