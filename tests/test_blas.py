@@ -248,3 +248,44 @@ def test_the_missing_wheel_is_the_reason_given(monkeypatch):
                                   "(pip install scipy-openblas32)")
     with pytest.raises(RuntimeError, match="scipy-openblas32 package is not installed"):
         blas.load()
+
+
+_LOAD = """
+    import json, numpy as np
+    import stitching, tensorflow as tf
+    m = tf.saved_model.load({path!r})
+    sig = m.signatures["serving_default"]
+    x, want = np.load({d!r} + "/x.npy"), np.load({d!r} + "/y.npy")
+    (got,) = sig(**{{list(sig.structured_input_signature[1])[0]: tf.constant(x)}}).values()
+    ops = {{n.op for f in sig.graph.as_graph_def().library.function for n in f.node_def}}
+    ops |= {{n.op for n in sig.graph.as_graph_def().node}}
+    print("RESULT", json.dumps({{"err": float(np.abs(got.numpy() - want).max()),
+                                "ours": sorted(ops & {{"StitchedMatMul", "StitchedBatchMatMul"}})}}))
+"""
+
+
+def test_saved_model_round_trip_in_a_fresh_process(monkeypatch, tmp_path):
+    """A SavedModel rewritten under an Eigen machine holds our product ops; a fresh
+    process that imports stitching loads and runs it (the ops' library is loaded with
+    the StitchedKernel one)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from stitching.saved_model import rewrite_saved_model
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
+    model = _encoder()
+    model.export(str(tmp_path / "src"), verbose=False)
+    rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))
+    x = _rand((2, 8, 32), seed=12)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", model(x, training=False).numpy())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = textwrap.dedent(_LOAD.format(path=str(tmp_path / "dst"), d=str(tmp_path)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHONPATH=root,
+                                             TF_CPP_MIN_LOG_LEVEL="3"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert out["ours"] == ["StitchedBatchMatMul", "StitchedMatMul"] and out["err"] < 2e-5, out
