@@ -1,4 +1,4 @@
-"""TF's GEMM against XLA's at the Transformer's sizes: why batch 1 is not won by fusion.
+"""TF's GEMM against XLA's and OpenBLAS's at the Transformer's sizes.
 
     python tools/gemm_probe.py                       # table on stdout
     python tools/gemm_probe.py --markdown BENCHMARKS.md
@@ -21,14 +21,21 @@ in one ``tf.function`` with the batch unknown, as:
   threads whatever its size;
 - ``tf.cond``: chooses between the two at run time from M (the choice a rewrite
   would need, since the batch is unknown when the graph is rewritten);
-- XLA's dot (``jit_compile=True``).
+- XLA's dot (``jit_compile=True``);
+- ``StitchedMatMul``, our OpenBLAS op (runtime/gemm.cc; tf/passes/blas.py puts it in
+  place of each product where TF's GEMM is Eigen's), where the ``scipy-openblas32``
+  wheel is installed.
 
 A second table times whole feed-forward blocks (``relu(x W1 + b1) W2 + b2 + x``, four
 in a chain) as TF runs them, as XLA does, with both products as ``BatchMatMulV2``, and
 split by rows into two halves that TF runs concurrently (``Split`` on the rows aliases
 the input; each half's products fall under the one-thread line, so the two halves use
 both cores; a ``ConcatV2`` joins them): the graph-level way around the one-thread line,
-and what it costs at batch 8.
+and what it costs at batch 8; and with ``StitchedMatMul`` taking the bias, as the
+blas pass writes them.
+
+The markdown section is per machine class (``gemm`` on the Intel AVX-512 class, with
+oneDNN, where this probe started; ``gemm@amd_avx2`` on the AMD EPYC, oneDNN off).
 
 Each cell is the fastest of ``--rounds`` medians of ``--calls`` calls; modes are
 interleaved per round.
@@ -44,7 +51,14 @@ import numpy as np
 
 K, N = 256, 1024                      # the models suite's Transformer: d_model, ff
 CHAIN = 8                             # pairs of products per call
-MODES = ("matmul", "bmm", "cond", "xla")
+MODES = ("matmul", "bmm", "cond", "xla", "blas")
+
+
+def _blas_ops():
+    """Our OpenBLAS product ops, or None without the wheel (the column is left out)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from stitching.runtime import blas
+    return None if blas.unavailable() else blas.load()
 
 
 def l2_bytes() -> int:
@@ -88,6 +102,10 @@ def _functions(l2: int):
     out = {m: tf.function(chain(f), input_signature=sig)
            for m, f in (("matmul", mm), ("bmm", bmm), ("cond", cond))}
     out["xla"] = tf.function(chain(mm), input_signature=sig, jit_compile=True)
+    ops = _blas_ops()
+    if ops is not None:
+        out["blas"] = tf.function(chain(lambda x, w: ops.stitched_mat_mul(a=x, b=w, bias=[])),
+                                  input_signature=sig)
     return out
 
 
@@ -131,6 +149,14 @@ def _block_functions():
     out = {m: tf.function(f, input_signature=sig)
            for m, f in (("matmul", plain), ("bmm", as_bmm), ("split", split))}
     out["xla"] = tf.function(plain, input_signature=sig, jit_compile=True)
+    ops = _blas_ops()
+    if ops is not None:
+        def blas(x):            # the bias in the product, as tf/passes/blas.py writes it
+            for i in range(BLOCKS):
+                h = tf.nn.relu(ops.stitched_mat_mul(a=x, b=w1[i], bias=[b1[i]]))
+                x = ops.stitched_mat_mul(a=h, b=w2[i], bias=[b2[i]]) + x
+            return x
+        out["blas"] = tf.function(blas, input_signature=sig)
     return out
 
 
@@ -163,26 +189,54 @@ def measure(sizes, calls: int, rounds: int) -> tuple[list[dict], list[dict]]:
     return products, per_block
 
 
-def table(rows) -> tuple[list, list]:
-    head = ["M", "TF MatMul threads", "MatMul us", "BatchMatMulV2 us", "tf.cond us",
-            "XLA dot us", "MatMul vs XLA"]
-    body = [[str(r["m"]), "1 (operands < L2)" if r["single"] else "all",
-             f"{r['matmul']:.0f}", f"{r['bmm']:.0f}", f"{r['cond']:.0f}",
-             f"{r['xla']:.0f}", f"{r['xla'] / r['matmul']:.2f}x"] for r in rows]
+def _blas_cells(r) -> list:
+    """The OpenBLAS op's columns, where it ran."""
+    if "blas" not in r:
+        return []
+    return [f"{r['blas']:.0f}", f"{r['matmul'] / r['blas']:.2f}x"]
+
+
+_BLAS_HEAD = ["OpenBLAS op us", "OpenBLAS vs MatMul"]
+
+
+def table(rows, single: bool = True) -> tuple[list, list]:
+    blas = "blas" in rows[0]
+    head = (["M"] + (["TF MatMul threads"] if single else []) +
+            ["MatMul us", "BatchMatMulV2 us", "tf.cond us", "XLA dot us", "MatMul vs XLA"]
+            + (_BLAS_HEAD if blas else []))
+    body = [[str(r["m"])] + (["1 (operands < L2)" if r["single"] else "all"] if single else [])
+            + [f"{r['matmul']:.0f}", f"{r['bmm']:.0f}", f"{r['cond']:.0f}",
+               f"{r['xla']:.0f}", f"{r['xla'] / r['matmul']:.2f}x"] + _blas_cells(r)
+            for r in rows]
     return head, body
 
 
 def block_table(rows) -> tuple[list, list]:
+    blas = "blas" in rows[0]
     head = ["M", "MatMul us", "BatchMatMulV2 us", "row halves us", "XLA us",
-            "row halves vs MatMul"]
+            "row halves vs MatMul"] + (_BLAS_HEAD if blas else [])
     body = [[str(r["m"]), f"{r['matmul']:.0f}", f"{r['bmm']:.0f}", f"{r['split']:.0f}",
-             f"{r['xla']:.0f}", f"{r['matmul'] / r['split']:.2f}x"] for r in rows]
+             f"{r['xla']:.0f}", f"{r['matmul'] / r['split']:.2f}x"] + _blas_cells(r)
+            for r in rows]
     return head, body
 
 
-def _markdown(rows, blocks, meta: str) -> str:
+def _markdown(rows, blocks, meta: str, key: str, onednn: bool) -> str:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_lib.output import render_markdown
+    if not onednn:
+        return "\n".join([
+            f"<!-- suite:{key} -->",
+            "## gemm (the amd-avx2 machine: TF's Eigen GEMM vs XLA's and OpenBLAS's)", "",
+            meta, "",
+            f"Per product of a chain [M, {K}] x [{K}, {N}] x [{N}, {K}] ... (16 products "
+            "in one function, batch unknown); `tools/gemm_probe.py` says what each column "
+            "runs (the TF-threads column is oneDNN's rule, not Eigen's: left out).",
+            "", render_markdown(*table(rows, single=False)), "",
+            f"Per feed-forward block relu(x W1 + b1) W2 + b2 + x ({BLOCKS} in one "
+            "function; the OpenBLAS op takes the biases):",
+            "", render_markdown(*block_table(blocks)), "",
+            f"<!-- /suite:{key} -->"])
     return "\n".join([
         "<!-- suite:gemm -->", "## gemm (TF's matrix product vs XLA's, Transformer sizes)", "",
         meta, "",
@@ -215,17 +269,21 @@ def main(argv=None) -> int:
             print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
         print()
     if args.markdown:
-        import platform
-
         import tensorflow as tf
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_lib.machine import machine_line
         from bench_lib.output import replace_sections
+        from stitching.plan import profiles
+        from stitching.tf.passes import remapper
+        onednn = remapper.onednn_enabled()
+        key = "gemm" if onednn else "gemm@" + profiles.cpu_facts()["cpu_class"].replace(
+            "-", "_")
         meta = (f"Measured {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on "
-                f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, "
-                f"L2 {l2_bytes() >> 10} KiB per core), TensorFlow {tf.__version__}; load "
-                f"average {os.getloadavg()[0]:.2f}; command `python tools/gemm_probe.py "
+                f"{machine_line()} ({os.cpu_count()} cores, L2 {l2_bytes() >> 10} KiB "
+                f"per core), TensorFlow {tf.__version__}; load average "
+                f"{os.getloadavg()[0]:.2f} at the end; command `python tools/gemm_probe.py "
                 f"--sizes {args.sizes} --calls {args.calls} --rounds {args.rounds}`.")
-        replace_sections(args.markdown, {"gemm": _markdown(rows, blocks, meta)})
+        replace_sections(args.markdown, {key: _markdown(rows, blocks, meta, key, onednn)})
     return 0
 
 

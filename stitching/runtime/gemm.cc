@@ -15,23 +15,22 @@
 // _FusedMatMul): the bias is written into the output first and the GEMM adds to it
 // (beta = 1), so no pass over the product is left to run.
 //
-// Threads: OpenBLAS is set to one thread of its own, and a product is cut into
-// blocks of rows or columns; a share of blocks is one plain strided sgemm/dgemm call
-// on one thread.  The calling thread and TF's intra-op pool take shares (Shares, as
+// Threads: OpenBLAS is set to one thread of its own, and a product is cut into a few
+// pieces of rows or columns, each one plain strided sgemm/dgemm call on one thread.
+// The calling thread and TF's intra-op pool take pieces from one counter (Shares, as
 // op.cc's UnitQueue does for StitchedKernel's units), so OpenBLAS starts no pool of
 // its own to compete with TF's.  A 2-D product is cut into rows of the output when
-// M >= N, else columns: every share packs the whole of the other operand, and that
-// operand is the smaller.
-// A batch of products is shared out by whole products, and each product cut into
-// blocks only when there are fewer products than threads.  Small products run inline
-// on the calling thread (a pool wake-up costs more than they do).
+// M >= N, else columns: every piece packs the whole of the other operand, and that
+// operand is the smaller.  A batch of products is shared out by whole products, and
+// each product cut only when there are fewer products than threads.  Small products
+// run inline on the calling thread (a pool wake-up costs more than they do).
 //
 // Measured against one thread per product (each product inline, TF's inter-op
 // threads running independent products side by side) on the 2-core AMD EPYC while
 // another process kept one core busy: inline was 1.05-1.23x faster in median, the
-// shares 1.15-1.45x faster in the fastest calls (the machine's quiet moments): on a
-// busy machine a share's thread can be descheduled and the caller waits for it, as
-// it waits for TF's own GEMM.  Shares are the design point, an idle machine.
+// shared pieces 1.15-1.45x faster in the fastest calls (the machine's quiet moments): on a
+// busy machine a piece's thread can be descheduled and the caller waits for it, as
+// it waits for TF's own GEMM.  The pieces are for the design point, an idle machine.
 //
 // Numerics: each output element is one dot product of length K summed by OpenBLAS's
 // kernel (FMA, in blocks of K), as TF's Eigen kernel does in its own order: equal
@@ -84,6 +83,11 @@ constexpr int64_t kShardAlign = 16;
 // Multiply-adds in the smallest share a thread takes (arbitrary, ~2-4 us of one
 // core): a share is one GEMM call that packs the other operand again.
 constexpr int64_t kShareMacs = int64_t{1} << 16;
+// Pieces a product is cut into, per thread (see RunProducts).  Tuned on the 2-core
+// AMD EPYC (tools/gemm_probe.py, chains of [M, 256] x [256, 1024] x [1024, 256]):
+// 2 gave 440 us per product at M = 128 where 4 gave 465 and guided shares of
+// 16-column blocks 485 (TF's MatMul 530).
+constexpr int64_t kPiecesPerThread = 2;
 
 void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
@@ -100,22 +104,27 @@ void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const double* a,
                     ldc);
 }
 
-// One row-major product C[m, n] (+)= op(A) op(B) + bias, cut into blocks of
-// kShardAlign rows (by_rows) or columns; a share of the work is a range of blocks.
+// One row-major product C[m, n] (+)= op(A) op(B) + bias, cut into `pieces` equal
+// ranges of rows (by_rows) or columns, each a multiple of kShardAlign long.
 template <typename T>
 struct Product {
   bool ta, tb;
   int64_t m, n, k;
   const T* bias;          // [n] added to C, or nullptr
-  bool by_rows;           // blocks of rows (else of columns)
-  int64_t blocks;         // blocks per product (1: products are not cut)
+  bool by_rows;           // pieces of rows (else of columns)
+  int64_t pieces;         // pieces per product (1: products are not cut)
 
-  // Blocks [lo, hi) of the product of A (at a) and B (at b) into C (at c): one
+  // Where piece `i` starts (i == pieces: the end).
+  int64_t Edge(int64_t i) const {
+    const int64_t len = by_rows ? m : n;
+    if (i >= pieces) return len;
+    return std::min(len, (len * i / pieces + kShardAlign - 1) / kShardAlign * kShardAlign);
+  }
+
+  // Pieces [lo, hi) of the product of A (at a) and B (at b) into C (at c): one
   // strided GEMM call.
   void Run(int64_t lo, int64_t hi, const T* a, const T* b, T* c) const {
-    const int64_t len = by_rows ? m : n;
-    const int64_t begin = blocks == 1 ? 0 : lo * kShardAlign;
-    const int64_t end = blocks == 1 ? len : std::min(len, hi * kShardAlign);
+    const int64_t begin = Edge(lo), end = Edge(hi);
     if (end <= begin) return;
     const int64_t lda = ta ? m : k, ldb = tb ? k : n;
     int64_t rows = m, cols = n;
@@ -189,7 +198,7 @@ tsl::thread::ThreadPool* Pool(OpKernelContext* ctx) {
   return workers == nullptr ? nullptr : workers->workers;
 }
 
-// Runs `count` products of shape `p` (run(i, lo, hi): blocks [lo, hi) of product i)
+// Runs `count` products of shape `p` (run(i, lo, hi): pieces [lo, hi) of product i)
 // over the calling thread and the intra-op pool, or inline when small.
 template <typename T>
 void RunProducts(OpKernelContext* ctx, Product<T>* p, int64_t count,
@@ -197,28 +206,36 @@ void RunProducts(OpKernelContext* ctx, Product<T>* p, int64_t count,
   tsl::thread::ThreadPool* pool = Pool(ctx);
   const int64_t threads = pool == nullptr ? 1 : std::max(1, pool->NumThreads());
   const int64_t macs = p->m * p->n * p->k;
-  // Cut products into blocks only when there are fewer of them than threads; cut
-  // along the longer side of the output (each block packs all of the other operand).
+  // Cut products only when there are fewer of them than threads, along the longer
+  // side of the output (each piece packs all of the other operand), into
+  // kPiecesPerThread pieces per thread: few and large, because every piece is a GEMM
+  // call of its own that packs the other operand again, and more than one per
+  // thread, so that a thread that starts late takes fewer.
   p->by_rows = p->m >= p->n;
   const int64_t len = p->by_rows ? p->m : p->n;
-  p->blocks = count >= threads ? 1 : (len + kShardAlign - 1) / kShardAlign;
-  if (threads < 2 || count * macs < kInlineMacs || count * p->blocks < 2) {
-    for (int64_t i = 0; i < count; ++i) run(i, 0, p->blocks);
+  p->pieces = count >= threads ? 1
+                               : std::max<int64_t>(1, std::min(kPiecesPerThread * threads,
+                                                               len / kShardAlign));
+  if (threads < 2 || count * macs < kInlineMacs || count * p->pieces < 2) {
+    for (int64_t i = 0; i < count; ++i) run(i, 0, p->pieces);
     return;
   }
-  const int64_t blocks = p->blocks;
-  const int64_t unit_macs = std::max<int64_t>(1, macs / blocks);
-  const int64_t total = count * blocks;
-  const int64_t chunk = std::max<int64_t>(1, kShareMacs / unit_macs);
+  const int64_t pieces = p->pieces;
+  const int64_t total = count * pieces;
+  // whole products: guided shares of at least ~kShareMacs; pieces: one at a time
+  const int64_t chunk = pieces > 1 ? 1
+                                   : std::max<int64_t>(1, kShareMacs / std::max<int64_t>(
+                                                              1, macs));
+  const int64_t guide = pieces > 1 ? total : 2 * threads;
   auto shares = std::make_shared<Shares>(
-      [run, blocks](int64_t lo, int64_t hi) {
+      [run, pieces](int64_t lo, int64_t hi) {
         for (int64_t u = lo; u < hi;) {   // a share may span products
-          const int64_t i = u / blocks, end = std::min(hi, (i + 1) * blocks);
-          run(i, u - i * blocks, end - i * blocks);
+          const int64_t i = u / pieces, end = std::min(hi, (i + 1) * pieces);
+          run(i, u - i * pieces, end - i * pieces);
           u = end;
         }
       },
-      total, std::min(chunk, (total + threads - 1) / threads), 2 * threads);
+      total, std::min(chunk, (total + threads - 1) / threads), guide);
   const int64_t helpers = std::min(threads - 1, (total + chunk - 1) / chunk - 1);
   for (int64_t i = 0; i < helpers; ++i) pool->Schedule([shares] { shares->Work(); });
   shares->Work();
