@@ -24,8 +24,11 @@ def _einsum_dense(x):
 
 
 def _stitched_ops(fn, sig):
+    # the products as this pass leaves them, whatever the session's machine (where TF's
+    # GEMM is Eigen's, tf/passes/blas.py would make them OpenBLAS ops: test_blas.py)
     cf = tf.function(fn, input_signature=sig).get_concrete_function()
-    res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs])
+    res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs],
+                                    options=stitching.Options(blas_gemm=False))
     return [n.op for n in res.graph_def.node]
 
 

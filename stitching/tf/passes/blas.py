@@ -29,6 +29,8 @@ TF's and the report says why.
 """
 from __future__ import annotations
 
+import collections
+
 import tensorflow as tf
 
 from ..passmanager import Pass
@@ -100,9 +102,11 @@ def _run(ctx):
     if problem is not None:
         return (f"{len(pairs)} matrix product(s) left to TF's Eigen GEMM: {problem} "
                 f"(tf/passes/blas.py)")
+    kinds = collections.Counter(p.op for p, _ in pairs)
     biased = rewrite(ctx.graph_def, pairs)
-    return (f"{len(pairs)} matrix product(s) run by OpenBLAS ({biased} with their "
-            f"BiasAdd): TF's GEMM here is Eigen's (oneDNN off), slower "
+    listed = ", ".join(f"{n} {op}" for op, n in sorted(kinds.items()))
+    return (f"{len(pairs)} matrix product(s) run by OpenBLAS ({listed}; {biased} with "
+            f"their BiasAdd): TF's GEMM here is Eigen's (oneDNN off), slower "
             f"(tf/passes/blas.py; Options(blas_gemm=False) leaves them to TF)")
 
 
