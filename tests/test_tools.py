@@ -305,6 +305,16 @@ def test_gemm_probe_states_tfs_single_thread_line_and_keeps_other_sections(tmp_p
     text = out.read_text()
     assert "kept" in text and "<!-- suite:gemm -->" in text and "| 128 | 1 (operands < L2) |" in text
     assert "| 128 | 1076 | 927 | 791 | 834 | 1.36x |" in text
+    # an Eigen machine's section (its own key) with the OpenBLAS op's column, beside it
+    for r, b in zip(rows, (400.0, 500.0)):
+        r["blas"] = b
+    blocks[0]["blas"] = 800.0
+    replace_sections(str(out), {"gemm@amd_avx2": gemm_probe._markdown(
+        rows, blocks, "measured there", "gemm@amd_avx2", onednn=False)})
+    text = out.read_text()
+    assert "<!-- suite:gemm -->" in text and "<!-- suite:gemm@amd_avx2 -->" in text
+    assert "| 128 | 455 | 377 | 430 | 330 | 0.73x | 400 | 1.14x |" in text
+    assert "| 128 | 1076 | 927 | 791 | 834 | 1.36x | 800 | 1.34x |" in text
 
 
 def test_benchmarks_md_opens_with_a_summary_made_from_its_sections(tmp_path):

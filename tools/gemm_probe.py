@@ -221,7 +221,7 @@ def block_table(rows) -> tuple[list, list]:
     return head, body
 
 
-def _markdown(rows, blocks, meta: str, key: str, onednn: bool) -> str:
+def _markdown(rows, blocks, meta: str, key: str = "gemm", onednn: bool = True) -> str:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_lib.output import render_markdown
     if not onednn:
