@@ -784,7 +784,7 @@ def test_batch_matmul_against_a_2d_weight_runs_as_one_matmul():
             np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got[0].numpy(), ref64.numpy(), rtol=1e-4, atol=1e-4)
     off = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs],
-                                    options=stitching.Options(gemm=False))
+                                    options=stitching.Options(gemm=False, blas_gemm=False))
     assert [n.op for n in off.graph_def.node].count("BatchMatMulV2") == 4
     # a GraphDef with default-valued attrs stripped (as SavedModels may store it):
     # adj_x/adj_y absent mean False, and the kept nodes do not gain empty attrs
@@ -792,7 +792,8 @@ def test_batch_matmul_against_a_2d_weight_runs_as_one_matmul():
     for nd in gdef.node:
         if nd.op == "BatchMatMulV2" and not nd.attr["adj_x"].b and not nd.attr["adj_y"].b:
             del nd.attr["adj_x"], nd.attr["adj_y"]
-    res = pipeline.stitch_graph_def(gdef, [t.name for t in cf.outputs])
+    res = pipeline.stitch_graph_def(gdef, [t.name for t in cf.outputs],
+                                    options=stitching.Options(blas_gemm=False))
     kept = [n for n in res.graph_def.node if n.op == "BatchMatMulV2"]
     assert len(kept) == 2 and [n.op for n in res.graph_def.node].count("MatMul") == 2
     assert not any(len(n.attr[a].ListFields()) == 0 for n in res.graph_def.node
