@@ -76,9 +76,9 @@ const bool kOneThread = [] {
 // [1, 256] x [256, 1024] product (2^18, reading 1 MiB of weights: bandwidth-bound)
 // took 0.066 ms inline against TF's 0.035 on two threads, so the line sits lower.
 constexpr int64_t kInlineMacs = int64_t{1} << 16;
-// Rows or columns per shard are a multiple of this: the widest register block of
-// OpenBLAS's Haswell/SkylakeX sgemm kernels (16), so no shard ends in a partial
-// block where a whole one would do.
+// Pieces of a product start at a multiple of this many rows or columns: the widest
+// register block of OpenBLAS's Haswell/SkylakeX sgemm kernels (16), so no piece ends
+// in a partial block where a whole one would do.
 constexpr int64_t kShardAlign = 16;
 // Multiply-adds in the smallest share a thread takes (arbitrary, ~2-4 us of one
 // core): a share is one GEMM call that packs the other operand again.
