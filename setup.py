@@ -20,10 +20,7 @@ from setuptools import find_packages, setup
 
 # The TF minors the suite has passed on (README "Install"; tools/tf_versions.py runs it).
 TF_RANGE = ">=2.19,<2.22"
-# scipy-openblas32: the GEMM library of the matrix products where TF's is Eigen's
-# (stitching/runtime/blas.py); also its own extra, "blas", for a user whose TF is
-# already installed (without it those products stay TF's).
-TF_DEPS = ["keras>=3.0", "ml_dtypes>=0.4", "protobuf>=4.21", "scipy-openblas32>=0.3.27"]
+TF_DEPS = ["keras>=3.0", "ml_dtypes>=0.4", "protobuf>=4.21"]
 
 setup(
     name="stitching",
@@ -42,12 +39,17 @@ setup(
         "numba>=0.60",
         "llvmlite>=0.43",        # imported directly (native.py); numba's own dependency
         "networkx>=3.0",         # graph algorithms of the planner
+        # The GEMM library of the matrix products where TF's is Eigen's
+        # (stitching/runtime/blas.py).  Core, not an extra: a user who keeps their own
+        # TensorFlow installs plain ``stitching`` and should get the fast products, and a
+        # SavedModel rewritten with them must load wherever stitching is installed.  A
+        # self-contained binary wheel (no TF, no numpy), harmless where unused.
+        "scipy-openblas32>=0.3.27",
     ],
     extras_require={
         # TF is optional for the TF-free layers (IR, schedule, codegen, CUDA harness).
         "tf": ["tensorflow" + TF_RANGE] + TF_DEPS,
         "tf-cpu": ["tensorflow-cpu" + TF_RANGE] + TF_DEPS,
-        "blas": ["scipy-openblas32>=0.3.27"],
         "cuda": ["numba-cuda>=0.20"],
         # the API reference (docs/api, Sphinx autodoc; tests/test_docs.py builds it)
         "docs": ["sphinx>=7"],
