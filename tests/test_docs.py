@@ -69,7 +69,7 @@ def _shims(tmp: Path) -> str:
     bin_dir = tmp / "_bin"
     bin_dir.mkdir()
     for script, module in (("stitching-build", "stitching.runtime.build"),
-                           ("stitching-rewrite", "stitching.tf.cli")):
+                           ("stitching-rewrite", "stitching.cli")):
         if shutil.which(script) is None:
             (bin_dir / script).write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
             (bin_dir / script).chmod(0o755)
