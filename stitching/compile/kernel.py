@@ -214,16 +214,69 @@ def check_code_size(name: str, text: str) -> None:
                                 f"more than the {MAX_CODE_BYTES} compiled")
 
 
-def slow_at_tier1(spec) -> bool:
-    """Whether ``spec``'s tier-1 code is expected to be slower than TF's own ops: it
-    computes a transcendental function (exp, erf, tanh, log...), which tier 1 runs as
-    scalar polynomials (direct.py) and TF's kernels vectorize.  Measured, tier 1 / TF
-    at the patterns suite's large size (BENCHMARKS.md, compile phases; load ~8):
-    swiglu 1.71x, softmax 0.84x, log-softmax 0.87x, GELU 0.61x -- and 0.31-0.88x for
-    the kernels without one (LayerNorm, RMSNorm, BN + ReLU6, centering).  A rule of
-    thumb, conservative where it holds: a held region runs at TF's speed."""
+# Tier-1 code's slowdown over tier 2 on the size-dependent part of a kernel's time,
+# by kernel class (tools/compile_phases.py speed, the nine pattern kernels, AMD EPYC
+# avx2, BENCHMARKS.md "compile phases"): measured, the worst of each class at 64 and
+# 8192 rows -- without a transcendental LayerNorm's 3.07x (BN + ReLU6 1.48-1.69x),
+# with one SwiGLU's 7.32x (its exp runs scalar at tier 1; softmax 3.26x).  Not
+# measured on the AVX-512 profile: the same factors apply there.
+TIER1_SLOWDOWN = {False: 3.1, True: 7.3}
+# Sizes a dim unknown until run time is assumed to take for the estimate: the cost
+# model's DEFAULT_DIM (launch-bound: tier 1 costs little there) and a large one
+# (arbitrary: 4096, where the kernel's traffic dominates); a region holds if tier 1
+# loses to TF at either.
+TIER1_PROBE_DIMS = (None, 4096)
+
+
+def tier1_estimate(spec) -> tuple:
+    """(tier-1 seconds, TF's unfused seconds) for ``spec``'s region, by the cost model
+    (plan/cost.py spec_times) at each of TIER1_PROBE_DIMS, worst ratio first: the
+    kernel's fused time with its size-dependent part (all but one launch and task)
+    times TIER1_SLOWDOWN of its class, against the time of its ops left to TF."""
     from ..ir.ops import OPS
-    return any(n.op in OPS and OPS[n.op].transcendental for n in spec.nodes)
+    from ..plan import cost, profiles
+    profile = profiles.default()
+    slowdown = TIER1_SLOWDOWN[any(n.op in OPS and OPS[n.op].transcendental
+                                  for n in spec.nodes)]
+    fixed = profile.launch_s + profile.task_s
+    worst = None
+    for dim in TIER1_PROBE_DIMS:
+        fused, unfused = cost.spec_times(_with_dims(spec, dim), profile)
+        tier1 = min(fused, fixed) + slowdown * max(0.0, fused - fixed)
+        if worst is None or tier1 / unfused > worst[0] / worst[1]:
+            worst = (tier1, unfused)
+    return worst
+
+
+def _with_dims(spec, dim):
+    """``spec`` with its unknown dims set to ``dim`` (None: as it is)."""
+    from ..ir import SpecNode, TensorType
+    if dim is None:
+        return spec
+    fix = lambda t: TensorType(t.dtype, tuple(dim if d < 0 else d for d in t.shape))  # noqa: E731
+    return KernelSpec(tuple(fix(t) for t in spec.inputs),
+                      tuple(SpecNode(n.op, n.args, n.attrs, fix(n.type)) for n in spec.nodes),
+                      spec.outputs, spec.schedule, spec.same_dims)
+
+
+def slow_at_tier1(spec) -> bool:
+    """Whether ``spec``'s tier-1 code is expected to be slower than TF's own ops
+    (tier1_estimate; memoized per spec).  Where the cost model cannot price the spec,
+    the rule it replaced: a region computing a transcendental function holds
+    (tier 1 runs it as scalar polynomials, TF's kernels vectorize)."""
+    got = _slow_at_tier1.get(spec.hash)
+    if got is None:
+        try:
+            tier1, unfused = tier1_estimate(spec)
+            got = tier1 > unfused
+        except Exception:  # noqa: BLE001 - an unpriced spec holds by the old rule
+            from ..ir.ops import OPS
+            got = any(n.op in OPS and OPS[n.op].transcendental for n in spec.nodes)
+        _slow_at_tier1[spec.hash] = got
+    return got
+
+
+_slow_at_tier1: dict = {}      # spec hash -> slow_at_tier1
 
 
 class CompiledKernel:
@@ -267,7 +320,8 @@ class CompiledKernel:
     @property
     def hold_until_upgrade(self) -> bool:
         """Tier-1 code expected to be slower than the TF ops it replaces
-        (slow_at_tier1): the op runs a node's original ops until the upgrade."""
+        (slow_at_tier1, the cost model's estimate): the op runs a node's original ops
+        until the upgrade."""
         return self._code.tier == 1 and slow_at_tier1(self.spec)
 
     @property
