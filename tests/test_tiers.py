@@ -152,14 +152,30 @@ def test_a_failed_tier2_compile_leaves_tier1_serving(monkeypatch):
     np.testing.assert_allclose(k(x, b)[0], y, rtol=1e-5, atol=1e-6)
 
 
-def test_tiered_compiles_are_opt_in_and_the_setting_is_checked(monkeypatch):
+def test_tiered_compile_is_the_default_but_for_background_and_shipped_kernels(
+        monkeypatch):
     monkeypatch.delenv("STITCHING_TIERED_COMPILE", raising=False)
-    assert parallel.tiered_default() is False
-    monkeypatch.setenv("STITCHING_TIERED_COMPILE", "1")
     assert parallel.tiered_default() is True
+    with parallel.background():         # stock TF serves meanwhile: tier 2 only
+        assert parallel.tiered_default() is False
+    with parallel.shipping():           # an artifact's kernels: tier 2 only
+        assert parallel.tiered_default() is False
+    assert parallel.tiered_default() is True
+    monkeypatch.setenv("STITCHING_TIERED_COMPILE", "0")
+    assert parallel.tiered_default() is False
     monkeypatch.setenv("STITCHING_TIERED_COMPILE", "yes")
     with pytest.raises(ValueError, match="STITCHING_TIERED_COMPILE must be 0 or 1"):
         parallel.tiered_default()
+
+
+def test_workers_of_an_untiered_compile_make_no_tier1_directory(monkeypatch):
+    """Regression: every worker-spawning process made an empty tier-1 temp directory,
+    tiering on or off (the workers got it in their environment)."""
+    monkeypatch.setattr(kernel, "_TIER1_DIR", None)
+    ks = parallel.compile_kernels([layernorm_spec(), gelu_spec(), softmax_spec()],
+                                  jobs=2, tiered=False)
+    assert [k.tier for k in ks] == [2, 2, 2] and len(cache_objects()) == 3
+    assert kernel._TIER1_DIR is None
 
 
 def test_the_op_switches_to_tier2_between_calls_while_tf_threads_run_it():
@@ -210,14 +226,17 @@ def test_the_op_switches_to_tier2_between_calls_while_tf_threads_run_it():
 
 def test_a_region_slower_at_tier1_than_tf_runs_its_original_ops_until_the_upgrade(
         monkeypatch):
-    """softmax (exp: kernel.slow_at_tier1): while its kernel is at tier 1 the node runs
-    the region's TF ops (outputs are TF's, bit for bit); after the upgrade, tier 2."""
+    """A softmax whose tier 1 is estimated slower than TF (kernel.slow_at_tier1; made so
+    here by a large slowdown factor): while its kernel is at tier 1 the node runs the
+    region's TF ops (outputs are TF's, bit for bit); after the upgrade, tier 2."""
     tf = pytest.importorskip("tensorflow")
     import stitching
     from stitching.runtime import registry
     pending = []
     monkeypatch.setattr(parallel, "_upgrade_later", lambda ks, jobs, batch: pending.extend(ks))
     monkeypatch.setenv("STITCHING_TIERED_COMPILE", "1")
+    monkeypatch.setitem(kernel.TIER1_SLOWDOWN, True, 1000.0)
+    kernel._slow_at_tier1.clear()
 
     def softmax(x):
         e = tf.exp(x - tf.reduce_max(x, axis=-1, keepdims=True))
@@ -239,6 +258,25 @@ def test_a_region_slower_at_tier1_than_tf_runs_its_original_ops_until_the_upgrad
     np.testing.assert_allclose(st(x).numpy(), want, rtol=1e-5, atol=1e-7)
 
 
-def test_tier1_kernels_without_transcendentals_run_at_once():
+def swiglu_spec(rows: int = 4096, cols: int = 1024):
+    b = SpecBuilder()
+    x = b.input("float32", (rows, cols))
+    y = b.input("float32", (rows, cols))
+    return b.build([b.Mul(b.Mul(x, b.Sigmoid(x)), y)])
+
+
+def test_a_region_holds_where_its_tier1_estimate_loses_to_tf(machine, monkeypatch):
+    """The hold is the cost model's estimate (kernel.tier1_estimate): the fused time,
+    its size-dependent part times tier 1's measured slowdown, against TF's ops.  A
+    large SwiGLU (scalar exp at tier 1, 7x) loses; a LayerNorm (3x) wins."""
+    kernel._slow_at_tier1.clear()
+    t1, tf_s = kernel.tier1_estimate(swiglu_spec())
+    assert t1 > tf_s and kernel.slow_at_tier1(swiglu_spec())
+    t1, tf_s = kernel.tier1_estimate(layernorm_spec())
+    assert t1 < tf_s and not kernel.slow_at_tier1(layernorm_spec())
     assert not kernel.compile_kernel(layernorm_spec(), tier=1).hold_until_upgrade
-    assert kernel.compile_kernel(gelu_spec(), tier=1).hold_until_upgrade
+    # the decision follows the factor, not the op kinds
+    monkeypatch.setitem(kernel.TIER1_SLOWDOWN, False, 1000.0)
+    kernel._slow_at_tier1.clear()
+    assert kernel.slow_at_tier1(layernorm_spec())
+    kernel._slow_at_tier1.clear()

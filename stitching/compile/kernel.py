@@ -264,7 +264,9 @@ def slow_at_tier1(spec) -> bool:
     (tier1_estimate; memoized per spec).  Where the cost model cannot price the spec,
     the rule it replaced: a region computing a transcendental function holds
     (tier 1 runs it as scalar polynomials, TF's kernels vectorize)."""
-    got = _slow_at_tier1.get(spec.hash)
+    from ..plan import profiles
+    key = (spec.hash, profiles.default().name)
+    got = _slow_at_tier1.get(key)
     if got is None:
         try:
             tier1, unfused = tier1_estimate(spec)
@@ -272,11 +274,11 @@ def slow_at_tier1(spec) -> bool:
         except Exception:  # noqa: BLE001 - an unpriced spec holds by the old rule
             from ..ir.ops import OPS
             got = any(n.op in OPS and OPS[n.op].transcendental for n in spec.nodes)
-        _slow_at_tier1[spec.hash] = got
+        _slow_at_tier1[key] = got
     return got
 
 
-_slow_at_tier1: dict = {}      # spec hash -> slow_at_tier1
+_slow_at_tier1: dict = {}      # (spec hash, device profile name) -> slow_at_tier1
 
 
 class CompiledKernel:
@@ -329,6 +331,19 @@ class CompiledKernel:
         """1: quick code running while the optimized code compiles (tiers: _Code);
         2: the optimized code every cache holds."""
         return self._code.tier
+
+    def tiering(self) -> str | None:
+        """Which code this kernel runs and ran, in words, where it started at tier 1
+        (None: it never did): whether its region held (its TF ops ran) and when its
+        tier-2 code came, counted from when tier 1 was ready."""
+        c = self._code
+        if c.tier1_at is None:
+            return None
+        what = ("tier 1 held: its TF ops ran (tier 1 estimated slower than TF)"
+                if slow_at_tier1(self.spec) else "tier 1 ran")
+        if c.tier2_at is None:
+            return f"{what}; tier 2 not in yet"
+        return f"{what}; tier 2 in {c.tier2_at - c.tier1_at:.2f} s after"
 
     def upgrade(self) -> bool:
         """Switch a tier-1 kernel to its tier-2 code once that is in the disk cache;
@@ -476,6 +491,9 @@ class _Code:
         self.backend, self.backend_note = None, None
         # 1: quick code from _tier1_dir(), not the cache (upgrade); 2: stem's
         self.tier, self.built_at = 2, stem
+        # time.monotonic() when tier-1 code started serving and when tier 2 replaced
+        # it (None: never; the report's per-kernel tier line, CompiledKernel.tiering)
+        self.tier1_at = self.tier2_at = None
         if native.built(stem, code):
             try:
                 self.address = native.load(stem, symbol, code)
@@ -518,6 +536,7 @@ class _Code:
                 return False
             old, self.address = self.address, native.load(self.stem, self.symbol)
             self.tier, self.built_at, self.text = 2, self.stem, None
+            self.tier2_at = time.monotonic()
             # after the switch: a kernel registered from now on reads the new
             # address, one registered before is switched by the listener
             for fn in _upgrade_listeners:
@@ -547,6 +566,8 @@ class _Code:
             self.address = native.load(at, symbol)
             self.tier, self.built_at = tier, at
             self.text = text if tier == 1 else None       # for build_tier2
+            if tier == 1:
+                self.tier1_at = time.monotonic()
         except Unsupported as e:
             self.backend_note = f"built by Numba: the direct backend does not handle {e}"
             _log.info("kernel %s: %s", self.stem.name, self.backend_note)
@@ -591,17 +612,20 @@ def on_upgrade(fn) -> None:
             _upgrade_listeners.append(fn)
 
 
-TIER1_ENV = "STITCHING_TIER1_DIR"     # a compile worker's parent's _tier1_dir()
+def set_tier1_dir(path: str) -> None:
+    """A compile worker's tier-1 directory: its parent's (worker.py), named in the
+    parent's tier-1 requests."""
+    global _TIER1_DIR
+    with _lock:
+        _TIER1_DIR = Path(path)
 
 
 def _tier1_dir() -> Path:
-    """Where this process's tier-1 objects go: a directory of its own (a compile
-    worker: its parent's), removed at exit (the objects stay mapped), so that no
-    cache ever holds tier-1 code."""
+    """Where this process's tier-1 objects go: a directory of its own, made on first
+    use (a compile worker: its parent's, set_tier1_dir), removed at exit (the objects
+    stay mapped), so that no cache ever holds tier-1 code."""
     global _TIER1_DIR
     with _lock:
-        if _TIER1_DIR is None and os.environ.get(TIER1_ENV):
-            _TIER1_DIR = Path(os.environ[TIER1_ENV])
         if _TIER1_DIR is None:
             import atexit
             import shutil

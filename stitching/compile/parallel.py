@@ -65,6 +65,7 @@ class Cancelled(RuntimeError):
 
 
 _background = threading.local()   # .on: this thread compiles behind stock TF
+_shipping = threading.local()     # .on: this thread's kernels go into an artifact
 _cancelled = threading.Event()
 
 
@@ -83,6 +84,21 @@ class background:
 
 def in_background() -> bool:
     return getattr(_background, "on", False)
+
+
+class shipping:
+    """``with shipping():`` the kernels this thread compiles are for an artifact that
+    ships them (stitching-rewrite, its SavedModel export: tf/kernel_assets.py), so
+    they compile straight to tier 2 (Tiers): a tier-1 build there would only be thrown
+    away, the artifact holding tier-2 code only."""
+
+    def __enter__(self):
+        self._was = getattr(_shipping, "on", False)
+        _shipping.on = True
+        return self
+
+    def __exit__(self, *exc):
+        _shipping.on = self._was
 
 
 def cancel() -> None:
@@ -125,7 +141,6 @@ def _spawn():
                STITCHING_WORKER_PARENT=str(os.getpid()),    # it dies with us (worker.py)
                STITCHING_COMPILE_MEMORY_MB=str(_limit("STITCHING_COMPILE_MEMORY_MB",
                                                       COMPILE_MEMORY_MB)))
-    env[kernel.TIER1_ENV] = str(kernel._tier1_dir())    # where it builds tier 1 (Tiers)
     if in_background():
         env[NICE_ENV] = str(BACKGROUND_NICE)     # worker.py lowers its own priority
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -267,7 +282,10 @@ class _Batch:
                 if tier == 2 and self.tiered and not lowered:
                     _lower_priority(p)      # its tier-1 work is done: behind the user's
                     lowered = True
-                req = spec.to_json() if tier == 2 else {"spec": spec.to_json(), "tier": 1}
+                # tier 1 goes to this process's own directory, named in the request
+                # (a worker started while tiering is off never makes one)
+                req = spec.to_json() if tier == 2 else {
+                    "spec": spec.to_json(), "tier": 1, "dir": str(kernel._tier1_dir())}
                 p.stdin.write(json.dumps(req) + "\n")
                 p.stdin.flush()
                 line = p.stdout.readline()
@@ -327,12 +345,12 @@ def _close(p):
 
 
 def tiered_default() -> bool:
-    """Whether compile_kernels compiles tiered when not told (``STITCHING_TIERED_COMPILE``
-    = 1; off by default: module note, Tiers)."""
+    """Whether compile_kernels compiles tiered when not told: yes (Tiers), unless
+    ``STITCHING_TIERED_COMPILE=0``, in a background compile or while ``shipping()``."""
     env = os.environ.get("STITCHING_TIERED_COMPILE", "").strip()
     if env not in ("", "0", "1"):
         raise ValueError(f"STITCHING_TIERED_COMPILE must be 0 or 1, got {env!r}")
-    return env == "1"
+    return env != "0" and not in_background() and not getattr(_shipping, "on", False)
 
 
 def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None,
@@ -348,10 +366,10 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
     the workers do, one per distinct code).  ``workers``: pre-started workers
     (parallel.prestart) to use, or to close when nothing needs compiling.  ``on_error(spec, exc)``,
     if given, is called for a spec that fails and its slot is None; without it the
-    first failure raises.  ``tiered`` (default tiered_default()): kernels missing from
-    the disk cache are built here at tier 1 and run at once, their tier-2 code
-    compiled behind them (module note, Tiers); ``wait_upgrades`` waits for it.  Not
-    inside ``background()`` unless asked: stock TF serves there meanwhile."""
+    first failure raises.  ``tiered`` (default tiered_default(): on, but for background
+    compiles, where stock TF serves meanwhile, and ``shipping()``): kernels missing
+    from the disk cache are built at tier 1 and run at once, their tier-2 code compiled
+    behind them (module note, Tiers); ``wait_upgrades`` waits for it."""
     specs = [validate(s) for s in specs]
     distinct = {}
     for s in specs:
@@ -359,7 +377,7 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
     n = len(distinct)
     # A background compile (stock TF serving meanwhile) has no one waiting for a
     # kernel: it compiles tier 2 in workers only, off this process's cores
-    tiered = (tiered_default() and not in_background()) if tiered is None else tiered
+    tiered = tiered_default() if tiered is None else tiered
     tier = 1 if tiered else 2
     batch = None
     if tier == 2:
