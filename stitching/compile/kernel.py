@@ -261,24 +261,30 @@ def _with_dims(spec, dim):
 
 def slow_at_tier1(spec) -> bool:
     """Whether ``spec``'s tier-1 code is expected to be slower than TF's own ops
-    (tier1_estimate; memoized per spec).  Where the cost model cannot price the spec,
-    the rule it replaced: a region computing a transcendental function holds
-    (tier 1 runs it as scalar polynomials, TF's kernels vectorize)."""
+    (tier1_estimate).  Where the cost model cannot price the spec, the rule it
+    replaced: a region computing a transcendental function holds (tier 1 runs it as
+    scalar polynomials, TF's kernels vectorize)."""
+    est = estimate_at_tier1(spec)
+    if est is None:
+        from ..ir.ops import OPS
+        return any(n.op in OPS and OPS[n.op].transcendental for n in spec.nodes)
+    return est[0] > est[1]
+
+
+def estimate_at_tier1(spec):
+    """tier1_estimate(spec), memoized per spec and device profile; None where the
+    cost model cannot price the spec."""
     from ..plan import profiles
     key = (spec.hash, profiles.default().name)
-    got = _slow_at_tier1.get(key)
-    if got is None:
+    if key not in _tier1_estimates:
         try:
-            tier1, unfused = tier1_estimate(spec)
-            got = tier1 > unfused
-        except Exception:  # noqa: BLE001 - an unpriced spec holds by the old rule
-            from ..ir.ops import OPS
-            got = any(n.op in OPS and OPS[n.op].transcendental for n in spec.nodes)
-        _slow_at_tier1[key] = got
-    return got
+            _tier1_estimates[key] = tier1_estimate(spec)
+        except Exception:  # noqa: BLE001 - an unpriced spec: slow_at_tier1's old rule
+            _tier1_estimates[key] = None
+    return _tier1_estimates[key]
 
 
-_slow_at_tier1: dict = {}      # (spec hash, device profile name) -> slow_at_tier1
+_tier1_estimates: dict = {}    # (spec hash, device profile name) -> tier1_estimate
 
 
 class CompiledKernel:
@@ -339,8 +345,11 @@ class CompiledKernel:
         c = self._code
         if c.tier1_at is None:
             return None
-        what = ("tier 1 held: its TF ops ran (tier 1 estimated slower than TF)"
-                if slow_at_tier1(self.spec) else "tier 1 ran")
+        est = estimate_at_tier1(self.spec)
+        why = "" if est is None else \
+            f", estimated {est[0] * 1e6:.0f} µs vs TF's {est[1] * 1e6:.0f} µs"
+        what = (f"tier 1 held: its TF ops ran (tier 1 slower than TF{why})"
+                if slow_at_tier1(self.spec) else f"tier 1 ran{why}")
         if c.tier2_at is None:
             return f"{what}; tier 2 not in yet"
         return f"{what}; tier 2 in {c.tier2_at - c.tier1_at:.2f} s after"
