@@ -422,10 +422,11 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
 # workers.  Only tier-2 code is ever written to the
 # disk cache, so a warm process and the steady state run the same machine code as
 # without tiers.  Tier-1 code is ~3x slower than tier 2 (BENCHMARKS.md, compile
-# phases); where that would lose to TF's own ops (kernel.slow_at_tier1, a rule of
-# thumb) the op runs the region's original ops until the upgrade (op.cc Entry::hold).
-# Off by default (STITCHING_TIERED_COMPILE=1 turns it on): which regions hold is a
-# rule of thumb, not a per-region estimate.
+# phases); where the cost model expects that to lose to TF's own ops
+# (kernel.slow_at_tier1) the op runs the region's original ops until the upgrade
+# (op.cc Entry::hold).  On by default wherever a caller waits for its kernels
+# (STITCHING_TIERED_COMPILE=0 turns it off); not in background compiles (stock TF
+# serves there) nor while ``shipping()`` (an artifact holds tier-2 code only).
 
 _upgrades: list = []            # threads compiling tier 2 behind tier-1 kernels
 
