@@ -437,6 +437,7 @@ def _upgrade_later(kernels, jobs, batch) -> None:
     kernel whose tier 2 fails keeps running tier 1."""
     if not kernels and batch is None:
         return
+    started = time.monotonic()
 
     def run():
         with background():
@@ -450,8 +451,10 @@ def _upgrade_later(kernels, jobs, batch) -> None:
             except Exception as e:  # noqa: BLE001 - tier 1 keeps serving
                 kernel._log.warning("tier-2 compile failed (%s: %s); kernels keep "
                                     "their tier-1 code", type(e).__name__, e)
-        for k in kernels:
-            k.upgrade()
+        t0 = time.monotonic()
+        upgraded = sum(bool(k.upgrade()) for k in kernels)
+        kernel._log.info("tier 2 in for %d of %d kernels, %.2f s after their tier 1",
+                         upgraded, len(kernels), t0 - started)
 
     t = threading.Thread(target=run, name="stitching-tier2", daemon=True)
     _upgrades.append(t)
