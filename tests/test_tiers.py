@@ -347,3 +347,35 @@ def test_a_rewritten_saved_model_ships_tier2_code_under_the_tiered_default(
     want = m.f(tf.constant(x))
     for g, w in zip(sorted(out.items()), want):
         np.testing.assert_allclose(g[1].numpy(), w.numpy(), rtol=2e-5, atol=2e-5)
+
+
+def test_a_training_step_with_held_regions_does_not_hang_its_first_call():
+    """Regression: held tier-1 kernels' nodes ran their original ops through TF's
+    inter-op pool while blocking a thread of it; the MLP training step's first call
+    (cold, tiered compile, its erf and exp regions held) waited forever on 2 cores.
+    In a child process bounded in time, with two inter-op threads."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import numpy as np, tensorflow as tf
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+        import stitching
+        from stitching.compile import kernel, parallel
+        from stitching.testing import train as T
+        parallel._upgrade_later = lambda ks, jobs, batch: None    # held ones stay held
+        step = T.make_step("mlp")
+        f = stitching.function(step.fn,
+                               options=stitching.Options(background_compile=False))
+        loss = f(step.x, step.y)
+        held = [k for k in kernel._kernels.values() if k.hold_until_upgrade]
+        assert held, "no region held"
+        assert np.isfinite(np.asarray(tf.nest.flatten(loss)[0])).all()
+        print("OK", len(held))
+    """)
+    env = dict(os.environ, STITCHING_TIERED_COMPILE="1", STITCHING_CPU_BACKEND="llvm",
+               STITCHING_DEVICE_PROFILE="amd-avx2")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=150)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-2000:]
