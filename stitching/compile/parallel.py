@@ -69,36 +69,35 @@ _shipping = threading.local()     # .on: this thread's kernels go into an artifa
 _cancelled = threading.Event()
 
 
-class background:
-    """``with background():`` the compiles this thread starts are background ones
-    (module note): workers only, at a lower priority, stopped by ``cancel()``."""
+class _ThreadFlag:
+    """A context manager setting ``_state.on`` for the calling thread (nests)."""
+    _state: threading.local
 
     def __enter__(self):
-        self._was = getattr(_background, "on", False)
-        _background.on = True
+        self._was = getattr(self._state, "on", False)
+        self._state.on = True
         return self
 
     def __exit__(self, *exc):
-        _background.on = self._was
+        self._state.on = self._was
+
+
+class background(_ThreadFlag):
+    """``with background():`` the compiles this thread starts are background ones
+    (module note): workers only, at a lower priority, stopped by ``cancel()``."""
+    _state = _background
 
 
 def in_background() -> bool:
     return getattr(_background, "on", False)
 
 
-class shipping:
+class shipping(_ThreadFlag):
     """``with shipping():`` the kernels this thread compiles are for an artifact that
     ships them (stitching-rewrite, its SavedModel export: tf/kernel_assets.py), so
     they compile straight to tier 2 (Tiers): a tier-1 build there would only be thrown
     away, the artifact holding tier-2 code only."""
-
-    def __enter__(self):
-        self._was = getattr(_shipping, "on", False)
-        _shipping.on = True
-        return self
-
-    def __exit__(self, *exc):
-        _shipping.on = self._was
+    _state = _shipping
 
 
 def cancel() -> None:
