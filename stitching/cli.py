@@ -60,7 +60,10 @@ def rewrite_graph_def(graph_def, outputs=None, options=None, name="graph"):
             raise ValueError(f"{name}: output {o!r} names no node in the graph")
     fetches = [o if ":" in o else o + ":0" for o in outs]
     check_graph_def(graph_def, name, fetches)
-    res = stitch_graph_def(graph_def, fetches, options=options or _default_options(), name=name)
+    from .compile.parallel import shipping
+    with shipping():        # the graph's sidecar ships its kernels: tier-2 code only
+        res = stitch_graph_def(graph_def, fetches, options=options or _default_options(),
+                               name=name)
     return res.graph_def, res.report
 
 

@@ -106,6 +106,9 @@ class Report:
     pass_seconds: dict = field(default_factory=dict)   # graph pass -> seconds (tf/passmanager.py)
     # tiered execution (keras.py): when stock TF handed this step over to the kernels
     tiering: str = ""
+    # the tiered compile (compile/parallel.py, Tiers): [(kernel name, kernel)] whose
+    # ``tiering()`` says, read live, which code it runs and ran, and when tier 2 came
+    code_tiers: list = field(default_factory=list)
 
     @property
     def coverage(self) -> float:
@@ -130,6 +133,8 @@ class Report:
                                 "nodes": [n for n, _ in k.ops], "schedule": k.schedule,
                                 "inputs": k.inputs, "outputs": k.outputs,
                                 "spec_hash": k.spec_hash} for k in self.kernels],
+            "compile_tiers": {name: t for name, t in ((n, k.tiering())
+                                                      for n, k in self.code_tiers) if t},
             "boundaries": [{"node": n, "reason": r} for n, r in self.boundaries],
             "compile_seconds": round(self.compile_seconds, 3),
             "notes": list(self.notes),
@@ -224,6 +229,7 @@ class Report:
                     else "no data work"
                 line += f" (also {also}: {what}, not counted)"
             lines.append(f"{line} — {k.schedule}" if k.schedule else line)
+        lines.extend(self._tier_lines())
         if counted > self.fused_ops:
             lines.append(f"  ({counted - self.fused_ops} op(s) computed in more than one "
                          f"kernel are counted once in the total)")
@@ -240,6 +246,14 @@ class Report:
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
+
+    def _tier_lines(self) -> list:
+        told = [(name, k.tiering()) for name, k in self.code_tiers]
+        told = [(name, t) for name, t in told if t]
+        if not told:
+            return []
+        return ["  tiered compile (quick tier-1 code first, optimized tier 2 behind it):"] + \
+            [f"    {name}: {t}" for name, t in told]
 
     def _headline(self) -> str:
         n, fused = self.memory_intensive_ops, self.fused_ops

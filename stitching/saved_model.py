@@ -40,8 +40,14 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
         ValueError: no signatures, an unknown signature key, or a model this tool
             rewrote already.
     """
+    from .compile.parallel import shipping
     from .tf import ensure_runtime
     ensure_runtime()
+    with shipping():        # the model ships its kernels: tier-2 code only
+        return _rewrite_saved_model(src, dst, options, signature_keys, embed_kernels)
+
+
+def _rewrite_saved_model(src, dst, options, signature_keys, embed_kernels) -> dict:
     model = tf.saved_model.load(src)
     keys = signature_keys or list(model.signatures.keys())
     if not keys:

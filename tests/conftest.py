@@ -15,6 +15,12 @@
   checks kernels, reports or numbers after one call is deterministic without sleeping.
   Tests of tiering take the ``tiered`` fixture, or pass ``Options(background_compile=
   True)``.
+- Kernels compile straight to their optimized code (tier 2): the tiered compile a
+  synchronous caller gets by default (quick tier-1 code first, tier 2 swapped in behind
+  it: compile/parallel.py, Tiers) is off for the session
+  (``STITCHING_TIERED_COMPILE=0``), so tests comparing bits, kernel counts or machine
+  code test the code every cache holds.  Tests of the tiered compile take the
+  ``tiered_compile`` fixture.
 """
 import os
 import tempfile
@@ -34,6 +40,7 @@ SESSION_MACHINE = os.environ.get("STITCHING_TEST_MACHINE", "intel-avx512")
 os.environ["STITCHING_DEVICE_PROFILE"] = SESSION_MACHINE
 os.environ.pop("STITCHING_PROFILE", None)      # the older spelling would name a device too
 os.environ["STITCHING_BACKGROUND_COMPILE"] = "0"
+os.environ["STITCHING_TIERED_COMPILE"] = "0"
 
 # The planner's cost model sees schedules through a hook the schedule stage fills on
 # import (plan/cost.py: use_scheduler), as every driver does; tests that plan without
@@ -60,3 +67,10 @@ def machine(request, monkeypatch):
 def tiered(monkeypatch):
     """Tiered execution as a user gets it by default (the session turns it off)."""
     monkeypatch.delenv("STITCHING_BACKGROUND_COMPILE", raising=False)
+
+
+@pytest.fixture
+def tiered_compile(monkeypatch):
+    """The tiered compile as a synchronous caller gets it by default (the session
+    turns it off)."""
+    monkeypatch.delenv("STITCHING_TIERED_COMPILE", raising=False)

@@ -152,14 +152,30 @@ def test_a_failed_tier2_compile_leaves_tier1_serving(monkeypatch):
     np.testing.assert_allclose(k(x, b)[0], y, rtol=1e-5, atol=1e-6)
 
 
-def test_tiered_compiles_are_opt_in_and_the_setting_is_checked(monkeypatch):
+def test_tiered_compile_is_the_default_but_for_background_and_shipped_kernels(
+        monkeypatch):
     monkeypatch.delenv("STITCHING_TIERED_COMPILE", raising=False)
-    assert parallel.tiered_default() is False
-    monkeypatch.setenv("STITCHING_TIERED_COMPILE", "1")
     assert parallel.tiered_default() is True
+    with parallel.background():         # stock TF serves meanwhile: tier 2 only
+        assert parallel.tiered_default() is False
+    with parallel.shipping():           # an artifact's kernels: tier 2 only
+        assert parallel.tiered_default() is False
+    assert parallel.tiered_default() is True
+    monkeypatch.setenv("STITCHING_TIERED_COMPILE", "0")
+    assert parallel.tiered_default() is False
     monkeypatch.setenv("STITCHING_TIERED_COMPILE", "yes")
     with pytest.raises(ValueError, match="STITCHING_TIERED_COMPILE must be 0 or 1"):
         parallel.tiered_default()
+
+
+def test_workers_of_an_untiered_compile_make_no_tier1_directory(monkeypatch):
+    """Regression: every worker-spawning process made an empty tier-1 temp directory,
+    tiering on or off (the workers got it in their environment)."""
+    monkeypatch.setattr(kernel, "_TIER1_DIR", None)
+    ks = parallel.compile_kernels([layernorm_spec(), gelu_spec(), softmax_spec()],
+                                  jobs=2, tiered=False)
+    assert [k.tier for k in ks] == [2, 2, 2] and len(cache_objects()) == 3
+    assert kernel._TIER1_DIR is None
 
 
 def test_the_op_switches_to_tier2_between_calls_while_tf_threads_run_it():
@@ -210,14 +226,17 @@ def test_the_op_switches_to_tier2_between_calls_while_tf_threads_run_it():
 
 def test_a_region_slower_at_tier1_than_tf_runs_its_original_ops_until_the_upgrade(
         monkeypatch):
-    """softmax (exp: kernel.slow_at_tier1): while its kernel is at tier 1 the node runs
-    the region's TF ops (outputs are TF's, bit for bit); after the upgrade, tier 2."""
+    """A softmax whose tier 1 is estimated slower than TF (kernel.slow_at_tier1; made so
+    here by a large slowdown factor): while its kernel is at tier 1 the node runs the
+    region's TF ops (outputs are TF's, bit for bit); after the upgrade, tier 2."""
     tf = pytest.importorskip("tensorflow")
     import stitching
     from stitching.runtime import registry
     pending = []
     monkeypatch.setattr(parallel, "_upgrade_later", lambda ks, jobs, batch: pending.extend(ks))
     monkeypatch.setenv("STITCHING_TIERED_COMPILE", "1")
+    monkeypatch.setitem(kernel.TIER1_SLOWDOWN, True, 1000.0)
+    kernel._tier1_estimates.clear()
 
     def softmax(x):
         e = tf.exp(x - tf.reduce_max(x, axis=-1, keepdims=True))
@@ -239,6 +258,124 @@ def test_a_region_slower_at_tier1_than_tf_runs_its_original_ops_until_the_upgrad
     np.testing.assert_allclose(st(x).numpy(), want, rtol=1e-5, atol=1e-7)
 
 
-def test_tier1_kernels_without_transcendentals_run_at_once():
+def swiglu_spec(rows: int = 4096, cols: int = 1024):
+    b = SpecBuilder()
+    x = b.input("float32", (rows, cols))
+    y = b.input("float32", (rows, cols))
+    return b.build([b.Mul(b.Mul(x, b.Sigmoid(x)), y)])
+
+
+def test_a_region_holds_where_its_tier1_estimate_loses_to_tf(machine, monkeypatch):
+    """The hold is the cost model's estimate (kernel.tier1_estimate): the fused time,
+    its size-dependent part times tier 1's measured slowdown, against TF's ops.  A
+    large SwiGLU (scalar exp at tier 1, 7x) loses; a LayerNorm (3x) wins."""
+    kernel._tier1_estimates.clear()
+    t1, tf_s = kernel.tier1_estimate(swiglu_spec())
+    assert t1 > tf_s and kernel.slow_at_tier1(swiglu_spec())
+    t1, tf_s = kernel.tier1_estimate(layernorm_spec())
+    assert t1 < tf_s and not kernel.slow_at_tier1(layernorm_spec())
     assert not kernel.compile_kernel(layernorm_spec(), tier=1).hold_until_upgrade
-    assert kernel.compile_kernel(gelu_spec(), tier=1).hold_until_upgrade
+    # the decision follows the factor, not the op kinds
+    monkeypatch.setitem(kernel.TIER1_SLOWDOWN, False, 1000.0)
+    kernel._tier1_estimates.clear()
+    assert kernel.slow_at_tier1(layernorm_spec())
+    kernel._tier1_estimates.clear()
+
+
+def _norm_gelu(tf):
+    def f(x):
+        m = tf.reduce_mean(x, axis=-1, keepdims=True)
+        c = x - m
+        y = c * tf.math.rsqrt(tf.reduce_mean(c * c, axis=-1, keepdims=True) + 1e-5)
+        return 0.5 * y * (1.0 + tf.math.erf(y * 0.7071067811865476)), tf.nn.relu(x) * 2.0
+    return f
+
+
+def test_a_synchronous_first_call_runs_tier1_by_default_then_tier2(tiered_compile):
+    """The default for a caller that waits for its kernels (background_compile=False
+    here): its first call runs tier-1 code (or a held region's TF ops), equal to TF's
+    within float rounding; tier 2 is swapped in behind it; only tier 2 reaches the
+    cache; the report says which tier ran and when tier 2 came."""
+    tf = pytest.importorskip("tensorflow")
+    import stitching
+    from stitching.compile.kernel import _kernels
+    f = _norm_gelu(tf)
+    x = tf.constant(RNG.standard_normal((48, 96)).astype(np.float32))
+    x = tf.tensor_scatter_nd_update(x, [[2, 3], [5, 1]], [np.nan, np.inf])
+    want = [t.numpy() for t in tf.function(f)(x)]
+    st = stitching.function(f, options=stitching.Options(background_compile=False))
+    got = [t.numpy() for t in st(x)]
+    ks = [k for k in _kernels.values() if getattr(k, "_code", None) is not None]
+    assert ks and {k.tier for k in ks} == {1}, "a cold synchronous compile runs tier 1"
+    assert cache_objects() == [], "tier-1 code must never reach the disk cache"
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5, equal_nan=True)
+        assert np.array_equal(np.isnan(g), np.isnan(w))
+    assert "tiered compile" in st.report.summary() and "tier 2 not in yet" in \
+        st.report.summary()
+    assert parallel.wait_upgrades(120)
+    assert {k.tier for k in ks} == {2}
+    assert sorted(p.name for p in cache_objects()) == \
+        sorted({k.code_name + ".so" for k in ks})
+    assert "s after" in st.report.summary()
+    for g, w in zip(st(x), want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=2e-5, atol=2e-5, equal_nan=True)
+
+
+def test_a_rewritten_saved_model_ships_tier2_code_under_the_tiered_default(
+        tiered_compile, tmp_path):
+    """stitching-rewrite's SavedModel (parallel.shipping): its kernels compile straight
+    to tier 2, and the assets hold that code, byte for byte the cache's."""
+    tf = pytest.importorskip("tensorflow")
+    import json
+
+    from stitching.compile.kernel import _kernels
+    from stitching.saved_model import rewrite_saved_model
+    m = tf.Module()
+    m.f = tf.function(_norm_gelu(tf), input_signature=[tf.TensorSpec([None, 96])])
+    tf.saved_model.save(m, str(tmp_path / "src"), signatures={"serving_default": m.f})
+    rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))
+    ks = [k for k in _kernels.values() if getattr(k, "_code", None) is not None]
+    assert ks and all(k.tier == 2 and k._code.tier1_at is None for k in ks)
+    manifest = json.loads((tmp_path / "dst" / "assets" / "stitching_kernels.json")
+                          .read_text())
+    shipped = {n for n in manifest["files"] if n != "interp.so"}
+    assert shipped == {k.code_name + ".so" for k in ks}
+    x = RNG.standard_normal((7, 96)).astype(np.float32)
+    out = tf.saved_model.load(str(tmp_path / "dst")).signatures["serving_default"](
+        tf.constant(x))
+    want = m.f(tf.constant(x))
+    for g, w in zip(sorted(out.items()), want):
+        np.testing.assert_allclose(g[1].numpy(), w.numpy(), rtol=2e-5, atol=2e-5)
+
+
+def test_a_training_step_with_held_regions_does_not_hang_its_first_call():
+    """Regression: held tier-1 kernels' nodes ran their original ops through TF's
+    inter-op pool while blocking a thread of it; the MLP training step's first call
+    (cold, tiered compile, its erf and exp regions held) waited forever on 2 cores.
+    In a child process bounded in time, with two inter-op threads."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import numpy as np, tensorflow as tf
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+        import stitching
+        from stitching.compile import kernel, parallel
+        from stitching.testing import train as T
+        parallel._upgrade_later = lambda ks, jobs, batch: None    # held ones stay held
+        step = T.make_step("mlp")
+        f = stitching.function(step.fn,
+                               options=stitching.Options(background_compile=False))
+        loss = f(step.x, step.y)
+        held = [k for k in kernel._kernels.values() if k.hold_until_upgrade]
+        assert held, "no region held"
+        assert np.isfinite(np.asarray(tf.nest.flatten(loss)[0])).all()
+        print("OK", len(held))
+    """)
+    env = dict(os.environ, STITCHING_TIERED_COMPILE="1", STITCHING_CPU_BACKEND="llvm",
+               STITCHING_DEVICE_PROFILE="amd-avx2")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=150)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-2000:]

@@ -35,9 +35,10 @@ backend, and the direct backend's tier-1 code, and times each kernel alone on th
 thread (CompiledKernel.__call__: its units one after another), the backends
 interleaved, each the best of 3 calls, median of ``--rounds``.
 
-``tiers`` times a model's cold first call (``stitching.function``, batch 1, a fresh
-process and an empty kernel cache each) without and with tiered compiles
-(STITCHING_TIERED_COMPILE=1: tier-1 kernels first, compile/parallel.py), the modes
+``tiers`` times a model's cold first call (``stitching.function`` with
+``background_compile=False``, batch 1, a fresh process and an empty kernel cache each)
+without and with tiered compiles (STITCHING_TIERED_COMPILE=0 and 1: tier-1 kernels
+first, the default, compile/parallel.py), the modes
 interleaved, ``--rounds`` each: the first call, ``--calls`` calls right after it
 (with tiers: on tier-1 code while tier 2 compiles), the time until every kernel runs
 tier-2 code, ``--calls`` calls then, and stock TF's first and steady calls in the
@@ -335,7 +336,10 @@ def _tiers_child(model: str, calls: int) -> None:
     from stitching.testing import models as M
     case = M.get(model)
     args = [tf.constant(a) for a in case.inputs(1)]
-    fn = stitching.function(case.make_fn(), input_signature=case.input_signature())
+    # a caller that waits for its kernels (tiered execution, stock TF first, would
+    # time TF's first call instead, as it did once that became the default)
+    fn = stitching.function(case.make_fn(), input_signature=case.input_signature(),
+                            options=stitching.Options(background_compile=False))
 
     def per_call(f):
         t = time.perf_counter()
@@ -380,22 +384,27 @@ def tier1(patterns, size: str, calls: int) -> None:
         return statistics.median(out)
     print(f"patterns at size {size}, through the op (TF's intra-op threads), median of "
           f"{calls} calls (ms); load {os.getloadavg()[0]:.1f}")
-    print("| pattern | TF ms | tier 1 ms | tier 2 ms | tier 1 / TF | tier 2 / TF |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| pattern | held kernels | TF ms | tier 1 ms | tier 2 ms | tier 1 / TF | "
+          "tier 2 / TF |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name in patterns:
         p = P.get(name)
         args = [tf.constant(a) for a in p.inputs(size)]
         ref = tf.function(p.fn, input_signature=p.input_signature(size))
-        st = stitching.function(p.fn, input_signature=p.input_signature(size))
+        # a caller that waits for its kernels (tiered execution would run stock TF)
+        st = stitching.function(p.fn, input_signature=p.input_signature(size),
+                                options=stitching.Options(background_compile=False))
         ref(*args)
         st(*args)
+        held = sum(k.hold_until_upgrade for _, k in st.report.code_tiers)
         early = ms(st, args)
         pending = not parallel.wait_upgrades(0)
         parallel.wait_upgrades()
         late, base = ms(st, args), ms(ref, args)
         t1 = f"{early:.2f}" if pending else "(switched)"
         r1 = f"{early / base:.2f}x" if pending else "-"
-        print(f"| {name} | {base:.2f} | {t1} | {late:.2f} | {r1} | {late / base:.2f}x |")
+        print(f"| {name} | {held}/{len(st.report.code_tiers)} | {base:.2f} | {t1} | "
+              f"{late:.2f} | {r1} | {late / base:.2f}x |")
 
 
 def main(argv=None) -> int:

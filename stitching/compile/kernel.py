@@ -214,16 +214,77 @@ def check_code_size(name: str, text: str) -> None:
                                 f"more than the {MAX_CODE_BYTES} compiled")
 
 
-def slow_at_tier1(spec) -> bool:
-    """Whether ``spec``'s tier-1 code is expected to be slower than TF's own ops: it
-    computes a transcendental function (exp, erf, tanh, log...), which tier 1 runs as
-    scalar polynomials (direct.py) and TF's kernels vectorize.  Measured, tier 1 / TF
-    at the patterns suite's large size (BENCHMARKS.md, compile phases; load ~8):
-    swiglu 1.71x, softmax 0.84x, log-softmax 0.87x, GELU 0.61x -- and 0.31-0.88x for
-    the kernels without one (LayerNorm, RMSNorm, BN + ReLU6, centering).  A rule of
-    thumb, conservative where it holds: a held region runs at TF's speed."""
+# Tier-1 code's slowdown over tier 2 on the size-dependent part of a kernel's time,
+# by kernel class (tools/compile_phases.py speed, the nine pattern kernels, AMD EPYC
+# avx2, BENCHMARKS.md "compile phases"): measured, the worst of each class in three
+# runs at 64 and 8192 rows -- without a transcendental LayerNorm's 3.33x (BN + ReLU6
+# 1.48-1.76x), with one SwiGLU's 7.32x (its exp runs scalar at tier 1; softmax
+# 3.26-3.73x).  Not measured on the AVX-512 profile: the same factors apply there.
+TIER1_SLOWDOWN = {False: 3.4, True: 7.3}
+# Sizes a dim unknown until run time is assumed to take for the estimate: the cost
+# model's DEFAULT_DIM (launch-bound: tier 1 costs little there) and a large one
+# (arbitrary: 4096, where the kernel's traffic dominates); a region holds if tier 1
+# loses to TF at either.
+TIER1_PROBE_DIMS = (None, 4096)
+
+
+def tier1_estimate(spec) -> tuple:
+    """(tier-1 seconds, TF's unfused seconds) for ``spec``'s region, by the cost model
+    (plan/cost.py spec_times) at each of TIER1_PROBE_DIMS, worst ratio first: the
+    kernel's fused time with its size-dependent part (all but one launch and task)
+    times TIER1_SLOWDOWN of its class, against the time of its ops left to TF."""
     from ..ir.ops import OPS
-    return any(n.op in OPS and OPS[n.op].transcendental for n in spec.nodes)
+    from ..plan import cost, profiles
+    profile = profiles.default()
+    slowdown = TIER1_SLOWDOWN[any(n.op in OPS and OPS[n.op].transcendental
+                                  for n in spec.nodes)]
+    fixed = profile.launch_s + profile.task_s
+    worst = None
+    for dim in TIER1_PROBE_DIMS:
+        fused, unfused = cost.spec_times(_with_dims(spec, dim), profile)
+        tier1 = min(fused, fixed) + slowdown * max(0.0, fused - fixed)
+        if worst is None or tier1 / unfused > worst[0] / worst[1]:
+            worst = (tier1, unfused)
+    return worst
+
+
+def _with_dims(spec, dim):
+    """``spec`` with its unknown dims set to ``dim`` (None: as it is)."""
+    from ..ir import SpecNode, TensorType
+    if dim is None:
+        return spec
+    fix = lambda t: TensorType(t.dtype, tuple(dim if d < 0 else d for d in t.shape))  # noqa: E731
+    return KernelSpec(tuple(fix(t) for t in spec.inputs),
+                      tuple(SpecNode(n.op, n.args, n.attrs, fix(n.type)) for n in spec.nodes),
+                      spec.outputs, spec.schedule, spec.same_dims)
+
+
+def slow_at_tier1(spec) -> bool:
+    """Whether ``spec``'s tier-1 code is expected to be slower than TF's own ops
+    (tier1_estimate).  Where the cost model cannot price the spec, the rule it
+    replaced: a region computing a transcendental function holds (tier 1 runs it as
+    scalar polynomials, TF's kernels vectorize)."""
+    est = estimate_at_tier1(spec)
+    if est is None:
+        from ..ir.ops import OPS
+        return any(n.op in OPS and OPS[n.op].transcendental for n in spec.nodes)
+    return est[0] > est[1]
+
+
+def estimate_at_tier1(spec):
+    """tier1_estimate(spec), memoized per spec and device profile; None where the
+    cost model cannot price the spec."""
+    from ..plan import profiles
+    key = (spec.hash, profiles.default().name)
+    if key not in _tier1_estimates:
+        try:
+            _tier1_estimates[key] = tier1_estimate(spec)
+        except Exception:  # noqa: BLE001 - an unpriced spec: slow_at_tier1's old rule
+            _tier1_estimates[key] = None
+    return _tier1_estimates[key]
+
+
+_tier1_estimates: dict = {}    # (spec hash, device profile name) -> tier1_estimate
 
 
 class CompiledKernel:
@@ -267,7 +328,8 @@ class CompiledKernel:
     @property
     def hold_until_upgrade(self) -> bool:
         """Tier-1 code expected to be slower than the TF ops it replaces
-        (slow_at_tier1): the op runs a node's original ops until the upgrade."""
+        (slow_at_tier1, the cost model's estimate): the op runs a node's original ops
+        until the upgrade."""
         return self._code.tier == 1 and slow_at_tier1(self.spec)
 
     @property
@@ -275,6 +337,22 @@ class CompiledKernel:
         """1: quick code running while the optimized code compiles (tiers: _Code);
         2: the optimized code every cache holds."""
         return self._code.tier
+
+    def tiering(self) -> str | None:
+        """Which code this kernel runs and ran, in words, where it started at tier 1
+        (None: it never did): whether its region held (its TF ops ran) and when its
+        tier-2 code came, counted from when tier 1 was ready."""
+        c = self._code
+        if c.tier1_at is None:
+            return None
+        est = estimate_at_tier1(self.spec)
+        why = "" if est is None else \
+            f", estimated {est[0] * 1e6:.0f} µs vs TF's {est[1] * 1e6:.0f} µs"
+        what = (f"tier 1 held: its TF ops ran (tier 1 slower than TF{why})"
+                if slow_at_tier1(self.spec) else f"tier 1 ran{why}")
+        if c.tier2_at is None:
+            return f"{what}; tier 2 not in yet"
+        return f"{what}; tier 2 in {c.tier2_at - c.tier1_at:.2f} s after"
 
     def upgrade(self) -> bool:
         """Switch a tier-1 kernel to its tier-2 code once that is in the disk cache;
@@ -422,6 +500,9 @@ class _Code:
         self.backend, self.backend_note = None, None
         # 1: quick code from _tier1_dir(), not the cache (upgrade); 2: stem's
         self.tier, self.built_at = 2, stem
+        # time.monotonic() when tier-1 code started serving and when tier 2 replaced
+        # it (None: never; the report's per-kernel tier line, CompiledKernel.tiering)
+        self.tier1_at = self.tier2_at = None
         if native.built(stem, code):
             try:
                 self.address = native.load(stem, symbol, code)
@@ -464,6 +545,7 @@ class _Code:
                 return False
             old, self.address = self.address, native.load(self.stem, self.symbol)
             self.tier, self.built_at, self.text = 2, self.stem, None
+            self.tier2_at = time.monotonic()
             # after the switch: a kernel registered from now on reads the new
             # address, one registered before is switched by the listener
             for fn in _upgrade_listeners:
@@ -493,6 +575,8 @@ class _Code:
             self.address = native.load(at, symbol)
             self.tier, self.built_at = tier, at
             self.text = text if tier == 1 else None       # for build_tier2
+            if tier == 1:
+                self.tier1_at = time.monotonic()
         except Unsupported as e:
             self.backend_note = f"built by Numba: the direct backend does not handle {e}"
             _log.info("kernel %s: %s", self.stem.name, self.backend_note)
@@ -537,17 +621,20 @@ def on_upgrade(fn) -> None:
             _upgrade_listeners.append(fn)
 
 
-TIER1_ENV = "STITCHING_TIER1_DIR"     # a compile worker's parent's _tier1_dir()
+def set_tier1_dir(path: str) -> None:
+    """A compile worker's tier-1 directory: its parent's (worker.py), named in the
+    parent's tier-1 requests."""
+    global _TIER1_DIR
+    with _lock:
+        _TIER1_DIR = Path(path)
 
 
 def _tier1_dir() -> Path:
-    """Where this process's tier-1 objects go: a directory of its own (a compile
-    worker: its parent's), removed at exit (the objects stay mapped), so that no
-    cache ever holds tier-1 code."""
+    """Where this process's tier-1 objects go: a directory of its own, made on first
+    use (a compile worker: its parent's, set_tier1_dir), removed at exit (the objects
+    stay mapped), so that no cache ever holds tier-1 code."""
     global _TIER1_DIR
     with _lock:
-        if _TIER1_DIR is None and os.environ.get(TIER1_ENV):
-            _TIER1_DIR = Path(os.environ[TIER1_ENV])
         if _TIER1_DIR is None:
             import atexit
             import shutil

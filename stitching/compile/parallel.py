@@ -65,24 +65,39 @@ class Cancelled(RuntimeError):
 
 
 _background = threading.local()   # .on: this thread compiles behind stock TF
+_shipping = threading.local()     # .on: this thread's kernels go into an artifact
 _cancelled = threading.Event()
 
 
-class background:
-    """``with background():`` the compiles this thread starts are background ones
-    (module note): workers only, at a lower priority, stopped by ``cancel()``."""
+class _ThreadFlag:
+    """A context manager setting ``_state.on`` for the calling thread (nests)."""
+    _state: threading.local
 
     def __enter__(self):
-        self._was = getattr(_background, "on", False)
-        _background.on = True
+        self._was = getattr(self._state, "on", False)
+        self._state.on = True
         return self
 
     def __exit__(self, *exc):
-        _background.on = self._was
+        self._state.on = self._was
+
+
+class background(_ThreadFlag):
+    """``with background():`` the compiles this thread starts are background ones
+    (module note): workers only, at a lower priority, stopped by ``cancel()``."""
+    _state = _background
 
 
 def in_background() -> bool:
     return getattr(_background, "on", False)
+
+
+class shipping(_ThreadFlag):
+    """``with shipping():`` the kernels this thread compiles are for an artifact that
+    ships them (stitching-rewrite, its SavedModel export: tf/kernel_assets.py), so
+    they compile straight to tier 2 (Tiers): a tier-1 build there would only be thrown
+    away, the artifact holding tier-2 code only."""
+    _state = _shipping
 
 
 def cancel() -> None:
@@ -125,7 +140,6 @@ def _spawn():
                STITCHING_WORKER_PARENT=str(os.getpid()),    # it dies with us (worker.py)
                STITCHING_COMPILE_MEMORY_MB=str(_limit("STITCHING_COMPILE_MEMORY_MB",
                                                       COMPILE_MEMORY_MB)))
-    env[kernel.TIER1_ENV] = str(kernel._tier1_dir())    # where it builds tier 1 (Tiers)
     if in_background():
         env[NICE_ENV] = str(BACKGROUND_NICE)     # worker.py lowers its own priority
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -267,7 +281,10 @@ class _Batch:
                 if tier == 2 and self.tiered and not lowered:
                     _lower_priority(p)      # its tier-1 work is done: behind the user's
                     lowered = True
-                req = spec.to_json() if tier == 2 else {"spec": spec.to_json(), "tier": 1}
+                # tier 1 goes to this process's own directory, named in the request
+                # (a worker started while tiering is off never makes one)
+                req = spec.to_json() if tier == 2 else {
+                    "spec": spec.to_json(), "tier": 1, "dir": str(kernel._tier1_dir())}
                 p.stdin.write(json.dumps(req) + "\n")
                 p.stdin.flush()
                 line = p.stdout.readline()
@@ -327,12 +344,12 @@ def _close(p):
 
 
 def tiered_default() -> bool:
-    """Whether compile_kernels compiles tiered when not told (``STITCHING_TIERED_COMPILE``
-    = 1; off by default: module note, Tiers)."""
+    """Whether compile_kernels compiles tiered when not told: yes (Tiers), unless
+    ``STITCHING_TIERED_COMPILE=0``, in a background compile or while ``shipping()``."""
     env = os.environ.get("STITCHING_TIERED_COMPILE", "").strip()
     if env not in ("", "0", "1"):
         raise ValueError(f"STITCHING_TIERED_COMPILE must be 0 or 1, got {env!r}")
-    return env == "1"
+    return env != "0" and not in_background() and not getattr(_shipping, "on", False)
 
 
 def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None,
@@ -348,10 +365,10 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
     the workers do, one per distinct code).  ``workers``: pre-started workers
     (parallel.prestart) to use, or to close when nothing needs compiling.  ``on_error(spec, exc)``,
     if given, is called for a spec that fails and its slot is None; without it the
-    first failure raises.  ``tiered`` (default tiered_default()): kernels missing from
-    the disk cache are built here at tier 1 and run at once, their tier-2 code
-    compiled behind them (module note, Tiers); ``wait_upgrades`` waits for it.  Not
-    inside ``background()`` unless asked: stock TF serves there meanwhile."""
+    first failure raises.  ``tiered`` (default tiered_default(): on, but for background
+    compiles, where stock TF serves meanwhile, and ``shipping()``): kernels missing
+    from the disk cache are built at tier 1 and run at once, their tier-2 code compiled
+    behind them (module note, Tiers); ``wait_upgrades`` waits for it."""
     specs = [validate(s) for s in specs]
     distinct = {}
     for s in specs:
@@ -359,7 +376,7 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
     n = len(distinct)
     # A background compile (stock TF serving meanwhile) has no one waiting for a
     # kernel: it compiles tier 2 in workers only, off this process's cores
-    tiered = (tiered_default() and not in_background()) if tiered is None else tiered
+    tiered = tiered_default() if tiered is None else tiered
     tier = 1 if tiered else 2
     batch = None
     if tier == 2:
@@ -404,10 +421,11 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
 # workers.  Only tier-2 code is ever written to the
 # disk cache, so a warm process and the steady state run the same machine code as
 # without tiers.  Tier-1 code is ~3x slower than tier 2 (BENCHMARKS.md, compile
-# phases); where that would lose to TF's own ops (kernel.slow_at_tier1, a rule of
-# thumb) the op runs the region's original ops until the upgrade (op.cc Entry::hold).
-# Off by default (STITCHING_TIERED_COMPILE=1 turns it on): which regions hold is a
-# rule of thumb, not a per-region estimate.
+# phases); where the cost model expects that to lose to TF's own ops
+# (kernel.slow_at_tier1) the op runs the region's original ops until the upgrade
+# (op.cc Entry::hold).  On by default wherever a caller waits for its kernels
+# (STITCHING_TIERED_COMPILE=0 turns it off); not in background compiles (stock TF
+# serves there) nor while ``shipping()`` (an artifact holds tier-2 code only).
 
 _upgrades: list = []            # threads compiling tier 2 behind tier-1 kernels
 
@@ -418,6 +436,7 @@ def _upgrade_later(kernels, jobs, batch) -> None:
     kernel whose tier 2 fails keeps running tier 1."""
     if not kernels and batch is None:
         return
+    started = time.monotonic()
 
     def run():
         with background():
@@ -431,8 +450,10 @@ def _upgrade_later(kernels, jobs, batch) -> None:
             except Exception as e:  # noqa: BLE001 - tier 1 keeps serving
                 kernel._log.warning("tier-2 compile failed (%s: %s); kernels keep "
                                     "their tier-1 code", type(e).__name__, e)
-        for k in kernels:
-            k.upgrade()
+        t0 = time.monotonic()
+        upgraded = sum(bool(k.upgrade()) for k in kernels)
+        kernel._log.info("tier 2 in for %d of %d kernels, %.2f s after their tier 1",
+                         upgraded, len(kernels), t0 - started)
 
     t = threading.Thread(target=run, name="stitching-tier2", daemon=True)
     _upgrades.append(t)

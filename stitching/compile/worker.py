@@ -3,9 +3,9 @@
 Reads specs from stdin, one per line (each a JSON string holding a spec's JSON text),
 compiles each into the disk cache named by STITCHING_CACHE_DIR and answers each with
 one JSON line: {"hash", "ok", "seconds"} and, on failure, "error".  A line
-``{"spec": <the JSON string>, "tier": 1}`` asks for the kernel's tier-1 code instead
-(a tiered compile, parallel.py: Tiers), built into the parent's own tier-1 directory
-(STITCHING_TIER1_DIR), never the cache.  The parent sends
+``{"spec": <the JSON string>, "tier": 1, "dir": <path>}`` asks for the kernel's tier-1
+code instead (a tiered compile, parallel.py: Tiers), built into ``dir``, the parent's
+own tier-1 directory, never the cache.  The parent sends
 the next spec when an answer comes (work is handed out as workers free up) and closes
 stdin when there is none left; the worker then exits.  Specs are parsed with
 KernelSpec.from_json, which validates the whole structure; nothing in them is
@@ -38,13 +38,15 @@ def main() -> int:
         os.nice(nice)
     _lean_numba()
     from ..ir.spec import KernelSpec
-    from .kernel import compile_kernel
+    from .kernel import compile_kernel, set_tier1_dir
     _warm_up()          # a worker may be started before its specs exist (parallel.prestart)
     for line in sys.stdin:
         t0 = time.perf_counter()
         out = {"hash": None, "ok": True}
         try:
-            text, tier = _request(json.loads(line))
+            text, tier, tier1_dir = _request(json.loads(line))
+            if tier1_dir:
+                set_tier1_dir(tier1_dir)
             spec = KernelSpec.from_json(text)
             out["hash"] = spec.hash
             compile_kernel(spec, tier)
@@ -56,14 +58,15 @@ def main() -> int:
 
 
 def _request(req) -> tuple:
-    """(spec text, tier) of one request line (module note)."""
-    if isinstance(req, dict) and set(req) == {"spec", "tier"} and req["tier"] in (1, 2):
-        req, tier = req["spec"], req["tier"]
-    else:
-        tier = 2
+    """(spec text, tier, tier-1 directory or None) of one request line (module note)."""
+    tier, where = 2, None
+    if isinstance(req, dict) and set(req) == {"spec", "tier", "dir"} and req["tier"] == 1 \
+            and isinstance(req["dir"], str) and req["dir"]:
+        req, tier, where = req["spec"], 1, req["dir"]
     if not isinstance(req, str):
-        raise TypeError("expected a JSON string holding a spec, or {\"spec\", \"tier\"}")
-    return req, tier
+        raise TypeError("expected a JSON string holding a spec, or "
+                        "{\"spec\", \"tier\": 1, \"dir\"}")
+    return req, tier, where
 
 
 def _exit_now(code: int) -> None:

@@ -58,7 +58,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..ir import OPS, Kind, TensorType
+from ..ir import OPS, Graph, Kind, Node, TensorType, ValueRef
 from ..ir.dtypes import ITEMSIZE
 from . import epilogue as _epi
 from . import legality as _leg
@@ -381,6 +381,27 @@ def _max_live(order: list, users) -> int:
         if len(alive) > best:
             best = len(alive)
     return best
+
+
+def spec_times(spec, profile: DeviceProfile) -> tuple:
+    """(fused_s, unfused_s) of one kernel spec on its own, for callers that hold the
+    spec but not the graph it came from (compile/tiers.py): the latency evaluator's
+    time for the kernel, calibrated as the search planner calibrates it
+    (search._schedule), and its ops' times left to TF (GraphCosts.unfused_s).  The
+    spec's composite ops are expanded already, so TF's time for a Softmax is that of
+    its pieces (more launches and passes than TF's one kernel: the unfused side errs
+    high for those)."""
+    def name(ref: int) -> str:
+        return f"in{-ref - 1}" if ref < 0 else f"n{ref}"
+    g = Graph([Node(name(-j - 1), "Placeholder", outputs=[t])
+               for j, t in enumerate(spec.inputs)] +
+              [Node(name(i), n.op, [ValueRef(name(a), 0) for a in n.args], dict(n.attrs),
+                    [n.type]) for i, n in enumerate(spec.nodes)],
+              [ValueRef(name(o), 0) for o in spec.outputs])
+    costs = GraphCosts(g, profile, list(g.nodes))
+    P = frozenset(costs.index[name(i)] for i in range(len(spec.nodes)))
+    fused = calibrated_s(profile, choose_launch(spec, profile).time_s, costs.kernel_factor(P))
+    return fused, costs.unfused_s(P)
 
 
 # ---- latency evaluator ------------------------------------------------------------------

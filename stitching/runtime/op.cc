@@ -1180,7 +1180,14 @@ class StitchedKernelOp : public OpKernel {
     opts.cancellation_manager = ctx->cancellation_manager();
     opts.step_container = ctx->step_container();
     opts.collective_executor = ctx->collective_executor();
-    opts.runner = ctx->runner();
+    // The function's ops run on this thread (inline), not queued to ctx->runner(), the
+    // inter-op pool this Compute already holds a thread of and blocks in RunSync:
+    // several nodes doing so at once (a training step's held tier-1 kernels,
+    // Entry::hold) took every pool thread and waited for ops queued behind them -- a
+    // hang, seen on 2 cores.  Each op still uses the intra-op pool for its own work.
+    static std::function<void(std::function<void()>)> inline_runner =
+        [](std::function<void()> fn) { fn(); };
+    opts.runner = &inline_runner;
     std::vector<Tensor> args, rets;
     for (int i = 0; i < ctx->num_inputs(); ++i) args.push_back(ctx->input(i));
     OP_REQUIRES_OK(ctx, flib->RunSync(opts, handle, args, &rets));

@@ -404,6 +404,8 @@ def _make_report(name, ctx):
     rep.fused_ops = len(mem & fused)
     rep.unique_kernels = len({r.spec.hash for r in regions})
     rep.code_objects = len({k.code_name for k in kernels})
+    rep.code_tiers = [(kname, k) for kname, k in zip(kernel_names, kernels)
+                      if getattr(k, "tiering", None) is not None]
     for reg, kname, k in zip(regions, kernel_names, kernels):
         sched = getattr(k, "schedule", None)
         desc = sched.describe() if hasattr(sched, "describe") else ""

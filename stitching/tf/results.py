@@ -280,6 +280,7 @@ def _report_state(rep: Report) -> dict:
     d["bodies"] = [[name, _report_state(r) if r is not None else None, why]
                    for name, r, why in rep.bodies]
     d["tiering"], d["dump_path"] = "", None       # per process
+    d["code_tiers"] = []            # live kernels of this process (a cached one's: tier 2)
     return copy.deepcopy(d)
 
 
