@@ -137,6 +137,47 @@ def test_batch_matmul_gradient_sums_over_broadcast_dims(ops):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+def _heads_last(t):
+    """[.., H, M, N] -> [.., M, H, N]: the head transpose transpose_out writes."""
+    r = len(t.shape)
+    return tf.transpose(t, list(range(r - 3)) + [r - 2, r - 3, r - 1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("xs, ys, ax, ay", [
+    ((2, 3, 40, 33), (2, 3, 33, 50), False, False),   # pieces of rows of wider rows
+    ((2, 3, 5, 40), (1, 3, 70, 40), False, True),     # broadcast batch; pieces of columns
+    ((3, 4, 5), (4, 6), True, False),                 # rank 3 against a matrix
+    ((2, 4, 6, 0), (2, 4, 0, 7), False, False),       # the product of nothing is zero
+])
+def test_batch_matmul_transpose_out_equals_tf_transpose(ops, dtype, xs, ys, ax, ay):
+    x, y = _rand(xs, dtype, seed=12), _rand(ys, dtype, seed=13)
+    x[0, ..., 1, :] = np.nan if x.size else 0        # NaN rows land where TF puts them
+    got = ops.stitched_batch_mat_mul(x=x, y=y, adj_x=ax, adj_y=ay, transpose_out=True)
+    want = _heads_last(tf.linalg.matmul(x, y, adjoint_a=ax, adjoint_b=ay))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_matmul_transpose_out_needs_a_batch_dim(ops):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="transpose_out needs a batch dimension"):
+        ops.stitched_batch_mat_mul(x=_rand((3, 4)), y=_rand((4, 5)), transpose_out=True)
+
+
+def test_batch_matmul_transpose_out_gradient_equals_tf(ops):
+    x, y = tf.constant(_rand((2, 3, 4, 5), seed=14)), tf.constant(_rand((1, 3, 6, 5), seed=15))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x, y])
+        ours = tf.reduce_sum(tf.sin(ops.stitched_batch_mat_mul(
+            x=x, y=y, adj_y=True, transpose_out=True)) * tf.range(6.0))
+        theirs = tf.reduce_sum(tf.sin(_heads_last(tf.linalg.matmul(x, y, adjoint_b=True)))
+                               * tf.range(6.0))
+    for g, w in zip(tape.gradient(ours, [x, y]), tape.gradient(theirs, [x, y])):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 # ---- the pass -------------------------------------------------------------------------
 
 def _encoder():
@@ -180,10 +221,56 @@ def test_encoder_products_and_kernels_under_each_machine(monkeypatch, machine_na
         assert names.count("StitchedMatMul") == 6 and names.count("StitchedBatchMatMul") == 2
         assert not set(TFS) & set(names) and "BiasAdd" not in names, names
         assert notes and notes[0].startswith("8 matrix product(s) run by OpenBLAS "
-                                             "(2 BatchMatMulV2, 6 MatMul; 3 with their BiasAdd)")
+                                             "(2 BatchMatMulV2, 6 MatMul; 3 with their BiasAdd, "
+                                             "0 writing their head transpose)")
     else:      # oneDNN's GEMM was not measured against OpenBLAS: left to TF
         assert not set(OURS) & set(names) and not notes
     assert not set(OURS) & set(_ops_of(off, sig))
+
+
+def _llama():
+    from stitching.testing.models import llama_decoder
+    import keras
+    keras.utils.set_random_seed(4)
+    return llama_decoder(num_layers=1, d_model=32, heads=4, kv_heads=2, ff=48, seq_len=8)
+
+
+# Exact kernel counts of the one-layer Llama decoder (norms, rotary embeddings with the
+# K/V repeats and head transposes, softmax, SwiGLU), with the products ours or TF's.
+LLAMA_KERNELS = {EIGEN: 7, ONEDNN: 7}
+
+
+@pytest.mark.parametrize("machine_name", [EIGEN, ONEDNN])
+def test_the_attention_head_transpose_is_written_by_its_product(monkeypatch, machine_name):
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", machine_name)
+    model = _llama()
+    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
+    f = stitching.function(lambda t: model(t), input_signature=sig)
+    x = _rand((3, 8, 32), seed=16)
+    x[2, 3, 7] = np.inf                              # one token's row goes NaN
+    want = model(x).numpy()
+    got = f(tf.constant(x)).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(f(x[:1]).numpy(), model(x[:1]).numpy(), rtol=2e-5, atol=2e-5)
+    assert len(f.report.kernels) == LLAMA_KERNELS[machine_name]
+    graph = f.get_concrete_function(*sig).graph.as_graph_def()
+    names = [n.op for n in graph.node]
+    if machine_name == EIGEN:
+        heads = [n for n in graph.node if n.op == "StitchedBatchMatMul" and
+                 n.attr["transpose_out"].b]
+        assert len(heads) == 1 and heads[0].name.endswith("transpose_4"), names
+        assert "Transpose" not in names and names.count("StitchedBatchMatMul") == 2, names
+        notes = [n for n in f.report.notes if "OpenBLAS" in n]
+        assert notes and "1 writing their head transpose" in notes[0]
+        x1 = tf.constant(x[:2])                       # a tape outside: the op's gradient
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x1)
+            ours, theirs = (tf.reduce_sum(tf.sin(g(x1))) for g in (f, model))
+        np.testing.assert_allclose(tape.gradient(ours, x1), tape.gradient(theirs, x1),
+                                   rtol=1e-4, atol=1e-4)
+    else:      # TF's products, and TF's transpose between them
+        assert not set(OURS) & set(names) and names.count("Transpose") == 1, names
 
 
 def test_without_the_library_products_stay_tf_and_the_report_says_why(monkeypatch):

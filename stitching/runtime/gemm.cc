@@ -105,7 +105,8 @@ void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const double* a,
 }
 
 // One row-major product C[m, n] (+)= op(A) op(B) + bias, cut into `pieces` equal
-// ranges of rows (by_rows) or columns, each a multiple of kShardAlign long.
+// ranges of rows (by_rows) or columns, each a multiple of kShardAlign long.  C's rows
+// are `ldc` elements apart (n, or more when C is a slice of a wider output).
 template <typename T>
 struct Product {
   bool ta, tb;
@@ -113,6 +114,7 @@ struct Product {
   const T* bias;          // [n] added to C, or nullptr
   bool by_rows;           // pieces of rows (else of columns)
   int64_t pieces;         // pieces per product (1: products are not cut)
+  int64_t ldc;            // C's row stride
 
   // Where piece `i` starts (i == pieces: the end).
   int64_t Edge(int64_t i) const {
@@ -130,7 +132,7 @@ struct Product {
     int64_t rows = m, cols = n;
     if (by_rows) {
       a += ta ? begin : begin * k;   // op(A)'s rows: columns of a stored A^T
-      c += begin * n;
+      c += begin * ldc;
       rows = end - begin;
     } else {
       b += tb ? begin * k : begin;   // op(B)'s columns: rows of a stored B^T
@@ -139,15 +141,16 @@ struct Product {
     }
     const T* bias_part = bias == nullptr ? nullptr : bias + (by_rows ? 0 : begin);
     if (bias_part != nullptr) {
-      for (int64_t i = 0; i < rows; ++i) std::copy(bias_part, bias_part + cols, c + i * n);
+      for (int64_t i = 0; i < rows; ++i) std::copy(bias_part, bias_part + cols, c + i * ldc);
     }
     if (k == 0) {            // BLAS wants lda >= 1; the product of nothing is zero
       if (bias_part == nullptr) {
-        for (int64_t i = 0; i < rows; ++i) std::fill(c + i * n, c + i * n + cols, T(0));
+        for (int64_t i = 0; i < rows; ++i) std::fill(c + i * ldc, c + i * ldc + cols, T(0));
       }
       return;
     }
-    Gemm(ta, tb, rows, cols, k, a, lda, b, ldb, bias_part != nullptr ? T(1) : T(0), c, n);
+    Gemm(ta, tb, rows, cols, k, a, lda, b, ldb, bias_part != nullptr ? T(1) : T(0), c,
+         ldc);
   }
 };
 
@@ -264,7 +267,8 @@ class MatMulOp : public OpKernel {
                     "StitchedMatMul: both operands must be matrices, got shapes ",
                     a.shape().DebugString(), " and ", b.shape().DebugString())));
     Product<T> p{ta_, tb_, a.dim_size(ta_ ? 1 : 0), b.dim_size(tb_ ? 0 : 1),
-                 a.dim_size(ta_ ? 0 : 1), nullptr, true, 1};
+                 a.dim_size(ta_ ? 0 : 1), nullptr, true, 1, 0};
+    p.ldc = p.n;
     const int64_t kb = b.dim_size(tb_ ? 1 : 0);
     OP_REQUIRES(ctx, p.k == kb,
                 absl::InvalidArgumentError(absl::StrCat(
@@ -305,6 +309,7 @@ class BatchMatMulOp : public OpKernel {
   explicit BatchMatMulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_x", &ax_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_y", &ay_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_out", &to_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -317,7 +322,7 @@ class BatchMatMulOp : public OpKernel {
     const int rx = x.dims(), ry = y.dims();
     Product<T> p{ax_, ay_, x.dim_size(ax_ ? rx - 1 : rx - 2),
                  y.dim_size(ay_ ? ry - 2 : ry - 1), x.dim_size(ax_ ? rx - 2 : rx - 1),
-                 nullptr, true, 1};
+                 nullptr, true, 1, 0};
     OP_REQUIRES(ctx, p.k == y.dim_size(ay_ ? ry - 1 : ry - 2),
                 absl::InvalidArgumentError(absl::StrCat(
                     "StitchedBatchMatMul: inner dimensions differ: ",
@@ -332,8 +337,18 @@ class BatchMatMulOp : public OpKernel {
                 absl::InvalidArgumentError("StitchedBatchMatMul: a dimension is 2^31 or "
                                            "more, beyond 32-bit OpenBLAS"));
     TensorShape shape = bcast.output_batch_shape();
+    OP_REQUIRES(ctx, !to_ || shape.dims() >= 1,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedBatchMatMul: transpose_out needs a batch dimension, got "
+                    "shapes ", x.shape().DebugString(), " and ", y.shape().DebugString())));
+    // transpose_out: the last batch dim (the heads) goes after the rows, so product i
+    // is the columns [h n, h n + n) of rows of a [.., m, heads, n] output
+    const int64_t heads = to_ ? shape.dim_size(shape.dims() - 1) : 1;
+    if (to_) shape.RemoveLastDims(1);
     shape.AddDim(p.m);
+    if (to_) shape.AddDim(heads);
     shape.AddDim(p.n);
+    p.ldc = heads * p.n;
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
     const int64_t count = bcast.output_batch_size();
@@ -351,14 +366,35 @@ class BatchMatMulOp : public OpKernel {
     RunProducts(ctx, &p, count, [=](int64_t i, int64_t lo, int64_t hi) {
       const int64_t ix = bc ? (*xi)[i] : (nx == 1 ? 0 : i);
       const int64_t iy = bc ? (*yi)[i] : (ny == 1 ? 0 : i);
-      pp->Run(lo, hi, xp + ix * sx, yp + iy * sy, cp + i * sc);
+      pp->Run(lo, hi, xp + ix * sx, yp + iy * sy,
+              cp + i / heads * heads * sc + i % heads * p.n);
     });
   }
 
 
  private:
-  bool ax_ = false, ay_ = false;
+  bool ax_ = false, ay_ = false, to_ = false;
 };
+
+// BatchMatMulV2's shape, with the last batch dim and the rows swapped under
+// transpose_out.
+absl::Status BatchMatMulShape(tensorflow::shape_inference::InferenceContext* c) {
+  TF_RETURN_IF_ERROR(tensorflow::shape_inference::BatchMatMulV2Shape(c));
+  bool to = false;
+  TF_RETURN_IF_ERROR(c->GetAttr("transpose_out", &to));
+  tensorflow::shape_inference::ShapeHandle out = c->output(0);
+  if (!to || !c->RankKnown(out)) return absl::OkStatus();
+  const int r = c->Rank(out);
+  if (r < 3) {
+    return absl::InvalidArgumentError(
+        "StitchedBatchMatMul: transpose_out needs a batch dimension");
+  }
+  std::vector<tensorflow::shape_inference::DimensionHandle> dims;
+  for (int i = 0; i < r; ++i) dims.push_back(c->Dim(out, i));
+  std::swap(dims[r - 3], dims[r - 2]);
+  c->set_output(0, c->MakeShape(dims));
+  return absl::OkStatus();
+}
 
 REGISTER_OP("StitchedMatMul")
     .Input("a: T")
@@ -379,10 +415,13 @@ REGISTER_OP("StitchedBatchMatMul")
     .Output("output: T")
     .Attr("adj_x: bool = false")
     .Attr("adj_y: bool = false")
+    .Attr("transpose_out: bool = false")
     .Attr("T: {float, double}")
-    .SetShapeFn(tensorflow::shape_inference::BatchMatMulV2Shape)
+    .SetShapeFn(BatchMatMulShape)
     .Doc("BatchMatMulV2 (TF's attributes, broadcast and shapes) by OpenBLAS, split over "
-         "TF's intra-op threads.");
+         "TF's intra-op threads.  transpose_out writes the output with its last batch "
+         "dim after the rows ([.., H, M, N] as [.., M, H, N]: an attention's head "
+         "transpose), each product into its columns of the wider rows.");
 
 #define REGISTER(T)                                                                   \
   REGISTER_KERNEL_BUILDER(                                                            \

@@ -9,6 +9,14 @@ wheel, runtime/gemm.cc) is faster on those shapes, so each product becomes our o
     MatMul(a, b)                    ->  StitchedMatMul(a, b)
     MatMul(a, b) -> BiasAdd(., c)   ->  StitchedMatMul(a, b, c)   (the BiasAdd's name)
     BatchMatMul[V2](x, y)           ->  StitchedBatchMatMul(x, y)
+    StitchedBatchMatMul(x, y) -> Transpose(., [0, 2, 1, 3])
+                                    ->  StitchedBatchMatMul(x, y, transpose_out=True)
+
+The last is an attention's head transpose ([batch, heads, seq, dim] to [batch, seq,
+heads, dim], before the output projection): left between two products, it was a TF
+Transpose of its own, a copy of the attention's output (~80 us per layer of the Llama
+decoder at batch 8); written by the product into its columns of the wider rows
+(gemm.cc), it costs nothing.
 
 The ops take TF's attributes and shape functions, so a node keeps its name, inputs,
 attributes and ``_output_shapes``; only the op type changes.  A BiasAdd that is a
@@ -104,10 +112,69 @@ def _run(ctx):
                 f"(tf/passes/blas.py)")
     kinds = collections.Counter(p.op for p, _ in pairs)
     biased = rewrite(ctx.graph_def, pairs)
+    folded = fold_head_transposes(ctx.graph_def, ctx.fetched)
     listed = ", ".join(f"{n} {op}" for op, n in sorted(kinds.items()))
     return (f"{len(pairs)} matrix product(s) run by OpenBLAS ({listed}; {biased} with "
-            f"their BiasAdd): TF's GEMM here is Eigen's (oneDNN off), slower "
-            f"(tf/passes/blas.py; Options(blas_gemm=False) leaves them to TF)")
+            f"their BiasAdd, {folded} writing their head transpose): TF's GEMM here is "
+            f"Eigen's (oneDNN off), slower (tf/passes/blas.py; Options(blas_gemm=False) "
+            f"leaves them to TF)")
+
+
+def _const_ints(node):
+    """A Const node's value as a list of ints, else None."""
+    if node is None or node.op != "Const" or "value" not in node.attr:
+        return None
+    value = tf.make_ndarray(node.attr["value"].tensor)
+    return [int(v) for v in value.ravel()] if value.dtype.kind in "iu" else None
+
+
+def _swaps_heads_and_rows(perm) -> bool:
+    """Whether ``perm`` swaps the last batch dim and the rows of a product's
+    output, [.., H, M, N] -> [.., M, H, N], and moves nothing else."""
+    r = len(perm or ())
+    return r >= 3 and perm == list(range(r - 3)) + [r - 2, r - 3, r - 1]
+
+
+def fold_head_transposes(graph_def, fetched) -> int:
+    """Take each Transpose that only swaps the heads and rows of a
+    StitchedBatchMatMul's output, when it is the product's only reader, into the
+    product (``transpose_out``), in place; returns how many.  The Transpose's node
+    becomes the product (its name, so its readers and fetches are untouched), as
+    ``rewrite`` does with a BiasAdd."""
+    nodes = {nd.name: nd for nd in graph_def.node}
+    readers = collections.Counter(i.lstrip("^").split(":")[0]
+                                  for nd in graph_def.node for i in nd.input)
+    taken = set()
+    for nd in graph_def.node:
+        if nd.op != "Transpose" or len(nd.input) < 2:
+            continue
+        product = nodes.get(nd.input[0].split(":")[0])
+        if product is None or product.op != "StitchedBatchMatMul" or \
+                nd.input[0] not in (product.name, product.name + ":0") or \
+                readers[product.name] != 1 or product.name in fetched or \
+                ("transpose_out" in product.attr and product.attr["transpose_out"].b) or \
+                any(i.startswith("^") for i in product.input) or \
+                not _swaps_heads_and_rows(_const_ints(nodes.get(nd.input[1].split(":")[0]))):
+            continue
+        controls = [i for i in nd.input if i.startswith("^")]
+        name, device = nd.name, nd.device
+        shapes = nd.attr["_output_shapes"].SerializeToString() \
+            if "_output_shapes" in nd.attr else None
+        nd.CopyFrom(product)
+        nd.name, nd.device = name, device
+        nd.attr["transpose_out"].b = True
+        if shapes is not None:
+            nd.attr["_output_shapes"].ParseFromString(shapes)
+        elif "_output_shapes" in nd.attr:          # the product's, untransposed
+            del nd.attr["_output_shapes"]
+        del nd.input[:]
+        nd.input.extend(list(product.input) + controls)
+        taken.add(product.name)
+    if taken:
+        keep = [nd for nd in graph_def.node if nd.name not in taken]
+        del graph_def.node[:]
+        graph_def.node.extend(keep)
+    return len(taken)
 
 
 PASS = Pass("blas", _run, option="blas_gemm")
@@ -149,6 +216,12 @@ def _batch_matmul_grad(op, grad):
     from ...runtime import blas
     ops = blas.load()
     x, y = op.inputs
+    if op.get_attr("transpose_out"):        # the swap is its own inverse
+        rank = op.outputs[0].shape.rank
+        if rank is None:
+            rank = max(x.shape.rank, y.shape.rank)
+        perm = list(range(rank - 3)) + [rank - 2, rank - 3, rank - 1]
+        grad = tf.transpose(grad, perm)
     gx, gy = _pair(op.get_attr("adj_x"), op.get_attr("adj_y"), x, y, grad,
                    lambda u, v, tu, tv: ops.stitched_batch_mat_mul(
                        x=u, y=v, adj_x=tu, adj_y=tv))
