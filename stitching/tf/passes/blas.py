@@ -95,13 +95,26 @@ def _nhwc(bias):
     return None
 
 
-def _run(ctx):
+def _eigen_machine() -> bool:
+    """Whether the device profile says TF's GEMM is Eigen's on the CPU: the products
+    this pass was measured against (the module's docstring)."""
     from ...plan import profiles
-    from ...runtime import blas
     from . import remapper
     prof = profiles.default()
-    if prof.backend != "cpu" or remapper.onednn(prof):
-        return None          # measured against Eigen's GEMM only (the module's docstring)
+    return prof.backend == "cpu" and not remapper.onednn(prof)
+
+
+def will_run(options) -> bool:
+    """Whether this pass turns the products into our ops (einsum.py asks: it leaves
+    a head transpose for the product to write only then)."""
+    from ...runtime import blas
+    return bool(options.blas_gemm) and _eigen_machine() and blas.unavailable() is None
+
+
+def _run(ctx):
+    from ...runtime import blas
+    if not _eigen_machine():
+        return None
     pairs = [(p, _nhwc(b)) for p, b in xladot.candidates(ctx.graph_def, ctx.fetched)
              if p.op in OPS]
     if not pairs:

@@ -41,7 +41,12 @@ dtype; every dim static but at most one, which must be a batch label (present in
 both operands and the output: the unknown batch of a Keras model); at least one
 operand or the result needs a move, every move is a row gather whose rows hold at
 least ``_MIN_ROW`` elements and whose index has at most ``_MAX_INDEX`` entries.
-Anything else keeps TF's Einsum.  The Einsum node keeps its name (it becomes the
+Anything else keeps TF's Einsum.
+
+Where tf/passes/blas.py will run the product on OpenBLAS, a result move that only
+swaps the last batch label and the rows (the attention's "BNTS,BSNH->BTNH": [B, N, T,
+H] to [B, T, N, H]) is a Transpose instead of a gather, which blas.py folds into the
+product (``transpose_out``: it writes the swapped layout itself, no copy).  The Einsum node keeps its name (it becomes the
 output Reshape), so consumers and fetches are untouched; GatherV2, BatchMatMulV2 and
 Reshape all have gradients.
 """
@@ -55,6 +60,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 from ..passmanager import Pass
+from . import blas
 
 _FLOATS = {types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
 _EQUATION = re.compile(r"^([A-Za-z]+),([A-Za-z]+)->([A-Za-z]*)$")
@@ -216,17 +222,27 @@ def _gather_index(mv: _Move, dims) -> np.ndarray:
     return rows.transpose([mid_src.index(c) for c in mid_dst]).reshape(-1)
 
 
-def rewrite(graph_def, todo: dict) -> None:
+def rewrite(graph_def, todo: dict, head_transposes: bool = False) -> None:
     """Turn each Einsum in ``todo`` (from ``candidates``) into a BatchMatMulV2, in place:
-    the node itself becomes the output Reshape; its helper nodes are appended."""
+    the node itself becomes the output Reshape; its helper nodes are appended.
+    ``head_transposes``: a result move the product can write (module docstring) is a
+    Transpose for blas.py to fold."""
     for nd in [nd for nd in graph_def.node if nd.name in todo]:
-        _Builder(graph_def, nd).lower(todo[nd.name])
+        _Builder(graph_def, nd, head_transposes).lower(todo[nd.name])
+
+
+def _swaps_head_and_rows(plan: Plan) -> bool:
+    """Whether the result's move swaps only the last batch label and the rows."""
+    b = plan.batch
+    return len(b) >= 1 and plan.out == b[:-1] + plan.lfree + b[-1] + plan.rfree
 
 
 class _Builder:
-    def __init__(self, graph_def, nd):
+    def __init__(self, graph_def, nd, head_transposes: bool = False):
         self.graph_def, self.nd, self.name, self.dev = graph_def, nd, nd.name, nd.device
         self.t = attr_value_pb2.AttrValue(type=nd.attr["T"].type)
+        self.head_transposes = head_transposes and \
+            nd.attr["T"].type in (types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE)
 
     def lower(self, plan: Plan) -> None:
         nd = self.nd
@@ -246,7 +262,12 @@ class _Builder:
                       adj_y=attr_value_pb2.AttrValue(b=plan.adj_y))
         order = plan.batch + plan.lfree + plan.rfree
         mv = _move(order, plan.out, d)
-        if mv is not None:
+        if mv is not None and self.head_transposes and _swaps_head_and_rows(plan):
+            r = len(plan.batch) + 2                  # the product's rank
+            mm = self.add("out_transpose", "Transpose",
+                          [mm, self.const("out_perm", list(range(r - 3)) + [r - 2, r - 3, r - 1])],
+                          T=self.t, Tperm=attr_value_pb2.AttrValue(type=types_pb2.DT_INT32))
+        elif mv is not None:
             mm = self.gather("out", mm, mv, d)
         nd.op = "Reshape"
         del nd.input[:]
@@ -299,7 +320,7 @@ def _run(ctx):
     todo = candidates(ctx.graph_def, ctx.ir)
     if not todo:
         return None
-    rewrite(ctx.graph_def, todo)
+    rewrite(ctx.graph_def, todo, blas.will_run(ctx.options))
     return (f"{len(todo)} Einsum node(s) run as one BatchMatMulV2 each, their "
             "operand and result transposes as row gathers (tf/einsum.py; "
             "Options(einsum=False) keeps them)")
