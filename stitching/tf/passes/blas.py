@@ -11,12 +11,16 @@ wheel, runtime/gemm.cc) is faster on those shapes, so each product becomes our o
     BatchMatMul[V2](x, y)           ->  StitchedBatchMatMul(x, y)
     StitchedBatchMatMul(x, y) -> Transpose(., [0, 2, 1, 3])
                                     ->  StitchedBatchMatMul(x, y, transpose_out=True)
+    StitchedBatchMatMul(Transpose(x, [0, 2, 1, 3]), y)
+                                    ->  StitchedBatchMatMul(x, y, transpose_x=True)
 
-The last is an attention's head transpose ([batch, heads, seq, dim] to [batch, seq,
-heads, dim], before the output projection): left between two products, it was a TF
-Transpose of its own, a copy of the attention's output (~80 us per layer of the Llama
-decoder at batch 8); written by the product into its columns of the wider rows
-(gemm.cc), it costs nothing.
+The last two are an attention's head transposes ([batch, seq, heads, dim] <-> [batch,
+heads, seq, dim]; any rank, the last batch dim and the rows swapped): left between a
+product and its neighbour, each was a TF Transpose (or einsum.py's row gather) of its
+own, a copy of the attention's output (~80 us per layer of the Llama decoder at batch
+8).  The product reads or writes each head's columns of the wider rows in place
+(gemm.cc's strides), so the copy goes.  einsum.py leaves such Transposes (not
+gathers) where this pass will run.
 
 The ops take TF's attributes and shape functions, so a node keeps its name, inputs,
 attributes and ``_output_shapes``; only the op type changes.  A BiasAdd that is a
@@ -128,9 +132,9 @@ def _run(ctx):
     folded = fold_head_transposes(ctx.graph_def, ctx.fetched)
     listed = ", ".join(f"{n} {op}" for op, n in sorted(kinds.items()))
     return (f"{len(pairs)} matrix product(s) run by OpenBLAS ({listed}; {biased} with "
-            f"their BiasAdd, {folded} writing their head transpose): TF's GEMM here is "
-            f"Eigen's (oneDNN off), slower (tf/passes/blas.py; Options(blas_gemm=False) "
-            f"leaves them to TF)")
+            f"their BiasAdd; {folded} head transpose(s) read or written in place): TF's "
+            f"GEMM here is Eigen's (oneDNN off), slower (tf/passes/blas.py; "
+            f"Options(blas_gemm=False) leaves them to TF)")
 
 
 def _const_ints(node):
@@ -148,28 +152,52 @@ def _swaps_heads_and_rows(perm) -> bool:
     return r >= 3 and perm == list(range(r - 3)) + [r - 2, r - 3, r - 1]
 
 
+def _flag(node, key) -> bool:
+    """A bool attribute, False when absent (reading a protobuf map's missing key would
+    add an empty, invalid AttrValue to the node)."""
+    return key in node.attr and node.attr[key].b
+
+
 def fold_head_transposes(graph_def, fetched) -> int:
-    """Take each Transpose that only swaps the heads and rows of a
-    StitchedBatchMatMul's output, when it is the product's only reader, into the
-    product (``transpose_out``), in place; returns how many.  The Transpose's node
-    becomes the product (its name, so its readers and fetches are untouched), as
-    ``rewrite`` does with a BiasAdd."""
+    """Take each Transpose that only swaps the heads and rows of a StitchedBatchMatMul's
+    operand or output, where the product is its only reader or it the product's, into
+    the product (``transpose_x``, ``transpose_y``, ``transpose_out``), in place; returns
+    how many.  A Transpose of the output becomes the product's node (its name, so its
+    readers and fetches are untouched), as ``rewrite`` does with a BiasAdd."""
     nodes = {nd.name: nd for nd in graph_def.node}
     readers = collections.Counter(i.lstrip("^").split(":")[0]
                                   for nd in graph_def.node for i in nd.input)
+
+    def head_swap(nd):
+        """Whether ``nd`` is a Transpose swapping heads and rows, taking no control
+        inputs and not fetched."""
+        return nd is not None and nd.op == "Transpose" and len(nd.input) == 2 and \
+            nd.name not in fetched and not nd.input[1].startswith("^") and \
+            _swaps_heads_and_rows(_const_ints(nodes.get(nd.input[1].split(":")[0])))
+
+    def sole_reader(producer_input, producer):
+        return producer is not None and readers[producer.name] == 1 and \
+            producer_input in (producer.name, producer.name + ":0")
+
     taken = set()
+    for nd in list(graph_def.node):
+        if nd.op != "StitchedBatchMatMul":
+            continue
+        for slot, key in ((0, "transpose_x"), (1, "transpose_y")):
+            t = nodes.get(nd.input[slot].split(":")[0])
+            if head_swap(t) and sole_reader(nd.input[slot], t) and not _flag(nd, key):
+                nd.input[slot] = t.input[0]
+                nd.attr[key].b = True
+                taken.add(t.name)
     for nd in graph_def.node:
-        if nd.op != "Transpose" or len(nd.input) < 2:
+        if nd.name in taken:                  # already read by a product
             continue
-        product = nodes.get(nd.input[0].split(":")[0])
+        product = nodes.get(nd.input[0].split(":")[0]) if head_swap(nd) else None
         if product is None or product.op != "StitchedBatchMatMul" or \
-                nd.input[0] not in (product.name, product.name + ":0") or \
-                readers[product.name] != 1 or product.name in fetched or \
-                ("transpose_out" in product.attr and product.attr["transpose_out"].b) or \
-                any(i.startswith("^") for i in product.input) or \
-                not _swaps_heads_and_rows(_const_ints(nodes.get(nd.input[1].split(":")[0]))):
+                not sole_reader(nd.input[0], product) or product.name in fetched or \
+                _flag(product, "transpose_out") or \
+                any(i.startswith("^") for i in product.input):
             continue
-        controls = [i for i in nd.input if i.startswith("^")]
         name, device = nd.name, nd.device
         shapes = nd.attr["_output_shapes"].SerializeToString() \
             if "_output_shapes" in nd.attr else None
@@ -178,10 +206,8 @@ def fold_head_transposes(graph_def, fetched) -> int:
         nd.attr["transpose_out"].b = True
         if shapes is not None:
             nd.attr["_output_shapes"].ParseFromString(shapes)
-        elif "_output_shapes" in nd.attr:          # the product's, untransposed
+        elif "_output_shapes" in nd.attr:          # the product's, unswapped
             del nd.attr["_output_shapes"]
-        del nd.input[:]
-        nd.input.extend(list(product.input) + controls)
         taken.add(product.name)
     if taken:
         keep = [nd for nd in graph_def.node if nd.name not in taken]
@@ -229,19 +255,28 @@ def _batch_matmul_grad(op, grad):
     from ...runtime import blas
     ops = blas.load()
     x, y = op.inputs
-    if op.get_attr("transpose_out"):        # the swap is its own inverse
-        rank = op.outputs[0].shape.rank
-        if rank is None:
-            rank = max(x.shape.rank, y.shape.rank)
-        perm = list(range(rank - 3)) + [rank - 2, rank - 3, rank - 1]
-        grad = tf.transpose(grad, perm)
+    # in the layouts BatchMatMulV2 would see (each swap is its own inverse)
+    tx, ty = op.get_attr("transpose_x"), op.get_attr("transpose_y")
+    x, y = _swap(x) if tx else x, _swap(y) if ty else y
+    if op.get_attr("transpose_out"):
+        grad = _swap(grad)
     gx, gy = _pair(op.get_attr("adj_x"), op.get_attr("adj_y"), x, y, grad,
                    lambda u, v, tu, tv: ops.stitched_batch_mat_mul(
                        x=u, y=v, adj_x=tu, adj_y=tv))
     lead_x, lead_y = x.shape[:-2], y.shape[:-2]
-    if lead_x.is_fully_defined() and lead_y.is_fully_defined() and lead_x == lead_y:
-        return gx, gy                          # no broadcast: nothing to sum
-    # sum each gradient over the batch dims its operand was broadcast along
-    sx, sy = tf.shape(x), tf.shape(y)
-    rx, ry = tf.raw_ops.BroadcastGradientArgs(s0=sx[:-2], s1=sy[:-2])
-    return (tf.reshape(tf.reduce_sum(gx, rx), sx), tf.reshape(tf.reduce_sum(gy, ry), sy))
+    if not (lead_x.is_fully_defined() and lead_y.is_fully_defined() and lead_x == lead_y):
+        # sum each gradient over the batch dims its operand was broadcast along
+        sx, sy = tf.shape(x), tf.shape(y)
+        rx, ry = tf.raw_ops.BroadcastGradientArgs(s0=sx[:-2], s1=sy[:-2])
+        gx, gy = tf.reshape(tf.reduce_sum(gx, rx), sx), tf.reshape(tf.reduce_sum(gy, ry), sy)
+    return _swap(gx) if tx else gx, _swap(gy) if ty else gy
+
+
+def _swap(t):
+    """``t`` with its last batch dim and its rows swapped ([.., H, M, K] <-> [.., M, H,
+    K]), the layout of transpose_x, transpose_y and transpose_out."""
+    r = t.shape.rank
+    if r is not None:
+        return tf.transpose(t, list(range(r - 3)) + [r - 2, r - 3, r - 1])
+    r = tf.rank(t)
+    return tf.transpose(t, tf.concat([tf.range(r - 3), tf.stack([r - 2, r - 3, r - 1])], 0))

@@ -43,10 +43,12 @@ operand or the result needs a move, every move is a row gather whose rows hold a
 least ``_MIN_ROW`` elements and whose index has at most ``_MAX_INDEX`` entries.
 Anything else keeps TF's Einsum.
 
-Where tf/passes/blas.py will run the product on OpenBLAS, a result move that only
-swaps the last batch label and the rows (the attention's "BNTS,BSNH->BTNH": [B, N, T,
-H] to [B, T, N, H]) is a Transpose instead of a gather, which blas.py folds into the
-product (``transpose_out``: it writes the swapped layout itself, no copy).  The Einsum node keeps its name (it becomes the
+Where tf/passes/blas.py will run the product on OpenBLAS, a move that only swaps the
+last batch label and the rows of an operand or the result (the attention's query, key
+and value [B, T, N, H] taken as [B, N, T, H]; "BNTS,BSNH->BTNH"'s result [B, N, T, H]
+given as [B, T, N, H]) is a Transpose instead of a gather, which blas.py folds into
+the product (``transpose_x``, ``transpose_y``, ``transpose_out``: it reads or writes
+the swapped layout in place, no copy).  The Einsum node keeps its name (it becomes the
 output Reshape), so consumers and fetches are untouched; GatherV2, BatchMatMulV2 and
 Reshape all have gradients.
 """
@@ -231,10 +233,10 @@ def rewrite(graph_def, todo: dict, head_transposes: bool = False) -> None:
         _Builder(graph_def, nd, head_transposes).lower(todo[nd.name])
 
 
-def _swaps_head_and_rows(plan: Plan) -> bool:
-    """Whether the result's move swaps only the last batch label and the rows."""
-    b = plan.batch
-    return len(b) >= 1 and plan.out == b[:-1] + plan.lfree + b[-1] + plan.rfree
+def _swaps_head_and_rows(batch: str, rows: str, cols: str, labels: str) -> bool:
+    """Whether ``labels`` is the order ``batch + rows + cols`` with the last batch label
+    after the rows: a swap a product reads or writes in place."""
+    return len(batch) >= 1 and labels == batch[:-1] + rows + batch[-1] + cols
 
 
 class _Builder:
@@ -255,18 +257,18 @@ class _Builder:
         batch = [d[c] for c in plan.batch]
         a_shape = batch + ([k, m] if plan.adj_x else [m, k])
         b_shape = batch + ([n, k] if plan.adj_y else [k, n])
-        a = self.operand("a", a, plan.lhs, plan.a_order, d, a_shape)
-        b = self.operand("b", b, plan.rhs, plan.b_order, d, b_shape)
+        a = self.operand("a", a, plan.lhs, plan.a_order, d, a_shape,
+                         plan.contract if plan.adj_x else plan.lfree)
+        b = self.operand("b", b, plan.rhs, plan.b_order, d, b_shape,
+                         plan.rfree if plan.adj_y else plan.contract)
         mm = self.add("batch_matmul", "BatchMatMulV2", [a, b] + control, T=self.t,
                       adj_x=attr_value_pb2.AttrValue(b=plan.adj_x),
                       adj_y=attr_value_pb2.AttrValue(b=plan.adj_y))
         order = plan.batch + plan.lfree + plan.rfree
         mv = _move(order, plan.out, d)
-        if mv is not None and self.head_transposes and _swaps_head_and_rows(plan):
-            r = len(plan.batch) + 2                  # the product's rank
-            mm = self.add("out_transpose", "Transpose",
-                          [mm, self.const("out_perm", list(range(r - 3)) + [r - 2, r - 3, r - 1])],
-                          T=self.t, Tperm=attr_value_pb2.AttrValue(type=types_pb2.DT_INT32))
+        if mv is not None and self.head_transposes and \
+                _swaps_head_and_rows(plan.batch, plan.lfree, plan.rfree, plan.out):
+            mm = self.head_transpose("out", mm, len(plan.batch) + 2)
         elif mv is not None:
             mm = self.gather("out", mm, mv, d)
         nd.op = "Reshape"
@@ -276,8 +278,16 @@ class _Builder:
         nd.attr["T"].CopyFrom(self.t)
         nd.attr["Tshape"].type = types_pb2.DT_INT32
 
-    def operand(self, tag, x, src, dst, dims, shape) -> str:
-        """``x`` (labels ``src``) in order ``dst``, merged to ``shape``."""
+    def operand(self, tag, x, src, dst, dims, shape, rows) -> str:
+        """``x`` (labels ``src``) in order ``dst`` (the batch labels, then ``rows``,
+        then the rest), merged to ``shape``."""
+        batch = dst[:len(shape) - 2]
+        cols = dst[len(batch) + len(rows):]
+        if self.head_transposes and _swaps_head_and_rows(batch, rows, cols, src):
+            swapped = shape[:-3] + [shape[-2], shape[-3], shape[-1]]
+            x = self.add(tag, "Reshape", [x, self.const(f"{tag}_shape", swapped)],
+                         T=self.t, Tshape=attr_value_pb2.AttrValue(type=types_pb2.DT_INT32))
+            return self.head_transpose(tag, x, len(shape))
         mv = _move(src, dst, dims)
         if mv is not None:
             x = self.gather(tag, x, mv, dims)
@@ -299,6 +309,12 @@ class _Builder:
                          self.const(f"{tag}_axis", 1)],
                         Tparams=self.t, Tindices=i32, Taxis=i32,
                         batch_dims=attr_value_pb2.AttrValue(i=0))
+
+    def head_transpose(self, tag, x, rank) -> str:
+        """``x`` with its last batch dim and its rows swapped (blas.py folds it)."""
+        perm = list(range(rank - 3)) + [rank - 2, rank - 3, rank - 1]
+        return self.add(f"{tag}_transpose", "Transpose", [x, self.const(f"{tag}_perm", perm)],
+                        T=self.t, Tperm=attr_value_pb2.AttrValue(type=types_pb2.DT_INT32))
 
     def add(self, suffix, op, inputs, **attrs) -> str:
         new = self.graph_def.node.add(name=f"{self.name}/einsum/{suffix}", op=op,
