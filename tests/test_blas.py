@@ -206,21 +206,28 @@ def _ops_of(f, sig):
 KERNELS = {EIGEN: 4, ONEDNN: 4}
 
 
-@pytest.mark.parametrize("machine_name", [EIGEN, ONEDNN])
-def test_encoder_products_and_kernels_under_each_machine(monkeypatch, machine_name):
+def _stitched_and_checked(monkeypatch, machine_name, model, x):
+    """(stitched function, signature) of ``model`` under ``machine_name``, its outputs
+    checked against the model's at ``x`` (NaN where TF's are) and at batch 1."""
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", machine_name)
-    model = _encoder()
-    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
-    on = stitching.function(lambda t: model(t), input_signature=sig)
-    off = stitching.function(lambda t: model(t), input_signature=sig,
-                             options=stitching.Options(blas_gemm=False))
-    x = _rand((3, 8, 32), seed=9)
-    x[1, 2, 5] = np.nan                              # one token's row goes NaN
+    sig = [tf.TensorSpec([None] + list(x.shape[1:]), tf.float32)]
+    f = stitching.function(lambda t: model(t), input_signature=sig)
     want = model(x).numpy()
-    got = on(tf.constant(x)).numpy()
+    got = f(tf.constant(x)).numpy()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_allclose(on(x[:1]).numpy(), model(x[:1]).numpy(), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(f(x[:1]).numpy(), model(x[:1]).numpy(), rtol=2e-5, atol=2e-5)
+    return f, sig
+
+
+@pytest.mark.parametrize("machine_name", [EIGEN, ONEDNN])
+def test_encoder_products_and_kernels_under_each_machine(monkeypatch, machine_name):
+    model = _encoder()
+    x = _rand((3, 8, 32), seed=9)
+    x[1, 2, 5] = np.nan                              # one token's row goes NaN
+    on, sig = _stitched_and_checked(monkeypatch, machine_name, model, x)
+    off = stitching.function(lambda t: model(t), input_signature=sig,
+                             options=stitching.Options(blas_gemm=False))
     off(tf.constant(x))
     assert len(on.report.kernels) == len(off.report.kernels) == KERNELS[machine_name]
     names = _ops_of(on, sig)
@@ -256,17 +263,10 @@ LLAMA_KERNELS = {EIGEN: 7, ONEDNN: 7}
 
 @pytest.mark.parametrize("machine_name", [EIGEN, ONEDNN])
 def test_the_attention_head_transpose_is_written_by_its_product(monkeypatch, machine_name):
-    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", machine_name)
     model = _llama()
-    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
-    f = stitching.function(lambda t: model(t), input_signature=sig)
     x = _rand((3, 8, 32), seed=16)
     x[2, 3, 7] = np.inf                              # one token's row goes NaN
-    want = model(x).numpy()
-    got = f(tf.constant(x)).numpy()
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_allclose(f(x[:1]).numpy(), model(x[:1]).numpy(), rtol=2e-5, atol=2e-5)
+    f, sig = _stitched_and_checked(monkeypatch, machine_name, model, x)
     assert len(f.report.kernels) == LLAMA_KERNELS[machine_name]
     graph = f.get_concrete_function(*sig).graph.as_graph_def()
     names = [n.op for n in graph.node]

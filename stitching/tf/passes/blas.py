@@ -69,26 +69,36 @@ def rewrite(graph_def, pairs) -> int:
             product.attr["n_bias"].i = 0 if bias is None else 1
         if bias is None:
             continue
-        # the BiasAdd's node becomes the product (its name, so its readers and
-        # fetches are untouched); the MatMul's node goes
-        controls = [i for i in bias.input if i.startswith("^")]
-        name, device = bias.name, bias.device
-        shapes = bias.attr["_output_shapes"] if "_output_shapes" in bias.attr else None
-        saved = shapes.SerializeToString() if shapes is not None else None
-        bias_input = bias.input[1]
-        bias.CopyFrom(product)
-        bias.name, bias.device = name, device
-        del bias.input[:]
-        bias.input.extend([i for i in product.input if not i.startswith("^")] +
-                          [bias_input] + controls)
-        if saved is not None:
-            bias.attr["_output_shapes"].ParseFromString(saved)
+        # the BiasAdd's node becomes the product; the MatMul's node goes
+        _take_place(bias, product, [i for i in product.input if not i.startswith("^")] +
+                    [bias.input[1]] + [i for i in bias.input if i.startswith("^")])
         taken.add(product.name)
-    if taken:
-        keep = [nd for nd in graph_def.node if nd.name not in taken]
+    _drop(graph_def, taken)
+    return len(taken)
+
+
+def _take_place(node, product, inputs) -> None:
+    """``node`` becomes ``product`` reading ``inputs``, keeping its name (so its readers
+    and fetches are untouched), device and ``_output_shapes`` (else none: the
+    product's may differ)."""
+    name, device = node.name, node.device
+    shapes = node.attr["_output_shapes"].SerializeToString() \
+        if "_output_shapes" in node.attr else None
+    node.CopyFrom(product)
+    node.name, node.device = name, device
+    del node.input[:]
+    node.input.extend(inputs)
+    if shapes is not None:
+        node.attr["_output_shapes"].ParseFromString(shapes)
+    elif "_output_shapes" in node.attr:
+        del node.attr["_output_shapes"]
+
+
+def _drop(graph_def, names) -> None:
+    if names:
+        keep = [nd for nd in graph_def.node if nd.name not in names]
         del graph_def.node[:]
         graph_def.node.extend(keep)
-    return len(taken)
 
 
 def _nhwc(bias):
@@ -162,8 +172,8 @@ def fold_head_transposes(graph_def, fetched) -> int:
     """Take each Transpose that only swaps the heads and rows of a StitchedBatchMatMul's
     operand or output, where the product is its only reader or it the product's, into
     the product (``transpose_x``, ``transpose_y``, ``transpose_out``), in place; returns
-    how many.  A Transpose of the output becomes the product's node (its name, so its
-    readers and fetches are untouched), as ``rewrite`` does with a BiasAdd."""
+    how many.  A Transpose of the output becomes the product, as ``rewrite``'s BiasAdd
+    does."""
     nodes = {nd.name: nd for nd in graph_def.node}
     readers = collections.Counter(i.lstrip("^").split(":")[0]
                                   for nd in graph_def.node for i in nd.input)
@@ -198,21 +208,10 @@ def fold_head_transposes(graph_def, fetched) -> int:
                 _flag(product, "transpose_out") or \
                 any(i.startswith("^") for i in product.input):
             continue
-        name, device = nd.name, nd.device
-        shapes = nd.attr["_output_shapes"].SerializeToString() \
-            if "_output_shapes" in nd.attr else None
-        nd.CopyFrom(product)
-        nd.name, nd.device = name, device
+        _take_place(nd, product, list(product.input))   # head_swap: no controls of its own
         nd.attr["transpose_out"].b = True
-        if shapes is not None:
-            nd.attr["_output_shapes"].ParseFromString(shapes)
-        elif "_output_shapes" in nd.attr:          # the product's, unswapped
-            del nd.attr["_output_shapes"]
         taken.add(product.name)
-    if taken:
-        keep = [nd for nd in graph_def.node if nd.name not in taken]
-        del graph_def.node[:]
-        graph_def.node.extend(keep)
+    _drop(graph_def, taken)
     return len(taken)
 
 
