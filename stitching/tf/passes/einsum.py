@@ -252,6 +252,8 @@ class _Builder:
         if plan.swap:
             a, b = b, a
         control = [i for i in nd.input if i.startswith("^")]
+        if control:          # blas.py leaves a product with control inputs in place
+            self.head_transposes = False
         d = plan.dims
         m, k, n = (_prod(d[c] for c in g) for g in (plan.lfree, plan.contract, plan.rfree))
         batch = [d[c] for c in plan.batch]
