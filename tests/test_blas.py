@@ -137,6 +137,57 @@ def test_batch_matmul_gradient_sums_over_broadcast_dims(ops):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+def _swap(t):
+    """[.., H, M, N] <-> [.., M, H, N]: the head transpose of transpose_x/_y/_out."""
+    r = len(t.shape)
+    return np.transpose(t, list(range(r - 3)) + [r - 2, r - 3, r - 1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("xs, ys, ax, ay", [
+    ((2, 3, 40, 33), (2, 3, 33, 50), False, False),   # pieces of rows of wider rows
+    ((2, 3, 5, 40), (1, 3, 70, 40), False, True),     # broadcast batch; pieces of columns
+    ((3, 4, 5), (3, 4, 6), True, False),              # rank 3
+    ((2, 4, 6, 0), (2, 4, 0, 7), False, False),       # the product of nothing is zero
+])
+@pytest.mark.parametrize("tx, ty, to", [(False, False, True), (True, False, False),
+                                        (False, True, False), (True, True, True)])
+def test_batch_matmul_head_layouts_equal_tf_transposes(ops, dtype, xs, ys, ax, ay, tx, ty, to):
+    x, y = _rand(xs, dtype, seed=12), _rand(ys, dtype, seed=13)
+    if x.size:
+        x[0, ..., 1, :] = np.nan                       # NaN rows land where TF puts them
+    want = tf.linalg.matmul(x, y, adjoint_a=ax, adjoint_b=ay).numpy()
+    got = ops.stitched_batch_mat_mul(x=_swap(x).copy() if tx else x,
+                                     y=_swap(y).copy() if ty else y, adj_x=ax, adj_y=ay,
+                                     transpose_x=tx, transpose_y=ty, transpose_out=to)
+    want = _swap(want) if to else want
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("key", ["transpose_x", "transpose_out"])
+def test_batch_matmul_head_layouts_need_a_batch_dim(ops, key):
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError),
+                       match="need.* a batch dimension|rank >= 2 \\(3 with"):
+        ops.stitched_batch_mat_mul(x=_rand((3, 4)), y=_rand((4, 5)), **{key: True})
+
+
+def test_batch_matmul_head_layouts_gradient_equals_tf(ops):
+    # every layout at once, and a broadcast batch dim to sum the gradient over
+    x, y = tf.constant(_rand((2, 4, 3, 5), seed=14)), tf.constant(_rand((1, 6, 3, 5), seed=15))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x, y])
+        ours = tf.reduce_sum(tf.sin(ops.stitched_batch_mat_mul(
+            x=x, y=y, adj_y=True, transpose_x=True, transpose_y=True, transpose_out=True))
+            * tf.range(6.0))
+        theirs = tf.linalg.matmul(tf.transpose(x, [0, 2, 1, 3]), tf.transpose(y, [0, 2, 1, 3]),
+                                  adjoint_b=True)
+        theirs = tf.reduce_sum(tf.sin(tf.transpose(theirs, [0, 2, 1, 3])) * tf.range(6.0))
+    for g, w in zip(tape.gradient(ours, [x, y]), tape.gradient(theirs, [x, y])):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 # ---- the pass -------------------------------------------------------------------------
 
 def _encoder():
@@ -155,21 +206,28 @@ def _ops_of(f, sig):
 KERNELS = {EIGEN: 4, ONEDNN: 4}
 
 
-@pytest.mark.parametrize("machine_name", [EIGEN, ONEDNN])
-def test_encoder_products_and_kernels_under_each_machine(monkeypatch, machine_name):
+def _stitched_and_checked(monkeypatch, machine_name, model, x):
+    """(stitched function, signature) of ``model`` under ``machine_name``, its outputs
+    checked against the model's at ``x`` (NaN where TF's are) and at batch 1."""
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", machine_name)
-    model = _encoder()
-    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
-    on = stitching.function(lambda t: model(t), input_signature=sig)
-    off = stitching.function(lambda t: model(t), input_signature=sig,
-                             options=stitching.Options(blas_gemm=False))
-    x = _rand((3, 8, 32), seed=9)
-    x[1, 2, 5] = np.nan                              # one token's row goes NaN
+    sig = [tf.TensorSpec([None] + list(x.shape[1:]), tf.float32)]
+    f = stitching.function(lambda t: model(t), input_signature=sig)
     want = model(x).numpy()
-    got = on(tf.constant(x)).numpy()
+    got = f(tf.constant(x)).numpy()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_allclose(on(x[:1]).numpy(), model(x[:1]).numpy(), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(f(x[:1]).numpy(), model(x[:1]).numpy(), rtol=2e-5, atol=2e-5)
+    return f, sig
+
+
+@pytest.mark.parametrize("machine_name", [EIGEN, ONEDNN])
+def test_encoder_products_and_kernels_under_each_machine(monkeypatch, machine_name):
+    model = _encoder()
+    x = _rand((3, 8, 32), seed=9)
+    x[1, 2, 5] = np.nan                              # one token's row goes NaN
+    on, sig = _stitched_and_checked(monkeypatch, machine_name, model, x)
+    off = stitching.function(lambda t: model(t), input_signature=sig,
+                             options=stitching.Options(blas_gemm=False))
     off(tf.constant(x))
     assert len(on.report.kernels) == len(off.report.kernels) == KERNELS[machine_name]
     names = _ops_of(on, sig)
@@ -179,11 +237,54 @@ def test_encoder_products_and_kernels_under_each_machine(monkeypatch, machine_na
         # 2 attention products
         assert names.count("StitchedMatMul") == 6 and names.count("StitchedBatchMatMul") == 2
         assert not set(TFS) & set(names) and "BiasAdd" not in names, names
+        # the einsums' head transposes (query, key, value, the context's result) are
+        # read or written by the products: no gather, no Transpose is left
+        assert "Transpose" not in names and "GatherV2" not in names, names
         assert notes and notes[0].startswith("8 matrix product(s) run by OpenBLAS "
-                                             "(2 BatchMatMulV2, 6 MatMul; 3 with their BiasAdd)")
+                                             "(2 BatchMatMulV2, 6 MatMul; 3 with their BiasAdd; "
+                                             "4 head transpose(s) read or written in place)")
     else:      # oneDNN's GEMM was not measured against OpenBLAS: left to TF
         assert not set(OURS) & set(names) and not notes
+        assert "Transpose" not in names and names.count("GatherV2") == 4, names
     assert not set(OURS) & set(_ops_of(off, sig))
+
+
+def _llama():
+    from stitching.testing.models import llama_decoder
+    import keras
+    keras.utils.set_random_seed(4)
+    return llama_decoder(num_layers=1, d_model=32, heads=4, kv_heads=2, ff=48, seq_len=8)
+
+
+# Exact kernel counts of the one-layer Llama decoder (norms, rotary embeddings with the
+# K/V repeats and head transposes, softmax, SwiGLU), with the products ours or TF's.
+LLAMA_KERNELS = {EIGEN: 7, ONEDNN: 7}
+
+
+@pytest.mark.parametrize("machine_name", [EIGEN, ONEDNN])
+def test_the_attention_head_transpose_is_written_by_its_product(monkeypatch, machine_name):
+    model = _llama()
+    x = _rand((3, 8, 32), seed=16)
+    x[2, 3, 7] = np.inf                              # one token's row goes NaN
+    f, sig = _stitched_and_checked(monkeypatch, machine_name, model, x)
+    assert len(f.report.kernels) == LLAMA_KERNELS[machine_name]
+    graph = f.get_concrete_function(*sig).graph.as_graph_def()
+    names = [n.op for n in graph.node]
+    if machine_name == EIGEN:
+        heads = [n for n in graph.node if n.op == "StitchedBatchMatMul" and
+                 n.attr["transpose_out"].b]
+        assert len(heads) == 1 and heads[0].name.endswith("transpose_4"), names
+        assert "Transpose" not in names and names.count("StitchedBatchMatMul") == 2, names
+        notes = [n for n in f.report.notes if "OpenBLAS" in n]
+        assert notes and "1 head transpose(s) read or written in place" in notes[0]
+        x1 = tf.constant(x[:2])                       # a tape outside: the op's gradient
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x1)
+            ours, theirs = (tf.reduce_sum(tf.sin(g(x1))) for g in (f, model))
+        np.testing.assert_allclose(tape.gradient(ours, x1), tape.gradient(theirs, x1),
+                                   rtol=1e-4, atol=1e-4)
+    else:      # TF's products, and TF's transpose between them
+        assert not set(OURS) & set(names) and names.count("Transpose") == 1, names
 
 
 def test_without_the_library_products_stay_tf_and_the_report_says_why(monkeypatch):

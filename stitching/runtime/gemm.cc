@@ -105,7 +105,9 @@ void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const double* a,
 }
 
 // One row-major product C[m, n] (+)= op(A) op(B) + bias, cut into `pieces` equal
-// ranges of rows (by_rows) or columns, each a multiple of kShardAlign long.
+// ranges of rows (by_rows) or columns, each a multiple of kShardAlign long.  The rows
+// of A, B and C as stored are `lda`, `ldb` and `ldc` elements apart: their lengths,
+// or more where a matrix is one head's slice of wider rows.
 template <typename T>
 struct Product {
   bool ta, tb;
@@ -113,6 +115,7 @@ struct Product {
   const T* bias;          // [n] added to C, or nullptr
   bool by_rows;           // pieces of rows (else of columns)
   int64_t pieces;         // pieces per product (1: products are not cut)
+  int64_t lda, ldb, ldc;  // row strides of A, B and C as stored
 
   // Where piece `i` starts (i == pieces: the end).
   int64_t Edge(int64_t i) const {
@@ -126,28 +129,28 @@ struct Product {
   void Run(int64_t lo, int64_t hi, const T* a, const T* b, T* c) const {
     const int64_t begin = Edge(lo), end = Edge(hi);
     if (end <= begin) return;
-    const int64_t lda = ta ? m : k, ldb = tb ? k : n;
     int64_t rows = m, cols = n;
     if (by_rows) {
-      a += ta ? begin : begin * k;   // op(A)'s rows: columns of a stored A^T
-      c += begin * n;
+      a += ta ? begin : begin * lda;   // op(A)'s rows: columns of a stored A^T
+      c += begin * ldc;
       rows = end - begin;
     } else {
-      b += tb ? begin * k : begin;   // op(B)'s columns: rows of a stored B^T
+      b += tb ? begin * ldb : begin;   // op(B)'s columns: rows of a stored B^T
       c += begin;
       cols = end - begin;
     }
     const T* bias_part = bias == nullptr ? nullptr : bias + (by_rows ? 0 : begin);
     if (bias_part != nullptr) {
-      for (int64_t i = 0; i < rows; ++i) std::copy(bias_part, bias_part + cols, c + i * n);
+      for (int64_t i = 0; i < rows; ++i) std::copy(bias_part, bias_part + cols, c + i * ldc);
     }
     if (k == 0) {            // BLAS wants lda >= 1; the product of nothing is zero
       if (bias_part == nullptr) {
-        for (int64_t i = 0; i < rows; ++i) std::fill(c + i * n, c + i * n + cols, T(0));
+        for (int64_t i = 0; i < rows; ++i) std::fill(c + i * ldc, c + i * ldc + cols, T(0));
       }
       return;
     }
-    Gemm(ta, tb, rows, cols, k, a, lda, b, ldb, bias_part != nullptr ? T(1) : T(0), c, n);
+    Gemm(ta, tb, rows, cols, k, a, lda, b, ldb, bias_part != nullptr ? T(1) : T(0), c,
+         ldc);
   }
 };
 
@@ -264,7 +267,10 @@ class MatMulOp : public OpKernel {
                     "StitchedMatMul: both operands must be matrices, got shapes ",
                     a.shape().DebugString(), " and ", b.shape().DebugString())));
     Product<T> p{ta_, tb_, a.dim_size(ta_ ? 1 : 0), b.dim_size(tb_ ? 0 : 1),
-                 a.dim_size(ta_ ? 0 : 1), nullptr, true, 1};
+                 a.dim_size(ta_ ? 0 : 1), nullptr, true, 1, 0, 0, 0};
+    p.lda = ta_ ? p.m : p.k;
+    p.ldb = tb_ ? p.k : p.n;
+    p.ldc = p.n;
     const int64_t kb = b.dim_size(tb_ ? 1 : 0);
     OP_REQUIRES(ctx, p.k == kb,
                 absl::InvalidArgumentError(absl::StrCat(
@@ -299,31 +305,51 @@ class MatMulOp : public OpKernel {
   bool ta_ = false, tb_ = false;
 };
 
+// The swap of a shape's last batch dim and its rows ([.., H, M, K] <-> [.., M, H, K]),
+// when `swapped`: the layout transpose_x, transpose_y and transpose_out name.
+TensorShape Swapped(TensorShape s, bool swapped) {
+  if (swapped && s.dims() >= 3) {
+    const int r = s.dims();
+    const int64_t h = s.dim_size(r - 3);
+    s.set_dim(r - 3, s.dim_size(r - 2));
+    s.set_dim(r - 2, h);
+  }
+  return s;
+}
+
 template <typename T>
 class BatchMatMulOp : public OpKernel {
  public:
   explicit BatchMatMulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_x", &ax_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_y", &ay_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_x", &tx_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_y", &ty_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_out", &to_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
     const Tensor& y = ctx->input(1);
-    OP_REQUIRES(ctx, x.dims() >= 2 && y.dims() >= 2,
+    OP_REQUIRES(ctx, x.dims() >= (tx_ ? 3 : 2) && y.dims() >= (ty_ ? 3 : 2),
                 absl::InvalidArgumentError(absl::StrCat(
-                    "StitchedBatchMatMul: operands must have rank >= 2, got shapes ",
-                    x.shape().DebugString(), " and ", y.shape().DebugString())));
-    const int rx = x.dims(), ry = y.dims();
-    Product<T> p{ax_, ay_, x.dim_size(ax_ ? rx - 1 : rx - 2),
-                 y.dim_size(ay_ ? ry - 2 : ry - 1), x.dim_size(ax_ ? rx - 2 : rx - 1),
-                 nullptr, true, 1};
-    OP_REQUIRES(ctx, p.k == y.dim_size(ay_ ? ry - 1 : ry - 2),
+                    "StitchedBatchMatMul: operands must have rank >= 2 (3 with "
+                    "transpose_x/transpose_y), got shapes ", x.shape().DebugString(),
+                    " and ", y.shape().DebugString())));
+    // the operands as BatchMatMulV2 would see them (a transposed one's heads before
+    // its rows)
+    const TensorShape xs = Swapped(x.shape(), tx_), ys = Swapped(y.shape(), ty_);
+    const int rx = xs.dims(), ry = ys.dims();
+    Product<T> p{ax_, ay_, xs.dim_size(ax_ ? rx - 1 : rx - 2),
+                 ys.dim_size(ay_ ? ry - 2 : ry - 1), xs.dim_size(ax_ ? rx - 2 : rx - 1),
+                 nullptr, true, 1, 0, 0, 0};
+    OP_REQUIRES(ctx, p.k == ys.dim_size(ay_ ? ry - 1 : ry - 2),
                 absl::InvalidArgumentError(absl::StrCat(
                     "StitchedBatchMatMul: inner dimensions differ: ",
-                    x.shape().DebugString(), " (adj_x=", ax_, ") and ",
-                    y.shape().DebugString(), " (adj_y=", ay_, ")")));
-    tensorflow::MatMulBCast bcast(x.shape().dim_sizes(), y.shape().dim_sizes());
+                    x.shape().DebugString(), " (adj_x=", ax_, ", transpose_x=", tx_,
+                    ") and ", y.shape().DebugString(), " (adj_y=", ay_,
+                    ", transpose_y=", ty_, ")")));
+    tensorflow::MatMulBCast bcast(xs.dim_sizes(), ys.dim_sizes());
     OP_REQUIRES(ctx, bcast.IsValid(),
                 absl::InvalidArgumentError(absl::StrCat(
                     "StitchedBatchMatMul: batch dimensions do not broadcast: ",
@@ -332,12 +358,25 @@ class BatchMatMulOp : public OpKernel {
                 absl::InvalidArgumentError("StitchedBatchMatMul: a dimension is 2^31 or "
                                            "more, beyond 32-bit OpenBLAS"));
     TensorShape shape = bcast.output_batch_shape();
+    OP_REQUIRES(ctx, !to_ || shape.dims() >= 1,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedBatchMatMul: transpose_out needs a batch dimension, got "
+                    "shapes ", x.shape().DebugString(), " and ", y.shape().DebugString())));
     shape.AddDim(p.m);
     shape.AddDim(p.n);
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, Swapped(shape, to_), &out));
     const int64_t count = bcast.output_batch_size();
     if (count == 0 || p.m == 0 || p.n == 0) return;
+    // A matrix of a swapped layout is one head's columns of rows `heads` times wider:
+    // matrix i of [.., heads, rows, len] sits at i / heads * heads * rows * len +
+    // i % heads * len, its rows heads * len apart (heads = 1: plain matrices)
+    const int64_t hx = tx_ ? xs.dim_size(rx - 3) : 1, hy = ty_ ? ys.dim_size(ry - 3) : 1;
+    const int64_t hc = to_ ? shape.dim_size(shape.dims() - 3) : 1;
+    const int64_t lx = ax_ ? p.m : p.k, ly = ay_ ? p.k : p.n;
+    p.lda = hx * lx;
+    p.ldb = hy * ly;
+    p.ldc = hc * p.n;
     const T* xp = x.flat<T>().data();
     const T* yp = y.flat<T>().data();
     T* cp = out->flat<T>().data();
@@ -351,14 +390,72 @@ class BatchMatMulOp : public OpKernel {
     RunProducts(ctx, &p, count, [=](int64_t i, int64_t lo, int64_t hi) {
       const int64_t ix = bc ? (*xi)[i] : (nx == 1 ? 0 : i);
       const int64_t iy = bc ? (*yi)[i] : (ny == 1 ? 0 : i);
-      pp->Run(lo, hi, xp + ix * sx, yp + iy * sy, cp + i * sc);
+      pp->Run(lo, hi, xp + ix / hx * hx * sx + ix % hx * lx,
+              yp + iy / hy * hy * sy + iy % hy * ly,
+              cp + i / hc * hc * sc + i % hc * p.n);
     });
   }
 
 
  private:
-  bool ax_ = false, ay_ = false;
+  bool ax_ = false, ay_ = false, tx_ = false, ty_ = false, to_ = false;
 };
+
+// A shape with its last batch dim and rows swapped (Swapped's rule), when `swapped`.
+absl::Status SwappedShape(tensorflow::shape_inference::InferenceContext* c,
+                          tensorflow::shape_inference::ShapeHandle s, bool swapped,
+                          tensorflow::shape_inference::ShapeHandle* out) {
+  *out = s;
+  if (!swapped || !c->RankKnown(s)) return absl::OkStatus();
+  const int r = c->Rank(s);
+  if (r < 3) {
+    return absl::InvalidArgumentError(
+        "StitchedBatchMatMul: transpose_x, transpose_y and transpose_out need a batch "
+        "dimension");
+  }
+  std::vector<tensorflow::shape_inference::DimensionHandle> dims;
+  for (int i = 0; i < r; ++i) dims.push_back(c->Dim(s, i));
+  std::swap(dims[r - 3], dims[r - 2]);
+  *out = c->MakeShape(dims);
+  return absl::OkStatus();
+}
+
+// BatchMatMulV2's shape rule over the operands' unswapped shapes, the output swapped
+// under transpose_out.
+absl::Status BatchMatMulShape(tensorflow::shape_inference::InferenceContext* c) {
+  using tensorflow::shape_inference::DimensionHandle;
+  using tensorflow::shape_inference::ShapeHandle;
+  bool ax = false, ay = false, tx = false, ty = false, to = false;
+  TF_RETURN_IF_ERROR(c->GetAttr("adj_x", &ax));
+  TF_RETURN_IF_ERROR(c->GetAttr("adj_y", &ay));
+  TF_RETURN_IF_ERROR(c->GetAttr("transpose_x", &tx));
+  TF_RETURN_IF_ERROR(c->GetAttr("transpose_y", &ty));
+  TF_RETURN_IF_ERROR(c->GetAttr("transpose_out", &to));
+  ShapeHandle x, y, out;
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), tx ? 3 : 2, &x));
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(1), ty ? 3 : 2, &y));
+  TF_RETURN_IF_ERROR(SwappedShape(c, x, tx, &x));
+  TF_RETURN_IF_ERROR(SwappedShape(c, y, ty, &y));
+  if (!c->RankKnown(x) || !c->RankKnown(y)) {
+    c->set_output(0, c->UnknownShape());
+    return absl::OkStatus();
+  }
+  const int rx = c->Rank(x), ry = c->Rank(y);
+  DimensionHandle kx = c->Dim(x, ax ? rx - 2 : rx - 1);
+  DimensionHandle ky = c->Dim(y, ay ? ry - 1 : ry - 2), k;
+  TF_RETURN_IF_ERROR(c->Merge(kx, ky, &k));
+  ShapeHandle bx, by, batch;
+  TF_RETURN_IF_ERROR(c->Subshape(x, 0, rx - 2, &bx));
+  TF_RETURN_IF_ERROR(c->Subshape(y, 0, ry - 2, &by));
+  TF_RETURN_IF_ERROR(tensorflow::shape_inference::BroadcastBinaryOpOutputShapeFnHelper(
+      c, bx, by, true, &batch));
+  TF_RETURN_IF_ERROR(c->Concatenate(
+      batch, c->Matrix(c->Dim(x, ax ? rx - 1 : rx - 2), c->Dim(y, ay ? ry - 2 : ry - 1)),
+      &out));
+  TF_RETURN_IF_ERROR(SwappedShape(c, out, to, &out));
+  c->set_output(0, out);
+  return absl::OkStatus();
+}
 
 REGISTER_OP("StitchedMatMul")
     .Input("a: T")
@@ -379,10 +476,16 @@ REGISTER_OP("StitchedBatchMatMul")
     .Output("output: T")
     .Attr("adj_x: bool = false")
     .Attr("adj_y: bool = false")
+    .Attr("transpose_x: bool = false")
+    .Attr("transpose_y: bool = false")
+    .Attr("transpose_out: bool = false")
     .Attr("T: {float, double}")
-    .SetShapeFn(tensorflow::shape_inference::BatchMatMulV2Shape)
+    .SetShapeFn(BatchMatMulShape)
     .Doc("BatchMatMulV2 (TF's attributes, broadcast and shapes) by OpenBLAS, split over "
-         "TF's intra-op threads.");
+         "TF's intra-op threads.  transpose_x / transpose_y: the operand arrives with its "
+         "last batch dim after its rows ([.., M, H, K] for [.., H, M, K]: an attention's "
+         "head transpose before the product), each product reading its columns of the "
+         "wider rows; transpose_out writes the output so ([.., M, H, N]).");
 
 #define REGISTER(T)                                                                   \
   REGISTER_KERNEL_BUILDER(                                                            \

@@ -9,6 +9,18 @@ wheel, runtime/gemm.cc) is faster on those shapes, so each product becomes our o
     MatMul(a, b)                    ->  StitchedMatMul(a, b)
     MatMul(a, b) -> BiasAdd(., c)   ->  StitchedMatMul(a, b, c)   (the BiasAdd's name)
     BatchMatMul[V2](x, y)           ->  StitchedBatchMatMul(x, y)
+    StitchedBatchMatMul(x, y) -> Transpose(., [0, 2, 1, 3])
+                                    ->  StitchedBatchMatMul(x, y, transpose_out=True)
+    StitchedBatchMatMul(Transpose(x, [0, 2, 1, 3]), y)
+                                    ->  StitchedBatchMatMul(x, y, transpose_x=True)
+
+The last two are an attention's head transposes ([batch, seq, heads, dim] <-> [batch,
+heads, seq, dim]; any rank, the last batch dim and the rows swapped): left between a
+product and its neighbour, each was a TF Transpose (or einsum.py's row gather) of its
+own, a copy of the attention's output (~80 us per layer of the Llama decoder at batch
+8).  The product reads or writes each head's columns of the wider rows in place
+(gemm.cc's strides), so the copy goes.  einsum.py leaves such Transposes (not
+gathers) where this pass will run.
 
 The ops take TF's attributes and shape functions, so a node keeps its name, inputs,
 attributes and ``_output_shapes``; only the op type changes.  A BiasAdd that is a
@@ -57,26 +69,36 @@ def rewrite(graph_def, pairs) -> int:
             product.attr["n_bias"].i = 0 if bias is None else 1
         if bias is None:
             continue
-        # the BiasAdd's node becomes the product (its name, so its readers and
-        # fetches are untouched); the MatMul's node goes
-        controls = [i for i in bias.input if i.startswith("^")]
-        name, device = bias.name, bias.device
-        shapes = bias.attr["_output_shapes"] if "_output_shapes" in bias.attr else None
-        saved = shapes.SerializeToString() if shapes is not None else None
-        bias_input = bias.input[1]
-        bias.CopyFrom(product)
-        bias.name, bias.device = name, device
-        del bias.input[:]
-        bias.input.extend([i for i in product.input if not i.startswith("^")] +
-                          [bias_input] + controls)
-        if saved is not None:
-            bias.attr["_output_shapes"].ParseFromString(saved)
+        # the BiasAdd's node becomes the product; the MatMul's node goes
+        _take_place(bias, product, [i for i in product.input if not i.startswith("^")] +
+                    [bias.input[1]] + [i for i in bias.input if i.startswith("^")])
         taken.add(product.name)
-    if taken:
-        keep = [nd for nd in graph_def.node if nd.name not in taken]
+    _drop(graph_def, taken)
+    return len(taken)
+
+
+def _take_place(node, product, inputs) -> None:
+    """``node`` becomes ``product`` reading ``inputs``, keeping its name (so its readers
+    and fetches are untouched), device and ``_output_shapes`` (else none: the
+    product's may differ)."""
+    name, device = node.name, node.device
+    shapes = node.attr["_output_shapes"].SerializeToString() \
+        if "_output_shapes" in node.attr else None
+    node.CopyFrom(product)
+    node.name, node.device = name, device
+    del node.input[:]
+    node.input.extend(inputs)
+    if shapes is not None:
+        node.attr["_output_shapes"].ParseFromString(shapes)
+    elif "_output_shapes" in node.attr:
+        del node.attr["_output_shapes"]
+
+
+def _drop(graph_def, names) -> None:
+    if names:
+        keep = [nd for nd in graph_def.node if nd.name not in names]
         del graph_def.node[:]
         graph_def.node.extend(keep)
-    return len(taken)
 
 
 def _nhwc(bias):
@@ -87,13 +109,26 @@ def _nhwc(bias):
     return None
 
 
-def _run(ctx):
+def _eigen_machine() -> bool:
+    """Whether the device profile says TF's GEMM is Eigen's on the CPU: the products
+    this pass was measured against (the module's docstring)."""
     from ...plan import profiles
-    from ...runtime import blas
     from . import remapper
     prof = profiles.default()
-    if prof.backend != "cpu" or remapper.onednn(prof):
-        return None          # measured against Eigen's GEMM only (the module's docstring)
+    return prof.backend == "cpu" and not remapper.onednn(prof)
+
+
+def will_run(options) -> bool:
+    """Whether this pass turns the products into our ops (einsum.py asks: it leaves
+    a head transpose for the product to write only then)."""
+    from ...runtime import blas
+    return bool(options.blas_gemm) and _eigen_machine() and blas.unavailable() is None
+
+
+def _run(ctx):
+    from ...runtime import blas
+    if not _eigen_machine():
+        return None
     pairs = [(p, _nhwc(b)) for p, b in xladot.candidates(ctx.graph_def, ctx.fetched)
              if p.op in OPS]
     if not pairs:
@@ -104,10 +139,80 @@ def _run(ctx):
                 f"(tf/passes/blas.py)")
     kinds = collections.Counter(p.op for p, _ in pairs)
     biased = rewrite(ctx.graph_def, pairs)
+    folded = fold_head_transposes(ctx.graph_def, ctx.fetched)
     listed = ", ".join(f"{n} {op}" for op, n in sorted(kinds.items()))
     return (f"{len(pairs)} matrix product(s) run by OpenBLAS ({listed}; {biased} with "
-            f"their BiasAdd): TF's GEMM here is Eigen's (oneDNN off), slower "
-            f"(tf/passes/blas.py; Options(blas_gemm=False) leaves them to TF)")
+            f"their BiasAdd; {folded} head transpose(s) read or written in place): TF's "
+            f"GEMM here is Eigen's (oneDNN off), slower (tf/passes/blas.py; "
+            f"Options(blas_gemm=False) leaves them to TF)")
+
+
+def _const_ints(node):
+    """A Const node's value as a list of ints, else None."""
+    if node is None or node.op != "Const" or "value" not in node.attr:
+        return None
+    value = tf.make_ndarray(node.attr["value"].tensor)
+    return [int(v) for v in value.ravel()] if value.dtype.kind in "iu" else None
+
+
+def _swaps_heads_and_rows(perm) -> bool:
+    """Whether ``perm`` swaps the last batch dim and the rows of a product's
+    output, [.., H, M, N] -> [.., M, H, N], and moves nothing else."""
+    r = len(perm or ())
+    return r >= 3 and perm == list(range(r - 3)) + [r - 2, r - 3, r - 1]
+
+
+def _flag(node, key) -> bool:
+    """A bool attribute, False when absent (reading a protobuf map's missing key would
+    add an empty, invalid AttrValue to the node)."""
+    return key in node.attr and node.attr[key].b
+
+
+def fold_head_transposes(graph_def, fetched) -> int:
+    """Take each Transpose that only swaps the heads and rows of a StitchedBatchMatMul's
+    operand or output, where the product is its only reader or it the product's, into
+    the product (``transpose_x``, ``transpose_y``, ``transpose_out``), in place; returns
+    how many.  A Transpose of the output becomes the product, as ``rewrite``'s BiasAdd
+    does."""
+    nodes = {nd.name: nd for nd in graph_def.node}
+    readers = collections.Counter(i.lstrip("^").split(":")[0]
+                                  for nd in graph_def.node for i in nd.input)
+
+    def head_swap(nd):
+        """Whether ``nd`` is a Transpose swapping heads and rows, taking no control
+        inputs and not fetched."""
+        return nd is not None and nd.op == "Transpose" and len(nd.input) == 2 and \
+            nd.name not in fetched and not nd.input[1].startswith("^") and \
+            _swaps_heads_and_rows(_const_ints(nodes.get(nd.input[1].split(":")[0])))
+
+    def sole_reader(producer_input, producer):
+        return producer is not None and readers[producer.name] == 1 and \
+            producer_input in (producer.name, producer.name + ":0")
+
+    taken = set()
+    for nd in list(graph_def.node):
+        if nd.op != "StitchedBatchMatMul":
+            continue
+        for slot, key in ((0, "transpose_x"), (1, "transpose_y")):
+            t = nodes.get(nd.input[slot].split(":")[0])
+            if head_swap(t) and sole_reader(nd.input[slot], t) and not _flag(nd, key):
+                nd.input[slot] = t.input[0]
+                nd.attr[key].b = True
+                taken.add(t.name)
+    for nd in graph_def.node:
+        if nd.name in taken:                  # already read by a product
+            continue
+        product = nodes.get(nd.input[0].split(":")[0]) if head_swap(nd) else None
+        if product is None or product.op != "StitchedBatchMatMul" or \
+                not sole_reader(nd.input[0], product) or product.name in fetched or \
+                _flag(product, "transpose_out") or \
+                any(i.startswith("^") for i in product.input):
+            continue
+        _take_place(nd, product, list(product.input))   # head_swap: no controls of its own
+        nd.attr["transpose_out"].b = True
+        taken.add(product.name)
+    _drop(graph_def, taken)
+    return len(taken)
 
 
 PASS = Pass("blas", _run, option="blas_gemm")
@@ -149,13 +254,28 @@ def _batch_matmul_grad(op, grad):
     from ...runtime import blas
     ops = blas.load()
     x, y = op.inputs
+    # in the layouts BatchMatMulV2 would see (each swap is its own inverse)
+    tx, ty = op.get_attr("transpose_x"), op.get_attr("transpose_y")
+    x, y = _swap(x) if tx else x, _swap(y) if ty else y
+    if op.get_attr("transpose_out"):
+        grad = _swap(grad)
     gx, gy = _pair(op.get_attr("adj_x"), op.get_attr("adj_y"), x, y, grad,
                    lambda u, v, tu, tv: ops.stitched_batch_mat_mul(
                        x=u, y=v, adj_x=tu, adj_y=tv))
     lead_x, lead_y = x.shape[:-2], y.shape[:-2]
-    if lead_x.is_fully_defined() and lead_y.is_fully_defined() and lead_x == lead_y:
-        return gx, gy                          # no broadcast: nothing to sum
-    # sum each gradient over the batch dims its operand was broadcast along
-    sx, sy = tf.shape(x), tf.shape(y)
-    rx, ry = tf.raw_ops.BroadcastGradientArgs(s0=sx[:-2], s1=sy[:-2])
-    return (tf.reshape(tf.reduce_sum(gx, rx), sx), tf.reshape(tf.reduce_sum(gy, ry), sy))
+    if not (lead_x.is_fully_defined() and lead_y.is_fully_defined() and lead_x == lead_y):
+        # sum each gradient over the batch dims its operand was broadcast along
+        sx, sy = tf.shape(x), tf.shape(y)
+        rx, ry = tf.raw_ops.BroadcastGradientArgs(s0=sx[:-2], s1=sy[:-2])
+        gx, gy = tf.reshape(tf.reduce_sum(gx, rx), sx), tf.reshape(tf.reduce_sum(gy, ry), sy)
+    return _swap(gx) if tx else gx, _swap(gy) if ty else gy
+
+
+def _swap(t):
+    """``t`` with its last batch dim and its rows swapped ([.., H, M, K] <-> [.., M, H,
+    K]), the layout of transpose_x, transpose_y and transpose_out."""
+    r = t.shape.rank
+    if r is not None:
+        return tf.transpose(t, list(range(r - 3)) + [r - 2, r - 3, r - 1])
+    r = tf.rank(t)
+    return tf.transpose(t, tf.concat([tf.range(r - 3), tf.stack([r - 2, r - 3, r - 1])], 0))

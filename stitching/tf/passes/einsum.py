@@ -22,7 +22,12 @@ which TF runs as one memcpy per row.  The rewrite:
 where A is ``a`` in [batch, lfree, contract] or [batch, contract, lfree] order (adj_x)
 merged to [batch..., M, K], B likewise, and each operand (and the result) is reordered
 by nothing (a view) or by one row gather.  Of the two orders an operand may take, one
-that needs no move wins, else one a row gather can make.
+that needs no move wins, else one a row gather can make.  Where the result cannot be
+reordered by a row gather, the operands are swapped (the product computed transposed:
+Einsum(a, b) is Einsum(b, a) with the labels swapped), so that the contiguous tail
+of its rows is the other operand's free dim: the attention's value gradient
+"BTNH,BNTS->BSNH" would leave [B, N, H, S] rows of S to reorder into BSNH (one
+element at a time); swapped, [B, N, S, H] reaches BSNH by a gather of rows of H.
 
 Measured on the 2-core machine (shared, load 2-3), the models suite's Keras encoder
 (4 layers, d_model 256, 4 heads, seq 128), stitched with and without this pass, calls
@@ -36,7 +41,14 @@ dtype; every dim static but at most one, which must be a batch label (present in
 both operands and the output: the unknown batch of a Keras model); at least one
 operand or the result needs a move, every move is a row gather whose rows hold at
 least ``_MIN_ROW`` elements and whose index has at most ``_MAX_INDEX`` entries.
-Anything else keeps TF's Einsum.  The Einsum node keeps its name (it becomes the
+Anything else keeps TF's Einsum.
+
+Where tf/passes/blas.py will run the product on OpenBLAS, a move that only swaps the
+last batch label and the rows of an operand or the result (the attention's query, key
+and value [B, T, N, H] taken as [B, N, T, H]; "BNTS,BSNH->BTNH"'s result [B, N, T, H]
+given as [B, T, N, H]) is a Transpose instead of a gather, which blas.py folds into
+the product (``transpose_x``, ``transpose_y``, ``transpose_out``: it reads or writes
+the swapped layout in place, no copy).  The Einsum node keeps its name (it becomes the
 output Reshape), so consumers and fetches are untouched; GatherV2, BatchMatMulV2 and
 Reshape all have gradients.
 """
@@ -50,6 +62,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 from ..passmanager import Pass
+from . import blas
 
 _FLOATS = {types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
 _EQUATION = re.compile(r"^([A-Za-z]+),([A-Za-z]+)->([A-Za-z]*)$")
@@ -81,6 +94,7 @@ class Plan:
     rfree: str
     contract: str
     dims: dict               # label -> size, -1 for the (one) unknown
+    swap: bool = False       # lhs and rhs are the Einsum's second and first operand
 
     def moves(self) -> list:
         """The row gathers this plan runs (None where an order is already right)."""
@@ -110,11 +124,17 @@ def candidates(graph_def, ir_graph) -> dict:
 
 
 def plan_for(equation: str, lhs_shape, rhs_shape) -> Plan | None:
-    """The rewrite of one Einsum, or None where TF's Einsum stays (module docstring)."""
+    """The rewrite of one Einsum, or None where TF's Einsum stays (module docstring):
+    with its operands as they come, else swapped."""
     m = _EQUATION.match(equation.replace(" ", ""))
     if m is None:
         return None
     lhs, rhs, out = m.groups()
+    return _plan(lhs, rhs, out, lhs_shape, rhs_shape, False) or \
+        _plan(rhs, lhs, out, rhs_shape, lhs_shape, True)
+
+
+def _plan(lhs, rhs, out, lhs_shape, rhs_shape, swap: bool) -> Plan | None:
     if len(lhs) != len(lhs_shape) or len(rhs) != len(rhs_shape):
         return None
     if any(len(set(t)) != len(t) for t in (lhs, rhs, out)) or \
@@ -138,7 +158,8 @@ def plan_for(equation: str, lhs_shape, rhs_shape) -> Plan | None:
     b = _pick(rhs, [(batch + contract + rfree, False), (batch + rfree + contract, True)], dims)
     if a is None or b is None:
         return None
-    plan = Plan(lhs, rhs, out, a[0], b[0], a[1], b[1], batch, lfree, rfree, contract, dims)
+    plan = Plan(lhs, rhs, out, a[0], b[0], a[1], b[1], batch, lfree, rfree, contract, dims,
+                swap)
     moves = plan.moves()
     if moves[2] is False or all(mv is None for mv in moves):
         return None          # the result cannot be reordered cheaply / Einsum moves nothing
@@ -203,35 +224,54 @@ def _gather_index(mv: _Move, dims) -> np.ndarray:
     return rows.transpose([mid_src.index(c) for c in mid_dst]).reshape(-1)
 
 
-def rewrite(graph_def, todo: dict) -> None:
+def rewrite(graph_def, todo: dict, head_transposes: bool = False) -> None:
     """Turn each Einsum in ``todo`` (from ``candidates``) into a BatchMatMulV2, in place:
-    the node itself becomes the output Reshape; its helper nodes are appended."""
+    the node itself becomes the output Reshape; its helper nodes are appended.
+    ``head_transposes``: a result move the product can write (module docstring) is a
+    Transpose for blas.py to fold."""
     for nd in [nd for nd in graph_def.node if nd.name in todo]:
-        _Builder(graph_def, nd).lower(todo[nd.name])
+        _Builder(graph_def, nd, head_transposes).lower(todo[nd.name])
+
+
+def _swaps_head_and_rows(batch: str, rows: str, cols: str, labels: str) -> bool:
+    """Whether ``labels`` is the order ``batch + rows + cols`` with the last batch label
+    after the rows: a swap a product reads or writes in place."""
+    return len(batch) >= 1 and labels == batch[:-1] + rows + batch[-1] + cols
 
 
 class _Builder:
-    def __init__(self, graph_def, nd):
+    def __init__(self, graph_def, nd, head_transposes: bool = False):
         self.graph_def, self.nd, self.name, self.dev = graph_def, nd, nd.name, nd.device
         self.t = attr_value_pb2.AttrValue(type=nd.attr["T"].type)
+        self.head_transposes = head_transposes and \
+            nd.attr["T"].type in (types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE)
 
     def lower(self, plan: Plan) -> None:
         nd = self.nd
         a, b = [i for i in nd.input if not i.startswith("^")]
+        if plan.swap:
+            a, b = b, a
         control = [i for i in nd.input if i.startswith("^")]
+        if control:          # blas.py leaves a product with control inputs in place
+            self.head_transposes = False
         d = plan.dims
         m, k, n = (_prod(d[c] for c in g) for g in (plan.lfree, plan.contract, plan.rfree))
         batch = [d[c] for c in plan.batch]
         a_shape = batch + ([k, m] if plan.adj_x else [m, k])
         b_shape = batch + ([n, k] if plan.adj_y else [k, n])
-        a = self.operand("a", a, plan.lhs, plan.a_order, d, a_shape)
-        b = self.operand("b", b, plan.rhs, plan.b_order, d, b_shape)
+        a = self.operand("a", a, plan.lhs, plan.a_order, d, a_shape,
+                         plan.contract if plan.adj_x else plan.lfree)
+        b = self.operand("b", b, plan.rhs, plan.b_order, d, b_shape,
+                         plan.rfree if plan.adj_y else plan.contract)
         mm = self.add("batch_matmul", "BatchMatMulV2", [a, b] + control, T=self.t,
                       adj_x=attr_value_pb2.AttrValue(b=plan.adj_x),
                       adj_y=attr_value_pb2.AttrValue(b=plan.adj_y))
         order = plan.batch + plan.lfree + plan.rfree
         mv = _move(order, plan.out, d)
-        if mv is not None:
+        if mv is not None and self.head_transposes and \
+                _swaps_head_and_rows(plan.batch, plan.lfree, plan.rfree, plan.out):
+            mm = self.head_transpose("out", mm, len(plan.batch) + 2)
+        elif mv is not None:
             mm = self.gather("out", mm, mv, d)
         nd.op = "Reshape"
         del nd.input[:]
@@ -240,8 +280,16 @@ class _Builder:
         nd.attr["T"].CopyFrom(self.t)
         nd.attr["Tshape"].type = types_pb2.DT_INT32
 
-    def operand(self, tag, x, src, dst, dims, shape) -> str:
-        """``x`` (labels ``src``) in order ``dst``, merged to ``shape``."""
+    def operand(self, tag, x, src, dst, dims, shape, rows) -> str:
+        """``x`` (labels ``src``) in order ``dst`` (the batch labels, then ``rows``,
+        then the rest), merged to ``shape``."""
+        batch = dst[:len(shape) - 2]
+        cols = dst[len(batch) + len(rows):]
+        if self.head_transposes and _swaps_head_and_rows(batch, rows, cols, src):
+            swapped = shape[:-3] + [shape[-2], shape[-3], shape[-1]]
+            x = self.add(tag, "Reshape", [x, self.const(f"{tag}_shape", swapped)],
+                         T=self.t, Tshape=attr_value_pb2.AttrValue(type=types_pb2.DT_INT32))
+            return self.head_transpose(tag, x, len(shape))
         mv = _move(src, dst, dims)
         if mv is not None:
             x = self.gather(tag, x, mv, dims)
@@ -264,6 +312,12 @@ class _Builder:
                         Tparams=self.t, Tindices=i32, Taxis=i32,
                         batch_dims=attr_value_pb2.AttrValue(i=0))
 
+    def head_transpose(self, tag, x, rank) -> str:
+        """``x`` with its last batch dim and its rows swapped (blas.py folds it)."""
+        perm = list(range(rank - 3)) + [rank - 2, rank - 3, rank - 1]
+        return self.add(f"{tag}_transpose", "Transpose", [x, self.const(f"{tag}_perm", perm)],
+                        T=self.t, Tperm=attr_value_pb2.AttrValue(type=types_pb2.DT_INT32))
+
     def add(self, suffix, op, inputs, **attrs) -> str:
         new = self.graph_def.node.add(name=f"{self.name}/einsum/{suffix}", op=op,
                                       device=self.dev)
@@ -284,7 +338,7 @@ def _run(ctx):
     todo = candidates(ctx.graph_def, ctx.ir)
     if not todo:
         return None
-    rewrite(ctx.graph_def, todo)
+    rewrite(ctx.graph_def, todo, blas.will_run(ctx.options))
     return (f"{len(todo)} Einsum node(s) run as one BatchMatMulV2 each, their "
             "operand and result transposes as row gathers (tf/einsum.py; "
             "Options(einsum=False) keeps them)")
