@@ -67,6 +67,12 @@ KNOWN: dict[str, str] = {
         "after it (testMethodReferenceCycles)",
     "polymorphic_function_test::FunctionTest.testSymbolicTensorIllegalCaptureCallTimeError":
         _TIERED,
+    "polymorphic_function_test::FunctionTest.test_restored_function_retracing_warning":
+        "a stitched graph already in the result cache (here an earlier test's identity "
+        "function, the same graph) lets a new signature's second call run the stitched "
+        "function, whose shape relaxation traces less than tf.function and does not warn; "
+        "with an empty cache the stock tf.function of tiered execution warns and the "
+        "test passes",
     "polymorphic_function_test::MultiDeviceTest.testReplaceCaptureWithDeferred":
         "Grappler folds captured eager constants into the stitched graph (x + y + z "
         "becomes one constant), so replacing a capture of the traced ConcreteFunction "
@@ -168,9 +174,15 @@ def prepare(tmp: Path, suite: Path, stitched: bool) -> None:
 
 def run_file(tmp: Path, name: str, pattern: str, timeout: float) -> dict:
     out = tmp / f"{name}.json"
+    # An empty kernel and result cache per file, as a first run has: with the result
+    # cache warm from an earlier run, a new signature's second call already runs the
+    # stitched function (tiering's probe finds it), so what a test sees would depend
+    # on earlier runs (test_restored_function_retracing_warning still depends on the
+    # tests before it in its file: KNOWN).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(tmp), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        TF_CPP_MIN_LOG_LEVEL="2", STITCHING_NO_HINTS="1")
+        TF_CPP_MIN_LOG_LEVEL="2", STITCHING_NO_HINTS="1",
+        STITCHING_CACHE_DIR=str(tmp / f"cache-{name}"))
     t0 = time.time()
     proc = subprocess.run([sys.executable, str(tmp / "_driver.py"), name, str(out), pattern],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
