@@ -54,6 +54,15 @@ def import_for_shapes(graph_def, resources: dict | None = None) -> tf.Graph:
     return g
 
 
+def drop_nodes(graph_def, names) -> None:
+    """Remove the nodes named in ``names`` from ``graph_def``, in place (the passes
+    that fold a node into another: padfold, shapes, xladot, blas)."""
+    if names:
+        kept = [nd for nd in graph_def.node if nd.name not in names]
+        del graph_def.node[:]
+        graph_def.node.extend(kept)
+
+
 def drop_dangling_colocations(graph_def) -> None:
     """Grappler's function inlining leaves colocation constraints (``_class:
     loc:@Func/PartitionedCall_1/input/_4``, from TF's gradient of a function call)

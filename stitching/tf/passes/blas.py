@@ -46,6 +46,7 @@ import collections
 import tensorflow as tf
 
 from ..passmanager import Pass
+from ..tfgraph import drop_nodes
 from . import xladot
 
 OPS = {"MatMul": "StitchedMatMul", "BatchMatMulV2": "StitchedBatchMatMul",
@@ -73,7 +74,7 @@ def rewrite(graph_def, pairs) -> int:
         _take_place(bias, product, [i for i in product.input if not i.startswith("^")] +
                     [bias.input[1]] + [i for i in bias.input if i.startswith("^")])
         taken.add(product.name)
-    _drop(graph_def, taken)
+    drop_nodes(graph_def, taken)
     return len(taken)
 
 
@@ -92,13 +93,6 @@ def _take_place(node, product, inputs) -> None:
         node.attr["_output_shapes"].ParseFromString(shapes)
     elif "_output_shapes" in node.attr:
         del node.attr["_output_shapes"]
-
-
-def _drop(graph_def, names) -> None:
-    if names:
-        keep = [nd for nd in graph_def.node if nd.name not in names]
-        del graph_def.node[:]
-        graph_def.node.extend(keep)
 
 
 def _nhwc(bias):
@@ -211,7 +205,7 @@ def fold_head_transposes(graph_def, fetched) -> int:
         _take_place(nd, product, list(product.input))   # head_swap: no controls of its own
         nd.attr["transpose_out"].b = True
         taken.add(product.name)
-    _drop(graph_def, taken)
+    drop_nodes(graph_def, taken)
     return len(taken)
 
 

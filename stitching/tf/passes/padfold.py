@@ -41,6 +41,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 from ...plan import profiles
 from ..passmanager import Pass
+from ..tfgraph import drop_nodes
 from . import remapper
 
 CONVS = ("DepthwiseConv2dNative",)
@@ -129,10 +130,7 @@ def rewrite(graph_def, found: dict) -> None:
         conv.attr["padding"].s = b"EXPLICIT"
         conv.attr["explicit_paddings"].CopyFrom(attr_value_pb2.AttrValue(
             list=attr_value_pb2.AttrValue.ListValue(i=[0, 0, t, b, l, r, 0, 0])))
-    pads = {pad for pad, _ in found.values()}
-    kept = [nd for nd in graph_def.node if nd.name not in pads]
-    del graph_def.node[:]
-    graph_def.node.extend(kept)
+    drop_nodes(graph_def, {pad for pad, _ in found.values()})
 
 
 def _run(ctx):

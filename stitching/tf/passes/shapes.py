@@ -32,6 +32,7 @@ from tensorflow.core.framework import attr_value_pb2
 from ...ir.graph import ValueRef
 from ...ir.ops import Kind, kind_of
 from ..passmanager import Pass
+from ..tfgraph import drop_nodes
 
 UNKNOWN = None
 _MAX_DEPTH = 16            # arbitrary: shape arithmetic chains are a few ops deep
@@ -261,9 +262,7 @@ def _run(ctx):
     dead = _dead_shape_math(graph_def, ctx.shape_math, ctx.fetched)
     if not folded and not dead:
         return None
-    kept = [nd for nd in graph_def.node if nd.name not in dead]
-    del graph_def.node[:]
-    graph_def.node.extend(kept)
+    drop_nodes(graph_def, dead)
     for name in dead:
         ctx.ir.nodes.pop(name, None)
     for node in ctx.ir:           # a folded Reshape no longer waits for its target

@@ -46,6 +46,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, function_pb2, types_pb2
 
 from ..passmanager import Pass
+from ..tfgraph import drop_nodes
 from . import original
 
 PRODUCTS = ("MatMul", "BatchMatMulV2", "BatchMatMul")
@@ -181,10 +182,7 @@ def rewrite(graph_def, pairs) -> list:
         else:                               # the BiasAdd's node calls product + bias
             _call(bias, fname, ins + [bias.input[1]], dtype, product, bias)
             fused.add(product.name)
-    if fused:
-        keep = [nd for nd in graph_def.node if nd.name not in fused]
-        del graph_def.node[:]
-        graph_def.node.extend(keep)
+    drop_nodes(graph_def, fused)
     return list(functions.values())
 
 
