@@ -504,6 +504,7 @@ def _have_nvvm() -> bool:
                for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/nvvm/lib64"))
 
 
+@pytest.mark.slow    # ~20 s of NVVM compiles
 @pytest.mark.skipif(not _have_nvvm(), reason="libnvvm not installed")
 def test_kernels_compile_to_ptx():
     """The kernels the simulator ran also type-check and compile for a real GPU."""

@@ -116,6 +116,7 @@ def test_launch_checks_tensors_against_the_spec(launcher):
         refused(launch, match="CUDA driver")
 
 
+@pytest.mark.slow    # nvcc builds the whole op library: ~25 s
 def test_gpu_op_library_compiles_links_and_loads_without_a_gpu(tmp_path):
     """op.cc with GOOGLE_CUDA (StitchedKernelGpuOp over the launcher) against TF's
     headers: it compiles, links against libtensorflow_framework, and loads in CPU-only

@@ -47,6 +47,7 @@ def test_notebooks_use_public_api_only():
             assert "._" not in src and "import _" not in src, (path.name, src)
 
 
+@pytest.mark.slow    # the whole tour notebook with matplotlib: ~15 s
 def test_tour_runs_with_pictures(tmp_path):
     nb, images, _ = _run("tour.ipynb", tmp_path)
     assert len(images) >= 2                    # timing chart, graph
