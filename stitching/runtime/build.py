@@ -29,6 +29,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -68,27 +69,49 @@ def _tf_flags() -> tuple[list, list, str]:
             tf.__version__)
 
 
-def command(source: Path, output: Path, extra: tuple = ()) -> list:
-    """The full compiler command line for building ``source`` into ``output``;
-    ``extra``: flags of a library it links (runtime/blas.py: OpenBLAS's)."""
+def _files(source) -> tuple:
+    """A library's source files: ``source`` is one path or a sequence of them."""
+    return (source,) if isinstance(source, Path) else tuple(source)
+
+
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"/]+)"', re.M)
+
+
+def _headers(sources: tuple) -> list:
+    """The headers beside the sources that they include by quoted name (blas_util.h):
+    part of what a library is built from, so part of its hash."""
+    found = []
+    for src in sources:
+        for name in _LOCAL_INCLUDE.findall(src.read_bytes()):
+            h = src.with_name(name.decode())
+            if h.is_file() and h not in found:
+                found.append(h)
+    return found
+
+
+def command(source, output: Path, extra: tuple = ()) -> list:
+    """The full compiler command line for building ``source`` (one file or several,
+    compiled into one library) into ``output``; ``extra``: flags of a library it links
+    (runtime/blas.py: OpenBLAS's)."""
     cflags, lflags, _ = _tf_flags()
-    return ([*shlex.split(compiler()), "-shared", "-fPIC", "-O2", *QUIET, str(source),
-             "-o", str(output)] + cflags + lflags + list(extra))
+    return ([*shlex.split(compiler()), "-shared", "-fPIC", "-O2", *QUIET,
+             *map(str, _files(source)), "-o", str(output)] + cflags + lflags + list(extra))
 
 
-def library_path(source: Path = SOURCE, prefix: str = LIB_PREFIX,
-                 extra: tuple = ()) -> Path:
+def library_path(source=SOURCE, prefix: str = LIB_PREFIX, extra: tuple = ()) -> Path:
     """Where the library for the current TF/source/flags lives (built or not)."""
     cflags, lflags, tf_version = _tf_flags()
     h = hashlib.sha256()
     for part in (tf_version, platform.machine(), compiler(), " ".join(QUIET),
                  " ".join(cflags), " ".join(lflags)) + tuple(extra):
         h.update(part.encode() + b"\0")
-    h.update(source.read_bytes())
+    sources = _files(source)
+    for f in list(sources) + _headers(sources):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     return cache_dir() / f"{prefix}-tf{tf_version}-{h.hexdigest()[:16]}.so"
 
 
-def build(force: bool = False, source: Path = SOURCE, prefix: str = LIB_PREFIX,
+def build(force: bool = False, source=SOURCE, prefix: str = LIB_PREFIX,
           extra: tuple = ()) -> Path:
     """Return the path of the op library (by default the StitchedKernel one; another
     ``source`` with its ``prefix`` and link flags ``extra``), compiling it first if it
@@ -109,11 +132,11 @@ def build(force: bool = False, source: Path = SOURCE, prefix: str = LIB_PREFIX,
     return path
 
 
-# The OpenBLAS product ops (gemm.cc; loaded by blas.py): a second library, linked
+# The OpenBLAS ops (gemm.cc, sharing blas_util.h; loaded by blas.py): a second library, linked
 # against the OpenBLAS of the scipy-openblas32 wheel (the NumPy/SciPy project's build,
 # with prefixed symbols such as scipy_cblas_sgemm, so it never clashes with another
 # BLAS in the process); the wheel's folder is its run path.
-BLAS_SOURCE = SOURCE.with_name("gemm.cc")
+BLAS_SOURCES = (SOURCE.with_name("gemm.cc"),)
 BLAS_PREFIX = "stitching_blas"
 BLAS_WHEEL = "scipy-openblas32"
 
@@ -130,7 +153,7 @@ def blas_flags() -> tuple:
 def build_blas(force: bool = False) -> Path:
     """The OpenBLAS product ops' library, built first if not cached (ImportError
     without the wheel, BuildError if it does not build)."""
-    return build(force, BLAS_SOURCE, BLAS_PREFIX, blas_flags())
+    return build(force, BLAS_SOURCES, BLAS_PREFIX, blas_flags())
 
 
 def _whole(path: Path) -> bool:
@@ -150,7 +173,7 @@ def _whole(path: Path) -> bool:
     return integrity.elf_problem(head, size) is None
 
 
-def _compile_to(path: Path, source: Path = SOURCE, extra: tuple = ()) -> None:
+def _compile_to(path: Path, source=SOURCE, extra: tuple = ()) -> None:
     cxx = shlex.split(compiler())[0]
     if shutil.which(cxx) is None:
         raise BuildError(f"stitching needs a C++ compiler to build its TensorFlow op "
@@ -162,7 +185,8 @@ def _compile_to(path: Path, source: Path = SOURCE, extra: tuple = ()) -> None:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = proc.stderr[-STDERR_TAIL:]
-            raise BuildError(f"building the op library {source.name} failed "
+            names = ", ".join(f.name for f in _files(source))
+            raise BuildError(f"building the op library {names} failed "
                              f"(exit {proc.returncode}):\n  {shlex.join(cmd)}\n{tail}")
         integrity.seal(path, Path(tmp).read_bytes())   # size and hash, then the file
         os.replace(tmp, path)  # atomic publish
@@ -239,7 +263,7 @@ def main(argv=None) -> int:
         print(f"  OpenBLAS product ops: skipped ({BLAS_WHEEL} is not installed; matrix "
               f"products stay TF's)")
     else:
-        had = _whole(library_path(BLAS_SOURCE, BLAS_PREFIX, flags))
+        had = _whole(library_path(BLAS_SOURCES, BLAS_PREFIX, flags))
         try:
             _line("OpenBLAS product ops", build_blas(args.force), not had or args.force)
         except BuildError as e:

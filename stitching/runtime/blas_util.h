@@ -1,0 +1,216 @@
+// What the OpenBLAS op files (gemm.cc, and any other op of this library) share: the
+// Gemm wrappers, one product cut into pieces (Product), the pieces shared by the calling
+// thread and TF's intra-op pool (Shares, RunProducts), and OpenBLAS held to one thread of
+// its own.  gemm.cc's header comment says why each is so.  build.py compiles the files
+// of the library together and hashes this header with them.
+#ifndef STITCHING_RUNTIME_BLAS_UTIL_H_
+#define STITCHING_RUNTIME_BLAS_UTIL_H_
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "cblas.h"   // scipy_openblas32's, prefixed: scipy_cblas_sgemm
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/platform/threadpool.h"
+
+namespace stitching_blas {
+
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+// OpenBLAS runs on the thread that calls it: TF's pool is the only one.  Set once
+// when the library loads, before any product runs (inline: one for the library).
+inline const bool kOneThread = [] {
+  scipy_openblas_set_num_threads(1);
+  return true;
+}();
+
+// Multiply-adds below which a product runs inline on the calling thread.  Tuned
+// (loosely) on the 2-core AMD EPYC: a pool wake-up and hand-off costs ~5-10 us; a
+// [1, 256] x [256, 1024] product (2^18, reading 1 MiB of weights: bandwidth-bound)
+// took 0.066 ms inline against TF's 0.035 on two threads, so the line sits lower.
+constexpr int64_t kInlineMacs = int64_t{1} << 16;
+// Pieces of a product start at a multiple of this many rows or columns: the widest
+// register block of OpenBLAS's Haswell/SkylakeX sgemm kernels (16), so no piece ends
+// in a partial block where a whole one would do.
+constexpr int64_t kShardAlign = 16;
+// Multiply-adds in the smallest share a thread takes (arbitrary, ~2-4 us of one
+// core): a share is one GEMM call that packs the other operand again.
+constexpr int64_t kShareMacs = int64_t{1} << 16;
+// Pieces a product is cut into, per thread (see RunProducts).  Tuned on the 2-core
+// AMD EPYC (tools/gemm_probe.py, chains of [M, 256] x [256, 1024] x [1024, 256]):
+// 2 gave 440 us per product at M = 128 where 4 gave 465 and guided shares of
+// 16-column blocks 485 (TF's MatMul 530).
+constexpr int64_t kPiecesPerThread = 2;
+
+inline void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  scipy_cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
+                    tb ? CblasTrans : CblasNoTrans, m, n, k, 1.0f, a, lda, b, ldb, beta,
+                    c, ldc);
+}
+
+inline void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const double* a,
+          int64_t lda, const double* b, int64_t ldb, double beta, double* c,
+          int64_t ldc) {
+  scipy_cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
+                    tb ? CblasTrans : CblasNoTrans, m, n, k, 1.0, a, lda, b, ldb, beta, c,
+                    ldc);
+}
+
+// One row-major product C[m, n] (+)= op(A) op(B) + bias, cut into `pieces` equal
+// ranges of rows (by_rows) or columns, each a multiple of kShardAlign long.  The rows
+// of A, B and C as stored are `lda`, `ldb` and `ldc` elements apart: their lengths,
+// or more where a matrix is one head's slice of wider rows.
+template <typename T>
+struct Product {
+  bool ta, tb;
+  int64_t m, n, k;
+  const T* bias;          // [n] added to C, or nullptr
+  bool by_rows;           // pieces of rows (else of columns)
+  int64_t pieces;         // pieces per product (1: products are not cut)
+  int64_t lda, ldb, ldc;  // row strides of A, B and C as stored
+
+  // Where piece `i` starts (i == pieces: the end).
+  int64_t Edge(int64_t i) const {
+    const int64_t len = by_rows ? m : n;
+    if (i >= pieces) return len;
+    return std::min(len, (len * i / pieces + kShardAlign - 1) / kShardAlign * kShardAlign);
+  }
+
+  // Pieces [lo, hi) of the product of A (at a) and B (at b) into C (at c): one
+  // strided GEMM call.
+  void Run(int64_t lo, int64_t hi, const T* a, const T* b, T* c) const {
+    const int64_t begin = Edge(lo), end = Edge(hi);
+    if (end <= begin) return;
+    int64_t rows = m, cols = n;
+    if (by_rows) {
+      a += ta ? begin : begin * lda;   // op(A)'s rows: columns of a stored A^T
+      c += begin * ldc;
+      rows = end - begin;
+    } else {
+      b += tb ? begin * ldb : begin;   // op(B)'s columns: rows of a stored B^T
+      c += begin;
+      cols = end - begin;
+    }
+    const T* bias_part = bias == nullptr ? nullptr : bias + (by_rows ? 0 : begin);
+    if (bias_part != nullptr) {
+      for (int64_t i = 0; i < rows; ++i) std::copy(bias_part, bias_part + cols, c + i * ldc);
+    }
+    if (k == 0) {            // BLAS wants lda >= 1; the product of nothing is zero
+      if (bias_part == nullptr) {
+        for (int64_t i = 0; i < rows; ++i) std::fill(c + i * ldc, c + i * ldc + cols, T(0));
+      }
+      return;
+    }
+    Gemm(ta, tb, rows, cols, k, a, lda, b, ldb, bias_part != nullptr ? T(1) : T(0), c,
+         ldc);
+  }
+};
+
+// Units [0, total) shared by the calling thread and pool threads.  Each takes the
+// next share (guided: 1/guide of what is left, at least `chunk` units) until none is
+// left, as op.cc's UnitQueue does for StitchedKernel: the caller starts at once, a
+// pool thread that wakes late takes only what is left, so a slow wake-up (a busy
+// machine) delays part of the product instead of half of it.  A pool thread that
+// wakes after the last share was taken returns without touching the call's buffers
+// (the state is kept alive by its shared_ptr); the caller returns when all is done.
+class Shares {
+ public:
+  using Fn = std::function<void(int64_t, int64_t)>;
+  Shares(Fn run, int64_t total, int64_t chunk, int64_t guide)
+      : run_(std::move(run)), total_(total), chunk_(chunk), guide_(guide) {}
+
+  void Work() {
+    for (;;) {
+      int64_t begin = next_.load(std::memory_order_relaxed), end;
+      do {
+        if (begin >= total_) return;
+        end = std::min(total_, begin + std::max(chunk_, (total_ - begin) / guide_));
+      } while (!next_.compare_exchange_weak(begin, end, std::memory_order_relaxed));
+      run_(begin, end);
+      if (done_.fetch_add(end - begin, std::memory_order_acq_rel) + (end - begin) ==
+          total_) {
+        std::lock_guard<std::mutex> lock(mu_);   // so a waiter cannot miss it
+        cv_.notify_all();
+      }
+    }
+  }
+
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return done_.load(std::memory_order_acquire) == total_; });
+  }
+
+ private:
+  const Fn run_;
+  const int64_t total_, chunk_, guide_;
+  std::atomic<int64_t> next_{0}, done_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+inline tsl::thread::ThreadPool* Pool(OpKernelContext* ctx) {
+  const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+  return workers == nullptr ? nullptr : workers->workers;
+}
+
+// Runs `count` products of shape `p` (run(i, lo, hi): pieces [lo, hi) of product i)
+// over the calling thread and the intra-op pool, or inline when small.
+template <typename T>
+void RunProducts(OpKernelContext* ctx, Product<T>* p, int64_t count,
+                 std::function<void(int64_t, int64_t, int64_t)> run) {
+  tsl::thread::ThreadPool* pool = Pool(ctx);
+  const int64_t threads = pool == nullptr ? 1 : std::max(1, pool->NumThreads());
+  const int64_t macs = p->m * p->n * p->k;
+  // Cut products only when there are fewer of them than threads, along the longer
+  // side of the output (each piece packs all of the other operand), into
+  // kPiecesPerThread pieces per thread: few and large, because every piece is a GEMM
+  // call of its own that packs the other operand again, and more than one per
+  // thread, so that a thread that starts late takes fewer.
+  p->by_rows = p->m >= p->n;
+  const int64_t len = p->by_rows ? p->m : p->n;
+  p->pieces = count >= threads ? 1
+                               : std::max<int64_t>(1, std::min(kPiecesPerThread * threads,
+                                                               len / kShardAlign));
+  if (threads < 2 || count * macs < kInlineMacs || count * p->pieces < 2) {
+    for (int64_t i = 0; i < count; ++i) run(i, 0, p->pieces);
+    return;
+  }
+  const int64_t pieces = p->pieces;
+  const int64_t total = count * pieces;
+  // whole products: guided shares of at least ~kShareMacs; pieces: one at a time
+  const int64_t chunk = pieces > 1 ? 1
+                                   : std::max<int64_t>(1, kShareMacs / std::max<int64_t>(
+                                                              1, macs));
+  const int64_t guide = pieces > 1 ? total : 2 * threads;
+  auto shares = std::make_shared<Shares>(
+      [run, pieces](int64_t lo, int64_t hi) {
+        for (int64_t u = lo; u < hi;) {   // a share may span products
+          const int64_t i = u / pieces, end = std::min(hi, (i + 1) * pieces);
+          run(i, u - i * pieces, end - i * pieces);
+          u = end;
+        }
+      },
+      total, std::min(chunk, (total + threads - 1) / threads), guide);
+  const int64_t helpers = std::min(threads - 1, (total + chunk - 1) / chunk - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool->Schedule([shares] { shares->Work(); });
+  shares->Work();
+  shares->Wait();
+}
+
+inline bool FitsBlas(int64_t v) { return v < std::numeric_limits<int32_t>::max(); }
+
+}  // namespace stitching_blas
+
+#endif  // STITCHING_RUNTIME_BLAS_UTIL_H_
