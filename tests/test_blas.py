@@ -32,7 +32,11 @@ def _err(got, ref):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("ta", [False, True])
 @pytest.mark.parametrize("tb", [False, True])
-@pytest.mark.parametrize("mkn", [(64, 96, 200), (1, 256, 64), (300, 17, 5), (40, 1, 33)])
+@pytest.mark.parametrize("mkn", [(64, 96, 200), (1, 256, 64), (300, 17, 5), (40, 1, 33),
+                                 # rows or columns by sgemv (runtime/blas_util.h
+                                 # kGemvLines), inline and cut over threads
+                                 (2, 300, 70), (3, 640, 500), (1, 1280, 1000),
+                                 (200, 64, 2), (1500, 700, 1), (1, 1, 1)])
 def test_matmul_equals_tf_and_float64(ops, dtype, ta, tb, mkn):
     m, k, n = mkn
     a = _rand((k, m) if ta else (m, k), dtype, 1)
@@ -55,6 +59,8 @@ def test_matmul_equals_tf_and_float64(ops, dtype, ta, tb, mkn):
     ((2, 1, 5, 7), (3, 7, 6), False, False),         # broadcast batch, ranks differ
     ((5, 7), (4, 7, 6), False, False),               # a matrix against a batch
     ((1, 9, 7), (6, 5, 9), True, True),
+    ((8, 1, 64), (8, 64, 40), False, False),         # one query per head: sgemv
+    ((2, 4, 16, 8), (2, 4, 1, 8), False, True),      # one column per product
 ])
 def test_batch_matmul_equals_tf_with_adjoints_and_broadcast(ops, xs, ys, ax, ay):
     x, y = _rand(xs, seed=4), _rand(ys, seed=5)
@@ -83,6 +89,20 @@ def test_nan_and_inf_propagate_as_in_tf(ops):
     want = tf.linalg.matmul(a, b).numpy()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+
+
+@pytest.mark.parametrize("m, n", [(1, 300), (2, 7), (300, 1), (9, 3)])
+@pytest.mark.parametrize("ta, tb", [(False, False), (True, True)])
+def test_nan_and_inf_propagate_through_the_gemv_path(ops, m, n, ta, tb):
+    # a matrix-vector product must not skip the zeros of the vector (0 x inf = nan)
+    a, b = _rand((m, 64)), _rand((64, n))
+    a[:, 5], b[5, :] = 0.0, np.inf       # 0 x inf in every output
+    a[0, 9] = np.nan
+    got = ops.stitched_mat_mul(a=a.T if ta else a, b=b.T if tb else b, bias=[],
+                               transpose_a=ta, transpose_b=tb).numpy()
+    want = tf.linalg.matmul(a, b).numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got).all()
 
 
 def test_unknown_batch_in_a_function(ops):

@@ -52,6 +52,15 @@ constexpr int64_t kShareMacs = int64_t{1} << 16;
 // 2 gave 440 us per product at M = 128 where 4 gave 465 and guided shares of
 // 16-column blocks 485 (TF's MatMul 530).
 constexpr int64_t kPiecesPerThread = 2;
+// A product (or piece) with fewer rows or columns than this runs as that many
+// matrix-vector products (sgemv) instead of one sgemm.  OpenBLAS's Haswell sgemm
+// (the kernel it picks on the AMD EPYC; this build has no small-matrix path) packs
+// the larger operand and runs a register block at least 4 lines wide whatever M is,
+// so M = 1, 2 or 3 cost it as much as M = 4: single-threaded [1, 1280] x [1280,
+// 1000] took 353 us by sgemm, 77 by sgemv, [2, 256] x [256, 1024] 79 against 2 x 17,
+// [3, 1280] x [1280, 1000] 540 against 3 x 76, while at 4 lines sgemm wins (275
+// against 4 x 77; 0.9-1.3x by transpose).
+constexpr int64_t kGemvLines = 4;
 
 inline void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
@@ -66,6 +75,20 @@ inline void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const double
   scipy_cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
                     tb ? CblasTrans : CblasNoTrans, m, n, k, 1.0, a, lda, b, ldb, beta, c,
                     ldc);
+}
+
+// y (+)= op(M) x, M row-major [rows, cols] with rows `ld` apart, x and y `incx` and
+// `incy` elements apart.
+inline void Gemv(bool t, int64_t rows, int64_t cols, const float* a, int64_t ld,
+                 const float* x, int64_t incx, float beta, float* y, int64_t incy) {
+  scipy_cblas_sgemv(CblasRowMajor, t ? CblasTrans : CblasNoTrans, rows, cols, 1.0f, a, ld,
+                    x, incx, beta, y, incy);
+}
+
+inline void Gemv(bool t, int64_t rows, int64_t cols, const double* a, int64_t ld,
+                 const double* x, int64_t incx, double beta, double* y, int64_t incy) {
+  scipy_cblas_dgemv(CblasRowMajor, t ? CblasTrans : CblasNoTrans, rows, cols, 1.0, a, ld,
+                    x, incx, beta, y, incy);
 }
 
 // One row-major product C[m, n] (+)= op(A) op(B) + bias, cut into `pieces` equal
@@ -113,8 +136,22 @@ struct Product {
       }
       return;
     }
-    Gemm(ta, tb, rows, cols, k, a, lda, b, ldb, bias_part != nullptr ? T(1) : T(0), c,
-         ldc);
+    const T beta = bias_part != nullptr ? T(1) : T(0);
+    if (rows < kGemvLines) {
+      // row i of C is op(A)'s row i times op(B): op(B)^T x, reading B once
+      for (int64_t i = 0; i < rows; ++i) {
+        Gemv(!tb, tb ? cols : k, tb ? k : cols, b, ldb, ta ? a + i : a + i * lda,
+             ta ? lda : 1, beta, c + i * ldc, 1);
+      }
+    } else if (cols < kGemvLines) {
+      // column j of C is op(A) times op(B)'s column j, written ldc apart
+      for (int64_t j = 0; j < cols; ++j) {
+        Gemv(ta, ta ? k : rows, ta ? rows : k, a, lda, tb ? b + j * ldb : b + j,
+             tb ? 1 : ldb, beta, c + j, ldc);
+      }
+    } else {
+      Gemm(ta, tb, rows, cols, k, a, lda, b, ldb, beta, c, ldc);
+    }
   }
 };
 
