@@ -23,7 +23,9 @@
 // M >= N, else columns: every piece packs the whole of the other operand, and that
 // operand is the smaller.  A batch of products is shared out by whole products, and
 // each product cut only when there are fewer products than threads.  Small products
-// run inline on the calling thread (a pool wake-up costs more than they do).
+// run inline on the calling thread (a pool wake-up costs more than they do).  A
+// product or piece of fewer than 4 rows or columns is sgemv calls, one per row or
+// column (blas_util.h kGemvLines: OpenBLAS's sgemm costs M = 1 as much as M = 4).
 //
 // Measured against one thread per product (each product inline, TF's inter-op
 // threads running independent products side by side) on the 2-core AMD EPYC while
