@@ -290,20 +290,46 @@ def breakdown(model_name: str, batch: int, wanted, calls: int, layers: int = 4,
     wall = wall_ms(modes, x, max(calls, 10))
     if not interleave:
         return wall, {m: op_rows(m, f, x, calls, stat, nodes) for m, f in modes.items()}
+    return wall, interleaved_rows(modes, x, calls, stat, nodes)
+
+
+def interleaved_rows(modes, x, calls: int, stat: str = "mean", nodes=None,
+                     stitched=None) -> dict:
+    """{mode: op-class rows} of ``modes`` ({mode: function of ``x``}) traced in one
+    profiler session, call by call (``_interleaved``); the ``stitched`` mode's kernels
+    from the op's counters during the same calls, named from ``stitched``'s report
+    (default: the stitched mode's function itself)."""
     run, marks = _interleaved(modes, x, calls)
     traced = []
 
     def trace():
         traced.append(_profile(run))
     if "stitched" in modes:     # the kernels' counters count during the same calls
-        kernels = _kernel_rows(modes["stitched"], trace, calls, stat)
+        kernels = _kernel_rows(stitched or modes["stitched"], trace, calls, stat)
     else:
         trace()
         kernels = {}
     per_mode = node_events(traced[0], marks)
     out = {m: rows_of(per_mode[m], calls, stat, nodes) for m in modes}
     out.get("stitched", {}).update(kernels)
-    return wall, out
+    return out
+
+
+def print_rows(per_mode: dict, stat: str, top: int) -> None:
+    """Each mode's op time split (``split``, ``ceiling``), its ``top`` op classes and
+    the nodes ``rows_of`` listed."""
+    for m, all_rows in per_mode.items():
+        rows = {k: v for k, v in all_rows.items() if not k.startswith("  ")}
+        parts = split(rows)
+        total = sum(parts.values())
+        print(f"== {m} ({stat}): {total:.0f} us of op time per call: "
+              + ", ".join(f"{k} {v:.0f} us ({v / total:.0%})" for k, v in parts.items())
+              + f"; ceiling with contractions left to TF {ceiling(parts):.2f}x")
+        for key, us in sorted(rows.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"   {key:34s} {us:9.1f} us")
+        for key, (low, mid) in sorted(((k, v) for k, v in all_rows.items()
+                                       if k.startswith("  ")), key=lambda kv: -kv[1][1]):
+            print(f"   {key:70.70s} min {low:8.1f} median {mid:8.1f} us")
 
 
 def main(argv=None) -> int:
@@ -334,18 +360,7 @@ def main(argv=None) -> int:
     print(f"{what}, batch {args.batch}; load average "
           f"{os.getloadavg()[0]:.2f}; wall ms per call (median, interleaved): "
           + ", ".join(f"{m} {v:.3f}" for m, v in wall.items()))
-    for m, all_rows in per_mode.items():
-        rows = {k: v for k, v in all_rows.items() if not k.startswith("  ")}
-        parts = split(rows)
-        total = sum(parts.values())
-        print(f"== {m} ({args.stat}): {total:.0f} us of op time per call: "
-              + ", ".join(f"{k} {v:.0f} us ({v / total:.0%})" for k, v in parts.items())
-              + f"; ceiling with contractions left to TF {ceiling(parts):.2f}x")
-        for key, us in sorted(rows.items(), key=lambda kv: -kv[1])[:args.top]:
-            print(f"   {key:34s} {us:9.1f} us")
-        for key, (low, mid) in sorted(((k, v) for k, v in all_rows.items()
-                                       if k.startswith("  ")), key=lambda kv: -kv[1][1]):
-            print(f"   {key:70.70s} min {low:8.1f} median {mid:8.1f} us")
+    print_rows(per_mode, args.stat, args.top)
     return 0
 
 
