@@ -169,6 +169,9 @@ def _swap(t):
     ((2, 3, 5, 40), (1, 3, 70, 40), False, True),     # broadcast batch; pieces of columns
     ((3, 4, 5), (3, 4, 6), True, False),              # rank 3
     ((2, 4, 6, 0), (2, 4, 0, 7), False, False),       # the product of nothing is zero
+    ((2, 3, 2, 40), (2, 3, 50, 40), False, True),     # sgemv per row (M = 2)
+    ((2, 3, 40, 2), (2, 3, 40, 50), True, False),     # ... of an adjoint x
+    ((2, 3, 40, 33), (2, 3, 33, 3), False, False),    # sgemv per column (N = 3)
 ])
 @pytest.mark.parametrize("tx, ty, to", [(False, False, True), (True, False, False),
                                         (False, True, False), (True, True, True)])
