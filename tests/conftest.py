@@ -34,8 +34,14 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 _SESSION = tempfile.mkdtemp(prefix="stitching-test-")
 os.makedirs(os.path.join(_SESSION, "home"))
 os.environ["HOME"] = os.path.join(_SESSION, "home")
-# A caller may point the kernel cache elsewhere on purpose (to reuse kernels between runs).
-os.environ.setdefault("STITCHING_CACHE_DIR", os.path.join(_SESSION, "cache"))
+# The session's cache is the session HOME's default one (~/.cache/stitching), so that a
+# test giving a child process a cache of its own (an empty STITCHING_CACHE_DIR) still
+# finds the op libraries the install step would have left there (runtime/build.py:
+# _prebuilt), as a user's process does: without it every such child compiled op.cc and
+# gemm.cc again (~20 s each, a dozen tests).  A caller may point the kernel cache
+# elsewhere on purpose (to reuse kernels between runs).
+os.environ.setdefault("STITCHING_CACHE_DIR",
+                      os.path.join(_SESSION, "home", ".cache", "stitching"))
 SESSION_MACHINE = os.environ.get("STITCHING_TEST_MACHINE", "intel-avx512")
 os.environ["STITCHING_DEVICE_PROFILE"] = SESSION_MACHINE
 os.environ.pop("STITCHING_PROFILE", None)      # the older spelling would name a device too
