@@ -173,6 +173,13 @@ def _whole(path: Path) -> bool:
     return integrity.elf_problem(head, size) is None
 
 
+def _cached(path: Path) -> bool:
+    """Whether ``build`` would find the library at ``path`` without compiling (there,
+    or the install step's copy in the default cache)."""
+    prebuilt = _prebuilt(path)
+    return _whole(path) or (prebuilt is not None and _whole(prebuilt))
+
+
 def _compile_to(path: Path, source=SOURCE, extra: tuple = ()) -> None:
     cxx = shlex.split(compiler())[0]
     if shutil.which(cxx) is None:
@@ -247,7 +254,7 @@ def main(argv=None) -> int:
         return 0
     check_tf_install(lambda m: print(m, file=sys.stderr))
     path = library_path()
-    fresh = args.force or not (_whole(path) or (_prebuilt(path) and _whole(_prebuilt(path))))
+    fresh = args.force or not _cached(path)
     try:
         lib = build(force=args.force)
     except BuildError as e:
@@ -263,7 +270,7 @@ def main(argv=None) -> int:
         print(f"  OpenBLAS product ops: skipped ({BLAS_WHEEL} is not installed; matrix "
               f"products stay TF's)")
     else:
-        had = _whole(library_path(BLAS_SOURCES, BLAS_PREFIX, flags))
+        had = _cached(library_path(BLAS_SOURCES, BLAS_PREFIX, flags))
         try:
             _line("OpenBLAS product ops", build_blas(args.force), not had or args.force)
         except BuildError as e:
