@@ -123,26 +123,58 @@ def _flag(node, key) -> bool:
     return key in node.attr and node.attr[key].b
 
 
-def fuse(graph_def, fetched) -> int:
+def fuse(graph_def, fetched, shapes=None) -> int:
     """Turn each matched product -> softmax kernel -> product into StitchedAttention,
-    in place (the module's docstring); returns how many."""
+    in place (the module's docstring); returns how many.  ``shapes()``: the graph
+    imported with TF's shapes, asked for only where a Reshape stands between the
+    pattern's nodes (einsum.py's, after an Einsum's product): one that changes no
+    shape is passed over, any other stops the match."""
     nodes = {nd.name: nd for nd in graph_def.node}
     readers = collections.Counter(i.lstrip("^").split(":")[0]
                                   for nd in graph_def.node for i in nd.input)
+    imported = []
+
+    def identity(nd) -> bool:
+        """Whether Reshape ``nd`` keeps its input's shape: equal ranks, equal known
+        dims and at most one unknown, at the same place in both."""
+        if shapes is None:
+            return False
+        if not imported:
+            imported.append(shapes())
+        try:
+            op = imported[0].get_operation_by_name(nd.name)
+        except KeyError:
+            return False
+        a, b = op.inputs[0].shape, op.outputs[0].shape
+        if a.rank is None or a.rank != b.rank:
+            return False
+        dims = list(zip(a.as_list(), b.as_list()))
+        unknown = [i for i, (x, y) in enumerate(dims) if x is None or y is None]
+        return len(unknown) <= 1 and all(x == y for x, y in dims if x is not None and
+                                         y is not None) and \
+            all(dims[i] == (None, None) for i in unknown)
 
     def intermediate(name, op):
-        """The node ``name`` names if it is an ``op`` that can go: its only reader is
-        the next node of the pattern and it is not fetched."""
+        """The node ``name`` names if it is an ``op`` that can go (its only reader is
+        the next node of the pattern and it is not fetched), through a Reshape that
+        can go and changes no shape; (node, [the Reshape]) or (None, [])."""
         nd = _node_of(name, nodes)
-        return nd if nd is not None and nd.op == op and readers[nd.name] == 1 and \
-            nd.name not in fetched else None
+        if nd is None or readers[nd.name] != 1 or nd.name in fetched:
+            return None, []
+        if nd.op == op:
+            return nd, []
+        if nd.op == "Reshape" and not any(i.startswith("^") for i in nd.input):
+            inner, _ = intermediate(nd.input[0], op)
+            if inner is not None and identity(nd):
+                return inner, [nd]
+        return None, []
 
-    taken = set()
+    taken, count = set(), 0
     for out in list(graph_def.node):
         if out.op != "StitchedBatchMatMul" or _flag(out, "adj_x") or \
                 _flag(out, "transpose_x"):
             continue
-        kernel = intermediate(out.input[0], "StitchedKernel")
+        kernel, between = intermediate(out.input[0], "StitchedKernel")
         if kernel is None or kernel.name in taken:
             continue
         match = softmax_of(json.loads(kernel.attr["spec"].s))
@@ -150,7 +182,7 @@ def fuse(graph_def, fetched) -> int:
             continue
         x, scale, mask = match
         data = [i for i in kernel.input if not i.startswith("^")]
-        scores = intermediate(data[x], "StitchedBatchMatMul")
+        scores, before = intermediate(data[x], "StitchedBatchMatMul")
         dtype = out.attr["T"].type
         if scores is None or scores.name in taken or _flag(scores, "transpose_out") or \
                 scores.attr["T"].type != dtype or \
@@ -174,16 +206,17 @@ def fuse(graph_def, fetched) -> int:
         out.attr["n_mask"].i = 0 if mask is None else 1
         del out.input[:]
         out.input.extend(inputs + sorted(set(controls)))
-        taken.update((scores.name, kernel.name))
+        taken.update(nd.name for nd in [scores, kernel] + before + between)
+        count += 1
     drop_nodes(graph_def, taken)
-    return len(taken) // 2
+    return count
 
 
 def _run(ctx):
     from ...runtime import blas as blas_ops
     if not blas._eigen_machine() or blas_ops.unavailable() is not None:
         return None                       # the blas pass says why, where it matters
-    fused = fuse(ctx.graph_def, ctx.fetched)
+    fused = fuse(ctx.graph_def, ctx.fetched, lambda: ctx.shapes_of(ctx.graph_def))
     if not fused:
         return None
     return (f"{fused} attention(s) fused into StitchedAttention (product, softmax kernel "
