@@ -228,9 +228,9 @@ PASS = Pass("attention", _run, option="fused_attention")
 
 
 @tf.RegisterGradient("StitchedAttention")
-def _no_gradient(op, grad):
+def _no_gradient(op, grad):   # noqa: ARG001 (TF's signature)
     raise NotImplementedError(
-        f"StitchedAttention ({op.name}) has no gradient: the fused attention is for "
-        f"inference graphs (a stitched function fuses none whose softmax its backward "
-        f"reads); take the gradient inside the stitched function, or stitch with "
-        f"Options(fused_attention=False)")
+        "StitchedAttention has no gradient: the fused attention is for "
+        "inference graphs (a stitched function fuses none whose softmax its backward "
+        "reads); take the gradient inside the stitched function, or stitch with "
+        "Options(fused_attention=False)")
