@@ -4,6 +4,8 @@ MODES = ("tf", "xla", "stitching")
 # baseline planner, timed side by side with the full planner for the ablation.
 # "tf_gemm" (--modes ...,tf_gemm): stitching with Options(blas_gemm=False), the matrix
 # products left to TF, timed side by side with OpenBLAS's (tf/passes/blas.py).
-EXTRA_MODES = ("baseline", "tf_gemm")
+# "attn" (--modes ...,attn): stitching with Options(fused_attention=True), each attention
+# one StitchedAttention op (tf/passes/attention.py), timed side by side with the default.
+EXTRA_MODES = ("baseline", "tf_gemm", "attn")
 LABELS = {"tf": "TF", "xla": "XLA", "stitching": "stitched", "baseline": "baseline",
-          "tf_gemm": "stitched, TF GEMM"}
+          "tf_gemm": "stitched, TF GEMM", "attn": "stitched, fused attention"}
