@@ -21,8 +21,11 @@
 // The float exp is the Cephes polynomial Eigen's pexp uses, 8 lanes of AVX2 + FMA
 // where the CPU has them (build.py compiles for the baseline x86-64, so a function
 // with its own target attribute, chosen at run time), else Eigen's exp on the
-// baseline ISA (SSE2: 4 lanes) -- a scalar expf loop is slower than the stitched
-// kernel this replaces.
+// baseline ISA (SSE2: 4 lanes).  TF's compile flags (build.py) name no -m option, so
+// Eigen compiles to SSE2 here; timed on the Llama decoder's batch-8 attention ([8, 8,
+// 128, 32] q, k, v, causal mask; load ~2, medians of 7): 2.97 ms with the AVX2 row
+// softmax, 6.25 with Eigen's, 2.41 for the two products alone (batch 1: 0.79, 1.16,
+// 0.73) -- Eigen's would lose to the stitched softmax kernel this replaces.
 //
 // Layouts and attributes are the matched products' (gemm.cc's StitchedBatchMatMul):
 // q and k as the first product's x and y (adj_q, adj_k, transpose_q, transpose_k), v as
