@@ -49,6 +49,7 @@ namespace {
 using stitching_blas::FitsBlas;
 using stitching_blas::Product;
 using stitching_blas::Shares;
+using stitching_blas::Swapped;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
@@ -181,17 +182,6 @@ void SoftmaxRow<float>(float* x, const float* mask, int64_t mask_step, int64_t n
   if (kHasAvx2) return SoftmaxRowAvx2(x, mask, mask_step, n, scale);
 #endif
   SoftmaxRowEigen(x, mask, mask_step, n, scale);
-}
-
-// The swap of a shape's last batch dim and its rows (gemm.cc's Swapped).
-TensorShape Swapped(TensorShape s, bool swapped) {
-  if (swapped && s.dims() >= 3) {
-    const int r = s.dims();
-    const int64_t h = s.dim_size(r - 3);
-    s.set_dim(r - 3, s.dim_size(r - 2));
-    s.set_dim(r - 2, h);
-  }
-  return s;
 }
 
 // Where matrix i of an operand starts and how far apart its rows are: a swapped
@@ -388,19 +378,9 @@ absl::Status AttentionShape(tensorflow::shape_inference::InferenceContext* c) {
   TF_RETURN_IF_ERROR(c->GetAttr("transpose_k", &tk));
   TF_RETURN_IF_ERROR(c->GetAttr("transpose_v", &tv));
   TF_RETURN_IF_ERROR(c->GetAttr("transpose_out", &to));
-  auto swap = [c](ShapeHandle s, bool swapped, ShapeHandle* out) -> absl::Status {
-    *out = s;
-    if (!swapped || !c->RankKnown(s)) return absl::OkStatus();
-    const int r = c->Rank(s);
-    if (r < 3) {
-      return absl::InvalidArgumentError(
-          "StitchedAttention: transpose_q/k/v/out need a batch dimension");
-    }
-    std::vector<DimensionHandle> dims;
-    for (int i = 0; i < r; ++i) dims.push_back(c->Dim(s, i));
-    std::swap(dims[r - 3], dims[r - 2]);
-    *out = c->MakeShape(dims);
-    return absl::OkStatus();
+  auto swap = [c](ShapeHandle s, bool swapped, ShapeHandle* out) {
+    return stitching_blas::SwappedShape(c, s, swapped, out,
+                                        "StitchedAttention: transpose_q/k/v/out");
   };
   ShapeHandle q, k, v, out;
   TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), tq ? 3 : 2, &q));
