@@ -131,13 +131,39 @@ def test_bad_operands_are_refused_with_the_reason(ops, kwargs, message):
         ops.stitched_attention(**kwargs)
 
 
-def test_no_gradient_says_why(ops):
-    q = tf.constant(_rand((1, 4, 8)))
-    with tf.GradientTape() as tape:
-        tape.watch(q)
-        y = ops.stitched_attention(q=q, k=q, v=q, mask=[], adj_k=True)
-    with pytest.raises(NotImplementedError, match="for inference graphs"):
-        tape.gradient(y, q)
+@pytest.mark.parametrize("flags", [dict(tq=True, tk=True, tv=True, to=True),
+                                   dict(aq=True, ak=False, av=True)])
+def test_gradient_equals_tf(ops, flags):
+    # a tape outside a stitched function: q, k, v and a broadcast mask
+    q, k, v = _rand((2, 3, 6, 4), seed=13), _rand((1, 3, 5, 4), seed=14), \
+        _rand((2, 3, 5, 7), seed=15)
+    mask = _rand((6, 1), seed=16)
+    args = [tf.constant(t) for t in (q, k, v, mask)]
+    w = tf.constant(_rand((2, 3, 6, 7), seed=17))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(args)
+        qs = _swap_t(tf.linalg.matrix_transpose(args[0]) if flags.get("aq") else args[0],
+                     flags.get("tq"))
+        ks = _swap_t(args[1] if flags.get("ak", True) else tf.linalg.matrix_transpose(args[1]),
+                     flags.get("tk"))
+        vs = _swap_t(tf.linalg.matrix_transpose(args[2]) if flags.get("av") else args[2],
+                     flags.get("tv"))
+        out = ops.stitched_attention(
+            q=qs, k=ks, v=vs, mask=[args[3]], scale=0.5, adj_q=flags.get("aq", False),
+            adj_k=flags.get("ak", True), adj_v=flags.get("av", False),
+            transpose_q=flags.get("tq", False), transpose_k=flags.get("tk", False),
+            transpose_v=flags.get("tv", False), transpose_out=flags.get("to", False))
+        ours = tf.reduce_sum(_swap_t(out, flags.get("to")) * w)
+        s = tf.linalg.matmul(args[0], args[1], adjoint_b=True) * 0.5 + args[3]
+        theirs = tf.reduce_sum(tf.linalg.matmul(tf.nn.softmax(s, -1), args[2]) * w)
+    for g, want in zip(tape.gradient(ours, args), tape.gradient(theirs, args)):
+        assert g.shape == want.shape
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-5)
+
+
+def _swap_t(t, swapped):
+    r = len(t.shape)
+    return tf.transpose(t, list(range(r - 3)) + [r - 2, r - 3, r - 1]) if swapped else t
 
 
 # ---- the pass -------------------------------------------------------------------------

@@ -31,8 +31,8 @@
 // q and k as the first product's x and y (adj_q, adj_k, transpose_q, transpose_k), v as
 // the second's y (adj_v, transpose_v), the output swapped under transpose_out.  Batch
 // dims broadcast as BatchMatMulV2's do, the mask (n_mask: 0 or 1) as an AddV2 to the
-// scores does.  Inference only: no gradient is registered (tf/passes/attention.py
-// fuses nothing whose softmax a backward reads; runtime/blas.py's gradient says so).
+// scores does.  tf/passes/attention.py fuses nothing whose softmax a backward reads;
+// its registered gradient (a tape outside the stitched function) is TF's ops again.
 
 #include <cmath>
 #include <immintrin.h>
@@ -435,7 +435,7 @@ REGISTER_OP("StitchedAttention")
     .Doc("softmax(scale * op(q) op(k) [+ mask]) op(v) along the last axis, per batch "
          "matrix (BatchMatMulV2's broadcast and StitchedBatchMatMul's adj_ and transpose_ "
          "layouts), the scores kept per block of query rows; the mask broadcasts to the "
-         "scores.  Inference only: no gradient.");
+         "scores.");
 
 REGISTER_KERNEL_BUILDER(
     Name("StitchedAttention").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),

@@ -23,8 +23,9 @@ scores' shape or one broadcast to it -- the stitched softmax's (and TF's) order 
 operations, which the op follows.
 
 Training graphs are left alone by that rule: the backward reads the softmax's output
-(the kernel then has another reader or output).  So the op has no gradient formula;
-its registered gradient raises a clear error for a tape outside a stitched function.
+(the kernel then has another reader or output).  The registered gradient, for a tape
+outside the stitched function, runs the forward again in TF's ops and differentiates
+that.
 
 Gated as the blas pass is (TF's GEMM is Eigen's, the library loads), and opt-in
 (``Options(fused_attention=True)``, ``--fused-attention``): see BENCHMARKS.md for what
@@ -228,9 +229,21 @@ PASS = Pass("attention", _run, option="fused_attention")
 
 
 @tf.RegisterGradient("StitchedAttention")
-def _no_gradient(op, grad):   # noqa: ARG001 (TF's signature)
-    raise NotImplementedError(
-        "StitchedAttention has no gradient: the fused attention is for "
-        "inference graphs (a stitched function fuses none whose softmax its backward "
-        "reads); take the gradient inside the stitched function, or stitch with "
-        "Options(fused_attention=False)")
+def _attention_grad(op, grad):
+    """For a tape outside the stitched function (a stitched function fuses no
+    attention whose softmax its own backward reads): the forward again in TF's ops, in
+    the layouts BatchMatMulV2 would see, differentiated by TF.  Slower than the fused
+    forward, but exact to TF's own gradient."""
+    q, k, v = op.inputs[:3]
+    mask = op.inputs[3] if len(op.inputs) == 4 else None
+    attr = op.get_attr
+    with tf.GradientTape() as tape:
+        tape.watch(list(op.inputs))
+        plain = [blas._swap(t) if attr(key) else t
+                 for t, key in ((q, "transpose_q"), (k, "transpose_k"), (v, "transpose_v"))]
+        s = tf.linalg.matmul(plain[0], plain[1], adjoint_a=attr("adj_q"),
+                             adjoint_b=attr("adj_k")) * tf.cast(attr("scale"), q.dtype)
+        p = tf.nn.softmax(s + mask if mask is not None else s, -1)
+        out = tf.linalg.matmul(p, plain[2], adjoint_b=attr("adj_v"))
+        out = blas._swap(out) if attr("transpose_out") else out
+    return tape.gradient(out, list(op.inputs), output_gradients=grad)
