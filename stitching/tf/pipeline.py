@@ -39,7 +39,7 @@ around planning, each pass entered once:
     blas         where TF's GEMM is Eigen's, each matrix product (and the BiasAdd
                  after a MatMul) -> an OpenBLAS op (Options(blas_gemm))      blas.py
     attention    product -> softmax kernel -> product -> one StitchedAttention
-                 op (opt-in: Options(fused_attention))                 attention.py
+                 op (Options(fused_attention))                         attention.py
     remapper_identities  the Identity in Keras' swish forwarded         remapper.py
     prune        what the rewrite left unread, equal constants, inlining's Identities
     autotune     kernels with a small predicted margin marked to be timed against

@@ -14,7 +14,7 @@ import tensorflow as tf
 from .names import EXTRA_MODES, LABELS, MODES  # noqa: F401 - re-exported
 
 # the modes that are stitching.function calls (with their Options)
-STITCHED = ("stitching", "baseline", "stitching_default", "tf_gemm", "attn")
+STITCHED = ("stitching", "baseline", "stitching_default", "tf_gemm", "no_attn")
 
 
 def first_line(e: BaseException) -> str:
@@ -74,8 +74,8 @@ def build(mode: str, fn, signature, planner: str | None = None) -> Runner:
             opts = _stitching_options("baseline" if mode == "baseline" else planner, notes)
             if mode == "tf_gemm":
                 opts = dataclasses.replace(opts or stitching.Options(), blas_gemm=False)
-            elif mode == "attn":
-                opts = dataclasses.replace(opts or stitching.Options(), fused_attention=True)
+            elif mode == "no_attn":
+                opts = dataclasses.replace(opts or stitching.Options(), fused_attention=False)
             if mode != "stitching_default":
                 # a benchmark of stitched calls: the first call waits for the kernels,
                 # whatever the default (tiered: stock TF until the kernels are ready)
