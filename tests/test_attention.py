@@ -199,6 +199,20 @@ def test_the_kernel_is_matched_on_its_ir():
     assert attention.softmax_of(_spec(nodes)) is None
 
 
+def test_a_malformed_kernel_spec_is_not_matched():
+    from tensorflow.core.framework import graph_pb2
+    g = graph_pb2.GraphDef()
+    for name, op, inputs in (("s", "StitchedBatchMatMul", ["q", "k"]),
+                             ("p", "StitchedKernel", ["s"]),
+                             ("o", "StitchedBatchMatMul", ["p", "v"])):
+        nd = g.node.add(name=name, op=op)
+        nd.input.extend(inputs)
+        nd.attr["T"].type = tf.float32.as_datatype_enum
+    for spec in (b"not json", b'{"nodes": [{"op": "Mul"}], "outputs": [0]}', b"[1]"):
+        g.node[1].attr["spec"].s = spec
+        assert attention.fuse(g, set()) == 0 and len(g.node) == 3
+
+
 def _model(name):
     from stitching.testing import models
     import keras

@@ -148,7 +148,9 @@ __attribute__((target("avx2,fma"))) void SoftmaxRowAvx2(float* x, const float* m
     }
   }
   const __m256 vr = _mm256_set1_ps(1.0f / s);
-  for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), vr));
+  for (j = 0; j + 8 <= n; j += 8) {
+    _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), vr));
+  }
   for (; j < n; ++j) x[j] *= 1.0f / s;
 }
 

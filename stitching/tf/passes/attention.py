@@ -179,7 +179,10 @@ def fuse(graph_def, fetched, shapes=None) -> int:
         kernel, between = intermediate(out.input[0], "StitchedKernel")
         if kernel is None or kernel.name in taken:
             continue
-        match = softmax_of(json.loads(kernel.attr["spec"].s))
+        try:        # a kernel node of a graph file read in: its spec is untrusted text
+            match = softmax_of(json.loads(kernel.attr["spec"].s))
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            match = None
         if match is None:
             continue
         x, scale, mask = match
