@@ -203,6 +203,12 @@ Operand MakeOperand(const TensorShape& unswapped, bool swapped) {
   return o;
 }
 
+// Which matrix of x (else y) product i of a broadcast batch reads.
+int64_t BatchIndex(const tensorflow::MatMulBCast& b, bool x, int64_t i) {
+  if (b.IsBroadcastingRequired()) return (x ? b.x_batch_indices() : b.y_batch_indices())[i];
+  return (x ? b.x_batch_size() : b.y_batch_size()) == 1 ? 0 : i;
+}
+
 template <typename T>
 class AttentionOp : public OpKernel {
  public:
@@ -301,10 +307,8 @@ class AttentionOp : public OpKernel {
     const int64_t nscores = b1.output_batch_size();
     std::vector<int64_t> qi(nscores), ki(nscores), mbase(nscores, 0);
     for (int64_t s = 0; s < nscores; ++s) {
-      qi[s] = b1.IsBroadcastingRequired() ? b1.x_batch_indices()[s]
-                                          : (b1.x_batch_size() == 1 ? 0 : s);
-      ki[s] = b1.IsBroadcastingRequired() ? b1.y_batch_indices()[s]
-                                          : (b1.y_batch_size() == 1 ? 0 : s);
+      qi[s] = BatchIndex(b1, true, s);
+      ki[s] = BatchIndex(b1, false, s);
       for (int64_t i = batch_rank - 1, rest = s; i >= 0; --i) {
         mbase[s] += rest % scores.dim_size(i) * mstride[i];
         rest /= scores.dim_size(i);
@@ -312,10 +316,8 @@ class AttentionOp : public OpKernel {
     }
     std::vector<int64_t> si(count), vi(count);
     for (int64_t j = 0; j < count; ++j) {
-      si[j] = b2.IsBroadcastingRequired() ? b2.x_batch_indices()[j]
-                                          : (b2.x_batch_size() == 1 ? 0 : j);
-      vi[j] = b2.IsBroadcastingRequired() ? b2.y_batch_indices()[j]
-                                          : (b2.y_batch_size() == 1 ? 0 : j);
+      si[j] = BatchIndex(b2, true, j);
+      vi[j] = BatchIndex(b2, false, j);
     }
     const int64_t rows = std::min(m, std::max(kMinRows, kBlockBytes / std::max<int64_t>(
                                                             1, n * int64_t(sizeof(T)))));
