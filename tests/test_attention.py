@@ -12,7 +12,7 @@ from stitching.tf.passes import attention
 pytest.importorskip("scipy_openblas32")
 
 EIGEN = "amd-avx2"            # a machine model whose TF runs Eigen's GEMM (oneDNN off)
-OFF = stitching.Options(fused_attention=False)
+OFF = stitching.Options(fused_attention=False)   # the default is on
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +230,8 @@ def test_the_models_get_one_attention_per_layer(monkeypatch, name):
     sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
     # (autotune, every kernel marked: the softmax kernels are gone into the attentions)
     on = stitching.function(lambda t: model(t), input_signature=sig,
-                            options=stitching.Options(autotune=name == "llama",
+                            options=stitching.Options(fused_attention=True,
+                                                      autotune=name == "llama",
                                                       autotune_margin=1e9))
     off = stitching.function(lambda t: model(t), input_signature=sig, options=OFF)
     x = _rand((3, 8, 32), seed=11)
@@ -260,7 +261,8 @@ def test_a_training_step_is_left_unfused(monkeypatch):
             loss = tf.reduce_sum(tf.square(model(t)))
         return loss, tape.gradient(loss, model.trainable_variables)
 
-    f = stitching.function(step, input_signature=sig)
+    f = stitching.function(step, input_signature=sig,
+                           options=stitching.Options(fused_attention=True))
     x = _rand((2, 8, 32), seed=12)
     (loss, grads), (want_loss, want_grads) = f(tf.constant(x)), step(tf.constant(x))
     np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
