@@ -123,6 +123,10 @@ _OPTION_FLAGS = [
     ("--no-blas-gemm", "blas_gemm", dict(action="store_false", default=None,
                                          help="where TF's GEMM is Eigen's, leave the "
                                               "matrix products to it instead of OpenBLAS")),
+    ("--no-fused-attention", "fused_attention",
+     dict(action="store_false", default=None,
+          help="keep each attention's products and softmax kernel as three ops "
+               "instead of one StitchedAttention")),
     ("--no-fallback", "fallback", dict(action="store_false", default=None,
                                        help="do not keep each region's original ops in "
                                             "the output (smaller; a kernel that cannot "

@@ -62,6 +62,11 @@ class Options:
             ``scipy-openblas32`` package) where TF's GEMM is Eigen's (oneDNN off),
             split over TF's intra-op threads (default on; without the package the
             products stay TF's and the report says why).
+        fused_attention: Where the products run by OpenBLAS (``blas_gemm``), run
+            each attention of an inference graph -- product, softmax kernel, product
+            -- as one op that keeps the scores of a block of query rows in cache
+            (``StitchedAttention``; default on: 1.06x the Llama decoder at batch 8,
+            BENCHMARKS.md ``gemm@amd_avx2``).
         background_compile: Tiered execution: new work runs stock TF while its
             kernels compile in the background, then switches to them.  ``None``
             (default) and ``True``: tiered wherever that is safe --
@@ -116,6 +121,7 @@ class Options:
     seq_split: bool = True             # tf/passes/seqsplit.py
     xla_gemm: bool = False             # tf/passes/xladot.py (opt-in)
     blas_gemm: bool = True             # tf/passes/blas.py, runtime/gemm.cc
+    fused_attention: bool = True       # tf/passes/attention.py, runtime/attention.cc
     background_compile: bool | None = None   # background_compile_on(); tf/function.py, keras.py
     dump_dir: str | None = None        # tf/dump.py
     dump_passes: str | None = None     # tf/passmanager.py

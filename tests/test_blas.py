@@ -234,7 +234,9 @@ def _stitched_and_checked(monkeypatch, machine_name, model, x):
     checked against the model's at ``x`` (NaN where TF's are) and at batch 1."""
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", machine_name)
     sig = [tf.TensorSpec([None] + list(x.shape[1:]), tf.float32)]
-    f = stitching.function(lambda t: model(t), input_signature=sig)
+    # the attentions' products as products (tests/test_attention.py: fused)
+    f = stitching.function(lambda t: model(t), input_signature=sig,
+                           options=stitching.Options(fused_attention=False))
     want = model(x).numpy()
     got = f(tf.constant(x)).numpy()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
@@ -386,7 +388,8 @@ _LOAD = """
     ops = {{n.op for f in sig.graph.as_graph_def().library.function for n in f.node_def}}
     ops |= {{n.op for n in sig.graph.as_graph_def().node}}
     print("RESULT", json.dumps({{"err": float(np.abs(got.numpy() - want).max()),
-                                "ours": sorted(ops & {{"StitchedMatMul", "StitchedBatchMatMul"}})}}))
+                                "ours": sorted(ops & {{"StitchedMatMul", "StitchedBatchMatMul",
+                                                "StitchedAttention"}})}}))
 """
 
 
@@ -414,4 +417,5 @@ def test_saved_model_round_trip_in_a_fresh_process(monkeypatch, tmp_path):
                                              TF_CPP_MIN_LOG_LEVEL="3"))
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
-    assert out["ours"] == ["StitchedBatchMatMul", "StitchedMatMul"] and out["err"] < 2e-5, out
+    # (the attention's two products run as one StitchedAttention, of the same library)
+    assert out["ours"] == ["StitchedAttention", "StitchedMatMul"] and out["err"] < 2e-5, out

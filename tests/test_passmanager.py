@@ -65,9 +65,10 @@ def test_a_graph_enters_each_pass_once_in_table_order_and_the_frontend_once(monk
 
 
 def test_a_pass_turned_off_by_its_option_is_not_run_nor_timed():
-    rep = _stitch(Options(gemm=False, seq_split=False)).report
+    rep = _stitch(Options(gemm=False, seq_split=False, fused_attention=False)).report
     assert "gemm" not in rep.pass_seconds and "seqsplit" not in rep.pass_seconds
     assert "autotune" not in rep.pass_seconds          # off by default
+    assert "attention" not in rep.pass_seconds          # turned off
     assert {"grappler", "lift", "rewrite", "prune"} <= rep.pass_seconds.keys()
     assert "pass_seconds" in rep.to_dict()
     on = _stitch().report

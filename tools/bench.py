@@ -68,7 +68,8 @@ def parse_args(argv=None):
                          "(median; 0: not measured)")
     ap.add_argument("--modes", default="tf,xla,stitching",
                     help="subset of tf,xla,stitching (tf is the reference for checks), "
-                         "and tf_gemm: stitching with Options(blas_gemm=False)")
+                         "and tf_gemm: stitching with Options(blas_gemm=False), "
+                         "no_attn: stitching with Options(fused_attention=False)")
     ap.add_argument("--ablation", action="store_true",
                     help="add mode 'baseline' (stitching with the XLA-like baseline "
                          "planner) beside the full planner, with an ablation table")
@@ -135,7 +136,7 @@ def main(argv=None):
     mode_list = tuple(m for m in args.modes.split(",") if m)
     if args.ablation and "baseline" not in mode_list:
         mode_list += ("baseline",)
-    bad = set(mode_list) - {"tf", "xla", "stitching", "baseline", "tf_gemm"}
+    bad = set(mode_list) - {"tf", "xla", "stitching", "baseline", "tf_gemm", "no_attn"}
     if bad:
         raise SystemExit(f"unknown modes: {sorted(bad)}")
     run = ["patterns", "models", "compile"] if args.suite == "all" else [args.suite]

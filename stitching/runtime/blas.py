@@ -1,4 +1,5 @@
-"""The OpenBLAS product ops (``gemm.cc``): StitchedMatMul and StitchedBatchMatMul.
+"""The OpenBLAS product ops (``gemm.cc``): StitchedMatMul and StitchedBatchMatMul,
+and ``attention.cc``'s StitchedAttention (tf/passes/attention.py).
 
 Design
 ------

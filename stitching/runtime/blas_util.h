@@ -19,6 +19,7 @@
 
 #include "cblas.h"   // scipy_openblas32's, prefixed: scipy_cblas_sgemm
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
 
 namespace stitching_blas {
@@ -264,6 +265,36 @@ void RunProducts(OpKernelContext* ctx, Product<T>* p, int64_t count,
 }
 
 inline bool FitsBlas(int64_t v) { return v < std::numeric_limits<int32_t>::max(); }
+
+// The swap of a shape's last batch dim and its rows ([.., H, M, K] <-> [.., M, H, K]),
+// when `swapped`: the head layout of StitchedBatchMatMul's transpose_x, transpose_y and
+// transpose_out and of StitchedAttention's transpose_ attributes.
+inline TensorShape Swapped(TensorShape s, bool swapped) {
+  if (swapped && s.dims() >= 3) {
+    const int r = s.dims();
+    const int64_t h = s.dim_size(r - 3);
+    s.set_dim(r - 3, s.dim_size(r - 2));
+    s.set_dim(r - 2, h);
+  }
+  return s;
+}
+
+// Swapped's rule in a shape function; `what` names the attributes in the error (a
+// swap needs a batch dimension).
+inline absl::Status SwappedShape(tensorflow::shape_inference::InferenceContext* c,
+                                 tensorflow::shape_inference::ShapeHandle s, bool swapped,
+                                 tensorflow::shape_inference::ShapeHandle* out,
+                                 const char* what) {
+  *out = s;
+  if (!swapped || !c->RankKnown(s)) return absl::OkStatus();
+  const int r = c->Rank(s);
+  if (r < 3) return absl::InvalidArgumentError(absl::StrCat(what, " need a batch dimension"));
+  std::vector<tensorflow::shape_inference::DimensionHandle> dims;
+  for (int i = 0; i < r; ++i) dims.push_back(c->Dim(s, i));
+  std::swap(dims[r - 3], dims[r - 2]);
+  *out = c->MakeShape(dims);
+  return absl::OkStatus();
+}
 
 }  // namespace stitching_blas
 

@@ -132,11 +132,11 @@ def build(force: bool = False, source=SOURCE, prefix: str = LIB_PREFIX,
     return path
 
 
-# The OpenBLAS ops (gemm.cc, sharing blas_util.h; loaded by blas.py): a second library, linked
+# The OpenBLAS ops (gemm.cc and attention.cc, sharing blas_util.h; loaded by blas.py): a second library, linked
 # against the OpenBLAS of the scipy-openblas32 wheel (the NumPy/SciPy project's build,
 # with prefixed symbols such as scipy_cblas_sgemm, so it never clashes with another
 # BLAS in the process); the wheel's folder is its run path.
-BLAS_SOURCES = (SOURCE.with_name("gemm.cc"),)
+BLAS_SOURCES = (SOURCE.with_name("gemm.cc"), SOURCE.with_name("attention.cc"))
 BLAS_PREFIX = "stitching_blas"
 BLAS_WHEEL = "scipy-openblas32"
 

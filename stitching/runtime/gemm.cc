@@ -53,6 +53,7 @@ namespace {
 using stitching_blas::FitsBlas;
 using stitching_blas::Product;
 using stitching_blas::RunProducts;
+using stitching_blas::Swapped;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
@@ -116,18 +117,6 @@ class MatMulOp : public OpKernel {
  private:
   bool ta_ = false, tb_ = false;
 };
-
-// The swap of a shape's last batch dim and its rows ([.., H, M, K] <-> [.., M, H, K]),
-// when `swapped`: the layout transpose_x, transpose_y and transpose_out name.
-TensorShape Swapped(TensorShape s, bool swapped) {
-  if (swapped && s.dims() >= 3) {
-    const int r = s.dims();
-    const int64_t h = s.dim_size(r - 3);
-    s.set_dim(r - 3, s.dim_size(r - 2));
-    s.set_dim(r - 2, h);
-  }
-  return s;
-}
 
 template <typename T>
 class BatchMatMulOp : public OpKernel {
@@ -213,24 +202,8 @@ class BatchMatMulOp : public OpKernel {
   bool ax_ = false, ay_ = false, tx_ = false, ty_ = false, to_ = false;
 };
 
-// A shape with its last batch dim and rows swapped (Swapped's rule), when `swapped`.
-absl::Status SwappedShape(tensorflow::shape_inference::InferenceContext* c,
-                          tensorflow::shape_inference::ShapeHandle s, bool swapped,
-                          tensorflow::shape_inference::ShapeHandle* out) {
-  *out = s;
-  if (!swapped || !c->RankKnown(s)) return absl::OkStatus();
-  const int r = c->Rank(s);
-  if (r < 3) {
-    return absl::InvalidArgumentError(
-        "StitchedBatchMatMul: transpose_x, transpose_y and transpose_out need a batch "
-        "dimension");
-  }
-  std::vector<tensorflow::shape_inference::DimensionHandle> dims;
-  for (int i = 0; i < r; ++i) dims.push_back(c->Dim(s, i));
-  std::swap(dims[r - 3], dims[r - 2]);
-  *out = c->MakeShape(dims);
-  return absl::OkStatus();
-}
+constexpr char kSwapAttrs[] =
+    "StitchedBatchMatMul: transpose_x, transpose_y and transpose_out";
 
 // BatchMatMulV2's shape rule over the operands' unswapped shapes, the output swapped
 // under transpose_out.
@@ -246,8 +219,8 @@ absl::Status BatchMatMulShape(tensorflow::shape_inference::InferenceContext* c) 
   ShapeHandle x, y, out;
   TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), tx ? 3 : 2, &x));
   TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(1), ty ? 3 : 2, &y));
-  TF_RETURN_IF_ERROR(SwappedShape(c, x, tx, &x));
-  TF_RETURN_IF_ERROR(SwappedShape(c, y, ty, &y));
+  TF_RETURN_IF_ERROR(stitching_blas::SwappedShape(c, x, tx, &x, kSwapAttrs));
+  TF_RETURN_IF_ERROR(stitching_blas::SwappedShape(c, y, ty, &y, kSwapAttrs));
   if (!c->RankKnown(x) || !c->RankKnown(y)) {
     c->set_output(0, c->UnknownShape());
     return absl::OkStatus();
@@ -264,7 +237,7 @@ absl::Status BatchMatMulShape(tensorflow::shape_inference::InferenceContext* c) 
   TF_RETURN_IF_ERROR(c->Concatenate(
       batch, c->Matrix(c->Dim(x, ax ? rx - 1 : rx - 2), c->Dim(y, ay ? ry - 2 : ry - 1)),
       &out));
-  TF_RETURN_IF_ERROR(SwappedShape(c, out, to, &out));
+  TF_RETURN_IF_ERROR(stitching_blas::SwappedShape(c, out, to, &out, kSwapAttrs));
   c->set_output(0, out);
   return absl::OkStatus();
 }

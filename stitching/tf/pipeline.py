@@ -38,6 +38,8 @@ around planning, each pass entered once:
                  function (opt-in: Options(xla_gemm))                     xladot.py
     blas         where TF's GEMM is Eigen's, each matrix product (and the BiasAdd
                  after a MatMul) -> an OpenBLAS op (Options(blas_gemm))      blas.py
+    attention    product -> softmax kernel -> product -> one StitchedAttention
+                 op (Options(fused_attention))                         attention.py
     remapper_identities  the Identity in Keras' swish forwarded         remapper.py
     prune        what the rewrite left unread, equal constants, inlining's Identities
     autotune     kernels with a small predicted margin marked to be timed against
@@ -64,8 +66,8 @@ from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import control_flow, dump, opnames, passmanager, results, scalars
-from .passes import (autotune, bcast, blas, concat_grad, einsum, forward, gemm, grappler,
-                     lift, original, padfold, prune, remapper, reshape_sink, rewrite,
+from .passes import (attention, autotune, bcast, blas, concat_grad, einsum, forward, gemm,
+                     grappler, lift, original, padfold, prune, remapper, reshape_sink, rewrite,
                      seqsplit, shape_math, shapes, sparse_xent, symdims, xladot)
 
 BEFORE_PLANNING = (
@@ -90,6 +92,7 @@ AFTER_PLANNING = (
     einsum.PASS,
     xladot.PASS,
     blas.PASS,
+    attention.PASS,
     remapper.FORWARD,
     prune.PASS,
     autotune.PASS,
@@ -97,6 +100,7 @@ AFTER_PLANNING = (
 # The report's notes come in this order of passes (the order they had before the
 # passes ran from tables); a pass not named here adds its note after these.
 NOTE_ORDER = ("original", "grappler", "gemm", "seqsplit", "einsum", "padfold", "xladot", "blas",
+              "attention",
               "shapes")
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet

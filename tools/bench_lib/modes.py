@@ -13,6 +13,9 @@ import tensorflow as tf
 
 from .names import EXTRA_MODES, LABELS, MODES  # noqa: F401 - re-exported
 
+# the modes that are stitching.function calls (with their Options)
+STITCHED = ("stitching", "baseline", "stitching_default", "tf_gemm", "no_attn")
+
 
 def first_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
@@ -64,13 +67,15 @@ def build(mode: str, fn, signature, planner: str | None = None) -> Runner:
             r.fn = tf.function(fn, input_signature=signature)
         elif mode == "xla":
             r.fn = tf.function(fn, input_signature=signature, jit_compile=True)
-        elif mode in ("stitching", "baseline", "stitching_default", "tf_gemm"):
+        elif mode in STITCHED:
             import stitching
             import dataclasses
             notes = r.info.setdefault("notes", [])
             opts = _stitching_options("baseline" if mode == "baseline" else planner, notes)
             if mode == "tf_gemm":
                 opts = dataclasses.replace(opts or stitching.Options(), blas_gemm=False)
+            elif mode == "no_attn":
+                opts = dataclasses.replace(opts or stitching.Options(), fused_attention=False)
             if mode != "stitching_default":
                 # a benchmark of stitched calls: the first call waits for the kernels,
                 # whatever the default (tiered: stock TF until the kernels are ready)
@@ -128,7 +133,7 @@ def collect_counts(r: Runner, args, tf_runner: Runner | None = None):
             hlo = r.fn.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
             r.info["xla"] = count_xla_kernels(hlo)
             r.info["kernels"] = r.info["xla"]["memory_kernels"]
-        elif r.mode in ("stitching", "baseline", "stitching_default", "tf_gemm"):
+        elif r.mode in STITCHED:
             rep = getattr(r.fn, "report", None)
             if rep is None:
                 r.info.setdefault("notes", []).append("no report after the first call")

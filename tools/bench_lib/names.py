@@ -4,6 +4,9 @@ MODES = ("tf", "xla", "stitching")
 # baseline planner, timed side by side with the full planner for the ablation.
 # "tf_gemm" (--modes ...,tf_gemm): stitching with Options(blas_gemm=False), the matrix
 # products left to TF, timed side by side with OpenBLAS's (tf/passes/blas.py).
-EXTRA_MODES = ("baseline", "tf_gemm")
+# "no_attn" (--modes ...,no_attn): stitching with Options(fused_attention=False), each
+# attention's products and softmax kernel three ops (tf/passes/attention.py), timed side
+# by side with the default's one StitchedAttention.
+EXTRA_MODES = ("baseline", "tf_gemm", "no_attn")
 LABELS = {"tf": "TF", "xla": "XLA", "stitching": "stitched", "baseline": "baseline",
-          "tf_gemm": "stitched, TF GEMM"}
+          "tf_gemm": "stitched, TF GEMM", "no_attn": "stitched, attention unfused"}

@@ -28,6 +28,8 @@ def mark(graph_def, the_plan, regions, kernel_names, margin: float) -> list:
     nodes = {n.name: n for n in graph_def.node if n.op == "StitchedKernel"}
     out = []
     for reg, kname in zip(regions, kernel_names):
+        if kname not in nodes:        # taken into another op (passes/attention.py)
+            continue
         fused, unfused = predicted.get(tuple(reg.nodes), (None, None))
         ratio = unfused / fused if fused and unfused else None
         if ratio is not None and ratio >= margin:

@@ -1,0 +1,451 @@
+// StitchedAttention: out = softmax(scale * Q K^T [+ mask]) V per (batch, head), the
+// scores kept per block of query rows.
+//
+// Why: unfused (as StitchedBatchMatMul -> StitchedKernel[softmax] ->
+// StitchedBatchMatMul, tf/passes/attention.py's pattern) the [.., M, N] scores are
+// written by the first product, read and written by the softmax kernel and read again
+// by the second product: at the Llama decoder's batch 8 that is 4 MiB per layer passed
+// over four times, ~2.5 ms of memory traffic per call.  Here each work unit is one
+// block of query rows of one (batch, head): one sgemm writes its [rows, N] scores into
+// a scratch of ~kBlockBytes (it stays in L1/L2), the row softmax runs over it in
+// place, and one sgemm reads it into the output rows.  The scores never reach memory.
+//
+// Work units (batch x heads x row blocks) are shared by the calling thread and TF's
+// intra-op pool as blas_util.h's RunProducts shares products (Shares: guided, the
+// caller starts at once); OpenBLAS runs single-threaded inside each.
+//
+// Numerics: the softmax follows the stitched kernel's (and TF's) order of operations:
+// t = x * scale (+ mask), m = max(t), e = exp(t - m), s = sum(e), out = e * (1 / s).
+// The sums and the products' dot products are summed in another order than TF's:
+// equal within float rounding (tests/test_attention.py bounds both against float64).
+// The float exp is the Cephes polynomial Eigen's pexp uses, 8 lanes of AVX2 + FMA
+// where the CPU has them (build.py compiles for the baseline x86-64, so a function
+// with its own target attribute, chosen at run time), else Eigen's exp on the
+// baseline ISA (SSE2: 4 lanes).  TF's compile flags (build.py) name no -m option, so
+// Eigen compiles to SSE2 here; timed on the Llama decoder's batch-8 attention ([8, 8,
+// 128, 32] q, k, v, causal mask; load ~2, medians of 7): 2.97 ms with the AVX2 row
+// softmax, 6.25 with Eigen's, 2.41 for the two products alone (batch 1: 0.79, 1.16,
+// 0.73) -- Eigen's would lose to the stitched softmax kernel this replaces.
+//
+// Layouts and attributes are the matched products' (gemm.cc's StitchedBatchMatMul):
+// q and k as the first product's x and y (adj_q, adj_k, transpose_q, transpose_k), v as
+// the second's y (adj_v, transpose_v), the output swapped under transpose_out.  Batch
+// dims broadcast as BatchMatMulV2's do, the mask (n_mask: 0 or 1) as an AddV2 to the
+// scores does.  tf/passes/attention.py fuses nothing whose softmax a backward reads;
+// its registered gradient (a tape outside the stitched function) is TF's ops again.
+
+#include <cmath>
+#include <immintrin.h>
+
+#include "Eigen/Core"
+#include "blas_util.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/matmul_bcast.h"
+
+namespace {
+
+using stitching_blas::FitsBlas;
+using stitching_blas::Product;
+using stitching_blas::Shares;
+using stitching_blas::Swapped;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+// Bytes of one block's scores: query rows per block are as many as fit (at least
+// kMinRows, or all of them); the block stays in the AMD EPYC's 512 KiB L2 between the
+// products and the softmax.  Timed on the Llama decoder's batch-8 attention ([8, 8,
+// 128, 32] q, k, v; load ~2.7, medians of 5): 64 KiB (a whole head's 128 rows) 2.93
+// ms, 128 KiB 2.97, 32 KiB 3.11, 16 KiB 3.44, 8 KiB 3.74 -- fewer, larger sgemm calls
+// (each packs K or V again) pay more than L1 residency saves.
+constexpr int64_t kBlockBytes = int64_t{64} << 10;
+// Fewer rows make the products' sgemm calls inefficient (and repack K and V per call).
+constexpr int64_t kMinRows = 16;
+// Multiply-adds below which a call runs inline on the calling thread (blas_util.h's
+// kInlineMacs: a pool wake-up costs more).
+constexpr int64_t kInlineMacs = stitching_blas::kInlineMacs;
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define STITCHING_AVX2 1
+
+// exp of 8 floats: Cephes' expf as Eigen's pexp and sse_mathfun have it (clamp to
+// +-88.376, n = floor(x log2(e) + 0.5), r = x - n ln 2 in two parts, a degree-5
+// polynomial, times 2^n).  The clamps keep NaN (x is the operand _mm256_min/max
+// return when either is NaN); below -88.376 the result is 0 (n = -127: a zero
+// exponent field), as exp(-1e9) of a masked score should be.
+__attribute__((target("avx2,fma"))) inline __m256 Exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
+  x = _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x);
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                             _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+__attribute__((target("avx2,fma"))) inline float Hmax(__m256 v) {
+  __attribute__((aligned(32))) float a[8];
+  _mm256_store_ps(a, v);
+  float m = a[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, a[i]);
+  return m;
+}
+
+// One row's softmax in place, 8 lanes at a time (the tail scalar, same formulas).
+// NaN anywhere in the row makes the sum NaN, so the whole row NaN, as TF's is.
+__attribute__((target("avx2,fma"))) void SoftmaxRowAvx2(float* x, const float* mask,
+                                                        int64_t mask_step, int64_t n,
+                                                        float scale) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  float m = -std::numeric_limits<float>::infinity();
+  if (mask == nullptr || mask_step == 1) {
+    for (; j + 8 <= n; j += 8) {
+      __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x + j), vs);
+      if (mask != nullptr) t = _mm256_add_ps(t, _mm256_loadu_ps(mask + j));
+      _mm256_storeu_ps(x + j, t);
+      vm = _mm256_max_ps(vm, t);
+    }
+    m = Hmax(vm);
+  }
+  for (; j < n; ++j) {
+    x[j] = x[j] * scale;
+    if (mask != nullptr) x[j] += mask[j * mask_step];
+    m = std::max(m, x[j]);
+  }
+  const __m256 vmax = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vmax));
+    _mm256_storeu_ps(x + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  __attribute__((aligned(32))) float lanes[8];
+  _mm256_store_ps(lanes, vsum);
+  float s = 0;
+  for (float l : lanes) s += l;
+  if (j < n) {   // the tail through the same exp, 8 lanes padded
+    __attribute__((aligned(32))) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = j; i < n; ++i) tail[i - j] = x[i] - m;
+    _mm256_store_ps(tail, Exp8(_mm256_load_ps(tail)));
+    for (int64_t i = j; i < n; ++i) {
+      x[i] = tail[i - j];
+      s += x[i];
+    }
+  }
+  const __m256 vr = _mm256_set1_ps(1.0f / s);
+  for (j = 0; j + 8 <= n; j += 8) {
+    _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), vr));
+  }
+  for (; j < n; ++j) x[j] *= 1.0f / s;
+}
+
+const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+
+// One row's softmax in place on the baseline ISA: Eigen's exp over the row.
+template <typename T>
+void SoftmaxRowEigen(T* x, const T* mask, int64_t mask_step, int64_t n, T scale) {
+  T m = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = x[j] * scale;
+    if (mask != nullptr) x[j] += mask[j * mask_step];
+    m = std::max(m, x[j]);
+  }
+  Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> row(x, n);
+  row = (row - m).exp();
+  const T r = T(1) / row.sum();
+  row *= r;
+}
+
+template <typename T>
+void SoftmaxRow(T* x, const T* mask, int64_t mask_step, int64_t n, T scale) {
+  SoftmaxRowEigen(x, mask, mask_step, n, scale);
+}
+
+template <>
+void SoftmaxRow<float>(float* x, const float* mask, int64_t mask_step, int64_t n,
+                       float scale) {
+#ifdef STITCHING_AVX2
+  if (kHasAvx2) return SoftmaxRowAvx2(x, mask, mask_step, n, scale);
+#endif
+  SoftmaxRowEigen(x, mask, mask_step, n, scale);
+}
+
+// Where matrix i of an operand starts and how far apart its rows are: a swapped
+// layout's matrix is one head's columns of rows `heads` times wider (gemm.cc's rule).
+struct Operand {
+  int64_t heads = 1, size = 0, len = 0;   // heads (1: plain), rows * len, row length
+  int64_t ld() const { return heads * len; }
+  int64_t At(int64_t i) const { return i / heads * heads * size + i % heads * len; }
+};
+
+Operand MakeOperand(const TensorShape& unswapped, bool swapped) {
+  const int r = unswapped.dims();
+  Operand o;
+  o.heads = swapped ? unswapped.dim_size(r - 3) : 1;
+  o.len = unswapped.dim_size(r - 1);
+  o.size = unswapped.dim_size(r - 2) * o.len;
+  return o;
+}
+
+// Which matrix of x (else y) product i of a broadcast batch reads.
+int64_t BatchIndex(const tensorflow::MatMulBCast& b, bool x, int64_t i) {
+  if (b.IsBroadcastingRequired()) return (x ? b.x_batch_indices() : b.y_batch_indices())[i];
+  return (x ? b.x_batch_size() : b.y_batch_size()) == 1 ? 0 : i;
+}
+
+template <typename T>
+class AttentionOp : public OpKernel {
+ public:
+  explicit AttentionOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_q", &aq_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_k", &ak_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_v", &av_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_q", &tq_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_k", &tk_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_v", &tv_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_out", &to_));
+    int n_mask;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("n_mask", &n_mask));
+    OP_REQUIRES(ctx, n_mask <= 1,
+                absl::InvalidArgumentError("StitchedAttention takes at most one mask"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& q = ctx->input(0);
+    const Tensor& k = ctx->input(1);
+    const Tensor& v = ctx->input(2);
+    OP_REQUIRES(ctx, q.dims() >= (tq_ ? 3 : 2) && k.dims() >= (tk_ ? 3 : 2) &&
+                         v.dims() >= (tv_ ? 3 : 2),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedAttention: q, k and v must have rank >= 2 (3 where "
+                    "transposed), got shapes ", q.shape().DebugString(), ", ",
+                    k.shape().DebugString(), " and ", v.shape().DebugString())));
+    const TensorShape qs = Swapped(q.shape(), tq_), ks = Swapped(k.shape(), tk_),
+                      vs = Swapped(v.shape(), tv_);
+    const int rq = qs.dims(), rk = ks.dims(), rv = vs.dims();
+    // scores [.., M, N] = op(Q) [M, D] op(K) [D, N]; out [.., M, E] = P [M, N] op(V) [N, E]
+    const int64_t m = qs.dim_size(aq_ ? rq - 1 : rq - 2), d = qs.dim_size(aq_ ? rq - 2 : rq - 1);
+    const int64_t n = ks.dim_size(ak_ ? rk - 2 : rk - 1);
+    const int64_t e = vs.dim_size(av_ ? rv - 2 : rv - 1);
+    OP_REQUIRES(ctx, d == ks.dim_size(ak_ ? rk - 1 : rk - 2) &&
+                         n == vs.dim_size(av_ ? rv - 1 : rv - 2),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedAttention: inner dimensions differ: q ", q.shape().DebugString(),
+                    ", k ", k.shape().DebugString(), ", v ", v.shape().DebugString(),
+                    " (adj_q=", aq_, ", adj_k=", ak_, ", adj_v=", av_, ")")));
+    OP_REQUIRES(ctx, FitsBlas(m) && FitsBlas(n) && FitsBlas(d) && FitsBlas(e),
+                absl::InvalidArgumentError("StitchedAttention: a dimension is 2^31 or "
+                                           "more, beyond 32-bit OpenBLAS"));
+    tensorflow::MatMulBCast b1(qs.dim_sizes(), ks.dim_sizes());
+    OP_REQUIRES(ctx, b1.IsValid(),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedAttention: batch dimensions of q and k do not broadcast: ",
+                    q.shape().DebugString(), " and ", k.shape().DebugString())));
+    TensorShape scores = b1.output_batch_shape();
+    const int batch_rank = scores.dims();
+    scores.AddDim(m);
+    scores.AddDim(n);
+    tensorflow::MatMulBCast b2(scores.dim_sizes(), vs.dim_sizes());
+    OP_REQUIRES(ctx, b2.IsValid(),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "StitchedAttention: batch dimensions of the scores ",
+                    scores.DebugString(), " and v ", v.shape().DebugString(),
+                    " do not broadcast")));
+    // the mask's element strides along the scores' dims (0 where it broadcasts)
+    std::vector<int64_t> mstride(scores.dims(), 0);
+    const T* mp = nullptr;
+    if (ctx->num_inputs() == 4) {
+      const Tensor& mask = ctx->input(3);
+      bool fits = mask.dims() <= scores.dims();
+      int64_t step = 1;
+      for (int i = 1; fits && i <= mask.dims(); ++i) {
+        const int64_t dm = mask.dim_size(mask.dims() - i), ds = scores.dim_size(scores.dims() - i);
+        fits = dm == 1 || dm == ds;
+        if (dm != 1) mstride[scores.dims() - i] = step;
+        step *= dm;
+      }
+      OP_REQUIRES(ctx, fits,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "StitchedAttention: the mask ", mask.shape().DebugString(),
+                      " does not broadcast to the scores ", scores.DebugString())));
+      mp = mask.flat<T>().data();
+    }
+    TensorShape shape = b2.output_batch_shape();
+    OP_REQUIRES(ctx, !to_ || shape.dims() >= 1,
+                absl::InvalidArgumentError("StitchedAttention: transpose_out needs a batch "
+                                           "dimension"));
+    shape.AddDim(m);
+    shape.AddDim(e);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, Swapped(shape, to_), &out));
+    const int64_t count = b2.output_batch_size();
+    if (count == 0 || m == 0 || e == 0) return;
+
+    const Operand oq = MakeOperand(qs, tq_), ok = MakeOperand(ks, tk_), ov = MakeOperand(vs, tv_);
+    Operand oo;
+    oo.heads = to_ ? shape.dim_size(shape.dims() - 3) : 1;
+    oo.len = e;
+    oo.size = m * e;
+    // per scores matrix: its q and k matrices and its mask's start
+    const int64_t nscores = b1.output_batch_size();
+    std::vector<int64_t> qi(nscores), ki(nscores), mbase(nscores, 0);
+    for (int64_t s = 0; s < nscores; ++s) {
+      qi[s] = BatchIndex(b1, true, s);
+      ki[s] = BatchIndex(b1, false, s);
+      for (int64_t i = batch_rank - 1, rest = s; i >= 0; --i) {
+        mbase[s] += rest % scores.dim_size(i) * mstride[i];
+        rest /= scores.dim_size(i);
+      }
+    }
+    std::vector<int64_t> si(count), vi(count);
+    for (int64_t j = 0; j < count; ++j) {
+      si[j] = BatchIndex(b2, true, j);
+      vi[j] = BatchIndex(b2, false, j);
+    }
+    const int64_t rows = std::min(m, std::max(kMinRows, kBlockBytes / std::max<int64_t>(
+                                                            1, n * int64_t(sizeof(T)))));
+    const int64_t blocks = (m + rows - 1) / rows;
+    const T* qp = q.flat<T>().data();
+    const T* kp = k.flat<T>().data();
+    const T* vp = v.flat<T>().data();
+    T* op = out->flat<T>().data();
+    const T scale = static_cast<T>(scale_);
+    const int64_t ms = mstride[batch_rank], ns = mstride[batch_rank + 1];
+    const bool aq = aq_, ak = ak_, av = av_;
+    // units [lo, hi): unit u is row block u % blocks of output matrix u / blocks
+    auto run = [&, n, d, e, m, rows, blocks](int64_t lo, int64_t hi) {
+      std::vector<T> buf(rows * n);
+      for (int64_t u = lo; u < hi; ++u) {
+        const int64_t j = u / blocks, r0 = u % blocks * rows, r = std::min(rows, m - r0);
+        const int64_t s = si[j];
+        const T* a = qp + oq.At(qi[s]) + (aq ? r0 : r0 * oq.ld());
+        Product<T>{aq, ak, r, n, d, nullptr, true, 1, oq.ld(), ok.ld(), n}.Run(
+            0, 1, a, kp + ok.At(ki[s]), buf.data());
+        for (int64_t i = 0; i < r; ++i) {
+          const T* mrow = mp == nullptr ? nullptr : mp + mbase[s] + (r0 + i) * ms;
+          SoftmaxRow<T>(buf.data() + i * n, mrow, ns, n, scale);
+        }
+        Product<T>{false, av, r, e, n, nullptr, true, 1, n, ov.ld(), oo.ld()}.Run(
+            0, 1, buf.data(), vp + ov.At(vi[j]), op + oo.At(j) + r0 * oo.ld());
+      }
+    };
+    const int64_t total = count * blocks;
+    tsl::thread::ThreadPool* pool = stitching_blas::Pool(ctx);
+    const int64_t threads = pool == nullptr ? 1 : std::max(1, pool->NumThreads());
+    if (threads < 2 || total < 2 || count * m * n * (d + e) < kInlineMacs) {
+      run(0, total);
+      return;
+    }
+    // The state outlives this call only in a pool thread that woke after the last
+    // share was taken, and such a thread touches nothing (Shares' comment): `run`'s
+    // references to this frame are read only while shares run.
+    auto shares = std::make_shared<Shares>(run, total, 1, 2 * threads);
+    const int64_t helpers = std::min(threads - 1, total - 1);
+    for (int64_t i = 0; i < helpers; ++i) pool->Schedule([shares] { shares->Work(); });
+    shares->Work();
+    shares->Wait();
+  }
+
+ private:
+  float scale_ = 1.0f;
+  bool aq_ = false, ak_ = false, av_ = false, tq_ = false, tk_ = false, tv_ = false,
+       to_ = false;
+};
+
+// The output shape: BatchMatMulV2's rule twice (q k -> scores, scores v -> out), the
+// operands unswapped first and the output swapped under transpose_out.
+absl::Status AttentionShape(tensorflow::shape_inference::InferenceContext* c) {
+  using tensorflow::shape_inference::DimensionHandle;
+  using tensorflow::shape_inference::ShapeHandle;
+  bool aq, ak, av, tq, tk, tv, to;
+  TF_RETURN_IF_ERROR(c->GetAttr("adj_q", &aq));
+  TF_RETURN_IF_ERROR(c->GetAttr("adj_k", &ak));
+  TF_RETURN_IF_ERROR(c->GetAttr("adj_v", &av));
+  TF_RETURN_IF_ERROR(c->GetAttr("transpose_q", &tq));
+  TF_RETURN_IF_ERROR(c->GetAttr("transpose_k", &tk));
+  TF_RETURN_IF_ERROR(c->GetAttr("transpose_v", &tv));
+  TF_RETURN_IF_ERROR(c->GetAttr("transpose_out", &to));
+  auto swap = [c](ShapeHandle s, bool swapped, ShapeHandle* out) {
+    return stitching_blas::SwappedShape(c, s, swapped, out,
+                                        "StitchedAttention: transpose_q/k/v/out");
+  };
+  ShapeHandle q, k, v, out;
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), tq ? 3 : 2, &q));
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(1), tk ? 3 : 2, &k));
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(2), tv ? 3 : 2, &v));
+  TF_RETURN_IF_ERROR(swap(q, tq, &q));
+  TF_RETURN_IF_ERROR(swap(k, tk, &k));
+  TF_RETURN_IF_ERROR(swap(v, tv, &v));
+  if (!c->RankKnown(q) || !c->RankKnown(k) || !c->RankKnown(v)) {
+    c->set_output(0, c->UnknownShape());
+    return absl::OkStatus();
+  }
+  const int rq = c->Rank(q), rk = c->Rank(k), rv = c->Rank(v);
+  DimensionHandle unused;
+  TF_RETURN_IF_ERROR(c->Merge(c->Dim(q, aq ? rq - 2 : rq - 1), c->Dim(k, ak ? rk - 1 : rk - 2),
+                              &unused));
+  TF_RETURN_IF_ERROR(c->Merge(c->Dim(k, ak ? rk - 2 : rk - 1), c->Dim(v, av ? rv - 1 : rv - 2),
+                              &unused));
+  ShapeHandle bq, bk, bv, b1, batch;
+  TF_RETURN_IF_ERROR(c->Subshape(q, 0, rq - 2, &bq));
+  TF_RETURN_IF_ERROR(c->Subshape(k, 0, rk - 2, &bk));
+  TF_RETURN_IF_ERROR(c->Subshape(v, 0, rv - 2, &bv));
+  TF_RETURN_IF_ERROR(tensorflow::shape_inference::BroadcastBinaryOpOutputShapeFnHelper(
+      c, bq, bk, true, &b1));
+  TF_RETURN_IF_ERROR(tensorflow::shape_inference::BroadcastBinaryOpOutputShapeFnHelper(
+      c, b1, bv, true, &batch));
+  TF_RETURN_IF_ERROR(c->Concatenate(
+      batch, c->Matrix(c->Dim(q, aq ? rq - 1 : rq - 2), c->Dim(v, av ? rv - 2 : rv - 1)),
+      &out));
+  TF_RETURN_IF_ERROR(swap(out, to, &out));
+  c->set_output(0, out);
+  return absl::OkStatus();
+}
+
+REGISTER_OP("StitchedAttention")
+    .Input("q: T")
+    .Input("k: T")
+    .Input("v: T")
+    .Input("mask: n_mask * T")
+    .Output("output: T")
+    .Attr("scale: float = 1.0")
+    .Attr("adj_q: bool = false")
+    .Attr("adj_k: bool = false")
+    .Attr("adj_v: bool = false")
+    .Attr("transpose_q: bool = false")
+    .Attr("transpose_k: bool = false")
+    .Attr("transpose_v: bool = false")
+    .Attr("transpose_out: bool = false")
+    .Attr("n_mask: int >= 0 = 0")
+    .Attr("T: {float, double}")
+    .SetShapeFn(AttentionShape)
+    .Doc("softmax(scale * op(q) op(k) [+ mask]) op(v) along the last axis, per batch "
+         "matrix (BatchMatMulV2's broadcast and StitchedBatchMatMul's adj_ and transpose_ "
+         "layouts), the scores kept per block of query rows; the mask broadcasts to the "
+         "scores.");
+
+REGISTER_KERNEL_BUILDER(
+    Name("StitchedAttention").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),
+    AttentionOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("StitchedAttention").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"),
+    AttentionOp<double>);
+
+}  // namespace

@@ -1,0 +1,273 @@
+"""StitchedAttention (runtime/attention.cc) and the pass that makes it
+(tf/passes/attention.py): numerics against TF and float64, layouts, masks, NaN/Inf,
+unknown batch, clear errors, and the models' attentions fused one per layer."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stitching
+from stitching.runtime import blas
+from stitching.tf.passes import attention
+
+pytest.importorskip("scipy_openblas32")
+
+EIGEN = "amd-avx2"            # a machine model whose TF runs Eigen's GEMM (oneDNN off)
+OFF = stitching.Options(fused_attention=False)   # the default is on
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return blas.load()
+
+
+def _rand(shape, dtype=np.float32, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _swap(t):
+    """[.., H, M, N] <-> [.., M, H, N]: the head transpose of the transpose_ attrs."""
+    r = t.ndim
+    return np.transpose(t, list(range(r - 3)) + [r - 2, r - 3, r - 1])
+
+
+def _adj(t):
+    return np.swapaxes(t, -1, -2)
+
+
+def _reference(q, k, v, mask, scale, xp):
+    """softmax(scale q k^T + mask) v in plain layouts: TF's ops (xp=tf) or float64
+    numpy (xp=np)."""
+    if xp is tf:
+        s = tf.linalg.matmul(q, k, adjoint_b=True) * scale
+        s = s + mask if mask is not None else s
+        return tf.linalg.matmul(tf.nn.softmax(s, -1), v).numpy()
+    q, k, v = (t.astype(np.float64) for t in (q, k, v))
+    s = q @ _adj(k) * scale + (0.0 if mask is None else mask.astype(np.float64))
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def _call(ops, q, k, v, mask=None, scale=1.0, aq=False, ak=True, av=False, tq=False,
+          tk=False, tv=False, to=False):
+    """The op on plain-layout q [.., M, D], k [.., N, D], v [.., N, E], each stored as
+    the flags say; the output turned back to [.., M, E]."""
+    qs = _adj(q) if aq else q
+    ks = k if ak else _adj(k)
+    vs = _adj(v) if av else v
+    qs, ks, vs = (_swap(t).copy() if f else np.ascontiguousarray(t)
+                  for t, f in ((qs, tq), (ks, tk), (vs, tv)))
+    out = ops.stitched_attention(q=qs, k=ks, v=vs, mask=[] if mask is None else [mask],
+                                 scale=scale, adj_q=aq, adj_k=ak, adj_v=av, transpose_q=tq,
+                                 transpose_k=tk, transpose_v=tv, transpose_out=to).numpy()
+    return _swap(out) if to else out
+
+
+CAUSAL = np.triu(np.full((40, 40), -1e9, np.float32), 1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("qs, ks, vs, mask", [
+    ((2, 3, 40, 16), (2, 3, 40, 16), (2, 3, 40, 24), CAUSAL),      # causal, [M, N]
+    ((2, 3, 50, 8), (1, 3, 700, 8), (2, 1, 700, 5), "pad"),        # broadcast; blocks
+    ((4, 2, 8), (4, 9, 8), (4, 9, 8), None),                        # gemv rows, tails
+    ((2, 2, 33, 8), (2, 2, 13, 8), (2, 2, 13, 8), "row"),           # a per-row mask
+])
+@pytest.mark.parametrize("flags", [{}, dict(aq=True, ak=False, av=True),
+                                   dict(tq=True, tk=True, tv=True, to=True)])
+def test_equals_tf_and_float64(ops, dtype, qs, ks, vs, mask, flags):
+    q, k, v = _rand(qs, dtype, 1), _rand(ks, dtype, 2), _rand(vs, dtype, 3)
+    if isinstance(mask, str):       # [B, 1, 1, N] padding, or [.., M, 1] per row
+        shape = (qs[0], 1, 1, ks[-2]) if mask == "pad" else (qs[-2], 1)
+        mask = np.where(_rand(shape, seed=4) > 1.0, -1e9, 0.0)
+    if mask is not None:
+        mask = mask.astype(dtype)
+    got = _call(ops, q, k, v, mask, 0.25, **flags)
+    want, ref = _reference(q, k, v, mask, 0.25, tf), _reference(q, k, v, mask, 0.25, np)
+    assert got.shape == want.shape and got.dtype == dtype
+    # no less accurate than TF's own ops (both sum in their own orders, and the float
+    # exp is a polynomial); the floor is a few ulps of the largest value
+    ulp = np.finfo(dtype).eps * np.abs(ref).max()
+    err = lambda a: float(np.abs(a.astype(np.float64) - ref).max())  # noqa: E731
+    assert err(got) <= 2 * err(want) + 16 * ulp
+
+
+def test_nan_and_inf_rows_as_in_tf(ops):
+    q, k, v = _rand((2, 2, 20, 8), seed=5), _rand((2, 2, 20, 8), seed=6), \
+        _rand((2, 2, 20, 8), seed=7)
+    q[0, 1, 3, 2] = np.nan                          # one query's scores NaN
+    k[1, 0, 4, 1] = np.inf                          # one key's scores +-inf
+    v[1, 1, 5, 0] = -np.inf                         # one value's column -inf
+    mask = np.triu(np.full((20, 20), -np.inf, np.float32), 1)   # -inf masks: exp 0
+    got = _call(ops, q, k, v, mask, 0.5)
+    want = _reference(q, k, v, mask, 0.5, tf)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_batch_in_a_function(ops):
+    @tf.function(input_signature=[tf.TensorSpec([None, 2, None, 8], tf.float32)] * 3)
+    def f(q, k, v):
+        return ops.stitched_attention(q=q, k=k, v=v, mask=[], scale=0.25, adj_k=True)
+    assert f.get_concrete_function().output_shapes.as_list() == [None, 2, None, 8]
+    for b, n in [(1, 3), (5, 37)]:
+        q, k, v = (_rand((b, 2, n, 8), seed=s) for s in (8, 9, 10))
+        np.testing.assert_allclose(f(q, k, v), _reference(q, k, v, None, 0.25, tf),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(q=_rand((2, 4, 8)), k=_rand((2, 5, 7)), v=_rand((2, 5, 3)), adj_k=True),
+     "inner dimensions differ|Dimensions must be equal"),
+    (dict(q=_rand((2, 4, 8)), k=_rand((2, 5, 8)), v=_rand((2, 5, 3)), adj_k=True,
+          mask=[_rand((3, 5))]), "does not broadcast to the scores"),
+    (dict(q=_rand((2, 4, 8)), k=_rand((3, 5, 8)), v=_rand((2, 5, 3)), adj_k=True),
+     "do not broadcast|Incompatible shapes|must be equal"),
+])
+def test_bad_operands_are_refused_with_the_reason(ops, kwargs, message):
+    kwargs.setdefault("mask", [])
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=message):
+        ops.stitched_attention(**kwargs)
+
+
+@pytest.mark.parametrize("flags", [dict(tq=True, tk=True, tv=True, to=True),
+                                   dict(aq=True, ak=False, av=True)])
+def test_gradient_equals_tf(ops, flags):
+    # a tape outside a stitched function: q, k, v and a broadcast mask
+    q, k, v = _rand((2, 3, 6, 4), seed=13), _rand((1, 3, 5, 4), seed=14), \
+        _rand((2, 3, 5, 7), seed=15)
+    mask = _rand((6, 1), seed=16)
+    args = [tf.constant(t) for t in (q, k, v, mask)]
+    w = tf.constant(_rand((2, 3, 6, 7), seed=17))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(args)
+        qs = _swap_t(tf.linalg.matrix_transpose(args[0]) if flags.get("aq") else args[0],
+                     flags.get("tq"))
+        ks = _swap_t(args[1] if flags.get("ak", True) else tf.linalg.matrix_transpose(args[1]),
+                     flags.get("tk"))
+        vs = _swap_t(tf.linalg.matrix_transpose(args[2]) if flags.get("av") else args[2],
+                     flags.get("tv"))
+        out = ops.stitched_attention(
+            q=qs, k=ks, v=vs, mask=[args[3]], scale=0.5, adj_q=flags.get("aq", False),
+            adj_k=flags.get("ak", True), adj_v=flags.get("av", False),
+            transpose_q=flags.get("tq", False), transpose_k=flags.get("tk", False),
+            transpose_v=flags.get("tv", False), transpose_out=flags.get("to", False))
+        ours = tf.reduce_sum(_swap_t(out, flags.get("to")) * w)
+        s = tf.linalg.matmul(args[0], args[1], adjoint_b=True) * 0.5 + args[3]
+        theirs = tf.reduce_sum(tf.linalg.matmul(tf.nn.softmax(s, -1), args[2]) * w)
+    for g, want in zip(tape.gradient(ours, args), tape.gradient(theirs, args)):
+        assert g.shape == want.shape
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-5)
+
+
+def _swap_t(t, swapped):
+    r = len(t.shape)
+    return tf.transpose(t, list(range(r - 3)) + [r - 2, r - 3, r - 1]) if swapped else t
+
+
+# ---- the pass -------------------------------------------------------------------------
+
+def _spec(nodes, inputs=((-1, 2, 8, 8), (8, 8)), outputs=None):
+    return {"inputs": [{"dtype": "float32", "shape": list(s)} for s in inputs],
+            "nodes": nodes, "outputs": outputs or [len(nodes) - 1]}
+
+
+def _softmax_nodes(axis=3):
+    s, r = [-1, 2, 8, 8], [-1, 2, 8, 1]
+    return [{"op": "Const", "args": [], "attrs": {"value": 0.5}, "shape": []},
+            {"op": "Mul", "args": [-1, 0], "attrs": {}, "shape": s},
+            {"op": "Add", "args": [-2, 1], "attrs": {}, "shape": s},
+            {"op": "Max", "args": [2], "attrs": {"axes": [axis], "keep_dims": True}, "shape": r},
+            {"op": "Sub", "args": [2, 3], "attrs": {}, "shape": s},
+            {"op": "Exp", "args": [4], "attrs": {}, "shape": s},
+            {"op": "Sum", "args": [5], "attrs": {"axes": [axis], "keep_dims": True}, "shape": r},
+            {"op": "Reciprocal", "args": [6], "attrs": {}, "shape": r},
+            {"op": "Mul", "args": [7, 5], "attrs": {}, "shape": s}]
+
+
+def test_the_kernel_is_matched_on_its_ir():
+    assert attention.softmax_of(_spec(_softmax_nodes())) == (0, 0.5, 1)
+    # along another axis, or the max of something else: not a softmax of the scores
+    assert attention.softmax_of(_spec(_softmax_nodes(axis=2))) is None
+    nodes = _softmax_nodes()
+    nodes[4]["args"] = [1, 3]
+    assert attention.softmax_of(_spec(nodes)) is None
+    # scores scaled by a tensor (an input), not a constant
+    nodes = _softmax_nodes()
+    nodes[1]["args"] = [-1, -2]
+    assert attention.softmax_of(_spec(nodes)) is None
+
+
+def test_a_malformed_kernel_spec_is_not_matched():
+    from tensorflow.core.framework import graph_pb2
+    g = graph_pb2.GraphDef()
+    for name, op, inputs in (("s", "StitchedBatchMatMul", ["q", "k"]),
+                             ("p", "StitchedKernel", ["s"]),
+                             ("o", "StitchedBatchMatMul", ["p", "v"])):
+        nd = g.node.add(name=name, op=op)
+        nd.input.extend(inputs)
+        nd.attr["T"].type = tf.float32.as_datatype_enum
+    for spec in (b"not json", b'{"nodes": [{"op": "Mul"}], "outputs": [0]}', b"[1]"):
+        g.node[1].attr["spec"].s = spec
+        assert attention.fuse(g, set()) == 0 and len(g.node) == 3
+
+
+def _model(name):
+    from stitching.testing import models
+    import keras
+    keras.utils.set_random_seed(5)
+    if name == "llama":
+        return models.llama_decoder(num_layers=2, d_model=32, heads=4, kv_heads=2, ff=48,
+                                    seq_len=8)
+    return models.transformer_encoder(num_layers=2, d_model=32, heads=2, ff=64, seq_len=8)
+
+
+@pytest.mark.parametrize("name", ["llama", "transformer"])
+def test_the_models_get_one_attention_per_layer(monkeypatch, name):
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
+    model = _model(name)
+    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
+    # (autotune, every kernel marked: the softmax kernels are gone into the attentions)
+    on = stitching.function(lambda t: model(t), input_signature=sig,
+                            options=stitching.Options(fused_attention=True,
+                                                      autotune=name == "llama",
+                                                      autotune_margin=1e9))
+    off = stitching.function(lambda t: model(t), input_signature=sig, options=OFF)
+    x = _rand((3, 8, 32), seed=11)
+    x[1, 2, 5] = np.nan                              # one token's row goes NaN
+    want = model(x).numpy()
+    for f in (on, off):
+        got = f(tf.constant(x)).numpy()
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(on(x[:1]).numpy(), model(x[:1]).numpy(), rtol=2e-5, atol=2e-5)
+    ops_on, ops_off = ([n.op for n in f.get_concrete_function(*sig).graph.as_graph_def().node]
+                       for f in (on, off))
+    assert ops_on.count("StitchedAttention") == 2 and "StitchedAttention" not in ops_off
+    # each took two products and the softmax kernel
+    assert ops_off.count("StitchedBatchMatMul") - ops_on.count("StitchedBatchMatMul") == 4
+    assert ops_off.count("StitchedKernel") - ops_on.count("StitchedKernel") == 2
+    assert "2 attention(s) fused into StitchedAttention" in " ".join(on.report.notes)
+
+
+def test_a_training_step_is_left_unfused(monkeypatch):
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
+    model = _model("llama")
+    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
+
+    def step(t):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(t)))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    f = stitching.function(step, input_signature=sig,
+                           options=stitching.Options(fused_attention=True))
+    x = _rand((2, 8, 32), seed=12)
+    (loss, grads), (want_loss, want_grads) = f(tf.constant(x)), step(tf.constant(x))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
+    ops_ = [n.op for n in f.get_concrete_function(*sig).graph.as_graph_def().node]
+    assert "StitchedAttention" not in ops_
+    assert not any("StitchedAttention" in n for n in f.report.notes)
