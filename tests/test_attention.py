@@ -249,6 +249,11 @@ def test_the_models_get_one_attention_per_layer(monkeypatch, name):
     assert ops_off.count("StitchedBatchMatMul") - ops_on.count("StitchedBatchMatMul") == 4
     assert ops_off.count("StitchedKernel") - ops_on.count("StitchedKernel") == 2
     assert "2 attention(s) fused into StitchedAttention" in " ".join(on.report.notes)
+    # the report lists the kernels the graph runs (not the softmax kernels taken into
+    # the attentions); their ops still count as fused
+    assert len(on.report.kernels) == ops_on.count("StitchedKernel") == \
+        len(off.report.kernels) - 2
+    assert on.report.coverage == off.report.coverage
 
 
 def test_a_training_step_is_left_unfused(monkeypatch):
