@@ -35,7 +35,10 @@
 // its registered gradient (a tape outside the stitched function) is TF's ops again.
 
 #include <cmath>
-#include <immintrin.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>   // the AVX2 softmax below; other targets use Eigen's exp
+#endif
 
 #include "Eigen/Core"
 #include "blas_util.h"
