@@ -49,6 +49,7 @@
 
 namespace {
 
+using stitching_blas::BatchIndex;
 using stitching_blas::FitsBlas;
 using stitching_blas::Product;
 using stitching_blas::Shares;
@@ -204,12 +205,6 @@ Operand MakeOperand(const TensorShape& unswapped, bool swapped) {
   o.len = unswapped.dim_size(r - 1);
   o.size = unswapped.dim_size(r - 2) * o.len;
   return o;
-}
-
-// Which matrix of x (else y) product i of a broadcast batch reads.
-int64_t BatchIndex(const tensorflow::MatMulBCast& b, bool x, int64_t i) {
-  if (b.IsBroadcastingRequired()) return (x ? b.x_batch_indices() : b.y_batch_indices())[i];
-  return (x ? b.x_batch_size() : b.y_batch_size()) == 1 ? 0 : i;
 }
 
 template <typename T>

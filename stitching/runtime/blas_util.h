@@ -21,6 +21,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
+#include "tensorflow/core/util/matmul_bcast.h"
 
 namespace stitching_blas {
 
@@ -294,6 +295,12 @@ inline absl::Status SwappedShape(tensorflow::shape_inference::InferenceContext* 
   std::swap(dims[r - 3], dims[r - 2]);
   *out = c->MakeShape(dims);
   return absl::OkStatus();
+}
+
+// Which matrix of x (else y) product i of a broadcast batch reads.
+inline int64_t BatchIndex(const tensorflow::MatMulBCast& b, bool x, int64_t i) {
+  if (b.IsBroadcastingRequired()) return (x ? b.x_batch_indices() : b.y_batch_indices())[i];
+  return (x ? b.x_batch_size() : b.y_batch_size()) == 1 ? 0 : i;
 }
 
 }  // namespace stitching_blas

@@ -50,6 +50,7 @@
 
 namespace {
 
+using stitching_blas::BatchIndex;
 using stitching_blas::FitsBlas;
 using stitching_blas::Product;
 using stitching_blas::RunProducts;
@@ -182,15 +183,16 @@ class BatchMatMulOp : public OpKernel {
     const T* yp = y.flat<T>().data();
     T* cp = out->flat<T>().data();
     const int64_t sx = p.m * p.k, sy = p.k * p.n, sc = p.m * p.n;
-    // the broadcast's batch index maps (empty when no operand is broadcast)
-    auto xi = std::make_shared<std::vector<int64_t>>(bcast.x_batch_indices());
-    auto yi = std::make_shared<std::vector<int64_t>>(bcast.y_batch_indices());
-    const bool bc = bcast.IsBroadcastingRequired();
-    const int64_t nx = bcast.x_batch_size(), ny = bcast.y_batch_size();
+    // which matrices of x and y each product reads (the broadcast's index maps)
+    auto xi = std::make_shared<std::vector<int64_t>>(count);
+    auto yi = std::make_shared<std::vector<int64_t>>(count);
+    for (int64_t i = 0; i < count; ++i) {
+      (*xi)[i] = BatchIndex(bcast, true, i);
+      (*yi)[i] = BatchIndex(bcast, false, i);
+    }
     const Product<T>* pp = &p;   // RunProducts sets the split first; lives till it returns
     RunProducts(ctx, &p, count, [=](int64_t i, int64_t lo, int64_t hi) {
-      const int64_t ix = bc ? (*xi)[i] : (nx == 1 ? 0 : i);
-      const int64_t iy = bc ? (*yi)[i] : (ny == 1 ? 0 : i);
+      const int64_t ix = (*xi)[i], iy = (*yi)[i];
       pp->Run(lo, hi, xp + ix / hx * hx * sx + ix % hx * lx,
               yp + iy / hy * hy * sy + iy % hy * ly,
               cp + i / hc * hc * sc + i % hc * p.n);
