@@ -107,6 +107,72 @@ def llama_decoder(num_layers: int = 2, d_model: int = 256, heads: int = 8,
     return keras.Model(inp, RMSNorm(name="final_ln")(x), name=name)
 
 
+def gpt2_decoder(num_layers: int = 4, d_model: int = 256, heads: int = 4, ff: int = 1024,
+                 seq_len: int = 128, *, epsilon: float = 1e-5, name: str = "gpt2_decoder"):
+    """A GPT-2-style (pre-LayerNorm) decoder over [batch, seq_len, d_model] embeddings:
+    causal keras.layers.MultiHeadAttention (``use_causal_mask=True``: Keras builds the
+    lower-triangular mask in the graph), the tanh approximation of GELU as GPT-2 has
+    it, a final LayerNorm.  Random weights; the batch dim is unknown."""
+    import keras
+    if d_model % heads:
+        raise ValueError(f"d_model={d_model} is not divisible by heads={heads}")
+    inp = keras.Input(shape=(seq_len, d_model), name="embeddings")
+    x = inp
+    for i in range(num_layers):
+        h = keras.layers.LayerNormalization(epsilon=epsilon, name=f"layer{i}_ln1")(x)
+        x = x + keras.layers.MultiHeadAttention(
+            num_heads=heads, key_dim=d_model // heads, name=f"layer{i}_attention")(
+                h, h, use_causal_mask=True)
+        h = keras.layers.LayerNormalization(epsilon=epsilon, name=f"layer{i}_ln2")(x)
+        h = keras.layers.Dense(ff, name=f"layer{i}_ff1")(h)
+        h = keras.layers.Activation(lambda t: keras.activations.gelu(t, approximate=True),
+                                    name=f"layer{i}_gelu")(h)
+        x = x + keras.layers.Dense(d_model, name=f"layer{i}_ff2")(h)
+    return keras.Model(inp, keras.layers.LayerNormalization(epsilon=epsilon,
+                                                            name="final_ln")(x), name=name)
+
+
+def vit_encoder(num_layers: int = 4, d_model: int = 192, heads: int = 3, ff: int = 768,
+                image: int = 224, patch: int = 16, classes: int = 1000, *,
+                epsilon: float = 1e-6, name: str = "vit_encoder"):
+    """A ViT-style classifier (ViT-Ti widths, fewer layers) over [batch, image, image, 3]
+    pixels: a strided Conv2D patch embedding, a class token broadcast to the run-time
+    batch and concatenated, learned position embeddings, pre-LayerNorm encoder blocks
+    (keras.layers.MultiHeadAttention, exact GELU), a final LayerNorm and a Dense head on
+    the class token.  Random weights; the batch dim is unknown."""
+    import keras
+    from keras import ops
+    if d_model % heads or image % patch:
+        raise ValueError(f"d_model={d_model} must divide by heads={heads} and "
+                         f"image={image} by patch={patch}")
+    tokens = (image // patch) ** 2
+
+    class Tokens(keras.layers.Layer):
+        """[class token; patches] + position embeddings."""
+        def build(self, shape):
+            self.cls = self.add_weight(shape=(1, 1, d_model), initializer="random_normal")
+            self.pos = self.add_weight(shape=(1, tokens + 1, d_model),
+                                       initializer="random_normal")
+
+        def call(self, x):
+            cls = ops.broadcast_to(self.cls, (ops.shape(x)[0], 1, d_model))
+            return ops.concatenate([cls, x], axis=1) + self.pos
+
+    inp = keras.Input(shape=(image, image, 3), name="pixels")
+    x = keras.layers.Rescaling(1.0 / 127.5, offset=-1.0)(inp)
+    x = keras.layers.Conv2D(d_model, patch, strides=patch, name="patch_embed")(x)
+    x = Tokens(name="tokens")(keras.layers.Reshape((tokens, d_model))(x))
+    for i in range(num_layers):
+        h = keras.layers.LayerNormalization(epsilon=epsilon, name=f"layer{i}_ln1")(x)
+        x = x + keras.layers.MultiHeadAttention(
+            num_heads=heads, key_dim=d_model // heads, name=f"layer{i}_attention")(h, h)
+        h = keras.layers.LayerNormalization(epsilon=epsilon, name=f"layer{i}_ln2")(x)
+        h = keras.layers.Dense(ff, activation="gelu", name=f"layer{i}_ff1")(h)
+        x = x + keras.layers.Dense(d_model, name=f"layer{i}_ff2")(h)
+    x = keras.layers.LayerNormalization(epsilon=epsilon, name="final_ln")(x)
+    return keras.Model(inp, keras.layers.Dense(classes, name="head")(x[:, 0]), name=name)
+
+
 @dataclass
 class ModelCase:
     """A model at one input shape, for benchmarks.
@@ -115,7 +181,8 @@ class ModelCase:
     build: ``build() -> keras.Model`` (fresh random weights, seeded).
     input_shape: per-example shape (no batch dim).
     batch_sizes: the batch sizes to benchmark.
-    kind: "cnn" or "transformer" (the targets treat the Transformer specially).
+    kind: "cnn", "transformer" (sequences of embeddings) or "vit" (images into a
+    Transformer); images are given pixel-like ranges.
     """
     name: str
     description: str
@@ -149,7 +216,7 @@ class ModelCase:
     def inputs(self, batch: int) -> tuple:
         rng = np.random.default_rng(zlib.crc32(f"{self.name}/{batch}".encode()))
         x = rng.standard_normal((batch,) + tuple(self.input_shape), dtype=np.float32)
-        if self.kind == "cnn":
+        if self.kind in ("cnn", "vit"):
             # Images: keras.applications preprocessing expects pixel-like ranges.
             x = np.clip(127.5 + 60.0 * x, 0.0, 255.0).astype(np.float32)
         return (x,)
@@ -195,6 +262,22 @@ _register(ModelCase(
     lambda: llama_decoder(**LLAMA_CONFIG),
     (LLAMA_CONFIG["seq_len"], LLAMA_CONFIG["d_model"]),
     kind="transformer"))
+
+GPT2_CONFIG = dict(num_layers=4, d_model=256, heads=4, ff=1024, seq_len=128)
+_register(ModelCase(
+    "gpt2_decoder",
+    "GPT-2-style decoder, pre-LN, causal attention, tanh GELU, {num_layers} layers, "
+    "d_model {d_model}, {heads} heads, ff {ff}, seq {seq_len}".format(**GPT2_CONFIG),
+    lambda: gpt2_decoder(**GPT2_CONFIG),
+    (GPT2_CONFIG["seq_len"], GPT2_CONFIG["d_model"]),
+    kind="transformer"))
+
+VIT_CONFIG = dict(num_layers=4, d_model=192, heads=3, ff=768, image=224, patch=16)
+_register(ModelCase(
+    "vit_encoder",
+    "ViT-style classifier (ViT-Ti widths), 224x224 / 16x16 patches, {num_layers} layers, "
+    "d_model {d_model}, {heads} heads, ff {ff}, class token".format(**VIT_CONFIG),
+    lambda: vit_encoder(**VIT_CONFIG), (224, 224, 3), kind="vit"))
 
 CNN_MODELS = [m for m in MODELS.values() if m.kind == "cnn"]
 

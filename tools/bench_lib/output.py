@@ -334,7 +334,7 @@ def targets(results, copy_gbs) -> list[str]:
         lines.append(_no_slower(mods, "models: none slower than TF",
                                 lambda r: f"{r['name']}/b{r['batch']}"))
         tr = [(speedup(r, "stitching", "tf") or 0.0, f"{r['name']}/b{r['batch']}")
-              for r in mods if r.get("kind") == "transformer"]
+              for r in mods if r.get("kind") in ("transformer", "vit")]
         if tr:
             w = min(tr)
             lines.append(_verdict(w[0] >= 1.15,
