@@ -60,7 +60,11 @@ class Report:
         memory_intensive_ops: Memory-intensive TF ops in the original graph
             (element-wise, broadcasts, reductions, layout ops...; matrix products,
             convolutions and shape arithmetic are not counted).
-        fused_ops: How many of those a kernel computes.
+        fused_ops: How many of those a kernel computes, or a product (``folded``).
+        folded: ``[(TF node, op type, where)]`` for each memory-intensive op a pass
+            after planning moved into a matrix product (a bias Add as the MatMul's
+            BiasAdd): no kernel of its own and no pass over memory; counted in
+            ``fused_ops``, so ``memory_intensive_ops == fused_ops + len(unfused)``.
         kernels: One ``KernelInfo`` per generated kernel.
         unfused: ``[(TF node, op type, reason)]`` for each memory-intensive op left
             to TF; ``memory_intensive_ops == fused_ops + len(unfused)``.
@@ -88,6 +92,7 @@ class Report:
     fused_ops: int = 0
     kernels: list = field(default_factory=list)       # list[KernelInfo]
     unfused: list = field(default_factory=list)       # [(tf node, tf op, reason)]
+    folded: list = field(default_factory=list)        # [(tf node, tf op, where)]
     boundaries: list = field(default_factory=list)    # [(tf node, reason)] merges refused
     compile_seconds: float = 0.0
     unique_kernels: int = 0
@@ -129,6 +134,7 @@ class Report:
             "coverage": round(self.coverage, 4),
             "unfused": [(op, reason) for _, op, reason in self.unfused],
             "unfused_nodes": [{"node": n, "op": op, "reason": r} for n, op, r in self.unfused],
+            "folded_nodes": [{"node": n, "op": op, "where": w} for n, op, w in self.folded],
             "kernel_details": [{"name": k.name, "ops": [t for _, t in k.ops],
                                 "nodes": [n for n, _ in k.ops], "schedule": k.schedule,
                                 "inputs": k.inputs, "outputs": k.outputs,
@@ -230,9 +236,17 @@ class Report:
                 line += f" (also {also}: {what}, not counted)"
             lines.append(f"{line} — {k.schedule}" if k.schedule else line)
         lines.extend(self._tier_lines())
-        if counted > self.fused_ops:
-            lines.append(f"  ({counted - self.fused_ops} op(s) computed in more than one "
-                         f"kernel are counted once in the total)")
+        if counted > self.fused_ops - len(self.folded):
+            lines.append(f"  ({counted - self.fused_ops + len(self.folded)} op(s) computed "
+                         f"in more than one kernel are counted once in the total)")
+        if self.folded:
+            lines.append(f"  in a matrix product ({len(self.folded)}):")
+            by_where: dict[str, list] = {}
+            for node, op, where in self.folded:
+                by_where.setdefault(where, []).append(f"{op} ({node})")
+            for where, items in by_where.items():
+                shown = ", ".join(items[:4]) + (f", … {len(items) - 4} more" if len(items) > 4 else "")
+                lines.append(f"    {shown}: {where}")
         if self.unfused:
             lines.append(f"  not fused ({len(self.unfused)} of {self.memory_intensive_ops}):")
             by_reason: dict[str, list] = {}
@@ -266,8 +280,11 @@ class Report:
         if self.unique_kernels < k or (k and self.code_objects < self.unique_kernels):
             shared = (f" ({self.unique_kernels} distinct, served by "
                       f"{_plural(self.code_objects, 'compiled code')})")
-        return (f"fused {fused} of {n} memory-intensive TF ops ({100 * fused / n:.0f}%) "
-                f"into {_plural(k, 'kernel')}{shared}; {took}")
+        head = f"fused {fused} of {n} memory-intensive TF ops ({100 * fused / n:.0f}%)"
+        if self.folded:
+            return (f"{head}: {fused - len(self.folded)} into {_plural(k, 'kernel')}{shared}, "
+                    f"{len(self.folded)} into matrix products; {took}")
+        return f"{head} into {_plural(k, 'kernel')}{shared}; {took}"
 
     def _body_lines(self) -> list:
         lines = []

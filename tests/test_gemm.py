@@ -42,6 +42,16 @@ def test_a_projection_bias_is_added_by_the_matmul():
     assert "Shape" not in ops and "StridedSlice" not in ops and "ConcatV2" not in ops, ops
     sf = stitching.function(_einsum_dense, input_signature=sig)
     ref = tf.function(_einsum_dense, input_signature=sig)
+    sf(RNG.standard_normal((2, 5, 16)).astype(np.float32))
+    # the report: the moved Add is fused (into the product), not "a lone op"; the row
+    # bias's Add stays TF's with its reason
+    rep = sf.report
+    assert [(op, where) for _, op, where in rep.folded] == \
+        [("AddV2", "added by its product as the MatMul's BiasAdd (tf/gemm.py)")]
+    assert [op for _, op, _ in rep.unfused] == ["AddV2"]
+    assert rep.memory_intensive_ops == rep.fused_ops + len(rep.unfused) == 2
+    assert "(50%): 0 into 0 kernels, 1 into matrix products;" in rep.summary()
+    assert "in a matrix product (1):" in rep.summary()
     for batch in (1, 3):
         x = RNG.standard_normal((batch, 5, 16)).astype(np.float32)
         got = sf(x).numpy()

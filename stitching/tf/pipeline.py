@@ -403,6 +403,10 @@ def _make_report(name, ctx):
     mem = {n for n, op in tf_op.items()
            if opnames.is_memory_intensive(op) and n not in shape_math}
     fused = {m for r in regions for m in r.nodes}
+    # ops the planner left to TF that a later pass took into a product (an EinsumDense
+    # bias Add as the MatMul's BiasAdd: passes/gemm.py) cost no pass over memory of
+    # their own: fused, counted apart from the kernels' ops
+    folded = {n: where for n, where in ctx.folded.items() if n in mem and n not in fused}
     # A kernel a later pass took into an op of its own (tf/passes/attention.py: the
     # softmax between an attention's products) no longer runs: its ops stay fused
     # (counted in coverage), but it is no kernel of the graph.
@@ -414,7 +418,8 @@ def _make_report(name, ctx):
         kernel_names = [kernel_names[i] for i in kept]
     rep = _report.Report(function=name)
     rep.memory_intensive_ops = len(mem)
-    rep.fused_ops = len(mem & fused)
+    rep.fused_ops = len(mem & fused) + len(folded)
+    rep.folded = [(n, tf_op[n], where) for n, where in folded.items()]
     rep.unique_kernels = len({r.spec.hash for r in regions})
     rep.code_objects = len({k.code_name for k in kernels})
     rep.code_tiers = [(kname, k) for kname, k in zip(kernel_names, kernels)
@@ -431,7 +436,7 @@ def _make_report(name, ctx):
         for m in reg.nodes:
             reasons[m] = why
     fetches = {r.node for r in ir.outputs}
-    for n in sorted(mem - fused, key=list(tf_op).index):
+    for n in sorted(mem - fused - set(folded), key=list(tf_op).index):
         why = reasons.get(n) or legality.node_reason(ir, ir[n]) or \
             ("a function output the plan leaves to TF" if n in fetches else
              "left to TF by the planner")
