@@ -129,7 +129,21 @@ def build(force: bool = False, source=SOURCE, prefix: str = LIB_PREFIX,
         if _whole(path) and not force:    # another process built it while we waited
             return path
         _compile_to(path, source, extra)
+    built_here.add(path)
     return path
+
+
+# The libraries this process compiled (main() says "built" for these: importing the
+# package may have built the op library before main() looked).
+built_here: set = set()
+
+
+def _built_here(path: Path) -> bool:
+    """Whether this process compiled ``path``.  Run as ``python -m``, this module is
+    ``__main__`` and the package's import hook built through its other copy,
+    ``stitching.runtime.build``: both copies' records count."""
+    from . import build as imported
+    return path in built_here or path in imported.built_here
 
 
 # The OpenBLAS ops (gemm.cc and attention.cc, sharing blas_util.h; loaded by blas.py): a second library, linked
@@ -171,13 +185,6 @@ def _whole(path: Path) -> bool:
     except OSError:
         return False
     return integrity.elf_problem(head, size) is None
-
-
-def _cached(path: Path) -> bool:
-    """Whether ``build`` would find the library at ``path`` without compiling (there,
-    or the install step's copy in the default cache)."""
-    prebuilt = _prebuilt(path)
-    return _whole(path) or (prebuilt is not None and _whole(prebuilt))
 
 
 def _compile_to(path: Path, source=SOURCE, extra: tuple = ()) -> None:
@@ -253,8 +260,6 @@ def main(argv=None) -> int:
         print(library_path())
         return 0
     check_tf_install(lambda m: print(m, file=sys.stderr))
-    path = library_path()
-    fresh = args.force or not _cached(path)
     try:
         lib = build(force=args.force)
     except BuildError as e:
@@ -262,17 +267,17 @@ def main(argv=None) -> int:
         return 1
     _, _, tf_version = _tf_flags()
     print(f"stitching-build: cache {cachedir.root()}")
-    _line("TensorFlow op library (TF " + tf_version + ")", lib, fresh)
+    _line("TensorFlow op library (TF " + tf_version + ")", lib, _built_here(lib))
     # The OpenBLAS product ops (blas.py), where the scipy-openblas32 wheel is installed.
     try:
-        flags = blas_flags()
+        blas_flags()
     except ImportError:
         print(f"  OpenBLAS product ops: skipped ({BLAS_WHEEL} is not installed; matrix "
               f"products stay TF's)")
     else:
-        had = _cached(library_path(BLAS_SOURCES, BLAS_PREFIX, flags))
         try:
-            _line("OpenBLAS product ops", build_blas(args.force), not had or args.force)
+            blas_lib = build_blas(args.force)
+            _line("OpenBLAS product ops", blas_lib, _built_here(blas_lib))
         except BuildError as e:
             print(f"stitching-build: warning: {e}", file=sys.stderr)
     # The machine's profile for the cost model (~0.5 s of measurement), like the

@@ -1,6 +1,8 @@
-"""Whole models for end-to-end benchmarks: a Keras Transformer encoder and a few
-keras.applications CNNs (``weights=None``: nothing is downloaded, and random weights run
-exactly as fast as trained ones).
+"""Whole models for end-to-end benchmarks: three keras.applications CNNs and four
+Transformers built from Keras layers as users write them -- a BERT-style encoder, a
+Llama-style and a GPT-2-style decoder and a ViT-style classifier (``weights=None`` /
+random weights: nothing is downloaded, and random weights run exactly as fast as
+trained ones).
 
 Sizes are chosen for the project's 2-core CPU machine: real input resolutions (224x224)
 and the batch sizes a server would use (1 and 8), but few enough models that the whole
