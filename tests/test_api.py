@@ -105,3 +105,29 @@ def test_a_pass_module_imported_before_tensorflow_still_registers_the_op():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "could not register" not in r.stderr
+
+
+def test_build_says_built_only_for_what_this_process_compiled(monkeypatch, capsys,
+                                                              tmp_path):
+    """stitching-build's "(built)" / "(already built)": the libraries are in the
+    cache; with --force they are compiled again (here the compile copies the library
+    that was there: the test is about the message, not g++)."""
+    import shutil
+
+    from stitching.runtime import build
+
+    def lines():
+        out = capsys.readouterr().out
+        return [l for l in out.splitlines() if "op library" in l or "product ops" in l]
+
+    build.build(), build.build_blas()          # in the cache, whoever built them
+    monkeypatch.setattr(build, "built_here", set())     # ... not this "process"
+    assert build.main([]) == 0
+    got = lines()
+    assert got and all("(already built)" in l for l in got), got
+    kept = {lib.name: shutil.copy(lib, tmp_path) for lib in build.cache_dir().glob("*.so")}
+    monkeypatch.setattr(build, "_compile_to",
+                        lambda path, source=None, extra=(): shutil.copy(kept[path.name], path))
+    assert build.main(["--force"]) == 0
+    got = lines()
+    assert got and all("(built)" in l for l in got), got
