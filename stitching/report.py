@@ -241,20 +241,10 @@ class Report:
                          f"in more than one kernel are counted once in the total)")
         if self.folded:
             lines.append(f"  in a matrix product ({len(self.folded)}):")
-            by_where: dict[str, list] = {}
-            for node, op, where in self.folded:
-                by_where.setdefault(where, []).append(f"{op} ({node})")
-            for where, items in by_where.items():
-                shown = ", ".join(items[:4]) + (f", … {len(items) - 4} more" if len(items) > 4 else "")
-                lines.append(f"    {shown}: {where}")
+            lines.extend(_grouped(self.folded))
         if self.unfused:
             lines.append(f"  not fused ({len(self.unfused)} of {self.memory_intensive_ops}):")
-            by_reason: dict[str, list] = {}
-            for node, op, reason in self.unfused:
-                by_reason.setdefault(reason, []).append(f"{op} ({node})")
-            for reason, items in by_reason.items():
-                shown = ", ".join(items[:4]) + (f", … {len(items) - 4} more" if len(items) > 4 else "")
-                lines.append(f"    {shown}: {reason}")
+            lines.extend(_grouped(self.unfused))
         lines.extend(self._body_lines())
         lines.extend(self._autotune_lines())
         for n in self.notes:
@@ -324,6 +314,17 @@ class Report:
 
     def __str__(self):
         return self.summary()
+
+
+def _grouped(entries) -> list:
+    """Report lines for ``[(TF node, op type, why)]``: one line per reason, its first
+    four ops named."""
+    by_why: dict[str, list] = {}
+    for node, op, why in entries:
+        by_why.setdefault(why, []).append(f"{op} ({node})")
+    return [f"    {', '.join(items[:4])}"
+            f"{f', … {len(items) - 4} more' if len(items) > 4 else ''}: {why}"
+            for why, items in by_why.items()]
 
 
 def _plural(n: int, what: str) -> str:

@@ -247,33 +247,23 @@ _register(ModelCase("mobilenet_v2", "keras.applications.MobileNetV2, 224x224, we
                     _app("MobileNetV2"), (224, 224, 3)))
 _register(ModelCase("efficientnet_b0", "keras.applications.EfficientNetB0, 224x224, weights=None",
                     _app("EfficientNetB0"), (224, 224, 3)))
-_register(ModelCase(
-    "transformer",
-    "Keras Transformer encoder, post-LN, {num_layers} layers, d_model {d_model}, "
-    "{heads} heads, ff {ff}, seq {seq_len}".format(**TRANSFORMER_CONFIG),
-    lambda: transformer_encoder(**TRANSFORMER_CONFIG),
-    (TRANSFORMER_CONFIG["seq_len"], TRANSFORMER_CONFIG["d_model"]),
-    kind="transformer"))
+def _sequence_case(name: str, description: str, build, config: dict):
+    """A Transformer over [batch, seq_len, d_model] embeddings, built from ``config``."""
+    _register(ModelCase(name, description.format(**config), lambda: build(**config),
+                        (config["seq_len"], config["d_model"]), kind="transformer"))
 
+
+_sequence_case("transformer", "Keras Transformer encoder, post-LN, {num_layers} layers, "
+               "d_model {d_model}, {heads} heads, ff {ff}, seq {seq_len}",
+               transformer_encoder, TRANSFORMER_CONFIG)
 LLAMA_CONFIG = dict(num_layers=2, d_model=256, heads=8, kv_heads=2, ff=688, seq_len=128)
-_register(ModelCase(
-    "llama_decoder",
-    "Llama-style decoder (RMSNorm, rotary embeddings, GQA, SwiGLU), {num_layers} layers, "
-    "d_model {d_model}, {heads} heads / {kv_heads} KV heads, ff {ff}, seq {seq_len}"
-    .format(**LLAMA_CONFIG),
-    lambda: llama_decoder(**LLAMA_CONFIG),
-    (LLAMA_CONFIG["seq_len"], LLAMA_CONFIG["d_model"]),
-    kind="transformer"))
-
+_sequence_case("llama_decoder", "Llama-style decoder (RMSNorm, rotary embeddings, GQA, "
+               "SwiGLU), {num_layers} layers, d_model {d_model}, {heads} heads / "
+               "{kv_heads} KV heads, ff {ff}, seq {seq_len}", llama_decoder, LLAMA_CONFIG)
 GPT2_CONFIG = dict(num_layers=4, d_model=256, heads=4, ff=1024, seq_len=128)
-_register(ModelCase(
-    "gpt2_decoder",
-    "GPT-2-style decoder, pre-LN, causal attention, tanh GELU, {num_layers} layers, "
-    "d_model {d_model}, {heads} heads, ff {ff}, seq {seq_len}".format(**GPT2_CONFIG),
-    lambda: gpt2_decoder(**GPT2_CONFIG),
-    (GPT2_CONFIG["seq_len"], GPT2_CONFIG["d_model"]),
-    kind="transformer"))
-
+_sequence_case("gpt2_decoder", "GPT-2-style decoder, pre-LN, causal attention, tanh GELU, "
+               "{num_layers} layers, d_model {d_model}, {heads} heads, ff {ff}, "
+               "seq {seq_len}", gpt2_decoder, GPT2_CONFIG)
 VIT_CONFIG = dict(num_layers=4, d_model=192, heads=3, ff=768, image=224, patch=16)
 _register(ModelCase(
     "vit_encoder",
