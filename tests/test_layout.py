@@ -486,3 +486,34 @@ def test_tf_gather_stays_out_with_a_reason_by_its_form():
     assert "by constant indices" in why["GatherV2_1"], f.report.summary()
     with pytest.raises(tf.errors.InvalidArgumentError, match="not in"):
         f(tf.constant([[1, 50, 0]], tf.int32), x[:1])
+
+
+@pytest.mark.slow
+def test_vit_block_equals_tf_and_names_what_stays_out():
+    """A ViT-style classifier from Keras layers (models.vit_encoder: patch conv, class
+    token broadcast to the run-time batch, position embeddings, a pre-LN block): equal
+    to TF's at two batches with one trace for the unknown batch; what stays TF's is
+    named with its reason: the class token's BroadcastTo to the run-time batch and its
+    concatenation along the tokens (not the kernels' innermost axis)."""
+    import stitching
+    from stitching.testing.models import vit_encoder
+    tf = pytest.importorskip("tensorflow")
+    import keras
+    keras.utils.set_random_seed(5)
+    model = vit_encoder(num_layers=1, d_model=32, heads=2, ff=48, image=32, patch=8,
+                        classes=10)
+    sig = [tf.TensorSpec([None, 32, 32, 3], tf.float32)]
+    f = stitching.function(lambda x: model(x, training=False), input_signature=sig)
+    ref = tf.function(lambda x: model(x, training=False), input_signature=sig)
+    for batch in (1, 3):
+        x = tf.constant(RNG.uniform(0, 255, (batch, 32, 32, 3)).astype(np.float32))
+        np.testing.assert_allclose(f(x).numpy(), ref(x).numpy(), rtol=2e-5, atol=2e-5)
+    rep = f.report
+    assert len(f.reports) == 1, "one trace for the unknown batch"
+    why = {op: reason for _, op, reason in rep.unfused}
+    assert "known only at run time" in why.pop("BroadcastTo"), rep.summary()
+    assert "innermost" in why.pop("ConcatV2"), rep.summary()
+    # the rest: the patch conv's BiasAdd where TF's remapper takes it, or a slice the
+    # cost model leaves (the session's machine model decides)
+    assert set(why) <= {"BiasAdd", "StridedSlice"}, rep.summary()
+    assert rep.coverage >= 0.9, rep.summary()
