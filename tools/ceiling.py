@@ -36,7 +36,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import op_breakdown  # noqa: E402  (tools/ on the path first)
 
-MODELS = "resnet50,mobilenet_v2,efficientnet_b0,transformer,llama_decoder"
+MODELS = "resnet50,mobilenet_v2,efficientnet_b0,transformer,llama_decoder,gpt2_decoder,vit_encoder"
 BAR = 1.4        # issue 37's bar: the models at least 1.4x stock TF (geomean)
 
 
