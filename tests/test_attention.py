@@ -48,7 +48,7 @@ def _reference(q, k, v, mask, scale, xp):
 
 
 def _call(ops, q, k, v, mask=None, scale=1.0, aq=False, ak=True, av=False, tq=False,
-          tk=False, tv=False, to=False):
+          tk=False, tv=False, to=False, cond=None, fill=0.0, keeps=True):
     """The op on plain-layout q [.., M, D], k [.., N, D], v [.., N, E], each stored as
     the flags say; the output turned back to [.., M, E]."""
     qs = _adj(q) if aq else q
@@ -57,7 +57,8 @@ def _call(ops, q, k, v, mask=None, scale=1.0, aq=False, ak=True, av=False, tq=Fa
     qs, ks, vs = (_swap(t).copy() if f else np.ascontiguousarray(t)
                   for t, f in ((qs, tq), (ks, tk), (vs, tv)))
     out = ops.stitched_attention(q=qs, k=ks, v=vs, mask=[] if mask is None else [mask],
-                                 scale=scale, adj_q=aq, adj_k=ak, adj_v=av, transpose_q=tq,
+                                 cond=[] if cond is None else [cond], fill=fill,
+                                 cond_keeps=keeps, scale=scale, adj_q=aq, adj_k=ak, adj_v=av, transpose_q=tq,
                                  transpose_k=tk, transpose_v=tv, transpose_out=to).numpy()
     return _swap(out) if to else out
 
@@ -109,7 +110,8 @@ def test_nan_and_inf_rows_as_in_tf(ops):
 def test_unknown_batch_in_a_function(ops):
     @tf.function(input_signature=[tf.TensorSpec([None, 2, None, 8], tf.float32)] * 3)
     def f(q, k, v):
-        return ops.stitched_attention(q=q, k=k, v=v, mask=[], scale=0.25, adj_k=True)
+        return ops.stitched_attention(q=q, k=k, v=v, mask=[], cond=[], scale=0.25,
+                                      adj_k=True)
     assert f.get_concrete_function().output_shapes.as_list() == [None, 2, None, 8]
     for b, n in [(1, 3), (5, 37)]:
         q, k, v = (_rand((b, 2, n, 8), seed=s) for s in (8, 9, 10))
@@ -127,6 +129,7 @@ def test_unknown_batch_in_a_function(ops):
 ])
 def test_bad_operands_are_refused_with_the_reason(ops, kwargs, message):
     kwargs.setdefault("mask", [])
+    kwargs.setdefault("cond", [])
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=message):
         ops.stitched_attention(**kwargs)
 
@@ -149,7 +152,7 @@ def test_gradient_equals_tf(ops, flags):
         vs = _swap_t(tf.linalg.matrix_transpose(args[2]) if flags.get("av") else args[2],
                      flags.get("tv"))
         out = ops.stitched_attention(
-            q=qs, k=ks, v=vs, mask=[args[3]], scale=0.5, adj_q=flags.get("aq", False),
+            q=qs, k=ks, v=vs, mask=[args[3]], cond=[], scale=0.5, adj_q=flags.get("aq", False),
             adj_k=flags.get("ak", True), adj_v=flags.get("av", False),
             transpose_q=flags.get("tq", False), transpose_k=flags.get("tk", False),
             transpose_v=flags.get("tv", False), transpose_out=flags.get("to", False))
