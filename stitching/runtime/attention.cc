@@ -463,7 +463,7 @@ class AttentionOp : public OpKernel {
                                                       1, n * int64_t(sizeof(T)))));
     if (skip && rows > kStairRows) {   // do the first matrix's rows keep different tails?
       int64_t lo = n, hi = 0;
-      for (int64_t i = 0; i < m && lo < hi + 1; ++i) {
+      for (int64_t i = 0; i < m && lo >= hi; ++i) {
         const int64_t x = RowExtent(row_mask(0, i), n, 0);
         lo = std::min(lo, x);
         hi = std::max(hi, x);

@@ -368,7 +368,9 @@ def _shape_from_operands(graph_def, shape, product, graph) -> None:
                       Tindices=t(i32), Taxis=t(i32), batch_dims=attr_value_pb2.AttrValue(i=0)),
                       add(f"{tag}/dim", "GatherV2", [dims, const(f"{tag}/dim_index",
                           np.asarray([pick], np.int32)), axis], Tparams=t(out_type),
-                          Tindices=t(i32), Taxis=t(i32), batch_dims=attr_value_pb2.AttrValue(i=0))))
+                          Tindices=t(i32), Taxis=t(i32), batch_dims=attr_value_pb2.AttrValue(i=0))
+                      if known[len(parts) - 2] is None else
+                      const(f"{tag}/dim", np.asarray([known[len(parts) - 2]], np_type))))
     (bq, m), (bk, n) = parts
     batch = add("batch", "BroadcastArgs", [bq, bk], T=t(out_type))
     shape.op = "ConcatV2"
