@@ -19,8 +19,22 @@ may fuse the scale, mask and softmax with other ops; the kernel's IR (its ``spec
 says exactly what it computes, so the match is structural: its one output must be
 ``Mul(e, Reciprocal(Sum(e)))`` with ``e = Exp(Sub(t, Max(t)))`` along the last axis,
 ``t`` the scores, optionally times a scalar constant and plus a mask input of the
-scores' shape or one broadcast to it -- the stitched softmax's (and TF's) order of
-operations, which the op follows.
+scores' shape or one broadcast to it, then optionally ``Select(cond, t, fill)`` (or
+``Select(cond, fill, t)``) with ``cond`` a bool input broadcast to the scores and
+``fill`` a scalar constant -- the stitched softmax's (and TF's) order of operations,
+which the op follows.
+
+Keras 3's causal MultiHeadAttention (the GPT-2-style decoder) writes
+``where(ones_like(scores) & band, scores * c, large_negative)``: the Mul by
+1/sqrt(key_dim) stays out of the softmax kernel because Shape nodes read the scaled
+scores (for ``ones_like`` and the band's size).  The match takes such a Mul by a
+scalar constant too: c goes into the op's scale (exact where the kernel's own scale
+is 1, as here) and the Shape nodes read the same vector from q's and k's shapes
+(``_shape_from_operands``).  ``LogicalAnd(Fill(Shape(scores), True), band)`` is only
+the band broadcast to the scores, which the op does itself: it takes the [1, 1, T, T]
+band, and the [B, H, T, T] Fill and LogicalAnd go with the pruned nodes.  The op
+skips the keys a block of query rows all mask away, where that is exact
+(runtime/attention.cc).
 
 Training graphs are left alone by that rule: the backward reads the softmax's output
 (the kernel then has another reader or output).  The registered gradient, for a tape
