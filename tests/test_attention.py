@@ -58,7 +58,8 @@ def _call(ops, q, k, v, mask=None, scale=1.0, aq=False, ak=True, av=False, tq=Fa
                   for t, f in ((qs, tq), (ks, tk), (vs, tv)))
     out = ops.stitched_attention(q=qs, k=ks, v=vs, mask=[] if mask is None else [mask],
                                  cond=[] if cond is None else [cond], fill=fill,
-                                 cond_keeps=keeps, scale=scale, adj_q=aq, adj_k=ak, adj_v=av, transpose_q=tq,
+                                 cond_keeps=keeps, scale=scale, adj_q=aq, adj_k=ak, adj_v=av,
+                                 transpose_q=tq,
                                  transpose_k=tk, transpose_v=tv, transpose_out=to).numpy()
     return _swap(out) if to else out
 

@@ -15,7 +15,8 @@
 // caller starts at once); OpenBLAS runs single-threaded inside each.
 //
 // Numerics: the softmax follows the stitched kernel's (and TF's) order of operations:
-// t = x * scale (+ mask) (then cond ? t : fill), m = max(t), e = exp(t - m), s = sum(e), out = e * (1 / s).
+// t = x * scale (+ mask) (then cond ? t : fill), m = max(t), e = exp(t - m),
+// s = sum(e), out = e * (1 / s).
 // The sums and the products' dot products are summed in another order than TF's:
 // equal within float rounding (tests/test_attention.py bounds both against float64).
 // The float exp is the Cephes polynomial Eigen's pexp uses, 8 lanes of AVX2 + FMA
@@ -37,8 +38,9 @@
 // Layouts and attributes are the matched products' (gemm.cc's StitchedBatchMatMul):
 // q and k as the first product's x and y (adj_q, adj_k, transpose_q, transpose_k), v as
 // the second's y (adj_v, transpose_v), the output swapped under transpose_out.  Batch
-// dims broadcast as BatchMatMulV2's do.  tf/passes/attention.py fuses nothing whose softmax a backward reads;
-// its registered gradient (a tape outside the stitched function) is TF's ops again.
+// dims broadcast as BatchMatMulV2's do. tf/passes/attention.py fuses nothing whose
+// softmax a backward reads; its registered gradient (a tape outside the stitched
+// function) is TF's ops again.
 
 #include <cmath>
 #include <cstring>

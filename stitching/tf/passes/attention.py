@@ -332,7 +332,8 @@ def _shape_from_operands(graph_def, shape, product, graph) -> None:
     q's and k's batch dims (BroadcastArgs), then M and N, in their layouts
     (StitchedBatchMatMul's adj_ and transpose_ flags); dims TF knows are constants.
     The node keeps its name and output type."""
-    out_type = shape.attr["out_type"].type if "out_type" in shape.attr else tf.int32.as_datatype_enum
+    out_type = shape.attr["out_type"].type if "out_type" in shape.attr else \
+        tf.int32.as_datatype_enum
     np_type = tf.dtypes.as_dtype(out_type).as_numpy_dtype
     known = graph.get_operation_by_name(product.name).outputs[0].shape.as_list()
     base = shape.name + "/from_operands"
