@@ -403,6 +403,8 @@ def test_gpt2_gets_one_attention_per_layer_with_its_causal_mask(monkeypatch):
     assert ops_.count("StitchedAttention") == 2 and "StitchedBatchMatMul" not in ops_
     # the scale Mul is folded into the op, the band fed to it unbroadcast
     assert "Mul" not in ops_ and "LogicalAnd" not in ops_ and "SelectV2" not in ops_
+    # ... and the report counts it fused, not as a lone op left to TF
+    assert not [n for n, op, _ in f.report.unfused if op == "Mul"]
     for nd in graph.node:
         if nd.op == "StitchedAttention":
             assert nd.attr["n_cond"].i == 1 and nd.attr["cond_keeps"].b

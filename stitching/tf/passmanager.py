@@ -61,6 +61,7 @@ class Context:
         self.ir = None
         self.planned = None
         self.shape_math: set = set()     # passes/shape_math.py: left out of the counts
+        self.folded: set = set()         # memory-intensive ops a pass took into an op
         self.plan = None
         self.regions: list = []
         self.kernels: list = []

@@ -402,7 +402,9 @@ def _make_report(name, ctx):
     tf_op = {n.name: n.op for n in gdef.node}
     mem = {n for n, op in tf_op.items()
            if opnames.is_memory_intensive(op) and n not in shape_math}
-    fused = {m for r in regions for m in r.nodes}
+    # (ctx.folded: ops a later pass took into an op of its own -- attention.py's scores
+    # scale Mul, now a StitchedAttention's scale)
+    fused = {m for r in regions for m in r.nodes} | ctx.folded
     # A kernel a later pass took into an op of its own (tf/passes/attention.py: the
     # softmax between an attention's products) no longer runs: its ops stay fused
     # (counted in coverage), but it is no kernel of the graph.

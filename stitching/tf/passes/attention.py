@@ -173,12 +173,13 @@ def _flag(node, key) -> bool:
     return key in node.attr and node.attr[key].b
 
 
-def fuse(graph_def, fetched, shapes=None) -> int:
+def fuse(graph_def, fetched, shapes=None, folded=None) -> int:
     """Turn each matched product -> softmax kernel -> product into StitchedAttention,
     in place (the module's docstring); returns how many.  ``shapes()``: the graph
     imported with TF's shapes, asked for only where a Reshape stands between the
     pattern's nodes (einsum.py's, after an Einsum's product): one that changes no
-    shape is passed over, any other stops the match."""
+    shape is passed over, any other stops the match.  ``folded``: a set that gets the
+    names of the scores' scale Muls taken into the ops' scale."""
     nodes = {nd.name: nd for nd in graph_def.node}
     readers = collections.Counter(i.lstrip("^").split(":")[0]
                                   for nd in graph_def.node for i in nd.input)
@@ -303,6 +304,8 @@ def fuse(graph_def, fetched, shapes=None) -> int:
                 if reader is not kernel:
                     _shape_from_operands(graph_def, reader, scores, imported_graph())
             taken.add(mul.name)
+            if folded is not None:
+                folded.add(mul.name)
         attrs = {"adj_q": _flag(scores, "adj_x"), "adj_k": _flag(scores, "adj_y"),
                  "transpose_q": _flag(scores, "transpose_x"),
                  "transpose_k": _flag(scores, "transpose_y"),
@@ -399,7 +402,8 @@ def _run(ctx):
     from ...runtime import blas as blas_ops
     if not blas._eigen_machine() or blas_ops.unavailable() is not None:
         return None                       # the blas pass says why, where it matters
-    fused = fuse(ctx.graph_def, ctx.fetched, lambda: ctx.shapes_of(ctx.graph_def))
+    fused = fuse(ctx.graph_def, ctx.fetched, lambda: ctx.shapes_of(ctx.graph_def),
+                 ctx.folded)
     if not fused:
         return None
     return (f"{fused} attention(s) fused into StitchedAttention (product, softmax kernel "
