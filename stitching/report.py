@@ -60,10 +60,11 @@ class Report:
         memory_intensive_ops: Memory-intensive TF ops in the original graph
             (element-wise, broadcasts, reductions, layout ops...; matrix products,
             convolutions and shape arithmetic are not counted).
-        fused_ops: How many of those a kernel computes, or a product (``folded``).
+        fused_ops: How many of those a kernel computes, or a product's op (``folded``).
         folded: ``[(TF node, op type, where)]`` for each memory-intensive op a pass
-            after planning moved into a matrix product (a bias Add as the MatMul's
-            BiasAdd): no kernel of its own and no pass over memory; counted in
+            after planning moved into a matrix product's op (a bias Add as the
+            MatMul's BiasAdd, an attention's scale Mul into its StitchedAttention):
+            no kernel of its own and no pass over memory; counted in
             ``fused_ops``, so ``memory_intensive_ops == fused_ops + len(unfused)``.
         kernels: One ``KernelInfo`` per generated kernel.
         unfused: ``[(TF node, op type, reason)]`` for each memory-intensive op left
@@ -240,7 +241,7 @@ class Report:
             lines.append(f"  ({counted - self.fused_ops + len(self.folded)} op(s) computed "
                          f"in more than one kernel are counted once in the total)")
         if self.folded:
-            lines.append(f"  in a matrix product ({len(self.folded)}):")
+            lines.append(f"  in a matrix product's op ({len(self.folded)}):")
             lines.extend(_grouped(self.folded))
         if self.unfused:
             lines.append(f"  not fused ({len(self.unfused)} of {self.memory_intensive_ops}):")
@@ -273,7 +274,7 @@ class Report:
         head = f"fused {fused} of {n} memory-intensive TF ops ({100 * fused / n:.0f}%)"
         if self.folded:
             return (f"{head}: {fused - len(self.folded)} into {_plural(k, 'kernel')}{shared}, "
-                    f"{len(self.folded)} into matrix products; {took}")
+                    f"{len(self.folded)} into matrix products' ops; {took}")
         return f"{head} into {_plural(k, 'kernel')}{shared}; {took}"
 
     def _body_lines(self) -> list:

@@ -48,7 +48,7 @@ def _reference(q, k, v, mask, scale, xp):
 
 
 def _call(ops, q, k, v, mask=None, scale=1.0, aq=False, ak=True, av=False, tq=False,
-          tk=False, tv=False, to=False):
+          tk=False, tv=False, to=False, cond=None, fill=0.0, keeps=True):
     """The op on plain-layout q [.., M, D], k [.., N, D], v [.., N, E], each stored as
     the flags say; the output turned back to [.., M, E]."""
     qs = _adj(q) if aq else q
@@ -57,7 +57,9 @@ def _call(ops, q, k, v, mask=None, scale=1.0, aq=False, ak=True, av=False, tq=Fa
     qs, ks, vs = (_swap(t).copy() if f else np.ascontiguousarray(t)
                   for t, f in ((qs, tq), (ks, tk), (vs, tv)))
     out = ops.stitched_attention(q=qs, k=ks, v=vs, mask=[] if mask is None else [mask],
-                                 scale=scale, adj_q=aq, adj_k=ak, adj_v=av, transpose_q=tq,
+                                 cond=[] if cond is None else [cond], fill=fill,
+                                 cond_keeps=keeps, scale=scale, adj_q=aq, adj_k=ak, adj_v=av,
+                                 transpose_q=tq,
                                  transpose_k=tk, transpose_v=tv, transpose_out=to).numpy()
     return _swap(out) if to else out
 
@@ -106,10 +108,105 @@ def test_nan_and_inf_rows_as_in_tf(ops):
     np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5)
 
 
+KERAS_FILL = -0.7 * float(np.finfo(np.float32).max)    # Keras's large negative number
+
+
+def _select_reference(q, k, v, cond, keeps, fill, scale, xp):
+    """softmax(where(cond == keeps, scale q k^T, fill)) v: TF's ops or float64 numpy."""
+    keep = cond if keeps else ~cond
+    if xp is tf:
+        s = tf.linalg.matmul(q, k, adjoint_b=True) * scale
+        s = tf.where(keep, s, tf.constant(fill, s.dtype))
+        return tf.linalg.matmul(tf.nn.softmax(s, -1), v).numpy()
+    q, k, v = (t.astype(np.float64) for t in (q, k, v))
+    s = np.where(keep, q @ _adj(k) * scale, np.float64(np.float32(fill)))
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def _assert_as_accurate_as_tf(got, want, ref):
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    fin = np.isfinite(ref)
+    ulp = np.finfo(got.dtype).eps * np.abs(ref[fin]).max()
+    err = lambda a: float(np.abs(a[fin].astype(np.float64) - ref[fin]).max())  # noqa: E731
+    assert err(got) <= 2 * err(want) + 16 * ulp
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("cond, keeps, fill", [
+    ("causal", True, KERAS_FILL),      # Keras's [1, 1, T, T] band: blocks skip keys
+    ("causal", False, -1e9),           # where(cond, fill, scores): the negation
+    ("pad", True, -1e9),               # [B, 1, 1, N] trailing padding, per batch
+    ("rows", True, KERAS_FILL),        # [.., M, 1]: fully masked rows (uniform)
+    ("full", True, -1e4),              # [B, H, M, N], fill not far below the scores
+])
+def test_bool_masks_equal_tf_and_float64(ops, dtype, cond, keeps, fill):
+    if dtype == np.float64 and fill == KERAS_FILL:
+        fill = -1e30                   # (a float attribute: float32's range)
+    q, k, v = _rand((2, 3, 70, 8), dtype, 1), _rand((2, 3, 70, 8), dtype, 2), \
+        _rand((2, 3, 70, 6), dtype, 3)
+    rng = np.random.default_rng(4)
+    if cond == "causal":
+        c = np.tril(np.ones((70, 70), bool))[None, None]
+    elif cond == "pad":
+        c = np.arange(70)[None, None, None, :] < np.array([70, 45])[:, None, None, None]
+    elif cond == "rows":
+        c = rng.random((70, 1)) > 0.3
+    else:
+        c = rng.random((2, 3, 70, 70)) > 0.5
+    c = c if keeps else ~c
+    got = _call(ops, q, k, v, scale=0.5, cond=c, fill=fill, keeps=keeps)
+    want = _select_reference(q, k, v, c, keeps, fill, 0.5, tf)
+    _assert_as_accurate_as_tf(got, want, _select_reference(q, k, v, c, keeps, fill, 0.5, np))
+
+
+def test_bool_mask_nan_and_inf_as_in_tf(ops):
+    q, k, v = _rand((1, 2, 64, 8), seed=5), _rand((1, 2, 64, 8), seed=6), \
+        _rand((1, 2, 64, 8), seed=7)
+    q[0, 0, 3, 2] = np.nan                  # one query's kept scores NaN
+    k[0, 1, 60, 1] = np.inf                 # a key only the last rows keep: masked
+    v[0, 0, 50, 0] = np.inf                 # a value masked for rows < 50: 0 * inf
+    band = np.tril(np.ones((64, 64), bool))
+    got = _call(ops, q, k, v, scale=0.5, cond=band, fill=KERAS_FILL)
+    want = _select_reference(q, k, v, band, True, KERAS_FILL, 0.5, tf)
+    assert np.isnan(want).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["causal", "pad", "shallow", "overtaken"])
+def test_additive_mask_skipping_is_exact(ops, case):
+    # keys past a block's last kept one are skipped only where their weights are 0
+    q, k, v = _rand((2, 2, 96, 8), seed=8), _rand((2, 2, 96, 8), seed=9), \
+        _rand((2, 2, 96, 8), seed=10)
+    if case == "causal":          # Llama's triu(-1e9)
+        mask = np.triu(np.full((96, 96), -1e9, np.float32), 1)
+    elif case == "pad":           # [B, 1, 1, N]: batch 1's last 30 keys padding
+        mask = np.zeros((2, 1, 1, 96), np.float32)
+        mask[1, ..., 66:] = -1e4
+    elif case == "shallow":       # too shallow to count as masked: every key computed
+        mask = np.triu(np.full((96, 96), -20.0, np.float32), 1)
+    else:                         # deep enough to be a candidate, but the masked
+        # scores grow faster than the mask: the later keys dominate each row in TF too
+        mask = np.triu(np.full((96, 96), -150.0, np.float32), 1)
+        q = np.ones_like(q)
+        k = np.ones_like(k) * (3.0 * np.arange(96, dtype=np.float32))[:, None]
+    got = _call(ops, q, k, v, mask, 1.0)
+    want, ref = _reference(q, k, v, mask, 1.0, tf), _reference(q, k, v, mask, 1.0, np)
+    _assert_as_accurate_as_tf(got, want, ref)
+    if case == "overtaken":       # (the masked keys' weights are not 0 here)
+        assert not np.allclose(want, _reference(q, k, v, mask - 1e9 * (mask < 0), 1.0, tf))
+
+
+
 def test_unknown_batch_in_a_function(ops):
     @tf.function(input_signature=[tf.TensorSpec([None, 2, None, 8], tf.float32)] * 3)
     def f(q, k, v):
-        return ops.stitched_attention(q=q, k=k, v=v, mask=[], scale=0.25, adj_k=True)
+        return ops.stitched_attention(q=q, k=k, v=v, mask=[], cond=[], scale=0.25,
+                                      adj_k=True)
     assert f.get_concrete_function().output_shapes.as_list() == [None, 2, None, 8]
     for b, n in [(1, 3), (5, 37)]:
         q, k, v = (_rand((b, 2, n, 8), seed=s) for s in (8, 9, 10))
@@ -127,6 +224,7 @@ def test_unknown_batch_in_a_function(ops):
 ])
 def test_bad_operands_are_refused_with_the_reason(ops, kwargs, message):
     kwargs.setdefault("mask", [])
+    kwargs.setdefault("cond", [])
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=message):
         ops.stitched_attention(**kwargs)
 
@@ -149,7 +247,7 @@ def test_gradient_equals_tf(ops, flags):
         vs = _swap_t(tf.linalg.matrix_transpose(args[2]) if flags.get("av") else args[2],
                      flags.get("tv"))
         out = ops.stitched_attention(
-            q=qs, k=ks, v=vs, mask=[args[3]], scale=0.5, adj_q=flags.get("aq", False),
+            q=qs, k=ks, v=vs, mask=[args[3]], cond=[], scale=0.5, adj_q=flags.get("aq", False),
             adj_k=flags.get("ak", True), adj_v=flags.get("av", False),
             transpose_q=flags.get("tq", False), transpose_k=flags.get("tk", False),
             transpose_v=flags.get("tv", False), transpose_out=flags.get("to", False))
@@ -187,7 +285,8 @@ def _softmax_nodes(axis=3):
 
 
 def test_the_kernel_is_matched_on_its_ir():
-    assert attention.softmax_of(_spec(_softmax_nodes())) == (0, 0.5, 1)
+    assert attention.softmax_of(_spec(_softmax_nodes())) == \
+        attention.Softmax(scores=0, scale=0.5, mask=1)
     # along another axis, or the max of something else: not a softmax of the scores
     assert attention.softmax_of(_spec(_softmax_nodes(axis=2))) is None
     nodes = _softmax_nodes()
@@ -197,6 +296,34 @@ def test_the_kernel_is_matched_on_its_ir():
     nodes = _softmax_nodes()
     nodes[1]["args"] = [-1, -2]
     assert attention.softmax_of(_spec(nodes)) is None
+
+
+def _select_nodes(fill_shape=()):
+    """where(cond, scores * 0.5, fill) and its softmax (the cond input -1, bool)."""
+    nodes = _softmax_nodes()
+    s = [-1, 2, 8, 8]
+    nodes[2] = {"op": "Const", "args": [], "attrs": {"value": -3e38}, "shape": list(fill_shape)}
+    nodes.append({"op": "Select", "args": [-1, 1, 2], "attrs": {}, "shape": s})
+    for nd in nodes[3:9]:     # the softmax reads the select (node 9)
+        nd["args"] = [9 if a == 2 else a for a in nd["args"]]
+    return nodes
+
+
+def test_a_select_mask_is_matched_on_its_ir():
+    inputs = [(-1, 1, 8, 8), (-1, 2, 8, 8)]
+    spec = _spec(_select_nodes(), inputs, outputs=[8])
+    spec["inputs"][0]["dtype"] = "bool"
+    nodes, ref = spec["nodes"], attention.Softmax(scores=1, scale=0.5, cond=0, fill=-3e38)
+    nodes[1]["args"] = [-2, 0]
+    assert attention.softmax_of(spec) == ref
+    nodes[9]["args"] = [-1, 2, 1]                 # where(cond, fill, scores)
+    assert attention.softmax_of(spec) == ref._replace(keeps=False)
+    spec["inputs"][0]["dtype"] = "float32"        # a float condition: not a mask
+    assert attention.softmax_of(spec) is None
+    spec = _spec(_select_nodes(fill_shape=(8,)), inputs, outputs=[8])
+    spec["inputs"][0]["dtype"] = "bool"
+    spec["nodes"][1]["args"] = [-2, 0]
+    assert attention.softmax_of(spec) is None     # the fill a tensor, not a scalar
 
 
 def test_a_malformed_kernel_spec_is_not_matched():
@@ -254,6 +381,52 @@ def test_the_models_get_one_attention_per_layer(monkeypatch, name):
     assert len(on.report.kernels) == ops_on.count("StitchedKernel") == \
         len(off.report.kernels) - 2
     assert on.report.coverage == off.report.coverage
+
+
+def test_gpt2_gets_one_attention_per_layer_with_its_causal_mask(monkeypatch):
+    # Keras's causal MultiHeadAttention: where(band & ones_like(scores), scores * c,
+    # fill) before the softmax, the scaled scores' shape read for the band.  (heads=2:
+    # a head of 8 floats keeps TF's Einsum, tf/passes/einsum.py's _MIN_ROW.)
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
+    from stitching.testing import models
+    import keras
+    keras.utils.set_random_seed(5)
+    model = models.gpt2_decoder(num_layers=2, d_model=32, heads=2, ff=48, seq_len=8)
+    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
+    f = stitching.function(lambda t: model(t), input_signature=sig)
+    for batch in (3, 1):
+        x = _rand((batch, 8, 32), seed=11)
+        np.testing.assert_allclose(f(tf.constant(x)).numpy(), model(x).numpy(), rtol=2e-5,
+                                   atol=2e-5)
+    graph = f.get_concrete_function(*sig).graph.as_graph_def()
+    ops_ = [n.op for n in graph.node]
+    assert ops_.count("StitchedAttention") == 2 and "StitchedBatchMatMul" not in ops_
+    # the scale Mul is folded into the op, the band fed to it unbroadcast
+    assert "Mul" not in ops_ and "LogicalAnd" not in ops_ and "SelectV2" not in ops_
+    # ... and the report counts it fused, not as a lone op left to TF
+    assert not [n for n, op, _ in f.report.unfused if op == "Mul"]
+    assert [op for _, op, where in f.report.folded if "StitchedAttention" in where] == \
+        ["Mul", "Mul"]
+    for nd in graph.node:
+        if nd.op == "StitchedAttention":
+            assert nd.attr["n_cond"].i == 1 and nd.attr["cond_keeps"].b
+            assert nd.attr["scale"].f == pytest.approx(32 ** -0.5 * 2 ** 0.5)
+
+
+def test_gradient_with_a_bool_mask_equals_tf(ops):
+    q, k, v = _rand((2, 2, 6, 4), seed=13), _rand((2, 2, 6, 4), seed=14), \
+        _rand((2, 2, 6, 3), seed=15)
+    band = tf.constant(np.tril(np.ones((6, 6), bool)))
+    args = [tf.constant(t) for t in (q, k, v)]
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(args)
+        ours = tf.reduce_sum(ops.stitched_attention(
+            q=args[0], k=args[1], v=args[2], mask=[], cond=[band], fill=-1e9, scale=0.5,
+            adj_k=True) ** 2)
+        s = tf.where(band, tf.linalg.matmul(args[0], args[1], adjoint_b=True) * 0.5, -1e9)
+        theirs = tf.reduce_sum(tf.linalg.matmul(tf.nn.softmax(s, -1), args[2]) ** 2)
+    for g, want in zip(tape.gradient(ours, args), tape.gradient(theirs, args)):
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-5)
 
 
 def test_a_training_step_is_left_unfused(monkeypatch):

@@ -50,8 +50,8 @@ def test_a_projection_bias_is_added_by_the_matmul():
         [("AddV2", "added by its product as the MatMul's BiasAdd (tf/gemm.py)")]
     assert [op for _, op, _ in rep.unfused] == ["AddV2"]
     assert rep.memory_intensive_ops == rep.fused_ops + len(rep.unfused) == 2
-    assert "(50%): 0 into 0 kernels, 1 into matrix products;" in rep.summary()
-    assert "in a matrix product (1):" in rep.summary()
+    assert "(50%): 0 into 0 kernels, 1 into matrix products' ops;" in rep.summary()
+    assert "in a matrix product's op (1):" in rep.summary()
     for batch in (1, 3):
         x = RNG.standard_normal((batch, 5, 16)).astype(np.float32)
         got = sf(x).numpy()

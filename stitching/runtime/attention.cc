@@ -15,7 +15,8 @@
 // caller starts at once); OpenBLAS runs single-threaded inside each.
 //
 // Numerics: the softmax follows the stitched kernel's (and TF's) order of operations:
-// t = x * scale (+ mask), m = max(t), e = exp(t - m), s = sum(e), out = e * (1 / s).
+// t = x * scale (+ mask) (then cond ? t : fill), m = max(t), e = exp(t - m),
+// s = sum(e), out = e * (1 / s).
 // The sums and the products' dot products are summed in another order than TF's:
 // equal within float rounding (tests/test_attention.py bounds both against float64).
 // The float exp is the Cephes polynomial Eigen's pexp uses, 8 lanes of AVX2 + FMA
@@ -27,14 +28,22 @@
 // softmax, 6.25 with Eigen's, 2.41 for the two products alone (batch 1: 0.79, 1.16,
 // 0.73) -- Eigen's would lose to the stitched softmax kernel this replaces.
 //
+// Masks: an additive one (n_mask: 0 or 1) as an AddV2 to the scores, then a bool one
+// (n_cond: 0 or 1; Keras's where(mask, scores, fill)): t where cond == cond_keeps,
+// else the fill.  Both broadcast to the scores.  Keys that every row of a block masks
+// away (a causal mask's upper triangle, padding) are skipped in both products and the
+// softmax where their weights are exactly 0 in TF too (the rule at kUnderflow); on the
+// GPT-2 decoder's batch-8 causal attention that took 0.77x the time (kStairRows).
+//
 // Layouts and attributes are the matched products' (gemm.cc's StitchedBatchMatMul):
 // q and k as the first product's x and y (adj_q, adj_k, transpose_q, transpose_k), v as
 // the second's y (adj_v, transpose_v), the output swapped under transpose_out.  Batch
-// dims broadcast as BatchMatMulV2's do, the mask (n_mask: 0 or 1) as an AddV2 to the
-// scores does.  tf/passes/attention.py fuses nothing whose softmax a backward reads;
-// its registered gradient (a tape outside the stitched function) is TF's ops again.
+// dims broadcast as BatchMatMulV2's do. tf/passes/attention.py fuses nothing whose
+// softmax a backward reads; its registered gradient (a tape outside the stitched
+// function) is TF's ops again.
 
 #include <cmath>
+#include <cstring>
 
 #if defined(__x86_64__)
 #include <immintrin.h>   // the AVX2 softmax below; other targets use Eigen's exp
@@ -107,33 +116,95 @@ __attribute__((target("avx2,fma"))) inline float Hmax(__m256 v) {
   for (int i = 1; i < 8; ++i) m = std::max(m, a[i]);
   return m;
 }
+#endif
 
-// One row's softmax in place, 8 lanes at a time (the tail scalar, same formulas).
-// NaN anywhere in the row makes the sum NaN, so the whole row NaN, as TF's is.
-__attribute__((target("avx2,fma"))) void SoftmaxRowAvx2(float* x, const float* mask,
-                                                        int64_t mask_step, int64_t n,
-                                                        float scale) {
-  const __m256 vs = _mm256_set1_ps(scale);
+// A row's logits in place, t = x * scale [+ mask] [then: cond kept ? t : fill], and
+// their max.  The mask's and the condition's elements are `step`s apart along the row
+// (0: one value broadcast), `keep` the condition's value that keeps a score (Keras
+// writes where(mask, scores, fill); the other order swaps it).
+template <typename T>
+struct RowMask {
+  const T* add = nullptr;            // additive mask row, or nullptr
+  int64_t add_step = 0;
+  const bool* cond = nullptr;        // bool mask row, or nullptr
+  int64_t cond_step = 0;
+  bool keep = true;
+  T fill = 0;
+};
+
+template <typename T>
+T LogitsScalar(T* x, const RowMask<T>& rm, int64_t j, int64_t n, T scale, T m) {
+  for (; j < n; ++j) {
+    T t = x[j] * scale;
+    if (rm.add != nullptr) t += rm.add[j * rm.add_step];
+    if (rm.cond != nullptr && rm.cond[j * rm.cond_step] != rm.keep) t = rm.fill;
+    x[j] = t;
+    m = std::max(m, t);
+  }
+  return m;
+}
+
+// exp(x - m) in place, then times 1 / their sum (Eigen's exp on the baseline ISA).
+template <typename T>
+void NormalizeEigen(T* x, int64_t n, T m) {
+  Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> row(x, n);
+  row = (row - m).exp();
+  const T r = T(1) / row.sum();
+  row *= r;
+}
+
+#ifdef STITCHING_AVX2
+// The logits 8 lanes at a time where the mask and condition rows are contiguous (or
+// absent); the rest scalar, same formulas.  Everything a row's softmax runs stays in
+// functions compiled for AVX2: with the tail a call into baseline code (LogitsScalar)
+// the unmasked op took 1.4x its time on the AMD EPYC (one thread, Llama's [8, 8, 128,
+// 32]: 3.64 ms against 2.60), the softmax ~2.5x (perf); the likely cause, the
+// AVX-to-SSE switch without vzeroupper, was not confirmed.
+__attribute__((target("avx2,fma"))) inline float LogitsAvx2(float* x, const RowMask<float>& rm,
+                                                            int64_t n, float scale) {
+  const float* add = rm.add;
+  const bool* cond = rm.cond;
+  const int64_t add_step = rm.add_step, cond_step = rm.cond_step;
+  const bool keep = rm.keep;
+  const float fill = rm.fill;
   int64_t j = 0;
-  __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   float m = -std::numeric_limits<float>::infinity();
-  if (mask == nullptr || mask_step == 1) {
+  if ((add == nullptr || add_step == 1) && (cond == nullptr || cond_step == 1)) {
+    const __m256 vs = _mm256_set1_ps(scale), vfill = _mm256_set1_ps(fill);
+    const __m256i vkeep = _mm256_set1_epi32(keep ? 1 : 0);
+    __m256 vm = _mm256_set1_ps(m);
     for (; j + 8 <= n; j += 8) {
       __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x + j), vs);
-      if (mask != nullptr) t = _mm256_add_ps(t, _mm256_loadu_ps(mask + j));
+      if (add != nullptr) t = _mm256_add_ps(t, _mm256_loadu_ps(add + j));
+      if (cond != nullptr) {   // 8 bools (0 or 1) widened to lanes; kept: t, else fill
+        int64_t bytes;
+        std::memcpy(&bytes, cond + j, 8);
+        const __m256i c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+        t = _mm256_blendv_ps(vfill, t, _mm256_castsi256_ps(_mm256_cmpeq_epi32(c, vkeep)));
+      }
       _mm256_storeu_ps(x + j, t);
       vm = _mm256_max_ps(vm, t);
     }
     m = Hmax(vm);
   }
   for (; j < n; ++j) {
-    x[j] = x[j] * scale;
-    if (mask != nullptr) x[j] += mask[j * mask_step];
-    m = std::max(m, x[j]);
+    float t = x[j] * scale;
+    if (add != nullptr) t += add[j * add_step];
+    if (cond != nullptr && cond[j * cond_step] != keep) t = fill;
+    x[j] = t;
+    m = std::max(m, t);
   }
+  return m;
+}
+
+// exp(x - m) in place 8 lanes at a time, then times 1 / their sum.  NaN anywhere in
+// the row makes the sum NaN, so the whole row NaN, as TF's is.
+__attribute__((target("avx2,fma"))) inline void NormalizeAvx2(float* x, int64_t n,
+                                                               float m) {
   const __m256 vmax = _mm256_set1_ps(m);
   __m256 vsum = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= n; j += 8) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
     const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vmax));
     _mm256_storeu_ps(x + j, e);
     vsum = _mm256_add_ps(vsum, e);
@@ -158,37 +229,59 @@ __attribute__((target("avx2,fma"))) void SoftmaxRowAvx2(float* x, const float* m
   for (; j < n; ++j) x[j] *= 1.0f / s;
 }
 
+__attribute__((target("avx2,fma"))) void SoftmaxRowAvx2(float* x, const RowMask<float>& rm,
+                                                        int64_t n, float scale) {
+  NormalizeAvx2(x, n, LogitsAvx2(x, rm, n, scale));
+}
+
+__attribute__((target("avx2,fma"))) float LogitsRowAvx2(float* x, const RowMask<float>& rm,
+                                                        int64_t n, float scale) {
+  return LogitsAvx2(x, rm, n, scale);
+}
+
+__attribute__((target("avx2,fma"))) void NormalizeRowAvx2(float* x, int64_t n, float m) {
+  NormalizeAvx2(x, n, m);
+}
+
 const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
 
-// One row's softmax in place on the baseline ISA: Eigen's exp over the row.
+// A row's softmax in two steps (the logits and their max, then exp and the sum), so
+// that the block can check the max before it keeps the columns it skipped (Compute).
 template <typename T>
-void SoftmaxRowEigen(T* x, const T* mask, int64_t mask_step, int64_t n, T scale) {
-  T m = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    x[j] = x[j] * scale;
-    if (mask != nullptr) x[j] += mask[j * mask_step];
-    m = std::max(m, x[j]);
-  }
-  Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> row(x, n);
-  row = (row - m).exp();
-  const T r = T(1) / row.sum();
-  row *= r;
+T Logits(T* x, const RowMask<T>& rm, int64_t n, T scale) {
+  return LogitsScalar(x, rm, 0, n, scale, -std::numeric_limits<T>::infinity());
 }
 
 template <typename T>
-void SoftmaxRow(T* x, const T* mask, int64_t mask_step, int64_t n, T scale) {
-  SoftmaxRowEigen(x, mask, mask_step, n, scale);
+void Normalize(T* x, int64_t n, T m) {
+  NormalizeEigen(x, n, m);
+}
+
+template <typename T>
+void SoftmaxRow(T* x, const RowMask<T>& rm, int64_t n, T scale) {
+  NormalizeEigen(x, n, Logits(x, rm, n, scale));
+}
+
+#ifdef STITCHING_AVX2
+template <>
+float Logits<float>(float* x, const RowMask<float>& rm, int64_t n, float scale) {
+  if (kHasAvx2) return LogitsRowAvx2(x, rm, n, scale);
+  return LogitsScalar(x, rm, 0, n, scale, -std::numeric_limits<float>::infinity());
 }
 
 template <>
-void SoftmaxRow<float>(float* x, const float* mask, int64_t mask_step, int64_t n,
-                       float scale) {
-#ifdef STITCHING_AVX2
-  if (kHasAvx2) return SoftmaxRowAvx2(x, mask, mask_step, n, scale);
-#endif
-  SoftmaxRowEigen(x, mask, mask_step, n, scale);
+void Normalize<float>(float* x, int64_t n, float m) {
+  if (kHasAvx2) return NormalizeRowAvx2(x, n, m);
+  NormalizeEigen(x, n, m);
 }
+
+template <>
+void SoftmaxRow<float>(float* x, const RowMask<float>& rm, int64_t n, float scale) {
+  if (kHasAvx2) return SoftmaxRowAvx2(x, rm, n, scale);
+  NormalizeEigen(x, n, Logits(x, rm, n, scale));
+}
+#endif
 
 // Where matrix i of an operand starts and how far apart its rows are: a swapped
 // layout's matrix is one head's columns of rows `heads` times wider (gemm.cc's rule).
@@ -207,6 +300,128 @@ Operand MakeOperand(const TensorShape& unswapped, bool swapped) {
   return o;
 }
 
+// The element strides of a tensor of shape `from` broadcast to `to` (0 along the dims
+// it broadcasts along, as BatchMatMulV2 or AddV2 would), or false where it does not.
+bool BroadcastStrides(const TensorShape& from, const TensorShape& to,
+                      std::vector<int64_t>* strides) {
+  strides->assign(to.dims(), 0);
+  if (from.dims() > to.dims()) return false;
+  int64_t step = 1;
+  for (int i = 1; i <= from.dims(); ++i) {
+    const int64_t dm = from.dim_size(from.dims() - i), ds = to.dim_size(to.dims() - i);
+    if (dm != 1 && dm != ds) return false;
+    if (dm != 1) (*strides)[to.dims() - i] = step;
+    step *= dm;
+  }
+  return true;
+}
+
+// Skipping the masked tail of a block (keys past the last one any of its rows keeps).
+//
+// TF computes those keys' weights exp(t - max) and they come out exactly 0 where
+// t - max < ln of half the smallest denormal (float: -103.97; double: -745.13): below
+// these lines exp rounds to +0.0 (Eigen's clamps sooner), and 0 * v adds nothing to the
+// second product.  So a block may drop the keys [w, n) where, for every row, each
+// dropped logit t is provably below max - kUnderflow<T>:
+//  - a bool mask: t is the fill exactly; the row's max over [0, w) must exceed the fill
+//    by the margin (it fails on a row with no kept key: TF's answer is then uniform over
+//    all n keys, which only the whole block gives);
+//  - an additive mask (a key is a candidate where mask <= kDropMask): t = x * scale +
+//    mask with |x| <= |q| |k| (Cauchy-Schwarz, plus the dot product's rounding); the
+//    bound over the block must stay below every row's max by the margin;
+// and the dropped rows of v must be finite (TF's 0 * inf is NaN).  Anything else (NaN
+// or inf in q or k, large scores, a fully masked row) runs the whole block: the rule
+// never changes a result, it only saves the work.
+template <typename T>
+constexpr double kUnderflow = 104.0;
+template <>
+constexpr double kUnderflow<double> = 746.0;
+// Arbitrary: an additive mask entry above this cannot be a "masked" key worth testing
+// (exp(-128) is 0 in float; a key masked by less is kept and computed).
+constexpr double kDropMask = -128.0;
+// Query rows per block where the kept extents differ between rows (a causal mask): a
+// block computes up to its last row's extent, so smaller blocks skip more of the
+// triangle (1/2 + rows / 2n of the scores) but call sgemm more often.  Timed with one
+// thread (load ~2, min of 15 rounds of 10 calls), causal masks, against the same op
+// unmasked in whole-head blocks: GPT-2's [8, 4, 128, 64] q, k, v: 32 rows 1.65 ms
+// (bool mask; additive 1.74), 16 rows 1.78, 64 rows 1.77, unmasked 2.14; Llama's [8, 8,
+// 128, 32]: 2.06 (2.19), 2.26, 2.22, unmasked 2.67.  Skipping 37% of the work saves
+// ~20%: the products' smaller sgemm calls give back the rest.
+constexpr int64_t kStairRows = 32;
+
+template <typename T>
+bool Kept(const RowMask<T>& rm, int64_t c) {
+  if (rm.cond != nullptr) return rm.cond[c * rm.cond_step] == rm.keep;
+  return !(rm.add[c * rm.add_step] <= kDropMask);   // NaN: kept
+}
+
+// 1 + the last key at or past `floor` that the row keeps, else `floor`; `*dropped`
+// rises to the largest additive mask value it passed over (keys it does not keep).
+struct Extent {
+  int64_t w;          // keys [w, n) are dropped
+  double dropped;     // the largest additive mask value among them
+};
+
+template <typename T>
+int64_t RowExtent(const RowMask<T>& rm, int64_t n, int64_t floor, double* dropped) {
+  for (int64_t c = n - 1; c >= floor; --c) {
+    if (Kept(rm, c)) return c + 1;
+    if (rm.cond == nullptr) *dropped = std::max(*dropped, double(rm.add[c * rm.add_step]));
+  }
+  return floor;
+}
+
+// The sum of the squares of `len` elements `step` apart, in T: inf or NaN where one
+// is not finite (or the sum overflows).  Within (len + 1) eps of the exact sum.
+template <typename T>
+T SumSquares(const T* p, int64_t len, int64_t step) {
+  T s = 0;
+  for (int64_t c = 0; c < len; ++c) s += p[c * step] * p[c * step];
+  return s;
+}
+
+#ifdef STITCHING_AVX2
+// 8 lanes at a time: the skipped keys' checks read as much as a block's logits, and
+// scalar they took ~10% of the GPT-2 decoder's causal attention.
+__attribute__((target("avx2,fma"))) float SumSquaresAvx2(const float* p, int64_t len) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= len; c += 8) {
+    const __m256 x = _mm256_loadu_ps(p + c);
+    acc = _mm256_fmadd_ps(x, x, acc);
+  }
+  __attribute__((aligned(32))) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float s = 0;
+  for (float l : lanes) s += l;
+  for (; c < len; ++c) s += p[c] * p[c];
+  return s;
+}
+
+template <>
+float SumSquares<float>(const float* p, int64_t len, int64_t step) {
+  if (kHasAvx2 && step == 1) return SumSquaresAvx2(p, len);
+  float s = 0;
+  for (int64_t c = 0; c < len; ++c) s += p[c * step] * p[c * step];
+  return s;
+}
+#endif
+
+// The largest sum of squares of the vectors [first, last) of a row-major matrix with
+// rows `ld` apart: its rows (each `len` long) or else its columns; +inf where one is
+// not finite.
+template <typename T>
+double MaxSquares(const T* p, int64_t first, int64_t last, int64_t len, bool rows,
+                  int64_t ld) {
+  double best = 0;
+  for (int64_t i = first; i < last; ++i) {
+    const double s = rows ? SumSquares(p + i * ld, len, 1) : SumSquares(p + i, len, ld);
+    if (!std::isfinite(s)) return std::numeric_limits<double>::infinity();
+    best = std::max(best, s);
+  }
+  return best;
+}
+
 template <typename T>
 class AttentionOp : public OpKernel {
  public:
@@ -219,10 +434,13 @@ class AttentionOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_k", &tk_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_v", &tv_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_out", &to_));
-    int n_mask;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("n_mask", &n_mask));
-    OP_REQUIRES(ctx, n_mask <= 1,
-                absl::InvalidArgumentError("StitchedAttention takes at most one mask"));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("n_mask", &n_mask_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("n_cond", &n_cond_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("fill", &fill_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("cond_keeps", &keep_));
+    OP_REQUIRES(ctx, n_mask_ <= 1 && n_cond_ <= 1,
+                absl::InvalidArgumentError("StitchedAttention takes at most one mask and "
+                                           "one condition"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -266,24 +484,23 @@ class AttentionOp : public OpKernel {
                     "StitchedAttention: batch dimensions of the scores ",
                     scores.DebugString(), " and v ", v.shape().DebugString(),
                     " do not broadcast")));
-    // the mask's element strides along the scores' dims (0 where it broadcasts)
-    std::vector<int64_t> mstride(scores.dims(), 0);
+    // the mask's and the condition's element strides along the scores' dims
+    std::vector<int64_t> mstride, cstride;
     const T* mp = nullptr;
-    if (ctx->num_inputs() == 4) {
-      const Tensor& mask = ctx->input(3);
-      bool fits = mask.dims() <= scores.dims();
-      int64_t step = 1;
-      for (int i = 1; fits && i <= mask.dims(); ++i) {
-        const int64_t dm = mask.dim_size(mask.dims() - i), ds = scores.dim_size(scores.dims() - i);
-        fits = dm == 1 || dm == ds;
-        if (dm != 1) mstride[scores.dims() - i] = step;
-        step *= dm;
-      }
-      OP_REQUIRES(ctx, fits,
+    const bool* cp = nullptr;
+    for (int i = 0; i < n_mask_ + n_cond_; ++i) {
+      const Tensor& t = ctx->input(3 + i);
+      const bool is_cond = i == n_mask_;
+      OP_REQUIRES(ctx, BroadcastStrides(t.shape(), scores, is_cond ? &cstride : &mstride),
                   absl::InvalidArgumentError(absl::StrCat(
-                      "StitchedAttention: the mask ", mask.shape().DebugString(),
-                      " does not broadcast to the scores ", scores.DebugString())));
-      mp = mask.flat<T>().data();
+                      "StitchedAttention: the ", is_cond ? "condition " : "mask ",
+                      t.shape().DebugString(), " does not broadcast to the scores ",
+                      scores.DebugString())));
+      if (is_cond) {
+        cp = t.flat<bool>().data();
+      } else {
+        mp = t.flat<T>().data();
+      }
     }
     TensorShape shape = b2.output_batch_shape();
     OP_REQUIRES(ctx, !to_ || shape.dims() >= 1,
@@ -301,14 +518,15 @@ class AttentionOp : public OpKernel {
     oo.heads = to_ ? shape.dim_size(shape.dims() - 3) : 1;
     oo.len = e;
     oo.size = m * e;
-    // per scores matrix: its q and k matrices and its mask's start
+    // per scores matrix: its q and k matrices and where its mask and condition start
     const int64_t nscores = b1.output_batch_size();
-    std::vector<int64_t> qi(nscores), ki(nscores), mbase(nscores, 0);
+    std::vector<int64_t> qi(nscores), ki(nscores), mbase(nscores, 0), cbase(nscores, 0);
     for (int64_t s = 0; s < nscores; ++s) {
       qi[s] = BatchIndex(b1, true, s);
       ki[s] = BatchIndex(b1, false, s);
       for (int64_t i = batch_rank - 1, rest = s; i >= 0; --i) {
-        mbase[s] += rest % scores.dim_size(i) * mstride[i];
+        if (mp != nullptr) mbase[s] += rest % scores.dim_size(i) * mstride[i];
+        if (cp != nullptr) cbase[s] += rest % scores.dim_size(i) * cstride[i];
         rest /= scores.dim_size(i);
       }
     }
@@ -317,31 +535,114 @@ class AttentionOp : public OpKernel {
       si[j] = BatchIndex(b2, true, j);
       vi[j] = BatchIndex(b2, false, j);
     }
-    const int64_t rows = std::min(m, std::max(kMinRows, kBlockBytes / std::max<int64_t>(
-                                                            1, n * int64_t(sizeof(T)))));
+    const T scale = static_cast<T>(scale_);
+    // row `i` of scores matrix `s`: where its mask and condition elements are
+    auto row_mask = [&](int64_t s, int64_t i) {
+      RowMask<T> rm;
+      if (mp != nullptr) {
+        rm.add = mp + mbase[s] + i * mstride[batch_rank];
+        rm.add_step = mstride[batch_rank + 1];
+      }
+      if (cp != nullptr) {
+        rm.cond = cp + cbase[s] + i * cstride[batch_rank];
+        rm.cond_step = cstride[batch_rank + 1];
+        rm.keep = keep_;
+        rm.fill = static_cast<T>(fill_);
+      }
+      return rm;
+    };
+    const bool skip = mp != nullptr || cp != nullptr;
+    int64_t rows = std::min(m, std::max(kMinRows, kBlockBytes / std::max<int64_t>(
+                                                      1, n * int64_t(sizeof(T)))));
+    if (skip && rows > kStairRows) {   // do the first matrix's rows keep different tails?
+      int64_t lo = n, hi = 0;
+      for (int64_t i = 0; i < m && lo >= hi; ++i) {
+        double unused = 0;
+        const int64_t x = RowExtent(row_mask(0, i), n, 0, &unused);
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+      }
+      if (lo < hi) rows = kStairRows;
+    }
     const int64_t blocks = (m + rows - 1) / rows;
+    // The kept extent of rows [r0, r0 + r) of scores matrix s: the keys [w, n) no row
+    // keeps, and the largest additive mask value among them (each row's scan passes
+    // over [w, n) as w ends).
+    auto extent = [&](int64_t s, int64_t r0, int64_t r) {
+      Extent x{0, -std::numeric_limits<double>::infinity()};
+      for (int64_t i = 0; i < r && x.w < n; ++i) {
+        x.w = RowExtent(row_mask(s, r0 + i), n, x.w, &x.dropped);
+      }
+      return x;
+    };
+    // A mask the same for every matrix (a causal [T, T] or [1, 1, T, T]): its blocks'
+    // extents once, not per matrix (the scans cost ~15% of the causal attention).
+    bool same = true;
+    for (int i = 0; i < batch_rank; ++i) {
+      same = same && (mp == nullptr || mstride[i] == 0) && (cp == nullptr || cstride[i] == 0);
+    }
+    std::vector<Extent> extents;
+    for (int64_t b = 0; skip && same && b < blocks; ++b) {
+      extents.push_back(extent(0, b * rows, std::min(rows, m - b * rows)));
+    }
     const T* qp = q.flat<T>().data();
     const T* kp = k.flat<T>().data();
     const T* vp = v.flat<T>().data();
     T* op = out->flat<T>().data();
-    const T scale = static_cast<T>(scale_);
-    const int64_t ms = mstride[batch_rank], ns = mstride[batch_rank + 1];
-    const bool aq = aq_, ak = ak_, av = av_;
+    const bool aq = aq_, ak = ak_, av = av_, cond = cp != nullptr;
+    const double fill = static_cast<T>(fill_);
     // units [lo, hi): unit u is row block u % blocks of output matrix u / blocks
     auto run = [&, n, d, e, m, rows, blocks](int64_t lo, int64_t hi) {
-      std::vector<T> buf(rows * n);
+      std::vector<T> buf(rows * n), top(rows);
       for (int64_t u = lo; u < hi; ++u) {
         const int64_t j = u / blocks, r0 = u % blocks * rows, r = std::min(rows, m - r0);
         const int64_t s = si[j];
         const T* a = qp + oq.At(qi[s]) + (aq ? r0 : r0 * oq.ld());
-        Product<T>{aq, ak, r, n, d, nullptr, true, 1, oq.ld(), ok.ld(), n}.Run(
-            0, 1, a, kp + ok.At(ki[s]), buf.data());
-        for (int64_t i = 0; i < r; ++i) {
-          const T* mrow = mp == nullptr ? nullptr : mp + mbase[s] + (r0 + i) * ms;
-          SoftmaxRow<T>(buf.data() + i * n, mrow, ns, n, scale);
-        }
-        Product<T>{false, av, r, e, n, nullptr, true, 1, n, ov.ld(), oo.ld()}.Run(
-            0, 1, buf.data(), vp + ov.At(vi[j]), op + oo.At(j) + r0 * oo.ld());
+        const T* kb = kp + ok.At(ki[s]);
+        const T* vb = vp + ov.At(vi[j]);
+        const Extent x = !skip ? Extent{n, 0} : same ? extents[u % blocks] : extent(s, r0, r);
+        const int64_t w = x.w;
+        const double dropped = x.dropped;
+        // whether dropping keys [w, n) changes nothing (the rule above), once the
+        // logits of keys [0, w) and their row maxima are in
+        auto exact = [&]() {
+          if (!std::isfinite(MaxSquares(vb, w, n, e, !av, ov.ld()))) return false;
+          double bound = fill;                       // the largest dropped logit
+          if (!cond) {
+            const double eps = std::numeric_limits<T>::epsilon();
+            // (the sums of squares and the dot product each within (d + 2) eps)
+            const double x = std::abs(double(scale)) * (1 + 4 * (d + 2) * eps) *
+                             std::sqrt(MaxSquares(a, 0, r, d, !aq, oq.ld()) *
+                                       MaxSquares(kb, w, n, d, ak, ok.ld()));
+            bound = x + dropped;
+            bound += 2 * eps * std::abs(bound);      // the rounding of x * scale + mask
+          }
+          for (int64_t i = 0; i < r; ++i) {
+            if (!(bound < double(top[i]) - kUnderflow<T>)) return false;
+          }
+          return true;
+        };
+        // the block over keys [0, width): false (nothing written) where width = w < n
+        // is not exact
+        auto block = [&](int64_t width) {
+          Product<T>{aq, ak, r, width, d, nullptr, true, 1, oq.ld(), ok.ld(), width}.Run(
+              0, 1, a, kb, buf.data());
+          if (width == n) {      // each row at once, while it is in L1
+            for (int64_t i = 0; i < r; ++i) {
+              SoftmaxRow<T>(buf.data() + i * width, row_mask(s, r0 + i), width, scale);
+            }
+          } else {               // all the maxima first: they decide whether to skip
+            for (int64_t i = 0; i < r; ++i) {
+              top[i] = Logits<T>(buf.data() + i * width, row_mask(s, r0 + i), width, scale);
+            }
+            if (!exact()) return false;
+            for (int64_t i = 0; i < r; ++i) Normalize<T>(buf.data() + i * width, width, top[i]);
+          }
+          Product<T>{false, av, r, e, width, nullptr, true, 1, width, ov.ld(), oo.ld()}.Run(
+              0, 1, buf.data(), vb, op + oo.At(j) + r0 * oo.ld());
+          return true;
+        };
+        if (w == 0 || w == n || !block(w)) block(n);
       }
     };
     const int64_t total = count * blocks;
@@ -362,9 +663,10 @@ class AttentionOp : public OpKernel {
   }
 
  private:
-  float scale_ = 1.0f;
+  float scale_ = 1.0f, fill_ = 0.0f;
+  int n_mask_ = 0, n_cond_ = 0;
   bool aq_ = false, ak_ = false, av_ = false, tq_ = false, tk_ = false, tv_ = false,
-       to_ = false;
+       to_ = false, keep_ = true;
 };
 
 // The output shape: BatchMatMulV2's rule twice (q k -> scores, scores v -> out), the
@@ -422,6 +724,7 @@ REGISTER_OP("StitchedAttention")
     .Input("k: T")
     .Input("v: T")
     .Input("mask: n_mask * T")
+    .Input("cond: n_cond * bool")
     .Output("output: T")
     .Attr("scale: float = 1.0")
     .Attr("adj_q: bool = false")
@@ -432,12 +735,17 @@ REGISTER_OP("StitchedAttention")
     .Attr("transpose_v: bool = false")
     .Attr("transpose_out: bool = false")
     .Attr("n_mask: int >= 0 = 0")
+    .Attr("n_cond: int >= 0 = 0")
+    .Attr("fill: float = 0.0")
+    .Attr("cond_keeps: bool = true")
     .Attr("T: {float, double}")
     .SetShapeFn(AttentionShape)
-    .Doc("softmax(scale * op(q) op(k) [+ mask]) op(v) along the last axis, per batch "
+    .Doc("softmax(t) op(v) along the last axis with t = scale * op(q) op(k) [+ mask], "
+         "then where cond is given, t where cond == cond_keeps else fill; per batch "
          "matrix (BatchMatMulV2's broadcast and StitchedBatchMatMul's adj_ and transpose_ "
-         "layouts), the scores kept per block of query rows; the mask broadcasts to the "
-         "scores.");
+         "layouts), the scores kept per block of query rows; the mask and cond broadcast "
+         "to the scores.  Keys a block's rows all mask away are skipped where that is "
+         "exact (their weights are 0 in TF too).");
 
 REGISTER_KERNEL_BUILDER(
     Name("StitchedAttention").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),

@@ -69,8 +69,9 @@ class Context:
         self.kernel_names: list = []
         self.autotune = None             # passes/autotune.py: the report's entries
         self.backward = ""               # passes/original.py: Report.backward
-        # memory-intensive ops a pass after planning computes inside a product (a bias
-        # Add moved into the MatMul: passes/gemm.py): node name -> where, in words
+        # memory-intensive ops a pass after planning computes inside a product's op (a
+        # bias Add moved into the MatMul: passes/gemm.py; a scores scale Mul into a
+        # StitchedAttention: passes/attention.py): node name -> where, in words
         self.folded: dict = {}
         self.notes: dict = {}            # pass name -> [note]
         self.seconds: dict = {}          # pass name -> seconds

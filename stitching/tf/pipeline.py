@@ -403,9 +403,10 @@ def _make_report(name, ctx):
     mem = {n for n, op in tf_op.items()
            if opnames.is_memory_intensive(op) and n not in shape_math}
     fused = {m for r in regions for m in r.nodes}
-    # ops the planner left to TF that a later pass took into a product (an EinsumDense
-    # bias Add as the MatMul's BiasAdd: passes/gemm.py) cost no pass over memory of
-    # their own: fused, counted apart from the kernels' ops
+    # ops the planner left to TF that a later pass took into a product's op (an
+    # EinsumDense bias Add as the MatMul's BiasAdd: passes/gemm.py; the scores' scale
+    # Mul as a StitchedAttention's scale: passes/attention.py) cost no pass over memory
+    # of their own: fused, listed apart from the kernels' ops
     folded = {n: where for n, where in ctx.folded.items() if n in mem and n not in fused}
     # A kernel a later pass took into an op of its own (tf/passes/attention.py: the
     # softmax between an attention's products) no longer runs: its ops stay fused

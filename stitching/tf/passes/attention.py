@@ -19,8 +19,22 @@ may fuse the scale, mask and softmax with other ops; the kernel's IR (its ``spec
 says exactly what it computes, so the match is structural: its one output must be
 ``Mul(e, Reciprocal(Sum(e)))`` with ``e = Exp(Sub(t, Max(t)))`` along the last axis,
 ``t`` the scores, optionally times a scalar constant and plus a mask input of the
-scores' shape or one broadcast to it -- the stitched softmax's (and TF's) order of
-operations, which the op follows.
+scores' shape or one broadcast to it, then optionally ``Select(cond, t, fill)`` (or
+``Select(cond, fill, t)``) with ``cond`` a bool input broadcast to the scores and
+``fill`` a scalar constant -- the stitched softmax's (and TF's) order of operations,
+which the op follows.
+
+Keras 3's causal MultiHeadAttention (the GPT-2-style decoder) writes
+``where(ones_like(scores) & band, scores * c, large_negative)``: the Mul by
+1/sqrt(key_dim) stays out of the softmax kernel because Shape nodes read the scaled
+scores (for ``ones_like`` and the band's size).  The match takes such a Mul by a
+scalar constant too: c goes into the op's scale (exact where the kernel's own scale
+is 1, as here) and the Shape nodes read the same vector from q's and k's shapes
+(``_shape_from_operands``).  ``LogicalAnd(Fill(Shape(scores), True), band)`` is only
+the band broadcast to the scores, which the op does itself: it takes the [1, 1, T, T]
+band, and the [B, H, T, T] Fill and LogicalAnd go with the pruned nodes.  The op
+skips the keys a block of query rows all mask away, where that is exact
+(runtime/attention.cc).
 
 Training graphs are left alone by that rule: the backward reads the softmax's output
 (the kernel then has another reader or output).  The registered gradient, for a tape
@@ -36,9 +50,11 @@ from __future__ import annotations
 
 import collections
 import json
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 from ..passmanager import Pass
 from ..tfgraph import drop_nodes
@@ -53,10 +69,22 @@ def _node_of(name, nodes):
     return nodes.get(base) if port in ("", "0") else None
 
 
+class Softmax(NamedTuple):
+    """What a kernel's softmax computes, as softmax_of matched it: softmax(t) along the
+    last axis, t = scale * inputs[scores] [+ inputs[mask]], then where ``cond`` is
+    given, t where inputs[cond] == keeps else ``fill`` (Keras's
+    ``where(mask, scores, large_negative)``)."""
+    scores: int
+    scale: float = 1.0
+    mask: int | None = None
+    cond: int | None = None
+    fill: float = 0.0
+    keeps: bool = True
+
+
 def softmax_of(spec):
-    """(scores input, scale, mask input or None) when the kernel's IR ``spec`` computes
-    exactly softmax(scale * scores [+ mask]) along the last axis as its one output,
-    else None (inputs as indices of the kernel's inputs)."""
+    """The ``Softmax`` the kernel's IR ``spec`` computes as its one output, else None
+    (inputs as indices of the kernel's inputs)."""
     nodes, outputs = spec.get("nodes", []), spec.get("outputs", [])
     if len(outputs) != 1:
         return None
@@ -89,62 +117,87 @@ def softmax_of(spec):
     return None
 
 
+def _scalar(nodes, ref):
+    """The value of node ``ref`` if it is a scalar constant, else None."""
+    const = nodes[ref] if ref >= 0 else None
+    if const is None or const["op"] != "Const" or const["shape"] != []:
+        return None
+    return float(const["attrs"]["value"])
+
+
 def _logits(nodes, inputs, ref):
-    """(scores input, scale, mask input or None) for ``ref`` = scores [* c] [+ mask],
-    else None."""
+    """The ``Softmax`` whose logits are ``ref`` = select(cond, scores [* c] [+ mask],
+    fill) (the select optional, either order), else None."""
     def shape(r):
         return nodes[r]["shape"] if r >= 0 else inputs[-r - 1]["shape"]
 
-    mask = None
+    found = {}
+    if ref >= 0 and nodes[ref]["op"] == "Select":
+        c, a, b = nodes[ref]["args"]
+        if c >= 0 or inputs[-c - 1]["dtype"] != "bool":
+            return None
+        # the condition: an input that does not widen the scores (broadcast to them);
+        # the fill: a scalar constant on either side
+        for x, f, keeps in ((a, b, True), (b, a, False)):
+            fill = _scalar(nodes, f)
+            if fill is not None and shape(x) == nodes[ref]["shape"]:
+                ref = x
+                found.update(cond=-c - 1, fill=fill, keeps=keeps)
+                break
+        else:
+            return None
     if ref >= 0 and nodes[ref]["op"] == "Add":
         a, b = nodes[ref]["args"]
         # the mask: an input that does not widen the scores (the Add's shape is theirs)
         for x, m in ((a, b), (b, a)):
             if m < 0 and shape(x) == nodes[ref]["shape"]:
-                ref, mask = x, -m - 1
+                ref, found["mask"] = x, -m - 1
                 break
         else:
             return None
-    scale = 1.0
     if ref >= 0 and nodes[ref]["op"] == "Mul":
         a, b = nodes[ref]["args"]
         for x, c in ((a, b), (b, a)):
-            const = nodes[c] if c >= 0 else None
-            if const is not None and const["op"] == "Const" and const["shape"] == [] and \
-                    shape(x) == nodes[ref]["shape"]:
-                ref, scale = x, float(const["attrs"]["value"])
+            scale = _scalar(nodes, c)
+            if scale is not None and shape(x) == nodes[ref]["shape"]:
+                ref, found["scale"] = x, scale
                 break
         else:
             return None
     if ref >= 0:
         return None
-    return -ref - 1, scale, mask
+    return Softmax(-ref - 1, **found)
 
 
 def _flag(node, key) -> bool:
     return key in node.attr and node.attr[key].b
 
 
-def fuse(graph_def, fetched, shapes=None) -> int:
+def fuse(graph_def, fetched, shapes=None, folded=None) -> int:
     """Turn each matched product -> softmax kernel -> product into StitchedAttention,
     in place (the module's docstring); returns how many.  ``shapes()``: the graph
     imported with TF's shapes, asked for only where a Reshape stands between the
     pattern's nodes (einsum.py's, after an Einsum's product): one that changes no
-    shape is passed over, any other stops the match."""
+    shape is passed over, any other stops the match.  ``folded``: a dict (the
+    pipeline's ``ctx.folded``) that gets the scores' scale Muls taken into the ops'
+    scale, with where they went."""
     nodes = {nd.name: nd for nd in graph_def.node}
     readers = collections.Counter(i.lstrip("^").split(":")[0]
                                   for nd in graph_def.node for i in nd.input)
     imported = []
+
+    def imported_graph():
+        if not imported:
+            imported.append(shapes())
+        return imported[0]
 
     def identity(nd) -> bool:
         """Whether Reshape ``nd`` keeps its input's shape: equal ranks, equal known
         dims and at most one unknown, at the same place in both."""
         if shapes is None:
             return False
-        if not imported:
-            imported.append(shapes())
         try:
-            op = imported[0].get_operation_by_name(nd.name)
+            op = imported_graph().get_operation_by_name(nd.name)
         except KeyError:
             return False
         a, b = op.inputs[0].shape, op.outputs[0].shape
@@ -171,6 +224,49 @@ def fuse(graph_def, fetched, shapes=None) -> int:
                 return inner, [nd]
         return None, []
 
+    consumers = collections.defaultdict(list)
+    for nd in graph_def.node:
+        for i in nd.input:
+            consumers[i.lstrip("^").split(":")[0]].append(nd)
+
+    def scaled_scores(name, kernel, dtype):
+        """(the Mul, its other operand, c) where ``name`` is a Mul by a scalar constant c
+        that only ``kernel`` reads but for Shape nodes (Keras's masked attention reads
+        the scaled scores' shape for its mask), else (None, name, 1.0)."""
+        nd = _node_of(name, nodes)
+        if nd is None or nd.op != "Mul" or nd.name in fetched or shapes is None or \
+                any(i.startswith("^") for i in nd.input):
+            return None, name, 1.0
+        others = [r for r in consumers[nd.name] if r is not kernel]
+        if len(others) + 1 != readers[nd.name] or \
+                any(r.op != "Shape" or r.input[0] != nd.name for r in others):
+            return None, name, 1.0
+        for x, c in (nd.input, nd.input[::-1]):
+            const = _node_of(c, nodes)
+            if const is not None and const.op == "Const" and const.attr["dtype"].type == dtype:
+                value = tf.make_ndarray(const.attr["value"].tensor)
+                if value.shape == ():
+                    return nd, x, float(value)
+        return None, name, 1.0
+
+    def bare_condition(name, same_shape):
+        """``name``, or ``m`` where it is LogicalAnd(Fill(Shape(s), True), m) (either
+        order) with ``s`` one of ``same_shape`` (the scores): Keras's causal mask
+        broadcast to the scores, which the op broadcasts itself."""
+        nd = _node_of(name, nodes)
+        if nd is None or nd.op != "LogicalAnd" or any(i.startswith("^") for i in nd.input):
+            return name
+        for f, m in (nd.input, nd.input[::-1]):
+            fill = _node_of(f, nodes)
+            if fill is None or fill.op != "Fill":
+                continue
+            dims, value = (_node_of(i, nodes) for i in fill.input[:2])
+            if dims is not None and dims.op == "Shape" and dims.input[0] in same_shape and \
+                    value is not None and value.op == "Const" and \
+                    tf.make_ndarray(value.attr["value"].tensor).tolist() is True:
+                return m
+        return name
+
     taken, count = set(), 0
     for out in list(graph_def.node):
         if out.op != "StitchedBatchMatMul" or _flag(out, "adj_x") or \
@@ -185,22 +281,38 @@ def fuse(graph_def, fetched, shapes=None) -> int:
             match = None
         if match is None:
             continue
-        x, scale, mask = match
         data = [i for i in kernel.input if not i.startswith("^")]
-        scores, before = intermediate(data[x], "StitchedBatchMatMul")
         dtype = out.attr["T"].type
+        mul, source, c = scaled_scores(data[match.scores], kernel, dtype)
+        scores, before = intermediate(source, "StitchedBatchMatMul")
+        # TF rounds the scaled scores, then the kernel scales them again: exact where
+        # one of the two is 1 (Keras's: the kernel's is), else within a rounding
+        scale = match.scale * c
+        if dtype != tf.float64.as_datatype_enum:
+            scale = float(np.float32(scale))
         if scores is None or scores.name in taken or _flag(scores, "transpose_out") or \
                 scores.attr["T"].type != dtype or \
-                (dtype == tf.float64.as_datatype_enum and float(np.float32(scale)) != scale):
-            continue             # (the op's scale is a float attribute)
+                any(float(np.float32(f)) != f for f in (scale, match.fill)):
+            continue             # (the op's scale and fill are float attributes)
         controls = [i for nd in (scores, kernel, out) for i in nd.input if i.startswith("^")]
-        inputs = [i for i in scores.input if not i.startswith("^")] + \
-            [out.input[1]] + ([data[mask]] if mask is not None else [])
+        inputs = [i for i in scores.input if not i.startswith("^")] + [out.input[1]]
+        if match.mask is not None:
+            inputs.append(data[match.mask])
+        if match.cond is not None:
+            inputs.append(bare_condition(data[match.cond], {data[match.scores], source}))
+        if mul is not None:      # its Shape readers read the scores' shape from q and k
+            for reader in consumers[mul.name]:
+                if reader is not kernel:
+                    _shape_from_operands(graph_def, reader, scores, imported_graph())
+            taken.add(mul.name)
+            if folded is not None:
+                folded[mul.name] = ("the attention's scale, in its StitchedAttention "
+                                    "(tf/passes/attention.py)")
         attrs = {"adj_q": _flag(scores, "adj_x"), "adj_k": _flag(scores, "adj_y"),
                  "transpose_q": _flag(scores, "transpose_x"),
                  "transpose_k": _flag(scores, "transpose_y"),
                  "adj_v": _flag(out, "adj_y"), "transpose_v": _flag(out, "transpose_y"),
-                 "transpose_out": _flag(out, "transpose_out")}
+                 "transpose_out": _flag(out, "transpose_out"), "cond_keeps": match.keeps}
         for key in ("adj_x", "adj_y", "transpose_x", "transpose_y", "transpose_out"):
             if key in out.attr:
                 del out.attr[key]
@@ -208,7 +320,9 @@ def fuse(graph_def, fetched, shapes=None) -> int:
         for key, value in attrs.items():
             out.attr[key].b = value
         out.attr["scale"].f = scale
-        out.attr["n_mask"].i = 0 if mask is None else 1
+        out.attr["fill"].f = match.fill
+        out.attr["n_mask"].i = int(match.mask is not None)
+        out.attr["n_cond"].i = int(match.cond is not None)
         del out.input[:]
         out.input.extend(inputs + sorted(set(controls)))
         taken.update(nd.name for nd in [scores, kernel] + before + between)
@@ -217,11 +331,81 @@ def fuse(graph_def, fetched, shapes=None) -> int:
     return count
 
 
+def _shape_from_operands(graph_def, shape, product, graph) -> None:
+    """Turn Shape node ``shape`` (of the scores ``product`` computes, which goes) into
+    the same vector from the product's operands: BatchMatMulV2's batch broadcast of
+    q's and k's batch dims (BroadcastArgs), then M and N, in their layouts
+    (StitchedBatchMatMul's adj_ and transpose_ flags); dims TF knows are constants.
+    The node keeps its name and output type."""
+    out_type = shape.attr["out_type"].type if "out_type" in shape.attr else \
+        tf.int32.as_datatype_enum
+    np_type = tf.dtypes.as_dtype(out_type).as_numpy_dtype
+    known = graph.get_operation_by_name(product.name).outputs[0].shape.as_list()
+    base = shape.name + "/from_operands"
+
+    def add(suffix, op, inputs=(), **attrs):
+        nd = graph_def.node.add(name=f"{base}/{suffix}", op=op)
+        nd.input.extend(inputs)
+        nd.device = shape.device
+        for key, value in attrs.items():
+            nd.attr[key].CopyFrom(value)
+        return nd.name
+
+    def const(suffix, value):
+        tensor = tf.make_tensor_proto(value)
+        return add(suffix, "Const", value=attr_value_pb2.AttrValue(tensor=tensor),
+                   dtype=attr_value_pb2.AttrValue(type=tensor.dtype))
+
+    def t(enum):
+        return attr_value_pb2.AttrValue(type=enum)
+
+    i32 = tf.int32.as_datatype_enum
+    controls = [i for i in shape.input if i.startswith("^")]
+    del shape.input[:]
+    shape.input.extend(controls)
+    shape.attr.clear()
+    if None not in known:
+        shape.op = "Const"
+        tensor = tf.make_tensor_proto(np.asarray(known, np_type))
+        shape.attr["value"].tensor.CopyFrom(tensor)
+        shape.attr["dtype"].type = tensor.dtype
+        return
+    parts = []
+    for tag, operand, adj, swapped in (
+            ("q", product.input[0], _flag(product, "adj_x"), _flag(product, "transpose_x")),
+            ("k", product.input[1], _flag(product, "adj_y"), _flag(product, "transpose_y"))):
+        rank = graph.get_tensor_by_name(operand if ":" in operand else operand + ":0").shape.rank
+        perm = list(range(rank))
+        if swapped:          # [.., M, H, D] stored: the matrix dims of [.., H, M, D]
+            perm[-3], perm[-2] = perm[-2], perm[-3]
+        # M: q's second-to-last dim (its last under adj_x); N: k's last (second-to-last
+        # under adj_y)
+        pick = perm[-1] if adj == (tag == "q") else perm[-2]
+        dims = add(f"{tag}/shape", "Shape", [operand], T=product.attr["T"], out_type=t(out_type))
+        axis = const(f"{tag}/axis", np.int32(0))
+        parts.append((add(f"{tag}/batch", "GatherV2", [dims, const(f"{tag}/batch_index",
+                      np.asarray(perm[:-2], np.int32)), axis], Tparams=t(out_type),
+                      Tindices=t(i32), Taxis=t(i32), batch_dims=attr_value_pb2.AttrValue(i=0)),
+                      add(f"{tag}/dim", "GatherV2", [dims, const(f"{tag}/dim_index",
+                          np.asarray([pick], np.int32)), axis], Tparams=t(out_type),
+                          Tindices=t(i32), Taxis=t(i32), batch_dims=attr_value_pb2.AttrValue(i=0))
+                      if known[len(parts) - 2] is None else
+                      const(f"{tag}/dim", np.asarray([known[len(parts) - 2]], np_type))))
+    (bq, m), (bk, n) = parts
+    batch = add("batch", "BroadcastArgs", [bq, bk], T=t(out_type))
+    shape.op = "ConcatV2"
+    shape.input[:0] = [batch, m, n, const("axis", np.int32(0))]
+    shape.attr["N"].i = 3
+    shape.attr["T"].type = out_type
+    shape.attr["Tidx"].type = i32
+
+
 def _run(ctx):
     from ...runtime import blas as blas_ops
     if not blas._eigen_machine() or blas_ops.unavailable() is not None:
         return None                       # the blas pass says why, where it matters
-    fused = fuse(ctx.graph_def, ctx.fetched, lambda: ctx.shapes_of(ctx.graph_def))
+    fused = fuse(ctx.graph_def, ctx.fetched, lambda: ctx.shapes_of(ctx.graph_def),
+                 ctx.folded)
     if not fused:
         return None
     return (f"{fused} attention(s) fused into StitchedAttention (product, softmax kernel "
@@ -239,15 +423,21 @@ def _attention_grad(op, grad):
     the layouts BatchMatMulV2 would see, differentiated by TF.  Slower than the fused
     forward, but exact to TF's own gradient."""
     q, k, v = op.inputs[:3]
-    mask = op.inputs[3] if len(op.inputs) == 4 else None
     attr = op.get_attr
+    mask = op.inputs[3] if attr("n_mask") else None
+    cond = op.inputs[3 + attr("n_mask")] if attr("n_cond") else None
     with tf.GradientTape() as tape:
         tape.watch(list(op.inputs))
         plain = [blas._swap(t) if attr(key) else t
                  for t, key in ((q, "transpose_q"), (k, "transpose_k"), (v, "transpose_v"))]
         s = tf.linalg.matmul(plain[0], plain[1], adjoint_a=attr("adj_q"),
                              adjoint_b=attr("adj_k")) * tf.cast(attr("scale"), q.dtype)
-        p = tf.nn.softmax(s + mask if mask is not None else s, -1)
+        s = s + mask if mask is not None else s
+        if cond is not None:
+            keep = cond if attr("cond_keeps") else tf.logical_not(cond)
+            s = tf.where(keep, s, tf.cast(attr("fill"), s.dtype))
+        p = tf.nn.softmax(s, -1)
         out = tf.linalg.matmul(p, plain[2], adjoint_b=attr("adj_v"))
         out = blas._swap(out) if attr("transpose_out") else out
-    return tape.gradient(out, list(op.inputs), output_gradients=grad)
+    grads = tape.gradient(out, list(op.inputs), output_gradients=grad)
+    return grads[:3 + attr("n_mask")] + [None] * attr("n_cond")
