@@ -265,6 +265,45 @@ void RunProducts(OpKernelContext* ctx, Product<T>* p, int64_t count,
   shares->Wait();
 }
 
+// ---- Outputs: op.cc's pool ------------------------------------------------------
+//
+// A large output from TF's CPU allocator (glibc malloc) is a fresh mmap on every call
+// and one page fault per 4 KiB page on first write (op.cc "Output pool").  For a
+// product that is most of its time: a 1x1 convolution as a [100352, 16] x [16, 96]
+// product (MobileNetV2's block_1_expand at batch 8, 38.5 MB out) took numpy's sgemm
+// 18.2 ms into fresh pages against 4.3 ms into a buffer already touched.  So outputs
+// of at least the pool's line come from op.cc's OutputPool, the one StitchedKernel
+// uses: one pool, not one per library, so its cap (STITCHING_OUTPUT_POOL_MB) bounds
+// all the idle memory held, a buffer a kernel freed serves the next product of its
+// size class and back, and stitching.runtime.pool_stats() / pool_trim() cover both.
+//
+// The two libraries are loaded RTLD_LOCAL (tf.load_op_library), so this one cannot
+// resolve op.cc's symbols itself: runtime/blas.py hands it op.cc's
+// stitching_pool_for once both are loaded.  Until then, or without op.cc's library,
+// every output comes from TF's allocator.
+using PoolFor = void* (*)(int64_t bytes);   // a tensorflow::Allocator*, or NULL
+inline std::atomic<PoolFor> g_pool_for{nullptr};
+
+// Allocates output i of `shape`: from the pool when it takes an output that large,
+// else from TF (neither zero-fills it).
+inline absl::Status AllocateOutput(OpKernelContext* ctx, int i, const TensorShape& shape,
+                                   Tensor** out) {
+  const tensorflow::DataType dtype = ctx->expected_output_dtype(i);
+  const int64_t bytes = shape.num_elements() * tensorflow::DataTypeSize(dtype);
+  const PoolFor pool_for = g_pool_for.load(std::memory_order_acquire);
+  auto* pool = static_cast<tensorflow::Allocator*>(pool_for ? pool_for(bytes) : nullptr);
+  if (pool == nullptr) return ctx->allocate_output(i, shape, out);
+  Tensor t(pool, dtype, shape);
+  if (!t.IsInitialized()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        ctx->op_kernel().type_string(), ": could not allocate ", bytes,
+        " bytes for output ", i));
+  }
+  ctx->set_output(i, t);
+  *out = ctx->mutable_output(i);
+  return absl::OkStatus();
+}
+
 inline bool FitsBlas(int64_t v) { return v < std::numeric_limits<int32_t>::max(); }
 
 // The swap of a shape's last batch dim and its rows ([.., H, M, K] <-> [.., M, H, K]),

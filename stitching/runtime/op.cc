@@ -1754,6 +1754,19 @@ __attribute__((visibility("default"))) void stitching_pool_trim() {
   stitching::OutputPool::Get().Trim();
 }
 
+// The pool as an allocator for an output of `bytes`, or NULL where such an output
+// stays on TF's allocator (the pool off, or the output under its line).  For the
+// OpenBLAS op library (blas_util.h AllocateOutput): runtime/blas.py hands it this
+// function when both libraries are loaded, so both share one pool and one set of
+// counters.  The allocator lives as long as the process.
+__attribute__((visibility("default"))) void* stitching_pool_for(int64_t bytes) {
+  stitching::OutputPool& pool = stitching::OutputPool::Get();
+  if (!pool.enabled() || bytes < 0 || static_cast<size_t>(bytes) < pool.min_bytes()) {
+    return nullptr;
+  }
+  return static_cast<tensorflow::Allocator*>(&pool);
+}
+
 // Number of StitchedKernel nodes constructed to run their fallback; the last reason.
 __attribute__((visibility("default"))) int64_t stitching_fallback_count() {
   return stitching::g_fallbacks.load();
