@@ -1,0 +1,177 @@
+"""1x1 convolutions as one matrix product, run by OpenBLAS where TF's are Eigen's.
+
+A 1x1 convolution of stride 1 over NHWC is a matrix product: every pixel's Cin channels
+times the filter's [Cin, Cout].  This pass writes it as one:
+
+    Conv2D(x[N, H, W, Cin], w[1, 1, Cin, Cout])
+        ->  Reshape(MatMul(Reshape(x, [-1, Cin]), Reshape(w, [Cin, Cout])), [-1, H, W, Cout])
+
+(the output Reshape keeps the Conv2D's name, so its readers and fetches are untouched;
+both Reshapes are views, no copy), and the blas pass after it runs the MatMul as
+StitchedMatMul (runtime/gemm.cc).
+
+Why: where TF's oneDNN is off (the AMD EPYC machines here: ``IsMklEnabled()`` False),
+TF's Conv2D is Eigen's spatial convolution, and its output comes from TF's allocator.
+An output over glibc's mmap threshold (at most 32 MiB) is then a fresh mmap on every
+call, and the convolution pays one page fault per 4 KiB page on first write: for
+MobileNetV2's block_1_expand at batch 8 ([8, 112, 112, 16] -> 96 channels, 38.5 MB out,
+a [100352, 16] x [16, 96] product) most of its 12 ms.  StitchedMatMul's large outputs
+come from op.cc's output pool (blas_util.h AllocateOutput), pages already touched.
+s6's StitchedConv2D (not merged) had no pooled output and lost on these shapes.
+
+Which convolutions (``decide``, from measurements in the models' context): see the
+rule's comment.  The batch is not known when the graph is rewritten, so a shape class
+is taken only where it did not lose at batch 1 nor 8.  A convolution whose input
+spatial size or channels, or whose filter, are not known then stays TF's.
+
+Only float32 and float64 (StitchedMatMul's types), NHWC, strides and dilations 1,
+SAME or VALID (the same for a 1x1 filter), and only where the blas pass will run the
+product (``blas.will_run``: the device profile says TF runs Eigen's kernels, the
+library loads, ``Options(blas_gemm)``); elsewhere a MatMul of TF's would gain nothing.
+
+Why after planning: a convolution is opaque to the planner (its BatchNorm and
+activation are fused into the kernel that reads it), so the kernels are the same
+either way; only the TF op that computes the product changes.  A Conv2D followed by a
+BiasAdd stays TF's: Eigen's remapper runs the pair (and an activation after it) as one
+_FusedConv2D, which the planner priced as free (plan/epilogue.py).
+
+Gradients: Reshape and MatMul have TF's gradients, StitchedMatMul ours (blas.py), so
+a tape outside the stitched function differentiates the rewritten graph.
+"""
+from __future__ import annotations
+
+import collections
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, types_pb2
+
+from ..passmanager import Pass
+from . import blas
+
+_DTYPES = (types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE)
+
+
+# The rule (tuned: tools/conv1x1_probe.py; see its numbers in the report of the
+# change).  A class is taken only where it did not lose at batch 1 nor 8.
+_MIN_PIXELS = 112 * 112      # tuned: the big-output expansions
+_MAX_CIN = 16                # tuned
+
+
+def decide(h: int, w: int, cin: int, cout: int) -> str | None:
+    """None when this 1x1 convolution (input [N, h, w, cin], cout channels out) runs
+    faster as StitchedMatMul than as TF's Eigen Conv2D, else why it stays TF's (a
+    phrase for the report)."""
+    if h * w < _MIN_PIXELS:
+        return "over fewer than 112x112 pixels (Eigen's as fast)"
+    if cin > _MAX_CIN:
+        return f"more than {_MAX_CIN} input channels (Eigen's as fast)"
+    return None
+
+
+def _form(conv) -> str | None:
+    """Why ``conv`` is not a 1x1 product this pass can write, or None (the filter's
+    size is checked with the shapes)."""
+    if "T" not in conv.attr or conv.attr["T"].type not in _DTYPES:
+        return "not float32/float64"
+    if "data_format" in conv.attr and conv.attr["data_format"].s != b"NHWC":
+        return "not NHWC"
+    if conv.attr["padding"].s not in (b"SAME", b"VALID"):
+        return "explicit padding"
+    if any(s != 1 for s in conv.attr["strides"].list.i):
+        return "strided"
+    if "dilations" in conv.attr and any(d != 1 for d in conv.attr["dilations"].list.i):
+        return "dilated"
+    return None
+
+
+def _dims(ir_graph, conv) -> tuple | str:
+    """(H, W, Cin, Cout) of a 1x1 convolution, else why not."""
+    if conv.name not in ir_graph or len(ir_graph[conv.name].inputs) != 2:
+        return "shapes unknown"
+    x, f = (ir_graph.type_of(r).shape for r in ir_graph[conv.name].inputs)
+    if f is None or len(f) != 4 or min(f) < 0:
+        return "filter shape unknown"
+    if tuple(f[:2]) != (1, 1):
+        return "not 1x1"
+    if x is None or len(x) != 4 or min(x[1:]) < 0:
+        return "spatial size or channels unknown"
+    return x[1], x[2], x[3], f[3]
+
+
+def choose(graph_def, ir_graph) -> tuple:
+    """([(Conv2D node, (H, W, Cin, Cout))] to rewrite, Counter of the reasons the
+    other Conv2Ds stay TF's)."""
+    readers = collections.Counter(i.lstrip("^").split(":")[0]
+                                  for nd in graph_def.node for i in nd.input)
+    bias_read = {nd.input[0].split(":")[0] for nd in graph_def.node
+                 if nd.op == "BiasAdd" and nd.input}
+    taken, left = [], collections.Counter()
+    for nd in graph_def.node:
+        if nd.op != "Conv2D" or len([i for i in nd.input if not i.startswith("^")]) != 2:
+            continue
+        why = _form(nd)
+        dims = _dims(ir_graph, nd) if why is None else why
+        why = dims if isinstance(dims, str) else decide(*dims)
+        if why is None and nd.name in bias_read and readers[nd.name] == 1:
+            why = "a BiasAdd follows (TF's _FusedConv2D)"
+        if why is not None:
+            left[why] += 1
+            continue
+        taken.append((nd, dims))
+    return taken, left
+
+
+def rewrite(graph_def, chosen) -> None:
+    """Turn each (Conv2D, (H, W, Cin, Cout)) of ``chosen`` into Reshape -> MatMul ->
+    Reshape, in place: the Conv2D's node becomes the output Reshape; the others are
+    appended (named ``<conv>/conv1x1/...``)."""
+    i32 = attr_value_pb2.AttrValue(type=types_pb2.DT_INT32)
+    for nd, (h, w, cin, cout) in chosen:
+        x, f = [i for i in nd.input if not i.startswith("^")]
+        control = [i for i in nd.input if i.startswith("^")]
+        name, dev = nd.name, nd.device
+        t = attr_value_pb2.AttrValue(type=nd.attr["T"].type)
+
+        def add_node(suffix, op, inputs, **attrs):
+            new = graph_def.node.add(name=f"{name}/conv1x1/{suffix}", op=op, device=dev)
+            new.input.extend(inputs)
+            for key, value in attrs.items():
+                new.attr[key].CopyFrom(value)
+            return new.name
+
+        def reshape(suffix, value, shape):
+            target = add_node(f"{suffix}_shape", "Const", [], dtype=i32,
+                              value=attr_value_pb2.AttrValue(
+                                  tensor=tf.make_tensor_proto(shape, tf.int32)))
+            return add_node(suffix, "Reshape", [value, target], T=t, Tshape=i32)
+
+        false = attr_value_pb2.AttrValue(b=False)
+        product = add_node("matmul", "MatMul",
+                           [reshape("pixels", x, [-1, cin]), reshape("filter", f, [cin, cout])]
+                           + control, T=t, transpose_a=false, transpose_b=false)
+        out_shape = add_node("out_shape", "Const", [], dtype=i32,
+                             value=attr_value_pb2.AttrValue(
+                                 tensor=tf.make_tensor_proto([-1, h, w, cout], tf.int32)))
+        nd.op = "Reshape"
+        del nd.input[:]
+        nd.input.extend([product, out_shape])
+        nd.attr.clear()
+        nd.attr["T"].CopyFrom(t)
+        nd.attr["Tshape"].CopyFrom(i32)
+
+
+def _run(ctx):
+    if not any(nd.op == "Conv2D" for nd in ctx.graph_def.node):
+        return None
+    if not blas.will_run(ctx.options):
+        return None            # a MatMul of TF's Eigen or oneDNN: nothing to gain
+    chosen, left = choose(ctx.graph_def, ctx.ir)
+    rewrite(ctx.graph_def, chosen)
+    kept = "; ".join(f"{n} {why}" for why, n in sorted(left.items()))
+    return (f"{len(chosen)} 1x1 Conv2D(s) run as one matrix product each by OpenBLAS, "
+            f"its output pooled; {sum(left.values())} left to TF's Eigen kernel"
+            f"{': ' + kept if kept else ''} (tf/passes/conv1x1.py; "
+            f"Options(conv1x1_gemm=False) leaves them all)")
+
+
+PASS = Pass("conv1x1", _run, option="conv1x1_gemm")
