@@ -97,7 +97,8 @@ def test_the_expansion_runs_as_one_product_and_equals_tf_and_float64(monkeypatch
     assert "MatMul" not in ops
     note = [n for n in f.report.notes if "1x1 Conv2D" in n]
     assert note and note[0].startswith("1 1x1 Conv2D(s) run as one matrix product each")
-    for why in ("1 more than 16 input channels", "1 strided", "1 not 1x1", "1 dilated"):
+    for why in ("1 over 112x112 pixels with more than 16 input channels", "1 strided",
+                "1 not 1x1", "1 dilated"):
         assert why in note[0], note[0]
     # the reference: TF's float64 run of the same weights and input
     fn64, w64 = _net(tf.float64)
@@ -189,7 +190,8 @@ def test_a_bias_add_after_the_convolution_keeps_tf_fused_conv(monkeypatch):
 @pytest.mark.parametrize("h, w, cin, taken", [
     (112, 112, 16, True), (112, 112, 8, True), (224, 224, 3, True),
     (112, 112, 32, False),       # MobileNetV2's expanded_conv_project: Eigen's as fast
-    (56, 56, 16, False), (14, 14, 384, False)])
+    (56, 56, 16, False), (56, 56, 144, False), (14, 14, 384, False),
+    (7, 7, 160, True), (7, 7, 1152, True), (7, 7, 64, False), (1, 1, 960, True)])
 def test_the_rule(h, w, cin, taken):
     assert (conv1x1.decide(h, w, cin, 96) is None) == taken
 

@@ -51,21 +51,46 @@ from . import blas
 _DTYPES = (types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE)
 
 
-# The rule (tuned: tools/conv1x1_probe.py; see its numbers in the report of the
-# change).  A class is taken only where it did not lose at batch 1 nor 8.
-_MIN_PIXELS = 112 * 112      # tuned: the big-output expansions
-_MAX_CIN = 16                # tuned
+# The rule, from tools/conv1x1_probe.py on the 2-core AMD EPYC (TF 2.21, oneDNN off),
+# 2026-11-28, load 2.4-3.6 (another session's work on the machine): every 1x1
+# convolution of MobileNetV2 and EfficientNetB0 in the model's own graph, TF's Conv2D
+# node against the StitchedMatMul (and its two Reshapes) that replaced it, the fastest
+# of 20-30 interleaved calls, two runs.  Ratios are TF's time / ours, "b1 / b8":
+#   >= 112x112 pixels, Cin <= 16 (block_1_expand, block2a_expand: 16->96): 0.71-1.17 /
+#     2.6-3.2.  At batch 8 the 38.5 MB output is pooled (Eigen's pays ~9400 page
+#     faults per call: 12-24 ms against 4-8 ms); at batch 1 (4.8 MB, not pooled) ours
+#     is 0.1-0.15 ms slower in two runs of three, faster in one.  Taken: the batch-8
+#     gain is 50-100 times the batch-1 loss.
+#   <= 7x7 pixels, Cin >= 160 (the last stage: 160->960, 320->1280, 960->160, 960->320,
+#     576->160, 192->1152, 1152->192, 1152->320, 672->192): 1.15-1.67 / 0.95-1.09
+#     (OpenBLAS's sgemm over 49 * N rows against Eigen's spatial contraction).
+#   Left to TF, as they lose at batch 8 or do not win at both: 56x56 24->144 (0.94-1.12
+#     / 0.67-0.73: OpenBLAS's beta pass and small-K kernel against Eigen's), 28x28
+#     32->192 and 40->240 (1.07-1.33 / 0.78-0.90), 112x112 32->16 (0.88-0.97 / 0.80-0.86),
+#     56x56 144->24 (0.84-1.15 / 0.84-1.05), and the 14x14 and 28x28 projections and
+#     expansions (0.85-1.8 / 0.88-1.08: wins at batch 1 only, or nowhere).
+_MIN_PIXELS_BIG = 112 * 112  # tuned (above)
+_MAX_CIN_BIG = 16            # tuned
+_MAX_PIXELS_SMALL = 7 * 7    # tuned
+_MIN_CIN_SMALL = 160         # tuned: the smallest Cin measured there
 
 
 def decide(h: int, w: int, cin: int, cout: int) -> str | None:
     """None when this 1x1 convolution (input [N, h, w, cin], cout channels out) runs
-    faster as StitchedMatMul than as TF's Eigen Conv2D, else why it stays TF's (a
-    phrase for the report)."""
-    if h * w < _MIN_PIXELS:
-        return "over fewer than 112x112 pixels (Eigen's as fast)"
-    if cin > _MAX_CIN:
-        return f"more than {_MAX_CIN} input channels (Eigen's as fast)"
-    return None
+    faster as StitchedMatMul than as TF's Eigen Conv2D (the measurements above), else
+    why it stays TF's (a phrase for the report); ``cout`` is not part of the rule."""
+    pixels = h * w
+    if pixels >= _MIN_PIXELS_BIG:
+        if cin <= _MAX_CIN_BIG:
+            return None
+        return f"over 112x112 pixels with more than {_MAX_CIN_BIG} input channels " \
+               f"(Eigen's as fast)"
+    if pixels <= _MAX_PIXELS_SMALL:
+        if cin >= _MIN_CIN_SMALL:
+            return None
+        return f"over 7x7 pixels with fewer than {_MIN_CIN_SMALL} input channels " \
+               f"(not measured)"
+    return "over 8x8 to 111x111 pixels (Eigen's as fast or faster at batch 8)"
 
 
 def _form(conv) -> str | None:
