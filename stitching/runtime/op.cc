@@ -286,7 +286,9 @@ std::string DtypesString(const DataTypeVector& v) {
 // bn_relu6 2.17 against 1.51 ms (2-core Xeon).  Idle cached bytes are capped
 // (STITCHING_OUTPUT_POOL_MB, default 1024; 0 disables the pool); a buffer freed while
 // the cache is full goes back to the OS.  Memory held here is not in TF's allocator
-// statistics; stitching_pool_stats reports it.
+// statistics; stitching_pool_stats reports it.  The OpenBLAS op library (gemm.cc)
+// takes its large outputs from this same pool (stitching_pool_for, blas_util.h
+// AllocateOutput): one cap and one set of counters for both.
 class OutputPool : public tensorflow::Allocator {
  public:
   static OutputPool& Get() {  // leaked on purpose, like the registry

@@ -42,11 +42,10 @@ from __future__ import annotations
 
 import collections
 
-import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 from ..passmanager import Pass
-from . import blas
+from . import blas, gemm
 
 _DTYPES = (types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE)
 
@@ -151,38 +150,25 @@ def rewrite(graph_def, chosen) -> None:
     Reshape, in place: the Conv2D's node becomes the output Reshape; the others are
     appended (named ``<conv>/conv1x1/...``)."""
     i32 = attr_value_pb2.AttrValue(type=types_pb2.DT_INT32)
+    false = attr_value_pb2.AttrValue(b=False)
     for nd, (h, w, cin, cout) in chosen:
         x, f = [i for i in nd.input if not i.startswith("^")]
         control = [i for i in nd.input if i.startswith("^")]
-        name, dev = nd.name, nd.device
+        prefix = f"{nd.name}/conv1x1"
         t = attr_value_pb2.AttrValue(type=nd.attr["T"].type)
 
-        def add_node(suffix, op, inputs, **attrs):
-            new = graph_def.node.add(name=f"{name}/conv1x1/{suffix}", op=op, device=dev)
-            new.input.extend(inputs)
-            for key, value in attrs.items():
-                new.attr[key].CopyFrom(value)
-            return new.name
-
         def reshape(suffix, value, shape):
-            target = add_node(f"{suffix}_shape", "Const", [], dtype=i32,
-                              value=attr_value_pb2.AttrValue(
-                                  tensor=tf.make_tensor_proto(shape, tf.int32)))
-            return add_node(suffix, "Reshape", [value, target], T=t, Tshape=i32)
+            target = gemm.append_int32(graph_def, prefix, nd.device, f"{suffix}_shape", shape)
+            return gemm.append_node(graph_def, prefix, nd.device, suffix, "Reshape",
+                                    [value, target], T=t, Tshape=i32)
 
-        false = attr_value_pb2.AttrValue(b=False)
-        product = add_node("matmul", "MatMul",
-                           [reshape("pixels", x, [-1, cin]), reshape("filter", f, [cin, cout])]
-                           + control, T=t, transpose_a=false, transpose_b=false)
-        out_shape = add_node("out_shape", "Const", [], dtype=i32,
-                             value=attr_value_pb2.AttrValue(
-                                 tensor=tf.make_tensor_proto([-1, h, w, cout], tf.int32)))
-        nd.op = "Reshape"
-        del nd.input[:]
-        nd.input.extend([product, out_shape])
-        nd.attr.clear()
-        nd.attr["T"].CopyFrom(t)
-        nd.attr["Tshape"].CopyFrom(i32)
+        product = gemm.append_node(
+            graph_def, prefix, nd.device, "matmul", "MatMul",
+            [reshape("pixels", x, [-1, cin]), reshape("filter", f, [cin, cout])] + control,
+            T=t, transpose_a=false, transpose_b=false)
+        out_shape = gemm.append_int32(graph_def, prefix, nd.device, "out_shape",
+                                      [-1, h, w, cout])
+        gemm.become_reshape(nd, product, out_shape, t)
 
 
 def _run(ctx):
