@@ -210,3 +210,26 @@ def test_a_tape_outside_differentiates_through_the_product(monkeypatch):
         grads.append(tape.gradient(y, [x, weights["expand"], weights["project"]]))
     for got, want in zip(*grads):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_keras_fit_with_the_expansion_on_openblas_matches_keras(monkeypatch):
+    """A training step's forward convolution becomes the product too (its gradient
+    ops read the convolution's operands, not its output) and the losses are Keras's."""
+    keras = pytest.importorskip("keras")
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((HW, HW, 8)),
+                              keras.layers.Conv2D(16, 1, use_bias=False),
+                              keras.layers.BatchNormalization(), keras.layers.ReLU(6.0),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)])
+        m.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
+        return m
+    x, y = _rand((12, HW, HW, 8), seed=12), _rand((12, 3), seed=13)
+    stock = model().fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    m = stitching.keras.stitch(model(), stitching.Options(background_compile=False))
+    got = m.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    np.testing.assert_allclose(got.history["loss"], stock.history["loss"], rtol=1e-4)
+    note = [n for n in m.stitching_report.train.notes if "1x1 Conv2D" in n]
+    assert note and note[0].startswith("1 1x1 Conv2D(s) run as one matrix product")

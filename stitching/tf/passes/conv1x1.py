@@ -179,8 +179,9 @@ def _run(ctx):
     chosen, left = choose(ctx.graph_def, ctx.ir)
     rewrite(ctx.graph_def, chosen)
     kept = "; ".join(f"{n} {why}" for why, n in sorted(left.items()))
-    return (f"{len(chosen)} 1x1 Conv2D(s) run as one matrix product each by OpenBLAS, "
-            f"its output pooled; {sum(left.values())} left to TF's Eigen kernel"
+    return (f"{len(chosen)} 1x1 Conv2D(s) run as one matrix product each by OpenBLAS "
+            f"(large outputs from the output pool); {sum(left.values())} left to TF's "
+            f"Eigen kernel"
             f"{': ' + kept if kept else ''} (tf/passes/conv1x1.py; "
             f"Options(conv1x1_gemm=False) leaves them all)")
 
