@@ -56,13 +56,14 @@ def load():
 
 def _share_pool(path: str) -> None:
     """Give the library op.cc's output pool (blas_util.h AllocateOutput: one pool for
-    both libraries' large outputs).  Without op.cc's library, or one built before it
-    exported the pool, the products' outputs stay on TF's allocator."""
+    both libraries' large outputs).  Without op.cc's library the products' outputs
+    stay on TF's allocator."""
+    import tensorflow as tf
     from . import registry
     try:
         pool_for = ctypes.cast(registry.library().stitching_pool_for, ctypes.c_void_p)
-    except (AttributeError, RuntimeError, OSError):
-        return
+    except (AttributeError, RuntimeError, OSError, tf.errors.OpError):
+        return       # op.cc's library did not build or load: its own error says why
     # the image TF loaded (RTLD_NOLOAD: never a second copy of the ops)
     lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
     lib.stitching_blas_set_pool.restype = None
