@@ -19,6 +19,8 @@ import collections
 import os
 import sys
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -30,7 +32,6 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args(argv)
 
-    import numpy as np
     import tensorflow as tf
 
     import op_breakdown
@@ -70,33 +71,40 @@ def main(argv=None) -> int:
     rows = op_breakdown.interleaved_rows(modes, x, args.calls, "min",
                                          nodes="Conv2D|MatMul|Reshape")
     def nodes(mode):
-        """node name -> fastest call (us); events read "stitched/<node>:<op type>"."""
-        return {k[2:].rsplit(":", 1)[0].removeprefix("stitched/"): v[0]
+        """node name -> (fastest call, median call) in us; events read
+        "stitched/<node>:<op type>"."""
+        return {k[2:].rsplit(":", 1)[0].removeprefix("stitched/"): np.array(v)
                 for k, v in rows[mode].items() if k.startswith("  ")}
     off, on = nodes("tf_conv"), nodes("all1x1")
-    classes = collections.defaultdict(lambda: [0.0, 0.0, 0])
-    print(f"{args.model} batch {args.batch}, load {os.getloadavg()[0]:.2f}; "
-          f"min us per node, TF's Conv2D vs StitchedMatMul + Reshapes")
-    for name, (h, w, cin, cout) in sorted(dims.items(), key=lambda kv: -off.get(kv[0], 0)):
+    none = np.zeros(2)
+    classes = collections.defaultdict(lambda: [np.zeros(2), np.zeros(2), 0])
+    print(f"{args.model} batch {args.batch}, load {os.getloadavg()[0]:.2f}; us per node, "
+          f"TF's Conv2D vs StitchedMatMul + Reshapes: fastest call (median call)")
+    for name, (h, w, cin, cout) in sorted(dims.items(), key=lambda kv: -off.get(kv[0], none)[0]):
         if name not in off:
             continue
-        ours = sum(on.get(f"{name}/conv1x1/{s}", 0.0) for s in ("matmul", "pixels", "filter")) \
-            + on.get(name, 0.0)
+        ours = sum(on.get(f"{name}/conv1x1/{s}", none) for s in ("matmul", "pixels", "filter")) \
+            + on.get(name, none)
         key = (h, w, cin, cout)
-        classes[key][0] += off[name]
-        classes[key][1] += ours
+        classes[key][0] = classes[key][0] + off[name]
+        classes[key][1] = classes[key][1] + ours
         classes[key][2] += 1
-        print(f"  {name:48.48s} {h:3d}x{w:<3d} {cin:4d}->{cout:<4d} TF {off[name]:8.1f}  "
-              f"ours {ours:8.1f}  {off[name] / max(ours, 1e-9):5.2f}x")
+        print(f"  {name:48.48s} {h:3d}x{w:<3d} {cin:4d}->{cout:<4d} {_cells(off[name], ours)}")
     print("by shape class (sum over its convs):")
-    for (h, w, cin, cout), (a, b, n) in sorted(classes.items(), key=lambda kv: -kv[1][0]):
-        print(f"  {h:3d}x{w:<3d} {cin:4d}->{cout:<4d} x{n}: TF {a:8.1f} us  ours {b:8.1f} us  "
-              f"{a / max(b, 1e-9):5.2f}x")
+    for (h, w, cin, cout), (a, b, n) in sorted(classes.items(), key=lambda kv: -kv[1][0][0]):
+        print(f"  {h:3d}x{w:<3d} {cin:4d}->{cout:<4d} x{n}: {_cells(a, b)}")
     print(f"wall ms (median): tf_conv {wall['tf_conv']:.2f}, all1x1 {wall['all1x1']:.2f} "
           f"({wall['tf_conv'] / wall['all1x1']:.3f}x); load {os.getloadavg()[0]:.2f}")
     np.testing.assert_allclose(modes["all1x1"](x).numpy(), modes["tf_conv"](x).numpy(),
                                rtol=1e-3, atol=1e-4)
     return 0
+
+
+def _cells(tf_us, ours_us) -> str:
+    """TF's and our (min, median) microseconds and their ratios."""
+    ratio = tf_us / np.maximum(ours_us, 1e-9)
+    return (f"TF {tf_us[0]:8.1f} ({tf_us[1]:8.1f})  ours {ours_us[0]:8.1f} "
+            f"({ours_us[1]:8.1f})  {ratio[0]:5.2f}x ({ratio[1]:5.2f}x)")
 
 
 if __name__ == "__main__":
