@@ -123,6 +123,9 @@ _OPTION_FLAGS = [
     ("--no-blas-gemm", "blas_gemm", dict(action="store_false", default=None,
                                          help="where TF's GEMM is Eigen's, leave the "
                                               "matrix products to it instead of OpenBLAS")),
+    ("--no-conv1x1-gemm", "conv1x1_gemm", dict(action="store_false", default=None,
+                                               help="leave large 1x1 convolutions to TF "
+                                                    "instead of OpenBLAS")),
     ("--no-fused-attention", "fused_attention",
      dict(action="store_false", default=None,
           help="keep each attention's products and softmax kernel as three ops "

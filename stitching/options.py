@@ -62,6 +62,9 @@ class Options:
             ``scipy-openblas32`` package) where TF's GEMM is Eigen's (oneDNN off),
             split over TF's intra-op threads (default on; without the package the
             products stay TF's and the report says why).
+        conv1x1_gemm: Where the products run by OpenBLAS (``blas_gemm``), run each
+            large 1x1 convolution (stride 1, NHWC) as one ``StitchedMatMul``, its
+            output from the op's buffer pool (tf/passes/conv1x1.py says which).
         fused_attention: Where the products run by OpenBLAS (``blas_gemm``), run
             each attention of an inference graph -- product, softmax kernel, product
             -- as one op that keeps the scores of a block of query rows in cache
@@ -122,6 +125,7 @@ class Options:
     xla_gemm: bool = False             # tf/passes/xladot.py (opt-in)
     blas_gemm: bool = True             # tf/passes/blas.py, runtime/gemm.cc
     fused_attention: bool = True       # tf/passes/attention.py, runtime/attention.cc
+    conv1x1_gemm: bool = True          # tf/passes/conv1x1.py
     background_compile: bool | None = None   # background_compile_on(); tf/function.py, keras.py
     dump_dir: str | None = None        # tf/dump.py
     dump_passes: str | None = None     # tf/passmanager.py

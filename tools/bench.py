@@ -69,7 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default="tf,xla,stitching",
                     help="subset of tf,xla,stitching (tf is the reference for checks), "
                          "and tf_gemm: stitching with Options(blas_gemm=False), "
-                         "no_attn: stitching with Options(fused_attention=False)")
+                         "no_attn: stitching with Options(fused_attention=False), "
+                         "tf_conv: stitching with Options(conv1x1_gemm=False)")
     ap.add_argument("--ablation", action="store_true",
                     help="add mode 'baseline' (stitching with the XLA-like baseline "
                          "planner) beside the full planner, with an ablation table")
@@ -136,7 +137,8 @@ def main(argv=None):
     mode_list = tuple(m for m in args.modes.split(",") if m)
     if args.ablation and "baseline" not in mode_list:
         mode_list += ("baseline",)
-    bad = set(mode_list) - {"tf", "xla", "stitching", "baseline", "tf_gemm", "no_attn"}
+    bad = set(mode_list) - {"tf", "xla", "stitching", "baseline", "tf_gemm", "no_attn",
+                            "tf_conv"}
     if bad:
         raise SystemExit(f"unknown modes: {sorted(bad)}")
     run = ["patterns", "models", "compile"] if args.suite == "all" else [args.suite]

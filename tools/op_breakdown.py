@@ -167,7 +167,11 @@ def _modes(fn, sig, wanted):
             # the products left to TF's GEMM (tf/passes/blas.py off), for an A/B
             "tf_gemm": lambda: stitching.function(
                 fn, input_signature=sig,
-                options=stitching.Options(background_compile=False, blas_gemm=False))}
+                options=stitching.Options(background_compile=False, blas_gemm=False)),
+            # every 1x1 convolution TF's (tf/passes/conv1x1.py off), for an A/B
+            "tf_conv": lambda: stitching.function(
+                fn, input_signature=sig,
+                options=stitching.Options(background_compile=False, conv1x1_gemm=False))}
     unknown = set(wanted) - set(make)
     if unknown:
         raise SystemExit(f"unknown mode(s) {sorted(unknown)}; choose from {sorted(make)}")
@@ -340,7 +344,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="Transformer layers (suite: 4)")
     ap.add_argument("--modes", default="tf,xla,stitched",
                     help="any of tf,xla,stitched,tf_gemm (stitched with the matrix "
-                         "products left to TF: Options(blas_gemm=False))")
+                         "products left to TF: Options(blas_gemm=False)),tf_conv (every "
+                         "1x1 convolution TF's: Options(conv1x1_gemm=False))")
     ap.add_argument("--calls", type=int, default=20, help="traced calls per mode")
     ap.add_argument("--top", type=int, default=14, help="rows per mode")
     ap.add_argument("--stat", choices=("mean", "min"), default="mean",

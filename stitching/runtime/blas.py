@@ -9,10 +9,15 @@ the OpenBLAS of the ``scipy-openblas32`` wheel.  It is apart from ``op.cc`` so t
 kernels run where the wheel is missing: then ``unavailable()`` says why, and the graph
 pass (tf/passes/blas.py) leaves the products to TF with that reason in its report.
 
+Large outputs come from op.cc's output pool, shared with StitchedKernel
+(blas_util.h ``AllocateOutput`` says why); ``load()`` hands the library the pool.
+
 Importing this module imports neither TensorFlow nor the wheel; ``load()`` does.
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 
 from . import build as _build
@@ -35,7 +40,10 @@ def load():
         if _module is None and _problem is None:
             wheel = _build.BLAS_WHEEL
             try:
-                _module = tf.load_op_library(str(_build.build_blas()))
+                path = str(_build.build_blas())
+                module = tf.load_op_library(path)
+                _share_pool(path)
+                _module = module
             except ImportError:
                 _problem = (f"the {wheel} package is not installed (pip install "
                             f"{wheel})")
@@ -44,6 +52,23 @@ def load():
     if _module is None:
         raise RuntimeError(_problem)
     return _module
+
+
+def _share_pool(path: str) -> None:
+    """Give the library op.cc's output pool (blas_util.h AllocateOutput: one pool for
+    both libraries' large outputs).  Without op.cc's library the products' outputs
+    stay on TF's allocator."""
+    import tensorflow as tf
+    from . import registry
+    try:
+        pool_for = ctypes.cast(registry.library().stitching_pool_for, ctypes.c_void_p)
+    except (AttributeError, RuntimeError, OSError, tf.errors.OpError):
+        return       # op.cc's library did not build or load: its own error says why
+    # the image TF loaded (RTLD_NOLOAD: never a second copy of the ops)
+    lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    lib.stitching_blas_set_pool.restype = None
+    lib.stitching_blas_set_pool.argtypes = [ctypes.c_void_p]
+    lib.stitching_blas_set_pool(pool_for)
 
 
 def unavailable() -> str | None:

@@ -50,6 +50,7 @@
 
 namespace {
 
+using stitching_blas::AllocateOutput;
 using stitching_blas::BatchIndex;
 using stitching_blas::FitsBlas;
 using stitching_blas::Product;
@@ -103,7 +104,7 @@ class MatMulOp : public OpKernel {
       p.bias = bias.flat<T>().data();
     }
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({p.m, p.n}), &out));
+    OP_REQUIRES_OK(ctx, AllocateOutput(ctx, 0, TensorShape({p.m, p.n}), &out));
     if (p.m == 0 || p.n == 0) return;
     const T* ap = a.flat<T>().data();
     const T* bp = b.flat<T>().data();
@@ -167,7 +168,7 @@ class BatchMatMulOp : public OpKernel {
     shape.AddDim(p.m);
     shape.AddDim(p.n);
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, Swapped(shape, to_), &out));
+    OP_REQUIRES_OK(ctx, AllocateOutput(ctx, 0, Swapped(shape, to_), &out));
     const int64_t count = bcast.output_batch_size();
     if (count == 0 || p.m == 0 || p.n == 0) return;
     // A matrix of a swapped layout is one head's columns of rows `heads` times wider:
@@ -294,3 +295,9 @@ extern "C" const char* stitching_blas_config() {
   return scipy_openblas_get_config();
 }
 extern "C" const char* stitching_blas_corename() { return scipy_openblas_get_corename(); }
+
+// Where large outputs come from (blas_util.h AllocateOutput): op.cc's
+// stitching_pool_for, or NULL for TF's allocator alone.
+extern "C" void stitching_blas_set_pool(stitching_blas::PoolFor pool_for) {
+  stitching_blas::g_pool_for.store(pool_for, std::memory_order_release);
+}

@@ -286,7 +286,9 @@ std::string DtypesString(const DataTypeVector& v) {
 // bn_relu6 2.17 against 1.51 ms (2-core Xeon).  Idle cached bytes are capped
 // (STITCHING_OUTPUT_POOL_MB, default 1024; 0 disables the pool); a buffer freed while
 // the cache is full goes back to the OS.  Memory held here is not in TF's allocator
-// statistics; stitching_pool_stats reports it.
+// statistics; stitching_pool_stats reports it.  The OpenBLAS op library (gemm.cc)
+// takes its large outputs from this same pool (stitching_pool_for, blas_util.h
+// AllocateOutput): one cap and one set of counters for both.
 class OutputPool : public tensorflow::Allocator {
  public:
   static OutputPool& Get() {  // leaked on purpose, like the registry
@@ -1752,6 +1754,19 @@ __attribute__((visibility("default"))) void stitching_pool_stats(int64_t* out) {
 // Returns the output pool's idle buffers to the OS.
 __attribute__((visibility("default"))) void stitching_pool_trim() {
   stitching::OutputPool::Get().Trim();
+}
+
+// The pool as an allocator for an output of `bytes`, or NULL where such an output
+// stays on TF's allocator (the pool off, or the output under its line).  For the
+// OpenBLAS op library (blas_util.h AllocateOutput): runtime/blas.py hands it this
+// function when both libraries are loaded, so both share one pool and one set of
+// counters.  The allocator lives as long as the process.
+__attribute__((visibility("default"))) void* stitching_pool_for(int64_t bytes) {
+  stitching::OutputPool& pool = stitching::OutputPool::Get();
+  if (!pool.enabled() || bytes < 0 || static_cast<size_t>(bytes) < pool.min_bytes()) {
+    return nullptr;
+  }
+  return static_cast<tensorflow::Allocator*>(&pool);
 }
 
 // Number of StitchedKernel nodes constructed to run their fallback; the last reason.

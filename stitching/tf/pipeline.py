@@ -36,6 +36,8 @@ around planning, each pass entered once:
     einsum       two-operand Einsum -> BatchMatMulV2 + row gathers (Options(einsum))
     xladot       where TF's GEMM is Eigen's, each matrix product -> a one-product XLA
                  function (opt-in: Options(xla_gemm))                     xladot.py
+    conv1x1      where the blas pass runs, a large 1x1 Conv2D -> Reshape, MatMul,
+                 Reshape (Options(conv1x1_gemm))                          conv1x1.py
     blas         where TF's GEMM is Eigen's, each matrix product (and the BiasAdd
                  after a MatMul) -> an OpenBLAS op (Options(blas_gemm))      blas.py
     attention    product -> softmax kernel -> product -> one StitchedAttention
@@ -66,9 +68,9 @@ from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import control_flow, dump, opnames, passmanager, results, scalars
-from .passes import (attention, autotune, bcast, blas, concat_grad, einsum, forward, gemm,
-                     grappler, lift, original, padfold, prune, remapper, reshape_sink, rewrite,
-                     seqsplit, shape_math, shapes, sparse_xent, symdims, xladot)
+from .passes import (attention, autotune, bcast, blas, concat_grad, conv1x1, einsum, forward,
+                     gemm, grappler, lift, original, padfold, prune, remapper, reshape_sink,
+                     rewrite, seqsplit, shape_math, shapes, sparse_xent, symdims, xladot)
 
 BEFORE_PLANNING = (
     grappler.PASS,
@@ -91,6 +93,7 @@ AFTER_PLANNING = (
     gemm.PASS,
     einsum.PASS,
     xladot.PASS,
+    conv1x1.PASS,
     blas.PASS,
     attention.PASS,
     remapper.FORWARD,
@@ -99,7 +102,7 @@ AFTER_PLANNING = (
 )
 # The report's notes come in this order of passes (the order they had before the
 # passes ran from tables); a pass not named here adds its note after these.
-NOTE_ORDER = ("original", "grappler", "gemm", "seqsplit", "einsum", "padfold", "xladot", "blas",
+NOTE_ORDER = ("original", "grappler", "gemm", "seqsplit", "einsum", "padfold", "xladot", "conv1x1", "blas",
               "attention",
               "shapes")
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 from .names import EXTRA_MODES, LABELS, MODES  # noqa: F401 - re-exported
 
 # the modes that are stitching.function calls (with their Options)
-STITCHED = ("stitching", "baseline", "stitching_default", "tf_gemm", "no_attn")
+STITCHED = ("stitching", "baseline", "stitching_default", "tf_gemm", "no_attn", "tf_conv")
 
 
 def first_line(e: BaseException) -> str:
@@ -76,6 +76,8 @@ def build(mode: str, fn, signature, planner: str | None = None) -> Runner:
                 opts = dataclasses.replace(opts or stitching.Options(), blas_gemm=False)
             elif mode == "no_attn":
                 opts = dataclasses.replace(opts or stitching.Options(), fused_attention=False)
+            elif mode == "tf_conv":
+                opts = dataclasses.replace(opts or stitching.Options(), conv1x1_gemm=False)
             if mode != "stitching_default":
                 # a benchmark of stitched calls: the first call waits for the kernels,
                 # whatever the default (tiered: stock TF until the kernels are ready)

@@ -28,6 +28,8 @@ Keras Transformer at batch 1, where each TF op's dispatch shows):
 """
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
@@ -121,16 +123,8 @@ def rewrite(graph_def, todo: dict) -> None:
         control = [i for i in nd.input if i.startswith("^")]
         name, dev, t, adj_y = nd.name, nd.device, _type(nd.attr["T"].type), _flag(nd, "adj_y")
 
-        def add_node(suffix, op, inputs, **attrs):
-            new = graph_def.node.add(name=f"{name}/gemm/{suffix}", op=op, device=dev)
-            new.input.extend(inputs)
-            for key, value in attrs.items():
-                new.attr[key].CopyFrom(value)
-            return new.name
-
-        def const(suffix, value):
-            return add_node(suffix, "Const", [], dtype=i32, value=attr_value_pb2.AttrValue(
-                tensor=tf.make_tensor_proto(value, tf.int32)))
+        add_node = functools.partial(append_node, graph_def, f"{name}/gemm", dev)
+        const = functools.partial(append_int32, graph_def, f"{name}/gemm", dev)
 
         x2 = add_node("x2d", "Reshape", [x, const("x2d_shape", [-1, k])], T=t, Tshape=i32)
         mm = add_node("matmul", "MatMul", [x2, y] + control, T=t,
@@ -153,12 +147,36 @@ def rewrite(graph_def, todo: dict) -> None:
             oshape = add_node("out_shape", "ConcatV2",
                               [lead_t, const("n", [n]), const("axis", 0)],
                               N=attr_value_pb2.AttrValue(i=2), T=i32, Tidx=i32)
-        nd.op = "Reshape"
-        del nd.input[:]
-        nd.input.extend([mm, oshape])
-        nd.attr.clear()
-        nd.attr["T"].CopyFrom(t)
-        nd.attr["Tshape"].CopyFrom(i32)
+        become_reshape(nd, mm, oshape, t)
+
+
+def append_node(graph_def, prefix, device, suffix, op, inputs, **attrs) -> str:
+    """Append node ``<prefix>/<suffix>`` (``op`` reading ``inputs``, with ``attrs``) to
+    ``graph_def``; returns its name (conv1x1.py writes its products so too)."""
+    new = graph_def.node.add(name=f"{prefix}/{suffix}", op=op, device=device)
+    new.input.extend(inputs)
+    for key, value in attrs.items():
+        new.attr[key].CopyFrom(value)
+    return new.name
+
+
+def append_int32(graph_def, prefix, device, suffix, value) -> str:
+    """Append an int32 Const of ``value`` (``append_node``); returns its name."""
+    return append_node(graph_def, prefix, device, suffix, "Const", [],
+                       dtype=_type(types_pb2.DT_INT32),
+                       value=attr_value_pb2.AttrValue(
+                           tensor=tf.make_tensor_proto(value, tf.int32)))
+
+
+def become_reshape(nd, value, shape, t) -> None:
+    """``nd``, keeping its name and device, becomes Reshape(``value``, ``shape``) of
+    type ``t`` (an AttrValue), so its readers read the reshaped value."""
+    nd.op = "Reshape"
+    del nd.input[:]
+    nd.input.extend([value, shape])
+    nd.attr.clear()
+    nd.attr["T"].CopyFrom(t)
+    nd.attr["Tshape"].CopyFrom(_type(types_pb2.DT_INT32))
 
 
 def _to_identity(nd) -> None:
