@@ -126,8 +126,13 @@ def test_build_says_built_only_for_what_this_process_compiled(monkeypatch, capsy
     got = lines()
     assert got and all("(already built)" in l for l in got), got
     kept = {lib.name: shutil.copy(lib, tmp_path) for lib in build.cache_dir().glob("*.so")}
-    monkeypatch.setattr(build, "_compile_to",
-                        lambda path, source=None, extra=(): shutil.copy(kept[path.name], path))
+
+    def compile_to(path, source=None, extra=()):
+        # published as _compile_to does, by a rename: the library this process has
+        # loaded keeps its inode (writing into it would crash the process later)
+        shutil.copy(kept[path.name], tmp_path / "new.so")
+        os.replace(tmp_path / "new.so", path)
+    monkeypatch.setattr(build, "_compile_to", compile_to)
     assert build.main(["--force"]) == 0
     got = lines()
     assert got and all("(built)" in l for l in got), got
