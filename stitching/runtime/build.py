@@ -142,8 +142,8 @@ def _built_here(path: Path) -> bool:
     """Whether this process compiled ``path``.  Run as ``python -m``, this module is
     ``__main__`` and the package's import hook built through its other copy,
     ``stitching.runtime.build``: both copies' records count."""
-    from . import build as imported
-    return path in built_here or path in imported.built_here
+    imported = sys.modules.get(__spec__.name if __spec__ else __name__)
+    return path in built_here or path in getattr(imported, "built_here", ())
 
 
 # The OpenBLAS ops (gemm.cc and attention.cc, sharing blas_util.h; loaded by blas.py): a second library, linked
