@@ -182,8 +182,11 @@ def fuse(graph_def, fetched, shapes=None, folded=None) -> int:
     pipeline's ``ctx.folded``) that gets the scores' scale Muls taken into the ops'
     scale, with where they went."""
     nodes = {nd.name: nd for nd in graph_def.node}
-    readers = collections.Counter(i.lstrip("^").split(":")[0]
-                                  for nd in graph_def.node for i in nd.input)
+    # each node's readers, once per edge (data or control)
+    consumers = collections.defaultdict(list)
+    for nd in graph_def.node:
+        for i in nd.input:
+            consumers[i.lstrip("^").split(":")[0]].append(nd)
     imported = []
 
     def imported_graph():
@@ -214,7 +217,7 @@ def fuse(graph_def, fetched, shapes=None, folded=None) -> int:
         the next node of the pattern and it is not fetched), through a Reshape that
         can go and changes no shape; (node, [the Reshape]) or (None, [])."""
         nd = _node_of(name, nodes)
-        if nd is None or readers[nd.name] != 1 or nd.name in fetched:
+        if nd is None or len(consumers[nd.name]) != 1 or nd.name in fetched:
             return None, []
         if nd.op == op:
             return nd, []
@@ -223,11 +226,6 @@ def fuse(graph_def, fetched, shapes=None, folded=None) -> int:
             if inner is not None and identity(nd):
                 return inner, [nd]
         return None, []
-
-    consumers = collections.defaultdict(list)
-    for nd in graph_def.node:
-        for i in nd.input:
-            consumers[i.lstrip("^").split(":")[0]].append(nd)
 
     def scaled_scores(name, kernel, dtype):
         """(the Mul, its other operand, c) where ``name`` is a Mul by a scalar constant c
@@ -238,7 +236,7 @@ def fuse(graph_def, fetched, shapes=None, folded=None) -> int:
                 any(i.startswith("^") for i in nd.input):
             return None, name, 1.0
         others = [r for r in consumers[nd.name] if r is not kernel]
-        if len(others) + 1 != readers[nd.name] or \
+        if len(others) + 1 != len(consumers[nd.name]) or \
                 any(r.op != "Shape" or r.input[0] != nd.name for r in others):
             return None, name, 1.0
         for x, c in (nd.input, nd.input[::-1]):
