@@ -58,7 +58,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 from ..passmanager import Pass
 from ..tfgraph import drop_nodes
-from . import blas
+from . import blas, shapes
 
 
 def _node_of(name, nodes):
@@ -396,6 +396,39 @@ def _shape_from_operands(graph_def, shape, product, graph) -> None:
     shape.attr["N"].i = 3
     shape.attr["T"].type = out_type
     shape.attr["Tidx"].type = i32
+    _fold_static_entries(graph_def, shape.name, known, np_type)
+
+
+def _fold_static_entries(graph_def, shape, known, np_type) -> None:
+    """Each StridedSlice of Shape node ``shape`` that takes only dims TF knows (Keras's
+    causal mask reads the sequence lengths, [-2] and [-1] of the scores' shape) becomes
+    their Const, so the mask after it (Fill, MatrixBandPart) is constant and TF's
+    Grappler folds it when it instantiates the function, instead of four to nine small
+    ops per layer and call."""
+    nodes = {nd.name: nd for nd in graph_def.node}
+    vals = [shapes.UNKNOWN if d is None else d for d in known]
+    for nd in graph_def.node:
+        data = [i for i in nd.input if not i.startswith("^")]
+        if nd.op != "StridedSlice" or not data or data[0] not in (shape, shape + ":0"):
+            continue
+        bounds = [nodes.get(i.split(":")[0]) for i in data[1:4]]
+        if any(b is None or b.op != "Const" for b in bounds):
+            continue
+        try:
+            value = shapes.strided_slice(nd, vals, *(
+                tf.make_ndarray(b.attr["value"].tensor).reshape(-1).tolist() for b in bounds))
+        except shapes.Unfoldable:
+            continue
+        if value is shapes.UNKNOWN or isinstance(value, list) and shapes.UNKNOWN in value:
+            continue
+        tensor = tf.make_tensor_proto(np.asarray(value, np_type))
+        controls = [i for i in nd.input if i.startswith("^")]
+        nd.op = "Const"
+        del nd.input[:]
+        nd.input.extend(controls)
+        nd.attr.clear()
+        nd.attr["value"].tensor.CopyFrom(tensor)
+        nd.attr["dtype"].type = tensor.dtype
 
 
 def _run(ctx):

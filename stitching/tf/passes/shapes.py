@@ -38,7 +38,7 @@ UNKNOWN = None
 _MAX_DEPTH = 16            # arbitrary: shape arithmetic chains are a few ops deep
 
 
-class _Unfoldable(Exception):
+class Unfoldable(Exception):
     pass
 
 
@@ -59,7 +59,7 @@ def fold_reshapes(graph_def, original_def, ir_graph) -> int:
             continue
         try:
             target = _value(src, nodes, before, ir_graph, 0, memo)
-        except _Unfoldable:
+        except Unfoldable:
             continue
         if not _foldable(target):
             continue
@@ -92,7 +92,7 @@ def _value(ref, nodes, before, ir_graph, depth, memo):
     name, _, idx = ref.partition(":")
     nd = nodes.get(name)
     if nd is None or depth > _MAX_DEPTH or (idx and idx != "0"):
-        raise _Unfoldable
+        raise Unfoldable
     data = [i for i in nd.input if not i.startswith("^")]
 
     def arg(i):
@@ -101,7 +101,7 @@ def _value(ref, nodes, before, ir_graph, depth, memo):
     if nd.op == "Const":
         v = tf.make_ndarray(nd.attr["value"].tensor)
         if v.dtype.kind != "i" or v.ndim > 1:
-            raise _Unfoldable
+            raise Unfoldable
         return v.tolist()
     if nd.op == "Identity":
         return arg(0)
@@ -110,16 +110,16 @@ def _value(ref, nodes, before, ir_graph, depth, memo):
     if nd.op == "GatherV2":
         vals, idx_v, axis = arg(0), arg(1), arg(2)
         if not isinstance(vals, list) or axis != 0 or _int_attr(nd, "batch_dims"):
-            raise _Unfoldable
+            raise Unfoldable
         pick = idx_v if isinstance(idx_v, list) else [idx_v]
         if any(i is UNKNOWN or not -len(vals) <= i < len(vals) for i in pick):
-            raise _Unfoldable
+            raise Unfoldable
         got = [vals[i] for i in pick]
         return got if isinstance(idx_v, list) else got[0]
     if nd.op == "Prod":
         vals, axis = arg(0), arg(1)
         if not isinstance(vals, list) or axis not in (0, [0]) or _flag(nd, "keep_dims"):
-            raise _Unfoldable
+            raise Unfoldable
         return UNKNOWN if UNKNOWN in vals else int(np.prod(vals, dtype=np.int64))
     if nd.op == "Pack":         # scalars, or equal-length vectors (a 2-D value)
         vals = [arg(i) for i in range(len(data))]
@@ -127,50 +127,50 @@ def _value(ref, nodes, before, ir_graph, depth, memo):
         if _int_attr(nd, "axis") or any(nested) and not (
                 all(nested) and len({len(v) for v in vals}) == 1 and
                 not any(isinstance(x, list) for v in vals for x in v)):
-            raise _Unfoldable
+            raise Unfoldable
         return vals
     if nd.op == "Transpose":    # TF's Tile gradient: transpose(stack([multiples, shape]))
         vals, perm = arg(0), arg(1)
         if perm != [1, 0] or not vals or not all(isinstance(v, list) for v in vals):
-            raise _Unfoldable
+            raise Unfoldable
         return [list(col) for col in zip(*vals)]
     if nd.op == "Reshape":      # ... then reshaped to one dim
         vals, shape = arg(0), arg(1)
         if shape not in ([-1], -1) or not isinstance(vals, list):
-            raise _Unfoldable
+            raise Unfoldable
         return [x for v in vals for x in (v if isinstance(v, list) else [v])]
     if nd.op == "ConcatV2":
         parts, axis = [arg(i) for i in range(len(data) - 1)], arg(len(data) - 1)
         if axis != 0 or not all(isinstance(p, list) for p in parts):
-            raise _Unfoldable
+            raise Unfoldable
         return [v for p in parts for v in p]
     if nd.op == "StridedSlice":
-        return _strided_slice(nd, arg(0), arg(1), arg(2), arg(3))
+        return strided_slice(nd, arg(0), arg(1), arg(2), arg(3))
     if nd.op == "Mul":           # keras.ops.repeat: the repeated dim's size * repeats
         a, b = arg(0), arg(1)
         if isinstance(a, list) or isinstance(b, list):
-            raise _Unfoldable
+            raise Unfoldable
         return UNKNOWN if UNKNOWN in (a, b) else a * b
     if nd.op == "ExpandDims":    # a scalar made a 1-entry piece of a target
         v, axis = arg(0), arg(1)
         if isinstance(v, list) or axis not in (0, -1, [0], [-1]):
-            raise _Unfoldable
+            raise Unfoldable
         return [v]
-    raise _Unfoldable
+    raise Unfoldable
 
 
 def _static_shape(name, before, ir_graph, depth, memo):
     """Dims of the tensor Shape node ``name`` reads (as traced), UNKNOWN where unknown."""
     orig = before.get(name)
     if orig is None or orig.op != "Shape":
-        raise _Unfoldable
+        raise Unfoldable
     src = [i for i in orig.input if not i.startswith("^")][0]
     node, _, idx = src.partition(":")
     if node not in ir_graph:
-        raise _Unfoldable
+        raise Unfoldable
     dims = _refined(ValueRef(node, int(idx or 0)), before, ir_graph, depth, memo)
     if dims is None:
-        raise _Unfoldable
+        raise Unfoldable
     return dims
 
 
@@ -207,7 +207,7 @@ def _from_target(dims, reshape, before, ir_graph, depth, memo):
     data = [i for i in reshape.input if not i.startswith("^")]
     try:
         target = _value(data[1], before, before, ir_graph, depth + 1, memo)
-    except _Unfoldable:
+    except Unfoldable:
         return dims
     if not isinstance(target, list) or len(target) != len(dims):
         return dims
@@ -223,20 +223,21 @@ def _broadcast_known(dims, operand):
             else operand[i - lead] for i, d in enumerate(dims)]
 
 
-def _strided_slice(nd, vals, begin, end, strides):
-    """A 1-D StridedSlice with constant bounds (begin/end masks and shrink honoured)."""
+def strided_slice(nd, vals, begin, end, strides):
+    """The value of StridedSlice node ``nd`` of the 1-D ``vals`` (ints or UNKNOWN) with
+    constant bounds (begin/end masks and shrink honoured); raises Unfoldable."""
     if not isinstance(vals, list) or any(
             not isinstance(b, list) or len(b) != 1 or UNKNOWN in b
             for b in (begin, end, strides)) \
             or _int_attr(nd, "ellipsis_mask") or _int_attr(nd, "new_axis_mask"):
-        raise _Unfoldable
+        raise Unfoldable
     if strides[0] == 0:
-        raise _Unfoldable
+        raise Unfoldable
     b = None if _int_attr(nd, "begin_mask") & 1 else begin[0]
     e = None if _int_attr(nd, "end_mask") & 1 else end[0]
     if _int_attr(nd, "shrink_axis_mask") & 1:
         if b is None or not -len(vals) <= b < len(vals):
-            raise _Unfoldable
+            raise Unfoldable
         return vals[b]
     return vals[slice(b, e, strides[0])]
 
