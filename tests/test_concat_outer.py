@@ -162,19 +162,6 @@ def test_column_reduction_over_a_concatenated_outer_axis():
     assert_rounding_close(got, want)
 
 
-def test_what_stays_out_with_outer_axes_says_why():
-    b = SpecBuilder()
-    x = b.input("float32", [-1, 6, C])
-    assert "on two axes" in check(b.build(
-        [b.Pad(b.Exp(x), paddings=[0, 0, 1, 1, 2, 0], value=0.0)])).reason
-    b = SpecBuilder()
-    x = b.input("float32", [-1, 6, C])
-    y = b.input("float32", [-1, 6, C])
-    cat = b.ConcatV2(b.Exp(x), y, axis=2)        # innermost, read by a column sum
-    assert "on the innermost axis read in a column reduction" in check(
-        b.build([b.Sum(cat, axes=[1])])).reason
-
-
 # ---- through TF ------------------------------------------------------------------------
 
 def test_tf_class_token_concat_and_layernorm_are_one_kernel():

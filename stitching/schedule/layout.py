@@ -39,10 +39,13 @@ What stays out, with the reason the report shows (``Refusal``):
     have to be computed in another index space, a second domain);
   - a view whose strides depend on dims known only at run time (the strides are
     constants of the generated code), or that slices a dim known only at run time;
-  - a concatenation or Pad on an axis other than the kernel's innermost: every piece
-    is evaluated at every index of the concatenated axis (the table selects
-    afterwards), and a piece's loads outside its own range are guarded by the
-    innermost loop's index (View.guard), which the emitters know;
+  - a concatenation or Pad that reads one input outside its range on two axes.  Every
+    piece is evaluated at every index of the concatenated axis (the table selects
+    afterwards); a piece's loads outside its own range (View.guard) are skipped by the
+    innermost loop's index on the innermost axis, and on an outer axis the piece's row
+    index is clamped into its range (domain.py, Domain.clamped: the load reads a row
+    of the piece that the Select then drops); a guard on the innermost axis under a
+    column reduction stays out too (its loops index columns from a block start);
   - a Reverse of the innermost axis (a negative innermost stride: domain.py);
   - a view that moves the innermost axis (the emitters load the innermost axis
     contiguously): checked in domain.py, where the innermost axis is known.
@@ -77,9 +80,10 @@ class View:
     table: tuple = ()
     # A concatenation's piece read over the whole concatenated axis leaves its tensor
     # at the other pieces' indices (rotate-half: -x[i + h] for i < h, x[i - h] after):
-    # ``guard`` = (view dim, bools) says where along that dim the load is in range; the
-    # emitters load only there (0 elsewhere, which the piece selector discards).  That
-    # dim must be the kernel's innermost axis (domain.py checks).
+    # ``guard`` = (view dim, bools) says where along that dim the load is in range.  On
+    # the kernel's innermost axis the emitters load only there (0 elsewhere, which the
+    # piece selector discards); on an outer axis the index is clamped into that range
+    # (domain.py, Domain.clamped), so the load reads a row the selector discards.
     guard: tuple = ()
 
 
