@@ -167,7 +167,8 @@ def test_column_reduction_over_a_concatenated_outer_axis():
 def test_tf_class_token_concat_and_layernorm_are_one_kernel():
     """tf.concat of a class token (a plain input, no BroadcastTo) and patch tokens on
     the token axis, + position embeddings, then a LayerNorm: one kernel, with an
-    unknown batch; the element-wise form equals TF bit for bit."""
+    unknown batch; the element-wise form equals TF bit for bit.  A tf.pad on the token
+    axis under the same LayerNorm: one kernel too."""
     import stitching
     tf = pytest.importorskip("tensorflow")
     pos = tf.constant(RNG.standard_normal((7, C)).astype(np.float32))
@@ -180,19 +181,28 @@ def test_tf_class_token_concat_and_layernorm_are_one_kernel():
         m, v = tf.nn.moments(t, axes=[2], keepdims=True)
         return (t - m) * tf.math.rsqrt(v + 1e-5)
 
+    def padded(a, x):       # a Pad on the token axis under the same LayerNorm
+        t = tf.pad(x * 2.0, [[0, 0], [1, 0], [0, 0]], constant_values=1.0) + pos
+        m, v = tf.nn.moments(t, axes=[2], keepdims=True)
+        return (t - m) * tf.math.rsqrt(v + 1e-5)
+
     sig = [tf.TensorSpec([None, 4, C], tf.float32), tf.TensorSpec([None, 6, C], tf.float32)]
     f_ew = stitching.function(lambda a, x: tokens(a, x) * 3.0, input_signature=sig)
     f_ln = stitching.function(ln, input_signature=sig)
+    f_pad = stitching.function(padded, input_signature=sig)
     for batch in (1, 3):
         a = RNG.standard_normal((batch, 4, C)).astype(np.float32)
         x = RNG.standard_normal((batch, 6, C)).astype(np.float32)
         x[:, 0, :2] = [np.nan, np.inf]
         np.testing.assert_array_equal(f_ew(a, x).numpy(),
                                       tf.function(lambda a, x: tokens(a, x) * 3.0)(a, x))
-        got, want = f_ln(a, x).numpy(), tf.function(ln)(a, x).numpy()
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    for f in (f_ew, f_ln):
+        for f, fn in ((f_ln, ln), (f_pad, padded)):
+            got, want = f(a, x).numpy(), tf.function(fn)(a, x).numpy()
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            assert np.isfinite(got[:, 0]).all()
+    for f in (f_ew, f_ln, f_pad):
         assert f.report.coverage == 1.0, f.report.summary()
         assert len(f.report.kernels) == 1, f.report.summary()
     assert "ConcatV2" in [op for _, op in f_ln.report.kernels[0].ops]
+    assert "PadV2" in [op for _, op in f_pad.report.kernels[0].ops]
