@@ -6,6 +6,8 @@ Layout is exact: element-wise kernels equal NumPy/TF bit for bit; row reductions
 a float64 reference within float32 rounding.  A NaN or Inf a piece holds, or that its
 arithmetic makes, at a row the clamp reads in place of another piece's must not leak
 into that piece's rows."""
+import re
+
 import numpy as np
 import pytest
 
@@ -143,6 +145,30 @@ def test_pad_on_an_outer_axis():
         assert_rounding_close(got, want)
         for row in (0, 1, 8):           # the padding rows: a uniform softmax
             np.testing.assert_allclose(got[:, row], 1.0 / C, rtol=1e-6)
+
+
+def test_softmax_over_long_rows_prefetches_clamped_rows():
+    """Rows of 1024 under a softmax: the kernel prefetches the next row's inputs
+    (cpu/emitter.py _prefetch_next_row), whose addresses are clamped too."""
+    from stitching.codegen.cpu.emitter import emit
+    n = 1024
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 3, n])
+    y = b.input("float32", [-1, 5, n])
+    cat = b.ConcatV2(b.Mul(x, b.const(2.0)), y, axis=1)
+    e = b.Exp(b.Sub(cat, b.Max(cat, axes=[2], keep_dims=True)))
+    spec = b.build([b.Div(e, b.Sum(e, axes=[2], keep_dims=True))])
+    text = emit(build_schedule(spec)).text
+    # y's next-row base, its token index clamped to rows 3-7 of the concatenation
+    assert re.search(r"pf_i\d+ = qn0 \* st_i\d+_0 \+ min\(max\(qn1, 3\), 7\)", text)
+    X = RNG.standard_normal((2, 3, n)).astype(np.float32)
+    Y = RNG.standard_normal((2, 5, n)).astype(np.float32)
+    X[:, 2, 0], Y[:, 0, 0] = np.inf, np.nan     # read at the other piece's rows
+    (got,) = compile_kernel(spec)(X, Y)
+    c = np.concatenate([X * np.float32(2), Y], 1).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(c - c.max(-1, keepdims=True))
+        assert_rounding_close(got, e / e.sum(-1, keepdims=True))
 
 
 def test_column_reduction_over_a_concatenated_outer_axis():
