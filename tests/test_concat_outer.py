@@ -13,7 +13,7 @@ import pytest
 
 from stitching.compile import compile_kernel
 from stitching.ir.builder import SpecBuilder
-from stitching.schedule import KernelKind, build_schedule, check
+from stitching.schedule import KernelKind, build_schedule
 
 RNG = np.random.default_rng(4343)
 C = 16
