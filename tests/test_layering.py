@@ -6,7 +6,7 @@
 
 Inside ``tf`` the floors run the same way:
 
-    opnames, graph_file, tfgraph ─► frontend, passmanager ─► passes/
+    opnames, graph_file, tfgraph, dim_sources ─► frontend, passmanager ─► passes/
              ─► pipeline (the driver), results, dump, tensorboard, kernel_assets
              ─► function
 
@@ -43,7 +43,7 @@ RANK = {name: i for i, s in enumerate(STAGES)
 # Inside codegen: the shared lowering first, then the backends, side by side.
 CODEGEN = {"lower": 0, "cpu": 1, "cuda": 1}
 # Inside tf: floors; a module imports its own floor or lower ones.
-TF_FLOORS = {"opnames": 0, "graph_file": 0, "tfgraph": 0,
+TF_FLOORS = {"opnames": 0, "graph_file": 0, "tfgraph": 0, "dim_sources": 0,
              "frontend": 1, "passmanager": 1,
              "passes": 2,
              # scalars reads control-flow bodies (their names, their stitched copies)

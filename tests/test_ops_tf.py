@@ -228,6 +228,53 @@ def test_tile_of_size_one_axes_is_a_fused_broadcast():
     assert "not a broadcast" in sf.report.summary()
 
 
+def _one_kernel_of(sf, *ops):
+    kernels = [{t for _, t in k.ops} for k in sf.report.kernels]
+    assert len(kernels) == 1 and set(ops) <= kernels[0], sf.report.summary()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_broadcast_to_a_run_time_batch_reads_the_batch_from_its_source(batch):
+    """A class token broadcast to ``[shape(x)[0], 1, d]``: one kernel with its
+    consumers, which takes the batch from x's shape (one compile for every batch)."""
+    token = tf.Variable(_floats((1, 1, 8), tf.float32))
+    sig = [tf.TensorSpec([None, 5, 8], tf.float32)]
+
+    def fn(x):
+        t = tf.broadcast_to(token, tf.stack([tf.shape(x)[0], 1, 8]))
+        return t * 3.0 + tf.reduce_sum(x, 1, keepdims=True)
+
+    x = _floats((batch, 5, 8), tf.float32)
+    sf = check(fn, x, sig=sig)
+    _one_kernel_of(sf, "BroadcastTo", "Mul")
+    # keras.ops.repeat / tf.tile with a run-time multiple on a size-1 axis: the same
+    sf = check(lambda x: tf.tile(token, tf.stack([tf.shape(x)[0], 1, 1])) - x[:, :1, :],
+               x, sig=sig)
+    _one_kernel_of(sf, "Tile")
+
+
+def test_broadcast_to_the_shape_of_another_tensor_is_fused():
+    """TF's gradient of a reduction over a run-time batch broadcasts to Shape(x)."""
+    x = _floats((6, 4, 8), tf.float32)
+    sf = check(lambda a: tf.broadcast_to(tf.reduce_sum(a, 0, keepdims=True) * 0.5,
+                                         tf.shape(a)) + a, x, tol=1e-5)
+    assert "BroadcastTo" in {t for k in sf.report.kernels for _, t in k.ops}
+
+
+def test_broadcast_to_run_time_sizes_it_cannot_prove_stays_tf_with_the_reason():
+    x = _floats((3, 4), tf.float32)
+    sig = [tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None, 1], tf.float32)]
+
+    def fn(a, b):     # b's unknown dim may be 1 at run time (TF broadcasts it then)
+        return tf.broadcast_to(b * 2.0, tf.shape(a)) + 1.0
+
+    sf = stitching.function(fn, input_signature=sig, options=OPTS)
+    b = x[:, :1]
+    np.testing.assert_array_equal(sf(x, b).numpy(), fn(x, b).numpy())
+    np.testing.assert_array_equal(sf(x, b[:1]).numpy(), fn(x, b[:1]).numpy())
+    assert "may be 1 and broadcast when the op runs" in sf.report.summary()
+
+
 def test_softmax_cross_entropy_two_outputs_match_tf():
     """A two-output composite: loss [N] and backprop [N, C] from one row kernel."""
     logits = _floats((6, 10), tf.float32)[::-1].copy()

@@ -158,3 +158,15 @@ def test_llama_decoder_kernels_at_most_0_3x_xla(monkeypatch):
     rep = f.report
     assert len(rep.kernels) == 13, rep.summary()
     assert len(rep.kernels) <= 0.3 * fusions["memory_kernels"], fusions
+
+
+def test_a_tile_to_another_values_run_time_dims_has_them():
+    """A class token broadcast to the batch of x (tf/frontend.py: BroadcastTo whose
+    target is Shape(x)[0]) carries x's batch symbol, not a fresh one."""
+    b = G().input("x", [4, -1]).input("t", [1, 1, 16])     # x's batch is its dim 1
+    b.g.add(Node("bt", "Tile", [ValueRef("t"), ValueRef("x")],
+                 {"shape": [-1, 1, 16], "like": [1, -1, -1]},
+                 [TensorType("float32", (-1, 1, 16))]))
+    g = b.build("bt")
+    bt, x = _dims(g, "bt"), _dims(g, "x")
+    assert bt[0] is not None and bt[0] == x[1] and bt[1:] == (None, None)

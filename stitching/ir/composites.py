@@ -28,6 +28,8 @@ bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
                        loss = sum(labels * (log(z) - s)), backprop = e / z - labels
   Tile(x, multiples) = x * ones(output shape)     (only where every tiled axis of x
                        has size 1: a broadcast; x * 1 is exact, -0 and NaN included)
+  Tile(x, s)         = x * ones_like(slice of s)  (a broadcast to dims known only at
+                       run time: those of s, by ``like``; s's data is never read)
   FusedBatchNormGrad(dy, x, scale, mean, var) (fused_batch_norm_op.cc, CPU functors;
                        channel-last, three outputs; sums over every other axis, n their
                        element count, known at trace time):
@@ -59,7 +61,7 @@ COMPOSITE_OPS = {
     "TanhGrad": (Kind.ELEMENTWISE, 2),
     "BiasAddGrad": (Kind.REDUCTION, 1),
     "L2Loss": (Kind.REDUCTION, 1),
-    "Tile": (Kind.ELEMENTWISE, 1),          # a broadcast (frontend checks)
+    "Tile": (Kind.ELEMENTWISE, 1),          # a broadcast (frontend checks); [x, s]: _tile
     "SoftmaxCrossEntropyWithLogits": (Kind.REDUCTION, 2),    # two outputs
     "FusedBatchNormGrad": (Kind.REDUCTION, 5),               # three outputs
     # TF's Split / SplitV / Unpack: one Slice per piece along ``axis`` (``sizes``), the
@@ -188,9 +190,25 @@ def _l2_loss(attrs, a, t, emit):
 
 
 def _tile(attrs, a, t, emit):
-    ones = emit("Const", [], {"value": 1 if t[0].dtype.startswith("int") else 1.0,
-                              "dtype": t[0].dtype, "shape": list(attrs["shape"])})
-    return emit("Mul", [a[0], ones], {})
+    one = 1 if t[0].dtype.startswith("int") else 1.0
+    if len(a) == 1:
+        ones = emit("Const", [], {"value": one, "dtype": t[0].dtype,
+                                  "shape": list(attrs["shape"])})
+        return emit("Mul", [a[0], ones], {})
+    # a broadcast to run-time dims of a second input (``like``: per output dim, its
+    # dim there, or -1): ones shaped by that input's dims, which the kernel reads from
+    # its shape; the slice keeps the dims taken whole and the first element of the
+    # others (size-1 dims in the output's place: the slice's target shape)
+    like, src = attrs["like"], t[1].shape
+    ref = a[1]
+    if list(like) != list(range(len(src))):
+        keep = set(like)
+        ref = emit("Slice", [ref], {
+            "begin": [0] * len(src), "strides": [1] * len(src),
+            "size": [(-1 if n < 0 else n) if k in keep else 1 for k, n in enumerate(src)],
+            "shape": [src[k] if k >= 0 else 1 for k in like]})
+    return emit("Mul", [a[0], emit("FillLike", [ref], {"value": one,
+                                                       "dtype": t[0].dtype})], {})
 
 
 def _xent(attrs, a, t, emit):

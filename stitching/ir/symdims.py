@@ -20,6 +20,7 @@ equal dims whatever the symbols' values::
 Rules, each sound by the op's definition (TF computes the same at run time):
   - element-wise (broadcasting): an output dim is the operands' dim where every
     operand that is not a static 1 there has the same monomial;
+  - a Tile broadcasting to run-time dims of a second input (``like``): those dims;
   - reductions keep the dims they do not reduce; Transpose permutes;
   - Reshape: a -1 entry of its target (``facts``: the constant target TF runs,
     tf/passes/shapes.py folds Keras's run-time targets to these), or the one dim of
@@ -98,6 +99,12 @@ class _Sweep:
         if node.op in _SHAPE_KEEPING:     # x's shape (a bias may run along dim 1, NCHW)
             return list(ins[0]) if ins and ins[0] is not None and \
                 len(ins[0]) == len(shape) else None
+        if node.op == "Tile" and "like" in node.attrs and len(ins) == 2 and None not in ins:
+            # a broadcast to run-time dims of its second input (ir/composites.py)
+            x, src = ins
+            lead = len(shape) - len(x)
+            return [src[k] if k >= 0 else x[i - lead] if i >= lead else None
+                    for i, k in enumerate(node.attrs["like"])]
         if kind == Kind.ELEMENTWISE:
             return _broadcast(ins, len(shape))
         if kind == Kind.REDUCTION and "axes" in node.attrs and ins and ins[0] is not None:

@@ -238,12 +238,23 @@ class _Lowering:
         if n.op == "Reshape":
             x = self.spec.type_of(n.args[0]).shape
             return self.remap(n.args[0], _reshape_map(x, n.type.shape, M), shape)
-        if n.op in ("Const", "FillLike"):
+        if n.op == "FillLike":
+            # a uniform value in its argument's shape: keep reading that shape (a Tile
+            # broadcasting to a run-time batch gets its size from there, composites.py)
+            # where the argument folds into a view, else a constant
+            try:
+                arg = self.remap(n.args[0], M, shape)
+            except Refusal:
+                return self.emit("Const", [], {"value": n.attrs["value"],
+                                               "dtype": n.type.dtype,
+                                               "shape": [1] * len(shape)})
+            return self.emit("FillLike", [arg], n.attrs)
+        if n.op == "Const":
             # a uniform value; its non-1 dims (the ones a broadcasting Tile multiplies
             # by) keep their extent in the new index space
             out = [1] * len(shape)
             for (o, _, _), size in zip(M, n.type.shape):
-                if o >= 0 and size != 1 and n.op == "Const":
+                if o >= 0 and size != 1:
                     out[o] = shape[o]
             return self.emit("Const", [], {"value": n.attrs["value"],
                                            "dtype": n.type.dtype, "shape": out})

@@ -221,7 +221,7 @@ def pass_contents(spec, live, st, vec, reds, scratch, n_passes):
                 sloads.add(a)
                 continue
             compute.add(a)
-            for b in nodes[a].args:
+            for b in _read_args(nodes[a]):
                 if b < 0:
                     loads.add(-b - 1)
                 else:
@@ -231,6 +231,12 @@ def pass_contents(spec, live, st, vec, reds, scratch, n_passes):
         result.append(tuple(tuple(sorted(x)) for x in (
             compute, recomputed, loads, sloads, sstores, accumulate, stores)))
     return result
+
+
+def _read_args(node) -> tuple:
+    """The arguments whose values a node reads: a FillLike reads only its argument's
+    shape (the kernel's dims), never its data."""
+    return () if node.op == "FillLike" else node.args
 
 
 def _accum_pass(spec, k, st):
@@ -246,7 +252,7 @@ def scalar_contents(spec, live, st, vec, n_passes):
     result = []
     for s in range(n_passes + 1):
         compute = [k for k in live if not vec(k) and st[k] == s]
-        loads = sorted({-a - 1 for k in compute for a in nodes[k].args
+        loads = sorted({-a - 1 for k in compute for a in _read_args(nodes[k])
                         if a < 0 and not vec(a)})   # a reduction's vector input is read in its pass
         stores = [k for k in compute if k in outs]
         result.append((tuple(compute), tuple(loads), tuple(stores)))

@@ -24,7 +24,7 @@ from tensorflow.python.framework import tensor_util
 from ..ir import Graph, Node, TensorType, ValueRef
 from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT
 from ..ir.ops import SMALL_MATMUL_MAX_WEIGHTS
-from . import opnames
+from . import dim_sources, opnames
 from .tfgraph import DTYPE_NAMES
 # kept here for their callers (stitching.function, tools): they live in tfgraph.py
 from .tfgraph import TF_DTYPE, import_for_shapes, resource_shapes  # noqa: F401
@@ -361,28 +361,83 @@ def _convert_batch_norm_grad(op) -> Node:
 
 
 def _convert_tile(op) -> Node:
-    """A Tile that only repeats size-1 axes, and a BroadcastTo, to a static shape is
-    a broadcast (gradients of reductions and of normalization moments emit these):
-    the composite Tile (x * ones(shape))."""
+    """A Tile that only repeats size-1 axes, and a BroadcastTo, is a broadcast
+    (gradients of reductions and of normalization moments emit these): the composite
+    Tile (x * ones(shape)).  Where the output has dims known only at run time that x
+    does not carry (a class token broadcast to the batch), the Tile also reads the
+    tensor the shape arithmetic took them from (tf/dim_sources.py), for its dims only."""
     x, y = op.inputs[0].shape, op.outputs[0].shape
     if x.rank is None or y.rank is None:
         raise _Unfusible(f"{op.type} of unknown rank")
-    if op.type == "Tile":
-        multiples = _const_value(op.inputs[1]).reshape(-1).tolist()
-        if any(m != 1 and x[i] != 1 for i, m in enumerate(multiples)):
-            raise _Unfusible("Tile repeating an axis of size > 1 (not a broadcast)")
-        # a dim known only at run time that is not tiled (multiple 1: the batch of
-        # keras.ops.repeat's Tile) is the input's own: ones of size 1 there broadcast
-        unknown_ok = all(y[i] is not None or (m == 1 and x[i] is None)
-                         for i, m in enumerate(multiples))
-    else:
-        unknown_ok = y.is_fully_defined()
-    if not unknown_ok:
-        raise _Unfusible(f"{op.type} with an output shape known only at run time")
     if op.inputs[0].dtype == tf.bool:
         raise _Unfusible(f"{op.type} of a bool tensor")
-    return Node(op.name, "Tile", _inputs(op, [0]),
-                {"shape": [1 if d is None else d for d in y.as_list()]})
+    shape = [-1 if d is None else d for d in y.as_list()]
+    # per output dim: None where it is x's own dim (or static: TF's shape inference
+    # has it), else where its run-time size comes from: (tensor, dim)
+    if op.type == "Tile":
+        multiples = dim_sources.entries(op.inputs[1])
+        if multiples is None or len(multiples) != x.rank:
+            raise _Unfusible("Tile multiples computed by ops other than shape arithmetic")
+        # a dim known only at run time that is not tiled (multiple 1: the batch of
+        # keras.ops.repeat's Tile) is the input's own: ones of size 1 there broadcast
+        if any(m != 1 and x[i] != 1 for i, m in enumerate(multiples)):
+            raise _Unfusible("Tile repeating an axis whose size is not 1 (not a broadcast)")
+        wanted = [None if m == 1 else m for m in multiples]
+    else:
+        target = dim_sources.entries(op.inputs[1])
+        if target is None or len(target) != y.rank:
+            if not y.is_fully_defined():
+                raise _Unfusible("BroadcastTo with an output shape known only at run time, "
+                                 "computed by ops other than shape arithmetic")
+            target = shape
+        lead = y.rank - x.rank
+        pad = [1] * lead + x.as_list()
+        wanted = []
+        for i, (t, d) in enumerate(zip(target, pad)):
+            if y[i] is not None or d == t or \
+                    (isinstance(t, tuple) and t[0].name == op.inputs[0].name and t[1] == i - lead):
+                wanted.append(None)             # static, or x's own dim
+            elif d != 1:
+                raise _Unfusible("BroadcastTo of a dim of size other than 1 to a run-time "
+                                 "size (x's dim may be 1 and broadcast when the op runs, "
+                                 "or differ: TF's error)")
+            else:
+                wanted.append(t)
+    like = [-1] * y.rank
+    source = None
+    for i, t in enumerate(wanted):
+        if y[i] is not None or t is None:
+            continue
+        if not isinstance(t, tuple):        # TF's shape inference keeps constants
+            raise _Unfusible(f"{op.type} to a size TF's shape inference did not keep")
+        if source is not None and t[0].name != source.name:
+            raise _Unfusible(f"{op.type} whose run-time dims come from two tensors")
+        source, like[i] = t[0], t[1]
+    if source is None:
+        return Node(op.name, "Tile", _inputs(op, [0]),
+                    {"shape": [1 if d < 0 else d for d in shape]})
+    return _broadcast_like(op, source, like, shape)
+
+
+def _broadcast_like(op, source, like, shape) -> Node:
+    """The Tile node of a broadcast to run-time dims of ``source`` (``like``: per output
+    dim, the source dim it takes, or -1): the kernel reads source's shape, not its data.
+    Its dims the broadcast does not take are sliced to their first element (so they
+    must be static and non-empty), and the ones it takes keep their order."""
+    if source.shape.rank is None:
+        raise _Unfusible(f"{op.type} to the dims of a tensor of unknown rank")
+    src = source.shape.as_list()
+    used = [k for k in like if k >= 0]
+    if used != sorted(set(used)):
+        raise _Unfusible(f"{op.type} to run-time dims in another order than its source's "
+                         "(or one dim twice): not fused yet")
+    if any(k not in used and (n is None or n < 1) for k, n in enumerate(src)):
+        raise _Unfusible(f"{op.type} to run-time dims of a tensor whose other dims are "
+                         "known only at run time or empty")
+    return Node(op.name, "Tile", [ValueRef(op.inputs[0].op.name, op.inputs[0].value_index),
+                                  ValueRef(source.op.name, source.value_index)],
+                {"shape": [1 if (d < 0 and like[i] < 0) else d for i, d in enumerate(shape)],
+                 "like": like})
 
 
 # ---------------------------------------------------------------- layout ops
