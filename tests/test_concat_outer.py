@@ -89,6 +89,18 @@ def test_class_token_concat_on_the_token_axis_is_one_kernel(reduce):
             assert np.isfinite(got[:, 0]).all()
 
 
+def test_class_token_layernorm_with_split_rows():
+    """The same LayerNorm with each row cut into pieces run in phases (split_rows=1,
+    a column block shorter than the row): each piece's base is clamped too."""
+    spec = cls_token_spec(True).with_schedule(split_rows=1, col_block=5, rows_per_task=1)
+    k = compile_kernel(spec)
+    assert k.schedule.split_rows
+    a, x, pos = cls_token_inputs(2)
+    (got,) = k(a, x, pos)
+    assert_rounding_close(got, layer_norm_ref(cls_token_ref(a, x, pos)))
+    assert np.isfinite(got[:, 0]).all() and np.isnan(got[:, 1]).all()
+
+
 def test_concat_on_the_leading_axis():
     """axis 0 of a rank-3 value (static): two pieces, each read at clamped rows."""
     b = SpecBuilder()
