@@ -75,7 +75,7 @@ def test_class_token_concat_on_the_token_axis_is_one_kernel(reduce):
     assert sched.kind == (KernelKind.ROW if reduce else KernelKind.ELEMENTWISE)
     # the token axis stays an axis of its own (not merged with the batch), clamped
     assert [ax.size for ax in sched.domain.axes] == [-1, 7, C]
-    assert [a for a, _, _ in sched.domain.clamped.values()] == [1]
+    assert list(sched.domain.clamped.values()) == [{1: (1, 6)}]   # x: rows 1-6 of 7
     k = compile_kernel(spec)
     for batch in (1, 3):              # one compiled kernel, every batch size
         a, x, pos = cls_token_inputs(batch)
@@ -121,7 +121,7 @@ def test_concat_on_the_leading_axis():
     for spec, axes in zip(specs, ([5, 5, C], [5, 5 * C])):
         dom = build_schedule(spec).domain
         assert [ax.size for ax in dom.axes] == axes
-        assert [a for a, _, _ in dom.clamped.values()] == [0, 0]
+        assert sorted(map(str, dom.clamped.values())) == ['{0: (0, 1)}', '{0: (2, 4)}']
     (got,) = compile_kernel(specs[0])(X, Y)
     assert_rounding_close(got, layer_norm_ref(ref))
     (got,) = compile_kernel(specs[1])(X, Y)
@@ -181,6 +181,34 @@ def test_softmax_over_long_rows_prefetches_clamped_rows():
     with np.errstate(invalid="ignore"):
         e = np.exp(c - c.max(-1, keepdims=True))
         assert_rounding_close(got, e / e.sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("channels", [False, True], ids=["hw", "hwc"])
+def test_pad_of_height_and_width(channels):
+    """ResNet's pool1_pad: relu(x * s + t) padded by one pixel on H and W of NHWC, both
+    outer axes clamped (and C, the innermost, guarded too: ``channels``)."""
+    pc = [1, 2] if channels else [0, 0]
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 5, 6, C])
+    s = b.input("float32", [C])
+    t = b.input("float32", [C])
+    y = b.Pad(b.Relu(b.Add(b.Mul(x, s), t)), paddings=[0, 0, 1, 1, 2, 1, *pc], value=0.0)
+    spec = b.build([b.Mul(y, b.const(2.0))])
+    dom = build_schedule(spec).domain
+    assert list(dom.clamped.values()) == [{1: (1, 5), 2: (2, 7)}]
+    assert len(dom.inner_guard) == (3 if channels else 0)     # x, s and t, along C
+    k = compile_kernel(spec)
+    for batch in (1, 2):
+        X = RNG.standard_normal((batch, 5, 6, C)).astype(np.float32)
+        X[:, 0, 0, :2] = [np.nan, np.inf]           # the corner: read at clamped pixels
+        X[:, 4, 5, 3] = -np.inf
+        S = RNG.standard_normal(C).astype(np.float32)
+        T = RNG.standard_normal(C).astype(np.float32)
+        with np.errstate(invalid="ignore"):
+            ref = np.pad(np.maximum(X * S + T, np.float32(0)),
+                         [(0, 0), (1, 1), (2, 1), tuple(pc)]) * np.float32(2)
+        (got,) = k(X, S, T)
+        np.testing.assert_array_equal(got, ref)
 
 
 def test_column_reduction_over_a_concatenated_outer_axis():

@@ -31,9 +31,9 @@ Algorithm
    (stride[p] == stride[p+1] * size[p+1]), and the innermost axis it carries must have
    stride 1 (the emitters load it contiguously).  A view's dim that covers a source dim
    whole is the source dim's class, so the shape function still checks the source.
-   The axis of a concatenation or Pad that a view is read outside its range along (a
+   Each axis of a concatenation or Pad that a view is read outside its range along (a
    guard) stays an axis of its own: its loop index is the guard's index
-   (``Domain.clamped`` where it is not the innermost).
+   (``Domain.inner_guard`` on the innermost axis, ``Domain.clamped`` on the others).
 
 4. **Contractions** (SmallMatMul, x[..., K] @ w[K, M]): the output's leading dims are
    x's, its last is the weight's M; K is *contracted*.  K's class and everything that
@@ -103,10 +103,13 @@ class Domain:
     weights: frozenset = frozenset()
     # windows (step 5): the window inputs (refs), read only through a DepthwiseConv2D
     windows: frozenset = frozenset()
-    # guarded views on an outer axis (step 3): view ref -> (collapsed axis, first,
-    # last): the view's index along that axis is clamped to [first, last] in its
-    # address, so every load reads its source (the piece selector discards the rest)
+    # guarded views (step 3, layout.py View.guards): on outer axes, view ref ->
+    # {collapsed axis: (first, last)}: the view's index along that axis is clamped to
+    # [first, last] in its address, so every load reads its source (the piece selector
+    # discards the rest); on the innermost axis, view ref -> the guard's bools (the
+    # emitters load where it holds)
     clamped: dict = field(default_factory=dict)
+    inner_guard: dict = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -204,7 +207,7 @@ def live_nodes(spec) -> list:
     return sorted(live)
 
 
-def view_refs(spec) -> dict:
+def _views(spec) -> dict:
     """Input ref -> View for the views of a lowered spec (layout.py)."""
     views = getattr(spec, "views", ())
     n_real = len(spec.inputs) - len(views)
@@ -214,7 +217,7 @@ def view_refs(spec) -> dict:
 def _unify(spec, live):
     uf = _Union()
     dims = {-(j + 1): _vars(uf, t.shape) for j, t in enumerate(spec.inputs)}
-    for ref, view in view_refs(spec).items():   # a dim read whole: the source's class
+    for ref, view in _views(spec).items():       # a dim read whole: the source's class
         for o, d in enumerate(view.src_dims):
             if d is not None:
                 _bind(uf, dims[-(view.source + 1)][d], dims[ref][o])
@@ -446,7 +449,7 @@ def analyze(spec) -> Domain:
     input keeps its dim classes so the shape function still checks it."""
     live = live_nodes(spec)
     uf, dims, reduced_vars, contracted = _unify(spec, live)
-    views = view_refs(spec)
+    views = _views(spec)
     classes, value_dims, ids = _classes(uf, dims, views)
     weights, windows = _weights(spec, live, views)
     side_classes = {ids[uf.find(v)] for v in contracted}
@@ -473,7 +476,8 @@ def analyze(spec) -> Domain:
     channels = _window_channels(spec, live, value_dims)
     guards = _guard_classes(views, value_dims, used)
     axes, axis_of = _collapse(classes, order, main_dims, reduced_classes,
-                              list(class_strides.values()), channels + list(guards.values()))
+                              list(class_strides.values()),
+                              channels + [c for cs in guards.values() for c, _ in cs])
     carries = {ref: tuple(sorted({axis_of[c] for c in _live_axes(classes, vd)
                                   if c in axis_of}))
                for ref, vd in value_dims.items()}
@@ -481,30 +485,30 @@ def analyze(spec) -> Domain:
                for k, cs in reduced_classes.items()}
     view_strides = {r: _view_axis_strides(r, axes, carries[r], st)
                     for r, st in class_strides.items()}
-    clamped = _clamps(views, guards, axes, axis_of)
+    clamped, inner_guard = _clamps(guards, axes, axis_of)
     _check_windows(spec, live, axes, axis_of, carries, channels)
     return Domain(classes, axes, value_dims, carries, reduced, view_strides, side,
-                  weights, windows, clamped)
+                  weights, windows, clamped, inner_guard)
 
 
 def _guard_classes(views, value_dims, used) -> dict:
-    """View ref -> the dim class of its guard (layout.py View.guard), for the guarded
-    views the kernel reads.  Each such class stays an axis of its own (step 3), so
-    that the loop index along it is the guard's index."""
+    """View ref -> ((dim class, bools), ...) of its guards (layout.py View.guards), for
+    the guarded views the kernel reads.  Each such class stays an axis of its own
+    (step 3), so that the loop index along it is the guard's index."""
     out = {}
     for r, v in views.items():
-        if not v.guard or r not in used:
+        if not v.guards or r not in used:
             continue
-        c = value_dims[r][v.guard[0]]
-        if c is None:               # cannot happen: a guard spans a dim of size > 1
+        cs = [(value_dims[r][o], bits) for o, bits in v.guards]
+        if any(c is None for c, _ in cs):   # cannot happen: a guard spans a dim > 1
             raise Refusal("a concatenation or Pad reads a piece outside its range "
                           "along a dimension of size 1")
-        out[r] = c
+        out[r] = cs
     return out
 
 
-def _clamps(views, guards, axes, axis_of) -> dict:
-    """The guarded views whose guard is on an outer axis (Domain.clamped).
+def _clamps(guards, axes, axis_of) -> tuple:
+    """(Domain.clamped, Domain.inner_guard) of the guarded views.
 
     On the innermost axis the emitters load a piece only where its guard holds (the
     element loop's index is the guard's); on an outer axis the view's row base is
@@ -512,18 +516,20 @@ def _clamps(views, guards, axes, axis_of) -> dict:
     load then reads the piece's own memory, and the piece selector (a Select, which
     does not propagate its discarded side) drops the values read at clamped rows.
     A guard's in-range indices are one interval (the index map is affine)."""
-    out = {}
-    for r, c in guards.items():
-        a = axis_of[c]
-        if a == len(axes) - 1:
-            continue
-        bits = views[r].guard[1]
-        inside = [i for i, ok in enumerate(bits) if ok]
-        if not inside:
-            raise Refusal("a Pad of an empty tensor on an axis other than the kernel's "
-                          "innermost: no element to read in place of the padding")
-        out[r] = (a, inside[0], inside[-1])
-    return out
+    clamped, inner = {}, {}
+    for r, cs in guards.items():
+        for c, bits in cs:
+            a = axis_of[c]
+            if a == len(axes) - 1:
+                inner[r] = bits
+                continue
+            inside = [i for i, ok in enumerate(bits) if ok]
+            if not inside:
+                raise Refusal("a Pad of an empty tensor on an axis other than the "
+                              "kernel's innermost: no element to read in place of the "
+                              "padding")
+            clamped.setdefault(r, {})[a] = (inside[0], inside[-1])
+    return clamped, inner
 
 
 def _weights(spec, live, views) -> tuple:

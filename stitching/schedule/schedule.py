@@ -36,7 +36,7 @@ from . import passes as P
 from . import packed as PK
 from . import contract
 from . import layout
-from .domain import Domain, Refusal, analyze, strided_innermost, view_refs
+from .domain import Domain, Refusal, analyze, strided_innermost
 from .passes import KernelKind, Placement
 
 ROW_UNIT_ELEMS = 4096     # tuned: a row unit touches >= ~16 KiB, per-unit overhead < 1%
@@ -308,8 +308,7 @@ def _build_packed(spec) -> Schedule:
 def _build_on(spec, dom) -> Schedule:
     live = P.live_nodes(spec)
     kind, S = P.classify(spec, dom, live)
-    if kind == KernelKind.COLUMN and any(
-            v.guard and r not in dom.clamped for r, v in view_refs(spec).items()):
+    if kind == KernelKind.COLUMN and dom.inner_guard:
         # its loops index columns from a block start, not the guard's absolute index
         # (a guard on an outer axis is in the row bases: Domain.clamped)
         raise Refusal("a concatenation or Pad on the innermost axis read in a column "

@@ -207,14 +207,14 @@ class Emitter:
         A view guarded on an outer axis (Domain.clamped) takes its index along that
         axis clamped into its range: every address of a view passes through here."""
         t = self.tag(ref)
-        clamp = self.dom.clamped.get(ref)
+        clamp = self.dom.clamped.get(ref, {})
         terms = []
         for a in self.dom.carries[ref]:
             if a not in axes:
                 continue
             q = axes[a]
-            if clamp is not None and clamp[0] == a:
-                q = f"min(max({q}, {clamp[1]}), {clamp[2]})"
+            if a in clamp:
+                q = f"min(max({q}, {clamp[a][0]}), {clamp[a][1]})"
             terms.append(f"{q} * st_{t}_{a}")
         return " + ".join(terms) if terms else "0"
 
