@@ -412,10 +412,12 @@ class _Lowering:
                                   "time, is sliced or shifted by a layout op (only whole "
                                   "dims of unknown size are read)")
             elif n and not (0 <= b < size and 0 <= b + step * (n - 1) < size):
-                if n > MAX_TABLE or any(g == o for g, _ in guards):
-                    raise Refusal(f"input {j} of {_fmt(src)} would be read outside dim "
-                                  f"{d} over {n} elements (limit {MAX_TABLE}), or two of "
-                                  "its dims outside their ranges along one: not fused")
+                if n > MAX_TABLE:
+                    raise Refusal(f"input {j} of {_fmt(src)} is read outside its range "
+                                  f"along an axis of {n} elements (limit {MAX_TABLE})")
+                if any(g == o for g, _ in guards):      # a diagonal: one clamp per axis
+                    raise Refusal(f"input {j} of {_fmt(src)} is read outside the ranges "
+                                  "of two of its dims along one axis: not fused")
                 guards.append((o, tuple(0 <= b + step * i < size for i in range(n))))
             strides[o] += step * (st[d] or 0)
             offset += b * (st[d] or 0)
