@@ -31,6 +31,9 @@ Algorithm
    (stride[p] == stride[p+1] * size[p+1]), and the innermost axis it carries must have
    stride 1 (the emitters load it contiguously).  A view's dim that covers a source dim
    whole is the source dim's class, so the shape function still checks the source.
+   Each axis of a concatenation or Pad that a view is read outside its range along (a
+   guard) stays an axis of its own: its loop index is the guard's index
+   (``Domain.inner_guard`` on the innermost axis, ``Domain.clamped`` on the others).
 
 4. **Contractions** (SmallMatMul, x[..., K] @ w[K, M]): the output's leading dims are
    x's, its last is the weight's M; K is *contracted*.  K's class and everything that
@@ -100,6 +103,13 @@ class Domain:
     weights: frozenset = frozenset()
     # windows (step 5): the window inputs (refs), read only through a DepthwiseConv2D
     windows: frozenset = frozenset()
+    # guarded views (step 3, layout.py View.guards): on outer axes, view ref ->
+    # {collapsed axis: (first, last)}: the view's index along that axis is clamped to
+    # [first, last] in its address, so every load reads its source (the piece selector
+    # discards the rest); on the innermost axis, view ref -> the guard's bools (the
+    # emitters load where it holds)
+    clamped: dict = field(default_factory=dict)
+    inner_guard: dict = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -398,7 +408,8 @@ def _order(classes, value_dims) -> list:
 
 def _collapse(classes, order, value_dims, reduced_classes, view_class_strides=(),
               apart=()):
-    """``apart``: classes that stay an axis of their own (windows' channels)."""
+    """``apart``: classes that stay an axis of their own (windows' channels, the
+    axes of concatenations and Pads that a piece is read outside its range along)."""
     pos = {c: i for i, c in enumerate(order)}
     carried = [frozenset(pos[c] for c in _live_axes(classes, vd))
                for vd in value_dims.values()]
@@ -463,8 +474,10 @@ def analyze(spec) -> Domain:
     class_strides = {r: {c: st for c, st in zip(value_dims[r], v.strides) if c is not None}
                      for r, v in views.items() if r in used}
     channels = _window_channels(spec, live, value_dims)
+    guards = _guard_classes(views, value_dims, used)
     axes, axis_of = _collapse(classes, order, main_dims, reduced_classes,
-                              list(class_strides.values()), channels)
+                              list(class_strides.values()),
+                              channels + [c for cs in guards.values() for c, _ in cs])
     carries = {ref: tuple(sorted({axis_of[c] for c in _live_axes(classes, vd)
                                   if c in axis_of}))
                for ref, vd in value_dims.items()}
@@ -472,14 +485,51 @@ def analyze(spec) -> Domain:
                for k, cs in reduced_classes.items()}
     view_strides = {r: _view_axis_strides(r, axes, carries[r], st)
                     for r, st in class_strides.items()}
-    for r, v in views.items():
-        if v.guard and r in used and (value_dims[r][v.guard[0]] is None or axes[-1].classes
-                                      != (value_dims[r][v.guard[0]],)):
-            raise Refusal("a concatenation or Pad on an axis other than the kernel's "
-                          "innermost reads a piece outside its range: not fused yet")
+    clamped, inner_guard = _clamps(guards, axes, axis_of)
     _check_windows(spec, live, axes, axis_of, carries, channels)
     return Domain(classes, axes, value_dims, carries, reduced, view_strides, side,
-                  weights, windows)
+                  weights, windows, clamped, inner_guard)
+
+
+def _guard_classes(views, value_dims, used) -> dict:
+    """View ref -> ((dim class, bools), ...) of its guards (layout.py View.guards), for
+    the guarded views the kernel reads.  Each such class stays an axis of its own
+    (step 3), so that the loop index along it is the guard's index."""
+    out = {}
+    for r, v in views.items():
+        if not v.guards or r not in used:
+            continue
+        cs = [(value_dims[r][o], bits) for o, bits in v.guards]
+        if any(c is None for c, _ in cs):   # cannot happen: a guard spans a dim > 1
+            raise Refusal("a concatenation or Pad reads a piece outside its range "
+                          "along a dimension of size 1")
+        out[r] = cs
+    return out
+
+
+def _clamps(guards, axes, axis_of) -> tuple:
+    """(Domain.clamped, Domain.inner_guard) of the guarded views.
+
+    On the innermost axis the emitters load a piece only where its guard holds (the
+    element loop's index is the guard's); on an outer axis the view's row base is
+    computed from its index along that axis, clamped into the piece's range: every
+    load then reads the piece's own memory, and the piece selector (a Select, which
+    does not propagate its discarded side) drops the values read at clamped rows.
+    A guard's in-range indices are one interval (the index map is affine)."""
+    clamped, inner = {}, {}
+    for r, cs in guards.items():
+        for c, bits in cs:
+            a = axis_of[c]
+            if a == len(axes) - 1:
+                inner[r] = bits
+                continue
+            inside = [i for i, ok in enumerate(bits) if ok]
+            if not inside:
+                raise Refusal("a Pad of an empty tensor on an axis other than the "
+                              "kernel's innermost: no element to read in place of the "
+                              "padding")
+            clamped.setdefault(r, {})[a] = (inside[0], inside[-1])
+    return clamped, inner
 
 
 def _weights(spec, live, views) -> tuple:

@@ -39,10 +39,13 @@ What stays out, with the reason the report shows (``Refusal``):
     have to be computed in another index space, a second domain);
   - a view whose strides depend on dims known only at run time (the strides are
     constants of the generated code), or that slices a dim known only at run time;
-  - a concatenation or Pad on an axis other than the kernel's innermost: every piece
-    is evaluated at every index of the concatenated axis (the table selects
-    afterwards), and a piece's loads outside its own range are guarded by the
-    innermost loop's index (View.guard), which the emitters know;
+  - a concatenation or Pad on the innermost axis read in a column reduction (its loops
+    index columns from a block start).  Every piece is evaluated at every index of the
+    concatenated axis (the table selects afterwards); a piece's loads outside its own
+    range (View.guards) are skipped by the innermost loop's index on the innermost
+    axis, and on an outer axis the piece's row index is clamped into its range
+    (domain.py, Domain.clamped: the load reads a row of the piece that the Select then
+    drops), on as many axes as a view is guarded along (a Pad of H and W);
   - a Reverse of the innermost axis (a negative innermost stride: domain.py);
   - a view that moves the innermost axis (the emitters load the innermost axis
     contiguously): checked in domain.py, where the innermost axis is known.
@@ -77,10 +80,12 @@ class View:
     table: tuple = ()
     # A concatenation's piece read over the whole concatenated axis leaves its tensor
     # at the other pieces' indices (rotate-half: -x[i + h] for i < h, x[i - h] after):
-    # ``guard`` = (view dim, bools) says where along that dim the load is in range; the
-    # emitters load only there (0 elsewhere, which the piece selector discards).  That
-    # dim must be the kernel's innermost axis (domain.py checks).
-    guard: tuple = ()
+    # ``guards`` = ((view dim, bools), ...) say where along each such dim the load is
+    # in range.  On the kernel's innermost axis the emitters load only there (0
+    # elsewhere, which the piece selector discards); on an outer axis the index is
+    # clamped into that range (domain.py, Domain.clamped), so the load reads a row the
+    # selector discards.
+    guards: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -315,7 +320,7 @@ class _Lowering:
     def map_pad(self, n, M, shape):
         """x shifted by each dim's ``lo``; where an index falls in the padding, the
         value: a select over a constant bool table per padded dim (as a
-        concatenation's pieces), x's loads there guarded (View.guard)."""
+        concatenation's pieces), x's loads there guarded (View.guards)."""
         x = self.spec.type_of(n.args[0]).shape
         p, value = n.attrs["paddings"], n.attrs["value"]
         const = self.emit("Const", [], {"value": value, "dtype": n.type.dtype,
@@ -385,7 +390,7 @@ class _Lowering:
         strides, offset = [0] * len(shape), 0
         vshape = [1] * len(shape)
         src_dims = [None] * len(shape)
-        guard = ()
+        guards = []
         for d, ((o, step, b), size) in enumerate(zip(M, src)):
             if size == 1:
                 continue
@@ -407,11 +412,13 @@ class _Lowering:
                                   "time, is sliced or shifted by a layout op (only whole "
                                   "dims of unknown size are read)")
             elif n and not (0 <= b < size and 0 <= b + step * (n - 1) < size):
-                if guard or n > MAX_TABLE:
-                    raise Refusal(f"input {j} of {_fmt(src)} would be read outside dims "
-                                  f"{guard[0] if guard else d} and {d} by concatenations "
-                                  "or pads on two axes: not fused yet")
-                guard = (o, tuple(0 <= b + step * i < size for i in range(n)))
+                if n > MAX_TABLE:
+                    raise Refusal(f"input {j} of {_fmt(src)} is read outside its range "
+                                  f"along an axis of {n} elements (limit {MAX_TABLE})")
+                if any(g == o for g, _ in guards):      # a diagonal: one clamp per axis
+                    raise Refusal(f"input {j} of {_fmt(src)} is read outside the ranges "
+                                  "of two of its dims along one axis: not fused")
+                guards.append((o, tuple(0 <= b + step * i < size for i in range(n))))
             strides[o] += step * (st[d] or 0)
             offset += b * (st[d] or 0)
             vshape[o] = n
@@ -424,7 +431,8 @@ class _Lowering:
         for o, n in enumerate(vshape):
             if n == 1:
                 strides[o] = 0
-        return self._add_view(View(j, tuple(strides), offset, tuple(src_dims), (), guard),
+        return self._add_view(View(j, tuple(strides), offset, tuple(src_dims), (),
+                                   tuple(guards)),
                               TensorType(self.spec.inputs[j].dtype, tuple(vshape)))
 
 

@@ -308,9 +308,11 @@ def _build_packed(spec) -> Schedule:
 def _build_on(spec, dom) -> Schedule:
     live = P.live_nodes(spec)
     kind, S = P.classify(spec, dom, live)
-    if kind == KernelKind.COLUMN and any(v.guard for v in getattr(spec, "views", ())):
+    if kind == KernelKind.COLUMN and dom.inner_guard:
         # its loops index columns from a block start, not the guard's absolute index
-        raise Refusal("a concatenation read in a column reduction: not fused yet")
+        # (a guard on an outer axis is in the row bases: Domain.clamped)
+        raise Refusal("a concatenation or Pad on the innermost axis read in a column "
+                      "reduction: not fused yet")
     side_groups = contract.groups(spec, dom, kind, live)
     if dom.windows and (kind == KernelKind.ROW or side_groups or any(
             contract.is_contraction(spec.nodes[k]) for k in live)):

@@ -297,20 +297,23 @@ class _Emitter(Emitter):
 
     def _tables(self) -> list:
         """Module globals of the views' constant tables: concatenations' piece
-        selectors (_T<j>) and guards (_G<j>)."""
+        selectors (_T<j>) and guards on the innermost axis (_G<j>; a guard on an outer
+        axis clamps the view's row base instead: Emitter.offset)."""
         out = []
         for v, view in enumerate(getattr(self.spec, "views", ())):
             j = self.spec.n_real + v
-            for name, bits in (("T", view.table), ("G", view.guard[1] if view.guard else ())):
+            guard = self.dom.inner_guard.get(-(j + 1), ())
+            for name, bits in (("T", view.table), ("G", guard)):
                 if bits:
                     out.append(f"_{name}{j} = np.array([{', '.join(str(int(x)) for x in bits)}], "
                                "dtype=np.uint8)")
         return out
 
     def load_input(self, w, ref: int, index: str) -> None:
-        """A guarded view (schedule/layout.py View.guard) loads where its guard holds:
-        its dim is the innermost axis, whose absolute index is the element loops' ``j``
-        (row and element-wise kinds; column kernels are refused with guards)."""
+        """A view guarded on the innermost axis (Domain.inner_guard) loads where its
+        guard holds: the axis's absolute index is the element loops' ``j`` (row and
+        element-wise kinds; column kernels are refused with such guards).  Guards on
+        outer axes are in the view's row base (Domain.clamped)."""
         view = self.spec.view_of(-ref - 1) if ref < 0 and hasattr(self.spec, "views") else None
         last = self.R - 1
         if view is not None and self.carries_last(ref) and \
@@ -319,7 +322,7 @@ class _Emitter(Emitter):
             if not (index == "j" or index.endswith(" + j")):
                 raise AssertionError(f"strided view loaded at {index!r}")
             index = f"{index} * st_{self.tag(ref)}_{last}"
-        if view is None or not view.guard:
+        if view is None or ref not in self.dom.inner_guard:
             super().load_input(w, ref, index)
             return
         if not (index == "j" or index.endswith(" + j")):

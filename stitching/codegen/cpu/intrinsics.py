@@ -62,7 +62,7 @@ def ptr_offset(typingctx, p, n):
 
     def codegen(context, builder, sig, args):
         # not inbounds: a guarded view's first element may lie before its source's
-        # (it is never loaded there, schedule/layout.py View.guard)
+        # (it is never loaded there, schedule/layout.py View.guards)
         return builder.gep(args[0], [args[1]])
     return sig, codegen
 

@@ -203,10 +203,19 @@ class Emitter:
         return self.R > 0 and (self.R - 1) in self.dom.carries[ref]
 
     def offset(self, ref: int, axes) -> str:
-        """Sum of idx * stride over the axes in ``axes`` (a dict axis -> index var)."""
+        """Sum of idx * stride over the axes in ``axes`` (a dict axis -> index var).
+        A view guarded on an outer axis (Domain.clamped) takes its index along that
+        axis clamped into its range: every address of a view passes through here."""
         t = self.tag(ref)
-        terms = [f"{axes[a]} * st_{t}_{a}" for a in self.dom.carries[ref]
-                 if a in axes]
+        clamp = self.dom.clamped.get(ref, {})
+        terms = []
+        for a in self.dom.carries[ref]:
+            if a not in axes:
+                continue
+            q = axes[a]
+            if a in clamp:
+                q = f"min(max({q}, {clamp[a][0]}), {clamp[a][1]})"
+            terms.append(f"{q} * st_{t}_{a}")
         return " + ".join(terms) if terms else "0"
 
     def shape_program(self) -> list:
