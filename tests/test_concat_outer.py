@@ -272,3 +272,47 @@ def test_tf_class_token_concat_and_layernorm_are_one_kernel():
         assert len(f.report.kernels) == 1, f.report.summary()
     assert "ConcatV2" in [op for _, op in f_ln.report.kernels[0].ops]
     assert "PadV2" in [op for _, op in f_pad.report.kernels[0].ops]
+
+
+@pytest.mark.parametrize("axis,indices", [
+    (1, [4, 5, 0, 2, 4]),           # two runs on the token axis: x[4:6], x[0:5:2]
+    (1, [5, 4, 3, 2, 1, 0]),        # one run backwards (a reverse)
+    (1, 3),                         # a scalar index: the axis goes
+    (2, [1, 0, 3, 2, 5, 4, 7, 6]),  # pairs swapped along the innermost axis
+])
+def test_gather_by_constant_indices_is_slices_concatenated(axis, indices):
+    """GatherV2 by constant indices (tf/frontend.py, the composite Gather): one
+    strided slice per arithmetic run of the indices, concatenated along the axis, in
+    one kernel with its neighbours; a layout map, so the element-wise form equals TF
+    bit for bit, NaN and Inf where they are gathered.  Unknown batch, one kernel."""
+    import stitching
+    tf = pytest.importorskip("tensorflow")
+
+    def fn(x):
+        return tf.gather(x * 2.0 - 1.0, indices, axis=axis) * 3.0
+
+    sig = [tf.TensorSpec([None, 6, 8], tf.float32)]
+    f = stitching.function(fn, input_signature=sig)
+    for batch in (1, 3):
+        x = RNG.standard_normal((batch, 6, 8)).astype(np.float32)
+        x[:, 0, :3] = [np.nan, np.inf, -np.inf]
+        np.testing.assert_array_equal(f(x).numpy(), tf.function(fn)(x).numpy())
+    assert len(f.report.kernels) == 1 and f.report.coverage == 1.0, f.report.summary()
+    assert "GatherV2" in [op for _, op in f.report.kernels[0].ops]
+
+
+def test_gathers_that_stay_tf_say_why():
+    import stitching
+    tf = pytest.importorskip("tensorflow")
+    x = RNG.standard_normal((2, 12, 4)).astype(np.float32)
+    idx = np.array([3, 1], np.int32)
+    cases = {
+        # ten runs of one (an index repeated: step 0 ends a run), over the limit of 8
+        "arithmetic runs": lambda a, i: tf.gather(a * 2.0, [4] * 10, axis=1) + 1.0,
+        "run-time indices": lambda a, i: tf.gather(a * 2.0, i, axis=1) + 1.0,
+    }
+    for reason, fn in cases.items():
+        f = stitching.function(fn)
+        np.testing.assert_array_equal(f(x, idx).numpy(), fn(x, idx).numpy())
+        assert [w for _, op, w in f.report.unfused if op == "GatherV2" and reason in w], \
+            f.report.summary()

@@ -70,6 +70,10 @@ COMPOSITE_OPS = {
     # TF's StridedSliceGrad with unit strides: dy reshaped to the sliced dims ``shape``
     # (shrunk axes back as size 1), then a Pad by ``paddings`` with zeros
     "SliceGrad": (Kind.LAYOUT, 1),
+    # TF's GatherV2 by constant indices on ``axis``: per run [begin, count, step] of the
+    # indices a strided Slice, concatenated (``squeeze``: a scalar index, the axis
+    # removed)
+    "Gather": (Kind.LAYOUT, 1),
 }
 
 # composites with more than one output: expand returns a tuple, one ref per output
@@ -93,6 +97,8 @@ def expand(op: str, attrs: dict, args: list, types: list, emit) -> int:
     rank = len(x.shape)
     if op == "Split":
         return _split(args[0], x, attrs, emit)
+    if op == "Gather":
+        return _gather(args[0], x, attrs, emit)
     if op == "SliceGrad":
         r = emit("Reshape", [args[0]], {"shape": attrs["shape"]})
         return emit("Pad", [r], {"paddings": attrs["paddings"],
@@ -274,6 +280,22 @@ def _to_channel(ref, t, rank, data_format, emit):
         shape = [t.shape[0]] + [1] * (rank - 2)
         return emit("Reshape", [ref], {"shape": shape})
     return ref
+
+
+def _gather(x, t, attrs, emit) -> int:
+    """GatherV2 by constant indices: a Slice per run of the indices, concatenated
+    (schedule/layout.py folds both)."""
+    axis, rank = attrs["axis"], len(t.shape)
+    pieces = []
+    for begin, count, step in attrs["runs"]:
+        shape = [count if d == axis else s for d, s in enumerate(t.shape)]
+        if attrs["squeeze"]:
+            del shape[axis]
+        pieces.append(emit("Slice", [x], {
+            "begin": [begin if d == axis else 0 for d in range(rank)],
+            "size": [count if d == axis else -1 for d in range(rank)],
+            "strides": [step if d == axis else 1 for d in range(rank)], "shape": shape}))
+    return pieces[0] if len(pieces) == 1 else emit("ConcatV2", pieces, {"axis": axis})
 
 
 def _split(x, t, attrs, emit) -> tuple:

@@ -91,8 +91,6 @@ def _convert(op) -> Node:
                      "TF's Grappler removes"
         elif op.type in opnames.LEFT_TO_TF:
             reason = opnames.LEFT_TO_TF[op.type]
-        elif op.type == "GatherV2":
-            reason = _gather_reason(op)
         elif opnames.is_memory_intensive(op.type):
             reason = f"{op.type} is not supported by the fuser yet"
         return _opaque(op, reason)
@@ -118,24 +116,65 @@ class _Unfusible(Exception):
     pass
 
 
-def _gather_reason(op) -> str:
-    """Why a GatherV2 stays TF's, by its form (docs/limits.md, Layout ops)."""
+# arbitrary: a gather is fused as a concatenation of one strided slice per run of
+# its indices (constant steps), and every piece is evaluated at every output index
+_MAX_GATHER_RUNS = 8
+
+
+def _convert_gather(op) -> Node:
+    """GatherV2 by constant indices on a constant axis: the composite Gather, the
+    slices of ``params`` along ``axis`` that the indices' arithmetic runs take,
+    concatenated (``[5, 6, 7, 0, 2, 4]``: x[5:8] and x[0:5:2]); a scalar index is one
+    slice without the axis.  Every other form stays TF's, with its reason."""
     params = tensor_util.constant_value(op.inputs[0])
     if params is not None and not np.any(params):
-        return ("a bounds check of run-time indices (a gather of zeros: TF's kernel fails "
-                "with InvalidArgument on an index out of range), kept on purpose")
+        raise _Unfusible("a bounds check of run-time indices (a gather of zeros: TF's "
+                         "kernel fails with InvalidArgument on an index out of range), "
+                         "kept on purpose")
     if tensor_util.constant_value(op.inputs[2]) is None:
-        return "GatherV2 on an axis known only at run time: not fused"
+        raise _Unfusible("GatherV2 on an axis known only at run time: not fused")
     if op.get_attr("batch_dims"):
-        return "GatherV2 with batch_dims: not fused yet"
-    if tensor_util.constant_value(op.inputs[1]) is not None:
-        return ("GatherV2 by constant indices: not fused yet (its index map is a table "
-                "of rows, not affine: schedule/layout.py folds affine maps only)")
-    return ("GatherV2 by run-time indices (an embedding or position lookup): each output "
+        raise _Unfusible("GatherV2 with batch_dims: not fused yet")
+    index = tensor_util.constant_value(op.inputs[1])
+    if index is None:
+        raise _Unfusible(
+            "GatherV2 by run-time indices (an embedding or position lookup): each output "
             "element reads params at an index known only when the kernel runs, a "
             "data-dependent load the kernels do not make yet; fused, it would also have "
             "to fail on an out-of-range index as TF's CPU kernel does (InvalidArgument) "
             "rather than read outside params")
+    x = _static_shape(op.inputs[0])
+    axis = int(_const_value(op.inputs[2]).reshape(())) % max(len(x), 1)
+    index = np.asarray(index)
+    if x[axis] < 0:
+        raise _Unfusible("GatherV2 along a dim known only at run time: not fused")
+    if index.ndim > 1 or index.size == 0:
+        raise _Unfusible(f"GatherV2 by a constant index array of shape {list(index.shape)}"
+                         ": not fused yet (only scalars and non-empty vectors)")
+    flat = [int(i) for i in index.reshape(-1)]
+    if any(not 0 <= i < x[axis] for i in flat):
+        raise _Unfusible(f"GatherV2 by a constant index outside [0, {x[axis]}): TF's "
+                         "InvalidArgument error, left to TF")
+    runs = _runs(flat)
+    if len(runs) > _MAX_GATHER_RUNS:
+        raise _Unfusible(f"GatherV2 by constant indices in {len(runs)} arithmetic runs "
+                         f"(each a piece the kernel selects from; limit {_MAX_GATHER_RUNS})")
+    return Node(op.name, "Gather", _inputs(op, [0]),
+                {"axis": axis, "runs": runs, "squeeze": index.ndim == 0})
+
+
+def _runs(indices) -> list:
+    """[begin, count, step] per maximal run of ``indices`` with one non-zero step."""
+    runs, i = [], 0
+    while i < len(indices):
+        step = indices[i + 1] - indices[i] if i + 1 < len(indices) else 1
+        j = i + 1
+        if step:
+            while j < len(indices) and indices[j] - indices[j - 1] == step:
+                j += 1
+        runs.append([indices[i], j - i, step if j - i > 1 else 1])
+        i = j
+    return runs
 
 
 def _identity_perm(op) -> list | None:
@@ -614,6 +653,7 @@ def _convert_reverse(op) -> Node:
 
 
 _LAYOUT = {"Transpose": _convert_transpose, "Slice": _convert_slice,
+           "GatherV2": _convert_gather,
            "Pad": _convert_pad, "PadV2": _convert_pad, "ReverseV2": _convert_reverse,
            "StridedSliceGrad": _convert_strided_slice_grad,
            "StridedSlice": _convert_strided_slice, "ConcatV2": _convert_concat,

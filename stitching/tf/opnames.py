@@ -67,12 +67,12 @@ LEFT_TO_TF = {
 # forms docs/limits.md names: copies in TF, so counted as memory-intensive.
 LAYOUT_MAPS = frozenset({
     "Transpose", "Slice", "StridedSlice", "ConcatV2", "Pack", "Split", "SplitV", "Unpack",
-    "Pad", "PadV2", "ReverseV2", "StridedSliceGrad"})
+    "Pad", "PadV2", "ReverseV2", "StridedSliceGrad", "GatherV2"})
 
 # Memory-intensive TF ops we do not fuse (yet): counted in the denominator, so the
 # report's coverage figure stays honest.
 UNSUPPORTED_MEMORY_INTENSIVE = frozenset({
-    "Concat", "MirrorPad", "GatherV2", "OneHot", "ArgMax", "ArgMin", "Cumsum", "Atan2", "Tan", "Asin",
+    "Concat", "MirrorPad", "OneHot", "ArgMax", "ArgMin", "Cumsum", "Atan2", "Tan", "Asin",
     "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Lgamma", "Digamma",
     "Mod", "TruncateDiv", "TruncateMod", "BitwiseAnd", "BitwiseOr", "ResizeBilinear",
     "ResizeNearestNeighbor", "MaxPool", "AvgPool", "Gelu", "Mish", "LRN",

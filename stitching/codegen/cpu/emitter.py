@@ -316,16 +316,17 @@ class _Emitter(Emitter):
         outer axes are in the view's row base (Domain.clamped)."""
         view = self.spec.view_of(-ref - 1) if ref < 0 and hasattr(self.spec, "views") else None
         last = self.R - 1
+        along = index == "j" or index.endswith(" + j")     # at the element loop's j
         if view is not None and self.carries_last(ref) and \
                 self.dom.view_strides[ref].get(last, 1) != 1:
             # a strided innermost axis (element-wise kernels only, schedule.py)
-            if not (index == "j" or index.endswith(" + j")):
+            if not along:
                 raise AssertionError(f"strided view loaded at {index!r}")
             index = f"{index} * st_{self.tag(ref)}_{last}"
         if view is None or ref not in self.dom.inner_guard:
             super().load_input(w, ref, index)
             return
-        if not (index == "j" or index.endswith(" + j")):
+        if not along:
             raise AssertionError(f"guarded view loaded at {index!r}, not along the "
                                  "innermost axis")
         zero = self.C(0, dt.COMPUTE[self.dtype(ref)])
