@@ -60,7 +60,6 @@ namespace {
 
 using stitching_blas::BatchIndex;
 using stitching_blas::FitsBlas;
-using stitching_blas::InlineKernel;
 using stitching_blas::Product;
 using stitching_blas::Shares;
 using stitching_blas::Swapped;
@@ -424,9 +423,9 @@ double MaxSquares(const T* p, int64_t first, int64_t last, int64_t len, bool row
 }
 
 template <typename T>
-class AttentionOp : public InlineKernel {
+class AttentionOp : public OpKernel {
  public:
-  explicit AttentionOp(OpKernelConstruction* ctx) : InlineKernel(ctx) {
+  explicit AttentionOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_q", &aq_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_k", &ak_));

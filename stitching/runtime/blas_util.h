@@ -229,19 +229,6 @@ class Shares {
   std::condition_variable cv_;
 };
 
-// The product ops run on the thread that made their inputs ready, as StitchedKernel
-// does (op.cc): TF's executor hands an op it deems expensive to an inter-op thread,
-// and on this path every hand-off is a thread wake-up between two ops that are
-// strictly one after the other (a Transformer layer's products and its fused
-// kernels), ~10-20 us each.  The work of each product is still shared with the
-// intra-op pool (RunProducts); independent products (Q, K and V) then run one after
-// another, each on every thread, as XLA's thunks do.
-class InlineKernel : public OpKernel {
- public:
-  using OpKernel::OpKernel;
-  bool IsExpensive() override { return false; }
-};
-
 inline tsl::thread::ThreadPool* Pool(OpKernelContext* ctx) {
   const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   return workers == nullptr ? nullptr : workers->workers;

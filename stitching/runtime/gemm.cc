@@ -53,7 +53,6 @@ namespace {
 using stitching_blas::AllocateOutput;
 using stitching_blas::BatchIndex;
 using stitching_blas::FitsBlas;
-using stitching_blas::InlineKernel;
 using stitching_blas::Product;
 using stitching_blas::RunProducts;
 using stitching_blas::Swapped;
@@ -64,9 +63,9 @@ using tensorflow::Tensor;
 using tensorflow::TensorShape;
 
 template <typename T>
-class MatMulOp : public InlineKernel {
+class MatMulOp : public OpKernel {
  public:
-  explicit MatMulOp(OpKernelConstruction* ctx) : InlineKernel(ctx) {
+  explicit MatMulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_a", &ta_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_b", &tb_));
     int n_bias;
@@ -122,9 +121,9 @@ class MatMulOp : public InlineKernel {
 };
 
 template <typename T>
-class BatchMatMulOp : public InlineKernel {
+class BatchMatMulOp : public OpKernel {
  public:
-  explicit BatchMatMulOp(OpKernelConstruction* ctx) : InlineKernel(ctx) {
+  explicit BatchMatMulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_x", &ax_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_y", &ay_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_x", &tx_));
