@@ -419,3 +419,32 @@ def test_saved_model_round_trip_in_a_fresh_process(monkeypatch, tmp_path):
     out = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     # (the attention's two products run as one StitchedAttention, of the same library)
     assert out["ours"] == ["StitchedAttention", "StitchedMatMul"] and out["err"] < 2e-5, out
+
+
+def test_products_run_inline_in_a_forward_and_handed_off_in_a_training_step(monkeypatch):
+    """tf/passes/inline.py: in a graph without a backward the OpenBLAS ops run on the
+    thread that made their inputs ready (``inline``); a training step's independent
+    products (weight and input gradients) keep TF's inter-op scheduling."""
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
+    model = _encoder()
+    x = _rand((3, 8, 32), seed=9)
+    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
+    fwd = stitching.function(lambda t: model(t), input_signature=sig)
+    fwd(tf.constant(x))
+    marks = {n.attr["inline"].b for n in fwd.get_concrete_function(*sig).graph
+             .as_graph_def().node if n.op in OURS + ("StitchedAttention",)}
+    assert marks == {True}, marks
+    assert any("tf/passes/inline.py" in n for n in fwd.report.notes), fwd.report.notes
+
+    def step(t):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(t) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    train = stitching.function(step, input_signature=sig)
+    for got, want in zip(train(tf.constant(x)), step(tf.constant(x))):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    graph = train.get_concrete_function(*sig).graph.as_graph_def()
+    nodes = list(graph.node) + [n for fd in graph.library.function for n in fd.node_def]
+    marks = {n.attr["inline"].b for n in nodes if n.op in OURS}
+    assert marks == {False}, marks

@@ -60,6 +60,7 @@ namespace {
 
 using stitching_blas::BatchIndex;
 using stitching_blas::FitsBlas;
+using stitching_blas::InlineKernel;
 using stitching_blas::Product;
 using stitching_blas::Shares;
 using stitching_blas::Swapped;
@@ -423,9 +424,9 @@ double MaxSquares(const T* p, int64_t first, int64_t last, int64_t len, bool row
 }
 
 template <typename T>
-class AttentionOp : public OpKernel {
+class AttentionOp : public InlineKernel {
  public:
-  explicit AttentionOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit AttentionOp(OpKernelConstruction* ctx) : InlineKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_q", &aq_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_k", &ak_));
@@ -738,6 +739,7 @@ REGISTER_OP("StitchedAttention")
     .Attr("n_cond: int >= 0 = 0")
     .Attr("fill: float = 0.0")
     .Attr("cond_keeps: bool = true")
+    .Attr("inline: bool = false")
     .Attr("T: {float, double}")
     .SetShapeFn(AttentionShape)
     .Doc("softmax(t) op(v) along the last axis with t = scale * op(q) op(k) [+ mask], "

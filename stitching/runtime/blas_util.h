@@ -229,6 +229,23 @@ class Shares {
   std::condition_variable cv_;
 };
 
+// The product ops run on the thread that made their inputs ready, as StitchedKernel
+// does (op.cc), where their node says ``inline`` (tf/passes/inline.py: graphs without
+// a backward pass).  TF's executor hands an op it deems expensive to an inter-op
+// thread, and in a Transformer's forward every hand-off is a thread wake-up between
+// ops that run strictly one after another.  A training step keeps TF's scheduling:
+// its independent products (weight and input gradients) then run side by side.
+class InlineKernel : public OpKernel {
+ public:
+  explicit InlineKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("inline", &inline_));
+  }
+  bool IsExpensive() override { return !inline_; }
+
+ private:
+  bool inline_ = false;
+};
+
 inline tsl::thread::ThreadPool* Pool(OpKernelContext* ctx) {
   const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   return workers == nullptr ? nullptr : workers->workers;

@@ -53,6 +53,7 @@ namespace {
 using stitching_blas::AllocateOutput;
 using stitching_blas::BatchIndex;
 using stitching_blas::FitsBlas;
+using stitching_blas::InlineKernel;
 using stitching_blas::Product;
 using stitching_blas::RunProducts;
 using stitching_blas::Swapped;
@@ -63,9 +64,9 @@ using tensorflow::Tensor;
 using tensorflow::TensorShape;
 
 template <typename T>
-class MatMulOp : public OpKernel {
+class MatMulOp : public InlineKernel {
  public:
-  explicit MatMulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit MatMulOp(OpKernelConstruction* ctx) : InlineKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_a", &ta_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_b", &tb_));
     int n_bias;
@@ -121,9 +122,9 @@ class MatMulOp : public OpKernel {
 };
 
 template <typename T>
-class BatchMatMulOp : public OpKernel {
+class BatchMatMulOp : public InlineKernel {
  public:
-  explicit BatchMatMulOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit BatchMatMulOp(OpKernelConstruction* ctx) : InlineKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_x", &ax_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("adj_y", &ay_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_x", &tx_));
@@ -253,6 +254,7 @@ REGISTER_OP("StitchedMatMul")
     .Attr("transpose_a: bool = false")
     .Attr("transpose_b: bool = false")
     .Attr("n_bias: int >= 0 = 0")
+    .Attr("inline: bool = false")
     .Attr("T: {float, double}")
     .SetShapeFn(tensorflow::shape_inference::MatMulShape)
     .Doc("MatMul (TF's attributes and shapes) by OpenBLAS, plus an optional bias [N] "
@@ -267,6 +269,7 @@ REGISTER_OP("StitchedBatchMatMul")
     .Attr("transpose_x: bool = false")
     .Attr("transpose_y: bool = false")
     .Attr("transpose_out: bool = false")
+    .Attr("inline: bool = false")
     .Attr("T: {float, double}")
     .SetShapeFn(BatchMatMulShape)
     .Doc("BatchMatMulV2 (TF's attributes, broadcast and shapes) by OpenBLAS, split over "

@@ -42,6 +42,8 @@ around planning, each pass entered once:
                  after a MatMul) -> an OpenBLAS op (Options(blas_gemm))      blas.py
     attention    product -> softmax kernel -> product -> one StitchedAttention
                  op (Options(fused_attention))                         attention.py
+    inline       in graphs without a backward, the OpenBLAS ops run on the executor's
+                 thread (no inter-op hand-off between a layer's ops)     inline.py
     remapper_identities  the Identity in Keras' swish forwarded         remapper.py
     prune        what the rewrite left unread, equal constants, inlining's Identities
     autotune     kernels with a small predicted margin marked to be timed against
@@ -69,7 +71,8 @@ from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import control_flow, dump, opnames, passmanager, results, scalars
 from .passes import (attention, autotune, bcast, blas, concat_grad, conv1x1, einsum, forward,
-                     gemm, grappler, lift, original, padfold, prune, remapper, reshape_sink,
+                     gemm, grappler, inline, lift, original, padfold, prune, remapper,
+                     reshape_sink,
                      rewrite, seqsplit, shape_math, shapes, sparse_xent, symdims, xladot)
 
 BEFORE_PLANNING = (
@@ -96,6 +99,7 @@ AFTER_PLANNING = (
     conv1x1.PASS,
     blas.PASS,
     attention.PASS,
+    inline.PASS,
     remapper.FORWARD,
     prune.PASS,
     autotune.PASS,
