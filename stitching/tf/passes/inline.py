@@ -8,9 +8,11 @@ their ``inline`` attr says so, which this pass sets in inference graphs only:
 
   - a Transformer's forward is a chain (product, kernel, product ...): every hand-off
     is pure cost, and each product shares its work with the intra-op pool anyway.
-    Models suite, three runs each (the amd-avx2 machine, 2026-11-29): batch 1 against
-    XLA, Transformer 1.16x inline against 0.97x handed off, Llama decoder 1.06x
-    against 0.98x, GPT-2-style 1.21x against 1.17x;
+    Models suite, medians of three runs each (the amd-avx2 machine, 2026-11-29):
+    batch 1 against XLA, Transformer 1.21x inline against 0.97x handed off, Llama
+    decoder 1.16x against 0.98x, GPT-2-style 1.34x against 1.17x (ViT-style 1.07x
+    against 1.14x, its single runs 0.92-1.24x); geomean over the seven models against
+    TF 1.58x against 1.48x;
   - a training step has independent products (a layer's weight and input gradients)
     that TF runs side by side when they are handed off: the Transformer step measured
     1.44x TF handed off in three runs against 1.21-1.33x inline.
