@@ -285,16 +285,9 @@ def _to_channel(ref, t, rank, data_format, emit):
 def _gather(x, t, attrs, emit) -> int:
     """GatherV2 by constant indices: a Slice per run of the indices, concatenated
     (schedule/layout.py folds both)."""
-    axis, rank = attrs["axis"], len(t.shape)
-    pieces = []
-    for begin, count, step in attrs["runs"]:
-        shape = [count if d == axis else s for d, s in enumerate(t.shape)]
-        if attrs["squeeze"]:
-            del shape[axis]
-        pieces.append(emit("Slice", [x], {
-            "begin": [begin if d == axis else 0 for d in range(rank)],
-            "size": [count if d == axis else -1 for d in range(rank)],
-            "strides": [step if d == axis else 1 for d in range(rank)], "shape": shape}))
+    axis = attrs["axis"]
+    pieces = [_slice_along(x, t, axis, begin, count, step, attrs["squeeze"], emit)
+              for begin, count, step in attrs["runs"]]
     return pieces[0] if len(pieces) == 1 else emit("ConcatV2", pieces, {"axis": axis})
 
 
@@ -302,12 +295,20 @@ def _split(x, t, attrs, emit) -> tuple:
     """Split / SplitV / Unpack: a Slice per piece (schedule/layout.py folds them)."""
     axis, begin, out = attrs["axis"], 0, []
     for size in attrs["sizes"]:
-        b = [begin if d == axis else 0 for d in range(len(t.shape))]
-        n = [size if d == axis else -1 for d in range(len(t.shape))]
-        shape = [size if d == axis else s for d, s in enumerate(t.shape)]
-        if attrs["squeeze"]:
-            del shape[axis]
-        out.append(emit("Slice", [x], {"begin": b, "size": n, "strides": [1] * len(b),
-                                       "shape": shape}))
+        out.append(_slice_along(x, t, axis, begin, size, 1, attrs["squeeze"], emit))
         begin += size
     return tuple(out)
+
+
+def _slice_along(x, t, axis, begin, count, step, squeeze, emit) -> int:
+    """The Slice of ``x`` (type ``t``) taking ``count`` elements from ``begin`` in
+    steps of ``step`` along ``axis``, the other dims whole; ``squeeze``: the axis
+    removed (its count is 1)."""
+    rank = len(t.shape)
+    shape = [count if d == axis else s for d, s in enumerate(t.shape)]
+    if squeeze:
+        del shape[axis]
+    return emit("Slice", [x], {
+        "begin": [begin if d == axis else 0 for d in range(rank)],
+        "size": [count if d == axis else -1 for d in range(rank)],
+        "strides": [step if d == axis else 1 for d in range(rank)], "shape": shape})
