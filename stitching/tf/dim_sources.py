@@ -14,7 +14,7 @@ the fused kernel takes the run-time size from x's shape, exactly what TF reads.
 
 ``entries(t)`` evaluates a 1-D int32/int64 tensor through Const, Shape, Identity,
 Pack (axis 0) and ConcatV2 (axis 0) of vectors, and StridedSlice (constant bounds,
-stride 1 or a shrink to a scalar) or GatherV2 (a constant index) of a vector; any
+or a shrink to a scalar) or GatherV2 (a constant index) of a vector; any
 other op gives None (unknown), and the caller leaves its node to TF.
 """
 from __future__ import annotations
@@ -55,8 +55,9 @@ def entries(t, depth: int = 0) -> list | None:
                 return None
             out += e
         return out
-    if op.type == "StridedSlice" and not _shrinks(op):
-        return _sliced(op, depth)
+    if op.type == "StridedSlice":
+        got = _slice_of(op, depth)
+        return got if isinstance(got, list) else None
     return None
 
 
@@ -71,12 +72,9 @@ def scalar(t, depth: int = 0):
     op = t.op
     if op.type == "Identity":
         return scalar(op.inputs[0], depth + 1)
-    if op.type == "StridedSlice" and _shrinks(op):
-        vec = entries(op.inputs[0], depth + 1)
-        begin = tensor_util.constant_value(op.inputs[1])
-        if vec is None or begin is None or np.asarray(begin).size != 1:
-            return None
-        return _at(vec, int(np.asarray(begin).reshape(())))
+    if op.type == "StridedSlice":
+        got = _slice_of(op, depth)
+        return None if isinstance(got, list) else got
     if op.type == "GatherV2":
         vec = entries(op.inputs[0], depth + 1)
         index = tensor_util.constant_value(op.inputs[1])
@@ -88,30 +86,50 @@ def scalar(t, depth: int = 0):
     return None
 
 
-def _shrinks(op) -> bool:
-    """A StridedSlice of a vector that takes one entry as a scalar (``shape[0]``)."""
-    return int(op.get_attr("shrink_axis_mask")) == 1 and \
-        int(op.get_attr("ellipsis_mask")) == 0 and int(op.get_attr("new_axis_mask")) == 0
-
-
 def _at(vec: list, i: int):
     if -len(vec) <= i < len(vec):
         return vec[i]
     return None
 
 
-def _sliced(op, depth: int) -> list | None:
-    """``vec[b:e]`` (stride 1, constant bounds, begin/end masks) of a vector."""
-    if any(int(op.get_attr(m)) for m in ("ellipsis_mask", "new_axis_mask",
-                                         "shrink_axis_mask")):
-        return None
+class NotEvaluable(Exception):
+    pass
+
+
+def strided_slice(nd, vals, begin, end, strides):
+    """The value of StridedSlice NodeDef ``nd`` of the 1-D ``vals`` (a list of any
+    entries) with constant bounds (one-entry lists; begin/end masks and shrink
+    honoured); raises NotEvaluable.  tf/passes/shapes.py evaluates its GraphDefs'
+    slices with it too."""
+    if not isinstance(vals, list) or any(
+            not isinstance(b, list) or len(b) != 1 or None in b
+            for b in (begin, end, strides)) \
+            or _int_attr(nd, "ellipsis_mask") or _int_attr(nd, "new_axis_mask"):
+        raise NotEvaluable
+    if strides[0] == 0:
+        raise NotEvaluable
+    b = None if _int_attr(nd, "begin_mask") & 1 else begin[0]
+    e = None if _int_attr(nd, "end_mask") & 1 else end[0]
+    if _int_attr(nd, "shrink_axis_mask") & 1:
+        if b is None or not -len(vals) <= b < len(vals):
+            raise NotEvaluable
+        return vals[b]
+    return vals[slice(b, e, strides[0])]
+
+
+def _int_attr(nd, name) -> int:
+    return nd.attr[name].i if name in nd.attr else 0
+
+
+def _slice_of(op, depth: int):
+    """The value of StridedSlice ``op`` of a vector: a list, or one entry where it
+    shrinks to a scalar; None if unknown."""
     vec = entries(op.inputs[0], depth + 1)
     bounds = [tensor_util.constant_value(i) for i in op.inputs[1:4]]
-    if vec is None or any(b is None or np.asarray(b).size != 1 for b in bounds):
+    if vec is None or any(b is None for b in bounds):
         return None
-    b, e, s = (int(np.asarray(v).reshape(())) for v in bounds)
-    if s != 1:
+    try:
+        return strided_slice(op.node_def, vec,
+                             *(np.asarray(b).reshape(-1).tolist() for b in bounds))
+    except NotEvaluable:
         return None
-    b = None if int(op.get_attr("begin_mask")) & 1 else b
-    e = None if int(op.get_attr("end_mask")) & 1 else e
-    return vec[b:e]

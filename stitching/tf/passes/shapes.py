@@ -32,14 +32,15 @@ from tensorflow.core.framework import attr_value_pb2
 from ...ir.graph import ValueRef
 from ...ir.ops import Kind, kind_of
 from ..passmanager import Pass
+from ..dim_sources import NotEvaluable, strided_slice
 from ..tfgraph import drop_nodes
 
 UNKNOWN = None
 _MAX_DEPTH = 16            # arbitrary: shape arithmetic chains are a few ops deep
 
 
-class Unfoldable(Exception):
-    pass
+# what this evaluator cannot fold (dim_sources.strided_slice raises it too)
+Unfoldable = NotEvaluable
 
 
 def fold_reshapes(graph_def, original_def, ir_graph) -> int:
@@ -221,25 +222,6 @@ def _broadcast_known(dims, operand):
     lead = len(dims) - len(operand)
     return [d if d is not UNKNOWN or i < lead or operand[i - lead] in (UNKNOWN, 1)
             else operand[i - lead] for i, d in enumerate(dims)]
-
-
-def strided_slice(nd, vals, begin, end, strides):
-    """The value of StridedSlice node ``nd`` of the 1-D ``vals`` (ints or UNKNOWN) with
-    constant bounds (begin/end masks and shrink honoured); raises Unfoldable."""
-    if not isinstance(vals, list) or any(
-            not isinstance(b, list) or len(b) != 1 or UNKNOWN in b
-            for b in (begin, end, strides)) \
-            or _int_attr(nd, "ellipsis_mask") or _int_attr(nd, "new_axis_mask"):
-        raise Unfoldable
-    if strides[0] == 0:
-        raise Unfoldable
-    b = None if _int_attr(nd, "begin_mask") & 1 else begin[0]
-    e = None if _int_attr(nd, "end_mask") & 1 else end[0]
-    if _int_attr(nd, "shrink_axis_mask") & 1:
-        if b is None or not -len(vals) <= b < len(vals):
-            raise Unfoldable
-        return vals[b]
-    return vals[slice(b, e, strides[0])]
 
 
 def _int_attr(nd, name) -> int:
