@@ -56,9 +56,10 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
+from .. import dim_sources
 from ..passmanager import Pass
 from ..tfgraph import drop_nodes
-from . import blas, shapes
+from . import blas
 
 
 def _node_of(name, nodes):
@@ -301,7 +302,8 @@ def fuse(graph_def, fetched, shapes=None, folded=None) -> int:
         if mul is not None:      # its Shape readers read the scores' shape from q and k
             for reader in consumers[mul.name]:
                 if reader is not kernel:
-                    _shape_from_operands(graph_def, reader, scores, imported_graph())
+                    _shape_from_operands(graph_def, reader, scores, imported_graph(),
+                                         consumers[reader.name], nodes)
             taken.add(mul.name)
             if folded is not None:
                 folded[mul.name] = ("the attention's scale, in its StitchedAttention "
@@ -329,12 +331,13 @@ def fuse(graph_def, fetched, shapes=None, folded=None) -> int:
     return count
 
 
-def _shape_from_operands(graph_def, shape, product, graph) -> None:
+def _shape_from_operands(graph_def, shape, product, graph, readers, nodes) -> None:
     """Turn Shape node ``shape`` (of the scores ``product`` computes, which goes) into
     the same vector from the product's operands: BatchMatMulV2's batch broadcast of
     q's and k's batch dims (BroadcastArgs), then M and N, in their layouts
     (StitchedBatchMatMul's adj_ and transpose_ flags); dims TF knows are constants.
-    The node keeps its name and output type."""
+    The node keeps its name and output type.  ``readers``: the nodes that read it;
+    ``nodes``: the graph's nodes by name."""
     out_type = shape.attr["out_type"].type if "out_type" in shape.attr else \
         tf.int32.as_datatype_enum
     np_type = tf.dtypes.as_dtype(out_type).as_numpy_dtype
@@ -363,10 +366,7 @@ def _shape_from_operands(graph_def, shape, product, graph) -> None:
     shape.input.extend(controls)
     shape.attr.clear()
     if None not in known:
-        shape.op = "Const"
-        tensor = tf.make_tensor_proto(np.asarray(known, np_type))
-        shape.attr["value"].tensor.CopyFrom(tensor)
-        shape.attr["dtype"].type = tensor.dtype
+        _to_const(shape, np.asarray(known, np_type))
         return
     parts = []
     for tag, operand, adj, swapped in (
@@ -396,18 +396,17 @@ def _shape_from_operands(graph_def, shape, product, graph) -> None:
     shape.attr["N"].i = 3
     shape.attr["T"].type = out_type
     shape.attr["Tidx"].type = i32
-    _fold_static_entries(graph_def, shape.name, known, np_type)
+    _fold_static_entries(shape.name, readers, nodes, known, np_type)
 
 
-def _fold_static_entries(graph_def, shape, known, np_type) -> None:
-    """Each StridedSlice of Shape node ``shape`` that takes only dims TF knows (Keras's
-    causal mask reads the sequence lengths, [-2] and [-1] of the scores' shape) becomes
-    their Const, so the mask after it (Fill, MatrixBandPart) is constant and TF's
-    Grappler folds it when it instantiates the function, instead of four to nine small
-    ops per layer and call."""
-    nodes = {nd.name: nd for nd in graph_def.node}
-    vals = [shapes.UNKNOWN if d is None else d for d in known]
-    for nd in graph_def.node:
+def _fold_static_entries(shape, readers, nodes, known, np_type) -> None:
+    """Each StridedSlice (of ``readers``) of Shape node ``shape`` that takes only dims
+    TF knows (Keras's causal mask reads the sequence lengths, [-2] and [-1] of the
+    scores' shape) becomes their Const, so the mask after it (Fill, MatrixBandPart) is
+    constant and TF's Grappler folds it when it instantiates the function, instead of
+    four to nine small ops per layer and call."""
+    vals = list(known)             # None: a dim known only at run time
+    for nd in readers:
         data = [i for i in nd.input if not i.startswith("^")]
         if nd.op != "StridedSlice" or not data or data[0] not in (shape, shape + ":0"):
             continue
@@ -415,20 +414,25 @@ def _fold_static_entries(graph_def, shape, known, np_type) -> None:
         if any(b is None or b.op != "Const" for b in bounds):
             continue
         try:
-            value = shapes.strided_slice(nd, vals, *(
+            value = dim_sources.strided_slice(nd, vals, *(
                 tf.make_ndarray(b.attr["value"].tensor).reshape(-1).tolist() for b in bounds))
-        except shapes.Unfoldable:
+        except dim_sources.NotEvaluable:
             continue
-        if value is shapes.UNKNOWN or isinstance(value, list) and shapes.UNKNOWN in value:
+        if value is None or isinstance(value, list) and None in value:
             continue
-        tensor = tf.make_tensor_proto(np.asarray(value, np_type))
-        controls = [i for i in nd.input if i.startswith("^")]
-        nd.op = "Const"
-        del nd.input[:]
-        nd.input.extend(controls)
-        nd.attr.clear()
-        nd.attr["value"].tensor.CopyFrom(tensor)
-        nd.attr["dtype"].type = tensor.dtype
+        _to_const(nd, np.asarray(value, np_type))
+
+
+def _to_const(nd, value) -> None:
+    """Node ``nd`` made a Const of ``value`` in place: its name and control inputs stay."""
+    tensor = tf.make_tensor_proto(value)
+    controls = [i for i in nd.input if i.startswith("^")]
+    nd.op = "Const"
+    del nd.input[:]
+    nd.input.extend(controls)
+    nd.attr.clear()
+    nd.attr["value"].tensor.CopyFrom(tensor)
+    nd.attr["dtype"].type = tensor.dtype
 
 
 def _run(ctx):
