@@ -51,7 +51,7 @@ from ..ir.spec import SCHEDULE_PARAMS
 from . import epilogue as _epi
 from . import legality as _fus
 from .acyclic import Contraction, CycleError, Reach, indexed, mask_of
-from .cost import Delta, GraphCosts, Launch, calibrated_s, choose_launch
+from .cost import Delta, GraphCosts, Launch, calibrated_s, choose_launch, reuse_reason
 from .planner import Plan
 from .profiles import DeviceProfile
 from .profiles import default as _default_profile
@@ -227,7 +227,8 @@ class _Context:
             try:
                 reg = extract(self.graph, [self.names[v] for v in P], self.consumers,
                               self.fetched, self.order)
-                why = self.legal(reg.spec) or _fus.backend_reason(reg.spec, self.profile)
+                why = (self.legal(reg.spec) or _fus.backend_reason(reg.spec, self.profile)
+                       or reuse_reason(reg.spec, self.profile))
             except ValueError as e:
                 reg, why = None, str(e)
             hit = self._legal[P] = (reg if why is None else None, why)

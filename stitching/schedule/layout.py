@@ -89,12 +89,32 @@ class View:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """What folding one layout op costs in arithmetic: the element-wise nodes it
+    evaluates again in its own index space although the kernel evaluates them already
+    (in their own index space, or through another map).  ``layout`` is the op (its
+    original spec node ``node``, of output ``shape``); ``ops`` = ((op name, type,
+    share), ...): the extra evaluations, each over that share of its type's elements; ``values`` the types, in their own index space, of
+    the values that, computed once and written by an earlier kernel, would end the
+    recomputation (the topmost of the recomputed nodes).  The planner prices the two
+    (plan/cost.py, reuse_reason)."""
+    layout: str
+    node: int
+    shape: tuple
+    ops: tuple
+    values: tuple
+
+
+@dataclass(frozen=True)
 class LoweredSpec(KernelSpec):
     """A spec whose layout ops were folded into views: ``inputs`` are the original
     inputs followed by one per view (``views``, in order).  What the schedule and the
-    emitters see; the original spec is what graphs carry and caches key on."""
+    emitters see; the original spec is what graphs carry and caches key on.
+    ``recomputed``: a Recompute per layout op whose fold evaluates element-wise nodes a
+    second time."""
     views: tuple = ()
     origin: str = ""
+    recomputed: tuple = ()
     _hash: str = field(default="", compare=False)
 
     @property
@@ -137,6 +157,10 @@ class _Lowering:
         self.spec = spec
         self.n_in = len(spec.inputs)
         self.nodes: list = []
+        # per new node: (the original node it evaluates, or -1; the layout op in whose
+        # index space it is, or -1 for the node's own)
+        self.source: list = []
+        self.under = -1
         self.views: list = []
         self.view_types: list = []
         self.value: dict = {}       # original ref -> new ref (its own index space)
@@ -150,7 +174,9 @@ class _Lowering:
             if n.op in INDEX_MAPS:
                 shape = n.type.shape
                 ident = tuple((d, 1, 0) for d in range(len(shape)))
+                self.under = k
                 r = self.remap(k, ident, shape)
+                self.under = -1
                 got = self.type_of(r).shape
                 if got != shape:
                     raise Refusal(f"{n.op} of {_fmt(spec.type_of(n.args[0]).shape)} "
@@ -160,6 +186,7 @@ class _Lowering:
             else:
                 args = tuple(self.value_of(a) for a in n.args)
                 self.nodes.append(SpecNode(n.op, args, n.attrs, n.type))
+                self.source.append((k, -1))
                 self.value[k] = len(self.nodes) - 1
         outputs = []
         for o in spec.outputs:
@@ -189,7 +216,41 @@ class _Lowering:
         digest = hashlib.sha256((self.spec.hash + repr(views)).encode()).hexdigest()[:24]
         return LoweredSpec(tuple(self.spec.inputs) + types, nodes,
                            tuple(ref[o] for o in outputs), dict(self.spec.schedule),
-                           self.spec.same_dims, views=views, origin=self.spec.hash, _hash=digest)
+                           self.spec.same_dims, views=views, origin=self.spec.hash,
+                           recomputed=self.recomputed(keep, set(outputs)), _hash=digest)
+
+    def recomputed(self, keep: list, outputs: set) -> tuple:
+        """A Recompute per layout op whose copies (``keep``: the live new nodes) of an
+        original node evaluate more elements than the node has: the copy in its own
+        index space first, then the layout ops' copies in order, each counting beyond
+        what the ones before it used up.  Two slices of disjoint halves evaluate each
+        element once; a concatenation's pieces are evaluated over the whole axis (the
+        table selects afterwards), so rotate-half of a value evaluates it twice."""
+        copies: dict = {}
+        for i in keep:
+            k, under = self.source[i]
+            if k >= 0:
+                copies.setdefault(k, []).append((under, i))
+        extra: dict = {}                 # layout node -> [(new node, extra share)]
+        for k, cs in copies.items():
+            left = _count(self.spec.nodes[k].type)
+            for under, i in sorted(cs):
+                n = _count(self.nodes[i].type)
+                over = n - max(0, left)
+                left -= n
+                if over > 0:
+                    extra.setdefault(under, []).append((i, over / n))
+        out = []
+        for layout, got in sorted(extra.items()):
+            mine = {i for i, _ in got}
+            read_by_others = {a for i in keep if i not in mine
+                              for a in self.nodes[i].args} | outputs
+            tops = sorted({self.source[i][0] for i in mine if i in read_by_others})
+            out.append(Recompute(
+                self.spec.nodes[layout].op, layout, self.spec.nodes[layout].type.shape,
+                tuple((self.nodes[i].op, self.nodes[i].type, share) for i, share in got),
+                tuple(self.spec.nodes[k].type for k in tops)))
+        return tuple(out)
 
     def value_of(self, ref: int) -> int:
         return ref if ref < 0 else self.value[ref]
@@ -200,7 +261,8 @@ class _Lowering:
         j = -r - 1
         return self.spec.inputs[j] if j < self.n_in else self.view_types[j - self.n_in]
 
-    def emit(self, op: str, args: list, attrs: dict) -> int:
+    def emit(self, op: str, args: list, attrs: dict, source: int = -1) -> int:
+        """A new node (``source``: the original node it evaluates, if any)."""
         d = OPS[op]
         attrs = d.validate_attrs(attrs)
         try:
@@ -208,6 +270,7 @@ class _Lowering:
         except ValueError as e:            # cannot happen for maps built here
             raise Refusal(f"folding a layout op: {e}") from None
         self.nodes.append(SpecNode(op, tuple(args), attrs, t))
+        self.source.append((source, self.under))
         return len(self.nodes) - 1
 
     # -- remap: the value of ``ref`` at index M(i), for i over ``shape`` ------------------
@@ -269,7 +332,7 @@ class _Lowering:
             s = self.spec.type_of(a).shape
             off = len(out) - len(s)
             args.append(self.remap(a, tuple(M[i + off] for i in range(len(s))), shape))
-        return self.emit(n.op, args, n.attrs)
+        return self.emit(n.op, args, n.attrs, source=k)
 
     # -- the index maps -----------------------------------------------------------------
     def map_transpose(self, n, M, shape):
@@ -441,6 +504,15 @@ def _reshape_map(x_shape, y_shape, M):
     non-1 dims pair up in order; x's size-1 dims are index 0."""
     ys = iter(m for m, d in zip(M, y_shape) if d != 1)
     return tuple(_NONE if d == 1 else next(ys) for d in x_shape)
+
+
+def _count(t: TensorType) -> int:
+    """Elements of a type, a dim known only at run time counted once: such dims are
+    read whole (View), so every copy of a value has the same ones and they cancel."""
+    n = 1
+    for d in t.shape:
+        n *= max(d, 1)
+    return n
 
 
 def _fmt(shape) -> str:
