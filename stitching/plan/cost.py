@@ -50,6 +50,12 @@ levels, as in FusionStitching:
     else from this module's own estimate.  Rows unknown until run time: the time is
     estimated at DEFAULT_DIM, but no parameters are fixed (the kernel picks at run time).
 
+  reuse choice  reuse_reason(spec)                 per kernel the search keeps
+  ─────────────────────────────────────────────────────────────────────────────────────
+    a folded layout op recomputes what it reads (schedule/layout.py, Recompute): the
+    kernel's time with those evaluations against writing and reading the value once
+    and a launch; reloading wins -> the search cuts the kernel there, with the numbers
+
 Unknown dims (-1) are assumed DEFAULT_DIM; every other constant is labelled below.
 """
 from __future__ import annotations
@@ -455,7 +461,7 @@ def reuse_reason(spec, profile: DeviceProfile) -> str | None:
             return (f"the value a {r.layout} of {_fmt_shape(r.shape)} reads is computed "
                     f"once and reloaded: recomputing it through the {r.layout} costs "
                     f"{again * 1e6:.1f} µs ({len(r.ops)} element-wise op(s) evaluated "
-                    f"again: {what}) > {reload * 1e6:.1f} µs to write and read its "
+                    f"again: {what}) > {reload * 1e6:.1f} µs to write and read "
                     f"{size / 1024:.0f} KiB and launch a kernel")
     return None
 

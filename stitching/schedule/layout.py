@@ -20,13 +20,20 @@ into the indexing of the values that read it (XLA's elemental emitters do the sa
     r = reverse(x, axis)  ->  a view whose stride along the axis is negative
 
 Maps compose (a slice of a transpose of a kernel input is one view), and an element-wise
-value read in two index spaces is computed in both: the reuse choice for a layout op is
-always *fold into the indexing, recompute what it reads*.  That is the cheap end of the
-ladder for the ops that reach here (rotary embeddings' half-splits and concatenations,
-head transposes): each folded op saves a full read and write of its tensor, and what is
-recomputed is a few element-wise ops on values the kernel loads anyway.  Computing a
-layout op's input once into scratch and re-reading it transposed would need a second
-domain; it is not done.
+value read in two index spaces is computed in both: folding a layout op means
+*recomputing what it reads* in its index space.  That is the cheap end of the ladder for
+the ops that reach here (rotary embeddings' half-splits and concatenations, head
+transposes): each folded op saves a full read and write of its tensor, and what is
+recomputed is a few element-wise ops on values the kernel loads anyway.  Where the
+value is expensive (a chain of transcendentals) and the kernel evaluates it anyway,
+directly or through another map (a rotate-half evaluates each piece over the whole
+axis), the lowering records what the fold evaluates again (``Recompute``, on the
+LoweredSpec) and the planner weighs it against computing the value once and
+*reloading* it: one kernel ends at the value, the next reads it through the view
+(plan/cost.py, reuse_reason; the report names the choice where it cuts).  The third
+choice, the layout op *computed* as a tensor of its own, is what happens where nothing
+fuses with it (TF's op).  Computing the value once into scratch inside one kernel and
+re-reading it through the map would need a second domain; it is not done.
 
 A view is affine: ``source element = offset + sum(i[d] * strides[d])`` over the view's
 dims.  The emitters need nothing new but the view's strides and offset: a view is a
