@@ -146,6 +146,7 @@ class _Context:
                         for i, (n, k) in enumerate(zip(self.names, kinds))
                         if k == Kind.WINDOW]
         self.boundaries: dict = {}         # (node, reason) -> None, insertion ordered
+        self.reuse_cuts: dict = {}         # pattern -> why reloading beat folding
         self.log: dict = {}                # node -> [(kind, pattern, score_s, outcome)]
         self.C: dict = {}                  # vertex -> candidate patterns (last DP run)
         self.final_groups: list = []       # the merged kernels deploy considered
@@ -229,8 +230,11 @@ class _Context:
             try:
                 reg = extract(self.graph, [self.names[v] for v in P], self.consumers,
                               self.fetched, self.order)
-                why = (self.legal(reg.spec) or _fus.backend_reason(reg.spec, self.profile)
-                       or reuse_reason(reg.spec, self.profile))
+                why = self.legal(reg.spec) or _fus.backend_reason(reg.spec, self.profile)
+                if why is None:
+                    why = reuse_reason(reg.spec, self.profile)
+                    if why is not None:
+                        self.reuse_cuts[P] = why
             except ValueError as e:
                 reg, why = None, str(e)
             hit = self._legal[P] = (reg if why is None else None, why)
@@ -683,6 +687,8 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
             result.skipped.append((names, choice.reason))
             for n in names:
                 placed[n] = choice.reason
+    result.notes.extend(_reuse_notes(ctx, [frozenset(ctx.order[n] for n in r.nodes)
+                                           for r in result.regions]))
     if groups and not result.regions and result.skipped:
         result.notes.append("function left alone: the cost model predicts no kernel pays")
     fused = {n for r in result.regions for n in r.nodes}
@@ -703,6 +709,20 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
 
 
 LONE_OP = "a lone op: no fusible neighbour, and fusing it alone saves nothing"
+
+
+def _reuse_notes(ctx: _Context, kernels: list) -> list:
+    """Where the plan cut a kernel for the reuse choice of a layout op (reuse_cuts): per
+    set of final kernels (an op left to TF counts as a part alone) that a refused
+    pattern spans, the largest such pattern, with the reason (the two costs)."""
+    where = {v: i for i, K in enumerate(kernels) for v in K}
+    cuts: dict = {}                     # the parts a pattern spans -> that pattern
+    for P in ctx.reuse_cuts:
+        parts = frozenset(where.get(v, -1 - v) for v in P)
+        if len(parts) > 1 and len(P) > len(cuts.get(parts, ())):
+            cuts[parts] = P
+    return [f"{ctx.describe(P)} cut in {len(parts)}: {ctx.reuse_cuts[P]}"
+            for parts, P in cuts.items()]
 
 
 def _unfused_reason(ctx: _Context, v: int, placed: dict) -> str:
