@@ -54,12 +54,14 @@ def test_expensive_value_read_through_a_rotate_half_is_computed_once(machine):
     chain = [f"c{i}" for i in range(len(EXPENSIVE))]
     assert sorted(sorted(r.nodes) for r in p.regions) == [chain, ["n", "r", "v1", "v2", "y"]]
     assert any(RELOADED in why for _, why in p.boundaries), p.boundaries
+    (note,) = p.notes          # the report's line where the plan cut
+    assert RELOADED in note and "cut in 2" in note
 
 
 def test_cheap_value_read_through_a_rotate_half_is_folded(machine):
     p = _plan(_rotary_graph(("Add",)), machine)
     assert [sorted(r.nodes) for r in p.regions] == [["c0", "n", "r", "v1", "v2", "y"]]
-    assert not any("reloaded" in why for _, why in p.boundaries)
+    assert not any("reloaded" in why for _, why in p.boundaries) and not p.notes
 
 
 def test_small_tensors_fold_even_expensive_values(machine):
@@ -138,4 +140,4 @@ def test_tf_reuse_choice_kernels_and_numerics(machine, expensive, kernels):
     rep = g.report
     assert len(rep.kernels) == kernels, rep.summary()
     assert rep.coverage == 1.0, rep.summary()
-    assert any(RELOADED in why for _, why in rep.boundaries) == expensive
+    assert any(RELOADED in n for n in rep.notes) == expensive, rep.summary()
