@@ -458,16 +458,12 @@ def reuse_reason(spec, profile: DeviceProfile) -> str | None:
         reload = profile.launch_s + profile.task_s + 2 * size / profile.bandwidth
         if again > reload:
             what = ", ".join(sorted({op for op, _, _ in r.ops}))
-            return (f"the value a {r.layout} of {_fmt_shape(r.shape)} reads is computed "
-                    f"once and reloaded: recomputing it through the {r.layout} costs "
+            return (f"the value a {r.where} reads is computed once and reloaded: "
+                    f"recomputing it through the {r.layout} costs "
                     f"{again * 1e6:.1f} µs ({len(r.ops)} element-wise op(s) evaluated "
                     f"again: {what}) > {reload * 1e6:.1f} µs to write and read "
                     f"{size / 1024:.0f} KiB and launch a kernel")
     return None
-
-
-def _fmt_shape(shape) -> str:
-    return "[" + ",".join("?" if d < 0 else str(d) for d in shape) + "]"
 
 
 # ---- latency evaluator ------------------------------------------------------------------

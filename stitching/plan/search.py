@@ -24,9 +24,10 @@ selective deployment, scored by cost.py.
    gain (up to top_k); the `beam` best states survive (one per decided set).  The winning plan's
    patterns are then checked for legality (region extraction + the schedule's `legal`,
    memoized; with it the reuse choice for layout ops, cost.reuse_reason: a kernel that
-   would recompute an expensive value through a folded layout op is cut there, the value
-   reloaded through the view): a refused pattern is banned, an op that is illegal even alone is taken out
-   of the search, and the search reruns (at most `rounds` times).
+   would recompute an expensive value through a folded layout op is cut there, the
+   value reloaded through the view; the report's notes say where): a refused pattern
+   is banned, an op that is illegal even alone is taken out of the search, and the
+   search reruns (at most `rounds` times).
 
 3. Merge.  With the chosen patterns contracted (acyclic.Contraction), repeatedly take the
    best merge of two kernels: *stitch* a kernel with a neighbour (catches producers that

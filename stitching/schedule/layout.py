@@ -99,17 +99,21 @@ class View:
 class Recompute:
     """What folding one layout op costs in arithmetic: the element-wise nodes it
     evaluates again in its own index space although the kernel evaluates them already
-    (in their own index space, or through another map).  ``layout`` is the op (its
-    original spec node ``node``, of output ``shape``); ``ops`` = ((op name, type,
-    share), ...): the extra evaluations, each over that share of its type's elements; ``values`` the types, in their own index space, of
-    the values that, computed once and written by an earlier kernel, would end the
-    recomputation (the topmost of the recomputed nodes).  The planner prices the two
-    (plan/cost.py, reuse_reason)."""
+    (in their own index space, or through another map).  ``layout`` is the op, of
+    output ``shape``; ``ops`` = ((op name, type, share), ...) the extra evaluations,
+    each over that share of its type's elements; ``values`` the types, in their own
+    index space, of the values that, computed once and written by an earlier kernel,
+    would end the recomputation (the topmost recomputed nodes).  The planner prices
+    the two (plan/cost.py, reuse_reason)."""
     layout: str
-    node: int
     shape: tuple
     ops: tuple
     values: tuple
+
+    @property
+    def where(self) -> str:
+        """The layout op, for the report: "ConcatV2 of [?,32,4,64]"."""
+        return f"{self.layout} of {_fmt(self.shape)}"
 
 
 @dataclass(frozen=True)
@@ -254,7 +258,7 @@ class _Lowering:
                               for a in self.nodes[i].args} | outputs
             tops = sorted({self.source[i][0] for i in mine if i in read_by_others})
             out.append(Recompute(
-                self.spec.nodes[layout].op, layout, self.spec.nodes[layout].type.shape,
+                self.spec.nodes[layout].op, self.spec.nodes[layout].type.shape,
                 tuple((self.nodes[i].op, self.nodes[i].type, share) for i, share in got),
                 tuple(self.spec.nodes[k].type for k in tops)))
         return tuple(out)
