@@ -354,11 +354,14 @@ class _Lowering:
             raise Refusal("a concatenation whose axis is read at run-time positions")
         if n > MAX_TABLE:
             raise Refusal(f"a concatenated axis of {n} elements (limit {MAX_TABLE})")
-        pid = [next((p for p, (_, _, off, m) in enumerate(pieces) if off <= b + step * i
-                     < off + m), -1) for i in range(n)]
+        # an index outside the concatenation (a Pad of it read in its padding, which
+        # the Pad's own select discards) reads the first or last piece out of its range
+        # too: that piece's loads there are guarded or clamped like any view's
+        end = pieces[-1][2] + pieces[-1][3]
+        pid = [next((p for p, (_, _, off, m) in enumerate(pieces) if off <= k < off + m),
+                    0 if k < 0 else len(pieces) - 1)
+               for k in (min(max(b + step * i, -1), end) for i in range(n))]
         used = sorted(set(pid))
-        if used[0] < 0:                  # cannot happen for a validated spec
-            raise Refusal("a concatenation read outside its pieces")
         if len(used) == 1 or o < 0:
             p = used[0]
             return self.remap(pieces[p][0], pieces[p][1], shape)

@@ -177,6 +177,69 @@ def _runs(indices) -> list:
     return runs
 
 
+# arbitrary, as _MAX_GATHER_RUNS: each piece of a segment sum (a strided slice of its
+# rows, padded) is evaluated at every output index
+_MAX_SEGMENT_PIECES = 8
+
+
+def _convert_segment_sum(op) -> Node:
+    """UnsortedSegmentSum by constant segment ids (TF's dense gradient of a GatherV2 by
+    constant indices, on axis 0 of its rows): the composite SegmentSum, a sum of strided
+    slices of the rows, each padded with zeros to every segment (ir/composites.py).  A
+    negative id drops its row, as in TF; an id past the segments is TF's error."""
+    ids = tensor_util.constant_value(op.inputs[1])
+    if ids is None:
+        raise _Unfusible("UnsortedSegmentSum by run-time segment ids (the gradient of an "
+                         "embedding lookup): a data-dependent scatter, not fused")
+    ids = np.asarray(ids)
+    rows, out = _static_shape(op.inputs[0]), _out_shape(op)
+    if ids.ndim != 1 or not rows or rows[0] != ids.size:
+        raise _Unfusible(f"UnsortedSegmentSum by constant ids of shape {list(ids.shape)} "
+                         "over rows of another count: only a vector of ids is fused")
+    n = out[0]
+    if n < 0:
+        raise _Unfusible("UnsortedSegmentSum into a number of segments known only at run "
+                         "time")
+    flat = [int(i) for i in ids]
+    if any(i >= n for i in flat):
+        raise _Unfusible(f"UnsortedSegmentSum by a constant segment id outside [0, {n}): "
+                         "TF's InvalidArgument error, left to TF")
+    if all(i < 0 for i in flat):
+        raise _Unfusible("UnsortedSegmentSum whose constant ids are all negative (a "
+                         "tensor of zeros): left to TF")
+    pieces = _segment_pieces(flat)
+    if len(pieces) > _MAX_SEGMENT_PIECES:
+        raise _Unfusible(f"UnsortedSegmentSum by constant ids in {len(pieces)} pieces "
+                         "(runs of segments reading rows in one step, per repeat of an "
+                         f"id; each a piece the kernel adds; limit {_MAX_SEGMENT_PIECES})")
+    return Node(op.name, "SegmentSum", _inputs(op, [0]),
+                {"num_segments": n, "pieces": pieces})
+
+
+def _segment_pieces(ids) -> list:
+    """[segment, row, count, step] per piece of a sum by segment ``ids``: layer k maps
+    each segment to the k-th row (in increasing order) whose id it is, and a piece is a
+    maximal run of consecutive segments of one layer whose rows step evenly."""
+    rows = {}
+    for i, j in enumerate(ids):
+        if j >= 0:
+            rows.setdefault(j, []).append(i)
+    pieces = []
+    for k in range(max(len(r) for r in rows.values())):
+        layer = sorted((j, r[k]) for j, r in rows.items() if len(r) > k)
+        start = 0
+        while start < len(layer):
+            (j0, i0), end, step = layer[start], start + 1, None
+            while end < len(layer) and layer[end][0] == j0 + end - start:
+                d = layer[end][1] - layer[end - 1][1]
+                if step is not None and d != step:
+                    break
+                step, end = d, end + 1
+            pieces.append([j0, i0, end - start, step or 1])
+            start = end
+    return pieces
+
+
 def _identity_perm(op) -> list | None:
     """The permutation of a Transpose that keeps every axis in place, else None."""
     if op.type != "Transpose" or len(op.inputs) != 2:
@@ -653,7 +716,7 @@ def _convert_reverse(op) -> Node:
 
 
 _LAYOUT = {"Transpose": _convert_transpose, "Slice": _convert_slice,
-           "GatherV2": _convert_gather,
+           "GatherV2": _convert_gather, "UnsortedSegmentSum": _convert_segment_sum,
            "Pad": _convert_pad, "PadV2": _convert_pad, "ReverseV2": _convert_reverse,
            "StridedSliceGrad": _convert_strided_slice_grad,
            "StridedSlice": _convert_strided_slice, "ConcatV2": _convert_concat,
