@@ -610,52 +610,12 @@ def _convert_strided_slice_grad(op) -> Node:
 
 
 def _dense_strided_slice(op, x) -> tuple:
-    """(begin, size, strides) per dim of ``x`` (size -1: a whole dim known only at run
-    time) for a StridedSlice or StridedSliceGrad (begin, end, strides: inputs 1 to 3):
-    the sparse spec (masks, ellipsis) made dense, as NumPy indexing reads it (TF's
-    ValidateStridedSliceOp has the same semantics)."""
-    begin, end, strides = (_const_value(op.inputs[i]).reshape(-1).tolist() for i in (1, 2, 3))
-    masks = {m: int(op.get_attr(m)) for m in ("begin_mask", "end_mask", "ellipsis_mask",
-                                              "new_axis_mask", "shrink_axis_mask")}
-    index = []
-    for i, (b, e, s) in enumerate(zip(begin, end, strides)):
-        bit = 1 << i
-        if masks["ellipsis_mask"] & bit:
-            index.append(Ellipsis)
-        elif masks["new_axis_mask"] & bit:
-            index.append(None)
-        elif masks["shrink_axis_mask"] & bit:
-            index.append(int(b))
-        else:
-            index.append(slice(None if masks["begin_mask"] & bit else int(b),
-                               None if masks["end_mask"] & bit else int(e), int(s)))
-    if Ellipsis not in index:
-        index.append(Ellipsis)
-    at = index.index(Ellipsis)
-    n_real = sum(1 for v in index if v is not None and v is not Ellipsis)
-    index[at:at + 1] = [slice(None)] * (len(x) - n_real)
-    dims = [v for v in index if v is not None]
-    if len(dims) != len(x):
-        raise _Unfusible("StridedSlice with more indices than dims")
-    b_out, k_out, s_out = [], [], []
-    for v, n in zip(dims, x):
-        if isinstance(v, int):
-            if n < 0:
-                raise _Unfusible("a StridedSlice index into a dim known only at run time")
-            v = v + n if v < 0 else v
-            if not 0 <= v < n:
-                raise _Unfusible(f"StridedSlice index {v} out of range")
-            b_out.append(v), k_out.append(1), s_out.append(1)
-            continue
-        if n < 0:
-            if v != slice(None) and v != slice(None, None, 1):
-                raise _Unfusible("a slice of a dim known only at run time")
-            b_out.append(0), k_out.append(-1), s_out.append(1)
-            continue
-        start, stop, step = v.indices(n)
-        count = len(range(start, stop, step))
-        b_out.append(start if count else 0), k_out.append(count), s_out.append(step)
-    return b_out, k_out, s_out
+    """(begin, size, strides) per dim of ``x`` for a StridedSlice or StridedSliceGrad
+    (dim_sources.dense_slice), or the node stays TF's with the reason."""
+    try:
+        return dim_sources.dense_slice(op, x)
+    except dim_sources.NotEvaluable as e:
+        raise _Unfusible(str(e)) from None
 
 
 def _convert_concat(op) -> Node:
