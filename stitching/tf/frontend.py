@@ -192,11 +192,10 @@ def _convert_segment_sum(op) -> Node:
         raise _Unfusible("UnsortedSegmentSum by run-time segment ids (the gradient of an "
                          "embedding lookup): a data-dependent scatter, not fused")
     ids = np.asarray(ids)
-    rows, out = _static_shape(op.inputs[0]), _out_shape(op)
-    if ids.ndim != 1 or not rows or rows[0] != ids.size:
-        raise _Unfusible(f"UnsortedSegmentSum by constant ids of shape {list(ids.shape)} "
-                         "over rows of another count: only a vector of ids is fused")
-    n = out[0]
+    if ids.ndim != 1:
+        raise _Unfusible(f"UnsortedSegmentSum by constant ids of shape {list(ids.shape)}: "
+                         "only a vector of ids is fused")
+    n = _out_shape(op)[0]
     if n < 0:
         raise _Unfusible("UnsortedSegmentSum into a number of segments known only at run "
                          "time")
@@ -204,6 +203,9 @@ def _convert_segment_sum(op) -> Node:
     if any(i >= n for i in flat):
         raise _Unfusible(f"UnsortedSegmentSum by a constant segment id outside [0, {n}): "
                          "TF's InvalidArgument error, left to TF")
+    if _static_shape(op.inputs[0])[0] != ids.size:
+        raise _Unfusible(f"UnsortedSegmentSum by {ids.size} constant ids of rows whose "
+                         "count is known only at run time (or another: TF's error)")
     if all(i < 0 for i in flat):
         raise _Unfusible("UnsortedSegmentSum whose constant ids are all negative (a "
                          "tensor of zeros): left to TF")

@@ -1,0 +1,119 @@
+"""Gradients of the fused layout ops fused on the backward side too, without scatters.
+
+The tape's gradient of a GatherV2 by constant indices is an UnsortedSegmentSum of the
+upstream gradient by those indices (with Transposes around it for an axis other than
+0): the SegmentSum composite, strided slices of the rows padded to every segment and
+summed in TF's order (tf/frontend.py, ir/composites.py).  The gradient of a strided
+slice (``x[:, ::2]``) is a StridedSliceGrad with zeros between its elements: a Pad of
+dy with a size-1 axis after the strided one, then a regrouping Reshape
+(tf/passes/strided_grad.py).  Both are inside kernels and give TF's bits, NaN and Inf
+included; what stays TF's (an id past the segments, too many pieces) says why.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stitching
+from stitching.tf.frontend import _segment_pieces
+
+RNG = np.random.default_rng(92)
+
+
+def _data(shape, specials=True):
+    x = RNG.standard_normal(shape).astype(np.float32)
+    if specials:
+        x.flat[1], x.flat[len(x.flat) // 2] = np.nan, np.inf
+    return tf.constant(x)
+
+
+def _grad_step(take):
+    """x -> d(sum(take(x * 1.5)^2 / 2))/dx * 2: exact multiplications around the
+    layout op and its gradient, so TF and the kernels compute the same bits."""
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.square(take(x * 1.5)) * 0.5)
+        return tape.gradient(loss, x) * 2.0
+    return step
+
+
+def _fused_ops(rep):
+    return [(name, op) for k in rep.kernels for name, op in k.ops]
+
+
+def _check_equal(step, sig, xs):
+    """The stitched step equals TF's bit for bit (NaN and Inf where TF has them) on each
+    input; its report."""
+    f, ref = stitching.function(step, input_signature=sig), tf.function(step)
+    for x in xs:
+        np.testing.assert_array_equal(f(x).numpy(), ref(x).numpy())
+    return f.report
+
+
+def test_segment_pieces_are_layers_of_runs():
+    # segment 4 takes rows 0 and 4 (two layers); 4 and 5 read rows 0, 1 (one run)
+    assert _segment_pieces([4, 5, 0, 2, 4]) == [[0, 2, 1, 1], [2, 3, 1, 1], [4, 0, 2, 1],
+                                                [4, 4, 1, 1]]
+    assert _segment_pieces([3, 2, 1, 0]) == [[0, 3, 4, -1]]          # one reversed run
+    assert _segment_pieces([-1, 0, 0]) == [[0, 1, 1, 1], [0, 2, 1, 1]]   # -1: dropped
+
+
+@pytest.mark.parametrize("axis,ids,shape", [
+    (0, [3, 1, 1, 0], (4, 8, 6)),             # repeated, a segment without rows
+    (0, [0, 1, 2, 3, 5, 4], (6, 5)),          # unique: a permutation
+    (1, [4, 5, 0, 2, 4], (None, 8, 6)),       # axis 1 (Transposes), unknown batch
+])
+def test_gather_gradient_by_constant_indices_is_fused_bitwise(axis, ids, shape):
+    step = _grad_step(lambda v: tf.gather(v, ids, axis=axis))
+    batches = (1, 3) if shape[0] is None else (shape[0],)
+    rep = _check_equal(step, [tf.TensorSpec(shape, tf.float32)],
+                       [_data((b,) + shape[1:]) for b in batches])
+    assert "UnsortedSegmentSum" in [op for _, op in _fused_ops(rep)], rep.summary()
+    assert not {"UnsortedSegmentSum", "Transpose"} & {op for _, op, _ in rep.unfused}
+
+
+def test_segment_sum_by_constant_ids_drops_negative_ids_and_keeps_tfs_errors():
+    def ok(g):
+        return tf.math.unsorted_segment_sum(g * 2.0, [2, -1, 0, 2, 3], 5) + 1.0
+
+    def past(g):
+        return tf.math.unsorted_segment_sum(g * 2.0, [2, 0, 5], 5) + 1.0
+
+    def scattered(g):             # a shuffle: about one piece per two segments
+        ids = np.random.RandomState(0).permutation(24)
+        return tf.math.unsorted_segment_sum(g * 2.0, ids, 24) + 1.0
+    sig = [tf.TensorSpec([None, 3], tf.float32)]
+    g = _data((5, 3))
+    rep = _check_equal(lambda v: ok(tf.transpose(v)), [tf.TensorSpec([3, 5], tf.float32)],
+                       [tf.transpose(g)])
+    assert "UnsortedSegmentSum" in [op for _, op in _fused_ops(rep)], rep.summary()
+
+    f = stitching.function(past, input_signature=sig)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        f(g[:3])
+    why = {op: r for _, op, r in f.report.unfused}
+    assert "outside [0, 5)" in why["UnsortedSegmentSum"], f.report.summary()
+
+    f = stitching.function(scattered, input_signature=[tf.TensorSpec([24, 3], tf.float32)])
+    x = _data((24, 3))
+    np.testing.assert_array_equal(f(x).numpy(), tf.function(scattered)(x).numpy())
+    why = {op: r for _, op, r in f.report.unfused}
+    assert "limit 8" in why["UnsortedSegmentSum"], f.report.summary()
+
+
+@pytest.mark.parametrize("take,shape", [
+    (lambda v: v[:, ::2], (None, 9, 7)),              # 9 = 5 rows of 2, trimmed
+    (lambda v: v[..., 1::3], (None, 4, 9)),            # 3 divides 9: no trim
+    (lambda v: v[:, ::-2, 1:6:2], (None, 9, 7)),       # reversed, two strided axes
+    (lambda v: v[1, 7:0:-3], (4, 9, 7)),               # shrink axis, negative stride
+])
+def test_strided_slice_gradient_is_a_fused_pad_bitwise(take, shape):
+    step = _grad_step(take)
+    batches = (1, 3) if shape[0] is None else (shape[0],)
+    rep = _check_equal(step, [tf.TensorSpec(shape, tf.float32)],
+                       [_data((b,) + shape[1:]) for b in batches])
+    fused = _fused_ops(rep)
+    assert any(op == "Pad" and "StridedSliceGrad/stitching_strided_grad" in name
+               for name, op in fused), rep.summary()
+    assert not {"StridedSliceGrad", "Pad", "ReverseV2", "Slice"} & {
+        op for _, op, _ in rep.unfused}, rep.summary()
