@@ -19,6 +19,11 @@ into the indexing of the values that read it (XLA's elemental emitters do the sa
                               of constant pieces around x (the gradient of a Slice)
     r = reverse(x, axis)  ->  a view whose stride along the axis is negative
 
+Gradients are layout ops too: a Transpose's is a Transpose, a Slice's a Pad, a
+strided slice's a Pad with a size-1 axis after each strided one and a Reshape TF runs
+(tf/passes/strided_grad.py), a constant-index gather's a sum of padded strided slices
+(the SegmentSum composite, ir/composites.py): no scatter reaches this pass.
+
 Maps compose (a slice of a transpose of a kernel input is one view), and an element-wise
 value read in two index spaces is computed in both: the reuse choice for a layout op is
 always *fold into the indexing, recompute what it reads*.  That is the cheap end of the

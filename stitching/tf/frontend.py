@@ -601,7 +601,9 @@ def _convert_strided_slice_grad(op) -> Node:
     b_out, k_out, s_out = _dense_strided_slice(op, x)
     if any(st != 1 for st in s_out):
         raise _Unfusible("a StridedSliceGrad with a stride other than 1 (zeros between "
-                         "its elements) is not fused yet")
+                         "its elements) that tf/passes/strided_grad.py left: an empty "
+                         "slice, or x with more than one dim known only at run time "
+                         "(its regrouping Reshape takes one)")
     if op.inputs[4].dtype == tf.bool:
         raise _Unfusible("StridedSliceGrad of a bool tensor")
     pads = []
