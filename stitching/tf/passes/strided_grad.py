@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
-from .. import dim_sources
+from .. import dim_sources, tfgraph
 from ..passmanager import Pass
 
 
@@ -44,15 +44,7 @@ def rewrite(tf_graph, graph_def):
                 todo[op.name] = placement
     if not todo:
         return None
-    out = type(graph_def)()
-    out.CopyFrom(graph_def)
-    taken = {n.name for n in out.node}
-    nodes = []
-    for nd in out.node:
-        nodes.extend(_expand(nd, todo[nd.name], taken) if nd.name in todo else [nd])
-    del out.node[:]
-    out.node.extend(nodes)
-    return out
+    return tfgraph.expand_nodes(graph_def, todo, _expand)
 
 
 def _placement(op):
@@ -92,11 +84,7 @@ def _expand(nd, placement, taken) -> list:
     nodes = []
 
     def fresh(suffix):
-        name = f"{nd.name}/stitching_strided_grad_{suffix}"
-        while name in taken:
-            name += "_"
-        taken.add(name)
-        return name
+        return tfgraph.fresh_name(f"{nd.name}/stitching_strided_grad_{suffix}", taken)
 
     def node(suffix, op_type, inputs, last=False, **attrs):
         n = node_def_pb2.NodeDef(name=nd.name if last else fresh(suffix), op=op_type,
