@@ -117,3 +117,24 @@ def test_strided_slice_gradient_is_a_fused_pad_bitwise(take, shape):
                for name, op in fused), rep.summary()
     assert not {"StridedSliceGrad", "Pad", "ReverseV2", "Slice"} & {
         op for _, op, _ in rep.unfused}, rep.summary()
+
+
+def test_pad_of_a_concatenation_reads_its_end_pieces_guarded():
+    """A Pad of a concatenation reads it outside its pieces in the padding (the
+    segment sum's padded slices of a gather's concatenated runs): the end pieces are
+    read there guarded, and the Pad's select drops what they read; bit-exact."""
+    from stitching.compile import compile_kernel
+    from stitching.ir.builder import SpecBuilder
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 6, 5])
+    c = b.ConcatV2(b.Neg(b.Slice(x, begin=[0, 4, 0], size=[-1, 2, 5], strides=[1, 1, 1],
+                                 shape=[-1, 2, 5])),
+                   b.Slice(x, begin=[0, 0, 0], size=[-1, 3, 5], strides=[1, 2, 1],
+                           shape=[-1, 3, 5]), axis=1)
+    spec = b.build([b.Mul(b.Pad(c, paddings=[0, 0, 2, 3, 0, 0], value=0.0),
+                          b.const(2.0))])
+    X = RNG.standard_normal((3, 6, 5)).astype(np.float32)
+    X[1, 4, 2] = np.nan
+    (got,) = compile_kernel(spec)(X)
+    ref = np.pad(np.concatenate([-X[:, 4:6], X[:, 0:6:2]], 1), [(0, 0), (2, 3), (0, 0)]) * 2
+    np.testing.assert_array_equal(got, ref)
