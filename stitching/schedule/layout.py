@@ -379,8 +379,11 @@ class _Lowering:
 
     # -- views ----------------------------------------------------------------------------
     def _add_view(self, view: View, t: TensorType) -> int:
-        if view in self.views:
-            return -(self.n_in + self.views.index(view) + 1)
+        # one input per distinct view *and shape*: a slice's own view and the same
+        # map read over a concatenation's longer axis (a gather's runs) are two inputs
+        for k, (v, vt) in enumerate(zip(self.views, self.view_types)):
+            if v == view and vt == t:
+                return -(self.n_in + k + 1)
         self.views.append(view)
         self.view_types.append(t)
         return -(self.n_in + len(self.views))
