@@ -142,3 +142,25 @@ def test_pad_of_a_concatenation_reads_its_end_pieces_guarded():
     (got,) = compile_kernel(spec)(X)
     ref = np.pad(np.concatenate([-X[:, 4:6], X[:, 0:6:2]], 1), [(0, 0), (2, 3), (0, 0)]) * 2
     np.testing.assert_array_equal(got, ref)
+
+
+def test_strided_grad_pass_rewrites_into_tf_ops_and_drops_the_shape_it_read():
+    """The pass alone, on TF's graph: the StridedSliceGrad's name now holds the trimming
+    Slice, the Shape of x that only it read is gone, and the graph runs equal to TF."""
+    from stitching.tf import tfgraph
+    from stitching.tf.passes import strided_grad
+    step = _grad_step(lambda v: v[:, ::2])
+    cf = tf.function(step).get_concrete_function(tf.TensorSpec([None, 9, 7], tf.float32))
+    gd = cf.graph.as_graph_def()
+    new = strided_grad.rewrite(tfgraph.import_for_shapes(gd), gd)
+    ops = {n.name: n.op for n in new.node}
+    grads = [n for n, op in ops.items() if n.endswith("StridedSliceGrad")]
+    assert grads and all(ops[n] == "Slice" for n in grads)
+    assert "StridedSliceGrad" not in ops.values()
+    assert not any(n.endswith("strided_slice/Shape") for n in ops)
+    x = _data((2, 9, 7))
+    run = tf.compat.v1.wrap_function(
+        lambda v: tf.graph_util.import_graph_def(new, {cf.inputs[0].name: v},
+                                                 [cf.outputs[0].name]),
+        [tf.TensorSpec([None, 9, 7], tf.float32)])
+    np.testing.assert_array_equal(run(x)[0].numpy(), tf.function(step)(x).numpy())

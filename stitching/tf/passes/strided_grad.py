@@ -20,9 +20,10 @@ of dy stays where dy puts it).  The first Reshape, the Reverse and the Pad fuse 
 dy's producer (schedule/layout.py); the regrouping Reshape is a view in TF (a kernel
 cannot regroup dims: ir/ops.py), and the trimming Slice folds into the loads of the
 kernel that reads it.  The last node keeps the StridedSliceGrad's name, so its readers
-are unchanged.  Left as they were, with the frontend's reason: a bool dy, an empty
-slice, bounds known only at run time, and more than one dim known only at run time
-(TF's Reshape takes one -1).
+are unchanged; the Shape op that only it read goes (the rewrite needs no run-time
+shape).  Left as they were, with the frontend's reason: a bool dy, an empty slice,
+bounds known only at run time, and more than one dim known only at run time (TF's
+Reshape takes one -1).
 """
 from __future__ import annotations
 
@@ -44,7 +45,21 @@ def rewrite(tf_graph, graph_def):
                 todo[op.name] = placement
     if not todo:
         return None
-    return tfgraph.expand_nodes(graph_def, todo, _expand)
+    out = tfgraph.expand_nodes(graph_def, todo, _expand)
+    tfgraph.drop_nodes(out, _shapes_only_they_read(tf_graph, todo))
+    return out
+
+
+def _shapes_only_they_read(tf_graph, todo) -> set:
+    """The Shape ops (of the strided slice's input: TF's gradient reads x's shape at
+    run time where a dim is unknown) that only the rewritten nodes read: left in the
+    graph they would keep that input a kernel output nobody else needs."""
+    out = set()
+    for name in todo:
+        shape = tf_graph.get_operation_by_name(name).inputs[0].op
+        if shape.type == "Shape" and all(c.name in todo for c in shape.outputs[0].consumers()):
+            out.add(shape.name)
+    return out
 
 
 def _placement(op):
