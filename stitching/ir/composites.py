@@ -74,6 +74,10 @@ COMPOSITE_OPS = {
     # indices a strided Slice, concatenated (``squeeze``: a scalar index, the axis
     # removed)
     "Gather": (Kind.LAYOUT, 1),
+    # TF's UnsortedSegmentSum by constant segment ids (the dense gradient of a Gather):
+    # per piece [segment, row, count, step] a strided Slice of the rows, padded with
+    # zeros to ``num_segments`` along axis 0, the pieces summed (_segment_sum)
+    "SegmentSum": (Kind.LAYOUT, 1),
 }
 
 # composites with more than one output: expand returns a tuple, one ref per output
@@ -99,6 +103,8 @@ def expand(op: str, attrs: dict, args: list, types: list, emit) -> int:
         return _split(args[0], x, attrs, emit)
     if op == "Gather":
         return _gather(args[0], x, attrs, emit)
+    if op == "SegmentSum":
+        return _segment_sum(args[0], x, attrs, emit)
     if op == "SliceGrad":
         r = emit("Reshape", [args[0]], {"shape": attrs["shape"]})
         return emit("Pad", [r], {"paddings": attrs["paddings"],
@@ -289,6 +295,30 @@ def _gather(x, t, attrs, emit) -> int:
     pieces = [_slice_along(x, t, axis, begin, count, step, attrs["squeeze"], emit)
               for begin, count, step in attrs["runs"]]
     return pieces[0] if len(pieces) == 1 else emit("ConcatV2", pieces, {"axis": axis})
+
+
+def _segment_sum(g, t, attrs, emit) -> int:
+    """UnsortedSegmentSum by constant ids without a scatter: out[j] is the sum of the
+    rows g[i] with ids[i] == j, in increasing i (TF's CPU functor adds row after row
+    into zeros).  The frontend splits the ids into layers (layer k maps each segment to
+    its k-th row) and each layer into pieces, runs of consecutive segments that read
+    rows in one step; a piece is a strided Slice of g padded to every segment with
+    zeros, and the pieces are summed layer after layer.  At a segment a piece does not
+    cover it adds +0, which changes no sum but a -0 to +0; the last + 0 does that
+    where a piece covers the segment alone, as TF's sum into zeros does, so the result
+    has TF's bits."""
+    n, rank = attrs["num_segments"], len(t.shape)
+    zero = 0.0 if dt.is_float(t.dtype) else 0
+    acc = None
+    for segment, row, count, step in attrs["pieces"]:
+        piece = _slice_along(g, t, 0, row, count, step, False, emit)
+        if count != n:
+            pads = [segment, n - segment - count] + [0, 0] * (rank - 1)
+            piece = emit("Pad", [piece], {"paddings": pads, "value": zero})
+        acc = piece if acc is None else emit("Add", [acc, piece], {})
+    if dt.is_float(t.dtype):
+        acc = emit("Add", [acc, _const(emit, 0, t.dtype)], {})
+    return acc
 
 
 def _split(x, t, attrs, emit) -> tuple:

@@ -61,13 +61,18 @@ def _dtype(v):
     return v
 
 
-def _int_list(v):
+def _int_list(v, most=8):
     if not isinstance(v, (list, tuple)) or not all(
             isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise ValueError("expected a list of ints")
-    if len(v) > 8:
-        raise ValueError("more than 8 entries")
+    if len(v) > most:
+        raise ValueError(f"more than {most} entries")
     return tuple(int(x) for x in v)
+
+
+def _pairs(v):
+    """(lo, hi) per dim, flattened: two entries per dim of a rank-8 tensor at most."""
+    return _int_list(v, 16)
 
 
 def _int(v):
@@ -203,7 +208,7 @@ _reg("ConcatV2", Kind.LAYOUT, VARIADIC, attrs={"axis": _int})
 _reg("Pack", Kind.LAYOUT, VARIADIC, attrs={"axis": _int})
 # Pad: ``paddings`` = (lo, hi) per dim, flattened; new elements are ``value``.  Reverse:
 # the dims ``axes`` read backwards.  Neither applies to a dim known only at run time.
-_reg("Pad", Kind.LAYOUT, 1, attrs={"paddings": _int_list, "value": _scalar_value})
+_reg("Pad", Kind.LAYOUT, 1, attrs={"paddings": _pairs, "value": _scalar_value})
 _reg("Reverse", Kind.LAYOUT, 1, attrs={"axes": _int_list})
 # The layout ops that are index maps (folded into loads, schedule/layout.py), as opposed
 # to Reshape, which only adds or removes size-1 dims.

@@ -79,7 +79,8 @@ COMPOSITE_PASSES = {"Softmax": 4, "LogSoftmax": 4, "SoftmaxCrossEntropyWithLogit
 # TF runs each of these as one pass over its data (one Eigen expression per kernel)
 COMPOSITE_PASSES.update(dict.fromkeys(
     ("ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad", "SigmoidGrad",
-     "TanhGrad", "BiasAddGrad", "L2Loss", "Tile", "Split", "SliceGrad", "Gather"), 1))
+     "TanhGrad", "BiasAddGrad", "L2Loss", "Tile", "Split", "SliceGrad", "Gather",
+     "SegmentSum"), 1))
 PLANNER_ATTRS = ("unfusible", "tf_epilogue")   # for planning only, never in a KernelSpec
 
 

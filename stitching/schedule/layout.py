@@ -19,6 +19,11 @@ into the indexing of the values that read it (XLA's elemental emitters do the sa
                               of constant pieces around x (the gradient of a Slice)
     r = reverse(x, axis)  ->  a view whose stride along the axis is negative
 
+Gradients are layout ops too: a Transpose's is a Transpose, a Slice's a Pad, a
+strided slice's a Pad with a size-1 axis after each strided one and a Reshape TF runs
+(tf/passes/strided_grad.py), a constant-index gather's a sum of padded strided slices
+(the SegmentSum composite, ir/composites.py): no scatter reaches this pass.
+
 Maps compose (a slice of a transpose of a kernel input is one view), and an element-wise
 value read in two index spaces is computed in both: folding a layout op means
 *recomputing what it reads* in its index space.  That is the cheap end of the ladder for
@@ -428,11 +433,14 @@ class _Lowering:
             raise Refusal("a concatenation whose axis is read at run-time positions")
         if n > MAX_TABLE:
             raise Refusal(f"a concatenated axis of {n} elements (limit {MAX_TABLE})")
-        pid = [next((p for p, (_, _, off, m) in enumerate(pieces) if off <= b + step * i
-                     < off + m), -1) for i in range(n)]
+        # an index outside the concatenation (a Pad of it read in its padding, which
+        # the Pad's own select discards) reads the first or last piece out of its range
+        # too: that piece's loads there are guarded or clamped like any view's
+        end = pieces[-1][2] + pieces[-1][3]
+        pid = [next((p for p, (_, _, off, m) in enumerate(pieces) if off <= k < off + m),
+                    0 if k < 0 else len(pieces) - 1)
+               for k in (min(max(b + step * i, -1), end) for i in range(n))]
         used = sorted(set(pid))
-        if used[0] < 0:                  # cannot happen for a validated spec
-            raise Refusal("a concatenation read outside its pieces")
         if len(used) == 1 or o < 0:
             p = used[0]
             return self.remap(pieces[p][0], pieces[p][1], shape)
@@ -445,8 +453,11 @@ class _Lowering:
 
     # -- views ----------------------------------------------------------------------------
     def _add_view(self, view: View, t: TensorType) -> int:
-        if view in self.views:
-            return -(self.n_in + self.views.index(view) + 1)
+        # one input per distinct view *and shape*: a slice's own view and the same
+        # map read over a concatenation's longer axis (a gather's runs) are two inputs
+        for k, (v, vt) in enumerate(zip(self.views, self.view_types)):
+            if v == view and vt == t:
+                return -(self.n_in + k + 1)
         self.views.append(view)
         self.view_types.append(t)
         return -(self.n_in + len(self.views))

@@ -96,6 +96,64 @@ class NotEvaluable(Exception):
     pass
 
 
+def _constant(t):
+    v = tensor_util.constant_value(t)
+    if v is None:
+        raise NotEvaluable(f"{t.op.type} input {t.name} is not a constant")
+    return v
+
+
+def dense_slice(op, x) -> tuple:
+    """(begin, size, strides) per dim of ``x`` (size -1: a whole dim known only at run
+    time) for a StridedSlice or StridedSliceGrad op (begin, end, strides: constant
+    inputs 1 to 3): the sparse spec (masks, ellipsis) made dense, as NumPy indexing
+    reads it (TF's ValidateStridedSliceOp has the same semantics).  Raises
+    NotEvaluable with the reason the form is not handled."""
+    begin, end, strides = (np.asarray(_constant(op.inputs[i])).reshape(-1).tolist()
+                           for i in (1, 2, 3))
+    masks = {m: int(op.get_attr(m)) for m in ("begin_mask", "end_mask", "ellipsis_mask",
+                                              "new_axis_mask", "shrink_axis_mask")}
+    index = []
+    for i, (b, e, s) in enumerate(zip(begin, end, strides)):
+        bit = 1 << i
+        if masks["ellipsis_mask"] & bit:
+            index.append(Ellipsis)
+        elif masks["new_axis_mask"] & bit:
+            index.append(None)
+        elif masks["shrink_axis_mask"] & bit:
+            index.append(int(b))
+        else:
+            index.append(slice(None if masks["begin_mask"] & bit else int(b),
+                               None if masks["end_mask"] & bit else int(e), int(s)))
+    if Ellipsis not in index:
+        index.append(Ellipsis)
+    at = index.index(Ellipsis)
+    n_real = sum(1 for v in index if v is not None and v is not Ellipsis)
+    index[at:at + 1] = [slice(None)] * (len(x) - n_real)
+    dims = [v for v in index if v is not None]
+    if len(dims) != len(x):
+        raise NotEvaluable("StridedSlice with more indices than dims")
+    b_out, k_out, s_out = [], [], []
+    for v, n in zip(dims, x):
+        if isinstance(v, int):
+            if n < 0:
+                raise NotEvaluable("a StridedSlice index into a dim known only at run time")
+            v = v + n if v < 0 else v
+            if not 0 <= v < n:
+                raise NotEvaluable(f"StridedSlice index {v} out of range")
+            b_out.append(v), k_out.append(1), s_out.append(1)
+            continue
+        if n < 0:
+            if v != slice(None) and v != slice(None, None, 1):
+                raise NotEvaluable("a slice of a dim known only at run time")
+            b_out.append(0), k_out.append(-1), s_out.append(1)
+            continue
+        start, stop, step = v.indices(n)
+        count = len(range(start, stop, step))
+        b_out.append(start if count else 0), k_out.append(count), s_out.append(step)
+    return b_out, k_out, s_out
+
+
 def strided_slice(nd, vals, begin, end, strides):
     """The value of StridedSlice NodeDef ``nd`` of the 1-D ``vals`` (a list of any
     entries) with constant bounds (one-entry lists; begin/end masks and shrink

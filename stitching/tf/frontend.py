@@ -177,6 +177,71 @@ def _runs(indices) -> list:
     return runs
 
 
+# arbitrary, as _MAX_GATHER_RUNS: each piece of a segment sum (a strided slice of its
+# rows, padded) is evaluated at every output index
+_MAX_SEGMENT_PIECES = 8
+
+
+def _convert_segment_sum(op) -> Node:
+    """UnsortedSegmentSum by constant segment ids (TF's dense gradient of a GatherV2 by
+    constant indices, on axis 0 of its rows): the composite SegmentSum, a sum of strided
+    slices of the rows, each padded with zeros to every segment (ir/composites.py).  A
+    negative id drops its row, as in TF; an id past the segments is TF's error."""
+    ids = tensor_util.constant_value(op.inputs[1])
+    if ids is None:
+        raise _Unfusible("UnsortedSegmentSum by run-time segment ids (the gradient of an "
+                         "embedding lookup): a data-dependent scatter, not fused")
+    ids = np.asarray(ids)
+    if ids.ndim != 1:
+        raise _Unfusible(f"UnsortedSegmentSum by constant ids of shape {list(ids.shape)}: "
+                         "only a vector of ids is fused")
+    n = _out_shape(op)[0]
+    if n < 0:
+        raise _Unfusible("UnsortedSegmentSum into a number of segments known only at run "
+                         "time")
+    flat = [int(i) for i in ids]
+    if any(i >= n for i in flat):
+        raise _Unfusible(f"UnsortedSegmentSum by a constant segment id outside [0, {n}): "
+                         "TF's InvalidArgument error, left to TF")
+    if _static_shape(op.inputs[0])[0] != ids.size:
+        raise _Unfusible(f"UnsortedSegmentSum by {ids.size} constant ids of rows whose "
+                         "count is known only at run time (or another: TF's error)")
+    if all(i < 0 for i in flat):
+        raise _Unfusible("UnsortedSegmentSum whose constant ids are all negative (a "
+                         "tensor of zeros): left to TF")
+    pieces = _segment_pieces(flat)
+    if len(pieces) > _MAX_SEGMENT_PIECES:
+        raise _Unfusible(f"UnsortedSegmentSum by constant ids in {len(pieces)} pieces "
+                         "(runs of segments reading rows in one step, per repeat of an "
+                         f"id; each a piece the kernel adds; limit {_MAX_SEGMENT_PIECES})")
+    return Node(op.name, "SegmentSum", _inputs(op, [0]),
+                {"num_segments": n, "pieces": pieces})
+
+
+def _segment_pieces(ids) -> list:
+    """[segment, row, count, step] per piece of a sum by segment ``ids``: layer k maps
+    each segment to the k-th row (in increasing order) whose id it is, and a piece is a
+    maximal run of consecutive segments of one layer whose rows step evenly."""
+    rows = {}
+    for i, j in enumerate(ids):
+        if j >= 0:
+            rows.setdefault(j, []).append(i)
+    pieces = []
+    for k in range(max(len(r) for r in rows.values())):
+        layer = sorted((j, r[k]) for j, r in rows.items() if len(r) > k)
+        start = 0
+        while start < len(layer):
+            (j0, i0), end, step = layer[start], start + 1, None
+            while end < len(layer) and layer[end][0] == j0 + end - start:
+                d = layer[end][1] - layer[end - 1][1]
+                if step is not None and d != step:
+                    break
+                step, end = d, end + 1
+            pieces.append([j0, i0, end - start, step or 1])
+            start = end
+    return pieces
+
+
 def _identity_perm(op) -> list | None:
     """The permutation of a Transpose that keeps every axis in place, else None."""
     if op.type != "Transpose" or len(op.inputs) != 2:
@@ -536,7 +601,9 @@ def _convert_strided_slice_grad(op) -> Node:
     b_out, k_out, s_out = _dense_strided_slice(op, x)
     if any(st != 1 for st in s_out):
         raise _Unfusible("a StridedSliceGrad with a stride other than 1 (zeros between "
-                         "its elements) is not fused yet")
+                         "its elements) that tf/passes/strided_grad.py left: an empty "
+                         "slice, or x with more than one dim known only at run time "
+                         "(its regrouping Reshape takes one)")
     if op.inputs[4].dtype == tf.bool:
         raise _Unfusible("StridedSliceGrad of a bool tensor")
     pads = []
@@ -547,52 +614,12 @@ def _convert_strided_slice_grad(op) -> Node:
 
 
 def _dense_strided_slice(op, x) -> tuple:
-    """(begin, size, strides) per dim of ``x`` (size -1: a whole dim known only at run
-    time) for a StridedSlice or StridedSliceGrad (begin, end, strides: inputs 1 to 3):
-    the sparse spec (masks, ellipsis) made dense, as NumPy indexing reads it (TF's
-    ValidateStridedSliceOp has the same semantics)."""
-    begin, end, strides = (_const_value(op.inputs[i]).reshape(-1).tolist() for i in (1, 2, 3))
-    masks = {m: int(op.get_attr(m)) for m in ("begin_mask", "end_mask", "ellipsis_mask",
-                                              "new_axis_mask", "shrink_axis_mask")}
-    index = []
-    for i, (b, e, s) in enumerate(zip(begin, end, strides)):
-        bit = 1 << i
-        if masks["ellipsis_mask"] & bit:
-            index.append(Ellipsis)
-        elif masks["new_axis_mask"] & bit:
-            index.append(None)
-        elif masks["shrink_axis_mask"] & bit:
-            index.append(int(b))
-        else:
-            index.append(slice(None if masks["begin_mask"] & bit else int(b),
-                               None if masks["end_mask"] & bit else int(e), int(s)))
-    if Ellipsis not in index:
-        index.append(Ellipsis)
-    at = index.index(Ellipsis)
-    n_real = sum(1 for v in index if v is not None and v is not Ellipsis)
-    index[at:at + 1] = [slice(None)] * (len(x) - n_real)
-    dims = [v for v in index if v is not None]
-    if len(dims) != len(x):
-        raise _Unfusible("StridedSlice with more indices than dims")
-    b_out, k_out, s_out = [], [], []
-    for v, n in zip(dims, x):
-        if isinstance(v, int):
-            if n < 0:
-                raise _Unfusible("a StridedSlice index into a dim known only at run time")
-            v = v + n if v < 0 else v
-            if not 0 <= v < n:
-                raise _Unfusible(f"StridedSlice index {v} out of range")
-            b_out.append(v), k_out.append(1), s_out.append(1)
-            continue
-        if n < 0:
-            if v != slice(None) and v != slice(None, None, 1):
-                raise _Unfusible("a slice of a dim known only at run time")
-            b_out.append(0), k_out.append(-1), s_out.append(1)
-            continue
-        start, stop, step = v.indices(n)
-        count = len(range(start, stop, step))
-        b_out.append(start if count else 0), k_out.append(count), s_out.append(step)
-    return b_out, k_out, s_out
+    """(begin, size, strides) per dim of ``x`` for a StridedSlice or StridedSliceGrad
+    (dim_sources.dense_slice), or the node stays TF's with the reason."""
+    try:
+        return dim_sources.dense_slice(op, x)
+    except dim_sources.NotEvaluable as e:
+        raise _Unfusible(str(e)) from None
 
 
 def _convert_concat(op) -> Node:
@@ -653,7 +680,7 @@ def _convert_reverse(op) -> Node:
 
 
 _LAYOUT = {"Transpose": _convert_transpose, "Slice": _convert_slice,
-           "GatherV2": _convert_gather,
+           "GatherV2": _convert_gather, "UnsortedSegmentSum": _convert_segment_sum,
            "Pad": _convert_pad, "PadV2": _convert_pad, "ReverseV2": _convert_reverse,
            "StridedSliceGrad": _convert_strided_slice_grad,
            "StridedSlice": _convert_strided_slice, "ConcatV2": _convert_concat,

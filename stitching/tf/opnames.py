@@ -67,7 +67,8 @@ LEFT_TO_TF = {
 # forms docs/limits.md names: copies in TF, so counted as memory-intensive.
 LAYOUT_MAPS = frozenset({
     "Transpose", "Slice", "StridedSlice", "ConcatV2", "Pack", "Split", "SplitV", "Unpack",
-    "Pad", "PadV2", "ReverseV2", "StridedSliceGrad", "GatherV2"})
+    "Pad", "PadV2", "ReverseV2", "StridedSliceGrad", "GatherV2",
+    "UnsortedSegmentSum"})
 
 # Memory-intensive TF ops we do not fuse (yet): counted in the denominator, so the
 # report's coverage figure stays honest.

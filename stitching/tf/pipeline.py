@@ -9,6 +9,8 @@ around planning, each pass entered once:
     bcast        broadcast-gradient shapes known at trace time -> constants   bcast.py
     concat_grad  a ConcatV2 gradient's Slice bounds known at trace time -> constants
                                                                       concat_grad.py
+    strided_grad a strided slice's gradient (zeros between) -> Reshape, Pad, Reshape
+                 (the Pad fused, the regrouping Reshape a view)     strided_grad.py
     sparse_xent  SparseSoftmaxCrossEntropyWithLogits -> the dense op     sparse_xent.py
     seqsplit     token-wise blocks whose products TF runs on one thread at batch 1
                  -> two halves of the sequence (Options(seq_split))     seqsplit.py
@@ -73,12 +75,14 @@ from . import control_flow, dump, opnames, passmanager, results, scalars
 from .passes import (attention, autotune, bcast, blas, concat_grad, conv1x1, einsum, forward,
                      gemm, grappler, inline, lift, original, padfold, prune, remapper,
                      reshape_sink,
-                     rewrite, seqsplit, shape_math, shapes, sparse_xent, symdims, xladot)
+                     rewrite, seqsplit, shape_math, shapes, sparse_xent, strided_grad, symdims,
+                     xladot)
 
 BEFORE_PLANNING = (
     grappler.PASS,
     bcast.PASS,
     concat_grad.PASS,
+    strided_grad.PASS,
     sparse_xent.PASS,
     seqsplit.PASS,
     reshape_sink.PASS,

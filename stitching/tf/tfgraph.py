@@ -63,6 +63,30 @@ def drop_nodes(graph_def, names) -> None:
         graph_def.node.extend(kept)
 
 
+def expand_nodes(graph_def, todo: dict, expand):
+    """A copy of ``graph_def`` in which each node named in ``todo`` is replaced, in
+    place, by the nodes ``expand(node, todo[name], taken)`` returns (``taken``: the
+    node names in use, which it adds its new names to); the passes that rewrite one TF
+    node into several (sparse_xent, strided_grad)."""
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    taken = {n.name for n in out.node}
+    nodes = []
+    for nd in out.node:
+        nodes.extend(expand(nd, todo[nd.name], taken) if nd.name in todo else [nd])
+    del out.node[:]
+    out.node.extend(nodes)
+    return out
+
+
+def fresh_name(name: str, taken: set) -> str:
+    """``name``, or with "_" appended until no node in ``taken`` has it; taken."""
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
+
+
 def drop_dangling_colocations(graph_def) -> None:
     """Grappler's function inlining leaves colocation constraints (``_class:
     loc:@Func/PartitionedCall_1/input/_4``, from TF's gradient of a function call)

@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
+from .. import tfgraph
 from ..passmanager import Pass
 
 OP = "SparseSoftmaxCrossEntropyWithLogits"
@@ -40,15 +41,7 @@ def expand(tf_graph, graph_def):
             and _rewritable(op)}
     if not todo:
         return None
-    out = type(graph_def)()
-    out.CopyFrom(graph_def)
-    taken = {n.name for n in out.node}
-    nodes = []
-    for nd in out.node:
-        nodes.extend(_expand(nd, todo[nd.name], taken) if nd.name in todo else [nd])
-    del out.node[:]
-    out.node.extend(nodes)
-    return out
+    return tfgraph.expand_nodes(graph_def, todo, _expand)
 
 
 def _rewritable(op) -> bool:
@@ -67,11 +60,7 @@ def _expand(nd, op, taken) -> list:
     ctrl = [i for i in nd.input if i.startswith("^")]
 
     def name(suffix):
-        n = f"{nd.name}/stitching_xent_{suffix}"
-        while n in taken:
-            n += "_"
-        taken.add(n)
-        return n
+        return tfgraph.fresh_name(f"{nd.name}/stitching_xent_{suffix}", taken)
 
     def node(suffix, op_type, inputs, **attrs):
         n = node_def_pb2.NodeDef(name=name(suffix), op=op_type, input=inputs,
