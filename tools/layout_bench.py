@@ -1,0 +1,122 @@
+"""Layout ops' gradients and the reuse choice for a layout op (issue 43), timed against
+stock TF and XLA in one process: ``python tools/layout_bench.py [--rounds N]``.
+
+Cases (float32; the batch dim unknown to the trace, but for the gather along it):
+- the gradient of a gather by constant indices (TF: UnsortedSegmentSum; stitched: the
+  SegmentSum composite, tf/frontend.py) on axis 1 and axis 0;
+- the gradient of a strided slice (TF: StridedSliceGrad; stitched: tf/passes/
+  strided_grad.py's Pad) with strides 2 and 3;
+- a rotate-half (rotary embeddings' split, negate, concatenate) of an expensive value
+  (six transcendentals) and of a cheap one (an add): the planner's reuse choice
+  (plan/cost.py, reuse_reason) reloads the expensive value and folds the cheap one.
+  "always fold" is the same function (plus a 1e-30 that keeps the result cache from
+  serving the other plan) planned with the choice turned off.
+
+Each round times every mode once, in turn (an order fixed per round but rotated every
+round); a cell is the median per call over the rounds.  Printed as a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import stitching  # noqa: E402
+from stitching.plan import search  # noqa: E402
+
+
+def _grad_of(take):
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.square(take(x * 1.5)) * 0.5)
+        return tape.gradient(loss, x) * 2.0
+    return step
+
+
+def _rotate_half(expensive, tag=0.0):
+    def f(x):
+        v = x + x
+        if expensive:
+            for op in (tf.tanh, tf.exp, tf.sigmoid, tf.math.erf, tf.tanh, tf.sigmoid):
+                v = op(v)
+        v1, v2 = tf.split(v, 2, axis=-1)
+        return v + tf.concat([-v2, v1], axis=-1) + tag
+    return f
+
+
+CASES = [
+    ("gather grad, axis 1", _grad_of(lambda v: tf.gather(v, [4, 5, 0, 2, 4, 9, 10, 11], axis=1)),
+     (64, 16, 1024)),
+    ("gather grad, axis 0 (static shape)", _grad_of(lambda v: tf.gather(v, [3, 1, 1, 0, 6, 7], axis=0)),
+     (8, 256, 1024)),
+    ("strided slice grad, x[:, ::2]", _grad_of(lambda v: v[:, ::2]), (64, 255, 256)),
+    ("strided slice grad, x[..., 1::3]", _grad_of(lambda v: v[..., 1::3]), (64, 256, 255)),
+    ("rotate-half of 6 transcendentals", _rotate_half(True), (64, 32, 4, 64)),
+    ("rotate-half of an add", _rotate_half(False), (64, 32, 4, 64)),
+]
+FOLDED = {"rotate-half of 6 transcendentals": _rotate_half(True, 1e-30),
+          "rotate-half of an add": _rotate_half(False, 1e-30)}
+
+
+def _stitched(fn, sig, x, fold_always=False):
+    """A stitching.function of ``fn``, called once on ``x`` so that it is planned now
+    (with the reuse choice off if asked)."""
+    f = stitching.function(fn, input_signature=sig,
+                           options=stitching.Options(background_compile=False, progress=False))
+    saved = search.reuse_reason
+    if fold_always:
+        search.reuse_reason = lambda spec, profile: None
+    try:
+        f(x)
+    finally:
+        search.reuse_reason = saved
+    return f
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=30)
+    args = ap.parse_args(argv)
+    from stitching.compile import parallel
+    print(f"load average {os.getloadavg()[0]:.2f} at start; {args.rounds} rounds")
+    print("| case | shape | TF ms | XLA ms | stitched ms | vs TF | vs XLA | kernels |"
+          " always fold ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, fn, shape in CASES:
+        batch = shape[0] if "static" in name else None
+        sig = [tf.TensorSpec((batch,) + shape[1:], tf.float32)]
+        x = tf.constant(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+        modes = {"tf": tf.function(fn, input_signature=sig),
+                 "xla": tf.function(fn, input_signature=sig, jit_compile=True),
+                 "st": _stitched(fn, sig, x)}
+        if name in FOLDED:
+            modes["fold"] = _stitched(FOLDED[name], sig, x, fold_always=True)
+        for f in modes.values():
+            f(x)
+        parallel.wait_upgrades()
+        for f in modes.values():
+            for _ in range(3):
+                f(x).numpy()
+        times = {k: [] for k in modes}
+        keys = list(modes)
+        for r in range(args.rounds):
+            for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+                t = time.perf_counter()
+                modes[k](x).numpy()
+                times[k].append(time.perf_counter() - t)
+        ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+        fold = f"{ms['fold']:.2f}" if "fold" in ms else ""
+        print(f"| {name} | {list(shape)} | {ms['tf']:.2f} | {ms['xla']:.2f} | {ms['st']:.2f} | "
+              f"{ms['tf'] / ms['st']:.2f}x | {ms['xla'] / ms['st']:.2f}x | "
+              f"{len(modes['st'].report.kernels)} | {fold} |", flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
+
+
+if __name__ == "__main__":
+    main()
