@@ -110,6 +110,10 @@ class Domain:
     # emitters load where it holds)
     clamped: dict = field(default_factory=dict)
     inner_guard: dict = field(default_factory=dict)
+    # bounded views (layout.py View.bounds): ((dim class, most, source input), ...)
+    # for the run-time classes that a view slices from a static dim; the shape function
+    # checks each class's size against its most, so no load reads past the source
+    bounds: tuple = ()
 
     @property
     def rank(self) -> int:
@@ -488,7 +492,27 @@ def analyze(spec) -> Domain:
     clamped, inner_guard = _clamps(guards, axes, axis_of)
     _check_windows(spec, live, axes, axis_of, carries, channels)
     return Domain(classes, axes, value_dims, carries, reduced, view_strides, side,
-                  weights, windows, clamped, inner_guard)
+                  weights, windows, clamped, inner_guard,
+                  _bounds(views, value_dims, classes, used))
+
+
+def _bounds(views, value_dims, classes, used) -> tuple:
+    """Domain.bounds of the bounded views the kernel reads (layout.py View.bounds).  A
+    class that met a static dim (the slice added to a tensor of static size) is checked
+    here instead, once."""
+    out = []
+    for r, v in views.items():
+        if r not in used:
+            continue
+        for o, most in v.bounds:
+            c = value_dims[r][o]
+            size = classes[c].size
+            if size < 0:
+                out.append((c, most, v.source))
+            elif size > most:
+                raise Refusal(f"a slice takes {size} elements of a dim that holds {most} "
+                              "from its begin (TF's error when it runs)")
+    return tuple(out)
 
 
 def _guard_classes(views, value_dims, used) -> dict:

@@ -86,6 +86,12 @@ class View:
     # clamped into that range (domain.py, Domain.clamped), so the load reads a row the
     # selector discards.
     guards: tuple = ()
+    # A slice of a static dim to a count known only at run time (ir/ops.py
+    # RUN_TIME_COUNT: a position table cut to a sequence length): ``bounds`` =
+    # ((view dim, most elements), ...), the view's run-time extent along each such dim
+    # and the most it may be without reading past its source; the kernel's shape
+    # function checks it (domain.py, Domain.bounds), as TF's Slice checks its size.
+    bounds: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -141,16 +147,20 @@ class _Lowering:
         self.view_types: list = []
         self.value: dict = {}       # original ref -> new ref (its own index space)
         self.memo: dict = {}
+        # remapping a FillLike's argument through index maps: only its shape is read
+        # (a view at a constant index of a dim known only at run time is never loaded)
+        self.shape_only = False
 
     # -- driver -----------------------------------------------------------------------
     def run(self) -> LoweredSpec:
         spec = self.spec
-        for k in live_nodes(spec):
+        live = live_nodes(spec)
+        for k in live:
             n = spec.nodes[k]
             if n.op in INDEX_MAPS:
                 shape = n.type.shape
                 ident = tuple((d, 1, 0) for d in range(len(shape)))
-                r = self.remap(k, ident, shape)
+                r = self._shape_only(self._read_for_shape(k, live), k, ident, shape)
                 got = self.type_of(r).shape
                 if got != shape:
                     raise Refusal(f"{n.op} of {_fmt(spec.type_of(n.args[0]).shape)} "
@@ -168,6 +178,12 @@ class _Lowering:
                 r = self.emit("Identity", [r], {})
             outputs.append(r)
         return self.compact(outputs)
+
+    def _read_for_shape(self, k: int, live) -> bool:
+        """Whether only FillLike nodes read node k (for its shape, composites.py)."""
+        readers = [self.spec.nodes[r].op for r in live if k in self.spec.nodes[r].args]
+        return k not in self.spec.outputs and bool(readers) and \
+            all(op == "FillLike" for op in readers)
 
     def compact(self, outputs) -> LoweredSpec:
         """Drop what no output reads (the values of the layout ops' inputs in their own
@@ -217,7 +233,7 @@ class _Lowering:
         lowered has no value yet, so it is always remapped through its own map."""
         t = self.spec.type_of(ref)
         M = tuple(_NONE if n == 1 else m for n, m in zip(t.shape, M))
-        key = (ref, M, shape)
+        key = (ref, M, shape, self.shape_only)
         if key in self.memo:
             return self.memo[key]
         ident = len(shape) == len(t.shape) and all(
@@ -244,7 +260,7 @@ class _Lowering:
             # broadcasting to a run-time batch gets its size from there, composites.py)
             # where the argument folds into a view, else a constant
             try:
-                arg = self.remap(n.args[0], M, shape)
+                arg = self._shape_only(True, n.args[0], M, shape)
             except Refusal:
                 return self.emit("Const", [], {"value": n.attrs["value"],
                                                "dtype": n.type.dtype,
@@ -265,11 +281,20 @@ class _Lowering:
                           "values only")
         out = n.type.shape
         args = []
-        for a in n.args:
+        for a in n.args:            # computed, so its arguments are loaded
             s = self.spec.type_of(a).shape
             off = len(out) - len(s)
-            args.append(self.remap(a, tuple(M[i + off] for i in range(len(s))), shape))
+            args.append(self._shape_only(False, a, tuple(M[i + off] for i in range(len(s))),
+                                         shape))
         return self.emit(n.op, args, n.attrs)
+
+    def _shape_only(self, flag: bool, ref: int, M: tuple, shape: tuple) -> int:
+        """remap with ``shape_only`` set to ``flag`` (restored after)."""
+        saved, self.shape_only = self.shape_only, flag
+        try:
+            return self.remap(ref, M, shape)
+        finally:
+            self.shape_only = saved
 
     # -- the index maps -----------------------------------------------------------------
     def map_transpose(self, n, M, shape):
@@ -390,28 +415,31 @@ class _Lowering:
         strides, offset = [0] * len(shape), 0
         vshape = [1] * len(shape)
         src_dims = [None] * len(shape)
-        guards = []
+        guards, bounds = [], []
         for d, ((o, step, b), size) in enumerate(zip(M, src)):
             if size == 1:
                 continue
-            if st[d] is None and (step or b):
+            # (a view read only for its shape takes stride 0 there: never loaded)
+            if st[d] is None and (step or b) and not self.shape_only:
                 raise Refusal(f"input {j} of {_fmt(src)} is read through a layout op, "
                               f"and dims after dim {d} are known only at run time (its "
                               "strides would not be constants)")
             if o < 0:
-                if size < 0 or not 0 <= b < size:
+                if not self.shape_only and (size < 0 or not 0 <= b < size):
                     raise Refusal(f"input {j} of {_fmt(src)} would be read at index {b} "
                                   f"of dim {d}")
                 offset += b * (st[d] or 0)
                 continue
             n = shape[o]
             whole = (step, b) == (1, 0) and (n == size)
-            if n < 0 or size < 0:
-                if not whole:
-                    raise Refusal(f"input {j} of {_fmt(src)}: dim {d}, known only at run "
-                                  "time, is sliced or shifted by a layout op (only whole "
-                                  "dims of unknown size are read)")
-            elif n and not (0 <= b < size and 0 <= b + step * (n - 1) < size):
+            if size < 0 and not whole:
+                raise Refusal(f"input {j} of {_fmt(src)}: dim {d}, known only at run "
+                              "time, is sliced or shifted by a layout op (only whole "
+                              "dims of unknown size are read)")
+            if n < 0 and size >= 0:
+                bounds.append((o, _most(d, size, step, b, j, src)))
+            elif n > 0 and size >= 0 and not (0 <= b < size and 0 <= b + step * (n - 1)
+                                                < size):
                 if n > MAX_TABLE:
                     raise Refusal(f"input {j} of {_fmt(src)} is read outside its range "
                                   f"along an axis of {n} elements (limit {MAX_TABLE})")
@@ -432,8 +460,19 @@ class _Lowering:
             if n == 1:
                 strides[o] = 0
         return self._add_view(View(j, tuple(strides), offset, tuple(src_dims), (),
-                                   tuple(guards)),
+                                   tuple(guards), tuple(bounds)),
                               TensorType(self.spec.inputs[j].dtype, tuple(vshape)))
+
+
+def _most(d, size, step, b, j, src) -> int:
+    """The most indices i along a view dim of run-time extent for which b + step * i
+    stays inside dim d (of static ``size``) of input j: what the shape function checks
+    the extent against."""
+    if step < 1 or not 0 <= b < size:
+        raise Refusal(f"input {j} of {_fmt(src)}: dim {d} is read at run-time positions "
+                      f"from {b} in steps of {step}: only forward slices from inside "
+                      "the dim are checked")
+    return (size - 1 - b) // step + 1
 
 
 def _reshape_map(x_shape, y_shape, M):

@@ -13,9 +13,11 @@ Each entry is then either a constant or "dim d of tensor x".  The frontend
 the fused kernel takes the run-time size from x's shape, exactly what TF reads.
 
 ``entries(t)`` evaluates a 1-D int32/int64 tensor through Const, Shape, Identity,
-Pack (axis 0) and ConcatV2 (axis 0) of vectors, and StridedSlice (constant bounds,
-or a shrink to a scalar) or GatherV2 (a constant index) of a vector; any
-other op gives None (unknown), and the caller leaves its node to TF.
+Pack (axis 0) and ConcatV2 (axis 0) of vectors, ExpandDims of a scalar, and
+StridedSlice (constant bounds, or a shrink to a scalar) or GatherV2 (a constant
+index) of a vector; any other op gives None (unknown), and the caller leaves its
+node to TF.  Slices to such sizes (a position table cut to ``shape(x)[1]``) read the
+tensor for its dims the same way (frontend's SliceTo).
 """
 from __future__ import annotations
 
@@ -58,6 +60,11 @@ def entries(t, depth: int = 0) -> list | None:
     if op.type == "StridedSlice":
         got = _slice_of(op, depth)
         return got if isinstance(got, list) else None
+    if op.type == "ExpandDims" and op.inputs[0].shape.rank == 0:
+        # a scalar made a vector: Grappler's form of a one-entry Pack
+        # (``table[:tf.shape(x)[1]]``'s end)
+        e = scalar(op.inputs[0], depth + 1)
+        return None if e is None else [e]
     return None
 
 
@@ -84,6 +91,17 @@ def scalar(t, depth: int = 0):
             return None
         return _at(vec, int(index))
     return None
+
+
+def dim_of(t, i: int):
+    """(tensor, dim) whose run-time size dim i of ``t`` is: that of a Slice's size
+    entry where shape arithmetic gives it (TF's Slice fails unless it takes exactly
+    that many; a StridedSlice clamps, so it is not followed), else (t, i) itself."""
+    if t.op.type == "Slice":
+        size = entries(t.op.inputs[2])
+        if size is not None and 0 <= i < len(size) and isinstance(size[i], tuple):
+            return size[i]
+    return (t, i)
 
 
 def _at(vec: list, i: int):

@@ -253,6 +253,11 @@ class Emitter:
                            "do not broadcast (unknown dims are assumed equal; a size-1 "
                            "unknown dim is not broadcast at run time)")
                 P += [SP.EQ, off[j] + i, cls[c], self.error(msg)]
+        for c, most, j in dom.bounds:
+            P += [SP.LE, cls[c], most, self.error(
+                f"a slice of input {j} ({fmt_shape(spec.inputs[j].shape)}) takes more "
+                f"elements than the {most} its dim holds from the slice's begin (TF's "
+                "Slice fails the same way)")]
         big = self.error("a dimension product exceeds 2^48 elements")
         for a, ax in enumerate(dom.axes):
             P += [SP.AXIS, a, len(ax.classes), *[cls[c] for c in ax.classes], big]

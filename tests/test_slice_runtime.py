@@ -1,0 +1,189 @@
+"""Slices whose counts are known only at run time: a position table cut to a sequence length.
+
+keras_hub's PositionEmbedding cuts its static ``[max_len, d]`` table to the input's
+sequence length (``ops.slice(table, (0, 0), (ops.shape(x)[-2], d))``), and hand-written
+models write ``table[:tf.shape(x)[1]]``.  The frontend turns both into a SliceTo that
+reads x's dims; the kernel reads the table through a view whose extent is x's dim, and
+its shape function checks that extent fits the table (TF's Slice fails the same way).
+Layout ops are exact, so every result here must equal TF's bit for bit.
+"""
+import re
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+import stitching  # noqa: E402
+from keras import ops  # noqa: E402
+
+OPTS = stitching.Options(min_ops=1)
+RNG = np.random.default_rng(7)
+SIG = [tf.TensorSpec([None, None, 8], tf.float32)]
+
+
+def _table(max_len=16):
+    t = RNG.standard_normal((max_len, 8)).astype(np.float32)
+    t[1, :3] = [np.nan, np.inf, -np.inf]
+    t[2, 0] = -0.0
+    return tf.Variable(t)
+
+
+def _x(batch, seq):
+    x = RNG.standard_normal((batch, seq, 8)).astype(np.float32)
+    x.reshape(-1)[:4] = [np.nan, -np.inf, 0.0, -0.0][:x.size]
+    return tf.constant(x)
+
+
+def _kernel_ops(sf):
+    return [[t for _, t in k.ops if t != "Identity"] for k in sf.report.kernels]
+
+
+def _same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def _run(fn, sizes, sig=SIG):
+    """fn stitched and stock on inputs of each (batch, seq) in ``sizes``: equal bits."""
+    sf = stitching.function(fn, input_signature=sig, options=OPTS)
+    ref = tf.function(fn, input_signature=sig)
+    for batch, seq in sizes:
+        x = _x(batch, seq)
+        _same_bits(sf(x), ref(x))
+    return sf
+
+
+def _keras_slice(table):
+    def fn(x):
+        p = ops.slice(table, (0, 0), (ops.shape(x)[-2], 8))
+        return x + p
+    return fn
+
+
+def _strided(table):
+    return lambda x: x + table[:tf.shape(x)[1]]
+
+
+@pytest.mark.parametrize("make", [_keras_slice, _strided], ids=["Slice", "StridedSlice"])
+def test_position_table_cut_to_the_sequence_is_one_kernel(make):
+    """One kernel, compiled once for every batch and sequence length (the symbols,
+    not the values, are compiled); bits equal to TF's, NaN, Inf and -0 included."""
+    sf = _run(make(_table()), [(1, 5), (3, 5), (3, 16), (2, 1), (2, 0)])
+    assert len(sf.report.kernels) == 1, sf.report.summary()
+    (ops_,) = _kernel_ops(sf)
+    assert "AddV2" in ops_ and ("Slice" in ops_ or "StridedSlice" in ops_)
+    assert len(sf.reports) == 1         # one trace, one compiled kernel, every size
+
+
+@pytest.mark.parametrize("make", [_keras_slice, _strided], ids=["Slice", "StridedSlice"])
+def test_a_sequence_longer_than_the_table_fails_as_tf_does(make):
+    """Past the table's 16 rows TF fails (Slice: its size check; StridedSlice: the
+    clamped 16 rows do not broadcast against 17).  The kernel's shape function refuses
+    the call before any load, and the op runs the region's original ops (op.cc Guard),
+    which raise TF's own error."""
+    fn = make(_table())
+    sf = stitching.function(fn, input_signature=SIG, options=OPTS)
+    sf(_x(2, 4))
+    assert len(sf.report.kernels) == 1, sf.report.summary()
+    with pytest.raises(tf.errors.InvalidArgumentError) as theirs:
+        tf.function(fn, input_signature=SIG)(_x(2, 17))
+    error = re.search(r"Expected size\[0\] in \[0, 16\], but got 17|Incompatible shapes",
+                      str(theirs.value)).group(0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(error)):
+        sf(_x(2, 17))
+
+
+def test_keras_position_embedding_broadcast_to_the_input_is_one_kernel():
+    """keras_hub's PositionEmbedding: the cut table broadcast to ops.shape(x)."""
+    table = _table()
+
+    def fn(x):
+        p = ops.slice(table, (0, 0), (ops.shape(x)[-2], 8))
+        return x + ops.broadcast_to(p, ops.shape(x))
+
+    sf = _run(fn, [(1, 5), (3, 9)])
+    assert len(sf.report.kernels) == 1, sf.report.summary()
+
+
+def test_slice_begin_is_checked_with_the_count():
+    """table[3:3 + seq]: the kernel allows at most 13 rows."""
+    table = _table()
+
+    def fn(x):
+        return x - tf.slice(table, tf.stack([3, 0]), tf.stack([tf.shape(x)[1], 8]))
+
+    sf = _run(fn, [(2, 13), (1, 4)])
+    assert len(sf.report.kernels) == 1, sf.report.summary()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Expected size"):
+        sf(_x(1, 14))
+
+
+def test_strided_slice_read_by_another_op_stays_tf_with_the_reason():
+    """TF clamps ``table[:seq]`` to the table: where nothing fails on a clamped count
+    (here the slice is reduced, not combined with x), fusing would change the answer."""
+    table = _table(4)
+
+    def fn(x):
+        return x + tf.reduce_max(table[:tf.shape(x)[1]], 0)
+
+    sf = _run(fn, [(2, 3), (2, 6)])
+    assert "TF clamps an end past the dim" in sf.report.summary()
+
+
+def test_slice_counts_from_two_tensors_stay_tf_with_the_reason():
+    table = tf.Variable(RNG.standard_normal((6, 5)).astype(np.float32))
+    sig = [tf.TensorSpec([None, None], tf.float32), tf.TensorSpec([None, None], tf.float32)]
+
+    def fn(a, b):
+        s = tf.slice(table, [0, 0], tf.stack([tf.shape(a)[0], tf.shape(b)[1]]))
+        return s * 2.0 + 1.0
+
+    sf = stitching.function(fn, input_signature=sig, options=OPTS)
+    a, b = tf.zeros([3, 2]), tf.zeros([2, 4])
+    _same_bits(sf(a, b), fn(a, b))
+    assert "run-time counts come from two tensors" in sf.report.summary()
+
+
+# ---- the kernel itself: its shape function checks the count ------------------------------
+
+def _position_spec(max_len=16, begin=0):
+    """x + table[begin:begin + x.shape[1]] as the frontend's SliceTo expands it."""
+    from stitching.ir.builder import SpecBuilder
+    from stitching.ir.ops import RUN_TIME_COUNT
+    b = SpecBuilder()
+    x = b.input("float32", [-1, -1, 8])
+    t = b.input("float32", [max_len, 8])
+    v = b.Slice(t, begin=[begin, 0], size=[RUN_TIME_COUNT, 8], strides=[1, 1], shape=[-1, 8])
+    seq = b.Slice(x, begin=[0, 0, 0], size=[1, -1, 1], strides=[1, 1, 1], shape=[-1, 1])
+    ones = b.FillLike(seq, value=1.0, dtype="float32")
+    return b.build([b.Add(x, b.Mul(v, ones))])
+
+
+def test_the_kernel_checks_the_count_before_any_load():
+    from stitching.compile import compile_kernel
+    from stitching.schedule import build_schedule
+    spec = _position_spec(begin=3)
+    (bound,) = build_schedule(spec).domain.bounds
+    assert bound[1] == 13                        # rows 3..15 of 16
+    k = compile_kernel(spec)
+    table = RNG.standard_normal((16, 8)).astype(np.float32)
+    for batch, seq in ((1, 13), (3, 5), (2, 0)):     # one compiled kernel, every size
+        x = _x(batch, seq).numpy()
+        (y,) = k(x, table)
+        _same_bits(y, x + table[3:3 + seq] * np.float32(1))
+    with pytest.raises(ValueError, match="more elements than the 13"):
+        k(_x(1, 14).numpy(), table)
+
+
+def test_a_run_time_count_of_a_dim_of_one_or_unknown_is_a_spec_error():
+    from stitching.ir.builder import SpecBuilder
+    from stitching.ir.ops import RUN_TIME_COUNT
+    from stitching.ir.spec import SpecError
+    for shape in ([1, 8], [-1, 8]):
+        b = SpecBuilder()
+        t = b.input("float32", shape)
+        with pytest.raises((SpecError, ValueError), match="run-time count needs a static"):
+            b.Slice(t, begin=[0, 0], size=[RUN_TIME_COUNT, 8], strides=[1, 1],
+                    shape=[-1, 8])
