@@ -38,7 +38,13 @@ What stays out, with the reason the report shows (``Refusal``):
   - a layout op over a reduction or any other non-element-wise value (its input would
     have to be computed in another index space, a second domain);
   - a view whose strides depend on dims known only at run time (the strides are
-    constants of the generated code), or that slices a dim known only at run time;
+    constants of the generated code), or that slices a dim known only at run time
+    (``x[:, 1:]``, ``x[:, -1]``: its extent or offset would be an expression of that
+    dim, which neither the shape program's values nor the views' constant offsets
+    express).  The converse fuses: a static dim read to a run-time extent (a position
+    table cut to the sequence length, ops.RUN_TIME_COUNT) is a view with ``bounds``,
+    which the shape function checks (a backward or strided-from-outside read is
+    refused, _most);
   - a concatenation or Pad on the innermost axis read in a column reduction (its loops
     index columns from a block start).  Every piece is evaluated at every index of the
     concatenated axis (the table selects afterwards); a piece's loads outside its own
