@@ -107,6 +107,50 @@ def test_keras_position_embedding_broadcast_to_the_input_is_one_kernel():
     assert len(sf.report.kernels) == 1, sf.report.summary()
 
 
+def test_position_embedding_and_layer_norm_are_one_row_kernel():
+    """The table cut to the sequence, broadcast, added and normalized: one row kernel
+    (the dims the broadcast reads from x are never loaded)."""
+    table = tf.Variable(RNG.standard_normal((64, 32)).astype(np.float32))
+    norm = keras.layers.LayerNormalization(epsilon=1e-5)
+    norm.build((None, None, 32))
+
+    def fn(x):
+        p = ops.slice(table, (0, 0), (ops.shape(x)[-2], 32))
+        return norm(x + ops.broadcast_to(p, ops.shape(x)))
+
+    sig = [tf.TensorSpec([None, None, 32], tf.float32)]
+    sf = stitching.function(fn, input_signature=sig, options=OPTS)
+    for batch, seq in ((2, 5), (3, 64), (1, 1)):
+        x = tf.constant(RNG.standard_normal((batch, seq, 32)).astype(np.float32))
+        np.testing.assert_allclose(sf(x).numpy(), fn(x).numpy(), rtol=1e-5, atol=1e-5)
+    assert len(sf.report.kernels) == 1 and not sf.report.unfused, sf.report.summary()
+    assert "row kernel" in sf.report.kernels[0].schedule
+
+
+def test_a_table_cut_to_another_tensors_length():
+    """Slice: the kernel reads x's length and checks y's against it (equal, or the op
+    runs its original ops: y's length 1 broadcasts in TF).  StridedSlice: y's length is
+    not proven to be x's, so a clamped table might broadcast: it stays TF's."""
+    table = _table()
+    sig = SIG * 2
+
+    def sliced(x, y):
+        return y + tf.slice(table, [0, 0], tf.stack([tf.shape(x)[1], 8]))
+
+    def strided(x, y):
+        return y + table[:tf.shape(x)[1]]
+
+    sf = stitching.function(sliced, input_signature=sig, options=OPTS)
+    for ys in (5, 1):
+        x, y = _x(2, 5), _x(2, ys)
+        _same_bits(sf(x, y), sliced(x, y))
+    assert len(sf.report.kernels) == 1, sf.report.summary()
+    sf = stitching.function(strided, input_signature=sig, options=OPTS)
+    x, y = _x(2, 5), _x(2, 5)
+    _same_bits(sf(x, y), strided(x, y))
+    assert "combines it with a tensor not proven to" in sf.report.summary()
+
+
 def test_slice_begin_is_checked_with_the_count():
     """table[3:3 + seq]: the kernel allows at most 13 rows."""
     table = _table()
