@@ -231,3 +231,65 @@ def test_a_run_time_count_of_a_dim_of_one_or_unknown_is_a_spec_error():
         with pytest.raises((SpecError, ValueError), match="run-time count needs a static"):
             b.Slice(t, begin=[0, 0], size=[RUN_TIME_COUNT, 8], strides=[1, 1],
                     shape=[-1, 8])
+
+
+# ---- one element of a dim known only at run time: x[:, -1] --------------------------------
+
+LAST = {
+    "last": lambda x: x[:, -1] * 2.0,
+    "first": lambda x: x[:, 0] * 2.0,
+    "third_from_end_of_a_slice": lambda x: x[:, -3, 2:6] * 2.0,
+    "last_and_first": lambda x: x[:, -1] - x[:, 0],
+    "last_beside_every_token": lambda x: x - x[:, -1][:, None, :],
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAST))
+def test_one_token_at_an_unknown_sequence_length_is_fused(name):
+    """GPT's last-token logits: the view's offset along the sequence ((n - 1) * 8) and
+    its stride along the batch (n * 8) are kernel parameters the shape function
+    computes; one kernel serves every batch and length, bits equal to TF's."""
+    fn = LAST[name]
+    sf = _run(fn, [(2, 5), (3, 16), (1, 3), (2, 4)])
+    assert len(sf.report.kernels) == 1 and not sf.report.unfused, sf.report.summary()
+    assert len(sf.reports) == 1
+
+
+def test_softmax_of_the_last_token_is_one_row_kernel():
+    sf = stitching.function(lambda x: tf.nn.softmax(x[:, -1] * 0.5), input_signature=SIG,
+                            options=OPTS)
+    for batch, seq in ((2, 5), (3, 1)):
+        x = _x(batch, seq)
+        np.testing.assert_allclose(sf(x).numpy(), tf.nn.softmax(x[:, -1] * 0.5).numpy(),
+                                   rtol=2e-6, atol=1e-7)
+    assert len(sf.report.kernels) == 1 and not sf.report.unfused, sf.report.summary()
+
+
+def test_an_index_past_an_unknown_length_fails_as_tf_does():
+    """x[:, -3] of a sequence of 2: TF's error (the kernel's check fails first, and
+    the op runs the original ops; TF names the index wrapped once, -3 + 2)."""
+    fn = LAST["third_from_end_of_a_slice"]
+    sf = stitching.function(fn, input_signature=SIG, options=OPTS)
+    sf(_x(2, 5))
+    assert len(sf.report.kernels) == 1, sf.report.summary()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="slice index -1 of dimension 1 out"):
+        sf(_x(2, 2))
+
+
+def test_the_kernel_checks_the_index_exists():
+    from stitching.compile import compile_kernel
+    from stitching.ir.builder import SpecBuilder
+    from stitching.schedule import build_schedule
+    b = SpecBuilder()
+    x = b.input("float32", [-1, -1, 8])
+    v = b.Slice(x, begin=[0, -2, 0], size=[-1, 1, -1], strides=[1, 1, 1], shape=[-1, 8])
+    spec = b.build([b.Neg(v)])
+    dom = build_schedule(spec).domain
+    assert [p[2] for p in dom.picks] == [-2] and [s[2] for s in dom.scaled] == [8]
+    k = compile_kernel(spec)
+    for batch, seq in ((1, 2), (3, 7)):
+        xs = _x(batch, seq).numpy()
+        (y,) = k(xs)
+        _same_bits(y, -xs[:, -2])
+    with pytest.raises(ValueError, match="indexed at -2 along a dim known only at run time"):
+        k(_x(2, 1).numpy())

@@ -194,7 +194,8 @@ _reg("Reshape", Kind.LAYOUT, 1, attrs={"shape": _int_list})
 _reg("Transpose", Kind.LAYOUT, 1, attrs={"perm": _int_list})
 # Slice: per input dim, ``size`` elements from ``begin`` in steps of ``strides``.  Size
 # -1 is the whole dim (begin 0, stride 1); on a dim known only at run time only that, or
-# its first element (read only for its shape, by a FillLike), may be taken.  Size
+# one element, may be taken: element ``begin``, or for a negative begin element n +
+# begin (``x[:, -1]``), which the kernel's shape function checks exists.  Size
 # RUN_TIME_COUNT is a count known only at run time, from a static dim of at least 2,
 # that the kernel's shape function checks fits (composite SliceTo).  The sliced dims
 # are then reshaped to ``shape`` by inserting or removing size-1 dims (StridedSlice's
@@ -394,12 +395,11 @@ def slice_sizes(x_shape, begin, size, strides) -> tuple:
                 raise ValueError(f"Slice: dim {i}: a run-time count needs a static dim "
                                  "of at least 2, a positive stride and a begin inside it")
             continue
-        if n < 0 and (k, b) != (1, 0):
+        if n < 0 and k != 1:
             raise ValueError(f"Slice: dim {i} is known only at run time; only the whole "
-                             "dim (or its first element, for a FillLike's shape) may be "
-                             "taken")
+                             "dim or one element of it may be taken")
         if n < 0:
-            continue        # loaded only where the dim is not empty (schedule/layout.py)
+            continue        # element b (b < 0: n + b), checked at run time (layout.py)
         if s == 0 or k < 0:
             raise ValueError(f"Slice: dim {i}: stride must be non-zero, size >= 0")
         last = b + (k - 1) * s

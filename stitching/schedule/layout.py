@@ -98,6 +98,18 @@ class View:
     # and the most it may be without reading past its source; the kernel's shape
     # function checks it (domain.py, Domain.bounds), as TF's Slice checks its size.
     bounds: tuple = ()
+    # One element of a source dim known only at run time (``x[:, -1]``, the last token's
+    # logits at an unknown sequence length): ``picks`` = ((source dim, index, stride),
+    # ...); index b >= 0 is element b (in ``offset``), b < 0 element n + b, whose
+    # (n + b) * stride the shape function adds to the offset at run time (a kernel
+    # parameter, Domain.picks); it checks the element exists (n >= b + 1, n >= -b).
+    picks: tuple = ()
+    # Strides known only at run time: a view of x[B, S, V] that does not read S whole
+    # (``x[:, -1]``) steps S * V elements along B.  ``scaled`` = ((view dim, factor,
+    # source dims), ...): the stride along that view dim is factor times the run-time
+    # sizes of those source dims (its ``strides`` entry is 0), a kernel parameter that
+    # the shape function computes (Domain.scaled).
+    scaled: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -421,17 +433,28 @@ class _Lowering:
         strides, offset = [0] * len(shape), 0
         vshape = [1] * len(shape)
         src_dims = [None] * len(shape)
-        guards, bounds = [], []
+        guards, bounds, picks, scaled = [], [], [], []
         for d, ((o, step, b), size) in enumerate(zip(M, src)):
             if size == 1:
                 continue
             # (a view read only for its shape takes stride 0 there: never loaded)
             if st[d] is None and (step or b) and not self.shape_only:
-                raise Refusal(f"input {j} of {_fmt(src)} is read through a layout op, "
-                              f"and dims after dim {d} are known only at run time (its "
-                              "strides would not be constants)")
+                if o < 0 or b or any(g == o for g, _, _ in scaled):
+                    raise Refusal(f"input {j} of {_fmt(src)} is read through a layout "
+                                  f"op at an offset along dim {d}, and dims after it are "
+                                  "known only at run time (the offset would not be a "
+                                  "constant)")
+                later = range(d + 1, len(src))
+                factor = step
+                for k in later:
+                    factor *= max(src[k], 1)
+                scaled.append((o, factor, tuple(k for k in later if src[k] < 0)))
             if o < 0:
-                if not self.shape_only and (size < 0 or not 0 <= b < size):
+                if size < 0 and not self.shape_only:
+                    picks.append((d, b, st[d] or 0))
+                    offset += max(b, 0) * (st[d] or 0)
+                    continue
+                if not self.shape_only and not 0 <= b < size:
                     raise Refusal(f"input {j} of {_fmt(src)} would be read at index {b} "
                                   f"of dim {d}")
                 offset += b * (st[d] or 0)
@@ -458,15 +481,20 @@ class _Lowering:
             vshape[o] = n
             if whole:
                 src_dims[o] = d
-        if tuple(vshape) == tuple(src) and offset == 0 and \
+        if tuple(vshape) == tuple(src) and offset == 0 and not picks and not scaled and \
                 tuple(strides) == tuple(s if n != 1 else 0 for s, n in
                                         zip(row_major_strides(src), src)):
             return -(j + 1)                    # the input itself
         for o, n in enumerate(vshape):
             if n == 1:
                 strides[o] = 0
+        scaled = [e for e in scaled if vshape[e[0]] != 1]
+        if any(strides[o] for o, _, _ in scaled):        # a diagonal: not a product
+            raise Refusal(f"input {j} of {_fmt(src)} is read along one axis through two "
+                          "of its dims, one with a stride known only at run time")
         return self._add_view(View(j, tuple(strides), offset, tuple(src_dims), (),
-                                   tuple(guards), tuple(bounds)),
+                                   tuple(guards), tuple(bounds), tuple(picks),
+                                   tuple(scaled)),
                               TensorType(self.spec.inputs[j].dtype, tuple(vshape)))
 
 

@@ -658,7 +658,10 @@ def _dense_strided_slice(op, x, ends=None) -> tuple:
         like.append(None)
         if isinstance(v, int):
             if n < 0:
-                raise _Unfusible("a StridedSlice index into a dim known only at run time")
+                # element v (v < 0: n + v) of a run-time dim: the kernel checks it exists
+                # (schedule/layout.py View.picks), as TF's StridedSlice does
+                b_out.append(v), k_out.append(1), s_out.append(1)
+                continue
             v = v + n if v < 0 else v
             if not 0 <= v < n:
                 raise _Unfusible(f"StridedSlice index {v} out of range")
