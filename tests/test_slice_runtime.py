@@ -293,3 +293,16 @@ def test_the_kernel_checks_the_index_exists():
         _same_bits(y, -xs[:, -2])
     with pytest.raises(ValueError, match="indexed at -2 along a dim known only at run time"):
         k(_x(2, 1).numpy())
+
+
+def test_a_transpose_of_outer_dims_with_run_time_strides():
+    """[B, 8, N] -> [8, B, N]: both outer strides depend on N (kernel parameters)."""
+    from stitching.compile import compile_kernel
+    from stitching.ir.builder import SpecBuilder
+    b = SpecBuilder()
+    x = b.input("float32", [-1, 8, -1])
+    k = compile_kernel(b.build([b.Neg(b.Transpose(x, perm=[1, 0, 2]))]))
+    for batch, n in ((1, 3), (3, 17), (2, 0)):
+        xs = RNG.standard_normal((batch, 8, n)).astype(np.float32)
+        (y,) = k(xs)
+        _same_bits(y, -xs.transpose(1, 0, 2))
