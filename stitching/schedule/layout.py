@@ -31,20 +31,23 @@ domain; it is not done.
 A view is affine: ``source element = offset + sum(i[d] * strides[d])`` over the view's
 dims.  The emitters need nothing new but the view's strides and offset: a view is a
 kernel input whose pointer is the source's (or the table's), strides are constants
-instead of products of the domain's sizes, and the domain (domain.py) keeps the axes
-where a view's strides are not contiguous apart.
+instead of products of the domain's sizes (or, where they depend on dims known only at
+run time, kernel parameters the shape function computes), and the domain (domain.py)
+keeps the axes where a view's strides are not contiguous apart.
 
 What stays out, with the reason the report shows (``Refusal``):
   - a layout op over a reduction or any other non-element-wise value (its input would
     have to be computed in another index space, a second domain);
-  - a view whose strides depend on dims known only at run time (the strides are
-    constants of the generated code), or that slices a dim known only at run time
-    (``x[:, 1:]``, ``x[:, -1]``: its extent or offset would be an expression of that
-    dim, which neither the shape program's values nor the views' constant offsets
-    express).  The converse fuses: a static dim read to a run-time extent (a position
-    table cut to the sequence length, ops.RUN_TIME_COUNT) is a view with ``bounds``,
-    which the shape function checks (a backward or strided-from-outside read is
-    refused, _most);
+  - a view that slices a dim known only at run time to part of it (``x[:, 1:]``: its
+    extent, n - 1, would be an expression of that dim, which the shape program's
+    values do not express), or reads it at an offset with a run-time stride.  What
+    does fold: one element of such a dim (``x[:, -1]``, View.picks: an offset from the
+    end and the check that the element exists, in the shape function), strides that
+    depend on such dims on outer axes (View.scaled: kernel parameters; on the
+    innermost axis a load would stride by a run-time amount: refused in domain.py),
+    and a static dim read to a run-time extent (a position table cut to the sequence
+    length, ops.RUN_TIME_COUNT: View.bounds, checked by the shape function; a backward
+    or strided-from-outside read is refused, _most);
   - a concatenation or Pad on the innermost axis read in a column reduction (its loops
     index columns from a block start).  Every piece is evaluated at every index of the
     concatenated axis (the table selects afterwards); a piece's loads outside its own
