@@ -528,7 +528,8 @@ def _params(views, value_dims, used, axis_of, rank) -> tuple:
                   for r, v in views.items() if r in used for d, b, stride in v.picks)
     scaled = tuple((r, axis_of[value_dims[r][o]], factor,
                     tuple(value_dims[-(v.source + 1)][d] for d in dims))
-                   for r, v in views.items() if r in used for o, factor, dims in v.scaled)
+                   for r, v in views.items() if r in used for o, factor, dims in v.scaled
+                   if value_dims[r][o] in axis_of)     # (a dim of size 1 has no stride)
     if rank + 4 + len(picks) + len(scaled) > MAX_PARAM_SLOT:
         raise Refusal(f"{len(picks) + len(scaled)} run-time offsets and strides of views "
                       f"in a kernel of {rank} axes (at most {MAX_PARAM_SLOT} parameter "
