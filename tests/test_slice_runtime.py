@@ -306,3 +306,18 @@ def test_a_transpose_of_outer_dims_with_run_time_strides():
         xs = RNG.standard_normal((batch, 8, n)).astype(np.float32)
         (y,) = k(xs)
         _same_bits(y, -xs.transpose(1, 0, 2))
+
+
+def test_the_gradient_of_the_last_token_stays_tf_with_the_reason():
+    """d(x[:, -1])/dx pads dy to the run-time length: TF's StridedSliceGrad."""
+    sig = SIG + [tf.TensorSpec([None, 8], tf.float32)]
+
+    def fn(x, dy):
+        return tf.raw_ops.StridedSliceGrad(
+            shape=tf.shape(x), begin=[0, -1, 0], end=[0, 0, 0], strides=[1, 1, 1],
+            dy=dy * 2.0, begin_mask=5, end_mask=5, shrink_axis_mask=2) + 1.0
+
+    sf = stitching.function(fn, input_signature=sig, options=OPTS)
+    x, dy = _x(2, 5), _x(2, 1)[:, 0]
+    _same_bits(sf(x, dy), fn(x, dy))
+    assert "StridedSliceGrad of part of a dim known only at run time" in sf.report.summary()

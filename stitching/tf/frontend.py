@@ -601,6 +601,9 @@ def _convert_strided_slice_grad(op) -> Node:
     x's shape, a Pad of dy (the SliceGrad composite) where every stride is 1."""
     x = _out_shape(op)
     b_out, k_out, s_out, _ = _dense_strided_slice(op, x)
+    if any(n < 0 and k != -1 for k, n in zip(k_out, x)):
+        raise _Unfusible("a StridedSliceGrad of part of a dim known only at run time (its "
+                         "padding would be an expression of that dim): not fused")
     if any(st != 1 for st in s_out):
         raise _Unfusible("a StridedSliceGrad with a stride other than 1 (zeros between "
                          "its elements) is not fused yet")
