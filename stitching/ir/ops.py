@@ -201,6 +201,7 @@ _reg("Transpose", Kind.LAYOUT, 1, attrs={"perm": _int_list})
 # are then reshaped to ``shape`` by inserting or removing size-1 dims (StridedSlice's
 # shrink and new axes).  TF's Slice, StridedSlice, Split, SplitV and Unpack become these.
 RUN_TIME_COUNT = -2
+_MAX_INDEX = 1 << 40    # arbitrary sanity bound on an index into a run-time dim
 _reg("Slice", Kind.LAYOUT, 1, attrs={"begin": _int_list, "size": _int_list,
                                       "strides": _int_list, "shape": _int_list})
 # ConcatV2 on a constant axis; Pack stacks its inputs along a new axis ``axis``.
@@ -395,9 +396,9 @@ def slice_sizes(x_shape, begin, size, strides) -> tuple:
                 raise ValueError(f"Slice: dim {i}: a run-time count needs a static dim "
                                  "of at least 2, a positive stride and a begin inside it")
             continue
-        if n < 0 and k != 1:
+        if n < 0 and (k != 1 or not -_MAX_INDEX < b < _MAX_INDEX):
             raise ValueError(f"Slice: dim {i} is known only at run time; only the whole "
-                             "dim or one element of it may be taken")
+                             f"dim or one element of it (an index below 2^40) may be taken")
         if n < 0:
             continue        # element b (b < 0: n + b), checked at run time (layout.py)
         if s == 0 or k < 0:
