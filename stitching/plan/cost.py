@@ -50,6 +50,12 @@ levels, as in FusionStitching:
     else from this module's own estimate.  Rows unknown until run time: the time is
     estimated at DEFAULT_DIM, but no parameters are fixed (the kernel picks at run time).
 
+  reuse choice  reuse_reason(spec)                 per kernel the search keeps
+  ─────────────────────────────────────────────────────────────────────────────────────
+    a folded layout op recomputes what it reads (schedule/layout.py, Recompute): the
+    kernel's time with those evaluations against writing and reading the value once
+    and a launch; reloading wins -> the search cuts the kernel there, with the numbers
+
 Unknown dims (-1) are assumed DEFAULT_DIM; every other constant is labelled below.
 """
 from __future__ import annotations
@@ -404,6 +410,62 @@ def spec_times(spec, profile: DeviceProfile) -> tuple:
     return fused, costs.unfused_s(P)
 
 
+# ---- the reuse choice for a layout op -----------------------------------------------------
+#
+# A kernel folds every layout op into the indexing of what it reads (schedule/layout.py),
+# evaluating the element-wise values it reads again in its own index space.  Where the
+# kernel evaluates those values anyway (read directly and through a transpose, or
+# through two maps: both halves of a rotate-half), that is a second evaluation per
+# element.  The other choice is to end a kernel at the value (one write) and let the
+# next one read it through the view (one read, one more launch): "reloaded".  The
+# third, "computed" (the layout op run by TF or written by a kernel of its own), is
+# what the planner does anyway where nothing fuses with it.
+
+SIMPLE_PER_TRANSCENDENTAL = 8   # rough: a vectorized exp/tanh/erf costs about 8 simple
+                                # element-wise ops (an add, a multiply, a select), as
+                                # TAPS_PER_TRANSCENDENTAL
+
+
+def _evaluations(ops) -> float:
+    """Transcendentals' worth of the evaluations ``ops`` = ((op, type, share), ...)."""
+    return sum(elems(t) * share *
+               (1.0 if OPS[op].transcendental else 1 / SIMPLE_PER_TRANSCENDENTAL)
+               for op, t, share in ops)
+
+
+def reuse_reason(spec, profile: DeviceProfile) -> str | None:
+    """None when folding each of the spec's layout ops (recomputing what it reads) is
+    the cheaper choice; else why the value it reads is computed once and reloaded
+    instead, with both costs -- the planner then cuts the kernel there (search.py
+    treats the reason as a refusal).
+
+    Recompute: what the extra evaluations add to the kernel's time, which is the
+    larger of its memory traffic and its compute (a memory-bound kernel recomputes a
+    few simple ops for free).  Reload: writing and reading the recomputed value once
+    (each of its values, if several) at the device's bandwidth, plus a launch."""
+    sched = _schedule_of(spec)
+    recomputed = getattr(getattr(sched, "spec", None), "recomputed", ())
+    if not recomputed:
+        return None
+    mem = (sum(nbytes(t) for t in spec.inputs) +
+           sum(nbytes(t) for t in spec.output_types)) / profile.bandwidth
+    total = _evaluations((n.op, n.type, 1) for n in sched.spec.nodes) / \
+        profile.transcendental_per_s
+    for r in recomputed:
+        extra = _evaluations(r.ops) / profile.transcendental_per_s
+        again = max(mem, total) - max(mem, total - extra)
+        size = sum(nbytes(t) for t in r.values)
+        reload = profile.launch_s + profile.task_s + 2 * size / profile.bandwidth
+        if again > reload:
+            what = ", ".join(sorted({op for op, _, _ in r.ops}))
+            return (f"the value a {r.where} reads is computed once and reloaded: "
+                    f"recomputing it through the {r.layout} costs "
+                    f"{again * 1e6:.1f} µs ({len(r.ops)} element-wise op(s) evaluated "
+                    f"again: {what}) > {reload * 1e6:.1f} µs to write and read "
+                    f"{size / 1024:.0f} KiB and launch a kernel")
+    return None
+
+
 # ---- latency evaluator ------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -442,9 +504,12 @@ class KernelShape:
 def kernel_shape(spec) -> KernelShape:
     sched = _schedule_of(spec)
     users = _spec_users(spec)
+    # what the kernel evaluates: the schedule's spec counts again what folded layout
+    # ops recompute (schedule/layout.py)
+    run = sched.spec if sched is not None else spec
     base = dict(in_bytes=sum(nbytes(t) for t in spec.inputs),
                 out_bytes=sum(nbytes(t) for t in spec.output_types),
-                transcendentals=sum(elems(n.type) for n in spec.nodes
+                transcendentals=sum(elems(n.type) for n in run.nodes
                                     if OPS[n.op].transcendental),
                 live=_max_live(list(range(len(spec.nodes))), users.__getitem__))
     if sched is not None:

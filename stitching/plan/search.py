@@ -23,8 +23,11 @@ selective deployment, scored by cost.py.
    vertex each state branches into "leave it" and each disjoint candidate of positive
    gain (up to top_k); the `beam` best states survive (one per decided set).  The winning plan's
    patterns are then checked for legality (region extraction + the schedule's `legal`,
-   memoized): a refused pattern is banned, an op that is illegal even alone is taken out
-   of the search, and the search reruns (at most `rounds` times).
+   memoized; with it the reuse choice for layout ops, cost.reuse_reason: a kernel that
+   would recompute an expensive value through a folded layout op is cut there, the
+   value reloaded through the view; the report's notes say where): a refused pattern
+   is banned, an op that is illegal even alone is taken out of the search, and the
+   search reruns (at most `rounds` times).
 
 3. Merge.  With the chosen patterns contracted (acyclic.Contraction), repeatedly take the
    best merge of two kernels: *stitch* a kernel with a neighbour (catches producers that
@@ -51,7 +54,7 @@ from ..ir.spec import SCHEDULE_PARAMS
 from . import epilogue as _epi
 from . import legality as _fus
 from .acyclic import Contraction, CycleError, Reach, indexed, mask_of
-from .cost import Delta, GraphCosts, Launch, calibrated_s, choose_launch
+from .cost import Delta, GraphCosts, Launch, calibrated_s, choose_launch, reuse_reason
 from .planner import Plan
 from .profiles import DeviceProfile
 from .profiles import default as _default_profile
@@ -144,6 +147,7 @@ class _Context:
                         for i, (n, k) in enumerate(zip(self.names, kinds))
                         if k == Kind.WINDOW]
         self.boundaries: dict = {}         # (node, reason) -> None, insertion ordered
+        self.reuse_cuts: dict = {}         # pattern -> why reloading beat folding
         self.log: dict = {}                # node -> [(kind, pattern, score_s, outcome)]
         self.C: dict = {}                  # vertex -> candidate patterns (last DP run)
         self.final_groups: list = []       # the merged kernels deploy considered
@@ -228,6 +232,10 @@ class _Context:
                 reg = extract(self.graph, [self.names[v] for v in P], self.consumers,
                               self.fetched, self.order)
                 why = self.legal(reg.spec) or _fus.backend_reason(reg.spec, self.profile)
+                if why is None:
+                    why = reuse_reason(reg.spec, self.profile)
+                    if why is not None:
+                        self.reuse_cuts[P] = why
             except ValueError as e:
                 reg, why = None, str(e)
             hit = self._legal[P] = (reg if why is None else None, why)
@@ -680,6 +688,8 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
             result.skipped.append((names, choice.reason))
             for n in names:
                 placed[n] = choice.reason
+    result.notes.extend(_reuse_notes(ctx, [frozenset(ctx.order[n] for n in r.nodes)
+                                           for r in result.regions]))
     if groups and not result.regions and result.skipped:
         result.notes.append("function left alone: the cost model predicts no kernel pays")
     fused = {n for r in result.regions for n in r.nodes}
@@ -700,6 +710,20 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
 
 
 LONE_OP = "a lone op: no fusible neighbour, and fusing it alone saves nothing"
+
+
+def _reuse_notes(ctx: _Context, kernels: list) -> list:
+    """Where the plan cut a kernel for the reuse choice of a layout op (reuse_cuts): per
+    set of final kernels (an op left to TF counts as a part alone) that a refused
+    pattern spans, the largest such pattern, with the reason (the two costs)."""
+    where = {v: i for i, K in enumerate(kernels) for v in K}
+    cuts: dict = {}                     # the parts a pattern spans -> that pattern
+    for P in ctx.reuse_cuts:
+        parts = frozenset(where.get(v, -1 - v) for v in P)
+        if len(parts) > 1 and len(P) > len(cuts.get(parts, ())):
+            cuts[parts] = P
+    return [f"{ctx.describe(P)} cut in {len(parts)}: {ctx.reuse_cuts[P]}"
+            for parts, P in cuts.items()]
 
 
 def _unfused_reason(ctx: _Context, v: int, placed: dict) -> str:

@@ -20,13 +20,20 @@ into the indexing of the values that read it (XLA's elemental emitters do the sa
     r = reverse(x, axis)  ->  a view whose stride along the axis is negative
 
 Maps compose (a slice of a transpose of a kernel input is one view), and an element-wise
-value read in two index spaces is computed in both: the reuse choice for a layout op is
-always *fold into the indexing, recompute what it reads*.  That is the cheap end of the
-ladder for the ops that reach here (rotary embeddings' half-splits and concatenations,
-head transposes): each folded op saves a full read and write of its tensor, and what is
-recomputed is a few element-wise ops on values the kernel loads anyway.  Computing a
-layout op's input once into scratch and re-reading it transposed would need a second
-domain; it is not done.
+value read in two index spaces is computed in both: folding a layout op means
+*recomputing what it reads* in its index space.  That is the cheap end of the ladder for
+the ops that reach here (rotary embeddings' half-splits and concatenations, head
+transposes): each folded op saves a full read and write of its tensor, and what is
+recomputed is a few element-wise ops on values the kernel loads anyway.  Where the
+value is expensive (a chain of transcendentals) and the kernel evaluates it anyway,
+directly or through another map (a rotate-half evaluates each piece over the whole
+axis), the lowering records what the fold evaluates again (``Recompute``, on the
+LoweredSpec) and the planner weighs it against computing the value once and
+*reloading* it: one kernel ends at the value, the next reads it through the view
+(plan/cost.py, reuse_reason; the report names the choice where it cuts).  The third
+choice, the layout op *computed* as a tensor of its own, is what happens where nothing
+fuses with it (TF's op).  Computing the value once into scratch inside one kernel and
+re-reading it through the map would need a second domain; it is not done.
 
 A view is affine: ``source element = offset + sum(i[d] * strides[d])`` over the view's
 dims.  The emitters need nothing new but the view's strides and offset: a view is a
@@ -65,7 +72,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from ..ir.graph import TensorType
-from ..ir.ops import INDEX_MAPS, OPS, Kind, infer
+from ..ir.ops import INDEX_MAPS, OPS, RUN_TIME_COUNT, Kind, infer
 from ..ir.spec import KernelSpec, SpecNode
 from .domain import Refusal, live_nodes
 
@@ -116,12 +123,36 @@ class View:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """What folding one layout op costs in arithmetic: the element-wise nodes it
+    evaluates again in its own index space although the kernel evaluates them already
+    (in their own index space, or through another map).  ``layout`` is the op, of
+    output ``shape``; ``ops`` = ((op name, type, share), ...) the extra evaluations,
+    each over that share of its type's elements; ``values`` the types, in their own
+    index space, of the values that, computed once and written by an earlier kernel,
+    would end the recomputation (the topmost recomputed nodes).  The planner prices
+    the two (plan/cost.py, reuse_reason)."""
+    layout: str
+    shape: tuple
+    ops: tuple
+    values: tuple
+
+    @property
+    def where(self) -> str:
+        """The layout op, for the report: "ConcatV2 of [?,32,4,64]"."""
+        return f"{self.layout} of {_fmt(self.shape)}"
+
+
+@dataclass(frozen=True)
 class LoweredSpec(KernelSpec):
     """A spec whose layout ops were folded into views: ``inputs`` are the original
     inputs followed by one per view (``views``, in order).  What the schedule and the
-    emitters see; the original spec is what graphs carry and caches key on."""
+    emitters see; the original spec is what graphs carry and caches key on.
+    ``recomputed``: a Recompute per layout op whose fold evaluates element-wise nodes a
+    second time."""
     views: tuple = ()
     origin: str = ""
+    recomputed: tuple = ()
     _hash: str = field(default="", compare=False)
 
     @property
@@ -164,6 +195,10 @@ class _Lowering:
         self.spec = spec
         self.n_in = len(spec.inputs)
         self.nodes: list = []
+        # per new node: (the original node it evaluates, or -1; the layout op in whose
+        # index space it is, or -1 for the node's own)
+        self.source: list = []
+        self.under = -1
         self.views: list = []
         self.view_types: list = []
         self.value: dict = {}       # original ref -> new ref (its own index space)
@@ -181,7 +216,9 @@ class _Lowering:
             if n.op in INDEX_MAPS:
                 shape = n.type.shape
                 ident = tuple((d, 1, 0) for d in range(len(shape)))
+                self.under = k
                 r = self._shape_only(self._read_for_shape(k, live), k, ident, shape)
+                self.under = -1
                 got = self.type_of(r).shape
                 if got != shape:
                     raise Refusal(f"{n.op} of {_fmt(spec.type_of(n.args[0]).shape)} "
@@ -191,6 +228,7 @@ class _Lowering:
             else:
                 args = tuple(self.value_of(a) for a in n.args)
                 self.nodes.append(SpecNode(n.op, args, n.attrs, n.type))
+                self.source.append((k, -1))
                 self.value[k] = len(self.nodes) - 1
         outputs = []
         for o in spec.outputs:
@@ -226,7 +264,41 @@ class _Lowering:
         digest = hashlib.sha256((self.spec.hash + repr(views)).encode()).hexdigest()[:24]
         return LoweredSpec(tuple(self.spec.inputs) + types, nodes,
                            tuple(ref[o] for o in outputs), dict(self.spec.schedule),
-                           self.spec.same_dims, views=views, origin=self.spec.hash, _hash=digest)
+                           self.spec.same_dims, views=views, origin=self.spec.hash,
+                           recomputed=self.recomputed(keep, set(outputs)), _hash=digest)
+
+    def recomputed(self, keep: list, outputs: set) -> tuple:
+        """A Recompute per layout op whose copies (``keep``: the live new nodes) of an
+        original node evaluate more elements than the node has: the copy in its own
+        index space first, then the layout ops' copies in order, each counting beyond
+        what the ones before it used up.  Two slices of disjoint halves evaluate each
+        element once; a concatenation's pieces are evaluated over the whole axis (the
+        table selects afterwards), so rotate-half of a value evaluates it twice."""
+        copies: dict = {}
+        for i in keep:
+            k, under = self.source[i]
+            if k >= 0:
+                copies.setdefault(k, []).append((under, i))
+        extra: dict = {}                 # layout node -> [(new node, extra share)]
+        for k, cs in copies.items():
+            left = _count(self.spec.nodes[k].type)
+            for under, i in sorted(cs):
+                n = _count(self.nodes[i].type)
+                over = n - max(0, left)
+                left -= n
+                if over > 0:
+                    extra.setdefault(under, []).append((i, over / n))
+        out = []
+        for layout, got in sorted(extra.items()):
+            mine = {i for i, _ in got}
+            read_by_others = {a for i in keep if i not in mine
+                              for a in self.nodes[i].args} | outputs
+            tops = sorted({self.source[i][0] for i in mine if i in read_by_others})
+            out.append(Recompute(
+                self.spec.nodes[layout].op, self.spec.nodes[layout].type.shape,
+                tuple((self.nodes[i].op, self.nodes[i].type, share) for i, share in got),
+                tuple(self.spec.nodes[k].type for k in tops)))
+        return tuple(out)
 
     def value_of(self, ref: int) -> int:
         return ref if ref < 0 else self.value[ref]
@@ -237,7 +309,8 @@ class _Lowering:
         j = -r - 1
         return self.spec.inputs[j] if j < self.n_in else self.view_types[j - self.n_in]
 
-    def emit(self, op: str, args: list, attrs: dict) -> int:
+    def emit(self, op: str, args: list, attrs: dict, source: int = -1) -> int:
+        """A new node (``source``: the original node it evaluates, if any)."""
         d = OPS[op]
         attrs = d.validate_attrs(attrs)
         try:
@@ -245,6 +318,7 @@ class _Lowering:
         except ValueError as e:            # cannot happen for maps built here
             raise Refusal(f"folding a layout op: {e}") from None
         self.nodes.append(SpecNode(op, tuple(args), attrs, t))
+        self.source.append((source, self.under))
         return len(self.nodes) - 1
 
     # -- remap: the value of ``ref`` at index M(i), for i over ``shape`` ------------------
@@ -307,7 +381,7 @@ class _Lowering:
             off = len(out) - len(s)
             args.append(self._shape_only(False, a, tuple(M[i + off] for i in range(len(s))),
                                          shape))
-        return self.emit(n.op, args, n.attrs)
+        return self.emit(n.op, args, n.attrs, source=k)
 
     def _shape_only(self, flag: bool, ref: int, M: tuple, shape: tuple) -> int:
         """remap with ``shape_only`` set to ``flag`` (restored after)."""
@@ -328,7 +402,8 @@ class _Lowering:
     def map_slice(self, n, M, shape):
         x = self.spec.type_of(n.args[0]).shape
         a = n.attrs
-        sizes = [d if k == -1 else k for d, k in zip(x, a["size"])]
+        sizes = [d if k == -1 else -1 if k == RUN_TIME_COUNT else k
+                 for d, k in zip(x, a["size"])]
         Ms = _reshape_map(sizes, n.type.shape, M)      # node index -> sliced index
         Mx = []
         for (o, step, b), begin, stride in zip(Ms, a["begin"], a["strides"]):
@@ -517,6 +592,15 @@ def _reshape_map(x_shape, y_shape, M):
     non-1 dims pair up in order; x's size-1 dims are index 0."""
     ys = iter(m for m, d in zip(M, y_shape) if d != 1)
     return tuple(_NONE if d == 1 else next(ys) for d in x_shape)
+
+
+def _count(t: TensorType) -> int:
+    """Elements of a type, a dim known only at run time counted once: such dims are
+    read whole (View), so every copy of a value has the same ones and they cancel."""
+    n = 1
+    for d in t.shape:
+        n *= max(d, 1)
+    return n
 
 
 def _fmt(shape) -> str:
