@@ -30,6 +30,10 @@ bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
                        has size 1: a broadcast; x * 1 is exact, -0 and NaN included)
   Tile(x, s)         = x * ones_like(slice of s)  (a broadcast to dims known only at
                        run time: those of s, by ``like``; s's data is never read)
+  SliceTo(x, s)      = Slice(x) * ones_like(slice of s)   (a Slice whose counts ``like``
+                       dims of s give at run time, ops.RUN_TIME_COUNT: a position table
+                       cut to a sequence length; the ones make the kernel read those
+                       dims from s, as the Tile above does; x * 1 is exact)
   FusedBatchNormGrad(dy, x, scale, mean, var) (fused_batch_norm_op.cc, CPU functors;
                        channel-last, three outputs; sums over every other axis, n their
                        element count, known at trace time):
@@ -78,6 +82,10 @@ COMPOSITE_OPS = {
     # per piece [segment, row, count, step] a strided Slice of the rows, padded with
     # zeros to ``num_segments`` along axis 0, the pieces summed (_segment_sum)
     "SegmentSum": (Kind.LAYOUT, 1),
+    # TF's Slice / StridedSlice whose counts are run-time dims of a second input s
+    # (``like``: per output dim, its dim of s, or -1); begin, size (RUN_TIME_COUNT where
+    # s gives it), strides and shape as the Slice primitive's
+    "SliceTo": (Kind.LAYOUT, 1),
 }
 
 # composites with more than one output: expand returns a tuple, one ref per output
@@ -105,6 +113,11 @@ def expand(op: str, attrs: dict, args: list, types: list, emit) -> int:
         return _gather(args[0], x, attrs, emit)
     if op == "SegmentSum":
         return _segment_sum(args[0], x, attrs, emit)
+    if op == "SliceTo":
+        v = emit("Slice", [args[0]], {k: attrs[k] for k in ("begin", "size", "strides",
+                                                              "shape")})
+        return emit("Mul", [v, _ones_like(args[1], types[1], attrs["like"], x.dtype, emit)],
+                    {})
     if op == "SliceGrad":
         r = emit("Reshape", [args[0]], {"shape": attrs["shape"]})
         return emit("Pad", [r], {"paddings": attrs["paddings"],
@@ -202,25 +215,30 @@ def _l2_loss(attrs, a, t, emit):
 
 
 def _tile(attrs, a, t, emit):
-    one = 1 if t[0].dtype.startswith("int") else 1.0
     if len(a) == 1:
+        one = 1 if t[0].dtype.startswith("int") else 1.0
         ones = emit("Const", [], {"value": one, "dtype": t[0].dtype,
                                   "shape": list(attrs["shape"])})
         return emit("Mul", [a[0], ones], {})
     # a broadcast to run-time dims of a second input (``like``: per output dim, its
-    # dim there, or -1): ones shaped by that input's dims, which the kernel reads from
-    # its shape; the slice keeps the dims taken whole and the first element of the
-    # others (size-1 dims in the output's place: the slice's target shape)
-    like, src = attrs["like"], t[1].shape
-    ref = a[1]
+    # dim there, or -1)
+    return emit("Mul", [a[0], _ones_like(a[1], t[1], attrs["like"], t[0].dtype, emit)], {})
+
+
+def _ones_like(ref, t, like, dtype, emit) -> int:
+    """Ones shaped by the dims ``like`` takes of ``ref`` (type ``t``; per output dim,
+    its dim of ref, or -1), which the kernel reads from ref's shape, not its data: a
+    slice of ref keeps the dims taken whole and the first element of the others
+    (size-1 dims in the output's place: the slice's target shape)."""
+    src = t.shape
     if list(like) != list(range(len(src))):
         keep = set(like)
         ref = emit("Slice", [ref], {
             "begin": [0] * len(src), "strides": [1] * len(src),
             "size": [(-1 if n < 0 else n) if k in keep else 1 for k, n in enumerate(src)],
             "shape": [src[k] if k >= 0 else 1 for k in like]})
-    return emit("Mul", [a[0], emit("FillLike", [ref], {"value": one,
-                                                       "dtype": t[0].dtype})], {})
+    one = 1 if dtype.startswith("int") else 1.0
+    return emit("FillLike", [ref], {"value": one, "dtype": dtype})
 
 
 def _xent(attrs, a, t, emit):

@@ -197,10 +197,16 @@ _reg("Reshape", Kind.LAYOUT, 1, attrs={"shape": _int_list})
 # Index maps (schedule/layout.py): the element at output index i is an input element at
 # an affine function of i (no arithmetic, so a fused layout op changes no bits).
 _reg("Transpose", Kind.LAYOUT, 1, attrs={"perm": _int_list})
-# Slice: per input dim, ``size`` elements from ``begin`` in steps of ``strides`` (size -1:
-# the whole dim, begin 0, stride 1; the one form allowed on a dim known only at run
-# time), then reshaped to ``shape`` by inserting or removing size-1 dims (StridedSlice's
+# Slice: per input dim, ``size`` elements from ``begin`` in steps of ``strides``.  Size
+# -1 is the whole dim (begin 0, stride 1); on a dim known only at run time only that, or
+# one element, may be taken: element ``begin``, or for a negative begin element n +
+# begin (``x[:, -1]``), which the kernel's shape function checks exists.  Size
+# RUN_TIME_COUNT is a count known only at run time, from a static dim of at least 2,
+# that the kernel's shape function checks fits (composite SliceTo).  The sliced dims
+# are then reshaped to ``shape`` by inserting or removing size-1 dims (StridedSlice's
 # shrink and new axes).  TF's Slice, StridedSlice, Split, SplitV and Unpack become these.
+RUN_TIME_COUNT = -2
+_MAX_INDEX = 1 << 40    # arbitrary sanity bound on an index into a run-time dim
 _reg("Slice", Kind.LAYOUT, 1, attrs={"begin": _int_list, "size": _int_list,
                                       "strides": _int_list, "shape": _int_list})
 # ConcatV2 on a constant axis; Pack stacks its inputs along a new axis ``axis``.
@@ -388,16 +394,26 @@ def slice_sizes(x_shape, begin, size, strides) -> tuple:
                 raise ValueError(f"Slice: dim {i}: size -1 (the whole dim) needs "
                                  "begin 0 and stride 1")
             continue
-        if n < 0:
+        if k == RUN_TIME_COUNT:
+            # at most n - b elements, at run time; a dim of size 1 would be broadcast
+            # by the index maps (schedule/layout.py), not checked
+            if n < 2 or s < 1 or not 0 <= b < n:
+                raise ValueError(f"Slice: dim {i}: a run-time count needs a static dim "
+                                 "of at least 2, a positive stride and a begin inside it")
+            continue
+        if n < 0 and (k != 1 or not -_MAX_INDEX < b < _MAX_INDEX):
             raise ValueError(f"Slice: dim {i} is known only at run time; only the whole "
-                             "dim may be taken")
+                             f"dim or one element of it (an index below 2^40) may be taken")
+        if n < 0:
+            continue        # element b (b < 0: n + b), checked at run time (layout.py)
         if s == 0 or k < 0:
             raise ValueError(f"Slice: dim {i}: stride must be non-zero, size >= 0")
         last = b + (k - 1) * s
         if k and not (0 <= b < n and 0 <= last < n):
             raise ValueError(f"Slice: dim {i}: elements {b}..{last} of {n} are out of "
                              "range")
-    return tuple(n if k == -1 else k for n, k in zip(x_shape, size))
+    return tuple(n if k == -1 else -1 if k == RUN_TIME_COUNT else k
+                 for n, k in zip(x_shape, size))
 
 
 def _infer_slice(attrs, in_types) -> TensorType:

@@ -20,7 +20,8 @@ equal dims whatever the symbols' values::
 Rules, each sound by the op's definition (TF computes the same at run time):
   - element-wise (broadcasting): an output dim is the operands' dim where every
     operand that is not a static 1 there has the same monomial;
-  - a Tile broadcasting to run-time dims of a second input (``like``): those dims;
+  - a Tile broadcasting to run-time dims of a second input (``like``), and a SliceTo
+    cutting to them (a Slice's, not a StridedSlice's, which clamps): those dims;
   - reductions keep the dims they do not reduce; Transpose permutes;
   - Reshape: a -1 entry of its target (``facts``: the constant target TF runs,
     tf/passes/shapes.py folds Keras's run-time targets to these), or the one dim of
@@ -105,6 +106,11 @@ class _Sweep:
             lead = len(shape) - len(x)
             return [src[k] if k >= 0 else x[i - lead] if i >= lead else None
                     for i, k in enumerate(node.attrs["like"])]
+        if node.op == "SliceTo" and len(ins) == 2 and ins[1] is not None and \
+                not node.attrs.get("clamps"):
+            # a slice whose run-time counts are dims of its second input (a StridedSlice
+            # clamps its end, so its counts are not those dims: fresh symbols)
+            return [ins[1][k] if k >= 0 else None for k in node.attrs["like"]]
         if kind == Kind.ELEMENTWISE:
             return _broadcast(ins, len(shape))
         if kind == Kind.REDUCTION and "axes" in node.attrs and ins and ins[0] is not None:

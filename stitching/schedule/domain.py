@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from ..ir.ops import OPS, Kind
 
 MAX_DOMAIN_RANK = 16   # arbitrary: dims[] holds the collapsed sizes plus a few params
+MAX_PARAM_SLOT = 31    # dims[31] is the phase (op.cc kMaxParams 32, kPhaseSlot 31)
 # A view read with a stride along the innermost axis (a transpose of the last dim) loads
 # one cache line per element; the next rows reuse those lines while they stay cached.
 # 4096 lines are 256 KiB, half the smallest L2 of this project's machines (arbitrary
@@ -110,6 +111,30 @@ class Domain:
     # emitters load where it holds)
     clamped: dict = field(default_factory=dict)
     inner_guard: dict = field(default_factory=dict)
+    # bounded views (layout.py View.bounds): ((dim class, most, source input), ...)
+    # for the run-time classes that a view slices from a static dim; the shape function
+    # checks each class's size against its most, so no load reads past the source
+    bounds: tuple = ()
+    # views of one element of a run-time dim (layout.py View.picks): ((view ref, dim
+    # class, index, stride), ...); the shape function checks the element exists and,
+    # for an index from the end, puts (n + index) * stride in a kernel parameter
+    # (param_slot) that the view's pointer adds
+    picks: tuple = ()
+
+    # views with strides known only at run time (layout.py View.scaled): ((view ref,
+    # axis, factor, dim classes), ...), the axis's stride factor times the classes'
+    # sizes, a kernel parameter (scaled_slot) the shape function computes; the view's
+    # view_strides entry for that axis is None
+    scaled: tuple = ()
+
+    def param_slot(self, p: int) -> int:
+        """dims[] slot of the p-th pick's run-time offset: after the axes' sizes and
+        the four work-decomposition words (cpu/emitter.py's ABI)."""
+        return len(self.axes) + 4 + p
+
+    def scaled_slot(self, q: int) -> int:
+        """dims[] slot of the q-th run-time stride, after the picks'."""
+        return self.param_slot(len(self.picks) + q)
 
     @property
     def rank(self) -> int:
@@ -417,9 +442,10 @@ def _collapse(classes, order, value_dims, reduced_classes, view_class_strides=()
     reds = [frozenset(pos[c] for c in cs) for cs in reduced_classes.values()]
 
     def contiguous(p):  # every view carrying classes p and p+1 has them contiguous
-        a, b = order[p], order[p + 1]
+        a, b = order[p], order[p + 1]    # (a stride None, known at run time: never)
         return all(a not in st or b not in st or
-                   (classes[b].size >= 0 and st[a] == st[b] * classes[b].size)
+                   (classes[b].size >= 0 and None not in (st[a], st[b]) and
+                    st[a] == st[b] * classes[b].size)
                    for st in view_class_strides)
 
     def together(p):  # may axis p and p+1 merge?
@@ -471,7 +497,9 @@ def analyze(spec) -> Domain:
     if len(order) > MAX_DOMAIN_RANK:
         raise Refusal(f"the kernel would loop over {len(order)} independent axes "
                       f"(limit {MAX_DOMAIN_RANK})")
-    class_strides = {r: {c: st for c, st in zip(value_dims[r], v.strides) if c is not None}
+    class_strides = {r: {c: None if any(o == e[0] for e in v.scaled) else st
+                         for o, (c, st) in enumerate(zip(value_dims[r], v.strides))
+                         if c is not None}
                      for r, v in views.items() if r in used}
     channels = _window_channels(spec, live, value_dims)
     guards = _guard_classes(views, value_dims, used)
@@ -487,8 +515,45 @@ def analyze(spec) -> Domain:
                     for r, st in class_strides.items()}
     clamped, inner_guard = _clamps(guards, axes, axis_of)
     _check_windows(spec, live, axes, axis_of, carries, channels)
+    picks, scaled = _params(views, value_dims, used, axis_of, len(axes))
     return Domain(classes, axes, value_dims, carries, reduced, view_strides, side,
-                  weights, windows, clamped, inner_guard)
+                  weights, windows, clamped, inner_guard,
+                  _bounds(views, value_dims, classes, used), picks, scaled)
+
+
+def _params(views, value_dims, used, axis_of, rank) -> tuple:
+    """(Domain.picks, Domain.scaled) of the views the kernel reads (layout.py
+    View.picks and View.scaled): run-time offsets and strides, in kernel parameters."""
+    picks = tuple((r, value_dims[-(v.source + 1)][d], b, stride)
+                  for r, v in views.items() if r in used for d, b, stride in v.picks)
+    scaled = tuple((r, axis_of[value_dims[r][o]], factor,
+                    tuple(value_dims[-(v.source + 1)][d] for d in dims))
+                   for r, v in views.items() if r in used for o, factor, dims in v.scaled
+                   if value_dims[r][o] in axis_of)     # (a dim of size 1 has no stride)
+    if rank + 4 + len(picks) + len(scaled) > MAX_PARAM_SLOT:
+        raise Refusal(f"{len(picks) + len(scaled)} run-time offsets and strides of views "
+                      f"in a kernel of {rank} axes (at most {MAX_PARAM_SLOT} parameter "
+                      "slots)")
+    return picks, scaled
+
+
+def _bounds(views, value_dims, classes, used) -> tuple:
+    """Domain.bounds of the bounded views the kernel reads (layout.py View.bounds).  A
+    class that met a static dim (the slice added to a tensor of static size) is checked
+    here instead, once."""
+    out = []
+    for r, v in views.items():
+        if r not in used:
+            continue
+        for o, most in v.bounds:
+            c = value_dims[r][o]
+            size = classes[c].size
+            if size < 0:
+                out.append((c, most, v.source))
+            elif size > most:
+                raise Refusal(f"a slice takes {size} elements of a dim that holds {most} "
+                              "from its begin (TF's error when it runs)")
+    return tuple(out)
 
 
 def _guard_classes(views, value_dims, used) -> dict:
@@ -606,6 +671,9 @@ def _view_axis_strides(ref, axes, carried, class_stride) -> dict:
     strided load, which only element-wise kernels emit (schedule.py checks the kind);
     its row of lines must stay in cache for the next rows to reuse them."""
     out = {a: class_stride[axes[a].classes[-1]] for a in carried}
+    if carried and out[carried[-1]] is None and carried[-1] == len(axes) - 1:
+        raise Refusal(f"{_name(ref)} is read along the innermost axis with a stride "
+                      "known only at run time")
     if carried and carried[-1] == len(axes) - 1 and out[carried[-1]] != 1:
         n = axes[-1].size
         # a short stride walks lines in order (a slice ::2): no row to keep cached

@@ -43,14 +43,23 @@ re-reading it through the map would need a second domain; it is not done.
 A view is affine: ``source element = offset + sum(i[d] * strides[d])`` over the view's
 dims.  The emitters need nothing new but the view's strides and offset: a view is a
 kernel input whose pointer is the source's (or the table's), strides are constants
-instead of products of the domain's sizes, and the domain (domain.py) keeps the axes
-where a view's strides are not contiguous apart.
+instead of products of the domain's sizes (or, where they depend on dims known only at
+run time, kernel parameters the shape function computes), and the domain (domain.py)
+keeps the axes where a view's strides are not contiguous apart.
 
 What stays out, with the reason the report shows (``Refusal``):
   - a layout op over a reduction or any other non-element-wise value (its input would
     have to be computed in another index space, a second domain);
-  - a view whose strides depend on dims known only at run time (the strides are
-    constants of the generated code), or that slices a dim known only at run time;
+  - a view that slices a dim known only at run time to part of it (``x[:, 1:]``: its
+    extent, n - 1, would be an expression of that dim, which the shape program's
+    values do not express), or reads it at an offset with a run-time stride.  What
+    does fold: one element of such a dim (``x[:, -1]``, View.picks: an offset from the
+    end and the check that the element exists, in the shape function), strides that
+    depend on such dims on outer axes (View.scaled: kernel parameters; on the
+    innermost axis a load would stride by a run-time amount: refused in domain.py),
+    and a static dim read to a run-time extent (a position table cut to the sequence
+    length, ops.RUN_TIME_COUNT: View.bounds, checked by the shape function; a backward
+    or strided-from-outside read is refused, _most);
   - a concatenation or Pad on the innermost axis read in a column reduction (its loops
     index columns from a block start).  Every piece is evaluated at every index of the
     concatenated axis (the table selects afterwards); a piece's loads outside its own
@@ -68,7 +77,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from ..ir.graph import TensorType
-from ..ir.ops import INDEX_MAPS, OPS, Kind, infer
+from ..ir.ops import INDEX_MAPS, OPS, RUN_TIME_COUNT, Kind, infer
 from ..ir.spec import KernelSpec, SpecNode
 from .domain import Refusal, live_nodes
 
@@ -98,6 +107,24 @@ class View:
     # clamped into that range (domain.py, Domain.clamped), so the load reads a row the
     # selector discards.
     guards: tuple = ()
+    # A slice of a static dim to a count known only at run time (ir/ops.py
+    # RUN_TIME_COUNT: a position table cut to a sequence length): ``bounds`` =
+    # ((view dim, most elements), ...), the view's run-time extent along each such dim
+    # and the most it may be without reading past its source; the kernel's shape
+    # function checks it (domain.py, Domain.bounds), as TF's Slice checks its size.
+    bounds: tuple = ()
+    # One element of a source dim known only at run time (``x[:, -1]``, the last token's
+    # logits at an unknown sequence length): ``picks`` = ((source dim, index, stride),
+    # ...); index b >= 0 is element b (in ``offset``), b < 0 element n + b, whose
+    # (n + b) * stride the shape function adds to the offset at run time (a kernel
+    # parameter, Domain.picks); it checks the element exists (n >= b + 1, n >= -b).
+    picks: tuple = ()
+    # Strides known only at run time: a view of x[B, S, V] that does not read S whole
+    # (``x[:, -1]``) steps S * V elements along B.  ``scaled`` = ((view dim, factor,
+    # source dims), ...): the stride along that view dim is factor times the run-time
+    # sizes of those source dims (its ``strides`` entry is 0), a kernel parameter that
+    # the shape function computes (Domain.scaled).
+    scaled: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -181,17 +208,21 @@ class _Lowering:
         self.view_types: list = []
         self.value: dict = {}       # original ref -> new ref (its own index space)
         self.memo: dict = {}
+        # remapping a FillLike's argument through index maps: only its shape is read
+        # (a view at a constant index of a dim known only at run time is never loaded)
+        self.shape_only = False
 
     # -- driver -----------------------------------------------------------------------
     def run(self) -> LoweredSpec:
         spec = self.spec
-        for k in live_nodes(spec):
+        live = live_nodes(spec)
+        for k in live:
             n = spec.nodes[k]
             if n.op in INDEX_MAPS:
                 shape = n.type.shape
                 ident = tuple((d, 1, 0) for d in range(len(shape)))
                 self.under = k
-                r = self.remap(k, ident, shape)
+                r = self._shape_only(self._read_for_shape(k, live), k, ident, shape)
                 self.under = -1
                 got = self.type_of(r).shape
                 if got != shape:
@@ -211,6 +242,12 @@ class _Lowering:
                 r = self.emit("Identity", [r], {})
             outputs.append(r)
         return self.compact(outputs)
+
+    def _read_for_shape(self, k: int, live) -> bool:
+        """Whether only FillLike nodes read node k (for its shape, composites.py)."""
+        readers = [self.spec.nodes[r].op for r in live if k in self.spec.nodes[r].args]
+        return k not in self.spec.outputs and bool(readers) and \
+            all(op == "FillLike" for op in readers)
 
     def compact(self, outputs) -> LoweredSpec:
         """Drop what no output reads (the values of the layout ops' inputs in their own
@@ -296,7 +333,7 @@ class _Lowering:
         lowered has no value yet, so it is always remapped through its own map."""
         t = self.spec.type_of(ref)
         M = tuple(_NONE if n == 1 else m for n, m in zip(t.shape, M))
-        key = (ref, M, shape)
+        key = (ref, M, shape, self.shape_only)
         if key in self.memo:
             return self.memo[key]
         ident = len(shape) == len(t.shape) and all(
@@ -323,7 +360,7 @@ class _Lowering:
             # broadcasting to a run-time batch gets its size from there, composites.py)
             # where the argument folds into a view, else a constant
             try:
-                arg = self.remap(n.args[0], M, shape)
+                arg = self._shape_only(True, n.args[0], M, shape)
             except Refusal:
                 return self.emit("Const", [], {"value": n.attrs["value"],
                                                "dtype": n.type.dtype,
@@ -344,11 +381,20 @@ class _Lowering:
                           "values only")
         out = n.type.shape
         args = []
-        for a in n.args:
+        for a in n.args:            # computed, so its arguments are loaded
             s = self.spec.type_of(a).shape
             off = len(out) - len(s)
-            args.append(self.remap(a, tuple(M[i + off] for i in range(len(s))), shape))
+            args.append(self._shape_only(False, a, tuple(M[i + off] for i in range(len(s))),
+                                         shape))
         return self.emit(n.op, args, n.attrs, source=k)
+
+    def _shape_only(self, flag: bool, ref: int, M: tuple, shape: tuple) -> int:
+        """remap with ``shape_only`` set to ``flag`` (restored after)."""
+        saved, self.shape_only = self.shape_only, flag
+        try:
+            return self.remap(ref, M, shape)
+        finally:
+            self.shape_only = saved
 
     # -- the index maps -----------------------------------------------------------------
     def map_transpose(self, n, M, shape):
@@ -361,7 +407,8 @@ class _Lowering:
     def map_slice(self, n, M, shape):
         x = self.spec.type_of(n.args[0]).shape
         a = n.attrs
-        sizes = [d if k == -1 else k for d, k in zip(x, a["size"])]
+        sizes = [d if k == -1 else -1 if k == RUN_TIME_COUNT else k
+                 for d, k in zip(x, a["size"])]
         Ms = _reshape_map(sizes, n.type.shape, M)      # node index -> sliced index
         Mx = []
         for (o, step, b), begin, stride in zip(Ms, a["begin"], a["strides"]):
@@ -475,28 +522,42 @@ class _Lowering:
         strides, offset = [0] * len(shape), 0
         vshape = [1] * len(shape)
         src_dims = [None] * len(shape)
-        guards = []
+        guards, bounds, picks, scaled = [], [], [], []
         for d, ((o, step, b), size) in enumerate(zip(M, src)):
             if size == 1:
                 continue
-            if st[d] is None and (step or b):
-                raise Refusal(f"input {j} of {_fmt(src)} is read through a layout op, "
-                              f"and dims after dim {d} are known only at run time (its "
-                              "strides would not be constants)")
+            # (a view read only for its shape takes stride 0 there: never loaded)
+            if st[d] is None and (step or b) and not self.shape_only:
+                if o < 0 or b or any(g == o for g, _, _ in scaled):
+                    raise Refusal(f"input {j} of {_fmt(src)} is read through a layout "
+                                  f"op at an offset along dim {d}, and dims after it are "
+                                  "known only at run time (the offset would not be a "
+                                  "constant)")
+                later = range(d + 1, len(src))
+                factor = step
+                for k in later:
+                    factor *= max(src[k], 1)
+                scaled.append((o, factor, tuple(k for k in later if src[k] < 0)))
             if o < 0:
-                if size < 0 or not 0 <= b < size:
+                if size < 0 and not self.shape_only:
+                    picks.append((d, b, st[d] or 0))
+                    offset += max(b, 0) * (st[d] or 0)
+                    continue
+                if not self.shape_only and not 0 <= b < size:
                     raise Refusal(f"input {j} of {_fmt(src)} would be read at index {b} "
                                   f"of dim {d}")
                 offset += b * (st[d] or 0)
                 continue
             n = shape[o]
             whole = (step, b) == (1, 0) and (n == size)
-            if n < 0 or size < 0:
-                if not whole:
-                    raise Refusal(f"input {j} of {_fmt(src)}: dim {d}, known only at run "
-                                  "time, is sliced or shifted by a layout op (only whole "
-                                  "dims of unknown size are read)")
-            elif n and not (0 <= b < size and 0 <= b + step * (n - 1) < size):
+            if size < 0 and not whole:
+                raise Refusal(f"input {j} of {_fmt(src)}: dim {d}, known only at run "
+                              "time, is sliced or shifted by a layout op (only whole "
+                              "dims of unknown size are read)")
+            if n < 0 and size >= 0:
+                bounds.append((o, _most(d, size, step, b, j, src)))
+            elif n > 0 and size >= 0 and not (0 <= b < size and 0 <= b + step * (n - 1)
+                                                < size):
                 if n > MAX_TABLE:
                     raise Refusal(f"input {j} of {_fmt(src)} is read outside its range "
                                   f"along an axis of {n} elements (limit {MAX_TABLE})")
@@ -509,16 +570,32 @@ class _Lowering:
             vshape[o] = n
             if whole:
                 src_dims[o] = d
-        if tuple(vshape) == tuple(src) and offset == 0 and \
+        if tuple(vshape) == tuple(src) and offset == 0 and not picks and not scaled and \
                 tuple(strides) == tuple(s if n != 1 else 0 for s, n in
                                         zip(row_major_strides(src), src)):
             return -(j + 1)                    # the input itself
         for o, n in enumerate(vshape):
             if n == 1:
                 strides[o] = 0
+        scaled = [e for e in scaled if vshape[e[0]] != 1]
+        if any(strides[o] for o, _, _ in scaled):        # a diagonal: not a product
+            raise Refusal(f"input {j} of {_fmt(src)} is read along one axis through two "
+                          "of its dims, one with a stride known only at run time")
         return self._add_view(View(j, tuple(strides), offset, tuple(src_dims), (),
-                                   tuple(guards)),
+                                   tuple(guards), tuple(bounds), tuple(picks),
+                                   tuple(scaled)),
                               TensorType(self.spec.inputs[j].dtype, tuple(vshape)))
+
+
+def _most(d, size, step, b, j, src) -> int:
+    """The most indices i along a view dim of run-time extent for which b + step * i
+    stays inside dim d (of static ``size``) of input j: what the shape function checks
+    the extent against."""
+    if step < 1 or not 0 <= b < size:
+        raise Refusal(f"input {j} of {_fmt(src)}: dim {d} is read at run-time positions "
+                      f"from {b} in steps of {step}: only forward slices from inside "
+                      "the dim are checked")
+    return (size - 1 - b) // step + 1
 
 
 def _reshape_map(x_shape, y_shape, M):

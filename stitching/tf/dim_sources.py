@@ -13,9 +13,11 @@ Each entry is then either a constant or "dim d of tensor x".  The frontend
 the fused kernel takes the run-time size from x's shape, exactly what TF reads.
 
 ``entries(t)`` evaluates a 1-D int32/int64 tensor through Const, Shape, Identity,
-Pack (axis 0) and ConcatV2 (axis 0) of vectors, and StridedSlice (constant bounds,
-or a shrink to a scalar) or GatherV2 (a constant index) of a vector; any
-other op gives None (unknown), and the caller leaves its node to TF.
+Pack (axis 0) and ConcatV2 (axis 0) of vectors, ExpandDims of a scalar, and
+StridedSlice (constant bounds, or a shrink to a scalar) or GatherV2 (a constant
+index) of a vector; any other op gives None (unknown), and the caller leaves its
+node to TF.  Slices to such sizes (a position table cut to ``shape(x)[1]``) read the
+tensor for its dims the same way (frontend's SliceTo).
 """
 from __future__ import annotations
 
@@ -58,6 +60,11 @@ def entries(t, depth: int = 0) -> list | None:
     if op.type == "StridedSlice":
         got = _slice_of(op, depth)
         return got if isinstance(got, list) else None
+    if op.type == "ExpandDims" and op.inputs[0].shape.rank == 0:
+        # a scalar made a vector: Grappler's form of a one-entry Pack
+        # (``table[:tf.shape(x)[1]]``'s end)
+        e = scalar(op.inputs[0], depth + 1)
+        return None if e is None else [e]
     return None
 
 
@@ -86,6 +93,17 @@ def scalar(t, depth: int = 0):
     return None
 
 
+def dim_of(t, i: int):
+    """(tensor, dim) whose run-time size dim i of ``t`` is: that of a Slice's size
+    entry where shape arithmetic gives it (TF's Slice fails unless it takes exactly
+    that many; a StridedSlice clamps, so it is not followed), else (t, i) itself."""
+    if t.op.type == "Slice":
+        size = entries(t.op.inputs[2])
+        if size is not None and 0 <= i < len(size) and isinstance(size[i], tuple):
+            return size[i]
+    return (t, i)
+
+
 def _at(vec: list, i: int):
     if -len(vec) <= i < len(vec):
         return vec[i]
@@ -103,14 +121,22 @@ def _constant(t):
     return v
 
 
-def dense_slice(op, x) -> tuple:
-    """(begin, size, strides) per dim of ``x`` (size -1: a whole dim known only at run
-    time) for a StridedSlice or StridedSliceGrad op (begin, end, strides: constant
+def dense_slice(op, x, ends=None) -> tuple:
+    """(begin, size, strides, out_dims) per dim of ``x`` (size -1: a whole dim known
+    only at run time) for a StridedSlice or StridedSliceGrad op (begin, end, strides:
     inputs 1 to 3): the sparse spec (masks, ellipsis) made dense, as NumPy indexing
-    reads it (TF's ValidateStridedSliceOp has the same semantics).  Raises
-    NotEvaluable with the reason the form is not handled."""
-    begin, end, strides = (np.asarray(_constant(op.inputs[i])).reshape(-1).tolist()
-                           for i in (1, 2, 3))
+    reads it (TF's ValidateStridedSliceOp has the same semantics).  ``out_dims``: per
+    output dim, the dim of ``x`` it slices, or None for a new axis (shrunk dims have
+    none).  Raises NotEvaluable with the reason the form is not handled.
+
+    ``ends``: the end entries as ``entries`` gives them (constants, or (tensor, dim)
+    known only at run time), else the constant input 2.  A run-time end's size is that
+    (tensor, dim) (begin 0, stride 1): what count it is, the caller decides.  An index
+    into a dim known only at run time is begin ``v`` (from the end where v < 0), size 1:
+    the kernel checks it exists (schedule/layout.py, View.picks), as TF does."""
+    begin, strides = (np.asarray(_constant(op.inputs[i])).reshape(-1).tolist()
+                      for i in (1, 3))
+    end = ends if ends is not None else np.asarray(_constant(op.inputs[2])).reshape(-1).tolist()
     masks = {m: int(op.get_attr(m)) for m in ("begin_mask", "end_mask", "ellipsis_mask",
                                               "new_axis_mask", "shrink_axis_mask")}
     index = []
@@ -124,7 +150,8 @@ def dense_slice(op, x) -> tuple:
             index.append(int(b))
         else:
             index.append(slice(None if masks["begin_mask"] & bit else int(b),
-                               None if masks["end_mask"] & bit else int(e), int(s)))
+                               None if masks["end_mask"] & bit else
+                               e if isinstance(e, tuple) else int(e), int(s)))
     if Ellipsis not in index:
         index.append(Ellipsis)
     at = index.index(Ellipsis)
@@ -135,12 +162,17 @@ def dense_slice(op, x) -> tuple:
         raise NotEvaluable("StridedSlice with more indices than dims")
     b_out, k_out, s_out = [], [], []
     for v, n in zip(dims, x):
+        if isinstance(v, slice) and isinstance(v.stop, tuple):
+            if v.start not in (None, 0) or v.step != 1:
+                raise NotEvaluable("a StridedSlice to an end known only at run time with "
+                                   "a begin or stride other than 0 and 1: not fused")
+            b_out.append(0), k_out.append(v.stop), s_out.append(1)
+            continue
         if isinstance(v, int):
-            if n < 0:
-                raise NotEvaluable("a StridedSlice index into a dim known only at run time")
-            v = v + n if v < 0 else v
-            if not 0 <= v < n:
-                raise NotEvaluable(f"StridedSlice index {v} out of range")
+            if n >= 0:
+                v = v + n if v < 0 else v
+                if not 0 <= v < n:
+                    raise NotEvaluable(f"StridedSlice index {v} out of range")
             b_out.append(v), k_out.append(1), s_out.append(1)
             continue
         if n < 0:
@@ -151,7 +183,15 @@ def dense_slice(op, x) -> tuple:
         start, stop, step = v.indices(n)
         count = len(range(start, stop, step))
         b_out.append(start if count else 0), k_out.append(count), s_out.append(step)
-    return b_out, k_out, s_out
+    out_dims, d = [], 0
+    for v in index:
+        if v is None:
+            out_dims.append(None)
+            continue
+        if not isinstance(v, int):
+            out_dims.append(d)
+        d += 1
+    return b_out, k_out, s_out, out_dims
 
 
 def strided_slice(nd, vals, begin, end, strides):

@@ -23,7 +23,7 @@ from tensorflow.python.framework import tensor_util
 
 from ..ir import Graph, Node, TensorType, ValueRef
 from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT
-from ..ir.ops import SMALL_MATMUL_MAX_WEIGHTS
+from ..ir.ops import RUN_TIME_COUNT, SMALL_MATMUL_MAX_WEIGHTS
 from . import dim_sources, opnames
 from .tfgraph import DTYPE_NAMES
 # kept here for their callers (stitching.function, tools): they live in tfgraph.py
@@ -501,6 +501,11 @@ def _convert_tile(op) -> Node:
             if y[i] is not None or d == t or \
                     (isinstance(t, tuple) and t[0].name == op.inputs[0].name and t[1] == i - lead):
                 wanted.append(None)             # static, or x's own dim
+            elif d is None and isinstance(t, tuple) and \
+                    _same_dim(dim_sources.dim_of(op.inputs[0], i - lead), t):
+                # x's dim is t's (keras_hub's PositionEmbedding: a table sliced to
+                # shape(x)[-2], broadcast to shape(x)): read it from t's tensor too
+                wanted.append(t)
             elif d != 1:
                 raise _Unfusible("BroadcastTo of a dim of size other than 1 to a run-time "
                                  "size (x's dim may be 1 and broadcast when the op runs, "
@@ -521,6 +526,10 @@ def _convert_tile(op) -> Node:
         return Node(op.name, "Tile", _inputs(op, [0]),
                     {"shape": [1 if d < 0 else d for d in shape]})
     return _broadcast_like(op, source, like, shape)
+
+
+def _same_dim(a: tuple, b: tuple) -> bool:
+    return a[0].name == b[0].name and a[1] == b[1]
 
 
 def _broadcast_like(op, source, like, shape) -> Node:
@@ -568,13 +577,61 @@ def _convert_transpose(op) -> Node | None:
 
 
 def _convert_slice(op) -> Node:
+    """Slice with a constant begin; its size constant, or entries of shape arithmetic
+    (tf/dim_sources.py: keras_hub's PositionEmbedding cuts its table to
+    ``ops.shape(x)[-2]``), which become a SliceTo reading their tensor's dims."""
     x = _static_shape(op.inputs[0])
     begin = [int(b) for b in _const_value(op.inputs[1]).reshape(-1)]
-    size = [int(k) for k in _const_value(op.inputs[2]).reshape(-1)]
-    size = [_whole_or(k, n - b if k == -1 else k, b, n) for b, k, n in zip(begin, size, x)]
-    return Node(op.name, "Slice", _inputs(op, [0]),
-                {"begin": begin, "size": size, "strides": [1] * len(x),
-                 "shape": _out_shape(op)})
+    counts = dim_sources.entries(op.inputs[2])
+    if counts is None or len(counts) != len(x):
+        _const_value(op.inputs[2])          # raises: not a constant
+        raise _Unfusible("a Slice size that does not match its input's rank")
+    size, like = [], []
+    for i, (b, k, n) in enumerate(zip(begin, counts, x)):
+        if isinstance(k, tuple):
+            size.append(_run_time_count(op, i, b, k, n))
+            like.append(k if size[-1] == RUN_TIME_COUNT else None)
+        else:
+            size.append(_whole_or(k, n - b if k == -1 else k, b, n))
+            like.append(None)
+    return _slice_to(op, {"begin": begin, "size": size, "strides": [1] * len(x),
+                          "shape": _out_shape(op)}, like)
+
+
+def _run_time_count(op, i, b, k, n) -> int:
+    """The Slice size entry of input dim i (of size n, taken from b) whose count is
+    dim ``k`` = (tensor, dim) at run time: -1 where that is x's own whole dim, else
+    RUN_TIME_COUNT (the kernel checks it fits, as TF's Slice does)."""
+    x = op.inputs[0]
+    if k[0].name == x.name and k[1] == i and b == 0:
+        return -1
+    if n < 0:
+        raise _Unfusible(f"{op.type} of a dim known only at run time to a count known "
+                         "only at run time")
+    if n < 2:
+        raise _Unfusible(f"{op.type} of a dim of size {n} to a count known only at run "
+                         "time: not fused")
+    if not 0 <= b < n:
+        raise _Unfusible(f"{op.type} begin {b} outside a dim of size {n}")
+    return RUN_TIME_COUNT
+
+
+def _slice_to(op, attrs, like) -> Node:
+    """The Slice node with ``attrs``; where ``like`` (per output dim: None, or the
+    (tensor, dim) that gives its count at run time) names dims, a SliceTo that also
+    reads that tensor, for its dims only (ir/composites.py)."""
+    sources = {t.name: t for t, _ in filter(None, like)}
+    if not sources:
+        return Node(op.name, "Slice", _inputs(op, [0]), attrs)
+    if len(sources) > 1:
+        raise _Unfusible(f"{op.type} whose run-time counts come from two tensors")
+    (source,) = sources.values()
+    if source.shape.rank is None:
+        raise _Unfusible(f"{op.type} to the dims of a tensor of unknown rank")
+    if op.inputs[0].dtype == tf.bool:
+        raise _Unfusible(f"{op.type} of a bool tensor to a count known only at run time")
+    return Node(op.name, "SliceTo", _inputs(op, [0]) + [_ref(source.name)],
+                {**attrs, "like": [-1 if k is None else k[1] for k in like]})
 
 
 def _whole_or(k, size, b, n) -> int:
@@ -588,17 +645,30 @@ def _whole_or(k, size, b, n) -> int:
 
 
 def _convert_strided_slice(op) -> Node:
+    """StridedSlice with constant bounds, or ends from shape arithmetic
+    (``table[:tf.shape(x)[1]]``, tf/dim_sources.py): a SliceTo marked ``clamps``, TF's
+    clamping of such an end, which tf/passes/symdims.py keeps out of kernels unless it
+    proves that a clamp would fail in TF too."""
     x = _static_shape(op.inputs[0])
-    b_out, k_out, s_out = _dense_strided_slice(op, x)
-    return Node(op.name, "Slice", _inputs(op, [0]),
-                {"begin": b_out, "size": k_out, "strides": s_out, "shape": _out_shape(op)})
+    ends = dim_sources.entries(op.inputs[2])
+    if ends is None:
+        _const_value(op.inputs[2])          # raises: not a constant
+    b_out, k_out, s_out, like = _dense_strided_slice(op, x, ends)
+    node = _slice_to(op, {"begin": b_out, "size": k_out, "strides": s_out,
+                          "shape": _out_shape(op)}, like)
+    if node.op == "SliceTo":
+        node.attrs["clamps"] = True
+    return node
 
 
 def _convert_strided_slice_grad(op) -> Node:
     """StridedSliceGrad (the gradient of ``x[..., 2:9]``): dy placed back into zeros of
     x's shape, a Pad of dy (the SliceGrad composite) where every stride is 1."""
     x = _out_shape(op)
-    b_out, k_out, s_out = _dense_strided_slice(op, x)
+    b_out, k_out, s_out, _ = _dense_strided_slice(op, x)
+    if any(n < 0 and k != -1 for k, n in zip(k_out, x)):
+        raise _Unfusible("a StridedSliceGrad of part of a dim known only at run time (its "
+                         "padding would be an expression of that dim): not fused")
     if any(st != 1 for st in s_out):
         raise _Unfusible("a StridedSliceGrad with a stride other than 1 (zeros between "
                          "its elements) that tf/passes/strided_grad.py left: an empty "
@@ -613,13 +683,23 @@ def _convert_strided_slice_grad(op) -> Node:
                 {"shape": k_out, "paddings": pads})
 
 
-def _dense_strided_slice(op, x) -> tuple:
-    """(begin, size, strides) per dim of ``x`` for a StridedSlice or StridedSliceGrad
-    (dim_sources.dense_slice), or the node stays TF's with the reason."""
+def _dense_strided_slice(op, x, ends=None) -> tuple:
+    """(begin, size, strides, like) per dim of ``x`` for a StridedSlice or
+    StridedSliceGrad (dim_sources.dense_slice), or the node stays TF's with the reason.
+    ``ends``: the ends from tf/dim_sources.py, where some are run-time dims (tensor,
+    dim); their sizes become Slice counts (_run_time_count), and ``like`` has the
+    (tensor, dim) per output dim whose count is RUN_TIME_COUNT, None elsewhere."""
     try:
-        return dim_sources.dense_slice(op, x)
+        b_out, k_out, s_out, out_dims = dim_sources.dense_slice(op, x, ends)
     except dim_sources.NotEvaluable as e:
         raise _Unfusible(str(e)) from None
+    stops = {}
+    for i, k in enumerate(k_out):
+        if isinstance(k, tuple):
+            k_out[i] = _run_time_count(op, i, 0, k, x[i])
+            if k_out[i] == RUN_TIME_COUNT:
+                stops[i] = k
+    return b_out, k_out, s_out, [None if d is None else stops.get(d) for d in out_dims]
 
 
 def _convert_concat(op) -> Node:

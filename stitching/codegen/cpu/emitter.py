@@ -23,6 +23,9 @@ that differ only in it share one compiled kernel.
     dims[R+1]        column block (element-wise: elements; column kind: columns)
     dims[R+2]        column blocks per row (element-wise) / per kept index (column)
     dims[R+3]        rows (product of the outer axes); column kind: reduced count
+    dims[R+4 ..]     run-time offsets of views of an element from the end of a dim
+                     known only at run time (Domain.picks, param_slot), then run-time
+                     strides of views (Domain.scaled, scaled_slot)
 
 Loop nests, per kind (names as in the generated code)::
 
@@ -291,9 +294,21 @@ class _Emitter(Emitter):
             w(f"p_{t} = _T{-ref - 1}")
         else:
             p = f"h.ptr_{_PTR[self.dtype(ref)]}(ins[{view.source}])"
-            w(f"p_{t} = h.ptr_offset({p}, {view.offset})" if view.offset else f"p_{t} = {p}")
+            # an element from the end of a run-time dim: its offset is a kernel parameter
+            off = [str(view.offset)] if view.offset else []
+            off += [f"dims[{self.dom.param_slot(q)}] * {stride}"
+                    for q, (r, _, b, stride) in enumerate(self.dom.picks)
+                    if r == ref and b < 0 and stride]
+            w(f"p_{t} = h.ptr_offset({p}, {' + '.join(off)})" if off else f"p_{t} = {p}")
+        runtime = {a: (q, factor) for q, (r, a, factor, _) in enumerate(self.dom.scaled)
+                   if r == ref}
         for a, stride in self.dom.view_strides[ref].items():
-            w(f"st_{t}_{a} = {stride}")
+            if a in runtime:     # known at run time: a kernel parameter (Domain.scaled)
+                q, factor = runtime[a]
+                sign = "-" if factor < 0 else ""
+                w(f"st_{t}_{a} = {sign}dims[{self.dom.scaled_slot(q)}]")
+            else:
+                w(f"st_{t}_{a} = {stride}")
 
     def _tables(self) -> list:
         """Module globals of the views' constant tables: concatenations' piece

@@ -253,7 +253,23 @@ class Emitter:
                            "do not broadcast (unknown dims are assumed equal; a size-1 "
                            "unknown dim is not broadcast at run time)")
                 P += [SP.EQ, off[j] + i, cls[c], self.error(msg)]
+        for p, (r, c, b, _) in enumerate(dom.picks):
+            j = spec.view_of(-r - 1).source
+            P += [SP.GE, cls[c], b + 1 if b >= 0 else -b, self.error(
+                f"input {j} ({fmt_shape(spec.inputs[j].shape)}) is indexed at {b} along "
+                "a dim known only at run time that does not hold it (TF's StridedSlice "
+                "fails the same way)")]
+            if b < 0:
+                P += [SP.PARAM, dom.param_slot(p), cls[c], b]
+        for c, most, j in dom.bounds:
+            P += [SP.LE, cls[c], most, self.error(
+                f"a slice of input {j} ({fmt_shape(spec.inputs[j].shape)}) takes more "
+                f"elements than the {most} its dim holds from the slice's begin (TF's "
+                "Slice fails the same way)")]
         big = self.error("a dimension product exceeds 2^48 elements")
+        for q, (_, _, factor, classes) in enumerate(dom.scaled):   # run-time strides
+            P += [SP.AXIS, dom.scaled_slot(q), len(classes) + 1, abs(factor),
+                  *[cls[c] for c in classes], big]
         for a, ax in enumerate(dom.axes):
             P += [SP.AXIS, a, len(ax.classes), *[cls[c] for c in ax.classes], big]
         s, R = self.s, self.R

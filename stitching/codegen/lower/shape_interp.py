@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from numba import njit, types
 
-from .shape_program import (AXIS, COLUMN, ELEMENTWISE, END, EQ, MAX_COST, MAX_ELEMS,
-                            NONNEG, OUT, ROW, UNITS)
+from .shape_program import (AXIS, COLUMN, ELEMENTWISE, END, EQ, GE, LE, MAX_COST,
+                            MAX_ELEMS, NONNEG, OUT, PARAM, ROW, UNITS)
 
 OPTIONS = {"nogil": True, "error_model": "numpy"}
 _jit = njit(**OPTIONS)
@@ -73,6 +73,17 @@ def run(prog, in_dims, dims, out_dims, sched):
             if in_dims[prog[i + 1]] < 0:
                 return prog[i + 2]
             i += 3
+        elif op == LE:
+            if _val(prog[i + 1], in_dims) > prog[i + 2]:
+                return prog[i + 3]
+            i += 4
+        elif op == GE:
+            if _val(prog[i + 1], in_dims) < prog[i + 2]:
+                return prog[i + 3]
+            i += 4
+        elif op == PARAM:
+            dims[prog[i + 1]] = _val(prog[i + 2], in_dims) + prog[i + 3]
+            i += 4
         elif op == AXIS:
             n = prog[i + 2]
             p = _product(prog, i + 3, n, in_dims, dims, False)

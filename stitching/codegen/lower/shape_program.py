@@ -15,6 +15,11 @@ else ``in_dims[-v - 1]``)::
 
     EQ     pos value err      in_dims[pos] must equal value, else return err
     NONNEG pos err            in_dims[pos] must be >= 0, else return err
+    LE     value limit err    value must be <= limit, else return err (a slice's run-time
+                              count against the static dim it reads, layout.py)
+    GE     value least err    value must be >= least, else return err (a dim known only at
+                              run time that a view indexes must hold the element)
+    PARAM  slot value add     dims[slot] = value + add (a view's offset term, layout.py)
     AXIS   a n v1..vn err     dims[a] = v1 * .. * vn (err if over MAX_ELEMS)
     UNITS  kind R cost err row_elems ew_block col_units col_block col_min
            col_split col_chunk split passes reds nk k1..knk nr r1..rnr
@@ -44,7 +49,7 @@ Programs are built by the emitter from a validated schedule, never read from a g
 """
 from __future__ import annotations
 
-END, EQ, NONNEG, AXIS, UNITS, OUT = 0, 1, 2, 3, 4, 5
+END, EQ, NONNEG, AXIS, UNITS, OUT, LE, GE, PARAM = 0, 1, 2, 3, 4, 5, 6, 7, 8
 ELEMENTWISE, ROW, COLUMN = 0, 1, 2
 
 MAX_ELEMS = 1 << 48    # arbitrary sanity bound on any product of dims (no int64 overflow)

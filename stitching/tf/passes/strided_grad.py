@@ -70,11 +70,13 @@ def _placement(op):
         return None
     x = [-1 if d is None else int(d) for d in x.as_list()]
     try:
-        begin, size, strides = dim_sources.dense_slice(op, x)
+        begin, size, strides, _ = dim_sources.dense_slice(op, x)
     except dim_sources.NotEvaluable:
         return None
-    if all(s == 1 for s in strides) or 0 in size or sum(n < 0 for n in x) > 1:
-        return None
+    if all(s == 1 for s in strides) or 0 in size or sum(n < 0 for n in x) > 1 or \
+            any(n < 0 and k != -1 for n, k in zip(x, size)):
+        return None     # (an index into a run-time dim: its padding would be an
+        #                 expression of that dim; the frontend says so)
     split, pads, reverse, merged = [], [], [], []
     for n, b, k, s in zip(x, begin, size, strides):
         if s == 1:
