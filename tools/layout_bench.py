@@ -6,6 +6,9 @@ Cases (float32; the batch dim unknown to the trace, but for the gather along it)
   SegmentSum composite, tf/frontend.py) on axis 1 and axis 0;
 - the gradient of a strided slice (TF: StridedSliceGrad; stitched: tf/passes/
   strided_grad.py's Pad) with strides 2 and 3;
+- a keras_hub-style position embedding at a sequence length known only at run time:
+  ``ops.slice(table, (0, 0), (ops.shape(x)[-2], d))`` broadcast to x, added, then a
+  LayerNorm (a Slice to a run-time count, tf/frontend.py's SliceTo);
 - a rotate-half (rotary embeddings' split, negate, concatenate) of an expensive value
   (six transcendentals) and of a cheap one (an add): the planner's reuse choice
   (plan/cost.py, reuse_reason) reloads the expensive value and folds the cheap one.
@@ -50,6 +53,20 @@ def _rotate_half(expensive, tag=0.0):
     return f
 
 
+def _position_embedding():
+    import keras
+    from keras import ops
+    d = 256
+    table = tf.Variable(np.random.default_rng(1).standard_normal((512, d)).astype(np.float32))
+    norm = keras.layers.LayerNormalization(epsilon=1e-5)
+    norm.build((None, None, d))
+
+    def f(x):
+        p = ops.slice(table, (0, 0), (ops.shape(x)[-2], d))
+        return norm(x + ops.broadcast_to(p, ops.shape(x)))
+    return f
+
+
 CASES = [
     ("gather grad, axis 1", _grad_of(lambda v: tf.gather(v, [4, 5, 0, 2, 4, 9, 10, 11], axis=1)),
      (64, 16, 1024)),
@@ -57,6 +74,8 @@ CASES = [
      (8, 256, 1024)),
     ("strided slice grad, x[:, ::2]", _grad_of(lambda v: v[:, ::2]), (64, 255, 256)),
     ("strided slice grad, x[..., 1::3]", _grad_of(lambda v: v[..., 1::3]), (64, 256, 255)),
+    ("position embedding + LayerNorm (run-time sequence)", _position_embedding(),
+     (8, 128, 256)),
     ("rotate-half of 6 transcendentals", _rotate_half(True), (64, 32, 4, 64)),
     ("rotate-half of an add", _rotate_half(False), (64, 32, 4, 64)),
 ]
@@ -89,8 +108,12 @@ def main(argv=None):
           " always fold ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, fn, shape in CASES:
-        batch = shape[0] if "static" in name else None
-        sig = [tf.TensorSpec((batch,) + shape[1:], tf.float32)]
+        if "static" in name:
+            sig = [tf.TensorSpec(shape, tf.float32)]
+        elif "run-time sequence" in name:
+            sig = [tf.TensorSpec((None, None) + shape[2:], tf.float32)]
+        else:
+            sig = [tf.TensorSpec((None,) + shape[1:], tf.float32)]
         x = tf.constant(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
         modes = {"tf": tf.function(fn, input_signature=sig),
                  "xla": tf.function(fn, input_signature=sig, jit_compile=True),
