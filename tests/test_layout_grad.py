@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import stitching
 from stitching.tf.frontend import _segment_pieces
+from stitching.testing.train import input_gradient
 
 RNG = np.random.default_rng(92)
 
@@ -24,17 +25,6 @@ def _data(shape, specials=True):
     if specials:
         x.flat[1], x.flat[len(x.flat) // 2] = np.nan, np.inf
     return tf.constant(x)
-
-
-def _grad_step(take):
-    """x -> d(sum(take(x * 1.5)^2 / 2))/dx * 2: exact multiplications around the
-    layout op and its gradient, so TF and the kernels compute the same bits."""
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(tf.square(take(x * 1.5)) * 0.5)
-        return tape.gradient(loss, x) * 2.0
-    return step
 
 
 def _fused_ops(rep):
@@ -67,7 +57,7 @@ def test_segment_pieces_are_layers_of_runs():
     (1, [4, 5, 0, 2, 4, 9, 10, 11], (None, 16, 8)),
 ])
 def test_gather_gradient_by_constant_indices_is_fused_bitwise(axis, ids, shape):
-    step = _grad_step(lambda v: tf.gather(v, ids, axis=axis))
+    step = input_gradient(lambda v: tf.gather(v, ids, axis=axis))
     batches = (1, 3) if shape[0] is None else (shape[0],)
     rep = _check_equal(step, [tf.TensorSpec(shape, tf.float32)],
                        [_data((b,) + shape[1:]) for b in batches])
@@ -112,7 +102,7 @@ def test_segment_sum_by_constant_ids_drops_negative_ids_and_keeps_tfs_errors():
     (lambda v: v[1, 7:0:-3], (4, 9, 7)),               # shrink axis, negative stride
 ])
 def test_strided_slice_gradient_is_a_fused_pad_bitwise(take, shape):
-    step = _grad_step(take)
+    step = input_gradient(take)
     batches = (1, 3) if shape[0] is None else (shape[0],)
     rep = _check_equal(step, [tf.TensorSpec(shape, tf.float32)],
                        [_data((b,) + shape[1:]) for b in batches])
@@ -149,7 +139,7 @@ def test_strided_grad_pass_rewrites_into_tf_ops_and_drops_the_shape_it_read():
     Slice, the Shape of x that only it read is gone, and the graph runs equal to TF."""
     from stitching.tf import tfgraph
     from stitching.tf.passes import strided_grad
-    step = _grad_step(lambda v: v[:, ::2])
+    step = input_gradient(lambda v: v[:, ::2])
     cf = tf.function(step).get_concrete_function(tf.TensorSpec([None, 9, 7], tf.float32))
     gd = cf.graph.as_graph_def()
     new = strided_grad.rewrite(tfgraph.import_for_shapes(gd), gd)

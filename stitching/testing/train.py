@@ -19,6 +19,20 @@ import numpy as np
 PHASES = ("forward", "backward", "optimizer")
 
 
+def input_gradient(take):
+    """``x -> d(sum(take(x * 1.5)^2 / 2))/dx * 2``: the backward of a layout op ``take``
+    (a gather, a strided slice) between exact multiplications, so stock TF and the
+    kernels compute the same bits (tests/test_layout_grad.py, tools/layout_bench.py)."""
+    import tensorflow as tf
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.square(take(x * 1.5)) * 0.5)
+        return tape.gradient(loss, x) * 2.0
+    return step
+
+
 @dataclass(frozen=True)
 class TrainCase:
     name: str
