@@ -156,6 +156,25 @@ def test_strided_grad_pass_rewrites_into_tf_ops_and_drops_the_shape_it_read():
     np.testing.assert_array_equal(run(x)[0].numpy(), tf.function(step)(x).numpy())
 
 
+def test_strided_grad_pass_leaves_the_gradient_to_tf_on_a_cuda_profile(monkeypatch):
+    """On a CUDA profile nothing would fuse the Pad (that emitter reads no views), so
+    the pass keeps TF's one StridedSliceGrad instead of a Pad and a Slice."""
+    from stitching.tf import passmanager
+    from stitching.tf.passes import strided_grad
+    step = input_gradient(lambda v: v[:, ::2])
+    gd = tf.function(step).get_concrete_function(
+        tf.TensorSpec([None, 9, 7], tf.float32)).graph.as_graph_def()
+
+    def ops_after_the_pass():
+        ctx = passmanager.Context(gd, [], [], stitching.Options())
+        strided_grad.PASS.run(ctx)
+        return {n.op for n in ctx.graph_def.node}
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "h100")
+    assert "StridedSliceGrad" in ops_after_the_pass()
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "amd-avx2")
+    assert "StridedSliceGrad" not in ops_after_the_pass()
+
+
 def test_training_step_with_a_constant_index_gather_updates_like_tf():
     """A training step (a variable, a tape, an SGD update) through a gather by constant
     indices on axis 0 and a strided slice: both gradients fused; the variable after two

@@ -23,7 +23,8 @@ kernel that reads it.  The last node keeps the StridedSliceGrad's name, so its r
 are unchanged; the Shape op that only it read goes (the rewrite needs no run-time
 shape).  Left as they were, with the frontend's reason: a bool dy, an empty slice,
 bounds known only at run time, and more than one dim known only at run time (TF's
-Reshape takes one -1).
+Reshape takes one -1).  On a CUDA profile the pass does nothing: that emitter reads no
+views, so the Pad would stay TF's and TF's one StridedSliceGrad is the cheaper op.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
+from ...plan import profiles
 from .. import dim_sources, tfgraph
 from ..passmanager import Pass
 
@@ -135,6 +137,8 @@ def _expand(nd, placement, taken) -> list:
 
 
 def _run(ctx):
+    if profiles.default().backend != "cpu":
+        return      # the CUDA emitter folds no layout op (no Pad): TF's one op is better
     new = rewrite(ctx.tf_graph, ctx.graph_def)
     if new is not None:
         ctx.replace(new)
