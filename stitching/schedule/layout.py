@@ -216,13 +216,19 @@ class _Lowering:
     def run(self) -> LoweredSpec:
         spec = self.spec
         live = live_nodes(spec)
+        reader_ops: dict = {}       # node -> the ops of the live nodes that read it
+        for r in live:
+            for a in spec.nodes[r].args:
+                reader_ops.setdefault(a, set()).add(spec.nodes[r].op)
         for k in live:
             n = spec.nodes[k]
             if n.op in INDEX_MAPS:
                 shape = n.type.shape
                 ident = tuple((d, 1, 0) for d in range(len(shape)))
                 self.under = k
-                r = self._shape_only(self._read_for_shape(k, live), k, ident, shape)
+                # read only by FillLike nodes, for its shape (composites.py)
+                for_shape = k not in spec.outputs and reader_ops.get(k) == {"FillLike"}
+                r = self._shape_only(for_shape, k, ident, shape)
                 self.under = -1
                 got = self.type_of(r).shape
                 if got != shape:
@@ -242,12 +248,6 @@ class _Lowering:
                 r = self.emit("Identity", [r], {})
             outputs.append(r)
         return self.compact(outputs)
-
-    def _read_for_shape(self, k: int, live) -> bool:
-        """Whether only FillLike nodes read node k (for its shape, composites.py)."""
-        readers = [self.spec.nodes[r].op for r in live if k in self.spec.nodes[r].args]
-        return k not in self.spec.outputs and bool(readers) and \
-            all(op == "FillLike" for op in readers)
 
     def compact(self, outputs) -> LoweredSpec:
         """Drop what no output reads (the values of the layout ops' inputs in their own
