@@ -8,6 +8,7 @@ pieces are each evaluated over the whole axis) would be evaluated three times pe
 element; under a pinned machine model it is computed once, and the rotate-half reads
 it from memory: two kernels, and the report says why."""
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -53,9 +54,19 @@ def test_expensive_value_read_through_a_rotate_half_is_computed_once(machine):
     p = _plan(_rotary_graph(EXPENSIVE), machine)
     chain = [f"c{i}" for i in range(len(EXPENSIVE))]
     assert sorted(sorted(r.nodes) for r in p.regions) == [chain, ["n", "r", "v1", "v2", "y"]]
-    assert any(RELOADED in why for _, why in p.boundaries), p.boundaries
-    (note,) = p.notes          # the report's line where the plan cut
+    (note,) = p.notes          # the report's one line where the plan cut
     assert RELOADED in note and "cut in 2" in note
+    assert not any("reloaded" in why for _, why in p.boundaries), p.boundaries
+
+
+def test_a_refused_chain_is_one_note(machine):
+    """The search refuses the chain from each of its ops on through the rotate-half: the
+    report says so once, for the largest, not once per nested pattern, and lists no
+    refused merge for it."""
+    p = _plan(_rotary_graph(EXPENSIVE), replace(machine, transcendental_per_s=2e7))
+    (note,) = p.notes
+    assert RELOADED in note and note.startswith("{c0, c1, c2, c3, … +7}"), p.notes
+    assert not any("reloaded" in why for _, why in p.boundaries), p.boundaries
 
 
 def test_cheap_value_read_through_a_rotate_half_is_folded(machine):

@@ -148,6 +148,7 @@ class _Context:
                         if k == Kind.WINDOW]
         self.boundaries: dict = {}         # (node, reason) -> None, insertion ordered
         self.reuse_cuts: dict = {}         # pattern -> why reloading beat folding
+        self.reuse_why: set = set()        # those reasons (no boundaries: notes say them)
         self.log: dict = {}                # node -> [(kind, pattern, score_s, outcome)]
         self.C: dict = {}                  # vertex -> candidate patterns (last DP run)
         self.final_groups: list = []       # the merged kernels deploy considered
@@ -236,6 +237,7 @@ class _Context:
                     why = reuse_reason(reg.spec, self.profile)
                     if why is not None:
                         self.reuse_cuts[P] = why
+                        self.reuse_why.add(why)
             except ValueError as e:
                 reg, why = None, str(e)
             hit = self._legal[P] = (reg if why is None else None, why)
@@ -246,6 +248,8 @@ class _Context:
         return self._legal[P][0]
 
     def refuse(self, v: int, reason: str):
+        if reason in self.reuse_why:
+            return      # a reuse cut is the report's note, once per split (_reuse_notes)
         self.boundaries.setdefault((self.names[v], reason), None)
 
     def note(self, kind: str, P, score: float, outcome: str):
@@ -713,17 +717,15 @@ LONE_OP = "a lone op: no fusible neighbour, and fusing it alone saves nothing"
 
 
 def _reuse_notes(ctx: _Context, kernels: list) -> list:
-    """Where the plan cut a kernel for the reuse choice of a layout op (reuse_cuts): per
-    set of final kernels (an op left to TF counts as a part alone) that a refused
-    pattern spans, the largest such pattern, with the reason (the two costs)."""
+    """Where the plan cut a kernel for the reuse choice of a layout op (reuse_cuts): each
+    largest refused pattern that the final kernels split (an op left to TF counts as a
+    part alone), with the reason (the two costs).  The search refuses a chain's nested
+    patterns one by one (the chain from each of its ops on); one line says it."""
     where = {v: i for i, K in enumerate(kernels) for v in K}
-    cuts: dict = {}                     # the parts a pattern spans -> that pattern
-    for P in ctx.reuse_cuts:
-        parts = frozenset(where.get(v, -1 - v) for v in P)
-        if len(parts) > 1 and len(P) > len(cuts.get(parts, ())):
-            cuts[parts] = P
-    return [f"{ctx.describe(P)} cut in {len(parts)}: {ctx.reuse_cuts[P]}"
-            for parts, P in cuts.items()]
+    split = {P: len({where.get(v, -1 - v) for v in P}) for P in ctx.reuse_cuts}
+    split = {P: n for P, n in split.items() if n > 1}
+    return [f"{ctx.describe(P)} cut in {n}: {ctx.reuse_cuts[P]}"
+            for P, n in split.items() if not any(P < Q for Q in split)]
 
 
 def _unfused_reason(ctx: _Context, v: int, placed: dict) -> str:
