@@ -37,6 +37,22 @@ def test_gpu_section_renders_from_a_recorded_run_without_tensorflow(tmp_path):
     assert "**FAIL** geomean >= 1.3x torch.compile: 0.70x" in section
 
 
+def test_a_run_on_another_machine_class_gets_its_own_section():
+    """bench.py --markdown on a machine of another class than the home one writes
+    ``models@<class>``, titled with the machine, and leaves the home class's table."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from bench_lib.output import section_key, section_title
+    home = {"cpu_class": "intel-avx512", "tf_onednn": True}
+    zen4 = {"cpu_class": "amd-avx512", "cpu_model": "AMD EPYC (avx2, fma, avx512f)",
+            "tf_onednn": True}
+    assert section_key("models", home) == section_key("models", {}) == "models"
+    assert section_key("models", zen4) == "models@amd_avx512"
+    assert section_title("models", zen4) == \
+        "models (the amd-avx512 machine: AMD EPYC, AVX-512, TF oneDNN on)"
+    assert section_key("models", dict(zen4, cpu_class="amd-avx2", tf_onednn=False,
+                                      planner="baseline")) == "models@amd_avx2@baseline"
+
+
 def test_ablation_verdict_counts_a_row_slower_only_beyond_its_spread():
     """The ablation's "never slower" line fails on a row whose median is slower by more
     than the two rows' spread, not on one inside it; the strict lines (vs TF) are kept."""

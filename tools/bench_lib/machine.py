@@ -69,9 +69,15 @@ def machine_info() -> dict:
         mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError, AttributeError):
         pass
+    from stitching.plan import profiles
+    from stitching.tf.passes import remapper
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cpu": machine_line(),
+        # which BENCHMARKS.md section a run belongs to (output.section_key)
+        "cpu_class": profiles.cpu_facts()["cpu_class"],
+        "cpu_model": _cpu_model(),
+        "tf_onednn": remapper.onednn_enabled(),
         "cores": n_cores,
         "memory_gib": mem_gib,
         "python": platform.python_version(),

@@ -472,11 +472,18 @@ def print_report(results, meta):
 _SECTION = re.compile(r"<!-- suite:([\w@]+) -->.*?<!-- /suite:\1 -->", re.S)
 
 
+HOME_CLASS = "intel-avx512"     # the machine class whose sections carry no class tag
+
+
 def section_key(suite, meta) -> str:
     """A run with a non-default planner (the ablation) or with TF's BFC allocator gets
     its own section (``patterns@baseline``, ``patterns@tf_bfc``), so it never replaces
-    the default run's."""
+    the default run's; so does a run on another class of machine than the home one
+    (``models@amd_avx2``): a table of one machine never replaces another's."""
     tags = []
+    cls = meta.get("cpu_class") or HOME_CLASS
+    if cls != HOME_CLASS:
+        tags.append(re.sub(r"\W", "_", cls))
     planner = meta.get("planner") or "default"
     if planner != "default":
         tags.append(planner)
@@ -490,7 +497,13 @@ def section_title(suite, meta) -> str:
     if key == suite:
         return suite
     what = []
-    if "@" in key and (meta.get("planner") or "default") != "default":
+    cls = meta.get("cpu_class") or HOME_CLASS
+    if cls != HOME_CLASS:
+        isa = "AVX-512" if cls.endswith("avx512") else cls.rsplit("-", 1)[-1].upper()
+        onednn = {True: "on", False: "off"}.get(meta.get("tf_onednn"), "?")
+        what.append(f"the {cls} machine: {meta.get('cpu_model', '?').split(' (')[0]}, "
+                    f"{isa}, TF oneDNN {onednn}")
+    if (meta.get("planner") or "default") != "default":
         what.append(f"ablation: planner {meta['planner']}")
     if key.endswith("@tf_bfc"):
         what.append("TF_CPU_ALLOCATOR_USE_BFC=true for every mode")
