@@ -208,14 +208,19 @@ def test_cuda_plans_keep_it_out():
 
 # ---- through TF ------------------------------------------------------------------------
 
-def _block(tf, C, K, stride, padding, rng, dtype=np.float32):
-    f = tf.constant(rng.standard_normal((K, K, C, 1)).astype(dtype))
-    scale = tf.constant(rng.uniform(0.5, 1.5, C).astype(dtype))
-    shift = tf.constant(rng.standard_normal(C).astype(dtype))
+def _block(tf, C, K, stride, padding, rng, dtype=np.float32, weights=None):
+    """relu6(depthwise(x) * scale + shift); ``weights``: (f, scale, shift) to reuse (a
+    float64 twin of a float32 block computes with the float32 block's values)."""
+    if weights is None:
+        weights = (rng.standard_normal((K, K, C, 1)).astype(np.float32),
+                   rng.uniform(0.5, 1.5, C).astype(np.float32),
+                   rng.standard_normal(C).astype(np.float32))
+    f, scale, shift = (tf.constant(w.astype(dtype)) for w in weights)
 
     def block(x):
         y = tf.nn.depthwise_conv2d(x, f, [1, stride, stride, 1], padding)
         return tf.nn.relu6(y * scale + shift)
+    block.weights = weights
     return block
 
 
@@ -230,12 +235,26 @@ def test_blocks_equal_tf_with_the_batch_unknown(stride, padding, K):
     sig = [tf.TensorSpec((None, 10, 9, 24), tf.float32)]
     f = stitching.function(block, input_signature=sig)
     ref = tf.function(block, input_signature=sig)
+    # The float64 result of the same float32 values, and the scale of its rounding: a
+    # sum of K*K products and a multiply-add is off by at most (K*K + 2) float32 units
+    # of roundoff of the sum of the terms' magnitudes (TF's summation order, oneDNN's or
+    # Eigen's, and ours differ, so equal-to-TF within a fixed 1e-6 is not a bar).
+    exact = tf.function(_block(tf, 24, K, stride, padding, rng, np.float64, block.weights))
+    w_abs = [np.abs(w) for w in block.weights]
+    terms = tf.function(lambda x: tf.nn.depthwise_conv2d(x, w_abs[0].astype(np.float64),
+                                                         [1, stride, stride, 1], padding)
+                        * w_abs[1] + w_abs[2])
     for n in (1, 3):
         x = rng.standard_normal((n, 10, 9, 24)).astype(np.float32) * 3
         x[0, 0, 0, 1], x[-1, 9, 8, 2] = np.nan, np.inf
         got, want = f(x).numpy(), ref(x).numpy()
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        ref64 = exact(x.astype(np.float64)).numpy()
+        bound = (K * K + 2) * 2.0 ** -24 * terms(np.abs(x).astype(np.float64)).numpy()
+        ok = np.isfinite(ref64)
+        assert np.all(np.abs(got - ref64)[ok] <= bound[ok]), \
+            np.max((np.abs(got - ref64) / bound)[ok])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     kernels = f.report.kernels
     assert len(kernels) == 1 and "DepthwiseConv2dNative" in [t for _, t in kernels[0].ops]
 
