@@ -155,8 +155,13 @@ def op_costs(base, mib=OP_COST_MIB, rounds=3, log=print) -> tuple:
     inputs (sum of op(x + k/8): compute-bound, read once, written once), less the same
     kernel of Neg (the adds, the traffic and the call); over Exp's.  TF's: the op alone
     in a ``tf.function``, less Neg alone (its traffic and call), over Exp's.  The
-    compute factor (``DeviceProfile.kernel_compute_scale``): the Exp kernel's time (less
-    Neg's) over the model's price of its evaluations at ``base.transcendental_per_s``."""
+    compute factor (``DeviceProfile.kernel_compute_scale``): our Exp's time per element
+    over TF's Exp's, both measured here, times the profile's price of TF's Exp per
+    element (calibrated: its tf_time_scale) in units of ``base.transcendental_per_s``:
+    the kernel's compute is priced against the TF side's calibration, so the ratio of our
+    code to TF's (measured in one process, robust under load, and about the same on
+    machines of one ISA) carries over where NumPy's exp speed (the profile's rate) does
+    not (2.1 G/s on an AVX-512 EPYC, 0.87 on the AVX2 one)."""
     import tensorflow as tf
 
     import stitching
@@ -197,15 +202,22 @@ def op_costs(base, mib=OP_COST_MIB, rounds=3, log=print) -> tuple:
             if op != "Neg"}
     theirs = {op: round(min(max(lo, (t - tf0) / tf_exp), hi), 2)
               for op, (t, _) in med.items() if op != "Neg"}
-    compute = round(k_exp / (OP_COST_COPIES * n / base.transcendental_per_s), 3)
+    g = _graph("Exp", {}, (n // 1024, 1024))
+    order = g.topo_order()
+    priced = profiles.calibrated(base)
+    tf_model = GraphCosts(g, priced, order).unfused[order.index("y")] - \
+        (priced.launch_s + priced.task_s)
+    ratio = (k_exp / OP_COST_COPIES) / tf_exp
+    compute = round(ratio * tf_model * base.transcendental_per_s / n, 3)
     log(f"{'op':10s} {'kernel ms':>9s} {'ours':>6s} {'TF ms':>8s} {'TF':>6s}   "
         f"({OP_COST_COPIES} per element in a kernel, one in TF; Neg's time subtracted: "
         f"{k0 * 1e3:.3f} / {tf0 * 1e3:.3f} ms)")
     for op in profiles.OP_COST_OPS:
         log(f"{op:10s} {med[op][1] * 1e3:9.3f} {ours[op]:6.2f} {med[op][0] * 1e3:8.3f} "
             f"{theirs[op]:6.2f}")
-    log(f"kernel compute factor {compute} (Exp's evaluations at "
-        f"{base.transcendental_per_s / 1e9:.2f} G/s)")
+    log(f"kernel compute factor {compute}: our Exp {ratio:.3f}x TF's per element, TF's "
+        f"priced at {tf_model / n * 1e9:.3f} ns ({priced.source}), Exps at "
+        f"{base.transcendental_per_s / 1e9:.2f} G/s")
     return ours, theirs, compute
 
 
