@@ -16,7 +16,8 @@ Cases (float32; the batch dim unknown to the trace, but for the gather along it)
   serving the other plan) planned with the choice turned off;
 - the six transcendentals alone (no layout op), at the rotate-half's shape and at 8x its
   batch: a compute-bound chain the cost model prices per op (plan/cost.py,
-  ``compute_cost``; fused only where that beats TF's six ops).
+  ``op_cost``; fused only where that beats TF's six ops), and a chain of Sin and Cos
+  (ours call scalar libm: left to TF).
 
 ``--cases WORD`` keeps the cases whose name contains WORD (e.g. ``--cases chain``).
 
@@ -42,10 +43,14 @@ from stitching.testing.train import input_gradient  # noqa: E402
 _SIX = (tf.tanh, tf.exp, tf.sigmoid, tf.math.erf, tf.tanh, tf.sigmoid)
 
 
-def _chain(v):
-    for op in _SIX:
+def _chain(v, ops=_SIX):
+    for op in ops:
         v = op(v)
     return v
+
+
+def _trig(v):
+    return _chain(v, (tf.sin, tf.cos) * 3)
 
 
 def _rotate_half(expensive, tag=0.0):
@@ -85,6 +90,7 @@ CASES = [
     ("rotate-half of an add", _rotate_half(False), (64, 32, 4, 64)),
     ("chain of 6 transcendentals", _chain, (64, 32, 4, 64)),
     ("chain of 6 transcendentals, 8x batch", _chain, (8 * 64, 32, 4, 64)),
+    ("chain of 6 sin/cos", _trig, (64, 32, 4, 64)),
 ]
 FOLDED = {"rotate-half of 6 transcendentals": _rotate_half(True, 1e-30),
           "rotate-half of an add": _rotate_half(False, 1e-30)}

@@ -456,13 +456,23 @@ SIMPLE_PER_TRANSCENDENTAL = 8   # rough: a vectorized exp/tanh/erf costs about 8
                                 # TAPS_PER_TRANSCENDENTAL
 
 
-def _evaluations(ops, profile: DeviceProfile) -> float:
-    """Exps' worth of the evaluations ``ops`` = ((op, type, share), ...) in a generated
-    kernel (a transcendental at the profile's per-op cost, kernel_op_cost)."""
-    return sum(elems(t) * share *
-               (op_cost(profile.kernel_op_cost, op) if OPS[op].transcendental
-                else 1 / SIMPLE_PER_TRANSCENDENTAL)
-               for op, t, share in ops)
+def _evaluations_s(ops, profile: DeviceProfile) -> float:
+    """Seconds a generated kernel spends on the evaluations ``ops`` = ((op, type,
+    share), ...): a transcendental at its op's cost (kernel_op_cost), at the profile's
+    compute factor (kernel_compute_s)."""
+    n = sum(elems(t) * share *
+            (op_cost(profile.kernel_op_cost, op) if OPS[op].transcendental
+             else 1 / SIMPLE_PER_TRANSCENDENTAL)
+            for op, t, share in ops)
+    return kernel_compute_s(profile, n / profile.transcendental_per_s, 1.0)
+
+
+def _traffic_s(profile: DeviceProfile, nbytes: int) -> float:
+    """A generated kernel moving ``nbytes`` through memory: at the device's bandwidth
+    and the element-wise kernel factor of that size (calibrated as its compute is)."""
+    f = tf_factor(profile.kernel_time_scale, "elementwise", nbytes) \
+        if profile.kernel_time_scale else 1.0
+    return f * nbytes / profile.bandwidth
 
 
 def reuse_reason(spec, profile: DeviceProfile) -> str | None:
@@ -473,21 +483,22 @@ def reuse_reason(spec, profile: DeviceProfile) -> str | None:
 
     Recompute: what the extra evaluations add to the kernel's time, which is the
     larger of its memory traffic and its compute (a memory-bound kernel recomputes a
-    few simple ops for free).  Reload: writing and reading the recomputed value once
+    few simple ops for free; each op at its per-op cost and the profile's compute
+    factor, the traffic at the memory-fitted factor, as GraphCosts prices a kernel).
+    Reload: writing and reading the recomputed value once
     (each of its values, if several) at the device's bandwidth, plus a launch."""
     sched = _schedule_of(spec)
     recomputed = getattr(getattr(sched, "spec", None), "recomputed", ())
     if not recomputed:
         return None
-    mem = (sum(nbytes(t) for t in spec.inputs) +
-           sum(nbytes(t) for t in spec.output_types)) / profile.bandwidth
-    total = _evaluations(((n.op, n.type, 1) for n in sched.spec.nodes), profile) / \
-        profile.transcendental_per_s
+    mem = _traffic_s(profile, sum(nbytes(t) for t in spec.inputs) +
+                     sum(nbytes(t) for t in spec.output_types))
+    total = _evaluations_s(((n.op, n.type, 1) for n in sched.spec.nodes), profile)
     for r in recomputed:
-        extra = _evaluations(r.ops, profile) / profile.transcendental_per_s
+        extra = _evaluations_s(r.ops, profile)
         again = max(mem, total) - max(mem, total - extra)
         size = sum(nbytes(t) for t in r.values)
-        reload = profile.launch_s + profile.task_s + 2 * size / profile.bandwidth
+        reload = profile.launch_s + profile.task_s + _traffic_s(profile, 2 * size)
         if again > reload:
             what = ", ".join(sorted({op for op, _, _ in r.ops}))
             return (f"the value a {r.where} reads is computed once and reloaded: "
