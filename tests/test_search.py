@@ -180,7 +180,7 @@ def test_lost_parallelism_keeps_a_two_row_reduction_out_of_its_consumers_kernel(
 
 
 def test_a_kernel_the_latency_evaluator_finds_slower_is_left_alone(monkeypatch):
-    def slow(spec, profile, keep=5):
+    def slow(spec, profile, keep=5, factor=1.0):
         return Launch({"rows_per_task": 1, "col_block": 8}, 1, 1.0, 1,
                       (({"rows_per_task": 1, "col_block": 8}, 1, 1.0),))
     monkeypatch.setattr(search, "choose_launch", slow)

@@ -9,6 +9,8 @@ to TF, and its price of the kernels it generates.
         every process here ($STITCHING_CACHE_DIR/calibration-cpu.json, bound to the CPU)
     python tools/calibrate.py --ship                  # the package's factors for this
                                   # CPU's class (stitching/plan/calibration-cpu-<class>.json)
+    python tools/calibrate.py --ops --ship            # only the per-op compute costs
+        (op_costs), written into that file beside the factors already there
 
 For each op class the cost model tells apart (``plan.cost.tf_class``: element-wise,
 transcendental, row reduction, column reduction, softmax) and each size (1, 4, 16, 64 MiB
@@ -26,10 +28,17 @@ holds the measured device profile with them (``DeviceProfile.tf_time_scale`` for
 toward the other).  Recalibrate after a change of machine, TF version, code generator or
 cost model; on a shared machine run it when idle (it prints the copy bandwidth it saw,
 to judge).
+
+Those factors are fitted on one op per kernel, where memory dominates; they scale only
+a kernel's memory-bound part.  Compute is calibrated apart (``--ops``, ``op_costs``):
+each transcendental op's cost per element relative to Exp in a generated kernel
+(``kernel_op_cost``) and in TF (``tf_op_cost``), and the factor that takes the model's
+price of a compute-bound kernel of Exps to its measured time (``kernel_compute_scale``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -48,6 +57,8 @@ from stitching.plan import profiles  # noqa: E402
 from stitching.plan.cost import GraphCosts, tf_class  # noqa: E402
 
 SIZES_MIB = (1, 4, 16, 64)   # below 1 MiB the call overhead (~0.2 ms) swamps the op
+OP_COST_MIB = 4              # the per-op compute costs' input size (op_costs)
+OP_COST_COPIES = 6           # evaluations of the op per element in the fused kernel
 
 
 def cases(mib: int):
@@ -123,6 +134,91 @@ def _call_overheads() -> tuple:
     times = time_modes([Runner("tf", tf.function(lambda x: x + 0.0)), Runner("st", st)],
                        (x,), repeats=7, warmup=3)
     return times["tf"]["median_s"], times["st"]["median_s"]
+
+
+def _tf_unary(op: str):
+    """TF's function for a transcendental IR op (``profiles.OP_COST_OPS``), and the
+    input range it is timed on (inside its domain)."""
+    import tensorflow as tf
+    fns = {"Exp": tf.exp, "Expm1": tf.math.expm1, "Log": tf.math.log,
+           "Log1p": tf.math.log1p, "Tanh": tf.tanh, "Sigmoid": tf.sigmoid, "Elu": tf.nn.elu,
+           "Selu": tf.nn.selu, "Softplus": tf.nn.softplus, "Erf": tf.math.erf,
+           "Erfc": tf.math.erfc, "Sin": tf.sin, "Cos": tf.cos, "Neg": tf.negative}
+    return fns[op], ((0.5, 1.5) if op in ("Log", "Log1p") else (-2.0, 2.0))
+
+
+def op_costs(base, mib=OP_COST_MIB, rounds=3, log=print) -> tuple:
+    """(our kernels' per-element cost of each transcendental op relative to Exp, TF's,
+    the kernel compute factor): ``profiles.OP_COST_OPS`` on ``mib`` MiB of float32.
+
+    Ours: one kernel evaluating the op ``OP_COST_COPIES`` times per element on shifted
+    inputs (sum of op(x + k/8): compute-bound, read once, written once), less the same
+    kernel of Neg (the adds, the traffic and the call); over Exp's.  TF's: the op alone
+    in a ``tf.function``, less Neg alone (its traffic and call), over Exp's.  The
+    compute factor (``DeviceProfile.kernel_compute_scale``): our Exp's time per element
+    over TF's Exp's, both measured here, times the profile's price of TF's Exp per
+    element (calibrated: its tf_time_scale) in units of ``base.transcendental_per_s``:
+    the kernel's compute is priced against the TF side's calibration, so the ratio of our
+    code to TF's (measured in one process, robust under load, and about the same on
+    machines of one ISA) carries over where NumPy's exp speed (the profile's rate) does
+    not (2.1 G/s on an AVX-512 EPYC, 0.87 on the AVX2 one)."""
+    import tensorflow as tf
+
+    import stitching
+    n = int(mib * (1 << 20)) // 4
+    ops = ("Neg",) + profiles.OP_COST_OPS
+    # planned with a profile without factors, where fusing the copies always pays
+    saved = os.environ.get("STITCHING_DEVICE_PROFILE")
+    os.environ["STITCHING_DEVICE_PROFILE"] = "cpu-reference"
+    times: dict = {op: [] for op in ops}
+    for _ in range(rounds):
+        for op in ops:
+            fn, (lo, hi) = _tf_unary(op)
+            x = tf.constant(np.random.default_rng(0).uniform(lo, hi, (n // 1024, 1024))
+                            .astype(np.float32))
+
+            def many(v, fn=fn):
+                return tf.add_n([fn(v + k / 8) for k in range(OP_COST_COPIES)])
+            st = stitching.function(many, options=stitching.Options(
+                background_compile=False, progress=False))
+            st(x)
+            if len(st.report.kernels) != 1:
+                raise RuntimeError(f"op_costs: {OP_COST_COPIES} {op}s became "
+                                   f"{len(st.report.kernels)} kernels, not 1 (plan with a "
+                                   "profile that fuses them: STITCHING_DEVICE_PROFILE)")
+            t = time_modes([Runner("tf", tf.function(fn)), Runner("stitched", st)], (x,),
+                           repeats=7, warmup=3)
+            times[op].append((t["tf"]["median_s"], t["stitched"]["median_s"]))
+    if saved is None:
+        os.environ.pop("STITCHING_DEVICE_PROFILE")
+    else:
+        os.environ["STITCHING_DEVICE_PROFILE"] = saved
+    med = {op: (statistics.median(a for a, _ in ts), statistics.median(b for _, b in ts))
+           for op, ts in times.items()}
+    tf0, k0 = med["Neg"]
+    tf_exp, k_exp = med["Exp"][0] - tf0, med["Exp"][1] - k0
+    lo, hi = profiles.OP_COST_RANGE
+    ours = {op: round(min(max(lo, (k - k0) / k_exp), hi), 2) for op, (_, k) in med.items()
+            if op != "Neg"}
+    theirs = {op: round(min(max(lo, (t - tf0) / tf_exp), hi), 2)
+              for op, (t, _) in med.items() if op != "Neg"}
+    g = _graph("Exp", {}, (n // 1024, 1024))
+    order = g.topo_order()
+    priced = profiles.calibrated(base)
+    tf_model = GraphCosts(g, priced, order).unfused[order.index("y")] - \
+        (priced.launch_s + priced.task_s)
+    ratio = (k_exp / OP_COST_COPIES) / tf_exp
+    compute = round(ratio * tf_model * base.transcendental_per_s / n, 3)
+    log(f"{'op':10s} {'kernel ms':>9s} {'ours':>6s} {'TF ms':>8s} {'TF':>6s}   "
+        f"({OP_COST_COPIES} per element in a kernel, one in TF; Neg's time subtracted: "
+        f"{k0 * 1e3:.3f} / {tf0 * 1e3:.3f} ms)")
+    for op in profiles.OP_COST_OPS:
+        log(f"{op:10s} {med[op][1] * 1e3:9.3f} {ours[op]:6.2f} {med[op][0] * 1e3:8.3f} "
+            f"{theirs[op]:6.2f}")
+    log(f"kernel compute factor {compute}: our Exp {ratio:.3f}x TF's per element, TF's "
+        f"priced at {tf_model / n * 1e9:.3f} ns ({priced.source}), Exps at "
+        f"{base.transcendental_per_s / 1e9:.2f} G/s")
+    return ours, theirs, compute
 
 
 def calibrate(sizes=SIZES_MIB, rounds=3, log=print, base=None) -> tuple:
@@ -201,6 +297,10 @@ def main(argv=None):
                     help="input sizes in MiB (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="times each case is measured; its median counts (default 3)")
+    ap.add_argument("--ops", action="store_true",
+                    help="measure the per-op compute costs (op_costs: kernel_op_cost, "
+                         "tf_op_cost, kernel_compute_scale) only, and write them into the "
+                         "file --out / --ship / --install names, keeping its other numbers")
     args = ap.parse_args(argv)
     cls = profiles.cpu_facts()["cpu_class"]
     if args.ship and cls not in profiles.CALIBRATION_FILES:
@@ -208,6 +308,8 @@ def main(argv=None):
                  f"known: {', '.join(profiles.CALIBRATION_FILES)}")
     # Shipped factors scale the class model's estimates, so they are measured against them.
     model = profiles.MACHINES[cls] if args.ship else None
+    if args.ops:
+        return _ops_main(args, cls, model)
     base, scale, kscale = calibrate(tuple(float(s) for s in args.sizes.split(",")),
                                     args.rounds, base=model)
     print("tf_time_scale:", scale)
@@ -225,6 +327,30 @@ def main(argv=None):
         path = profiles.local_calibration_path()
         profiles.save_file(prof, path, note, this_machine=True)
         print("wrote", path, "(this machine's calibration)")
+
+
+def _ops_main(args, cls, model):
+    """--ops: the per-op compute costs measured and written into the named files."""
+    base = model or profiles.measured_cpu(remeasure=True)
+    ours, theirs, compute = op_costs(base, rounds=args.rounds)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    note = (f"per-op compute costs: tools/calibrate.py --ops at {when}, "
+            f"{OP_COST_MIB} MiB, {args.rounds} round(s), load average "
+            f"{os.getloadavg()[0]:.1f}")
+    targets = [(args.out, False), (args.ship and profiles.CALIBRATION_FILES[cls], False),
+               (args.install and profiles.local_calibration_path(), True)]
+    for path, mine in filter(lambda t: t[0], targets):
+        try:
+            doc = json.loads(open(path).read())
+            prof = profiles.with_overrides(profiles.load_file(path),
+                                           source=doc["profile"].get("source", ""))
+            old = doc.get("note", "")
+        except (OSError, ValueError):
+            prof, old = base, ""
+        prof = profiles.with_overrides(prof, kernel_op_cost=ours, tf_op_cost=theirs,
+                                       kernel_compute_scale=compute)
+        profiles.save_file(prof, path, f"{old}; {note}" if old else note, this_machine=mine)
+        print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,13 @@ Cases (float32; the batch dim unknown to the trace, but for the gather along it)
   (six transcendentals) and of a cheap one (an add): the planner's reuse choice
   (plan/cost.py, reuse_reason) reloads the expensive value and folds the cheap one.
   "always fold" is the same function (plus a 1e-30 that keeps the result cache from
-  serving the other plan) planned with the choice turned off.
+  serving the other plan) planned with the choice turned off;
+- the six transcendentals alone (no layout op), at the rotate-half's shape and at 8x its
+  batch: a compute-bound chain the cost model prices per op (plan/cost.py,
+  ``op_cost``; fused only where that beats TF's six ops), and a chain of Sin and Cos
+  (ours call scalar libm: left to TF).
+
+``--cases WORD`` keeps the cases whose name contains WORD (e.g. ``--cases chain``).
 
 Each round times every mode once, in turn (an order fixed per round but rotated every
 round); a cell is the median per call over the rounds.  Printed as a markdown table.
@@ -34,12 +40,24 @@ from stitching.plan import search  # noqa: E402
 from stitching.testing.train import input_gradient  # noqa: E402
 
 
+_SIX = (tf.tanh, tf.exp, tf.sigmoid, tf.math.erf, tf.tanh, tf.sigmoid)
+
+
+def _chain(v, ops=_SIX):
+    for op in ops:
+        v = op(v)
+    return v
+
+
+def _trig(v):
+    return _chain(v, (tf.sin, tf.cos) * 3)
+
+
 def _rotate_half(expensive, tag=0.0):
     def f(x):
         v = x + x
         if expensive:
-            for op in (tf.tanh, tf.exp, tf.sigmoid, tf.math.erf, tf.tanh, tf.sigmoid):
-                v = op(v)
+            v = _chain(v)
         v1, v2 = tf.split(v, 2, axis=-1)
         return v + tf.concat([-v2, v1], axis=-1) + tag
     return f
@@ -70,6 +88,9 @@ CASES = [
      (8, 128, 256)),
     ("rotate-half of 6 transcendentals", _rotate_half(True), (64, 32, 4, 64)),
     ("rotate-half of an add", _rotate_half(False), (64, 32, 4, 64)),
+    ("chain of 6 transcendentals", _chain, (64, 32, 4, 64)),
+    ("chain of 6 transcendentals, 8x batch", _chain, (8 * 64, 32, 4, 64)),
+    ("chain of 6 sin/cos", _trig, (64, 32, 4, 64)),
 ]
 FOLDED = {"rotate-half of 6 transcendentals": _rotate_half(True, 1e-30),
           "rotate-half of an add": _rotate_half(False, 1e-30)}
@@ -93,13 +114,14 @@ def _stitched(fn, sig, x, fold_always=False):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--cases", default="", help="only the cases whose name contains this")
     args = ap.parse_args(argv)
     from stitching.compile import parallel
     print(f"load average {os.getloadavg()[0]:.2f} at start; {args.rounds} rounds")
     print("| case | shape | TF ms | XLA ms | stitched ms | vs TF | vs XLA | kernels |"
           " always fold ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, fn, shape in CASES:
+    for name, fn, shape in [c for c in CASES if args.cases in c[0]]:
         if "static" in name:
             sig = [tf.TensorSpec(shape, tf.float32)]
         elif "run-time sequence" in name:

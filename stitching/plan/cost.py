@@ -8,7 +8,7 @@ levels, as in FusionStitching:
   ─────────────────────────────────────────────────────────────────────────────────────
     gain(P)      = Σ unfused(op ∈ P) − fused(P)                       (> 0: fusing pays)
     unfused(op)  = scale(class(op)) · (launch + task + max(passes · bytes in+out / bw(lanes(op)),
-                                                          transc. / rate))
+                                                          transc. · cost_TF(op) / rate))
                    scale: the profile's measured TF time over this estimate for the op's
                    class (tf_class; profiles.py "Calibration"), 1 where not calibrated
                    passes = legality.work(op): 1, or more for a composite TF op (Softmax
@@ -16,8 +16,12 @@ levels, as in FusionStitching:
                    its data more than once
                    An op TF's remapper fuses into a convolution (epilogue.py: the
                    conv's BiasAdd and some activations) costs its compute only
-    fused(P)     = launch + task + max(io(P) / bw(active(P)), transcendentals / rate)
+    fused(P)     = launch + task + max(io(P) / bw(active(P)), Σ transc. · cost(op) / rate)
                    + scratch(P) + register spills(P)
+    cost(op)     a transcendental op's cost per element relative to Exp's, in our kernels
+                 (cost) or TF's (cost_TF): the profile's per-op tables (kernel_op_cost,
+                 tf_op_cost; tools/calibrate.py --ops), 1 where absent ("rate" is the
+                 profile's measured Exp throughput)
     io(P)        distinct values read from outside P + values leaving P, each once
     active(P)    lanes P keeps busy: all for element-wise work; the row count when a
                  reduction's result is consumed inside P            ("lost parallelism")
@@ -30,7 +34,11 @@ levels, as in FusionStitching:
     calibrated   both sides' size-dependent parts (all but one launch and task) times the
                  profile's measured factors (tools/calibrate.py): unfused(op) by its
                  class's TF factor at its size, fused(P) by the kernel factors of P's
-                 members weighted by their work (calibrated_s, kernel_factor)
+                 members weighted by their work (calibrated_s, kernel_factor) — those
+                 are fitted where memory dominates: a kernel's compute takes the
+                 profile's own compute factor instead (kernel_compute_scale,
+                 kernel_compute_s), so a compute-bound kernel is not priced at a
+                 memory fit
 
   latency evaluator  choose_launch(spec)            once per final kernel, from its spec
   ─────────────────────────────────────────────────────────────────────────────────────
@@ -166,8 +174,22 @@ def calibrated_s(p: DeviceProfile, t: float, factor: float) -> float:
     return fixed + factor * (t - fixed)
 
 
-def _compute_s(p: DeviceProfile, transcendentals: int, active: float) -> float:
+def _compute_s(p: DeviceProfile, transcendentals: float, active: float) -> float:
     return transcendentals / (p.transcendental_per_s * min(1.0, active / p.lanes))
+
+
+def op_cost(table: dict, op: str | None) -> float:
+    """Cost per element of transcendental ``op`` relative to Exp's, from a profile's
+    per-op table (kernel_op_cost or tf_op_cost); 1 where the table has none."""
+    return float(table.get(op, 1.0)) if op else 1.0
+
+
+def kernel_compute_s(p: DeviceProfile, compute_s: float, factor: float) -> float:
+    """A generated kernel's modelled compute time in the units ``calibrated_s(t,
+    factor)`` then scales: it comes out at the profile's compute factor
+    (kernel_compute_scale, fitted on a compute-bound kernel; 1 when not calibrated),
+    not at the memory-fitted kernel ``factor``."""
+    return compute_s * (p.kernel_compute_scale or 1.0) / max(factor, 1e-9)
 
 
 # ---- delta evaluator --------------------------------------------------------------------
@@ -201,8 +223,8 @@ class GraphCosts:
         self.names = list(order)
         fetched = {(r.node, r.index) for r in graph.outputs}
         cons = graph.consumers()
-        size, ins, outs, pinned, unf, work, red, tr, item, scale, kscale = \
-            ([] for _ in range(11))
+        size, ins, outs, pinned, unf, work, red, tr, tr_tf, item, scale, kscale = \
+            ([] for _ in range(12))
         factors, kfactors = profile.tf_time_scale, profile.kernel_time_scale
         for name in order:
             node = graph[name]
@@ -213,16 +235,18 @@ class GraphCosts:
             work.append(_leg.work(node))
             red.append(geometry(node.op, node.attrs, graph.type_of(node.inputs[0]))
                        if node.inputs else None)
-            tr.append(self._transcendentals(graph, node))
+            count, op = self._transcendentals(graph, node)
+            tr.append(count * op_cost(profile.kernel_op_cost, op))
+            tr_tf.append(count * op_cost(profile.tf_op_cost, op))
             outs.append(sum(nbytes(t) for t in node.outputs))
             cls = tf_class(node.op, node.attrs,
-                           graph.type_of(node.inputs[0]) if node.inputs else None, tr[-1] > 0)
+                           graph.type_of(node.inputs[0]) if node.inputs else None, count > 0)
             largest = max([outs[-1]] + [b for _, b, _ in ins[-1]])
             scale.append(tf_factor(factors, cls, largest) if factors else 1.0)
             kscale.append(tf_factor(kfactors, cls, largest) if kfactors else 1.0)
         self.size, self.ins, self.pinned, self.work = size, ins, pinned, work
         self.scale, self.kscale = scale, kscale
-        self.red, self.tr, self.item = red, tr, item
+        self.red, self.tr, self.tr_tf, self.item = red, tr, tr_tf, item
         self.cons = [frozenset(self.index[c] for c in cons[n]) for n in order]
         # elements of the largest value an op touches (a reduction's is its input)
         self.count = [max([max(1, size[i] // item[i])] + [b // item[i] for _, b, _ in ins[i]])
@@ -248,16 +272,20 @@ class GraphCosts:
         return tuple(out)
 
     @staticmethod
-    def _transcendentals(graph, node) -> int:
-        """Compute, in transcendentals' worth: a depthwise convolution's taps count
-        (TF's kernel or the fused one alike, TAPS_PER_TRANSCENDENTAL to one)."""
+    def _transcendentals(graph, node) -> tuple:
+        """(compute in transcendentals' worth, the op whose per-op cost applies or
+        None): a transcendental op's elements (a Softmax's are its Exps), a depthwise
+        convolution's taps (TF's kernel or the fused one alike,
+        TAPS_PER_TRANSCENDENTAL to one)."""
         d = OPS.get(node.op)
-        if node.op in _SOFTMAX or (d is not None and d.transcendental):
-            return elems(node.outputs[0])
+        if node.op in _SOFTMAX:
+            return elems(node.outputs[0]), "Exp"
+        if d is not None and d.transcendental:
+            return elems(node.outputs[0]), node.op
         if d is not None and d.kind == Kind.WINDOW:
             taps = math.prod(graph.type_of(node.inputs[1]).shape[:2])
-            return elems(node.outputs[0]) * taps // TAPS_PER_TRANSCENDENTAL
-        return 0
+            return elems(node.outputs[0]) * taps // TAPS_PER_TRANSCENDENTAL, None
+        return 0, None
 
     def _unfused(self, i: int) -> float:
         """One TF op on its own: a launch plus its traffic (all its passes) at its own
@@ -266,7 +294,7 @@ class GraphCosts:
             return 0.0
         p = self.profile
         lanes = elementwise_lanes(p, self.count[i])
-        compute = _compute_s(p, self.tr[i], lanes)
+        compute = _compute_s(p, self.tr_tf[i], lanes)
         if self.epilogue[i]:     # TF's remapper runs it inside the convolution: no launch,
             return compute       # no pass over memory (epilogue.py)
         mem = self.io_bytes[i] / p.bw_at(lanes)
@@ -318,8 +346,10 @@ class GraphCosts:
         scratch_s = self._scratch_s(P, stitched, active) if stitched else 0.0
         spill_s, active_p = self._register_pressure(P, big, active)
         mem = io / p.bw_at(active_p)
-        fused = calibrated_s(p, p.launch_s + p.task_s + max(mem, _compute_s(p, tr, active_p))
-                             + scratch_s + spill_s, self.kernel_factor(P))
+        factor = self.kernel_factor(P)
+        compute = kernel_compute_s(p, _compute_s(p, tr, active_p), factor)
+        fused = calibrated_s(p, p.launch_s + p.task_s + max(mem, compute) + scratch_s + spill_s,
+                             factor)
         fused += EPILOGUE_TIE_S * sum(map(self.epilogue.__getitem__, P))
         full = io / p.bw_at(elementwise_lanes(p, big))
         return Delta(unfused - fused, fused, unfused, unf_bytes - io, max(0, work - 1),
@@ -406,7 +436,7 @@ def spec_times(spec, profile: DeviceProfile) -> tuple:
               [ValueRef(name(o), 0) for o in spec.outputs])
     costs = GraphCosts(g, profile, list(g.nodes))
     P = frozenset(costs.index[name(i)] for i in range(len(spec.nodes)))
-    fused = calibrated_s(profile, choose_launch(spec, profile).time_s, costs.kernel_factor(P))
+    fused = choose_launch(spec, profile, factor=costs.kernel_factor(P)).time_s
     return fused, costs.unfused_s(P)
 
 
@@ -426,11 +456,23 @@ SIMPLE_PER_TRANSCENDENTAL = 8   # rough: a vectorized exp/tanh/erf costs about 8
                                 # TAPS_PER_TRANSCENDENTAL
 
 
-def _evaluations(ops) -> float:
-    """Transcendentals' worth of the evaluations ``ops`` = ((op, type, share), ...)."""
-    return sum(elems(t) * share *
-               (1.0 if OPS[op].transcendental else 1 / SIMPLE_PER_TRANSCENDENTAL)
-               for op, t, share in ops)
+def _evaluations_s(ops, profile: DeviceProfile) -> float:
+    """Seconds a generated kernel spends on the evaluations ``ops`` = ((op, type,
+    share), ...): a transcendental at its op's cost (kernel_op_cost), at the profile's
+    compute factor (kernel_compute_s)."""
+    n = sum(elems(t) * share *
+            (op_cost(profile.kernel_op_cost, op) if OPS[op].transcendental
+             else 1 / SIMPLE_PER_TRANSCENDENTAL)
+            for op, t, share in ops)
+    return kernel_compute_s(profile, n / profile.transcendental_per_s, 1.0)
+
+
+def _traffic_s(profile: DeviceProfile, nbytes: int) -> float:
+    """A generated kernel moving ``nbytes`` through memory: at the device's bandwidth
+    and the element-wise kernel factor of that size (calibrated as its compute is)."""
+    f = tf_factor(profile.kernel_time_scale, "elementwise", nbytes) \
+        if profile.kernel_time_scale else 1.0
+    return f * nbytes / profile.bandwidth
 
 
 def reuse_reason(spec, profile: DeviceProfile) -> str | None:
@@ -441,21 +483,22 @@ def reuse_reason(spec, profile: DeviceProfile) -> str | None:
 
     Recompute: what the extra evaluations add to the kernel's time, which is the
     larger of its memory traffic and its compute (a memory-bound kernel recomputes a
-    few simple ops for free).  Reload: writing and reading the recomputed value once
+    few simple ops for free; each op at its per-op cost and the profile's compute
+    factor, the traffic at the memory-fitted factor, as GraphCosts prices a kernel).
+    Reload: writing and reading the recomputed value once
     (each of its values, if several) at the device's bandwidth, plus a launch."""
     sched = _schedule_of(spec)
     recomputed = getattr(getattr(sched, "spec", None), "recomputed", ())
     if not recomputed:
         return None
-    mem = (sum(nbytes(t) for t in spec.inputs) +
-           sum(nbytes(t) for t in spec.output_types)) / profile.bandwidth
-    total = _evaluations((n.op, n.type, 1) for n in sched.spec.nodes) / \
-        profile.transcendental_per_s
+    mem = _traffic_s(profile, sum(nbytes(t) for t in spec.inputs) +
+                     sum(nbytes(t) for t in spec.output_types))
+    total = _evaluations_s(((n.op, n.type, 1) for n in sched.spec.nodes), profile)
     for r in recomputed:
-        extra = _evaluations(r.ops) / profile.transcendental_per_s
+        extra = _evaluations_s(r.ops, profile)
         again = max(mem, total) - max(mem, total - extra)
         size = sum(nbytes(t) for t in r.values)
-        reload = profile.launch_s + profile.task_s + 2 * size / profile.bandwidth
+        reload = profile.launch_s + profile.task_s + _traffic_s(profile, 2 * size)
         if again > reload:
             what = ", ".join(sorted({op for op, _, _ in r.ops}))
             return (f"the value a {r.where} reads is computed once and reloaded: "
@@ -495,6 +538,8 @@ class KernelShape:
     group_rows: int = 1
     prologue_s: float = 0.0
     prologue_phase: bool = False   # else recomputed by every task that starts a group
+    transcendental_ops: tuple = ()  # ((op, elements), ...): what ``transcendentals``
+    #                                 counts, op by op (priced per op: op_cost)
 
     @property
     def io_bytes(self) -> int:
@@ -511,6 +556,8 @@ def kernel_shape(spec) -> KernelShape:
                 out_bytes=sum(nbytes(t) for t in spec.output_types),
                 transcendentals=sum(elems(n.type) for n in run.nodes
                                     if OPS[n.op].transcendental),
+                transcendental_ops=tuple((n.op, elems(n.type)) for n in run.nodes
+                                         if OPS[n.op].transcendental),
                 live=_max_live(list(range(len(spec.nodes))), users.__getitem__))
     if sched is not None:
         try:
@@ -659,17 +706,23 @@ class Launch:
         return f"{unit}{t}: {self.tasks} task(s), {self.time_s * 1e6:.1f} µs"
 
 
-def choose_launch(spec, profile: DeviceProfile, keep: int = 5) -> Launch:
-    """Time every launch candidate; the fastest wins.
+def choose_launch(spec, profile: DeviceProfile, keep: int = 5, factor: float = 1.0) -> Launch:
+    """Time every launch candidate; the fastest wins.  Times are calibrated: ``factor``
+    (the kernel's memory-fitted factor, GraphCosts.kernel_factor) scales all but the
+    fixed cost and the compute, which takes the profile's compute factor
+    (kernel_compute_s); each transcendental is priced at its op's cost (op_cost).
 
     With rows unknown until run time the time is estimated at DEFAULT_DIM but no
     parameters are fixed: the kernel's shape function picks the unit when it knows them.
     """
     ks = kernel_shape(spec)
     timer = _time_cpu if profile.backend == "cpu" else _time_gpu
+    evals = kernel_compute_s(profile, sum(e * op_cost(profile.kernel_op_cost, op)
+                                          for op, e in ks.transcendental_ops), factor)
     scored = []
     for r, c, threads in _candidates(ks, profile):
-        t, tasks = timer(ks, profile, r, c, threads)
+        t, tasks = timer(ks, profile, r, c, threads, evals)
+        t = calibrated_s(profile, t, factor)
         if math.isfinite(t):
             params = {"rows_per_task": r, "col_block": c}
             if ks.kind == "row" and c < ks.row_len:   # code that splits rows
@@ -713,7 +766,7 @@ def _candidates(ks: KernelShape, p: DeviceProfile):
             r *= 2
 
 
-def _time_cpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, _th: int):
+def _time_cpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, _th: int, evals: float):
     R, L = ks.rows, ks.row_len
     tasks = -(-R // r) * -(-L // c)
     active = min(tasks, p.lanes)
@@ -721,7 +774,7 @@ def _time_cpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, _th: int):
     lane_bw = p.bw_at(active) / active
     on_chip = ks.footprint_row * min(r, R) * c / L <= p.scratch_per_task
     reuse = ks.reuse_bytes * frac / ((p.cache_bandwidth / p.lanes) if on_chip else lane_bw)
-    compute = ks.transcendentals * frac / (p.transcendental_per_s / p.lanes)
+    compute = evals * frac / (p.transcendental_per_s / p.lanes)
     task = p.task_s + max(ks.io_bytes * frac / lane_bw, compute) + reuse
     if ks.prologue_s and not ks.prologue_phase:  # each task: the groups it starts
         task += ks.prologue_s * (-(-min(r, R) // ks.group_rows) + (r % ks.group_rows != 0))
@@ -738,7 +791,7 @@ def _prologue_s(ks: KernelShape, p: DeviceProfile) -> float:
     return p.task_s + -(-groups // min(groups, p.lanes)) * ks.prologue_s
 
 
-def _time_gpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, th: int):
+def _time_gpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, th: int, evals: float):
     R, L = ks.rows, ks.row_len
     blocks = -(-R // r) * -(-L // c)
     useful = min(th, min(r, R) * min(c, L))
@@ -757,7 +810,7 @@ def _time_gpu(ks: KernelShape, p: DeviceProfile, r: int, c: int, th: int):
     bw = p.bw_at(active)
     mem = ks.io_bytes / bw * (waves * active_blocks / blocks)
     reuse = 0.0 if in_regs else ks.reuse_bytes / (bw if spill else p.cache_bandwidth)
-    compute = _compute_s(p, ks.transcendentals, active)
+    compute = _compute_s(p, evals, active)
     return (p.launch_s + waves * p.task_s + max(mem, compute) + reuse
             + _split_s(ks, p, c, active), blocks)
 

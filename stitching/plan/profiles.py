@@ -23,7 +23,11 @@ since TF's error is not the same at every size (its softmax measured near the mo
 model's estimate of a generated kernel (measured on kernels of one op of each class; a
 kernel of several classes takes its members' factors weighted by their share of the
 work, ``GraphCosts.kernel_factor``), so that both sides of a decision are calibrated
-alike.  ``tools/calibrate.py``
+alike.  Those factors are fitted on kernels where memory dominates and scale a kernel's
+memory-bound part only; its compute is priced per op (``kernel_op_cost``, ``tf_op_cost``:
+each transcendental's cost per element relative to Exp, ours and TF's) and takes a
+factor of its own (``kernel_compute_scale``), measured by ``tools/calibrate.py --ops``.
+``tools/calibrate.py``
 measures them on the running machine and writes a profile file; ``--ship`` writes the
 package's default (``calibration-cpu.json`` beside this file), which then applies to the
 measured CPU profile.  ``STITCHING_DEVICE_PROFILE=<file>``
@@ -70,6 +74,14 @@ TF_CLASSES = ("elementwise", "transcendental", "row_reduction", "column_reductio
 CALIBRATION_FILES = {c: os.path.join(os.path.dirname(__file__), f"calibration-cpu-{c}.json")
                      for c in ("intel-avx512", "amd-avx2")}
 SCALE_RANGE = (0.05, 50.0)    # arbitrary sanity bounds on a measured factor
+# The transcendental ops (ir/ops.py) whose per-element cost relative to Exp a profile
+# may carry (DeviceProfile.kernel_op_cost, tf_op_cost); tools/calibrate.py --ops times
+# them.  Not Pow: its cost depends on its exponent (a small integer constant is a few
+# multiplies, codegen/lower/exprs.py _pow_const; else a pow call): one Exp, as before.
+OP_COST_OPS = ("Exp", "Expm1", "Log", "Log1p", "Tanh", "Sigmoid", "Elu", "Selu",
+               "Softplus", "Erf", "Erfc", "Sin", "Cos")
+OP_COST_RANGE = (0.05, 500.0)   # arbitrary sanity bounds on a per-op cost (our Sin and
+#                                 Cos call scalar libm: ~55 Exps measured on the AMD EPYC)
 
 
 @dataclass(frozen=True)
@@ -109,6 +121,16 @@ class DeviceProfile:
     why_provisional: str = ""    # what made it provisional, in words
     spread: dict = field(default_factory=dict)   # measured number -> (max - min) / median
     #                                              of its trials
+    # Compute, per op (calibration: tools/calibrate.py --ops): each transcendental op's
+    # cost per element relative to Exp's, in the kernels this project generates
+    # (``kernel_op_cost``) and in TF's (``tf_op_cost``; OP_COST_OPS, absent: 1), and
+    # what a generated kernel's compute takes over the model's price of it at
+    # ``transcendental_per_s`` (``kernel_compute_scale``, fitted on a compute-bound
+    # kernel of Exps; 0: not calibrated, 1).  kernel_time_scale is fitted where memory
+    # dominates and scales only a kernel's memory-bound part (cost.kernel_s).
+    kernel_op_cost: dict = field(default_factory=dict)
+    tf_op_cost: dict = field(default_factory=dict)
+    kernel_compute_scale: float = 0.0
     stream_min_bytes: int = 16 << 20   # CPU: outputs this large are written with
     #   non-temporal stores (codegen/cpu/emitter.py _stream_min_bytes has the measurement);
     #   measured on intel-avx512 only: the other classes take that figure until measured
@@ -282,7 +304,8 @@ class ProfileFileError(ValueError):
     """A device profile file that cannot be used (names the file and the problem)."""
 
 
-CALIBRATED_FIELDS = ("tf_time_scale", "kernel_time_scale")
+CALIBRATED_FIELDS = ("tf_time_scale", "kernel_time_scale", "kernel_op_cost", "tf_op_cost",
+                     "kernel_compute_scale")
 
 
 def _factors(profile: DeviceProfile) -> dict:
@@ -417,6 +440,21 @@ def load_file(path: str) -> DeviceProfile:
 
 
 def _check_scale(path, scale, what: str = "tf_time_scale") -> None:
+    if what == "kernel_compute_scale":
+        if not (_number(scale) and (scale == 0 or
+                                    SCALE_RANGE[0] <= scale <= SCALE_RANGE[1])):
+            raise ProfileFileError(f"device profile {path}: {what} must be 0 (not "
+                                   f"calibrated) or a factor in {list(SCALE_RANGE)}, "
+                                   f"got {scale!r}")
+        return
+    if what in ("kernel_op_cost", "tf_op_cost"):
+        if not (isinstance(scale, dict) and all(
+                k in OP_COST_OPS and _number(v) and OP_COST_RANGE[0] <= v <= OP_COST_RANGE[1]
+                for k, v in scale.items())):
+            raise ProfileFileError(f"device profile {path}: {what} must map ops of "
+                                   f"{', '.join(OP_COST_OPS)} to costs relative to Exp in "
+                                   f"{list(OP_COST_RANGE)}, got {scale!r}")
+        return
     if not isinstance(scale, dict):
         raise ProfileFileError(f"device profile {path}: {what} must be an object")
     for k, v in scale.items():

@@ -54,7 +54,7 @@ from ..ir.spec import SCHEDULE_PARAMS
 from . import epilogue as _epi
 from . import legality as _fus
 from .acyclic import Contraction, CycleError, Reach, indexed, mask_of
-from .cost import Delta, GraphCosts, Launch, calibrated_s, choose_launch, reuse_reason
+from .cost import Delta, GraphCosts, Launch, choose_launch, reuse_reason
 from .planner import Plan
 from .profiles import DeviceProfile
 from .profiles import default as _default_profile
@@ -773,10 +773,8 @@ def _schedule(ctx: _Context, P, forced: bool = False) -> "KernelChoice":
     unfused = ctx.costs.unfused_s(P)
     choice = KernelChoice([ctx.names[v] for v in sorted(P)], False, delta=delta,
                           unfused_s=unfused, alternatives=_alternatives(ctx, P))
-    launch, spec = _launch_for(ctx, region.spec)
     # the latency evaluator's time in the units of the TF side (kernel calibration)
-    launch = replace(launch, time_s=calibrated_s(ctx.profile, launch.time_s,
-                                                 ctx.costs.kernel_factor(P)))
+    launch, spec = _launch_for(ctx, region.spec, ctx.costs.kernel_factor(P))
     choice.launch = launch
     for params, threads, t in launch.alternatives:
         choice.alternatives.append(("launch", _params(params, threads), t,
@@ -791,12 +789,13 @@ def _schedule(ctx: _Context, P, forced: bool = False) -> "KernelChoice":
     return choice
 
 
-def _launch_for(ctx: _Context, spec):
-    """(Launch, scheduled spec); memoized per spec so identical kernels agree."""
-    hit = ctx._launch.get(spec.hash)
+def _launch_for(ctx: _Context, spec, factor: float):
+    """(Launch, scheduled spec), calibrated by ``factor``; memoized per spec so
+    identical kernels agree."""
+    hit = ctx._launch.get((spec.hash, factor))
     if hit is not None:
         return hit
-    launch = choose_launch(spec, ctx.profile, keep=max(5, ctx.cfg.launch_tries))
+    launch = choose_launch(spec, ctx.profile, keep=max(5, ctx.cfg.launch_tries), factor=factor)
     chosen = spec
     for params, threads, t in launch.alternatives[:ctx.cfg.launch_tries]:
         try:
@@ -807,7 +806,7 @@ def _launch_for(ctx: _Context, spec):
             chosen = cand
             launch = replace(launch, params=params, threads=threads, time_s=t)
             break
-    ctx._launch[spec.hash] = (launch, chosen)
+    ctx._launch[(spec.hash, factor)] = (launch, chosen)
     return launch, chosen
 
 

@@ -232,16 +232,16 @@ def _estimate(spec, reg, ir, profile, costs) -> dict:
     """The cost model's view of one kernel (unknown dims at cost.DEFAULT_DIM)."""
     from ..ir import OPS, Kind
     from ..plan import cost
-    launch = cost.choose_launch(spec, profile)
-    ks = launch.shape
     unfused_bytes = unfused_s = None
-    fused_s = launch.time_s
+    factor = 1.0
     if costs is not None:
         idx = [costs.index[m] for m in reg.nodes if m in costs.index]
         unfused_bytes = int(sum(costs.io_bytes[i] for i in idx))
         unfused_s = costs.unfused_s(idx)
-        fused_s = cost.calibrated_s(profile, fused_s, costs.kernel_factor(idx))  # as
-        #                                                        the planner saw it
+        factor = costs.kernel_factor(idx)         # calibrated as the planner saw it
+    launch = cost.choose_launch(spec, profile, factor=factor)
+    ks = launch.shape
+    fused_s = launch.time_s
     flops = 0
     for n in spec.nodes:
         info = OPS.get(n.op)
