@@ -65,7 +65,7 @@ def test_a_refused_chain_is_one_note(machine):
     refused merge for it."""
     p = _plan(_rotary_graph(EXPENSIVE), replace(machine, transcendental_per_s=2e7))
     (note,) = p.notes
-    assert RELOADED in note and note.startswith("{c0, c1, c2, c3, … +7}"), p.notes
+    assert RELOADED in note and " cut in " in note, p.notes
     assert not any("reloaded" in why for _, why in p.boundaries), p.boundaries
 
 
