@@ -7,7 +7,7 @@ import tensorflow as tf
 import stitching
 from stitching import runtime as rt
 from stitching.runtime import blas
-from stitching.tf.passes import conv1x1
+from stitching.tf.passes import conv1x1, remapper
 
 pytest.importorskip("scipy_openblas32")
 
@@ -52,11 +52,11 @@ def test_a_large_product_comes_from_the_output_pool_and_equals_tf():
 
 # ---- the pass --------------------------------------------------------------------------
 
-def _net(dtype=tf.float32, seed=0, dilated=True):
+def _net(dtype=tf.float32, seed=0, dilated=True, strided=True):
     """(fn, its weights): a 1x1 expansion the rule takes (8 -> 24 channels over
     112x112), its BatchNorm-like scale and ReLU6 (a kernel), then convolutions the pass
-    leaves to TF: a 1x1 over more than 16 channels, a strided 1x1, a 3x3 and a dilated
-    1x1."""
+    leaves to TF: a 1x1 over more than 16 channels, a strided 1x1 (else a plain one), a
+    3x3 and a dilated 1x1."""
     w = {name: tf.Variable(_rand(shape, dtype.as_numpy_dtype, seed + i), name=name)
          for i, (name, shape) in enumerate([("expand", (1, 1, 8, 24)),
                                              ("project", (1, 1, 24, 8)),
@@ -68,7 +68,7 @@ def _net(dtype=tf.float32, seed=0, dilated=True):
         e = tf.nn.conv2d(x, w["expand"], 1, "SAME")
         h = tf.nn.relu6(e * 0.5 + 0.25)
         y = tf.nn.conv2d(h, w["project"], 1, "VALID")
-        y = tf.nn.conv2d(y, w["strided"], 2, "SAME")
+        y = tf.nn.conv2d(y, w["strided"], 2 if strided else 1, "SAME")
         y = tf.nn.conv2d(y, w["k3"], 1, "SAME")
         if dilated:       # TF's CPU kernels have no gradient of a dilated Conv2D
             y = tf.nn.conv2d(y, w["dilated"], 1, "SAME", dilations=2)
@@ -198,7 +198,10 @@ def test_the_rule(h, w, cin, taken):
 
 def test_a_tape_outside_differentiates_through_the_product(monkeypatch):
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
-    fn, weights = _net(dilated=False)
+    # Stock TF 2.21 with oneDNN on kills the process in the gradient of the strided 1x1
+    # (its _MklNativeConv2DBackprop* at [2,112,112,8], stride 2, SAME; checked without
+    # stitching on an AMD EPYC Zen 4): there the net keeps that convolution unstrided.
+    fn, weights = _net(dilated=False, strided=not remapper.onednn_enabled())
     f = stitching.function(fn, input_signature=_sig())
     x = tf.constant(_rand((2, HW, HW, 8), seed=11))
     assert "StitchedMatMul" in _graph_ops(f, _sig())
