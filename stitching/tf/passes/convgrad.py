@@ -69,18 +69,12 @@ def chain(graph_def) -> int:
 
 
 def _run(ctx):
-    from ...plan import profiles
-    from . import inline, remapper
-    prof = profiles.default()
-    if prof.backend != "cpu" or remapper.onednn(prof):
-        return None
-    if not inline.has_backward(ctx.planned if ctx.planned is not None else ctx.original):
-        return None
-    n = chain(ctx.graph_def)
-    if not n:
-        return None
-    return (f"{n + 1} convolution filter gradients (Eigen's, each with an im2col buffer "
-            "of up to ~30 MiB) run one after another (tf/passes/convgrad.py)")
+    from . import blas, inline
+    n = chain(ctx.graph_def) if blas._eigen_machine() and inline.traced_has_backward(ctx) \
+        else 0
+    return None if not n else (
+        f"{n + 1} convolution filter gradients (Eigen's, each with an im2col buffer "
+        "of up to ~30 MiB) run one after another (tf/passes/convgrad.py)")
 
 
 PASS = Pass("convgrad", _run)
