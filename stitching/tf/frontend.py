@@ -82,8 +82,10 @@ def _lift_const_controls(nodes: list) -> None:
         if n.op != "Const" or not n.control_inputs:
             continue
         for r in readers.get(n.name, ()):
-            r.control_inputs.extend(c for c in n.control_inputs
-                                    if c not in r.control_inputs and c != r.name)
+            # not where the reader reads it anyway (Grappler anchors a constant it
+            # makes to the input it replaces: x + x -> Mul(Const(2) ^x, x))
+            have = set(r.control_inputs) | {i.node for i in r.inputs} | {r.name}
+            r.control_inputs.extend(c for c in n.control_inputs if c not in have)
         n.control_inputs = []
 
 
