@@ -804,7 +804,10 @@ def test_column_kernel_writes_each_pass_once():
     """Split (chunked rows, phases) and whole column kernels share one copy of each
     pass: its row loop appears once unrolled and once for the remaining rows, or once
     where the pass stores its rows too (here the last pass, the normalized output: an
-    unrolled storing loop stays scalar, emitter._column_pass)."""
+    unrolled storing loop stays scalar, emitter._column_pass).  The normalized output,
+    stored by the last pass alone, may be written over x (schedule/inplace.py): the
+    whole loop nest twice, once storing through x's pointer."""
+    from stitching.schedule.inplace import pairs
     b = SpecBuilder()
     x = b.input("float32", (-1, 300))
     m = b.Mean(x, axes=[0], keep_dims=True)
@@ -812,7 +815,8 @@ def test_column_kernel_writes_each_pass_once():
     v = b.Mean(b.Square(c), axes=[0], keep_dims=True)
     k = build(b, [b.Mul(c, b.Rsqrt(b.Add(v, b.const(1e-3)))), m, v])
     assert k.schedule.kind == KernelKind.COLUMN and len(k.schedule.passes) == 3
-    assert k.source.count("for t0 in range(") == 2 + 2 + 1
+    assert pairs(k.spec, k.schedule) == [(0, 0)]
+    assert k.source.count("for t0 in range(") == 2 * (2 + 2 + 1)
 
 
 def test_column_pass_that_stores_its_rows_sums_through_float32_partials():

@@ -88,6 +88,44 @@ def test_column_kernel_in_place_matches_tf(shape):
             (err, tf_err)
 
 
+def _bn_backward_like(w):
+    def f(x, y):
+        g = tf.matmul(x, w)                       # dead after the kernel
+        s = tf.reduce_sum(g * y, axis=0)          # first pass: the per-column sums
+        dx = (g - s * (1.0 / 64)) * y             # second pass: stored, over g
+        return tf.matmul(dx, w), s
+    return f
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (8192, 16)])
+def test_two_pass_column_kernel_writes_its_last_pass_output_in_place(shape):
+    """A BatchNorm backward's shape (per-column sums, then the gradient from them) in
+    one column kernel of two passes: the gradient, stored by the last pass only, is
+    written over the incoming gradient (a MatMul's output, dead after it); whole at
+    (64, 32), split into row chunks (a phase per pass) at (8192, 16).  The sums are
+    stored per column: no pair."""
+    from stitching.schedule.inplace import pairs
+    w = tf.constant(np.random.RandomState(4).randn(shape[1], shape[1]).astype(np.float32))
+    f = _bn_backward_like(w)
+    spec = tf.TensorSpec(shape, tf.float32)
+    res = _stitched(f, spec, spec)
+    (k,) = res.kernels
+    assert len(k.schedule.passes) == 2
+    assert list(_forward_attrs(res.graph_def).values()) == [
+        [i for p in pairs(k.spec, k.schedule) for i in p]] != [[]]
+    rs = np.random.RandomState(5)
+    x = tf.constant(rs.randn(*shape).astype(np.float32))
+    y = tf.constant(rs.randn(*shape).astype(np.float32))
+    want = tf.function(f)(x, y)
+    st = stitching.function(f)
+    g64 = x.numpy().astype(np.float64) @ w.numpy().astype(np.float64)
+    s64 = (g64 * y.numpy()).sum(0)
+    for _ in range(2):
+        out, s = st(x, y)
+        np.testing.assert_allclose(out, want[0], rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(s, s64, rtol=1e-4, atol=1e-3)
+
+
 def test_forwarded_kernels_never_overwrite_values_still_in_use():
     v = tf.Variable(np.linspace(-1, 1, 256 * 64, dtype=np.float32).reshape(256, 64))
     w = tf.constant(np.random.RandomState(0).randn(64, 64).astype(np.float32))

@@ -180,3 +180,34 @@ def test_training_step_through_fused_batch_norm_matches_tf():
         np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-5)
     fused = {op for k in sf.report.kernels for _, op in k.ops}
     assert "FusedBatchNormGradV3" in fused
+
+
+def _variance_grad_step(x, w):
+    """A BatchNorm's statistics differentiated by a tape: TF's SquaredDifference
+    gradient makes its constant 2 under a control dependency on the incoming gradient
+    (``with control_dependencies([grad]): scalar = constant(2.0)``)."""
+    with tf.GradientTape() as t:
+        t.watch(x)
+        mean = tf.reduce_mean(x, [0, 1, 2], keepdims=True)
+        var = tf.reduce_mean(tf.math.squared_difference(x, tf.stop_gradient(mean)),
+                             [0, 1, 2], keepdims=True)
+        y = (x - mean) * tf.math.rsqrt(var + 1e-3)
+        loss = tf.reduce_sum(tf.nn.relu(y) * w)
+    return t.gradient(loss, x)
+
+
+def test_a_constant_under_a_gradients_control_dependency_splits_no_kernel(machine):
+    """The variance gradient's broadcast (Tile, divided by the count) and its product
+    with ``2 (x - mean)`` in one kernel: the Const's control input orders its readers,
+    not a path out of the kernel and back (tf/frontend.py _lift_const_controls).  It was
+    two kernels, the first writing the full-size broadcast for the second to read."""
+    rs = np.random.RandomState(6)
+    x = tf.constant(rs.randn(4, 8, 8, 16).astype("float32"))
+    w = tf.constant(rs.rand(16).astype("float32"))
+    sf = stitching.function(_variance_grad_step)
+    got = sf(x, w)
+    np.testing.assert_allclose(got, tf.function(_variance_grad_step)(x, w), rtol=1e-4,
+                               atol=1e-5)
+    ops = [sorted({op for _, op in k.ops}) for k in sf.report.kernels]
+    assert len(ops) == 2, ops            # was 3: [Mul, Tile] alone between the others
+    assert not any(set(k) <= {"Tile", "Mul", "Identity"} for k in ops), ops

@@ -13,10 +13,20 @@ an input with the output's shape is read at that element only (broadcast inputs 
 fewer elements, LAYOUT ops only add or drop size-1 dims).  So output o may overwrite
 input i when their dtypes and static shapes are equal (the op also checks the run-time
 shapes).  Kernels of several passes read their inputs again after the first pass has
-stored: never; nor kernels keeping values in column blocks; nor row kernels (not
-needed by the train steps measured, so not audited).  In a column kernel split into
-phases, per-column outputs are stored in the last phase by one unit per column block,
-after that unit's last read of the column.
+stored: never an output stored before the last pass; nor, in a single pass, kernels
+keeping values in column blocks; nor row kernels (not needed by the train steps
+measured, so not audited).  In a column kernel split into phases, per-column outputs
+are stored in the last phase by one unit per column block, after that unit's last read
+of the column.
+
+A column kernel of several passes (a BatchNorm's backward: the per-channel sums in the
+first, the gradient in the second) may write an output its last pass stores, and no
+earlier one, over an input: a unit runs its passes one after another over its own
+columns (whole), or every unit runs pass p in phase p (split), so every earlier read
+of an element precedes the last pass, whose loop loads the element before storing it;
+column-block values are per column, never an element of an input.  The CNN train
+step's two BatchNorm backward kernels wrote 4 MiB each next to a dead input of theirs,
+one of them while Eigen's 32 MiB filter-gradient buffer was live: the step's peak.
 
 The CPU backend compiles a second loop nest for the aliased case that stores through
 the input's own pointer: LLVM then sees one base and the same index (a dependence of
@@ -32,8 +42,10 @@ def pairs(spec, sched) -> list:
     """[(input index, output index)] the kernel may write in place, each at most once;
     ``sched``: its Schedule."""
     if sched.kind == KernelKind.ROW or sched.kind == KernelKind.COLUMN and (
-            len(sched.passes) != 1 or sched.scratch or sched.blocks):
+            sched.scratch or len(sched.passes) == 1 and sched.blocks):
         return []
+    last_only = _stored_last(sched) if sched.kind == KernelKind.COLUMN and \
+        len(sched.passes) > 1 else None
     # inputs read through layout ops (schedule/layout.py) are read at other positions
     # than the one stored, and views are no inputs of the op at all.  The schedule's
     # spec has the views (callers may pass the original spec: tf/passes/forward.py)
@@ -46,6 +58,8 @@ def pairs(spec, sched) -> list:
     for o, node in enumerate(spec.outputs):
         t = spec.type_of(node)
         if node in spec.outputs[:o]:          # the same value twice: one buffer each
+            continue
+        if last_only is not None and node not in last_only:
             continue
         # A packed kernel runs its segments' loops one after another: an output may
         # only take the buffer of an input its own segment reads and no other does
@@ -73,3 +87,11 @@ def _segment_loads(sched, node):
         return set()
     others = [p for p in list(sched.passes) + list(sched.scalars) if p is not mine]
     return {i for i in mine.loads if not any(i in p.loads for p in others)}
+
+
+def _stored_last(sched) -> set:
+    """The outputs a column kernel of several passes stores in its last pass and in no
+    earlier pass nor scalar stage."""
+    earlier = {k for p in sched.passes[:-1] for k in p.stores}
+    earlier |= {k for st in sched.scalars for k in st.stores}
+    return set(sched.passes[-1].stores) - earlier

@@ -55,9 +55,38 @@ def to_ir(g: tf.Graph, fetches: list[str]) -> Graph:
         node.order_inputs = sorted({t.op.name for t in op.inputs if t.op.name not in read
                                     and t.op.type != "Const"})
         nodes.append(node)
+    _lift_const_controls(nodes)
     graph = Graph(nodes, [_ref(f) for f in fetches])
     graph.verify()
     return graph
+
+
+def _lift_const_controls(nodes: list) -> None:
+    """Move each IR Const's control inputs onto the nodes that read it (in place).
+
+    A Const is folded into every kernel that reads it (plan/region.py), so no edge runs
+    from the Const to a fused reader: what its control inputs order is its readers.
+    TF's gradients make such Consts (SquaredDifference's: ``with
+    control_dependencies([grad]): scalar = constant(2.0)``); left on the Const, the
+    edge ``grad -> Const -> reader`` made every kernel holding both ``grad`` and the
+    reader look like a cycle through an unfused op (a BatchNorm's backward: its
+    variance gradient's Tile in one kernel, the 4 MiB it wrote read by a second).
+    On the readers the ordering is the same (the rewrite gives a kernel the control
+    inputs of its members) and a kernel holding both ends has none to keep.  The
+    GraphDef's Const is copied as it is (tf/passes/rewrite.py)."""
+    readers: dict = {}
+    for n in nodes:
+        for src in {r.node for r in n.inputs} | set(n.control_inputs):
+            readers.setdefault(src, []).append(n)
+    for n in nodes:                       # topological: a chain of Consts lifts through
+        if n.op != "Const" or not n.control_inputs:
+            continue
+        for r in readers.get(n.name, ()):
+            # not where the reader reads it anyway (Grappler anchors a constant it
+            # makes to the input it replaces: x + x -> Mul(Const(2) ^x, x))
+            have = set(r.control_inputs) | {i.node for i in r.inputs} | {r.name}
+            r.control_inputs.extend(c for c in n.control_inputs if c not in have)
+        n.control_inputs = []
 
 
 def _ref(name: str) -> ValueRef:

@@ -46,6 +46,8 @@ around planning, each pass entered once:
                  op (Options(fused_attention))                         attention.py
     inline       in graphs without a backward, the OpenBLAS ops run on the executor's
                  thread (no inter-op hand-off between a layer's ops)     inline.py
+    convgrad     where TF's convolutions are Eigen's, the filter gradients of a
+                 backward one after another (one im2col buffer live)   convgrad.py
     remapper_identities  the Identity in Keras' swish forwarded         remapper.py
     prune        what the rewrite left unread, equal constants, inlining's Identities
     autotune     kernels with a small predicted margin marked to be timed against
@@ -72,7 +74,8 @@ from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import control_flow, dump, opnames, passmanager, results, scalars
-from .passes import (attention, autotune, bcast, blas, concat_grad, conv1x1, einsum, forward,
+from .passes import (attention, autotune, bcast, blas, concat_grad, conv1x1, convgrad,
+                     einsum, forward,
                      gemm, grappler, inline, lift, original, padfold, prune, remapper,
                      reshape_sink,
                      rewrite, seqsplit, shape_math, shapes, sparse_xent, strided_grad, symdims,
@@ -104,6 +107,7 @@ AFTER_PLANNING = (
     blas.PASS,
     attention.PASS,
     inline.PASS,
+    convgrad.PASS,
     remapper.FORWARD,
     prune.PASS,
     autotune.PASS,

@@ -51,8 +51,13 @@ def mark(graph_def) -> int:
     return n
 
 
+def traced_has_backward(ctx) -> bool:
+    """has_backward of the graph as planned (before the rewrite renamed its ops)."""
+    return has_backward(ctx.planned if ctx.planned is not None else ctx.original)
+
+
 def _run(ctx):
-    if has_backward(ctx.planned if ctx.planned is not None else ctx.original):
+    if traced_has_backward(ctx):
         return None
     n = mark(ctx.graph_def)
     if not n:
