@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 from tensorflow.python.framework import tensor_util
 
+from ..ir.ops import MAX_SHIFT, rest_size
+
 _MAX_DEPTH = 16        # arbitrary: shape arithmetic chains are a few ops deep
 
 
@@ -176,9 +178,8 @@ def dense_slice(op, x, ends=None) -> tuple:
             b_out.append(v), k_out.append(1), s_out.append(1)
             continue
         if n < 0:
-            if v != slice(None) and v != slice(None, None, 1):
-                raise NotEvaluable("a slice of a dim known only at run time")
-            b_out.append(0), k_out.append(-1), s_out.append(1)
+            b_out.append(0 if v.start is None else v.start), s_out.append(1)
+            k_out.append(_rest_of_run_time_dim(v))
             continue
         start, stop, step = v.indices(n)
         count = len(range(start, stop, step))
@@ -192,6 +193,23 @@ def dense_slice(op, x, ends=None) -> tuple:
             out_dims.append(d)
         d += 1
     return b_out, k_out, s_out, out_dims
+
+
+def _rest_of_run_time_dim(v: slice) -> int:
+    """The Slice size entry of slice ``v`` of a dim known only at run time: -1 (the
+    whole dim), or ops.rest_size(e) for ``x[b:-e]`` (b >= 0, e > 0 or no end: the rest
+    less e, clamped at 0 as TF's StridedSlice clamps); NotEvaluable for the forms whose
+    count is not n - c (a negative begin, a non-negative end, a stride)."""
+    start = 0 if v.start is None else v.start
+    if v.step not in (None, 1) or start < 0 or (v.stop is not None and v.stop >= 0):
+        raise NotEvaluable("a slice of a dim known only at run time other than from a "
+                           "begin to an end counted from its end (x[:, 1:], x[:, :-1]): "
+                           "its count is not the dim less a constant")
+    e = 0 if v.stop is None else -v.stop
+    if start > MAX_SHIFT or e > MAX_SHIFT:
+        raise NotEvaluable(f"a slice of a dim known only at run time that drops more "
+                           f"than {MAX_SHIFT} elements at one end")
+    return -1 if (start, e) == (0, 0) else rest_size(e)
 
 
 def strided_slice(nd, vals, begin, end, strides):
