@@ -13,7 +13,11 @@ Cases (float32; the batch dim unknown to the trace, but for the gather along it)
   (six transcendentals) and of a cheap one (an add): the planner's reuse choice
   (plan/cost.py, reuse_reason) reloads the expensive value and folds the cheap one.
   "always fold" is the same function (plus a 1e-30 that keeps the result cache from
-  serving the other plan) planned with the choice turned off.
+  serving the other plan) planned with the choice turned off;
+- a causal shift at a sequence length known only at run time: ``x[:, 1:] - x[:, :-1]``
+  then a LayerNorm, and a language model's shifted loss, sparse softmax cross-entropy
+  of ``logits[:, :-1]`` against ``labels[:, 1:]`` (slices that drop c elements of a
+  run-time dim, ops.rest_size).
 
 Each round times every mode once, in turn (an order fixed per round but rotated every
 round); a cell is the median per call over the rounds.  Printed as a markdown table.
@@ -45,6 +49,32 @@ def _rotate_half(expensive, tag=0.0):
     return f
 
 
+def _shift_layer_norm():
+    import keras
+    norm = keras.layers.LayerNormalization(epsilon=1e-5)
+    norm.build((None, None, 512))
+    return lambda x: norm(x[:, 1:] - x[:, :-1])
+
+
+def _shifted_loss(logits, labels):
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels[:, 1:],
+                                                          logits=logits[:, :-1])
+
+
+def _inputs(name, shape):
+    """(signature, arguments) of a case."""
+    x = tf.constant(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    if "static" in name:
+        return [tf.TensorSpec(shape, tf.float32)], [x]
+    if "run-time sequence" not in name:
+        return [tf.TensorSpec((None,) + shape[1:], tf.float32)], [x]
+    sig = [tf.TensorSpec((None, None) + shape[2:], tf.float32)]
+    if "loss" not in name:
+        return sig, [x]
+    labels = np.random.default_rng(1).integers(0, shape[-1], shape[:2]).astype(np.int32)
+    return sig + [tf.TensorSpec((None, None), tf.int32)], [x, tf.constant(labels)]
+
+
 def _position_embedding():
     import keras
     from keras import ops
@@ -70,12 +100,15 @@ CASES = [
      (8, 128, 256)),
     ("rotate-half of 6 transcendentals", _rotate_half(True), (64, 32, 4, 64)),
     ("rotate-half of an add", _rotate_half(False), (64, 32, 4, 64)),
+    ("x[:, 1:] - x[:, :-1] + LayerNorm (run-time sequence)", _shift_layer_norm(),
+     (8, 128, 512)),
+    ("LM shifted loss (run-time sequence)", _shifted_loss, (8, 128, 512)),
 ]
 FOLDED = {"rotate-half of 6 transcendentals": _rotate_half(True, 1e-30),
           "rotate-half of an add": _rotate_half(False, 1e-30)}
 
 
-def _stitched(fn, sig, x, fold_always=False):
+def _stitched(fn, sig, args, fold_always=False):
     """A stitching.function of ``fn``, called once on ``x`` so that it is planned now
     (with the reuse choice off if asked)."""
     f = stitching.function(fn, input_signature=sig,
@@ -84,7 +117,7 @@ def _stitched(fn, sig, x, fold_always=False):
     if fold_always:
         search.reuse_reason = lambda spec, profile: None
     try:
-        f(x)
+        f(*args)
     finally:
         search.reuse_reason = saved
     return f
@@ -93,6 +126,7 @@ def _stitched(fn, sig, x, fold_always=False):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--only", default="", help="the cases whose name contains this")
     args = ap.parse_args(argv)
     from stitching.compile import parallel
     print(f"load average {os.getloadavg()[0]:.2f} at start; {args.rounds} rounds")
@@ -100,30 +134,26 @@ def main(argv=None):
           " always fold ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, fn, shape in CASES:
-        if "static" in name:
-            sig = [tf.TensorSpec(shape, tf.float32)]
-        elif "run-time sequence" in name:
-            sig = [tf.TensorSpec((None, None) + shape[2:], tf.float32)]
-        else:
-            sig = [tf.TensorSpec((None,) + shape[1:], tf.float32)]
-        x = tf.constant(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+        if args.only not in name:
+            continue
+        sig, x = _inputs(name, shape)
         modes = {"tf": tf.function(fn, input_signature=sig),
                  "xla": tf.function(fn, input_signature=sig, jit_compile=True),
                  "st": _stitched(fn, sig, x)}
         if name in FOLDED:
             modes["fold"] = _stitched(FOLDED[name], sig, x, fold_always=True)
         for f in modes.values():
-            f(x)
+            f(*x)
         parallel.wait_upgrades()
         for f in modes.values():
             for _ in range(3):
-                f(x).numpy()
+                f(*x).numpy()
         times = {k: [] for k in modes}
         keys = list(modes)
         for r in range(args.rounds):
             for k in keys[r % len(keys):] + keys[:r % len(keys)]:
                 t = time.perf_counter()
-                modes[k](x).numpy()
+                modes[k](*x).numpy()
                 times[k].append(time.perf_counter() - t)
         ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
         fold = f"{ms['fold']:.2f}" if "fold" in ms else ""
