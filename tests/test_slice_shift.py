@@ -92,23 +92,58 @@ def _lm_loss(logits, labels):
                                                           logits=logits[:, :-1])
 
 
-def test_language_model_shifted_loss_equals_tf_at_every_length():
-    """Sparse cross-entropy of logits[:, :-1] against labels[:, 1:]: TF's Reshape to
-    rows (the batch and the shortened sequence merged) stays TF's, the slices and the
-    loss are kernels; one trace for every length, TF's loss (NaN and Inf rows too)."""
-    sig = [tf.TensorSpec([None, None, 16], tf.float32), tf.TensorSpec([None, None], tf.int32)]
-    sf = stitching.function(_lm_loss, input_signature=sig, options=OPTS)
-    ref = tf.function(_lm_loss, input_signature=sig)
+def _lm_grad(logits, labels):
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        loss = tf.reduce_sum(_lm_loss(logits, labels))
+    return tape.gradient(loss, logits)
+
+
+LM_SIG = [tf.TensorSpec([None, None, 16], tf.float32), tf.TensorSpec([None, None], tf.int32)]
+
+
+def _lm_inputs(n):
+    logits = RNG.standard_normal((2, n, 16)).astype(np.float32) * 3
+    if n > 2:
+        logits[0, 1, 3], logits[1, 2, 5], logits[0, 2, 7] = -np.inf, np.nan, np.inf
+    return tf.constant(logits), tf.constant(RNG.integers(0, 16, (2, n)).astype(np.int32))
+
+
+@pytest.mark.parametrize("fn", [_lm_loss, _lm_grad], ids=["loss", "gradient"])
+def test_language_model_shifted_loss_is_one_kernel_at_every_length(fn):
+    """Sparse cross-entropy of logits[:, :-1] against labels[:, 1:]: TF reshapes both
+    to rows (the batch and the shortened sequence merged, which no view can read), so
+    tf/passes/sparse_xent.py computes the loss at the sequence's own rank, and the
+    logits slice and the loss (and its backprop) are one kernel.  The labels' slice is
+    TF's range check's input too (a kernel of its own here, min_ops=1); the gradient's
+    StridedSliceGrad stays TF's (its reason).  One trace for every length; TF's
+    values, -inf, NaN and Inf logits included."""
+    sf = stitching.function(fn, input_signature=LM_SIG, options=OPTS)
+    ref = tf.function(fn, input_signature=LM_SIG)
     for n in LENGTHS:
-        logits = _x(2, n, 16)
-        labels = tf.constant(RNG.integers(0, 16, (2, n)).astype(np.int32))
-        got, want = sf(logits, labels).numpy(), ref(logits, labels).numpy()
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-        assert (np.isnan(got) == np.isnan(want)).all()
+        args = _lm_inputs(n)
+        got, want = sf(*args).numpy(), ref(*args).numpy()
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
     assert len(sf.reports) == 1
     ops_ = _kernel_ops(sf)
-    assert ["StridedSlice"] in ops_, sf.report.summary()
-    assert any("SoftmaxCrossEntropyWithLogits" in k for k in ops_), sf.report.summary()
+    (loss,) = [k for k in ops_ if "Log" in k]
+    assert "StridedSlice" in loss and "Max" in loss and "SelectV2" in loss, ops_
+    assert ["StridedSlice"] in ops_, ops_
+    assert len(ops_) == (2 if fn is _lm_loss else 3), sf.report.summary()
+    if fn is _lm_grad:
+        assert "where the length is below c TF gives zeros" in sf.report.summary()
+
+
+def test_a_label_out_of_range_fails_as_tf_does():
+    sf = stitching.function(_lm_loss, input_signature=LM_SIG, options=OPTS)
+    logits, labels = _lm_inputs(4)
+    sf(logits, labels)
+    bad = tf.constant([[0, 1, 16, 2], [3, 4, 5, 6]], tf.int32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="16 is not in"):
+        sf(logits, bad)
+    sf(logits, tf.constant([[16, 1, 2, 3], [3, 4, 5, 6]], tf.int32))  # dropped: no error
 
 
 REFUSED = {

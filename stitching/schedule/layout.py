@@ -378,7 +378,7 @@ class _Lowering:
             # a uniform value; its non-1 dims (the ones a broadcasting Tile multiplies
             # by) keep their extent in the new index space
             out = [1] * len(shape)
-            for (o, _, _), size in zip(M, n.type.shape):
+            for (o, _, _, _), size in zip(M, n.type.shape):
                 if o >= 0 and size != 1:
                     out[o] = shape[o]
             return self.emit("Const", [], {"value": n.attrs["value"],
