@@ -50,13 +50,16 @@ keeps the axes where a view's strides are not contiguous apart.
 What stays out, with the reason the report shows (``Refusal``):
   - a layout op over a reduction or any other non-element-wise value (its input would
     have to be computed in another index space, a second domain);
-  - a view that slices a dim known only at run time to part of it (``x[:, 1:]``: its
-    extent, n - 1, would be an expression of that dim, which the shape program's
-    values do not express), or reads it at an offset with a run-time stride.  What
-    does fold: one element of such a dim (``x[:, -1]``, View.picks: an offset from the
-    end and the check that the element exists, in the shape function), strides that
-    depend on such dims on outer axes (View.scaled: kernel parameters; on the
-    innermost axis a load would stride by a run-time amount: refused in domain.py),
+  - a view that reads a dim known only at run time other than whole or from a begin b
+    to c elements short of the whole (``x[:, -3:]``, ``x[:, ::2]``), or at an offset
+    with a run-time stride (``x[1:, 1:]``).  What does fold: the rest of such a dim
+    less c (``x[:, 1:]``, ``x[:, :-1]``, View.less: a dim class of extent
+    max(n - c, 0), as StridedSlice clamps, that the shape function computes from n,
+    with the map entries' ``drop``), one element of such a dim (``x[:, -1]``,
+    View.picks: an offset from the end and the check that the element exists, in the
+    shape function), strides that depend on such dims on outer axes (View.scaled:
+    kernel parameters; on the innermost axis a load would stride by a run-time
+    amount: refused in domain.py),
     and a static dim read to a run-time extent (a position table cut to the sequence
     length, ops.RUN_TIME_COUNT: View.bounds, checked by the shape function; a backward
     or strided-from-outside read is refused, _most);

@@ -135,7 +135,9 @@ def dense_slice(op, x, ends=None) -> tuple:
     known only at run time), else the constant input 2.  A run-time end's size is that
     (tensor, dim) (begin 0, stride 1): what count it is, the caller decides.  An index
     into a dim known only at run time is begin ``v`` (from the end where v < 0), size 1:
-    the kernel checks it exists (schedule/layout.py, View.picks), as TF does."""
+    the kernel checks it exists (schedule/layout.py, View.picks), as TF does; a slice
+    of such a dim from b to -e (``x[:, 1:]``, ``x[:, :-1]``) is begin b, size
+    ops.rest_size(e) (View.less); other slices of it raise NotEvaluable."""
     begin, strides = (np.asarray(_constant(op.inputs[i])).reshape(-1).tolist()
                       for i in (1, 3))
     end = ends if ends is not None else np.asarray(_constant(op.inputs[2])).reshape(-1).tolist()

@@ -14,6 +14,14 @@ sparse_xent_op.h both compute loss = log(sum(exp(s))) - s[label], s = logits -
 max(logits), and backprop = exp(s) / sum(exp(s)) - onehot); ir/composites.py expands it,
 and Equal, Cast, Add and the broadcasts fuse with it.
 
+A sequence's loss (logits [B, S, C], labels [B, S]: a language model's) reaches the
+op reshaped to rows, ``Reshape(logits, [-1, C])`` and ``Reshape(labels, [-1])``; that
+Reshape merges dims no view can read (``logits[:, :-1]``'s rows skip one), so there
+the loss is computed at the sequence's own rank instead, in the ops of TF's sparse
+kernel (sparse_xent_op.h: loss = log(sum(exp(s))) - s[label], as a sum of that term
+and zeros; backprop = exp(s) / sum(exp(s)) - onehot), and reshaped to rows after
+(_expand_rows): the slice, the softmax and the loss are one kernel.
+
 Out-of-range labels: TF's CPU kernel fails with InvalidArgument ("Received a label
 value of ... outside the valid range").  A one-hot row of zeros would instead give a
 finite, wrong loss, so the rewrite keeps a check on the data path: the Gather of a
