@@ -89,7 +89,19 @@ def _expand(nd, op, taken) -> list:
     logits, labels = nd.input[0], nd.input[1]
     ctrl = [i for i in nd.input if i.startswith("^")]
     node, const = _builders(nd, taken)
-    iota = const("iota", np.arange(c).reshape(1, c), tl)
+    out, (last, check, eq) = _labels(node, const, labels, 2, c, t, tl)
+    hot = _one_hot(node, out, last, check, eq, t)
+    dense = node_def_pb2.NodeDef(name=nd.name, op="SoftmaxCrossEntropyWithLogits",
+                                 input=[logits, hot.name] + ctrl, device=nd.device)
+    dense.attr["T"].type = t.as_datatype_enum
+    return out + [dense]
+
+
+def _labels(node, const, labels, rank, c, t, tl):
+    """(nodes, (last, check, eq)): the label nodes both rewrites build: the range check
+    (a Gather of zeros by the labels, TF's bounds-checked op) and labels == iota, the
+    one-hot's bools, at logits' ``rank``; ``last`` the constant axis -1."""
+    iota = const("iota", np.arange(c).reshape([1] * (rank - 1) + [c]), tl)
     zeros = const("zeros", np.zeros([c]), t)
     axis = const("axis", np.int32(0), tf.int32)
     last = const("last", np.int32(-1), tf.int32)
@@ -98,13 +110,17 @@ def _expand(nd, op, taken) -> list:
     col = node("labels", "ExpandDims", [labels, last.name], T=tl, Tdim=tf.int32)
     eq = node("equal", "Equal", [col.name, iota.name], T=tl,
               incompatible_shape_error=True)
+    return [iota, zeros, axis, last, check, col, eq], (last, check, eq)
+
+
+def _one_hot(node, out, last, check, eq, t):
+    """The one-hot labels in logits' dtype, the range check's zeros added (x + 0 == x:
+    every output then depends on the check); its nodes appended to ``out``."""
     hot0 = node("cast", "Cast", [eq.name], SrcT=tf.bool, DstT=t, Truncate=False)
     chk = node("check_col", "ExpandDims", [check.name, last.name], T=t, Tdim=tf.int32)
     hot = node("onehot", "AddV2", [hot0.name, chk.name], T=t)
-    dense = node_def_pb2.NodeDef(name=nd.name, op="SoftmaxCrossEntropyWithLogits",
-                                 input=[logits, hot.name] + ctrl, device=nd.device)
-    dense.attr["T"].type = t.as_datatype_enum
-    return [iota, zeros, axis, last, check, col, eq, hot0, chk, hot, dense]
+    out += [hot0, chk, hot]
+    return hot
 
 
 def _builders(nd, taken):
@@ -144,20 +160,13 @@ def _expand_rows(nd, op, taken) -> list:
     with it, where TF's Reshape to rows merges dims no view can.  The range check is
     the rank-2 rewrite's (a Gather of zeros by the labels, added to the loss and the
     one-hot).  The backprop is computed only where something reads it."""
-    logits, labels = (_name(t) for t in _rows_of(op))
-    rank, c = _rows_of(op)[0].shape.rank, int(op.inputs[0].shape[1])
+    got = _rows_of(op)
+    logits, labels = (_name(x) for x in got)
+    rank, c = got[0].shape.rank, int(op.inputs[0].shape[1])
     t, tl = op.inputs[0].dtype, op.inputs[1].dtype
     node, const = _builders(nd, taken)
-    iota = const("iota", np.arange(c).reshape([1] * (rank - 1) + [c]), tl)
-    zeros = const("zeros", np.zeros([c]), t)
+    out, (last, check, eq) = _labels(node, const, labels, rank, c, t, tl)
     zero = const("zero", np.zeros([]), t)
-    axis = const("axis", np.int32(0), tf.int32)
-    last = const("last", np.int32(-1), tf.int32)
-    check = node("check", "GatherV2", [zeros.name, labels, axis.name], Tparams=t,
-                 Tindices=tl, Taxis=tf.int32, batch_dims=0)
-    col = node("labels", "ExpandDims", [labels, last.name], T=tl, Tdim=tf.int32)
-    eq = node("equal", "Equal", [col.name, iota.name], T=tl,
-              incompatible_shape_error=True)
     red = {"T": t, "Tidx": tf.int32}
     m = node("max", "Max", [logits, last.name], keep_dims=True, **red)
     sh = node("shifted", "Sub", [logits, m.name], T=t)
@@ -170,18 +179,15 @@ def _expand_rows(nd, op, taken) -> list:
     loss = node("loss_checked", "AddV2", [loss0.name, check.name], T=t)
     rows = const("rows", np.array([-1], np.int32), tf.int32)
     flat = [node("loss", "Reshape", [loss.name, rows.name], T=t, Tshape=tf.int32)]
-    out = [iota, zeros, zero, axis, last, check, col, eq, m, sh, e, z, lz, d, pick,
-           loss0, loss, rows]
+    out += [zero, m, sh, e, z, lz, d, pick, loss0, loss, rows]
     if op.outputs[1].consumers():
-        hot0 = node("cast", "Cast", [eq.name], SrcT=tf.bool, DstT=t, Truncate=False)
-        chk = node("check_col", "ExpandDims", [check.name, last.name], T=t, Tdim=tf.int32)
-        hot = node("onehot", "AddV2", [hot0.name, chk.name], T=t)
+        hot = _one_hot(node, out, last, check, eq, t)
         p = node("softmax", "RealDiv", [e.name, z.name], T=t)
         back = node("backprop_rows", "Sub", [p.name, hot.name], T=t)
         shape = const("shape", np.array([-1, c], np.int32), tf.int32)
         flat.append(node("backprop", "Reshape", [back.name, shape.name], T=t,
                          Tshape=tf.int32))
-        out += [hot0, chk, hot, p, back, shape]
+        out += [p, back, shape]
     ident = node_def_pb2.NodeDef(name=nd.name, op="IdentityN", input=[f.name for f in flat],
                                  device=nd.device)
     ident.attr["T"].list.type.extend([t.as_datatype_enum] * len(flat))
