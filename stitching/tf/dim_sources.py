@@ -222,20 +222,21 @@ def strided_slice(nd, vals, begin, end, strides):
     if not isinstance(vals, list) or any(
             not isinstance(b, list) or len(b) != 1 or None in b
             for b in (begin, end, strides)) \
-            or _int_attr(nd, "ellipsis_mask") or _int_attr(nd, "new_axis_mask"):
+            or int_attr(nd, "ellipsis_mask") or int_attr(nd, "new_axis_mask"):
         raise NotEvaluable
     if strides[0] == 0:
         raise NotEvaluable
-    b = None if _int_attr(nd, "begin_mask") & 1 else begin[0]
-    e = None if _int_attr(nd, "end_mask") & 1 else end[0]
-    if _int_attr(nd, "shrink_axis_mask") & 1:
+    b = None if int_attr(nd, "begin_mask") & 1 else begin[0]
+    e = None if int_attr(nd, "end_mask") & 1 else end[0]
+    if int_attr(nd, "shrink_axis_mask") & 1:
         if b is None or not -len(vals) <= b < len(vals):
             raise NotEvaluable
         return vals[b]
     return vals[slice(b, e, strides[0])]
 
 
-def _int_attr(nd, name) -> int:
+def int_attr(nd, name) -> int:
+    """An int attr of NodeDef ``nd``, 0 where it is absent (TF's default for these)."""
     return nd.attr[name].i if name in nd.attr else 0
 
 
