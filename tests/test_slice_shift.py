@@ -61,6 +61,19 @@ def test_shifted_slices_meet_in_one_kernel_at_every_length(name):
     assert ops_.count("StridedSlice") >= 2
 
 
+@pytest.mark.parametrize("rank", [1, 2])
+def test_a_shift_of_the_innermost_dim(rank):
+    """The shifted dim innermost (its stride 1; an outer dim's stride is n, a kernel
+    parameter): one kernel, TF's bits."""
+    fn = lambda x: x[..., 1:] * 3.0 - x[..., :-1]   # noqa: E731
+    sig = [tf.TensorSpec([None] * rank, tf.float32)]
+    sf = stitching.function(fn, input_signature=sig, options=OPTS)
+    for n in (0, 1, 2, 9):
+        x = tf.constant(RNG.standard_normal([3] * (rank - 1) + [n]).astype(np.float32))
+        _same_bits(sf(x), fn(x))
+    assert len(sf.report.kernels) == 1 and not sf.report.unfused, sf.report.summary()
+
+
 def test_a_reduction_along_the_shifted_axis_is_one_column_kernel():
     fn = lambda x: tf.reduce_sum(x[:, 1:] * x[:, :-1], axis=1)   # noqa: E731
     sf = stitching.function(fn, input_signature=SIG, options=OPTS)
