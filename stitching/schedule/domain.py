@@ -533,31 +533,28 @@ def analyze(spec) -> Domain:
                     for r, st in class_strides.items()}
     clamped, inner_guard = _clamps(guards, axes, axis_of)
     _check_windows(spec, live, axes, axis_of, carries, channels)
-    picks, scaled = _params(views, value_dims, used, axis_of, len(axes))
-    less = tuple((c, *m) for c, cl in enumerate(classes) for m in cl.derived)
-    if len(axes) + 4 + len(picks) + len(scaled) + len(less) > MAX_PARAM_SLOT:
-        raise Refusal(f"{len(picks) + len(scaled) + len(less)} run-time offsets, strides "
-                      f"and sizes of views in a kernel of {len(axes)} axes (at most "
-                      f"{MAX_PARAM_SLOT} parameter slots)")
+    picks, scaled, less = _params(views, value_dims, used, axis_of, len(axes), classes)
     return Domain(classes, axes, value_dims, carries, reduced, view_strides, side,
                   weights, windows, clamped, inner_guard,
                   _bounds(views, value_dims, classes, used), picks, scaled, less)
 
 
-def _params(views, value_dims, used, axis_of, rank) -> tuple:
-    """(Domain.picks, Domain.scaled) of the views the kernel reads (layout.py
-    View.picks and View.scaled): run-time offsets and strides, in kernel parameters."""
+def _params(views, value_dims, used, axis_of, rank, classes) -> tuple:
+    """(Domain.picks, Domain.scaled, Domain.less) of the views the kernel reads
+    (layout.py View.picks, View.scaled and View.less): run-time offsets, strides and
+    sizes, in kernel parameters."""
     picks = tuple((r, value_dims[-(v.source + 1)][d], b, stride)
                   for r, v in views.items() if r in used for d, b, stride in v.picks)
     scaled = tuple((r, axis_of[value_dims[r][o]], factor,
                     tuple(value_dims[-(v.source + 1)][d] for d in dims))
                    for r, v in views.items() if r in used for o, factor, dims in v.scaled
                    if value_dims[r][o] in axis_of)     # (a dim of size 1 has no stride)
-    if rank + 4 + len(picks) + len(scaled) > MAX_PARAM_SLOT:
-        raise Refusal(f"{len(picks) + len(scaled)} run-time offsets and strides of views "
-                      f"in a kernel of {rank} axes (at most {MAX_PARAM_SLOT} parameter "
-                      "slots)")
-    return picks, scaled
+    less = tuple((c, *m) for c, cl in enumerate(classes) for m in cl.derived)
+    if rank + 4 + len(picks) + len(scaled) + len(less) > MAX_PARAM_SLOT:
+        raise Refusal(f"{len(picks) + len(scaled) + len(less)} run-time offsets, strides "
+                      f"and sizes of views in a kernel of {rank} axes (at most "
+                      f"{MAX_PARAM_SLOT} parameter slots)")
+    return picks, scaled, less
 
 
 def _bounds(views, value_dims, classes, used) -> tuple:
