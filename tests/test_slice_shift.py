@@ -167,6 +167,8 @@ REFUSED = {
     # x[1:] starts n * 8 elements in: an offset known only at run time
     "a_shifted_batch": (lambda x: x[1:, 1:] * x[:-1, :-1],
                         "and dims after it are known only at run time"),
+    "a_slice_op": (lambda x: tf.slice(x, [0, 1, 0], [-1, -1, -1]) * 2.0,
+                   "a Slice from 1 to the end of a dim known only at run time"),
     "a_gather": (lambda x: tf.gather(x, [0, 2], axis=1) * 2.0,
                  "GatherV2 along a dim known only at run time"),
 }

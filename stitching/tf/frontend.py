@@ -639,6 +639,10 @@ def _whole_or(k, size, b, n) -> int:
     unknown size taken only in part stays a TF op."""
     if b == 0 and (k == -1 or k == n) and (n < 0 or k == -1 or k == n):
         return -1 if n < 0 else n
+    if n < 0 and k == -1:
+        raise _Unfusible(f"a Slice from {b} to the end of a dim known only at run time "
+                         "(TF's Slice fails where the dim is shorter than its begin, "
+                         "which no kernel checks; x[:, b:], a StridedSlice, fuses)")
     if n < 0:
         raise _Unfusible("a slice of a dim known only at run time")
     return size
