@@ -18,6 +18,10 @@ Cases (float32; the batch dim unknown to the trace, but for the gather along it)
   batch: a compute-bound chain the cost model prices per op (plan/cost.py,
   ``op_cost``; fused only where that beats TF's six ops), and a chain of Sin and Cos
   (ours call scalar libm: left to TF).
+- a causal shift at a sequence length known only at run time: ``x[:, 1:] - x[:, :-1]``
+  then a LayerNorm, and a language model's shifted loss, sparse softmax cross-entropy
+  of ``logits[:, :-1]`` against ``labels[:, 1:]`` (slices that drop c elements of a
+  run-time dim, ops.rest_size).
 
 ``--cases WORD`` keeps the cases whose name contains WORD (e.g. ``--cases chain``).
 
@@ -63,6 +67,32 @@ def _rotate_half(expensive, tag=0.0):
     return f
 
 
+def _shift_layer_norm():
+    import keras
+    norm = keras.layers.LayerNormalization(epsilon=1e-5)
+    norm.build((None, None, 512))
+    return lambda x: norm(x[:, 1:] - x[:, :-1])
+
+
+def _shifted_loss(logits, labels):
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels[:, 1:],
+                                                          logits=logits[:, :-1])
+
+
+def _inputs(name, shape):
+    """(signature, arguments) of a case."""
+    x = tf.constant(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    if "static" in name:
+        return [tf.TensorSpec(shape, tf.float32)], [x]
+    if "run-time sequence" not in name:
+        return [tf.TensorSpec((None,) + shape[1:], tf.float32)], [x]
+    sig = [tf.TensorSpec((None, None) + shape[2:], tf.float32)]
+    if "loss" not in name:
+        return sig, [x]
+    labels = np.random.default_rng(1).integers(0, shape[-1], shape[:2]).astype(np.int32)
+    return sig + [tf.TensorSpec((None, None), tf.int32)], [x, tf.constant(labels)]
+
+
 def _position_embedding():
     import keras
     from keras import ops
@@ -91,13 +121,16 @@ CASES = [
     ("chain of 6 transcendentals", _chain, (64, 32, 4, 64)),
     ("chain of 6 transcendentals, 8x batch", _chain, (8 * 64, 32, 4, 64)),
     ("chain of 6 sin/cos", _trig, (64, 32, 4, 64)),
+    ("x[:, 1:] - x[:, :-1] + LayerNorm (run-time sequence)", _shift_layer_norm(),
+     (8, 128, 512)),
+    ("LM shifted loss (run-time sequence)", _shifted_loss, (8, 128, 512)),
 ]
 FOLDED = {"rotate-half of 6 transcendentals": _rotate_half(True, 1e-30),
           "rotate-half of an add": _rotate_half(False, 1e-30)}
 
 
-def _stitched(fn, sig, x, fold_always=False):
-    """A stitching.function of ``fn``, called once on ``x`` so that it is planned now
+def _stitched(fn, sig, args, fold_always=False):
+    """A stitching.function of ``fn``, called once on ``args`` so that it is planned now
     (with the reuse choice off if asked)."""
     f = stitching.function(fn, input_signature=sig,
                            options=stitching.Options(background_compile=False, progress=False))
@@ -105,7 +138,7 @@ def _stitched(fn, sig, x, fold_always=False):
     if fold_always:
         search.reuse_reason = lambda spec, profile: None
     try:
-        f(x)
+        f(*args)
     finally:
         search.reuse_reason = saved
     return f
@@ -122,30 +155,24 @@ def main(argv=None):
           " always fold ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, fn, shape in [c for c in CASES if args.cases in c[0]]:
-        if "static" in name:
-            sig = [tf.TensorSpec(shape, tf.float32)]
-        elif "run-time sequence" in name:
-            sig = [tf.TensorSpec((None, None) + shape[2:], tf.float32)]
-        else:
-            sig = [tf.TensorSpec((None,) + shape[1:], tf.float32)]
-        x = tf.constant(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+        sig, x = _inputs(name, shape)
         modes = {"tf": tf.function(fn, input_signature=sig),
                  "xla": tf.function(fn, input_signature=sig, jit_compile=True),
                  "st": _stitched(fn, sig, x)}
         if name in FOLDED:
             modes["fold"] = _stitched(FOLDED[name], sig, x, fold_always=True)
         for f in modes.values():
-            f(x)
+            f(*x)
         parallel.wait_upgrades()
         for f in modes.values():
             for _ in range(3):
-                f(x).numpy()
+                f(*x).numpy()
         times = {k: [] for k in modes}
         keys = list(modes)
         for r in range(args.rounds):
             for k in keys[r % len(keys):] + keys[:r % len(keys)]:
                 t = time.perf_counter()
-                modes[k](x).numpy()
+                modes[k](*x).numpy()
                 times[k].append(time.perf_counter() - t)
         ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
         fold = f"{ms['fold']:.2f}" if "fold" in ms else ""

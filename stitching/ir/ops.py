@@ -202,11 +202,28 @@ _reg("Transpose", Kind.LAYOUT, 1, attrs={"perm": _int_list})
 # one element, may be taken: element ``begin``, or for a negative begin element n +
 # begin (``x[:, -1]``), which the kernel's shape function checks exists.  Size
 # RUN_TIME_COUNT is a count known only at run time, from a static dim of at least 2,
-# that the kernel's shape function checks fits (composite SliceTo).  The sliced dims
-# are then reshaped to ``shape`` by inserting or removing size-1 dims (StridedSlice's
-# shrink and new axes).  TF's Slice, StridedSlice, Split, SplitV and Unpack become these.
+# that the kernel's shape function checks fits (composite SliceTo).  A size of
+# ``rest_size(e)`` (RUN_TIME_REST - e, e >= 0) on a dim known only at run time is the
+# rest of it from ``begin`` less its last e elements, max(n - begin - e, 0) as
+# StridedSlice clamps (``x[:, 1:]``, ``x[:, :-1]``, ``x[:, b:-e]``; stride 1, begin and
+# e at most MAX_SHIFT): a run-time dim class "n - c" (schedule/layout.py View.less).
+# The sliced dims are then reshaped to ``shape`` by inserting or removing size-1 dims
+# (StridedSlice's shrink and new axes).  TF's Slice, StridedSlice, Split, SplitV and
+# Unpack become these.
 RUN_TIME_COUNT = -2
+RUN_TIME_REST = -3
+MAX_SHIFT = 1 << 12     # arbitrary: the models' shifts are 1 or 2 elements
 _MAX_INDEX = 1 << 40    # arbitrary sanity bound on an index into a run-time dim
+
+
+def rest_size(e: int) -> int:
+    """The Slice size entry of a run-time dim's rest less its last ``e`` elements."""
+    return RUN_TIME_REST - e
+
+
+def rest_drop(k: int):
+    """e of a rest_size(e) size entry, else None."""
+    return RUN_TIME_REST - k if k <= RUN_TIME_REST else None
 _reg("Slice", Kind.LAYOUT, 1, attrs={"begin": _int_list, "size": _int_list,
                                       "strides": _int_list, "shape": _int_list})
 # ConcatV2 on a constant axis; Pack stacks its inputs along a new axis ``axis``.
@@ -394,6 +411,13 @@ def slice_sizes(x_shape, begin, size, strides) -> tuple:
                 raise ValueError(f"Slice: dim {i}: size -1 (the whole dim) needs "
                                  "begin 0 and stride 1")
             continue
+        if k <= RUN_TIME_REST:
+            if n >= 0 or s != 1 or not 0 <= b <= MAX_SHIFT or rest_drop(k) > MAX_SHIFT:
+                raise ValueError(f"Slice: dim {i}: the rest of a dim (size {k}: all but "
+                                 f"the last {rest_drop(k)} from begin {b}) needs a dim "
+                                 "known only at run time, stride 1, and a begin and a "
+                                 f"drop from 0 to {MAX_SHIFT}")
+            continue
         if k == RUN_TIME_COUNT:
             # at most n - b elements, at run time; a dim of size 1 would be broadcast
             # by the index maps (schedule/layout.py), not checked
@@ -412,8 +436,8 @@ def slice_sizes(x_shape, begin, size, strides) -> tuple:
         if k and not (0 <= b < n and 0 <= last < n):
             raise ValueError(f"Slice: dim {i}: elements {b}..{last} of {n} are out of "
                              "range")
-    return tuple(n if k == -1 else -1 if k == RUN_TIME_COUNT else k
-                 for n, k in zip(x_shape, size))
+    return tuple(n if k == -1 else -1 if k == RUN_TIME_COUNT or k <= RUN_TIME_REST
+                 else k for n, k in zip(x_shape, size))
 
 
 def _infer_slice(attrs, in_types) -> TensorType:

@@ -80,6 +80,10 @@ class Refusal(Exception):
 class DimClass:
     size: int            # static size, 1 for a degenerate class, or -1 (run time)
     input_dims: tuple    # ((input j, dim i), ...) in this class, first one = size source
+    # ((input j, dim i, c), ...): views' dims of extent max(n - c, 0) for input j's dim
+    # i of run-time size n (layout.py View.less) in this class; the size source where
+    # no input dim is in it (x[:, 1:] - x[:, :-1]), each checked equal to it
+    derived: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,10 @@ class Domain:
     # sizes, a kernel parameter (scaled_slot) the shape function computes; the view's
     # view_strides entry for that axis is None
     scaled: tuple = ()
+    # dims of views of extent max(n - c, 0) (DimClass.derived), in class order: ((dim
+    # class, input j, dim i, c), ...); the shape function computes each into a kernel
+    # parameter (less_slot), which is the class's size where no input dim is in it
+    less: tuple = ()
 
     def param_slot(self, p: int) -> int:
         """dims[] slot of the p-th pick's run-time offset: after the axes' sizes and
@@ -135,6 +143,10 @@ class Domain:
     def scaled_slot(self, q: int) -> int:
         """dims[] slot of the q-th run-time stride, after the picks'."""
         return self.param_slot(len(self.picks) + q)
+
+    def less_slot(self, q: int) -> int:
+        """dims[] slot of the q-th derived dim's size (Domain.less), after the strides'."""
+        return self.param_slot(len(self.picks) + len(self.scaled) + q)
 
     @property
     def rank(self) -> int:
@@ -366,9 +378,10 @@ def _bind_ghosts(uf, node, arg_vars, arg_ghosts, out) -> list:
 
 # ---- step 2: classes and their order ------------------------------------------------
 
-def _classes(uf, dims, views=()):
+def _classes(uf, dims, views):
     """Number the non-degenerate roots by first appearance; build DimClass records.
-    A view's dims are not input dims of the class (the op passes no dims for it)."""
+    A view's dims are not input dims of the class (the op passes no dims for it); the
+    ones that are the rest of a source dim less c (View.less) are its derived dims."""
     ids: dict[int, int] = {}
     sizes, members = [], []
     value_dims = {}
@@ -388,9 +401,14 @@ def _classes(uf, dims, views=()):
                 members[c].append((-ref - 1, i))
             vd.append(c)
         value_dims[ref] = tuple(vd)
-    classes = tuple(DimClass(s, tuple(m)) for s, m in zip(sizes, members))
+    derived = [[] for _ in sizes]
+    for ref, view in views.items():
+        for o, d, c in view.less:
+            derived[value_dims[ref][o]].append((view.source, d, c))
+    classes = tuple(DimClass(s, tuple(m), tuple(dv))
+                    for s, m, dv in zip(sizes, members, derived))
     for c, cl in enumerate(classes):
-        if cl.size < 0 and not cl.input_dims:
+        if cl.size < 0 and not cl.input_dims and not cl.derived:
             raise Refusal("a dimension of unknown size is not set by any kernel input")
     return classes, value_dims, ids
 
@@ -515,26 +533,28 @@ def analyze(spec) -> Domain:
                     for r, st in class_strides.items()}
     clamped, inner_guard = _clamps(guards, axes, axis_of)
     _check_windows(spec, live, axes, axis_of, carries, channels)
-    picks, scaled = _params(views, value_dims, used, axis_of, len(axes))
+    picks, scaled, less = _params(views, value_dims, used, axis_of, len(axes), classes)
     return Domain(classes, axes, value_dims, carries, reduced, view_strides, side,
                   weights, windows, clamped, inner_guard,
-                  _bounds(views, value_dims, classes, used), picks, scaled)
+                  _bounds(views, value_dims, classes, used), picks, scaled, less)
 
 
-def _params(views, value_dims, used, axis_of, rank) -> tuple:
-    """(Domain.picks, Domain.scaled) of the views the kernel reads (layout.py
-    View.picks and View.scaled): run-time offsets and strides, in kernel parameters."""
+def _params(views, value_dims, used, axis_of, rank, classes) -> tuple:
+    """(Domain.picks, Domain.scaled, Domain.less) of the views the kernel reads
+    (layout.py View.picks, View.scaled and View.less): run-time offsets, strides and
+    sizes, in kernel parameters."""
     picks = tuple((r, value_dims[-(v.source + 1)][d], b, stride)
                   for r, v in views.items() if r in used for d, b, stride in v.picks)
     scaled = tuple((r, axis_of[value_dims[r][o]], factor,
                     tuple(value_dims[-(v.source + 1)][d] for d in dims))
                    for r, v in views.items() if r in used for o, factor, dims in v.scaled
                    if value_dims[r][o] in axis_of)     # (a dim of size 1 has no stride)
-    if rank + 4 + len(picks) + len(scaled) > MAX_PARAM_SLOT:
-        raise Refusal(f"{len(picks) + len(scaled)} run-time offsets and strides of views "
-                      f"in a kernel of {rank} axes (at most {MAX_PARAM_SLOT} parameter "
-                      "slots)")
-    return picks, scaled
+    less = tuple((c, *m) for c, cl in enumerate(classes) for m in cl.derived)
+    if rank + 4 + len(picks) + len(scaled) + len(less) > MAX_PARAM_SLOT:
+        raise Refusal(f"{len(picks) + len(scaled) + len(less)} run-time offsets, strides "
+                      f"and sizes of views in a kernel of {rank} axes (at most "
+                      f"{MAX_PARAM_SLOT} parameter slots)")
+    return picks, scaled, less
 
 
 def _bounds(views, value_dims, classes, used) -> tuple:

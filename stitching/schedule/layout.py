@@ -50,13 +50,16 @@ keeps the axes where a view's strides are not contiguous apart.
 What stays out, with the reason the report shows (``Refusal``):
   - a layout op over a reduction or any other non-element-wise value (its input would
     have to be computed in another index space, a second domain);
-  - a view that slices a dim known only at run time to part of it (``x[:, 1:]``: its
-    extent, n - 1, would be an expression of that dim, which the shape program's
-    values do not express), or reads it at an offset with a run-time stride.  What
-    does fold: one element of such a dim (``x[:, -1]``, View.picks: an offset from the
-    end and the check that the element exists, in the shape function), strides that
-    depend on such dims on outer axes (View.scaled: kernel parameters; on the
-    innermost axis a load would stride by a run-time amount: refused in domain.py),
+  - a view that reads a dim known only at run time other than whole or from a begin b
+    to c elements short of the whole (``x[:, -3:]``, ``x[:, ::2]``), or at an offset
+    with a run-time stride (``x[1:, 1:]``).  What does fold: the rest of such a dim
+    less c (``x[:, 1:]``, ``x[:, :-1]``, View.less: a dim class of extent
+    max(n - c, 0), as StridedSlice clamps, that the shape function computes from n,
+    with the map entries' ``drop``), one element of such a dim (``x[:, -1]``,
+    View.picks: an offset from the end and the check that the element exists, in the
+    shape function), strides that depend on such dims on outer axes (View.scaled:
+    kernel parameters; on the innermost axis a load would stride by a run-time
+    amount: refused in domain.py),
     and a static dim read to a run-time extent (a position table cut to the sequence
     length, ops.RUN_TIME_COUNT: View.bounds, checked by the shape function; a backward
     or strided-from-outside read is refused, _most);
@@ -77,12 +80,12 @@ import hashlib
 from dataclasses import dataclass, field
 
 from ..ir.graph import TensorType
-from ..ir.ops import INDEX_MAPS, OPS, RUN_TIME_COUNT, Kind, infer
+from ..ir.ops import INDEX_MAPS, MAX_SHIFT, OPS, Kind, infer, rest_drop, slice_sizes
 from ..ir.spec import KernelSpec, SpecNode
 from .domain import Refusal, live_nodes
 
 MAX_TABLE = 1 << 16     # arbitrary: a concatenated axis longer than this stays a TF op
-_NONE = (-1, 0, 0)      # a map entry: this value dim's index is a constant (0 here)
+_NONE = (-1, 0, 0, 0)   # a map entry: this value dim's index is a constant (0 here)
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,12 @@ class View:
     # sizes of those source dims (its ``strides`` entry is 0), a kernel parameter that
     # the shape function computes (Domain.scaled).
     scaled: tuple = ()
+    # The rest of a source dim known only at run time less c elements (``x[:, 1:]``,
+    # ``x[:, :-1]``: ops.rest_size): ``less`` = ((view dim, source dim, c), ...); the
+    # view dim's extent is max(n - c, 0) for the source dim's run-time size n, a dim
+    # class the shape function computes (Domain.less), read from offset b <= c (in
+    # ``offset``), so no load passes the source's end.
+    less: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -224,7 +233,7 @@ class _Lowering:
             n = spec.nodes[k]
             if n.op in INDEX_MAPS:
                 shape = n.type.shape
-                ident = tuple((d, 1, 0) for d in range(len(shape)))
+                ident = tuple((d, 1, 0, 0) for d in range(len(shape)))
                 self.under = k
                 # read only by FillLike nodes, for its shape (composites.py)
                 for_shape = k not in spec.outputs and reader_ops.get(k) == {"FillLike"}
@@ -328,8 +337,10 @@ class _Lowering:
 
     # -- remap: the value of ``ref`` at index M(i), for i over ``shape`` ------------------
     def remap(self, ref: int, M: tuple, shape: tuple) -> int:
-        """M has one entry per dim of ``ref``: (out dim o, step, begin), meaning index
-        begin + step * i[o] (o = -1: the constant begin).  The layout node being
+        """M has one entry per dim of ``ref``: (out dim o, step, begin, drop), meaning
+        index begin + step * i[o] (o = -1: the constant begin); ``drop``: along a dim
+        known only at run time, the index space's extent there is this dim's less drop
+        elements (x[:, 1:] reads x's dim n over n - 1 indices, View.less).  The layout node being
         lowered has no value yet, so it is always remapped through its own map."""
         t = self.spec.type_of(ref)
         M = tuple(_NONE if n == 1 else m for n, m in zip(t.shape, M))
@@ -337,7 +348,7 @@ class _Lowering:
         if key in self.memo:
             return self.memo[key]
         ident = len(shape) == len(t.shape) and all(
-            m == (d, 1, 0) or n == 1 for d, (m, n) in enumerate(zip(M, t.shape))) and \
+            m == (d, 1, 0, 0) or n == 1 for d, (m, n) in enumerate(zip(M, t.shape))) and \
             all(a == b or b == 1 for a, b in zip(shape, t.shape))
         if ident and (ref < 0 or ref in self.value):
             r = self.value_of(ref)
@@ -370,7 +381,7 @@ class _Lowering:
             # a uniform value; its non-1 dims (the ones a broadcasting Tile multiplies
             # by) keep their extent in the new index space
             out = [1] * len(shape)
-            for (o, _, _), size in zip(M, n.type.shape):
+            for (o, _, _, _), size in zip(M, n.type.shape):
                 if o >= 0 and size != 1:
                     out[o] = shape[o]
             return self.emit("Const", [], {"value": n.attrs["value"],
@@ -407,13 +418,15 @@ class _Lowering:
     def map_slice(self, n, M, shape):
         x = self.spec.type_of(n.args[0]).shape
         a = n.attrs
-        sizes = [d if k == -1 else -1 if k == RUN_TIME_COUNT else k
-                 for d, k in zip(x, a["size"])]
+        sizes = slice_sizes(x, a["begin"], a["size"], a["strides"])
         Ms = _reshape_map(sizes, n.type.shape, M)      # node index -> sliced index
         Mx = []
-        for (o, step, b), begin, stride in zip(Ms, a["begin"], a["strides"]):
-            Mx.append((o, stride * step, begin + stride * b) if o >= 0
-                      else (-1, 0, begin + stride * b))
+        for (o, step, b, c), begin, k, stride in zip(Ms, a["begin"], a["size"],
+                                                     a["strides"]):
+            if rest_drop(k) is not None:    # the rest of a run-time dim, less e at its
+                c += begin + rest_drop(k)   # end: the index space drops begin + e more
+            Mx.append((o, stride * step, begin + stride * b, c) if o >= 0
+                      else (-1, 0, begin + stride * b, 0))
         return self.remap(n.args[0], tuple(Mx), shape)
 
     def map_concatv2(self, n, M, shape):
@@ -423,8 +436,8 @@ class _Lowering:
         off = 0
         for a, m in zip(n.args, sizes):
             Mp = list(M)
-            o, step, b = M[axis]
-            Mp[axis] = (o, step, b - off) if o >= 0 else (-1, 0, b - off)
+            o, step, b, c = M[axis]
+            Mp[axis] = (o, step, b - off, c) if o >= 0 else (-1, 0, b - off, 0)
             pieces.append((a, tuple(Mp), off, m))
             off += m
         return self.select(pieces, M[axis], shape)
@@ -439,8 +452,8 @@ class _Lowering:
         x = self.spec.type_of(n.args[0]).shape
         Mx = list(M)
         for d in n.attrs["axes"]:       # index n-1-i: the step turns around
-            o, step, b = M[d]
-            Mx[d] = (o, -step, x[d] - 1 - b) if o >= 0 else (-1, 0, x[d] - 1 - b)
+            o, step, b, c = M[d]
+            Mx[d] = (o, -step, x[d] - 1 - b, c) if o >= 0 else (-1, 0, x[d] - 1 - b, 0)
         return self.remap(n.args[0], tuple(Mx), shape)
 
     def map_pad(self, n, M, shape):
@@ -452,14 +465,14 @@ class _Lowering:
         const = self.emit("Const", [], {"value": value, "dtype": n.type.dtype,
                                         "shape": [1] * len(shape)})
         Mx, inside = [], []
-        for d, (o, step, b) in enumerate(M):
+        for d, (o, step, b, c) in enumerate(M):
             lo = p[2 * d]
             if o < 0:
                 if not 0 <= b - lo < max(x[d], 1):
                     return const                 # a constant index into the padding
-                Mx.append((-1, 0, b - lo))
+                Mx.append((-1, 0, b - lo, 0))
                 continue
-            Mx.append((o, step, b - lo))
+            Mx.append((o, step, b - lo, c))
             if p[2 * d] or p[2 * d + 1]:
                 inside.append((o, tuple(0 <= b - lo + step * i < x[d]
                                         for i in range(shape[o]))))
@@ -473,8 +486,8 @@ class _Lowering:
 
     def select(self, pieces, entry, shape):
         """The value of a concatenation: pieces = [(ref, map, offset, size)] along an
-        axis whose index is ``entry`` = (o, step, begin) of the output index."""
-        o, step, b = entry
+        axis whose index is ``entry`` = (o, step, begin, drop) of the output index."""
+        o, step, b, _ = entry
         n = shape[o] if o >= 0 else 1
         if o >= 0 and n < 0:
             raise Refusal("a concatenation whose axis is read at run-time positions")
@@ -522,8 +535,8 @@ class _Lowering:
         strides, offset = [0] * len(shape), 0
         vshape = [1] * len(shape)
         src_dims = [None] * len(shape)
-        guards, bounds, picks, scaled = [], [], [], []
-        for d, ((o, step, b), size) in enumerate(zip(M, src)):
+        guards, bounds, picks, scaled, less = [], [], [], [], []
+        for d, ((o, step, b, c), size) in enumerate(zip(M, src)):
             if size == 1:
                 continue
             # (a view read only for its shape takes stride 0 there: never loaded)
@@ -549,11 +562,14 @@ class _Lowering:
                 offset += b * (st[d] or 0)
                 continue
             n = shape[o]
-            whole = (step, b) == (1, 0) and (n == size)
+            whole = (step, b, c) == (1, 0, 0) and (n == size)
             if size < 0 and not whole:
-                raise Refusal(f"input {j} of {_fmt(src)}: dim {d}, known only at run "
-                              "time, is sliced or shifted by a layout op (only whole "
-                              "dims of unknown size are read)")
+                if n >= 0 or step != 1 or not 0 <= b <= c <= MAX_SHIFT:
+                    raise Refusal(f"input {j} of {_fmt(src)}: dim {d}, known only at run "
+                                  "time, is read by a layout op other than whole or from "
+                                  "a begin to an end counted from its end (x[:, 1:], "
+                                  "x[:, :-1]; not reversed, strided, or from the end)")
+                less.append((o, d, c))
             if n < 0 and size >= 0:
                 bounds.append((o, _most(d, size, step, b, j, src)))
             elif n > 0 and size >= 0 and not (0 <= b < size and 0 <= b + step * (n - 1)
@@ -571,6 +587,7 @@ class _Lowering:
             if whole:
                 src_dims[o] = d
         if tuple(vshape) == tuple(src) and offset == 0 and not picks and not scaled and \
+                not less and \
                 tuple(strides) == tuple(s if n != 1 else 0 for s, n in
                                         zip(row_major_strides(src), src)):
             return -(j + 1)                    # the input itself
@@ -583,7 +600,7 @@ class _Lowering:
                           "of its dims, one with a stride known only at run time")
         return self._add_view(View(j, tuple(strides), offset, tuple(src_dims), (),
                                    tuple(guards), tuple(bounds), tuple(picks),
-                                   tuple(scaled)),
+                                   tuple(scaled), tuple(less)),
                               TensorType(self.spec.inputs[j].dtype, tuple(vshape)))
 
 

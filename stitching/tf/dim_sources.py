@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 from tensorflow.python.framework import tensor_util
 
+from ..ir.ops import MAX_SHIFT, rest_size
+
 _MAX_DEPTH = 16        # arbitrary: shape arithmetic chains are a few ops deep
 
 
@@ -133,7 +135,9 @@ def dense_slice(op, x, ends=None) -> tuple:
     known only at run time), else the constant input 2.  A run-time end's size is that
     (tensor, dim) (begin 0, stride 1): what count it is, the caller decides.  An index
     into a dim known only at run time is begin ``v`` (from the end where v < 0), size 1:
-    the kernel checks it exists (schedule/layout.py, View.picks), as TF does."""
+    the kernel checks it exists (schedule/layout.py, View.picks), as TF does; a slice
+    of such a dim from b to -e (``x[:, 1:]``, ``x[:, :-1]``) is begin b, size
+    ops.rest_size(e) (View.less); other slices of it raise NotEvaluable."""
     begin, strides = (np.asarray(_constant(op.inputs[i])).reshape(-1).tolist()
                       for i in (1, 3))
     end = ends if ends is not None else np.asarray(_constant(op.inputs[2])).reshape(-1).tolist()
@@ -176,9 +180,8 @@ def dense_slice(op, x, ends=None) -> tuple:
             b_out.append(v), k_out.append(1), s_out.append(1)
             continue
         if n < 0:
-            if v != slice(None) and v != slice(None, None, 1):
-                raise NotEvaluable("a slice of a dim known only at run time")
-            b_out.append(0), k_out.append(-1), s_out.append(1)
+            b_out.append(0 if v.start is None else v.start), s_out.append(1)
+            k_out.append(_rest_of_run_time_dim(v))
             continue
         start, stop, step = v.indices(n)
         count = len(range(start, stop, step))
@@ -194,6 +197,23 @@ def dense_slice(op, x, ends=None) -> tuple:
     return b_out, k_out, s_out, out_dims
 
 
+def _rest_of_run_time_dim(v: slice) -> int:
+    """The Slice size entry of slice ``v`` of a dim known only at run time: -1 (the
+    whole dim), or ops.rest_size(e) for ``x[b:-e]`` (b >= 0, e > 0 or no end: the rest
+    less e, clamped at 0 as TF's StridedSlice clamps); NotEvaluable for the forms whose
+    count is not n - c (a negative begin, a non-negative end, a stride)."""
+    start = 0 if v.start is None else v.start
+    if v.step not in (None, 1) or start < 0 or (v.stop is not None and v.stop >= 0):
+        raise NotEvaluable("a slice of a dim known only at run time other than from a "
+                           "begin to an end counted from its end (x[:, 1:], x[:, :-1]): "
+                           "its count is not the dim less a constant")
+    e = 0 if v.stop is None else -v.stop
+    if start > MAX_SHIFT or e > MAX_SHIFT:
+        raise NotEvaluable(f"a slice of a dim known only at run time that drops more "
+                           f"than {MAX_SHIFT} elements at one end")
+    return -1 if (start, e) == (0, 0) else rest_size(e)
+
+
 def strided_slice(nd, vals, begin, end, strides):
     """The value of StridedSlice NodeDef ``nd`` of the 1-D ``vals`` (a list of any
     entries) with constant bounds (one-entry lists; begin/end masks and shrink
@@ -202,20 +222,21 @@ def strided_slice(nd, vals, begin, end, strides):
     if not isinstance(vals, list) or any(
             not isinstance(b, list) or len(b) != 1 or None in b
             for b in (begin, end, strides)) \
-            or _int_attr(nd, "ellipsis_mask") or _int_attr(nd, "new_axis_mask"):
+            or int_attr(nd, "ellipsis_mask") or int_attr(nd, "new_axis_mask"):
         raise NotEvaluable
     if strides[0] == 0:
         raise NotEvaluable
-    b = None if _int_attr(nd, "begin_mask") & 1 else begin[0]
-    e = None if _int_attr(nd, "end_mask") & 1 else end[0]
-    if _int_attr(nd, "shrink_axis_mask") & 1:
+    b = None if int_attr(nd, "begin_mask") & 1 else begin[0]
+    e = None if int_attr(nd, "end_mask") & 1 else end[0]
+    if int_attr(nd, "shrink_axis_mask") & 1:
         if b is None or not -len(vals) <= b < len(vals):
             raise NotEvaluable
         return vals[b]
     return vals[slice(b, e, strides[0])]
 
 
-def _int_attr(nd, name) -> int:
+def int_attr(nd, name) -> int:
+    """An int attr of NodeDef ``nd``, 0 where it is absent (TF's default for these)."""
     return nd.attr[name].i if name in nd.attr else 0
 
 

@@ -23,7 +23,7 @@ from tensorflow.python.framework import tensor_util
 
 from ..ir import Graph, Node, TensorType, ValueRef
 from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT
-from ..ir.ops import RUN_TIME_COUNT, SMALL_MATMUL_MAX_WEIGHTS
+from ..ir.ops import RUN_TIME_COUNT, SMALL_MATMUL_MAX_WEIGHTS, rest_drop
 from . import dim_sources, opnames
 from .tfgraph import DTYPE_NAMES
 # kept here for their callers (stitching.function, tools): they live in tfgraph.py
@@ -668,6 +668,10 @@ def _whole_or(k, size, b, n) -> int:
     unknown size taken only in part stays a TF op."""
     if b == 0 and (k == -1 or k == n) and (n < 0 or k == -1 or k == n):
         return -1 if n < 0 else n
+    if n < 0 and k == -1:
+        raise _Unfusible(f"a Slice from {b} to the end of a dim known only at run time "
+                         "(TF's Slice fails where the dim is shorter than its begin, "
+                         "which no kernel checks; x[:, b:], a StridedSlice, fuses)")
     if n < 0:
         raise _Unfusible("a slice of a dim known only at run time")
     return size
@@ -695,6 +699,11 @@ def _convert_strided_slice_grad(op) -> Node:
     x's shape, a Pad of dy (the SliceGrad composite) where every stride is 1."""
     x = _out_shape(op)
     b_out, k_out, s_out, _ = _dense_strided_slice(op, x)
+    if any(n < 0 and rest_drop(k) is not None for k, n in zip(k_out, x)):
+        raise _Unfusible("a StridedSliceGrad of x[:, c:] or x[:, :-c] at a length known "
+                         "only at run time: a Pad of dy by constants, but where the "
+                         "length is below c TF gives zeros of its length, which a Pad "
+                         "does not: not fused")
     if any(n < 0 and k != -1 for k, n in zip(k_out, x)):
         raise _Unfusible("a StridedSliceGrad of part of a dim known only at run time (its "
                          "padding would be an expression of that dim): not fused")

@@ -235,9 +235,23 @@ class Emitter:
                         f"{j} of shape {fmt_shape(t.shape)})")]
                 else:
                     P += [SP.NONNEG, off[j] + i, self.error(f"input {j} dim {i} is negative")]
-        # a dim class's value: its static size, or the first input dim that carries it
-        cls = [cl.size if cl.size >= 0 else -(off[cl.input_dims[0][0]] + cl.input_dims[0][1] + 1)
-               for cl in dom.classes]
+        # a dim class's value: its static size, the first input dim that carries it, or
+        # else the first of its derived dims (max(n - c, 0), Domain.less)
+        less = [SP.dims_ref(dom.less_slot(q)) for q in range(len(dom.less))]
+        first = {}
+        for q, (c, _, _, _) in enumerate(dom.less):
+            first.setdefault(c, less[q])
+        cls = [cl.size if cl.size >= 0 else
+               -(off[cl.input_dims[0][0]] + cl.input_dims[0][1] + 1) if cl.input_dims
+               else first[c] for c, cl in enumerate(dom.classes)]
+        for q, (c, j, i, drop) in enumerate(dom.less):
+            P += [SP.LESS, dom.less_slot(q), -(off[j] + i + 1), drop]
+        for q, (c, j, i, drop) in enumerate(dom.less):
+            if cls[c] != less[q]:
+                P += [SP.SAME, cls[c], less[q], self.error(
+                    f"input {j} dim {i} less {drop} (a slice of it) differs from the dim "
+                    "it meets: shapes do not broadcast (a size-1 dim is not broadcast at "
+                    "run time)")]
         for c, cl in enumerate(dom.classes):
             for n, (j, i) in enumerate(cl.input_dims):
                 if spec.inputs[j].shape[i] >= 0 or (cl.size < 0 and n == 0):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from numba import njit, types
 
-from .shape_program import (AXIS, COLUMN, ELEMENTWISE, END, EQ, GE, LE, MAX_COST,
-                            MAX_ELEMS, NONNEG, OUT, PARAM, ROW, UNITS)
+from .shape_program import (AXIS, COLUMN, DIMS_REF, ELEMENTWISE, END, EQ, GE, LE, LESS,
+                            MAX_COST, MAX_ELEMS, NONNEG, OUT, PARAM, ROW, SAME, UNITS)
 
 OPTIONS = {"nogil": True, "error_model": "numpy"}
 _jit = njit(**OPTIONS)
@@ -27,8 +27,10 @@ SIG = types.int64(_ptr, _ptr, _ptr, _ptr, _ptr)     # of the C entry point: ``ru
 
 
 @_jit
-def _val(v, in_dims):
-    return v if v >= 0 else in_dims[-v - 1]
+def _val(v, in_dims, dims):
+    if v >= 0:
+        return v
+    return dims[-v - DIMS_REF] if v <= -DIMS_REF else in_dims[-v - 1]
 
 
 @_jit
@@ -37,7 +39,7 @@ def _product(prog, at, n, in_dims, dims, axes):
     -1 if it exceeds MAX_ELEMS."""
     p = 1
     for k in range(n):
-        f = dims[prog[at + k]] if axes else _val(prog[at + k], in_dims)
+        f = dims[prog[at + k]] if axes else _val(prog[at + k], in_dims, dims)
         if f != 0 and p > MAX_ELEMS // f:
             return -1
         p = p * f
@@ -66,7 +68,7 @@ def run(prog, in_dims, dims, out_dims, sched):
         if op == END:
             return 0
         if op == EQ:
-            if in_dims[prog[i + 1]] != _val(prog[i + 2], in_dims):
+            if in_dims[prog[i + 1]] != _val(prog[i + 2], in_dims, dims):
                 return prog[i + 3]
             i += 4
         elif op == NONNEG:
@@ -74,15 +76,22 @@ def run(prog, in_dims, dims, out_dims, sched):
                 return prog[i + 2]
             i += 3
         elif op == LE:
-            if _val(prog[i + 1], in_dims) > prog[i + 2]:
+            if _val(prog[i + 1], in_dims, dims) > prog[i + 2]:
                 return prog[i + 3]
             i += 4
         elif op == GE:
-            if _val(prog[i + 1], in_dims) < prog[i + 2]:
+            if _val(prog[i + 1], in_dims, dims) < prog[i + 2]:
                 return prog[i + 3]
             i += 4
         elif op == PARAM:
-            dims[prog[i + 1]] = _val(prog[i + 2], in_dims) + prog[i + 3]
+            dims[prog[i + 1]] = _val(prog[i + 2], in_dims, dims) + prog[i + 3]
+            i += 4
+        elif op == LESS:
+            dims[prog[i + 1]] = max(_val(prog[i + 2], in_dims, dims) - prog[i + 3], 0)
+            i += 4
+        elif op == SAME:
+            if _val(prog[i + 1], in_dims, dims) != _val(prog[i + 2], in_dims, dims):
+                return prog[i + 3]
             i += 4
         elif op == AXIS:
             n = prog[i + 2]
@@ -175,7 +184,7 @@ def run(prog, in_dims, dims, out_dims, sched):
             sched[3] = temp
             i = ra + nr
         elif op == OUT:
-            out_dims[prog[i + 1]] = _val(prog[i + 2], in_dims)
+            out_dims[prog[i + 1]] = _val(prog[i + 2], in_dims, dims)
             i += 3
         else:
             return -1   # not a program this module wrote

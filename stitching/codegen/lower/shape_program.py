@@ -11,7 +11,8 @@ calls its ``run`` from Python).  This module is the encoding only, and imports n
 Numba: a process that loads cached kernels never needs it.
 
 Program encoding (int64 words; a *value* ``v`` is the constant ``v`` when ``v >= 0``,
-else ``in_dims[-v - 1]``)::
+``dims[-v - DIMS_REF]`` when ``v <= -DIMS_REF`` (a size LESS computed), else
+``in_dims[-v - 1]``)::
 
     EQ     pos value err      in_dims[pos] must equal value, else return err
     NONNEG pos err            in_dims[pos] must be >= 0, else return err
@@ -20,6 +21,9 @@ else ``in_dims[-v - 1]``)::
     GE     value least err    value must be >= least, else return err (a dim known only at
                               run time that a view indexes must hold the element)
     PARAM  slot value add     dims[slot] = value + add (a view's offset term, layout.py)
+    LESS   slot value c       dims[slot] = max(value - c, 0) (the extent of x[:, c:] at
+                              run-time n: StridedSlice clamps, layout.py View.less)
+    SAME   value value err    the two values must be equal, else return err
     AXIS   a n v1..vn err     dims[a] = v1 * .. * vn (err if over MAX_ELEMS)
     UNITS  kind R cost err row_elems ew_block col_units col_block col_min
            col_split col_chunk split passes reds nk k1..knk nr r1..rnr
@@ -49,7 +53,8 @@ Programs are built by the emitter from a validated schedule, never read from a g
 """
 from __future__ import annotations
 
-END, EQ, NONNEG, AXIS, UNITS, OUT, LE, GE, PARAM = 0, 1, 2, 3, 4, 5, 6, 7, 8
+END, EQ, NONNEG, AXIS, UNITS, OUT, LE, GE, PARAM, LESS, SAME = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
+DIMS_REF = 1 << 32     # values at or below -DIMS_REF name dims[] slots (in_dims are fewer)
 ELEMENTWISE, ROW, COLUMN = 0, 1, 2
 
 MAX_ELEMS = 1 << 48    # arbitrary sanity bound on any product of dims (no int64 overflow)
@@ -58,4 +63,11 @@ MAX_COST = 1 << 40     # cycles per unit, saturated
 
 def value(v: int) -> str:
     """Human form of an encoded value (for generated comments and tests)."""
+    if v <= -DIMS_REF:
+        return f"dims[{-v - DIMS_REF}]"
     return str(v) if v >= 0 else f"in_dims[{-v - 1}]"
+
+
+def dims_ref(slot: int) -> int:
+    """The value that names dims[slot]."""
+    return -DIMS_REF - slot

@@ -32,7 +32,7 @@ from tensorflow.core.framework import attr_value_pb2
 from ...ir.graph import ValueRef
 from ...ir.ops import Kind, kind_of
 from ..passmanager import Pass
-from ..dim_sources import NotEvaluable, strided_slice
+from ..dim_sources import NotEvaluable, int_attr, strided_slice
 from ..tfgraph import drop_nodes
 
 UNKNOWN = None
@@ -110,7 +110,7 @@ def _value(ref, nodes, before, ir_graph, depth, memo):
         return _static_shape(name, before, ir_graph, depth, memo)
     if nd.op == "GatherV2":
         vals, idx_v, axis = arg(0), arg(1), arg(2)
-        if not isinstance(vals, list) or axis != 0 or _int_attr(nd, "batch_dims"):
+        if not isinstance(vals, list) or axis != 0 or int_attr(nd, "batch_dims"):
             raise Unfoldable
         pick = idx_v if isinstance(idx_v, list) else [idx_v]
         if any(i is UNKNOWN or not -len(vals) <= i < len(vals) for i in pick):
@@ -125,7 +125,7 @@ def _value(ref, nodes, before, ir_graph, depth, memo):
     if nd.op == "Pack":         # scalars, or equal-length vectors (a 2-D value)
         vals = [arg(i) for i in range(len(data))]
         nested = [isinstance(v, list) for v in vals]
-        if _int_attr(nd, "axis") or any(nested) and not (
+        if int_attr(nd, "axis") or any(nested) and not (
                 all(nested) and len({len(v) for v in vals}) == 1 and
                 not any(isinstance(x, list) for v in vals for x in v)):
             raise Unfoldable
@@ -222,10 +222,6 @@ def _broadcast_known(dims, operand):
     lead = len(dims) - len(operand)
     return [d if d is not UNKNOWN or i < lead or operand[i - lead] in (UNKNOWN, 1)
             else operand[i - lead] for i, d in enumerate(dims)]
-
-
-def _int_attr(nd, name) -> int:
-    return nd.attr[name].i if name in nd.attr else 0
 
 
 def _flag(nd, name) -> bool:

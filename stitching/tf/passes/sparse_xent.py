@@ -14,6 +14,14 @@ sparse_xent_op.h both compute loss = log(sum(exp(s))) - s[label], s = logits -
 max(logits), and backprop = exp(s) / sum(exp(s)) - onehot); ir/composites.py expands it,
 and Equal, Cast, Add and the broadcasts fuse with it.
 
+A sequence's loss (logits [B, S, C], labels [B, S]: a language model's) reaches the
+op reshaped to rows, ``Reshape(logits, [-1, C])`` and ``Reshape(labels, [-1])``; that
+Reshape merges dims no view can read (``logits[:, :-1]``'s rows skip one), so there
+the loss is computed at the sequence's own rank instead, in the ops of TF's sparse
+kernel (sparse_xent_op.h: loss = log(sum(exp(s))) - s[label], as a sum of that term
+and zeros; backprop = exp(s) / sum(exp(s)) - onehot), and reshaped to rows after
+(_expand_rows): the slice, the softmax and the loss are one kernel.
+
 Out-of-range labels: TF's CPU kernel fails with InvalidArgument ("Received a label
 value of ... outside the valid range").  A one-hot row of zeros would instead give a
 finite, wrong loss, so the rewrite keeps a check on the data path: the Gather of a
@@ -28,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
-from .. import tfgraph
+from .. import dim_sources, tfgraph
 from ..passmanager import Pass
 
 OP = "SparseSoftmaxCrossEntropyWithLogits"
@@ -38,10 +46,32 @@ MAX_CLASSES = 1 << 20      # arbitrary: the iota constant stays small
 def expand(tf_graph, graph_def):
     """A copy of ``graph_def`` with each rewritable sparse xent expanded, or None."""
     todo = {op.name: op for op in tf_graph.get_operations() if op.type == OP
-            and _rewritable(op)}
+            and (_rewritable(op) or _rows_of(op))}
     if not todo:
         return None
-    return tfgraph.expand_nodes(graph_def, todo, _expand)
+    return tfgraph.expand_nodes(graph_def, todo, lambda nd, op, taken: (
+        _expand_rows if _rows_of(op) else _expand)(nd, op, taken))
+
+
+def _rows_of(op):
+    """(logits, labels) of rank r and r - 1 (r >= 3) where ``op`` reads them reshaped
+    to rows (tf.nn.sparse_softmax_cross_entropy_with_logits of a sequence's logits:
+    ``Reshape(logits, [-1, C])``, ``Reshape(labels, [-1])``), else None."""
+    if not _rewritable(op):
+        return None
+    got = []
+    for t, want in zip(op.inputs[:2], ([-1, int(op.inputs[0].shape[1])], [-1])):
+        if t.op.type != "Reshape":
+            return None
+        if dim_sources.entries(t.op.inputs[1]) != want:     # a Pack of shape entries
+            return None
+        got.append(t.op.inputs[0])
+    logits, labels = got
+    r = logits.shape.rank
+    if r is None or r < 3 or labels.shape.rank != r - 1 or \
+            logits.shape[-1] != op.inputs[0].shape[1]:
+        return None
+    return logits, labels
 
 
 def _rewritable(op) -> bool:
@@ -57,6 +87,45 @@ def _expand(nd, op, taken) -> list:
     c = int(op.inputs[0].shape[1])
     t, tl = op.inputs[0].dtype, op.inputs[1].dtype
     logits, labels = nd.input[0], nd.input[1]
+    ctrl = [i for i in nd.input if i.startswith("^")]
+    node, const = _builders(nd, taken)
+    out, (last, check, eq) = _labels(node, const, labels, 2, c, t, tl)
+    hot = _one_hot(node, out, last, check, eq, t)
+    dense = node_def_pb2.NodeDef(name=nd.name, op="SoftmaxCrossEntropyWithLogits",
+                                 input=[logits, hot.name] + ctrl, device=nd.device)
+    dense.attr["T"].type = t.as_datatype_enum
+    return out + [dense]
+
+
+def _labels(node, const, labels, rank, c, t, tl):
+    """(nodes, (last, check, eq)): the label nodes both rewrites build: the range check
+    (a Gather of zeros by the labels, TF's bounds-checked op) and labels == iota, the
+    one-hot's bools, at logits' ``rank``; ``last`` the constant axis -1."""
+    iota = const("iota", np.arange(c).reshape([1] * (rank - 1) + [c]), tl)
+    zeros = const("zeros", np.zeros([c]), t)
+    axis = const("axis", np.int32(0), tf.int32)
+    last = const("last", np.int32(-1), tf.int32)
+    check = node("check", "GatherV2", [zeros.name, labels, axis.name], Tparams=t,
+                 Tindices=tl, Taxis=tf.int32, batch_dims=0)
+    col = node("labels", "ExpandDims", [labels, last.name], T=tl, Tdim=tf.int32)
+    eq = node("equal", "Equal", [col.name, iota.name], T=tl,
+              incompatible_shape_error=True)
+    return [iota, zeros, axis, last, check, col, eq], (last, check, eq)
+
+
+def _one_hot(node, out, last, check, eq, t):
+    """The one-hot labels in logits' dtype, the range check's zeros added (x + 0 == x:
+    every output then depends on the check); its nodes appended to ``out``."""
+    hot0 = node("cast", "Cast", [eq.name], SrcT=tf.bool, DstT=t, Truncate=False)
+    chk = node("check_col", "ExpandDims", [check.name, last.name], T=t, Tdim=tf.int32)
+    hot = node("onehot", "AddV2", [hot0.name, chk.name], T=t)
+    out += [hot0, chk, hot]
+    return hot
+
+
+def _builders(nd, taken):
+    """(node, const): NodeDef makers for the nodes replacing ``nd`` (fresh names under
+    it, its device; constants under its control inputs)."""
     ctrl = [i for i in nd.input if i.startswith("^")]
 
     def name(suffix):
@@ -80,22 +149,54 @@ def _expand(nd, op, taken) -> list:
         return node(suffix, "Const", ctrl, dtype=dtype,
                     value=tf.make_tensor_proto(value, dtype=dtype))
 
-    iota = const("iota", np.arange(c).reshape(1, c), tl)
-    zeros = const("zeros", np.zeros([c]), t)
-    axis = const("axis", np.int32(0), tf.int32)
-    last = const("last", np.int32(-1), tf.int32)
-    check = node("check", "GatherV2", [zeros.name, labels, axis.name], Tparams=t,
-                 Tindices=tl, Taxis=tf.int32, batch_dims=0)
-    col = node("labels", "ExpandDims", [labels, last.name], T=tl, Tdim=tf.int32)
-    eq = node("equal", "Equal", [col.name, iota.name], T=tl,
-              incompatible_shape_error=True)
-    hot0 = node("cast", "Cast", [eq.name], SrcT=tf.bool, DstT=t, Truncate=False)
-    chk = node("check_col", "ExpandDims", [check.name, last.name], T=t, Tdim=tf.int32)
-    hot = node("onehot", "AddV2", [hot0.name, chk.name], T=t)
-    dense = node_def_pb2.NodeDef(name=nd.name, op="SoftmaxCrossEntropyWithLogits",
-                                 input=[logits, hot.name] + ctrl, device=nd.device)
-    dense.attr["T"].type = t.as_datatype_enum
-    return [iota, zeros, axis, last, check, col, eq, hot0, chk, hot, dense]
+    return node, const
+
+
+def _expand_rows(nd, op, taken) -> list:
+    """The loss of logits [..., C] against labels [...] at their own rank, in the ops of
+    TF's sparse kernel (sparse_xent_op.h: loss = log(sum(exp(s))) - s[label] as a sum
+    of that one term and zeros, backprop = exp(s) / sum(exp(s)) - onehot), reshaped to
+    rows afterwards: what reads the rows of a slice (``logits[:, :-1]``) then fuses
+    with it, where TF's Reshape to rows merges dims no view can.  The range check is
+    the rank-2 rewrite's (a Gather of zeros by the labels, added to the loss and the
+    one-hot).  The backprop is computed only where something reads it."""
+    got = _rows_of(op)
+    logits, labels = (_name(x) for x in got)
+    rank, c = got[0].shape.rank, int(op.inputs[0].shape[1])
+    t, tl = op.inputs[0].dtype, op.inputs[1].dtype
+    node, const = _builders(nd, taken)
+    out, (last, check, eq) = _labels(node, const, labels, rank, c, t, tl)
+    zero = const("zero", np.zeros([]), t)
+    red = {"T": t, "Tidx": tf.int32}
+    m = node("max", "Max", [logits, last.name], keep_dims=True, **red)
+    sh = node("shifted", "Sub", [logits, m.name], T=t)
+    e = node("exp", "Exp", [sh.name], T=t)
+    z = node("sum_exp", "Sum", [e.name, last.name], keep_dims=True, **red)
+    lz = node("log", "Log", [z.name], T=t)
+    d = node("minus", "Sub", [lz.name, sh.name], T=t)
+    pick = node("pick", "SelectV2", [eq.name, d.name, zero.name], T=t)
+    loss0 = node("loss_rows", "Sum", [pick.name, last.name], keep_dims=False, **red)
+    loss = node("loss_checked", "AddV2", [loss0.name, check.name], T=t)
+    rows = const("rows", np.array([-1], np.int32), tf.int32)
+    flat = [node("loss", "Reshape", [loss.name, rows.name], T=t, Tshape=tf.int32)]
+    out += [zero, m, sh, e, z, lz, d, pick, loss0, loss, rows]
+    if op.outputs[1].consumers():
+        hot = _one_hot(node, out, last, check, eq, t)
+        p = node("softmax", "RealDiv", [e.name, z.name], T=t)
+        back = node("backprop_rows", "Sub", [p.name, hot.name], T=t)
+        shape = const("shape", np.array([-1, c], np.int32), tf.int32)
+        flat.append(node("backprop", "Reshape", [back.name, shape.name], T=t,
+                         Tshape=tf.int32))
+        out += [p, back, shape]
+    ident = node_def_pb2.NodeDef(name=nd.name, op="IdentityN", input=[f.name for f in flat],
+                                 device=nd.device)
+    ident.attr["T"].list.type.extend([t.as_datatype_enum] * len(flat))
+    return out + flat + [ident]
+
+
+def _name(t) -> str:
+    """A tensor's input string in a GraphDef."""
+    return t.op.name if t.value_index == 0 else f"{t.op.name}:{t.value_index}"
 
 
 def _run(ctx):
