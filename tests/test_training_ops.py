@@ -57,6 +57,26 @@ def test_sparse_xent_matches_tf_and_float64_and_fuses_with_its_neighbours(dtype,
     assert [op for _, op, _ in sf.report.unfused] == ["GatherV2"]
 
 
+def test_sparse_xent_with_minus_inf_logits_is_tfs():
+    """A -inf logit off the label (a masked class) leaves TF's loss finite: the loss
+    picks the label's term (a select), never 0 * inf; on the label the loss is inf."""
+    logits = tf.constant([[0.0, -np.inf, 1.0, 2.0], [3.0, -np.inf, -np.inf, 0.5],
+                          [1.0, -np.inf, 0.0, 0.0]], tf.float32)
+    y = tf.constant([0, 3, 1], tf.int32)
+
+    def fn(x, y):
+        loss, bp = tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=x, labels=y)
+        return loss * 2.0, bp * 3.0
+    sf = stitching.function(fn)
+    got, want = [t.numpy() for t in sf(logits, y)], [t.numpy() for t in tf.function(fn)(
+        logits, y)]
+    assert np.isfinite(want[0][:2]).all() and np.isposinf(want[0][2])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    assert _kernels(sf) == 1
+
+
 @pytest.mark.parametrize("bad", [37, -1])
 def test_sparse_xent_out_of_range_label_is_tfs_error(bad):
     rs = np.random.RandomState(1)

@@ -2,25 +2,26 @@
 
 Keras' SparseCategoricalCrossentropy(from_logits=True) is this op, so every classifier's
 train step has one, between the logits' BiasAdd and the loss gradient's Mul: left to
-TF, it cut both of them off the kernels around it.  For logits [B, C] with C known at
-trace time, the node is rewritten (before the IR is built) into
+TF, it cut both of them off the kernels around it.  For logits [..., C] with C known at
+trace time, the node is rewritten (before the IR is built) into the ops of TF's sparse
+kernel (sparse_xent_op.h), s = logits - max(logits):
 
-    hot  = Cast(Equal(ExpandDims(labels, -1), iota[1, C])) + ExpandDims(check, -1)
     check = GatherV2(zeros[C], labels)                  (TF op: the range check)
-    N    = SoftmaxCrossEntropyWithLogits(logits, hot)   (same name: consumers unchanged)
+    loss  = Sum(Select(labels == iota[C], log(sum(exp(s))) - s, 0)) + check
+    backprop = exp(s) / sum(exp(s)) - (Cast(labels == iota[C]) + check)   (if read)
+    N     = IdentityN(loss, backprop)                   (same name: consumers unchanged)
 
-The dense op with a one-hot label is the sparse op's formula (xent_op.h and
-sparse_xent_op.h both compute loss = log(sum(exp(s))) - s[label], s = logits -
-max(logits), and backprop = exp(s) / sum(exp(s)) - onehot); ir/composites.py expands it,
-and Equal, Cast, Add and the broadcasts fuse with it.
+The loss picks its label's term with a select, not a one-hot product: a -inf logit
+off the label makes log(sum(exp(s))) - s infinite there, and a product with its zero
+would be NaN where TF's loss is finite (the dense op with a one-hot label,
+SoftmaxCrossEntropyWithLogits, sums that product: this rewrite used it until that NaN
+was found).  The ops fuse with the logits' producer and the loss's readers.
 
 A sequence's loss (logits [B, S, C], labels [B, S]: a language model's) reaches the
 op reshaped to rows, ``Reshape(logits, [-1, C])`` and ``Reshape(labels, [-1])``; that
 Reshape merges dims no view can read (``logits[:, :-1]``'s rows skip one), so there
-the loss is computed at the sequence's own rank instead, in the ops of TF's sparse
-kernel (sparse_xent_op.h: loss = log(sum(exp(s))) - s[label], as a sum of that term
-and zeros; backprop = exp(s) / sum(exp(s)) - onehot), and reshaped to rows after
-(_expand_rows): the slice, the softmax and the loss are one kernel.
+the loss is computed at the sequence's own rank, and reshaped to rows after: the
+slice, the softmax and the loss are one kernel.
 
 Out-of-range labels: TF's CPU kernel fails with InvalidArgument ("Received a label
 value of ... outside the valid range").  A one-hot row of zeros would instead give a
@@ -38,6 +39,7 @@ from tensorflow.core.framework import node_def_pb2
 
 from .. import dim_sources, tfgraph
 from ..passmanager import Pass
+from . import grappler
 
 OP = "SparseSoftmaxCrossEntropyWithLogits"
 MAX_CLASSES = 1 << 20      # arbitrary: the iota constant stays small
@@ -49,8 +51,7 @@ def expand(tf_graph, graph_def):
             and (_rewritable(op) or _rows_of(op))}
     if not todo:
         return None
-    return tfgraph.expand_nodes(graph_def, todo, lambda nd, op, taken: (
-        _expand_rows if _rows_of(op) else _expand)(nd, op, taken))
+    return tfgraph.expand_nodes(graph_def, todo, _expand)
 
 
 def _rows_of(op):
@@ -81,20 +82,6 @@ def _rewritable(op) -> bool:
     c = logits.shape[1]
     return (c is not None and 0 < c <= MAX_CLASSES and logits.dtype.is_floating
             and labels.dtype in (tf.int32, tf.int64))
-
-
-def _expand(nd, op, taken) -> list:
-    c = int(op.inputs[0].shape[1])
-    t, tl = op.inputs[0].dtype, op.inputs[1].dtype
-    logits, labels = nd.input[0], nd.input[1]
-    ctrl = [i for i in nd.input if i.startswith("^")]
-    node, const = _builders(nd, taken)
-    out, (last, check, eq) = _labels(node, const, labels, 2, c, t, tl)
-    hot = _one_hot(node, out, last, check, eq, t)
-    dense = node_def_pb2.NodeDef(name=nd.name, op="SoftmaxCrossEntropyWithLogits",
-                                 input=[logits, hot.name] + ctrl, device=nd.device)
-    dense.attr["T"].type = t.as_datatype_enum
-    return out + [dense]
 
 
 def _labels(node, const, labels, rank, c, t, tl):
@@ -152,15 +139,17 @@ def _builders(nd, taken):
     return node, const
 
 
-def _expand_rows(nd, op, taken) -> list:
+def _expand(nd, op, taken) -> list:
     """The loss of logits [..., C] against labels [...] at their own rank, in the ops of
     TF's sparse kernel (sparse_xent_op.h: loss = log(sum(exp(s))) - s[label] as a sum
-    of that one term and zeros, backprop = exp(s) / sum(exp(s)) - onehot), reshaped to
-    rows afterwards: what reads the rows of a slice (``logits[:, :-1]``) then fuses
-    with it, where TF's Reshape to rows merges dims no view can.  The range check is
-    the rank-2 rewrite's (a Gather of zeros by the labels, added to the loss and the
-    one-hot).  The backprop is computed only where something reads it."""
+    of that one term and zeros, backprop = exp(s) / sum(exp(s)) - onehot); a
+    sequence's rows (_rows_of) are reshaped to rows afterwards: what reads the rows of
+    a slice (``logits[:, :-1]``) then fuses with it, where TF's Reshape to rows merges
+    dims no view can.  The range check: a Gather of zeros by the labels, added to the
+    loss and the one-hot.  The backprop is computed only where something reads it."""
     got = _rows_of(op)
+    if got is None:                       # logits [B, C] as the op reads them
+        got = op.inputs[0], op.inputs[1]
     logits, labels = (_name(x) for x in got)
     rank, c = got[0].shape.rank, int(op.inputs[0].shape[1])
     t, tl = op.inputs[0].dtype, op.inputs[1].dtype
@@ -177,21 +166,25 @@ def _expand_rows(nd, op, taken) -> list:
     pick = node("pick", "SelectV2", [eq.name, d.name, zero.name], T=t)
     loss0 = node("loss_rows", "Sum", [pick.name, last.name], keep_dims=False, **red)
     loss = node("loss_checked", "AddV2", [loss0.name, check.name], T=t)
-    rows = const("rows", np.array([-1], np.int32), tf.int32)
-    flat = [node("loss", "Reshape", [loss.name, rows.name], T=t, Tshape=tf.int32)]
-    out += [zero, m, sh, e, z, lz, d, pick, loss0, loss, rows]
+    out += [zero, m, sh, e, z, lz, d, pick, loss0, loss]
+
+    def as_rows(suffix, x, shape):        # a sequence's values back to TF's rows
+        if rank == 2:
+            return x
+        to = const(f"{suffix}_shape", np.array(shape, np.int32), tf.int32)
+        out.extend([to, node(suffix, "Reshape", [x.name, to.name], T=t, Tshape=tf.int32)])
+        return out[-1]
+    flat = [as_rows("loss", loss, [-1])]
     if op.outputs[1].consumers():
         hot = _one_hot(node, out, last, check, eq, t)
         p = node("softmax", "RealDiv", [e.name, z.name], T=t)
         back = node("backprop_rows", "Sub", [p.name, hot.name], T=t)
-        shape = const("shape", np.array([-1, c], np.int32), tf.int32)
-        flat.append(node("backprop", "Reshape", [back.name, shape.name], T=t,
-                         Tshape=tf.int32))
-        out += [p, back, shape]
+        out += [p, back]
+        flat.append(as_rows("backprop", back, [-1, c]))
     ident = node_def_pb2.NodeDef(name=nd.name, op="IdentityN", input=[f.name for f in flat],
                                  device=nd.device)
     ident.attr["T"].list.type.extend([t.as_datatype_enum] * len(flat))
-    return out + flat + [ident]
+    return out + [ident]
 
 
 def _name(t) -> str:
@@ -201,8 +194,9 @@ def _name(t) -> str:
 
 def _run(ctx):
     expanded = expand(ctx.tf_graph, ctx.graph_def)
-    if expanded is not None:
-        ctx.replace(expanded)
+    if expanded is not None:     # readers read the loss and backprop, not the IdentityN
+        #                          (a no-op node between the xent and its readers' kernel)
+        ctx.replace(grappler.bypass_identity_n(expanded, ctx.fetched))
 
 
 PASS = Pass("sparse_xent", _run)
