@@ -70,6 +70,14 @@ def machine(request, monkeypatch):
 
 
 @pytest.fixture
+def intel_plan(monkeypatch):
+    """The intel-avx512 model pinned, for a test whose expected kernels, kernel names or
+    passes are that model's plan, whichever model the session plans with
+    (``STITCHING_TEST_MACHINE``)."""
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "intel-avx512")
+
+
+@pytest.fixture
 def tiered(monkeypatch):
     """Tiered execution as a user gets it by default (the session turns it off)."""
     monkeypatch.delenv("STITCHING_BACKGROUND_COMPILE", raising=False)

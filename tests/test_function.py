@@ -552,7 +552,7 @@ def _coverage_and_check(model, shape, batch=2, tol=1e-4):
     return f.report
 
 
-def test_transformer_encoder_coverage():
+def test_transformer_encoder_coverage(intel_plan):
     from stitching.testing.models import transformer_encoder
     m = transformer_encoder(num_layers=2, d_model=64, heads=4, ff=128, seq_len=16)
     rep = _coverage_and_check(m, (16, 64))

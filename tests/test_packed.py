@@ -175,7 +175,7 @@ def test_training_matches_tf_and_the_update_is_a_few_packed_kernels(opt_name, ke
 
 
 @pytest.mark.parametrize("depth", [2, 6])
-def test_sgd_momentum_update_is_one_packed_kernel_whatever_the_depth(depth):
+def test_sgd_momentum_update_is_one_packed_kernel_whatever_the_depth(depth, intel_plan):
     """An MLP of ``depth`` hidden Dense layers (6 or 14 variables): every weight's
     momentum update is in one packed kernel, the biases' in their gradient reductions
     (column kernels); no optimizer op is left to TF or in a kernel of its own."""

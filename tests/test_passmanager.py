@@ -64,7 +64,7 @@ def test_a_graph_enters_each_pass_once_in_table_order_and_the_frontend_once(monk
     assert all(s >= 0 for s in rep.pass_seconds.values())
 
 
-def test_a_pass_turned_off_by_its_option_is_not_run_nor_timed():
+def test_a_pass_turned_off_by_its_option_is_not_run_nor_timed(intel_plan):
     rep = _stitch(Options(gemm=False, seq_split=False, fused_attention=False)).report
     assert "gemm" not in rep.pass_seconds and "seqsplit" not in rep.pass_seconds
     assert "autotune" not in rep.pass_seconds          # off by default
