@@ -127,7 +127,7 @@ class DeviceProfile:
     # what a generated kernel's compute takes over the model's price of it at
     # ``transcendental_per_s`` (``kernel_compute_scale``, fitted on a compute-bound
     # kernel of Exps; 0: not calibrated, 1).  kernel_time_scale is fitted where memory
-    # dominates and scales only a kernel's memory-bound part (cost.kernel_s).
+    # dominates and scales only a kernel's memory-bound part (cost.kernel_compute_s).
     kernel_op_cost: dict = field(default_factory=dict)
     tf_op_cost: dict = field(default_factory=dict)
     kernel_compute_scale: float = 0.0

@@ -130,10 +130,14 @@ class Domain:
     # sizes, a kernel parameter (scaled_slot) the shape function computes; the view's
     # view_strides entry for that axis is None
     scaled: tuple = ()
-    # dims of views of extent max(n - c, 0) (DimClass.derived), in class order: ((dim
-    # class, input j, dim i, c), ...); the shape function computes each into a kernel
-    # parameter (less_slot), which is the class's size where no input dim is in it
-    less: tuple = ()
+
+    @property
+    def less(self) -> tuple:
+        """Dims of views of extent max(n - c, 0) (DimClass.derived), in class order:
+        ((dim class, input j, dim i, c), ...); the shape function computes each into a
+        kernel parameter (less_slot), which is the class's size where no input dim is
+        in it."""
+        return tuple((c, *m) for c, cl in enumerate(self.classes) for m in cl.derived)
 
     def param_slot(self, p: int) -> int:
         """dims[] slot of the p-th pick's run-time offset: after the axes' sizes and
@@ -533,28 +537,27 @@ def analyze(spec) -> Domain:
                     for r, st in class_strides.items()}
     clamped, inner_guard = _clamps(guards, axes, axis_of)
     _check_windows(spec, live, axes, axis_of, carries, channels)
-    picks, scaled, less = _params(views, value_dims, used, axis_of, len(axes), classes)
+    picks, scaled = _params(views, value_dims, used, axis_of, len(axes), classes)
     return Domain(classes, axes, value_dims, carries, reduced, view_strides, side,
                   weights, windows, clamped, inner_guard,
-                  _bounds(views, value_dims, classes, used), picks, scaled, less)
+                  _bounds(views, value_dims, classes, used), picks, scaled)
 
 
 def _params(views, value_dims, used, axis_of, rank, classes) -> tuple:
-    """(Domain.picks, Domain.scaled, Domain.less) of the views the kernel reads
-    (layout.py View.picks, View.scaled and View.less): run-time offsets, strides and
-    sizes, in kernel parameters."""
+    """(Domain.picks, Domain.scaled) of the views the kernel reads (layout.py
+    View.picks and View.scaled): run-time offsets and strides, in kernel parameters,
+    which with the derived sizes (View.less: Domain.less) must fit the slots."""
     picks = tuple((r, value_dims[-(v.source + 1)][d], b, stride)
                   for r, v in views.items() if r in used for d, b, stride in v.picks)
     scaled = tuple((r, axis_of[value_dims[r][o]], factor,
                     tuple(value_dims[-(v.source + 1)][d] for d in dims))
                    for r, v in views.items() if r in used for o, factor, dims in v.scaled
                    if value_dims[r][o] in axis_of)     # (a dim of size 1 has no stride)
-    less = tuple((c, *m) for c, cl in enumerate(classes) for m in cl.derived)
-    if rank + 4 + len(picks) + len(scaled) + len(less) > MAX_PARAM_SLOT:
-        raise Refusal(f"{len(picks) + len(scaled) + len(less)} run-time offsets, strides "
-                      f"and sizes of views in a kernel of {rank} axes (at most "
-                      f"{MAX_PARAM_SLOT} parameter slots)")
-    return picks, scaled, less
+    n = len(picks) + len(scaled) + sum(len(cl.derived) for cl in classes)
+    if rank + 4 + n > MAX_PARAM_SLOT:
+        raise Refusal(f"{n} run-time offsets, strides and sizes of views in a kernel of "
+                      f"{rank} axes (at most {MAX_PARAM_SLOT} parameter slots)")
+    return picks, scaled
 
 
 def _bounds(views, value_dims, classes, used) -> tuple:
