@@ -65,11 +65,13 @@ class Options:
         conv1x1_gemm: Where the products run by OpenBLAS (``blas_gemm``), run each
             large 1x1 convolution (stride 1, NHWC) as one ``StitchedMatMul``, its
             output from the op's buffer pool (tf/passes/conv1x1.py says which).
-        fused_attention: Where the products run by OpenBLAS (``blas_gemm``), run
-            each attention of an inference graph -- product, softmax kernel, product
-            -- as one op that keeps the scores of a block of query rows in cache
-            (``StitchedAttention``; default on: 1.06x the Llama decoder at batch 8,
-            BENCHMARKS.md ``gemm@amd_avx2``).
+        fused_attention: Run each attention of an inference graph -- product,
+            softmax kernel, product -- as one OpenBLAS op that keeps the scores of a
+            block of query rows in cache (``StitchedAttention``; default on): where
+            the products run by OpenBLAS (``blas_gemm``), every attention (1.06x the
+            Llama decoder at batch 8, BENCHMARKS.md ``gemm@amd_avx2``); where TF's
+            GEMM is oneDNN's, the masked ones, whose masked key blocks the op skips
+            (BENCHMARKS.md ``attention@amd_avx512``).  Off with ``blas_gemm=False``.
         background_compile: Tiered execution: new work runs stock TF while its
             kernels compile in the background, then switches to them.  ``None``
             (default) and ``True``: tiered wherever that is safe --

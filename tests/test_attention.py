@@ -452,3 +452,90 @@ def test_a_training_step_is_left_unfused(monkeypatch):
     ops_ = [n.op for n in f.get_concrete_function(*sig).graph.as_graph_def().node]
     assert "StitchedAttention" not in ops_
     assert not any("StitchedAttention" in n for n in f.report.notes)
+
+
+# Where TF's GEMM is oneDNN's (a pinned model that says so), the blas pass takes only
+# the products of the masked attentions the attention pass fuses (blas.mode ATTENTION,
+# blas._attention_products): every other product stays TF's.
+ONEDNN = "intel-avx512"
+_BLAS_OPS = {"StitchedMatMul", "StitchedBatchMatMul"}
+
+
+def _graph_ops(f, sig):
+    return [n.op for n in f.get_concrete_function(*sig).graph.as_graph_def().node]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_onednn_fuses_each_masked_attention_and_leaves_the_other_products(monkeypatch,
+                                                                          name):
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", ONEDNN)
+    from stitching.testing import models
+    import keras
+    if name == "gpt2":
+        keras.utils.set_random_seed(5)
+        model = models.gpt2_decoder(num_layers=2, d_model=32, heads=2, ff=48, seq_len=8)
+    else:
+        model = _model("llama")
+    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
+    f = stitching.function(lambda t: model(t), input_signature=sig)
+    for batch in (3, 1):
+        x = _rand((batch, 8, 32), seed=11)
+        if batch == 3:
+            x[1, 2, 5] = np.nan                      # one token's row goes NaN
+        got, want = f(tf.constant(x)).numpy(), model(x).numpy()
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ops_ = _graph_ops(f, sig)
+    assert ops_.count("StitchedAttention") == 2
+    # the projections and the feed-forward products stay TF's (oneDNN's)
+    assert not _BLAS_OPS & set(ops_)
+    assert "MatMul" in ops_ or "BatchMatMulV2" in ops_
+    notes = " ".join(f.report.notes)
+    assert "4 of 4 batch matrix product(s) run by OpenBLAS" in notes
+    assert "2 attention(s) fused into StitchedAttention" in notes
+
+
+def test_onednn_leaves_an_unmasked_attention_to_tf(monkeypatch):
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", ONEDNN)
+    model = _model("transformer")
+    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
+    f = stitching.function(lambda t: model(t), input_signature=sig)
+    x = _rand((3, 8, 32), seed=11)
+    np.testing.assert_allclose(f(tf.constant(x)).numpy(), model(x).numpy(), rtol=2e-5,
+                               atol=2e-5)
+    ops_ = _graph_ops(f, sig)
+    assert "StitchedAttention" not in ops_ and not _BLAS_OPS & set(ops_)
+    # the einsum pass's moves stay row gathers, as where no product is ours
+    assert "Transpose" not in ops_ and "GatherV2" in ops_
+    notes = " ".join(f.report.notes)
+    assert "no product run by OpenBLAS: TF's GEMM here is oneDNN's; 2 unmasked " \
+        "attention(s) left to oneDNN's products" in notes
+    # where the products run by OpenBLAS, the same attentions are fused
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
+    g = stitching.function(lambda t: model(t), input_signature=sig)
+    np.testing.assert_allclose(g(tf.constant(x)).numpy(), model(x).numpy(), rtol=2e-5,
+                               atol=2e-5)
+    assert _graph_ops(g, sig).count("StitchedAttention") == 2
+
+
+def test_onednn_without_fused_attention_or_in_training_leaves_every_product(monkeypatch):
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", ONEDNN)
+    model = _model("llama")
+    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
+    off = stitching.function(lambda t: model(t), input_signature=sig, options=OFF)
+
+    def step(t):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(t)))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    train = stitching.function(step, input_signature=sig)
+    x = tf.constant(_rand((2, 8, 32), seed=12))
+    np.testing.assert_allclose(off(x).numpy(), model(x).numpy(), rtol=2e-5, atol=2e-5)
+    (loss, grads), (want_loss, want_grads) = train(x), step(x)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
+    for f in (off, train):
+        ops_ = _graph_ops(f, sig)
+        assert "StitchedAttention" not in ops_ and not _BLAS_OPS & set(ops_), ops_

@@ -41,10 +41,13 @@ Training graphs are left alone by that rule: the backward reads the softmax's ou
 outside the stitched function, runs the forward again in TF's ops and differentiates
 that.
 
-Gated as the blas pass is (TF's GEMM is Eigen's, the library loads);
-``Options(fused_attention=False)`` (``--no-fused-attention``) keeps the three ops.
-BENCHMARKS.md ``gemm@amd_avx2`` has what it gained (1.06x the Llama decoder at batch
-8, within noise of 1.0x at batch 1 and on the Transformer).
+It fuses what the blas pass made StitchedBatchMatMul (``blas.mode``): every product
+where TF's GEMM is Eigen's; where it is oneDNN's, only the products of the masked
+attentions (a trial of this pass on a copy chooses them), whose fused op skips the
+key blocks the mask removes.  ``Options(fused_attention=False)``
+(``--no-fused-attention``) keeps the three ops.  BENCHMARKS.md ``gemm@amd_avx2`` has
+what it gained there (1.06x the Llama decoder at batch 8, within noise of 1.0x at
+batch 1 and on the Transformer), ``attention@amd_avx512`` where TF runs oneDNN.
 """
 from __future__ import annotations
 
@@ -174,14 +177,16 @@ def _flag(node, key) -> bool:
     return key in node.attr and node.attr[key].b
 
 
-def fuse(graph_def, fetched, shapes=None, folded=None) -> int:
+def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
     """Turn each matched product -> softmax kernel -> product into StitchedAttention,
     in place (the module's docstring); returns how many.  ``shapes()``: the graph
     imported with TF's shapes, asked for only where a Reshape stands between the
     pattern's nodes (einsum.py's, after an Einsum's product): one that changes no
     shape is passed over, any other stops the match.  ``folded``: a dict (the
     pipeline's ``ctx.folded``) that gets the scores' scale Muls taken into the ops'
-    scale, with where they went."""
+    scale, with where they went.  ``origins``: a list that gets, for each attention
+    fused, the ``blas._ORIGIN`` marks of its two products and whether it is masked
+    (``([names], masked)``: blas.py's trial on a copy)."""
     nodes = {nd.name: nd for nd in graph_def.node}
     # each node's readers, once per edge (data or control)
     consumers = collections.defaultdict(list)
@@ -326,6 +331,10 @@ def fuse(graph_def, fetched, shapes=None, folded=None) -> int:
         del out.input[:]
         out.input.extend(inputs + sorted(set(controls)))
         taken.update(nd.name for nd in [scores, kernel] + before + between)
+        if origins is not None:
+            origins.append(([nd.attr[blas._ORIGIN].s.decode() for nd in (scores, out)
+                             if blas._ORIGIN in nd.attr],
+                            match.mask is not None or match.cond is not None))
         count += 1
     drop_nodes(graph_def, taken)
     return count
@@ -437,8 +446,9 @@ def _to_const(nd, value) -> None:
 
 def _run(ctx):
     from ...runtime import blas as blas_ops
-    if not blas._eigen_machine() or blas_ops.unavailable() is not None:
-        return None                       # the blas pass says why, where it matters
+    if blas_ops.unavailable() is not None or \
+            not any(nd.op == "StitchedBatchMatMul" for nd in ctx.graph_def.node):
+        return None            # the blas pass (blas.mode) made none, and says why
     fused = fuse(ctx.graph_def, ctx.fetched, lambda: ctx.shapes_of(ctx.graph_def),
                  ctx.folded)
     if not fused:

@@ -28,7 +28,7 @@ then stays TF's.
 
 Only float32 and float64 (StitchedMatMul's types), NHWC, strides and dilations 1,
 SAME or VALID (the same for a 1x1 filter), and only where the blas pass will run the
-product (``blas.will_run``: the device profile says TF runs Eigen's kernels, the
+product (``blas.mode`` ALL: the device profile says TF runs Eigen's kernels, the
 library loads, ``Options(blas_gemm)``); elsewhere a MatMul of TF's would gain nothing.
 
 Why after planning: a convolution is opaque to the planner (its BatchNorm and
@@ -176,7 +176,7 @@ def rewrite(graph_def, chosen) -> None:
 def _run(ctx):
     if not any(nd.op == "Conv2D" for nd in ctx.graph_def.node):
         return None
-    if not blas.will_run(ctx.options):
+    if blas.mode(ctx.options, ctx) != blas.ALL:
         return None            # a MatMul of TF's Eigen or oneDNN: nothing to gain
     chosen, left = choose(ctx.graph_def, ctx.ir)
     rewrite(ctx.graph_def, chosen)

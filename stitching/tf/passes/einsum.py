@@ -224,6 +224,14 @@ def _gather_index(mv: _Move, dims) -> np.ndarray:
     return rows.transpose([mid_src.index(c) for c in mid_dst]).reshape(-1)
 
 
+_PRODUCT = "batch_matmul"       # the suffix of the product node an Einsum becomes
+
+
+def product_name(einsum: str) -> str:
+    """The name of the BatchMatMulV2 that ``rewrite`` makes of Einsum node ``einsum``."""
+    return f"{einsum}/einsum/{_PRODUCT}"
+
+
 def rewrite(graph_def, todo: dict, head_transposes: bool = False) -> None:
     """Turn each Einsum in ``todo`` (from ``candidates``) into a BatchMatMulV2, in place:
     the node itself becomes the output Reshape; its helper nodes are appended.
@@ -263,7 +271,7 @@ class _Builder:
                          plan.contract if plan.adj_x else plan.lfree)
         b = self.operand("b", b, plan.rhs, plan.b_order, d, b_shape,
                          plan.rfree if plan.adj_y else plan.contract)
-        mm = self.add("batch_matmul", "BatchMatMulV2", [a, b] + control, T=self.t,
+        mm = self.add(_PRODUCT, "BatchMatMulV2", [a, b] + control, T=self.t,
                       adj_x=attr_value_pb2.AttrValue(b=plan.adj_x),
                       adj_y=attr_value_pb2.AttrValue(b=plan.adj_y))
         order = plan.batch + plan.lfree + plan.rfree
@@ -338,7 +346,18 @@ def _run(ctx):
     todo = candidates(ctx.graph_def, ctx.ir)
     if not todo:
         return None
-    rewrite(ctx.graph_def, todo, blas.will_run(ctx.options))
+    which = blas.mode(ctx.options, ctx)
+    heads = set(todo) if which == blas.ALL else set()
+    if which == blas.ATTENTION:
+        # only the products the blas pass will take (those of masked attentions)
+        # get Transposes it folds; the others' moves stay row gathers
+        trial = type(ctx.graph_def)()
+        trial.CopyFrom(ctx.graph_def)
+        rewrite(trial, todo, True)
+        chosen, _, _ = blas.masked_attention_products(trial, ctx)
+        heads = {n for n in todo if product_name(n) in chosen}
+    rewrite(ctx.graph_def, {n: p for n, p in todo.items() if n in heads}, True)
+    rewrite(ctx.graph_def, {n: p for n, p in todo.items() if n not in heads}, False)
     return (f"{len(todo)} Einsum node(s) run as one BatchMatMulV2 each, their "
             "operand and result transposes as row gathers (tf/einsum.py; "
             "Options(einsum=False) keeps them)")
