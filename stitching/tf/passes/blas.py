@@ -191,8 +191,8 @@ def _attention_products(ctx):
     it ran 0.55-2.1x, 0.87x in median at the Transformer's [8, 4, 128, 64].
     """
     chosen, products, unmasked = masked_attention_products(ctx.graph_def, ctx)
-    left = (f"; {unmasked} unmasked attention(s) left to oneDNN's products, as fast "
-            f"there" if unmasked else "")
+    left = (f"; {unmasked} unmasked attention(s) left to oneDNN's products (the fused "
+            f"op gains over them only where a mask removes key blocks)" if unmasked else "")
     if not chosen:
         return (f"no product run by OpenBLAS: TF's GEMM here is oneDNN's{left} "
                 f"(tf/passes/blas.py)") if unmasked else None
