@@ -42,9 +42,10 @@ outside the stitched function, runs the forward again in TF's ops and differenti
 that.
 
 It fuses what the blas pass made StitchedBatchMatMul (``blas.mode``): every product
-where TF's GEMM is Eigen's; where it is oneDNN's, only the products of the masked
-attentions (a trial of this pass on a copy chooses them), whose fused op skips the
-key blocks the mask removes.  ``Options(fused_attention=False)``
+where TF's GEMM is Eigen's.  Where it is oneDNN's, the blas pass takes none, and this
+pass makes the products of the masked attentions ours itself, only those (a trial of
+the rewrite on a copy chooses them: ``masked_products``), since the fused op beats
+oneDNN's products by skipping the key blocks the mask removes.  ``Options(fused_attention=False)``
 (``--no-fused-attention``) keeps the three ops.  BENCHMARKS.md ``gemm@amd_avx2`` has
 what it gained there (1.06x the Llama decoder at batch 8, within noise of 1.0x at
 batch 1 and on the Transformer), ``attention@amd_avx512`` where TF runs oneDNN.
@@ -185,8 +186,8 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
     shape is passed over, any other stops the match.  ``folded``: a dict (the
     pipeline's ``ctx.folded``) that gets the scores' scale Muls taken into the ops'
     scale, with where they went.  ``origins``: a list that gets, for each attention
-    fused, the ``blas._ORIGIN`` marks of its two products and whether it is masked
-    (``([names], masked)``: blas.py's trial on a copy)."""
+    fused, the ``_ORIGIN`` marks of its two products and whether it is masked
+    (``([names], masked)``: ``masked_products``' trial on a copy)."""
     nodes = {nd.name: nd for nd in graph_def.node}
     # each node's readers, once per edge (data or control)
     consumers = collections.defaultdict(list)
@@ -332,8 +333,8 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
         out.input.extend(inputs + sorted(set(controls)))
         taken.update(nd.name for nd in [scores, kernel] + before + between)
         if origins is not None:
-            origins.append(([nd.attr[blas._ORIGIN].s.decode() for nd in (scores, out)
-                             if blas._ORIGIN in nd.attr],
+            origins.append(([nd.attr[_ORIGIN].s.decode() for nd in (scores, out)
+                             if _ORIGIN in nd.attr],
                             match.mask is not None or match.cond is not None))
         count += 1
     drop_nodes(graph_def, taken)
@@ -444,18 +445,71 @@ def _to_const(nd, value) -> None:
     nd.attr["dtype"].type = tensor.dtype
 
 
+_ORIGIN = "_stitching_product"      # a trial's mark: the batch product a node was
+
+
+def masked_products(graph_def, ctx) -> tuple[set, int, int]:
+    """(names of the batch products of ``graph_def`` that are the products of a
+    masked attention ``fuse`` would fuse once the blas pass made them ours, how many
+    batch products it has, how many unmasked attentions it would fuse): the rewrite
+    (products, head transposes, attentions) tried on a copy, each product marked
+    with its name (``_ORIGIN``).  ``ctx``: the pipeline's (fetches, shapes)."""
+    trial = type(graph_def)()
+    trial.CopyFrom(graph_def)
+    products = blas.batch_products(trial, ctx.fetched)
+    if not products:
+        return set(), 0, 0
+    for p in products:
+        p.attr[_ORIGIN].s = p.name.encode()
+    blas.rewrite(trial, [(p, None) for p in products])
+    blas.fold_head_transposes(trial, ctx.fetched)
+    fused: list = []
+    fuse(trial, ctx.fetched, lambda: ctx.shapes_of(trial), origins=fused)
+    chosen = {name for names, masked in fused if masked for name in names}
+    return chosen, len(products), sum(1 for _, masked in fused if not masked)
+
+
+def _take_masked_products(ctx) -> str | None:
+    """Where TF's GEMM is oneDNN's (``blas.mode`` ATTENTION, so the blas pass took no
+    product): the batch products of the masked attentions this pass will fuse, and
+    only those, become StitchedBatchMatMul (their head transposes folded), so that
+    ``fuse`` finds them; every other product stays oneDNN's.  Returns the note.
+
+    Why masked only (the AMD EPYC with AVX-512 and oneDNN, medians of four fresh
+    processes, ``tools/attention_probe.py``, BENCHMARKS.md ``attention@amd_avx512``):
+    with a causal mask, whose key blocks the op skips, the fused attention ran
+    0.98-1.34x the unfused one (TF's products around the stitched softmax kernel) at
+    [1-32, 4-8, 128, 32-64]; unmasked, fused the same way (every product OpenBLAS's),
+    it ran 0.55-2.1x, 0.87x in median at the Transformer's [8, 4, 128, 64]."""
+    chosen, products, unmasked = masked_products(ctx.graph_def, ctx)
+    left = (f"; {unmasked} unmasked attention(s) left to oneDNN's products (the fused "
+            f"op gains over them only where a mask removes key blocks)" if unmasked else "")
+    if not chosen:
+        return (f"no product run by OpenBLAS: TF's GEMM here is oneDNN's{left} "
+                f"(tf/passes/attention.py)") if unmasked else None
+    blas.rewrite(ctx.graph_def, [(p, None) for p in blas.batch_products(
+        ctx.graph_def, ctx.fetched) if p.name in chosen])
+    folded = blas.fold_head_transposes(ctx.graph_def, ctx.fetched)
+    return (f"{len(chosen)} of {products} batch matrix product(s) run by OpenBLAS, "
+            f"those of the masked attentions fused below ({folded} head transpose(s) "
+            f"read or written in place); the other products stay oneDNN's{left} "
+            f"(tf/passes/attention.py; Options(fused_attention=False) leaves them all "
+            f"to TF)")
+
+
 def _run(ctx):
-    from ...runtime import blas as blas_ops
-    if blas_ops.unavailable() is not None or \
-            not any(nd.op == "StitchedBatchMatMul" for nd in ctx.graph_def.node):
-        return None            # the blas pass (blas.mode) made none, and says why
+    which = blas.mode(ctx.options, ctx)
+    if which is None:
+        return None                       # the blas pass says why, where it matters
+    notes = [_take_masked_products(ctx)] if which == blas.ATTENTION else []
     fused = fuse(ctx.graph_def, ctx.fetched, lambda: ctx.shapes_of(ctx.graph_def),
-                 ctx.folded)
-    if not fused:
-        return None
-    return (f"{fused} attention(s) fused into StitchedAttention (product, softmax kernel "
-            f"and product: the scores kept per block of query rows; "
-            f"tf/passes/attention.py)")
+                 ctx.folded) if any(nd.op == "StitchedBatchMatMul"
+                                    for nd in ctx.graph_def.node) else 0
+    if fused:
+        notes.append(f"{fused} attention(s) fused into StitchedAttention (product, "
+                     f"softmax kernel and product: the scores kept per block of query "
+                     f"rows; tf/passes/attention.py)")
+    return [n for n in notes if n] or None
 
 
 PASS = Pass("attention", _run, option="fused_attention")

@@ -37,8 +37,8 @@ with TF); the ones it leaves to TF are the pairs taken here.
 Only float32 and float64 products on the CPU.  Where the device profile says TF runs
 oneDNN's GEMM (``remapper.onednn``), its products measured as fast as OpenBLAS's
 (0.93-1.08x, BENCHMARKS.md ``gemm@amd_avx512``), so the pass takes only the batch
-products of the masked attentions that attention.py will fuse (``mode``,
-``_attention_products``).  Without the wheel (or if the op library does not build)
+products of the masked attentions that attention.py will fuse (``mode``; that pass
+chooses and rewrites them, attention.py ``masked_products``).  Without the wheel (or if the op library does not build)
 the products stay TF's and the report says why.
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ def mode(options, ctx=None) -> str | None:
     """Which products this pass turns into OpenBLAS ops on the machine the device
     profile describes: ``ALL`` where TF's GEMM is Eigen's; ``ATTENTION`` where it is
     oneDNN's: only the products of a masked attention the attention pass fuses
-    (``_attention_products`` says why), and only in a graph without a backward
+    (attention.py's ``masked_products`` says why), and only in a graph without a backward
     (``ctx``: a training graph's attentions are never fused); None: none
     (``Options(blas_gemm=False)``, ``fused_attention=False`` where TF's GEMM is
     oneDNN's, or the library does not load)."""
@@ -146,11 +146,8 @@ def will_run(options, ctx=None) -> bool:
 
 def _run(ctx):
     from ...runtime import blas
-    which = mode(ctx.options, ctx)
-    if which == ATTENTION:
-        return _attention_products(ctx)
     if not _eigen_machine():
-        return None
+        return None         # where TF's GEMM is oneDNN's: attention.py takes its products
     pairs = [(p, _nhwc(b)) for p, b in xladot.candidates(ctx.graph_def, ctx.fetched)
              if p.op in OPS]
     if not pairs:
@@ -169,63 +166,9 @@ def _run(ctx):
             f"Options(blas_gemm=False) leaves them to TF)")
 
 
-_ORIGIN = "_stitching_product"      # a trial's mark: the batch product a node was
-
-
-def _batch_products(graph_def, fetched) -> list:
+def batch_products(graph_def, fetched) -> list:
     return [p for p, _ in xladot.candidates(graph_def, fetched)
             if p.op in ("BatchMatMulV2", "BatchMatMul")]
-
-
-def _attention_products(ctx):
-    """Where TF's GEMM is oneDNN's (``mode`` ATTENTION): the batch products of the
-    masked attentions that the attention pass will fuse, and only those, become
-    StitchedBatchMatMul (their head transposes folded), so that it finds them; every
-    other product stays oneDNN's.  Which ones: ``masked_attention_products``.
-
-    Why masked only (the AMD EPYC with AVX-512 and oneDNN, medians of four fresh
-    processes, ``tools/attention_probe.py``, BENCHMARKS.md ``attention@amd_avx512``):
-    with a causal mask, whose key blocks the op skips, the fused attention ran
-    0.98-1.34x the unfused one (TF's products around the stitched softmax kernel) at
-    [1-32, 4-8, 128, 32-64]; unmasked, fused the same way (every product OpenBLAS's),
-    it ran 0.55-2.1x, 0.87x in median at the Transformer's [8, 4, 128, 64].
-    """
-    chosen, products, unmasked = masked_attention_products(ctx.graph_def, ctx)
-    left = (f"; {unmasked} unmasked attention(s) left to oneDNN's products (the fused "
-            f"op gains over them only where a mask removes key blocks)" if unmasked else "")
-    if not chosen:
-        return (f"no product run by OpenBLAS: TF's GEMM here is oneDNN's{left} "
-                f"(tf/passes/blas.py)") if unmasked else None
-    rewrite(ctx.graph_def, [(p, None) for p in _batch_products(ctx.graph_def, ctx.fetched)
-                            if p.name in chosen])
-    folded = fold_head_transposes(ctx.graph_def, ctx.fetched)
-    return (f"{len(chosen)} of {products} batch matrix product(s) run by OpenBLAS, "
-            f"those of the masked attentions the attention pass fuses ({folded} head "
-            f"transpose(s) read or written in place); the other products stay oneDNN's"
-            f"{left} (tf/passes/blas.py; Options(fused_attention=False) leaves them "
-            f"all to TF)")
-
-
-def masked_attention_products(graph_def, ctx) -> tuple[set, int, int]:
-    """(names of the batch products of ``graph_def`` that are the products of a
-    masked attention the attention pass would fuse, how many batch products it has,
-    how many unmasked attentions it would fuse): the rewrite (products, head
-    transposes, attentions) tried on a copy, each product marked with its name
-    (``_ORIGIN``).  ``ctx``: the pipeline's (fetches, shapes)."""
-    from . import attention
-    trial = type(graph_def)()
-    trial.CopyFrom(graph_def)
-    products = _batch_products(trial, ctx.fetched)
-    if not products:
-        return set(), 0, 0
-    for p in products:
-        p.attr[_ORIGIN].s = p.name.encode()
-    rewrite(trial, [(p, None) for p in products])
-    fold_head_transposes(trial, ctx.fetched)
-    fused: list = []
-    attention.fuse(trial, ctx.fetched, lambda: ctx.shapes_of(trial), origins=fused)
-    chosen = {name for names, masked in fused if masked for name in names}
-    return chosen, len(products), sum(1 for _, masked in fused if not masked)
 
 
 def _const_ints(node):

@@ -62,7 +62,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 from ..passmanager import Pass
-from . import blas
+from . import attention, blas
 
 _FLOATS = {types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
 _EQUATION = re.compile(r"^([A-Za-z]+),([A-Za-z]+)->([A-Za-z]*)$")
@@ -354,7 +354,7 @@ def _run(ctx):
         trial = type(ctx.graph_def)()
         trial.CopyFrom(ctx.graph_def)
         rewrite(trial, todo, True)
-        chosen, _, _ = blas.masked_attention_products(trial, ctx)
+        chosen, _, _ = attention.masked_products(trial, ctx)
         heads = {n for n in todo if product_name(n) in chosen}
     rewrite(ctx.graph_def, {n: p for n, p in todo.items() if n in heads}, True)
     rewrite(ctx.graph_def, {n: p for n, p in todo.items() if n not in heads}, False)
