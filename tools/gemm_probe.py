@@ -35,7 +35,8 @@ and what it costs at batch 8; and with ``StitchedMatMul`` taking the bias, as th
 blas pass writes them.
 
 The markdown section is per machine class (``gemm`` on the Intel AVX-512 class, with
-oneDNN, where this probe started; ``gemm@amd_avx2`` on the AMD EPYC, oneDNN off).
+oneDNN, where this probe started; ``gemm@amd_avx2`` on the AMD EPYC, oneDNN off;
+``gemm@amd_avx512`` on the AMD EPYC with AVX-512, oneDNN on).
 
 Each cell is the fastest of ``--rounds`` medians of ``--calls`` calls; modes are
 interleaved per round.
@@ -237,21 +238,25 @@ def _markdown(rows, blocks, meta: str, key: str = "gemm", onednn: bool = True) -
             "function; the OpenBLAS op takes the biases):",
             "", render_markdown(*block_table(blocks)), "",
             f"<!-- /suite:{key} -->"])
+    home = key == "gemm"          # the Intel class, where the notes below were measured
+    title = ("## gemm (TF's matrix product vs XLA's, Transformer sizes)" if home else
+             f"## gemm (the {key.split('@')[1].replace('_', '-')} machine: TF's oneDNN "
+             "GEMM vs XLA's and OpenBLAS's)")
     return "\n".join([
-        "<!-- suite:gemm -->", "## gemm (TF's matrix product vs XLA's, Transformer sizes)", "",
+        f"<!-- suite:{key} -->", title, "",
         meta, "",
         f"Per product of a chain [M, {K}] x [{K}, {N}] x [{N}, {K}] ... (16 products in "
         "one function, batch unknown); `tools/gemm_probe.py` says what each column runs.",
         "", render_markdown(*table(rows)), "",
         f"Per feed-forward block relu(x W1 + b1) W2 + b2 + x ({BLOCKS} in one function):",
         "", render_markdown(*block_table(blocks)), "",
-        "- At batch 1 (M = 128) TF's MatMul runs on one thread and loses to XLA's dot; "
-        "BatchMatMulV2 runs on both but loses from M = 256 on; tf.cond pays its "
-        "dispatch on every product; two row halves run side by side win at M = 128 "
-        "and are even at M = 1024 (tf/seqsplit.py does this in the graph). This was the "
-        "Transformer's batch-1 gap to XLA "
-        "(docs/limits.md, Matrix products).",
-        "<!-- /suite:gemm -->"])
+        *(["- At batch 1 (M = 128) TF's MatMul runs on one thread and loses to XLA's dot; "
+            "BatchMatMulV2 runs on both but loses from M = 256 on; tf.cond pays its "
+            "dispatch on every product; two row halves run side by side win at M = 128 "
+            "and are even at M = 1024 (tf/seqsplit.py does this in the graph). This was "
+            "the Transformer's batch-1 gap to XLA (docs/limits.md, Matrix products)."]
+          if home else []),
+        f"<!-- /suite:{key} -->"])
 
 
 def main(argv=None) -> int:
@@ -272,12 +277,13 @@ def main(argv=None) -> int:
         import tensorflow as tf
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_lib.machine import machine_line
-        from bench_lib.output import replace_sections
+        from bench_lib.output import HOME_CLASS, replace_sections
         from stitching.plan import profiles
         from stitching.tf.passes import remapper
         onednn = remapper.onednn_enabled()
-        key = "gemm" if onednn else "gemm@" + profiles.cpu_facts()["cpu_class"].replace(
-            "-", "_")
+        cls = profiles.cpu_facts()["cpu_class"]
+        # a table of one machine class never replaces another's (bench.py's section_key)
+        key = "gemm" if cls == HOME_CLASS and onednn else "gemm@" + cls.replace("-", "_")
         meta = (f"Measured {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on "
                 f"{machine_line()} ({os.cpu_count()} cores, L2 {l2_bytes() >> 10} KiB "
                 f"per core), TensorFlow {tf.__version__}; load average "

@@ -45,8 +45,8 @@ It fuses what the blas pass made StitchedBatchMatMul (``blas.mode``): every prod
 where TF's GEMM is Eigen's.  Where it is oneDNN's, the blas pass takes none, and this
 pass makes the products of the masked attentions ours itself, only those (a trial of
 the rewrite on a copy chooses them: ``masked_products``), since the fused op beats
-oneDNN's products by skipping the key blocks the mask removes.  ``Options(fused_attention=False)``
-(``--no-fused-attention``) keeps the three ops.  BENCHMARKS.md ``gemm@amd_avx2`` has
+oneDNN's products by skipping the key blocks the mask removes.
+``Options(fused_attention=False)`` (``--no-fused-attention``) keeps the three ops.  BENCHMARKS.md ``gemm@amd_avx2`` has
 what it gained there (1.06x the Llama decoder at batch 8, within noise of 1.0x at
 batch 1 and on the Transformer), ``attention@amd_avx512`` where TF runs oneDNN.
 """

@@ -35,11 +35,12 @@ into its kernels where that pays (plan/epilogue.py keeps only convolution epilog
 with TF); the ones it leaves to TF are the pairs taken here.
 
 Only float32 and float64 products on the CPU.  Where the device profile says TF runs
-oneDNN's GEMM (``remapper.onednn``), its products measured as fast as OpenBLAS's
-(0.93-1.08x, BENCHMARKS.md ``gemm@amd_avx512``), so the pass takes only the batch
-products of the masked attentions that attention.py will fuse (``mode``; that pass
-chooses and rewrites them, attention.py ``masked_products``).  Without the wheel (or if the op library does not build)
-the products stay TF's and the report says why.
+oneDNN's GEMM (``remapper.onednn``), OpenBLAS's products measured no faster than its
+(0.95-1.02x per product, 0.85-0.88x per feed-forward block of 128 or 1024 rows,
+BENCHMARKS.md ``gemm@amd_avx512``): this pass takes none there, and only
+the batch products of the masked attentions become ours, in the attention pass that
+fuses them (``mode`` ATTENTION; attention.py ``masked_products``).  Without the wheel
+(or if the op library does not build) the products stay TF's and the report says why.
 """
 from __future__ import annotations
 
@@ -118,13 +119,15 @@ ALL, ATTENTION = "all", "attention"      # what ``mode`` says this pass takes
 
 
 def mode(options, ctx=None) -> str | None:
-    """Which products this pass turns into OpenBLAS ops on the machine the device
-    profile describes: ``ALL`` where TF's GEMM is Eigen's; ``ATTENTION`` where it is
-    oneDNN's: only the products of a masked attention the attention pass fuses
-    (attention.py's ``masked_products`` says why), and only in a graph without a backward
-    (``ctx``: a training graph's attentions are never fused); None: none
-    (``Options(blas_gemm=False)``, ``fused_attention=False`` where TF's GEMM is
-    oneDNN's, or the library does not load)."""
+    """Which matrix products become OpenBLAS ops on the machine the device profile
+    describes: ``ALL`` (this pass takes them all) where TF's GEMM is Eigen's;
+    ``ATTENTION`` where it is oneDNN's: only the products of the masked attentions,
+    which the attention pass takes and fuses (attention.py ``_take_masked_products``
+    says why), and only in a graph without a backward (``ctx``: a training graph's
+    attentions are never fused); None: none (``Options(blas_gemm=False)``,
+    ``fused_attention=False`` where TF's GEMM is oneDNN's, or the library does not
+    load).  einsum.py asks it: it leaves a head transpose for a product to fold only
+    where the product will be ours."""
     from ...runtime import blas
     if not options.blas_gemm or blas.unavailable() is not None:
         return None
@@ -136,12 +139,6 @@ def mode(options, ctx=None) -> str | None:
             (ctx is not None and inline.traced_has_backward(ctx)):
         return None
     return ATTENTION
-
-
-def will_run(options, ctx=None) -> bool:
-    """Whether this pass turns products into our ops (einsum.py asks: it leaves a
-    head transpose for the product to write only then)."""
-    return mode(options, ctx) is not None
 
 
 def _run(ctx):
@@ -167,6 +164,8 @@ def _run(ctx):
 
 
 def batch_products(graph_def, fetched) -> list:
+    """The BatchMatMul[V2] nodes of ``graph_def`` this pass could take (float32 or
+    float64, two operands)."""
     return [p for p, _ in xladot.candidates(graph_def, fetched)
             if p.op in ("BatchMatMulV2", "BatchMatMul")]
 

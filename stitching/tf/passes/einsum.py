@@ -349,8 +349,8 @@ def _run(ctx):
     which = blas.mode(ctx.options, ctx)
     heads = set(todo) if which == blas.ALL else set()
     if which == blas.ATTENTION:
-        # only the products the blas pass will take (those of masked attentions)
-        # get Transposes it folds; the others' moves stay row gathers
+        # only the products that will be ours (those of masked attentions, which the
+        # attention pass takes) get Transposes it folds; the others' stay row gathers
         trial = type(ctx.graph_def)()
         trial.CopyFrom(ctx.graph_def)
         rewrite(trial, todo, True)
