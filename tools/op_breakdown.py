@@ -265,7 +265,7 @@ def prepare(model_name: str, batch: int, wanted, layers: int = 4):
             f(x)
     # the stitched modes' tier-2 code in place of tier 1 (and of the original ops a
     # region with a transcendental runs until then), as the models suite times it
-    from bench_lib.measure import wait_for_final_code
+    from bench_lib.modes import wait_for_final_code
     wait_for_final_code()
     for f in modes.values():
         f(x)

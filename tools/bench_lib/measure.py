@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 import time
 
 import numpy as np
 import tensorflow as tf
 
-from .modes import Runner, first_line
+from .modes import Runner, first_line, wait_for_final_code
 
 
 def _stats(samples):
@@ -44,16 +43,6 @@ def _stats(samples):
 def _calls(seconds: float, one: float) -> int:
     """How many calls of ``one`` seconds last about ``seconds`` (1 to 1000)."""
     return max(1, min(1000, math.ceil(seconds / max(one, 1e-7))))
-
-
-def wait_for_final_code() -> None:
-    """Wait for the tier-2 compiles that stitched calls started (the tiered compile:
-    a first call that waited runs tier-1 code, and a region computing a transcendental
-    runs its original TF ops until its tier-2 code is in, compile/kernel.py), so that
-    what is timed next is the optimized code every cache holds.  Nothing to wait for
-    where stitching was never imported."""
-    if "stitching.compile.parallel" in sys.modules:
-        sys.modules["stitching.compile.parallel"].wait_upgrades()
 
 
 def time_modes(runners: list[Runner], args, *, repeats: int, warmup: int,

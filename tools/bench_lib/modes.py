@@ -5,6 +5,7 @@ of its error; the harness keeps going (stitching is being written while this run
 """
 from __future__ import annotations
 
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -95,6 +96,16 @@ def build(mode: str, fn, signature, planner: str | None = None) -> Runner:
     return r
 
 
+def wait_for_final_code() -> None:
+    """Wait for the tier-2 compiles that stitched calls started (the tiered compile:
+    a first call that waited runs tier-1 code, and a region computing a transcendental
+    runs its original TF ops until its tier-2 code is in, compile/kernel.py), so that
+    what is timed next is the optimized code every cache holds.  Nothing to wait for
+    where stitching was never imported."""
+    if "stitching.compile.parallel" in sys.modules:
+        sys.modules["stitching.compile.parallel"].wait_upgrades()
+
+
 def first_call(r: Runner, args) -> object:
     """Call once (trace + compile + run), timing it; returns the output or None."""
     if not r.ok:
@@ -105,10 +116,7 @@ def first_call(r: Runner, args) -> object:
         _block(out)
         r.first_call_s = time.perf_counter() - t0
         if r.mode != "tf" and r.mode != "xla":
-            # a cold first call that waited ran tier-1 code (the tiered compile): the
-            # calls timed after it run the optimized code every cache holds
-            from stitching.compile import parallel
-            parallel.wait_upgrades()
+            wait_for_final_code()
         return out
     except Exception as e:
         r.fail(e, "call")

@@ -448,14 +448,19 @@ def _to_const(nd, value) -> None:
 _ORIGIN = "_stitching_product"      # a trial's mark: the batch product a node was
 
 
-def masked_products(graph_def, ctx) -> tuple[set, int, int]:
+def masked_products(graph_def, ctx, scratch: bool = False) -> tuple[set, int, int]:
     """(names of the batch products of ``graph_def`` that are the products of a
     masked attention ``fuse`` would fuse once the blas pass made them ours, how many
     batch products it has, how many unmasked attentions it would fuse): the rewrite
     (products, head transposes, attentions) tried on a copy, each product marked
-    with its name (``_ORIGIN``).  ``ctx``: the pipeline's (fetches, shapes)."""
-    trial = type(graph_def)()
-    trial.CopyFrom(graph_def)
+    with its name (``_ORIGIN``).  ``ctx``: the pipeline's (fetches, shapes).
+    ``scratch``: ``graph_def`` is a copy the caller gives up (einsum.py's trial), so
+    the rewrite is tried on it in place."""
+    if scratch:
+        trial = graph_def
+    else:
+        trial = type(graph_def)()
+        trial.CopyFrom(graph_def)
     products = blas.batch_products(trial, ctx.fetched)
     if not products:
         return set(), 0, 0
@@ -503,8 +508,7 @@ def _run(ctx):
         return None                       # the blas pass says why, where it matters
     notes = [_take_masked_products(ctx)] if which == blas.ATTENTION else []
     fused = fuse(ctx.graph_def, ctx.fetched, lambda: ctx.shapes_of(ctx.graph_def),
-                 ctx.folded) if any(nd.op == "StitchedBatchMatMul"
-                                    for nd in ctx.graph_def.node) else 0
+                 ctx.folded)
     if fused:
         notes.append(f"{fused} attention(s) fused into StitchedAttention (product, "
                      f"softmax kernel and product: the scores kept per block of query "

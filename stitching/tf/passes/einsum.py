@@ -354,7 +354,7 @@ def _run(ctx):
         trial = type(ctx.graph_def)()
         trial.CopyFrom(ctx.graph_def)
         rewrite(trial, todo, True)
-        chosen, _, _ = attention.masked_products(trial, ctx)
+        chosen, _, _ = attention.masked_products(trial, ctx, scratch=True)
         heads = {n for n in todo if product_name(n) in chosen}
     rewrite(ctx.graph_def, {n: p for n, p in todo.items() if n in heads}, True)
     rewrite(ctx.graph_def, {n: p for n, p in todo.items() if n not in heads}, False)
