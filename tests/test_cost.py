@@ -142,13 +142,19 @@ def test_a_provisional_profile_plans_with_its_classs_model(monkeypatch):
 
 
 def test_named_machine_models_state_the_facts_decisions_read():
-    intel, amd = profiles.get("intel-avx512"), profiles.get("amd-avx2")
+    intel, amd, zen4 = (profiles.get(m) for m in ("intel-avx512", "amd-avx2", "amd-avx512"))
     assert (intel.isa, intel.vector_bytes, intel.caches["l2"], intel.tf_onednn) == \
         ("avx512f", 64, 2 << 20, True)
     assert (amd.isa, amd.vector_bytes, amd.caches["l2"], amd.tf_onednn) == \
         ("avx2", 32, 512 << 10, False)
-    for p in (intel, amd):                  # each with its class's shipped calibration
-        assert p.measured_at and "calibration" in p.source and p.tf_time_scale
+    assert (zen4.isa, zen4.vector_bytes, zen4.caches["l2"], zen4.tf_onednn) == \
+        ("avx512f", 64, 1 << 20, True)
+    for p in (intel, amd, zen4):            # each with its class's shipped calibration
+        assert p.measured_at and p.tf_time_scale and p.kernel_op_cost
+        assert f"shipped {p.cpu_class} calibration" in p.source, p.source
+    # a measured AMD AVX-512 CPU takes its own class's numbers, not Intel's
+    assert profiles.shipped_class(profiles.with_overrides(CPU, cpu_class="amd-avx512",
+                                                          isa="avx512f")) == "amd-avx512"
 
 
 def test_cpu_facts_classify_the_running_cpu():

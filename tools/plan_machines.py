@@ -3,9 +3,9 @@
 whether the plans are the same.  Planning only (no compile, no timing), so it runs on a
 busy machine and says nothing about this machine's speed.
 
-    python tools/plan_machines.py                    # models and patterns, both machine models
+    python tools/plan_machines.py                    # models and patterns, every machine model
     python tools/plan_machines.py --models efficientnet_b0 --batch 8
-    python tools/plan_machines.py --profiles intel-avx512,amd-avx2,cpu
+    python tools/plan_machines.py --profiles intel-avx512,amd-avx2,amd-avx512,cpu
     python tools/plan_machines.py --measure 5 --load 2             # 5 profiles measured while
                                 # 2 busy processes run, 5 measured quietly, plans compared
 
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
                     help="pattern-suite cases (comma-separated, 'all' or 'none'), at "
                          "--sizes")
     ap.add_argument("--sizes", default="small,large")
-    ap.add_argument("--profiles", default="intel-avx512,amd-avx2")
+    ap.add_argument("--profiles", default="intel-avx512,amd-avx2,amd-avx512")
     ap.add_argument("--measure", type=int, default=0,
                     help="also N measurements of this machine under load and N quiet")
     ap.add_argument("--load", type=int, default=2, help="busy processes for --measure")

@@ -5,8 +5,9 @@
       ├── pinned "v100" / "a100" / "h100"   published specs (CUDA backend, deterministic tests)
       ├── pinned "cpu-reference"            this project's 2-core VM, written down once
       │                                     (deterministic cost-model tests)
-      ├── machine models "intel-avx512",    the two CPU classes this project runs on, with
-      │   "amd-avx2" (MACHINES)             ISA, caches and TF's oneDNN fact: what tests pin
+      ├── machine models "intel-avx512",    the three CPU classes this project runs on, with
+      │   "amd-avx2", "amd-avx512"          ISA, caches and TF's oneDNN fact: what tests pin
+      │   (MACHINES)
       └── measured "cpu"                    the running machine: 7 trials per number (about a
                                             second), cached as JSON under $STITCHING_CACHE_DIR
                                             or ~/.cache/stitching (device-profile-cpu.json);
@@ -72,7 +73,7 @@ TF_CLASSES = ("elementwise", "transcendental", "row_reduction", "column_reductio
               "softmax")
 # The shipped calibration of each CPU class (tools/calibrate.py --ship), beside this file.
 CALIBRATION_FILES = {c: os.path.join(os.path.dirname(__file__), f"calibration-cpu-{c}.json")
-                     for c in ("intel-avx512", "amd-avx2")}
+                     for c in ("intel-avx512", "amd-avx2", "amd-avx512")}
 SCALE_RANGE = (0.05, 50.0)    # arbitrary sanity bounds on a measured factor
 # The transcendental ops (ir/ops.py) whose per-element cost relative to Exp a profile
 # may carry (DeviceProfile.kernel_op_cost, tf_op_cost); tools/calibrate.py --ops times
@@ -203,7 +204,7 @@ PINNED = {
 }
 
 # ---- named CPU machine models -----------------------------------------------------------
-# The two classes of machine this project has run on, as quiet measurements of them
+# The three classes of machine this project has run on, as quiet measurements of them
 # (tools/calibrate.py; the date is each model's ``measured_at``).  Tests that assert a
 # planning decision pin one of these (tests/conftest.py: the ``machine`` fixture), so a
 # plan never depends on the machine a test runs on; a measured profile whose CPU is of
@@ -231,6 +232,18 @@ MACHINES = {
         caches={"l1": 32 << 10, "l2": 512 << 10, "l3": 32 << 20}, measured=True,
         isa="avx2", tf_onednn=False, cpu_class="amd-avx2",
         measured_at="2026-11-28", source="amd-avx2 (named machine model)"),
+    # AMD EPYC (Zen 4, family 25 model 17), 2 cores of a VM: AVX-512 (its 512-bit ops
+    # run as two 256-bit halves), 32 KiB L1d, 1 MiB L2, 32 MiB L3, TF's oneDNN on
+    # (IsMklEnabled: the CPU has AVX512_VNNI / BF16).  2026-11-29, quiet: six
+    # `python -m stitching.profile --remeasure` runs, each number their median.
+    "amd-avx512": DeviceProfile(
+        name="amd-avx512", backend="cpu", bandwidth=30e9, lanes=2, bw_per_lane=26.7e9,
+        units=2, cache_bandwidth=185e9, scratch_per_task=1 << 20, scratch_per_unit=1 << 20,
+        registers_per_unit=32, max_threads_per_task=1, max_threads_per_unit=1,
+        vector_bytes=64, launch_s=5e-6, task_s=1e-6, transcendental_per_s=3.4e9,
+        caches={"l1": 32 << 10, "l2": 1 << 20, "l3": 32 << 20}, measured=True,
+        isa="avx512f", tf_onednn=True, cpu_class="amd-avx512",
+        measured_at="2026-11-29", source="amd-avx512 (named machine model)"),
 }
 
 # CPU constants the measurement cannot see from NumPy (labelled):
