@@ -16,7 +16,7 @@ from stitching.plan import cost, profiles, search
 from stitching.schedule import check as legal_check
 
 SIX = ("Tanh", "Exp", "Sigmoid", "Erf", "Tanh", "Sigmoid")
-TRIG = ("Sin", "Cos", "Sin", "Cos", "Sin", "Cos")   # ours: scalar libm calls, ~75 Exps
+TRIG = ("Sin", "Cos", "Sin", "Cos", "Sin", "Cos")   # ours: priced chained, ~18 Exps each
 SHAPE = (64, 32, 4, 64)
 
 
@@ -38,7 +38,7 @@ def test_both_machine_models_carry_per_op_compute_costs(machine):
     for table in (machine.kernel_op_cost, machine.tf_op_cost):
         assert table["Exp"] == 1.0 and set(SIX) <= set(table)
         assert set(table) <= set(profiles.OP_COST_OPS)
-    assert 0 < machine.kernel_compute_scale < 1
+    assert 0.05 < machine.kernel_compute_scale < 2     # a correction, not a new price
 
 
 def test_a_compute_bound_chain_is_priced_from_the_per_op_tables(machine):
@@ -105,8 +105,10 @@ def test_the_chain_is_fused_at_the_per_op_price(machine):
 
 
 def test_a_chain_our_kernels_compute_slowly_is_left_to_tf_with_the_reason(machine):
-    """Sin and Cos cost ~75 Exps each in a generated kernel, ~2-3 in TF's: the chain
-    stays TF's, and the report says the cost model found no gain, with the times."""
+    """Sin and Cos cost ~18 Exps each in a chain in a generated kernel (latency-bound:
+    their float64 reduction and polynomial), ~2-3 in TF's: the chain stays TF's (fused,
+    it ran 0.44x TF's six ops on the amd-avx512 machine), and the report says the cost
+    model found no gain, with the times."""
     p = _plan(_chain(ops=TRIG), machine)
     assert p.regions == [] and [n for n, _, _ in p.unfused] == [f"c{i}" for i in range(6)]
     for _, _, why in p.unfused:

@@ -1,6 +1,7 @@
 """Fast float32 math (stitching/codegen/cpu/fastmath.py): error bounds over dense sweeps
 against float64, special values, and that a loop calling each helper vectorizes."""
 import math
+import re
 
 import numba
 import numpy as np
@@ -24,7 +25,10 @@ REF = {
     "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
     "erf": _sp.erf if _sp else _vec(math.erf),
     "erfc": _sp.erfc if _sp else _vec(math.erfc),
+    "sin": np.sin, "cos": np.cos,       # glibc's: correctly reduced up to FLT_MAX
 }
+
+SINCOS_ULP = 0.5 + 2 ** -8   # sin_f32/cos_f32: float64 reduction and polynomials, one rounding
 
 # (function, [(lo, hi) ranges of |x| or x], max ulp) -- the bounds the docstrings state
 BOUNDS = {
@@ -36,6 +40,8 @@ BOUNDS = {
     "sigmoid": ([(-87.0, 87.0)], 3.0),
     "erf": ([(-6.0, 6.0)], 5.5),
     "erfc": ([(-6.0, 9.2)], 4.4),       # 4.32 near 5
+    "sin": ([(-3.4e38, 3.4e38)], SINCOS_ULP),   # whole range, huge |x| included
+    "cos": ([(-3.4e38, 3.4e38)], SINCOS_ULP),
 }
 
 _runners = {}
@@ -198,13 +204,91 @@ def test_softplus_uses_tf_thresholds():
     assert out[7] == 14.0 and np.isnan(out[9]) and out[10] == np.inf and out[11] == 0.0
 
 
-@pytest.mark.parametrize("name", ["exp", "tanh", "erf", "log", "sigmoid"])
+@pytest.mark.parametrize("name", ["exp", "tanh", "erf", "log", "sigmoid", "sin", "cos"])
 def test_loops_vectorize(name):
     """A loop over the helper compiles to 8-lane float vectors (AVX2) or at least
     4-lane ones: the whole point of these helpers."""
     run(name, np.ones(16, np.float32))
     llvm = _runners[name].inspect_llvm(_runners[name].signatures[0])
     assert "<8 x float>" in llvm or "<4 x float>" in llvm
+
+
+@pytest.mark.parametrize("name", ["sin", "cos"])
+def test_sin_cos_loops_vectorize_in_machine_code(name):
+    """sin_f32/cos_f32 (big helpers over three small ones) are inlined whole into the
+    loop, which runs packed float64 FMAs on ymm/zmm registers: no call is left (the
+    former Sin lowering called libm's scalar sin per element)."""
+    run(name, np.ones(16, np.float32))
+    loop = _runners[name]
+    asm = loop.inspect_asm(loop.signatures[0])
+    packed = re.findall(r"\bvfmadd\w*pd\s+[^\n]*%[yz]mm", asm)
+    assert len(packed) >= 8, asm
+    assert not re.search(r"\bcall\w*\s+[^\n]*(sin|cos|trig|_sincos)", asm, re.I)
+
+
+def test_two_over_pi_digits():
+    """The 288 bits of 2/pi the reduction's pieces come from, against pi from Machin's
+    formula (pi/4 = 4 atan(1/5) - atan(1/239)) in integer arithmetic."""
+    def atan_inv(n, one):
+        s, t, k, sign = 0, one // n, 1, 1
+        while t:
+            s, t, k, sign = s + sign * (t // k), t // (n * n), k + 2, -sign
+        return s
+    bits = 4 * len(F._TWO_OVER_PI_HEX) + 32
+    one = 1 << bits
+    pi = 4 * (4 * atan_inv(5, one) - atan_inv(239, one))      # pi 2^bits, error < 2^-20
+    two_over_pi = (2 * one * one) // pi                     # 2/pi 2^bits
+    assert two_over_pi >> 32 == int(F._TWO_OVER_PI_HEX, 16)
+    digits, total = int(F._TWO_OVER_PI_HEX, 16), 4 * len(F._TWO_OVER_PI_HEX)
+    bands = [(F._TP00, F._TP01, F._TP02, F._TP03, F._TP04),
+             (F._TP10, F._TP11, F._TP12, F._TP13, F._TP14)]
+    for b, pieces in zip(F._TRIG_DROP, bands):
+        # each band's pieces are the 145 bits after the first b, 29 to a piece (exact)
+        got = sum(int(p * 2.0 ** (b + 145)) for p in pieces)
+        assert got == (digits >> (total - b - 145)) & ((1 << 145) - 1)
+        assert all(math.frexp(p)[0] * 2 ** 29 % 1 == 0 for p in pieces)
+
+
+# float32 arguments nearest to a multiple of pi/2 (|x 2/pi - n| smallest over all of
+# float32, from 2^-1 to FLT_MAX, one per binade, the deepest first): the reduced argument
+# cancels ~30 bits there.  Found by an exhaustive search in 2.62 fixed point (x 2/pi mod 4
+# from 96-bit windows of 2/pi, as Eigen's trig_reduce_huge computes it).
+HARD_TRIG = np.array([
+    0x6f79be45, 0x50a3e87f, 0x6ff9be45, 0x5123e87f, 0x437ce5f1, 0x7079be45, 0x6a1976f1,
+    0x53b146a6, 0x65898498, 0x51a3e87f, 0x43fce5f1, 0x77584625, 0x4c2332e9, 0x4096cbe4,
+    0x6c55da58, 0x70f9be45, 0x6a9976f1, 0x5c07bcd0, 0x543146a6, 0x66098498, 0x5223e87f,
+    0x474d246f, 0x723fa09a, 0x447ce5f1], np.uint32).view(np.float32)   # 7.73e28 first:
+#   16367173 * 2^72, |x 2/pi - n| = 2^-29.86, the smallest of all
+
+
+@pytest.mark.parametrize("name", ["sin", "cos"])
+def test_sin_cos_nearest_multiples_of_half_pi(name):
+    x = np.concatenate([HARD_TRIG, -HARD_TRIG])
+    err = ulp_error(run(name, x), REF[name](x.astype(np.float64)))
+    assert err.max() <= SINCOS_ULP, (x[np.argmax(err)], err.max())
+
+
+def test_sin_cos_special_values_and_symmetry():
+    """sin(x) = x for |x| < 2^-12 (bit for bit: subnormals, -0.0), sin is odd and cos even
+    bit for bit, cos(0) = 1, +-inf and NaN give NaN, FLT_MAX is reduced exactly."""
+    tiny = np.array([0.0, 1e-45, 1e-40, 1.1754942e-38, 1.17549435e-38, 1e-30, 1e-10,
+                     2.0 ** -13, np.nextafter(np.float32(2 ** -12), np.float32(0))],
+                    np.float32)
+    for x in (tiny, -tiny):
+        assert np.array_equal(run("sin", x).view(np.int32), x.view(np.int32)), x
+        assert np.all(run("cos", x) == 1.0)
+    x = sweep(-3.4e38, 3.4e38, 100_000)
+    assert np.array_equal(run("sin", -x), -run("sin", x))
+    assert np.array_equal(run("cos", -x), run("cos", x))
+    bad = np.array([np.inf, -np.inf, np.nan, -np.nan], np.float32)
+    assert np.isnan(run("sin", bad)).all() and np.isnan(run("cos", bad)).all()
+    band = np.float32(F._TRIG_BAND1)        # the reduction's second band starts there
+    big = np.array([3.4028235e38, -3.4028235e38, 2.0 ** 127, 1e38, 2.0 ** 52, band,
+                    np.nextafter(band, np.float32(0)), np.nextafter(band, np.float32(np.inf))],
+                   np.float32)
+    for name in ("sin", "cos"):
+        err = ulp_error(run(name, big), REF[name](big.astype(np.float64)))
+        assert err.max() <= SINCOS_ULP, (name, err)
 
 
 def test_f16_and_bf16_roundtrips_are_exact():

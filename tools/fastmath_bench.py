@@ -18,7 +18,7 @@ from numba import njit
 
 from stitching.codegen.cpu import fastmath as F
 
-NAMES = ["exp", "expm1", "log", "log1p", "tanh", "sigmoid", "erf", "erfc"]
+NAMES = ["exp", "expm1", "log", "log1p", "tanh", "sigmoid", "erf", "erfc", "sin", "cos"]
 
 
 def _loop(fn):

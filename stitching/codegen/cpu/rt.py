@@ -18,6 +18,7 @@ from .fastmath import (elu_f32, elu_f64, erf_f32, erf_f64, erfc_f32, erfc_f64,  
                        exp_f32, exp_f64, exp_nonpos_f32, exp_nonpos_f64, expm1_f32,
                        expm1_f64, log1p_f32, log1p_f64,
                        log_f32, log_f64, selu_f32, selu_f64, sigmoid_f32, sigmoid_f64,
+                       sin_f32, sin_f64, cos_f32, cos_f64,
                        softplus_f32, softplus_f64, tanh_f32, tanh_f64)
 from .intrinsics import (acc_add, acc_max, acc_min, acc_mul, aligned_alloc,  # noqa: F401
                          bf16_to_f32, ceil, copysign, f2i32, f2i64, f16_to_f32,

@@ -143,10 +143,19 @@ def selu_f64(x):
     return _SELU_SCALE64 * x if x > 0 else _SELU_SA64 * expm1(x)
 
 
+def sin(x):
+    """libdevice's sinf / sin by type on a GPU (NumPy's under the simulator)."""
+    return math.sin(x)
+
+
+def cos(x):
+    return math.cos(x)
+
+
 _WRITTEN_ONCE = ("maximum", "minimum", "acc_add", "acc_mul", "f2i32", "f2i64",
                  "f16_to_f32", "f32_to_f16", "quant_f16", "quant_bf16", "b2u8",
                  "floormod", "mean_int", "sigmoid_f32", "sigmoid_f64", "softplus", "elu",
-                 "selu_f32", "selu_f64")
+                 "selu_f32", "selu_f64", "sin", "cos")
 
 if not SIMULATOR:
     from numba import cuda as _cuda
@@ -166,3 +175,5 @@ erfc_f32 = erfc_f64 = erfc
 softplus_f32 = softplus_f64 = softplus
 elu_f32 = elu_f64 = elu
 pow_f32 = pow_f64 = pow
+sin_f32 = sin_f64 = sin
+cos_f32 = cos_f64 = cos

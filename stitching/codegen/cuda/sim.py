@@ -20,7 +20,7 @@ import types
 
 import numpy as np
 
-# Sin/Cos are written ``math.sin(x)`` by lower/exprs.py; kernels see this namespace as math.
+# cuda/rt.py's sin and cos call ``math.sin(x)``; under the simulator this namespace is that math.
 math = types.SimpleNamespace(sin=np.sin, cos=np.cos, nan=_math.nan, inf=_math.inf)
 
 exp, expm1, log, log1p, tanh = np.exp, np.expm1, np.log, np.log1p, np.tanh

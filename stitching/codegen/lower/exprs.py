@@ -133,12 +133,10 @@ def _unary(op, a, cd, ad, node, C):
     if op == "Softsign":
         return f"{x} / ({one} + h.fabs({x}))"
     if op in ("Exp", "Expm1", "Log", "Log1p", "Tanh", "Sigmoid", "Erf", "Erfc", "Elu",
-              "Selu"):
+              "Selu", "Sin", "Cos"):
         return f"h.{op.lower()}{fn}({x})"
     if op == "Softplus":
         return f"h.softplus{fn}({x}, {C(_softplus_threshold(node), ad)})"
-    if op in ("Sin", "Cos"):
-        return f"np.{ad}(math.{op.lower()}({x}))"
     if op == "LeakyRelu":
         return f"({x} if {x} > {zero} else {x} * {C(node.attrs['alpha'], ad)})"
     if op == "IsNan":
