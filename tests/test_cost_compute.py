@@ -47,8 +47,11 @@ def test_a_compute_bound_chain_is_priced_from_the_per_op_tables(machine):
     P = frozenset(c.index[f"c{i}"] for i in range(len(SIX)))
     n = 64 * 32 * 4 * 64
     fixed = machine.launch_s + machine.task_s
-    compute = machine.kernel_compute_scale * n * sum(
-        machine.kernel_op_cost[op] for op in SIX) / machine.transcendental_per_s
+    each = sum(machine.kernel_op_cost[op] for op in SIX)    # Exps per element, > the window
+    assert each > cost.CHAIN_WINDOW
+    # one chain fills the loop body: latency-bound, CHAIN_LATENCY x the independent price
+    compute = machine.kernel_compute_scale * n * each * cost.CHAIN_LATENCY \
+        / machine.transcendental_per_s
     kf = c.kernel_factor(P)
     mem = kf * 2 * n * 4 / machine.bandwidth
     assert compute > mem                                   # compute-bound
@@ -72,6 +75,42 @@ def test_a_compute_bound_chain_is_priced_from_the_per_op_tables(machine):
     assert fused == pytest.approx(d.fused_s, rel=0.05)
 
 
+def test_only_chained_transcendentals_pay_the_latency(machine):
+    """Six independent ops (each reads the input: the calibration's layout) are priced
+    at the sum of their per-op costs, one op alone at its own: the chain penalty is for
+    evaluations that wait on each other in a long loop body."""
+    n = 64 * 32 * 4 * 64
+    g = G().input("x", list(SHAPE))
+    for i, op in enumerate(SIX):
+        g = g.op(f"c{i}", op, ["x"])
+    prev = "c0"
+    for i in range(1, 6):
+        g = g.op(f"s{i}", "Add", [prev, f"c{i}"])
+        prev = f"s{i}"
+    g = g.build(prev)
+    c = cost.GraphCosts(g, machine, g.topo_order())
+    P = frozenset(range(len(c.chain)))
+    each = sum(machine.kernel_op_cost[op] for op in SIX)
+    assert c._chain(P) == pytest.approx(max(machine.kernel_op_cost[op] for op in SIX))
+    assert cost.chained_evaluations(n * each, n * c._chain(P), n) == n * each
+    chain = _chain()
+    cc = cost.GraphCosts(chain, machine, chain.topo_order())
+    assert cc._chain(frozenset(range(len(cc.chain)))) == pytest.approx(each)
+    assert cost.chained_evaluations(n * 1.0, n * 1.0, n) == n           # one Exp alone
+    # the latency evaluator reads the same chains from a spec
+    b = SpecBuilder()
+    x = b.input("float32", list(SHAPE))
+    outs = [getattr(b, op)(x) for op in SIX]
+    indep = cost.kernel_shape(b.build(outs))
+    assert indep.transcendental_parents == ((),) * 6
+    b = SpecBuilder()
+    v = b.input("float32", list(SHAPE))
+    for op in SIX:
+        v = b.Neg(getattr(b, op)(v))          # a simple op between them keeps the chain
+    assert cost.kernel_shape(b.build([v])).transcendental_parents == \
+        ((), (0,), (1,), (2,), (3,), (4,))
+
+
 def test_a_costlier_op_costs_more_in_the_kernel_only(machine):
     g = _chain(ops=("Exp",) * 6)
     base = cost.GraphCosts(g, machine, g.topo_order())
@@ -88,20 +127,20 @@ def _plan(g, machine):
     return search.plan(g, _legal, config=search.SearchConfig(profile=machine))
 
 
-def test_the_chain_is_fused_at_the_per_op_price(machine):
-    """Both models fuse the six at SHAPE (measured 1.13x TF on the AMD EPYC,
-    tools/layout_bench.py --cases chain), and the time the planner predicts for the
-    kernel is the per-op price."""
+def test_a_long_chain_is_cut_where_latency_would_bound_it(machine):
+    """Six chained transcendentals in one kernel wait on each other (CHAIN_LATENCY): each
+    model cuts the chain into kernels of two or three.  Measured on the amd-avx512 machine at
+    SHAPE: three kernels of two 0.78 ms, two of three 1.03 ms, one of six 1.0-1.1 ms,
+    stock TF's six ops 1.15-1.3 ms.  amd-avx2 leaves two of the six to TF, and prices
+    the whole chain in one kernel slower than TF's ops (it ran 0.77x there, BENCHMARKS.md
+    layout@amd_avx2, when the model priced it as independent ops)."""
     g = _chain()
     p = _plan(g, machine)
-    assert [sorted(r.nodes) for r in p.regions] == [[f"c{i}" for i in range(6)]]
-    (choice,) = [a for a in p.alternatives if a.deployed]
+    assert len(p.regions) >= 2 and all(2 <= len(r.nodes) < 6 for r in p.regions)
     c = cost.GraphCosts(g, machine, g.topo_order())
-    fixed = machine.launch_s + machine.task_s
-    compute = machine.kernel_compute_scale * 64 * 32 * 4 * 64 * sum(
-        machine.kernel_op_cost[op] for op in SIX) / machine.transcendental_per_s
-    assert choice.launch.time_s == pytest.approx(fixed + compute, rel=0.05)
-    assert choice.launch.time_s < c.unfused_s(range(1, 7))
+    whole = c.delta(frozenset(range(1, 7)))
+    parts = [c.delta(frozenset(c.index[n] for n in r.nodes)) for r in p.regions]
+    assert sum(d.fused_s for d in parts) < whole.fused_s
 
 
 def test_a_chain_our_kernels_compute_slowly_is_left_to_tf_with_the_reason(machine):

@@ -178,6 +178,34 @@ def _compute_s(p: DeviceProfile, transcendentals: float, active: float) -> float
     return transcendentals / (p.transcendental_per_s * min(1.0, active / p.lanes))
 
 
+# Chained transcendentals.  The per-op costs (profile.kernel_op_cost) are measured on
+# independent evaluations (tools/calibrate.py --ops: six of one op on shifted inputs),
+# which a vectorized loop runs at the units' throughput.  Where one transcendental
+# consumes another's result the evaluations of an element wait on each other; the
+# out-of-order window overlaps the next elements' only while a loop body is short.
+# Measured on the amd-avx512 machine, six chained ops of one kind in one kernel against
+# six independent ones at 4 MiB (float32, two runs): Exp 2.57-2.66x, Tanh 2.45x,
+# Sigmoid 2.38x, Erf 2.23x, Sin 1.86-2.17x, Cos 1.97-2.11x the time.  Modelled: an
+# element's evaluations take max(S, CHAIN_LATENCY * C * min(1, S / CHAIN_WINDOW)), with
+# S the sum of its transcendentals' costs and C the costliest chain of them (both in
+# Exps); a body shorter than the window overlaps others and runs at S.
+CHAIN_LATENCY = 2.4      # tuned: the ratios above (median 2.3; 2.4 prices Sin chains at
+#                          the ~18 Exps measured)
+CHAIN_WINDOW = 6.0       # tuned: Exps of independent work per element the window holds
+#                          (six chained Exps ran 2.6x; one Exp, or six independent, 1x)
+
+
+def chained_evaluations(total: float, chain: float, elements: float) -> float:
+    """Transcendentals' worth (Exps) of a kernel evaluating ``total`` of them over
+    ``elements`` elements whose costliest dependent chain is ``chain`` (both in Exps,
+    summed over the elements): ``total`` where the chains are short, up to
+    CHAIN_LATENCY x ``chain`` where one chain fills the loop body."""
+    if total <= 0 or chain <= 0 or elements <= 0:
+        return total
+    per_element = total / elements
+    return max(total, CHAIN_LATENCY * chain * min(1.0, per_element / CHAIN_WINDOW))
+
+
 def op_cost(table: dict, op: str | None) -> float:
     """Cost per element of transcendental ``op`` relative to Exp's, from a profile's
     per-op table (kernel_op_cost or tf_op_cost); 1 where the table has none."""
@@ -223,8 +251,8 @@ class GraphCosts:
         self.names = list(order)
         fetched = {(r.node, r.index) for r in graph.outputs}
         cons = graph.consumers()
-        size, ins, outs, pinned, unf, work, red, tr, tr_tf, item, scale, kscale = \
-            ([] for _ in range(12))
+        size, ins, outs, pinned, unf, work, red, tr, tr_tf, item, scale, kscale, chain = \
+            ([] for _ in range(13))
         factors, kfactors = profile.tf_time_scale, profile.kernel_time_scale
         for name in order:
             node = graph[name]
@@ -237,6 +265,7 @@ class GraphCosts:
                        if node.inputs else None)
             count, op = self._transcendentals(graph, node)
             tr.append(count * op_cost(profile.kernel_op_cost, op))
+            chain.append(op_cost(profile.kernel_op_cost, op) if op and count else 0.0)
             tr_tf.append(count * op_cost(profile.tf_op_cost, op))
             outs.append(sum(nbytes(t) for t in node.outputs))
             cls = tf_class(node.op, node.attrs,
@@ -247,6 +276,7 @@ class GraphCosts:
         self.size, self.ins, self.pinned, self.work = size, ins, pinned, work
         self.scale, self.kscale = scale, kscale
         self.red, self.tr, self.tr_tf, self.item = red, tr, tr_tf, item
+        self.chain = chain      # a transcendental op's cost per element (Exps), else 0
         self.cons = [frozenset(self.index[c] for c in cons[n]) for n in order]
         # elements of the largest value an op touches (a reduction's is its input)
         self.count = [max([max(1, size[i] // item[i])] + [b // item[i] for _, b, _ in ins[i]])
@@ -341,6 +371,8 @@ class GraphCosts:
         unfused = sum(map(self.unfused.__getitem__, P))
         tr = sum(map(self.tr.__getitem__, P))
         big = max(map(self.count.__getitem__, P))
+        if tr > 0:
+            tr = chained_evaluations(tr, self._chain(P) * big, big)
         active = (min(row_lanes(p, red[v].rows, red[v].row_len) for v in stitched)
                   if stitched else elementwise_lanes(p, big))
         scratch_s = self._scratch_s(P, stitched, active) if stitched else 0.0
@@ -355,6 +387,15 @@ class GraphCosts:
         return Delta(unfused - fused, fused, unfused, unf_bytes - io, max(0, work - 1),
                      max(0.0, io / p.bw_at(active) - full),
                      scratch_s + spill_s + mem - io / p.bw_at(active))
+
+    def _chain(self, P) -> float:
+        """The costliest chain of dependent transcendental ops in P, per element (Exps);
+        indices follow the planning order, which is topological."""
+        path: dict = {}
+        for v in sorted(P):
+            up = max((path[u] for _, _, u in self.ins[v] if u in path), default=0.0)
+            path[v] = up + self.chain[v]
+        return max(path.values(), default=0.0)
 
     def _scratch_s(self, P, stitched, active) -> float:
         """Values that cross a reduction barrier: kept on chip per row, or a second pass
@@ -540,6 +581,8 @@ class KernelShape:
     prologue_phase: bool = False   # else recomputed by every task that starts a group
     transcendental_ops: tuple = ()  # ((op, elements), ...): what ``transcendentals``
     #                                 counts, op by op (priced per op: op_cost)
+    transcendental_parents: tuple = ()  # per transcendental_ops entry, the entries whose
+    #                                 results it depends on (nearest ones): its chains
 
     @property
     def io_bytes(self) -> int:
@@ -558,6 +601,7 @@ def kernel_shape(spec) -> KernelShape:
                                     if OPS[n.op].transcendental),
                 transcendental_ops=tuple((n.op, elems(n.type)) for n in run.nodes
                                          if OPS[n.op].transcendental),
+                transcendental_parents=_transcendental_parents(run.nodes),
                 live=_max_live(list(range(len(spec.nodes))), users.__getitem__))
     if sched is not None:
         try:
@@ -568,6 +612,33 @@ def kernel_shape(spec) -> KernelShape:
         except Exception:   # noqa: BLE001 — a stage under construction must not break us
             pass
     return KernelShape(**base, **_estimate(spec), source="estimate")
+
+
+def _transcendental_parents(nodes) -> tuple:
+    """For each transcendental node of ``nodes`` (a spec's, in order), the positions
+    among them of the nearest transcendental nodes it depends on."""
+    frontier, parents, pos = [], [], {}
+    for i, n in enumerate(nodes):
+        below = frozenset().union(*(frontier[a] for a in n.args
+                                    if isinstance(a, int) and 0 <= a < i))
+        if OPS[n.op].transcendental:
+            pos[i] = len(parents)
+            parents.append(tuple(sorted(pos[j] for j in below)))
+            below = frozenset((i,))
+        frontier.append(below)
+    return tuple(parents)
+
+
+def _chain_evaluations(ks, table) -> float:
+    """A kernel's transcendentals' worth (chained_evaluations) from its KernelShape."""
+    total = sum(e * op_cost(table, op) for op, e in ks.transcendental_ops)
+    if not ks.transcendental_ops or len(ks.transcendental_parents) != len(ks.transcendental_ops):
+        return total
+    path = []
+    for (op, _), up in zip(ks.transcendental_ops, ks.transcendental_parents):
+        path.append(op_cost(table, op) + max((path[j] for j in up), default=0.0))
+    elements = max(e for _, e in ks.transcendental_ops)
+    return chained_evaluations(total, max(path) * elements, elements)
 
 
 # The schedule stage comes after planning, but the cost model wants what it would decide
@@ -717,8 +788,7 @@ def choose_launch(spec, profile: DeviceProfile, keep: int = 5, factor: float = 1
     """
     ks = kernel_shape(spec)
     timer = _time_cpu if profile.backend == "cpu" else _time_gpu
-    evals = kernel_compute_s(profile, sum(e * op_cost(profile.kernel_op_cost, op)
-                                          for op, e in ks.transcendental_ops), factor)
+    evals = kernel_compute_s(profile, _chain_evaluations(ks, profile.kernel_op_cost), factor)
     scored = []
     for r, c, threads in _candidates(ks, profile):
         t, tasks = timer(ks, profile, r, c, threads, evals)
