@@ -184,13 +184,16 @@ def _compute_s(p: DeviceProfile, transcendentals: float, active: float) -> float
 # consumes another's result the evaluations of an element wait on each other; the
 # out-of-order window overlaps the next elements' only while a loop body is short.
 # Measured on the amd-avx512 machine, six chained ops of one kind in one kernel against
-# six independent ones at 4 MiB (float32, two runs): Exp 2.57-2.66x, Tanh 2.45x,
-# Sigmoid 2.38x, Erf 2.23x, Sin 1.86-2.17x, Cos 1.97-2.11x the time.  Modelled: an
+# six independent ones at 4 MiB (float32; three runs, tools/chain_bench.py and the
+# script it came from): Exp 1.84-2.66x, Tanh 2.04-2.45x, Sigmoid 2.00-2.38x, Erf
+# 1.72-2.23x, Sin 1.86-2.17x, Cos 1.97-2.14x the time.  Modelled: an
 # element's evaluations take max(S, CHAIN_LATENCY * C * min(1, S / CHAIN_WINDOW)), with
 # S the sum of its transcendentals' costs and C the costliest chain of them (both in
 # Exps); a body shorter than the window overlaps others and runs at S.
-CHAIN_LATENCY = 2.4      # tuned: the ratios above (median 2.3; 2.4 prices Sin chains at
-#                          the ~18 Exps measured)
+CHAIN_LATENCY = 2.4      # tuned: above the ratios' median (2.1), erring toward cutting a
+#                          chain, which costs less than modelled where its intermediates
+#                          stay in cache: the chain_bench chain of six at [64, 32, 4, 64]
+#                          ran 0.90 ms as the two kernels 2.4 plans, 1.02 as the one 2.1 does
 CHAIN_WINDOW = 6.0       # tuned: Exps of independent work per element the window holds
 #                          (six chained Exps ran 2.6x; one Exp, or six independent, 1x)
 
