@@ -6,7 +6,8 @@ import pytest
 
 from irbuild import F, G, allow_all, encoder, layernorm, ln_chain, regions, wide
 from stitching.ir import ValueRef
-from stitching.plan import ALIASES, PLANNERS, baseline, cost, get_planner, planner, profiles, search
+from stitching.plan import (ALIASES, PLANNERS, baseline, cost, get_planner, planner,
+                            profiles, search)
 from stitching.plan.acyclic import Contraction, CycleError, Reach, mask_of
 from stitching.plan.cost import Launch
 

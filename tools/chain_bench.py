@@ -16,7 +16,8 @@ interleaved (bench_lib.measure.time_modes, medians of ``--repeats`` calls):
    less the independent kernel of Neg (the adds, the traffic, the call).  'chained /
    independent' is the latency's price.
 2. Three functions at [64, 32, 4, 64] with this machine's own plan (default options)
-   against stock TF and against the whole function forced into one kernel (as in 1): a chain of six Tanh/Exp/Sigmoid/Erf, a chain of six Sin/Cos, and
+   against stock TF and against the whole function forced into one kernel (as in 1):
+   a chain of six Tanh/Exp/Sigmoid/Erf, a chain of six Sin/Cos, and
    RoPE's ``y cos p + reverse(y) sin p`` (its Sin and Cos independent).
 """
 from __future__ import annotations

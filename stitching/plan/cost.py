@@ -635,7 +635,8 @@ def _transcendental_parents(nodes) -> tuple:
 def _chain_evaluations(ks, table) -> float:
     """A kernel's transcendentals' worth (chained_evaluations) from its KernelShape."""
     total = sum(e * op_cost(table, op) for op, e in ks.transcendental_ops)
-    if not ks.transcendental_ops or len(ks.transcendental_parents) != len(ks.transcendental_ops):
+    if not ks.transcendental_ops or \
+            len(ks.transcendental_parents) != len(ks.transcendental_ops):
         return total
     path = []
     for (op, _), up in zip(ks.transcendental_ops, ks.transcendental_parents):
