@@ -129,23 +129,12 @@ def main(argv=None) -> int:
     from bench_lib.output import render_text
     print(render_text(*table(rows)))
     if args.markdown:
-        import tensorflow as tf
-        from bench_lib.machine import machine_line
-        from bench_lib.output import HOME_CLASS, render_markdown, replace_sections
-        from stitching.plan import profiles
-        cls = profiles.cpu_facts()["cpu_class"]
-        key = "attention" if cls == HOME_CLASS else "attention@" + cls.replace("-", "_")
-        text = "\n".join([
-            f"<!-- suite:{key} -->",
-            "## attention (the fused attention op against TF's products)", "",
-            f"Measured {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on "
-            f"{machine_line()} ({os.cpu_count()} cores), TensorFlow {tf.__version__}; "
-            f"load average {os.getloadavg()[0]:.2f} at the end; command `python "
-            f"tools/attention_probe.py --runs {args.runs} --calls {args.calls}`. "
-            "`tools/attention_probe.py` says what each column runs; cells are medians "
-            "over the runs (fresh processes).", "",
-            render_markdown(*table(rows)), f"<!-- /suite:{key} -->"])
-        replace_sections(args.markdown, {key: text})
+        from bench_lib.output import write_probe_section
+        write_probe_section(
+            args.markdown, "attention", "the fused attention op against TF's products",
+            f"python tools/attention_probe.py --runs {args.runs} --calls {args.calls}",
+            [table(rows)], "`tools/attention_probe.py` says what each column runs; cells "
+            "are medians over the runs (fresh processes).")
     return 0
 
 

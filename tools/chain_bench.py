@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
@@ -161,24 +160,11 @@ def main(argv=None) -> int:
     print(render_text(*_table(ops)))
     print(render_text(*_table(fns)))
     if args.markdown:
-        import tensorflow as tf
-
-        from bench_lib.machine import machine_line
-        from bench_lib.output import HOME_CLASS, replace_sections
-        from stitching.plan import profiles
-        cls = profiles.cpu_facts()["cpu_class"]
-        key = "chains" if cls == HOME_CLASS else "chains@" + cls.replace("-", "_")
-        text = "\n".join([
-            f"<!-- suite:{key} -->",
-            "## chains (transcendentals that wait on each other)", "",
-            f"Measured {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on "
-            f"{machine_line()} ({os.cpu_count()} cores), TensorFlow {tf.__version__}; "
-            f"load average {os.getloadavg()[0]:.2f} at the end; command `python "
-            f"tools/chain_bench.py --repeats {args.repeats}`; `tools/chain_bench.py` says "
-            "what each column runs.", "",
-            render_markdown(*_table(ops)), "",
-            render_markdown(*_table(fns)), f"<!-- /suite:{key} -->"])
-        replace_sections(args.markdown, {key: text})
+        from bench_lib.output import write_probe_section
+        write_probe_section(
+            args.markdown, "chains", "transcendentals that wait on each other",
+            f"python tools/chain_bench.py --repeats {args.repeats}",
+            [_table(ops), _table(fns)], "`tools/chain_bench.py` says what each column runs.")
     return 0
 
 

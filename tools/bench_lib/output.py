@@ -510,6 +510,30 @@ def section_title(suite, meta) -> str:
     return f"{suite} ({'; '.join(what)})"
 
 
+def write_probe_section(path, suite, title, command, tables, note="") -> str:
+    """A probe tool's BENCHMARKS.md section (``<suite>`` on the home class, else
+    ``<suite>@<class>``): a heading, when and where it ran with ``command``, ``note``,
+    then each (head, body) table; written into ``path`` in place.  Returns its key."""
+    import time
+
+    import tensorflow as tf
+
+    from stitching.plan import profiles
+
+    from .machine import machine_line
+    cls = profiles.cpu_facts()["cpu_class"]
+    key = suite if cls == HOME_CLASS else f"{suite}@{cls.replace('-', '_')}"
+    lines = [f"<!-- suite:{key} -->", f"## {suite} ({title})", "",
+             f"Measured {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on "
+             f"{machine_line()} ({os.cpu_count()} cores), TensorFlow {tf.__version__}; "
+             f"load average {os.getloadavg()[0]:.2f} at the end; command `{command}`."
+             + (f" {note}" if note else ""), ""]
+    for i, table in enumerate(tables):
+        lines += ([""] if i else []) + [render_markdown(*table)]
+    replace_sections(path, {key: "\n".join(lines + [f"<!-- /suite:{key} -->"])})
+    return key
+
+
 SUITE_ORDER = ("patterns", "models", "compile", "short", "serving", "train", "gpu")   # "gpu": tools/gpu_bench.py
 
 _HEADER = """# Benchmarks
