@@ -170,3 +170,30 @@ def test_a_profile_file_keeps_per_op_costs_and_refuses_bad_ones(tmp_path):
                        ("kernel_compute_scale", 500.0)):
         with pytest.raises(profiles.ProfileFileError, match=field):
             profiles.save_file(profiles.with_overrides(cpu, **{field: bad}), path)
+
+
+def test_a_gpu_prices_a_chain_at_its_throughput(monkeypatch):
+    """A GPU hides an element's latency behind other warps: no chain price there, in
+    either evaluator; a CPU pays it."""
+    gpu = profiles.with_overrides(profiles.get("v100"),    # compute-bound, as the CPU
+                                  transcendental_per_s=1e9)
+    as_cpu = profiles.get("amd-avx512")
+    g = _chain()
+    b = SpecBuilder()
+    v = b.input("float32", list(SHAPE))
+    for op in SIX:
+        v = getattr(b, op)(v)
+    spec = b.build([v])
+
+    def prices():
+        out = []
+        for prof in (gpu, as_cpu):
+            c = cost.GraphCosts(g, prof, g.topo_order())
+            P = frozenset(c.index[f"c{i}"] for i in range(len(SIX)))
+            out.append((c.delta(P).fused_s, cost.choose_launch(spec, prof).time_s))
+        return out
+    gpu_chained, cpu_chained = prices()
+    monkeypatch.setattr(cost, "CHAIN_LATENCY", 1.0)
+    gpu_free, cpu_free = prices()
+    assert gpu_chained == pytest.approx(gpu_free)
+    assert cpu_chained[0] > cpu_free[0] and cpu_chained[1] > cpu_free[1]

@@ -189,7 +189,8 @@ def _compute_s(p: DeviceProfile, transcendentals: float, active: float) -> float
 # 1.72-2.23x, Sin 1.86-2.17x, Cos 1.97-2.14x the time.  Modelled: an
 # element's evaluations take max(S, CHAIN_LATENCY * C * min(1, S / CHAIN_WINDOW)), with
 # S the sum of its transcendentals' costs and C the costliest chain of them (both in
-# Exps); a body shorter than the window overlaps others and runs at S.
+# Exps); a body shorter than the window overlaps others and runs at S.  CPU only: a GPU
+# hides an element's latency behind other warps'.
 CHAIN_LATENCY = 2.4      # tuned: above the ratios' median (2.1), erring toward cutting a
 #                          chain, which costs less than modelled where its intermediates
 #                          stay in cache: the chain_bench chain of six at [64, 32, 4, 64]
@@ -374,7 +375,7 @@ class GraphCosts:
         unfused = sum(map(self.unfused.__getitem__, P))
         tr = sum(map(self.tr.__getitem__, P))
         big = max(map(self.count.__getitem__, P))
-        if tr > 0:
+        if tr > 0 and p.backend == "cpu":     # a GPU hides latency with other warps
             tr = chained_evaluations(tr, self._chain(P) * big, big)
         active = (min(row_lanes(p, red[v].rows, red[v].row_len) for v in stitched)
                   if stitched else elementwise_lanes(p, big))
@@ -792,7 +793,10 @@ def choose_launch(spec, profile: DeviceProfile, keep: int = 5, factor: float = 1
     """
     ks = kernel_shape(spec)
     timer = _time_cpu if profile.backend == "cpu" else _time_gpu
-    evals = kernel_compute_s(profile, _chain_evaluations(ks, profile.kernel_op_cost), factor)
+    evals = kernel_compute_s(profile, _chain_evaluations(ks, profile.kernel_op_cost)
+                             if profile.backend == "cpu" else
+                             sum(e * op_cost(profile.kernel_op_cost, op)
+                                 for op, e in ks.transcendental_ops), factor)
     scored = []
     for r, c, threads in _candidates(ks, profile):
         t, tasks = timer(ks, profile, r, c, threads, evals)
