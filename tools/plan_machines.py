@@ -121,7 +121,8 @@ def main(argv=None) -> int:
                     help="pattern-suite cases (comma-separated, 'all' or 'none'), at "
                          "--sizes")
     ap.add_argument("--sizes", default="small,large")
-    ap.add_argument("--profiles", default="intel-avx512,amd-avx2,amd-avx512")
+    ap.add_argument("--profiles", default=None,
+                    help="comma-separated (default: every named machine model)")
     ap.add_argument("--measure", type=int, default=0,
                     help="also N measurements of this machine under load and N quiet")
     ap.add_argument("--load", type=int, default=2, help="busy processes for --measure")
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
     import stitching.schedule  # noqa: F401  (the cost model's scheduler hook)
     from stitching.plan import profiles
     named = []
-    for spec in filter(None, args.profiles.split(",")):
+    wanted = args.profiles if args.profiles is not None else ",".join(profiles.MACHINES)
+    for spec in filter(None, wanted.split(",")):
         prof = (profiles.calibrated(profiles.settled(profiles.get("cpu"))) if spec == "cpu"
                 else profiles.get(spec) if spec in profiles.names()
                 else profiles.load_file(spec))

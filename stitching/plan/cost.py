@@ -633,10 +633,11 @@ def _transcendental_parents(nodes) -> tuple:
     return tuple(parents)
 
 
-def _chain_evaluations(ks, table) -> float:
-    """A kernel's transcendentals' worth (chained_evaluations) from its KernelShape."""
+def _chain_evaluations(ks, table, chained: bool = True) -> float:
+    """A kernel's transcendentals' worth from its KernelShape: their per-op costs'
+    sum, priced at its chains (chained_evaluations) where ``chained`` (a CPU)."""
     total = sum(e * op_cost(table, op) for op, e in ks.transcendental_ops)
-    if not ks.transcendental_ops or \
+    if not chained or not ks.transcendental_ops or \
             len(ks.transcendental_parents) != len(ks.transcendental_ops):
         return total
     path = []
@@ -793,10 +794,8 @@ def choose_launch(spec, profile: DeviceProfile, keep: int = 5, factor: float = 1
     """
     ks = kernel_shape(spec)
     timer = _time_cpu if profile.backend == "cpu" else _time_gpu
-    evals = kernel_compute_s(profile, _chain_evaluations(ks, profile.kernel_op_cost)
-                             if profile.backend == "cpu" else
-                             sum(e * op_cost(profile.kernel_op_cost, op)
-                                 for op, e in ks.transcendental_ops), factor)
+    evals = kernel_compute_s(profile, _chain_evaluations(
+        ks, profile.kernel_op_cost, chained=profile.backend == "cpu"), factor)
     scored = []
     for r, c, threads in _candidates(ks, profile):
         t, tasks = timer(ks, profile, r, c, threads, evals)

@@ -521,8 +521,7 @@ def write_probe_section(path, suite, title, command, tables, note="") -> str:
     from stitching.plan import profiles
 
     from .machine import machine_line
-    cls = profiles.cpu_facts()["cpu_class"]
-    key = suite if cls == HOME_CLASS else f"{suite}@{cls.replace('-', '_')}"
+    key = section_key(suite, {"cpu_class": profiles.cpu_facts()["cpu_class"]})
     lines = [f"<!-- suite:{key} -->", f"## {suite} ({title})", "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on "
              f"{machine_line()} ({os.cpu_count()} cores), TensorFlow {tf.__version__}; "
