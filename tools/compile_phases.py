@@ -4,7 +4,7 @@
     python tools/compile_phases.py collect DIR --cache CACHE_DIR   # a cold run's kernels
     python tools/compile_phases.py time DIR [--rounds 3]
     python tools/compile_phases.py speed [--rounds 7]
-    python tools/compile_phases.py tiers MODEL [--rounds 3] [--calls 20]
+    python tools/compile_phases.py tiers MODEL [--rounds 3] [--calls 20] [--batch 1]
     python tools/compile_phases.py tier1 [--size large] [--calls 10] PATTERN...
 
 ``collect`` writes the generated kernel modules (``<code>.py``) of the models' cold
@@ -36,7 +36,7 @@ thread (CompiledKernel.__call__: its units one after another), the backends
 interleaved, each the best of 3 calls, median of ``--rounds``.
 
 ``tiers`` times a model's cold first call (``stitching.function`` with
-``background_compile=False``, batch 1, a fresh process and an empty kernel cache each)
+``background_compile=False``, batch ``--batch`` (1), a fresh process and an empty kernel cache each)
 without and with tiered compiles (STITCHING_TIERED_COMPILE=0 and 1: tier-1 kernels
 first, the default, compile/parallel.py), the modes
 interleaved, ``--rounds`` each: the first call, ``--calls`` calls right after it
@@ -298,7 +298,7 @@ def speed(rounds: int, rows: int) -> None:
 _MARK = "@@TIERS@@"
 
 
-def tiers(model: str, rounds: int, calls: int) -> None:
+def tiers(model: str, rounds: int, calls: int, batch: int = 1) -> None:
     import json
     import subprocess
     rows = {False: [], True: []}
@@ -307,13 +307,14 @@ def tiers(model: str, rounds: int, calls: int) -> None:
             env = dict(os.environ, STITCHING_TIERED_COMPILE="1" if tiered else "0",
                        STITCHING_CACHE_DIR=tempfile.mkdtemp(prefix="phases-tiers-"))
             r = subprocess.run([sys.executable, __file__, "_tiers_child", model,
-                                str(calls)], env=env, capture_output=True, text=True)
+                                str(calls), str(batch)], env=env, capture_output=True,
+                               text=True)
             line = [x for x in r.stdout.splitlines() if x.startswith(_MARK)]
             if not line:
                 raise RuntimeError(f"child failed: {r.stderr[-2000:]}")
             rows[tiered].append(json.loads(line[0][len(_MARK):]))
             shutil.rmtree(env["STITCHING_CACHE_DIR"], ignore_errors=True)
-    print(f"{model}, batch 1, median of {rounds} fresh processes per mode (s; per call: ms); "
+    print(f"{model}, batch {batch}, median of {rounds} fresh processes per mode (s; per call: ms); "
           f"load {os.getloadavg()[0]:.1f}")
     keys = ("first_s", "early_ms", "ready_s", "steady_ms", "tf_first_s", "tf_ms", "max_diff")
     print("| mode | first call s | next calls ms | all tier 2 s | then ms | TF first s | "
@@ -325,7 +326,7 @@ def tiers(model: str, rounds: int, calls: int) -> None:
             f"{med[k]:.3g}" for k in keys) + " |")
 
 
-def _tiers_child(model: str, calls: int) -> None:
+def _tiers_child(model: str, calls: int, batch: int) -> None:
     import json
 
     import numpy as np
@@ -335,7 +336,7 @@ def _tiers_child(model: str, calls: int) -> None:
     from stitching.compile import parallel
     from stitching.testing import models as M
     case = M.get(model)
-    args = [tf.constant(a) for a in case.inputs(1)]
+    args = [tf.constant(a) for a in case.inputs(batch)]
     # a caller that waits for its kernels (tiered execution, stock TF first, would
     # time TF's first call instead, as it did once that became the default)
     fn = stitching.function(case.make_fn(), input_signature=case.input_signature(),
@@ -426,6 +427,7 @@ def main(argv=None) -> int:
     tr.add_argument("model")
     tr.add_argument("--rounds", type=int, default=3)
     tr.add_argument("--calls", type=int, default=20)
+    tr.add_argument("--batch", type=int, default=1)
     t1 = sub.add_parser("tier1")
     t1.add_argument("patterns", nargs="+")
     t1.add_argument("--size", default="large")
@@ -433,6 +435,7 @@ def main(argv=None) -> int:
     ch = sub.add_parser("_tiers_child")
     ch.add_argument("model")
     ch.add_argument("calls", type=int)
+    ch.add_argument("batch", type=int)
     args = ap.parse_args(argv)
     sys.path.insert(0, REPO)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -443,11 +446,11 @@ def main(argv=None) -> int:
     elif args.what == "time":
         time_dir(args.src, args.rounds)
     elif args.what == "tiers":
-        tiers(args.model, args.rounds, args.calls)
+        tiers(args.model, args.rounds, args.calls, args.batch)
     elif args.what == "tier1":
         tier1(args.patterns, args.size, args.calls)
     elif args.what == "_tiers_child":
-        _tiers_child(args.model, args.calls)
+        _tiers_child(args.model, args.calls, args.batch)
     else:
         speed(args.rounds, args.rows)
     return 0

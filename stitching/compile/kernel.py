@@ -260,15 +260,30 @@ def _with_dims(spec, dim):
 
 
 def slow_at_tier1(spec) -> bool:
-    """Whether ``spec``'s tier-1 code is expected to be slower than TF's own ops
-    (tier1_estimate).  Where the cost model cannot price the spec, the rule it
-    replaced: a region computing a transcendental function holds (tier 1 runs it as
-    scalar polynomials, TF's kernels vectorize)."""
+    """Whether ``spec``'s tier-1 code is expected to be slower than TF's own ops: a
+    region with a window (has_window_at_tier1), or one whose tier1_estimate loses.
+    Where the cost model cannot price the spec, the rule it replaced: a region
+    computing a transcendental function holds (tier 1 runs it as scalar polynomials,
+    TF's kernels vectorize)."""
+    if has_window_at_tier1(spec):
+        return True
     est = estimate_at_tier1(spec)
     if est is None:
         from ..ir.ops import OPS
         return any(n.op in OPS and OPS[n.op].transcendental for n in spec.nodes)
     return est[0] > est[1]
+
+
+# A depthwise convolution's window at tier 1: KH x KW scalar multiply-adds per output
+# element where TF's kernel (and tier 2) runs them in vectors.  Measured (BENCHMARKS.md
+# "compile phases", tiered compiles, 2026-11-29): MobileNetV2's eleven window kernels ran 2.4-4.8x
+# their tier-2 time at batch 8 and 1.05-2.0x TF's estimated time for their ops at
+# batch 1; EfficientNetB0's (with a sigmoid) 6-10x tier 2 and 2-4x TF; the model-level
+# tier-1 calls 1.6-3.3x stock TF's.  The cost model prices a window kernel's tier-2 time
+# low (2.7x under on MobileNetV2), so no factor over it ranks these reliably: a region
+# with a window always holds at tier 1 (its TF ops run until tier 2 is in).
+def has_window_at_tier1(spec) -> bool:
+    return any(n.op == "DepthwiseConv2D" for n in spec.nodes)
 
 
 def estimate_at_tier1(spec):
@@ -348,6 +363,8 @@ class CompiledKernel:
         est = estimate_at_tier1(self.spec)
         why = "" if est is None else \
             f", estimated {est[0] * 1e6:.0f} µs vs TF's {est[1] * 1e6:.0f} µs"
+        if has_window_at_tier1(self.spec):
+            why = ": a window's multiply-adds run scalar there"
         what = (f"tier 1 held: its TF ops ran (tier 1 slower than TF{why})"
                 if slow_at_tier1(self.spec) else f"tier 1 ran{why}")
         if c.tier2_at is None:
