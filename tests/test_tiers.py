@@ -314,7 +314,7 @@ def _bn_relu6_spec(window: bool):
 
 def test_a_region_with_a_window_holds_at_tier1_whatever_the_estimate(machine, monkeypatch):
     """A depthwise convolution's taps run as scalar multiply-adds at tier 1 (measured
-    2.4-10x its tier 2, 1.05-4x TF's ops on MobileNetV2 and EfficientNetB0's window
+    2.4-11.6x its tier 2, up to 2.6x TF's ops on MobileNetV2 and EfficientNetB0's window
     kernels), which the cost model does not rank reliably: such a region holds even
     where the estimate says tier 1 would win -- here with tier 1 priced as fast as tier
     2 -- while the same region without the window runs its tier-1 code."""
