@@ -36,8 +36,8 @@ thread (CompiledKernel.__call__: its units one after another), the backends
 interleaved, each the best of 3 calls, median of ``--rounds``.
 
 ``tiers`` times a model's cold first call (``stitching.function`` with
-``background_compile=False``, batch ``--batch`` (1), a fresh process and an empty kernel cache each)
-without and with tiered compiles (STITCHING_TIERED_COMPILE=0 and 1: tier-1 kernels
+``background_compile=False``, batch ``--batch`` (default 1), a fresh process and an
+empty kernel cache each) without and with tiered compiles (STITCHING_TIERED_COMPILE=0 and 1: tier-1 kernels
 first, the default, compile/parallel.py), the modes
 interleaved, ``--rounds`` each: the first call, ``--calls`` calls right after it
 (with tiers: on tier-1 code while tier 2 compiles), the time until every kernel runs
