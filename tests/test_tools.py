@@ -421,3 +421,31 @@ def test_scalar_bench_section_judges_cpu_time_over_tf_functions_retrace(tmp_path
         out = tmp_path / "BENCHMARKS.md"
         replace_sections(str(out), {"python_scalars": text})
         assert "- **python_scalars" in out.read_text()
+
+
+def test_a_section_without_its_end_marker_stops_the_rewrite_instead_of_vanishing(tmp_path):
+    """replace_sections rewrites the whole file from the sections it finds: one whose
+    end marker is missing (hand-edited) would not be found and would be dropped
+    silently (BENCHMARKS.md lost its models@amd_avx512 table that way). It refuses,
+    naming the section, and leaves the file as it was."""
+    tools = os.path.join(REPO, "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    from bench_lib.output import replace_sections
+    out = tmp_path / "BENCHMARKS.md"
+    good = "<!-- suite:models -->\n## models\nkept\n<!-- /suite:models -->"
+    broken = "<!-- suite:models@amd_avx512 -->\n## models (amd)\ntable, no end marker\n"
+    before = f"# Benchmarks\n\n{good}\n\n{broken}\n"
+    out.write_text(before)
+    new = {"chains@amd_avx512": "<!-- suite:chains@amd_avx512 -->\n## chains\n"
+                                "<!-- /suite:chains@amd_avx512 -->"}
+    with pytest.raises(ValueError, match=r"models@amd_avx512"):
+        replace_sections(str(out), new)
+    assert out.read_text() == before
+    with pytest.raises(ValueError, match=r"gemm \(the new text\)"):
+        replace_sections(str(tmp_path / "other.md"), {"gemm": "<!-- suite:gemm -->\n## gemm\n"})
+    out.write_text(f"# Benchmarks\n\n{good}\n\n{broken}<!-- /suite:models@amd_avx512 -->\n")
+    replace_sections(str(out), new)
+    text = out.read_text()
+    assert all(f"<!-- /suite:{k} -->" in text
+               for k in ("models", "models@amd_avx512", "chains@amd_avx512"))

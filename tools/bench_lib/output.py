@@ -470,6 +470,7 @@ def print_report(results, meta):
 # ---- BENCHMARKS.md: one section per suite, regenerated independently
 
 _SECTION = re.compile(r"<!-- suite:([\w@]+) -->.*?<!-- /suite:\1 -->", re.S)
+_OPEN = re.compile(r"<!-- suite:([\w@]+) -->")
 
 
 HOME_CLASS = "intel-avx512"     # the machine class whose sections carry no class tag
@@ -706,6 +707,17 @@ def replace_sections(path, new: dict) -> None:
         with open(path) as f:
             old = f.read()
     sections = {m.group(1): m.group(0) for m in _SECTION.finditer(old)}
+    # a section whose end marker is missing or misspelt would not match _SECTION and
+    # vanish from the rewritten file (a hand-edited models@amd_avx512 once did): refuse
+    lost = [k for k in _OPEN.findall(old) if k not in sections]
+    for k, text in new.items():
+        m = _SECTION.fullmatch(text.strip())
+        if m is None or m.group(1) != k:
+            lost.append(f"{k} (the new text)")
+    if lost:
+        raise ValueError(f"{path}: section(s) {', '.join(lost)} lack a matching "
+                         f"'<!-- /suite:KEY -->' end marker; fix them by hand first "
+                         f"(nothing written)")
     sections.update(new)
     order = {s: i for i, s in enumerate(SUITE_ORDER)}
     keys = sorted(sections, key=lambda k: (order.get(k.split("@")[0], 99), k))
