@@ -427,7 +427,8 @@ def test_a_section_without_its_end_marker_stops_the_rewrite_instead_of_vanishing
     """replace_sections rewrites the whole file from the sections it finds: one whose
     end marker is missing (hand-edited) would not be found and would be dropped
     silently (BENCHMARKS.md lost its models@amd_avx512 table that way). It refuses,
-    naming the section, and leaves the file as it was."""
+    naming the section, and leaves the file as it was; so it does for text outside
+    every section."""
     tools = os.path.join(REPO, "tools")
     if tools not in sys.path:
         sys.path.insert(0, tools)
@@ -449,3 +450,6 @@ def test_a_section_without_its_end_marker_stops_the_rewrite_instead_of_vanishing
     text = out.read_text()
     assert all(f"<!-- /suite:{k} -->" in text
                for k in ("models", "models@amd_avx512", "chains@amd_avx512"))
+    out.write_text(text + "\na note written after the last section\n")   # would vanish
+    with pytest.raises(ValueError, match="a note written after"):
+        replace_sections(str(out), new)

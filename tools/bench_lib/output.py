@@ -710,14 +710,18 @@ def replace_sections(path, new: dict) -> None:
     # a section whose end marker is missing or misspelt would not match _SECTION and
     # vanish from the rewritten file (a hand-edited models@amd_avx512 once did): refuse
     lost = [k for k in _OPEN.findall(old) if k not in sections]
+    spans = [m.span() for m in _SECTION.finditer(old)]
+    stray = [old[a[1]:b[0]].strip() for a, b in zip(spans, spans[1:] + [(len(old), 0)])]
+    if any(stray):      # text between or after sections (the head is rebuilt anyway)
+        lost.append("the text outside them: '" + next(t for t in stray if t)[:60] + "'")
     for k, text in new.items():
         m = _SECTION.fullmatch(text.strip())
         if m is None or m.group(1) != k:
             lost.append(f"{k} (the new text)")
     if lost:
-        raise ValueError(f"{path}: section(s) {', '.join(lost)} lack a matching "
-                         f"'<!-- /suite:KEY -->' end marker; fix them by hand first "
-                         f"(nothing written)")
+        raise ValueError(f"{path}: would lose {', '.join(lost)}: every section needs "
+                         f"its '<!-- /suite:KEY -->' end marker and nothing may sit "
+                         f"outside the sections; fix it by hand first (nothing written)")
     sections.update(new)
     order = {s: i for i, s in enumerate(SUITE_ORDER)}
     keys = sorted(sections, key=lambda k: (order.get(k.split("@")[0], 99), k))
