@@ -6,6 +6,7 @@
     python tools/compile_phases.py speed [--rounds 7]
     python tools/compile_phases.py tiers MODEL [--rounds 3] [--calls 20] [--batch 1]
     python tools/compile_phases.py tier1 [--size large] [--calls 10] PATTERN...
+    python tools/compile_phases.py window MODEL [--batch 1]
 
 ``collect`` writes the generated kernel modules (``<code>.py``) of the models' cold
 first call (traced and planned, stopped before compiling, as tools/cold_profile.py
@@ -43,6 +44,11 @@ interleaved, ``--rounds`` each: the first call, ``--calls`` calls right after it
 (with tiers: on tier-1 code while tier 2 compiles), the time until every kernel runs
 tier-2 code, ``--calls`` calls then, and stock TF's first and steady calls in the
 same process.
+
+``window`` compares a model's calls while tier 2 compiles with stock TF's under the same
+load: a synchronous first call (empty kernel cache, tiered compile), stock TF's first
+call, then the two called in turn until every kernel runs tier 2, then ten pairs more;
+medians.  (``tiers``' TF column times TF after the compile, on an idle machine.)
 
 ``tier1`` runs patterns of the patterns suite (stitching/testing/patterns.py) through
 the op, tiered, in one process with an empty kernel cache: each pattern's calls on its
@@ -367,6 +373,50 @@ def _tiers_child(model: str, calls: int, batch: int) -> None:
                                   max_diff=diff)), flush=True)
 
 
+def window(model: str, batch: int) -> None:
+    import threading
+
+    import numpy as np
+    os.environ.setdefault("STITCHING_CACHE_DIR", tempfile.mkdtemp(prefix="phases-window-"))
+    os.environ["STITCHING_TIERED_COMPILE"] = "1"
+    import tensorflow as tf
+
+    import stitching
+    from stitching.compile import parallel
+    from stitching.testing import models as M
+    case = M.get(model)
+    args = [tf.constant(a) for a in case.inputs(batch)]
+    fn = case.make_fn()
+    st = stitching.function(fn, input_signature=case.input_signature(),
+                            options=stitching.Options(background_compile=False))
+    ref = tf.function(fn, input_signature=case.input_signature())
+    t0 = time.perf_counter()
+    st(*args)
+    first = time.perf_counter() - t0
+    ref(*args)
+    done = threading.Event()
+    threading.Thread(target=lambda: (parallel.wait_upgrades(), done.set()),
+                     daemon=True).start()
+
+    def pair(times):
+        for f, ts in zip((st, ref), times):
+            t = time.perf_counter()
+            f(*args)
+            ts.append((time.perf_counter() - t) * 1e3)
+    during = ([], [])
+    while not done.is_set():
+        pair(during)
+    ready = time.perf_counter() - t0
+    after = ([], [])
+    for _ in range(10):
+        pair(after)
+    med = [float(np.median(v)) if v else float("nan") for v in during + after]
+    print(f"{model}, batch {batch}, load {os.getloadavg()[0]:.1f}: first call {first:.2f} s, "
+          f"tier 2 in at {ready:.2f} s; while tier 2 compiled ({len(during[0])} pairs): "
+          f"stitched {med[0]:.1f} ms, TF {med[1]:.1f} ms ({med[0] / med[1]:.2f}x); "
+          f"then stitched {med[2]:.1f} ms, TF {med[3]:.1f} ms")
+
+
 def tier1(patterns, size: str, calls: int) -> None:
     os.environ["STITCHING_TIERED_COMPILE"] = "1"
     os.environ.setdefault("STITCHING_CACHE_DIR", tempfile.mkdtemp(prefix="phases-tier1-"))
@@ -428,6 +478,9 @@ def main(argv=None) -> int:
     tr.add_argument("--rounds", type=int, default=3)
     tr.add_argument("--calls", type=int, default=20)
     tr.add_argument("--batch", type=int, default=1)
+    wi = sub.add_parser("window")
+    wi.add_argument("model")
+    wi.add_argument("--batch", type=int, default=1)
     t1 = sub.add_parser("tier1")
     t1.add_argument("patterns", nargs="+")
     t1.add_argument("--size", default="large")
@@ -447,6 +500,8 @@ def main(argv=None) -> int:
         time_dir(args.src, args.rounds)
     elif args.what == "tiers":
         tiers(args.model, args.rounds, args.calls, args.batch)
+    elif args.what == "window":
+        window(args.model, args.batch)
     elif args.what == "tier1":
         tier1(args.patterns, args.size, args.calls)
     elif args.what == "_tiers_child":
