@@ -127,9 +127,15 @@ def test_a_view_joins_the_kernel_that_reads_it():
 
 
 def test_identical_blocks_give_identical_specs(monkeypatch):
-    """Each block's Tanh -> Exp -> Sigmoid chain priced as independent evaluations: at
-    its latency (cost.CHAIN_LATENCY) fusing the block and cutting it before the Sigmoid
-    tie on this profile, and the search breaks that tie differently per block."""
+    """Identical blocks are planned alike.  With each block's Tanh -> Exp -> Sigmoid
+    chain priced as independent evaluations, a block is one kernel; priced at its
+    latency (cost.CHAIN_LATENCY, the default), cutting it before the Sigmoid gains
+    more, which the beam, deciding the whole block's vertex first, found for only one
+    of three blocks until search._split_where_it_pays looked again."""
+    p = plan(ln_chain(3, shape=(256, 512)))
+    assert len(p.regions) == 6 and len({r.spec.hash for r in p.regions}) == 2
+    assert [sorted(r.nodes) for r in p.regions if "m0" in r.nodes or "k0" in r.nodes] \
+        == [["m0", "q0", "r0", "s0", "t0", "u0", "v0", "w0", "y0", "z0"], ["k0", "l0"]]
     monkeypatch.setattr(cost, "CHAIN_LATENCY", 1.0)
     p = plan(ln_chain(3, shape=(256, 512)))
     assert len(p.regions) == 3 and len({r.spec.hash for r in p.regions}) == 1

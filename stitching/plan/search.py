@@ -338,7 +338,57 @@ def _beam(ctx: _Context, C: dict, banned: set) -> list:
     while chosen is not None:
         out.append(chosen[0])
         chosen = chosen[1]
-    return sorted(out, key=min)
+    return sorted(_split_where_it_pays(ctx, opts, out), key=min)
+
+
+def _split_where_it_pays(ctx: _Context, opts: dict, chosen: list) -> list:
+    """Replace a chosen pattern by a smaller candidate of one of its vertices plus the
+    best candidates covering the rest, wherever that gains more.  The beam decides the
+    vertices with the best single candidate first, so a whole block (one pattern) is
+    ranked before the smaller pattern plus the one its remainder forms, which come
+    later; with `beam` states kept, only some of a graph's identical blocks kept the
+    split: identical blocks were planned differently (a LayerNorm whose chain of
+    transcendentals pays to cut: cost.chained_evaluations)."""
+    gain = ctx.gain
+    out = list(chosen)
+    for i, P in enumerate(out):
+        best, best_gain = None, gain(P)
+        for u in sorted(P):
+            for Q, _, g in opts.get(u, ()):
+                if not Q < P:
+                    continue
+                rest, parts, total = set(P - Q), [Q], g
+                for w in sorted(rest):          # the rest: its vertices' best candidates
+                    for R, _, h in opts.get(w, ()):
+                        if w in rest and R <= rest:
+                            parts.append(R)
+                            rest -= R
+                            total += h
+                            break
+                if total > best_gain * (1 + 1e-9) and _parts_acyclic(ctx, parts):
+                    best, best_gain = parts, total
+        if best is not None:
+            out[i:i + 1] = [best]
+    return [P for x in out for P in (x if isinstance(x, list) else [x])]
+
+
+def _parts_acyclic(ctx: _Context, parts: list) -> bool:
+    """Whether kernels made of ``parts`` (disjoint, together a convex pattern, so every
+    path between them stays inside it) would not wait on each other in a cycle."""
+    part = {v: i for i, R in enumerate(parts) for v in R}
+    edges = {(part[u], part[c]) for u in part for c in ctx.costs.cons[u]
+             if c in part and part[c] != part[u]}
+    after = {i: {j for a, j in edges if a == i} for i in range(len(parts))}
+    state: dict = {}
+
+    def cyclic(i) -> bool:
+        state[i] = 1
+        for j in after[i]:
+            if state.get(j) == 1 or (j not in state and cyclic(j)):
+                return True
+        state[i] = 2
+        return False
+    return not any(i not in state and cyclic(i) for i in after)
 
 
 def _put(states: dict, mask: int, score: float, chosen):
