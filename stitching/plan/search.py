@@ -21,7 +21,10 @@ selective deployment, scored by cost.py.
 2. Beam search over plans.  Walk fusible vertices best candidate first; a state is the
    set of decided nodes plus the chosen patterns and their summed gain.  At an undecided
    vertex each state branches into "leave it" and each disjoint candidate of positive
-   gain (up to top_k); the `beam` best states survive (one per decided set).  The winning plan's
+   gain (up to top_k); the `beam` best states survive (one per decided set).  A winning
+   pattern is then split where a smaller candidate of one of its vertices plus the best
+   candidates covering its rest gain more (_split_where_it_pays: the beam meets a whole
+   block's pattern before the pieces that beat it).  The winning plan's
    patterns are then checked for legality (region extraction + the schedule's `legal`,
    memoized; with it the reuse choice for layout ops, cost.reuse_reason: a kernel that
    would recompute an expensive value through a folded layout op is cut there, the
