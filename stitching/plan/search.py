@@ -353,26 +353,27 @@ def _split_where_it_pays(ctx: _Context, opts: dict, chosen: list) -> list:
     split: identical blocks were planned differently (a LayerNorm whose chain of
     transcendentals pays to cut: cost.chained_evaluations)."""
     gain = ctx.gain
-    out = list(chosen)
-    for i, P in enumerate(out):
-        best, best_gain = None, gain(P)
+    out = []
+    for P in chosen:
+        best, best_gain = [P], gain(P)
         for u in sorted(P):
             for Q, _, g in opts.get(u, ()):
                 if not Q < P:
                     continue
                 rest, parts, total = set(P - Q), [Q], g
                 for w in sorted(rest):          # the rest: its vertices' best candidates
-                    for R, _, h in opts.get(w, ()):
-                        if w in rest and R <= rest:
-                            parts.append(R)
-                            rest -= R
-                            total += h
-                            break
+                    if w not in rest:
+                        continue
+                    R, _, h = next((c for c in opts.get(w, ()) if c[0] <= rest),
+                                   (None, None, 0.0))
+                    if R is not None:
+                        parts.append(R)
+                        rest -= R
+                        total += h
                 if total > best_gain * (1 + 1e-9) and _parts_acyclic(ctx, parts):
                     best, best_gain = parts, total
-        if best is not None:
-            out[i:i + 1] = [best]
-    return [P for x in out for P in (x if isinstance(x, list) else [x])]
+        out.extend(best)
+    return out
 
 
 def _parts_acyclic(ctx: _Context, parts: list) -> bool:
