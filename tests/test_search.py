@@ -142,6 +142,16 @@ def test_identical_blocks_give_identical_specs(monkeypatch):
     assert all(r.spec.schedule for r in p.regions)         # static rows: launch chosen
 
 
+
+def test_a_split_whose_parts_would_wait_on_each_other_is_not_taken():
+    """search._split_where_it_pays keeps a pattern whole where its pieces would wait on
+    each other: in the chain 0 -> 1 -> 2 -> 3, pieces {0, 3} and {1, 2} would (0 feeds
+    1, 2 feeds 3); {0, 1} and {2, 3} would not."""
+    from types import SimpleNamespace
+    ctx = SimpleNamespace(succ=[[1], [2], [3], []])
+    assert not search._parts_acyclic(ctx, [frozenset({0, 3}), frozenset({1, 2})])
+    assert search._parts_acyclic(ctx, [frozenset({0, 1}), frozenset({2, 3})])
+
 # ---- legality and its reasons --------------------------------------------------------
 
 def test_an_op_illegal_even_alone_is_left_with_the_legality_reason():

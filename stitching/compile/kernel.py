@@ -361,11 +361,12 @@ class CompiledKernel:
         c = self._code
         if c.tier1_at is None:
             return None
-        est = estimate_at_tier1(self.spec)
-        why = "" if est is None else \
-            f", estimated {est[0] * 1e6:.0f} µs vs TF's {est[1] * 1e6:.0f} µs"
-        if has_window_at_tier1(self.spec):
+        if has_window_at_tier1(self.spec):       # held whatever the estimate says
             why = ": a window's multiply-adds run scalar there"
+        else:
+            est = estimate_at_tier1(self.spec)
+            why = "" if est is None else \
+                f", estimated {est[0] * 1e6:.0f} µs vs TF's {est[1] * 1e6:.0f} µs"
         what = (f"tier 1 held: its TF ops ran (tier 1 slower than TF{why})"
                 if slow_at_tier1(self.spec) else f"tier 1 ran{why}")
         if c.tier2_at is None:

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 
 from ..ir import SpecError
 from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT
+from ..ir.graph import kahn_order
 from ..ir.ops import Kind, kind_of
 from ..ir.spec import SCHEDULE_PARAMS
 from . import epilogue as _epi
@@ -380,19 +381,15 @@ def _parts_acyclic(ctx: _Context, parts: list) -> bool:
     """Whether kernels made of ``parts`` (disjoint, together a convex pattern, so every
     path between them stays inside it) would not wait on each other in a cycle."""
     part = {v: i for i, R in enumerate(parts) for v in R}
-    edges = {(part[u], part[c]) for u in part for c in ctx.costs.cons[u]
-             if c in part and part[c] != part[u]}
-    after = {i: {j for a, j in edges if a == i} for i in range(len(parts))}
-    state: dict = {}
-
-    def cyclic(i) -> bool:
-        state[i] = 1
-        for j in after[i]:
-            if state.get(j) == 1 or (j not in state and cyclic(j)):
-                return True
-        state[i] = 2
-        return False
-    return not any(i not in state and cyclic(i) for i in after)
+    succ = {i: set() for i in range(len(parts))}
+    pred = {i: set() for i in range(len(parts))}
+    for v, i in part.items():
+        for c in ctx.succ[v]:
+            j = part.get(c, i)
+            if j != i:
+                succ[i].add(j)
+                pred[j].add(i)
+    return len(kahn_order(succ, pred)) == len(parts)
 
 
 def _put(states: dict, mask: int, score: float, chosen):

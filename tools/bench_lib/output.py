@@ -706,12 +706,13 @@ def replace_sections(path, new: dict) -> None:
     if os.path.exists(path):
         with open(path) as f:
             old = f.read()
-    sections = {m.group(1): m.group(0) for m in _SECTION.finditer(old)}
+    found = list(_SECTION.finditer(old))
+    sections = {m.group(1): m.group(0) for m in found}
     # a section whose end marker is missing or misspelt would not match _SECTION and
     # vanish from the rewritten file (a hand-edited models@amd_avx512 once did): refuse
     lost = [k for k in _OPEN.findall(old) if k not in sections]
-    spans = [m.span() for m in _SECTION.finditer(old)]
-    stray = [old[a[1]:b[0]].strip() for a, b in zip(spans, spans[1:] + [(len(old), 0)])]
+    ends = [m.end() for m in found]
+    stray = [old[a:b].strip() for a, b in zip(ends, [m.start() for m in found[1:]] + [len(old)])]
     if any(stray):      # text between or after sections (the head is rebuilt anyway)
         lost.append("the text outside them: '" + next(t for t in stray if t)[:60] + "'")
     for k, text in new.items():
