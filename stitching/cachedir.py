@@ -4,7 +4,9 @@
     <root>/kernels/    compiled kernels, per toolchain (compile/kernel.py)
     <root>/plans/      stored plans of large graphs (plan/cache.py)
     <root>/autotune/   kernel-or-native-segment decisions, per device (runtime/autotune.py)
-    <root>/cpu_profile.json   the measured device profile (plan/profiles.py)
+    <root>/device-profile-cpu.json   the measured device profile (plan/profiles.py)
+    <root>/calibration-cpu.json      this machine's calibration, if installed
+                                     (tools/calibrate.py --install)
 
 A leaf module (it imports nothing of stitching), so every stage that caches something
 finds the same root without importing a later stage.  The *default* root is also where

@@ -394,7 +394,13 @@ class _Tiered(_StitchedStep):
         self._start()                     # asked for the kernels: no threshold
         if self._thread is not None:
             self._thread.join(timeout)
-        return self._thread is None or (self._ready and self.error is None)
+        ready = self._thread is None or (self._ready and self.error is None)
+        if ready and self.switch is None and self.report is not None \
+                and not self.report.tiering:
+            # ready, not yet called: the report says so until the switch says where
+            self.report.tiering = (f"stock TF ran steps 1-{self._steps}; the stitched step "
+                                   f"is ready and runs from the next step")
+        return ready
 
 
 _ONE_AT_A_TIME = threading.Lock()

@@ -73,7 +73,7 @@ def describe(prof, measured=None) -> dict:
 
 
 def _print(d: dict) -> None:
-    print(f"device profile in use: {d['profile']} ({d['source']})")
+    print(f"device profile in use: {d['profile']} ({d['source'] or 'pinned, built in'})")
     if d["pinned_by"]:
         print(f"  pinned by STITCHING_DEVICE_PROFILE={d['pinned_by']}")
     if d["backend"] == "cpu":

@@ -105,7 +105,7 @@ class Report:
     explanation: list = field(default_factory=list)   # per kernel: alternatives and scores
     profile: str = ""          # the device profile the cost model planned with (its source)
     dump_path: str | None = None   # the graph dump of this trace, when dumping is on
-    # Options(autotune): the kernels timed against their native segment (tf/autotune.py)
+    # Options(autotune): the kernels timed against their native segment (tf/passes/autotune.py)
     # with the model's prediction; what the measurements decided is read live
     autotune: list = field(default_factory=list)
     backward: str = ""
@@ -299,7 +299,9 @@ class Report:
         lines = [f"stitching plan for {self.function}"]
         for e in self.explanation:
             head = e.get("kernel") or ("fused" if e["deployed"] else "left alone")
-            lines.append(f"{head}: {len(e['nodes'])} ops [{', '.join(e['nodes'][:6])}"
+            # the planner's nodes, Identity and the other no-work ops included (the
+            # summary's counts leave those out)
+            lines.append(f"{head}: {len(e['nodes'])} nodes [{', '.join(e['nodes'][:6])}"
                          f"{', …' if len(e['nodes']) > 6 else ''}]")
             lines.append(f"    predicted {e['fused_us']} µs fused vs {e['unfused_us']} µs "
                          f"unfused; {e['score']}")

@@ -20,7 +20,9 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
                         signature_keys=None, embed_kernels: bool = True) -> dict:
     """Rewrite the signatures of the SavedModel ``src`` into a new SavedModel at ``dst``
     (what ``stitching-rewrite src/ dst/`` does).  Signatures not selected, the
-    variables and the assets are kept; the original object stays at ``loaded.model``.
+    variables and the assets are kept; the loaded model's root is the original root
+    object (its functions, like a Keras export's ``serve``, and variables where they
+    were).
 
     Args:
         src: The SavedModel directory to read.

@@ -83,6 +83,8 @@ def test_examples_run(path, tmp_path, monkeypatch):
         pytest.skip(f"{path.name}: no runnable example")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("STITCHING_NO_HINTS", "1")
+    # the examples run as a user runs them: tiered (the suite turns it off elsewhere)
+    monkeypatch.delenv("STITCHING_BACKGROUND_COMPILE", raising=False)
     env = dict(os.environ, PATH=_shims(tmp_path), PYTHONPATH=str(REPO),
                TF_CPP_MIN_LOG_LEVEL="2")
     namespace = {"__name__": "__docs__"}
@@ -176,3 +178,44 @@ def test_every_environment_variable_is_in_the_tuning_table():
     table = (REPO / "docs" / "tuning.md").read_text()
     missing = sorted(v for v in used if f"`{v}`" not in table)
     assert not missing, f"docs/tuning.md does not list: {missing}"
+
+
+def test_every_options_field_is_in_the_tuning_table():
+    import dataclasses
+
+    import stitching
+    table = (REPO / "docs" / "tuning.md").read_text()
+    missing = [f.name for f in dataclasses.fields(stitching.Options)
+               if f"| `{f.name}` |" not in table]
+    assert not missing, f"docs/tuning.md's Options table does not list: {missing}"
+
+
+# ---- links ------------------------------------------------------------------------------
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(path) -> set:
+    """The anchors a Markdown page has: GitHub's slug of each heading, and <a id>s."""
+    text = path.read_text()
+    out = set(re.findall(r'<a id="([^"]+)"', text))
+    for title in re.findall(r"^#+\s+(.*)$", FENCE.sub("", text), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+def test_relative_links_in_the_docs_resolve():
+    pages = [REPO / "README.md"] + sorted((REPO / "docs").rglob("*.md"))
+    broken = []
+    for page in pages:
+        for target in _LINK.findall(FENCE.sub("", page.read_text())):
+            if re.match(r"[a-z]+:", target):          # https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such anchor)")
+    assert not broken, "\n".join(broken)

@@ -1,4 +1,4 @@
-"""tf/einsum.py: a two-operand Einsum runs as one BatchMatMulV2 with its transposes as
+"""tf/passes/einsum.py: a two-operand Einsum runs as one BatchMatMulV2 with its transposes as
 row gathers.  Which equations qualify (plan_for), the exact nodes the rewrite leaves,
 numerics against stock TF and a float64 run with an unknown batch, and gradients."""
 import numpy as np

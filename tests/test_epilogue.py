@@ -1,4 +1,4 @@
-"""Convolution epilogues left to TF's remapper (plan/epilogue.py, tf/remapper.py).
+"""Convolution epilogues left to TF's remapper (plan/epilogue.py, tf/passes/remapper.py).
 
 Planner level on hand-built IR (TF-free), then a small Keras conv block end to end:
 its kernel count, its values against TF, float64, and an unknown batch with one trace.

@@ -1,4 +1,4 @@
-"""Stitched kernels write outputs over dead inputs (tf/forward.py, runtime/op.cc), as
+"""Stitched kernels write outputs over dead inputs (tf/passes/forward.py, runtime/op.cc), as
 TF's element-wise kernels do: which pairs are marked, that values TF still holds (a
 variable's buffer, a value returned or read again) are never overwritten, that the
 peak of TF's allocator drops, and that a bad attr from a graph is refused."""

@@ -172,6 +172,17 @@ def test_background_compile_serves_stock_tf_first_then_the_stitched_graph():
     assert f.wait(timeout=300) and len(f.reports) == 2 and not f.background_errors
 
 
+def test_reports_waits_for_the_background_traces_as_report_does(tiered):
+    """``reports`` right after tiered calls lists every trace, as ``report`` waits
+    for the latest (the retracing example in docs/differences-from-tf-function.md):
+    batches 8 and 9 trace twice (the second relaxed to an unknown batch), 10 and 11
+    reuse the relaxed one."""
+    f = stitching.function(lambda x: tf.nn.softmax(x * 2.0))
+    for batch in (8, 9, 10, 11):
+        f(tf.ones([batch, 16]))
+    assert len(f.reports) == 2 and not f._pending
+
+
 def test_tiered_by_default_stock_first_then_stitched_with_the_switch_reported(tiered,
                                                                              capsys):
     """Default options: an eager call of a new signature returns stock TF's result
@@ -453,7 +464,7 @@ def test_eager_tensor_calls_take_the_concrete_function_and_match_tf_function():
         tape.watch(x)
         want_grad = tape.gradient(ref(x, y)["a"], x)
     for call in (lambda: st(x, y), lambda: st(x=x, y=y)):   # fast path, tf.function path
-        # the same gradient either way (StitchedKernel's gradient: tf/original.py)
+        # the same gradient either way (StitchedKernel's gradient: tf/passes/original.py)
         with tf.GradientTape() as tape:
             tape.watch(x)
             out = call()["a"]
@@ -493,7 +504,7 @@ def test_report_names_what_was_not_fused():
 
 def test_identity_transpose_is_removed_before_planning():
     """Keras' Tensordot leaves Transposes with the identity permutation; TF's Grappler
-    (RemoveIdentityTranspose, run before planning: tf/grappler.py) removes them, so
+    (RemoveIdentityTranspose, run before planning: tf/passes/grappler.py) removes them, so
     they no longer cut a region."""
     f = stitching.function(lambda x: tf.transpose(tf.exp(x), [0, 1, 2]) * 2.0)
     x = tf.ones([2, 3, 4])
@@ -748,7 +759,7 @@ def test_large_graph_plan_is_stored_and_reused_after_checking_it(monkeypatch, tm
 
 
 def test_batch_matmul_against_a_2d_weight_runs_as_one_matmul():
-    """tf/gemm.py: BatchMatMulV2(x[B, T, D], W[D, E]) (Keras 3's EinsumDense) becomes
+    """tf/passes/gemm.py: BatchMatMulV2(x[B, T, D], W[D, E]) (Keras 3's EinsumDense) becomes
     Reshape-MatMul-Reshape, for every batch size and with adj_y; an adj_x product or
     a batched right operand stays a BatchMatMul.  Numerics match TF and float64."""
     from stitching.tf import pipeline
@@ -765,7 +776,7 @@ def test_batch_matmul_against_a_2d_weight_runs_as_one_matmul():
         return tf.nn.relu(a) + b, c, d
     sig = [tf.TensorSpec([None, 5, 16], tf.float32)]
     cf = tf.function(fn, input_signature=sig).get_concrete_function()
-    # the products as tf/gemm.py leaves them (an Eigen machine would make them OpenBLAS
+    # the products as tf/passes/gemm.py leaves them (an Eigen machine would make them OpenBLAS
     # ops, tf/passes/blas.py)
     res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs],
                                     options=stitching.Options(blas_gemm=False))

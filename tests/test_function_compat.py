@@ -249,6 +249,18 @@ def test_the_background_compile_hint_only_where_it_applies(monkeypatch, capsys, 
     assert "passed positionally, run stock TF while" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value, hinted", [("0", True), ("1", False)])
+def test_no_hints_reads_its_value_as_the_other_switches_do(monkeypatch, capsys, value, hinted):
+    """STITCHING_NO_HINTS=0 leaves the hints on, as STITCHING_STRICT=0 and
+    STITCHING_NO_AUTOLOAD=0 leave theirs off."""
+    from stitching.tf import function as fn_module
+    monkeypatch.setattr(fn_module, "HINT_SECONDS", 0.0)
+    monkeypatch.setattr(fn_module, "_hinted", False)
+    monkeypatch.setenv("STITCHING_NO_HINTS", value)
+    fn_module._hint_background_compile(1.0)
+    assert ("passed positionally, run stock TF while" in capsys.readouterr().err) == hinted
+
+
 def test_keras_stitch_tiers_with_background_compile():
     """Options(background_compile=True) under keras.stitch is its default: tiered
     (keras.py), not refused as it was when Keras's steps could only compile first."""

@@ -1,4 +1,4 @@
-"""tf/gemm.py beyond the BatchMatMul -> MatMul rewrite itself (test_function.py has
+"""tf/passes/gemm.py beyond the BatchMatMul -> MatMul rewrite itself (test_function.py has
 that): the projection's bias moves into the MatMul as a BiasAdd (which TF's remapper
 fuses into the GEMM), and the output shape is a constant when only the batch is
 unknown.  Numerics against stock TF and float64."""
@@ -47,7 +47,7 @@ def test_a_projection_bias_is_added_by_the_matmul():
     # bias's Add stays TF's with its reason
     rep = sf.report
     assert [(op, where) for _, op, where in rep.folded] == \
-        [("AddV2", "added by its product as the MatMul's BiasAdd (tf/gemm.py)")]
+        [("AddV2", "added by its product as the MatMul's BiasAdd (tf/passes/gemm.py)")]
     assert [op for _, op, _ in rep.unfused] == ["AddV2"]
     assert rep.memory_intensive_ops == rep.fused_ops + len(rep.unfused) == 2
     assert "(50%): 0 into 0 kernels, 1 into matrix products' ops;" in rep.summary()

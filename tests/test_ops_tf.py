@@ -196,7 +196,7 @@ def test_training_ops_match_tf(name, dtype):
     # oracle is float64 (rounded back), as for the other half-precision tests
     sf = check(TRAINING_BINARY[name], a, b, ref64=dtype == tf.float16)
     fused = {t for k in sf.report.kernels for _, t in k.ops}
-    # AddN reaches the IR as TF's own order of Adds (tf/grappler.py expands it)
+    # AddN reaches the IR as TF's own order of Adds (tf/passes/grappler.py expands it)
     assert name in fused if name != "AddN" else "AddV2" in fused, fused
 
 

@@ -1,4 +1,4 @@
-"""tf/padfold.py: a zero Pad before a depthwise convolution becomes its explicit padding."""
+"""tf/passes/padfold.py: a zero Pad before a depthwise convolution becomes its explicit padding."""
 import numpy as np
 import pytest
 import tensorflow as tf

@@ -1,4 +1,4 @@
-"""tf/prune.py: what the rewrite leaves unread goes, equal constants merge, inlining's
+"""tf/passes/prune.py: what the rewrite leaves unread goes, equal constants merge, inlining's
 Identity nodes are forwarded -- and the graph computes the same."""
 import numpy as np
 import tensorflow as tf

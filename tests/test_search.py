@@ -166,6 +166,22 @@ def test_an_op_illegal_even_alone_is_left_with_the_legality_reason():
     assert quotient_is_acyclic(g, p)
 
 
+def test_an_op_no_legal_kernel_can_take_says_why_not_a_cost():
+    """Regression: a Sum over every axis beside a softmax's row reductions was reported
+    "left out by the cost model" with the predicted times of a kernel that could never
+    be built (one kernel handles one reduction shape); the reason is that legality
+    verdict now."""
+    g = (G().input("x", [16, 128]).op("r", "Max", ["x"], axes=[1], keep_dims=True)
+         .op("d", "Sub", ["x", "r"]).op("e", "Exp", ["d"])
+         .op("s", "Sum", ["x"], axes=[0, 1], keep_dims=False)
+         .op("o", "Add", ["e", "s"]).opaque("m", ["o"], [16, 128]).build("m"))
+    from stitching.schedule import check
+    p = plan(g, legal=lambda s: check(s).reason)
+    ((node, op, why),) = [u for u in p.unfused if u[0] == "s"]
+    assert why.startswith("cannot join its neighbours: "), why
+    assert "reduce different axes" in why and "µs" not in why
+
+
 def test_a_refused_kernel_falls_back_to_smaller_legal_ones():
     def small(spec):
         return "more than 4 ops in one kernel" if len(spec.nodes) > 4 else None
@@ -254,7 +270,7 @@ def test_every_kernel_explains_its_alternatives_and_scores():
     assert {"pattern", "launch"} <= kinds
     assert any(a["outcome"] == "chosen by the beam search" for a in d["alternatives"])
     text = Report(function="f", explanation=[dict(d, kernel="k0")]).explain()
-    assert "k0: 8 ops" in text and "launch" in text and "gain" in text
+    assert "k0: 8 nodes" in text and "launch" in text and "gain" in text
 
 
 # ---- planners side by side -----------------------------------------------------------

@@ -1,4 +1,4 @@
-"""tf/seqsplit.py: token-wise blocks run as two halves of the sequence."""
+"""tf/passes/seqsplit.py: token-wise blocks run as two halves of the sequence."""
 import numpy as np
 import pytest
 import tensorflow as tf

@@ -138,7 +138,7 @@ def test_tf_gqa_k_and_v_head_transposes_are_one_kernel_bitwise():
 def test_llama_decoder_kernels_at_most_0_3x_xla(monkeypatch):
     """The issue's bar on the models suite's Llama decoder (2 layers, d_model 256, GQA
     8/2 heads, seq 128), planned for the AMD machine (where the 2 MiB L2 of the Intel
-    model would split the token-wise blocks in two: tf/seqsplit.py): per layer an
+    model would split the token-wise blocks in two: tf/passes/seqsplit.py): per layer an
     RMSNorm, Q's rotary kernel, K's and V's packed, the softmax, the residual RMSNorm,
     SwiGLU; the final RMSNorm: 13 kernels against XLA's 44 memory-intensive fusions,
     outputs equal to TF within float rounding."""

@@ -1,4 +1,4 @@
-"""SparseSoftmaxCrossEntropyWithLogits (tf/sparse_xent.py) and training-mode
+"""SparseSoftmaxCrossEntropyWithLogits (tf/passes/sparse_xent.py) and training-mode
 FusedBatchNormGradV3 (ir/composites.py) fused: both outputs against stock TF and a
 float64 oracle, float16, the kernel count, and TF's error on out-of-range labels."""
 import numpy as np

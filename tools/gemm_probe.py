@@ -4,7 +4,7 @@
     python tools/gemm_probe.py --markdown BENCHMARKS.md
 
 Stitching leaves matrix products to TF's kernels (it only rewrites their layout,
-tf/gemm.py and tf/einsum.py).  At batch 1 the models suite's Transformer encoder spends
+tf/passes/gemm.py and tf/passes/einsum.py).  At batch 1 the models suite's Transformer encoder spends
 most of its time in the feed-forward products [M, 256] x [256, 1024] and
 [M, 1024] x [1024, 256] with M = 128 (the sequence), and there TF's product is slower
 than XLA's dot.  The cause is in TF, not in the fused kernels: TF's oneDNN ``MatMul``
@@ -253,7 +253,7 @@ def _markdown(rows, blocks, meta: str, key: str = "gemm", onednn: bool = True) -
         *(["- At batch 1 (M = 128) TF's MatMul runs on one thread and loses to XLA's dot; "
             "BatchMatMulV2 runs on both but loses from M = 256 on; tf.cond pays its "
             "dispatch on every product; two row halves run side by side win at M = 128 "
-            "and are even at M = 1024 (tf/seqsplit.py does this in the graph). This was "
+            "and are even at M = 1024 (tf/passes/seqsplit.py does this in the graph). This was "
             "the Transformer's batch-1 gap to XLA (docs/limits.md, Matrix products)."]
           if home else []),
         f"<!-- /suite:{key} -->"])

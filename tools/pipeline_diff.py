@@ -161,7 +161,7 @@ def _graphs(only) -> list:
             real = profiles._cache_sizes
 
             def pinned():
-                # only for the split's own reading (tf/seqsplit.py, or the driver before
+                # only for the split's own reading (tf/passes/seqsplit.py, or the driver before
                 # the pass manager): the cost model's profile keeps the machine's caches,
                 # or it is measured afresh (noisy) instead of read from its calibration
                 caller = sys._getframe(1).f_globals.get("__name__", "")

@@ -40,7 +40,7 @@ def run(layers: int, batch: int, repeats: int, whole: bool = False) -> dict:
     modes = {"tf": tf.function(fn, input_signature=sig),
              "xla": tf.function(fn, input_signature=sig, jit_compile=True),
              "stitched": stitching.function(fn, input_signature=sig, options=sync)}
-    if whole:       # the A/B of tf/seqsplit.py: token-wise blocks kept whole
+    if whole:       # the A/B of tf/passes/seqsplit.py: token-wise blocks kept whole
         modes["whole"] = stitching.function(
             fn, input_signature=sig, options=dataclasses.replace(sync, seq_split=False))
     ref = modes["tf"](x).numpy()

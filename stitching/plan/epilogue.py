@@ -29,7 +29,7 @@ each value but the last has no other reader and is not a function output.  Swish
 x * Sigmoid(x) with both reading the BiasAdd.  An Identity may sit between BiasAdd and
 Sigmoid (Grappler folds Keras' ``beta * x`` with beta = 1 into one, anchored to the
 constant by a control edge): the remapper does not look through it while that control
-edge is there, so the rewrite forwards such an Identity (tf/remapper.py), and only one
+edge is there, so the rewrite forwards such an Identity (tf/passes/remapper.py), and only one
 whose control inputs are constants is taken.  Keras' swish goes through
 ``tf.custom_gradient``, whose IdentityN keeps the remapper from fusing it in stock TF;
 the IdentityN is bypassed after Grappler (tf/passes/grappler.py), so here it fuses.

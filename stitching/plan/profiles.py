@@ -30,8 +30,9 @@ each transcendental's cost per element relative to Exp, ours and TF's) and takes
 factor of its own (``kernel_compute_scale``), measured by ``tools/calibrate.py --ops``.
 ``tools/calibrate.py``
 measures them on the running machine and writes a profile file; ``--ship`` writes the
-package's default (``calibration-cpu.json`` beside this file), which then applies to the
-measured CPU profile.  ``STITCHING_DEVICE_PROFILE=<file>``
+package's default for the running CPU's class (``calibration-cpu-<class>.json`` beside
+this file: ``intel-avx512``, ``amd-avx512``, ``amd-avx2``), which then applies to the
+measured CPU profile of every machine of that class.  ``STITCHING_DEVICE_PROFILE=<file>``
 plans with a profile file instead (one ``tools/calibrate.py`` wrote); the report names the
 profile it planned with (``DeviceProfile.source``).  Which factors the measured CPU
 profile gets, first found wins:
@@ -40,7 +41,9 @@ profile gets, first found wins:
     <cache root>/calibration-cpu.json       this machine's (calibrate.py --install), read
                                             only where its CPU fingerprint matches; a
                                             bad one is ignored with a warning
-    stitching/plan/calibration-cpu.json     the shipped default (calibrate.py --ship)
+    stitching/plan/calibration-cpu-<class>.json
+                                            the shipped default of the CPU's class
+                                            (calibrate.py --ship)
     none                                    factors 1
 
 A *lane* is the unit of parallelism that pulls memory bandwidth: a core on the CPU, a
@@ -110,11 +113,11 @@ class DeviceProfile:
     kernel_time_scale: dict = field(default_factory=dict)   # the same for the model's
     #                                   estimate of a generated kernel of one op of a class
     source: str = ""             # where the numbers came from (the report shows it)
-    # CPU machine facts the decisions read (tf/seqsplit.py, tf/remapper.py, the
+    # CPU machine facts the decisions read (tf/passes/seqsplit.py, tf/passes/remapper.py, the
     # streaming-store line): never the live machine's in a test, which pins a model.
     isa: str = ""                # widest vector ISA: avx512f | avx2 | avx | sse2 | neon
     tf_onednn: bool | None = None   # TF runs oneDNN's kernels and remapper; None: ask the
-    #                                 running TF (tf/remapper.py: onednn_enabled)
+    #                                 running TF (tf/passes/remapper.py: onednn_enabled)
     cpu_class: str = ""          # vendor-isa ("intel-avx512", "amd-avx2"): shipped numbers
     measured_at: str = ""        # UTC date and time of the measurement
     provisional: bool = False    # measured on a busy machine or with a wide spread:
@@ -283,7 +286,13 @@ def default() -> DeviceProfile:
         key = spec.lower()
         if key in PINNED or key in MACHINES:
             return get(key)
-        return calibrated(settled(get("cpu"))) if key == "cpu" else load_file(spec)
+        if key == "cpu":
+            return calibrated(settled(get("cpu")))
+        if not os.path.exists(spec):
+            names = ", ".join(sorted(set(PINNED) | set(MACHINES) | {"cpu"}))
+            raise ProfileFileError(f"STITCHING_DEVICE_PROFILE={spec}: neither a named "
+                                   f"profile ({names}) nor a profile file")
+        return load_file(spec)
     return calibrated(settled(get("cpu")))
 
 

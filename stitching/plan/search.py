@@ -506,7 +506,7 @@ class _Merger:
                 self._above[X] = m
             above.append(m)
         # a lone op is no kernel the search chose: left alone, TF may run it for free
-        # (tf/gemm.py adds a projection's bias inside its GEMM), so it keeps the penalty
+        # (tf/passes/gemm.py adds a projection's bias inside its GEMM), so it keeps the penalty
         if above[0] == above[1] or min(len(A), len(B)) > 1 and self._siblings(*above):
             return 0.0
         p, costs = self.ctx.profile, self.ctx.costs
@@ -649,7 +649,7 @@ class _Merger:
                     (self.lone(a) or self.lone(b)) and ctx.region(U).spec.same_dims:
                 why = ("a lone op packs over a run-time dim only where its own kernel "
                        "pays: left alone, TF may run it inside the product before it "
-                       "(tf/gemm.py adds a projection's bias in its GEMM)")
+                       "(tf/passes/gemm.py adds a projection's bias in its GEMM)")
         better = ctx.gain(U) - self.cur.get(a, 0.0) - self.cur.get(b, 0.0)
         if why is not None:
             ctx.note(kind, U, better, f"refused: {why}")
@@ -806,7 +806,12 @@ def _cost_reason(ctx: _Context, v: int, placed: dict) -> str | None:
                 pats.add(U)
     if not pats:
         return None
-    best = max(pats, key=lambda P: (ctx.gain(P), -len(P)))
+    # only kernels that could be built: an illegal one's times would be no reason
+    legal = {P for P in pats if ctx.check(P) is None}
+    if not legal:
+        P = max(pats, key=lambda P: (ctx.gain(P), -len(P)))
+        return f"cannot join its neighbours: {ctx.describe(P)}: {ctx.check(P)}"
+    best = max(legal, key=lambda P: (ctx.gain(P), -len(P)))
     d = ctx.costs.delta(best)
     times = (f"{ctx.describe(best)} predicted {d.fused_s * 1e6:.1f} µs fused vs "
              f"{d.unfused_s * 1e6:.1f} µs unfused")

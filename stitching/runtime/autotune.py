@@ -1,7 +1,7 @@
 """Autotune decisions: kept on disk beside the kernels, handed to the op.
 
 The op measures (op.cc, ``Tuner``): a StitchedKernel node marked for autotuning
-(``Options(autotune=True)``, tf/autotune.py) times its kernel and its native segment
+(``Options(autotune=True)``, tf/passes/autotune.py) times its kernel and its native segment
 on its first calls per shape class and keeps the faster.  This module is the memory
 of those decisions, so that a second process does not measure again:
 

@@ -267,6 +267,11 @@ def main(argv=None) -> int:
         return 1
     _, _, tf_version = _tf_flags()
     print(f"stitching-build: cache {cachedir.root()}")
+    if cachedir.root() != cachedir.default_root():
+        # products already built into the default root are reused, not rebuilt (their
+        # file names hash every input of their build: _prebuilt)
+        print(f"  (products already in the default cache {cachedir.default_root()} are "
+              f"used from there)")
     _line("TensorFlow op library (TF " + tf_version + ")", lib, _built_here(lib))
     # The OpenBLAS product ops (blas.py), where the scipy-openblas32 wheel is installed.
     try:

@@ -1330,7 +1330,7 @@ class StitchedKernelOp : public OpKernel {
   std::string tune_hash_;
   std::atomic<int> decided_[kTuneClasses] = {};   // per shape class: a TuneChoice
 
-  // _stitching_forward: [input, output, input, output, ...] pairs (tf/forward.py);
+  // _stitching_forward: [input, output, input, output, ...] pairs (tf/passes/forward.py);
   // checked here like any attr of a graph from outside (indices, dtypes, each at most
   // once).  forward_from_[output] = input, or -1.
   absl::Status ReadForwards(OpKernelConstruction* ctx, const DataTypeVector& tin,

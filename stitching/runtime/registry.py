@@ -320,7 +320,7 @@ def num_registered() -> int:
 @no_autograph
 def stats() -> dict:
     """{"fallbacks": StitchedKernel nodes that run their original subgraph because
-    their kernel could not be built (tf/original.py), "last_fallback": why, for the
+    their kernel could not be built (tf/passes/original.py), "last_fallback": why, for the
     latest; autotune (Options(autotune=True), runtime/autotune.py):
     "autotune_measured": decisions made by measuring in this process,
     "autotune_cached": (node, shape class) decisions taken from the cache instead,

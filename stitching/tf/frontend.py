@@ -1,9 +1,9 @@
 """Frontend: a traced TF function -> inlined GraphDef -> IR graph.
 
-  python fn ──trace──▶ ConcreteFunction ──Grappler (tf/grappler.py)──▶ GraphDef
+  python fn ──trace──▶ ConcreteFunction ──Grappler (tf/passes/grappler.py)──▶ GraphDef
        ──import into a scratch tf.Graph (TF shape inference)──▶ IR Graph (one node per TF node)
 
-Grappler (tf/grappler.py) inlines ``PartitionedCall``/``StatefulPartitionedCall``
+Grappler (tf/passes/grappler.py) inlines ``PartitionedCall``/``StatefulPartitionedCall``
 bodies (as TF-TRT does) and runs the optimizers of stock ``tf.function`` that change
 values (constant folding, the arithmetic optimizer: ``exp(x) - 1`` -> Expm1 ...), so
 the graph we rewrite is the graph TF would have run.  Static shapes come from TF's
@@ -462,7 +462,7 @@ _TRAINING_COMPOSITES = frozenset({"ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad"
 
 def _convert_training(op) -> Node:
     """Gradient ops and L2Loss (ir/composites.py expands them).  AddN never gets here:
-    tf/grappler.py expands it into TF's own order of Adds first."""
+    tf/passes/grappler.py expands it into TF's own order of Adds first."""
     t = op.type
     if t in ("Tile", "BroadcastTo"):
         return _convert_tile(op)

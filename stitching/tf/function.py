@@ -155,7 +155,7 @@ class StitchedFunction(tf_pf.Function):
     def _configure(self, options, reduce_retracing):
         """Stitching's own state (also for the bound copies ``__get__`` makes)."""
         self.options = options
-        self.reports = []            # one per trace, oldest first
+        self._reports = []            # one per trace, oldest first
         self._reduce_retracing_setting = reduce_retracing
         # None: relax shapes (module docstring); a fixed input_signature leaves nothing to
         self._relax = self.input_signature is None and reduce_retracing is not False
@@ -195,7 +195,7 @@ class StitchedFunction(tf_pf.Function):
         # tf.distribute's strategy.run calls a clone in place of this function
         # (mirrored_run): what the clone traces is this function's work, so its reports
         # are this one's too (Keras's test step under MirroredStrategy)
-        f.reports = self.reports
+        f._reports = self._reports
         return f
 
     @property
@@ -204,7 +204,14 @@ class StitchedFunction(tf_pf.Function):
         Waits for pending background compiles first (tiered execution: the first
         call returned stock TF's result, and the report is the stitched graph's)."""
         self._settle()
-        return self.reports[-1] if self.reports else None
+        return self._reports[-1] if self._reports else None
+
+    @property
+    def reports(self) -> list:
+        """Every trace's report, oldest first; waits for pending background compiles
+        first, as ``report`` does (each of them traces once)."""
+        self._settle()
+        return self._reports
 
     def experimental_get_tracing_count(self):
         """TF's count of this function's traces, once pending background compiles
@@ -385,8 +392,8 @@ class StitchedFunction(tf_pf.Function):
         if warm:
             if general is not None:
                 self._general.setdefault(family, []).append((relaxed, cf))
-            if self.reports:
-                self.reports[-1].tiering = ("stitched from call 1 (graph, plan and "
+            if self._reports:
+                self._reports[-1].tiering = ("stitched from call 1 (graph, plan and "
                                             "kernels from the cache; nothing to compile)")
             return cf
         tier = _StockTier(self, key, self._stock_function())
@@ -442,10 +449,10 @@ class StitchedFunction(tf_pf.Function):
     def _stitch_in_background(self, tier, specs, general=None):
         from . import results
         try:
-            before = len(self.reports)
+            before = len(self._reports)
             cf = self.get_concrete_function(*specs)
             results.mark(self._hint(specs))     # the next process probes for it
-            tier.report = self.reports[-1] if len(self.reports) > before else None
+            tier.report = self._reports[-1] if len(self._reports) > before else None
             tier.stitched = cf                  # the next call through it switches
             if general is not None:
                 family, relaxed = general
@@ -461,7 +468,8 @@ class StitchedFunction(tf_pf.Function):
         the fast path calls that graph directly; the report and a progress line say
         where the switch was."""
         seconds = time.perf_counter() - tier.started
-        text = (f"stock TF ran calls 1-{tier.calls} while the kernels compiled "
+        calls = "call 1" if tier.calls == 1 else f"calls 1-{tier.calls}"
+        text = (f"stock TF ran {calls} while the kernels compiled "
                 f"({seconds:.1f} s); stitched from call {tier.calls + 1}")
         self._concrete[tier.key] = tier.stitched      # one dict store: calls see either
         if tier.report is not None:
@@ -559,7 +567,7 @@ class StitchedFunction(tf_pf.Function):
         # a new Python scalar, does not pay for looking), nor for a probe
         from ..compile import kernel as kernel_cache
         _check_cancelled()     # a background compile stopped at exit traces nothing more
-        last = self.reports[-1] if self.reports else None    # not .report: it waits
+        last = self._reports[-1] if self._reports else None    # not .report: it waits
         compiled = last is not None and (last.kernels or any(
             r is not None and r.kernels for _, r, _ in last.bodies))
         workers = None
@@ -594,7 +602,7 @@ class StitchedFunction(tf_pf.Function):
             if workers is not None:
                 workers.close()
         if result is not None:
-            self.reports.append(result.report)
+            self._reports.append(result.report)
             # only where tiering would apply but did not: an eager call through TF's
             # call path (keyword, Python or NumPy arguments), not inside Keras's fit
             # or another tf.function, not get_concrete_function or stitching-rewrite
@@ -790,7 +798,7 @@ _BACKWARDS: dict = {}            # (region function, outputs differentiated) -> 
 
 
 def _backward_function(key, make, options=None):
-    """The stitched backward of one kind of region (tf/original.py asks, on a gradient
+    """The stitched backward of one kind of region (tf/passes/original.py asks, on a gradient
     request through a StitchedKernel), planned with the forward's ``options``; one
     StitchedFunction per key (which includes the options), so identical regions share
     traces and kernels."""
@@ -926,7 +934,8 @@ _hinted = False
 def _hint_background_compile(seconds: float) -> None:
     """Once per process: a slow synchronous first call says which calls are tiered."""
     global _hinted
-    if _hinted or seconds < HINT_SECONDS or os.environ.get("STITCHING_NO_HINTS"):
+    if _hinted or seconds < HINT_SECONDS or \
+            os.environ.get("STITCHING_NO_HINTS", "") not in ("", "0"):
         return
     _hinted = True
     print(f"stitching: this call waited {seconds:.1f} s to plan and compile its kernels. "

@@ -359,7 +359,7 @@ def _run(ctx):
     rewrite(ctx.graph_def, {n: p for n, p in todo.items() if n in heads}, True)
     rewrite(ctx.graph_def, {n: p for n, p in todo.items() if n not in heads}, False)
     return (f"{len(todo)} Einsum node(s) run as one BatchMatMulV2 each, their "
-            "operand and result transposes as row gathers (tf/einsum.py; "
+            "operand and result transposes as row gathers (tf/passes/einsum.py; "
             "Options(einsum=False) keeps them)")
 
 

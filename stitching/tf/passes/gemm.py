@@ -209,12 +209,12 @@ def _run(ctx):
         return None
     rewrite(ctx.graph_def, todo)          # the rewrite's own copy
     adds = [v[3] for v in todo.values() if v[3] is not None]
-    ctx.folded.update((a, "added by its product as the MatMul's BiasAdd (tf/gemm.py)")
+    ctx.folded.update((a, "added by its product as the MatMul's BiasAdd (tf/passes/gemm.py)")
                       for a in adds)
     biases = len(adds)
     return (f"{len(todo)} BatchMatMul node(s) against a 2-D weight run as one "
             f"MatMul each, {biases} with the bias Add after it as the MatMul's "
-            f"BiasAdd (tf/gemm.py; Options(gemm=False) keeps them)")
+            f"BiasAdd (tf/passes/gemm.py; Options(gemm=False) keeps them)")
 
 
 PASS = Pass("gemm", _run, option="gemm")

@@ -334,7 +334,7 @@ def _run(ctx):
     if has_control_flow(ctx.original):
         return ("the graph has functional control flow (tf.cond / tf.while_loop): "
                 "Grappler's inlining, constant folding and arithmetic rewrites "
-                "were not applied to it (tf/grappler.py says why)")
+                "were not applied to it (tf/passes/grappler.py says why)")
     return None
 
 

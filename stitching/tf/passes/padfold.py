@@ -145,7 +145,7 @@ def _run(ctx):
     rewrite(graph_def, found)
     ctx.replace(graph_def)
     return (f"{len(found)} zero Pad(s) before a depthwise convolution folded "
-            "into its explicit padding (tf/padfold.py; Options(pad_fold=False) "
+            "into its explicit padding (tf/passes/padfold.py; Options(pad_fold=False) "
             "keeps them)")
 
 

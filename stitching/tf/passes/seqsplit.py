@@ -508,12 +508,12 @@ def _run(ctx):
     new_graph = ctx.shapes_of(new)
     bad = halves_match(blocks, new_graph)
     if bad is not None:
-        return f"token-wise blocks left whole: {bad} (tf/seqsplit.py)"
+        return f"token-wise blocks left whole: {bad} (tf/passes/seqsplit.py)"
     ctx.replace(new, new_graph)
     ops = sum(len(b.ops) for b, _ in blocks)
     return (f"{len(blocks)} token-wise block(s) ({ops} TF ops) run as two halves of the "
             f"sequence: at batch 1 TF runs their products on one thread (operands under "
-            f"L2, {l2 >> 10} KiB), the halves use both cores (tf/seqsplit.py; "
+            f"L2, {l2 >> 10} KiB), the halves use both cores (tf/passes/seqsplit.py; "
             f"Options(seq_split=False) keeps them whole)")
 
 

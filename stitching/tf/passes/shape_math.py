@@ -27,7 +27,7 @@ _SHAPE_OPERANDS = {
     "RandomStandardNormal": {0}, "TruncatedNormal": {0}, "Empty": {0}}
 _INTEGERS = frozenset({types_pb2.DT_INT32, types_pb2.DT_INT64})
 SHAPE_MATH = ("shape arithmetic: a few host integers, which TF's constant folding and "
-              "tf/shapes.py fold; not memory-intensive work")
+              "tf/passes/shapes.py fold; not memory-intensive work")
 
 
 def shape_arithmetic(gdef) -> set:

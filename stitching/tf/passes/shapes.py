@@ -252,7 +252,7 @@ def _run(ctx):
     if not folded:
         return None
     return (f"{folded} Reshape target(s) computed at run time (Shape, Gather, "
-            "Prod, Concat...) are constants but for one -1 entry (tf/shapes.py)")
+            "Prod, Concat...) are constants but for one -1 entry (tf/passes/shapes.py)")
 
 
 def _dead_shape_math(graph_def, shape_math: set, fetched: set) -> set:
