@@ -321,6 +321,65 @@ def test_rewrite_keeps_signatures_variables_and_assets(tmp_path):
     assert (dst / "assets" / "vocab.txt").read_text() == "a\nb\n"
 
 
+_BROADCAST = """
+    import json, numpy as np
+    import stitching, tensorflow as tf
+    a, b = np.load({d!r} + "/a.npy"), np.load({d!r} + "/b.npy")
+    out = {{}}
+    for name in ("fallback", "no_fallback", "saved_function"):
+        m = tf.saved_model.load({d!r} + "/" + name)
+        got = m.signatures["serving_default"](a=tf.constant(a), b=tf.constant(b))["y"]
+        out[name] = float(np.abs(got.numpy() - np.load({d!r} + "/want.npy")).max())
+    print("RESULT", json.dumps(out))
+"""
+
+
+def test_a_loaded_model_answers_calls_its_kernels_were_not_built_for(tmp_path):
+    """Regression: a call whose inputs broadcast where the trace had the batch unknown
+    (b of batch 1 against a of batch 4) runs the region's original ops, which give
+    TF's answer.  In a fresh process that loaded the SavedModel, the original function
+    named by the string attr was not found (the loader registers every library
+    function under a new name), so the rewritten model refused a call the original
+    serves.  Rewritten with a fallback (the default), without one, and a module whose
+    stitching.function was saved directly."""
+    from stitching.saved_model import rewrite_saved_model
+
+    def body(a, b):
+        x = a * 2.0 + b
+        mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+        return {"y": tf.nn.gelu((x - mean) * tf.math.rsqrt(var + 1e-5))}
+
+    sig = [tf.TensorSpec([None, 64], tf.float32, name="a"),
+           tf.TensorSpec([None, 64], tf.float32, name="b")]
+
+    class Plain(tf.Module):
+        @tf.function(input_signature=sig)
+        def serve(self, a, b):
+            return body(a, b)
+
+    class Stitched(tf.Module):
+        @stitching.function(input_signature=sig)
+        def serve(self, a, b):
+            return body(a, b)
+
+    m = Plain()
+    tf.saved_model.save(m, str(tmp_path / "src"), signatures={"serving_default": m.serve})
+    rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "fallback"))
+    rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "no_fallback"),
+                        options=stitching.Options(fallback=False))
+    st = Stitched()
+    tf.saved_model.save(st, str(tmp_path / "saved_function"),
+                        signatures={"serving_default": st.serve})
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((4, 64)).astype(np.float32)
+    b = rng.standard_normal((1, 64)).astype(np.float32)
+    for name, value in (("a", a), ("b", b), ("want", m.serve(a, b)["y"].numpy())):
+        np.save(tmp_path / f"{name}.npy", value)
+    out = _result(_run(_BROADCAST.format(d=str(tmp_path)),
+                       env={"STITCHING_CACHE_DIR": str(tmp_path / "cache")}))
+    assert all(err < 1e-5 for err in out.values()), out
+
+
 @pytest.mark.slow
 def test_transformer_saved_model_round_trip_in_a_fresh_process(tmp_path):
     """The Bars' Transformer: exported by Keras, rewritten, loaded in a fresh process

@@ -1236,15 +1236,36 @@ class StitchedKernelOp : public OpKernel {
                                    tensorflow::FunctionLibraryRuntime** used,
                                    tensorflow::FunctionLibraryRuntime::Handle* handle) {
     const tensorflow::FunctionLibraryDefinition* own = flib->GetFunctionLibraryDefinition();
-    if (own == nullptr || !own->Contains(fn.name())) {
+    std::string name = fn.name();
+    if (own == nullptr || !own->Contains(name)) {
       if (process_flr_ == nullptr) {
         absl::Status cloned = flib->Clone(&process_lib_def_, &process_pflr_, &process_flr_);
         if (!cloned.ok()) return cloned;
       }
       flib = process_flr_;
+      if (!process_lib_def_->Contains(name)) name = LoadedName(*process_lib_def_, name);
     }
     *used = flib;
-    return flib->Instantiate(fn.name(), tensorflow::AttrSlice(&fn.attr()), handle);
+    return flib->Instantiate(name, tensorflow::AttrSlice(&fn.attr()), handle);
+  }
+
+  // The name a SavedModel's loader gave the library function `name`: it registers each
+  // one as a ConcreteFunction, `__inference_<name>_<uid>`, and renames the func-typed
+  // attrs that call it, not a string attr like `_stitching_original` (a saved
+  // stitching.function's guard then found no function, and a call the kernel was not
+  // built for -- a batch of 1 that broadcasts -- failed where TF answers).  `name`
+  // itself where no such function is there.
+  static std::string LoadedName(const tensorflow::FunctionLibraryDefinition& lib,
+                                const std::string& name) {
+    const std::string prefix = absl::StrCat("__inference_", name, "_");
+    for (const std::string& f : lib.ListFunctionNames()) {
+      if (f.size() > prefix.size() && f.compare(0, prefix.size(), prefix) == 0 &&
+          std::all_of(f.begin() + prefix.size(), f.end(),
+                      [](char c) { return c >= '0' && c <= '9'; })) {
+        return f;
+      }
+    }
+    return name;
   }
 
   // ---- run-time guard: inputs the kernel was not built for ---------------------------
@@ -1260,15 +1281,19 @@ class StitchedKernelOp : public OpKernel {
       std::lock_guard<std::mutex> lock(guard_mu_);
       if (!guard_tried_) {
         guard_tried_ = true;
-        std::vector<tensorflow::NameAttrList> fn = OriginalFunction(def());
-        if (fn.empty() && !tensorflow::GetNodeAttr(def(), "fallback", &fn).ok()) {
-          fn.clear();
-        }
+        // `fallback` first where the node has one: a func attr, which a SavedModel's
+        // loader renames with the function it names
+        std::vector<tensorflow::NameAttrList> fn;
+        if (!tensorflow::GetNodeAttr(def(), "fallback", &fn).ok()) fn.clear();
+        for (auto& f : OriginalFunction(def())) fn.push_back(std::move(f));
         if (fn.empty() || ctx->function_library() == nullptr) {
           guard_status_ = absl::NotFoundError("the node names no original function");
-        } else {
-          guard_status_ = InstantiateOriginal(ctx->function_library(), fn[0],
-                                              &guard_flib_, &guard_handle_);
+        }
+        for (const auto& f : fn) {
+          if (ctx->function_library() == nullptr) break;
+          guard_status_ = InstantiateOriginal(ctx->function_library(), f, &guard_flib_,
+                                              &guard_handle_);
+          if (guard_status_.ok()) break;
         }
       }
     }
