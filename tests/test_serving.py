@@ -338,6 +338,10 @@ def test_rewrite_keeps_signatures_variables_and_assets(tmp_path):
     for k, v in a.signatures["norm"](x=x, bias=bias).items():
         np.testing.assert_allclose(b.signatures["norm"](x=x, bias=bias)[k], v, rtol=1e-6,
                                    atol=1e-6)
+    # the object's own function, now calling the stitched signature, keeps its
+    # parameter names: a call by keyword works as on the original
+    for k, v in a.norm(x=x, bias=bias).items():
+        np.testing.assert_allclose(b.norm(x=x, bias=bias)[k], v, rtol=1e-6, atol=1e-6)
     z = rng.standard_normal((4, 8))
     np.testing.assert_allclose(b.signatures["act"](z=z)["out"], a.signatures["act"](z=z)["out"])
     for name in ("g", "steps"):       # the variables, restored from the new checkpoint
