@@ -58,6 +58,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -920,7 +921,13 @@ class StitchedKernelOp : public OpKernel {
       OP_REQUIRES_OK(ctx, UseFallback(ctx, fallback[0], found));
       return;
     }
-    OP_REQUIRES_OK(ctx, found);
+    if (!found.ok()) {   // which node of the graph, as the spec checks say
+      absl::string_view msg = found.message();
+      absl::ConsumePrefix(&msg, "StitchedKernel: ");
+      OP_REQUIRES_OK(ctx, absl::Status(found.code(),
+                                       absl::StrCat("StitchedKernel '", ctx->def().name(),
+                                                    "' (", label_, "): ", msg)));
+    }
     OP_REQUIRES_OK(ctx, CheckSignature(tin, tout));
     std::string tune;
     if (has_fallback &&

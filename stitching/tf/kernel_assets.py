@@ -286,9 +286,10 @@ def install_files(paths, want_manifest_sha, within) -> int:
               f"(code generator {str(emitter)[:12]}, this one's "
               f"{shipped.emitter_tag()[:12]}): rewrite the model with this version to "
               f"ship kernels it loads")
-    elif isinstance(entries, dict) and taken + len(refused) < len(entries):
-        _skip(f"{len(entries) - taken - len(refused)} of the model's kernel index "
-              f"entries are malformed or name no shipped kernel file")
+    elif isinstance(entries, dict):       # (an entry whose file was refused: warned)
+        malformed = sum(shipped.well_formed_entry(k, e) is None for k, e in entries.items())
+        if malformed:
+            _skip(f"{malformed} of the model's kernel index entries are malformed")
     for key in refused[:3]:
         _skip(f"the model's kernel index entry for spec {key} is not vouched for by the "
               f"kernel file it names (an edited or rearranged model)")
