@@ -107,6 +107,64 @@ def test_mirrored_call_time_captures_are_fed(mode):
     assert loss0[-1] < loss0[0]
 
 
+_ADAM_RELU = r"""
+import json
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+import keras
+import stitching
+
+def run(wrap):
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+        opt = keras.optimizers.Adam(1e-3)
+        opt.build(m.trainable_variables)
+    x = tf.random.stateless_normal([16, 8], seed=[3, 4])
+    data = strategy.experimental_distribute_dataset(     # each replica its own half
+        tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(16).repeat(3))
+
+    def step_fn(x, y):
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(tf.square(m(x) - y)) / 16.0
+        g = t.gradient(loss, m.trainable_variables)
+        opt.apply_gradients(zip(g, m.trainable_variables))
+        return loss
+
+    @wrap
+    def step(x, y):
+        return strategy.reduce("SUM", strategy.run(step_fn, args=(x, y)), axis=None)
+    losses = [float(step(a, b)) for a, b in data]
+    graphs = [cf.graph.as_graph_def() for cf in step._list_all_concrete_functions()]
+    devices = sorted({n.device for g in graphs for n in list(g.node) + [
+        m for f in g.library.function for m in f.node_def] if n.op == "StitchedKernel"})
+    return losses, devices
+
+print("RESULT" + json.dumps([run(tf.function), run(stitching.function)]))
+"""
+
+
+def test_mirrored_adam_step_does_not_fuse_across_replicas():
+    """Regression (a hang): Adam over a ReLU MLP under MirroredStrategy.  The planner
+    put one replica's gradient (before its all-reduce) and another's update (after
+    it) in one kernel, which then waited for a collective waiting for it -- a cycle
+    no graph edge shows -- and the first step never returned.  A kernel now holds the
+    ops of one device and runs there."""
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    p = subprocess.run([sys.executable, "-c", _ADAM_RELU], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    (stock, _), (stitched, devices) = json.loads(line[len("RESULT"):])
+    np.testing.assert_allclose(stitched, stock, rtol=1e-5)
+    assert any(d.endswith("CPU:0") for d in devices) and \
+        any(d.endswith("CPU:1") for d in devices), devices
+
+
 _WORKER = r"""
 import json, os
 import tensorflow as tf

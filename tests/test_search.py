@@ -182,6 +182,27 @@ def test_an_op_no_legal_kernel_can_take_says_why_not_a_cost():
     assert "reduce different axes" in why and "µs" not in why
 
 
+def test_ops_of_two_devices_never_share_a_kernel():
+    """A kernel node runs on one device: under tf.distribute each replica's ops name
+    their own (tf/frontend.py records it), and a kernel mixing two replicas' work can
+    wait on a collective that waits for it (tests/test_distribute.py)."""
+    from stitching.plan.legality import DEVICE_ATTR
+    g = (G().input("x", [64, 256]).op("a", "Exp", ["x"], **{DEVICE_ATTR: "/cpu:0"})
+         .op("b", "Neg", ["a"], **{DEVICE_ATTR: "/cpu:0"})
+         .op("c", "Tanh", ["b"], **{DEVICE_ATTR: "/cpu:1"})
+         .op("d", "Neg", ["c"], **{DEVICE_ATTR: "/cpu:1"})
+         .opaque("m", ["d"], [64, 256]).build("m"))
+    assert regions(plan(g)) == [["a", "b"], ["c", "d"]]
+    assert all(DEVICE_ATTR not in str(r.spec.to_json()) for r in plan(g).regions)
+    # one device however spelled, and ops TF places itself (no device), go together
+    same = (G().input("x", [64, 256]).op("a", "Exp", ["x"], **{DEVICE_ATTR: "/cpu:0"})
+            .op("b", "Neg", ["a"])
+            .op("c", "Tanh", ["b"], **{DEVICE_ATTR: "/job:localhost/replica:0/task:0/"
+                                                   "device:CPU:0"})
+            .opaque("m", ["c"], [64, 256]).build("m"))
+    assert regions(plan(same)) == [["a", "b", "c"]]
+
+
 def test_a_refused_kernel_falls_back_to_smaller_legal_ones():
     def small(spec):
         return "more than 4 ops in one kernel" if len(spec.nodes) > 4 else None

@@ -81,7 +81,40 @@ COMPOSITE_PASSES.update(dict.fromkeys(
     ("ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad", "SigmoidGrad",
      "TanhGrad", "BiasAddGrad", "L2Loss", "Tile", "Split", "SliceGrad", "Gather",
      "SegmentSum"), 1))
-PLANNER_ATTRS = ("unfusible", "tf_epilogue")   # for planning only, never in a KernelSpec
+DEVICE_ATTR = "_device"     # the TF op's device, where it names one (tf/frontend.py)
+
+
+def device_fields(device: str) -> dict:
+    """The fields a TF device string names (job, replica, task, type, index): the
+    full ``/job:localhost/replica:0/task:0/device:CPU:1`` or a partial one (``/cpu:1``,
+    ``/device:CPU:1``); a field it leaves out is not in the dict."""
+    out = {}
+    for part in device.strip("/").split("/"):
+        key, _, value = part.partition(":")
+        key = key.lower()
+        if key in ("job", "replica", "task"):
+            out[key] = value
+        elif key == "device":
+            kind, _, index = value.partition(":")
+            out["type"] = kind.upper()
+            if index:
+                out["index"] = index
+        elif key in ("cpu", "gpu", "tpu"):
+            out["type"], out["index"] = key.upper(), value
+    return out
+
+
+def devices_conflict(devices) -> str | None:
+    """Two of ``devices`` (TF device strings; empty: placed by TF) that name different
+    devices, as text, or None where one device can run them all (a field that only
+    some of them name, or that they name alike)."""
+    seen = {}
+    for d in devices:
+        for key, value in device_fields(d).items() if d else ():
+            if seen.setdefault(key, (value, d))[0] != value:
+                return f"{seen[key][1]} and {d}"
+    return None
+PLANNER_ATTRS = ("unfusible", "tf_epilogue", DEVICE_ATTR)   # planning only, never in a KernelSpec
 
 
 def work(node: Node) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..ir import Graph, KernelSpec, SpecNode, TensorType, ValueRef, infer
 from ..ir.ops import OPS
 from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT, expand
-from .legality import PLANNER_ATTRS
+from .legality import DEVICE_ATTR, PLANNER_ATTRS, devices_conflict
 
 
 @dataclass
@@ -47,6 +47,15 @@ def region_outputs(graph: Graph, members: set, consumers: dict, fetched: set) ->
 def extract(graph: Graph, names: list, consumers: dict, fetched: set,
             order: dict) -> Region:
     members = set(names)
+    clash = devices_conflict({graph[n].attrs.get(DEVICE_ATTR, "") for n in members})
+    if clash is not None:
+        # One kernel node runs on one device.  Under tf.distribute each replica's ops
+        # name their own: a kernel holding one replica's gradient (before its
+        # all-reduce) and another's update (after it) would wait for a collective that
+        # waits for it -- a cycle no graph edge shows (a MirroredStrategy step hung).
+        # Ops TF places itself (no device) go with any.
+        raise ValueError(f"ops placed on different devices ({clash}) in one kernel: a "
+                         f"kernel runs on one device")
     outputs = region_outputs(graph, members, consumers, fetched)
     outputs.sort(key=lambda r: (order[r.node], r.index))
     for o in outputs:

@@ -24,6 +24,7 @@ from tensorflow.python.framework import tensor_util
 from ..ir import Graph, Node, TensorType, ValueRef
 from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT
 from ..ir.ops import RUN_TIME_COUNT, SMALL_MATMUL_MAX_WEIGHTS, rest_drop
+from ..plan.legality import DEVICE_ATTR
 from . import dim_sources, opnames
 from .tfgraph import DTYPE_NAMES
 # kept here for their callers (stitching.function, tools): they live in tfgraph.py
@@ -50,6 +51,8 @@ def to_ir(g: tf.Graph, fetches: list[str]) -> Graph:
     nodes = []
     for op in g.get_operations():
         node = _convert(op)
+        if op.device:     # a replica's ops under tf.distribute (plan/region.py: one device)
+            node.attrs[DEVICE_ATTR] = op.device
         node.control_inputs = [c.name for c in op.control_inputs]
         read = {r.node for r in node.inputs}
         node.order_inputs = sorted({t.op.name for t in op.inputs if t.op.name not in read

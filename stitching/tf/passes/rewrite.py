@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2, tensor_shape_pb2
 
+from ...plan.legality import DEVICE_ATTR
 from ..passmanager import Pass
 from ..tfgraph import TF_DTYPE
 
@@ -101,6 +102,9 @@ def _keep_fetched_names(out, ir_graph, member_of, value_map):
 
 def _kernel_node(name, reg, ir_graph, remap, label):
     nd = node_def_pb2.NodeDef(name=name, op="StitchedKernel")
+    # its ops' device (one: plan/region.py), where they named one: a replica's kernel
+    # runs on that replica's device under tf.distribute
+    nd.device = max((ir_graph[m].attrs.get(DEVICE_ATTR, "") for m in reg.nodes), key=len)
     nd.input.extend(remap(_tensor_name(r)) for r in reg.inputs)
     members = set(reg.nodes)
     ctrl = []
