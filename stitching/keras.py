@@ -147,8 +147,8 @@ def stitch(model, options: Options | None = None):
     functions = {}
     for step in STEPS:
         method = getattr(model, f"{step}_step")
-        if isinstance(method, StitchedFunction):      # stitched before: re-stitch
-            method = method.python_function
+        if isinstance(getattr(method, "stitched", None), StitchedFunction):  # re-stitch
+            method = method.stitched.python_function
         elif isinstance(getattr(method, "__self__", None), _Tiered):
             method = method.__self__.stock_step
         object.__setattr__(model, f"{step}_function", None)
@@ -168,11 +168,31 @@ def stitch(model, options: Options | None = None):
             object.__setattr__(model, f"make_{step}_function", functions[step].make)
             continue
         functions[step] = stitched
-        object.__setattr__(model, f"{step}_step", functions[step])
+        object.__setattr__(model, f"{step}_step", _plain_step(model, stitched, step))
     object.__setattr__(model, "export", _stitched_export(model, options))
     object.__setattr__(model, "stitching_report", StitchingReports(functions))
     object.__setattr__(model, "_stitching_steps", functions)
     return model
+
+
+def _plain_step(model, stitched, kind):
+    """``model.<kind>_step`` calling ``stitched``: a plain function, not the
+    tf.function itself, which tf.saved_model.save would find among the model's
+    attributes and try to save (its trace captures Keras's metric variables, which the
+    SavedModel cannot reach: a KeyError after fit).  ``.stitched`` for a re-stitch.
+    A later ``compile`` (a new optimizer) needs a new stitch: the train and test traces
+    hold the old optimizer's and metrics' variables, which TF reports only as
+    "variables which have been deleted"."""
+    optimizer = getattr(model, "optimizer", None)
+
+    def step(data):
+        if kind != "predict" and getattr(model, "optimizer", None) is not optimizer:
+            raise RuntimeError("stitching.keras: model.compile() was called after "
+                               "stitching.keras.stitch(model); call stitch(model) again "
+                               "after each compile")
+        return stitched(data)
+    step.stitched = stitched
+    return step
 
 
 def _stitched_export(model, options):

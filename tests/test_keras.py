@@ -240,6 +240,25 @@ def test_synchronous_when_asked():
         "make_train_function" not in vars(m)
 
 
+def test_a_synchronously_stitched_model_saves_and_asks_for_a_new_stitch_after_compile(
+        tmp_path):
+    """Regression: after a synchronous stitch and fit, tf.saved_model.save(model) failed
+    with a KeyError (the stitched step, a tf.function among the model's attributes,
+    was saved too, and its trace captures Keras's metric variables).  And a later
+    compile without a new stitch failed with TF's "variables which have been deleted";
+    it now says what to do."""
+    m = stitching.keras.stitch(_model(), SYNC)
+    x, y = _data(32)
+    m.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    tf.saved_model.save(m, str(tmp_path / "sm"))
+    assert (tmp_path / "sm" / "saved_model.pb").exists()
+    m.compile(optimizer="sgd", loss="mae")
+    with pytest.raises(RuntimeError, match=r"call stitch\(model\) again after each compile"):
+        m.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    stitching.keras.stitch(m, SYNC)
+    m.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
 _SHORT_JOB = r"""
 import sys, time
 import numpy as np, keras, stitching.keras
