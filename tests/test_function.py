@@ -377,6 +377,9 @@ def test_a_cached_result_serves_tiered_signatures_without_compiling():
     got = [f(x).numpy()]
     assert type(f._concrete[((tf.float32, (5, 24)),)]).__name__ == "_StockTier"
     assert f.wait(timeout=300) and f.cache_hits == 1 and f.cache_misses == 0
+    f(x)                                       # the switch: nothing was compiled
+    assert "while the stitched graph was traced and loaded from the cache" in \
+        f.reports[0].tiering, f.reports[0].tiering
     got.append(f(y).numpy())                   # relaxed [None, 24]: first's key too
     cf = f._concrete[((tf.float32, (3, 24)),)]
     assert "StitchedKernel" in {op.type for op in cf.graph.get_operations()}

@@ -320,7 +320,9 @@ class StitchedFunction(tf_pf.Function):
                 if cf:
                     return _call_concrete(cf, args)
         first = self._variable_creation_config is None
-        self._eager_call = tf.executing_eagerly()    # the hint applies to these only
+        # the hint applies to these only; not to tf.distribute's values (PerReplica:
+        # a call a strategy shards), which no call of this function could tier
+        self._eager_call = tf.executing_eagerly() and not _distributed_values(args, kwds)
         try:
             result = super().__call__(*args, **kwds)
         finally:
@@ -449,8 +451,9 @@ class StitchedFunction(tf_pf.Function):
     def _stitch_in_background(self, tier, specs, general=None):
         from . import results
         try:
-            before = len(self._reports)
+            before, hits = len(self._reports), self.cache_hits
             cf = self.get_concrete_function(*specs)
+            tier.from_cache = self.cache_hits > hits     # nothing planned or compiled
             results.mark(self._hint(specs))     # the next process probes for it
             tier.report = self._reports[-1] if len(self._reports) > before else None
             tier.stitched = cf                  # the next call through it switches
@@ -469,8 +472,10 @@ class StitchedFunction(tf_pf.Function):
         where the switch was."""
         seconds = time.perf_counter() - tier.started
         calls = "call 1" if tier.calls == 1 else f"calls 1-{tier.calls}"
-        text = (f"stock TF ran {calls} while the kernels compiled "
-                f"({seconds:.1f} s); stitched from call {tier.calls + 1}")
+        doing = ("the stitched graph was traced and loaded from the cache"
+                 if tier.from_cache else "the kernels compiled")
+        text = (f"stock TF ran {calls} while {doing} ({seconds:.1f} s); stitched from "
+                f"call {tier.calls + 1}")
         self._concrete[tier.key] = tier.stitched      # one dict store: calls see either
         if tier.report is not None:
             tier.report.tiering = text
@@ -710,6 +715,13 @@ def display_name(fn) -> str:
     return qualname or _short_name(fn)
 
 
+def _distributed_values(args, kwds) -> bool:
+    """Whether an argument is a tf.distribute value (PerReplica, Mirrored...)."""
+    from tensorflow.python.distribute import values as dist_values
+    return any(isinstance(a, dist_values.DistributedValues)
+               for a in tf.nest.flatten((args, kwds), expand_composites=False))
+
+
 def _define_fallbacks(graph_def):
     """The regions' original functions (``stitching_original_<hash>``), defined in the
     eager context for the rest of the process, and ``graph_def``'s copies made those.
@@ -898,6 +910,7 @@ class _StockTier:
         self.started = time.perf_counter()
         self.calls = 0
         self.stitched = self.report = self.start = None
+        self.from_cache = False     # the background trace found its result cached
 
     def __call__(self, args):
         if self.stitched is None:
