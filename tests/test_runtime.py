@@ -395,7 +395,8 @@ def test_default_output_types_from_spec_string():
 
 def test_shape_fn_error_reports_message_and_shapes():
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"bias length does not match.*input shapes: \[4,3\], \[2\]"):
+                       match=r"bias length does not match.*input shapes: "
+                             r"0: \S+ \[4,3\], 1: \S+ \[2\]"):
         rt.stitched_kernel([tf.zeros([4, 3]), tf.zeros([2])], biasrow_kernel())
 
 

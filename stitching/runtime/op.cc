@@ -1101,9 +1101,12 @@ class StitchedKernelOp : public OpKernel {
   absl::Status ShapeFnStatus(OpKernelContext* ctx, int64_t rc) const {
     if (rc == 0) return absl::OkStatus();
     const Entry& e = *entry_;
+    // each input with the graph tensor it is (the kernel's inputs are its region's
+    // inputs, not the model's: "input 2" alone named nothing a user could find)
     std::vector<std::string> shapes;
     for (int i = 0; i < ctx->num_inputs(); ++i) {
-      shapes.push_back(ctx->input(i).shape().DebugString());
+      shapes.push_back(absl::StrCat(i, ": ", def().input(i), " ",
+                                    ctx->input(i).shape().DebugString()));
     }
     std::string what =
         (rc > 0 && rc <= static_cast<int64_t>(e.errors.size()))
