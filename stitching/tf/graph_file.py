@@ -29,7 +29,8 @@ def read_graph_def(path: str):
     import tensorflow as tf
     from google.protobuf import message, text_format
     try:
-        data = open(path, "rb").read()
+        with open(path, "rb") as fh:
+            data = fh.read()
     except OSError as e:
         raise GraphFileError(f"{path}: cannot read: {e.strerror or e}") from None
     if not data:
