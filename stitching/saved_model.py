@@ -188,8 +188,8 @@ def _redirect(cf0, stitched, in_map, out_map):
                                         [res[by_index[j]] for j in range(n_out)],
                                         expand_composites=True)
     # the original's parameter names, so a call by keyword (loaded.serve(x=...)) works
-    params = list(getattr(cf0, "function_type", None).parameters
-                  if getattr(cf0, "function_type", None) is not None else [])
+    function_type = getattr(cf0, "function_type", None)
+    params = list(function_type.parameters) if function_type is not None else []
     if len(params) == len(args) and all(p.isidentifier() for p in params):
         redirect.__signature__ = inspect.Signature(
             [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])

@@ -114,6 +114,8 @@ def devices_conflict(devices) -> str | None:
             if seen.setdefault(key, (value, d))[0] != value:
                 return f"{seen[key][1]} and {d}"
     return None
+
+
 PLANNER_ATTRS = ("unfusible", "tf_epilogue", DEVICE_ATTR)   # planning only, never in a KernelSpec
 
 
