@@ -1298,12 +1298,12 @@ class StitchedKernelOp : public OpKernel {
         for (auto& f : OriginalFunction(def())) fn.push_back(std::move(f));
         if (fn.empty() || ctx->function_library() == nullptr) {
           guard_status_ = absl::NotFoundError("the node names no original function");
-        }
-        for (const auto& f : fn) {
-          if (ctx->function_library() == nullptr) break;
-          guard_status_ = InstantiateOriginal(ctx->function_library(), f, &guard_flib_,
-                                              &guard_handle_);
-          if (guard_status_.ok()) break;
+        } else {
+          for (const auto& f : fn) {      // the first that instantiates
+            guard_status_ = InstantiateOriginal(ctx->function_library(), f,
+                                                &guard_flib_, &guard_handle_);
+            if (guard_status_.ok()) break;
+          }
         }
       }
     }

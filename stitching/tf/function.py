@@ -166,7 +166,7 @@ class StitchedFunction(tf_pf.Function):
         self._pending_lock = threading.Lock()
         self._templates = scalars.Templates()  # stitched traces by abstracted graph
         self.background_errors = []  # exceptions of background compiles (stock TF kept)
-        self._eager_call = False     # tracing for an eager call (the hint's condition)
+        self._eager_call = None      # (args, kwds) of the eager call tracing (the hint's)
         # a probe (tiered execution): traces stitch only from the result cache, and
         # are stock TF's graph where it holds nothing (keras.py, _stock_then_stitch)
         self.cached_only = False
@@ -305,11 +305,11 @@ class StitchedFunction(tf_pf.Function):
                 if cf is None and len(self._concrete) < FAST_CALL_SIGNATURES:
                     # TF's count, not the override (which waits for pending compiles)
                     count = super().experimental_get_tracing_count()
-                    self._eager_call = True
+                    self._eager_call = (args, {})
                     try:
                         cf = _flat_in(self._concrete_for(key, args), args)
                     finally:
-                        self._eager_call = False
+                        self._eager_call = None
                     self._concrete[key] = cf
                     if super().experimental_get_tracing_count() != count:
                         tf_pf._frequent_tracing_detector_manager.called_with_tracing(
@@ -320,13 +320,11 @@ class StitchedFunction(tf_pf.Function):
                 if cf:
                     return _call_concrete(cf, args)
         first = self._variable_creation_config is None
-        # the hint applies to these only; not to tf.distribute's values (PerReplica:
-        # a call a strategy shards), which no call of this function could tier
-        self._eager_call = tf.executing_eagerly() and not _distributed_values(args, kwds)
+        self._eager_call = (args, kwds) if tf.executing_eagerly() else None
         try:
             result = super().__call__(*args, **kwds)
         finally:
-            self._eager_call = False
+            self._eager_call = None
         if first and not kwds:       # the first shape of its family, for relaxing later
             key = _eager_key(args)
             if key is not None:
@@ -610,8 +608,11 @@ class StitchedFunction(tf_pf.Function):
             self._reports.append(result.report)
             # only where tiering would apply but did not: an eager call through TF's
             # call path (keyword, Python or NumPy arguments), not inside Keras's fit
-            # or another tf.function, not get_concrete_function or stitching-rewrite
-            if self._eager_call and not _in_background() and self._tiers():
+            # or another tf.function, not get_concrete_function or stitching-rewrite,
+            # nor a call of tf.distribute's values (PerReplica: a call a strategy
+            # shards), which no call of this function could tier
+            if self._eager_call is not None and not _in_background() and self._tiers() \
+                    and not _distributed_values(*self._eager_call):
                 _hint_background_compile(result.report.compile_seconds)
             graph_def = result.graph_def
             _define_fallbacks(graph_def)
