@@ -220,22 +220,8 @@ class Report:
             lines.append(f"  cost model's device profile: {self.profile}")
         if self.tiering:
             lines.append(f"  tiered: {self.tiering}")
-        counted = 0
-        for k in self.kernels:
-            mem, other = k.split_ops()
-            counted += len(mem)
-            line = f"  {k.name}: {_plural(len(mem), 'op')} [{', '.join(t for _, t in mem)}]"
-            if other:
-                kinds = {t: sum(1 for _, o in other if o == t) for _, t in other}
-                also = ", ".join(t if n == 1 else f"{n} {t}" for t, n in kinds.items())
-                # the 1x1 convolutions of a squeeze-excite gate (SmallMatMul) and
-                # depthwise convolutions are contractions: real work, but not
-                # memory-intensive ops
-                convs = ("Conv2D", "DepthwiseConv2dNative")
-                what = "contractions and views" if any(c in kinds for c in convs) \
-                    else "no data work"
-                line += f" (also {also}: {what}, not counted)"
-            lines.append(f"{line} — {k.schedule}" if k.schedule else line)
+        counted = sum(len(k.split_ops()[0]) for k in self.kernels)
+        lines.extend(_kernel_line(k, "  ") for k in self.kernels)
         lines.extend(self._tier_lines())
         if counted > self.fused_ops - len(self.folded):
             lines.append(f"  ({counted - self.fused_ops + len(self.folded)} op(s) computed "
@@ -287,15 +273,20 @@ class Report:
                              f"({why})")
                 continue
             lines.append(f"  control-flow function {fname}: {r._headline()}")
-            for k in r.kernels:
-                ops = ", ".join(t for _, t in k.ops)
-                lines.append(f"    {k.name}: {len(k.ops)} ops [{ops}] — {k.schedule}")
+            lines.extend(_kernel_line(k, "    ") for k in r.kernels)
+            if r.unfused:
+                lines.append(f"    not fused ({len(r.unfused)} of "
+                             f"{r.memory_intensive_ops}):")
+                lines.extend("  " + line for line in _grouped(r.unfused))
         return lines
 
     def explain(self) -> str:
         """Per kernel the planner considered: decision, scores, alternatives (search planner)."""
         if not self.explanation:
-            return f"no explanation for {self.function}: the planner records none"
+            why = ("summary() says why each op was left to TF" if self.unfused else
+                   "it has no memory-intensive ops" if not self.memory_intensive_ops
+                   else "the plan came from a planner that records none")
+            return f"no kernel was scored for {self.function}: {why}"
         lines = [f"stitching plan for {self.function}"]
         for e in self.explanation:
             head = e.get("kernel") or ("fused" if e["deployed"] else "left alone")
@@ -317,6 +308,23 @@ class Report:
 
     def __str__(self):
         return self.summary()
+
+
+def _kernel_line(k, indent: str) -> str:
+    """A kernel's summary line: the memory-intensive ops it computes (counted), the
+    other ops inside it (named, not counted), its schedule."""
+    mem, other = k.split_ops()
+    line = f"{indent}{k.name}: {_plural(len(mem), 'op')} [{', '.join(t for _, t in mem)}]"
+    if other:
+        kinds = {t: sum(1 for _, o in other if o == t) for _, t in other}
+        also = ", ".join(t if n == 1 else f"{n} {t}" for t, n in kinds.items())
+        # the 1x1 convolutions of a squeeze-excite gate (SmallMatMul) and depthwise
+        # convolutions are contractions: real work, but not memory-intensive ops
+        convs = ("Conv2D", "DepthwiseConv2dNative")
+        what = "contractions and views" if any(c in kinds for c in convs) \
+            else "no data work"
+        line += f" (also {also}: {what}, not counted)"
+    return f"{line} — {k.schedule}" if k.schedule else line
 
 
 def _grouped(entries) -> list:

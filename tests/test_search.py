@@ -182,6 +182,20 @@ def test_an_op_no_legal_kernel_can_take_says_why_not_a_cost():
     assert "reduce different axes" in why and "µs" not in why
 
 
+def test_an_op_whose_kernel_would_do_too_little_work_says_min_ops():
+    """Regression: a bias add after a product, with only an Identity beside it, was
+    reported "left out by the cost model: ... overlaps kernels that save more without
+    it" in a plan with no kernel at all; min_ops is the reason, and min_ops=1 fuses it."""
+    g = (G().input("x", [8, 64]).opaque("mm", ["x"], [8, 64]).input("b", [64])
+         .op("add", "Add", ["mm", "b"]).op("out", "Identity", ["add"]).build("out"))
+    p = plan(g)
+    assert not p.regions
+    ((node, op, why),) = p.unfused
+    assert node == "add" and why.startswith("too little work for a kernel: "), why
+    assert "min_ops=2" in why and "overlaps" not in why
+    assert regions(plan(g, min_ops=1)) == [["add", "out"]]
+
+
 def test_ops_of_two_devices_never_share_a_kernel():
     """A kernel node runs on one device: under tf.distribute each replica's ops name
     their own (tf/frontend.py records it), and a kernel mixing two replicas' work can

@@ -726,10 +726,13 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
         groups = list(groups) + [frozenset((v,)) for v in sorted(ctx.is_fusible - covered)]
     for P in sorted(groups, key=min):
         names = [ctx.names[v] for v in sorted(P)]
-        work = sum(_fus.work(ctx.graph[n]) for n in names)
+        work = _data_work(ctx, P)
         if work < min_ops:
-            for n in names:
-                placed[n] = LONE_OP     # _unfused_reason says what the cost model did
+            # a lone op: _unfused_reason says what the cost model did with its
+            # neighbours; a kernel the search formed (the op with views beside it)
+            # that does too little data work: min_ops says why
+            why = LONE_OP if len(P) == 1 else _too_little(ctx.describe(P), work, min_ops)
+            placed.update((n, why) for n in names)
             continue
         why = ctx.check(P)
         if why is not None:                 # only lone ops added above get here
@@ -753,7 +756,7 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
         n = ctx.names[v]
         if n not in fused and _fus.work(ctx.graph[n]):
             result.unfused.append((n, ctx.graph[n].op, epilogues.get(n)
-                                   or _unfused_reason(ctx, v, placed)))
+                                   or _unfused_reason(ctx, v, placed, min_ops)))
     if epilogues:
         convs = len({ctx.graph[n].attrs[_epi.ATTR] for n in epilogues})
         result.notes.append(f"{convs} convolution epilogue(s) (a BiasAdd, and the "
@@ -765,6 +768,16 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
 
 
 LONE_OP = "a lone op: no fusible neighbour, and fusing it alone saves nothing"
+
+
+def _data_work(ctx: _Context, P) -> int:
+    """How many primitive ops of data work pattern P does (legality.work)."""
+    return sum(_fus.work(ctx.graph[ctx.names[v]]) for v in P)
+
+
+def _too_little(what: str, work: int, min_ops: int) -> str:
+    return (f"too little work for a kernel: {what} does {work} op(s) of data work, "
+            f"fewer than min_ops={min_ops} (Options(min_ops=1) fuses it)")
 
 
 def _reuse_notes(ctx: _Context, kernels: list) -> list:
@@ -779,7 +792,7 @@ def _reuse_notes(ctx: _Context, kernels: list) -> list:
             for P, n in split.items() if not any(P < Q for Q in split)]
 
 
-def _unfused_reason(ctx: _Context, v: int, placed: dict) -> str:
+def _unfused_reason(ctx: _Context, v: int, placed: dict, min_ops: int) -> str:
     """What actually left op v to TF: legality, the latency evaluator (placed), or --
     for an op in no kernel -- the cost model's verdict on joining its neighbours, with
     its predicted times; "a lone op" only when it has no fusible neighbour."""
@@ -789,13 +802,14 @@ def _unfused_reason(ctx: _Context, v: int, placed: dict) -> str:
     why = placed.get(ctx.names[v])
     if why is not None and why != LONE_OP:
         return why
-    return _cost_reason(ctx, v, placed) or LONE_OP
+    return _cost_reason(ctx, v, placed, min_ops) or LONE_OP
 
 
-def _cost_reason(ctx: _Context, v: int, placed: dict) -> str | None:
+def _cost_reason(ctx: _Context, v: int, placed: dict, min_ops: int) -> str | None:
     """The best pattern with v and a neighbour the search scored (its DP candidates,
     and v joined to each neighbour's final kernel), as the reason v stayed out; None
-    when v has no fusible neighbour."""
+    when v has no fusible neighbour.  A pattern with less data work than min_ops
+    would not be a kernel whatever it saves: min_ops is the reason then."""
     if not (ctx.fcons.get(v) or ctx.fprod.get(v)):
         return None
     pats = {P for C in ctx.C.values() for P in C if v in P and len(P) > 1}
@@ -806,6 +820,11 @@ def _cost_reason(ctx: _Context, v: int, placed: dict) -> str | None:
                 pats.add(U)
     if not pats:
         return None
+    big = {P for P in pats if _data_work(ctx, P) >= min_ops}
+    if not big:
+        P = max(pats, key=len)
+        return _too_little(ctx.describe(P), _data_work(ctx, P), min_ops)
+    pats = big
     # only kernels that could be built: an illegal one's times would be no reason
     legal = {P for P in pats if ctx.check(P) is None}
     if not legal:
