@@ -49,9 +49,12 @@ def _args(cols, rows=64, dtype=np.float32):
 
 def _spec_and_class(x, w):
     """The kernel's spec hash (from a plain stitched trace: autotune changes no spec)
-    and the op's shape class for these inputs."""
+    and the op's shape class for these inputs.  Its tier-2 code is in when this
+    returns: the op measures only that (tier-1 code is not what will run)."""
+    from stitching.compile import parallel
     plain = stitching.function(fn)
     plain(x, w)
+    assert parallel.wait_upgrades(120)
     (k,) = plain.report.kernels
     return k.spec_hash, autotune.shape_class(x.nbytes + w.nbytes)
 
@@ -125,6 +128,43 @@ def test_a_measured_decision_is_reported_cached_and_read_by_the_next_process():
     assert stats["autotune_cached"] == 1, stats
 
 
+def test_a_kernel_running_tier1_code_is_not_timed_until_its_tier2_is_in(tmp_path,
+                                                                         monkeypatch):
+    """Regression: the op timed a tiered compile's quick tier-1 code (~3x slower than
+    the tier 2 that replaces it) and stored the choice for good.  While the kernel runs
+    tier 1, a tuned node runs it untimed and decides nothing; after the upgrade it
+    measures."""
+    from stitching.compile import kernel, parallel
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))   # a cold kernel: tiered
+    monkeypatch.setenv("STITCHING_CPU_BACKEND", "llvm")
+    monkeypatch.setenv("STITCHING_TIERED_COMPILE", "1")
+    pending = []
+    monkeypatch.setattr(parallel, "_upgrade_later",
+                        lambda ks, jobs, batch: pending.extend(ks))
+    kernel.clear_memory_cache()
+    try:
+        x, w = _args(416)
+        f = stitching.function(fn, options=stitching.Options(
+            autotune=True, autotune_margin=math.inf, background_compile=False))
+        ref = fn(x, w).numpy()
+        before = runtime.stats()
+        for _ in range(CALLS_TO_DECIDE + 2):
+            np.testing.assert_allclose(f(x, w).numpy(), ref, rtol=1e-5, atol=1e-5)
+        assert [k.tier for k in pending] == [1]
+        d = _delta(before)
+        assert d["autotune_timed_calls"] == 0 and d["autotune_measured"] == 0, d
+        (k,) = pending
+        assert kernel.compile_kernel(k.spec) is k and k.tier == 2     # the upgrade
+        for _ in range(CALLS_TO_DECIDE + 2):
+            np.testing.assert_allclose(f(x, w).numpy(), ref, rtol=1e-5, atol=1e-5)
+        d = _delta(before)
+        assert d["autotune_timed_calls"] == CALLS_TO_DECIDE, d
+        assert d["autotune_measured"] == 1, d
+    finally:
+        parallel.wait_upgrades(120)
+        kernel.clear_memory_cache()
+
+
 def test_a_bad_cache_entry_is_treated_as_missing():
     x, w = _args(288)
     h, cls = _spec_and_class(x, w)
@@ -141,7 +181,7 @@ def test_a_bad_cache_entry_is_treated_as_missing():
 
 
 def _doc(**classes):
-    return {"version": 1, "spec_hash": "ab" * 12, "device": autotune.device(),
+    return {"version": autotune.VERSION, "spec_hash": "ab" * 12, "device": autotune.device(),
             "classes": classes}
 
 
@@ -149,7 +189,7 @@ GOOD = {"choice": "native", "kernel_us": 2.0, "native_us": 1.0}
 
 
 @pytest.mark.parametrize("doc", [
-    "not json", json.dumps([1, 2]), json.dumps(dict(_doc(**{"12": GOOD}), version=2)),
+    "not json", json.dumps([1, 2]), json.dumps(dict(_doc(**{"12": GOOD}), version=1)),   # may have timed tier-1 code
     json.dumps(dict(_doc(**{"12": GOOD}), device="another machine")),
     json.dumps(dict(_doc(**{"12": GOOD}), spec_hash="cd" * 12)),
     json.dumps(_doc(**{"12": dict(GOOD, choice="both")})),

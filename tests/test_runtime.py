@@ -726,7 +726,7 @@ def test_library_is_one_image_and_cached():
     assert rt.build_library() == path and path.stat().st_mtime_ns == mtime  # reused
     import ctypes
     ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)  # same image TF loaded
-    assert rt.library().stitching_abi_version() == rt.registry.ABI_VERSION == 9
+    assert rt.library().stitching_abi_version() == rt.registry.ABI_VERSION == 10
 
 
 def test_build_errors_are_clear(tmp_path, monkeypatch):

@@ -2,14 +2,16 @@
 
 The op measures (op.cc, ``Tuner``): a StitchedKernel node marked for autotuning
 (``Options(autotune=True)``, tf/passes/autotune.py) times its kernel and its native segment
-on its first calls per shape class and keeps the faster.  This module is the memory
-of those decisions, so that a second process does not measure again:
+on its first calls per shape class and keeps the faster (never while the kernel runs
+tier-1 code, compile/parallel.py "Tiers": what it will run is its tier-2 code).  This
+module is the memory of those decisions, so that a second process does not measure
+again:
 
     op builds a tuned node ──"load\\t<hash>"──▶ read <hash>.json ──▶ stitching_autotune_set
     op decides            ──"decided\\t..."───▶ merge into <hash>.json (temp + rename)
 
     $STITCHING_CACHE_DIR/autotune/<device>/<spec hash>.json
-    {"version": 1, "spec_hash": "<24 hex>", "device": "<device>",
+    {"version": 2, "spec_hash": "<24 hex>", "device": "<device>",
      "classes": {"<log2 input bytes>": {"choice": "kernel" | "native",
                                         "kernel_us": float, "native_us": float}}}
 
@@ -37,7 +39,8 @@ from pathlib import Path
 
 from .. import cachedir
 
-VERSION = 1
+VERSION = 2   # 2: measured on tier-2 code only (a version-1 decision may have timed the
+#               quick tier-1 code of a tiered compile, ~3x slower: measured again)
 CHOICES = {"kernel": 1, "native": 2}
 NAMES = {v: k for k, v in CHOICES.items()}
 N_CLASSES = 64                 # op.cc's kTuneClasses

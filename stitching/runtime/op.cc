@@ -96,8 +96,9 @@ using InterpFn = int64_t (*)(const int64_t* program, const int64_t* in_dims,
                             int64_t* params, int64_t* out_dims, int64_t* sched);
 using CompilerFn = int (*)(const char* spec);
 
-constexpr int kAbiVersion = 9;   // 8: the assets installer is a callback of its own,
-                                 // 9: stitching_upgrade_body (tiered compiles)
+constexpr int kAbiVersion = 10;  // 8: the assets installer is a callback of its own,
+                                 // 9: stitching_upgrade_body (tiered compiles),
+                                 // 10: stitching_tier1_body (no autotuning on tier 1)
 constexpr int64_t kMaxProgram = 1 << 20;   // sanity bound on a shape program's words
 constexpr int kMaxParams = 32;      // size of the params array shape_fn may fill
 constexpr int kPhaseSlot = kMaxParams - 1;   // params[31]: the phase being run
@@ -120,6 +121,9 @@ struct Entry {
   // ops (Registry::Hold): a node that has them runs them instead, until the upgrade
   // clears it.
   mutable std::atomic<bool> hold{false};
+  // Set while `body` is tier-1 code (Registry::Tier1), held or not: the autotuner
+  // (Tuner) does not time it, since its tier-2 code will run instead.
+  mutable std::atomic<bool> tier1{false};
   ShapeFn shape_fn = nullptr;       // with an empty `program`
   InterpFn interp = nullptr;        // with a non-empty `program`
   std::vector<int64_t> program;
@@ -156,7 +160,23 @@ class Registry {
     if (held_.count(e->body.load(std::memory_order_relaxed))) {
       e->hold.store(true, std::memory_order_release);
     }
+    if (tier1_.count(e->body.load(std::memory_order_relaxed))) {
+      e->tier1.store(true, std::memory_order_release);
+    }
     return map_.emplace(spec, std::move(e)).second;
+  }
+
+  // `body` is tier-1 code: kernels running it (registered now or later, until its
+  // upgrade) are not autotuned (Entry::tier1).
+  void Tier1(BodyFn body) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (upgraded_.count(body)) return;  // upgraded already
+    tier1_.insert(body);
+    for (auto& kv : map_) {
+      if (kv.second->body.load(std::memory_order_relaxed) == body) {
+        kv.second->tier1.store(true, std::memory_order_release);
+      }
+    }
   }
 
   // Kernels running `body` (registered now or later, until its upgrade) hold: their
@@ -181,12 +201,14 @@ class Registry {
     }
     upgraded_[from] = to;
     held_.erase(from);
+    tier1_.erase(from);
     int64_t n = 0;
     for (auto& kv : map_) {
       BodyFn expected = from;
       if (kv.second->body.compare_exchange_strong(expected, to,
                                                   std::memory_order_acq_rel)) {
         kv.second->hold.store(false, std::memory_order_release);  // after the code
+        kv.second->tier1.store(false, std::memory_order_release);
         ++n;
       }
     }
@@ -216,6 +238,7 @@ class Registry {
   std::unordered_map<std::string, std::shared_ptr<const Entry>> map_;
   std::unordered_map<BodyFn, BodyFn> upgraded_;  // replaced code -> its replacement
   std::unordered_set<BodyFn> held_;              // tier-1 code whose nodes hold (Hold)
+  std::unordered_set<BodyFn> tier1_;             // tier-1 code not upgraded yet (Tier1)
   std::atomic<CompilerFn> compiler_{nullptr};
   std::atomic<CompilerFn> installer_{nullptr};
 };
@@ -788,13 +811,20 @@ class Tuner {
   }
 
   // The decision for (hash, cls), or kUndecided with the way to run now in *way and
-  // whether to time it; *cached says a decision came from the cache.
-  int Next(const std::string& hash, int cls, int* way, bool* timed, bool* cached) {
+  // whether to time it; *cached says a decision came from the cache.  With `measure`
+  // false (the kernel runs tier-1 code) an undecided class runs the kernel untimed.
+  int Next(const std::string& hash, int cls, bool measure, int* way, bool* timed,
+           bool* cached) {
     std::lock_guard<std::mutex> lock(mu_);
     State& st = map_[Key(hash, cls)];
     if (st.choice != kUndecided) {
       *cached = st.from_cache;
       return st.choice;
+    }
+    if (!measure) {
+      *way = kKernel;
+      *timed = false;
+      return kUndecided;
     }
     *way = st.kernel_runs <= st.native_runs ? kKernel : kNative;  // in turn, kernel first
     int& runs = *way == kKernel ? st.kernel_runs : st.native_runs;
@@ -1339,7 +1369,10 @@ class StitchedKernelOp : public OpKernel {
     if (d == kUndecided) {
       int way = kKernel;
       bool timed = false, cached = false;
-      d = Tuner::Get().Next(tune_hash_, cls, &way, &timed, &cached);
+      // tier-1 code is not what will run: no measuring, no decision, until its upgrade
+      const bool measure = !entry_->tier1.load(std::memory_order_acquire);
+      d = Tuner::Get().Next(tune_hash_, cls, measure, &way, &timed, &cached);
+      if (d == kUndecided && !measure) return false;   // the caller runs the kernel
       if (d == kUndecided) {
         const auto t0 = std::chrono::steady_clock::now();
         if (way == kNative) RunFallback(ctx); else RunKernel(ctx);
@@ -1738,6 +1771,14 @@ __attribute__((visibility("default"))) int64_t stitching_upgrade_body(void* from
 __attribute__((visibility("default"))) void stitching_hold_body(void* body) {
   if (body != nullptr) {
     stitching::Registry::Get().Hold(reinterpret_cast<stitching::BodyFn>(body));
+  }
+}
+
+// Kernels registered with code `body`, now or until its upgrade, run tier-1 code: the
+// autotuner does not time them (Entry::tier1).
+__attribute__((visibility("default"))) void stitching_tier1_body(void* body) {
+  if (body != nullptr) {
+    stitching::Registry::Get().Tier1(reinterpret_cast<stitching::BodyFn>(body));
   }
 }
 

@@ -108,10 +108,10 @@ def library():
     return _lib
 
 
-ABI_VERSION = 9   # op.cc's kAbiVersion: the stitching_register signature (6: profiling
+ABI_VERSION = 10  # op.cc's kAbiVersion: the stitching_register signature (6: profiling
 #                 exports, 7: autotune exports, 8: the assets installer's own callback,
 #                 9: stitching_upgrade_body, _hold_body, _is_held, _body_of: tiered
-#                 compiles)
+#                 compiles, 10: stitching_tier1_body: no autotuning of tier-1 code)
 
 
 def _open_same_image(path: str):
@@ -138,6 +138,8 @@ def _open_same_image(path: str):
     lib.stitching_upgrade_body.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.stitching_hold_body.restype = None
     lib.stitching_hold_body.argtypes = [ctypes.c_void_p]
+    lib.stitching_tier1_body.restype = None
+    lib.stitching_tier1_body.argtypes = [ctypes.c_void_p]
     lib.stitching_is_held.restype = ctypes.c_int
     lib.stitching_is_held.argtypes = [ctypes.c_char_p]
     lib.stitching_body_of.restype = ctypes.c_void_p
@@ -201,6 +203,8 @@ def register(kernel, spec: str | None = None) -> bool:
         if spec in _kernels:
             return False
         args = _abi_arguments(kernel)
+        if getattr(kernel, "tier", 2) == 1:
+            lib.stitching_tier1_body(args[0])    # not autotuned until its upgrade
         if getattr(kernel, "hold_until_upgrade", False):
             lib.stitching_hold_body(args[0])     # tier-1 code slower than TF's ops
         rc = lib.stitching_register(spec.encode("utf-8"), *args)
