@@ -318,6 +318,12 @@ def write_profiles(paths=None) -> list:
             continue
         kernels = {by_label[lbl]: dict(c, label=lbl)
                    for lbl, c in counters.items() if lbl in by_label}
+        if by_label and not any(c.get("calls") for c in kernels.values()):
+            warnings.warn(
+                f"profile.json of {path}: none of its {len(by_label)} kernel(s) ran "
+                "while profiling was on (a stitched function's first calls run stock TF "
+                "while its kernels compile: call f.wait() before the profiled calls)",
+                RuntimeWarning, stacklevel=3)
         doc = {"schema": PROFILE_SCHEMA, "version": VERSION,
                "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "kernels": kernels}
