@@ -34,6 +34,18 @@ def test_nothing_to_fuse_reads_0_of_0():
     assert "fused 0 of 0" in Report(function="empty").summary()
 
 
+def test_an_input_of_unknown_rank_says_what_lets_it_fuse():
+    f = stitching.function(lambda x: tf.exp(x) * 2.0 + 1.0,
+                           input_signature=[tf.TensorSpec(None)])
+    f(tf.ones([4, 4]))
+    rep = f.report
+    assert rep.fused_ops == 0 and len(rep.unfused) == 3
+    assert all(why.startswith("a tensor of unknown rank (an input_signature")
+               for _, _, why in rep.unfused), rep.summary()
+    # one line for the three ops: a reason is shared, not one per tensor
+    assert rep.summary().count("unknown rank") == 1
+
+
 def test_backward_is_not_a_note_of_an_inference_report():
     """The "a tape outside this function..." sentence said what *would* happen under a
     tape; it was a note on every inference report and CLI run."""

@@ -138,10 +138,14 @@ def _convert(op) -> Node:
         if t.dtype.startswith("opaque:"):
             return _opaque(op, f"dtype {t.dtype[7:]} is not supported")
         if t.shape is None:
-            return _opaque(op, "a tensor of unknown rank")
+            return _opaque(op, UNKNOWN_RANK)
     node.outputs = out_types
     node.origin = op.name
     return node
+
+
+UNKNOWN_RANK = ("a tensor of unknown rank (an input_signature, or inputs, with known ranks "
+                "let it fuse)")
 
 
 class _Unfusible(Exception):
