@@ -140,6 +140,7 @@ class Report:
                                 "nodes": [n for n, _ in k.ops], "schedule": k.schedule,
                                 "inputs": k.inputs, "outputs": k.outputs,
                                 "spec_hash": k.spec_hash} for k in self.kernels],
+            "tiering": self.tiering,
             "compile_tiers": {name: t for name, t in ((n, k.tiering())
                                                       for n, k in self.code_tiers) if t},
             "boundaries": [{"node": n, "reason": r} for n, r in self.boundaries],

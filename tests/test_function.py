@@ -205,6 +205,7 @@ def test_tiered_by_default_stock_first_then_stitched_with_the_switch_reported(ti
     np.testing.assert_allclose(third, ref, rtol=2e-6, atol=2e-6)
     assert f.report.tiering.startswith("stock TF ran calls 1-2 while the kernels compiled")
     assert f.report.tiering.endswith("stitched from call 3")
+    assert f.report.to_dict()["tiering"] == f.report.tiering       # the same facts as data
     assert "fn (float32[7,48]): stock TF ran calls 1-2" in capsys.readouterr().err
     assert "tiered" in f.report.summary()
 

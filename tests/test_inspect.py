@@ -158,6 +158,9 @@ def test_profile_counts_calls_and_time(transformer_dump):
                                for v in k.inputs + k.outputs)
     rows = d.kernel_rows()
     assert all(r["measured_us"] and r["calls"] == 3 for r in rows)
+    # each kernel's op count is the report's (views and Identity named apart)
+    assert {r["kernel"]: r["ops"] for r in rows} == \
+        {k.name: len(k.split_ops()[0]) for k in f.report.kernels}
     runtime.profile_reset()                # the fastest call is forgotten too
     assert all(c["calls"] == 0 and c["min_seconds"] == 0
                for c in runtime.profile().values())

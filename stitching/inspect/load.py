@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..tf import dump as _dump
+from ..tf import opnames
 
 SCHEMA_FILE = os.path.join(os.path.dirname(__file__), "schema", "dump-v1.schema.json")
 
@@ -137,12 +138,17 @@ class Dump:
         return {n: k.name for k in self.kernels for n in k.nodes}
 
     def kernel_rows(self) -> list:
-        """One dict per kernel: the per-kernel table of the inspection notebook."""
+        """One dict per kernel: the per-kernel table of the inspection notebook.
+        ``ops`` counts its memory-intensive ops, as the report does; ``other_ops``
+        names the rest (Identity, Reshape and other views, contractions)."""
         rows = []
         for k in self.kernels:
             e = k.estimate
-            rows.append({"kernel": k.name, "kind": k.kind, "ops": len(k.ops),
-                         "op_types": ", ".join(op for _, op in k.ops),
+            mem = [op for _, op in k.ops if opnames.is_memory_intensive(op)]
+            rows.append({"kernel": k.name, "kind": k.kind, "ops": len(mem),
+                         "op_types": ", ".join(mem),
+                         "other_ops": ", ".join(op for _, op in k.ops
+                                                if not opnames.is_memory_intensive(op)),
                          "inputs": len(k.inputs), "outputs": len(k.outputs),
                          "bytes_fused": e.get("bytes_fused"),
                          "bytes_unfused": e.get("bytes_unfused"),

@@ -385,7 +385,10 @@ def _compile(regions, options, workers=None):
         what = "compiled in workers" if spec is None else "kernel"
         count = i if spec is None else i + 1
         if tty:
-            print(f"\rstitching: {what} {count}/{n}", end="", file=sys.stderr, flush=True)
+            # \x1b[K clears the rest of the line: "kernel 31/31" over "compiled in
+            # workers 10/10" left "workers 10/10" behind
+            print(f"\rstitching: {what} {count}/{n}\x1b[K", end="", file=sys.stderr,
+                  flush=True)
         elif count == n or count % max(1, n // 4) == 0:    # a log: a few lines, not n
             print(f"stitching: {what} {count}/{n}", file=sys.stderr, flush=True)
 
