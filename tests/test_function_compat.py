@@ -531,3 +531,29 @@ def test_a_function_rebuilt_from_its_function_def_alone_runs():
     for c in (x, x[:1]):    # [1, 8]: a relaxed dim that broadcasts runs the originals
         np.testing.assert_allclose(rebuilt(tf.constant(x), tf.constant(c)),
                                    tf.nn.softmax(x * 2.0) + c, rtol=1e-6, atol=1e-6)
+
+
+def test_a_variable_argument_is_not_kept_by_the_trace_as_tf_function_does():
+    """Regression: the inner trace marked a tf.Variable *argument* as a variable the
+    function reads, in the outer ConcreteFunction's ``variables`` (tf.function keeps
+    only the variables it captures); a tape asks for those at every call, so once the
+    first call's variable was deleted every later call under a tape failed."""
+    w = tf.Variable(tf.fill([4], 0.5))                   # captured: kept, as TF does
+
+    def fn(x):
+        return tf.exp(x * w) + 1.0
+
+    got, want = [], []
+    for f, out in ((stitching.function(fn), got), (tf.function(fn), want)):
+        for i in range(3):
+            v = tf.Variable(tf.fill([2, 4], float(i)) + tf.range(4, dtype=tf.float32))
+            with tf.GradientTape() as tape:
+                y = f(v)
+                loss = tf.reduce_sum(y)
+            out.append((y.numpy(), tape.gradient(loss, v).numpy()))
+            del v, tape
+        (cf,) = f._list_all_concrete_functions()
+        assert [x is w for x in cf.graph.variables] == [True]
+    for (y, g), (y_ref, g_ref) in zip(got, want):
+        np.testing.assert_allclose(y, y_ref, rtol=1e-6)
+        np.testing.assert_allclose(g, g_ref, rtol=1e-6)

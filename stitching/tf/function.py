@@ -77,6 +77,7 @@ values, NumPy arrays, symbolic tensors inside another trace) is TF's call.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import os
@@ -579,10 +580,11 @@ class StitchedFunction(tf_pf.Function):
             from . import pipeline
             workers = pipeline.early_workers()
         try:
-            cf = tracing_compilation.trace_function(
-                specs, {}, tracing_compilation.TracingOptions(
-                    inner, self._name, autograph=self._autograph,
-                    autograph_options=self._experimental_autograph_options))
+            with _arguments_unwatched(flat):
+                cf = tracing_compilation.trace_function(
+                    specs, {}, tracing_compilation.TracingOptions(
+                        inner, self._name, autograph=self._autograph,
+                        autograph_options=self._experimental_autograph_options))
             fetches = [t.name for t in cf.outputs]
             keep = [op.name for op in cf.graph.control_outputs]
             throwaway = self._throwaway(scope_type)
@@ -632,6 +634,29 @@ class StitchedFunction(tf_pf.Function):
             with tf.control_dependencies(outs[len(fetches):]):
                 tensors = [tf.identity(t) for t in tensors]
         return _pack_outputs(cf.structured_outputs, tensors)
+
+
+@contextlib.contextmanager
+def _arguments_unwatched(flat):
+    """The inner trace reads a tf.Variable argument of the outer trace as a variable,
+    and FuncGraph.watch_variable marks it in every enclosing graph: TF's own trace
+    marks none of its variable arguments (watch_variable skips its resource inputs).
+    A marked one lands, weakly, in the outer ConcreteFunction's ``variables``, which a
+    GradientTape asks for at every call: once the first call's variable was deleted,
+    every later call under a tape failed ("referencing variables which have been
+    deleted").  This unmarks the variable arguments the inner trace marked."""
+    variables = [v for v in flat if isinstance(v, tf.Variable)]
+    graphs = []
+    g = tf.compat.v1.get_default_graph()
+    while variables and isinstance(g, func_graph_module.FuncGraph):
+        graphs.append((g, [v for v in variables if v not in g._watched_variables]))
+        g = g.outer_graph
+    try:
+        yield
+    finally:
+        for g, unwatched in graphs:
+            for v in unwatched:
+                g._watched_variables.discard(v)
 
 
 def _ship_with(cf, assets) -> None:
