@@ -590,7 +590,8 @@ class _Code:
             _write_source(self.stem.with_suffix(".py"), text)   # what was compiled
             at = self.stem if tier == 2 else _tier1_dir() / self.stem.name
             if not (tier == 1 and native.built(at)):    # a compile worker's tier 1
-                direct.build(text, at, symbol, tier)
+                from ..codegen.cpu.emitter import tier1_text
+                direct.build(tier1_text(text) if tier == 1 else text, at, symbol, tier)
             self.address = native.load(at, symbol)
             self.tier, self.built_at = tier, at
             self.text = text if tier == 1 else None       # for build_tier2
