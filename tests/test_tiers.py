@@ -98,7 +98,7 @@ def test_tier1_code_runs_outside_the_cache_and_matches_tier2_and_float64():
 
 
 @pytest.mark.parametrize("n", [1000, 5000])
-def test_tier1_row_sums_are_as_accurate_as_tier2(n):
+def test_tier1_row_sums_are_as_accurate_as_tier2(n, tmp_path, monkeypatch):
     """Regression: tier 1 does not vectorize, so a row's float32 partial sum over a
     1024-element chunk was one chain of additions (a mean of n x 0.1: 73 ulp off at
     n = 1000, where TF is 2-3 ulp off and tier 2 is 2); its partials are folded into
@@ -106,6 +106,7 @@ def test_tier1_row_sums_are_as_accurate_as_tier2(n):
     b = SpecBuilder()
     x = b.input("float32", (-1, n))
     spec = b.build([b.Mean(b.Mul(x, b.const(1.0)), axes=[1], keep_dims=False)])
+    monkeypatch.setattr(kernel, "_TIER1_DIR", tmp_path)     # not this process's own
     rows = np.full((3, n), 0.1, np.float32)
     rows[1] = RNG.standard_normal(n).astype(np.float32) + 3.0
     rows[2] = RNG.uniform(0, 1, n).astype(np.float32)

@@ -26,32 +26,29 @@ _SHAPE_OPERANDS = {
     "Any": {1}, "Split": {0}, "SplitV": {1, 2}, "RandomUniform": {0},
     "RandomStandardNormal": {0}, "TruncatedNormal": {0}, "Empty": {0}}
 _INTEGERS = frozenset({types_pb2.DT_INT32, types_pb2.DT_INT64})
-# Ops that make a tensor of a shape their operands give (a Fill, a Range, random
-# numbers): from constant or shape operands they still make data, as large as it
-# says.  Shape arithmetic only when the output is known to be a handful of values.
-_GENERATORS = frozenset({
-    "Fill", "Range", "Empty", "BroadcastTo", "Tile", "OneHot", "ZerosLike", "OnesLike",
+# Random numbers from constant or shape operands (a dropout mask's) are data, new at
+# every call, and so is everything computed from them: never shape arithmetic.  What
+# constants and shapes alone make (a Fill, a Range, a causal mask) is the same at
+# every call: TF's constant folding folds it where the shapes are static.
+_RANDOM = frozenset({
     "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
     "RandomGamma", "RandomPoisson", "RandomPoissonV2", "Multinomial",
     "StatelessRandomUniform", "StatelessRandomNormal", "StatelessTruncatedNormal",
     "StatelessRandomUniformInt", "StatelessRandomUniformV2", "StatelessRandomNormalV2",
     "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
-    "StatelessRandomUniformFullIntV2", "StatelessRandomGetKeyCounter"})
-SMALL = 64   # elements: a shape, a handful of axes or sizes
+    "StatelessRandomUniformFullIntV2", "StatelessRandomGetKeyCounter",
+    "StatelessRandomGetKeyCounterAlg", "RngReadAndSkip"})
 SHAPE_MATH = ("shape arithmetic: a few host integers, which TF's constant folding and "
               "tf/passes/shapes.py fold; not memory-intensive work")
 
 
-def shape_arithmetic(gdef, types=None) -> set:
+def shape_arithmetic(gdef) -> set:
     """Nodes computing only on shapes (e.g. Prod of a Shape for a Reshape target).
 
     They run on a handful of host integers, not on tensor data, so they are not
     memory-intensive work (XLA constant-folds them) and are left out of the counts.
-    A generator (``_GENERATORS``: random numbers, a Fill, a Range) from such operands
-    makes data, and so does everything computed from it, unless ``types`` (node name
-    -> its first output's ir.TensorType) says it is at most ``SMALL`` values.
+    Random numbers (``_RANDOM``) are data whatever their operands.
     """
-    types = types or {}
     by_name = {n.name: n for n in gdef.node}
     memo: dict[str, bool] = {}
 
@@ -67,7 +64,7 @@ def shape_arithmetic(gdef, types=None) -> set:
             r = True
         elif nd.op == "Placeholder" or not nd.input:
             r = False
-        elif nd.op in _GENERATORS and not _small(types.get(name)):
+        elif nd.op in _RANDOM:
             r = False
         else:
             data = [i.split(":")[0] for i in nd.input if not i.startswith("^")]
@@ -109,20 +106,14 @@ def shape_operands(gdef, fetches) -> set:
     return {n.name for n in gdef.node if feeds_shapes(n.name)}
 
 
-def _small(t) -> bool:
-    n = None if t is None else t.num_elements()
-    return n is not None and n <= SMALL
-
-
 def _integer(nd) -> bool:
     return any(nd.attr[a].type in _INTEGERS for a in ("T", "DstT", "dtype")
                if a in nd.attr)
 
 
 def _run(ctx):
-    types = {n: node.outputs[0] for n, node in ctx.ir.nodes.items() if node.outputs}
-    ctx.shape_math = shape_arithmetic(ctx.planned, types) | shape_operands(ctx.planned,
-                                                                           ctx.fetches)
+    ctx.shape_math = shape_arithmetic(ctx.planned) | shape_operands(ctx.planned,
+                                                                    ctx.fetches)
     for n in ctx.shape_math & ctx.ir.nodes.keys():
         ctx.ir[n].attrs.setdefault("unfusible", SHAPE_MATH)
 
