@@ -2,8 +2,13 @@
 
 - No test reads or writes the user's ``~/.cache/stitching`` (kernels, the measured
   profile, stored plans, the op library): the session gets a HOME and a kernel cache of
-  its own, in a temporary directory, and subprocesses inherit both.  The op library and
-  the math helpers are built there on first use (about 20 s, once per session).
+  its own, in a temporary directory removed at exit, and subprocesses inherit both.
+  The op library and the math helpers are built there on first use (about 20 s, once
+  per session).  ``STITCHING_TEST_CACHE_DIR`` names a kernel cache to keep between
+  runs instead (never the user's ``STITCHING_CACHE_DIR``: tests clear parts of it).
+- No ``STITCHING_*`` setting of the user's shell reaches the tests (a dump directory
+  turns the result cache off, strict mode changes what a fallback does...): all are
+  removed but ``STITCHING_TEST_*``, then the session sets its own.
 - The planner plans with a *named machine model*, never the measured profile of the
   machine the suite happens to run on: ``STITCHING_DEVICE_PROFILE`` is pinned for the
   session (``intel-avx512`` unless ``STITCHING_TEST_MACHINE`` names another model).
@@ -22,9 +27,14 @@
   code test the code every cache holds.  Tests of the tiered compile take the
   ``tiered_compile`` fixture.
 """
+import atexit
 import os
+import shutil
 import tempfile
 
+for _name in [k for k in os.environ if k.startswith("STITCHING_")
+              and not k.startswith("STITCHING_TEST_")]:
+    del os.environ[_name]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The CUDA tests run under Numba's simulator unless NUMBA_ENABLE_CUDASIM=0 (a GPU).
 # Numba reads the flag once, when numba itself is first imported, so it is set here,
@@ -32,16 +42,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 _SESSION = tempfile.mkdtemp(prefix="stitching-test-")
+atexit.register(shutil.rmtree, _SESSION, True)
 os.makedirs(os.path.join(_SESSION, "home"))
 os.environ["HOME"] = os.path.join(_SESSION, "home")
 # The session's cache is the session HOME's default one (~/.cache/stitching), so that a
 # test giving a child process a cache of its own (an empty STITCHING_CACHE_DIR) still
 # finds the op libraries the install step would have left there (runtime/build.py:
 # _prebuilt), as a user's process does: without it every such child compiled op.cc and
-# gemm.cc again (~20 s each, a dozen tests).  A caller may point the kernel cache
-# elsewhere on purpose (to reuse kernels between runs).
-os.environ.setdefault("STITCHING_CACHE_DIR",
-                      os.path.join(_SESSION, "home", ".cache", "stitching"))
+# gemm.cc again (~20 s each, a dozen tests).  STITCHING_TEST_CACHE_DIR points the kernel
+# cache elsewhere on purpose (to reuse kernels between runs).
+os.environ["STITCHING_CACHE_DIR"] = os.environ.get("STITCHING_TEST_CACHE_DIR") or \
+    os.path.join(_SESSION, "home", ".cache", "stitching")
 SESSION_MACHINE = os.environ.get("STITCHING_TEST_MACHINE", "intel-avx512")
 os.environ["STITCHING_DEVICE_PROFILE"] = SESSION_MACHINE
 os.environ.pop("STITCHING_PROFILE", None)      # the older spelling would name a device too

@@ -204,7 +204,7 @@ def test_regression_programs(program, r, c):
     _run_program(program, r, c)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True,
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(programs(), st.integers(1, 5), st.integers(1, 70))
 def test_random_programs_match_float64_oracle(program, r, c):

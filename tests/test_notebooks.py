@@ -18,7 +18,7 @@ NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 def _run(name, tmp_path, env=None):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     # the kernel's own environment: inline figures even where MPLBACKEND says Agg
-    kernel_env = dict(os.environ, **(env or {}),
+    kernel_env = dict(os.environ, **(env or {}), TMPDIR=str(tmp_path),   # its dumps
                       MPLBACKEND="module://matplotlib_inline.backend_inline")
     t = time.perf_counter()
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
