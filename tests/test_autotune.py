@@ -138,6 +138,8 @@ def test_a_kernel_running_tier1_code_is_not_timed_until_its_tier2_is_in(tmp_path
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))   # a cold kernel: tiered
     monkeypatch.setenv("STITCHING_CPU_BACKEND", "llvm")
     monkeypatch.setenv("STITCHING_TIERED_COMPILE", "1")
+    monkeypatch.setattr(kernel, "_TIER1_DIR", tmp_path / "tier1")   # not the process's
+    (tmp_path / "tier1").mkdir()
     pending = []
     monkeypatch.setattr(parallel, "_upgrade_later",
                         lambda ks, jobs, batch: pending.extend(ks))

@@ -158,10 +158,13 @@ def softmax_spec():
     return b.build([b.Div(e, b.Sum(e, axes=[1], keep_dims=True))])
 
 
-def test_workers_build_tier1_into_this_process_dir_then_tier2_into_the_cache(monkeypatch):
+def test_workers_build_tier1_into_this_process_dir_then_tier2_into_the_cache(
+        monkeypatch, tmp_path_factory):
     """A batch that goes to workers: each builds tier-1 code first (into this
     process's tier-1 directory: nothing built here), then tier 2 into the cache."""
     from stitching.compile import direct
+    # an empty tier-1 directory: other tests' tier-1 code is in the process's own
+    monkeypatch.setattr(kernel, "_TIER1_DIR", tmp_path_factory.mktemp("tier1"))
     built_here = []
     monkeypatch.setattr(direct, "build", lambda *a, **k: built_here.append(a))
     specs = [layernorm_spec(), gelu_spec(), softmax_spec()]
