@@ -242,6 +242,24 @@ def test_drawings(transformer_dump):
     if shutil.which("dot"):                    # Graphviz's layout, when installed
         ax = si.draw_graph(d, layout="dot")
         assert {t.get_text() for t in ax.texts} >= {k.name.split("/")[-1] for k in d.kernels}
+    else:                                      # asked for by name: says what is missing
+        with pytest.raises(ValueError, match="Graphviz"):
+            si.draw_graph(d, layout="dot")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        si.draw_graph(d, layout="circle")
+
+
+def test_layered_drawing_puts_a_weight_side_op_just_above_its_reader():
+    """A node reading only weights goes to the layer above its first reader (a
+    BatchNorm's rsqrt(var) * gamma beside the convolution output it scales), not to
+    the top rows by its longest path from the inputs."""
+    import networkx as nx
+    from stitching.inspect.draw import _layers
+    g = nx.DiGraph([("x", "a"), ("a", "b"), ("b", "c"), ("c", "mul"),
+                    ("var", "rsqrt"), ("rsqrt", "mul")])
+    depth = _layers(g)
+    assert (depth["x"], depth["mul"]) == (0, 4)
+    assert depth["rsqrt"] == 3 and depth["var"] == 2
 
 
 def test_stitching_profile_1_names_no_device(monkeypatch):

@@ -5,7 +5,8 @@ draw_graph   IR nodes as a layered DAG (inputs at the top), each stitched region
              memory-intensive ops left to TF are grey with a red rim, other TF ops
              (MatMul, Conv...) white.  Layout: Graphviz ``dot`` when it is on PATH (run
              as a program, positions read from ``-Tplain``), else layers by longest path
-             from the inputs (networkx ``multipartite_layout``).  Constants and
+             from the inputs, a node off it just above its first reader (networkx
+             ``multipartite_layout``).  Constants and
              weights (variable handles and their reads) are left out: they feed
              kernels as inputs and only clutter the picture.
 roofline     each kernel at (FLOPs per byte, achieved FLOP/s): measured when profiled,
@@ -58,14 +59,32 @@ def _hidden(n) -> bool:
 
 
 def _layers(g):
+    """Each node's layer: its longest path from the inputs, then (for a node off
+    that path) moved down to just above its first reader.  A BatchNorm's weight-side
+    math (rsqrt of the variance, times gamma) reads only weights: by the first rule
+    alone a conv net's dozens of them all sat on the top rows, far from the kernels
+    that use them, with their labels piled up there."""
     import networkx as nx
+    order = list(nx.topological_sort(g))
     depth = {}
-    for v in nx.topological_sort(g):
+    for v in order:
         depth[v] = max((depth[u] + 1 for u in g.predecessors(v)), default=0)
+    for v in reversed(order):
+        readers = [depth[s] for s in g.successors(v)]
+        if readers and min(readers) - 1 > depth[v]:
+            depth[v] = min(readers) - 1
     return depth
 
 
+LAYOUTS = ("auto", "dot", "layers")
+
+
 def _layout(g, engine):
+    if engine not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {engine!r}")
+    if engine == "dot" and not shutil.which("dot"):
+        raise ValueError("layout='dot' needs Graphviz's dot program on PATH (e.g. apt "
+                         "install graphviz); layout='auto' falls back to 'layers'")
     if engine in ("auto", "dot") and shutil.which("dot"):
         try:
             return _dot_layout(g)
