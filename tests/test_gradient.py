@@ -301,3 +301,30 @@ def test_an_eagerly_run_kernel_names_itself_when_differentiated():
     np.testing.assert_allclose(y, np.tanh(x * 2.0) + 1.0, rtol=1e-6)
     with pytest.raises(LookupError, match="StitchedKernel 'my_region' executed eagerly"):
         t.gradient(y, x)
+
+
+def test_an_input_only_reached_through_ops_without_gradient_gets_none_as_in_tf():
+    """Regression: a tape outside, through a kernel whose output depends on an input
+    only through Round (no gradient in TF), gave zeros where TF gives None: the
+    stitched backward returns a tensor per input; positions TF leaves unconnected
+    are None again.  An input reached through Round and another path still gets
+    TF's gradient."""
+    def rounded(x, b):
+        return tf.nn.relu(tf.round(x)) * 2.0 + tf.exp(b)
+
+    def mixed(x, b):
+        return x * tf.round(x) + b * 3.0
+
+    for fn in (rounded, mixed):
+        x = tf.Variable(tf.constant([[-1.2, 0.4, 0.7, 2.6]]))
+        b = tf.Variable(tf.constant([0.5, -0.5, 1.0, 2.0]))
+        got, want = [], []
+        for f, out in ((stitching.function(fn), got), (tf.function(fn), want)):
+            with tf.GradientTape() as tape:
+                y = tf.reduce_sum(f(x, b) ** 2)
+            out.extend(tape.gradient(y, [x, b]))
+        assert [g is None for g in got] == [g is None for g in want], fn.__name__
+        for g, w in zip(got, want):
+            if w is not None:
+                np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5)
+    assert want[0] is not None          # mixed: x * round(x) has a gradient

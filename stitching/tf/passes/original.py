@@ -411,10 +411,30 @@ def _stitched_backward(op, grads, wanted):
     fn = _backward_stitcher(key, lambda: _backward_fn(fdef, len(op.inputs), wanted,
                                                       float_in), options)
     dxs = fn(*op.inputs, *[grads[k] for k in wanted])
+    unconnected = _unconnected(fdef, op.inputs, wanted, float_in, key)
     out = [None] * len(op.inputs)
     for i, d in zip(float_in, dxs):
-        out[i] = d
+        out[i] = None if i in unconnected else d
     return out
+
+
+_UNCONNECTED: dict = {}          # backward key -> inputs the wanted outputs ignore
+
+
+def _unconnected(fdef, inputs, wanted, float_in, key) -> set:
+    """The float inputs TF's gradient of the region gives as None (the wanted outputs
+    do not depend on them, or only through ops without a gradient, as Round).  The
+    stitched backward returns zeros there (a function output cannot be None); the
+    gradient gives None, as tf.gradients over the original ops does, so that a
+    caller's ``grad is None`` means what it means with TF.  Found once per kind of
+    region, in a graph of its own."""
+    if key not in _UNCONNECTED:
+        with tf.Graph().as_default():
+            xs = [tf.compat.v1.placeholder(x.dtype, x.shape) for x in inputs]
+            ys = import_body(fdef, xs, "original")
+            dxs = tf.gradients([ys[k] for k in wanted], [xs[i] for i in float_in])
+        _UNCONNECTED[key] = {i for d, i in zip(dxs, float_in) if d is None}
+    return _UNCONNECTED[key]
 
 
 def _check_not_eager(op):
