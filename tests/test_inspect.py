@@ -195,6 +195,24 @@ def test_tensorboard_groups_each_kernel_with_its_fused_ops(transformer_dump, tmp
         assert {f"stitching/{k.name.split('/')[-1]}/mean_us" for k in d.kernels} <= tags
 
 
+def test_tensorboard_covers_control_flow_branches(tmp_path):
+    """Each tf.cond branch is planned and dumped apart: write_tensorboard writes a run
+    for the function and one per branch (it wrote the function's alone)."""
+    def fn(x, p):
+        y = x * 2.0 + 1.0
+        return tf.nn.softmax(tf.cond(p, lambda: tf.nn.relu(y) * 3.0 - 1.0,
+                                     lambda: tf.exp(y) + y * y) + 1.0)
+
+    f = stitching.function(fn, options=stitching.Options(dump_dir=str(tmp_path / "d")))
+    f(tf.ones([4, 32]), tf.constant(True))
+    branches = [r for _, r, _ in f.report.bodies if r is not None]
+    assert len(branches) == 2 and all(r.dump_path for r in branches)
+    runs = stitching.write_tensorboard(f, tmp_path / "logs")
+    assert len(runs) == 3 and all(glob.glob(os.path.join(r, "events*")) for r in runs)
+    dumps = [f.report.dump_path] + [r.dump_path for r in branches]
+    assert sorted(map(os.path.basename, runs)) == sorted(map(os.path.basename, dumps))
+
+
 def test_tensorboard_from_a_function_without_dump(tmp_path, monkeypatch):
     monkeypatch.delenv("STITCHING_DUMP_DIR", raising=False)
     f = stitching.function(lambda x: tf.nn.softmax(x * 2.0))

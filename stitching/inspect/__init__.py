@@ -38,8 +38,19 @@ def _paths(obj) -> list:
         return [obj.path]
     reports = getattr(obj, "reports", None)
     if reports is not None:             # a StitchedFunction
-        return [r.dump_path for r in reports if getattr(r, "dump_path", None)]
+        return _report_dumps(reports)
     return [p for o in obj for p in _paths(o)]
+
+
+def _report_dumps(reports) -> list:
+    """The dump paths of ``reports`` and of their control-flow functions' reports
+    (tf.cond branches, loop bodies: each dumped apart), in order."""
+    out = []
+    for r in reports:
+        if getattr(r, "dump_path", None):
+            out.append(r.dump_path)
+        out.extend(_report_dumps([b for _, b, _ in getattr(r, "bodies", ()) if b is not None]))
+    return out
 
 
 def __getattr__(name):

@@ -35,8 +35,8 @@ def _dumps(obj, logdir) -> list:
     if isinstance(obj, (str, bytes)) or hasattr(obj, "__fspath__"):
         return [load_dump(p) for p in list_dumps(obj)]
     if hasattr(obj, "reports") and hasattr(obj, "options"):      # a stitching.function
-        paths = [r.dump_path for r in obj.reports if getattr(r, "dump_path", None)]
-        return [load_dump(p) for p in paths] or _dump_again(obj, logdir)
+        from . import _report_dumps
+        return [load_dump(p) for p in _report_dumps(obj.reports)] or _dump_again(obj, logdir)
     if isinstance(obj, (list, tuple)):
         return [d for o in obj for d in _dumps(o, logdir)]
     raise TypeError(f"write_tensorboard expects a dump, a dump path or a "
