@@ -149,6 +149,37 @@ def test_custom_gradient_identity_n_does_not_split_a_region():
     assert all(not i.startswith(tuple(idn)) for n in out.node for i in n.input)
 
 
+def test_a_users_custom_gradient_holds_for_a_tape_outside():
+    """Regression: a tf.custom_gradient's IdentityN was bypassed like tf.nn.silu's, so a
+    tape outside the stitched function differentiated the kernels' original ops
+    without it and got the plain derivative (zeros here: a softmax's sum is constant)
+    instead of the custom one.  Only TF's own swish gradient is bypassed now."""
+    @tf.custom_gradient
+    def scaled(x):
+        return x * 1.0, lambda dy: dy * 7.0
+
+    def clip_grad(x):
+        y = tf.nn.sigmoid(x) * 3.0
+
+        def grad(dy):
+            return tf.clip_by_value(dy, -0.1, 0.1) * 2.0
+        return y, grad
+    clipped = tf.custom_gradient(clip_grad)
+
+    def fn(x):
+        return tf.reduce_sum(tf.nn.softmax(scaled(x) * 2.0)) + \
+            tf.reduce_sum(clipped(x) * x * 4.0)
+
+    x = tf.constant(np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4))
+    grads = []
+    for f in (stitching.function(fn), tf.function(fn)):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = f(x)
+        grads.append(tape.gradient(y, x).numpy())
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
 def test_background_compile_serves_stock_tf_first_then_the_stitched_graph():
     """Options(background_compile=True): the first call with a new signature returns
     stock TF's result at once (no report yet); after wait() the same signature runs the
