@@ -409,6 +409,58 @@ def test_a_loaded_model_answers_calls_its_kernels_were_not_built_for(tmp_path):
     assert all(err < 1e-5 for err in out.values()), out
 
 
+_TWO = """
+import json, os, warnings, numpy as np, tensorflow as tf
+import stitching
+from stitching.compile import kernel
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    m = tf.saved_model.load({d!r} + "/m")
+    x = np.load({d!r} + "/x.npy")
+    a, b = m.a(x).numpy(), m.b(x).numpy()
+print("RESULT", json.dumps({{
+    "a": float(abs(a - np.load({d!r} + "/a.npy")).max()),
+    "b": float(abs(b - np.load({d!r} + "/b.npy")).max()),
+    "warnings": [str(x.message)[:200] for x in w if "stitching" in str(x.message)],
+    "compiled": sorted(p.name for p in kernel.kernel_dir().glob("k_*.so"))}}))
+"""
+
+
+def test_a_module_with_two_stitched_functions_ships_both_kernel_sets(tmp_path):
+    """Regression: tf.saved_model.save copies each stitched function's manifest as an
+    asset of the same name; the second became assets/stitching_kernels.json_1, which
+    the loader refused ("not a SavedModel's assets/stitching_kernels.json"), so that
+    function's kernels compiled at load.  Both sets load now: nothing compiles."""
+    sig = [tf.TensorSpec([None, 16], tf.float32)]
+
+    class M(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.g = tf.Variable(tf.ones([16]) * 1.5)
+
+        @stitching.function(input_signature=sig)
+        def a(self, x):
+            m, v = tf.nn.moments(x, axes=[-1], keepdims=True)
+            return (x - m) * tf.math.rsqrt(v + 1e-5) * self.g
+
+        @stitching.function(input_signature=sig)
+        def b(self, x):
+            return tf.nn.softmax(x * 3.0) + self.g
+
+    m = M()
+    x = np.random.default_rng(2).standard_normal((4, 16)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "a.npy", m.a(x).numpy())
+    np.save(tmp_path / "b.npy", m.b(x).numpy())
+    tf.saved_model.save(m, str(tmp_path / "m"))
+    assets = sorted(os.listdir(tmp_path / "m" / "assets"))
+    assert "stitching_kernels.json_1" in assets, assets         # TF's renamed copy
+    out = _result(_run(_TWO.format(d=str(tmp_path)),
+                       env={"STITCHING_CACHE_DIR": str(tmp_path / "cache")}))
+    assert out["a"] < 1e-5 and out["b"] < 1e-5, out
+    assert out["warnings"] == [] and out["compiled"] == [], out
+
+
 @pytest.mark.slow
 def test_transformer_saved_model_round_trip_in_a_fresh_process(tmp_path):
     """The Bars' Transformer: exported by Keras, rewritten, loaded in a fresh process

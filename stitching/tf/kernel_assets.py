@@ -146,12 +146,22 @@ def install(payload: str) -> None:
         _skip(f"the model's kernels could not be installed ({type(e).__name__}: {e})")
 
 
+def _asset_name(name: str) -> str:
+    """A file's name as its rewrite wrote it: tf.saved_model.save copies assets of one
+    name from two objects (two stitched functions of one module, each with its
+    manifest and kernels) as ``name``, ``name_1``, ``name_2``...; the manifest's own
+    hashes say which file is which."""
+    stem, sep, n = name.rpartition("_")
+    return stem if sep and n.isdigit() and stem.endswith((".json", ".so")) \
+        else name
+
+
 def _not_a_saved_model(manifest: Path, want: str) -> str | None:
     """None if ``manifest`` is the kernel manifest of a SavedModel on disk whose
     graph records ``want`` (the StitchedKernelAssets op of that model, as its
     initializer runs it), else why not.  The op is a registered op any graph can
     hold: from a plain GraphDef, pointing at files of its own, it installs nothing."""
-    if manifest.name != MANIFEST or manifest.parent.name != "assets":
+    if _asset_name(manifest.name) != MANIFEST or manifest.parent.name != "assets":
         return f"{str(manifest)[:200]} is not a SavedModel's assets/{MANIFEST}"
     if len(want) != 64 or any(c not in "0123456789abcdef" for c in want):
         return "the recorded manifest hash is malformed"
@@ -272,7 +282,11 @@ def install_files(paths, want_manifest_sha, within) -> int:
     if abi != here.name:
         return _skip(f"the model's kernels were built for another CPU or toolchain "
                      f"({manifest.get('host', '?')}); this machine's differs")
-    by_name = {os.path.basename(p): p for p in paths[1:]}
+    by_name = {}
+    for p in paths[1:]:                  # a name TF wrote as is wins over a renamed copy
+        name = os.path.basename(p)
+        if name == _asset_name(name) or _asset_name(name) not in by_name:
+            by_name[_asset_name(name)] = p
     installed = {}             # code name -> (content sha256, the file's identity)
     for name, rec in sorted(files.items()):
         got = _install_one(name, rec, by_name.get(name), here / "shipped", within)
