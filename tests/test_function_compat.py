@@ -557,3 +557,21 @@ def test_a_variable_argument_is_not_kept_by_the_trace_as_tf_function_does():
     for (y, g), (y_ref, g_ref) in zip(got, want):
         np.testing.assert_allclose(y, y_ref, rtol=1e-6)
         np.testing.assert_allclose(g, g_ref, rtol=1e-6)
+
+
+def test_a_stitched_function_called_inside_an_xla_function_is_traced_as_is():
+    """Regression: inside a caller's tf.function(jit_compile=True) the stitched graph's
+    StitchedKernel failed at run time ("unsupported operations ... XLA_CPU_JIT"); XLA
+    compiles the ops itself, so they are traced there as they are."""
+    body = stitching.function(lambda x: tf.nn.softmax(x * 2.0) + 1.0)
+    outer = tf.function(lambda x: body(x) * 3.0, jit_compile=True)
+    x = tf.constant(np.random.default_rng(4).standard_normal((4, 8)).astype(np.float32))
+    want = (tf.nn.softmax(x * 2.0) + 1.0) * 3.0
+    np.testing.assert_allclose(outer(x).numpy(), want.numpy(), rtol=1e-5)
+    assert body.reports == []                  # traced, not stitched
+    # a signature stitched by an eager call first: its trace is not reused under XLA
+    y = tf.constant(np.random.default_rng(5).standard_normal((6, 8)).astype(np.float32))
+    np.testing.assert_allclose(body(y).numpy(), (tf.nn.softmax(y * 2.0) + 1.0).numpy(),
+                               rtol=1e-5)
+    assert body.report.kernels
+    np.testing.assert_allclose(outer(y).numpy(), (body(y) * 3.0).numpy(), rtol=1e-5)

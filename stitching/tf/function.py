@@ -94,6 +94,7 @@ from tensorflow.python.eager.polymorphic_function import polymorphic_function as
 from tensorflow.python.eager.polymorphic_function import tracing_compilation
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework.ops import EagerTensor
+from tensorflow.python.ops import control_flow_util
 from tensorflow.python.util import tf_decorator
 
 from ..options import Options, background_compile_on
@@ -299,6 +300,12 @@ class StitchedFunction(tf_pf.Function):
 
     # -- calls ----------------------------------------------------------------------
     def __call__(self, *args, **kwds):
+        if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
+                tf.compat.v1.get_default_graph()):
+            # a caller XLA compiles (tf.function(jit_compile=True)): XLA has no kernel
+            # for StitchedKernel and fuses the ops itself; a stitched trace cached for
+            # this signature by an eager call must not be reused here
+            return self._stock_function()(*args, **kwds)
         if not kwds and self._fast_path_ready():
             key = _eager_key(args)
             if key is not None:
@@ -542,7 +549,11 @@ class StitchedFunction(tf_pf.Function):
         graph, import the result here; returns ``fn``'s structured outputs.
 
         A first trace that creates variables is not stitched (``_throwaway``): it is a
-        call of the inner trace."""
+        call of the inner trace.  Inside a function XLA compiles (a caller's
+        ``tf.function(jit_compile=True)``) nothing is stitched either: XLA cannot run a
+        StitchedKernel and fuses the ops itself, so they are traced here as they are."""
+        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            return fn(*args, **kwargs)
         structure = (args, kwargs)
         flat = tf.nest.flatten(structure, expand_composites=True)
         where = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor)]
