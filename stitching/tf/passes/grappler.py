@@ -298,17 +298,16 @@ def bypass_identity_n(graph_def, keep):
     itself when there is nothing to do, else a new GraphDef.
 
     An IdentityN that carries a custom gradient (``_gradient_op_type``) is bypassed
-    only where that gradient is TF's swish (``_tf_swish``), the exact derivative of
-    the ops the kernel recomputes for a tape outside the function
-    (tf/passes/original.py).  Any other (gradient clipping, a straight-through
+    only where that gradient is TF's or Keras's own (``_library_gradient``: the
+    derivative of the ops a kernel recomputes for a tape outside the function,
+    tf/passes/original.py).  A user's (gradient clipping, a straight-through
     estimator, a gradient reversal) is kept: the kernels' backward differentiates
     their original ops, and without the IdentityN a tape outside got the plain
     derivative instead of the custom one.
     """
-    by_name = {n.name: n for n in graph_def.node}
     bypass = {n.name: n for n in graph_def.node if n.op == "IdentityN" and n.name not in keep
               and not any(i.startswith("^") for i in n.input)
-              and (CUSTOM_GRADIENT not in n.attr or _tf_swish(n, by_name))}
+              and (CUSTOM_GRADIENT not in n.attr or _library_gradient(n))}
     if not bypass:
         return graph_def
 
@@ -340,47 +339,39 @@ def bypass_identity_n(graph_def, keep):
 
 
 CUSTOM_GRADIENT = "_gradient_op_type"
+# Custom gradients defined in these packages are the derivatives of their forward
+# values, written for memory or numerical stability (tf.nn.swish's, the Keras
+# optimizer's IdentityN over the gradients it applies); one defined anywhere else may
+# differ from it on purpose (clipping, a straight-through estimator).
+_LIBRARIES = ("tensorflow", "keras", "tf_keras")
 
 
-def _tf_swish(identity_n, by_name) -> bool:
-    """Whether a custom-gradient IdentityN is tf.nn.swish's (nn_impl.swish, which
-    tf.nn.silu and Keras' silu/swish call): its first input is ``x * sigmoid(...)``
-    with ``x`` its second input, and the gradient registered under its op type (where
-    this process has it: not for a graph read from a file) is nn_impl's."""
-    ins = [i.partition(":")[0] for i in identity_n.input]
-    mul = by_name.get(ins[0]) if len(ins) >= 2 else None
-    if mul is None or mul.op != "Mul" or identity_n.input[0].partition(":")[2] not in ("", "0"):
-        return False
-    operands = [i.partition(":")[0] for i in mul.input if not i.startswith("^")]
-    if ins[1] not in operands or not any(
-            by_name.get(o) is not None and by_name[o].op == "Sigmoid" for o in operands):
-        return False
-    return _registered_in(identity_n.attr[CUSTOM_GRADIENT].s.decode(), "nn_impl") is not False
-
-
-def _registered_in(op_type: str, module: str):
-    """True if the gradient function registered for ``op_type`` (tf.custom_gradient's
-    wrapper, whose closures hold the user's function) comes from a module named
-    ``module``; False if it is another; None if none is registered here."""
+def _library_gradient(identity_n) -> bool:
+    """Whether a custom-gradient IdentityN's gradient is TF's or Keras's own: the
+    functions the registered gradient (tf.custom_gradient's wrapper) closes over all
+    come from ``_LIBRARIES``.  True where none is registered in this process (a graph
+    read from a file: no tape here can use that gradient)."""
     from tensorflow.python.framework import ops
     try:
-        fn = ops._gradient_registry.lookup(op_type)
+        fn = ops._gradient_registry.lookup(identity_n.attr[CUSTOM_GRADIENT].s.decode())
     except LookupError:
-        return None
+        return True
     seen, todo = set(), [fn]
     while todo:
         f = todo.pop()
         if id(f) in seen or not callable(f):
             continue
         seen.add(id(f))
-        if getattr(f, "__module__", "").rpartition(".")[2] == module:
-            return True
+        module = getattr(f, "__module__", None) or ""
+        if getattr(f, "__code__", None) is not None and \
+                module.partition(".")[0] not in _LIBRARIES:
+            return False
         for cell in getattr(f, "__closure__", None) or ():
             try:
                 todo.append(cell.cell_contents)
             except ValueError:        # an empty cell
                 pass
-    return False
+    return True
 
 
 def _run(ctx):
