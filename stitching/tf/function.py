@@ -300,8 +300,7 @@ class StitchedFunction(tf_pf.Function):
 
     # -- calls ----------------------------------------------------------------------
     def __call__(self, *args, **kwds):
-        if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
-                tf.compat.v1.get_default_graph()):
+        if not tf.executing_eagerly() and _under_xla():
             # a caller XLA compiles (tf.function(jit_compile=True)): XLA has no kernel
             # for StitchedKernel and fuses the ops itself; a stitched trace cached for
             # this signature by an eager call must not be reused here
@@ -552,7 +551,7 @@ class StitchedFunction(tf_pf.Function):
         call of the inner trace.  Inside a function XLA compiles (a caller's
         ``tf.function(jit_compile=True)``) nothing is stitched either: XLA cannot run a
         StitchedKernel and fuses the ops itself, so they are traced here as they are."""
-        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        if _under_xla():             # get_concrete_function inside such a caller
             return fn(*args, **kwargs)
         structure = (args, kwargs)
         flat = tf.nest.flatten(structure, expand_composites=True)
@@ -750,6 +749,12 @@ def display_name(fn) -> str:
     if qualname and name and qualname.rsplit(".", 1)[-1] != name:
         return name                   # renamed on purpose (a generated function)
     return qualname or _short_name(fn)
+
+
+def _under_xla() -> bool:
+    """Whether the graph being built is compiled by XLA (it or a graph it is built
+    in: a caller's tf.function(jit_compile=True))."""
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def _distributed_values(args, kwds) -> bool:

@@ -285,8 +285,9 @@ def install_files(paths, want_manifest_sha, within) -> int:
     by_name = {}
     for p in paths[1:]:                  # a name TF wrote as is wins over a renamed copy
         name = os.path.basename(p)
-        if name == _asset_name(name) or _asset_name(name) not in by_name:
-            by_name[_asset_name(name)] = p
+        written = _asset_name(name)
+        if name == written or written not in by_name:
+            by_name[written] = p
     installed = {}             # code name -> (content sha256, the file's identity)
     for name, rec in sorted(files.items()):
         got = _install_one(name, rec, by_name.get(name), here / "shipped", within)
