@@ -228,14 +228,16 @@ def wait(model, timeout: float | None = None) -> bool:
     """Compile now the stitched steps of ``model`` (tiered by ``stitch``) that have
     run stock and are not compiled yet, and block until every one is ready, or
     ``timeout`` seconds passed; True when none is pending and none failed.  The
-    next call of such a step runs stitched."""
+    next call of such a step runs stitched.  Steps that compiled at their first call
+    (``background_compile=False``, tf.distribute) started on quick tier-1 code: this
+    also waits for their optimized code (``StitchedFunction.wait``)."""
+    from .tf.function import seconds_left, wait_tier2
     deadline = None if timeout is None else time.monotonic() + timeout
     ok = True
     for f in model._stitching_steps.values():
         if isinstance(f, _Tiered):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ok = f.wait(left) and ok
-    return ok
+            ok = f.wait(seconds_left(deadline)) and ok
+    return wait_tier2(seconds_left(deadline)) and ok
 
 
 class _StitchedStep:

@@ -399,6 +399,29 @@ def test_a_synchronous_first_call_runs_tier1_by_default_then_tier2(tiered_compil
         np.testing.assert_allclose(g.numpy(), w, rtol=2e-5, atol=2e-5, equal_nan=True)
 
 
+def test_wait_waits_for_the_tier2_code_of_a_synchronous_first_call(tiered_compile,
+                                                                   held_tier2):
+    """``f.wait()`` then timing the calls is how a user measures a function: after a
+    synchronous first call its kernels still run tier-1 code (~3x slower) until tier
+    2 is in, so ``wait`` waits for it (a timeout says it is not in yet)."""
+    tf = pytest.importorskip("tensorflow")
+    import stitching
+    from stitching.compile.kernel import _kernels
+    f = _norm_gelu(tf)
+    x = tf.constant(RNG.standard_normal((48, 96)).astype(np.float32))
+    st = stitching.function(f, options=stitching.Options(background_compile=False))
+    st(x)
+    ks = [k for k in _kernels.values() if getattr(k, "_code", None) is not None]
+    assert ks and {k.tier for k in ks} == {1}
+    assert st.wait(timeout=0.2) is False, "tier 2 is held: wait must not say ready"
+    threading.Timer(0.3, held_tier2.set).start()
+    assert st.wait(timeout=120) is True
+    assert {k.tier for k in ks} == {2}
+    want = [t.numpy() for t in tf.function(f)(x)]
+    for g, w in zip(st(x), want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=2e-5, atol=2e-5)
+
+
 def test_a_rewritten_saved_model_ships_tier2_code_under_the_tiered_default(
         tiered_compile, tmp_path):
     """stitching-rewrite's SavedModel (parallel.shipping): its kernels compile straight

@@ -428,6 +428,7 @@ def compile_kernels(specs, progress=None, jobs: int | None = None, on_error=None
 # serves there) nor while ``shipping()`` (an artifact holds tier-2 code only).
 
 _upgrades: list = []            # threads compiling tier 2 behind tier-1 kernels
+_upgrades_lock = threading.Lock()
 
 
 def _upgrade_later(kernels, jobs, batch) -> None:
@@ -456,19 +457,23 @@ def _upgrade_later(kernels, jobs, batch) -> None:
                          upgraded, len(kernels), t0 - started)
 
     t = threading.Thread(target=run, name="stitching-tier2", daemon=True)
-    _upgrades.append(t)
+    with _upgrades_lock:
+        _upgrades[:] = [u for u in _upgrades if u.is_alive()]   # a server's many batches
+        _upgrades.append(t)
     t.start()
 
 
 def wait_upgrades(timeout: float | None = None) -> bool:
-    """Wait for the tier-2 compiles started so far (tests, tools); True if none is
-    left running."""
+    """Wait for the tier-2 compiles started so far (``StitchedFunction.wait``,
+    ``stitching.keras.wait``, tests, tools); True if none is left running."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    for t in list(_upgrades):
+    with _upgrades_lock:
+        threads = list(_upgrades)
+    for t in threads:
         t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if not t.is_alive():
-            _upgrades.remove(t)
-    return not _upgrades
+    with _upgrades_lock:
+        _upgrades[:] = [u for u in _upgrades if u.is_alive()]
+        return not _upgrades
 
 
 def compile_bounded(spec):

@@ -489,15 +489,19 @@ class StitchedFunction(tf_pf.Function):
                   file=sys.stderr, flush=True)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until background compiles are done (or ``timeout`` seconds passed);
-        True when none is pending and none failed.  Synchronous functions return at
-        once."""
+        """Block until background compiles are done and the kernels run their
+        optimized code (or ``timeout`` seconds passed); True when nothing is pending
+        and none failed.  A synchronous first call's kernels start on quick tier-1
+        code whose tier 2 compiles behind it (docs/tuning.md): this waits for those
+        upgrades too, so the calls after it run the steady state's code."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._pending_lock:
             threads = list(self._pending.values())
         for t in threads:
-            t.join(timeout)
+            t.join(seconds_left(deadline))
+        upgraded = wait_tier2(seconds_left(deadline))
         with self._pending_lock:
-            return not self._pending and not self.background_errors
+            return not self._pending and not self.background_errors and upgraded
 
     # -- tracing ------------------------------------------------------------
     def _throwaway(self, scope_type) -> bool:
@@ -904,6 +908,18 @@ def _check_cancelled() -> None:
     if _BACKGROUND_STARTED:
         from ..compile.parallel import check_cancelled
         check_cancelled()
+
+
+def wait_tier2(timeout: float | None = None) -> bool:
+    """Wait for the tier-2 compiles behind this process's tier-1 kernels
+    (``parallel.wait_upgrades``); True at once where compile.parallel was never
+    imported (no kernel was compiled here, so none can be upgrading)."""
+    parallel = sys.modules.get("stitching.compile.parallel")
+    return True if parallel is None else parallel.wait_upgrades(timeout)
+
+
+def seconds_left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 @atexit.register
