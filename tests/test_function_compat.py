@@ -489,6 +489,70 @@ def test_a_cond_inside_a_loop_and_a_tape_inside_the_function():
         tf.reduce_max(tf.abs(want))))
 
 
+def test_a_loop_body_that_reads_a_variable_is_stitched_with_the_variables_shape():
+    """A loop body reads a captured variable through a resource argument, which a
+    FunctionDef gives no shape: Grappler refused the body ("Failed to import
+    metagraph") and the body was kept as traced.  The variable's shape now comes from
+    the graph that passes it in, so every op of the body fuses; the gradient to the
+    variable and a later assign hold."""
+    rng = np.random.default_rng(11)
+    w = tf.Variable(rng.standard_normal(32).astype(np.float32))
+
+    def fn(x):
+        def body(i, v):
+            return i + 1, tf.tanh(v * w + 0.1) * tf.sigmoid(v)
+        return tf.while_loop(lambda i, v: i < 4, body, [tf.constant(0), x])[1]
+
+    f, ref = stitching.function(fn), tf.function(fn)
+    x = tf.constant(rng.standard_normal((8, 32)).astype(np.float32))
+    np.testing.assert_allclose(f(x), ref(x), rtol=1e-5, atol=1e-6)
+    (body,) = [(r, why) for n, r, why in f.report.bodies if n.startswith("while_body")]
+    assert body[1] == "" and body[0].unfused == [], f.report.summary()
+    assert any({"Tanh", "Sigmoid", "Mul"} <= {t for _, t in k.split_ops()[0]}
+               for k in body[0].kernels), f.report.summary()
+    grads = []
+    for g in (f, ref):
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(g(x) ** 2)
+        grads.append(tape.gradient(y, w))
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5)
+    w.assign(w * 2.0)
+    np.testing.assert_allclose(f(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_keras_lstm_training_step_stitches_its_loop_bodies_and_their_gradients():
+    """A Keras LSTM runs its cell in a while loop that reads the weights (above); its
+    gradient loop's body, made from a FunctionDef, names inputs ``node:0``, which
+    made Grappler's constant folding write a control input its next optimizer
+    rejected, and sums TensorLists with an AddN, which was expanded into AddV2 of
+    variants: both bodies were kept as traced with an error as the report's reason."""
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((6, 4))
+    seq = keras.layers.LSTM(8, return_sequences=True)(inp)     # TensorList writes
+    model = keras.Model(inp, keras.layers.Dense(2)(keras.layers.GRU(8)(seq)))
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    rng = np.random.default_rng(2)
+    x = tf.constant(rng.standard_normal((3, 6, 4)).astype(np.float32))
+    y = tf.constant(rng.standard_normal((3, 2)).astype(np.float32))
+    f = stitching.function(step)
+    (loss, grads), (want_loss, want) = f(x, y), tf.function(step)(x, y)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    errors = [(n, why) for n, r, why in f.report.bodies if r is None]
+    assert errors == [], errors
+    forward = [r for n, r, _ in f.report.bodies if "while_body" in n and "_grad" not in n]
+    assert forward and all(r.kernels and not r.unfused for r in forward), \
+        f.report.summary()
+    assert any("while_body" in n and "_grad" in n for n, _, _ in f.report.bodies)
+
+
 def test_integers_that_only_feed_shapes_stay_tf_ops_for_shape_inference():
     """TF's testShapeInferencePropagateConst*: ``concat([[d1], [d2], [d3]])`` as a
     Fill's dims, fused into a kernel, hid its values from TF's shape inference, so

@@ -171,6 +171,39 @@ def test_add_n_expands_to_tf_s_summation_order(n):
     np.testing.assert_array_equal(got, want)
 
 
+def test_an_add_n_of_variants_stays_add_n():
+    """AddV2 takes no variants: a gradient loop body's AddN of TensorLists stays."""
+    g = tf.Graph()
+    with g.as_default():
+        ls = [tf.raw_ops.EmptyTensorList(element_shape=[2], max_num_elements=-1,
+                                         element_dtype=tf.float32) for _ in range(2)]
+        tf.identity(tf.raw_ops.AddN(inputs=ls), name="y")
+    out = grappler.expand_tf_internal_ops(g.as_graph_def())
+    assert [nd.op for nd in out.node if nd.name == "y" or "AddN" in nd.name] == \
+        ["AddN", "Identity"]
+
+
+def test_inputs_named_with_output_zero_survive_constant_folding():
+    """A body made from a FunctionDef names inputs ``node:0``; folding ``Fill(s:0,
+    c:0)`` wrote the control input ``^s:0``, which Grappler's next optimizer rejected
+    ("Non-existent input"), failing the whole optimize (a Keras GRU's gradient loop
+    body).  They are written ``node`` first, as TF writes a graph."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.raw_ops.Placeholder(dtype=tf.float32, shape=[4], name="x")
+        z = tf.raw_ops.Fill(dims=tf.constant([4], name="s"),
+                            value=tf.constant(1.5, name="c"), name="z")
+        tf.math.add(x, z, name="y")
+    gd = g.as_graph_def()
+    for nd in gd.node:
+        named = [i if ":" in i or i.startswith("^") else i + ":0" for i in nd.input]
+        del nd.input[:]
+        nd.input.extend(named)
+    out = grappler.optimize(gd, ["y:0"])
+    x = np.arange(4, dtype=np.float32)
+    np.testing.assert_array_equal(_run(out, {"x:0": x}, "y:0"), x + 1.5)
+
+
 def test_remapper_fused_op_in_a_graph_file_stays_a_tf_op():
     """_FusedMatMul (Grappler's remapper; frozen graphs hold it) is not ours to fuse:
     it stays a TF op and the element-wise ops after it still stitch."""

@@ -59,20 +59,23 @@ def called_functions(graph_def) -> list:
     return names
 
 
-def stitch_bodies(graph_def, stitch, name: str) -> list:
+def stitch_bodies(graph_def, stitch, name: str, resources: dict | None = None) -> list:
     """Replaces, in ``graph_def`` (in place), every control-flow function by its
-    stitched version.  ``stitch(body_graph_def, fetches, keep, body_name)`` is the
-    pipeline (returns a StitchResult).  Returns [(function name, report or None, why
-    not)] for the report."""
+    stitched version.  ``stitch(body_graph_def, fetches, keep, body_name, resources)``
+    is the pipeline (returns a StitchResult); ``resources``: the graph's variable
+    shapes (tfgraph.resource_shapes), passed on to the bodies the variables reach
+    (``body_resources``).  Returns [(function name, report or None, why not)] for the
+    report."""
     library = {f.signature.name: f for f in graph_def.library.function}
+    shapes = body_resources(graph_def, resources or {})
     out, renamed = [], {}
     for fname in called_functions(graph_def):
         fdef = library.get(fname)
         if fdef is None:
             continue
         try:
-            new_fdef, report, body_library = _stitch_one(fdef, graph_def.library, stitch,
-                                                         f"{name}/{fname}")
+            new_fdef, report, body_library = _stitch_one(
+                fdef, graph_def.library, stitch, f"{name}/{fname}", shapes.get(fname, {}))
         except Exception as e:  # noqa: BLE001 — the body stays as traced; said why
             why = str(e).splitlines()[0][:200] if str(e) else ""
             out.append((fname, None, f"{type(e).__name__}: {why}"))
@@ -98,16 +101,76 @@ def stitch_bodies(graph_def, stitch, name: str) -> list:
     return out
 
 
-def _stitch_one(fdef, library, stitch, label):
+def body_resources(graph_def, resources: dict) -> dict:
+    """Function name -> {argument name: (dtype, shape)} for the arguments of
+    control-flow functions that are variables of known shape.  A FunctionDef does
+    not carry a resource argument's shape (a Keras LSTM's loop body reads its weights
+    through such arguments): without it every read of a weight inside the body had
+    unknown rank.  A caller's argument ``i`` is its input ``i`` (While) or ``i + 1``
+    (If: input 0 is the condition); a variable is followed from the graph's
+    placeholders (``resources``) through Identity nodes and, for nested control
+    flow, through the arguments of the function holding the caller."""
+    shapes = {}
+    scopes = [(list(graph_def.node), lambda: resources, None)]
+    for f in graph_def.library.function:
+        scopes.append((list(f.node_def), lambda f=f: shapes.get(f.signature.name, {}),
+                       {a.name for a in f.signature.input_arg}))
+    library = {f.signature.name: f for f in graph_def.library.function}
+    changed, rounds = True, 0
+    while changed and rounds <= len(library) + 1:   # nesting depth bounds the rounds
+        changed, rounds = False, rounds + 1
+        for nodes, known, _ in scopes:
+            have = known()
+            if not have:
+                continue
+            by_name = {n.name: n for n in nodes}
+            for n in nodes:
+                first = 1 if n.op in ("If", "StatelessIf") else 0
+                for attr in CALLERS.get(n.op, ()):
+                    callee = library.get(n.attr[attr].func.name)
+                    if callee is None:
+                        continue
+                    args = callee.signature.input_arg
+                    got = shapes.setdefault(callee.signature.name, {})
+                    for i, a in enumerate(args):
+                        if a.type != tf.resource.as_datatype_enum or a.name in got \
+                                or first + i >= len(n.input):
+                            continue
+                        src = _variable_source(n.input[first + i], by_name)
+                        if src in have:
+                            got[a.name] = have[src]
+                            changed = True
+    return {k: v for k, v in shapes.items() if v}
+
+
+def _variable_source(name: str, by_name: dict) -> str:
+    """The node (or function argument) a resource input comes from, through
+    Identity nodes."""
+    name = name.split(":")[0]
+    for _ in range(64):
+        n = by_name.get(name)
+        if n is None or n.op != "Identity" or not n.input:
+            break
+        name = n.input[0].split(":")[0]
+    return name
+
+
+def _stitch_one(fdef, library, stitch, label, resources):
     """(stitched FunctionDef or None where nothing was fused, report, the stitched
     body's library: its kernels' original functions)."""
     with tf.Graph().as_default():       # where the functions it calls are found
         _import_library(library)
         body, flat = function_def_to_graph.function_def_to_graph_def(fdef)
+    for n in body.node:
+        # a resource argument becomes a Placeholder without a shape, which Grappler's
+        # import refuses ("Failed to import metagraph"); a handle is a scalar
+        if n.op == "Placeholder" and "shape" not in n.attr \
+                and n.attr["dtype"].type == tf.resource.as_datatype_enum:
+            n.attr["shape"].shape.CopyFrom(tf.TensorShape([]).as_proto())
     body.library.CopyFrom(library)
     fetches = [_tensor(flat[fdef.ret[a.name]]) for a in fdef.signature.output_arg]
     keep = [fdef.control_ret[a] for a in fdef.signature.control_output]
-    result = stitch(body, fetches, keep, label)
+    result = stitch(body, fetches, keep, label, resources)
     if not result.report.kernels:
         return None, result.report, None
     return (_to_function_def(fdef, result.graph_def, fetches, keep), result.report,

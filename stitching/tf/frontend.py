@@ -449,6 +449,13 @@ def _convert_composite(op) -> Node | None:
         return Node(op.name, "BiasAdd", _inputs(op), {"data_format": fmt})
     if t in _TRAINING_COMPOSITES:
         return _convert_training(op)
+    if t == "AddN":
+        # tf/passes/grappler.py expands every AddN of numbers into TF's order of Adds;
+        # one left is a sum of one tensor, or of variants (the TensorLists of a loop's
+        # gradient), which are not data a kernel computes on
+        if op.outputs[0].dtype not in DTYPE_NAMES:
+            raise _Unfusible(f"dtype {op.outputs[0].dtype.name} is not supported")
+        return Node(op.name, "Identity", _inputs(op, [0]), {})
     if t.startswith("FusedBatchNormGrad"):
         return _convert_batch_norm_grad(op)
     # FusedBatchNorm / V2 / V3

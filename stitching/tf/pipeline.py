@@ -238,19 +238,21 @@ def _stitch_all(graph_def, fetches, keep, options, name, resources, workers, bod
     if bodies and grappler.has_control_flow(graph_def):
         graph_def = type(graph_def).FromString(graph_def.SerializeToString())
         stitched = control_flow.stitch_bodies(
-            graph_def, lambda g, f, k, label: _stitch_body(g, f, k, options, label,
-                                                          scalar_values), name)
+            graph_def, lambda g, f, k, label, res: _stitch_body(g, f, k, options, label,
+                                                               scalar_values, res),
+            name, resources)
     result = _stitch(graph_def, fetches, keep, options, name, resources, workers)
     result.report.bodies = stitched
     return result
 
 
-def _stitch_body(graph_def, fetches, keep, options, name, scalar_values):
-    """A control-flow body, its own Python-scalar constants planned as inputs."""
+def _stitch_body(graph_def, fetches, keep, options, name, scalar_values, resources):
+    """A control-flow body, its own Python-scalar constants planned as inputs;
+    ``resources``: the shapes of the variables among its arguments."""
     abstraction = scalars.abstract(graph_def, scalar_values, functions=False)
     if abstraction is None:
-        return _stitch(graph_def, fetches, keep, options, name, None, None)
-    result = _stitch(abstraction.graph_def, fetches, keep, options, name, None, None)
+        return _stitch(graph_def, fetches, keep, options, name, resources, None)
+    result = _stitch(abstraction.graph_def, fetches, keep, options, name, resources, None)
     return _restored(result, abstraction, abstraction.abstracted)
 
 

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import threading
 
-from tensorflow.core.framework import node_def_pb2
+from tensorflow.core.framework import node_def_pb2, types_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 from tensorflow.python.grappler import tf_optimizer
 
@@ -107,6 +107,7 @@ def optimize(graph_def, preserve: list[str]):
         return expand_tf_internal_ops(graph_def)
     meta = meta_graph_pb2.MetaGraphDef()
     meta.graph_def.CopyFrom(graph_def)
+    _first_outputs_unnumbered(meta.graph_def)
     fetch_coll = meta_graph_pb2.CollectionDef()
     fetch_coll.node_list.value.extend(sorted({f.split(":")[0] for f in preserve}))
     meta.collection_def["train_op"].CopyFrom(fetch_coll)
@@ -120,6 +121,20 @@ def optimize(graph_def, preserve: list[str]):
         out = tf_optimizer.OptimizeGraph(config, meta, cluster=_cluster())
     out = drop_placeholder_control_inputs(out)
     return drop_dead_fusible(expand_tf_internal_ops(out), preserve)
+
+
+def _first_outputs_unnumbered(graph_def) -> None:
+    """``node:0`` inputs written ``node``, as TF writes a graph (in place).  A body
+    of control flow made from its FunctionDef names them ``node:0``, and Grappler's
+    constant folding then writes a control input ``^node:0`` that its own next
+    optimizer rejects ("Non-existent input"): the optimize failed on the gradient
+    loop bodies of a Keras LSTM or GRU, which were then left unstitched."""
+    for n in graph_def.node:
+        if any(i.endswith(":0") and not i.startswith("^") for i in n.input):
+            inputs = [i[:-2] if i.endswith(":0") and not i.startswith("^") else i
+                      for i in n.input]
+            del n.input[:]
+            n.input.extend(inputs)
 
 
 # One Grappler cluster (the local machine's devices) for every optimize: TF builds and
@@ -218,6 +233,11 @@ def _stateful(op: str) -> bool:
     return d is None or d.is_stateful
 
 
+_ADDV2_TYPES = frozenset(getattr(types_pb2, "DT_" + t) for t in (
+    "BFLOAT16", "HALF", "FLOAT", "DOUBLE", "UINT8", "UINT16", "UINT32", "UINT64", "INT8",
+    "INT16", "INT32", "INT64", "COMPLEX64", "COMPLEX128", "STRING"))
+
+
 def expand_tf_internal_ops(graph_def):
     """``AddN`` -> a chain of ``AddV2`` in TF's order; ``_UnaryOpsComposition`` -> a
     chain of its unary ops.  The last node of a chain keeps the original name (so
@@ -236,7 +256,9 @@ def expand_tf_internal_ops(graph_def):
 def _expandable(nd) -> bool:
     if nd.op == "AddN":
         data = [i for i in nd.input if not i.startswith("^")]
-        return len(data) >= 2 and "T" in nd.attr
+        # AddN also sums variants (a gradient loop body's TensorLists), which AddV2
+        # cannot take; those stay AddN, a TF op the planner leaves alone
+        return len(data) >= 2 and "T" in nd.attr and nd.attr["T"].type in _ADDV2_TYPES
     if nd.op == "_UnaryOpsComposition":
         names = list(nd.attr["op_names"].list.s) if "op_names" in nd.attr else []
         return bool(names) and all(n.decode() in _UNARY_COMPOSABLE for n in names) \
