@@ -313,10 +313,17 @@ def test_a_region_holds_where_its_tier1_estimate_loses_to_tf(machine, monkeypatc
     its size-dependent part times tier 1's measured slowdown, against TF's ops.  A
     large SwiGLU (scalar exp at tier 1, 7x) loses; a LayerNorm (3x) wins."""
     kernel._tier1_estimates.clear()
-    t1, tf_s = kernel.tier1_estimate(swiglu_spec())
+    t1, tf_s, at = kernel.tier1_estimate(swiglu_spec())
     assert t1 > tf_s and kernel.slow_at_tier1(swiglu_spec())
-    t1, tf_s = kernel.tier1_estimate(layernorm_spec())
+    assert at is None, "every dim is known: no assumed size to name"
+    t1, tf_s, at = kernel.tier1_estimate(layernorm_spec())
     assert t1 < tf_s and not kernel.slow_at_tier1(layernorm_spec())
+    # its rows are known only at run time: the report names the size it priced them at
+    monkeypatch.setattr(kernel, "TIER1_PROBE_DIMS", (4096,))
+    kernel._tier1_estimates.clear()
+    assert kernel.tier1_estimate(layernorm_spec())[2] == 4096
+    k = kernel.compile_kernel(layernorm_spec(), tier=1)
+    assert "µs with its run-time dims at 4096" in k.tiering(), k.tiering()
     assert not kernel.compile_kernel(layernorm_spec(), tier=1).hold_until_upgrade
     # the decision follows the factor, not the op kinds
     monkeypatch.setitem(kernel.TIER1_SLOWDOWN, False, 1000.0)
@@ -346,7 +353,7 @@ def test_a_region_with_a_window_holds_at_tier1_whatever_the_estimate(machine, mo
     monkeypatch.setitem(kernel.TIER1_SLOWDOWN, False, 1.0)
     kernel._tier1_estimates.clear()
     with_window, without = _bn_relu6_spec(True), _bn_relu6_spec(False)
-    t1, tf_s = kernel.tier1_estimate(with_window)
+    t1, tf_s, _ = kernel.tier1_estimate(with_window)
     assert t1 < tf_s                                 # the estimate alone would run it
     assert kernel.has_window_at_tier1(with_window) and kernel.slow_at_tier1(with_window)
     assert not kernel.has_window_at_tier1(without) and not kernel.slow_at_tier1(without)
@@ -394,7 +401,7 @@ def test_a_synchronous_first_call_runs_tier1_by_default_then_tier2(tiered_compil
     assert {k.tier for k in ks} == {2}
     assert sorted(p.name for p in cache_objects()) == \
         sorted({k.code_name + ".so" for k in ks})
-    assert "s after" in st.report.summary()
+    assert "s after tier 1" in st.report.summary()
     for g, w in zip(st(x), want):
         np.testing.assert_allclose(g.numpy(), w, rtol=2e-5, atol=2e-5, equal_nan=True)
 

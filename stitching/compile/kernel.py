@@ -229,10 +229,11 @@ TIER1_PROBE_DIMS = (None, 4096)
 
 
 def tier1_estimate(spec) -> tuple:
-    """(tier-1 seconds, TF's unfused seconds) for ``spec``'s region, by the cost model
-    (plan/cost.py spec_times) at each of TIER1_PROBE_DIMS, worst ratio first: the
-    kernel's fused time with its size-dependent part (all but one launch and task)
-    times TIER1_SLOWDOWN of its class, against the time of its ops left to TF."""
+    """(tier-1 seconds, TF's unfused seconds, the size its unknown dims took: None
+    where it has none or at the planner's assumed size) for ``spec``'s region, by the
+    cost model (plan/cost.py spec_times) at each of TIER1_PROBE_DIMS, the worst ratio:
+    the kernel's fused time with its size-dependent part (all but one launch and
+    task) times TIER1_SLOWDOWN of its class, against the time of its ops left to TF."""
     from ..ir.ops import OPS
     from ..plan import cost, profiles
     profile = profiles.default()
@@ -244,7 +245,8 @@ def tier1_estimate(spec) -> tuple:
         fused, unfused = cost.spec_times(_with_dims(spec, dim), profile)
         tier1 = min(fused, fixed) + slowdown * max(0.0, fused - fixed)
         if worst is None or tier1 / unfused > worst[0] / worst[1]:
-            worst = (tier1, unfused)
+            unknown = dim is not None and any(d < 0 for t in spec.inputs for d in t.shape)
+            worst = (tier1, unfused, dim if unknown else None)
     return worst
 
 
@@ -365,13 +367,15 @@ class CompiledKernel:
             why = ": a window's multiply-adds run scalar there"
         else:
             est = estimate_at_tier1(self.spec)
+            at = "" if est is None or est[2] is None else \
+                f" with its run-time dims at {est[2]}"
             why = "" if est is None else \
-                f", estimated {est[0] * 1e6:.0f} µs vs TF's {est[1] * 1e6:.0f} µs"
+                f", estimated {est[0] * 1e6:.0f} µs vs TF's {est[1] * 1e6:.0f} µs{at}"
         what = (f"tier 1 held: its TF ops ran (tier 1 slower than TF{why})"
                 if slow_at_tier1(self.spec) else f"tier 1 ran{why}")
         if c.tier2_at is None:
             return f"{what}; tier 2 not in yet"
-        return f"{what}; tier 2 in {c.tier2_at - c.tier1_at:.2f} s after"
+        return f"{what}; tier 2 in {c.tier2_at - c.tier1_at:.2f} s after tier 1"
 
     def upgrade(self) -> bool:
         """Switch a tier-1 kernel to its tier-2 code once that is in the disk cache;
