@@ -34,17 +34,34 @@ def default_root() -> Path:
     return Path(DEFAULT_ROOT).expanduser()
 
 
-def store(path, data: bytes) -> bool:
-    """Write ``path`` so that no reader ever sees it half-written (a temporary file,
-    named for this process and thread, renamed over it); best effort: False where the
-    cache cannot be written (read-only, full), which only costs a later process time."""
+def write_atomic(path, data: bytes) -> None:
+    """Publish ``data`` at ``path`` so that no reader ever sees it half-written: a
+    temporary file named for this process and thread, renamed over it (a directory or
+    other non-file in its place, a damaged cache, is removed first).  Where anything
+    fails (a full disk, a read-only cache) the temporary file is removed and the
+    OSError raised: a failed write leaves nothing behind."""
     import threading
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        clear_for_file(path)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
+def store(path, data: bytes) -> bool:
+    """``write_atomic``, its directory made first; best effort: False where the cache
+    cannot be written (read-only, full), which only costs a later process time."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        write_atomic(path, data)
     except OSError:
         return False
     return True

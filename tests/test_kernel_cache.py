@@ -128,7 +128,9 @@ def test_read_only_cache_dir(tmp_path):
                         "read-only directory")
     try:
         r = _ok(_run(tmp_path, wrap), "compiled")    # compiled in memory, with a warning
-        assert "kernel cache cannot be written" in r.stderr
+        assert f"the kernel cache {tmp_path}/kernels/" in r.stderr, r.stderr
+        assert "cannot be written (Read-only file system)" in r.stderr, r.stderr
+        assert r.stderr.count("kernels run from code compiled") == 1, r.stderr
         assert not any(tmp_path.iterdir())
     finally:
         tmp_path.chmod(0o755)
@@ -142,9 +144,23 @@ def _full_disk():
 
 
 def test_full_cache_disk(tmp_path):
+    """Compiled in memory, with one warning naming the cache directory and why; no
+    write leaves its temporary file behind (they piled up run after run)."""
     r = _ok(_run(tmp_path, preexec=_full_disk), "compiled")
-    assert "cannot be written" in r.stderr or "kernels run from code compiled" in r.stderr
+    assert r.stderr.count("kernels run from code compiled") == 1, r.stderr
+    assert "cannot be written (File too large)" in r.stderr, r.stderr
     assert not _kernel_objects(tmp_path)
+    assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name], \
+        sorted(tmp_path.rglob("*"))
+
+
+def test_a_linker_killed_by_a_signal_says_so(monkeypatch, tmp_path):
+    from stitching.compile import native
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, -signal.SIGXFSZ, "", ""))
+    with pytest.raises(native.NativeError, match=r"failed \(killed by SIGXFSZ\)"):
+        native._link(b"\x7fELF", "", tmp_path / "k_x", "stitching_body")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".link-")]
 
 
 def test_integrity_check_names_what_is_wrong(tmp_path):

@@ -64,11 +64,7 @@ def sidecar(path: Path) -> Path:
 def seal(path: Path, data: bytes) -> None:
     """Record ``data`` (the bytes about to be published at ``path``) in its sidecar,
     atomically; call before publishing the object itself."""
-    side = sidecar(path)
-    tmp = side.with_name(f".{side.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(digest(data))
-    cachedir.clear_for_file(side)     # a sidecar that is not a file is repaired here
-    os.replace(tmp, side)
+    cachedir.write_atomic(sidecar(path), digest(data).encode())
 
 
 def check(path: Path, code: str | None = None, sha256: str | None = None) -> str | None:

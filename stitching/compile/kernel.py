@@ -22,6 +22,7 @@ warning: it works, but every process compiles it again.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import importlib.util
 import logging
@@ -668,10 +669,23 @@ def _tier1_dir() -> Path:
         return _TIER1_DIR
 
 
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EACCES,
+                           errno.EPERM, errno.EDQUOT})
+
+
 def _warn_native(e) -> None:
-    if str(e) not in _warned:
-        _warned.add(str(e))
-        warnings.warn(f"stitching: {e}; kernels run from code compiled in this process, "
+    """Once per kind of failure: a read-only or full cache fails every kernel's write,
+    each under a temporary name of its own (27 warnings in one process)."""
+    if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+        key = e.errno
+        text = f"the kernel cache {kernel_dir()} cannot be written ({e.strerror})"
+    else:
+        key = text = str(e)
+        if isinstance(e, native.NativeError):   # its command names a temporary dir
+            key = text.split(":")[0]
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"stitching: {text}; kernels run from code compiled in this process, "
                       f"which the next process compiles again", RuntimeWarning,
                       stacklevel=3)
 
@@ -766,7 +780,7 @@ def _module_in_memory(text: str, modname: str, path: Path, error: OSError):
     """The kernel module built from ``text`` without a file, where the cache cannot be
     written (read-only, full): the kernel is then compiled in this process only (the
     text is our own generated code; nothing here comes from a graph unvalidated)."""
-    _warn_native(f"the kernel cache cannot be written ({error})")
+    _warn_native(error)
     import types
     module = types.ModuleType(modname)
     module.__file__ = str(path)

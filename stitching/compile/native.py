@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shlex
+import signal
 import subprocess
 import tempfile
 import threading
@@ -142,12 +143,7 @@ def _driver_ld(driver: list) -> str | None:
     return shutil.which(name) if r.returncode == 0 and name else None
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``path`` so that no reader ever sees it half-written."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
-    cachedir.clear_for_file(path)   # a directory in its place (damage) is repaired
-    os.replace(tmp, path)
+atomic_write = cachedir.write_atomic
 
 
 def build(pyfunc, sig, options: dict, stem: Path, symbol: str, lean: bool = True) -> None:
@@ -440,7 +436,9 @@ def _link(obj: bytes, ir_text: str, stem: Path, symbol: str) -> None:
         except (OSError, subprocess.TimeoutExpired) as e:
             raise NativeError(f"linking {symbol} failed: {shlex.join(cmd)}: {e}") from e
         if r.returncode:
-            raise NativeError(f"linking {symbol} failed: {shlex.join(cmd)}: "
+            how = (f"killed by {signal.Signals(-r.returncode).name}" if r.returncode < 0
+                   and -r.returncode in signal.valid_signals() else f"exit {r.returncode}")
+            raise NativeError(f"linking {symbol} failed ({how}): {shlex.join(cmd)}: "
                               f"{r.stderr.strip()[-1000:]}")
         atomic_write(stem.with_suffix(".ll"), ir_text.encode())
         # the identity inside, then size and hash, then the object: a reader checks

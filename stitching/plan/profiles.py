@@ -537,11 +537,7 @@ def save_file(profile: DeviceProfile, path: str, note: str = "",
     if this_machine:
         doc["fingerprint"] = _fingerprint()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    cachedir.write_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
 
 # ---- the measured CPU profile -------------------------------------------------------------
@@ -637,15 +633,10 @@ def _read_cache(path, fp):
 
 
 def _write_cache(path, fp, prof):
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"version": CACHE_VERSION, "fingerprint": fp,
-                       "profile": prof.to_dict()}, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass   # a read-only home: measure again next process, no harm done
+    # best effort: a read-only home measures again next process, no harm done
+    cachedir.store(path, json.dumps({"version": CACHE_VERSION, "fingerprint": fp,
+                                     "profile": prof.to_dict()}, indent=1,
+                                    sort_keys=True).encode())
 
 
 @functools.lru_cache(maxsize=None)   # the machine does not change under a process
