@@ -81,6 +81,7 @@ import tensorflow as tf
 
 from .options import Options, background_compile_on
 from .tf.function import StitchedFunction, run_in_background
+from .tf.tfgraph import seeded_random_ops
 
 STEPS = ("train", "test", "predict")
 
@@ -269,6 +270,8 @@ class _Tiered(_StitchedStep):
             across fits) that first ran stitched and the seconds since the first
             stock step (0 when stitched from the start); None before the switch.
         stock_steps, stitched_steps: Steps run each way so far.
+        stock_only: The step holds seeded random ops: it never switches (their
+            numbers would start again from the seed in the stitched step).
         error: The exception that ended the background compile (stock TF keeps
             serving), or None.
     """
@@ -291,6 +294,7 @@ class _Tiered(_StitchedStep):
         self._stock_seconds = 0.0            # stock steps' time after the first
         self._tier_up = tier_up_seconds()
         self._stock_fn = self._stitched_fn = None
+        self.stock_only = False              # seeded random ops: never switches
 
     @property
     def report(self):
@@ -384,7 +388,11 @@ class _Tiered(_StitchedStep):
         with _ONE_AT_A_TIME:
             for spec in (signature, exact):
                 try:
-                    self.stitched.get_concrete_function(spec)
+                    cf = self.stitched.get_concrete_function(spec)
+                    seeded = seeded_random_ops(cf.graph.as_graph_def())
+                    if seeded:      # as StitchedFunction._stay_stock: Keras's stays
+                        self._stay_stock(seeded)
+                        return
                     self._ready, self.error = True, None
                     from .tf import results
                     results.mark(self._hint)     # the next process probes for it
@@ -394,6 +402,17 @@ class _Tiered(_StitchedStep):
                     return
                 except Exception as e:  # noqa: BLE001 — stock TF keeps serving
                     self.error = e
+
+    def _stay_stock(self, seeded):
+        self.stock_only = True
+        text = (f"stock Keras runs every step: the step holds seeded random ops "
+                f"({', '.join(seeded)}), whose numbers would start again from the seed "
+                f"on a switch to the stitched step (Options(background_compile=False) "
+                f"stitches from the first step)")
+        if self.stitched.report is not None:
+            self.stitched.report.tiering = text
+        if self._progress is not False:
+            print(f"stitching: {self._kind} step: {text}", file=sys.stderr, flush=True)
 
     def _switched(self, warm=False):
         if warm:
@@ -416,7 +435,8 @@ class _Tiered(_StitchedStep):
         self._start()                     # asked for the kernels: no threshold
         if self._thread is not None:
             self._thread.join(timeout)
-        ready = self._thread is None or (self._ready and self.error is None)
+        ready = self._thread is None or self.stock_only or (self._ready and
+                                                             self.error is None)
         if ready and self.switch is None and self.report is not None \
                 and not self.report.tiering:
             # ready, not yet called: the report says so until the switch says where

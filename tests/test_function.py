@@ -2,6 +2,8 @@
 import json
 import os
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -302,6 +304,57 @@ def test_tiered_stock_calls_are_tf_functions_own(tiered):
     double(tf.constant(1))
     double(tf.constant(2))
     assert double.experimental_get_tracing_count() == 1
+
+
+def test_seeded_random_numbers_run_on_across_calls_as_in_tf_function(tiered, capsys):
+    """Each seeded stateful random op draws from its own generator, which starts at
+    its seed: switching a tiered signature to the stitched graph after its stock
+    calls made the numbers start again (calls 4-6 repeated calls 1-3; a dropout mask
+    repeated).  Such a signature keeps its stock graph, the report and a progress
+    line say why, and the function's later signatures wait for their kernels."""
+    def fn(x):
+        return tf.nn.dropout(x, 0.5, seed=3) + tf.random.uniform([8], seed=7)
+
+    seqs = []
+    for make in (tf.function, stitching.function):
+        tf.random.set_seed(5)
+        f = make(fn)
+        seq = [f(tf.ones([8])).numpy()]
+        if make is stitching.function:
+            assert f.wait(timeout=300)
+        seq += [f(tf.ones([8])).numpy() for _ in range(4)]
+        seqs.append(np.array(seq))
+    np.testing.assert_array_equal(seqs[1], seqs[0])
+    assert len({row.tobytes() for row in seqs[1]}) == 5
+    assert "holds seeded random ops (RandomUniform)" in f.report.tiering
+    assert "seeded random ops" in capsys.readouterr().err
+    f(tf.ones([4, 8]))                        # a new signature: stitched at once
+    assert not f._pending and f.reports[-1].kernels
+    tf.random.set_seed(None)            # no global seed either: TF seeds at random
+    unseeded = stitching.function(lambda x: x + tf.random.uniform([8]) * 0.0)
+    unseeded(tf.ones([8]))
+    assert unseeded.wait(timeout=300)
+    assert unseeded._tiers(), "random ops TF seeds at random (no seed) switch as usual"
+
+
+def test_a_call_that_tf_refuses_leaves_no_lock_behind(tiered):
+    """TF's _call takes the function's lock and never releases it when its argument
+    check raises (a missing argument, a mistyped keyword).  Stock TF runs in one
+    thread, so nothing shows there; here the next background compile waited on that
+    lock for ever, and wait() with it."""
+    f = stitching.function(lambda x, y=None: tf.nn.softmax(x * 2.0))
+    f(tf.ones([4, 8]))
+    with pytest.raises(TypeError):
+        f()
+    with pytest.raises(TypeError):
+        f(tf.ones([4, 8]), z=1)
+    f(tf.ones([5, 8]))
+    done = []
+    t = threading.Thread(target=lambda: done.append(f.wait(timeout=300)), daemon=True)
+    t.start()
+    t.join(300)
+    assert done == [True], "wait() hung: the background compile never got TF's lock"
+    np.testing.assert_allclose(f(tf.ones([5, 8])), tf.nn.softmax(tf.ones([5, 8]) * 2.0))
 
 
 def test_saving_right_after_a_tiered_call_saves_the_stitched_graph(tiered, tmp_path):

@@ -155,6 +155,33 @@ def test_tiered_fit_switches_mid_run_and_keeps_the_loss_curve_of_keras(capsys,
         assert len(m.stitching_report[step].kernels) >= 1, step
 
 
+def test_a_step_with_seeded_random_ops_stays_stock_keras(capsys, cold_results, tiered):
+    """A predict step drawing seeded random numbers (tf.nn.dropout with a seed): the
+    stitched step's random ops would start again from the seed at the switch, so the
+    step stays stock Keras, says why, and every batch's numbers are Keras's."""
+    def make():
+        keras.utils.set_random_seed(4)
+        inp = keras.Input((16,))
+        out = keras.layers.Lambda(lambda v: tf.nn.dropout(v, 0.5, seed=3) * 2.0)(inp)
+        model = keras.Model(inp, out)
+        model.compile(loss="mse")
+        return model
+    x = np.ones((4, 16), np.float32)
+    runs = []
+    for model in (make(), stitching.keras.stitch(make())):
+        tf.random.set_seed(9)
+        out = [model.predict(x, verbose=0)]
+        if hasattr(model, "_stitching_steps"):
+            assert stitching.keras.wait(model, timeout=300)
+        out += [model.predict(x, verbose=0) for _ in range(3)]
+        runs.append(np.array(out))
+    np.testing.assert_array_equal(runs[1], runs[0])
+    assert len({r.tobytes() for r in runs[0]}) == 4
+    step = model._stitching_steps["predict"]
+    assert step.stock_only and step.switch is None
+    assert "holds seeded random ops (RandomUniform)" in capsys.readouterr().err
+
+
 def test_a_job_whose_stock_steps_stay_under_the_tier_up_time_never_compiles(
         monkeypatch, cold_results, tiered):
     """The background compile starts once a step's stock calls (after Keras's trace)

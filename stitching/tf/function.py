@@ -90,6 +90,7 @@ import weakref
 
 import tensorflow as tf
 from tensorflow.python.autograph.impl.api import autograph_artifact
+from tensorflow.python.eager.polymorphic_function import function_type_utils
 from tensorflow.python.eager.polymorphic_function import polymorphic_function as tf_pf
 from tensorflow.python.eager.polymorphic_function import tracing_compilation
 from tensorflow.python.framework import func_graph as func_graph_module
@@ -99,6 +100,7 @@ from tensorflow.python.util import tf_decorator
 
 from ..options import Options, background_compile_on
 from . import control_flow, scalars
+from .tfgraph import seeded_random_ops
 from .passes import original
 
 # The driver (pipeline.py: the passes, planner, schedules, compile layer: ~90 ms of
@@ -175,6 +177,7 @@ class StitchedFunction(tf_pf.Function):
         self.cache_hits = self.cache_misses = 0    # traces served / not by that cache
         self._probe = None           # the cached_only twin background compile probes
         self._stock = None           # the stock tf.function tiered signatures start on
+        self._seeded_random = ()     # seeded random ops a tiered trace held (_stay_stock)
 
     # -- what TF traces ----------------------------------------------------------
     def _generate_tracing_options(self, fn, scope_type):
@@ -218,10 +221,25 @@ class StitchedFunction(tf_pf.Function):
     def experimental_get_tracing_count(self):
         """TF's count of this function's traces, once pending background compiles
         (one trace each) are done, plus the traces the result cache served through
-        the probe (``_probe_now``): a tiered call counts as tf.function's would."""
-        self._settle()
+        the probe (``_probe_now``): a tiered call counts as tf.function's would.
+        TF's own ``__call__`` reads it around each call (to warn of frequent
+        retracing): there it does not wait, or every keyword call would wait for
+        every pending compile (1.6 s where stock TF takes 1 ms)."""
+        if not getattr(_calling, "on", False):
+            self._settle()
         served = self._probe.cache_hits if self._probe is not None else 0
         return super().experimental_get_tracing_count() + served
+
+    def _call(self, *args, **kwds):
+        """TF's ``_call``, the arguments checked first.  TF's takes ``self._lock``
+        and then binds the arguments; where that raises (a missing argument, a
+        mistyped keyword: TF's TypeError) the lock is never released.  Stock TF has
+        one thread and a reentrant lock, so nothing shows; here the next background
+        compile of this function waits on that lock for ever (and ``wait()`` with
+        it).  The same check, made before the lock, raises the same error."""
+        function_type_utils.canonicalize_function_inputs(
+            args, kwds, self._function_type, self._default_values, self._is_pure)
+        return super()._call(*args, **kwds)
 
     def _list_all_concrete_functions(self):
         """TF's list of traces (saving, signatures), the pending ones done first."""
@@ -328,10 +346,12 @@ class StitchedFunction(tf_pf.Function):
                     return _call_concrete(cf, args)
         first = self._variable_creation_config is None
         self._eager_call = (args, kwds) if tf.executing_eagerly() else None
+        was, _calling.on = getattr(_calling, "on", False), True
         try:
             result = super().__call__(*args, **kwds)
         finally:
             self._eager_call = None
+            _calling.on = was
         if first and not kwds:       # the first shape of its family, for relaxing later
             key = _eager_key(args)
             if key is not None:
@@ -377,8 +397,10 @@ class StitchedFunction(tf_pf.Function):
         positional) runs stock TF while the signature compiles in the background:
         asked for (``Options.background_compile``, ``$STITCHING_BACKGROUND_COMPILE``)
         and not under a ``tf.distribute`` strategy, whose replica context a
-        background thread would trace outside of (module docstring)."""
-        return background_compile_on(self.options) and not tf.distribute.has_strategy()
+        background thread would trace outside of (module docstring), nor once a
+        trace held seeded random ops (``_stay_stock``)."""
+        return background_compile_on(self.options) and not tf.distribute.has_strategy() \
+            and not self._seeded_random
 
     def _stock_then_stitch(self, key, args, family=None, relaxed=None):
         """What a new tiered signature runs now: stock TF (``_stock_function``) behind
@@ -461,6 +483,10 @@ class StitchedFunction(tf_pf.Function):
             tier.from_cache = self.cache_hits > hits     # nothing planned or compiled
             results.mark(self._hint(specs))     # the next process probes for it
             tier.report = self._reports[-1] if len(self._reports) > before else None
+            seeded = seeded_random_ops(cf.graph.as_graph_def())
+            if seeded:
+                self._stay_stock(tier, seeded)
+                return
             tier.stitched = cf                  # the next call through it switches
             if general is not None:
                 family, relaxed = general
@@ -470,6 +496,23 @@ class StitchedFunction(tf_pf.Function):
         finally:
             with self._pending_lock:
                 self._pending.pop(tier.key, None)
+
+    def _stay_stock(self, tier, seeded) -> None:
+        """A signature whose graph holds seeded stateful random ops keeps its stock
+        graph: each such op draws its sequence from its own state, which starts at
+        the seed, so the stitched graph's would repeat the numbers the stock calls
+        drew (a dropout mask, call after call).  The function's later signatures
+        wait for their kernels at their first call instead (not tiered)."""
+        self._seeded_random = seeded
+        text = (f"stock TF serves this signature: its graph holds seeded random ops "
+                f"({', '.join(seeded)}), whose numbers would start again from the seed "
+                f"on a switch to the stitched graph; its later signatures compile at "
+                f"their first call (Options(background_compile=False) stitches from call 1)")
+        if tier.report is not None:
+            tier.report.tiering = text
+        if self.options.progress is not False:
+            print(f"stitching: {display_name(self)} {_signature_text(tier.key)}: {text}",
+                  file=sys.stderr, flush=True)
 
     def _switched(self, tier) -> None:
         """The first call of ``tier``'s signature on its stitched graph: from now on
@@ -920,6 +963,9 @@ def wait_tier2(timeout: float | None = None) -> bool:
 
 def seconds_left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+_calling = threading.local()    # .on: inside TF's __call__ (experimental_get_tracing_count)
 
 
 @atexit.register

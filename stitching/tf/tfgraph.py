@@ -38,6 +38,25 @@ def resource_shapes(func_graph) -> dict:
     return out
 
 
+# TF's stateful random ops: each kernel instance draws from its own generator, which
+# starts at the op's seed (or its seed2 under tf.random.set_seed); seed = seed2 = 0
+# seeds it at random instead
+STATEFUL_RANDOM = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
+    "Multinomial", "RandomShuffle", "RandomCrop"})
+
+
+def seeded_random_ops(graph_def) -> list:
+    """The kinds of seeded stateful random op in ``graph_def`` and its library: a
+    new graph's instances of them draw the numbers of an earlier graph's again."""
+    nodes = list(graph_def.node)
+    for f in graph_def.library.function:
+        nodes.extend(f.node_def)
+    return sorted({n.op for n in nodes if n.op in STATEFUL_RANDOM and any(
+        k in n.attr and n.attr[k].i for k in ("seed", "seed2"))})
+
+
 def import_for_shapes(graph_def, resources: dict | None = None) -> tf.Graph:
     """Import into a scratch graph so TF's shape inference types every tensor.
 
