@@ -84,6 +84,31 @@ def test_measured_cpu_profile_is_cached_on_disk(tmp_path, monkeypatch):
     assert profiles.measured_cpu() == fake and len(calls) == 2
 
 
+@pytest.mark.parametrize("field,value", [("bandwidth", 0), ("units", 0),
+                                         ("bw_per_lane", float("nan")), ("lanes", -2)])
+def test_a_damaged_measured_profile_is_measured_again_with_a_warning(
+        tmp_path, monkeypatch, field, value):
+    """The stored measurement's numbers are checked as a profile file's: a 0 or NaN
+    there (a damaged or edited file) failed every plan deep in the cost model
+    (ZeroDivisionError, IndexError) without naming the file."""
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profiles, "_DEFAULT_ROOT", str(tmp_path / "no-default"))
+    calls = []
+    fake = profiles.with_overrides(CPU, name="cpu", measured=True)
+    monkeypatch.setattr(profiles, "measure_cpu", lambda: calls.append(1) or fake)
+    monkeypatch.setattr(profiles, "_memo", {})
+    profiles.measured_cpu()
+    path = tmp_path / profiles.CACHE_FILE
+    saved = json.loads(path.read_text())
+    saved["profile"][field] = value
+    path.write_text(json.dumps(saved))
+    monkeypatch.setattr(profiles, "_memo", {})
+    with pytest.warns(RuntimeWarning, match=f"{path}: {field} must be a positive number"):
+        assert profiles.measured_cpu() == fake
+    assert len(calls) == 2
+    assert json.loads(path.read_text())["profile"][field] == getattr(CPU, field)
+
+
 def test_real_cpu_measurement_is_physically_sensible(tmp_path, monkeypatch):
     """Properties of the live machine's measurement, never its numbers."""
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))

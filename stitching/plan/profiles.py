@@ -63,6 +63,7 @@ import os
 import statistics
 import threading
 import time
+import warnings
 from dataclasses import MISSING as dataclasses_MISSING
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -421,7 +422,14 @@ def load_file(path: str) -> DeviceProfile:
         raise ProfileFileError(f"device profile {path}: not JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("version") != PROFILE_VERSION:
         raise ProfileFileError(f"device profile {path}: expected version {PROFILE_VERSION}")
-    d = doc.get("profile")
+    return replace(_checked(doc.get("profile"), path),
+                   source=f"{doc['profile']['name']} from {path}")
+
+
+def _checked(d, path) -> DeviceProfile:
+    """The profile the fields ``d`` (a profile file's or the measured profile's cache)
+    describe, checked field by field (``load_file``); ProfileFileError names what is
+    wrong."""
     known = {f.name for f in fields(DeviceProfile)}
     if not isinstance(d, dict) or set(d) - known:
         raise ProfileFileError(f"device profile {path}: unknown fields "
@@ -457,8 +465,7 @@ def load_file(path: str) -> DeviceProfile:
                                    f"got {v!r}")
     if d["backend"] not in ("cpu", "cuda"):
         raise ProfileFileError(f"device profile {path}: backend must be cpu or cuda")
-    prof = DeviceProfile.from_dict(d)
-    return replace(prof, source=f"{prof.name} from {path}")
+    return DeviceProfile.from_dict(d)
 
 
 def _check_scale(path, scale, what: str = "tf_time_scale") -> None:
@@ -623,12 +630,20 @@ def settled(prof: DeviceProfile) -> DeviceProfile:
 
 
 def _read_cache(path, fp):
+    """The measured profile stored at ``path`` for this machine (``fp``), or None: no
+    file, another version or machine, or damage (measured again).  Its numbers are
+    checked as a profile file's: a 0 or NaN bandwidth (a damaged or edited file)
+    failed every plan deep in the cost model."""
     try:
         d = json.loads(cachedir.read_file(path, MAX_PROFILE_BYTES))
         if d.get("version") != CACHE_VERSION or d.get("fingerprint") != fp:
             return None
-        return DeviceProfile.from_dict(d["profile"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return _checked(d["profile"], path)
+    except ProfileFileError as e:
+        warnings.warn(f"stitching: {e}; measuring this machine again", RuntimeWarning,
+                      stacklevel=2)
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
