@@ -1462,42 +1462,51 @@ def test_installed_helpers_include_what_big_helpers_call(tmp_path):
     assert json.loads(p.stdout.strip().splitlines()[-1]) == [1, 0]     # loaded, not compiled
 
 
+# One kernel calling exp, tanh and erf, compiled in a fresh process: its assembly's
+# hash, whether it vectorized, each helper's (disk cache hits, misses), the helper dir.
+_HELPERS_SCRIPT = textwrap.dedent("""
+    import hashlib, json, re
+    from stitching.codegen.cpu import fastmath
+    from stitching.compile import compile_kernel, helper_cache
+    from stitching.ir.builder import SpecBuilder
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 64))
+    k = compile_kernel(b.build([b.Add(b.Mul(b.Exp(x), b.Tanh(x)), b.Erf(x))]))
+    asm = re.sub(r"B\\d+v\\d+B", "B_v_B", k._code.assembly())
+    used = {d.py_func.__name__: (sum(d._cache_hits.values()),
+                                 sum(d._cache_misses.values()))
+            for d in fastmath.HELPERS if d.py_func.__name__ in
+            ("exp_f32", "tanh_f32", "erf_f32")}
+    print(json.dumps({"asm": hashlib.sha256(asm.encode()).hexdigest(),
+                      "vector": "zmm" in asm or "ymm" in asm, "used": used,
+                      "dir": str(helper_cache.enabled_dir())}))
+""")
+
+
+def _helpers_run(tmp_path, cache=None):
+    """_HELPERS_SCRIPT in a fresh process whose HOME is under ``tmp_path`` (its
+    default cache the installed one), with ``cache`` as STITCHING_CACHE_DIR; the
+    kernel itself is compiled each time."""
+    env = dict(os.environ, HOME=str(tmp_path / "home"))
+    env.pop("STITCHING_CACHE_DIR", None)
+    if cache is not None:
+        env["STITCHING_CACHE_DIR"] = str(cache)
+    for so in tmp_path.glob("home/.cache/stitching/kernels/*/k_*.so"):
+        so.unlink()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", _HELPERS_SCRIPT], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=repo)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def test_math_helpers_load_from_their_disk_cache_into_the_same_machine_code(tmp_path):
     """helper_cache.py: a process compiles exp/tanh/erf once and saves them; the next
     one loads them and inlines them into the very same kernel assembly; a process
     with another STITCHING_CACHE_DIR reads the default (installed) cache without
     writing to it."""
-    script = textwrap.dedent("""
-        import hashlib, json, re
-        from stitching.codegen.cpu import fastmath
-        from stitching.compile import compile_kernel, helper_cache
-        from stitching.ir.builder import SpecBuilder
-        b = SpecBuilder()
-        x = b.input("float32", (-1, 64))
-        k = compile_kernel(b.build([b.Add(b.Mul(b.Exp(x), b.Tanh(x)), b.Erf(x))]))
-        asm = re.sub(r"B\\d+v\\d+B", "B_v_B", k._code.assembly())
-        used = {d.py_func.__name__: (sum(d._cache_hits.values()),
-                                     sum(d._cache_misses.values()))
-                for d in fastmath.HELPERS if d.py_func.__name__ in
-                ("exp_f32", "tanh_f32", "erf_f32")}
-        print(json.dumps({"asm": hashlib.sha256(asm.encode()).hexdigest(),
-                          "vector": "zmm" in asm or "ymm" in asm, "used": used,
-                          "dir": str(helper_cache.enabled_dir())}))
-    """)
-    env = dict(os.environ, HOME=str(tmp_path / "home"))
-    env.pop("STITCHING_CACHE_DIR", None)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    runs = []
-    for cache in (None, None, tmp_path / "elsewhere"):
-        if cache is not None:
-            env["STITCHING_CACHE_DIR"] = str(cache)
-        for so in tmp_path.glob("home/.cache/stitching/kernels/*/k_*.so"):
-            so.unlink()                   # the kernel itself is compiled each time
-        p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                           text=True, timeout=300, cwd=repo)
-        assert p.returncode == 0, p.stderr[-2000:]
-        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
-    first, again, elsewhere = runs
+    first, again, elsewhere = (_helpers_run(tmp_path), _helpers_run(tmp_path),
+                               _helpers_run(tmp_path, tmp_path / "elsewhere"))
     installed = str(next(tmp_path.glob("home/.cache/stitching/kernels/*/helpers")))
     assert first["dir"] == again["dir"] == elsewhere["dir"] == installed
     assert all(hits == 0 and misses == 1 for hits, misses in first["used"].values())
@@ -1508,13 +1517,27 @@ def test_math_helpers_load_from_their_disk_cache_into_the_same_machine_code(tmp_
     assert not list(tmp_path.glob("elsewhere/kernels/*/helpers"))
     for f in tmp_path.glob("home/.cache/stitching/kernels/*/helpers/*.nbc"):
         f.write_bytes(f.read_bytes()[:40])      # truncated: a miss, compiled again
-    del env["STITCHING_CACHE_DIR"]
-    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                       text=True, timeout=300, cwd=repo)
-    assert p.returncode == 0, p.stderr[-2000:]
-    broken = json.loads(p.stdout.strip().splitlines()[-1])
+    broken = _helpers_run(tmp_path)
     assert broken["asm"] == first["asm"]
     assert all(misses == 1 for hits, misses in broken["used"].values())
+
+
+def test_one_helpers_code_under_anothers_name_is_a_miss_not_a_wrong_kernel(tmp_path):
+    """Numba trusts its cache files' names: exp_f32's compiled code copied over
+    tanh_f32's (and back) loaded as tanh, and the kernel built on it computed the
+    wrong function.  Each data file is sealed to its helper: both are compiled again,
+    into the first run's very kernel."""
+    first = _helpers_run(tmp_path)
+    (helpers,) = tmp_path.glob("home/.cache/stitching/kernels/*/helpers")
+    (exp,) = helpers.glob("fastmath.exp_f32-*.nbc")
+    (tanh,) = helpers.glob("fastmath.tanh_f32-*.nbc")
+    a, b = exp.read_bytes(), tanh.read_bytes()
+    exp.write_bytes(b)
+    tanh.write_bytes(a)
+    swapped = _helpers_run(tmp_path)
+    assert swapped["used"]["exp_f32"][1] == swapped["used"]["tanh_f32"][1] == 1
+    assert swapped["used"]["erf_f32"] == [1, 0]
+    assert swapped["asm"] == first["asm"]
 
 
 def test_native_build_refuses_code_that_needs_numbas_runtime(tmp_path):

@@ -20,18 +20,22 @@ those, read-only; a helper missing there is compiled, and saved to its own cache
 
 Numba's cache files hold pickles of its own compile results: they are trusted like
 the kernel shared objects beside them (this process or the install step wrote them),
-and nothing read from a graph ever goes into one.
+and nothing read from a graph ever goes into one.  Like those objects, each data file
+is sealed to what it holds (``_SealedFile``): one helper's code under another's name
+(files copied between caches by hand) is a miss, not a wrong kernel.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import stat
 import threading
 from pathlib import Path
 
 from numba import types
 from numba.core.caching import (CompileResultCacheImpl, FunctionCache,
-                                _CacheLocator)
+                                IndexDataCacheFile, _CacheLocator)
 
 from .. import cachedir
 from ..codegen.cpu import rt as cpu_rt, fastmath  # cpu_rt: its helpers join fastmath.HELPERS on import
@@ -70,8 +74,47 @@ class _Impl(CompileResultCacheImpl):
     _locator_classes = [_Locator]
 
 
+class _SealedFile(IndexDataCacheFile):
+    """Numba's index and data files, each data file sealed to the helper it holds: a
+    header with the sha256 of the index's name (the helper), the data file's name and
+    the payload.  Numba trusts its files' names: ``exp_f32``'s data file copied over
+    ``sigmoid_f32``'s loaded as the sigmoid, the kernels built on it gave wrong
+    numbers and were cached as good ones.  A file that does not carry its own seal
+    is a miss (compiled again and saved)."""
+
+    def _seal(self, name: str, payload: bytes) -> bytes:
+        h = hashlib.sha256(self._index_name.encode() + b"\0" + name.encode() + b"\0")
+        h.update(payload)
+        return _SEAL + h.hexdigest().encode() + b"\n"
+
+    def _save_data(self, name, data):
+        payload = self._dump(data)
+        with self._open_for_write(self._data_path(name)) as f:
+            f.write(self._seal(name, payload) + payload)
+
+    def _load_data(self, name):
+        with open(self._data_path(name), "rb") as f:
+            data = f.read()
+        head, _, payload = data.partition(b"\n")
+        if head + b"\n" != self._seal(name, payload):
+            raise _Unsealed(f"{self._data_path(name)} is not the helper's own compiled code")
+        return pickle.loads(payload)   # noqa: S301 - sealed by this cache (module note)
+
+
+class _Unsealed(Exception):
+    pass
+
+
+_SEAL = b"stitching-helper-v1 "
+
+
 class _Cache(FunctionCache):
     _impl_class = _Impl
+
+    def __init__(self, py_func):
+        super().__init__(py_func)
+        self._cache_file = _SealedFile(self._cache_path, self._impl.filename_base,
+                                       self._impl.locator.get_source_stamp())
 
     # A cache that cannot be read or written (removed, full, truncated by a crash)
     # costs a compile, never the kernel: a miss, and an unsaved helper.
