@@ -206,6 +206,24 @@ def test_a_bad_or_foreign_kernel_asset_falls_back_to_compiling(shipped, tmp_path
     assert expect in r.stderr, r.stderr[-3000:]
 
 
+def test_a_cache_that_cannot_be_written_still_serves_the_shipped_kernels(shipped,
+                                                                        tmp_path):
+    """A serving container's cache is often read-only (here: a path that is a file,
+    which no directory can be made under): the shipped kernels go to a directory of
+    the process's own, which it removes at exit, instead of every kernel compiling
+    from its spec (Numba imported, seconds per process)."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = _run(_LOAD_ONE.format(path=str(shipped / "cnn"), d=str(shipped)),
+             env={"STITCHING_CACHE_DIR": str(blocked), "TMPDIR": str(tmp)})
+    out = _result(r)
+    assert out["err"] < 1e-5 and not out["numba"], r.stderr[-3000:]
+    assert "loads them from a temporary directory of its own" in r.stderr, r.stderr[-3000:]
+    assert list(tmp.iterdir()) == [], "the process's own directory outlived it"
+
+
 def test_the_asset_manifest_is_bound_to_the_graph(shipped, tmp_path):
     """Editing the manifest (to vouch for a replaced kernel) breaks the hash the graph
     recorded: nothing from the assets is used."""

@@ -336,15 +336,34 @@ def _install_one(name, rec, path, store: Path, within):
     reason = integrity.elf_problem(data) or integrity.identity_problem(data, code)
     if reason:
         return _skip(f"the model's kernel file {name} is refused: {reason}") or None
-    dest = store / f"{sha}.so"
-    if integrity.check(dest, code=code, sha256=sha) is not None:
+    from ..compile import shipped
+    if integrity.check(store / f"{sha}.so", code=code, sha256=sha) is not None:
         try:
-            store.mkdir(parents=True, exist_ok=True)
-            integrity.seal(dest, data)
-            native.atomic_write(dest, data)
-        except OSError as e:
-            return _skip(f"the kernel cache cannot be written ({e})") or None
+            _store_file(store, sha, data)
+        except OSError as e:       # a read-only cache: this process's own directory
+            _warn_private(store, e)
+            try:
+                _store_file(shipped.private_store(), sha, data)
+            except OSError as e2:
+                return _skip(f"the kernel cache cannot be written ({e}), nor a "
+                             f"temporary directory ({e2})") or None
     return sha, integrity.split_identity(data)[1]
+
+
+def _store_file(store: Path, sha: str, data: bytes) -> None:
+    from ..compile import integrity, native
+    store.mkdir(parents=True, exist_ok=True)
+    integrity.seal(store / f"{sha}.so", data)
+    native.atomic_write(store / f"{sha}.so", data)
+
+
+def _warn_private(store, e) -> None:
+    text = (f"stitching: the model's kernels cannot be stored in the kernel cache {store} "
+            f"({e.strerror or e}); this process loads them from a temporary directory "
+            f"of its own")
+    if text not in _warned:
+        _warned.add(text)
+        warnings.warn(text, RuntimeWarning, stacklevel=4)
 
 
 def _safe_name(name) -> bool:
