@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import time
 from pathlib import Path
 
 DEFAULT_ROOT = os.path.join("~", ".cache", "stitching")
@@ -32,6 +33,41 @@ def root() -> Path:
 def default_root() -> Path:
     """The install step's cache root, whatever ``STITCHING_CACHE_DIR`` says."""
     return Path(DEFAULT_ROOT).expanduser()
+
+
+STALE_SECONDS = 3600     # arbitrary: a private directory this old whose process is gone
+
+
+def private_dir(kind: str) -> Path:
+    """A directory of this process's own under the system's temporary directory
+    (``stitching-<kind>-<pid>-*``), removed at exit.  A process killed (SIGKILL, or
+    SIGTERM's default: ``timeout``, ``docker stop``) never runs its exit handlers, so
+    the leftovers of processes that are gone, older than STALE_SECONDS, are removed
+    first."""
+    import atexit
+    import tempfile
+    root = Path(tempfile.gettempdir())
+    for d in root.glob(f"stitching-{kind}-*-*"):
+        pid = d.name.split("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try:
+                if time.time() - d.stat().st_mtime > STALE_SECONDS:
+                    shutil.rmtree(d, ignore_errors=True)
+            except OSError:
+                pass
+    d = Path(tempfile.mkdtemp(prefix=f"stitching-{kind}-{os.getpid()}-"))
+    atexit.register(shutil.rmtree, d, True)
+    return d
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True          # another user's (or not a pid): not ours to judge
+    return True
 
 
 def write_atomic(path, data: bytes) -> None:

@@ -180,3 +180,28 @@ def test_integrity_check_names_what_is_wrong(tmp_path):
     assert "not an ELF" in integrity.elf_problem(b"#!/bin/sh\n" * 10)
     integrity.seal(cut, data)
     assert "does not match the size and hash" in integrity.check(cut)
+
+
+def test_private_directories_of_killed_processes_are_swept(tmp_path, monkeypatch):
+    """A process's tier-1 objects (and a read-only cache's shipped kernels) live in a
+    directory of its own, removed at exit; a killed process (SIGKILL, SIGTERM's
+    default) leaves it behind, ~150 KB each.  The next process removes those of
+    processes that are gone and older than an hour, and nothing else."""
+    import tempfile
+    import time
+    from stitching import cachedir
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    old = time.time() - 2 * cachedir.STALE_SECONDS
+    gone = 4194305                      # above Linux's largest pid: never alive
+    dirs = {"dead": f"stitching-tier1-{gone}-a", "dead_recent": f"stitching-tier1-{gone}-b",
+            "alive": f"stitching-tier1-{os.getppid()}-c", "other": f"stitching-shipped-{gone}-d",
+            "users": "stitching-tier1-notes"}
+    for key, name in dirs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "k.so").write_bytes(b"x")
+        if key != "dead_recent":
+            os.utime(tmp_path / name, (old, old))
+    mine = cachedir.private_dir("tier1")
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == set(dirs.values()) - {dirs["dead"]} | {mine.name}, left
+    assert mine.name.startswith(f"stitching-tier1-{os.getpid()}-")

@@ -661,11 +661,7 @@ def _tier1_dir() -> Path:
     global _TIER1_DIR
     with _lock:
         if _TIER1_DIR is None:
-            import atexit
-            import shutil
-            import tempfile
-            _TIER1_DIR = Path(tempfile.mkdtemp(prefix="stitching-tier1-"))
-            atexit.register(shutil.rmtree, _TIER1_DIR, True)
+            _TIER1_DIR = cachedir.private_dir("tier1")
         return _TIER1_DIR
 
 

@@ -145,11 +145,8 @@ def private_store() -> Path:
     global _private
     with _lock:
         if _private is None:
-            import atexit
-            import shutil
-            import tempfile
-            _private = Path(tempfile.mkdtemp(prefix="stitching-shipped-"))
-            atexit.register(shutil.rmtree, _private, True)
+            from .. import cachedir
+            _private = cachedir.private_dir("shipped")
         return _private
 
 
