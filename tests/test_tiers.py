@@ -181,18 +181,34 @@ def test_workers_build_tier1_into_this_process_dir_then_tier2_into_the_cache(
     np.testing.assert_allclose(y, e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
 
 
-def test_a_failed_tier2_compile_leaves_tier1_serving(monkeypatch):
+def test_a_failed_tier2_compile_leaves_tier1_serving(monkeypatch, caplog):
     def broken(*a, **k):
         raise RuntimeError("no workers here")
     monkeypatch.setattr(parallel, "warm_cache", broken)
     (k,) = parallel.compile_kernels([gelu_spec()], tiered=True)
     assert parallel.wait_upgrades(60)
     assert k.tier == 1 and cache_objects() == []
+    assert "tier-2 code for 1 of 1 kernels could not be built" in caplog.text
     x = RNG.standard_normal((4, 64)).astype(np.float32)
     b = np.zeros(64, np.float32)
     y = x.astype(np.float64) * 0.5 * (1 + np.vectorize(__import__("math").erf)(
         x.astype(np.float64) / np.sqrt(2)))
     np.testing.assert_allclose(k(x, b)[0], y, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tier2_compile_that_built_nothing_is_tried_once_more(monkeypatch):
+    """Workers that die (killed, out of memory) answer nothing and raise nothing: the
+    kernels stayed on tier-1 code for the life of the process, silently.  Their tier
+    2 is compiled once more."""
+    calls, real = [], parallel.warm_cache
+
+    def first_builds_nothing(specs, *a, **k):
+        calls.append(len(specs))
+        return None if len(calls) == 1 else real(specs, *a, **k)
+    monkeypatch.setattr(parallel, "warm_cache", first_builds_nothing)
+    (k,) = parallel.compile_kernels([gelu_spec()], tiered=True)
+    assert parallel.wait_upgrades(120)
+    assert calls == [1, 1] and k.tier == 2
 
 
 def test_tiered_compile_is_the_default_but_for_background_and_shipped_kernels(

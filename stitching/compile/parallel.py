@@ -439,20 +439,32 @@ def _upgrade_later(kernels, jobs, batch) -> None:
         return
     started = time.monotonic()
 
-    def run():
+    def build(compile_them) -> bool:
         with background():
             try:
-                if batch is not None:
-                    batch.finish()
-                else:
-                    warm_cache([k.spec for k in kernels], jobs=jobs)
+                compile_them()
             except Cancelled:
-                return
+                return False
             except Exception as e:  # noqa: BLE001 - tier 1 keeps serving
-                kernel._log.warning("tier-2 compile failed (%s: %s); kernels keep "
-                                    "their tier-1 code", type(e).__name__, e)
+                kernel._log.warning("tier-2 compile failed (%s: %s)", type(e).__name__, e)
+        return True
+
+    def run():
+        if not build(batch.finish if batch is not None else
+                     lambda: warm_cache([k.spec for k in kernels], jobs=jobs)):
+            return
         t0 = time.monotonic()
         upgraded = sum(bool(k.upgrade()) for k in kernels)
+        behind = [k for k in kernels if k.tier == 1]
+        # a worker that died (killed, out of memory) answers nothing: once more, then
+        # say so (tier 1 runs ~3x slower, for the life of the process)
+        if behind and build(lambda: warm_cache([k.spec for k in behind], jobs=jobs)):
+            upgraded += sum(bool(k.upgrade()) for k in behind)
+            behind = [k for k in behind if k.tier == 1]
+        if behind:
+            kernel._log.warning("tier-2 code for %d of %d kernels could not be built; "
+                                "they keep their quick tier-1 code (about 3x slower)",
+                                len(behind), len(kernels))
         kernel._log.info("tier 2 in for %d of %d kernels, %.2f s after their tier 1",
                          upgraded, len(kernels), t0 - started)
 
