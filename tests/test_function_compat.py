@@ -553,6 +553,28 @@ def test_a_keras_lstm_training_step_stitches_its_loop_bodies_and_their_gradients
     assert any("while_body" in n and "_grad" in n for n, _, _ in f.report.bodies)
 
 
+def test_trace_time_errors_name_the_users_function_and_warn_nothing_more():
+    """TF's trace-time errors name the function traced: the user's, not stitching's
+    inner closure; a Python float too large for a float16 tensor it meets is TF's
+    inf, without a NumPy overflow warning from stitching on top."""
+    import warnings
+
+    @stitching.function
+    def user_fn(x):
+        return tf.no_op()
+    with pytest.raises(TypeError, match=r"in compilation of <function \S*user_fn at"):
+        user_fn(tf.ones([2]))
+
+    f = stitching.function(lambda x, s: x * s)
+    x = tf.ones([3], tf.float16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = f(x, 70000.0)                 # TF's own cast may warn, as under tf.function
+    ours = [w for w in seen if "/stitching/" in w.filename.replace("\\", "/")]
+    assert ours == [], [str(w.message) for w in ours]
+    np.testing.assert_array_equal(got, tf.function(lambda x, s: x * s)(x, 70000.0))
+
+
 def test_integers_that_only_feed_shapes_stay_tf_ops_for_shape_inference():
     """TF's testShapeInferencePropagateConst*: ``concat([[d1], [d2], [d3]])`` as a
     Fill's dims, fused into a kernel, hid its values from TF's shape inference, so

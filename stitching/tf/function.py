@@ -621,6 +621,12 @@ class StitchedFunction(tf_pf.Function):
             # trace's check sees only the ones TF passed here, never modified)
             func_graph_module.check_func_mutation(*before, a, k, fn)
             return out
+        # TF's trace-time errors name the function they trace ("in compilation of
+        # <function f ...>"): the user's, not this closure (no __wrapped__: TF would
+        # read the user's parameters off it, where this takes flat tensors)
+        for attr in ("__name__", "__qualname__", "__module__"):
+            if isinstance(getattr(fn, attr, None), str):
+                setattr(inner, attr, getattr(fn, attr))
 
         # a compile worker warming up while TF traces; not behind a background
         # compile, where stock TF's first call is running and needs the cores, nor
