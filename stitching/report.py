@@ -14,6 +14,8 @@ two kernels is said so).  docs/inspecting.md explains each line.
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 
@@ -235,8 +237,7 @@ class Report:
             lines.extend(_grouped(self.unfused))
         lines.extend(self._body_lines())
         lines.extend(self._autotune_lines())
-        for n in self.notes:
-            lines.append(f"  note: {n}")
+        lines.extend(_note_lines(self.notes))
         return "\n".join(lines)
 
     def _tier_lines(self) -> list:
@@ -309,6 +310,24 @@ class Report:
 
     def __str__(self):
         return self.summary()
+
+
+def _note_lines(notes) -> list:
+    """``  note: ...`` lines; notes that differ only in their region's nodes and
+    shapes (a ConcatV2 cut in each of InceptionV3's eleven blocks, NASNet's 27) are
+    one line and a count (``notes`` lists each)."""
+    groups: dict = {}
+    for n in notes:
+        key = re.sub(r"\[[^\]]*\]", "[…]", re.sub(r"^\{[^}]*\}\s*", "", n)) \
+            if n.startswith("{") else n
+        groups.setdefault(key, []).append(n)
+    lines = []
+    for key, same in groups.items():
+        lines.append(f"  note: {same[0]}")
+        if len(same) > 1:
+            lines.append(f"  note: … and {len(same) - 1} more region(s) the same way "
+                         f"({key.split(':')[0]}; report.notes lists each)")
+    return lines
 
 
 def _kernel_line(k, indent: str) -> str:

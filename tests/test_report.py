@@ -78,3 +78,19 @@ def test_an_op_recomputed_in_two_kernels_is_said_so():
     text = rep.summary()
     assert "into 2 kernels (2 distinct, served by 1 compiled code)" in text
     assert "1 op(s) computed in more than one kernel are counted once" in text
+
+
+def test_notes_that_differ_only_in_their_region_are_one_line_and_a_count():
+    """InceptionV3's eleven blocks each cut a region at a ConcatV2: eleven near-equal
+    notes were eleven lines.  The summary shows the first and a count; ``notes`` (and
+    ``to_dict``) keep each."""
+    cut = "{{a{0}/Reshape, a{0}/Mul, … +20}} cut in 2: the value a ConcatV2 of " \
+          "[?,{0},{0},2048] reads is computed once and reloaded"
+    notes = [cut.format(i) for i in (3, 5, 7)] + ["4 zero Pad(s) folded"]
+    rep = Report(function="f", notes=notes)
+    lines = [ln for ln in rep.summary().splitlines() if ln.startswith("  note:")]
+    assert lines == [f"  note: {notes[0]}",
+                     "  note: … and 2 more region(s) the same way (cut in 2; "
+                     "report.notes lists each)",
+                     "  note: 4 zero Pad(s) folded"]
+    assert rep.to_dict()["notes"] == notes
