@@ -175,6 +175,20 @@ def vit_encoder(num_layers: int = 4, d_model: int = 192, heads: int = 3, ff: int
     return keras.Model(inp, keras.layers.Dense(classes, name="head")(x[:, 0]), name=name)
 
 
+def rnn_encoder(seq_len: int = 50, features: int = 32, units: int = 64, classes: int = 10,
+                name: str = "rnn_encoder"):
+    """A recurrent classifier: LSTM and GRU over the sequence, LayerNorm, a
+    bidirectional LSTM, a Dense head.  Each recurrent layer runs its cell in a
+    ``tf.while_loop`` that reads the weights (tf/control_flow.py)."""
+    import keras
+    inp = keras.Input((seq_len, features), name="sequence")
+    h = keras.layers.LSTM(units, return_sequences=True, name="lstm")(inp)
+    h = keras.layers.GRU(units, return_sequences=True, name="gru")(h)
+    h = keras.layers.LayerNormalization(name="ln")(h)
+    h = keras.layers.Bidirectional(keras.layers.LSTM(units // 2), name="bilstm")(h)
+    return keras.Model(inp, keras.layers.Dense(classes, name="head")(h), name=name)
+
+
 @dataclass
 class ModelCase:
     """A model at one input shape, for benchmarks.
@@ -264,6 +278,13 @@ GPT2_CONFIG = dict(num_layers=4, d_model=256, heads=4, ff=1024, seq_len=128)
 _sequence_case("gpt2_decoder", "GPT-2-style decoder, pre-LN, causal attention, tanh GELU, "
                "{num_layers} layers, d_model {d_model}, {heads} heads, ff {ff}, "
                "seq {seq_len}", gpt2_decoder, GPT2_CONFIG)
+RNN_CONFIG = dict(seq_len=50, features=32, units=64)
+_register(ModelCase(
+    "rnn_encoder", "Keras LSTM {units} -> GRU {units} -> LayerNorm -> bidirectional LSTM "
+    "{half}, seq {seq_len}, features {features}".format(half=RNN_CONFIG["units"] // 2,
+                                                         **RNN_CONFIG),
+    lambda: rnn_encoder(**RNN_CONFIG), (RNN_CONFIG["seq_len"], RNN_CONFIG["features"]),
+    kind="transformer"))
 VIT_CONFIG = dict(num_layers=4, d_model=192, heads=3, ff=768, image=224, patch=16)
 _register(ModelCase(
     "vit_encoder",
