@@ -60,13 +60,21 @@ def test_unknown_profile_name_is_refused_with_the_choices():
         profiles.get("tpu")
 
 
-def test_measured_cpu_profile_is_cached_on_disk(tmp_path, monkeypatch):
+@pytest.fixture
+def fake_measure(tmp_path, monkeypatch):
+    """(the profile ``measure_cpu`` returns, [one entry per measurement]): the cache
+    in ``tmp_path``, no installed default, a fresh process's memo."""
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(profiles, "_DEFAULT_ROOT", str(tmp_path / "no-default"))
     calls = []
     fake = profiles.with_overrides(CPU, name="cpu", measured=True)
     monkeypatch.setattr(profiles, "measure_cpu", lambda: calls.append(1) or fake)
     monkeypatch.setattr(profiles, "_memo", {})
+    return fake, calls
+
+
+def test_measured_cpu_profile_is_cached_on_disk(tmp_path, monkeypatch, fake_measure):
+    fake, calls = fake_measure
     assert profiles.measured_cpu() == fake and len(calls) == 1
     saved = json.loads((tmp_path / profiles.CACHE_FILE).read_text())
     assert saved["profile"]["bandwidth"] == CPU.bandwidth
@@ -87,16 +95,11 @@ def test_measured_cpu_profile_is_cached_on_disk(tmp_path, monkeypatch):
 @pytest.mark.parametrize("field,value", [("bandwidth", 0), ("units", 0),
                                          ("bw_per_lane", float("nan")), ("lanes", -2)])
 def test_a_damaged_measured_profile_is_measured_again_with_a_warning(
-        tmp_path, monkeypatch, field, value):
+        tmp_path, monkeypatch, fake_measure, field, value):
     """The stored measurement's numbers are checked as a profile file's: a 0 or NaN
     there (a damaged or edited file) failed every plan deep in the cost model
     (ZeroDivisionError, IndexError) without naming the file."""
-    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(profiles, "_DEFAULT_ROOT", str(tmp_path / "no-default"))
-    calls = []
-    fake = profiles.with_overrides(CPU, name="cpu", measured=True)
-    monkeypatch.setattr(profiles, "measure_cpu", lambda: calls.append(1) or fake)
-    monkeypatch.setattr(profiles, "_memo", {})
+    fake, calls = fake_measure
     profiles.measured_cpu()
     path = tmp_path / profiles.CACHE_FILE
     saved = json.loads(path.read_text())
