@@ -111,15 +111,14 @@ def body_resources(graph_def, resources: dict) -> dict:
     placeholders (``resources``) through Identity nodes and, for nested control
     flow, through the arguments of the function holding the caller."""
     shapes = {}
-    scopes = [(list(graph_def.node), lambda: resources, None)]
+    scopes = [(list(graph_def.node), lambda: resources)]
     for f in graph_def.library.function:
-        scopes.append((list(f.node_def), lambda f=f: shapes.get(f.signature.name, {}),
-                       {a.name for a in f.signature.input_arg}))
+        scopes.append((list(f.node_def), lambda f=f: shapes.get(f.signature.name, {})))
     library = {f.signature.name: f for f in graph_def.library.function}
     changed, rounds = True, 0
     while changed and rounds <= len(library) + 1:   # nesting depth bounds the rounds
         changed, rounds = False, rounds + 1
-        for nodes, known, _ in scopes:
+        for nodes, known in scopes:
             have = known()
             if not have:
                 continue
