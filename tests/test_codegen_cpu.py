@@ -1350,6 +1350,8 @@ def test_prestarted_workers_compile_what_is_missing_and_are_closed(tmp_path, mon
     procs = list(w.procs)
     assert parallel.warm_cache(specs, workers=w) == 0        # all cached: closed unused
     assert all(p.wait(timeout=60) == 0 for p in procs)
+    # both pipes closed: an open one was a ResourceWarning at the user's exit
+    assert all(p.stdin.closed and p.stdout.closed for p in procs)
     x = np.random.default_rng(4).standard_normal((3, 19)).astype(np.float32)
     k = compile_kernels(specs[:1])[0]
     assert k.cache_hits

@@ -337,10 +337,14 @@ def _lower_priority(p) -> None:
 
 
 def _close(p):
-    try:
-        p.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass  # the worker died; its specs compile in-process afterwards
+    """No more specs for worker ``p``: it exits.  Both pipes are closed here (nothing
+    reads its answers after this); an open one outlived the process as a
+    ResourceWarning ("unclosed file") at exit."""
+    for pipe in (p.stdin, p.stdout):
+        try:
+            pipe.close()
+        except (BrokenPipeError, OSError):
+            pass  # the worker died; its specs compile in-process afterwards
 
 
 def tiered_default() -> bool:
