@@ -80,7 +80,7 @@ import time
 import tensorflow as tf
 
 from .options import Options, background_compile_on
-from .tf.function import StitchedFunction, run_in_background
+from .tf.function import StitchedFunction, run_in_background, seeded_reason
 from .tf.tfgraph import seeded_random_ops
 
 STEPS = ("train", "test", "predict")
@@ -405,10 +405,8 @@ class _Tiered(_StitchedStep):
 
     def _stay_stock(self, seeded):
         self.stock_only = True
-        text = (f"stock Keras runs every step: the step holds seeded random ops "
-                f"({', '.join(seeded)}), whose numbers would start again from the seed "
-                f"on a switch to the stitched step (Options(background_compile=False) "
-                f"stitches from the first step)")
+        text = (f"stock Keras runs every step: the step {seeded_reason(seeded, 'step')} "
+                f"(Options(background_compile=False) stitches from the first step)")
         if self.stitched.report is not None:
             self.stitched.report.tiering = text
         if self._progress is not False:

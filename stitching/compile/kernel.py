@@ -113,7 +113,7 @@ def _toolchain_tag() -> str:
     if memo is not None:
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
-            native.atomic_write(memo, tag.encode())
+            cachedir.write_atomic(memo, tag.encode())
         except OSError:        # a read-only default cache: computed again next time
             pass
     return tag
@@ -769,7 +769,7 @@ def _write_source(path: Path, text: str) -> None:
     except OSError:         # absent, or not a file (replaced below)
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    native.atomic_write(path, text.encode())
+    cachedir.write_atomic(path, text.encode())
 
 
 def _module_in_memory(text: str, modname: str, path: Path, error: OSError):

@@ -143,9 +143,6 @@ def _driver_ld(driver: list) -> str | None:
     return shutil.which(name) if r.returncode == 0 and name else None
 
 
-atomic_write = cachedir.write_atomic
-
-
 def build(pyfunc, sig, options: dict, stem: Path, symbol: str, lean: bool = True) -> None:
     """Compile ``pyfunc`` as a C callback of signature ``sig`` (``@cfunc`` options)
     and write ``stem``.so exporting it as ``symbol``, and ``stem``.ll (its IR).
@@ -440,7 +437,7 @@ def _link(obj: bytes, ir_text: str, stem: Path, symbol: str) -> None:
                    and -r.returncode in signal.valid_signals() else f"exit {r.returncode}")
             raise NativeError(f"linking {symbol} failed ({how}): {shlex.join(cmd)}: "
                               f"{r.stderr.strip()[-1000:]}")
-        atomic_write(stem.with_suffix(".ll"), ir_text.encode())
+        cachedir.write_atomic(stem.with_suffix(".ll"), ir_text.encode())
         # the identity inside, then size and hash, then the object: a reader checks
         # each against the others
         data = integrity.with_identity(so.read_bytes(), {"code": stem.name})

@@ -422,8 +422,8 @@ def load_file(path: str) -> DeviceProfile:
         raise ProfileFileError(f"device profile {path}: not JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("version") != PROFILE_VERSION:
         raise ProfileFileError(f"device profile {path}: expected version {PROFILE_VERSION}")
-    return replace(_checked(doc.get("profile"), path),
-                   source=f"{doc['profile']['name']} from {path}")
+    prof = _checked(doc.get("profile"), path)
+    return replace(prof, source=f"{prof.name} from {path}")
 
 
 def _checked(d, path) -> DeviceProfile:

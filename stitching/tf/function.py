@@ -504,10 +504,9 @@ class StitchedFunction(tf_pf.Function):
         drew (a dropout mask, call after call).  The function's later signatures
         wait for their kernels at their first call instead (not tiered)."""
         self._seeded_random = seeded
-        text = (f"stock TF serves this signature: its graph holds seeded random ops "
-                f"({', '.join(seeded)}), whose numbers would start again from the seed "
-                f"on a switch to the stitched graph; its later signatures compile at "
-                f"their first call (Options(background_compile=False) stitches from call 1)")
+        text = (f"stock TF serves this signature: its graph {seeded_reason(seeded, 'graph')}"
+                f"; its later signatures compile at their first call "
+                f"(Options(background_compile=False) stitches from call 1)")
         if tier.report is not None:
             tier.report.tiering = text
         if self.options.progress is not False:
@@ -957,6 +956,13 @@ def _check_cancelled() -> None:
     if _BACKGROUND_STARTED:
         from ..compile.parallel import check_cancelled
         check_cancelled()
+
+
+def seeded_reason(seeded, stitched: str) -> str:
+    """Why a tiered signature (or Keras step) holding the seeded random ops
+    ``seeded`` never switches to its ``stitched`` twin (``_stay_stock``)."""
+    return (f"holds seeded random ops ({', '.join(seeded)}), whose numbers would start "
+            f"again from the seed on a switch to the stitched {stitched}")
 
 
 def wait_tier2(timeout: float | None = None) -> bool:

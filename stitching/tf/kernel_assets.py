@@ -314,7 +314,7 @@ def install_files(paths, want_manifest_sha, within) -> int:
 def _install_one(name, rec, path, store: Path, within):
     """(content sha256, identity) of the checked asset ``name``, now in ``store``
     under its content hash; None (warned) if it is not the file recorded."""
-    from ..compile import integrity, native
+    from ..compile import integrity
     if not _safe_name(name) or not isinstance(rec, dict):
         return _skip(f"the model's kernel manifest names a file {str(name)[:60]!r}") or None
     if path is None:
@@ -351,19 +351,16 @@ def _install_one(name, rec, path, store: Path, within):
 
 
 def _store_file(store: Path, sha: str, data: bytes) -> None:
-    from ..compile import integrity, native
+    from ..compile import integrity
     store.mkdir(parents=True, exist_ok=True)
     integrity.seal(store / f"{sha}.so", data)
-    native.atomic_write(store / f"{sha}.so", data)
+    cachedir.write_atomic(store / f"{sha}.so", data)
 
 
 def _warn_private(store, e) -> None:
-    text = (f"stitching: the model's kernels cannot be stored in the kernel cache {store} "
-            f"({e.strerror or e}); this process loads them from a temporary directory "
-            f"of its own")
-    if text not in _warned:
-        _warned.add(text)
-        warnings.warn(text, RuntimeWarning, stacklevel=4)
+    _warn_once(f"the model's kernels cannot be stored in the kernel cache {store} "
+               f"({e.strerror or e}); this process loads them from a temporary "
+               f"directory of its own")
 
 
 def _safe_name(name) -> bool:
@@ -373,11 +370,14 @@ def _safe_name(name) -> bool:
 
 
 def _skip(reason: str) -> int:
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"stitching: {reason}; those kernels compile from their specs",
-                      RuntimeWarning, stacklevel=3)
+    _warn_once(f"{reason}; those kernels compile from their specs")
     return 0
+
+
+def _warn_once(text: str) -> None:
+    if text not in _warned:
+        _warned.add(text)
+        warnings.warn(f"stitching: {text}", RuntimeWarning, stacklevel=4)
 
 
 # ---- the SavedModel resource ---------------------------------------------------------

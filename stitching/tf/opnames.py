@@ -52,6 +52,20 @@ COMPOSITES = frozenset({"Softmax", "LogSoftmax", "FusedBatchNorm", "FusedBatchNo
 VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Identity", "StopGradient",
                       "PreventGradient", "Snapshot"})
 
+# TF's random-number ops.  A stateful one draws from a generator of its own, which
+# starts at its seed (its ``seed`` and ``seed2`` attrs; both 0: seeded at random); a
+# keyed one from the key and counter it is given, which the last four make.
+STATEFUL_RANDOM = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
+    "Multinomial", "RandomShuffle", "RandomCrop"})
+KEYED_RANDOM = frozenset({
+    "StatelessRandomUniform", "StatelessRandomNormal", "StatelessTruncatedNormal",
+    "StatelessRandomUniformInt", "StatelessRandomUniformV2", "StatelessRandomNormalV2",
+    "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
+    "StatelessRandomUniformFullIntV2", "StatelessRandomGetKeyCounter",
+    "StatelessRandomGetKeyCounterAlg", "RngReadAndSkip"})
+
 # Ops left to TF on purpose, with the reason the report shows.
 LEFT_TO_TF = {
     op: "random numbers (dropout masks): a kernel would not reproduce TF's Philox "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from . import opnames
+
 DTYPE_NAMES = {tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
                tf.float64: "float64", tf.int32: "int32", tf.int64: "int64", tf.bool: "bool"}
 TF_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
@@ -38,22 +40,13 @@ def resource_shapes(func_graph) -> dict:
     return out
 
 
-# TF's stateful random ops: each kernel instance draws from its own generator, which
-# starts at the op's seed (or its seed2 under tf.random.set_seed); seed = seed2 = 0
-# seeds it at random instead
-STATEFUL_RANDOM = frozenset({
-    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
-    "ParameterizedTruncatedNormal", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
-    "Multinomial", "RandomShuffle", "RandomCrop"})
-
-
 def seeded_random_ops(graph_def) -> list:
     """The kinds of seeded stateful random op in ``graph_def`` and its library: a
     new graph's instances of them draw the numbers of an earlier graph's again."""
     nodes = list(graph_def.node)
     for f in graph_def.library.function:
         nodes.extend(f.node_def)
-    return sorted({n.op for n in nodes if n.op in STATEFUL_RANDOM and any(
+    return sorted({n.op for n in nodes if n.op in opnames.STATEFUL_RANDOM and any(
         k in n.attr and n.attr[k].i for k in ("seed", "seed2"))})
 
 

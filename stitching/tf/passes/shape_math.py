@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from tensorflow.core.framework import types_pb2
 
+from .. import opnames
 from ..passmanager import Pass
 
 _SHAPE_SOURCES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
@@ -30,14 +31,7 @@ _INTEGERS = frozenset({types_pb2.DT_INT32, types_pb2.DT_INT64})
 # every call, and so is everything computed from them: never shape arithmetic.  What
 # constants and shapes alone make (a Fill, a Range, a causal mask) is the same at
 # every call: TF's constant folding folds it where the shapes are static.
-_RANDOM = frozenset({
-    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
-    "RandomGamma", "RandomPoisson", "RandomPoissonV2", "Multinomial",
-    "StatelessRandomUniform", "StatelessRandomNormal", "StatelessTruncatedNormal",
-    "StatelessRandomUniformInt", "StatelessRandomUniformV2", "StatelessRandomNormalV2",
-    "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
-    "StatelessRandomUniformFullIntV2", "StatelessRandomGetKeyCounter",
-    "StatelessRandomGetKeyCounterAlg", "RngReadAndSkip"})
+_RANDOM = opnames.STATEFUL_RANDOM | opnames.KEYED_RANDOM
 SHAPE_MATH = ("shape arithmetic: a few host integers, which TF's constant folding and "
               "tf/passes/shapes.py fold; not memory-intensive work")
 
