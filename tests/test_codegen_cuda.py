@@ -65,9 +65,9 @@ def softmax_spec(L=-1):
     return b.build([y, m])          # multi-output: a row vector and a row scalar
 
 
-def layernorm_spec():
+def layernorm_spec(L=-1):
     b = SpecBuilder()
-    x, g = b.input(F, (-1, -1)), b.input(F, (-1,))
+    x, g = b.input(F, (-1, L)), b.input(F, (L,))
     m = b.Mean(x, axes=[1], keep_dims=True)
     d = b.Sub(x, m)
     v = b.Mean(b.Square(d), axes=[1], keep_dims=True)
@@ -77,9 +77,9 @@ def layernorm_spec():
 
 # ---- element-wise --------------------------------------------------------------------
 
-def gelu_spec():
+def gelu_spec(L=-1):
     b = SpecBuilder()
-    x, bias = b.input(F, (-1, -1)), b.input(F, (-1,))
+    x, bias = b.input(F, (-1, L)), b.input(F, (L,))
     h = b.Add(x, bias)
     erf = b.Erf(b.Mul(h, b.const(0.7071067811865476)))
     y = b.Mul(b.Mul(b.const(0.5), h), b.Add(b.const(1.0), erf))
@@ -98,6 +98,16 @@ def test_elementwise_grid_stride_over_rows(rows, L):
     """More chunks than threads in the grid: grid steps that cross one row end or
     several land on the right (row, chunk)."""
     check(gelu_spec(), [data(rows, L), data(L, seed=1)], threads=32)
+
+
+@pytest.mark.parametrize("rows,L", [(50, 12), (37, 7), (3, 1025)])
+def test_elementwise_static_row_length(rows, L):
+    """A row length the spec fixes is a constant in the kernel (chunk counts, strides);
+    grid steps over many rows still land on the right (row, chunk)."""
+    spec = gelu_spec(L)
+    assert f"nc = {-(-L // 4)}" in compile_cuda_kernel(spec).text
+    for threads in (32, None):
+        check(spec, [data(rows, L), data(L, seed=1)], **({"threads": threads} if threads else {}))
 
 
 def test_elementwise_wide_with_narrow_buffers():
@@ -220,6 +230,38 @@ def test_row_chunks_in_registers(rows, L, threads, tpr, chunks):
         assert name == f"k_row_r{chunks}_v4", name
 
 
+def masked_softmax_static(L):
+    b = SpecBuilder()
+    x, keep = b.input(F, (-1, L)), b.input("bool", (-1, L))
+    z = b.Select(keep, b.Mul(x, b.const(0.125)), b.const(-1e9))
+    e = b.Exp(b.Sub(z, b.Max(z, axes=[1], keep_dims=True)))
+    return b.build([b.Div(e, b.Sum(e, axes=[1], keep_dims=True)), b.Max(x, axes=[1])])
+
+
+@pytest.mark.parametrize("rows,L,tpr,chunks", [
+    (7, 8, 1, 2), (5, 36, 4, 4), (9, 64, 4, 4), (3, 512, 32, 4), (2, 1024, 64, 4)])
+def test_row_static_length_runs_the_twin_with_tpr_in_its_code(rows, L, tpr, chunks):
+    """Rows of a length the spec fixes run k_row_r<C>_t<tpr>: threads per row are a
+    constant in its code, so lane split, masks and the shuffle / block combine fold.
+    Idle chunks (36 = 2.25 chunks of 16), several rows per block, a row over two warps
+    (1024); NaN in a row; the misaligned fallback runs the scalar twin."""
+    x = data(rows, L, seed=L)
+    x[rows - 1, L // 3] = np.nan
+    keep = np.random.default_rng(L).random((rows, L)) < 0.8
+    keep[rows - 1, L // 3] = True                                 # the NaN is kept
+    for spec, args in [(softmax_spec(L), [x]), (layernorm_spec(L), [x, data(L, seed=1)]),
+                       (masked_softmax_static(L), [x, keep])]:
+        k, outs = check(spec, args, atol=1e-5)
+        assert k.plan([a.shape for a in args]).steps[0][0] == f"k_row_r{chunks}_t{tpr}_v4"
+        assert np.isnan(outs[0][rows - 1]).all() and not np.isnan(outs[0][0]).any()
+    from numba import cuda
+    k = compile_cuda_kernel(softmax_spec(L))
+    flat = cuda.to_device(data(rows * L + 1, seed=2))             # a view 4 bytes in
+    y, m = k(flat[1:].reshape(rows, L))
+    ref_y, ref_m = evaluate(softmax_spec(L), [flat.copy_to_host()[1:].reshape(rows, L)])
+    assert compare(y.copy_to_host(), ref_y) <= 1 and compare(m.copy_to_host(), ref_m) <= 1
+
+
 def test_row_chunks_default_and_limits():
     k = compile_cuda_kernel(softmax_spec())
     assert k.plan([(4, 64)]).steps[0][0].startswith("k_row_r")       # the default
@@ -270,18 +312,19 @@ def test_row_bool_and_int_reductions():
 
 # ---- column --------------------------------------------------------------------------
 
-def center_spec():
+def center_spec(L=-1):
     b = SpecBuilder()
-    x = b.input(F, (-1, -1))
+    x = b.input(F, (-1, L))
     m = b.Mean(x, axes=[0], keep_dims=True)
     d = b.Sub(x, m)
     v = b.Mean(b.Square(d), axes=[0], keep_dims=True)     # a second, dependent reduction
     return b.build([b.Div(d, b.Sqrt(b.Add(v, b.const(1e-3)))), m])
 
 
+@pytest.mark.parametrize("L", [-1, 9])       # 9: the row length a constant in the code
 @pytest.mark.parametrize("split", [1, 3])
-def test_column_fused_and_split(split):
-    k, _ = check(center_spec(), [data(37, 9)], threads=32, tx=8, split=split, atol=1e-5)
+def test_column_fused_and_split(split, L):
+    k, _ = check(center_spec(L), [data(37, 9)], threads=32, tx=8, split=split, atol=1e-5)
     lau = k.plan([(37, 9)], threads=32, tx=8, split=split)
     assert len(lau.steps) == (1 if split == 1 else 3)      # two passes + the epilogue
 
@@ -513,7 +556,7 @@ def test_kernels_compile_to_ptx():
     # compiles them all)
     r = subprocess.run([sys.executable, "tools/gpu_bench.py", "--ptx", "--only",
                         "softmax_tf,center_axis0,bias_gelu_erf,dien_masked_softmax",
-                        "--kernels", r"^k_(?!row_r\d)|^k_row_r(4_v4|1)$"],
+                        "--kernels", r"^k_(?!row_r\d)|^k_row_r(4_v4|1|4_t\d+_v4)$"],
                        cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={k: v for k, v in os.environ.items()
                             if k != "NUMBA_ENABLE_CUDASIM"})

@@ -9,6 +9,10 @@
 For each pattern: the launch plan, and per compiled kernel the registers per thread,
 local (spill) bytes per thread, static shared bytes and the most threads a block of it
 can have; then ``--calls`` launches on the default stream.
+
+``--torch-compile`` runs the pattern's torch.compile equivalent (tools/gpu_bench.py)
+instead, on the same data, for a profiler to look at Triton's kernels (``ncu
+--kernel-name regex:^triton``; ``TORCH_LOGS=output_code`` prints their source).
 """
 from __future__ import annotations
 
@@ -24,7 +28,11 @@ def main(argv=None) -> int:
     ap.add_argument("patterns", nargs="+")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--size", default="large", choices=["small", "large"])
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="run the torch.compile equivalents instead of our kernels")
     args = ap.parse_args(argv)
+    if args.torch_compile:
+        return run_torch_compile(args)
     from numba import cuda
 
     from stitching.compile.cuda import compile_cuda_kernel
@@ -48,6 +56,26 @@ def main(argv=None) -> int:
             cuda.synchronize()
             print(f"  {args.calls} calls: {(time.perf_counter() - t0) / args.calls * 1e6:.1f} "
                   f"µs each (wall, host overhead included)")
+    return 0
+
+
+def run_torch_compile(args) -> int:
+    import torch
+    eq = gpu_bench.torch_equivalents()
+    for pat in gpu_bench.load_patterns(",".join(args.patterns)):
+        spec, names = gpu_bench.kernels(pat, args.size)[0]
+        arrays = gpu_bench.make_inputs(spec, names, pat, gpu_bench.batch_of(pat, args.size))
+        dev = [torch.as_tensor(a, device="cuda") for a in arrays]
+        fn = torch.compile(eq[pat["name"]])
+        with torch.no_grad():
+            fn(*dev)                       # compiles
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn(*dev)
+            torch.cuda.synchronize()
+        print(f"{pat['name']} (torch.compile): {args.calls} calls, "
+              f"{(time.perf_counter() - t0) / args.calls * 1e6:.1f} µs each (wall)")
     return 0
 
 

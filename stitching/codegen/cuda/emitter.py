@@ -85,6 +85,13 @@ PART_ELEMS = 32       # row passes: float32 values a thread sums before a float6
 ROW_PART_CHUNKS = PART_ELEMS // EW_VEC   # wide row passes: 16-byte chunks per partial
 ROW_VARIANTS = ("regs", "smem", "global")
 ROW_CHUNKS = (1, 2, 4, 8)   # k_row_r<C>: 16-byte chunks of its row each thread keeps
+# k_row_r<C> kernels: row elements per thread, in blocks of MIN_THREADS (not the
+# evaluator's threads).  tools/gpu_sweep.py --variant chunks on an H100, blocks of 128 /
+# 256 x tpr 4..64: 16 per thread (4 chunks) was fastest at every length: a 128-long
+# softmax 28.8 µs (8 per thread 34.1, 32 per thread 35.4), a 256-long masked softmax
+# 42.0 µs (32 per thread 51.8), a 1024-long softmax 30.9 µs (32: 32.8) and logsumexp
+# 20.6 µs (32: 22.4); 256-thread blocks 2-17% slower throughout
+ROW_CHUNK_ELEMS = 16
 
 # numpy dtype of on-chip / workspace arrays holding compute values (bool as bytes)
 _NP = {"float32": "np.float32", "float64": "np.float64", "int32": "np.int32",
@@ -107,6 +114,22 @@ class CudaSource:
     def scratch_np(self) -> list:
         """[(node, numpy dtype)] of the scratch values as on-chip / workspace arrays."""
         return [(k, np_dtype(cd)) for k, cd in self.scratch]
+
+
+def chunk_tpr(L: int, max_threads: int = MAX_THREADS) -> int:
+    """Threads per row of the k_row_r<C> kernels for rows of L: the power of two that
+    leaves each thread ROW_CHUNK_ELEMS elements, at most ``max_threads``."""
+    return min(1 << max(0, -(-L // ROW_CHUNK_ELEMS) - 1).bit_length(), max_threads)
+
+
+def row_chunks(L: int, tpr: int) -> int:
+    """Chunks per thread of the k_row_r<C> kernel that holds a row of L at tpr threads
+    per row (the fewest that do), or 0 where none does (rows not a multiple of 4, empty
+    rows: an idle chunk reads the row's first 4 elements)."""
+    if L <= 0 or L % EW_VEC:
+        return 0
+    need = -(-L // (tpr * EW_VEC))
+    return next((c for c in ROW_CHUNKS if c >= need), 0)
 
 
 def np_dtype(compute_dtype: str) -> np.dtype:
@@ -198,6 +221,13 @@ class _CudaEmitter(Emitter):
         return w.block(f"def {name}({', '.join(args)}):")
 
     def prologue(self, w) -> None:
+        # a size the spec fixes is a constant here, though the host still passes it (one
+        # argument list for every kernel): the compiler folds the index arithmetic over
+        # it (strides, row bases, chunk counts) into shifts and immediates.  The shape
+        # function has checked the inputs against these sizes before any launch.
+        for a in range(self.R):
+            if self.static_size(a) >= 0:
+                w(f"D{a} = {self.static_size(a)}")
         for ref in self.input_refs() + list(self.spec.outputs):
             t = self.tag(ref)
             car = self.dom.carries[ref]
@@ -206,6 +236,10 @@ class _CudaEmitter(Emitter):
                 w(f"st_{t}_{a} = {rest}")
         w(f"L = {'D' + str(self.R - 1) if self.R else '1'}")
         w("tid = cuda.threadIdx.x")
+
+    def static_size(self, a: int) -> int:
+        """Collapsed axis a's size where the spec fixes it, else -1."""
+        return self.dom.axes[a].size
 
     def reduction(self, k):
         return lower.reduction(self.spec, k, self.C)
@@ -246,12 +280,19 @@ class _CudaEmitter(Emitter):
         the body sees r (row), j0 (first element of the chunk) and the row bases."""
         with self.kernel(w, name, ["rows", "nc"]):
             self.prologue(w)
+            if self.R and self.static_size(self.R - 1) >= 0:
+                w(f"nc = {-(-self.static_size(self.R - 1) // EW_VEC)}")
             w("step = cuda.gridsize(1)")
-            with w.block("for v in range(cuda.grid(1), rows * nc, step):"):
+            # a while loop, not range(): range with a run-time step computes its trip
+            # count with a 64-bit division, and most threads take one trip
+            w("total = rows * nc")
+            w("v = cuda.grid(1)")
+            with w.block("while v < total:"):
                 w("r = v // nc")
                 w(f"j0 = (v - r * nc) * {EW_VEC}")
                 self.bases(w, self.decompose(w, "r", list(range(self.R - 1))))
                 yield
+                w("v += step")
 
     def _load_chunks(self, w, p, wide) -> None:
         """x<j>_0..3: one 16-byte load per wide input of pass ``p``, at element j0."""
@@ -351,19 +392,34 @@ class _CudaEmitter(Emitter):
             for chunks in ROW_CHUNKS:
                 self._row_chunked(w, chunks, False)
                 self._row_chunked(w, chunks, True)
+            # rows of a length the spec fixes: the kernel the launch takes for them,
+            # with its threads per row in the code (k_row_r<C>_t<tpr>)
+            L = self.static_size(self.R - 1) if self.R else -1
+            tpr = chunk_tpr(L) if L > 0 else 0
+            if tpr and row_chunks(L, tpr):
+                self._row_chunked(w, row_chunks(L, tpr), False, tpr)
+                self._row_chunked(w, row_chunks(L, tpr), True, tpr)
 
     @contextmanager
-    def _row_groups(self, w, name: str, extra: list, variant):
+    def _row_groups(self, w, name: str, extra: list, variant, tpr: int = 0):
         """A row kernel's prologue and its grid-stride loop over groups of rpb rows; the
         caller's lines go inside the loop, where r / act / Lr / the row bases and the
-        row-scalar inputs are set."""
+        row-scalar inputs are set.  ``tpr``: threads per row fixed in the code (else the
+        kernel argument)."""
         with self.kernel(w, name, ["rows", "tpr"] + extra):
+            if tpr:
+                # fixed here (the host launches this kernel with it, launch._row): the
+                # lane split, the chunk offsets and masks, the shuffle butterfly and the
+                # block combine fold to constants (on an sm_90 softmax over 1024: 804
+                # -> 603 PTX instructions, 96 -> 62 registers)
+                w(f"tpr = {tpr}")
             self.prologue(w)
             w("g = tid // tpr")
             w("lane = tid - g * tpr")
             w("rpb = cuda.blockDim.x // tpr")
             self._row_buffers(w, variant)
-            with w.block("for rb in range(cuda.blockIdx.x * rpb, rows, cuda.gridDim.x * rpb):"):
+            w("rb = cuda.blockIdx.x * rpb")
+            with w.block("while rb < rows:"):       # not range(): see _ew_chunks
                 w("r = rb + g")
                 w("act = r < rows")
                 w("Lr = L if act else 0")          # an idle row group loops over nothing
@@ -372,6 +428,7 @@ class _CudaEmitter(Emitter):
                 for j in self._row_scalar_inputs():
                     self.load_input(w, -(j + 1), f"b_i{j}")
                 yield
+                w("rb += cuda.gridDim.x * rpb")
 
     def _row_kernel(self, w, variant, wide: bool) -> None:
         s = self.s
@@ -388,7 +445,7 @@ class _CudaEmitter(Emitter):
                 self._row_stage(w, s.scalars[p.index + 1])
 
     # -- row, whole row in registers ---------------------------------------------------
-    def _row_chunked(self, w, chunks: int, wide: bool) -> None:
+    def _row_chunked(self, w, chunks: int, wide: bool, tpr: int = 0) -> None:
         """k_row_r<C>[_v4]: each thread owns C chunks of 4 consecutive elements of its
         row, chunk c at (lane + c * tpr) * 4 (a warp's chunks are contiguous), for rows
         of a multiple of 4 up to tpr * 4 * C long.  The chunks are unrolled in the
@@ -398,8 +455,8 @@ class _CudaEmitter(Emitter):
         re-reads element 0..3 of the row, computes, and is masked out of reductions and
         stores.  _v4: one 16-byte load/store per chunk of each wide buffer (16-byte
         aligned, which the host checks; the twin without _v4 loads element-wise)."""
-        name = f"k_row_r{chunks}" + ("_v4" if wide else "")
-        with self._row_groups(w, name, [], None):
+        name = f"k_row_r{chunks}" + (f"_t{tpr}" if tpr else "") + ("_v4" if wide else "")
+        with self._row_groups(w, name, [], None, tpr):
             for c in range(chunks):
                 w(f"jl{c} = (lane + {c} * tpr) * {EW_VEC}")
                 w(f"ok{c} = jl{c} < Lr")
@@ -645,7 +702,9 @@ class _CudaEmitter(Emitter):
         w("ny = cuda.blockDim.x // tx_n")
         for acc in sorted({self.reduction(k).acc for k in self._accumulated()}):
             w(f"sc_{acc} = cuda.shared.array({MAX_THREADS}, {_NP[acc]})")
-        with w.block("for u in range(cuda.blockIdx.x, kept * nct * usplit, cuda.gridDim.x):"):
+        w("nu = kept * nct * usplit")
+        w("u = cuda.blockIdx.x")
+        with w.block("while u < nu:"):               # not range(): see _ew_chunks
             w("sp = u % usplit")
             w("t = u // usplit")
             w("ko = t // nct")
@@ -657,6 +716,7 @@ class _CudaEmitter(Emitter):
             for ref in self.input_refs() + list(self.spec.outputs):
                 w(f"k_{self.tag(ref)} = {self.offset(ref, idx)}")
             yield
+            w("u += cuda.gridDim.x")
 
     def _col_stage(self, w, st: int, from_ws: bool, store: bool) -> None:
         """Column values of stage ``st``: per thread, for its column c."""
@@ -687,10 +747,11 @@ class _CudaEmitter(Emitter):
         self._acc_init(w, p)
         # COL_UNROLL rows per trip, a constant inner trip count that the compiler unrolls:
         # that many independent loads in flight per thread (rows in the same order)
-        with w.block(f"for s0 in range(sp * ny + ty, nr, ny * usplit * {COL_UNROLL}):"), \
-                w.block(f"for su in range({COL_UNROLL}):"):
-            w("s = s0 + su * ny * usplit")
-            with w.block("if s < nr:"):
+        w("s0 = sp * ny + ty")
+        with w.block("while s0 < nr:"):             # not range(): see _ew_chunks
+            with w.block(f"for su in range({COL_UNROLL}):"), \
+                    w.block("if s0 + su * ny * usplit < nr:"):
+                w("s = s0 + su * ny * usplit")
                 idx = self.decompose(w, "s", list(self.s.reduce_axes))
                 for ref in self.input_refs() + list(self.spec.outputs):
                     extra = self.offset(ref, idx)
@@ -704,6 +765,7 @@ class _CudaEmitter(Emitter):
                     w(f"a{k} = {self.step(k, f'a{k}', self.var(self.spec.nodes[k].args[0]))}")
                 for k in p.stores:
                     self.store_output(w, k, self._inner(k, f"b_{self.tag(k)}"))
+            w(f"s0 += ny * usplit * {COL_UNROLL}")
         for k in p.accumulate:
             self._col_combine(w, k)
             if split:

@@ -14,8 +14,10 @@ H100 where its CPU-shaped rows per task did not fit (names as in cuda/emitter.py
                the 16-byte kernel when rows are a multiple of 4 long (the caller falls
                back to the scalar one for a buffer that is not 16-byte aligned)
   row          rows of a multiple of 4 that fit (k_row_r<C>, the row in registers):
-               tpr = the power of two that leaves each thread ROW_CHUNK_ELEMS, in
-               MIN_THREADS blocks.  Other rows (the looped kernels):
+               tpr = the power of two that leaves each thread ROW_CHUNK_ELEMS
+               (emitter.chunk_tpr), in MIN_THREADS blocks; where the spec fixes the
+               row length, the twin with that tpr in its code (k_row_r<C>_t<tpr>).
+               Other rows (the looped kernels):
                tpr (threads per row) = the power of two that leaves each thread at most
                ROW_ELEMS of the row, at least ROW_MIN_TPR (their loads cover a 32-byte
                sector) unless the row is shorter, up to the block limit: a warp per row
@@ -48,7 +50,8 @@ from ...ir.ops import infer
 from ...ir.spec import KernelSpec, SpecNode
 from ...plan import cost
 from ...schedule import KernelKind
-from .emitter import EW_VEC, REG_SLOTS, ROW_CHUNKS, WARP, np_dtype
+from .emitter import (EW_VEC, REG_SLOTS, ROW_CHUNKS, WARP, chunk_tpr,
+                      np_dtype, row_chunks)
 
 SMEM_LIMIT = 48 << 10        # CUDA: dynamic shared memory per block without the opt-in
 GRID_WAVES = 8               # arbitrary: grid-stride kernels launch at most 8 full waves
@@ -61,13 +64,6 @@ MIN_ROWS_PER_THREAD = 8      # arbitrary: a split leaves each thread at least 8 
 MAX_SPLIT = 64               # arbitrary: bounds the partials each column re-combines
 ROW_ELEMS = 32               # row elements per thread (see "row" above)
 ROW_MIN_TPR = 8              # fewest threads per row (see "row" above)
-# k_row_r<C> kernels: row elements per thread, in blocks of MIN_THREADS (not the
-# evaluator's threads).  tools/gpu_sweep.py --variant chunks on an H100, blocks of 128 /
-# 256 x tpr 4..64: 16 per thread (4 chunks) was fastest at every length: a 128-long
-# softmax 28.8 µs (8 per thread 34.1, 32 per thread 35.4), a 256-long masked softmax
-# 42.0 µs (32 per thread 51.8), a 1024-long softmax 30.9 µs (32: 32.8) and logsumexp
-# 20.6 µs (32: 22.4); 256-thread blocks 2-17% slower throughout
-ROW_CHUNK_ELEMS = 16
 DEFAULT_THREADS = 256        # fallback when the evaluator has no finite candidate
 # Element-wise blocks (not the evaluator's, which chose 1024 for a 4M-element swiglu):
 # tools/gpu_sweep.py on an H200, 2026-11-28 (tools/gpu_results/): swiglu 25.3 µs at 128
@@ -212,7 +208,7 @@ def _row(src, z, th, _rpt, cap, profile, limits, force, source):
     tpr = force.get("tpr")
     # the register-resident kernels unless forced off (chunks=False, another variant)
     in_regs = force.get("chunks", True) and force.get("variant") in (None, "chunks")
-    ctpr = min(_pow2ceil(-(-z.L // ROW_CHUNK_ELEMS)), limits.max_threads)
+    ctpr = chunk_tpr(z.L, limits.max_threads)
     if tpr is None and in_regs and _row_chunks(src, z.L, ctpr):
         tpr = ctpr
         if "threads" not in force:
@@ -240,7 +236,10 @@ def _row(src, z, th, _rpt, cap, profile, limits, force, source):
                          f"{tpr * EW_VEC * ROW_CHUNKS[-1]} long, 4-byte buffers)")
     if chunks:
         wide = force.get("wide", True)
-        name = f"k_row_r{chunks}" + ("_v4" if wide else "")
+        name = f"k_row_r{chunks}"
+        if f"{name}_t{tpr}" in src.kernels:    # the twin with tpr in its code (static L)
+            name = f"{name}_t{tpr}"
+        name += "_v4" if wide else ""
         steps = ((name, _grid(z.rows, rpb, cap), th, 0, {}),) if z.rows else ()
         text = _row_text(tpr, rpb, None) + \
             f"; the row in registers, {chunks} chunk(s) of {EW_VEC} per thread" + \
@@ -264,13 +263,11 @@ def _row(src, z, th, _rpt, cap, profile, limits, force, source):
 
 
 def _row_chunks(src, L, tpr) -> int:
-    """Chunks per thread of the k_row_r<C> kernel that holds a row of L at tpr threads
-    per row (the fewest that do), or 0 where none does (empty rows too: an idle chunk
-    reads the row's first 4 elements)."""
-    if L <= 0 or L % EW_VEC or f"k_row_r{ROW_CHUNKS[0]}" not in src.kernels:
+    """Chunks per thread of the k_row_r<C> kernel for a row of L at tpr threads per row
+    (emitter.row_chunks), or 0 where none does or ``src`` has none."""
+    if f"k_row_r{ROW_CHUNKS[0]}" not in src.kernels:
         return 0
-    need = -(-L // (tpr * EW_VEC))
-    return next((c for c in ROW_CHUNKS if c >= need), 0)
+    return row_chunks(L, tpr)
 
 
 def _row_variant(scratch, L, tpr, rpb, smem_limit):
