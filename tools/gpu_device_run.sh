@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (no TF there): every GPU check and timing of the CUDA
-# backend, results under $OUT (JSON + logs).  Steps, most important first, each under its
-# own timeout so a slow one cannot take the rest with it:
-#   1. the launcher through ctypes on PyTorch streams, refusals, CUDA graphs
-#   2. tools/gpu_bench.py --size large (ours, eager PyTorch, torch.compile in one run)
-#   3. sweeps for the rules in codegen/cuda/launch.py (element-wise blocks; column
-#      kernels with 8 rows per loop trip instead of 4)
-#   4. registers / spills of the column kernels, and one ncu look at them where ncu runs
+# One call on a lent GPU machine (no TF there): GPU checks and timings of the CUDA
+# backend, results under $OUT (JSON + logs).  Steps are named on the command line, run in
+# that order, each under its own timeout and only while the call has time left, so a
+# slow one cannot take the rest with it:
+#
+#   bash tools/gpu_device_run.sh [--budget SECONDS] STEP...
+#
+#   bench     tools/gpu_bench.py --size large: ours, eager PyTorch, torch.compile, one run
+#   launcher  the C++ launcher through ctypes on PyTorch streams, refusals, CUDA graphs
+#   triton    torch.compile's generated Triton source for the patterns in $PATTERNS
+#   ncu       ncu (speed of light, occupancy, warp stalls) of our kernels for $PATTERNS
+#   sweep     tools/gpu_sweep.py over element-wise blocks and column splits
+#   tests     tests/test_codegen_cuda.py on the GPU (NUMBA_ENABLE_CUDASIM=0)
 set -u
 OUT=${OUT:-/tmp/stitching_out}
+BUDGET=540
+if [ "${1:-}" = "--budget" ]; then BUDGET=$2; shift 2; fi
+PATTERNS=${PATTERNS:-dien_masked_softmax,bn_swish,center_axis0}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD STITCHING_CACHE_DIR=/tmp/stitching_cache
 PY=python3
+# run STEP_TIMEOUT cmd...: only if the budget leaves that much, and under that timeout
+step() {
+  local t=$1; shift
+  if [ $((SECONDS + t)) -gt "$BUDGET" ]; then
+    echo "skipped (budget): $*"; return 0
+  fi
+  timeout "$t" "$@"
+}
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
     --format=csv
@@ -20,23 +36,31 @@ numba.__version__, 'numba_cuda', numba_cuda.__version__, 'torch', torch.__versio
   nvcc --version | tail -2
   $PY tools/gpu_bench.py --digest
 } 2>&1 | tee "$OUT/env.log"
-
-timeout 200 $PY tools/gpu_launcher_check.py --json "$OUT/launcher.json" 2>&1 \
-  | tee "$OUT/launcher.log"
-timeout 300 $PY tools/gpu_bench.py --size large --json "$OUT/bench.json" 2>&1 \
-  | tee "$OUT/bench.log"
-# the rest only while the call has time left (its limit is 600 s)
-left() { [ "$SECONDS" -lt "$1" ]; }
-{
-  left 470 && timeout 50 $PY tools/gpu_sweep.py swiglu bn_swish --threads 128,256,512,1024
-  left 500 && timeout 60 $PY tools/gpu_sweep.py center_axis0 squeeze_excite --threads 256 \
-    --split 9,17,32 --col-unroll 8
-  left 530 && timeout 20 $PY tools/gpu_profile.py center_axis0 --calls 3
-} 2>&1 | tee "$OUT/sweep.log"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-if [ -n "$NCU" ] && left 540; then
-  timeout 40 "$NCU" --clock-control none --kernel-name regex:^k_col --launch-skip 2 \
-    --launch-count 2 --section SpeedOfLight --section Occupancy \
-    $PY tools/gpu_profile.py center_axis0 --calls 3 2>&1 | tail -80 > "$OUT/ncu.log"
-fi
-echo "device run done"
+for s in "$@"; do
+  echo "== $s at ${SECONDS}s"
+  case $s in
+    bench) step 330 $PY tools/gpu_bench.py --size large --json "$OUT/bench.json" \
+             2>&1 | tee "$OUT/bench.log" ;;
+    launcher) step 200 $PY tools/gpu_launcher_check.py --json "$OUT/launcher.json" \
+             2>&1 | tee "$OUT/launcher.log" ;;
+    triton) step 120 env TORCH_LOGS=output_code $PY tools/gpu_profile.py --torch-compile \
+             --calls 3 ${PATTERNS//,/ } > "$OUT/triton.log" 2>&1
+           grep -E "def triton|num_warps|XBLOCK|RBLOCK|R0_BLOCK|calls," "$OUT/triton.log" \
+             | head -60 ;;
+    ncu) if [ -n "$NCU" ]; then
+           step 90 "$NCU" --clock-control none --kernel-name regex:^k_ --launch-count 12 \
+             --section SpeedOfLight --section Occupancy --section LaunchStats \
+             --section WarpStateStats $PY tools/gpu_profile.py --calls 1 ${PATTERNS//,/ } \
+             > "$OUT/ncu.log" 2>&1
+           grep -E "^  k_|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Stall|cycles being stalled" \
+             "$OUT/ncu.log" | head -80
+         else echo "no ncu"; fi ;;
+    sweep) step 60 $PY tools/gpu_sweep.py swiglu bn_swish --threads 128,256,512 \
+             2>&1 | tee "$OUT/sweep.log" ;;
+    tests) step 240 env NUMBA_ENABLE_CUDASIM=0 $PY -m pytest -q -x -p no:cacheprovider \
+             tests/test_codegen_cuda.py 2>&1 | tail -15 | tee "$OUT/tests.log" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+echo "device run done at ${SECONDS}s"
