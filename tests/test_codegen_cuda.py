@@ -110,15 +110,33 @@ def test_elementwise_static_row_length(rows, L):
         check(spec, [data(rows, L), data(L, seed=1)], **({"threads": threads} if threads else {}))
 
 
+@pytest.mark.parametrize("shape", [(50, 12), (50, 7), (3, 1024)])
+def test_elementwise_flat_domain_and_gpu_math(shape):
+    """No broadcast: the domain is one flat row (no row division in the kernel); swish's
+    sigmoid selects its numerator (one division per element), float32 Rsqrt is CUDA's
+    rsqrtf: both against float64 at NaN, +-inf, +-0, tiny and huge values."""
+    b = SpecBuilder()
+    x = b.input(F, (-1, -1))
+    spec = b.build([b.Mul(x, b.Sigmoid(x)), b.Rsqrt(b.Abs(x))])
+    k = compile_cuda_kernel(spec)
+    assert "v // nc" not in k.text
+    xs = data(*shape, seed=4) * 30
+    special = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 3e38, -3e38]
+    xs.flat[:len(special)] = special
+    _, (swish, rs) = check(spec, [xs], threads=32)
+    assert np.isnan(swish.flat[0]) and np.isnan(rs.flat[0])
+    assert swish.flat[1] == np.inf and np.isnan(swish.flat[2]) and rs.flat[3] == np.inf
+
+
 def test_elementwise_wide_with_narrow_buffers():
-    """k_ew_v4 moves the float32 buffers 16 bytes at a time and the float16 / bool ones
-    element by element, in the same chunk."""
+    """k_ew_v4 moves the float32 buffers 16 bytes at a time, the bool input 4 bytes at a
+    time and the float16 / bool outputs element by element, in the same chunk."""
     b = SpecBuilder()
     x, hx, m = b.input(F, (-1, -1)), b.input("float16", (-1, -1)), b.input("bool", (-1, -1))
     y = b.Select(m, b.Add(x, b.Cast(hx, to=F)), b.const(-1.0))
     spec = b.build([y, b.Cast(y, to="float16"), b.Greater(y, b.const(0.0))])
     k = compile_cuda_kernel(spec)
-    assert k.source.wide == ("p_i0", "p_o0")
+    assert k.source.wide == ("p_i0", "p_i2", "p_o0")
     rng = np.random.default_rng(5)
     arrays = [data(3, 8), data(3, 8, seed=6).astype(np.float16), rng.random((3, 8)) < 0.7]
     for wide in (True, False):
@@ -480,7 +498,8 @@ def test_column_launch_rule_at_gpu_limits():
     # 256-thread blocks (32 columns x 8 row slices); 32 column tiles split until 4 blocks
     # per SM of the H100 profile's 132
     assert lau.threads == 256 and lau.args["tx_n"] == 32
-    assert lau.args["nsplit"] == -(-4 * profiles.get("h100").units // 32)
+    assert lau.args["nsplit"] == 4 * profiles.get("h100").units // 32   # within one wave
+    assert lau.steps[0][1] <= 4 * profiles.get("h100").units
     assert all(step[2] == 256 for step in lau.steps)
 
 

@@ -237,6 +237,17 @@ class _CudaEmitter(Emitter):
         w(f"L = {'D' + str(self.R - 1) if self.R else '1'}")
         w("tid = cuda.threadIdx.x")
 
+    def compute(self, w, k: int) -> None:
+        """As the CPU's, except a float32 Rsqrt: CUDA's rsqrtf, as TF's GPU kernel
+        (Eigen's prsqrt on float4), not an IEEE square root and an IEEE division (on
+        an H200 a batch-norm + swish kernel was compute-bound on those)."""
+        node = self.spec.nodes[k]
+        if node.op == "Rsqrt" and dt.COMPUTE[self.dtype(k)] == "float32" and \
+                k not in self._recip and k not in self._exp_guard:
+            w(f"{self.var(k)} = h.rsqrt_f32({self.var(node.args[0])})")
+            return
+        super().compute(w, k)
+
     def static_size(self, a: int) -> int:
         """Collapsed axis a's size where the spec fixes it, else -1."""
         return self.dom.axes[a].size
@@ -258,8 +269,9 @@ class _CudaEmitter(Emitter):
 
     # -- element-wise -------------------------------------------------------------------
     def wide_refs(self) -> list:
-        """Buffers the wide kernels (k_ew_v4, k_row*_v4) move 16 bytes at a time: 4-byte
-        dtypes along the row."""
+        """Buffers the wide kernels (k_ew_v4, k_row*_v4) move a chunk of 4 elements at a
+        time: 4-byte dtypes along the row (one 16-byte access) and bool inputs (one
+        4-byte access: a masked softmax's mask was 16 one-byte loads per thread)."""
         if self.s.kind in (KernelKind.COLUMN, KernelKind.PACKED):
             return []
         refs = [-(j + 1) for p in self.s.passes for j in p.loads] + \
@@ -267,7 +279,18 @@ class _CudaEmitter(Emitter):
         if self.s.kind == KernelKind.ROW:
             refs = [r for r in refs if r >= 0 or self.s.is_vector(r)]
         return [r for r in dict.fromkeys(refs) if self.carries_last(r) and
-                self.dtype(r) in ("float32", "int32")]
+                (self.dtype(r) in ("float32", "int32") or
+                 (r < 0 and self.dtype(r) == "bool"))]
+
+    def _chunk_load(self, w, j: int, index: str, names: list) -> None:
+        """names[0..3] = elements index..index+3 of input j, one wide access."""
+        if self.dtype(-(j + 1)) == "bool":
+            raw = [f"{n}b" for n in names]
+            w(f"{', '.join(raw)} = h.load4b(p_i{j}, {index})")
+            for n, r in zip(names, raw):
+                w(f"{n} = ({r} != 0)")
+        else:
+            w(f"{', '.join(names)} = h.load4(p_i{j}, {index})")
 
     def _elementwise(self, w) -> None:
         self._ew_scalar(w)
@@ -288,8 +311,11 @@ class _CudaEmitter(Emitter):
             w("total = rows * nc")
             w("v = cuda.grid(1)")
             with w.block("while v < total:"):
-                w("r = v // nc")
-                w(f"j0 = (v - r * nc) * {EW_VEC}")
+                if self.R > 1:
+                    w("r = v // nc")
+                    w(f"j0 = (v - r * nc) * {EW_VEC}")
+                else:                 # one flat row (rows == 1): no division
+                    w(f"j0 = v * {EW_VEC}")
                 self.bases(w, self.decompose(w, "r", list(range(self.R - 1))))
                 yield
                 w("v += step")
@@ -298,8 +324,7 @@ class _CudaEmitter(Emitter):
         """x<j>_0..3: one 16-byte load per wide input of pass ``p``, at element j0."""
         for j in p.loads:
             if -(j + 1) in wide:
-                w(f"{', '.join(f'x{j}_{e}' for e in range(EW_VEC))} = "
-                  f"h.load4(p_i{j}, b_i{j} + j0)")
+                self._chunk_load(w, j, f"b_i{j} + j0", [f"x{j}_{e}" for e in range(EW_VEC)])
 
     def _store_chunks(self, w, p, wide) -> None:
         """One 16-byte store per wide output of pass ``p`` from y<tag>_0..3."""
@@ -480,7 +505,7 @@ class _CudaEmitter(Emitter):
                 ref = -(j + 1)
                 names = [f"x{j}_{c}_{e}" for e in range(EW_VEC)]
                 if ref in wset:
-                    w(f"{', '.join(names)} = h.load4(p_i{j}, b_i{j} + jl{c})")
+                    self._chunk_load(w, j, f"b_i{j} + jl{c}", names)
                 else:
                     for e, n in enumerate(names):
                         w(f"{n} = " + load_expr(self.dtype(ref), f"p_i{j}",

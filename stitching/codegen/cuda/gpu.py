@@ -95,6 +95,14 @@ def pow(x, y):     # noqa: A001 - the name lower/exprs.py's pow_f32/pow_f64 map 
     return math.pow(x, y)
 
 
+@device
+def rsqrt_f32(x):
+    """TF's float32 Rsqrt as TF's GPU kernel computes it: CUDA's rsqrtf (Eigen's prsqrt
+    on float4; 2 ulp, one MUFU.RSQ instead of an IEEE square root and an IEEE
+    division)."""
+    return libdevice.rsqrtf(x)
+
+
 def roundeven(x):
     """Half-to-even rounding (TF Round): rintf / rint by type."""
 
@@ -150,6 +158,21 @@ def load4(typingctx, ary, index):
 
     def codegen(context, builder, sig, args):
         v = builder.load(_vec_ptr(context, builder, sig.args[0], *args), align=16)
+        vals = [builder.extract_element(v, ir.Constant(ir.IntType(32), e)) for e in range(4)]
+        return context.make_tuple(builder, sig.return_type, vals)
+    return sig, codegen
+
+
+@intrinsic
+def load4b(typingctx, ary, index):
+    """Four consecutive 1-byte elements as one 4-byte access (the caller guarantees the
+    index is a multiple of 4 and the base 4-byte aligned, as for load4)."""
+    if not isinstance(ary, types.Array) or ary.dtype.bitwidth != 8 or ary.ndim != 1:
+        raise TypingError("load4b needs a 1-D array of an 8-bit type")
+    sig = types.UniTuple(ary.dtype, 4)(ary, index)
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_vec_ptr(context, builder, sig.args[0], *args), align=4)
         vals = [builder.extract_element(v, ir.Constant(ir.IntType(32), e)) for e in range(4)]
         return context.make_tuple(builder, sig.return_type, vals)
     return sig, codegen

@@ -31,6 +31,11 @@ WARP = 32
 BARRIER_TIMEOUT_S = 300   # arbitrary: a lane that never arrives fails the launch, not hangs
 
 
+def rsqrt_f32(x):
+    """The GPU's rsqrtf is within 2 ulp of this (1 / sqrt in float64, rounded once)."""
+    return np.float32(1.0 / np.sqrt(np.float64(x)))
+
+
 def erf(x):
     """NumPy has no erf; math.erf never raises and is correctly rounded in float64."""
     return np.asarray(x).dtype.type(_math.erf(x))
@@ -84,9 +89,13 @@ def shfl_xor_bool(v, off):
 
 
 def load4(a, i):
-    """Four consecutive elements (on a GPU: one 16-byte vector load)."""
+    """Four consecutive elements (on a GPU: one 16-byte vector load; load4b: one 4-byte
+    load of 1-byte elements)."""
     return a[i], a[i + 1], a[i + 2], a[i + 3]
 
 
 def store4(a, i, x0, x1, x2, x3):
     a[i], a[i + 1], a[i + 2], a[i + 3] = x0, x1, x2, x3
+
+
+load4b = load4
