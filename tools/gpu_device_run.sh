@@ -10,8 +10,9 @@
 #   launcher  the C++ launcher through ctypes on PyTorch streams, refusals, CUDA graphs
 #   triton    torch.compile's generated Triton source for the patterns in $PATTERNS
 #   ncu       ncu (speed of light, occupancy, warp stalls) of our kernels for $PATTERNS
-#   sweep     tools/gpu_sweep.py over element-wise blocks and column splits
-#   tests     tests/test_codegen_cuda.py on the GPU (NUMBA_ENABLE_CUDASIM=0)
+#   sweep     tools/gpu_sweep.py over column splits and rows per loop trip
+#   tests     tests/test_codegen_cuda.py on the GPU (NUMBA_ENABLE_CUDASIM=0), those that
+#             match $TESTS_K if set
 set -u
 OUT=${OUT:-/tmp/stitching_out}
 BUDGET=540
@@ -56,10 +57,13 @@ for s in "$@"; do
            grep -E "^  k_|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Stall|cycles being stalled" \
              "$OUT/ncu.log" | head -80
          else echo "no ncu"; fi ;;
-    sweep) step 60 $PY tools/gpu_sweep.py swiglu bn_swish --threads 128,256,512 \
-             2>&1 | tee "$OUT/sweep.log" ;;
+    sweep) { step 50 $PY tools/gpu_sweep.py center_axis0 squeeze_excite --threads 256 \
+               --split 8,9,16,17
+             step 50 $PY tools/gpu_sweep.py center_axis0 squeeze_excite --threads 256 \
+               --split 8,16 --col-unroll 8; } 2>&1 | tee "$OUT/sweep.log" ;;
     tests) step 240 env NUMBA_ENABLE_CUDASIM=0 $PY -m pytest -q -x -p no:cacheprovider \
-             tests/test_codegen_cuda.py 2>&1 | tail -15 | tee "$OUT/tests.log" ;;
+             tests/test_codegen_cuda.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -15 \
+             | tee "$OUT/tests.log" ;;
     *) echo "unknown step $s" ;;
   esac
 done
