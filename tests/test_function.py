@@ -474,6 +474,28 @@ def test_a_cached_result_serves_tiered_signatures_without_compiling():
         np.testing.assert_allclose(out, tf.function(fn)(v).numpy(), rtol=2e-6, atol=2e-6)
 
 
+def test_a_warm_cache_under_an_input_signature_traces_as_often_as_tf_function():
+    """Under an input_signature every shape shares one trace.  A warm process's second
+    shape must not probe the result cache with a twin trace (TF traces nothing there,
+    and experimental_get_tracing_count counted the probe: 2 where TF reads 1)."""
+    def fn(x):
+        return tf.nn.softmax(x * 2.0 + 1.0)
+    sig = [tf.TensorSpec([None, 24], tf.float32)]
+    opts = stitching.Options(background_compile=True)
+    xs = [tf.constant(np.random.default_rng(n).standard_normal((n, 24)), tf.float32)
+          for n in (5, 3)]
+    first = stitching.function(fn, input_signature=sig, options=opts)
+    for x in xs:
+        first(x)
+        assert first.wait(timeout=300)
+    f = stitching.function(fn, input_signature=sig, options=opts)   # a warm process
+    stock = tf.function(fn, input_signature=sig)
+    for x in xs + xs:
+        np.testing.assert_allclose(f(x).numpy(), stock(x).numpy(), rtol=2e-6, atol=2e-6)
+    assert f.wait(timeout=300) and f._probe is None
+    assert f.experimental_get_tracing_count() == stock.experimental_get_tracing_count() == 1
+
+
 def test_background_compile_failure_keeps_stock_tf(monkeypatch):
     from stitching.tf import pipeline
 
