@@ -150,32 +150,29 @@ def _vec_ptr(context, builder, aryty, ary, index):
     return builder.bitcast(builder.gep(data, [index]), vty.as_pointer())
 
 
-@intrinsic
-def load4(typingctx, ary, index):
-    if not isinstance(ary, types.Array) or ary.dtype.bitwidth != 32 or ary.ndim != 1:
-        raise TypingError("load4 needs a 1-D array of a 32-bit type")
-    sig = types.UniTuple(ary.dtype, 4)(ary, index)
+def _load4_intrinsic(bits: int, align: int):
+    """An intrinsic loading elements i..i+3 of a 1-D array of ``bits``-bit elements as one
+    <4 x T> access of ``align`` bytes, returned as a 4-tuple."""
+    def typer(typingctx, ary, index):
+        if not isinstance(ary, types.Array) or ary.dtype.bitwidth != bits or ary.ndim != 1:
+            raise TypingError(f"needs a 1-D array of a {bits}-bit type")
+        sig = types.UniTuple(ary.dtype, 4)(ary, index)
 
-    def codegen(context, builder, sig, args):
-        v = builder.load(_vec_ptr(context, builder, sig.args[0], *args), align=16)
-        vals = [builder.extract_element(v, ir.Constant(ir.IntType(32), e)) for e in range(4)]
-        return context.make_tuple(builder, sig.return_type, vals)
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            v = builder.load(_vec_ptr(context, builder, sig.args[0], *args), align=align)
+            vals = [builder.extract_element(v, ir.Constant(ir.IntType(32), e))
+                    for e in range(4)]
+            return context.make_tuple(builder, sig.return_type, vals)
+        return sig, codegen
+    typer.__name__ = typer.__qualname__ = f"load4_{bits}bit"   # numba names intrinsics by it
+    return typer
 
 
-@intrinsic
-def load4b(typingctx, ary, index):
-    """Four consecutive 1-byte elements as one 4-byte access (the caller guarantees the
-    index is a multiple of 4 and the base 4-byte aligned, as for load4)."""
-    if not isinstance(ary, types.Array) or ary.dtype.bitwidth != 8 or ary.ndim != 1:
-        raise TypingError("load4b needs a 1-D array of an 8-bit type")
-    sig = types.UniTuple(ary.dtype, 4)(ary, index)
-
-    def codegen(context, builder, sig, args):
-        v = builder.load(_vec_ptr(context, builder, sig.args[0], *args), align=4)
-        vals = [builder.extract_element(v, ir.Constant(ir.IntType(32), e)) for e in range(4)]
-        return context.make_tuple(builder, sig.return_type, vals)
-    return sig, codegen
+# 4-byte elements, one 16-byte access (ld.global.v4.b32)
+load4 = intrinsic(_load4_intrinsic(32, 16))
+# 1-byte elements (bool inputs), one 4-byte access; the index a multiple of 4, the base
+# 4-byte aligned (the host checks 16, as for load4)
+load4b = intrinsic(_load4_intrinsic(8, 4))
 
 
 @intrinsic
