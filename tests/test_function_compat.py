@@ -662,3 +662,31 @@ def test_a_stitched_function_called_inside_an_xla_function_is_traced_as_is():
                                rtol=1e-5)
     assert body.report.kernels
     np.testing.assert_allclose(outer(y).numpy(), (body(y) * 3.0).numpy(), rtol=1e-5)
+
+
+def test_updates_in_a_cond_branch_that_returns_nothing_run_after_stitching():
+    """A branch whose only effects are variable updates (Keras's LossScaleOptimizer
+    applies gradients so; so does gradient accumulation applied every k steps): its
+    stitched body keeps the updates as control outputs.  Without them TF's inlining of
+    the lowered branch pruned them: the weights never moved, silently."""
+    v = tf.Variable(tf.zeros([4]))
+    n = tf.Variable(0, dtype=tf.int64)
+
+    def step(x):
+        def update():
+            v.assign_add(x * 2.0 + 1.0)          # fused into a kernel in the branch
+            n.assign_add(1)
+        tf.cond(tf.reduce_all(tf.math.is_finite(x)), update, lambda: None)
+        return tf.reduce_sum(x)
+
+    for fn in (tf.function(step),
+               stitching.function(step, options=stitching.Options(background_compile=False))):
+        v.assign(tf.zeros([4]))
+        n.assign(0)
+        for _ in range(3):
+            fn(tf.ones([4]))
+        fn(tf.constant([1.0, np.nan, 0.0, 0.0]))  # the other branch: nothing changes
+        np.testing.assert_array_equal(v.numpy(), [9.0] * 4)
+        assert int(n.numpy()) == 3
+    (then,) = [r for name, r, _ in fn.report.bodies if name.startswith("cond_true")]
+    assert then.kernels, fn.report.summary()      # the branch was stitched

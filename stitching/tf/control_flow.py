@@ -182,8 +182,12 @@ def _tensor(name: str) -> str:
 
 def _to_function_def(fdef, gdef, fetches, keep):
     """``gdef`` (a stitched body) as a FunctionDef with ``fdef``'s argument and result
-    types, in order, named by a hash of its content.  Stateful ops without a data
-    result (kept) stay in the body: a function runs every stateful op it holds."""
+    types, in order, and its control outputs (``keep``: the stateful ops without a data
+    result, e.g. a cond branch's variable updates), named by a hash of its content.
+    The control outputs must stay: TF inlines a lowered branch with its control
+    outputs as the only control source (InlineFunctionBody's kControlOutputs), so a
+    body without them has its side effects pruned (a LossScaleOptimizer's update, in
+    a branch that returns nothing, silently never ran)."""
     g = tf.Graph()
     with g.as_default():
         _import_library(gdef.library)
@@ -203,6 +207,9 @@ def _to_function_def(fdef, gdef, fetches, keep):
     new = graph_to_function_def.graph_to_function_def(
         g, [op for op in g.get_operations() if op not in args], inputs,
         outs[:len(fetches)], [a.name for a in fdef.signature.output_arg])
+    for name, op in zip(fdef.signature.control_output, outs[len(fetches):]):
+        new.signature.control_output.append(name)
+        new.control_ret[name] = op.name
     new.attr.MergeFrom(fdef.attr)
     digest = hashlib.sha256(new.SerializeToString(deterministic=True)).hexdigest()[:16]
     new.signature.name = f"{fdef.signature.name}{STITCHED}{digest}"
