@@ -774,3 +774,36 @@ def test_a_graph_cannot_plant_kernels_for_a_later_model(shipped, tmp_path):
     assert out["savedmodel"] < 1e-5 and out["graphdef"] < 1e-5, out
     assert out["fallbacks"] == 0, out
     assert "a kernel file that does not belong" in r.stderr, r.stderr[-3000:]
+
+
+def test_a_saved_model_with_control_flow_in_its_signature_is_rewritten(tmp_path):
+    """A signature whose function holds a tf.cond (and one with a tf.while_loop): the
+    function that calls the stitched branches is renamed with them (saving refused two
+    definitions of one name, the original's and the edited one); both branches and the
+    loop answer as the original does, stitched."""
+    from stitching.saved_model import rewrite_saved_model
+
+    class M(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 16], tf.float32, name="x")])
+        def cond(self, x):
+            y = tf.cond(tf.reduce_sum(x) > 0, lambda: tf.nn.relu(x * 2.0 + 1.0),
+                        lambda: tf.tanh(x - 1.0) * 3.0)
+            return {"y": tf.exp(y) / (1.0 + y * y)}
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 16], tf.float32, name="x")])
+        def loop(self, x):
+            _, y = tf.while_loop(lambda i, v: i < 3,
+                                 lambda i, v: (i + 1, tf.tanh(v * 1.5 + 0.1)), [0, x])
+            return {"y": y}
+    m = M()
+    tf.saved_model.save(m, str(tmp_path / "src"), signatures={"cond": m.cond, "loop": m.loop})
+    rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))
+    src, dst = (tf.saved_model.load(str(tmp_path / d)) for d in ("src", "dst"))
+    rng = np.random.default_rng(3)
+    for key in ("cond", "loop"):
+        fns = dst.signatures[key].graph.as_graph_def().library.function
+        assert any(n.op == "StitchedKernel" for f in fns for n in f.node_def), key
+        for shift in (1.0, -1.0):                  # both branches
+            x = tf.constant(rng.standard_normal((5, 16)).astype(np.float32) + shift)
+            np.testing.assert_allclose(dst.signatures[key](x=x)["y"],
+                                       src.signatures[key](x=x)["y"], rtol=1e-6, atol=1e-6)

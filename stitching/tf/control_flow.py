@@ -224,11 +224,36 @@ def _import_library(library) -> None:
 
 
 def _rename_calls(graph_def, renamed) -> None:
-    nodes = list(graph_def.node)
-    for f in graph_def.library.function:
-        nodes.extend(f.node_def)
-    for n in nodes:
-        for attr in CALLERS.get(n.op, ()):
-            new = renamed.get(n.attr[attr].func.name)
+    """Points every call of a function in ``renamed`` (any function-valued attr: a
+    control-flow branch or body, a PartitionedCall's ``f``, in the graph and in its
+    library) at the new name.  A library function whose body that edits gets a new name
+    too (``<name>_stitched_<hash of its content>``), and so on up to the graph: the
+    runtime keeps one definition per name, and the original still holds the old one
+    (a SavedModel's signature calls a function that holds a tf.cond: saving both
+    refused "a duplicate function with name ... where the definitions differ")."""
+    renamed = dict(renamed)
+    pending = dict(renamed)
+    while pending:
+        for n in graph_def.node:
+            _retarget(n, pending)
+        changed = [f for f in graph_def.library.function
+                   if f.signature.name not in renamed.values() and
+                   sum(_retarget(n, pending) for n in f.node_def)]
+        pending = {}
+        for f in changed:
+            old = f.signature.name
+            f.signature.name = ""
+            digest = hashlib.sha256(f.SerializeToString(deterministic=True)).hexdigest()
+            f.signature.name = pending[old] = renamed[old] = f"{old}{STITCHED}{digest[:16]}"
+
+
+def _retarget(node, renamed) -> bool:
+    """Renames, in place, the functions ``node``'s attrs call; whether any was."""
+    hit = False
+    for attr in node.attr.values():
+        funcs = [attr.func] if attr.HasField("func") else list(attr.list.func)
+        for fn in funcs:
+            new = renamed.get(fn.name)
             if new is not None:
-                n.attr[attr].func.name = new
+                fn.name, hit = new, True
+    return hit
