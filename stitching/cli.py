@@ -169,16 +169,26 @@ def _default_options():
     return Options(fallback=True)   # a shipped graph keeps its original segments
 
 
-def _options(args):
+def _options(ap, args):
+    """The Options the flags ask for; a value Options refuses is a usage error (exit 2)
+    naming the flag."""
     from .options import Options
     kw = {"fallback": True}
-    for _flag, field, _ in _OPTION_FLAGS:
+    flags = {}
+    for flag, field, _ in _OPTION_FLAGS:
         value = getattr(args, field)
         if value is not None:
             kw[field] = value
+            flags[field] = flag
     if args.autotune_margin is not None:
         kw["autotune"] = True
-    return Options(**kw)
+    try:
+        return Options(**kw)
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        for field, flag in flags.items():
+            msg = msg.replace(f"Options.{field}", flag)
+        ap.error(msg)
 
 
 def _version() -> str:
@@ -240,15 +250,21 @@ def main(argv=None) -> int:
     if os.path.exists(args.src):
         _check_kinds(ap, args)
     embed = not args.no_kernels
+    options = _options(ap, args)
+    if args.json:        # before the rewrite: a report it cannot write fails nothing late
+        where = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(where):
+            ap.error(f"--report {args.json}: " + ("a directory" if os.path.isdir(args.json)
+                                                  else f"no directory {where}"))
     try:
-        options = _options(args)
         with _output(args) as dst:
             if os.path.isdir(args.src):
                 from .saved_model import rewrite_saved_model
                 reports = rewrite_saved_model(args.src, dst, signature_keys=args.signature,
                                               options=options, embed_kernels=embed)
             elif os.path.isfile(args.src):
-                outs = args.outputs.split(",") if args.outputs else None
+                outs = [o.strip() for o in args.outputs.split(",") if o.strip()] \
+                    if args.outputs else None
                 reports = rewrite_graph_def_file(args.src, dst, outs, options=options,
                                                  embed_kernels=embed)
             else:
@@ -260,8 +276,13 @@ def main(argv=None) -> int:
     for keys, rep in _distinct(reports):
         print(f"[{', '.join(keys)}]\n{rep.summary()}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({k: r.to_dict() for k, r in reports.items()}, f, indent=2)
+        try:
+            with open(args.json, "w") as f:
+                json.dump({k: r.to_dict() for k, r in reports.items()}, f, indent=2)
+        except OSError as e:
+            print(f"stitching-rewrite: error: --report {args.json}: {e.strerror or e} (the "
+                  f"model was written)", file=sys.stderr)
+            return 1
     return 0
 
 

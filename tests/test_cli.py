@@ -83,14 +83,14 @@ def test_version(capsys):
 
 def test_option_flags_reach_options():
     ap = cli._parser()
-    o = cli._options(ap.parse_args(["a.pb", "b.pb", "--planner", "greedy", "--min-ops", "1",
-                                    "--no-seq-split", "--no-gemm", "--autotune",
-                                    "--xla-gemm"]))
+    o = cli._options(ap, ap.parse_args(["a.pb", "b.pb", "--planner", "greedy", "--min-ops",
+                                        "1", "--no-seq-split", "--no-gemm", "--autotune",
+                                        "--xla-gemm"]))
     assert (o.planner, o.min_ops, o.seq_split, o.gemm, o.einsum) == ("greedy", 1, False,
                                                                     False, True)
     assert o.xla_gemm
     assert o.autotune and o.autotune_margin == 1.3 and o.fallback
-    o = cli._options(ap.parse_args(["a.pb", "b.pb", "--no-fallback"]))
+    o = cli._options(ap, ap.parse_args(["a.pb", "b.pb", "--no-fallback"]))
     assert not o.fallback and not o.autotune
     # every flag's dest is an Options field
     import dataclasses
@@ -99,10 +99,39 @@ def test_option_flags_reach_options():
     assert {field for _, field, _ in cli._OPTION_FLAGS} <= fields
 
 
-def test_bad_option_value_is_one_line(graph, tmp_path, capsys):
-    assert cli.main([str(graph), str(tmp_path / "o.pb"), "--min-ops", "0"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Options.min_ops" in err
+@pytest.mark.parametrize("flag,value", [("--min-ops", "0"), ("--autotune", "0.5")])
+def test_a_bad_option_value_is_a_usage_error_naming_the_flag(graph, tmp_path, capsys,
+                                                               flag, value):
+    _usage_error(capsys, [graph, tmp_path / "o.pb", flag, value], f"{flag} must be")
+    assert not (tmp_path / "o.pb").exists()
+
+
+def test_a_report_path_that_cannot_be_written_is_refused_before_the_rewrite(
+        graph, tmp_path, capsys):
+    for bad in (tmp_path, tmp_path / "missing" / "r.json"):
+        _usage_error(capsys, [graph, tmp_path / "o.pb", "--report", bad], "--report")
+    assert not (tmp_path / "o.pb").exists()
+
+
+def test_outputs_may_be_listed_with_spaces(graph, tmp_path):
+    out = tmp_path / "o.pb"
+    name = frozen_softmax_graph_def().node[-1].name
+    assert cli.main([str(graph), str(out), "--outputs", f" {name} , "]) == 0 and out.exists()
+
+
+def test_a_graph_file_cut_at_a_node_boundary_is_refused(graph, tmp_path, capsys):
+    """A binary GraphDef cut after a whole node still parses, less its last nodes (the
+    output among them); TF writes ``versions`` last, so its absence names the cut."""
+    data = graph.read_bytes()
+    gd = tf.compat.v1.GraphDef.FromString(data)
+    cut = tf.compat.v1.GraphDef()
+    cut.node.extend(gd.node[:-1])
+    cut_file = tmp_path / "cut.pb"
+    cut_file.write_bytes(data[:len(cut.SerializeToString())])
+    assert cli.main([str(cut_file), str(tmp_path / "o.pb")]) == 1
+    err = capsys.readouterr().err
+    assert "truncated" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o.pb").exists()
 
 
 def test_help_is_plain_text(capsys):

@@ -51,6 +51,12 @@ def read_graph_def(path: str):
                              f"({len(data)} bytes: {e})") from None
     if not gd.node:
         raise GraphFileError(f"{path}: the GraphDef has no nodes")
+    if not gd.versions.producer:
+        # TF writes ``versions`` after the nodes: a file cut at a node's end still parses,
+        # less its last nodes (an output among them), and has none
+        raise GraphFileError(f"{path}: the GraphDef has no versions.producer, which TF "
+                             f"writes last: the file is truncated (or was not written "
+                             f"by TF's GraphDef serializer)")
     return gd
 
 
