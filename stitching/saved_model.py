@@ -64,9 +64,12 @@ def _rewrite_saved_model(src, dst, options, signature_keys, embed_kernels) -> di
         if same != key:     # e.g. Keras export's 'serve' and 'serving_default'
             new_sigs[key], reports[key] = new_sigs[same], reports[same]
             continue
-        sig = [tf.TensorSpec(t.shape, t.dtype, name=n) for n, t in
-               sorted(cf.structured_input_signature[1].items())]
-        names = [s.name for s in sig]
+        # the call's keywords are TF's Python-identifier form of the SignatureDef's input
+        # keys; the specs keep the keys themselves ("my-input.0"), which the rewritten
+        # SignatureDef then has as the original did (a TF Serving client sends them)
+        inputs = sorted(cf.structured_input_signature[1].items())
+        sig = [tf.TensorSpec(t.shape, t.dtype, name=t.name or n) for n, t in inputs]
+        names = [n for n, _ in inputs]
 
         sf = StitchedFunction(_signature_caller(cf, names, key), input_signature=sig,
                               options=options or Options(fallback=True))

@@ -807,3 +807,31 @@ def test_a_saved_model_with_control_flow_in_its_signature_is_rewritten(tmp_path)
             x = tf.constant(rng.standard_normal((5, 16)).astype(np.float32) + shift)
             np.testing.assert_allclose(dst.signatures[key](x=x)["y"],
                                        src.signatures[key](x=x)["y"], rtol=1e-6, atol=1e-6)
+
+
+def test_signature_input_keys_that_are_not_identifiers_are_kept(tmp_path):
+    """A SignatureDef input key is what a TF Serving client sends ("my-input.0"); the
+    rewritten model keeps it, not TF's Python-identifier form of it (my_input_0)."""
+    from tensorflow.core.protobuf import saved_model_pb2
+    from stitching.saved_model import rewrite_saved_model
+
+    class M(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 16], tf.float32, name="my-input.0"),
+                                      tf.TensorSpec([None, 16], tf.float32, name="b")])
+        def f(self, x, b):
+            return {"out-1": tf.nn.softmax(x * 3.0 - b)}
+    m = M()
+    tf.saved_model.save(m, str(tmp_path / "src"), signatures={"serving_default": m.f})
+    rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))
+
+    def keys(d):
+        sm = saved_model_pb2.SavedModel.FromString((tmp_path / d / "saved_model.pb").read_bytes())
+        sd = sm.meta_graphs[0].signature_def["serving_default"]
+        return sorted(sd.inputs), sorted(sd.outputs)
+    assert keys("dst") == keys("src") == (["b", "my-input.0"], ["out-1"])
+    x = tf.constant(np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32))
+    src, dst = (tf.saved_model.load(str(tmp_path / d)) for d in ("src", "dst"))
+    feed = {"my-input.0": x, "b": x * 0.5}
+    np.testing.assert_allclose(dst.signatures["serving_default"](**feed)["out-1"],
+                               src.signatures["serving_default"](**feed)["out-1"],
+                               rtol=1e-6, atol=1e-7)
