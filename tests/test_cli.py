@@ -139,3 +139,24 @@ def test_help_is_plain_text(capsys):
         cli.main(["--help"])
     text = capsys.readouterr().out
     assert "``" not in text and "examples:" in text and "--planner" in text
+
+
+def test_a_tf1_while_loop_is_refused_naming_its_node(tmp_path, capsys):
+    """freeze_graph's form of a tf.compat.v1.while_loop (Enter/Merge/NextIteration/Exit)
+    is a cycle; the error names the file and the back-edge node, not a bare 'graph has
+    a cycle'."""
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        g = tf.Graph()
+        with g.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
+            _, y = tf.compat.v1.while_loop(lambda i, v: i < 3,
+                                           lambda i, v: (i + 1, tf.sigmoid(v * 1.5)), [0, x])
+            tf.identity(tf.nn.softmax(y), name="out")
+    finally:
+        tf.compat.v1.enable_control_flow_v2()
+    src = tmp_path / "v1_while.pb"
+    src.write_bytes(g.as_graph_def().SerializeToString())
+    assert cli.main([str(src), str(tmp_path / "o.pb"), "--outputs", "out"]) == 1
+    err = capsys.readouterr().err
+    assert "v1_while.pb" in err and "NextIteration" in err and "TF1 while loop" in err

@@ -79,6 +79,13 @@ def check_graph_def(gd, where: str, fetches=()) -> None:
         if n.op not in functions and op_def_registry.get(n.op) is None:
             raise GraphFileError(f"{where}: node {n.name!r} has op {n.op!r}, which this "
                                  f"TensorFlow does not know")
+        if n.op in ("NextIteration", "RefNextIteration"):
+            # its back edge makes the graph cyclic, which the IR (a DAG) cannot hold
+            raise GraphFileError(
+                f"{where}: node {n.name!r} is the back edge of a TF1 while loop "
+                f"(Enter/Merge/NextIteration/Exit, as freeze_graph writes a "
+                f"tf.compat.v1.while_loop): stitching rewrites TF2 control flow (While "
+                f"ops) only; export the model from TF2 (control flow v2) to rewrite it")
         for i in n.input:
             src = i.lstrip("^").split(":")[0]
             if src not in names:
