@@ -68,15 +68,24 @@ def rewrite_graph_def(graph_def, outputs=None, options=None, name="graph"):
 
 
 def rewrite_graph_def_file(src, dst, outputs=None, options=None, embed_kernels=True):
+    import shutil
+    if os.path.isdir(dst):
+        raise IsADirectoryError(f"{dst}: is a directory (a GraphDef is written to a file)")
     graph_def, report = rewrite_graph_def(_read_graph_def(src), outputs, options,
                                           name=os.path.basename(src))
-    if embed_kernels:       # first: the graph records the sidecar manifest's hash
-        _write_sidecar(graph_def, dst)
-    if dst.endswith(".pbtxt"):
-        from google.protobuf import text_format
-        open(dst, "w").write(text_format.MessageToString(graph_def))
-    else:
-        open(dst, "wb").write(graph_def.SerializeToString())
+    side = dst + ".kernels"
+    shutil.rmtree(side, ignore_errors=True)   # an earlier run's: stale, shipped or not
+    try:
+        if embed_kernels:   # first: the graph records the sidecar manifest's hash
+            _write_sidecar(graph_def, dst)
+        if dst.endswith(".pbtxt"):
+            from google.protobuf import text_format
+            open(dst, "w").write(text_format.MessageToString(graph_def))
+        else:
+            open(dst, "wb").write(graph_def.SerializeToString())
+    except BaseException:
+        shutil.rmtree(side, ignore_errors=True)   # no kernels beside a graph not written
+        raise
     return {"graph": report}
 
 
@@ -84,11 +93,8 @@ def _write_sidecar(graph_def, dst) -> None:
     """The kernels' shared objects beside a GraphDef: ``<dst>.kernels/`` (load them
     with ``stitching.install_kernels``; kernel_assets.py).  The manifest's SHA-256
     goes into ``graph_def`` (in place), as a SavedModel's goes into its graph."""
-    import shutil
-
     from .tf.kernel_assets import export, record_manifest, specs_in
     side = dst + ".kernels"
-    shutil.rmtree(side, ignore_errors=True)
     specs = specs_in(graph_def)
     if specs:
         _, _, sha = export(specs, side)
@@ -241,6 +247,12 @@ def _check_kinds(ap, args) -> None:
     if (same or inside) and not args.overwrite:
         ap.error(f"the output {args.dst} would overwrite the input {args.src}; choose "
                  f"another output, or pass --overwrite")
+    if os.path.isdir(args.src) and not same and os.path.isdir(args.dst) and \
+            os.listdir(args.dst) and not args.overwrite:
+        # a SavedModel saved into it would keep the files it does not write (another
+        # model's kernel assets among them)
+        ap.error(f"the output {args.dst} is a directory that is not empty; choose "
+                 f"another output, or pass --overwrite to replace it")
 
 
 def main(argv=None) -> int:
@@ -297,10 +309,16 @@ def _distinct(reports: dict) -> list:
 
 @contextlib.contextmanager
 def _output(args):
-    """The path to write to: ``dst`` itself, or, when it is the input (--overwrite), a
-    sibling moved over the input once the rewrite succeeded (the rewrite reads the
-    input while it writes)."""
-    if not (os.path.exists(args.dst) and os.path.samefile(args.src, args.dst)):
+    """The path to write to: ``dst`` itself, or, when it is the input or an existing
+    SavedModel directory (--overwrite), a sibling moved over it once the rewrite
+    succeeded (the rewrite reads the input while it writes; an old model's files must
+    not stay beside the new one's)."""
+    same = os.path.exists(args.dst) and os.path.samefile(args.src, args.dst)
+    src, dst = os.path.realpath(args.src), os.path.realpath(args.dst)
+    # another SavedModel's directory, replaced whole (never one that holds the input)
+    replace = os.path.isdir(src) and os.path.isdir(dst) and args.overwrite and \
+        os.path.commonpath([src, dst]) != dst
+    if not (same or replace):
         yield args.dst
         return
     import shutil

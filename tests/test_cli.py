@@ -160,3 +160,24 @@ def test_a_tf1_while_loop_is_refused_naming_its_node(tmp_path, capsys):
     assert cli.main([str(src), str(tmp_path / "o.pb"), "--outputs", "out"]) == 1
     err = capsys.readouterr().err
     assert "v1_while.pb" in err and "NextIteration" in err and "TF1 while loop" in err
+
+
+def test_no_stale_kernels_beside_or_inside_an_output(graph, saved_model, tmp_path, capsys):
+    """A GraphDef written to a directory fails before anything is written; --no-kernels
+    removes an earlier run's sidecar; an existing SavedModel directory is replaced only
+    with --overwrite, and then whole (no old model's kernel assets left in it)."""
+    (tmp_path / "d").mkdir()
+    assert cli.main([str(graph), str(tmp_path / "d")]) == 1
+    assert "is a directory" in capsys.readouterr().err
+    assert not (tmp_path / "d.kernels").exists() and not os.listdir(tmp_path / "d")
+    out = tmp_path / "o.pb"
+    assert cli.main([str(graph), str(out)]) == 0 and (tmp_path / "o.pb.kernels").is_dir()
+    assert cli.main([str(graph), str(out), "--no-kernels"]) == 0
+    assert not (tmp_path / "o.pb.kernels").exists()
+    old = tmp_path / "old_model"
+    old.mkdir()
+    (old / "stale.so").write_bytes(b"x")
+    _usage_error(capsys, [saved_model, old], "not empty")
+    assert cli.main([str(saved_model), str(old), "--overwrite"]) == 0
+    assert not (old / "stale.so").exists() and (old / "saved_model.pb").exists()
+    assert os.path.isdir(saved_model) and (saved_model / "saved_model.pb").exists()

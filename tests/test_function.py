@@ -1155,3 +1155,18 @@ def test_cancel_at_exit_stops_background_compiles_only(monkeypatch):
     assert not f.wait(timeout=300) and f.report is None
     assert isinstance(f.background_errors[0], parallel.Cancelled)
     np.testing.assert_allclose(f(x).numpy(), np.exp(1.0) * 2, rtol=1e-6)
+
+
+def test_numpy_batches_of_many_sizes_share_a_relaxed_trace_as_tensors_do():
+    """NumPy arrays are traced as tensors (tf.function's rule), so they take the
+    relaxed shapes too: a step fed NumPy batches of several sizes traces as it would
+    for tensors, not once per size (each a full plan and compile), with TF's numbers."""
+    def step(x, w):
+        return tf.nn.softmax(tf.matmul(x, w) * 0.5) + x[:, :1]
+    f = stitching.function(step, options=stitching.Options(background_compile=False))
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    for n in (4, 7, 9, 12, 3):
+        x = rng.standard_normal((n, 8)).astype(np.float32)
+        np.testing.assert_allclose(f(x, w), tf.function(step)(x, w), rtol=1e-5, atol=1e-6)
+    assert f.experimental_get_tracing_count() == 2, f.experimental_get_tracing_count()

@@ -88,6 +88,7 @@ import threading
 import time
 import weakref
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.autograph.impl.api import autograph_artifact
 from tensorflow.python.eager.polymorphic_function import function_type_utils
@@ -323,6 +324,8 @@ class StitchedFunction(tf_pf.Function):
             # for StitchedKernel and fuses the ops itself; a stitched trace cached for
             # this signature by an eager call must not be reused here
             return self._stock_function()(*args, **kwds)
+        if not kwds:
+            args = _arrays_as_tensors(args)
         if not kwds and self._fast_path_ready():
             key = _eager_key(args)
             if key is not None:
@@ -1106,6 +1109,17 @@ def _flat_in(cf, args):
     if type(cf) is _StockTier:
         return cf
     return cf if len(cf.inputs) - len(cf.captured_inputs) == len(args) else False
+
+
+def _arrays_as_tensors(args):
+    """``args`` with NumPy arrays of numbers or bools as eager tensors, as tf.function
+    takes them (it traces an array by dtype and shape, as a tensor): so they take the
+    fast path and its relaxed shapes too (a training step fed NumPy batches of 36 sizes
+    made 36 stitched traces, each planned and compiled)."""
+    if not any(isinstance(a, np.ndarray) for a in args) or not tf.executing_eagerly():
+        return args
+    return tuple(tf.convert_to_tensor(a) if isinstance(a, np.ndarray) and
+                 a.dtype.kind in "biufc" else a for a in args)
 
 
 def _eager_key(args):
