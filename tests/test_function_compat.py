@@ -690,3 +690,5 @@ def test_updates_in_a_cond_branch_that_returns_nothing_run_after_stitching():
         assert int(n.numpy()) == 3
     (then,) = [r for name, r, _ in fn.report.bodies if name.startswith("cond_true")]
     assert then.kernels, fn.report.summary()      # the branch was stitched
+    (why,) = [w for name, _, w in fn.report.bodies if name.startswith("cond_false")]
+    assert why.startswith("an empty function"), why   # not Grappler's import error

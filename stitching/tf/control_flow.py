@@ -73,6 +73,11 @@ def stitch_bodies(graph_def, stitch, name: str, resources: dict | None = None) -
         fdef = library.get(fname)
         if fdef is None:
             continue
+        if not fdef.signature.output_arg and not fdef.signature.control_output:
+            # a branch that does nothing (tf.cond's `lambda: None`): Grappler would log
+            # "Failed to detect the fetch node(s)" and refuse it
+            out.append((fname, None, "an empty function: no outputs, no side effects"))
+            continue
         try:
             new_fdef, report, body_library = _stitch_one(
                 fdef, graph_def.library, stitch, f"{name}/{fname}", shapes.get(fname, {}))
