@@ -263,5 +263,6 @@ def test_stitching_rewrite_autotune_marks_a_graph_that_measures_where_it_runs(tm
         np.testing.assert_allclose(run(tf.constant(x_np))[0].numpy(), ref,
                                    rtol=1e-6, atol=1e-6)
     assert _delta(before)["autotune_measured"] == 1
-    assert cli.main([str(tmp_path / "g.pb"), out, "--outputs", "y",
-                     "--autotune", "0.5"]) == 1          # a margin below 1 is refused
+    with pytest.raises(SystemExit) as refused:           # a margin below 1: a usage error
+        cli.main([str(tmp_path / "g.pb"), out, "--outputs", "y", "--autotune", "0.5"])
+    assert refused.value.code == 2

@@ -692,3 +692,44 @@ def test_updates_in_a_cond_branch_that_returns_nothing_run_after_stitching():
     assert then.kernels, fn.report.summary()      # the branch was stitched
     (why,) = [w for name, _, w in fn.report.bodies if name.startswith("cond_false")]
     assert why.startswith("an empty function"), why   # not Grappler's import error
+
+
+def test_nested_control_flow_runs_its_stitched_bodies():
+    """A tf.cond inside a while body, and inside a tf.function the body calls: every
+    function on the way down that calls a stitched body is itself renamed, so what the
+    graph runs reaches the stitched bodies only (an edited caller kept its old name,
+    and the runtime's original definition of that name ran the unstitched bodies)."""
+    v = tf.Variable(tf.zeros([8]))
+
+    @tf.function
+    def inner(x):
+        return tf.cond(tf.reduce_sum(x) > 0, lambda: tf.nn.relu(x * 2.0 + 1.0),
+                       lambda: tf.tanh(x - 1.0) * 3.0)
+
+    def fn(x):
+        def body(i, y):
+            y = tf.cond(tf.reduce_max(y) > 2.0, lambda: y * 0.5 - 0.1,
+                        lambda: tf.sigmoid(y) * 3.0)
+            return i + 1, inner(y) * 0.9
+        _, y = tf.while_loop(lambda i, y: i < 4, body, [0, x])
+        v.assign_add(tf.reduce_mean(y, 0))
+        return y
+    f = stitching.function(fn, options=stitching.Options(background_compile=False))
+    ref = tf.function(fn)
+    for shift in (1.0, -1.0):
+        x = tf.constant(np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+                        + shift)
+        np.testing.assert_allclose(f(x), ref(x), rtol=1e-5, atol=1e-5)
+    stitched = [name for name, r, _ in f.report.bodies if r is not None and r.kernels]
+    assert len(stitched) >= 4, f.report.summary()
+    gd = f.get_concrete_function(x).graph.as_graph_def()
+    library = {fn.signature.name: fn for fn in gd.library.function}
+    reached, todo = set(), [n for n in gd.node]
+    while todo:
+        for attr in todo.pop().attr.values():
+            for called in ([attr.func] if attr.HasField("func") else attr.list.func):
+                if called.name in library and called.name not in reached:
+                    reached.add(called.name)
+                    todo.extend(library[called.name].node_def)
+    assert not reached & set(stitched), sorted(reached & set(stitched))
+    assert all(any(r.startswith(name + "_stitched_") for r in reached) for name in stitched)

@@ -241,9 +241,11 @@ def _rename_calls(graph_def, renamed) -> None:
     while pending:
         for n in graph_def.node:
             _retarget(n, pending)
+        # every function's calls follow (a stitched body's too: nested control flow);
+        # one edited here keeps a name it got in this loop or from stitching
         changed = [f for f in graph_def.library.function
-                   if f.signature.name not in renamed.values() and
-                   sum(_retarget(n, pending) for n in f.node_def)]
+                   if sum(_retarget(n, pending) for n in f.node_def) and
+                   f.signature.name not in renamed.values()]
         pending = {}
         for f in changed:
             old = f.signature.name
