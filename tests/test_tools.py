@@ -32,9 +32,11 @@ def test_gpu_section_renders_from_a_recorded_run_without_tensorflow(tmp_path):
     rows = json.load(open(RUN))["rows"]
     section = text.split("<!-- suite:gpu -->")[1]
     assert all(f"| {r['pattern']} |" in section for r in rows)
-    assert "geomean speedup:" in section and "row reductions: worst" in section
+    assert "geomean speedup:" in section and "bandwidth: worst" in section
+    assert "ceiling: every pattern at the copy bandwidth would be" in section
     # the verdicts are computed from the rows, not copied
     assert "**FAIL** geomean >= 1.3x torch.compile: 0.70x" in section
+    assert "**FAIL** none below 0.9x torch.compile:" in section
 
 
 def test_a_run_on_another_machine_class_gets_its_own_section():
