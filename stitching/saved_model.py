@@ -50,6 +50,7 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
 
 
 def _rewrite_saved_model(src, dst, options, signature_keys, embed_kernels) -> dict:
+    _refuse_rewritten_file(src)
     model = tf.saved_model.load(src)
     keys = signature_keys or list(model.signatures.keys())
     if not keys:
@@ -212,6 +213,30 @@ def _identity(cf) -> tuple:
         if isinstance(cf.structured_outputs, dict) else repr(cf.structured_outputs)
     return (tuple(calls), repr(cf.structured_input_signature), repr(outs)) if calls \
         else (id(cf),)
+
+
+def _refuse_rewritten_file(src) -> None:
+    """A rewritten SavedModel, refused from its ``saved_model.pb`` before it is loaded:
+    loading it would first install its kernels (and print their warnings) only to be
+    refused.  A file that does not parse is left to ``tf.saved_model.load``."""
+    import os
+
+    from google.protobuf.message import DecodeError
+    from tensorflow.core.protobuf import saved_model_pb2
+    from .tf.graph_file import STITCHED_OP
+    try:
+        with open(os.path.join(src, "saved_model.pb"), "rb") as f:
+            sm = saved_model_pb2.SavedModel.FromString(f.read())
+    except (OSError, DecodeError):
+        return
+    for mg in sm.meta_graphs:
+        for where, nodes in [("its graph", mg.graph_def.node)] + \
+                [(f"function {f.signature.name!r}", f.node_def)
+                 for f in mg.graph_def.library.function]:
+            if any(n.op == STITCHED_OP for n in nodes):
+                raise ValueError(f"{src}: {where} holds StitchedKernel nodes: this "
+                                 f"SavedModel was rewritten by stitching already "
+                                 f"(rewrite the original instead)")
 
 
 def _refuse_rewritten(src, model) -> None:
