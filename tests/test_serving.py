@@ -842,3 +842,22 @@ def test_signature_input_keys_that_are_not_identifiers_are_kept(tmp_path):
     np.testing.assert_allclose(dst.signatures["serving_default"](**feed)["out-1"],
                                src.signatures["serving_default"](**feed)["out-1"],
                                rtol=1e-6, atol=1e-7)
+
+
+def test_the_shipped_kernels_tag_ignores_the_cuda_backend(monkeypatch):
+    """The tag that binds shipped CPU kernels to the sources that generate them covers
+    the CPU emitter and the shared lowering, not the CUDA backend (a GPU-only change
+    made every shipped model's kernels compile again)."""
+    from pathlib import Path
+    from stitching.compile import shipped
+    read, real = [], Path.read_bytes
+
+    def recording(self):
+        read.append(self.as_posix())
+        return real(self)
+    monkeypatch.setattr(Path, "read_bytes", recording)
+    monkeypatch.setattr(shipped, "_EMITTER", None)
+    tag = shipped.emitter_tag()
+    assert len(tag) == 24
+    assert any("/codegen/cpu/" in p for p in read) and any("/codegen/lower/" in p for p in read)
+    assert not any("/codegen/cuda/" in p for p in read)
