@@ -148,7 +148,8 @@ _OPTION_FLAGS = [
         nargs="?", type=float, const=1.3, metavar="MARGIN",
         help="kernels predicted faster than their ops by less than MARGIN (default 1.3) "
              "are timed against them on their first calls where the model runs, and "
-             "the faster serves")),
+             "the faster serves; put it after the paths, or write --autotune=MARGIN "
+             "(before them, the next word would be read as MARGIN)")),
 ]
 
 HELP = """\
