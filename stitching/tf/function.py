@@ -420,11 +420,11 @@ class StitchedFunction(tf_pf.Function):
         specs = tensor_specs(key, relaxed)
         general = (family, relaxed) if relaxed is not None else None
         ran = self._stock is not None and self._stock._variable_creation_config is not None
-        # under an input_signature every call shares the one trace this function made
-        # already: the probe would trace a twin of it (a trace TF never makes, counted
-        # by experimental_get_tracing_count), and the background trace returns it at once
-        shared = self.input_signature is not None and \
-            super().experimental_get_tracing_count() > 0
+        # under an input_signature every call shares one trace, which the first
+        # signature's background compile makes (or has made): the probe would trace a
+        # twin of it (a trace TF never makes, counted by experimental_get_tracing_count),
+        # and this signature's background trace gets that one trace from TF
+        shared = self.input_signature is not None
         cf, warm = self._probe_now(specs) if ran and not shared else (None, False)
         if warm:
             if general is not None:
