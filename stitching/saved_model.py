@@ -50,12 +50,11 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
 
 
 def _rewrite_saved_model(src, dst, options, signature_keys, embed_kernels) -> dict:
-    _refuse_rewritten_file(src)
+    _refuse_rewritten(src)
     model = tf.saved_model.load(src)
     keys = signature_keys or list(model.signatures.keys())
     if not keys:
         raise ValueError(f"{src}: SavedModel has no signatures to rewrite")
-    _refuse_rewritten(src, model)
     new_sigs, reports, done = {}, {}, {}
     for key in keys:
         if key not in model.signatures:
@@ -215,39 +214,32 @@ def _identity(cf) -> tuple:
         else (id(cf),)
 
 
-def _refuse_rewritten_file(src) -> None:
-    """A rewritten SavedModel, refused from its ``saved_model.pb`` before it is loaded:
-    loading it would first install its kernels (and print their warnings) only to be
-    refused.  A file that does not parse is left to ``tf.saved_model.load``."""
+def _refuse_rewritten(src) -> None:
+    """A model rewritten already is refused (rewriting it again would fuse nothing new
+    and could only double-wrap its kernels), from its ``saved_model.pb`` (or
+    ``.pbtxt``) before it is loaded: loading it would first install its kernels (and
+    print their warnings) only to be refused.  A file that does not parse is left to
+    ``tf.saved_model.load``."""
     import os
 
-    from google.protobuf.message import DecodeError
+    from google.protobuf import message, text_format
     from tensorflow.core.protobuf import saved_model_pb2
-    from .tf.graph_file import STITCHED_OP
+    from .tf.kernel_assets import stitched_nodes
+    sm = saved_model_pb2.SavedModel()
     try:
-        with open(os.path.join(src, "saved_model.pb"), "rb") as f:
-            sm = saved_model_pb2.SavedModel.FromString(f.read())
-    except (OSError, DecodeError):
+        if os.path.exists(os.path.join(src, "saved_model.pb")):
+            with open(os.path.join(src, "saved_model.pb"), "rb") as f:
+                sm.ParseFromString(f.read())
+        else:
+            with open(os.path.join(src, "saved_model.pbtxt"), encoding="utf-8") as f:
+                text_format.Parse(f.read(), sm)
+    except (OSError, UnicodeDecodeError, message.DecodeError, text_format.ParseError):
         return
-    for mg in sm.meta_graphs:
-        for where, nodes in [("its graph", mg.graph_def.node)] + \
-                [(f"function {f.signature.name!r}", f.node_def)
-                 for f in mg.graph_def.library.function]:
-            if any(n.op == STITCHED_OP for n in nodes):
-                raise ValueError(f"{src}: {where} holds StitchedKernel nodes: this "
-                                 f"SavedModel was rewritten by stitching already "
-                                 f"(rewrite the original instead)")
-
-
-def _refuse_rewritten(src, model) -> None:
-    """A model rewritten already is refused: rewriting it again would fuse nothing new
-    and could only double-wrap its kernels."""
-    from .tf.kernel_assets import specs_in
-    for key, cf in model.signatures.items():
-        if specs_in(cf.graph.as_graph_def()):
-            raise ValueError(f"{src}: signature {key!r} holds StitchedKernel nodes: this "
-                             f"SavedModel was rewritten by stitching already (rewrite the "
-                             f"original instead)")
+    node = next((n for mg in sm.meta_graphs for n in stitched_nodes(mg.graph_def)), None)
+    if node is not None:
+        raise ValueError(f"{src}: node {node.name!r} is a StitchedKernel: this SavedModel "
+                         f"was rewritten by stitching already (rewrite the original "
+                         f"instead)")
 
 
 def _embed_kernels(module, concrete_functions, staging) -> None:

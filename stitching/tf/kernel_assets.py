@@ -62,17 +62,17 @@ STITCHED_OP = "StitchedKernel"
 _warned: set = set()
 
 
+def stitched_nodes(graph_def):
+    """A GraphDef's StitchedKernel nodes, library functions included."""
+    for nodes in [graph_def.node] + [f.node_def for f in graph_def.library.function]:
+        yield from (n for n in nodes if n.op == STITCHED_OP)
+
+
 def specs_in(graph_def) -> list:
     """The distinct spec strings of a GraphDef's StitchedKernel nodes, library
     functions included."""
-    seen = {}
-    nodes = list(graph_def.node)
-    for f in graph_def.library.function:
-        nodes.extend(f.node_def)
-    for n in nodes:
-        if n.op == STITCHED_OP:
-            seen.setdefault(n.attr["spec"].s.decode("utf-8"), None)
-    return list(seen)
+    return list(dict.fromkeys(n.attr["spec"].s.decode("utf-8")
+                              for n in stitched_nodes(graph_def)))
 
 
 def export(specs, out_dir) -> tuple:
