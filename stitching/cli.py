@@ -234,6 +234,12 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _paths(args) -> tuple:
+    """(whether the output is the input, the input's real path, the output's)."""
+    same = os.path.exists(args.dst) and os.path.samefile(args.src, args.dst)
+    return same, os.path.realpath(args.src), os.path.realpath(args.dst)
+
+
 def _check_kinds(ap, args) -> None:
     """Options that do not apply to the input's kind are errors, not ignored."""
     if os.path.isdir(args.src) and args.outputs:
@@ -242,8 +248,7 @@ def _check_kinds(ap, args) -> None:
     if os.path.isfile(args.src) and args.signature:
         ap.error("--signature applies to a SavedModel directory; a GraphDef's outputs "
                  "are chosen with --outputs")
-    same = os.path.exists(args.dst) and os.path.samefile(args.src, args.dst)
-    src, dst = os.path.realpath(args.src), os.path.realpath(args.dst)
+    same, src, dst = _paths(args)
     inside = os.path.isdir(src) and os.path.commonpath([src, dst]) in (src, dst)
     if (same or inside) and not args.overwrite:
         ap.error(f"the output {args.dst} would overwrite the input {args.src}; choose "
@@ -314,8 +319,7 @@ def _output(args):
     SavedModel directory (--overwrite), a sibling moved over it once the rewrite
     succeeded (the rewrite reads the input while it writes; an old model's files must
     not stay beside the new one's)."""
-    same = os.path.exists(args.dst) and os.path.samefile(args.src, args.dst)
-    src, dst = os.path.realpath(args.src), os.path.realpath(args.dst)
+    same, src, dst = _paths(args)
     # another SavedModel's directory, replaced whole (never one that holds the input)
     replace = os.path.isdir(src) and os.path.isdir(dst) and args.overwrite and \
         os.path.commonpath([src, dst]) != dst
