@@ -145,12 +145,32 @@ _OPTION_FLAGS = [
     ("--dump-dir", "dump_dir", dict(metavar="DIR", help="write a graph dump per rewritten "
                                     "graph here (stitching.load_dump reads it)")),
     ("--autotune", "autotune_margin", dict(
-        nargs="?", type=float, const=1.3, metavar="MARGIN",
+        nargs="?", type=float, metavar="MARGIN",
         help="kernels predicted faster than their ops by less than MARGIN (default 1.3) "
              "are timed against them on their first calls where the model runs, and "
-             "the faster serves; put it after the paths, or write --autotune=MARGIN "
-             "(before them, the next word would be read as MARGIN)")),
+             "the faster serves (--autotune=MARGIN or --autotune MARGIN)")),
 ]
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _flag_margins(argv: list) -> list:
+    """``--autotune`` takes an optional MARGIN; argparse would read the next word as it
+    whatever it is (``--autotune in.pb out.pb`` failed on 'in.pb'). A word after it that
+    is not a number is left to be a path: the flag is then given its default margin."""
+    out = list(argv)
+    for i, word in enumerate(out):
+        if word == "--":
+            break
+        if word == "--autotune" and (i + 1 == len(out) or not _is_number(out[i + 1])):
+            out[i] = "--autotune=" + str(_default_options().autotune_margin)
+    return out
 
 HELP = """\
 Rewrite a frozen GraphDef (.pb, .pbtxt) or a SavedModel directory: the memory-intensive
@@ -264,7 +284,7 @@ def _check_kinds(ap, args) -> None:
 def main(argv=None) -> int:
     """Run ``stitching-rewrite`` (see ``--help``); returns the exit status."""
     ap = _parser()
-    args = ap.parse_args(argv)
+    args = ap.parse_args(_flag_margins(sys.argv[1:] if argv is None else argv))
     if os.path.exists(args.src):
         _check_kinds(ap, args)
     embed = not args.no_kernels

@@ -84,12 +84,19 @@ def test_version(capsys):
 def test_option_flags_reach_options():
     ap = cli._parser()
     o = cli._options(ap, ap.parse_args(["a.pb", "b.pb", "--planner", "greedy", "--min-ops",
-                                        "1", "--no-seq-split", "--no-gemm", "--autotune",
-                                        "--xla-gemm"]))
+                                        "1", "--no-seq-split", "--no-gemm",
+                                        "--autotune=1.3", "--xla-gemm"]))
     assert (o.planner, o.min_ops, o.seq_split, o.gemm, o.einsum) == ("greedy", 1, False,
                                                                     False, True)
     assert o.xla_gemm
     assert o.autotune and o.autotune_margin == 1.3 and o.fallback
+    # --autotune before the paths takes its default margin, not the path as one
+    for argv in (["--autotune", "a.pb", "b.pb"], ["a.pb", "b.pb", "--autotune"],
+                 ["--autotune", "1.5", "a.pb", "b.pb"], ["--autotune=1.5", "a.pb", "b.pb"]):
+        args = ap.parse_args(cli._flag_margins(argv))
+        assert (args.src, args.dst) == ("a.pb", "b.pb"), argv
+        o = cli._options(ap, args)
+        assert o.autotune and o.autotune_margin == (1.5 if "1.5" in str(argv) else 1.3)
     o = cli._options(ap, ap.parse_args(["a.pb", "b.pb", "--no-fallback"]))
     assert not o.fallback and not o.autotune
     # every flag's dest is an Options field
