@@ -30,6 +30,8 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.python.framework import function_def_to_graph, graph_to_function_def
 
+from .frontend import LIST_READ_ATTR
+
 # control-flow op -> the attrs naming the functions it runs
 CALLERS = {"If": ("then_branch", "else_branch"),
            "StatelessIf": ("then_branch", "else_branch"),
@@ -68,6 +70,7 @@ def stitch_bodies(graph_def, stitch, name: str, resources: dict | None = None) -
     report."""
     library = {f.signature.name: f for f in graph_def.library.function}
     shapes = body_resources(graph_def, resources or {})
+    lists = body_list_shapes(graph_def)
     out, renamed = [], {}
     for fname in called_functions(graph_def):
         fdef = library.get(fname)
@@ -80,7 +83,8 @@ def stitch_bodies(graph_def, stitch, name: str, resources: dict | None = None) -
             continue
         try:
             new_fdef, report, body_library = _stitch_one(
-                fdef, graph_def.library, stitch, f"{name}/{fname}", shapes.get(fname, {}))
+                fdef, graph_def.library, stitch, f"{name}/{fname}", shapes.get(fname, {}),
+                lists.get(fname, {}))
         except Exception as e:  # noqa: BLE001 — the body stays as traced; said why
             why = str(e).splitlines()[0][:200] if str(e) else ""
             out.append((fname, None, f"{type(e).__name__}: {why}"))
@@ -159,9 +163,130 @@ def _variable_source(name: str, by_name: dict) -> str:
     return name
 
 
-def _stitch_one(fdef, library, stitch, label, resources):
+def body_list_shapes(graph_def) -> dict:
+    """Function name -> {argument name: element shape (a list, -1 for an unknown
+    dim)} for the TensorList arguments of loop bodies and conditions whose list was
+    made with a known element shape.  A FunctionDef does not carry a list's element
+    shape, and a gradient loop body pops the forward pass's values from its
+    accumulators with ``element_shape=-1`` (while_v2): without it every value it
+    reads, and all the math on them, had unknown rank and stayed TF's
+    (``_shape_list_reads`` gives them their shapes).  A While's
+    argument ``i`` is its input ``i``; a list is followed back through Identity nodes
+    and through the While that carried it (output ``k`` is input ``k``: the forward
+    loop's accumulator feeds the gradient loop) to the ``EmptyTensorList`` or
+    ``TensorListReserve`` that made it, with a constant element shape, or to an
+    argument of the function holding the caller."""
+    shapes = {}
+    scopes = [(list(graph_def.node), "")]
+    scopes += [(list(f.node_def), f.signature.name) for f in graph_def.library.function]
+    library = {f.signature.name: f for f in graph_def.library.function}
+    changed, rounds = True, 0
+    while changed and rounds <= len(library) + 1:   # nesting depth bounds the rounds
+        changed, rounds = False, rounds + 1
+        for nodes, owner in scopes:
+            by_name = {n.name: n for n in nodes}
+            have = shapes.get(owner, {})
+            for n in nodes:
+                if n.op not in ("While", "StatelessWhile"):
+                    continue
+                for attr in CALLERS[n.op]:
+                    callee = library.get(n.attr[attr].func.name)
+                    if callee is None:
+                        continue
+                    got = shapes.setdefault(callee.signature.name, {})
+                    for a, src in zip(callee.signature.input_arg, n.input):
+                        if a.type != tf.variant.as_datatype_enum or a.name in got:
+                            continue
+                        shape = _list_element_shape(src, by_name, have)
+                        if shape is not None:
+                            got[a.name] = shape
+                            changed = True
+    return {k: v for k, v in shapes.items() if v}
+
+
+def _input_ref(name: str) -> tuple:
+    """(node or argument name, output index) of a GraphDef input (``node:k``) or a
+    FunctionDef one (``node:output_arg:k``, or an argument's bare name)."""
+    parts = name.split(":")
+    return parts[0], int(parts[-1]) if len(parts) > 1 else 0
+
+
+def _list_element_shape(src: str, by_name: dict, args: dict):
+    """The element shape of the TensorList ``src`` (see body_list_shapes), or None."""
+    for _ in range(64):
+        if src.startswith("^"):
+            return None
+        name, k = _input_ref(src)
+        n = by_name.get(name)
+        if n is None:
+            return args.get(name)
+        if n.op == "Identity" and n.input:
+            src = n.input[0]
+        elif n.op in ("While", "StatelessWhile") and k < len(n.input):
+            src = n.input[k]
+        elif n.op in ("EmptyTensorList", "TensorListReserve") and n.input:
+            const = by_name.get(_input_ref(n.input[0])[0])
+            if const is None or const.op != "Const":
+                return None
+            shape = tf.make_ndarray(const.attr["value"].tensor)
+            # a scalar -1: unknown rank, nothing gained
+            return [int(d) for d in shape.reshape(-1)] if shape.ndim == 1 else None
+        else:
+            return None
+    return None
+
+
+# TensorList reads: (op, the output that is the element read)
+_LIST_READS = {"TensorListPopBack": 1, "TensorListGetItem": 0}
+
+
+def _shape_list_reads(body, lists: dict) -> None:
+    """In ``body`` (a function's GraphDef), every element read (``_LIST_READS``) from
+    an argument in ``lists`` is followed by an ``EnsureShape`` to the list's element
+    shape, which its readers read instead.  TF's shape functions for these reads use
+    only the list's handle data, which a FunctionDef's argument does not carry; with
+    it, TF's shape inference (and the planner) sees the values' ranks.  The check
+    cannot fail: TF refused to push an element of any other shape on the list.  The
+    frontend reads these EnsureShapes (``LIST_READ_ATTR``) as Identity, so a kernel
+    that takes the value in leaves nothing of them behind."""
+    by_name = {n.name: n for n in body.node}
+    shaped = {}
+    for n in list(body.node):
+        if n.op not in _LIST_READS or not n.input:
+            continue
+        name, _ = _input_ref(n.input[0])
+        while name in by_name and by_name[name].op == "Identity" and by_name[name].input:
+            name, _ = _input_ref(by_name[name].input[0])
+        shape = lists.get(name)
+        if shape is None:
+            continue
+        out = f"{n.name}:{_LIST_READS[n.op]}"
+        check = body.node.add()
+        check.name = f"{n.name}/stitching_element_shape"
+        check.op = "EnsureShape"
+        check.input.append(out)
+        check.attr["T"].type = n.attr["element_dtype"].type
+        check.attr[LIST_READ_ATTR].b = True
+        check.attr["shape"].shape.CopyFrom(
+            tf.TensorShape([None if d < 0 else d for d in shape]).as_proto())
+        if n.device:
+            check.device = n.device
+        shaped[out] = check.name + ":0"
+    if not shaped:
+        return
+    for n in body.node:
+        if n.op == "EnsureShape" and n.name.endswith("/stitching_element_shape"):
+            continue
+        for i, x in enumerate(n.input):
+            ref = x if ":" in x else x + ":0"
+            if ref in shaped:
+                n.input[i] = shaped[ref]
+
+
+def _stitch_one(fdef, library, stitch, label, resources, lists=None):
     """(stitched FunctionDef or None where nothing was fused, report, the stitched
-    body's library: its kernels' original functions)."""
+    body's library: its kernels' original functions).  ``lists``: the element shapes
+    of its TensorList arguments (body_list_shapes)."""
     with tf.Graph().as_default():       # where the functions it calls are found
         _import_library(library)
         body, flat = function_def_to_graph.function_def_to_graph_def(fdef)
@@ -171,6 +296,8 @@ def _stitch_one(fdef, library, stitch, label, resources):
         if n.op == "Placeholder" and "shape" not in n.attr \
                 and n.attr["dtype"].type == tf.resource.as_datatype_enum:
             n.attr["shape"].shape.CopyFrom(tf.TensorShape([]).as_proto())
+    if lists:
+        _shape_list_reads(body, lists)
     body.library.CopyFrom(library)
     fetches = [_tensor(flat[fdef.ret[a.name]]) for a in fdef.signature.output_arg]
     keep = [fdef.control_ret[a] for a in fdef.signature.control_output]

@@ -30,6 +30,11 @@ from .tfgraph import DTYPE_NAMES
 # kept here for their callers (stitching.function, tools): they live in tfgraph.py
 from .tfgraph import TF_DTYPE, import_for_shapes, resource_shapes  # noqa: F401
 
+# Marks the EnsureShape nodes control_flow._shape_list_reads adds after a TensorList
+# read: a shape TF's runtime already guaranteed, so the check is an Identity here (a
+# user's tf.ensure_shape stays a TF op, and checks)
+LIST_READ_ATTR = "_stitching_list_read"
+
 # A constant whose elements all equal one value becomes an IR Const (folded into
 # kernels); a non-uniform constant stays a TF node and becomes a kernel input.
 _MAX_SPLAT_ELEMENTS = 1 << 24
@@ -312,6 +317,8 @@ def _convert_known(op) -> Node | None:
     if t == "DepthwiseConv2dNative":
         return _convert_depthwise(op)
     canon = opnames.canonical(t)
+    if t == "EnsureShape" and LIST_READ_ATTR in op.node_def.attr:
+        canon = "Identity"      # a shape the list guarantees (control_flow._shape_list_reads)
     if canon is None:
         return None
     attrs = {}
