@@ -147,6 +147,7 @@ class Report:
                                                       for n, k in self.code_tiers) if t},
             "boundaries": [{"node": n, "reason": r} for n, r in self.boundaries],
             "compile_seconds": round(self.compile_seconds, 3),
+            "dump_path": self.dump_path,
             "notes": list(self.notes),
             "backward": self.backward,
             "bodies": [{"function": f, "why_kept": why,

@@ -1,6 +1,9 @@
 """StitchedAttention (runtime/attention.cc) and the pass that makes it
 (tf/passes/attention.py): numerics against TF and float64, layouts, masks, NaN/Inf,
 unknown batch, clear errors, and the models' attentions fused one per layer."""
+import json
+import pathlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -351,7 +354,7 @@ def _model(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "transformer"])
-def test_the_models_get_one_attention_per_layer(monkeypatch, name):
+def test_the_models_get_one_attention_per_layer(monkeypatch, tmp_path, name):
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", EIGEN)
     model = _model(name)
     sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
@@ -359,7 +362,8 @@ def test_the_models_get_one_attention_per_layer(monkeypatch, name):
     on = stitching.function(lambda t: model(t), input_signature=sig,
                             options=stitching.Options(fused_attention=True,
                                                       autotune=name == "llama",
-                                                      autotune_margin=1e9))
+                                                      autotune_margin=1e9,
+                                                      dump_dir=str(tmp_path)))
     off = stitching.function(lambda t: model(t), input_signature=sig, options=OFF)
     x = _rand((3, 8, 32), seed=11)
     x[1, 2, 5] = np.nan                              # one token's row goes NaN
@@ -381,6 +385,18 @@ def test_the_models_get_one_attention_per_layer(monkeypatch, name):
     assert len(on.report.kernels) == ops_on.count("StitchedKernel") == \
         len(off.report.kernels) - 2
     assert on.report.coverage == off.report.coverage
+    # ... listed where they went: the kernels' ops and the products' ops add up
+    rep = on.report
+    in_kernels = sum(len(k.split_ops()[0]) for k in rep.kernels)
+    assert in_kernels + len(rep.folded) == rep.fused_ops, rep.summary()
+    taken = [op for _, op, where in rep.folded if "StitchedAttention" in where]
+    assert taken.count("Softmax") == 2, rep.summary()
+    # the dump describes the same kernels, each one region (its nodes are its ops')
+    dump = stitching.load_dump(on.report.dump_path)
+    assert [k.name for k in dump.kernels] == [k.name for k in rep.kernels]
+    doc = json.loads((pathlib.Path(rep.dump_path) / "dump.json").read_text())
+    for entry in doc["kernels"]:
+        assert entry["nodes"] == [o["node"] for o in entry["ops"]], entry["name"]
 
 
 def test_gpt2_gets_one_attention_per_layer_with_its_causal_mask(monkeypatch):
@@ -408,8 +424,9 @@ def test_gpt2_gets_one_attention_per_layer_with_its_causal_mask(monkeypatch):
     assert not {"Shape", "BroadcastArgs", "GatherV2", "ConcatV2"} & set(ops_), ops_
     # ... and the report counts it fused, not as a lone op left to TF
     assert not [n for n, op, _ in f.report.unfused if op == "Mul"]
-    assert [op for _, op, where in f.report.folded if "StitchedAttention" in where] == \
-        ["Mul", "Mul"]
+    taken = [op for _, op, where in f.report.folded if "StitchedAttention" in where]
+    assert sorted(taken) == ["Mul", "Mul", "SelectV2", "SelectV2", "Softmax", "Softmax"], \
+        f.report.summary()
     for nd in graph.node:
         if nd.op == "StitchedAttention":
             assert nd.attr["n_cond"].i == 1 and nd.attr["cond_keeps"].b

@@ -334,11 +334,13 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     prof = profiles.default()
     rep.profile = prof.source or prof.name
     if ctx.dump_path:
+        kept = _kept(ctx)       # the kernels of the final graph, as in the report
         dump.write(ctx.dump_path, name=name, options=options, graph_before=graph_def,
                    graph_after=ctx.graph_def, ir=ir, the_plan=the_plan,
-                   regions=ctx.regions, kernels=ctx.kernels,
-                   kernel_names=ctx.kernel_names, labels=ctx.labels, failed=ctx.failed,
-                   report=rep)
+                   regions=[ctx.regions[i] for i in kept],
+                   kernels=[ctx.kernels[i] for i in kept],
+                   kernel_names=[ctx.kernel_names[i] for i in kept],
+                   labels=[ctx.labels[i] for i in kept], failed=ctx.failed, report=rep)
         rep.dump_path = ctx.dump_path
     broken = [r for r, why in ctx.failed if r.spec.outputs]    # not the dead regions
     return StitchResult(ctx.graph_def, rep, ctx.kernels, failed=len(broken))
@@ -415,6 +417,14 @@ def _compile(regions, options, workers=None):
     return ok, [by_hash[r.spec.hash] for r in ok], failed
 
 
+def _kept(ctx) -> list:
+    """Indices of the planned kernels that are nodes of the final graph.  A kernel a
+    later pass took into an op of its own (tf/passes/attention.py: the softmax between
+    an attention's products) no longer runs."""
+    final = {n.name for n in ctx.graph_def.node}
+    return [i for i, kname in enumerate(ctx.kernel_names) if kname in final]
+
+
 def _make_report(name, ctx):
     gdef, ir, the_plan, regions, kernels, kernel_names, failed, shape_math = (
         ctx.planned, ctx.ir, ctx.plan, ctx.regions, ctx.kernels, ctx.kernel_names,
@@ -422,21 +432,23 @@ def _make_report(name, ctx):
     tf_op = {n.name: n.op for n in gdef.node}
     mem = {n for n, op in tf_op.items()
            if opnames.is_memory_intensive(op) and n not in shape_math}
-    fused = {m for r in regions for m in r.nodes}
-    # ops the planner left to TF that a later pass took into a product's op (an
+    kept = _kept(ctx)
+    # ops a later pass took into a product's op cost no pass over memory of their own:
+    # fused, listed apart from the kernels' ops.  The planner left some to TF (an
     # EinsumDense bias Add as the MatMul's BiasAdd: passes/gemm.py; the scores' scale
-    # Mul as a StitchedAttention's scale: passes/attention.py) cost no pass over memory
-    # of their own: fused, listed apart from the kernels' ops
+    # Mul as a StitchedAttention's scale: passes/attention.py); the others were a
+    # kernel's that the pass took whole (the softmax kernel between an attention's
+    # products), which the pass recorded under the kernel's name
+    taken = {}
+    for i in sorted(set(range(len(kernel_names))) - set(kept)):
+        where = ctx.folded.get(kernel_names[i], "in an op a later pass made of its kernel")
+        taken.update((m, where) for m in regions[i].nodes if m in mem)
+    regions = [regions[i] for i in kept]
+    kernels = [kernels[i] for i in kept]
+    kernel_names = [kernel_names[i] for i in kept]
+    fused = {m for r in regions for m in r.nodes}
     folded = {n: where for n, where in ctx.folded.items() if n in mem and n not in fused}
-    # A kernel a later pass took into an op of its own (tf/passes/attention.py: the
-    # softmax between an attention's products) no longer runs: its ops stay fused
-    # (counted in coverage), but it is no kernel of the graph.
-    final = {n.name for n in ctx.graph_def.node}
-    kept = [i for i, kname in enumerate(kernel_names) if kname in final]
-    if len(kept) < len(kernel_names):
-        regions = [regions[i] for i in kept]
-        kernels = [kernels[i] for i in kept]
-        kernel_names = [kernel_names[i] for i in kept]
+    folded.update(taken)
     rep = _report.Report(function=name)
     rep.memory_intensive_ops = len(mem)
     rep.fused_ops = len(mem & fused) + len(folded)

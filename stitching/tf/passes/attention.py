@@ -178,6 +178,10 @@ def _flag(node, key) -> bool:
     return key in node.attr and node.attr[key].b
 
 
+# where the report says an attention's scale, mask and softmax went
+IN_ATTENTION = "an attention's scale, mask and softmax, in its StitchedAttention op"
+
+
 def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
     """Turn each matched product -> softmax kernel -> product into StitchedAttention,
     in place (the module's docstring); returns how many.  ``shapes()``: the graph
@@ -185,7 +189,7 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
     pattern's nodes (einsum.py's, after an Einsum's product): one that changes no
     shape is passed over, any other stops the match.  ``folded``: a dict (the
     pipeline's ``ctx.folded``) that gets the scores' scale Muls taken into the ops'
-    scale, with where they went.  ``origins``: a list that gets, for each attention
+    scale, and the names of the softmax kernels taken in, with where they went.  ``origins``: a list that gets, for each attention
     fused, the ``_ORIGIN`` marks of its two products and whether it is masked
     (``([names], masked)``: ``masked_products``' trial on a copy)."""
     nodes = {nd.name: nd for nd in graph_def.node}
@@ -312,8 +316,7 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
                                          consumers[reader.name], nodes)
             taken.add(mul.name)
             if folded is not None:
-                folded[mul.name] = ("the attention's scale, in its StitchedAttention "
-                                    "(tf/passes/attention.py)")
+                folded[mul.name] = IN_ATTENTION
         attrs = {"adj_q": _flag(scores, "adj_x"), "adj_k": _flag(scores, "adj_y"),
                  "transpose_q": _flag(scores, "transpose_x"),
                  "transpose_k": _flag(scores, "transpose_y"),
@@ -322,6 +325,8 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
         for key in ("adj_x", "adj_y", "transpose_x", "transpose_y", "transpose_out"):
             if key in out.attr:
                 del out.attr[key]
+        if folded is not None:   # the softmax kernel's ops: the pipeline's report
+            folded[kernel.name] = IN_ATTENTION
         out.op = "StitchedAttention"
         for key, value in attrs.items():
             out.attr[key].b = value
