@@ -151,6 +151,8 @@ def test_profile_counts_calls_and_time(transformer_dump):
         assert k.measured_us > 0
         # the fastest call: one of the three, so at most their mean
         assert 0 < k.measured["min_seconds"] <= k.measured["seconds"] / 3
+        assert k.fastest_us == pytest.approx(k.measured["min_seconds"] * 1e6)
+        assert k.fastest_us <= k.measured_us
         # bytes: the kernel's inputs and outputs, every call (the dump's shapes say -1
         # for the batch, so compare with what the static part and batch 2 give)
         per_call = k.measured["bytes"] / 3
@@ -158,6 +160,14 @@ def test_profile_counts_calls_and_time(transformer_dump):
                                for v in k.inputs + k.outputs)
     rows = d.kernel_rows()
     assert all(r["measured_us"] and r["calls"] == 3 for r in rows)
+    assert all(0 < r["fastest_us"] <= r["measured_us"] for r in rows)
+    # the roofline's measured rate is the fastest call's (the mean moves with load)
+    from stitching.inspect.draw import roofline_points
+    fastest = {k.name: k.measured["min_seconds"] for k in d.kernels}
+    for name, intensity, rate, how in roofline_points(d):
+        m = d.kernel(name).measured
+        assert how == "measured"
+        assert rate == pytest.approx(intensity * m["bytes"] / 3 / fastest[name])
     # each kernel's op count is the report's (views and Identity named apart)
     assert {r["kernel"]: r["ops"] for r in rows} == \
         {k.name: len(k.split_ops()[0]) for k in f.report.kernels}
@@ -192,7 +202,8 @@ def test_tensorboard_groups_each_kernel_with_its_fused_ops(transformer_dump, tmp
     assert not any(n.op == "StitchedKernel" and not n.name.endswith("/StitchedKernel")
                    for n in g.node)
     if any(k.measured for k in d.kernels):
-        assert {f"stitching/{k.name.split('/')[-1]}/mean_us" for k in d.kernels} <= tags
+        assert {f"stitching/{k.name.split('/')[-1]}/{s}" for k in d.kernels
+                for s in ("mean_us", "fastest_us")} <= tags
 
 
 def test_tensorboard_covers_control_flow_branches(tmp_path):

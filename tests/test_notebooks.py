@@ -69,6 +69,11 @@ def test_inspect_notebook_runs_on_demo_and_on_another_dump(tmp_path, tiered):
     col = re.findall(r"<th>(.*?)</th>", head).index("measured_us")
     measured = [re.findall(r"<td[^>]*>(.*?)</td>", r)[col] for r in rows]
     assert measured and all(m != "–" for m in measured), measured
+    # the costliest first: by the fastest call
+    col = re.findall(r"<th>(.*?)</th>", head).index("fastest_us")
+    fastest = [float(re.findall(r"<td[^>]*>(.*?)</td>", r)[col].replace(",", ""))
+               for r in rows]
+    assert fastest == sorted(fastest, reverse=True), fastest
 
     # any dump: one of a CNN, made here, with no profile
     import tensorflow as tf

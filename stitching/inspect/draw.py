@@ -202,7 +202,9 @@ def machine_peaks() -> dict:
 
 
 def roofline_points(dump) -> list:
-    """Per kernel: (name, FLOPs per byte, FLOP/s, "measured" | "estimated")."""
+    """Per kernel: (name, FLOPs per byte, FLOP/s, "measured" | "estimated").  A
+    measured rate is the fastest call's (the mean moves with other processes'
+    load), or the mean's where the profile has no fastest call."""
     pts = []
     for k in dump.kernels:
         e = k.estimate
@@ -212,7 +214,9 @@ def roofline_points(dump) -> list:
         intensity = flops / nbytes
         m = k.measured
         if m and m.get("calls") and m.get("seconds") and m.get("bytes"):
-            pts.append((k.name, intensity, intensity * m["bytes"] / m["seconds"], "measured"))
+            seconds = m.get("min_seconds") or m["seconds"] / m["calls"]
+            pts.append((k.name, intensity, intensity * m["bytes"] / m["calls"] / seconds,
+                        "measured"))
         elif e.get("fused_us"):
             pts.append((k.name, intensity, flops / (e["fused_us"] * 1e-6), "estimated"))
     return pts

@@ -106,6 +106,8 @@ def _scalars(tf, k):
     mean_s = m["seconds"] / m["calls"]
     _scalar(tf, f"{tag}/calls", float(m["calls"]))
     _scalar(tf, f"{tag}/mean_us", mean_s * 1e6)
+    if m.get("min_seconds"):
+        _scalar(tf, f"{tag}/fastest_us", m["min_seconds"] * 1e6)
     if k.estimated_us is not None:
         _scalar(tf, f"{tag}/estimated_us", float(k.estimated_us))
     if m["seconds"] > 0:
