@@ -729,13 +729,16 @@ def test_library_is_one_image_and_cached():
     assert rt.library().stitching_abi_version() == rt.registry.ABI_VERSION == 10
 
 
-def test_build_errors_are_clear(tmp_path, monkeypatch):
+def test_build_errors_are_clear(tmp_path, monkeypatch, capfd):
     import stitching.runtime.build as b
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(b, "_prebuilt", lambda path: None)
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     with pytest.raises(rt.BuildError, match="was not found"):
         b.build()
+    # a build says so before the compiler's minute, naming what and where
+    err = capfd.readouterr().err
+    assert "stitching: building stitching_ops-" in err and str(tmp_path) in err, err
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     with pytest.raises(rt.BuildError, match="failed"):
         b.build()

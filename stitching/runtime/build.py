@@ -128,6 +128,11 @@ def build(force: bool = False, source=SOURCE, prefix: str = LIB_PREFIX,
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if _whole(path) and not force:    # another process built it while we waited
             return path
+        # a minute of g++ on a small machine: say what it is (a serving process whose
+        # image skipped the install step otherwise sits silent through it)
+        print(f"stitching: building {path.name} with {compiler()} into {path.parent} "
+              f"(once per TensorFlow and stitching version; `stitching-build` does this "
+              f"at install)", file=sys.stderr, flush=True)
         _compile_to(path, source, extra)
     built_here.add(path)
     return path

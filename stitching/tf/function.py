@@ -1171,9 +1171,13 @@ def function(func=None, input_signature=None, autograph=True, jit_compile=None,
     The same parameters as ``tf.function`` (``jit_compile=True`` is refused: XLA has no
     kernel for the stitched op), plus ``options``; use as ``@stitching.function`` or
     ``@stitching.function(options=...)``.  The result is a ``tf.function``
-    (``isinstance(f, tf.types.experimental.PolymorphicFunction)``): the first call with
-    a new input signature traces ``func``, plans the kernels, compiles those not in the
-    disk cache and rewrites the graph; ``f.report`` says what was fused and why.
+    (``isinstance(f, tf.types.experimental.PolymorphicFunction)``).  A new input
+    signature is traced, its kernels planned, compiled (those not in the disk cache)
+    and put in the graph.  By default an eager call whose arguments are all tensors,
+    passed positionally, does not wait for that: it returns stock TF's result while the
+    kernels compile in the background, and a later call runs them (tiered execution;
+    ``f.wait()`` blocks until they are ready, and ``Options(background_compile=False)``
+    makes the first call wait).  ``f.report`` says what was fused and why.
 
     Args:
         func: The Python function to compile (any TF code: Keras layers, ``tf.nn``,
