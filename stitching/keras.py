@@ -1,73 +1,87 @@
-"""``stitching.keras.stitch(model)``: Keras ``fit`` / ``evaluate`` / ``predict`` /
-``train_on_batch`` run stitched graphs.
+"""Keras models with stitched steps: ``stitch(model)`` after ``model.compile(...)``.
 
-How Keras 3's TensorFlow trainer runs a step (keras/src/backend/tensorflow/trainer.py):
-
-    fit ─▶ make_train_function ─▶ _make_function(self.train_step)
-             one_step_on_data = tf.function(strategy.run(train_step, data))
-             multi_step_on_iterator = tf.function(while loop over steps_per_execution)
-
-``stitch`` replaces the model's ``train_step`` / ``test_step`` / ``predict_step`` (the
-bound methods Keras reads when it builds those functions) by ``stitching.function``s of
-the same methods and drops the functions Keras already built.  Keras's own
-tf.function wrappers, iterator loop, callbacks, metrics and ``steps_per_execution``
-are untouched; each trace of a step stitches that step's graph (forward, backward and
-optimizer update) and imports it into Keras's trace.  ``reduce_retracing`` gives the
-step unknown batch dims, so one stitched graph serves every batch size, the last
-partial batch included.
-
-Under a multi-replica strategy (MirroredStrategy, MultiWorkerMirroredStrategy) the
-train step cannot be stitched on its own: Keras calls it inside ``strategy.run``,
-where TF forbids a nested function holding the gradient all-reduce.  There ``stitch``
-also replaces ``make_train_function``: the stitched function is Keras's
-``one_step_on_data`` (``strategy.run`` of the step, then the per-replica reduction),
-and ``steps_per_execution`` steps run as that many calls from Python rather than
-Keras's in-graph while loop.  Evaluate and predict stay as above (their steps hold no
-cross-replica synchronization).  (Stock Keras 3 on TF 2.21 itself fails evaluate
-under MirroredStrategy with ``steps_per_execution > 1``: an unfed call-time capture
-inside its while loop's cond.)
-
-``model.export(path)`` (a SavedModel) exports the stitched ``serve`` endpoint.
-
-Tiered execution (the default: ``Options(background_compile=None)``, or ``True``;
-``$STITCHING_BACKGROUND_COMPILE=0`` turns it off for a process):
-a step function's first calls run stock Keras; once they have run for
-``tier_up_seconds()`` (1 s; the first call, Keras's trace, not counted) a background
-thread stitches the same step (plan, compile in lower-priority worker processes,
-load), and the next call after it is done switches to the stitched graph, at a step
-boundary:
-
-    model.train_function = _Tiered._run ──▶ stock Keras function   (until ready)
-                                        └─▶ stitched Keras function (from then on)
-    background: StitchedFunction(train_step).get_concrete_function(the step's
-                input signature, batch dim unknown) after 1 s of stock steps
-
-Warm (the result cache, tf/results.py, stored a result for a step like this one:
-``_hint``, no trace needed): the stock tier's trace goes through ``_Tiered.probe``, a ``cached_only`` StitchedFunction traced as the background
-compile traces (the step's signature, batch dim unknown), so it meets the graph an
-earlier run stored its stitched result under.  A hit makes that first tier stitched
-from step 1: nothing to compile, no background thread, ``switch == (1, 0.0)``; a miss
-imports the step's traced graph as it is, stock TF, and tiering goes on as above.
-
-Both are Keras's own functions (``make_train_function`` called twice), over the same
-variables, optimizer state and metrics, fed from the same iterator; the step they
-call (``_Tiered.step``) is the stock one or the stitched one by the tier being
-traced.  The stitched step equals stock TF's within float rounding, so the loss
-curve goes on across the switch as stock TF's would.  A progress line on stderr and
-the step's report (``Report.tiering``) say at which step the switch happened; a
-short job that ends first never waits for the kernels (tf/function.py stops
-background compiles at exit; the kernels finished are in the disk cache, and the
-next process's compile starts from there).
-
-Not tiered, the first step waiting for its kernels instead: ``Options(
-background_compile=False)`` (or ``$STITCHING_BACKGROUND_COMPILE=0``), and any model under a ``tf.distribute`` strategy (a
-step that Keras calls inside ``strategy.run`` cannot be traced on its own in another
-thread: its per-replica inputs and cross-replica reductions belong to the strategy's
-call).
-
-Refused, with the reason: ``jit_compile=True`` (XLA has no kernel for the op),
-``run_eagerly=True`` (no graph) and a model not compiled yet.
+Then ``fit``, ``evaluate``, ``predict``, ``train_on_batch`` and ``model.export`` run
+stitched graphs of the model's steps (forward, backward and optimizer update), one
+graph for every batch size.  By default the first steps run stock Keras while the
+kernels compile in the background, and a later step switches (a line on stderr says
+at which step); ``wait(model)`` blocks until they are ready.  ``model.stitching_report``
+says what was fused.  A later ``compile`` stitches the new steps.  A stitched
+model cannot be un-stitched: build or clone (``keras.models.clone_model``) a fresh
+one for stock Keras.  docs/training.md is the guide.
 """
+
+# How it works.
+#
+# ``stitching.keras.stitch(model)``: Keras ``fit`` / ``evaluate`` / ``predict`` /
+# ``train_on_batch`` run stitched graphs.
+#
+# How Keras 3's TensorFlow trainer runs a step (keras/src/backend/tensorflow/trainer.py):
+#
+#     fit ─▶ make_train_function ─▶ _make_function(self.train_step)
+#              one_step_on_data = tf.function(strategy.run(train_step, data))
+#              multi_step_on_iterator = tf.function(while loop over steps_per_execution)
+#
+# ``stitch`` replaces the model's ``train_step`` / ``test_step`` / ``predict_step`` (the
+# bound methods Keras reads when it builds those functions) by ``stitching.function``s of
+# the same methods and drops the functions Keras already built.  Keras's own
+# tf.function wrappers, iterator loop, callbacks, metrics and ``steps_per_execution``
+# are untouched; each trace of a step stitches that step's graph (forward, backward and
+# optimizer update) and imports it into Keras's trace.  ``reduce_retracing`` gives the
+# step unknown batch dims, so one stitched graph serves every batch size, the last
+# partial batch included.
+#
+# Under a multi-replica strategy (MirroredStrategy, MultiWorkerMirroredStrategy) the
+# train step cannot be stitched on its own: Keras calls it inside ``strategy.run``,
+# where TF forbids a nested function holding the gradient all-reduce.  There ``stitch``
+# also replaces ``make_train_function``: the stitched function is Keras's
+# ``one_step_on_data`` (``strategy.run`` of the step, then the per-replica reduction),
+# and ``steps_per_execution`` steps run as that many calls from Python rather than
+# Keras's in-graph while loop.  Evaluate and predict stay as above (their steps hold no
+# cross-replica synchronization).  (Stock Keras 3 on TF 2.21 itself fails evaluate
+# under MirroredStrategy with ``steps_per_execution > 1``: an unfed call-time capture
+# inside its while loop's cond.)
+#
+# ``model.export(path)`` (a SavedModel) exports the stitched ``serve`` endpoint.
+#
+# Tiered execution (the default: ``Options(background_compile=None)``, or ``True``;
+# ``$STITCHING_BACKGROUND_COMPILE=0`` turns it off for a process):
+# a step function's first calls run stock Keras; once they have run for
+# ``tier_up_seconds()`` (1 s; the first call, Keras's trace, not counted) a background
+# thread stitches the same step (plan, compile in lower-priority worker processes,
+# load), and the next call after it is done switches to the stitched graph, at a step
+# boundary:
+#
+#     model.train_function = _Tiered._run ──▶ stock Keras function   (until ready)
+#                                         └─▶ stitched Keras function (from then on)
+#     background: StitchedFunction(train_step).get_concrete_function(the step's
+#                 input signature, batch dim unknown) after 1 s of stock steps
+#
+# Warm (the result cache, tf/results.py, stored a result for a step like this one:
+# ``_hint``, no trace needed): the stock tier's trace goes through ``_Tiered.probe``, a ``cached_only`` StitchedFunction traced as the background
+# compile traces (the step's signature, batch dim unknown), so it meets the graph an
+# earlier run stored its stitched result under.  A hit makes that first tier stitched
+# from step 1: nothing to compile, no background thread, ``switch == (1, 0.0)``; a miss
+# imports the step's traced graph as it is, stock TF, and tiering goes on as above.
+#
+# Both are Keras's own functions (``make_train_function`` called twice), over the same
+# variables, optimizer state and metrics, fed from the same iterator; the step they
+# call (``_Tiered.step``) is the stock one or the stitched one by the tier being
+# traced.  The stitched step equals stock TF's within float rounding, so the loss
+# curve goes on across the switch as stock TF's would.  A progress line on stderr and
+# the step's report (``Report.tiering``) say at which step the switch happened; a
+# short job that ends first never waits for the kernels (tf/function.py stops
+# background compiles at exit; the kernels finished are in the disk cache, and the
+# next process's compile starts from there).
+#
+# Not tiered, the first step waiting for its kernels instead: ``Options(
+# background_compile=False)`` (or ``$STITCHING_BACKGROUND_COMPILE=0``), and any model under a ``tf.distribute`` strategy (a
+# step that Keras calls inside ``strategy.run`` cannot be traced on its own in another
+# thread: its per-replica inputs and cross-replica reductions belong to the strategy's
+# call).
+#
+# Refused, with the reason: ``jit_compile=True`` (XLA has no kernel for the op),
+# ``run_eagerly=True`` (no graph) and a model not compiled yet.
+
 from __future__ import annotations
 
 import dataclasses
@@ -121,9 +135,9 @@ def stitch(model, options: Options | None = None):
     """Make a compiled Keras model's ``fit`` / ``evaluate`` / ``predict`` /
     ``train_on_batch`` run stitched graphs (forward, backward and optimizer update).
 
-    Call after ``model.compile(...)``, and again after a later ``compile`` (which
-    rebuilds Keras's step functions).  The reports are ``model.stitching_report``
-    (``.train``, ``.test``, ``.predict``, ``summary()``).
+    Call after ``model.compile(...)``; a later ``compile`` (which rebuilds Keras's step
+    functions) stitches the new steps with the same options.  The reports are
+    ``model.stitching_report`` (``.train``, ``.test``, ``.predict``, ``summary()``).
 
     Args:
         model: A compiled Keras 3 model (TensorFlow backend).
@@ -173,7 +187,28 @@ def stitch(model, options: Options | None = None):
     object.__setattr__(model, "export", _stitched_export(model, options))
     object.__setattr__(model, "stitching_report", StitchingReports(functions))
     object.__setattr__(model, "_stitching_steps", functions)
+    object.__setattr__(model, "compile", _restitching_compile(model, options))
     return model
+
+
+def _restitching_compile(model, options):
+    """``model.compile`` that stitches the model again after Keras's compile: a new
+    compile (a new optimizer, loss or metrics) rebuilds Keras's step functions, and the
+    stitched ones hold the old optimizer's and metrics' variables (TF then refused the
+    next step: "a function referencing variables which have been deleted")."""
+    base = getattr(vars(model).get("compile"), "stitching_base", None) or model.compile
+
+    def compile(*args, **kwargs):
+        base(*args, **kwargs)
+        try:
+            _check(model)
+        except ValueError as e:
+            raise ValueError(f"{e}; a stitched model cannot run that way: build a fresh "
+                             f"model (or keras.models.clone_model) for it") from None
+        stitch(model, options)
+    compile.stitching_base = base
+    compile.__doc__ = base.__doc__
+    return compile
 
 
 def _plain_step(model, stitched, kind):
@@ -188,9 +223,9 @@ def _plain_step(model, stitched, kind):
 
     def step(data):
         if kind != "predict" and getattr(model, "optimizer", None) is not optimizer:
-            raise RuntimeError("stitching.keras: model.compile() was called after "
-                               "stitching.keras.stitch(model); call stitch(model) again "
-                               "after each compile")
+            raise RuntimeError("stitching.keras: the model was compiled again without "
+                               "its stitched compile (keras.Model.compile(model, ...)); "
+                               "call stitch(model) again after it")
         return stitched(data)
     step.stitched = stitched
     return step

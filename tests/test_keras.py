@@ -267,23 +267,53 @@ def test_synchronous_when_asked():
         "make_train_function" not in vars(m)
 
 
-def test_a_synchronously_stitched_model_saves_and_asks_for_a_new_stitch_after_compile(
-        tmp_path):
+def test_a_synchronously_stitched_model_saves_after_fit(tmp_path):
     """Regression: after a synchronous stitch and fit, tf.saved_model.save(model) failed
     with a KeyError (the stitched step, a tf.function among the model's attributes,
-    was saved too, and its trace captures Keras's metric variables).  And a later
-    compile without a new stitch failed with TF's "variables which have been deleted";
-    it now says what to do."""
+    was saved too, and its trace captures Keras's metric variables).  A compile that
+    goes around the model's own (keras.Model.compile(m)) leaves stale steps: the next
+    one says what to do."""
     m = stitching.keras.stitch(_model(), SYNC)
     x, y = _data(32)
     m.fit(x, y, batch_size=32, epochs=1, verbose=0)
     tf.saved_model.save(m, str(tmp_path / "sm"))
     assert (tmp_path / "sm" / "saved_model.pb").exists()
-    m.compile(optimizer="sgd", loss="mae")
-    with pytest.raises(RuntimeError, match=r"call stitch\(model\) again after each compile"):
+    keras.Model.compile(m, optimizer="sgd", loss="mae")
+    with pytest.raises(RuntimeError, match=r"call stitch\(model\) again after it"):
         m.fit(x, y, batch_size=32, epochs=1, verbose=0)
     stitching.keras.stitch(m, SYNC)
     m.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("mode", ["sync", "tiered"])
+def test_a_later_compile_stitches_the_new_steps(request, mode):
+    """A second compile (a new optimizer and loss) rebuilds Keras's steps; the stitched
+    ones held the old optimizer's variables: synchronous steps raised, tiered ones failed
+    in TF ("a function referencing variables which have been deleted").  The model's
+    compile now stitches the new steps: the losses are stock Keras's."""
+    if mode == "tiered":
+        request.getfixturevalue("tiered")
+    x, y = _data(64)
+
+    def run(stitched):
+        m = _model()
+        if stitched:
+            stitching.keras.stitch(m, SYNC if mode == "sync" else None)
+        first = m.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mae")
+        if stitched:
+            stitching.keras.wait(m)
+        second = m.fit(x, y, batch_size=32, epochs=3, verbose=0, shuffle=False)
+        if stitched:
+            stitching.keras.wait(m)
+            assert m.stitching_report.train is not None
+        return first.history["loss"] + second.history["loss"], m
+
+    want, _ = run(False)
+    got, m = run(True)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    with pytest.raises(ValueError, match="a stitched model cannot run that way"):
+        m.compile(optimizer="sgd", loss="mse", run_eagerly=True)
 
 
 _SHORT_JOB = r"""
