@@ -455,8 +455,8 @@ class _Tiered(_StitchedStep):
         else:
             seconds = time.perf_counter() - self._t0
             self.switch = (self._steps + 1, seconds)
-            text = (f"stock TF ran steps 1-{self._steps} while the kernels compiled "
-                    f"({seconds:.1f} s); stitched from step {self._steps + 1}")
+            text = (f"stock TF ran {_span('step', self._steps)} while the kernels "
+                    f"compiled ({seconds:.1f} s); stitched from step {self._steps + 1}")
         if self.report is not None:
             self.report.tiering = text
         if self._progress is not False:
@@ -473,14 +473,19 @@ class _Tiered(_StitchedStep):
         if ready and self.switch is None and self.report is not None \
                 and not self.report.tiering:
             # ready, not yet called: the report says so until the switch says where
-            self.report.tiering = (f"stock TF ran steps 1-{self._steps}; the stitched step "
-                                   f"is ready and runs from the next step")
+            self.report.tiering = (f"stock TF ran {_span('step', self._steps)}; the "
+                                   f"stitched step is ready and runs from the next step")
         return ready
 
 
 _ONE_AT_A_TIME = threading.Lock()
 TIER_UP_SECONDS = 1.0     # arbitrary: about a warm stitch of a small model's step, in
 #                           CPU time the background takes from the stock steps
+
+
+def _span(what: str, n: int) -> str:
+    """'step 1', 'steps 1-3' (no 'steps 1-1')."""
+    return f"{what} 1" if n == 1 else f"{what}s 1-{n}"
 
 
 def tier_up_seconds() -> float:

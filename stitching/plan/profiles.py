@@ -626,7 +626,8 @@ def settled(prof: DeviceProfile) -> DeviceProfile:
         return prof
     return replace(prof, **{k: getattr(model, k) for k in _THROUGHPUTS},
                    source=f"{prof.source}; provisional ({prof.why_provisional}), "
-                          f"planning with the {model.name} model's throughputs")
+                          f"planning with the {model.name} model's throughputs "
+                          f"(docs/machines.md: provisional profiles)")
 
 
 def _read_cache(path, fp):

@@ -129,7 +129,8 @@ def _convert(op) -> Node:
         elif op.type in opnames.LEFT_TO_TF:
             reason = opnames.LEFT_TO_TF[op.type]
         elif opnames.is_memory_intensive(op.type):
-            reason = f"{op.type} is not supported by the fuser yet"
+            reason = (f"{op.type} is not supported by the fuser yet (it runs as TF's op; "
+                      f"docs/limits.md lists the ops that fuse)")
         return _opaque(op, reason)
     # Re-derive the output type with the op table: a node we cannot type is not fusible.
     out_types = [tensor_type(t) for t in op.outputs]

@@ -401,7 +401,9 @@ def _run(ctx):
     if has_control_flow(ctx.original):
         return ("the graph has functional control flow (tf.cond / tf.while_loop): "
                 "Grappler's inlining, constant folding and arithmetic rewrites "
-                "were not applied to it (tf/passes/grappler.py says why)")
+                "were not applied to it (Grappler would lower it to TF1 Switch/Merge "
+                "ops, which a TF2 function cannot import), so its regions are "
+                "planned as traced")
     return None
 
 
