@@ -430,7 +430,10 @@ class _Tiered(_StitchedStep):
                         return
                     self._ready, self.error = True, None
                     from .tf import results
-                    results.mark(self._hint)     # the next process probes for it
+                    reports = self.stitched._reports      # (.report would settle first)
+                    if self.stitched.cache_hits or (
+                            reports and reports[-1].result_stored):
+                        results.mark(self._hint)     # the next process probes for it
                     return
                 except Cancelled as e:          # the process is exiting
                     self.error = e

@@ -88,6 +88,14 @@ class Report:
         tiering: Under tiered execution (``stitching.keras.stitch``'s steps, a
             ``stitching.function``'s eager calls), the steps or calls stock TF ran
             while the kernels compiled and the one that switched to them.
+        result_stored: Whether the stitched graph went into the result cache, so a
+            later process finds it without planning (None: not a cached trace; False:
+            a note says why not).
+        bodies: The functions control flow runs (``tf.cond`` branches, loop bodies),
+            each stitched on its own: ``[(function name, Report or None, why it was
+            kept as traced)]``.
+        pass_seconds: Seconds each graph pass took.
+        code_tiers: The kernels compiled in tiers, read live: which code each runs.
     """
 
     function: str = "?"
@@ -117,6 +125,7 @@ class Report:
     # the tiered compile (compile/parallel.py, Tiers): [(kernel name, kernel)] whose
     # ``tiering()`` says, read live, which code it runs and ran, and when tier 2 came
     code_tiers: list = field(default_factory=list)
+    result_stored: bool | None = None
 
     @property
     def coverage(self) -> float:

@@ -123,3 +123,23 @@ def test_new_python_scalars_take_the_template_and_store_nothing(monkeypatch):
     assert not probes
     assert len(_result_files()) == 1
     assert f.experimental_get_tracing_count() == 4 and f.report.kernels
+
+
+@pytest.mark.parametrize("storable", [True, False])
+def test_a_hint_is_left_only_for_a_stored_result(monkeypatch, tiered, storable):
+    """A tiered trace marks a hint so that the next process probes the result cache;
+    it marked one even where nothing was stored (a kernel that could not be built),
+    and the next process paid for a probe that missed before planning all over.  Now
+    the report says whether the result was stored, and why not."""
+    if not storable:
+        monkeypatch.setattr(results, "save", lambda *a, **k: False)
+    f = stitching.function(_fn)
+    f(X)
+    assert f.wait(timeout=300)
+    rep = f.report
+    hints = results._dir() / "hints"
+    marked = sorted(hints.iterdir()) if hints.is_dir() else []
+    assert rep.result_stored is storable
+    assert bool(marked) is storable, marked
+    notes = " ".join(rep.notes)
+    assert ("not stored in the result cache" in notes) is not storable, notes

@@ -489,8 +489,9 @@ class StitchedFunction(tf_pf.Function):
             before, hits = len(self._reports), self.cache_hits
             cf = self.get_concrete_function(*specs)
             tier.from_cache = self.cache_hits > hits     # nothing planned or compiled
-            results.mark(self._hint(specs))     # the next process probes for it
             tier.report = self._reports[-1] if len(self._reports) > before else None
+            if tier.from_cache or getattr(tier.report, "result_stored", False):
+                results.mark(self._hint(specs))     # the next process probes for it
             seeded = seeded_random_ops(cf.graph.as_graph_def())
             if seeded:
                 self._stay_stock(tier, seeded)

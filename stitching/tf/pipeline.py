@@ -199,8 +199,16 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     stored there when every kernel was built."""
     result = _stitch_graph_def(graph_def, fetches, keep, options, name, resources,
                                workers, bodies, scalar_values, templates)
-    if result_key is not None and not result.failed:
-        results.save(result_key, graph_def, result.graph_def, result.report)
+    if result_key is not None:
+        stored = not result.failed and results.save(result_key, graph_def,
+                                                    result.graph_def, result.report)
+        result.report.result_stored = bool(stored)
+        if not stored:
+            result.report.notes.append(
+                "not stored in the result cache, so the next process plans this graph "
+                "again: " + (f"{result.failed} kernel(s) could not be built (above)"
+                             if result.failed else "a kernel was registered from a "
+                             "shipped model or not from Python"))
     return result
 
 
