@@ -496,6 +496,7 @@ class StitchedFunction(tf_pf.Function):
             if seeded:
                 self._stay_stock(tier, seeded)
                 return
+            _warm_up(cf, tier)
             tier.stitched = cf                  # the next call through it switches
             if general is not None:
                 family, relaxed = general
@@ -1036,6 +1037,7 @@ class _StockTier:
         self.calls = 0
         self.stitched = self.report = self.start = None
         self.from_cache = False     # the background trace found its result cached
+        self.args = None            # the first call's, for the warm-up run (_warm_up)
 
     def __call__(self, args):
         if self.stitched is None:
@@ -1050,6 +1052,7 @@ class _StockTier:
             start, self.start = self.start, None    # once, also where calls race
             self.calls += 1
             if start is not None:
+                self.args = args
                 start()
             return out
         owner = self._owner()
@@ -1058,6 +1061,45 @@ class _StockTier:
             return owner(*args)
         owner._switched(self)
         return _call_concrete(self.stitched, args)
+
+
+# Stateful op types a run repeats without a trace: reading variables, the kernels
+# themselves (profiling counters, autotune timings), asserts and no-ops
+_REPEATABLE = frozenset({"ReadVariableOp", "VarHandleOp", "StitchedKernel",
+                         "StitchedAttention", "StitchedMatMul", "StitchedBatchMatMul",
+                         "Assert", "NoOp", "PartitionedCall", "StatefulPartitionedCall"})
+
+
+def _side_effect_free(graph_def) -> bool:
+    """Whether running ``graph_def`` (and the functions it calls) again changes
+    nothing but its outputs: no variable update, random draw, print, queue..."""
+    from tensorflow.python.framework import op_def_registry
+    nodes = list(graph_def.node)
+    for f in graph_def.library.function:
+        nodes.extend(f.node_def)
+    for n in nodes:
+        if n.op in _REPEATABLE:
+            continue
+        op_def = op_def_registry.get(n.op)
+        if op_def is None or op_def.is_stateful:
+            return False                 # a function name called as an op, or stateful
+    return True
+
+
+def _warm_up(cf, tier) -> None:
+    """Run the stitched graph once here, in the background, on the first call's
+    arguments, where running it changes nothing but its outputs (an inference
+    function): its first run (TF instantiating the function, first allocations) took
+    4-14x a steady call, on the user's call that switched.  A graph with side effects
+    (a training step's update) switches unrun."""
+    args, tier.args = tier.args, None
+    if args is None or not _flat_in(cf, args):
+        return
+    try:
+        if _side_effect_free(cf.graph.as_graph_def()):
+            _call_concrete(cf, args)
+    except Exception:  # noqa: BLE001 — the user's call would meet it and say so
+        pass
 
 
 def _signature_text(key) -> str:
