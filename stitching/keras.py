@@ -413,6 +413,11 @@ class _Tiered(_StitchedStep):
         if self._thread is None and self._signature is not None:
             self._thread = run_in_background(self._compile, self._signature,
                                              self._exact)
+            if self._progress is not False:     # a big model's compile takes minutes
+                print(f"stitching: {self._kind} step: planning and compiling its kernels "
+                      f"in the background after {_span('stock step', self.stock_steps)}; "
+                      f"stock Keras runs the steps until they are ready",
+                      file=sys.stderr, flush=True)
 
     def _compile(self, signature, exact):
         """In the background thread: trace and stitch the step for every batch size,
