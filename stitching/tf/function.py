@@ -490,17 +490,20 @@ class StitchedFunction(tf_pf.Function):
             cf = self.get_concrete_function(*specs)
             tier.from_cache = self.cache_hits > hits     # nothing planned or compiled
             tier.report = self._reports[-1] if len(self._reports) > before else None
-            if tier.from_cache or getattr(tier.report, "result_stored", False):
-                results.mark(self._hint(specs))     # the next process probes for it
             seeded = seeded_random_ops(cf.graph.as_graph_def())
             if seeded:
                 self._stay_stock(tier, seeded)
                 return
-            _warm_up(cf, tier)
-            tier.stitched = cf                  # the next call through it switches
             if general is not None:
+                # before the hint and the warm-up: a new batch size of the family
+                # called meanwhile runs this trace, where it would probe the result
+                # cache (the hint says it holds this graph) and trace a twin
                 family, relaxed = general
                 self._general.setdefault(family, []).append((relaxed, cf))
+            if tier.from_cache or getattr(tier.report, "result_stored", False):
+                results.mark(self._hint(specs))     # the next process probes for it
+            _warm_up(cf, tier)
+            tier.stitched = cf                  # the next call through it switches
         except Exception as e:  # noqa: BLE001 — the stock graph keeps serving this key
             self.background_errors.append(e)
         finally:
