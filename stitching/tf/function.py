@@ -113,28 +113,29 @@ HINT_SECONDS = 1.0             # arbitrary: a first call slower than this gets t
 
 
 class StitchedFunction(tf_pf.Function):
-    """A ``tf.function`` (TF's own ``Function`` class: its argument binding, tracing,
-    cache, signatures, variable lifting and saving hooks) whose every trace is stitched.
-
-    TF traces the user's function through ``TracingOptions.python_function``; here that
-    callable is ``_StitchingTracer``, which traces the function alone into an inner
-    graph, stitches that graph and imports the result into TF's trace (module docstring).
-    So a trace has the user's parameter names, defaults and structured signature, and
-    the ConcreteFunctions it makes are ordinary ones (saved, called, differentiated as
-    any).
+    """What ``stitching.function`` returns: a ``tf.function`` (TF's own ``Function``
+    class, so its argument binding, tracing, signatures, variables, gradients and
+    saving are TF's) whose every trace is stitched.  Call it, save it and get its
+    ConcreteFunctions as a ``tf.function``'s; ``python_function`` is the function
+    given, so ``tf.function(f.python_function)`` is the same function under stock TF.
 
     Attributes:
-        report: The latest trace's ``stitching.Report`` (None before the first call).
+        report: The latest trace's ``stitching.Report`` (None before the first call);
+            waits for a pending background compile first.
         reports: Every trace's report, oldest first.
         options: The ``stitching.Options`` it plans with.
         background_errors: Exceptions raised by background compiles (tiered
             execution, ``Options.background_compile``); stock TF keeps serving
             those calls.
-        cached_only: Stitch traces only from the result cache (tf/results.py: a
-            warm process's kernels, plan and rewritten graph); a trace it does not
-            hold is imported as traced (stock TF).  Tiered execution's probe.
-        cache_hits, cache_misses: Traces the result cache served, or did not.
+        cache_hits, cache_misses: Traces the result cache (a warm process's stitched
+            graphs) served, or did not.
     """
+    # How: TF traces the user's function through ``TracingOptions.python_function``;
+    # here that callable is ``_StitchingTracer``, which traces the function alone into an
+    # inner graph, stitches that graph and imports the result into TF's trace (module
+    # docstring), so a trace has the user's parameter names, defaults and structured
+    # signature.  ``cached_only`` (tiered execution's probe): stitch traces only from
+    # the result cache; a trace it does not hold is imported as traced.
 
     def __init__(self, python_function, name=None, input_signature=None, autograph=True,
                  jit_compile=None, reduce_retracing=None, experimental_implements=None,

@@ -206,10 +206,8 @@ def install_dir(path, graph=None) -> int:
 
     The rewrite recorded the sidecar manifest's SHA-256 in the graph (a Const node,
     ``MANIFEST_NODE``), as a SavedModel records its own in the StitchedKernelAssets
-    op: ``graph`` (a GraphDef, or its file; default: ``path`` without ``.kernels``)
-    says which manifest it was written with, and a sidecar that is not that one (a
-    swapped or edited directory) is not used (warning; the kernels compile from their
-    specs).  Returns how many files were installed."""
+    op, so a sidecar that is not the one the graph was written with (a swapped or
+    edited directory) is not used."""
     d = Path(path)
     try:
         want = recorded_manifest(_graph_for(d, graph))
