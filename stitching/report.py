@@ -255,8 +255,17 @@ class Report:
         told = [(name, t) for name, t in told if t]
         if not told:
             return []
-        return ["  tiered compile (quick tier-1 code first, optimized tier 2 behind it):"] + \
-            [f"    {name}: {t}" for name, t in told]
+        head = "  tiered compile (quick tier-1 code first, optimized tier 2 behind it):"
+        if len(told) <= _TIER_LINES:
+            return [head] + [f"    {name}: {t}" for name, t in told]
+        # a line per kernel would double a large model's summary: the counts, with
+        # to_dict()["compile_tiers"] holding each kernel's line
+        held = sum("tier 1 held" in t for _, t in told)
+        done = sum("tier 2 in " in t for _, t in told)
+        return [f"{head} {len(told)} kernels: {held} held on their TF ops at tier 1 "
+                f"(slower than TF there), {len(told) - held} ran tier 1; tier 2 in for "
+                f"{done}, not yet for {len(told) - done} (to_dict()['compile_tiers'] has "
+                f"each kernel's)"]
 
     def _headline(self) -> str:
         n, fused = self.memory_intensive_ops, self.fused_ops
@@ -340,11 +349,17 @@ def _note_lines(notes) -> list:
     return lines
 
 
+_TIER_LINES = 8       # more tiered kernels than this: one count line, not one each
+
+
 def _kernel_line(k, indent: str) -> str:
     """A kernel's summary line: the memory-intensive ops it computes (counted), the
     other ops inside it (named, not counted), its schedule."""
     mem, other = k.split_ops()
-    line = f"{indent}{k.name}: {_plural(len(mem), 'op')} [{', '.join(t for _, t in mem)}]"
+    scope = _scope([n for n, _ in k.ops])
+    where = f" ({scope})" if scope else ""
+    line = (f"{indent}{k.name}{where}: {_plural(len(mem), 'op')} "
+            f"[{', '.join(t for _, t in mem)}]")
     if other:
         kinds = {t: sum(1 for _, o in other if o == t) for _, t in other}
         also = ", ".join(t if n == 1 else f"{n} {t}" for t, n in kinds.items())
@@ -355,6 +370,30 @@ def _kernel_line(k, indent: str) -> str:
             else "no data work"
         line += f" (also {also}: {what}, not counted)"
     return f"{line} — {k.schedule}" if k.schedule else line
+
+
+def _scope(nodes) -> str:
+    """Where in the model a kernel's nodes are: their common name scope and, where
+    they span several scopes under it, the first and last of those (a Keras layer's
+    name): ``model/{block2a_expand_bn … block2a_se_excite}``; "" where the nodes
+    share no scope."""
+    parts = [n.split("/")[:-1] for n in nodes]
+    if not parts or not all(parts):
+        return ""
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    below = []
+    for p in parts:
+        if len(p) > len(common) and p[len(common)] not in below:
+            below.append(p[len(common)])
+    head = "/".join(common)
+    if len(below) <= 1:
+        return "/".join(common + below)
+    span = f"{{{below[0]} … {below[-1]}}}"
+    return f"{head}/{span}" if head else span
 
 
 def _grouped(entries) -> list:

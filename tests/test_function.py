@@ -266,6 +266,9 @@ def test_tiered_by_default_stock_first_then_stitched_with_the_switch_reported(ti
     np.testing.assert_array_equal(first, ref)              # stock TF's own graph
     np.testing.assert_array_equal(f(x).numpy(), ref)
     assert f.report.kernels and not f._pending             # report waited
+    # ready, not yet called: the report says so (it said nothing)
+    assert f.report.tiering == ("stock TF ran calls 1-2; the stitched graph is ready and "
+                                "runs from the next call")
     third = f(x).numpy()
     assert "StitchedKernel" in {op.type for op in f._concrete[key].graph.get_operations()}
     np.testing.assert_allclose(third, ref, rtol=2e-6, atol=2e-6)

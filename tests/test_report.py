@@ -94,3 +94,46 @@ def test_notes_that_differ_only_in_their_region_are_one_line_and_a_count():
                      "report.notes lists each)",
                      "  note: 4 zero Pad(s) folded"]
     assert rep.to_dict()["notes"] == notes
+
+
+def test_a_kernel_line_says_where_in_the_model_its_ops_are():
+    """A large model's summary named only op types: kernel_37 of 68 could be any
+    block.  Each kernel line now names the scope its nodes share and, where they span
+    several layers under it, the first and last of those."""
+    ops = [("m/block2a_bn/FusedBatchNormV3", "FusedBatchNormV3"),
+           ("m/block2a_act/Sigmoid", "Sigmoid"), ("m/block2a_act/mul", "Mul"),
+           ("m/block2b_add/add", "AddV2")]
+    rep = Report(function="f", memory_intensive_ops=4, fused_ops=4,
+                 kernels=[KernelInfo("stitching/kernel_0", ops, "", 1, 1, "h0"),
+                          KernelInfo("stitching/kernel_1", [("m/ln/a", "Mul"),
+                                                            ("m/ln/b", "AddV2")],
+                                     "", 1, 1, "h1"),
+                          KernelInfo("stitching/kernel_2", [("mean", "Mean"),
+                                                            ("moments/sub", "Sub")],
+                                     "", 1, 1, "h2")])
+    lines = rep.summary().splitlines()
+    assert "  stitching/kernel_0 (m/{block2a_bn … block2b_add}): 4 ops [" in "\n".join(lines)
+    assert any(ln.startswith("  stitching/kernel_1 (m/ln): 2 ops") for ln in lines)
+    assert any(ln.startswith("  stitching/kernel_2: 2 ops") for ln in lines)  # no scope
+
+
+def test_many_tiered_kernels_are_one_count_line():
+    """Read live, the tiered-compile block was a line per kernel: 68 lines of 'tier 1
+    held ...; tier 2 not in yet' for EfficientNetB0, as long as the rest of the
+    summary.  Above a few kernels it is one line of counts."""
+    class _Tiered:
+        def __init__(self, text):
+            self.text = text
+
+        def tiering(self):
+            return self.text
+    texts = ["tier 1 held: its TF ops ran; tier 2 not in yet"] * 3 + \
+        ["tier 1 ran; tier 2 in 0.50 s after tier 1"] * 7
+    rep = Report(function="f", memory_intensive_ops=1, fused_ops=1)
+    rep.code_tiers = [(f"stitching/kernel_{i}", _Tiered(t)) for i, t in enumerate(texts)]
+    (line,) = [ln for ln in rep.summary().splitlines() if "tiered compile" in ln]
+    assert "10 kernels: 3 held on their TF ops at tier 1" in line
+    assert "tier 2 in for 7, not yet for 3" in line
+    rep.code_tiers = rep.code_tiers[:2]
+    tier = [ln for ln in rep.summary().splitlines() if "tier 1" in ln]
+    assert len(tier) == 2 and tier[0].startswith("    stitching/kernel_0: tier 1 held")

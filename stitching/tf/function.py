@@ -555,6 +555,13 @@ class StitchedFunction(tf_pf.Function):
             threads = list(self._pending.values())
         for t in threads:
             t.join(seconds_left(deadline))
+        for tier in list(self._concrete.values()):
+            if isinstance(tier, _StockTier) and tier.stitched is not None \
+                    and tier.report is not None and not tier.report.tiering:
+                # ready, not yet called: the report says so until the switch says where
+                calls = "call 1" if tier.calls == 1 else f"calls 1-{tier.calls}"
+                tier.report.tiering = (f"stock TF ran {calls}; the stitched graph is "
+                                       f"ready and runs from the next call")
         upgraded = wait_tier2(seconds_left(deadline))
         with self._pending_lock:
             return not self._pending and not self.background_errors and upgraded
