@@ -93,7 +93,7 @@ import time
 
 import tensorflow as tf
 
-from .options import Options, background_compile_on
+from .options import DISABLED_NOTE, Options, background_compile_on, disabled
 from .tf.function import StitchedFunction, run_in_background, seeded_reason
 from .tf.tfgraph import seeded_random_ops
 
@@ -109,9 +109,13 @@ class StitchingReports:
         self._functions = functions
 
     def __getitem__(self, step):
+        if step in STEPS and not self._functions:     # $STITCHING_DISABLE: none stitched
+            return None
         return self._functions[step].report
 
     def __getattr__(self, step):
+        if step in STEPS and not self._functions:     # $STITCHING_DISABLE: none stitched
+            return None
         if step.startswith("_") or step not in self._functions:
             raise AttributeError(step)
         return self._functions[step].report
@@ -123,6 +127,8 @@ class StitchingReports:
 
     def summary(self) -> str:
         """Each step's latest report as text."""
+        if not self._functions:
+            return DISABLED_NOTE.replace("this trace is", "every step is")
         parts = [f"[{k}_step] " + (f.report.summary() if f.report else "not traced yet")
                  for k, f in self._functions.items()]
         return "\n".join(parts)
@@ -151,6 +157,9 @@ def stitch(model, options: Options | None = None):
             ``jit_compile=True`` or ``run_eagerly=True``.
     """
     _check(model)
+    if disabled():      # $STITCHING_DISABLE: the model as it is, reports that say so
+        object.__setattr__(model, "stitching_report", StitchingReports({}))
+        return model
     options = options or Options()
     tiered = background_compile_on(options) and not _distributed(model)
     # the steps compile in the caller's thread or, tiered, in _Tiered's background one,
@@ -270,7 +279,7 @@ def wait(model, timeout: float | None = None) -> bool:
     from .tf.function import seconds_left, wait_tier2
     deadline = None if timeout is None else time.monotonic() + timeout
     ok = True
-    for f in model._stitching_steps.values():
+    for f in getattr(model, "_stitching_steps", {}).values():     # none: disabled
         if isinstance(f, _Tiered):
             ok = f.wait(seconds_left(deadline)) and ok
     return wait_tier2(seconds_left(deadline)) and ok

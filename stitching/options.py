@@ -188,6 +188,29 @@ _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 
 
+DISABLE_ENV = "STITCHING_DISABLE"
+DISABLED_NOTE = ("stitching is off ($STITCHING_DISABLE): this trace is stock TF's, "
+                 "nothing was planned or compiled")
+
+
+def disabled() -> bool:
+    """Whether ``$STITCHING_DISABLE`` turns stitching off for the whole process (``1``,
+    ``true``, ``yes``, ``on``): ``stitching.function`` then traces and runs as
+    ``tf.function`` does (its report says so) and ``stitching.keras.stitch`` leaves the
+    model as it is: a switch for operations, to rule stitching out without a code
+    change.
+
+    Raises:
+        ValueError: the variable holds something else.
+    """
+    value = os.environ.get(DISABLE_ENV, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF or not value:
+        return False
+    raise ValueError(f"${DISABLE_ENV}={value!r}: use 1 (stitching off) or 0")
+
+
 def background_compile_on(options: Options) -> bool:
     """Whether ``options`` asks for tiered execution (where it is safe: the callers
     decide that).  An explicit ``background_compile`` wins; ``None`` is on unless

@@ -1206,3 +1206,34 @@ def test_numpy_batches_of_many_sizes_share_a_relaxed_trace_as_tensors_do():
         x = rng.standard_normal((n, 8)).astype(np.float32)
         np.testing.assert_allclose(f(x, w), tf.function(step)(x, w), rtol=1e-5, atol=1e-6)
     assert f.experimental_get_tracing_count() == 2, f.experimental_get_tracing_count()
+
+
+def test_stitching_disable_turns_every_function_into_tf_functions(monkeypatch):
+    """$STITCHING_DISABLE=1: a switch for operations.  A stitching.function traces and
+    runs as tf.function (no kernel, no background compile, TF's numbers bit for bit)
+    and its report says so; keras.stitch leaves the model as it is; a bad value is an
+    error naming the variable."""
+    monkeypatch.setenv("STITCHING_DISABLE", "1")
+    monkeypatch.delenv("STITCHING_BACKGROUND_COMPILE", raising=False)    # tiered default
+
+    def fn(x):
+        return tf.nn.softmax(x * 4.0) * 2.0 - 0.5
+    x = tf.constant(np.random.default_rng(9).standard_normal((5, 32)).astype(np.float32))
+    f = stitching.function(fn)
+    for _ in range(2):
+        np.testing.assert_array_equal(f(x).numpy(), tf.function(fn)(x).numpy())
+    assert not f._pending and not f.report.kernels
+    assert "stitching is off ($STITCHING_DISABLE)" in f.report.summary()
+    ops = {op.type for op in f.get_concrete_function(x).graph.get_operations()}
+    assert "Softmax" in ops and "StitchedKernel" not in ops
+    keras = pytest.importorskip("keras")
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    m.compile(optimizer="sgd", loss="mse")
+    train_step = m.train_step
+    assert stitching.keras.stitch(m) is m and m.train_step == train_step
+    assert m.stitching_report.train is None and "stitching is off" in \
+        m.stitching_report.summary()
+    assert stitching.keras.wait(m)
+    monkeypatch.setenv("STITCHING_DISABLE", "maybe")
+    with pytest.raises(ValueError, match="STITCHING_DISABLE"):
+        stitching.function(fn)(x)

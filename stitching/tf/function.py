@@ -99,7 +99,7 @@ from tensorflow.python.framework.ops import EagerTensor
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.util import tf_decorator
 
-from ..options import Options, background_compile_on
+from ..options import DISABLED_NOTE, Options, background_compile_on, disabled
 from . import control_flow, scalars
 from .tfgraph import seeded_random_ops
 from .passes import original
@@ -404,7 +404,7 @@ class StitchedFunction(tf_pf.Function):
         background thread would trace outside of (module docstring), nor once a
         trace held seeded random ops (``_stay_stock``)."""
         return background_compile_on(self.options) and not tf.distribute.has_strategy() \
-            and not self._seeded_random
+            and not self._seeded_random and not disabled()
 
     def _stock_then_stitch(self, key, args, family=None, relaxed=None):
         """What a new tiered signature runs now: stock TF (``_stock_function``) behind
@@ -619,6 +619,10 @@ class StitchedFunction(tf_pf.Function):
         ``tf.function(jit_compile=True)``) nothing is stitched either: XLA cannot run a
         StitchedKernel and fuses the ops itself, so they are traced here as they are."""
         if _under_xla():             # get_concrete_function inside such a caller
+            return fn(*args, **kwargs)
+        if disabled():               # $STITCHING_DISABLE: a trace as tf.function's
+            from ..report import Report
+            self._reports.append(Report(function=display_name(self), notes=[DISABLED_NOTE]))
             return fn(*args, **kwargs)
         structure = (args, kwargs)
         flat = tf.nest.flatten(structure, expand_composites=True)
