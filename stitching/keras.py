@@ -12,9 +12,6 @@ one for stock Keras.  docs/training.md is the guide.
 
 # How it works.
 #
-# ``stitching.keras.stitch(model)``: Keras ``fit`` / ``evaluate`` / ``predict`` /
-# ``train_on_batch`` run stitched graphs.
-#
 # How Keras 3's TensorFlow trainer runs a step (keras/src/backend/tensorflow/trainer.py):
 #
 #     fit ─▶ make_train_function ─▶ _make_function(self.train_step)
