@@ -324,11 +324,17 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
         # 0.37 against 0.40 s (medians of 7, one process, a loaded machine).
         the_plan = plan_cache.load(key, ir, legal)
         if the_plan is None:
+            if options.progress or (options.progress is None
+                                    and len(ir) >= _PRESTART_MIN_NODES):
+                # a large model's planning takes seconds before any kernel compiles
+                print(f"stitching: {name}: planning {len(ir)} nodes", file=sys.stderr,
+                      flush=True)
             the_plan = get_planner(options.planner)(ir, legal=legal,
                                                     min_ops=options.min_ops)
             plan_cache.save(key, the_plan)
         ctx.plan = the_plan
-        ctx.regions, ctx.kernels, ctx.failed = _compile(the_plan.regions, options, workers)
+        ctx.regions, ctx.kernels, ctx.failed = _compile(the_plan.regions, options, workers,
+                                                        name)
     finally:
         if workers is not None:
             workers.close()
@@ -375,7 +381,7 @@ def _graph_key(graph_def, fetches, keep, options, resources=None) -> str:
     return h.hexdigest()[:32]
 
 
-def _compile(regions, options, workers=None):
+def _compile(regions, options, workers=None, name="?"):
     """Compile each distinct spec once (in parallel worker processes when many are
     not cached yet); a region whose kernel fails stays unfused, with the reason."""
     from .. import runtime
@@ -399,10 +405,10 @@ def _compile(regions, options, workers=None):
         if tty:
             # \x1b[K clears the rest of the line: "kernel 31/31" over "compiled in
             # workers 10/10" left "workers 10/10" behind
-            print(f"\rstitching: {what} {count}/{n}\x1b[K", end="", file=sys.stderr,
-                  flush=True)
+            print(f"\rstitching: {name}: {what} {count}/{n}\x1b[K", end="",
+                  file=sys.stderr, flush=True)
         elif count == n or count % max(1, n // 4) == 0:    # a log: a few lines, not n
-            print(f"stitching: {what} {count}/{n}", file=sys.stderr, flush=True)
+            print(f"stitching: {name}: {what} {count}/{n}", file=sys.stderr, flush=True)
 
     def failed_compile(spec, e):
         errors[spec.hash] = f"kernel failed to compile: {type(e).__name__}: {str(e)[:200]}"
