@@ -91,7 +91,7 @@ import time
 import tensorflow as tf
 
 from .options import DISABLED_NOTE, Options, background_compile_on, disabled
-from .tf.function import StitchedFunction, run_in_background, seeded_reason
+from .tf.function import StitchedFunction, run_in_background, seeded_reason, span_text
 from .tf.tfgraph import seeded_random_ops
 
 STEPS = ("train", "test", "predict")
@@ -420,8 +420,9 @@ class _Tiered(_StitchedStep):
             self._thread = run_in_background(self._compile, self._signature,
                                              self._exact)
             if self._progress is not False:     # a big model's compile takes minutes
+                after = span_text("stock step", self.stock_steps)
                 print(f"stitching: {self._kind} step: planning and compiling its kernels "
-                      f"in the background after {_span('stock step', self.stock_steps)}; "
+                      f"in the background after {after}; "
                       f"stock Keras runs the steps until they are ready",
                       file=sys.stderr, flush=True)
 
@@ -469,7 +470,7 @@ class _Tiered(_StitchedStep):
         else:
             seconds = time.perf_counter() - self._t0
             self.switch = (self._steps + 1, seconds)
-            text = (f"stock TF ran {_span('step', self._steps)} while the kernels "
+            text = (f"stock TF ran {span_text('step', self._steps)} while the kernels "
                     f"compiled ({seconds:.1f} s); stitched from step {self._steps + 1}")
         if self.report is not None:
             self.report.tiering = text
@@ -487,7 +488,7 @@ class _Tiered(_StitchedStep):
         if ready and self.switch is None and self.report is not None \
                 and not self.report.tiering:
             # ready, not yet called: the report says so until the switch says where
-            self.report.tiering = (f"stock TF ran {_span('step', self._steps)}; the "
+            self.report.tiering = (f"stock TF ran {span_text('step', self._steps)}; the "
                                    f"stitched step is ready and runs from the next step")
         return ready
 
@@ -495,11 +496,6 @@ class _Tiered(_StitchedStep):
 _ONE_AT_A_TIME = threading.Lock()
 TIER_UP_SECONDS = 1.0     # arbitrary: about a warm stitch of a small model's step, in
 #                           CPU time the background takes from the stock steps
-
-
-def _span(what: str, n: int) -> str:
-    """'step 1', 'steps 1-3' (no 'steps 1-1')."""
-    return f"{what} 1" if n == 1 else f"{what}s 1-{n}"
 
 
 def tier_up_seconds() -> float:

@@ -115,52 +115,12 @@ def body_resources(graph_def, resources: dict) -> dict:
     control-flow functions that are variables of known shape.  A FunctionDef does
     not carry a resource argument's shape (a Keras LSTM's loop body reads its weights
     through such arguments): without it every read of a weight inside the body had
-    unknown rank.  A caller's argument ``i`` is its input ``i`` (While) or ``i + 1``
-    (If: input 0 is the condition); a variable is followed from the graph's
-    placeholders (``resources``) through Identity nodes and, for nested control
-    flow, through the arguments of the function holding the caller."""
-    shapes = {}
-    scopes = [(list(graph_def.node), lambda: resources)]
-    for f in graph_def.library.function:
-        scopes.append((list(f.node_def), lambda f=f: shapes.get(f.signature.name, {})))
-    library = {f.signature.name: f for f in graph_def.library.function}
-    changed, rounds = True, 0
-    while changed and rounds <= len(library) + 1:   # nesting depth bounds the rounds
-        changed, rounds = False, rounds + 1
-        for nodes, known in scopes:
-            have = known()
-            if not have:
-                continue
-            by_name = {n.name: n for n in nodes}
-            for n in nodes:
-                first = 1 if n.op in ("If", "StatelessIf") else 0
-                for attr in CALLERS.get(n.op, ()):
-                    callee = library.get(n.attr[attr].func.name)
-                    if callee is None:
-                        continue
-                    args = callee.signature.input_arg
-                    got = shapes.setdefault(callee.signature.name, {})
-                    for i, a in enumerate(args):
-                        if a.type != tf.resource.as_datatype_enum or a.name in got \
-                                or first + i >= len(n.input):
-                            continue
-                        src = _variable_source(n.input[first + i], by_name)
-                        if src in have:
-                            got[a.name] = have[src]
-                            changed = True
-    return {k: v for k, v in shapes.items() if v}
-
-
-def _variable_source(name: str, by_name: dict) -> str:
-    """The node (or function argument) a resource input comes from, through
-    Identity nodes."""
-    name = name.split(":")[0]
-    for _ in range(64):
-        n = by_name.get(name)
-        if n is None or n.op != "Identity" or not n.input:
-            break
-        name = n.input[0].split(":")[0]
-    return name
+    unknown rank.  A variable is followed from the graph's placeholders
+    (``resources``) through Identity nodes and, for nested control flow, through the
+    arguments of the function holding the caller (``_argument_facts``)."""
+    def variable(src, by_name, have):
+        return have.get(_variable_source(src, by_name))
+    return _argument_facts(graph_def, resources, tf.resource, CALLERS, variable)
 
 
 def body_list_shapes(graph_def) -> dict:
@@ -170,13 +130,24 @@ def body_list_shapes(graph_def) -> dict:
     shape, and a gradient loop body pops the forward pass's values from its
     accumulators with ``element_shape=-1`` (while_v2): without it every value it
     reads, and all the math on them, had unknown rank and stayed TF's
-    (``_shape_list_reads`` gives them their shapes).  A While's
-    argument ``i`` is its input ``i``; a list is followed back through Identity nodes
-    and through the While that carried it (output ``k`` is input ``k``: the forward
-    loop's accumulator feeds the gradient loop) to the ``EmptyTensorList`` or
-    ``TensorListReserve`` that made it, with a constant element shape, or to an
-    argument of the function holding the caller."""
-    shapes = {}
+    (``_shape_list_reads`` gives them their shapes).  A list is followed back through
+    Identity nodes and through the While that carried it (output ``k`` is input
+    ``k``: the forward loop's accumulator feeds the gradient loop) to the
+    ``EmptyTensorList`` or ``TensorListReserve`` that made it, with a constant element
+    shape, or to an argument of the function holding the caller."""
+    loops = {op: CALLERS[op] for op in ("While", "StatelessWhile")}
+    return _argument_facts(graph_def, {}, tf.variant, loops, _list_element_shape)
+
+
+def _argument_facts(graph_def, top: dict, dtype, callers: dict, resolve) -> dict:
+    """Function name -> {argument name: fact} for the ``dtype`` arguments of the
+    functions that ``callers`` nodes ({op: function-valued attrs}) run, anywhere in
+    the graph or its library.  A caller's argument ``i`` is its input ``i`` (While)
+    or ``i + 1`` (If: input 0 is the condition); ``resolve(input, nodes by name,
+    facts of the holding scope's arguments)`` gives that input's fact or None.  The
+    graph's own facts are ``top``; a function's are those found for its arguments,
+    so facts flow down nested control flow, one level a round."""
+    facts = {}
     scopes = [(list(graph_def.node), "")]
     scopes += [(list(f.node_def), f.signature.name) for f in graph_def.library.function]
     library = {f.signature.name: f for f in graph_def.library.function}
@@ -184,24 +155,36 @@ def body_list_shapes(graph_def) -> dict:
     while changed and rounds <= len(library) + 1:   # nesting depth bounds the rounds
         changed, rounds = False, rounds + 1
         for nodes, owner in scopes:
+            have = facts.get(owner, {}) if owner else top
             by_name = {n.name: n for n in nodes}
-            have = shapes.get(owner, {})
             for n in nodes:
-                if n.op not in ("While", "StatelessWhile"):
-                    continue
-                for attr in CALLERS[n.op]:
+                first = 1 if n.op in ("If", "StatelessIf") else 0
+                for attr in callers.get(n.op, ()):
                     callee = library.get(n.attr[attr].func.name)
                     if callee is None:
                         continue
-                    got = shapes.setdefault(callee.signature.name, {})
-                    for a, src in zip(callee.signature.input_arg, n.input):
-                        if a.type != tf.variant.as_datatype_enum or a.name in got:
+                    got = facts.setdefault(callee.signature.name, {})
+                    for i, a in enumerate(callee.signature.input_arg):
+                        if a.type != dtype.as_datatype_enum or a.name in got \
+                                or first + i >= len(n.input):
                             continue
-                        shape = _list_element_shape(src, by_name, have)
-                        if shape is not None:
-                            got[a.name] = shape
+                        fact = resolve(n.input[first + i], by_name, have)
+                        if fact is not None:
+                            got[a.name] = fact
                             changed = True
-    return {k: v for k, v in shapes.items() if v}
+    return {k: v for k, v in facts.items() if v}
+
+
+def _variable_source(name: str, by_name: dict) -> str:
+    """The node (or function argument) a resource or TensorList input comes from,
+    through Identity nodes."""
+    name = name.split(":")[0]
+    for _ in range(64):
+        n = by_name.get(name)
+        if n is None or n.op != "Identity" or not n.input:
+            break
+        name = n.input[0].split(":")[0]
+    return name
 
 
 def _input_ref(name: str) -> tuple:
@@ -254,10 +237,7 @@ def _shape_list_reads(body, lists: dict) -> None:
     for n in list(body.node):
         if n.op not in _LIST_READS or not n.input:
             continue
-        name, _ = _input_ref(n.input[0])
-        while name in by_name and by_name[name].op == "Identity" and by_name[name].input:
-            name, _ = _input_ref(by_name[name].input[0])
-        shape = lists.get(name)
+        shape = lists.get(_variable_source(n.input[0], by_name))
         if shape is None:
             continue
         out = f"{n.name}:{_LIST_READS[n.op]}"

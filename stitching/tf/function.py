@@ -532,7 +532,7 @@ class StitchedFunction(tf_pf.Function):
         the fast path calls that graph directly; the report and a progress line say
         where the switch was."""
         seconds = time.perf_counter() - tier.started
-        calls = "call 1" if tier.calls == 1 else f"calls 1-{tier.calls}"
+        calls = span_text("call", tier.calls)
         doing = ("the stitched graph was traced and loaded from the cache"
                  if tier.from_cache else "the kernels compiled")
         text = (f"stock TF ran {calls} while {doing} ({seconds:.1f} s); stitched from "
@@ -559,7 +559,7 @@ class StitchedFunction(tf_pf.Function):
             if isinstance(tier, _StockTier) and tier.stitched is not None \
                     and tier.report is not None and not tier.report.tiering:
                 # ready, not yet called: the report says so until the switch says where
-                calls = "call 1" if tier.calls == 1 else f"calls 1-{tier.calls}"
+                calls = span_text("call", tier.calls)
                 tier.report.tiering = (f"stock TF ran {calls}; the stitched graph is "
                                        f"ready and runs from the next call")
         upgraded = wait_tier2(seconds_left(deadline))
@@ -1115,6 +1115,11 @@ def _warm_up(cf, tier) -> None:
             _call_concrete(cf, args)
     except Exception:  # noqa: BLE001 — the user's call would meet it and say so
         pass
+
+
+def span_text(what: str, n: int) -> str:
+    """'call 1', 'calls 1-3' (no 'calls 1-1'): the stock calls or steps of a tier."""
+    return f"{what} 1" if n == 1 else f"{what}s 1-{n}"
 
 
 def _signature_text(key) -> str:

@@ -343,12 +343,12 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     if ctx.dump_path:
         ctx.labels = dump.labels_for(ctx.dump_path, len(ctx.regions))
     passmanager.run(AFTER_PLANNING, ctx, dump=dump_pass)
-    rep = _make_report(name, ctx)
+    kept = _kept(ctx)       # the kernels of the final graph, for the report and the dump
+    rep = _make_report(name, ctx, kept)
     rep.compile_seconds = time.perf_counter() - t0
     prof = profiles.default()
     rep.profile = prof.source or prof.name
     if ctx.dump_path:
-        kept = _kept(ctx)       # the kernels of the final graph, as in the report
         dump.write(ctx.dump_path, name=name, options=options, graph_before=graph_def,
                    graph_after=ctx.graph_def, ir=ir, the_plan=the_plan,
                    regions=[ctx.regions[i] for i in kept],
@@ -439,14 +439,13 @@ def _kept(ctx) -> list:
     return [i for i, kname in enumerate(ctx.kernel_names) if kname in final]
 
 
-def _make_report(name, ctx):
+def _make_report(name, ctx, kept):
     gdef, ir, the_plan, regions, kernels, kernel_names, failed, shape_math = (
         ctx.planned, ctx.ir, ctx.plan, ctx.regions, ctx.kernels, ctx.kernel_names,
         ctx.failed, ctx.shape_math)
     tf_op = {n.name: n.op for n in gdef.node}
     mem = {n for n, op in tf_op.items()
            if opnames.is_memory_intensive(op) and n not in shape_math}
-    kept = _kept(ctx)
     # ops a later pass took into a product's op cost no pass over memory of their own:
     # fused, listed apart from the kernels' ops.  The planner left some to TF (an
     # EinsumDense bias Add as the MatMul's BiasAdd: passes/gemm.py; the scores' scale
