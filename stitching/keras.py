@@ -435,6 +435,8 @@ class _Tiered(_StitchedStep):
         with _ONE_AT_A_TIME:
             for spec in (signature, exact):
                 try:
+                    hits = self.stitched.cache_hits
+                    reports = len(self.stitched._reports)   # (.report would settle first)
                     cf = self.stitched.get_concrete_function(spec)
                     seeded = seeded_random_ops(cf.graph.as_graph_def())
                     if seeded:      # as StitchedFunction._stay_stock: Keras's stays
@@ -442,10 +444,9 @@ class _Tiered(_StitchedStep):
                         return
                     self._ready, self.error = True, None
                     from .tf import results
-                    reports = self.stitched._reports      # (.report would settle first)
-                    if self.stitched.cache_hits or (
-                            reports and reports[-1].result_stored):
-                        results.mark(self._hint)     # the next process probes for it
+                    made = self.stitched._reports[reports:]
+                    results.mark_if_held(self._hint, self.stitched.cache_hits > hits,
+                                         made[-1] if made else None)
                     return
                 except Cancelled as e:          # the process is exiting
                     self.error = e

@@ -260,8 +260,9 @@ class Report:
             return [head] + [f"    {name}: {t}" for name, t in told]
         # a line per kernel would double a large model's summary: the counts, with
         # to_dict()["compile_tiers"] holding each kernel's line
-        held = sum("tier 1 held" in t for _, t in told)
-        done = sum("tier 2 in " in t for _, t in told)
+        states = [s for s in (k.tier_state() for _, k in self.code_tiers) if s]
+        held = sum(h for h, _ in states)
+        done = sum(d for _, d in states)
         return [f"{head} {len(told)} kernels: {held} held on their TF ops at tier 1 "
                 f"(slower than TF there), {len(told) - held} ran tier 1; tier 2 in for "
                 f"{done}, not yet for {len(told) - done} (to_dict()['compile_tiers'] has "

@@ -357,13 +357,23 @@ class CompiledKernel:
         2: the optimized code every cache holds."""
         return self._code.tier
 
+    def tier_state(self) -> tuple[bool, bool] | None:
+        """(held at tier 1, tier 2 in) for a kernel that started at tier 1, None where
+        it never did: held, its region ran its TF ops while tier 1 was all it had."""
+        c = self._code
+        if c.tier1_at is None:
+            return None
+        return slow_at_tier1(self.spec), c.tier2_at is not None
+
     def tiering(self) -> str | None:
         """Which code this kernel runs and ran, in words, where it started at tier 1
         (None: it never did): whether its region held (its TF ops ran) and when its
         tier-2 code came, counted from when tier 1 was ready."""
-        c = self._code
-        if c.tier1_at is None:
+        state = self.tier_state()
+        if state is None:
             return None
+        held, _ = state
+        c = self._code
         if has_window_at_tier1(self.spec):       # held whatever the estimate says
             why = ": a window's multiply-adds run scalar there"
         else:
@@ -373,7 +383,7 @@ class CompiledKernel:
             why = "" if est is None else \
                 f", estimated {est[0] * 1e6:.0f} µs vs TF's {est[1] * 1e6:.0f} µs{at}"
         what = (f"tier 1 held: its TF ops ran (tier 1 slower than TF{why})"
-                if slow_at_tier1(self.spec) else f"tier 1 ran{why}")
+                if held else f"tier 1 ran{why}")
         if c.tier2_at is None:
             return f"{what}; tier 2 not in yet"
         return f"{what}; tier 2 in {c.tier2_at - c.tier1_at:.2f} s after tier 1"

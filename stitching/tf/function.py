@@ -501,8 +501,7 @@ class StitchedFunction(tf_pf.Function):
                 # cache (the hint says it holds this graph) and trace a twin
                 family, relaxed = general
                 self._general.setdefault(family, []).append((relaxed, cf))
-            if tier.from_cache or getattr(tier.report, "result_stored", False):
-                results.mark(self._hint(specs))     # the next process probes for it
+            results.mark_if_held(self._hint(specs), tier.from_cache, tier.report)
             _warm_up(cf, tier)
             tier.stitched = cf                  # the next call through it switches
         except Exception as e:  # noqa: BLE001 — the stock graph keeps serving this key

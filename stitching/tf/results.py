@@ -149,6 +149,14 @@ def mark(hint_key: str) -> None:
     cachedir.store(_dir() / "hints" / hint_key, b"")
 
 
+def mark_if_held(hint_key: str, from_cache: bool, report) -> None:
+    """``mark`` for a trace whose stitched graph the cache holds: it came from there, or
+    its planning stored it (``Report.result_stored``).  A hint for a result never stored
+    makes the next process probe, miss and plan anyway."""
+    if from_cache or getattr(report, "result_stored", False):
+        mark(hint_key)
+
+
 def save(key: str, traced, graph_def, report: Report) -> bool:
     """Store the stitched result ``graph_def`` of the graph ``traced``, every kernel
     of it registered from Python in this process (best effort: a read-only cache only
