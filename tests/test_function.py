@@ -1193,6 +1193,35 @@ def test_cancel_at_exit_stops_background_compiles_only(monkeypatch):
     np.testing.assert_allclose(f(x).numpy(), np.exp(1.0) * 2, rtol=1e-6)
 
 
+def test_a_background_compile_stops_inside_planning_at_exit(monkeypatch):
+    """A cancel while the planner runs stops it at its next legality check: the
+    interpreter's exit waited out a large model's seconds of planning (5.2 s from
+    Ctrl-C to exit on EfficientNetB3), the passes checking only between them."""
+    import threading
+
+    from stitching.compile import parallel
+    from stitching.tf import pipeline
+    monkeypatch.setattr(parallel, "_cancelled", threading.Event())
+    checked, check = [], pipeline.schedule.check
+
+    def cancel_at_first(spec):
+        checked.append(spec)
+        parallel.cancel()                       # the process starts exiting
+        return check(spec)
+    monkeypatch.setattr(pipeline.schedule, "check", cancel_at_first)
+
+    def fn(x, w):
+        h = tf.matmul(tf.exp(x) * 2.0 + 1.0, w)
+        return tf.nn.softmax(h * 0.5) - tf.reduce_mean(h, axis=-1, keepdims=True)
+    f = stitching.function(fn, options=stitching.Options(background_compile=True))
+    rng = np.random.default_rng(4)
+    x, w = (tf.constant(rng.standard_normal(s).astype(np.float32)) for s in ((4, 8), (8, 8)))
+    np.testing.assert_allclose(f(x, w).numpy(), tf.function(fn)(x, w).numpy(), rtol=1e-6)
+    assert not f.wait(timeout=300) and f.report is None
+    assert isinstance(f.background_errors[0], parallel.Cancelled)
+    assert len(checked) == 1, len(checked)      # planning stopped at the next check
+
+
 def test_numpy_batches_of_many_sizes_share_a_relaxed_trace_as_tensors_do():
     """NumPy arrays are traced as tensors (tf.function's rule), so they take the
     relaxed shapes too: a step fed NumPy batches of several sizes traces as it would
