@@ -278,6 +278,54 @@ def test_drawings(transformer_dump):
         si.draw_graph(d, layout="circle")
 
 
+def test_a_part_of_the_graph_is_drawn_by_kernel_or_scope(transformer_dump):
+    """A large model's whole graph is unreadable (~900 nodes for EfficientNetB0): a
+    kernel or a name scope is drawn with what is within ``around`` edges of it, in
+    the whole dump's colours; a name that matches nothing says what there is."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.collections import PathCollection
+    _, root, _ = transformer_dump
+    d = si.load_dump(root)
+    g = si.to_networkx(d)
+
+    def drawn(ax):
+        (nodes,) = [c for c in ax.collections if isinstance(c, PathCollection)]
+        return len(nodes.get_offsets())
+    k = max(d.kernels, key=lambda k: len(k.nodes))
+    mine = {v for v in k.nodes if v in g}
+    ax = si.draw_graph(d, layout="layers", kernels=k.name.split("/")[-1], around=0)
+    assert drawn(ax) == len(mine) and k.name.split("/")[-1] in {t.get_text() for t in ax.texts}
+    near = mine | {u for v in mine for u in (*g.predecessors(v), *g.successors(v))}
+    ax = si.draw_graph(d, layout="layers", kernels=[k.name], around=1)
+    assert drawn(ax) == len(near) > len(mine)
+    assert "the part drawn" in ax.get_title()
+    scoped = sorted(v for v in mine if "/" in v)
+    scope = scoped[0].rsplit("/", 1)[0] + "/" if scoped else sorted(mine)[0]
+    ax = si.draw_graph(d, layout="layers", scope=scope, around=0)
+    assert drawn(ax) == sum(v.startswith(scope) for v in g) >= 1
+    from stitching.inspect.draw import kernel_colors
+    colors = kernel_colors(d)
+    assert len(set(colors.values())) == len(d.kernels)
+    with pytest.raises(ValueError, match="no kernel named 'kernel_999'.*its kernels: kernel_"):
+        si.draw_graph(d, kernels="kernel_999")
+    with pytest.raises(ValueError, match="no node's name starts with 'nowhere/'"):
+        si.draw_graph(d, scope="nowhere/")
+    with pytest.raises(ValueError, match="around must be"):
+        si.draw_graph(d, kernels=k.name, around=-1)
+
+
+def test_kernel_colours_stay_distinct_past_twenty_kernels():
+    """tab20 cycled gave kernel_3 and kernel_23 one colour; past 20 kernels the hues
+    are spread so that no two of a model's kernels share one."""
+    from types import SimpleNamespace
+    dump = SimpleNamespace(kernels=[SimpleNamespace(name=f"stitching/kernel_{i}")
+                                    for i in range(68)])
+    from stitching.inspect.draw import kernel_colors
+    colors = kernel_colors(dump)
+    assert len(colors) == 68 and len(set(colors.values())) == 68
+
+
 def test_layered_drawing_puts_a_weight_side_op_just_above_its_reader():
     """A node reading only weights goes to the layer above its first reader (a
     BatchNorm's rsqrt(var) * gamma beside the convolution output it scales), not to

@@ -205,3 +205,33 @@ def test_private_directories_of_killed_processes_are_swept(tmp_path, monkeypatch
     left = {p.name for p in tmp_path.iterdir()}
     assert left == set(dirs.values()) - {dirs["dead"]} | {mine.name}, left
     assert mine.name.startswith(f"stitching-tier1-{os.getpid()}-")
+
+
+@pytest.mark.parametrize("files, cores, jobs", [
+    ({}, 8, 8),                                                     # nothing known
+    ({"/proc/meminfo": "MemTotal: 64000000 kB\nMemAvailable: 1024000 kB\n"}, 8, 3),
+    ({"/sys/fs/cgroup/memory.max": "2147483648\n",                  # a 2 GiB pod
+      "/sys/fs/cgroup/memory.current": "1610612736\n"}, 8, 1),
+    ({"/sys/fs/cgroup/memory.max": "max\n",
+      "/sys/fs/cgroup/memory.current": "1610612736\n"}, 8, 8),
+    ({"/sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",   # v1: none
+      "/sys/fs/cgroup/memory/memory.usage_in_bytes": "2787880960\n"}, 8, 8),
+    ({"/sys/fs/cgroup/cpu.max": "200000 100000\n"}, 8, 2),          # 2 CPUs of 8 seen
+    ({"/sys/fs/cgroup/cpu.max": "max 100000\n"}, 8, 8),
+    ({"/sys/fs/cgroup/cpu/cpu.cfs_quota_us": "150000\n",            # v1: 1.5 CPUs
+      "/sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n"}, 8, 2),
+    ({"/sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n",
+      "/sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n"}, 16, 8),
+])
+def test_compile_workers_fit_the_containers_cpus_and_memory(monkeypatch, files, cores, jobs):
+    """The compile pool was sized by the cores alone: a worker peaks at ~262 MiB, so
+    eight of them (a host's cores, seen from a 2 GiB pod) are ~2 GiB, and a container
+    past its memory limit is killed.  The pool fits the free memory at WORKER_MB a
+    worker, and a CPU quota, as the machine facts given here say."""
+    from stitching.compile import parallel
+    monkeypatch.delenv("STITCHING_COMPILE_JOBS", raising=False)
+    monkeypatch.setattr(parallel, "_read", files.get)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert parallel.default_jobs() == jobs
+    monkeypatch.setenv("STITCHING_COMPILE_JOBS", "5")           # asked for: as asked
+    assert parallel.default_jobs() == 5

@@ -12,7 +12,10 @@ shared cache), and answers each with one JSON line.  A spec a worker could not c
 is simply compiled again in this process, where its error surfaces the usual way; a
 worker that dies costs time, never results.
 
-``jobs``: ``STITCHING_COMPILE_JOBS`` if set, else the usable cores (at most 8); small
+``jobs``: ``STITCHING_COMPILE_JOBS`` if set, else the usable cores (at most 8, and
+no more than a container's CPU quota), and no more workers than the free memory holds
+at ``WORKER_MB`` each (a container's memory limit counted: eight workers are ~2 GiB,
+and a 2 GiB pod running out of it is killed, not slowed); small
 batches (fewer than ``MIN_PARALLEL`` uncached kernels) compile in-process, where the
 ~1 s start-up of a worker would not pay.
 
@@ -47,6 +50,8 @@ from .worker import NICE_ENV
 
 MIN_PARALLEL = 3
 MAX_JOBS = 8
+WORKER_MB = 300                   # a worker's peak RSS, rounded up: measured 262 MiB
+                                  # compiling EfficientNetB0's kernels (Numba + LLVM)
 WORKER_SECONDS_PER_KERNEL = 120   # ~0.7 s is typical; only a hung worker gets near it
 # Limits on compiling one kernel of a graph loaded from a file (docs/serving-trust.md).
 # Kernels whose generated code is larger than IN_PROCESS_CODE_BYTES compile in a worker
@@ -124,7 +129,66 @@ def default_jobs() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_JOBS))
+    jobs = min(cores, MAX_JOBS)
+    quota = _cpu_quota()
+    if quota is not None:
+        jobs = min(jobs, quota)
+    free = _available_mb()
+    if free is not None:
+        jobs = min(jobs, free // WORKER_MB)
+    return max(1, jobs)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _cpu_quota() -> int | None:
+    """The cores a cgroup's CPU quota allows (a container's CPU limit: cgroup v2
+    ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), rounded up; None
+    where no quota is set.  ``sched_getaffinity`` sees the host's cores there."""
+    v2 = _read("/sys/fs/cgroup/cpu.max")
+    if v2 is not None:
+        parts = v2.split()
+        quota, period = (parts + ["", ""])[:2]
+    else:
+        quota = (_read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") or "").strip()
+        period = (_read("/sys/fs/cgroup/cpu/cpu.cfs_period_us") or "").strip()
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None                      # "max", -1 or unreadable: no quota
+    return -(-q // p) if q > 0 and p > 0 else None
+
+
+def _available_mb() -> int | None:
+    """MiB this process may still take: ``MemAvailable`` from /proc/meminfo, lowered
+    to what a cgroup's memory limit leaves (a container's: v2 ``memory.max`` minus
+    ``memory.current``, v1 ``limit_in_bytes`` minus ``usage_in_bytes``); None where
+    neither is known."""
+    free = None
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            try:
+                free = int(line.split()[1]) // 1024
+            except (IndexError, ValueError):
+                pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            left = (int((_read(limit) or "").strip()) -
+                    int((_read(usage) or "").strip())) >> 20
+        except ValueError:
+            continue                     # "max" or unreadable: no limit there
+        if left < (1 << 30):             # v1 writes "no limit" as ~2**63
+            free = left if free is None else min(free, left)
+        break
+    return free
 
 
 def _limit(name: str, default: int) -> int:

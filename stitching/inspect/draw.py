@@ -24,6 +24,7 @@ import subprocess
 
 _HIDDEN_OPS = frozenset({"Const", "TFConst"})
 _LABEL_MAX_NODES = 120        # arbitrary: beyond this op names overlap into noise
+_PART_HINT_NODES = 300        # arbitrary: beyond this the title says how to draw a part
 
 
 def to_networkx(dump):
@@ -47,6 +48,52 @@ def to_networkx(dump):
             if src in g:
                 g.add_edge(src, n["name"])
     return g
+
+
+def _part(g, dump, kernels, scope, around):
+    """The subgraph draw_graph draws: ``g`` itself where neither ``kernels`` nor
+    ``scope`` is given, else their nodes and everything within ``around`` edges of
+    them (either direction).  A name or scope that matches nothing is an error that
+    says what there is."""
+    if kernels is None and scope is None:
+        return g
+    if isinstance(around, bool) or not isinstance(around, int) or around < 0:
+        raise ValueError(f"around must be a whole number of edges >= 0, got {around!r}")
+    seeds = set()
+    if kernels is not None:
+        wanted = [kernels] if isinstance(kernels, str) else list(kernels)
+        by_name = {}
+        for k in dump.kernels:
+            by_name[k.name] = by_name[k.name.split("/")[-1]] = k
+        missing = [w for w in wanted if w not in by_name]
+        if missing:
+            have = ", ".join(k.name.split("/")[-1] for k in dump.kernels[:8])
+            more = f" ... ({len(dump.kernels)} in all)" if len(dump.kernels) > 8 else ""
+            raise ValueError(f"no kernel named {', '.join(map(repr, missing))} in this "
+                             f"dump; its kernels: {have or 'none'}{more}")
+        seeds |= {v for w in wanted for v in by_name[w].nodes if v in g}
+    if scope is not None:
+        if not isinstance(scope, str) or not scope:
+            raise ValueError(f"scope must be a non-empty name prefix, got {scope!r}")
+        inside = {v for v in g if v.startswith(scope)}
+        if not inside:
+            raise ValueError(f"no node's name starts with {scope!r}; names look like "
+                             f"{next(iter(g), '(an empty graph)')!r}")
+        seeds |= inside
+    keep, edge = set(seeds), set(seeds)
+    for _ in range(around):
+        edge = {u for v in edge for u in (*g.predecessors(v), *g.successors(v))} - keep
+        keep |= edge
+    return g.subgraph(keep).copy()
+
+
+def _part_words(kernels, scope, around) -> str:
+    what = []
+    if kernels is not None:
+        what.append(kernels if isinstance(kernels, str) else ", ".join(kernels))
+    if scope is not None:
+        what.append(f"{scope}*")
+    return " and ".join(what) + (f" with {around} edge(s) around" if around else "")
 
 
 def _hidden(n) -> bool:
@@ -120,20 +167,38 @@ def _dot_layout(g):
 
 
 def kernel_colors(dump) -> dict:
-    """kernel name -> an RGBA colour (matplotlib's tab20, cycled)."""
+    """kernel name -> an RGBA colour: matplotlib's tab20 up to 20 kernels; beyond, hues
+    a golden-ratio turn apart (tab20 cycled gave kernel_3 and kernel_23 of a large
+    model one colour, often side by side)."""
+    import colorsys
+
     import matplotlib
-    cmap = matplotlib.colormaps["tab20"]
-    return {k.name: cmap(i % 20) for i, k in enumerate(dump.kernels)}
+    ks = dump.kernels
+    if len(ks) <= 20:
+        cmap = matplotlib.colormaps["tab20"]
+        return {k.name: cmap(i) for i, k in enumerate(ks)}
+    return {k.name: (*colorsys.hsv_to_rgb((i * 0.618034) % 1.0, 0.75 - 0.3 * (i % 2),
+                                          0.9 - 0.25 * (i % 3 == 2)), 1.0)
+            for i, k in enumerate(ks)}
 
 
-def draw_graph(dump, ax=None, layout: str = "auto", labels: bool | None = None):
+def draw_graph(dump, ax=None, layout: str = "auto", labels: bool | None = None,
+               kernels=None, scope: str | None = None, around: int = 1):
     """Draw the dump's graph with each stitched region coloured and labelled; returns
     the matplotlib Axes.  ``layout``: "auto" (Graphviz when installed), "dot" or
-    "layers"; ``labels``: op names on nodes (default: graphs up to 120 nodes)."""
+    "layers"; ``labels``: op names on nodes (default: drawings up to 120 nodes).
+
+    A large model's graph (EfficientNetB0: ~900 nodes drawn) is unreadable whole:
+    draw a part.  ``kernels``: a kernel's name or a list of them ("kernel_13" or
+    "stitching/kernel_13"); ``scope``: the nodes whose name starts with it (a layer:
+    "model/block2a_"); ``around``: how many edges out from those the drawing reaches
+    (1: what feeds them and what reads them).  Colours are the whole dump's, so a
+    kernel has the same colour in every part."""
     import matplotlib.pyplot as plt
     import networkx as nx
     from matplotlib.patches import Patch
-    g = to_networkx(dump)
+    whole = to_networkx(dump)
+    g = _part(whole, dump, kernels, scope, around)
     pos = _layout(g, layout)
     colors = kernel_colors(dump)
     if ax is None:
@@ -170,9 +235,14 @@ def draw_graph(dump, ax=None, layout: str = "auto", labels: bool | None = None):
     legend = [Patch(fc="lightgrey", ec="red", label="memory-intensive, left to TF"),
               Patch(fc="white", ec="dimgrey", label="other TF op")]
     ax.legend(handles=legend, loc="upper left", fontsize=7)
-    ax.set_title(f"{dump.function}: {len(dump.kernels)} stitched kernel(s), "
-                 f"{dump.summary.get('fused_ops')}/{dump.summary.get('memory_intensive_ops')} "
-                 f"memory-intensive ops fused", fontsize=9)
+    title = (f"{dump.function}: {len(dump.kernels)} stitched kernel(s), "
+             f"{dump.summary.get('fused_ops')}/{dump.summary.get('memory_intensive_ops')} "
+             f"memory-intensive ops fused")
+    if g is not whole:
+        title += f"; the part drawn: {_part_words(kernels, scope, around)}, {len(g)} nodes"
+    elif len(g) > _PART_HINT_NODES:
+        title += f"; {len(g)} nodes: kernels= or scope= draws a part"
+    ax.set_title(title, fontsize=9)
     ax.set_axis_off()
     return ax
 
