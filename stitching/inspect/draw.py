@@ -77,8 +77,11 @@ def _part(g, dump, kernels, scope, around):
             raise ValueError(f"scope must be a non-empty name prefix, got {scope!r}")
         inside = {v for v in g if v.startswith(scope)}
         if not inside:
-            raise ValueError(f"no node's name starts with {scope!r}; names look like "
-                             f"{next(iter(g), '(an empty graph)')!r}")
+            scopes = sorted({"/".join(v.split("/")[:2]) + "/" for v in g if "/" in v})
+            have = ", ".join(map(repr, scopes[:6])) + (
+                f" ... ({len(scopes)} in all)" if len(scopes) > 6 else "")
+            raise ValueError(f"no node's name starts with {scope!r}; the scopes here: "
+                             f"{have or 'none (no node name has a /)'}")
         seeds |= inside
     keep, edge = set(seeds), set(seeds)
     for _ in range(around):
@@ -239,9 +242,9 @@ def draw_graph(dump, ax=None, layout: str = "auto", labels: bool | None = None,
              f"{dump.summary.get('fused_ops')}/{dump.summary.get('memory_intensive_ops')} "
              f"memory-intensive ops fused")
     if g is not whole:
-        title += f"; the part drawn: {_part_words(kernels, scope, around)}, {len(g)} nodes"
+        title += f"\nthe part drawn: {_part_words(kernels, scope, around)}, {len(g)} nodes"
     elif len(g) > _PART_HINT_NODES:
-        title += f"; {len(g)} nodes: kernels= or scope= draws a part"
+        title += f"\n{len(g)} nodes: draw_graph(..., kernels=...) or scope=... draws a part"
     ax.set_title(title, fontsize=9)
     ax.set_axis_off()
     return ax
