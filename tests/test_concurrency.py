@@ -7,8 +7,10 @@ function at once (tracing, stitching, compiling and registering the kernel), whi
 where locks meet (the compiler callback takes the GIL on a TF thread).
 """
 import threading
+import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import stitching
@@ -136,3 +138,45 @@ def test_eight_threads_make_the_first_calls_of_a_fresh_process(tmp_path):
                               TF_CPP_MIN_LOG_LEVEL="3"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ok True" in r.stdout       # compiled here (Numba), not loaded from anywhere
+
+
+@pytest.mark.parametrize("tiered", [True, False])
+def test_threads_making_a_signatures_first_calls_at_once_make_one_entry(monkeypatch, tiered):
+    """Eight threads calling a new signature at once each made its entry: tiered, a
+    stock tier and a background compile apiece (the serving audit saw 7 compiles for
+    4 signatures, and a switch delayed past 45 s); and each told TF's retracing
+    warning of the one trace ("6 out of the last 6 calls ... triggered
+    tf.function retracing").  The entry is made once, and only its maker tells."""
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function as tf_pf
+
+    from stitching.tf import function as fmod
+    made, told = [], []
+    concrete_for = fmod.StitchedFunction._concrete_for
+
+    def slow(self, key, args):          # every thread reaches it before one stores
+        made.append(key)
+        time.sleep(0.3)
+        return concrete_for(self, key, args)
+    monkeypatch.setattr(fmod.StitchedFunction, "_concrete_for", slow)
+    detector = tf_pf._frequent_tracing_detector_manager
+
+    class Counting:
+        def called_with_tracing(self, *a):
+            told.append(a)
+            return detector.called_with_tracing(*a)
+
+        def __getattr__(self, name):
+            return getattr(detector, name)
+    monkeypatch.setattr(tf_pf, "_frequent_tracing_detector_manager", Counting())
+    f = stitching.function(_layernorm, options=stitching.Options(background_compile=tiered))
+    x = np.random.default_rng(3).standard_normal((4, 48)).astype(np.float32)
+    want = _ref(x)
+    _in_threads(lambda i: np.testing.assert_allclose(f(tf.constant(x)).numpy(), want,
+                                                     rtol=1e-5, atol=1e-5))
+    assert len(made) == 1, len(made)
+    assert f.wait(timeout=TIMEOUT)
+    assert len(f.reports) == 1 and f.report.kernels
+    if not tiered:
+        assert len(told) == 1, len(told)        # the one thread that traced
+    else:
+        assert f.report.tiering                 # the tier found its trace's report

@@ -170,6 +170,7 @@ class StitchedFunction(tf_pf.Function):
         self._general = {}           # family -> [(relaxed shapes, ConcreteFunction)]
         self._pending = {}           # key -> background thread stitching it
         self._pending_lock = threading.Lock()
+        self._first_calls = threading.RLock()  # a new signature's entry is made once
         self._templates = scalars.Templates()  # stitched traces by abstracted graph
         self.background_errors = []  # exceptions of background compiles (stock TF kept)
         self._eager_call = None      # (args, kwds) of the eager call tracing (the hint's)
@@ -306,14 +307,14 @@ class StitchedFunction(tf_pf.Function):
 
     def __getstate__(self):
         state = super().__getstate__()
-        for transient in ("_pending_lock", "_concrete", "_general", "_pending", "_shapes",
+        for transient in ("_pending_lock", "_first_calls", "_concrete", "_general", "_pending", "_shapes",
                           "_shipped", "_templates", "_probe", "_stock"):
             state.pop(transient, None)
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._pending_lock = threading.Lock()
+        self._pending_lock, self._first_calls = threading.Lock(), threading.RLock()
         self._concrete, self._general, self._pending, self._shapes = {}, {}, {}, {}
         self._templates = scalars.Templates()
         self._probe = self._stock = None
@@ -332,18 +333,7 @@ class StitchedFunction(tf_pf.Function):
             if key is not None:
                 cf = self._concrete.get(key)
                 if cf is None and len(self._concrete) < FAST_CALL_SIGNATURES:
-                    # TF's count, not the override (which waits for pending compiles)
-                    count = super().experimental_get_tracing_count()
-                    self._eager_call = (args, {})
-                    try:
-                        cf = _flat_in(self._concrete_for(key, args), args)
-                    finally:
-                        self._eager_call = None
-                    self._concrete[key] = cf
-                    if super().experimental_get_tracing_count() != count:
-                        tf_pf._frequent_tracing_detector_manager.called_with_tracing(
-                            self._key_for_call_stats, self._python_function,
-                            self._omit_frequent_tracing_warning)
+                    cf = self._first_call_of(key, args)
                 if type(cf) is _StockTier:
                     return cf(args)
                 if cf:
@@ -361,6 +351,28 @@ class StitchedFunction(tf_pf.Function):
             if key is not None:
                 self._shapes.setdefault(_family(key), []).append([s for _, s in key])
         return result
+
+    def _first_call_of(self, key, args):
+        """The fast path's entry for a new signature, made once: threads making its
+        first calls at once each made one (a stock tier and a background compile
+        apiece, the last one stored), and each told TF's retracing warning of a trace
+        another thread made.  Only a trace this thread made is told."""
+        with self._first_calls:
+            cf = self._concrete.get(key)
+            if cf is not None:
+                return cf
+            traced = getattr(_traces, "n", 0)
+            self._eager_call = (args, {})
+            try:
+                cf = _flat_in(self._concrete_for(key, args), args)
+            finally:
+                self._eager_call = None
+            self._concrete[key] = cf
+        if getattr(_traces, "n", 0) != traced:
+            tf_pf._frequent_tracing_detector_manager.called_with_tracing(
+                self._key_for_call_stats, self._python_function,
+                self._omit_frequent_tracing_warning)
+        return cf
 
     def _fast_path_ready(self) -> bool:
         """The first call goes through TF (it creates and lifts variables); later ones
@@ -487,10 +499,12 @@ class StitchedFunction(tf_pf.Function):
     def _stitch_in_background(self, tier, specs, general=None):
         from . import results
         try:
-            before, hits = len(self._reports), self.cache_hits
             cf = self.get_concrete_function(*specs)
-            tier.from_cache = self.cache_hits > hits     # nothing planned or compiled
-            tier.report = self._reports[-1] if len(self._reports) > before else None
+            # its trace's report, and whether the result cache served it (nothing
+            # planned or compiled); a trace another signature's compile made is
+            # found as TF cached it
+            tier.report, tier.from_cache = getattr(cf.graph, "_stitching_made",
+                                                   (None, False))
             seeded = seeded_random_ops(cf.graph.as_graph_def())
             if seeded:
                 self._stay_stock(tier, seeded)
@@ -617,6 +631,7 @@ class StitchedFunction(tf_pf.Function):
         call of the inner trace.  Inside a function XLA compiles (a caller's
         ``tf.function(jit_compile=True)``) nothing is stitched either: XLA cannot run a
         StitchedKernel and fuses the ops itself, so they are traced here as they are."""
+        _traces.n = getattr(_traces, "n", 0) + 1
         if _under_xla():             # get_concrete_function inside such a caller
             return fn(*args, **kwargs)
         if disabled():               # $STITCHING_DISABLE: a trace as tf.function's
@@ -695,6 +710,11 @@ class StitchedFunction(tf_pf.Function):
                 workers.close()
         if result is not None:
             self._reports.append(result.report)
+            # the report of this trace, found with it (_stitch_in_background): the
+            # newest report may be another signature's, traced meanwhile
+            from .results import Stored
+            tf.compat.v1.get_default_graph()._stitching_made = (
+                result.report, isinstance(result, Stored))
             # only where tiering would apply but did not: an eager call through TF's
             # call path (keyword, Python or NumPy arguments), not inside Keras's fit
             # or another tf.function, not get_concrete_function or stitching-rewrite,
@@ -1007,6 +1027,7 @@ def seconds_left(deadline: float | None) -> float | None:
 
 
 _calling = threading.local()    # .on: inside TF's __call__ (experimental_get_tracing_count)
+_traces = threading.local()     # .n: traces this thread made (TF's retracing warning)
 
 
 @atexit.register
