@@ -71,7 +71,10 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
             return env[r]
         src = graph[r.node]
         if src.op == "Const" and r.node not in members:
-            env[r] = b.emit("Const", [], dict(src.attrs))
+            # folded in: its value, never its placement (under tf.device or a
+            # strategy every Const has a device, which no KernelSpec takes)
+            env[r] = b.emit("Const", [], {k: v for k, v in src.attrs.items()
+                                          if k not in PLANNER_ATTRS})
         else:
             inputs.append(r)
             b.inputs.append(graph.type_of(r))
