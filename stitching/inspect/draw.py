@@ -194,7 +194,7 @@ def draw_graph(dump, ax=None, layout: str = "auto", labels: bool | None = None,
     A large model's graph (EfficientNetB0: ~900 nodes drawn) is unreadable whole:
     draw a part.  ``kernels``: a kernel's name or a list of them ("kernel_13" or
     "stitching/kernel_13"); ``scope``: the nodes whose name starts with it (a layer:
-    "model/block2a_"); ``around``: how many edges out from those the drawing reaches
+    ``"model/block2a_"``); ``around``: how many edges out from those the drawing reaches
     (1: what feeds them and what reads them).  Colours are the whole dump's, so a
     kernel has the same colour in every part."""
     import matplotlib.pyplot as plt
