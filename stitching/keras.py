@@ -389,6 +389,9 @@ class _Tiered(_StitchedStep):
         if self._ready:
             if self.switch is None:
                 self._switched()
+                # the stock tier never runs again (_ready stays): its Keras function
+                # and the traces it holds (the whole step's graph) go with it
+                self._stock_fn = None
             self._tier.stitched = True
             try:
                 return self._stitched_fn(data)
