@@ -180,3 +180,38 @@ def test_threads_making_a_signatures_first_calls_at_once_make_one_entry(monkeypa
         assert len(told) == 1, len(told)        # the one thread that traced
     else:
         assert f.report.tiering                 # the tier found its trace's report
+
+
+def test_batch_sizes_arriving_during_the_first_stock_call_share_one_stitched_trace(tiered):
+    """A second batch size called while the first one's first stock call still runs
+    compiles a relaxed trace; the first one's own compile, started after that call,
+    traced its exact shape, and held TF's lock while the relaxed trace waited (the
+    serving audit: batch sizes 1-3 stock for 56 s, 26 s for the first).  Started
+    after another shape of its family, it compiles the relaxed trace too: one trace,
+    one plan, every batch size switched when it is ready."""
+    started = threading.Event()
+
+    def fn(x):
+        started.set()
+        time.sleep(0.5)                  # the stock trace: long enough to overlap
+        return _layernorm(x)
+    f = stitching.function(fn)
+    xs = {n: np.random.default_rng(n).standard_normal((n, 48)).astype(np.float32)
+          for n in (8, 3)}
+    out = {}
+
+    def first(n):
+        out[n] = f(tf.constant(xs[n])).numpy()
+    a = threading.Thread(target=first, args=(8,))
+    a.start()
+    assert started.wait(TIMEOUT)
+    first(3)                            # while batch 8's first stock call runs
+    a.join(TIMEOUT)
+    assert f.wait(timeout=TIMEOUT)
+    for n in xs:
+        np.testing.assert_allclose(out[n], _ref(xs[n]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(f(tf.constant(xs[n])).numpy(), _ref(xs[n]),
+                                   rtol=1e-5, atol=1e-5)
+    assert len(f.reports) == 1, [r.summary().splitlines()[0] for r in f.reports]
+    tiers = list(f._concrete.values())
+    assert len(tiers) == 2 and tiers[0] is tiers[1]     # both on the relaxed trace
