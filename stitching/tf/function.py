@@ -307,8 +307,9 @@ class StitchedFunction(tf_pf.Function):
 
     def __getstate__(self):
         state = super().__getstate__()
-        for transient in ("_pending_lock", "_first_calls", "_concrete", "_general", "_pending", "_shapes",
-                          "_shipped", "_templates", "_probe", "_stock"):
+        for transient in ("_pending_lock", "_first_calls", "_concrete", "_general",
+                          "_pending", "_shapes", "_shipped", "_templates", "_probe",
+                          "_stock"):
             state.pop(transient, None)
         return state
 
