@@ -1279,3 +1279,27 @@ def test_compile_progress_names_the_function_and_says_when_it_plans(capsys):
     err = capsys.readouterr().err
     assert "progress_fn: planning " in err, err
     assert "progress_fn: kernel 1/1" in err, err
+
+
+def test_names_start_after_the_enclosing_functions_locals():
+    """A function defined inside another was named by its whole qualified name in
+    reports, progress lines and dump directories: Keras's replicated step read
+    ``_ReplicatedStep.__init__.<locals>.one_step_on_data``.  The name starts after
+    the innermost ``<locals>``; a class's method keeps its class."""
+    from stitching.tf.function import display_name
+
+    def outer():
+        def one_step_on_data(x):
+            return x
+
+        class Model:
+            def call(self, x):
+                return x
+        return one_step_on_data, Model().call
+    step, call = outer()
+    assert display_name(step) == "one_step_on_data"
+    assert display_name(call) == "Model.call"
+    assert display_name(tf.function(step)) == "one_step_on_data"
+    f = stitching.function(step, options=stitching.Options(background_compile=False))
+    f(tf.constant([1.0, 2.0]) * 2.0)
+    assert f.report.function == "one_step_on_data"

@@ -849,8 +849,10 @@ def _innermost(fn):
 
 def display_name(fn) -> str:
     """The user's name for a function in reports, hints and dumps: its qualified name
-    (``Model.call``, ``train_step``), through partials and bound methods; ``<lambda>``
-    only where nothing better exists."""
+    (``Model.call``, ``train_step``), through partials and bound methods, from the
+    innermost enclosing function on (Keras's replicated step is ``one_step_on_data``,
+    not ``_ReplicatedStep.__init__.<locals>.one_step_on_data``, a dump directory
+    name with angle brackets); ``<lambda>`` only where nothing better exists."""
     if isinstance(fn, tf_pf.Function):
         fn = fn.python_function
     while True:
@@ -862,7 +864,7 @@ def display_name(fn) -> str:
     qualname, name = getattr(fn, "__qualname__", None), getattr(fn, "__name__", None)
     if qualname and name and qualname.rsplit(".", 1)[-1] != name:
         return name                   # renamed on purpose (a generated function)
-    return qualname or _short_name(fn)
+    return (qualname or _short_name(fn)).rsplit(".<locals>.", 1)[-1]
 
 
 def _under_xla() -> bool:
