@@ -44,6 +44,12 @@ def region_outputs(graph: Graph, members: set, consumers: dict, fetched: set) ->
     return outs
 
 
+def _spec_attrs(node) -> dict:
+    """A node's attributes as a KernelSpec takes them: without the planner's own
+    (PLANNER_ATTRS: its marks and the node's device)."""
+    return {k: v for k, v in node.attrs.items() if k not in PLANNER_ATTRS}
+
+
 def extract(graph: Graph, names: list, consumers: dict, fetched: set,
             order: dict) -> Region:
     members = set(names)
@@ -73,8 +79,7 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
         if src.op == "Const" and r.node not in members:
             # folded in: its value, never its placement (under tf.device or a
             # strategy every Const has a device, which no KernelSpec takes)
-            env[r] = b.emit("Const", [], {k: v for k, v in src.attrs.items()
-                                          if k not in PLANNER_ATTRS})
+            env[r] = b.emit("Const", [], _spec_attrs(src))
         else:
             inputs.append(r)
             b.inputs.append(graph.type_of(r))
@@ -84,7 +89,7 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
     for name in names:
         node = graph[name]
         args = [ref_of(r) for r in node.inputs]
-        attrs = {k: v for k, v in node.attrs.items() if k not in PLANNER_ATTRS}
+        attrs = _spec_attrs(node)
         if node.op == "Identity":
             env[ValueRef(name, 0)] = args[0]    # the same value: no node, no code
         elif node.op in COMPOSITE_OPS:
