@@ -161,7 +161,10 @@ def softmax_spec():
 def test_workers_build_tier1_into_this_process_dir_then_tier2_into_the_cache(
         monkeypatch, tmp_path_factory):
     """A batch that goes to workers: each builds tier-1 code first (into this
-    process's tier-1 directory: nothing built here), then tier 2 into the cache."""
+    process's tier-1 directory: nothing built here), then tier 2 into the cache.  A
+    worker's tier 2 can overtake another's tier 1 of the same kernel (a worker slow
+    to start): that kernel then loads its tier 2 from the cache at once, and no
+    tier-1 object of it is made (1 run in 3-5 here, which failed this test)."""
     from stitching.compile import direct
     # an empty tier-1 directory: other tests' tier-1 code is in the process's own
     monkeypatch.setattr(kernel, "_TIER1_DIR", tmp_path_factory.mktemp("tier1"))
@@ -170,8 +173,11 @@ def test_workers_build_tier1_into_this_process_dir_then_tier2_into_the_cache(
     specs = [layernorm_spec(), gelu_spec(), softmax_spec()]
     ks = parallel.compile_kernels(specs, jobs=2, tiered=True)
     assert built_here == []
-    assert sorted(p.name for p in kernel._tier1_dir().glob("k_*.so")) == \
-        sorted(k.code_name + ".so" for k in ks)
+    tier1 = {p.name for p in kernel._tier1_dir().glob("k_*.so")}
+    cached = {p.name for p in cache_objects()}
+    assert tier1 <= {k.code_name + ".so" for k in ks}
+    for k in ks:        # its tier 1 built by a worker, or its tier 2 came first
+        assert k.code_name + ".so" in tier1 or (k.tier == 2 and k.code_name + ".so" in cached)
     assert parallel.wait_upgrades(120)
     assert [k.tier for k in ks] == [2, 2, 2]
     assert sorted(p.name for p in cache_objects()) == sorted(k.code_name + ".so" for k in ks)
