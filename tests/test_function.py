@@ -1277,8 +1277,23 @@ def test_compile_progress_names_the_function_and_says_when_it_plans(capsys):
     f = stitching.function(progress_fn, options=stitching.Options(progress=True))
     f(tf.ones([6, 24]))
     err = capsys.readouterr().err
-    assert "progress_fn: planning " in err, err
-    assert "progress_fn: kernel 1/1" in err, err
+    assert "progress_fn (float32[6,24]): planning " in err, err
+    assert "progress_fn (float32[6,24]): kernel 1/1" in err, err
+
+
+def test_progress_lines_name_the_signature_they_compile(capsys):
+    """Several signatures compiling at once (a server's batch sizes, each in its
+    background thread) printed lines that only named the function: each line now
+    carries the signature it plans and compiles, a relaxed dimension as ``?``."""
+    def sig_fn(x, n):
+        return tf.nn.softmax(x * 3.5) * tf.cast(tf.reduce_sum(n), tf.float32)
+    f = stitching.function(sig_fn, options=stitching.Options(progress=True),
+                           reduce_retracing=True)
+    f(tf.ones([6, 24]), tf.constant([1, 2], tf.int32))
+    f(tf.ones([5, 24]), tf.constant([1, 2, 3], tf.int32))
+    err = capsys.readouterr().err
+    assert "sig_fn (float32[6,24], int32[2]): planning 10 nodes" in err, err
+    assert "sig_fn (float32[?,24], int32[?]): kernel 1/" in err, err
 
 
 def test_names_start_after_the_enclosing_functions_locals():

@@ -633,7 +633,8 @@ class StitchedFunction(tf_pf.Function):
         return pipeline.stitch_graph_def(
             graph_def, fetches, keep, self.options, name=display_name(self),
             resources=resources, workers=workers, scalar_values=scalar_values,
-            templates=self._templates, result_key=key)
+            templates=self._templates, result_key=key,
+            signature=_traced_signature_text(flat))
 
     def _stitched_trace(self, fn, args, kwargs, scope_type=None):
         """Inside TF's trace (the outer graph): trace ``fn`` (the user's function, as TF
@@ -1166,6 +1167,17 @@ def _signature_text(key) -> str:
     """``(float32[6,40], int32[3])`` for an exact-signature key."""
     return "(" + ", ".join(f"{dtype.name}[{','.join(map(str, shape))}]"
                            for dtype, shape in key) + ")"
+
+
+def _traced_signature_text(flat) -> str:
+    """``(float32[?,40], int32[3])``: a trace's tensor arguments, an unknown (relaxed)
+    dimension as ``?``; ``float32[*]`` for an unknown rank."""
+    def dims(shape):
+        if shape.rank is None:
+            return "*"
+        return ",".join("?" if d is None else str(d) for d in shape.as_list())
+    return "(" + ", ".join(f"{t.dtype.name}[{dims(t.shape)}]"
+                           for t in flat if isinstance(t, tf.Tensor)) + ")"
 
 
 _hinted = False

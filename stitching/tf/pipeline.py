@@ -59,6 +59,7 @@ A new pass is one module in passes/ and one line in a table.
 """
 from __future__ import annotations
 
+import contextvars
 import copy
 import gc
 import os
@@ -120,6 +121,12 @@ NOTE_ORDER = ("original", "grappler", "gemm", "seqsplit", "einsum", "padfold", "
 
 _PROGRESS_MIN_KERNELS = 4   # arbitrary: below this compiling is quick, stay quiet
 _PRESTART_MIN_NODES = 300   # arbitrary: graphs this large usually compile several kernels
+
+# What the progress lines add to a graph's name: the signature being stitched
+# (`` (float32[?,224,224,3])``), so that several signatures compiling at once (a
+# server's batch sizes, each in its background thread) tell their lines apart.
+# Per thread (a ContextVar): each background compile sets its own.
+_signature = contextvars.ContextVar("stitching_signature", default="")
 
 
 _gc_lock = threading.Lock()
@@ -194,7 +201,7 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
                      name: str = "?", resources: dict | None = None,
                      workers=None, bodies: bool = True,
                      scalar_values=frozenset(), templates=None,
-                     result_key: str | None = None) -> StitchResult:
+                     result_key: str | None = None, signature: str = "") -> StitchResult:
     """``resources``: variable shapes from the live graph (frontend.resource_shapes);
     ``workers``: pre-started compile workers (``early_workers``), used or closed;
     ``bodies``: stitch the functions control flow runs (tf/control_flow.py) first;
@@ -203,9 +210,14 @@ def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
     ``scalars.Templates`` where a trace that differs from an earlier one only in
     those constants finds its stitched graph; ``result_key``: where the result
     cache keeps this call's result (``results.key``; the caller probed it first):
-    stored there when every kernel was built."""
-    result = _stitch_graph_def(graph_def, fetches, keep, options, name, resources,
-                               workers, bodies, scalar_values, templates)
+    stored there when every kernel was built; ``signature``: the arguments' text
+    that progress lines add to ``name``."""
+    token = _signature.set(f" {signature}" if signature else "")
+    try:
+        result = _stitch_graph_def(graph_def, fetches, keep, options, name, resources,
+                                   workers, bodies, scalar_values, templates)
+    finally:
+        _signature.reset(token)
     if result_key is not None:
         stored = not result.failed and results.save(result_key, graph_def,
                                                     result.graph_def, result.report)
@@ -334,7 +346,8 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
             if options.progress or (options.progress is None
                                     and len(ir) >= _PRESTART_MIN_NODES):
                 # a large model's planning takes seconds before any kernel compiles
-                print(f"stitching: {name}: planning {len(ir)} nodes", file=sys.stderr,
+                print(f"stitching: {name}{_signature.get()}: planning {len(ir)} nodes",
+                      file=sys.stderr,
                       flush=True)
             the_plan = get_planner(options.planner)(ir, legal=legal,
                                                     min_ops=options.min_ops)
@@ -404,6 +417,7 @@ def _compile(regions, options, workers=None, name="?"):
     errors = {}
 
     tty = sys.stderr.isatty()
+    name = name + _signature.get()
 
     def progress(i, n, spec):
         # parallel phase: (done, n, None) as workers finish; then (i, n, spec) per load
