@@ -20,6 +20,8 @@ import os
 import shutil
 import stat
 import time
+import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 DEFAULT_ROOT = os.path.join("~", ".cache", "stitching")
@@ -89,6 +91,47 @@ def write_atomic(path, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+@contextmanager
+def locked(path, waiting=None):
+    """Hold an exclusive lock on the lock file ``path`` (made if missing), shared with
+    every process and thread that locks it: one builds or measures what the others
+    then read.  Yields whether another holder went first (what it made may be there
+    now: look again before making it).  ``waiting()``: called once, before blocking,
+    when the lock is held elsewhere.
+
+    ``flock``: the lock goes with its holder, so a process killed while it holds one
+    (SIGKILL mid-compile) leaves nothing held.  Where the lock file cannot be made (a
+    read-only cache) it yields False without a lock: each maker then makes its own,
+    as before the lock, which only costs time (writes are atomic)."""
+    import fcntl
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")
+    except OSError:
+        yield False
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(f, fcntl.LOCK_EX)
+            waited = True
+        yield waited        # released when the file closes
+
+
+LOCK_SLOTS = 256    # arbitrary: lock files for the many keys of one directory
+
+
+def slot_lock(directory, key: str) -> Path:
+    """The lock file in ``directory``/locks that ``key`` shares with the keys hashing
+    to the same of ``LOCK_SLOTS`` slots: a cache of thousands of kernels keeps 256
+    small files, not one per kernel, and two keys sharing a slot only take turns."""
+    return Path(directory) / "locks" / f"{zlib.crc32(key.encode()) % LOCK_SLOTS:03d}.lock"
 
 
 def store(path, data: bytes) -> bool:

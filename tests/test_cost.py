@@ -156,6 +156,42 @@ def test_a_provisional_measurement_is_measured_again_and_the_best_kept(tmp_path,
     assert new_process() == p and len(calls) == 3             # final: not measured again
 
 
+def test_a_process_that_waited_for_anothers_measurement_takes_it(tmp_path, monkeypatch):
+    """Cold processes starting together (a server's workers) each measured the machine,
+    every measurement provisional (the others were the load): four made 20, 1-3.6 s
+    each, and lost each other's attempt counts.  One measures at a time now; one that
+    waited takes the measurement made meanwhile, even a provisional one.  A compile
+    worker never measures a provisional profile again: it emits code with its parent's."""
+    import threading
+    from stitching import cachedir
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profiles, "_DEFAULT_ROOT", str(tmp_path / "no-default"))
+    monkeypatch.setattr(profiles, "_memo", {})
+    calls = []
+    monkeypatch.setattr(profiles, "measure_cpu",
+                        lambda: calls.append(1) or _measurement(True, 9e9, 9e8))
+    path = profiles.cache_path()
+    other = _measurement(True, 5e9, 4e8)
+    got = []
+    with cachedir.locked(path + ".lock") as waited:     # the other process measures
+        assert not waited
+        t = threading.Thread(target=lambda: got.append(profiles.measured_cpu()))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive()                             # it waits for the measurement
+        profiles._write_cache(path, profiles._fingerprint(), other)
+    t.join(10)
+    assert got == [other] and calls == []
+    # the next process measures again (provisional, 1 attempt of MAX_ATTEMPTS)
+    monkeypatch.setattr(profiles, "_memo", {})
+    p = profiles.measured_cpu()
+    assert len(calls) == 1 and p.bandwidth == 9e9 and profiles._attempts(p) == 2
+    # a compile worker takes the stored provisional profile as it is
+    monkeypatch.setattr(profiles, "_memo", {})
+    monkeypatch.setattr(profiles, "remeasure_provisional", False)
+    assert profiles.measured_cpu() == p and len(calls) == 1
+
+
 def test_a_provisional_profile_plans_with_its_classs_model(monkeypatch):
     busy = _measurement(True, 2e9, 1.5e8)
     got = profiles.settled(busy)

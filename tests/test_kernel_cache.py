@@ -99,6 +99,35 @@ def test_two_processes_compiling_the_same_kernel_at_once(tmp_path):
     _ok(_run(tmp_path), "hit")
 
 
+def test_processes_compiling_the_same_kernel_at_once_build_it_once(tmp_path):
+    """Processes sharing a cache that start together (a server's workers, pytest-xdist)
+    each built every kernel (4 cold processes of an MLP: 15 builds of 4 codes).  One
+    builds a code now; the others wait for it and load its object.  Three processes
+    reach the compile together (a file they all wait for)."""
+    go = tmp_path / "go"
+    run = RUN.replace("k = compile_kernel(", f"import os, time\n"
+                      f"open({str(tmp_path)!r} + f'/ready-{{os.getpid()}}', 'w').close()\n"
+                      f"while not os.path.exists({str(go)!r}):\n"
+                      f"    time.sleep(0.005)\n"
+                      f"k = compile_kernel(")
+    cache = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, "-c", run], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_env(cache))
+             for _ in range(3)]
+    import time
+    deadline = time.monotonic() + 200
+    while len(list(tmp_path.glob("ready-*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)    # until each process has imported and built its spec
+    go.touch()
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0 and "ok" in out, err[-3000:]
+        outs.append(out.split()[-1])
+    assert sorted(outs) == ["compiled", "hit", "hit"], outs
+    assert len(_kernel_objects(cache)) == 1
+
+
 def test_cache_dir_that_does_not_exist_is_created(tmp_path):
     _ok(_run(tmp_path / "not" / "there" / "yet"), "compiled")
     _ok(_run(tmp_path / "not" / "there" / "yet"), "hit")

@@ -537,13 +537,33 @@ class _Code:
         # time.monotonic() when tier-1 code started serving and when tier 2 replaced
         # it (None: never; the report's per-kernel tier line, CompiledKernel.tiering)
         self.tier1_at = self.tier2_at = None
-        if native.built(stem, code):
-            try:
-                self.address = native.load(stem, symbol, code)
-                self.cache_hit = True
+        if self._load_cached(code):
+            return
+        if tier == 1 and text is not None:
+            self._build(source, lean, text, tier)   # into this process's own directory
+            return
+        # Processes sharing the cache (a server's workers, pytest-xdist) that start
+        # together want the same kernels: one builds each, the others wait for it and
+        # load its object (4 cold processes of an MLP made 15 builds of 4 codes).
+        with cachedir.locked(cachedir.slot_lock(stem.parent, stem.name)) as waited:
+            if waited and self._load_cached(code):
                 return
-            except native.NativeError as e:    # unreadable: built again below
-                _warn_native(e)
+            self._build(source, lean, text, tier)
+
+    def _load_cached(self, code) -> bool:
+        """Load ``stem``.so where the cache holds it whole: True if it did."""
+        if not native.built(self.stem, code):
+            return False
+        try:
+            self.address = native.load(self.stem, self.symbol, code)
+        except native.NativeError as e:    # unreadable: built again
+            _warn_native(e)
+            return False
+        self.cache_hit = True
+        return True
+
+    def _build(self, source, lean, text, tier) -> None:
+        stem, symbol = self.stem, self.symbol
         use_helper_cache()
         if text is not None and self._build_direct(text, symbol, tier):
             return
@@ -590,7 +610,9 @@ class _Code:
         """Build the tier-2 code of this tier-1 code here, into the cache, and switch
         to it (upgrade)."""
         from . import direct
-        direct.build(self.text, self.stem, self.symbol, 2)
+        with cachedir.locked(cachedir.slot_lock(self.stem.parent, self.stem.name)) as waited:
+            if not (waited and native.built(self.stem)):    # another process's is there
+                direct.build(self.text, self.stem, self.symbol, 2)
         self.upgrade()
 
     def _build_direct(self, text: str, symbol: str, tier: int = 2) -> bool:

@@ -37,6 +37,8 @@ def main() -> int:
     if nice > 0:
         os.nice(nice)
     _lean_numba()
+    from ..plan import profiles
+    profiles.remeasure_provisional = False   # the parent's profile, as it planned with
     from ..ir.spec import KernelSpec
     from .kernel import compile_kernel, set_tier1_dir
     _warm_up()          # a worker may be started before its specs exist (parallel.prestart)

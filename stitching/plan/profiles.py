@@ -585,16 +585,41 @@ def measured_cpu(remeasure: bool = False) -> DeviceProfile:
     with _lock:
         if not remeasure and path in _memo and _memo[path][0] == fp:
             return _memo[path][1]
-        prof = None if remeasure else _read_cache(path, fp)
-        default = default_cache_path()
-        if prof is None and not remeasure and default != path:
-            prof = _read_cache(default, fp)
-        if prof is None or (prof.provisional and _attempts(prof) < MAX_ATTEMPTS):
-            new = measure_cpu()
-            prof = new if prof is None or not new.provisional else _merge(prof, new)
-            _write_cache(path, fp, prof)
+        prof = None if remeasure else _stored(path, fp)
+        if _to_measure(prof, remeasure):
+            # Processes starting together (a server's workers) measure one at a time,
+            # and one that waited takes the measurement made meanwhile: four cold
+            # processes made 20 measurements (1-3.6 s each, every one provisional:
+            # the others were the load), and lost each other's attempt counts.
+            with cachedir.locked(path + ".lock") as waited:
+                if waited or not remeasure:
+                    prof = _stored(path, fp)
+                if _to_measure(prof, remeasure) and not (waited and prof is not None):
+                    new = measure_cpu()
+                    prof = new if prof is None or not new.provisional else _merge(prof, new)
+                    _write_cache(path, fp, prof)
         _memo[path] = (fp, prof)
         return prof
+
+
+# False in a compile worker (compile/worker.py): a provisional profile in the cache
+# (its parent's, written before any kernel text the worker emits) is used as it is,
+# not measured again while the worker's siblings load the cores.
+remeasure_provisional = True
+
+
+def _to_measure(prof, remeasure: bool) -> bool:
+    return remeasure or prof is None or (
+        remeasure_provisional and prof.provisional and _attempts(prof) < MAX_ATTEMPTS)
+
+
+def _stored(path, fp):
+    """The profile in this cache, else the install step's (default cache)."""
+    prof = _read_cache(path, fp)
+    default = default_cache_path()
+    if prof is None and default != path:
+        prof = _read_cache(default, fp)
+    return prof
 
 
 MAX_ATTEMPTS = 5        # arbitrary: provisional measurements before the best one stays

@@ -116,14 +116,16 @@ def read(spec_hash: str) -> dict:
 
 
 def write(spec_hash: str, cls: int, choice: str, kernel_us: float, native_us: float):
-    """Adds one decision to the spec's file (its other valid entries kept), atomically."""
-    with _lock:
+    """Adds one decision to the spec's file (its other valid entries kept), atomically;
+    the read and the write under a lock between processes too (two processes writing
+    32 decisions each to one spec's file at once kept 35 of the 64)."""
+    target = path(spec_hash)
+    with _lock, cachedir.locked(cachedir.slot_lock(target.parent, target.name)):
         classes = read(spec_hash)
         classes[cls] = {"choice": choice, "kernel_us": round(kernel_us, 3),
                         "native_us": round(native_us, 3)}
         doc = {"version": VERSION, "spec_hash": spec_hash, "device": device(),
                "classes": {str(k): v for k, v in sorted(classes.items())}}
-        target = path(spec_hash)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
         try:

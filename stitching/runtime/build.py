@@ -25,7 +25,6 @@ Prebuild (the install step, CI):  ``stitching-build [--force]`` or
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import os
 import platform
@@ -124,9 +123,12 @@ def build(force: bool = False, source=SOURCE, prefix: str = LIB_PREFIX,
         if prebuilt is not None and _whole(prebuilt):
             return prebuilt
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if _whole(path) and not force:    # another process built it while we waited
+    def waiting():
+        # another process is building it (a minute of g++): say so, not sit silent
+        print(f"stitching: waiting for another process building {path.name} into "
+              f"{path.parent}", file=sys.stderr, flush=True)
+    with cachedir.locked(path.with_suffix(".lock"), waiting):
+        if _whole(path) and not force:    # another process built it meanwhile
             return path
         # a minute of g++ on a small machine: say what it is (a serving process whose
         # image skipped the install step otherwise sits silent through it)
