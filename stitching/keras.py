@@ -328,6 +328,9 @@ class _Tiered(_StitchedStep):
         self._exact = None                   # the same with the batch dim as traced
         self._thread = None
         self._ready = False
+        # threads calling the model at once (a server's predict): the background
+        # compile starts once and the switch happens once
+        self._lock = threading.Lock()
         self.error = None
         self.switch = None
         self._steps = 0                      # steps run so far (all tiers)
@@ -386,12 +389,15 @@ class _Tiered(_StitchedStep):
 
     def _run(self, data):
         steps = self._model.steps_per_execution if self._kind != "predict" else 1
+        stock = self._stock_fn      # read before _ready: let go only after it is set
         if self._ready:
             if self.switch is None:
-                self._switched()
-                # the stock tier never runs again (_ready stays): its Keras function
-                # and the traces it holds (the whole step's graph) go with it
-                self._stock_fn = None
+                with self._lock:
+                    if self.switch is None:
+                        self._switched()
+                        # the stock tier never runs again (_ready stays): its Keras
+                        # function and the traces it holds (the step's graph) go
+                        self._stock_fn = None
             self._tier.stitched = True
             try:
                 return self._stitched_fn(data)
@@ -400,7 +406,7 @@ class _Tiered(_StitchedStep):
                 self._steps += steps
                 self.stitched_steps += steps
         start = time.perf_counter()
-        out = self._stock_fn(data)
+        out = stock(data)
         if self._t0 is None:
             self._t0 = start              # the first call: Keras's trace, not rent
         elif not self.warm:
@@ -408,7 +414,9 @@ class _Tiered(_StitchedStep):
         self._steps += steps
         if self.warm:
             if self.switch is None:
-                self._switched(warm=True)
+                with self._lock:
+                    if self.switch is None:
+                        self._switched(warm=True)
             self.stitched_steps += steps
             return out
         self.stock_steps += steps
@@ -419,15 +427,17 @@ class _Tiered(_StitchedStep):
     def _start(self):
         """The background compile, once (after a stock step: its trace made every
         variable the step needs, and its inputs are known)."""
-        if self._thread is None and self._signature is not None:
+        with self._lock:
+            if self._thread is not None or self._signature is None:
+                return
             self._thread = run_in_background(self._compile, self._signature,
                                              self._exact)
-            if self._progress is not False:     # a big model's compile takes minutes
-                after = span_text("stock step", self.stock_steps)
-                print(f"stitching: {self._kind} step: planning and compiling its kernels "
-                      f"in the background after {after}; "
-                      f"stock Keras runs the steps until they are ready",
-                      file=sys.stderr, flush=True)
+        if self._progress is not False:     # a big model's compile takes minutes
+            after = span_text("stock step", self.stock_steps)
+            print(f"stitching: {self._kind} step: planning and compiling its kernels "
+                  f"in the background after {after}; "
+                  f"stock Keras runs the steps until they are ready",
+                  file=sys.stderr, flush=True)
 
     def _compile(self, signature, exact):
         """In the background thread: trace and stitch the step for every batch size,

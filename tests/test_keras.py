@@ -180,6 +180,47 @@ def test_the_stock_tier_is_let_go_at_the_switch(cold_results, tiered):
     assert train.stitched_steps == 7 + 5
 
 
+def test_threads_at_a_models_first_use_start_one_background_compile(
+        monkeypatch, capsys, cold_results, tiered):
+    """Threads calling a stitched model at once (a server's predict) each started the
+    step's background compile: 2-4 starts, and its progress line as many times.  One
+    starts now, whatever the number of threads; the switch is said once too."""
+    import threading
+    import time
+    real, started = stitching.keras.run_in_background, []
+
+    def slow_start(*args):
+        started.append(threading.get_ident())
+        time.sleep(0.3)             # a start that takes a while: the others arrive
+        return real(*args)
+    monkeypatch.setattr(stitching.keras, "run_in_background", slow_start)
+    x, _ = _data(24)
+    stock = _model().predict(x, verbose=0)
+    m = stitching.keras.stitch(_model())
+    m.predict(x, verbose=0)         # Keras's trace: the step's inputs are known
+    step = m._stitching_steps["predict"]
+    threads = [threading.Thread(target=step._start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(started) == 1
+    assert stitching.keras.wait(m, timeout=300)
+    outs = []
+    threads = [threading.Thread(target=lambda: outs.append(m.predict(x, verbose=0)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outs) == 4 and step.switch is not None and step.stitched_steps >= 1
+    for out in outs:
+        np.testing.assert_allclose(out, stock, rtol=1e-5, atol=1e-6)
+    err = capsys.readouterr().err
+    assert err.count("predict step: planning and compiling") == 1, err
+    assert err.count("stitched from step") == 1, err
+
+
 def test_a_step_with_seeded_random_ops_stays_stock_keras(capsys, cold_results, tiered):
     """A predict step drawing seeded random numbers (tf.nn.dropout with a seed): the
     stitched step's random ops would start again from the seed at the switch, so the
