@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import threading
 import time
 import zlib
 from contextlib import contextmanager
@@ -78,7 +79,6 @@ def write_atomic(path, data: bytes) -> None:
     other non-file in its place, a damaged cache, is removed first).  Where anything
     fails (a full disk, a read-only cache) the temporary file is removed and the
     OSError raised: a failed write leaves nothing behind."""
-    import threading
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
@@ -106,6 +106,11 @@ def locked(path, waiting=None):
     read-only cache) it yields False without a lock: each maker then makes its own,
     as before the lock, which only costs time (writes are atomic)."""
     import fcntl
+    key = os.path.abspath(path)
+    held = _held.__dict__.setdefault("paths", set())
+    if key in held:         # this thread holds it (two keys sharing a slot, nested):
+        yield False         # a second flock of it would wait for itself
+        return
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "a")
@@ -121,7 +126,14 @@ def locked(path, waiting=None):
                 waiting()
             fcntl.flock(f, fcntl.LOCK_EX)
             waited = True
-        yield waited        # released when the file closes
+        held.add(key)
+        try:
+            yield waited    # released when the file closes
+        finally:
+            held.discard(key)
+
+
+_held = threading.local()   # .paths: the lock files this thread holds (locked)
 
 
 LOCK_SLOTS = 256    # arbitrary: lock files for the many keys of one directory

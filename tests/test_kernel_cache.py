@@ -128,6 +128,43 @@ def test_processes_compiling_the_same_kernel_at_once_build_it_once(tmp_path):
     assert len(_kernel_objects(cache)) == 1
 
 
+def test_a_cache_lock_makes_others_wait_and_lets_its_holder_take_it_again(tmp_path):
+    """``cachedir.locked``: another holder (a thread here: flock conflicts between open
+    files, in one process too) waits, says so once and learns it waited; the thread
+    holding a lock takes it again without waiting for itself (two keys sharing a
+    slot, nested); where no lock file can be made it goes on unlocked."""
+    import threading
+    import time
+    from stitching import cachedir
+    lock, events = tmp_path / "locks" / "001.lock", []
+
+    def other():
+        with cachedir.locked(lock, lambda: events.append("waiting")) as waited:
+            events.append(("other", waited))
+    with cachedir.locked(lock) as waited:
+        assert waited is False
+        with cachedir.locked(lock) as again:        # nested in this thread
+            assert again is False
+        t = threading.Thread(target=other)
+        t.start()
+        time.sleep(0.3)
+        assert events == ["waiting"]                 # it waits while this one holds
+    t.join(10)
+    assert events == ["waiting", ("other", True)]
+    assert cachedir.slot_lock(tmp_path, "k_1").parent == tmp_path / "locks"
+    assert len({cachedir.slot_lock(tmp_path, f"k_{i}") for i in range(2000)}) \
+        == cachedir.LOCK_SLOTS
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if not os.access(ro, os.W_OK):      # root writes anywhere: nothing to check
+            with cachedir.locked(ro / "locks" / "x.lock") as waited:
+                assert waited is False
+    finally:
+        ro.chmod(0o700)
+
+
 def test_cache_dir_that_does_not_exist_is_created(tmp_path):
     _ok(_run(tmp_path / "not" / "there" / "yet"), "compiled")
     _ok(_run(tmp_path / "not" / "there" / "yet"), "hit")
