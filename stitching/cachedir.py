@@ -94,46 +94,102 @@ def write_atomic(path, data: bytes) -> None:
 
 
 @contextmanager
-def locked(path, waiting=None):
+def locked(path, waiting=None, timeout: float | None = None):
     """Hold an exclusive lock on the lock file ``path`` (made if missing), shared with
     every process and thread that locks it: one builds or measures what the others
     then read.  Yields whether another holder went first (what it made may be there
-    now: look again before making it).  ``waiting()``: called once, before blocking,
-    when the lock is held elsewhere.
+    now; look again before making it in any case: it may have finished just before).
+    ``waiting()``: called once, before waiting, when the lock is held elsewhere;
+    ``timeout``: seconds after which the caller goes on without the lock (a stopped
+    or hung holder must not stop every process behind it).
 
     ``flock``: the lock goes with its holder, so a process killed while it holds one
-    (SIGKILL mid-compile) leaves nothing held.  Where the lock file cannot be made (a
-    read-only cache) it yields False without a lock: each maker then makes its own,
-    as before the lock, which only costs time (writes are atomic)."""
+    (SIGKILL mid-compile) leaves nothing held; a child forked meanwhile closes its
+    copies (``_close_in_child``).  Where there can be no lock (a read-only cache, a
+    file system without locks) it goes on without one: each maker then makes its
+    own, as before the lock, which only costs time (writes are atomic)."""
     import fcntl
     key = os.path.abspath(path)
     held = _held.__dict__.setdefault("paths", set())
-    if key in held:         # this thread holds it (two keys sharing a slot, nested):
-        yield False         # a second flock of it would wait for itself
-        return
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        f = open(path, "a")
-    except OSError:
+    f = None
+    if key not in held:     # held by this thread (two keys sharing a slot, nested):
+        f = _open_lock(path)  # a second flock of it would wait for itself
+    if f is None:
         yield False
         return
     with f:
+        waited, got = False, True
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            waited = False
         except BlockingIOError:
+            waited = True
             if waiting is not None:
                 waiting()
-            fcntl.flock(f, fcntl.LOCK_EX)
-            waited = True
-        held.add(key)
+            got = _wait_for(f, timeout)
+        except OSError:     # no locks here (ENOLCK, EOPNOTSUPP...)
+            got = False
+        if got:
+            held.add(key)
+            _open_locks.add(f)
         try:
             yield waited    # released when the file closes
         finally:
             held.discard(key)
+            _open_locks.discard(f)
+
+
+def _open_lock(path):
+    """The lock file opened (made if missing; read-only where another user made it:
+    flock needs no write access), or None where it cannot be."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a")
+    except OSError:
+        try:
+            return open(path)
+        except OSError:
+            return None
+
+
+def _wait_for(f, timeout) -> bool:
+    """Wait for ``f``'s lock (at most ``timeout`` seconds); whether it was taken."""
+    import fcntl
+    try:
+        if timeout is None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            return True
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.05)
+    except OSError:
+        return False
 
 
 _held = threading.local()   # .paths: the lock files this thread holds (locked)
+_open_locks: set = set()    # every lock file held in this process, open
+
+
+def _close_in_child() -> None:
+    """In a child just forked: close its copies of the parent's held lock files.  A
+    lock is shared by every copy of its open file and released when the last closes,
+    so a server forking its workers while a background compile held one kept it held
+    for the children's life, and every process behind it waiting."""
+    for f in list(_open_locks):
+        try:
+            f.close()
+        except OSError:
+            pass
+    _open_locks.clear()
+    _held.__dict__.get("paths", set()).clear()   # the forking thread's, if it held one
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 LOCK_SLOTS = 256    # arbitrary: lock files for the many keys of one directory

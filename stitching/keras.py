@@ -391,13 +391,10 @@ class _Tiered(_StitchedStep):
         steps = self._model.steps_per_execution if self._kind != "predict" else 1
         stock = self._stock_fn      # read before _ready: let go only after it is set
         if self._ready:
-            if self.switch is None:
-                with self._lock:
-                    if self.switch is None:
-                        self._switched()
-                        # the stock tier never runs again (_ready stays): its Keras
-                        # function and the traces it holds (the step's graph) go
-                        self._stock_fn = None
+            if self.switch is None and self._switched():
+                # the stock tier never runs again (_ready stays): its Keras function
+                # and the traces it holds (the whole step's graph) go with it
+                self._stock_fn = None
             self._tier.stitched = True
             try:
                 return self._stitched_fn(data)
@@ -414,9 +411,7 @@ class _Tiered(_StitchedStep):
         self._steps += steps
         if self.warm:
             if self.switch is None:
-                with self._lock:
-                    if self.switch is None:
-                        self._switched(warm=True)
+                self._switched(warm=True)
             self.stitched_steps += steps
             return out
         self.stock_steps += steps
@@ -476,20 +471,28 @@ class _Tiered(_StitchedStep):
         if self._progress is not False:
             print(f"stitching: {self._kind} step: {text}", file=sys.stderr, flush=True)
 
-    def _switched(self, warm=False):
-        if warm:
-            self.switch = (1, 0.0)
-            text = ("stitched from step 1 (graph, plan and kernels from the cache; "
-                    "nothing to compile)")
-        else:
-            seconds = time.perf_counter() - self._t0
-            self.switch = (self._steps + 1, seconds)
-            text = (f"stock TF ran {span_text('step', self._steps)} while the kernels "
-                    f"compiled ({seconds:.1f} s); stitched from step {self._steps + 1}")
+    def _switched(self, warm=False) -> bool:
+        """Record the switch, once however many threads reach it: True for the one
+        that did (the report and the progress line after the lock: the report may
+        wait for compiles to settle, and the other threads' steps must not)."""
+        with self._lock:
+            if self.switch is not None:
+                return False
+            if warm:
+                self.switch = (1, 0.0)
+                text = ("stitched from step 1 (graph, plan and kernels from the cache; "
+                        "nothing to compile)")
+            else:
+                seconds = time.perf_counter() - self._t0
+                self.switch = (self._steps + 1, seconds)
+                text = (f"stock TF ran {span_text('step', self._steps)} while the "
+                        f"kernels compiled ({seconds:.1f} s); stitched from step "
+                        f"{self._steps + 1}")
         if self.report is not None:
             self.report.tiering = text
         if self._progress is not False:
             print(f"stitching: {self._kind} step: {text}", file=sys.stderr, flush=True)
+        return True
 
     def wait(self, timeout=None) -> bool:
         if self.warm:

@@ -227,6 +227,7 @@ def test_processes_writing_one_specs_decisions_at_once_keep_them_all(tmp_path):
         import os, sys, time
         from stitching.runtime import autotune
         first = int(sys.argv[1])
+        open(sys.argv[2] + f"-ready-{first}", "w").close()
         while not os.path.exists(sys.argv[2]):
             time.sleep(0.001)
         for cls in range(first, first + 32):
@@ -237,7 +238,9 @@ def test_processes_writing_one_specs_decisions_at_once_keep_them_all(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", script, str(first), str(go)], env=env)
              for first in (0, 32)]
     import time
-    time.sleep(1.0)         # both started (no TensorFlow: ~0.1 s)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("go-ready-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)    # both imported, waiting for go
     go.touch()
     assert [p.wait(timeout=60) for p in procs] == [0, 0]
     env_cache = tmp_path / "cache"

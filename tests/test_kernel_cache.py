@@ -151,6 +151,23 @@ def test_a_cache_lock_makes_others_wait_and_lets_its_holder_take_it_again(tmp_pa
         assert events == ["waiting"]                 # it waits while this one holds
     t.join(10)
     assert events == ["waiting", ("other", True)]
+    # a child forked while a lock is held does not keep it held after its parent
+    with cachedir.locked(lock):
+        pid = os.fork()
+        if pid == 0:                    # (its fork handlers have run by now)
+            (tmp_path / "child-up").touch()
+            time.sleep(5)
+            os._exit(0)
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "child-up").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    import fcntl
+    try:
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)   # BlockingIOError if kept
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
     assert cachedir.slot_lock(tmp_path, "k_1").parent == tmp_path / "locks"
     assert len({cachedir.slot_lock(tmp_path, f"k_{i}") for i in range(2000)}) \
         == cachedir.LOCK_SLOTS

@@ -545,8 +545,8 @@ class _Code:
         # Processes sharing the cache (a server's workers, pytest-xdist) that start
         # together want the same kernels: one builds each, the others wait for it and
         # load its object (4 cold processes of an MLP made 15 builds of 4 codes).
-        with cachedir.locked(cachedir.slot_lock(stem.parent, stem.name)) as waited:
-            if waited and self._load_cached(code):
+        with _claim(stem):
+            if self._load_cached(code):     # built meanwhile
                 return
             self._build(source, lean, text, tier)
 
@@ -610,8 +610,8 @@ class _Code:
         """Build the tier-2 code of this tier-1 code here, into the cache, and switch
         to it (upgrade)."""
         from . import direct
-        with cachedir.locked(cachedir.slot_lock(self.stem.parent, self.stem.name)) as waited:
-            if not (waited and native.built(self.stem)):    # another process's is there
+        with _claim(self.stem):
+            if not native.built(self.stem):     # else another process's is there
                 direct.build(self.text, self.stem, self.symbol, 2)
         self.upgrade()
 
@@ -662,6 +662,19 @@ class _Code:
         if self.cfunc is not None:
             return self.cfunc._library.get_asm_str()
         return native.assembly(self.built_at)
+
+
+# Past this a process stops waiting for another's build of a kernel and builds it
+# itself (a stopped or hung peer must not stop it): arbitrary, well over the largest
+# kernel's compile on a loaded machine (tens of seconds).
+CLAIM_SECONDS = 300
+
+
+def _claim(stem: Path):
+    """The cache-wide claim on building ``stem``'s object (cachedir.locked): one of
+    the processes sharing the cache builds it, the others wait, then load it."""
+    return cachedir.locked(cachedir.slot_lock(kernel_dir(), stem.name),
+                           timeout=CLAIM_SECONDS)
 
 
 _warned = set()

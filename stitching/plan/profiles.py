@@ -591,10 +591,13 @@ def measured_cpu(remeasure: bool = False) -> DeviceProfile:
             # and one that waited takes the measurement made meanwhile: four cold
             # processes made 20 measurements (1-3.6 s each, every one provisional:
             # the others were the load), and lost each other's attempt counts.
+            before, taken = prof, False
             with cachedir.locked(path + ".lock") as waited:
-                if waited or not remeasure:
+                if not remeasure:
                     prof = _stored(path, fp)
-                if _to_measure(prof, remeasure) and not (waited and prof is not None):
+                    # measured by another process while this one waited, or just before
+                    taken = prof is not None and (waited or prof != before)
+                if remeasure or (_to_measure(prof, False) and not taken):
                     new = measure_cpu()
                     prof = new if prof is None or not new.provisional else _merge(prof, new)
                     _write_cache(path, fp, prof)
