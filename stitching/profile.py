@@ -47,9 +47,12 @@ def describe(prof, measured=None) -> dict:
     for key, what, unit, unit_name in _THROUGHPUTS:
         if pinned:
             origin = "pinned"
-        elif substituted:
+        elif substituted and measured.provisional:
             origin = f"{measured.cpu_class} machine model (this machine's measurement " \
                      f"is provisional: {measured.spread.get(key, 0):.0%} spread)"
+        elif substituted:
+            origin = f"{measured.cpu_class} machine model (its calibration's; this " \
+                     f"machine measured {getattr(measured, key) / unit:.1f} {unit_name})"
         else:
             origin = f"measured, median of {profiles.TRIALS} trials, " \
                      f"spread {measured.spread.get(key, 0):.0%}"

@@ -646,16 +646,33 @@ def _merge(old: DeviceProfile, new: DeviceProfile) -> DeviceProfile:
 
 
 def settled(prof: DeviceProfile) -> DeviceProfile:
-    """The profile to plan with: ``prof`` itself, or, where it is a provisional
-    measurement of a machine of a known class, that class's throughputs (measured
-    quietly, MACHINES) with this machine's own caches, cores and ISA."""
+    """The profile to plan with: for a machine of a known class (MACHINES), that
+    class's throughputs with this machine's own caches, cores and ISA; ``prof`` itself
+    for a machine of no known class, or one with a calibration of its own
+    (``tools/calibrate.py --install``, fitted against its own numbers).
+
+    The class's throughputs whether this machine's measurement is provisional (taken
+    under load: its numbers say little) or final.  The shipped calibration's factors
+    were fitted against the class model's numbers, and a machine of the class that
+    measures differently planned differently once its measurement came out final: a
+    Zen 5 EPYC (class amd-avx512, whose model is a Zen 4's) measured exp at 4.9 G/s
+    and 51 GB/s against the model's 3.4 G/s and 30 GB/s, and planned EfficientNetB0 in
+    63 kernels against 67 -- which ran 9.4-9.6 ms against 8.4-8.6 ms at batch 1
+    (BENCHMARKS.md, ``models@amd_avx512_zen5``) -- while its provisional measurements,
+    most of them on that VM, planned 67.  Now every measurement of a machine plans
+    alike."""
     model = MACHINES.get(prof.cpu_class)
-    if not prof.provisional or model is None:
+    if model is None or all(getattr(prof, k) == getattr(model, k) for k in _THROUGHPUTS):
         return prof
+    if prof.provisional:
+        why = f"provisional ({prof.why_provisional})"
+    elif _local_scale() is not None:
+        return prof
+    else:
+        why = "a machine of a known class"
     return replace(prof, **{k: getattr(model, k) for k in _THROUGHPUTS},
-                   source=f"{prof.source}; provisional ({prof.why_provisional}), "
-                          f"planning with the {model.name} model's throughputs "
-                          f"(docs/machines.md: provisional profiles)")
+                   source=f"{prof.source}; {why}, planning with the {model.name} model's "
+                          f"throughputs (docs/machines.md: profiles of a known class)")
 
 
 def _read_cache(path, fp):
