@@ -215,3 +215,54 @@ def test_keras_conv_block_in_float64_fuses_its_epilogues_and_stays_exact():
     rep = st.report.to_dict()
     assert not any("remapper" in u["reason"] for u in rep["unfused_nodes"])
     assert rep["kernels"] == 2                         # bias+swish; bias+relu+BN+tanh+add
+
+
+def _dense_bias(dtype):
+    """x -> MatMul -> BiasAdd, the product opaque: a Keras Dense layer's forward."""
+    b = G().input("x", (8, 16), dtype).input("bias", (16,), dtype)
+    b = conv(b, "mm", "x", (8, 16), op="MatMul", dtype=dtype)
+    b.composite("ba", "BiasAdd", ["mm", "bias"], data_format="NHWC")
+    return b.op("t", "Tanh", ["ba"]).build("t")
+
+
+def test_a_bfloat16_products_bias_stays_tfs_where_onednn_adds_it_before_rounding():
+    """oneDNN's fused product adds a bfloat16 bias to its float32 accumulator and
+    rounds once; a kernel taking the BiasAdd read the product rounded to bfloat16
+    first (a Keras Dense layer under mixed_bfloat16: 251 ulps against stock's 0.5).
+    The BiasAdd stays TF's there, with the reason; float32 products (rounded to float32
+    either way) and TF without oneDNN plan as before."""
+    g = _dense_bias("bfloat16")
+    assert epilogue.pin_rounding(g, epilogue.ONEDNN) == 1
+    p = search.plan(g, allow_all, 2, CPU)
+    assert not any("ba" in r.nodes for r in p.regions)
+    why = g["ba"].attrs["unfusible"]          # the reason the report shows
+    assert "adds the bias inside the product" in why and "bfloat16" in why
+    for dtype, table in (("float32", epilogue.ONEDNN), ("bfloat16", epilogue.EIGEN)):
+        g = _dense_bias(dtype)
+        assert epilogue.pin_rounding(g, table) == 0
+        (r,) = search.plan(g, allow_all, 2, CPU).regions
+        assert sorted(r.nodes) == ["ba", "t"]
+
+
+@pytest.mark.skipif(not remapper.onednn_enabled(),
+                    reason="the single rounding is oneDNN's fused product's")
+def test_a_bfloat16_dense_layer_is_as_accurate_as_tfs():
+    import ml_dtypes
+
+    import stitching
+    x = tf.constant(np.random.default_rng(0).standard_normal((64, 128)), tf.bfloat16)
+    w = tf.constant(np.random.default_rng(1).standard_normal((128, 128)) / 11, tf.bfloat16)
+    bias = tf.constant(np.random.default_rng(2).standard_normal(128), tf.bfloat16)
+
+    def dense(x, w, bias):
+        return tf.nn.bias_add(tf.matmul(x, w), bias)
+    st = stitching.function(dense)
+    got, want = st(x, w, bias), tf.function(dense)(x, w, bias)
+    exact = (x.numpy().astype(np.float64) @ w.numpy().astype(np.float64)
+             + bias.numpy().astype(np.float64))
+    spacing = np.spacing(np.abs(exact).astype(ml_dtypes.bfloat16)).astype(np.float64)
+    err_st = np.abs(got.numpy().astype(np.float64) - exact) / spacing
+    err_tf = np.abs(want.numpy().astype(np.float64) - exact) / spacing
+    assert err_st.max() <= err_tf.max() + 1e-9, (err_st.max(), err_tf.max())
+    assert "BiasAdd" in {u["op"] for u in st.report.to_dict()["unfused_nodes"]}
+

@@ -130,6 +130,39 @@ def _swish(graph, b: str, readers, cons, fetched) -> list:
     return chain + [node.name, mul.name]
 
 
+# Products and convolutions whose bfloat16 BiasAdd oneDNN adds inside the op.
+ROUNDING_PRODUCTS = frozenset({"MatMul", "Conv2D", "DepthwiseConv2dNative",
+                               "DepthwiseConv2D"})
+ROUNDING = ("bfloat16: TF's remapper adds the bias inside the product (oneDNN), to its "
+            "float32 accumulator, and rounds once; a kernel would add it to the product "
+            "already rounded to bfloat16 (less accurate: up to hundreds of ulps where the "
+            "bias cancels the product)")
+
+
+def pin_rounding(graph: Graph, remapper: Remapper) -> int:
+    """Where TF runs oneDNN, the BiasAdd right after a bfloat16 product or convolution
+    stays TF's (``unfusible``, with the reason): oneDNN's fused op adds the bias before
+    its one rounding to bfloat16, and any kernel taking the BiasAdd would read the
+    product rounded first.  A Keras Dense layer under ``mixed_bfloat16``: max 251 ulps
+    stitched against stock's 0.5 (float32 products round to float32 either way, and
+    float16 ones are not fused on the CPU).  Returns how many it pinned."""
+    if remapper is not ONEDNN:
+        return 0
+    cons = graph.consumers()
+    fetched = {r.node for r in graph.outputs}
+    pinned = 0
+    for p in graph:
+        if p.op not in ROUNDING_PRODUCTS or p.name in fetched or len(cons[p.name]) != 1:
+            continue
+        b = graph[cons[p.name][0]]
+        if (b.op == "BiasAdd" and b.inputs and b.inputs[0].node == p.name
+                and b.inputs[0].index == 0
+                and graph.type_of(b.inputs[0]).dtype == "bfloat16"):
+            b.attrs.setdefault("unfusible", ROUNDING)
+            pinned += 1
+    return pinned
+
+
 def mark(graph: Graph, remapper: Remapper) -> int:
     """Tag every epilogue member with its convolution; returns how many epilogues."""
     found = find(graph, remapper)

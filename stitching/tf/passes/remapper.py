@@ -35,7 +35,9 @@ def table(profile) -> epilogue.Remapper:
 
 
 def mark(ir, profile) -> int:
-    """Tag the epilogues TF will fuse into their convolutions (plan/epilogue.py)."""
+    """Tag the epilogues TF will fuse into their convolutions, and pin the bfloat16
+    biases oneDNN adds before its rounding (plan/epilogue.py)."""
+    epilogue.pin_rounding(ir, table(profile))
     return epilogue.mark(ir, table(profile))
 
 
