@@ -1164,7 +1164,7 @@ def span_text(what: str, n: int) -> str:
 
 
 def _signature_text(key) -> str:
-    """``(float32[6,40], int32[3])`` for an exact-signature key."""
+    """``(float32[6,40], int32[3])`` for an exact-signature key (dtype, dims) pairs."""
     return "(" + ", ".join(f"{dtype.name}[{','.join(map(str, shape))}]"
                            for dtype, shape in key) + ")"
 
@@ -1172,12 +1172,10 @@ def _signature_text(key) -> str:
 def _traced_signature_text(flat) -> str:
     """``(float32[?,40], int32[3])``: a trace's tensor arguments, an unknown (relaxed)
     dimension as ``?``; ``float32[*]`` for an unknown rank."""
-    def dims(shape):
-        if shape.rank is None:
-            return "*"
-        return ",".join("?" if d is None else str(d) for d in shape.as_list())
-    return "(" + ", ".join(f"{t.dtype.name}[{dims(t.shape)}]"
-                           for t in flat if isinstance(t, tf.Tensor)) + ")"
+    return _signature_text(
+        (t.dtype, ("*",) if t.shape.rank is None else
+         tuple("?" if d is None else d for d in t.shape.as_list()))
+        for t in flat if isinstance(t, tf.Tensor))
 
 
 _hinted = False

@@ -347,8 +347,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
                                     and len(ir) >= _PRESTART_MIN_NODES):
                 # a large model's planning takes seconds before any kernel compiles
                 print(f"stitching: {name}{_signature.get()}: planning {len(ir)} nodes",
-                      file=sys.stderr,
-                      flush=True)
+                      file=sys.stderr, flush=True)
             the_plan = get_planner(options.planner)(ir, legal=legal,
                                                     min_ops=options.min_ops)
             plan_cache.save(key, the_plan)

@@ -37,8 +37,9 @@ def table(profile) -> epilogue.Remapper:
 def mark(ir, profile) -> int:
     """Tag the epilogues TF will fuse into their convolutions, and pin the bfloat16
     biases oneDNN adds before its rounding (plan/epilogue.py)."""
-    epilogue.pin_rounding(ir, table(profile))
-    return epilogue.mark(ir, table(profile))
+    remapper = table(profile)
+    epilogue.pin_rounding(ir, remapper)
+    return epilogue.mark(ir, remapper)
 
 
 def forward_identities(graph_def, ir, fused: set) -> int:
