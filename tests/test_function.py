@@ -342,6 +342,39 @@ def test_tiered_stock_calls_are_tf_functions_own(tiered):
     assert double.experimental_get_tracing_count() == 1
 
 
+def test_a_tiered_signature_traces_the_python_function_as_often_as_tf_function(tiered):
+    """The background compile stitches the trace stock TF made for the first call
+    instead of tracing the user's function again, so a trace-time Python side effect
+    happens as often as under tf.function (TF's testOnExitCallback): once, or twice
+    where the first call made variables (TF's variable-creating trace, then the one
+    it runs).  The stitched graph made from that trace gives TF's numbers, its
+    variable included."""
+    def counted(make_vars):
+        traced, state = [], []
+
+        def fn(x):
+            traced.append(1)
+            y = tf.nn.softmax(x * 2.0) - 0.5
+            if make_vars:
+                if not state:
+                    state.append(tf.Variable(tf.fill([9], 1.5)))
+                y = y * state[0]
+            return y
+        return fn, traced
+    x = tf.constant(np.random.default_rng(4).standard_normal((5, 9)).astype(np.float32))
+    for make_vars in (False, True):
+        fn, stock_traces = counted(make_vars)
+        ref = tf.function(fn)(x).numpy()
+        fn, traces = counted(make_vars)
+        f = stitching.function(fn)
+        np.testing.assert_array_equal(f(x).numpy(), ref)        # stock TF
+        assert f.wait(timeout=300) and not f.background_errors
+        got = f(x).numpy()                                      # the switch
+        assert f.report.kernels and "stitched from call 2" in f.report.tiering
+        np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6)
+        assert len(traces) == len(stock_traces) == 1 + make_vars, make_vars
+
+
 def test_seeded_random_numbers_run_on_across_calls_as_in_tf_function(tiered, capsys):
     """Each seeded stateful random op draws from its own generator, which starts at
     its seed: switching a tiered signature to the stitched graph after its stock

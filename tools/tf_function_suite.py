@@ -47,10 +47,6 @@ IMPORT = "from tensorflow.python.eager.polymorphic_function import polymorphic_f
 # why.  Keep in step with docs/differences-from-tf-function.md.
 _INLINED = ("a stitched trace runs Grappler's function inlining before planning, so a "
             "tf.function it calls is inlined: the trace's library does not hold it")
-_TIERED = ("tiered execution (the default for eager calls) traces the user's function "
-           "twice, for stock TF and then in the background for the stitched graph: a "
-           "trace-time Python side effect (an exit callback, a tensor leaked to a "
-           "nonlocal) happens twice, the second time from the background trace")
 KNOWN: dict[str, str] = {
     "polymorphic_function_test::FunctionTest.testNestedFunctionGraphNotOutOfDate":
         "the user's function is traced in an inner graph (then stitched and imported "
@@ -58,15 +54,12 @@ KNOWN: dict[str, str] = {
         "graph as its outer_graph",
     "polymorphic_function_test::FunctionTest.testRegisterConcreteFunction": _INLINED,
     "polymorphic_function_test::MultiDeviceTest.testGraphRemoveFunction": _INLINED,
-    "polymorphic_function_test::FunctionTest.testOnExitCallback": _TIERED,
     # the methods decorated by assert_no_garbage_created are grouped under its name
     "polymorphic_function_test::FunctionTest.decorator":
         "tiered execution: the background compile of a signature holds its function "
         "while it runs (it traces and stitches it), so a method's function deleted "
         "right after its first call lives until that compile ends; no cycle is left "
         "after it (testMethodReferenceCycles)",
-    "polymorphic_function_test::FunctionTest.testSymbolicTensorIllegalCaptureCallTimeError":
-        _TIERED,
     "polymorphic_function_test::FunctionTest.test_restored_function_retracing_warning":
         "a stitched graph already in the result cache (here an earlier test's identity "
         "function, the same graph) lets a new signature's second call run the stitched "

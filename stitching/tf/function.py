@@ -512,7 +512,15 @@ class StitchedFunction(tf_pf.Function):
     def _stitch_in_background(self, tier, specs, general=None):
         from . import results
         try:
-            cf = self.get_concrete_function(*specs)
+            # the trace stock TF made for the first call is the user's function traced
+            # once for these shapes: the stitched trace reuses it (_stitched_trace)
+            # rather than run the Python function a second time; a relaxed trace
+            # (``general``) is of other shapes and traces
+            _REUSE.trace = None if general is not None else (self, self._stock_trace(tier))
+            try:
+                cf = self.get_concrete_function(*specs)
+            finally:
+                _REUSE.trace = None
             # its trace's report, and whether the result cache served it (nothing
             # planned or compiled); a trace another signature's compile made is
             # found as TF cached it
@@ -536,6 +544,16 @@ class StitchedFunction(tf_pf.Function):
         finally:
             with self._pending_lock:
                 self._pending.pop(tier.key, None)
+
+    def _stock_trace(self, tier):
+        """The ConcreteFunction stock TF ran ``tier``'s first call with, from its
+        function cache (None where that call's arguments are gone).  TF looks it up
+        for the same arguments; where it would not find it (a function whose
+        variables' initializers could not be lifted traced it inside a cond), this
+        traces it as a second trace would have."""
+        if tier.args is None:
+            return None
+        return self._stock.get_concrete_function(*tier.args)
 
     def _stay_stock(self, tier, seeded) -> None:
         """A signature whose graph holds seeded stateful random ops keeps its stock
@@ -695,11 +713,13 @@ class StitchedFunction(tf_pf.Function):
             from . import pipeline
             workers = pipeline.early_workers()
         try:
-            with _arguments_unwatched(flat):
-                cf = tracing_compilation.trace_function(
-                    specs, {}, tracing_compilation.TracingOptions(
-                        inner, self._name, autograph=self._autograph,
-                        autograph_options=self._experimental_autograph_options))
+            cf = _reused_trace(self, specs)
+            if cf is None:
+                with _arguments_unwatched(flat):
+                    cf = tracing_compilation.trace_function(
+                        specs, {}, tracing_compilation.TracingOptions(
+                            inner, self._name, autograph=self._autograph,
+                            autograph_options=self._experimental_autograph_options))
             fetches = [t.name for t in cf.outputs]
             keep = [op.name for op in cf.graph.control_outputs]
             throwaway = self._throwaway(scope_type)
@@ -759,6 +779,31 @@ class StitchedFunction(tf_pf.Function):
             with tf.control_dependencies(outs[len(fetches):]):
                 tensors = [tf.identity(t) for t in tensors]
         return _pack_outputs(cf.structured_outputs, tensors)
+
+
+_REUSE = threading.local()   # .trace: (function, ConcreteFunction) a background trace reuses
+
+
+def _reused_trace(owner, specs):
+    """The stock trace ``owner``'s background compile handed this thread
+    (``_stitch_in_background``), once, where its inputs are exactly ``specs``; else
+    None (the user's function is traced)."""
+    held = getattr(_REUSE, "trace", None)
+    if held is None or held[0] is not owner or held[1] is None:
+        return None
+    _REUSE.trace = None
+    cf = held[1]
+    inputs = cf.inputs[:len(cf.inputs) - len(cf.captured_inputs)]
+    if len(inputs) != len(specs) or any(
+            t.dtype != s.dtype or t.shape.as_list() != s.shape.as_list()
+            for t, s in zip(inputs, specs)):
+        return None
+    # the variables the user's function read, as its trace here would have marked
+    # them (FuncGraph.watch_variable): a GradientTape around a call watches them
+    outer = tf.compat.v1.get_default_graph()
+    for v in cf.graph.variables:
+        outer.watch_variable(v)
+    return cf
 
 
 @contextlib.contextmanager
