@@ -729,6 +729,32 @@ def test_library_is_one_image_and_cached():
     assert rt.library().stitching_abi_version() == rt.registry.ABI_VERSION == 10
 
 
+def test_a_cache_that_cannot_be_written_builds_the_op_library_for_this_process(
+        tmp_path, monkeypatch, capfd):
+    """An upgraded image whose read-only cache holds only the old release's op
+    library: the new one is built into a directory of the process's own (once per
+    process), saying why and how to avoid it, rather than failing the op's
+    registration (and every model load after it: "Op type not registered")."""
+    import stitching.runtime.build as b
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(blocker / "cache"))  # mkdir fails
+    monkeypatch.setattr(b, "_prebuilt", lambda path: None)
+    monkeypatch.setattr(b, "_PRIVATE", {})
+    runs = tmp_path / "runs"
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
+                   f'echo run >> {runs}\nprintf library > "$out"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    first = b.build()
+    assert first.read_bytes() == b"library" and first.parent.name.startswith(
+        f"stitching-ops-{os.getpid()}-"), first
+    err = capfd.readouterr().err
+    assert str(blocker / "cache" / "ops") in err and "stitching-build" in err, err
+    assert b.build() == first and runs.read_text().count("run") == 1   # once per process
+
+
 def test_build_errors_are_clear(tmp_path, monkeypatch, capfd):
     import stitching.runtime.build as b
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))

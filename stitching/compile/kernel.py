@@ -148,11 +148,19 @@ _TAG_SOURCES = ("codegen/cpu/rt.py", "codegen/cpu/fastmath.py", "codegen/cpu/int
                 "compile/native.py")
 
 
-def _compute_toolchain_tag() -> str:
+def toolchain_versions() -> dict:
+    """The versions of what turns a kernel's source into native code (a shipped
+    model's manifest records them, to say what differs where they do not match)."""
     from importlib.metadata import version
 
     import llvmlite
-    h = hashlib.sha256(f"{version('numba')}|{llvmlite.__version__}|{sys.version_info[:2]}|"
+    return {"numba": version("numba"), "llvmlite": llvmlite.__version__,
+            "python": "%d.%d" % sys.version_info[:2]}
+
+
+def _compute_toolchain_tag() -> str:
+    v = toolchain_versions()
+    h = hashlib.sha256(f"{v['numba']}|{v['llvmlite']}|{sys.version_info[:2]}|"
                        f"{native.host_tag()}".encode())
     pkg = Path(__file__).parent.parent          # read as files: no Numba import here
     for name in _TAG_SOURCES:

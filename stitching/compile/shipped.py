@@ -34,15 +34,15 @@ not indexed compiles as usual.
 """
 from __future__ import annotations
 
-import hashlib
 import re
 import threading
 import warnings
 from pathlib import Path
 
+from .. import cachedir
+
 _lock = threading.Lock()
 _index: dict = {}            # spec hash -> entry (validated, see well_formed_entry) + its "sha256"
-_EMITTER = None
 _CODE_NAME = re.compile(r"k_[0-9a-f]{24}\Z")
 # the sources a spec's code, shape program and errors are generated from
 _SOURCES = ("ir", "schedule", "codegen", "plan", "compile/kernel.py")
@@ -55,18 +55,7 @@ MAX_ERRORS = 4096
 
 def emitter_tag() -> str:
     """Hash of the package sources that generate kernels (read once per process)."""
-    global _EMITTER
-    if _EMITTER is None:
-        pkg = Path(__file__).parent.parent
-        h = hashlib.sha256()
-        for part in _SOURCES:
-            p = pkg / part
-            for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
-                rel = f.relative_to(pkg).as_posix()
-                if not rel.startswith(_NOT_SOURCES):
-                    h.update(rel.encode() + b"\0" + f.read_bytes())
-        _EMITTER = h.hexdigest()[:24]
-    return _EMITTER
+    return cachedir.sources_digest(_SOURCES, _NOT_SOURCES)[:24]
 
 
 def entry_of(kernel) -> dict:

@@ -5,9 +5,10 @@ every time: ~0.5 s of the ~1.5 s stitching added to ResNet50's first call.  The 
 of a graph is a pure function of the graph, the options, the planner's code and the
 device profile, so it is stored under the graph's key:
 
-    $STITCHING_CACHE_DIR/kernels/<toolchain>/plans/<graph key>_<planner salt>.json
+    $STITCHING_CACHE_DIR/plans/<graph key>_<planner salt>.json
 
-The salt hashes the ir, plan and schedule packages' sources, the TF edge's (the
+(plans are data, valid under any Numba toolchain).  The salt hashes the contents of
+the ir, plan and schedule packages' sources, the TF edge's (the
 frontend and the graph passes before planning decide the IR a plan is made for: a
 pass that drops a Shape consumer changes which values leave a kernel) and the device
 profile; a changed op table, cost model, pass or another machine never reads an old
@@ -47,13 +48,7 @@ def _salt() -> str:
     global _SALT
     from . import profiles
     if _SALT is None:
-        h = hashlib.sha256(str(FORMAT).encode())
-        root = Path(__file__).parent.parent
-        for pkg in ("ir", "plan", "schedule", "tf", "tf/passes"):
-            for f in sorted((root / pkg).glob("*.py")):
-                h.update(f.name.encode())
-                h.update(f.read_bytes())
-        _SALT = h.hexdigest()
+        _SALT = f"{FORMAT} " + cachedir.sources_digest(("ir", "plan", "schedule", "tf"))
     h = hashlib.sha256(_SALT.encode())
     h.update(profiles.default().planning_key().encode())
     return h.hexdigest()[:12]

@@ -122,7 +122,8 @@ def build(force: bool = False, source=SOURCE, prefix: str = LIB_PREFIX,
         prebuilt = _prebuilt(path)
         if prebuilt is not None and _whole(prebuilt):
             return prebuilt
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not _writable(path.parent):
+        return _build_private(path, source, extra)
     def waiting():
         # another process is building it (a minute of g++): say so, not sit silent
         print(f"stitching: waiting for another process building {path.name} into "
@@ -138,6 +139,38 @@ def build(force: bool = False, source=SOURCE, prefix: str = LIB_PREFIX,
         _compile_to(path, source, extra)
     built_here.add(path)
     return path
+
+
+def _writable(directory: Path) -> bool:
+    """Whether a library can be built into ``directory`` (made if missing)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK)
+
+
+_PRIVATE: dict = {}      # library path in the cache -> its build in a private directory
+
+
+def _build_private(path: Path, source, extra: tuple) -> Path:
+    """``path``'s library built into a directory of this process's own, where the
+    cache cannot be written and does not hold it (an image whose read-only cache holds
+    an older release's library): the op registers and models load, at the price of
+    the compiler at each start, which the line printed says how to avoid."""
+    built = _PRIVATE.get(path)
+    if built is None:
+        d = cachedir.private_dir("ops")
+        print(f"stitching: the cache {path.parent} cannot be written and has no "
+              f"{path.name} (this TensorFlow's and stitching's build): building it with "
+              f"{compiler()} into {d}, for this process only; run `stitching-build` where "
+              f"the cache can be written (when the image is built) so that processes "
+              f"load it instead", file=sys.stderr, flush=True)
+        built = d / path.name
+        _compile_to(built, source, extra)
+        _PRIVATE[path] = built
+        built_here.add(built)
+    return built
 
 
 # The libraries this process compiled (main() says "built" for these: importing the

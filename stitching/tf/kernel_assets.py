@@ -102,6 +102,7 @@ def export(specs, out_dir) -> tuple:
         files["interp.so"] = interp
     from ..compile import native
     manifest = {"version": 3, "abi": K.kernel_dir().name, "host": native.host_tag(),
+                "toolchain": K.toolchain_versions(),
                 "files": {}, "specs": by_spec, "emitter": shipped.emitter_tag(),
                 "kernels": index}
     paths = []
@@ -279,7 +280,7 @@ def install_files(paths, want_manifest_sha, within) -> int:
     here = K.kernel_dir()
     if abi != here.name:
         return _skip(f"the model's kernels were built for another CPU or toolchain "
-                     f"({manifest.get('host', '?')}); this machine's differs")
+                     f"({_built_elsewhere(manifest)})")
     by_name = {}
     for p in paths[1:]:                  # a name TF wrote as is wins over a renamed copy
         name = os.path.basename(p)
@@ -367,8 +368,40 @@ def _safe_name(name) -> bool:
         and "\\" not in name and not name.startswith(".") and len(name) < 100
 
 
+def _built_elsewhere(manifest) -> str:
+    """What differs between where a model's kernels were built (its manifest's CPU
+    and toolchain) and this process: the CPU's name, the features told apart, the
+    Numba settings, the versions; not the whole feature list (~1.5 KB)."""
+    from ..compile import kernel as K
+    from ..compile import native
+    theirs, ours = str(manifest.get("host", "")).split("|"), native.host_tag().split("|")
+    said = []
+    if theirs[:2] != ours[:2]:
+        said.append(f"CPU {theirs[1] if len(theirs) > 1 else '?'}, this one {ours[1]}")
+    elif theirs[2:3] != ours[2:3]:
+        def signs(t):
+            return {f[1:]: f[0] for f in t[2].split(",") if f[:1] in "+-"} \
+                if len(t) > 2 else {}
+        a, b = signs(theirs), signs(ours)
+        apart = sorted(f for f in set(a) | set(b) if a.get(f) != b.get(f))
+        said.append("CPU features " + ", ".join(
+            f"{a.get(f, '?')}{f} there, {b.get(f, '?')}{f} here" for f in apart[:4])
+            + (f" and {len(apart) - 4} more" if len(apart) > 4 else ""))
+    if theirs[3:] != ours[3:]:
+        said.append("NUMBA_ENABLE_AVX/NUMBA_OPT " + repr("|".join(theirs[3:]))
+                    + " there, " + repr("|".join(ours[3:])) + " here")
+    tc, mine = manifest.get("toolchain"), K.toolchain_versions()
+    if isinstance(tc, dict):
+        said += [f"{k} {str(tc.get(k))[:32]} there, {v} here" for k, v in mine.items()
+                 if str(tc.get(k)) != v]
+    elif not said:
+        said.append("the model does not record its Numba and llvmlite versions")
+    return "; ".join(said) or "stitching's native runtime sources differ"
+
+
 def _skip(reason: str) -> int:
-    _warn_once(f"{reason}; those kernels compile from their specs")
+    _warn_once(f"{reason}; those kernels compile here from their specs (or come from "
+               f"this machine's compile cache, where it holds them)")
     return 0
 
 

@@ -46,7 +46,6 @@ import base64
 import copy
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -62,19 +61,12 @@ _SALT = None
 
 
 def _salt() -> str:
-    """Every source file of the package, by size and modification time (reading
-    them all cost a warm start ~10 ms), and TF's version; once per process."""
+    """Every source file of the package, by contents (``cachedir.sources_digest``), and
+    TF's version; once per process."""
     global _SALT
     if _SALT is None:
-        h = hashlib.sha256(f"{FORMAT} {tf.__version__}".encode())
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        files = sorted(os.path.join(d, f) for d, _, names in os.walk(root)
-                       for f in names if f.endswith(".py"))   # os.walk: 1 ms, rglob 14
-        for f in files:
-            st = os.stat(f)
-            h.update(f"{os.path.relpath(f, root)} {st.st_size} {st.st_mtime_ns}\n"
-                     .encode())
-        _SALT = h.hexdigest()
+        _SALT = hashlib.sha256(f"{FORMAT} {tf.__version__} {cachedir.sources_digest()}"
+                               .encode()).hexdigest()
     return _SALT
 
 
