@@ -52,10 +52,13 @@ call waiting for its kernels:
   TF owns (a Python value is also a constant of the trace: its own signature);
 - ``get_concrete_function``, ``stitching-rewrite``, a stitched backward (traced inside
   the gradient's trace): each asks for the stitched graph itself.
-The background trace of a signature runs the user's Python function a second time (the
-stock trace is the first), in that thread, just after the first call: Python state
-read at trace time is read then, as any retrace of a ``tf.function`` reads it when it
-happens (docs/differences-from-tf-function.md).  ``Options(background_compile=False)``
+The background compile of a signature stitches the trace stock TF made for its first
+call (``_stock_trace``, ``_reused_trace``): the user's Python function is traced once
+for it, as under ``tf.function``.  Only a relaxed signature (other shapes of the family
+called while the first call ran, ``_start_background``) is traced there, running the
+Python function once more, in that thread: Python state read at trace time is read
+then, as any retrace of a ``tf.function`` reads it when it happens
+(docs/differences-from-tf-function.md).  ``Options(background_compile=False)``
 or ``STITCHING_BACKGROUND_COMPILE=0`` makes every call synchronous.
 
 Shapes: a retrace costs a re-plan and a kernel lookup on top of TF's trace, so by
