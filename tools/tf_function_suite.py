@@ -61,11 +61,10 @@ KNOWN: dict[str, str] = {
         "right after its first call lives until that compile ends; no cycle is left "
         "after it (testMethodReferenceCycles)",
     "polymorphic_function_test::FunctionTest.test_restored_function_retracing_warning":
-        "a stitched graph already in the result cache (here an earlier test's identity "
-        "function, the same graph) lets a new signature's second call run the stitched "
-        "function, whose shape relaxation traces less than tf.function and does not warn; "
-        "with an empty cache the stock tf.function of tiered execution warns and the "
-        "test passes",
+        "a stitched graph already in the result cache (the identity graph, which the "
+        "test's own get_concrete_function for shape [None] stitched, or an earlier "
+        "test's) lets a new signature's second call run the stitched function, whose "
+        "shape relaxation traces less than tf.function and does not warn",
     "polymorphic_function_test::FunctionTest.testErrorMessageWhenGraphTensorIsPassedToEager":
         "the method checks that no Python object outlives it (assert_no_new_pyobjects); "
         "where it is the first in its process to run a stitched call, it counts "
