@@ -36,7 +36,7 @@ PKG = Path(__file__).resolve().parent.parent / "stitching"
 # registers the op when TensorFlow is imported); ``testing``
 # drives that API as a user would, so it comes last.
 STAGES = ["cachedir", "ir", "plan", "schedule", "codegen", "compile", "runtime",
-          ("report", "options"), "tf", ("inspect", "profile"), ("keras", "saved_model", "cli"),
+          ("report", "options"), "tf", ("inspect", "profile", "cache"), ("keras", "saved_model", "cli"),
           ("__init__", "_autoload"), "testing"]
 RANK = {name: i for i, s in enumerate(STAGES)
         for name in (s if isinstance(s, tuple) else (s,))}

@@ -114,8 +114,14 @@ def key(graph_def, fetches, keep, options, resources, bodies, scalar_values) -> 
 
 
 def _dir() -> Path:
+    """This installation's results: a folder per salt (TF's version and stitching's
+    sources), so what another version stored can be told apart and pruned
+    (``python -m stitching.cache --prune``)."""
     from ..compile import kernel
-    return kernel.kernel_dir() / "results"
+    return kernel.kernel_dir() / "results" / _salt()[:SALT_DIR]
+
+
+SALT_DIR = 16       # hex digits of the salt naming a results folder
 
 
 def _path(key: str) -> Path:
