@@ -556,7 +556,10 @@ class StitchedFunction(tf_pf.Function):
         traces it as a second trace would have."""
         if tier.args is None:
             return None
-        return self._stock.get_concrete_function(*tier.args)
+        try:
+            return self._stock.get_concrete_function(*tier.args)
+        except Exception:  # noqa: BLE001 — the stitched trace traces the function itself
+            return None
 
     def _stay_stock(self, tier, seeded) -> None:
         """A signature whose graph holds seeded stateful random ops keeps its stock
