@@ -144,6 +144,10 @@ _OPTION_FLAGS = [
                                 help="run the IR, plan and spec verifiers between stages")),
     ("--dump-dir", "dump_dir", dict(metavar="DIR", help="write a graph dump per rewritten "
                                     "graph here (stitching.load_dump reads it)")),
+    ("--exclude", "exclude", dict(
+        action="append", metavar="PATTERN",
+        help="keep these ops TF's: an op type (Softmax) or a node-name pattern "
+             "('model/block3*'); repeat for several")),
     ("--autotune", "autotune_margin", dict(
         nargs="?", type=float, metavar="MARGIN",
         help="kernels predicted faster than their ops by less than MARGIN (default 1.3) "

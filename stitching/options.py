@@ -107,6 +107,16 @@ class Options:
             calls; the faster serves, and the choice is cached on disk.
         autotune_margin: The predicted speed-up below which ``autotune`` measures
             (a number >= 1, default 1.3; ``math.inf`` measures every kernel).
+        exclude: TF ops kept out of stitching, to bisect a numerical difference or a
+            slow kernel without turning stitching off (XLA's ``jit_scope`` and
+            TF-TRT's exclusion lists do the same).  Each entry is an op type, matched
+            exactly (``"Softmax"``), or a pattern of node names matched with
+            ``fnmatch.fnmatchcase`` (``"model/block3*"``, ``"*/gelu/*"``), names as
+            the report lists them (the graph after Grappler).  A matched node stays
+            the TF op the graph has: it is in no kernel, no pass folds, removes or
+            rewrites it, and the report lists it as not fused with the entry that
+            matched; an entry that matches nothing gets a note in the report.  A
+            ``str`` is one entry; a list becomes a tuple (default ``()``: none).
 
     Raises:
         TypeError: a field of the wrong type (``Options(background_compile="no")``).
@@ -136,8 +146,15 @@ class Options:
     autotune: bool = False             # tf/passes/autotune.py, runtime/autotune.py
     autotune_margin: float = 1.3       # arbitrary: about the model's error on this machine
     #                                    (tools/plan_audit.py)
+    exclude: tuple = ()                # tf/passes/exclude.py, and each pass that rewrites
 
     def __post_init__(self):
+        # One pattern, or a list of them, is a tuple here: the dataclass is frozen and
+        # hashed, and a list would make it unhashable (and mutable behind its back).
+        if isinstance(self.exclude, str):
+            object.__setattr__(self, "exclude", (self.exclude,))
+        elif isinstance(self.exclude, list):
+            object.__setattr__(self, "exclude", tuple(self.exclude))
         for f in dataclasses.fields(self):
             _check(f.name, f.type, getattr(self, f.name))
 
@@ -177,6 +194,13 @@ def _check(name: str, annotation: str, value) -> None:
         except re.error as e:
             raise ValueError(f"{where}: {value!r} is not a regular expression: {e}") \
                 from None
+    elif name == "exclude":
+        if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+            raise TypeError(f"{where} must be a str or a tuple or list of str (op types "
+                            f"or node-name patterns), got {value!r}")
+        if "" in value:
+            raise ValueError(f"{where}: an empty entry matches no op type or node name, "
+                             f"got {value!r}")
     elif name == "dump_dir":
         if value is not None and not isinstance(value, (str, os.PathLike)):
             raise TypeError(f"{where} must be a directory path or None, "

@@ -35,11 +35,24 @@ def test_every_field_refuses_an_arbitrary_object_and_names_itself(field):
     ({"planner": 3}, ValueError),
     ({"autotune_margin": 0.99}, ValueError),
     ({"dump_dir": 5}, TypeError),
+    ({"exclude": ("Softmax", 3)}, TypeError),
+    ({"exclude": {"Softmax"}}, TypeError),      # a set has no order: the first match names
+    ({"exclude": b"Softmax"}, TypeError),
+    ({"exclude": ""}, ValueError),
+    ({"exclude": ["Softmax", ""]}, ValueError),
 ])
 def test_bad_values_raise_naming_the_field(kw, error):
     (name, _), = kw.items()
     with pytest.raises(error, match=rf"Options\.{name}"):
         Options(**kw)
+
+
+def test_exclude_takes_one_entry_or_a_list_as_a_tuple():
+    assert Options(exclude="Softmax").exclude == ("Softmax",)
+    assert Options(exclude=["Softmax", "model/block3*"]).exclude == \
+        ("Softmax", "model/block3*")
+    assert Options().exclude == () and Options(exclude=()).exclude == ()
+    hash(Options(exclude=["a"]))                 # frozen: still hashable
 
 
 def test_good_values_pass():

@@ -165,7 +165,9 @@ def _options_dict(options) -> dict:
         d = asdict(options)
     except TypeError:
         d = {}
-    return {k: v for k, v in d.items() if isinstance(v, (str, int, float, bool, type(None)))}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()
+            if isinstance(v, (str, int, float, bool, type(None)))
+            or isinstance(v, tuple) and all(isinstance(x, str) for x in v)}  # exclude
 
 
 def _profile_dict(p) -> dict:

@@ -17,7 +17,9 @@ As XLA's HloPassPipeline and MLIR's PassManager do, the loop also
     the call's dump directory (``Options(dump_dir=...)``; tf/dump.py);
   - checks the graph after each pass with ``Options(verify=True)`` (debug): it imports
     into a fresh tf.Graph (every input names an existing output of the right type,
-    every op and attr is valid) and the IR, once lifted, passes ``Graph.verify``.
+    every op and attr is valid), the IR, once lifted, passes ``Graph.verify``, and
+    every node ``Options(exclude=...)`` matched is still there, the same op with the
+    same attributes.
 """
 from __future__ import annotations
 
@@ -73,10 +75,23 @@ class Context:
         # bias Add moved into the MatMul: passes/gemm.py; a scores scale Mul into a
         # StitchedAttention: passes/attention.py): node name -> where, in words
         self.folded: dict = {}
+        # Options(exclude): node name -> why it stays the TF op it is (passes/exclude.py,
+        # again at lifting); the passes that fold, remove or rewrite nodes skip these
+        self.excluded: dict = {}
         self.notes: dict = {}            # pass name -> [note]
         self.seconds: dict = {}          # pass name -> seconds
         self.dump_path = None            # this call's dump directory, when dumping
         self._tf_graph = None
+        self._excluded_seen: dict = {}   # verify(): each excluded node as first matched
+
+    @property
+    def pinned(self) -> set:
+        """Fetched and kept node names, and the excluded ones: the nodes a pass may
+        neither remove nor take into another op.  Where a pass asks only that of a node
+        (an intermediate it would absorb), an excluded node is answered as a fetched
+        one; where it would rewrite a node in place (a fetched node keeps its name
+        and value, not its op), it checks ``excluded`` itself."""
+        return self.fetched | self.excluded.keys()
 
     @property
     def roots(self) -> list:
@@ -138,6 +153,27 @@ def verify(ctx: Context, after: str) -> None:
             tf.graph_util.import_graph_def(graph_def, name="")
         if ctx.ir is not None:
             ctx.ir.verify()
+        _verify_excluded(ctx)
     except Exception as e:  # noqa: BLE001 -- re-raised, naming the pass
         raise ValueError(f"the graph is not valid after the {after!r} pass: "
                          f"{type(e).__name__}: {e}") from e
+
+
+def _verify_excluded(ctx) -> None:
+    """Each node ``Options(exclude)`` matched (``ctx.excluded``) is in the graph, the op
+    and the attributes it had when first matched, as many data inputs.  Attributes
+    named with ``_`` are left out (the rewrite drops a colocation with a fused node),
+    and so are the inputs' names (a kernel's output replaces its producer's)."""
+    by_name = {nd.name: nd for nd in ctx.graph_def.node}
+    for name in ctx.excluded:
+        nd = by_name.get(name)
+        if nd is None:
+            raise ValueError(f"{name}, excluded by Options(exclude), is gone")
+        got = (nd.op, sum(not i.startswith("^") for i in nd.input),
+               sorted((k, v.SerializeToString(deterministic=True))
+                      for k, v in nd.attr.items() if not k.startswith("_")))
+        want = ctx._excluded_seen.setdefault(name, got)
+        if got != want:
+            raise ValueError(f"{name}, excluded by Options(exclude), was changed: "
+                             f"{want[0]} with {want[1]} input(s) -> {got[0]} with "
+                             f"{got[1]} (or its attributes)")

@@ -6,6 +6,8 @@ around planning, each pass entered once:
   BEFORE_PLANNING  on TF's graph, then the IR
     grappler     TF's inlining, constant folding and arithmetic optimizer, as
                  tf.function runs them; IdentityN forwarded          passes/grappler.py
+    exclude      the ops Options(exclude) keeps TF's, by op type or name (the
+                 passes below leave them; lift marks them unfusible)   exclude.py
     bcast        broadcast-gradient shapes known at trace time -> constants   bcast.py
     concat_grad  a ConcatV2 gradient's Slice bounds known at trace time -> constants
                                                                       concat_grad.py
@@ -76,7 +78,7 @@ from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import control_flow, dump, opnames, passmanager, results, scalars
 from .passes import (attention, autotune, bcast, blas, concat_grad, conv1x1, convgrad,
-                     einsum, forward,
+                     einsum, exclude, forward,
                      gemm, grappler, inline, lift, original, padfold, prune, remapper,
                      reshape_sink,
                      rewrite, seqsplit, shape_math, shapes, sparse_xent, strided_grad, symdims,
@@ -84,6 +86,7 @@ from .passes import (attention, autotune, bcast, blas, concat_grad, conv1x1, con
 
 BEFORE_PLANNING = (
     grappler.PASS,
+    exclude.PASS,
     bcast.PASS,
     concat_grad.PASS,
     strided_grad.PASS,

@@ -182,7 +182,8 @@ def _flag(node, key) -> bool:
 IN_ATTENTION = "an attention's scale, mask and softmax, in its StitchedAttention op"
 
 
-def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
+def fuse(graph_def, fetched, shapes=None, folded=None, origins=None,
+         excluded=frozenset()) -> int:
     """Turn each matched product -> softmax kernel -> product into StitchedAttention,
     in place (the module's docstring); returns how many.  ``shapes()``: the graph
     imported with TF's shapes, asked for only where a Reshape stands between the
@@ -191,7 +192,10 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
     pipeline's ``ctx.folded``) that gets the scores' scale Muls taken into the ops'
     scale, and the names of the softmax kernels taken in, with where they went.  ``origins``: a list that gets, for each attention
     fused, the ``_ORIGIN`` marks of its two products and whether it is masked
-    (``([names], masked)``: ``masked_products``' trial on a copy)."""
+    (``([names], masked)``: ``masked_products``' trial on a copy).  ``excluded``
+    (Options(exclude)): node names left as they are: none is taken into an op (the
+    caller passes them in ``fetched`` too), nor rewritten (the scaled scores' Shape
+    readers, their slices), nor left unread (a mask's broadcast)."""
     nodes = {nd.name: nd for nd in graph_def.node}
     # each node's readers, once per edge (data or control)
     consumers = collections.defaultdict(list)
@@ -248,7 +252,8 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
             return None, name, 1.0
         others = [r for r in consumers[nd.name] if r is not kernel]
         if len(others) + 1 != len(consumers[nd.name]) or \
-                any(r.op != "Shape" or r.input[0] != nd.name for r in others):
+                any(r.op != "Shape" or r.input[0] != nd.name or r.name in excluded
+                    for r in others):
             return None, name, 1.0
         for x, c in (nd.input, nd.input[::-1]):
             const = _node_of(c, nodes)
@@ -263,13 +268,16 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
         order) with ``s`` one of ``same_shape`` (the scores): Keras's causal mask
         broadcast to the scores, which the op broadcasts itself."""
         nd = _node_of(name, nodes)
-        if nd is None or nd.op != "LogicalAnd" or any(i.startswith("^") for i in nd.input):
+        if nd is None or nd.op != "LogicalAnd" or any(i.startswith("^") for i in nd.input) \
+                or nd.name in excluded:
             return name
         for f, m in (nd.input, nd.input[::-1]):
             fill = _node_of(f, nodes)
             if fill is None or fill.op != "Fill":
                 continue
             dims, value = (_node_of(i, nodes) for i in fill.input[:2])
+            if fill.name in excluded or dims is not None and dims.name in excluded:
+                continue         # kept, it would read the scores the op takes in
             if dims is not None and dims.op == "Shape" and dims.input[0] in same_shape and \
                     value is not None and value.op == "Const" and \
                     tf.make_ndarray(value.attr["value"].tensor).tolist() is True:
@@ -313,7 +321,7 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
             for reader in consumers[mul.name]:
                 if reader is not kernel:
                     _shape_from_operands(graph_def, reader, scores, imported_graph(),
-                                         consumers[reader.name], nodes)
+                                         consumers[reader.name], nodes, excluded)
             taken.add(mul.name)
             if folded is not None:
                 folded[mul.name] = IN_ATTENTION
@@ -346,13 +354,14 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None) -> int:
     return count
 
 
-def _shape_from_operands(graph_def, shape, product, graph, readers, nodes) -> None:
+def _shape_from_operands(graph_def, shape, product, graph, readers, nodes,
+                         excluded=frozenset()) -> None:
     """Turn Shape node ``shape`` (of the scores ``product`` computes, which goes) into
     the same vector from the product's operands: BatchMatMulV2's batch broadcast of
     q's and k's batch dims (BroadcastArgs), then M and N, in their layouts
     (StitchedBatchMatMul's adj_ and transpose_ flags); dims TF knows are constants.
     The node keeps its name and output type.  ``readers``: the nodes that read it;
-    ``nodes``: the graph's nodes by name."""
+    ``nodes``: the graph's nodes by name; ``excluded``: readers left as they are."""
     out_type = shape.attr["out_type"].type if "out_type" in shape.attr else \
         tf.int32.as_datatype_enum
     np_type = tf.dtypes.as_dtype(out_type).as_numpy_dtype
@@ -411,7 +420,8 @@ def _shape_from_operands(graph_def, shape, product, graph, readers, nodes) -> No
     shape.attr["N"].i = 3
     shape.attr["T"].type = out_type
     shape.attr["Tidx"].type = i32
-    _fold_static_entries(shape.name, readers, nodes, known, np_type)
+    _fold_static_entries(shape.name, [r for r in readers if r.name not in excluded],
+                         nodes, known, np_type)
 
 
 def _fold_static_entries(shape, readers, nodes, known, np_type) -> None:
@@ -466,15 +476,16 @@ def masked_products(graph_def, ctx, scratch: bool = False) -> tuple[set, int, in
     else:
         trial = type(graph_def)()
         trial.CopyFrom(graph_def)
-    products = blas.batch_products(trial, ctx.fetched)
+    products = blas.batch_products(trial, ctx.fetched, ctx.excluded)
     if not products:
         return set(), 0, 0
     for p in products:
         p.attr[_ORIGIN].s = p.name.encode()
     blas.rewrite(trial, [(p, None) for p in products])
-    blas.fold_head_transposes(trial, ctx.fetched)
+    blas.fold_head_transposes(trial, ctx.pinned)
     fused: list = []
-    fuse(trial, ctx.fetched, lambda: ctx.shapes_of(trial), origins=fused)
+    fuse(trial, ctx.pinned, lambda: ctx.shapes_of(trial), origins=fused,
+         excluded=ctx.excluded.keys())
     chosen = {name for names, masked in fused if masked for name in names}
     return chosen, len(products), sum(1 for _, masked in fused if not masked)
 
@@ -498,8 +509,8 @@ def _take_masked_products(ctx) -> str | None:
         return (f"no product run by OpenBLAS: TF's GEMM here is oneDNN's{left} "
                 f"(tf/passes/attention.py)") if unmasked else None
     blas.rewrite(ctx.graph_def, [(p, None) for p in blas.batch_products(
-        ctx.graph_def, ctx.fetched) if p.name in chosen])
-    folded = blas.fold_head_transposes(ctx.graph_def, ctx.fetched)
+        ctx.graph_def, ctx.fetched, ctx.excluded) if p.name in chosen])
+    folded = blas.fold_head_transposes(ctx.graph_def, ctx.pinned)
     return (f"{len(chosen)} of {products} batch matrix product(s) run by OpenBLAS, "
             f"those of the masked attentions fused below ({folded} head transpose(s) "
             f"read or written in place); the other products stay oneDNN's{left} "
@@ -512,8 +523,10 @@ def _run(ctx):
     if which is None:
         return None                       # the blas pass says why, where it matters
     notes = [_take_masked_products(ctx)] if which == blas.ATTENTION else []
-    fused = fuse(ctx.graph_def, ctx.fetched, lambda: ctx.shapes_of(ctx.graph_def),
-                 ctx.folded)
+    # Options(exclude): an excluded node is an intermediate the op must not take, as a
+    # fetched one (an excluded softmax is no kernel, so it never matches)
+    fused = fuse(ctx.graph_def, ctx.pinned, lambda: ctx.shapes_of(ctx.graph_def),
+                 ctx.folded, excluded=ctx.excluded.keys())
     if fused:
         notes.append(f"{fused} attention(s) fused into StitchedAttention (product, "
                      f"softmax kernel and product: the scores kept per block of query "

@@ -68,12 +68,17 @@ def _static_shape(t):
     return None if s.rank is None else s.as_list()
 
 
-def fold(tf_graph, graph_def):
+def fold(tf_graph, graph_def, excluded=frozenset()):
     """A copy of ``graph_def`` with foldable BroadcastGradientArgs outputs read from
-    Const nodes, or None when none was foldable (or none had non-constant output)."""
+    Const nodes, or None when none was foldable (or none had non-constant output).
+    ``excluded`` (Options(exclude)): node names left as they are: such a
+    BroadcastGradientArgs is not folded (its readers would read Consts instead, and
+    it would run for nothing), nor one a Sum of those reads (its axes would change
+    from a node's to a Const)."""
     consts = {}
     for op in tf_graph.get_operations():
-        if op.type != "BroadcastGradientArgs":
+        if op.type != "BroadcastGradientArgs" or op.name in excluded or any(
+                c.name in excluded for o in op.outputs for c in o.consumers()):
             continue
         if all(tensor_util.constant_value(o) is not None for o in op.outputs):
             continue
@@ -117,7 +122,7 @@ def _const_node(name, values, dtype):
 
 
 def _run(ctx):
-    folded = fold(ctx.tf_graph, ctx.graph_def)
+    folded = fold(ctx.tf_graph, ctx.graph_def, ctx.excluded)
     if folded is not None:
         ctx.replace(folded)
 

@@ -145,7 +145,8 @@ def _run(ctx):
     from ...runtime import blas
     if not _eigen_machine():
         return None         # where TF's GEMM is oneDNN's: attention.py takes its products
-    pairs = [(p, _nhwc(b)) for p, b in xladot.candidates(ctx.graph_def, ctx.fetched)
+    pairs = [(p, _nhwc(b)) for p, b in xladot.candidates(ctx.graph_def, ctx.fetched,
+                                                         ctx.excluded)
              if p.op in OPS]
     if not pairs:
         return None
@@ -155,7 +156,7 @@ def _run(ctx):
                 f"(tf/passes/blas.py)")
     kinds = collections.Counter(p.op for p, _ in pairs)
     biased = rewrite(ctx.graph_def, pairs)
-    folded = fold_head_transposes(ctx.graph_def, ctx.fetched)
+    folded = fold_head_transposes(ctx.graph_def, ctx.pinned)   # excluded: not taken
     listed = ", ".join(f"{n} {op}" for op, n in sorted(kinds.items()))
     return (f"{len(pairs)} matrix product(s) run by OpenBLAS ({listed}; {biased} with "
             f"their BiasAdd; {folded} head transpose(s) read or written in place): TF's "
@@ -163,10 +164,10 @@ def _run(ctx):
             f"Options(blas_gemm=False) leaves them to TF)")
 
 
-def batch_products(graph_def, fetched) -> list:
+def batch_products(graph_def, fetched, excluded=frozenset()) -> list:
     """The BatchMatMul[V2] nodes of ``graph_def`` this pass could take (float32 or
-    float64, two operands)."""
-    return [p for p, _ in xladot.candidates(graph_def, fetched)
+    float64, two operands; none of ``excluded``, Options(exclude)'s)."""
+    return [p for p, _ in xladot.candidates(graph_def, fetched, excluded)
             if p.op in ("BatchMatMulV2", "BatchMatMul")]
 
 

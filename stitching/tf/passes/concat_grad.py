@@ -68,11 +68,14 @@ def constant_bounds(op):
     return b, [-1 if d is None else d for d in pieces[i]]
 
 
-def fold(tf_graph, graph_def):
-    """A new GraphDef with such Slices' bounds constant, or None if there is none."""
+def fold(tf_graph, graph_def, excluded=frozenset()):
+    """A new GraphDef with such Slices' bounds constant, or None if there is none.
+    ``excluded`` (Options(exclude)): node names left as they are, so neither such a
+    Slice nor one whose bounds such a node computes (it would go unread)."""
     todo = {}
     for op in tf_graph.get_operations():
-        if op.type == "Slice":
+        if op.type == "Slice" and op.name not in excluded and \
+                not any(t.op.name in excluded for t in op.inputs[1:]):
             found = constant_bounds(op)
             if found is not None:
                 todo[op.name] = found
@@ -94,7 +97,7 @@ def fold(tf_graph, graph_def):
 
 
 def _run(ctx):
-    new = fold(ctx.tf_graph, ctx.graph_def)
+    new = fold(ctx.tf_graph, ctx.graph_def, ctx.excluded)
     if new is not None:
         ctx.replace(new)
 

@@ -124,9 +124,9 @@ def _dims(ir_graph, conv) -> tuple | str:
     return x[1], x[2], x[3], f[3]
 
 
-def choose(graph_def, ir_graph) -> tuple:
+def choose(graph_def, ir_graph, excluded=frozenset()) -> tuple:
     """([(Conv2D node, (H, W, Cin, Cout))] to rewrite, Counter of the reasons the
-    other Conv2Ds stay TF's)."""
+    other Conv2Ds stay TF's); those of ``excluded`` (Options(exclude)) stay too."""
     readers = collections.Counter(i.lstrip("^").split(":")[0]
                                   for nd in graph_def.node for i in nd.input)
     bias_read = {nd.input[0].split(":")[0] for nd in graph_def.node
@@ -135,7 +135,7 @@ def choose(graph_def, ir_graph) -> tuple:
     for nd in graph_def.node:
         if nd.op != "Conv2D" or len([i for i in nd.input if not i.startswith("^")]) != 2:
             continue
-        why = _form(nd)
+        why = "excluded by Options(exclude)" if nd.name in excluded else _form(nd)
         dims = _dims(ir_graph, nd) if why is None else why
         why = dims if isinstance(dims, str) else decide(*dims)
         if why is None and nd.name in bias_read and readers[nd.name] == 1:
@@ -178,7 +178,7 @@ def _run(ctx):
         return None
     if blas.mode(ctx.options, ctx) != blas.ALL:
         return None            # a MatMul of TF's Eigen or oneDNN: nothing to gain
-    chosen, left = choose(ctx.graph_def, ctx.ir)
+    chosen, left = choose(ctx.graph_def, ctx.ir, ctx.excluded)
     rewrite(ctx.graph_def, chosen)
     kept = "; ".join(f"{n} {why}" for why, n in sorted(left.items()))
     return (f"{len(chosen)} 1x1 Conv2D(s) run as one matrix product each by OpenBLAS "

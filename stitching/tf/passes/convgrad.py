@@ -52,9 +52,11 @@ def _depths(graph_def) -> dict:
     return depth
 
 
-def chain(graph_def) -> int:
-    """Chain ``graph_def``'s filter gradients (in place); returns the edges added."""
-    grads = [n for n in graph_def.node if n.op in OPS]
+def chain(graph_def, excluded=frozenset()) -> int:
+    """Chain ``graph_def``'s filter gradients (in place); returns the edges added.
+    Those of ``excluded`` (Options(exclude)) get no edge and order none: they stay as
+    the graph has them."""
+    grads = [n for n in graph_def.node if n.op in OPS and n.name not in excluded]
     if len(grads) < 2:
         return 0
     depth = _depths(graph_def)
@@ -70,7 +72,7 @@ def chain(graph_def) -> int:
 
 def _run(ctx):
     from . import blas, inline
-    n = chain(ctx.graph_def) if blas._eigen_machine() and inline.traced_has_backward(ctx) \
+    n = chain(ctx.graph_def, ctx.excluded) if blas._eigen_machine() and inline.traced_has_backward(ctx) \
         else 0
     return None if not n else (
         f"{n + 1} convolution filter gradients (Eigen's, each with an im2col buffer "

@@ -343,7 +343,9 @@ class _Builder:
 
 
 def _run(ctx):
-    todo = candidates(ctx.graph_def, ctx.ir)
+    # Options(exclude): an excluded Einsum stays TF's
+    todo = {n: p for n, p in candidates(ctx.graph_def, ctx.ir).items()
+            if n not in ctx.excluded}
     if not todo:
         return None
     which = blas.mode(ctx.options, ctx)

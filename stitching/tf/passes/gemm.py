@@ -40,11 +40,13 @@ BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2")
 _FLOATS = {types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
 
 
-def candidates(graph_def, ir_graph) -> dict:
-    """node name -> (K, N) of each BatchMatMul this pass rewrites."""
+def candidates(graph_def, ir_graph, excluded=frozenset()) -> dict:
+    """node name -> (K, N) of each BatchMatMul this pass rewrites.  ``excluded``
+    (Options(exclude)): node names left as they are: such a BatchMatMul, and such a
+    bias Add (the product is rewritten, the Add stays TF's Add)."""
     out = {}
     for nd in graph_def.node:
-        if nd.op not in BATCH_MATMULS or nd.name not in ir_graph:
+        if nd.op not in BATCH_MATMULS or nd.name not in ir_graph or nd.name in excluded:
             continue
         if _flag(nd, "adj_x") or "T" not in nd.attr or nd.attr["T"].type not in _FLOATS:
             continue
@@ -59,7 +61,7 @@ def candidates(graph_def, ir_graph) -> dict:
         if x.shape[-1] not in (-1, k):
             continue
         out[nd.name] = (k, n, _static_lead(x.shape), None)
-    _find_biases(graph_def, ir_graph, out)
+    _find_biases(graph_def, ir_graph, out, excluded)
     return out
 
 
@@ -70,7 +72,7 @@ def _static_lead(shape) -> list | None:
     return None if sum(d < 0 for d in lead) > 1 else lead
 
 
-def _find_biases(graph_def, ir_graph, todo) -> None:
+def _find_biases(graph_def, ir_graph, todo, excluded=frozenset()) -> None:
     """For each candidate whose one consumer is a Reshape whose one consumer is an
     ``Add``/``AddV2`` of a static bias over its trailing dims with n elements in all
     (Keras's EinsumDense: [B, T, N*H] -> [B, T, N, H] + bias[N, H]), record the Add:
@@ -87,7 +89,8 @@ def _find_biases(graph_def, ir_graph, todo) -> None:
         if reshape is None or reshape.op != "Reshape":
             continue
         add = _only_user(users, reshape.name)
-        if add is None or add.op not in ("Add", "AddV2") or add.name not in ir_graph:
+        if add is None or add.op not in ("Add", "AddV2") or add.name not in ir_graph \
+                or add.name in excluded:
             continue
         node = ir_graph[add.name]
         if len(node.inputs) != 2 or node.inputs[0].node != reshape.name:
@@ -204,7 +207,7 @@ def _type(t):
 
 
 def _run(ctx):
-    todo = candidates(ctx.graph_def, ctx.ir)
+    todo = candidates(ctx.graph_def, ctx.ir, ctx.excluded)
     if not todo:
         return None
     rewrite(ctx.graph_def, todo)          # the rewrite's own copy

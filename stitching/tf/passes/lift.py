@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .. import frontend
 from ..passmanager import Pass
+from . import exclude
 
 
 def _run(ctx):
@@ -18,6 +19,16 @@ def _run(ctx):
         for node in ctx.ir:
             if node.op == "DepthwiseConv2D":
                 node.attrs["unfusible"] = "Options(depthwise=False): left to TF"
+    if ctx.options.exclude:
+        # Matched again on the graph lifted, so the nodes the passes since the exclude
+        # pass made (a strided gradient's Pad, a sparse xent's ops) are covered too.
+        # The exclude pass's matches stay listed: one a pass failed to keep is then
+        # missing, which Options(verify=True) reports.  The user's reason wins over
+        # any other the frontend gave: it is the one they asked about.
+        exclude.rematch(ctx)
+        for name, why in ctx.excluded.items():
+            if name in ctx.ir.nodes:
+                ctx.ir[name].attrs["unfusible"] = why
 
 
 PASS = Pass("lift", _run)

@@ -338,9 +338,11 @@ def use_backward_stitcher(make):
 # place to write files) is honoured only for JSON this process wrote.
 OPTIONS_ATTR = "_stitching_options"
 _NOT_INHERITED = ("background_compile",)
-# Fields added after graphs carrying this attr were written: left out while unset, so
-# a graph stitched with default Options is the same bytes as before they existed.
-_OMITTED_AT_DEFAULT = ("dump_passes",)
+# Fields added after graphs carrying this attr were written: left out at their default,
+# so a graph stitched with default Options is the same bytes as before they existed.
+# exclude (a list in JSON) is inherited: the ops a user keeps TF's stay TF's in the
+# stitched backward too (its gradient ops of that type, names under that pattern).
+_OMITTED_AT_DEFAULT = {"dump_passes": None, "exclude": ()}
 _WRITTEN: set = set()           # option strings recorded by this process
 
 
@@ -350,8 +352,8 @@ def options_attr(options) -> bytes:
          if f.name not in _NOT_INHERITED}
     if d.get("dump_dir") is not None:
         d["dump_dir"] = str(d["dump_dir"])
-    for name in _OMITTED_AT_DEFAULT:
-        if d.get(name) is None:
+    for name, default in _OMITTED_AT_DEFAULT.items():
+        if d.get(name) == default:
             del d[name]
     s = json.dumps(d, sort_keys=True).encode()
     _WRITTEN.add(s)
@@ -373,7 +375,8 @@ def backward_options(op):
             raise ValueError("not an object")
         names = {f.name for f in dataclasses.fields(Options)} - set(_NOT_INHERITED)
         kw = {k: v for k, v in d.items() if k in names
-              and (v is None or isinstance(v, (str, int, bool)))}
+              and (v is None or isinstance(v, (str, int, bool))
+                   or k == "exclude" and isinstance(v, list))}   # Options checks each entry
         if raw not in _WRITTEN:
             kw.pop("dump_dir", None)
             kw.pop("dump_passes", None)

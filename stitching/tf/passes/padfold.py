@@ -88,10 +88,13 @@ def _attr_s(nd, key: str, default: bytes) -> bytes:
     return nd.attr[key].s if key in nd.attr else default
 
 
-def candidates(graph_def, keep: set, bias_fused: bool = True) -> dict:
+def candidates(graph_def, keep: set, bias_fused: bool = True,
+               excluded=frozenset()) -> dict:
     """conv node name -> (Pad node name, [top, bottom, left, right]).  ``keep``: node
     names fetched or kept (their Pad is never folded); ``bias_fused``: whether TF's
-    remapper fuses a bias into a depthwise convolution (oneDNN's)."""
+    remapper fuses a bias into a depthwise convolution (oneDNN's); ``excluded``
+    (Options(exclude)): node names left as they are, so neither such a Pad (it would
+    go) nor such a convolution (its padding would change) takes part."""
     by_name = {nd.name: nd for nd in graph_def.node}
     readers: dict = {}
     for nd in graph_def.node:
@@ -99,7 +102,7 @@ def candidates(graph_def, keep: set, bias_fused: bool = True) -> dict:
             readers.setdefault(_node_name(i), []).append(nd.name)
     out = {}
     for nd in graph_def.node:
-        if nd.op not in CONVS or not nd.input:
+        if nd.op not in CONVS or not nd.input or nd.name in excluded:
             continue
         if bias_fused and any(by_name[r].op in _BIAS_ADDS
                               for r in readers.get(nd.name, ())):
@@ -111,6 +114,7 @@ def candidates(graph_def, keep: set, bias_fused: bool = True) -> dict:
         pad = by_name.get(_node_name(src))
         if pad is None or pad.op not in PADS or src.startswith("^") \
                 or src.split(":")[-1] not in (src, "0") or pad.name in keep \
+                or pad.name in excluded \
                 or readers.get(pad.name) != [nd.name]:
             continue
         p = _paddings(by_name, pad)
@@ -138,7 +142,7 @@ def _run(ctx):
     (DepthwiseConv2D, ir/ops.py) then reads the Pad's input through its window, and one
     left to TF runs with the padding inside it; either way no Pad is left to run."""
     bias_fused = "DepthwiseConv2dNative" in remapper.table(profiles.default()).convs
-    found = candidates(ctx.graph_def, ctx.fetched, bias_fused)
+    found = candidates(ctx.graph_def, ctx.fetched, bias_fused, ctx.excluded)
     if not found:
         return None
     graph_def = copy.deepcopy(ctx.graph_def)

@@ -134,10 +134,13 @@ def merge_constants(graph_def, roots) -> int:
 
 
 def _run(ctx):
-    # after the folds: the shape ops they left unread go too
-    bypass_inlined_identities(ctx.graph_def, ctx.roots)
-    merge_constants(ctx.graph_def, ctx.roots)
-    dead_nodes(ctx.graph_def, ctx.roots)            # what only regions read
+    # after the folds: the shape ops they left unread go too.  Options(exclude)'s
+    # nodes are roots here: none is forwarded, merged or dropped (the passes before
+    # leave none unread; this keeps one such pass from dropping it silently)
+    roots = ctx.roots + sorted(ctx.excluded)
+    bypass_inlined_identities(ctx.graph_def, roots)
+    merge_constants(ctx.graph_def, roots)
+    dead_nodes(ctx.graph_def, roots)                # what only regions read
 
 
 PASS = Pass("prune", _run)

@@ -42,14 +42,16 @@ def mark(ir, profile) -> int:
     return epilogue.mark(ir, remapper)
 
 
-def forward_identities(graph_def, ir, fused: set) -> int:
+def forward_identities(graph_def, ir, fused: set, excluded=frozenset()) -> int:
     """In the rewritten ``graph_def`` (in place), the Sigmoid of a swish epilogue left to
     TF reads the BiasAdd directly instead of through an Identity: Grappler anchors the
     Identity it folds ``1 * x`` into to the constant by a control edge, and with it the
     remapper runs the swish as an op of its own (_MklSwish) instead of in the
     convolution.  epilogue.py takes only Identities whose control inputs are constants,
-    which order nothing.  Returns how many were forwarded (prune drops them)."""
-    ids = {n for n in epilogue.left_to_tf(ir, fused) if ir[n].op == "Identity"}
+    which order nothing.  Those of ``excluded`` (Options(exclude)) stay.  Returns how
+    many were forwarded (prune drops them)."""
+    ids = {n for n in epilogue.left_to_tf(ir, fused) if ir[n].op == "Identity"
+           and n not in excluded}
     if not ids:
         return 0
     by_name = {n.name: n for n in graph_def.node}
@@ -73,7 +75,8 @@ def _mark(ctx):
 
 
 def _forward(ctx):
-    forward_identities(ctx.graph_def, ctx.ir, {m for r in ctx.regions for m in r.nodes})
+    forward_identities(ctx.graph_def, ctx.ir, {m for r in ctx.regions for m in r.nodes},
+                       ctx.excluded)
 
 
 MARK = Pass("remapper", _mark)                         # before planning, on the IR

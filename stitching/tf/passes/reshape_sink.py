@@ -92,13 +92,16 @@ def sunk(op):
     return r.inputs[0], new_perm, target
 
 
-def sink(tf_graph, graph_def):
+def sink(tf_graph, graph_def, excluded=frozenset()):
     """A new GraphDef with every such Transpose rewritten, or None if there is none.
     The Transpose's node keeps its name (its consumers and fetches still resolve) and
-    becomes the Reshape; the Transpose is ``<name>/sunk``."""
+    becomes the Reshape; the Transpose is ``<name>/sunk``.  ``excluded``
+    (Options(exclude)): node names left as they are: neither such a Transpose nor one
+    of such a Reshape (which the rewrite would leave unread, and drop) moves."""
     todo = {}
     for op in tf_graph.get_operations():
-        if op.type == "Transpose" and len(op.inputs) == 2:
+        if op.type == "Transpose" and len(op.inputs) == 2 and op.name not in excluded \
+                and op.inputs[0].op.name not in excluded:
             found = sunk(op)
             if found is not None:
                 todo[op.name] = found
@@ -137,7 +140,7 @@ def sink(tf_graph, graph_def):
 
 
 def _run(ctx):
-    new = sink(ctx.tf_graph, ctx.graph_def)
+    new = sink(ctx.tf_graph, ctx.graph_def, ctx.excluded)
     if new is not None:
         ctx.replace(new)
 

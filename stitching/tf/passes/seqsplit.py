@@ -344,8 +344,10 @@ def _descendants(tf_graph, roots) -> set:
     return out
 
 
-def find(tf_graph, fetched: set, l2: int) -> list:
-    """The blocks to split: (block, outputs) in topological order, disjoint."""
+def find(tf_graph, fetched: set, l2: int, excluded=frozenset()) -> list:
+    """The blocks to split: (block, outputs) in topological order, disjoint.  A block
+    holding a node of ``excluded`` (Options(exclude): left as it is) is not split: its
+    halves would replace the node by two copies."""
     taken: set = set()
     blocks = []
     for op in tf_graph.get_operations():
@@ -355,7 +357,7 @@ def find(tf_graph, fetched: set, l2: int) -> list:
         if x is None:
             continue
         b = _grow(x, _static(x)[1], _descendants(tf_graph, [x.op]), l2)
-        if b is None or any(o.name in taken for o in b.ops):
+        if b is None or any(o.name in taken or o.name in excluded for o in b.ops):
             continue
         outs = _outputs(b, fetched)
         if outs is None or _reenters(b, outs):
@@ -501,7 +503,7 @@ def _run(ctx):
     if prof.backend != "cpu" or not remapper.onednn(prof):
         return None          # the one-thread rule is oneDNN's (the module's docstring)
     l2 = prof.caches.get("l2", 0)
-    blocks = find(ctx.tf_graph, ctx.fetched, l2)
+    blocks = find(ctx.tf_graph, ctx.fetched, l2, ctx.excluded)
     if not blocks:
         return None
     new = rewrite(ctx.graph_def, blocks)

@@ -43,17 +43,22 @@ _MAX_DEPTH = 16            # arbitrary: shape arithmetic chains are a few ops de
 Unfoldable = NotEvaluable
 
 
-def fold_reshapes(graph_def, original_def, ir_graph) -> int:
+def fold_reshapes(graph_def, original_def, ir_graph, excluded=frozenset()) -> int:
     """Replace, in ``graph_def`` (the rewritten graph, in place), the shape input of each
     Reshape whose target is known but for one entry by a constant; ``original_def`` and
     ``ir_graph``: the graph the IR was built from and the IR (static shapes of the
-    tensors a ``Shape`` reads).  Returns the number of Reshapes folded."""
-    nodes = {nd.name: nd for nd in graph_def.node}
+    tensors a ``Shape`` reads).  ``excluded`` (Options(exclude)): node names left as
+    they are: such a Reshape keeps its target, and a target computed through such a
+    node stays computed by it (folded, it would go unread).  Returns the number of
+    Reshapes folded."""
+    # an excluded node is not there for the evaluator: what reads it is Unfoldable
+    nodes = {nd.name: nd for nd in graph_def.node if nd.name not in excluded}
     before = {nd.name: nd for nd in original_def.node}
     folded = 0
     memo: dict = {}            # ValueRef -> refined dims (_refined), shared by the Reshapes
     for nd in list(graph_def.node):
-        if nd.op != "Reshape" or len([i for i in nd.input if not i.startswith("^")]) != 2:
+        if nd.op != "Reshape" or len([i for i in nd.input if not i.startswith("^")]) != 2 \
+                or nd.name in excluded:
             continue
         src = nd.input[1]
         if nodes.get(src.split(":")[0]) is None or nodes[src.split(":")[0]].op == "Const":
@@ -237,8 +242,8 @@ def _run(ctx):
     any other shape arithmetic nothing reads: reshape_sink.py drops Reshapes)."""
     graph_def = type(ctx.graph_def)()
     graph_def.CopyFrom(ctx.graph_def)
-    folded = fold_reshapes(graph_def, ctx.planned, ctx.ir)
-    dead = _dead_shape_math(graph_def, ctx.shape_math, ctx.fetched)
+    folded = fold_reshapes(graph_def, ctx.planned, ctx.ir, ctx.excluded)
+    dead = _dead_shape_math(graph_def, ctx.shape_math, ctx.pinned)   # excluded: kept
     if not folded and not dead:
         return None
     drop_nodes(graph_def, dead)

@@ -45,10 +45,20 @@ OP = "SparseSoftmaxCrossEntropyWithLogits"
 MAX_CLASSES = 1 << 20      # arbitrary: the iota constant stays small
 
 
-def expand(tf_graph, graph_def):
-    """A copy of ``graph_def`` with each rewritable sparse xent expanded, or None."""
-    todo = {op.name: op for op in tf_graph.get_operations() if op.type == OP
-            and (_rewritable(op) or _rows_of(op))}
+def expand(tf_graph, graph_def, excluded=frozenset()):
+    """A copy of ``graph_def`` with each rewritable sparse xent expanded, or None.
+    ``excluded`` (Options(exclude)): node names left as they are: such an op stays
+    TF's, and a sequence's loss whose row Reshapes are such nodes (the loss at the
+    sequence's rank would leave them unread) is computed on the rows they make."""
+    todo = {}
+    for op in tf_graph.get_operations():
+        if op.type != OP or op.name in excluded:
+            continue
+        rows = _rows_of(op)
+        if rows is not None and any(op.inputs[k].op.name in excluded for k in (0, 1)):
+            rows = None
+        if _rewritable(op) or rows is not None:
+            todo[op.name] = (op, rows)
     if not todo:
         return None
     return tfgraph.expand_nodes(graph_def, todo, _expand)
@@ -139,15 +149,16 @@ def _builders(nd, taken):
     return node, const
 
 
-def _expand(nd, op, taken) -> list:
+def _expand(nd, entry, taken) -> list:
     """The loss of logits [..., C] against labels [...] at their own rank, in the ops of
     TF's sparse kernel (sparse_xent_op.h: loss = log(sum(exp(s))) - s[label] as a sum
     of that one term and zeros, backprop = exp(s) / sum(exp(s)) - onehot); a
     sequence's rows (_rows_of) are reshaped to rows afterwards: what reads the rows of
     a slice (``logits[:, :-1]``) then fuses with it, where TF's Reshape to rows merges
     dims no view can.  The range check: a Gather of zeros by the labels, added to the
-    loss and the one-hot.  The backprop is computed only where something reads it."""
-    got = _rows_of(op)
+    loss and the one-hot.  The backprop is computed only where something reads it.
+    ``entry``: (the op, its sequence's (logits, labels) or None: ``expand``)."""
+    op, got = entry
     if got is None:                       # logits [B, C] as the op reads them
         got = op.inputs[0], op.inputs[1]
     logits, labels = (_name(x) for x in got)
@@ -193,10 +204,11 @@ def _name(t) -> str:
 
 
 def _run(ctx):
-    expanded = expand(ctx.tf_graph, ctx.graph_def)
+    expanded = expand(ctx.tf_graph, ctx.graph_def, ctx.excluded)
     if expanded is not None:     # readers read the loss and backprop, not the IdentityN
-        #                          (a no-op node between the xent and its readers' kernel)
-        ctx.replace(grappler.bypass_identity_n(expanded, ctx.fetched))
+        #                          (a no-op node between the xent and its readers' kernel);
+        #                          an excluded IdentityN is kept as a fetched one is
+        ctx.replace(grappler.bypass_identity_n(expanded, ctx.pinned))
 
 
 PASS = Pass("sparse_xent", _run)

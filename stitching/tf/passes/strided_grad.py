@@ -37,11 +37,15 @@ from .. import dim_sources, tfgraph
 from ..passmanager import Pass
 
 
-def rewrite(tf_graph, graph_def):
-    """A copy of ``graph_def`` with each strided StridedSliceGrad expanded, or None."""
+def rewrite(tf_graph, graph_def, excluded=frozenset()):
+    """A copy of ``graph_def`` with each strided StridedSliceGrad expanded, or None.
+    ``excluded`` (Options(exclude)): node names left as they are: such a
+    StridedSliceGrad, or one whose Shape input is such a node (the rewrite drops it),
+    stays TF's."""
     todo = {}
     for op in tf_graph.get_operations():
-        if op.type == "StridedSliceGrad":
+        if op.type == "StridedSliceGrad" and op.name not in excluded and \
+                op.inputs[0].op.name not in excluded:
             placement = _placement(op)
             if placement is not None:
                 todo[op.name] = placement
@@ -139,7 +143,7 @@ def _expand(nd, placement, taken) -> list:
 def _run(ctx):
     if profiles.default().backend != "cpu":
         return      # the CUDA emitter folds no layout op (no Pad): TF's one op is better
-    new = rewrite(ctx.tf_graph, ctx.graph_def)
+    new = rewrite(ctx.tf_graph, ctx.graph_def, ctx.excluded)
     if new is not None:
         ctx.replace(new)
 

@@ -60,8 +60,8 @@ def _check_clamps(ir) -> None:
     for node in ir:
         if node.op == "SliceTo" and node.attrs.get("clamps"):
             why = _clamp_reason(ir, node, readers[node.name])
-            if why:
-                node.attrs["unfusible"] = why
+            if why:     # (a reason it has already, Options(exclude)'s, stays)
+                node.attrs.setdefault("unfusible", why)
 
 
 def _clamp_reason(ir, node, readers) -> str | None:

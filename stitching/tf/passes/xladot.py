@@ -63,8 +63,11 @@ _PRODUCT_ATTRS = {"MatMul": ("transpose_a", "transpose_b"),
 _OUTPUT_ARG = {"MatMul": "product", "BatchMatMulV2": "output", "BatchMatMul": "output"}
 
 
-def candidates(graph_def, fetched) -> list:
-    """[(product node, BiasAdd node or None)] of every product this pass replaces."""
+def candidates(graph_def, fetched, excluded=frozenset()) -> list:
+    """[(product node, BiasAdd node or None)] of every product this pass replaces (the
+    blas pass's too).  ``excluded`` (Options(exclude)): node names left as they are:
+    such a product is not replaced, and such a BiasAdd is not taken into its
+    product's op (the product is replaced, the BiasAdd stays TF's)."""
     consumers: dict = {}
     for nd in graph_def.node:
         for i in nd.input:
@@ -72,9 +75,11 @@ def candidates(graph_def, fetched) -> list:
     out = []
     for nd in graph_def.node:
         if nd.op not in PRODUCTS or "T" not in nd.attr or nd.attr["T"].type not in _DTYPES or \
-                len([i for i in nd.input if not i.startswith("^")]) != 2:
+                len([i for i in nd.input if not i.startswith("^")]) != 2 or \
+                nd.name in excluded:
             continue
-        out.append((nd, _bias_of(nd, consumers.get(nd.name, []), fetched)))
+        bias = _bias_of(nd, consumers.get(nd.name, []), fetched)
+        out.append((nd, None if bias is not None and bias.name in excluded else bias))
     return out
 
 
@@ -235,7 +240,7 @@ def _run(ctx):
     prof = profiles.default()
     if prof.backend != "cpu" or remapper.onednn(prof):
         return None          # measured against Eigen's GEMM only (the module's docstring)
-    pairs = candidates(ctx.graph_def, ctx.fetched)
+    pairs = candidates(ctx.graph_def, ctx.fetched, ctx.excluded)
     if not pairs:
         return None
     shared = len(rewrite(ctx.graph_def, pairs))
