@@ -117,6 +117,8 @@ class Options:
             rewrites it, and the report lists it as not fused with the entry that
             matched; an entry that matches nothing gets a note in the report.  A
             ``str`` is one entry; a list becomes a tuple (default ``()``: none).
+            ``$STITCHING_EXCLUDE`` (comma-separated entries) adds to it in every
+            Options the process makes.
 
     Raises:
         TypeError: a field of the wrong type (``Options(background_compile="no")``).
@@ -155,6 +157,11 @@ class Options:
             object.__setattr__(self, "exclude", (self.exclude,))
         elif isinstance(self.exclude, list):
             object.__setattr__(self, "exclude", tuple(self.exclude))
+        extra = [e.strip() for e in os.environ.get(EXCLUDE_ENV, "").split(",") if e.strip()]
+        if extra and isinstance(self.exclude, tuple):
+            # $STITCHING_EXCLUDE: entries for every Options the process makes, as
+            # TF-TRT's TF_TRT_OP_DENYLIST (a bisect without a code change); once each
+            object.__setattr__(self, "exclude", tuple(dict.fromkeys(self.exclude + tuple(extra))))
         for f in dataclasses.fields(self):
             _check(f.name, f.type, getattr(self, f.name))
 
@@ -207,6 +214,7 @@ def _check(name: str, annotation: str, value) -> None:
                             f"got {type(value).__name__}")
 
 
+EXCLUDE_ENV = "STITCHING_EXCLUDE"
 BACKGROUND_ENV = "STITCHING_BACKGROUND_COMPILE"
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")

@@ -271,3 +271,17 @@ def test_an_op_a_pass_made_is_excluded_too_and_its_entry_gets_no_note():
     x = RNG.standard_normal((3, 16)).astype(np.float32)
     np.testing.assert_allclose(f(x).numpy(), tf.function(_strided_slice_grad)(x).numpy(),
                                rtol=2e-6)
+
+
+def test_the_environment_adds_entries_to_every_options(monkeypatch):
+    """$STITCHING_EXCLUDE (comma-separated, as TF-TRT's TF_TRT_OP_DENYLIST) adds its
+    entries to every Options made: a bisect of a Keras model or a server needs no code
+    change.  Each entry once, the user's first."""
+    from stitching.options import Options
+    monkeypatch.setenv("STITCHING_EXCLUDE", " Softmax, mlp/* ,,")
+    assert Options().exclude == ("Softmax", "mlp/*")
+    assert Options(exclude=["Erf", "Softmax"]).exclude == ("Erf", "Softmax", "mlp/*")
+    import dataclasses
+    assert dataclasses.replace(Options(), min_ops=3).exclude == ("Softmax", "mlp/*")
+    monkeypatch.delenv("STITCHING_EXCLUDE")
+    assert Options().exclude == ()
