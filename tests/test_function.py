@@ -375,6 +375,26 @@ def test_a_tiered_signature_traces_the_python_function_as_often_as_tf_function(t
         assert len(traces) == len(stock_traces) == 1 + make_vars, make_vars
 
 
+def test_a_tiered_signature_of_unknown_rank_reuses_stock_tfs_trace_too(tiered):
+    """An input_signature of unknown rank: stock TF's trace has inputs of unknown rank,
+    which the stitched trace's specs match (their shapes have no dims to compare), so
+    it is reused and the function traced once (nothing of unknown rank fuses: the
+    report says why; the stitched graph switches in all the same)."""
+    traced = []
+
+    def fn(x):
+        traced.append(1)
+        return tf.nn.softmax(x * 2.0) + 1.0
+    f = stitching.function(fn, input_signature=[tf.TensorSpec(None, tf.float32)])
+    x = tf.constant(np.random.default_rng(6).standard_normal((4, 16)).astype(np.float32))
+    first = f(x).numpy()
+    assert f.wait(timeout=300) and not f.background_errors, f.background_errors
+    np.testing.assert_allclose(f(x).numpy(), first, rtol=2e-6, atol=2e-6)
+    assert "stitched from call 2" in f.report.tiering
+    assert all("unknown rank" in why for _, _, why in f.report.unfused), f.report.unfused
+    assert len(traced) == 1
+
+
 def test_seeded_random_numbers_run_on_across_calls_as_in_tf_function(tiered, capsys):
     """Each seeded stateful random op draws from its own generator, which starts at
     its seed: switching a tiered signature to the stitched graph after its stock

@@ -799,9 +799,10 @@ def _reused_trace(owner, specs):
         return None
     _REUSE.trace = None
     cf = held[1]
-    inputs = cf.inputs[:len(cf.inputs) - len(cf.captured_inputs)]
+    inputs = cf.inputs[:_n_arguments(cf)]
     if len(inputs) != len(specs) or any(
-            t.dtype != s.dtype or t.shape.as_list() != s.shape.as_list()
+            t.dtype != s.dtype or t.shape.rank != s.shape.rank or (
+                t.shape.rank is not None and t.shape.as_list() != s.shape.as_list())
             for t, s in zip(inputs, specs)):
         return None
     # the variables the user's function read, as its trace here would have marked
@@ -989,9 +990,7 @@ def _input_map(cf, args, outer, graph_def):
     An entry for a placeholder the rewritten graph no longer holds is left out:
     import_graph_def refuses a map entry for a node that is not there."""
     captures = cf.graph.function_captures
-    n_by_val = len(captures.by_val_capture_tuples)
-    n_args = len(cf.inputs) - n_by_val - len(
-        tf.nest.flatten(list(captures.by_ref_internal.values()), expand_composites=True))
+    n_args = _n_arguments(cf)
     if n_args != len(args):
         raise RuntimeError(
             f"stitching.function: the traced function has {len(cf.inputs)} inputs but "
@@ -1014,6 +1013,15 @@ def _input_map(cf, args, outer, graph_def):
                                      expand_composites=True))
     present = {n.name for n in graph_def.node}
     return {ph.name: v for ph, v in pairs if ph.op.name in present}
+
+
+def _n_arguments(cf) -> int:
+    """How many of a ConcreteFunction's inputs are its arguments: the rest are its
+    captures, by value and by reference (counted, never evaluated: a by-reference
+    capture is a closure called at each call)."""
+    captures = cf.graph.function_captures
+    return len(cf.inputs) - len(captures.by_val_capture_tuples) - len(
+        tf.nest.flatten(list(captures.by_ref_internal.values()), expand_composites=True))
 
 
 _BACKWARDS: dict = {}            # (region function, outputs differentiated) -> function
