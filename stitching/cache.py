@@ -50,8 +50,7 @@ def _libraries_in_use() -> set:
     from .runtime import build
     names = {build.library_path().name}
     try:
-        names.add(build.library_path(build.BLAS_SOURCES, build.BLAS_PREFIX,
-                                     build.blas_flags()).name)
+        names.add(build.blas_library_path().name)
     except ImportError:       # no OpenBLAS wheel: no library of that kind is ours
         pass
     return {n[:-len(".so")] for n in names}

@@ -207,7 +207,17 @@ def blas_flags() -> tuple:
 def build_blas(force: bool = False) -> Path:
     """The OpenBLAS product ops' library, built first if not cached (ImportError
     without the wheel, BuildError if it does not build)."""
-    return build(force, BLAS_SOURCES, BLAS_PREFIX, blas_flags())
+    return build(force, *_blas_args())
+
+
+def blas_library_path() -> Path:
+    """Where the OpenBLAS ops' library for this TF and wheel lives, built or not
+    (ImportError without the wheel)."""
+    return library_path(*_blas_args())
+
+
+def _blas_args() -> tuple:
+    return BLAS_SOURCES, BLAS_PREFIX, blas_flags()
 
 
 def _whole(path: Path) -> bool:
