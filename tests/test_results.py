@@ -94,6 +94,78 @@ def test_the_key_reads_custom_gradient_ids_by_order_and_a_hit_renames_them():
     assert results._gradient_names(renamed) == names_b
 
 
+def _nested_step():
+    """A step calling two tf.functions, made anew: their library names are new uids."""
+    g = tf.function(lambda x: tf.nn.relu(x) * 3.0)
+    h = tf.function(lambda x: tf.tanh(x) - 1.0)
+    return lambda x: tf.nn.softmax(g(x * 2.0), axis=-1) + h(x)
+
+
+def test_the_key_reads_library_function_names_by_order():
+    """A tf.function the step calls is named ``__inference_<name>_<uid>``, numbered over
+    the process: the same step traced after other functions (another process, another
+    order) differs only there, and gets one key."""
+    def traced():
+        return tf.function(_nested_step()).get_concrete_function(
+            tf.TensorSpec([7, 36], tf.float32)).graph.as_graph_def()
+    a, b = traced(), traced()
+    fns_a, fns_b = results._function_names(a), results._function_names(b)
+    assert len(fns_a) == 2 and not set(fns_a) & set(fns_b)
+    opts = stitching.Options()
+    key = lambda g: results.key(g, ["y:0"], [], opts, {}, True, frozenset())  # noqa: E731
+    assert key(a) == key(b)
+    other = tf.function(lambda x: tf.nn.softmax(tf.function(lambda y: y * 3.0)(x * 2.0))
+                        + tf.function(lambda y: tf.tanh(y) - 1.0)(x))
+    c = other.get_concrete_function(tf.TensorSpec([7, 36], tf.float32)).graph.as_graph_def()
+    assert key(c) != key(a), "a function of other contents must not share the key"
+
+
+def test_a_step_calling_tf_functions_is_reused_whoever_traced_first(monkeypatch):
+    """The stitched result of a step that calls tf.functions is taken from the cache by
+    a trace whose functions have other names (made later: new uids), with stock TF's
+    numbers."""
+    first = stitching.function(_nested_step())
+    ref = first(X).numpy()
+    first.wait()
+    assert REUSED not in " ".join(first.report.notes) and _result_files()
+
+    def refuse(*a, **k):
+        raise AssertionError("the pipeline ran: the result cache missed")
+    monkeypatch.setattr(pipeline, "stitch_graph_def", refuse)
+    again = stitching.function(_nested_step())
+    again(X)
+    again.wait()
+    assert REUSED in " ".join(again.report.notes)
+    np.testing.assert_allclose(again(X).numpy(), ref, rtol=0, atol=0)
+
+
+def test_a_hit_renames_the_functions_the_stored_graph_calls_to_this_traces():
+    """A while loop's body is a library function named by a process-wide uid, and the
+    stitched graph still calls it: a hit names this trace's functions, never the stored
+    ones (in another process that name may be another function, or none)."""
+    def step(x):
+        def body(i, h):
+            return i + 1, tf.tanh(h * 0.9 + 0.1) * tf.sigmoid(h)
+        return tf.nn.softmax(tf.while_loop(lambda i, h: i < 3, body, (0, x))[1])
+    first = stitching.function(step)
+    first(X)
+    first.wait()
+    assert REUSED not in " ".join(first.report.notes)
+
+    traced = tf.function(step).get_concrete_function(X).graph.as_graph_def()
+    stored = _result_files()
+    assert len(stored) == 1
+    doc = json.loads(stored[0].read_text())
+    fns = results._function_names(traced)
+    assert len(doc["functions"]) == len(fns) and not set(doc["functions"]) & set(fns)
+    hit = results.probe(stored[0].stem, traced)
+    assert hit is not None
+    called = {ref.name for n in results._nodes(hit.graph_def)
+              for ref in results._func_refs(n.attr.values())}
+    assert called & set(fns), "the stitched graph calls none of this trace's functions"
+    assert not called & set(doc["functions"]), "a stored name is still called"
+
+
 def test_a_result_whose_kernel_code_left_the_cache_is_a_miss(monkeypatch):
     """A new process registers a stored result's kernels from the compile cache: where
     a kernel's code is not there (evicted, another toolchain), the result is a miss."""

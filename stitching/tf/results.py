@@ -24,12 +24,18 @@ as before (and stores the new result).
 The key's salt hashes every source file of the package (its size and modification
 time) and TF's version (Grappler's output is part of the result): another stitching
 or TF never reads an old result.
-One thing in a traced graph is a process's, not the program's: ``tf.custom_gradient``
-names each gradient it registers ``CustomGradient-<uid>`` (Keras's Adam traces one),
-counted over the process, so the same step traced in two processes, or twice in one,
-differs there.  The key reads those names as their order of first appearance, and a
-hit renames them in the stored graph to the ones this trace registered (a gradient
-taken through the graph later finds this process's function).
+Two things in a traced graph are a process's, not the program's, numbered by
+counters over the process, so the same step traced in two processes (or twice in one,
+or after other functions) differs there:
+- ``tf.custom_gradient`` names each gradient it registers ``CustomGradient-<uid>``
+  (Keras's Adam traces one);
+- the library's functions: a ``tf.function`` the step calls is ``__inference_g_<uid>``,
+  a while loop's body ``while_body_<uid>``, and so on.
+The key reads both kinds of names as their order of first appearance (``_canonical``),
+and a hit renames them in the stored graph to the ones this trace has: a gradient taken
+through the graph later finds this process's function, and a function the stitched
+graph still calls is this process's (of the same contents: the key read them), never
+another one that happens to have the stored name here.
 Results with a kernel that failed to build are not stored (the failure may be
 transient: a compile limit, a killed worker), nor are calls that dump (a dump is
 written by the pipeline's run).
@@ -55,7 +61,7 @@ import tensorflow as tf
 from .. import cachedir
 from ..report import KernelInfo, Report
 
-FORMAT = 1
+FORMAT = 2
 MAX_RESULT_BYTES = 256 << 20     # arbitrary: read as a file, never more (cachedir.read_file)
 _SALT = None
 
@@ -103,10 +109,7 @@ def key(graph_def, fetches, keep, options, resources, bodies, scalar_values) -> 
         return None
     prof = profiles.default()
     h = hashlib.sha256(_salt().encode())
-    names = _gradient_names(graph_def)
-    if names:
-        graph_def = _renamed(graph_def, {n: f"G{i}" for i, n in enumerate(names)})
-    h.update(graph_def.SerializeToString(deterministic=True))
+    h.update(_canonical(graph_def).SerializeToString(deterministic=True))
     h.update(context(fetches, keep, options, resources, prof).encode())
     h.update(repr((bodies, sorted(scalar_values))).encode())
     h.update(prof.planning_key().encode())
@@ -173,7 +176,7 @@ def save(key: str, traced, graph_def, report: Report) -> bool:
             "errors": [str(e) for e in k.errors],
             "generic": getattr(k, "in_static_dims", None) is not None}
     doc = {"format": FORMAT, "kernels": entries, "report": _report_state(report),
-           "gradients": _gradient_names(traced),
+           "gradients": _gradient_names(traced), "functions": _function_names(traced),
            "graph_def": base64.b64encode(graph_def.SerializeToString()).decode("ascii")}
     return cachedir.store(_path(key), json.dumps(doc).encode())
 
@@ -205,10 +208,13 @@ def probe(key: str | None, traced) -> Stored | None:
             return None
         graph_def = tf.compat.v1.GraphDef.FromString(base64.b64decode(doc["graph_def"]))
         stored, names = doc["gradients"], _gradient_names(traced)
-        if len(stored) != len(names):
+        stored_fns, fns = doc["functions"], _function_names(traced)
+        if len(stored) != len(names) or len(stored_fns) != len(fns):
             return None
         if stored != names:
             graph_def = _renamed(graph_def, dict(zip(stored, names)))
+        if stored_fns != fns:
+            graph_def = _functions_renamed(graph_def, dict(zip(stored_fns, fns)))
         report = _report_from(doc["report"])
         if not _register_all(graph_def, doc["kernels"]):
             return None
@@ -273,6 +279,84 @@ def _renamed(graph_def, names: dict):
         if GRADIENT_ATTR in n.attr:
             old = n.attr[GRADIENT_ATTR].s.decode("utf-8", "replace")
             n.attr[GRADIENT_ATTR].s = names.get(old, old).encode("utf-8")
+    return out
+
+
+def _canonical(graph_def):
+    """``graph_def`` with the process's numbering taken out, for the key: custom
+    gradients ``G0, G1, ...`` and library functions ``F0, F1, ...`` by order of first
+    appearance, the library listed in that order."""
+    grads = _gradient_names(graph_def)
+    if grads:
+        graph_def = _renamed(graph_def, {n: f"G{i}" for i, n in enumerate(grads)})
+    fns = _function_names(graph_def)
+    if fns:
+        graph_def = _functions_renamed(graph_def, {n: f"F{i}" for i, n in enumerate(fns)})
+        order = {f"F{i}": i for i in range(len(fns))}
+        ordered = sorted(graph_def.library.function,
+                         key=lambda f: order[f.signature.name])
+        del graph_def.library.function[:]
+        graph_def.library.function.extend(ordered)
+        ordered = sorted(graph_def.library.gradient,
+                         key=lambda g: (g.function_name, g.gradient_func))
+        del graph_def.library.gradient[:]
+        graph_def.library.gradient.extend(ordered)
+    return graph_def
+
+
+def _func_refs(attr_values):
+    """The function names the attribute values ``attr_values`` refer to (``func`` and
+    ``list.func``, and the attributes of those in turn), as the AttrValue messages that
+    hold them (``.func`` messages, whose ``name`` is the reference)."""
+    todo = list(attr_values)
+    while todo:
+        v = todo.pop()
+        if v.HasField("func"):
+            yield v.func
+            todo.extend(v.func.attr.values())
+        elif v.HasField("list"):
+            for f in v.list.func:
+                yield f
+                todo.extend(f.attr.values())
+
+
+def _function_names(graph_def) -> list:
+    """The library functions' names in order of first reference: the graph's nodes in
+    order, each function's body read where it is first referenced (depth first), then
+    any the graph never references (a gradient's), by name."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    if not library:
+        return []
+    seen = {}
+    stack = [iter(graph_def.node)]
+    while stack:
+        node = next(stack[-1], None)
+        if node is None:
+            stack.pop()
+            continue
+        refs = [node.op] + [f.name for f in _func_refs(node.attr.values())]
+        for name in refs:
+            if name in library and name not in seen:
+                seen[name] = None
+                stack.append(iter(library[name].node_def))
+    return list(seen) + sorted(n for n in library if n not in seen)
+
+
+def _functions_renamed(graph_def, names: dict):
+    """A copy of ``graph_def`` with its library functions' names, and every reference
+    to them (a node's op, a function-valued attribute, a gradient entry), mapped by
+    ``names``."""
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    for f in out.library.function:
+        f.signature.name = names.get(f.signature.name, f.signature.name)
+    for n in _nodes(out):
+        n.op = names.get(n.op, n.op)
+        for ref in _func_refs(n.attr.values()):
+            ref.name = names.get(ref.name, ref.name)
+    for g in out.library.gradient:
+        g.function_name = names.get(g.function_name, g.function_name)
+        g.gradient_func = names.get(g.gradient_func, g.gradient_func)
     return out
 
 
