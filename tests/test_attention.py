@@ -217,6 +217,18 @@ def test_unknown_batch_in_a_function(ops):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("inline", [True, False])
+def test_tfs_profiler_shows_the_op_inline_or_not(ops, inline):
+    """An inline op (no inter-op hand-off: TF traces it only at a verbose level) traces
+    itself; an expensive one is TF's to trace: one event per call either way."""
+    from stitching.testing.counting import profiled_ops
+    q, k, v = (tf.constant(_rand((2, 2, 16, 8), seed=s)) for s in (1, 2, 3))
+    f = tf.function(lambda q, k, v: ops.stitched_attention(
+        q=q, k=k, v=v, mask=[], cond=[], scale=0.5, adj_k=True, inline=inline))
+    f(q, k, v)
+    assert profiled_ops(lambda: [f(q, k, v) for _ in range(3)])["StitchedAttention"] == 3
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(q=_rand((2, 4, 8)), k=_rand((2, 5, 7)), v=_rand((2, 5, 3)), adj_k=True),
      "inner dimensions differ|Dimensions must be equal"),

@@ -383,3 +383,17 @@ def test_baseline_planner_dump_records_refused_merges(tmp_path):
     assert d.plan["planner_decisions"] == []
     reasons = {m["reason"] for m in d.plan["refused_merges"]}
     assert "baseline (XLA-like loop fusion): a reduction ends a kernel" in reasons
+
+
+def test_tfs_profiler_shows_each_stitched_kernel():
+    """TensorBoard's profile: TF's executor traces an op that is not IsExpensive (a
+    StitchedKernel runs inline) only at a verbose level profiles leave off; the op
+    traces itself, one event per kernel per call, as TF names an op's event."""
+    from stitching.testing.counting import profiled_ops
+    f = stitching.function(lambda x: tf.nn.softmax(x * 2.0) + tf.nn.relu(x),
+                           options=stitching.Options(background_compile=False))
+    x = tf.random.normal([32, 64])
+    f(x)
+    seen = profiled_ops(lambda: [f(x) for _ in range(3)])
+    assert len(f.report.kernels) == 1
+    assert seen["StitchedKernel"] == 3, seen

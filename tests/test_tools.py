@@ -203,7 +203,9 @@ def test_op_breakdown_groups_executor_ops_and_xla_thunks_per_call():
     events = [("layer0/MatMul:_MklMatMul", 300, False), ("layer1/MatMul:_MklMatMul", 100, False),
               ("a/gather:GatherV2", 40, False), ("ExecutorState::Process", 999, False),
               ("__inference_f_12:__inference_f_12", 999, False), ("dot.3", 80, True),
-              ("dot", 20, True), ("end: dot.3", 5, True), (" MatMul.58", 60, True)]
+              ("dot", 20, True), ("end: dot.3", 5, True), (" MatMul.58", 60, True),
+              ("stitching/kernel_0:StitchedKernel", 999, False),      # the counters'
+              ("layer0/attention:StitchedAttention", 70, False)]
     line = plane.lines.add(name="t")
     for i, (name, us, thunk) in enumerate(events):
         plane.event_metadata[i + 1].name = name
@@ -212,8 +214,11 @@ def test_op_breakdown_groups_executor_ops_and_xla_thunks_per_call():
             ev.stats.add(metadata_id=1)
     events = op_breakdown.node_events(space)
     rows = op_breakdown.group_events(events, calls=2)
-    assert rows == {"_MklMatMul": 200.0, "GatherV2": 20.0, "dot": 50.0, "MatMul": 30.0}
+    assert rows == {"_MklMatMul": 200.0, "GatherV2": 20.0, "dot": 50.0, "MatMul": 30.0,
+                    "StitchedAttention": 35.0}
     assert events[("_MklMatMul", "layer0/MatMul:_MklMatMul")] == [300.0]
+    assert op_breakdown.split(rows) == {"contraction": 315.0, "memory": 20.0,
+                                        "kernels": 0.0, "other": 0.0}
 
 
 def test_op_breakdown_min_takes_each_nodes_fastest_call():

@@ -14,9 +14,12 @@ the trace's host events are summed per op class and divided by the calls
   ``node:OpType`` events, grouped by op type (``_MklMatMul``, ``GatherV2``, ...);
 - XLA: its thunks, grouped by name with the ``.N`` suffix removed (``dot``, ``MatMul``,
   ``multiply_bitcast_fusion``, ``copy_bitcast_fusion``, ...);
-- StitchedKernel nodes run inline (not ``IsExpensive``) and leave no event: their time
-  comes from the op's own counters (``STITCHING_PROFILE``, runtime.registry.profile),
-  one row per kernel kind.
+- StitchedKernel nodes: their time comes from the op's own counters
+  (``STITCHING_PROFILE``, runtime.registry.profile), one row per kernel kind (the
+  op's own profiler events, which it emits since it runs inline, are left out);
+- the OpenBLAS ops of a graph (``StitchedMatMul``, ``StitchedBatchMatMul``,
+  ``StitchedAttention``: two products and the softmax between them) from their events,
+  counted as contractions.
 
 The profiler itself adds overhead and, on the shared 2-core machine, ops that run
 concurrently on TF's two inter-op threads overlap: the rows show where time goes, the
@@ -111,12 +114,14 @@ def op_class(name: str, xla_thunk: bool) -> str | None:
         return None if name.startswith("end: ") else _XLA_SUFFIX.sub("", name)
     if "::" in name or ":" not in name or "__inference" in name:
         return None
-    return name.rsplit(":", 1)[1] or None        # executor: "node/name:OpType"
+    op = name.rsplit(":", 1)[1] or None         # executor: "node/name:OpType"
+    return None if op == "StitchedKernel" else op   # the op's counters: _kernel_rows
 
 
-CONTRACTIONS = re.compile(r"Conv|MatMul|Einsum|^dot$|^convolution")   # TF's convolutions
-#   and GEMMs, plain, fused (_FusedConv2D, _MklNativeFusedMatMul, ...) or depthwise, and
-#   XLA's dot and convolution thunks (XLA's own, or a stitched graph's, tf/passes/xladot.py)
+CONTRACTIONS = re.compile(r"Conv|MatMul|Einsum|^dot$|^convolution|^StitchedAttention$")
+#   TF's convolutions and GEMMs, plain, fused (_FusedConv2D, _MklNativeFusedMatMul, ...)
+#   or depthwise, XLA's dot and convolution thunks (XLA's own, or a stitched graph's,
+#   tf/passes/xladot.py), and a stitched graph's OpenBLAS products
 
 
 def split(rows: dict) -> dict:

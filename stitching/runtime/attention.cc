@@ -248,7 +248,7 @@ const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("
 #endif
 
 // A row's softmax in two steps (the logits and their max, then exp and the sum), so
-// that the block can check the max before it keeps the columns it skipped (Compute).
+// that the block can check the max before it keeps the columns it skipped (Run).
 template <typename T>
 T Logits(T* x, const RowMask<T>& rm, int64_t n, T scale) {
   return LogitsScalar(x, rm, 0, n, scale, -std::numeric_limits<T>::infinity());
@@ -444,7 +444,7 @@ class AttentionOp : public InlineKernel {
                                            "one condition"));
   }
 
-  void Compute(OpKernelContext* ctx) override {
+  void Run(OpKernelContext* ctx) override {
     const Tensor& q = ctx->input(0);
     const Tensor& k = ctx->input(1);
     const Tensor& v = ctx->input(2);

@@ -75,7 +75,7 @@ class MatMulOp : public InlineKernel {
                 absl::InvalidArgumentError("StitchedMatMul takes at most one bias"));
   }
 
-  void Compute(OpKernelContext* ctx) override {
+  void Run(OpKernelContext* ctx) override {
     const Tensor& a = ctx->input(0);
     const Tensor& b = ctx->input(1);
     OP_REQUIRES(ctx, a.dims() == 2 && b.dims() == 2,
@@ -132,7 +132,7 @@ class BatchMatMulOp : public InlineKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_out", &to_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
+  void Run(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
     const Tensor& y = ctx->input(1);
     OP_REQUIRES(ctx, x.dims() >= (tx_ ? 3 : 2) && y.dims() >= (ty_ ? 3 : 2),

@@ -178,3 +178,36 @@ def count_xla_kernels(hlo_text: str) -> dict:
                 out["unfused_memory"] += 1
     out["memory_kernels"] = out["memory_fusions"] + out["unfused_memory"]
     return out
+
+
+def profiled_ops(run) -> collections.Counter:
+    """Op type -> events of TF's profiler (what TensorBoard's Profile tab shows) while
+    ``run()`` runs, at the profiler's default level: the executor's ``node:OpType``
+    events, and those ops emit for themselves."""
+    import glob
+    import shutil
+    import tempfile
+
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    logdir = tempfile.mkdtemp(prefix="stitching_profiled_")
+    try:
+        tf.profiler.experimental.start(logdir)
+        try:
+            run()
+        finally:
+            tf.profiler.experimental.stop()
+        space = xplane_pb2.XSpace()
+        with open(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0], "rb") as fh:
+            space.ParseFromString(fh.read())
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+    found = collections.Counter()
+    for plane in space.planes:
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            for ev in line.events:
+                name = names.get(ev.metadata_id, "")
+                if ":" in name and "::" not in name:
+                    found[name.rsplit(":", 1)[1]] += 1
+    return found
