@@ -285,3 +285,29 @@ def test_the_environment_adds_entries_to_every_options(monkeypatch):
     assert dataclasses.replace(Options(), min_ops=3).exclude == ("Softmax", "mlp/*")
     monkeypatch.delenv("STITCHING_EXCLUDE")
     assert Options().exclude == ()
+
+
+def test_seqsplit_leaves_a_block_holding_an_excluded_op_whole(monkeypatch):
+    """On a machine model seqsplit splits a token-wise block on (oneDNN's one-thread
+    rule, a 2 MiB L2), a block that holds an excluded node is not split: the node stays
+    one TF op over the whole sequence, and every pass is verified to leave it."""
+    import keras
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "intel-avx512")
+    keras.utils.set_random_seed(3)
+    L = keras.layers
+    x = keras.Input((128, 256))
+    h = L.Dense(1024, activation="gelu", name="ex_ff1")(x)
+    h = L.Dense(256, name="ex_ff2")(h)
+    model = keras.Model(x, L.LayerNormalization(epsilon=1e-6, name="ex_ln")(x + h))
+    fn = lambda t: model(t, training=False)  # noqa: E731
+    t = tf.constant(RNG.standard_normal((2, 128, 256)).astype(np.float32))
+    want = tf.function(fn)(t).numpy()
+    sig = [tf.TensorSpec([None, 128, 256], tf.float32)]      # decides by the batch of 1
+    split, kept = (stitching.function(fn, input_signature=sig, options=stitching.Options(
+        background_compile=False, xla_gemm=False, verify=True, exclude=ex))
+        for ex in ((), ("*ex_ln*",)))
+    for f in (split, kept):
+        np.testing.assert_allclose(f(t).numpy(), want, rtol=2e-5, atol=2e-5)
+    assert [n for n in split.report.notes if "token-wise" in n], split.report.notes
+    assert not [n for n in kept.report.notes if "token-wise" in n], kept.report.notes
+    assert _excluded(kept.report)
