@@ -634,17 +634,35 @@ class _ReplicatedStep(_StitchedStep):
     stitched function one level up: ``strategy.run(step)`` + the reduction."""
 
     def __init__(self, model, kind, step_fn, options):
-        from keras.src.backend.tensorflow.trainer import reduce_per_replica
         strategy = _strategy(model)
+        if _tf_keras(model):
+            # tf_keras's step_function: the step, then its counter, then the reduction
+            from tf_keras.src.engine.training import _minimum_control_deps, \
+                reduce_per_replica
+            counter = getattr(model, f"_{kind}_counter")
 
-        def one_step_on_data(data):
-            outputs = strategy.run(step_fn, args=(data,))
-            return reduce_per_replica(outputs, strategy, reduction="auto")
+            def run_step(data):
+                outputs = step_fn(data)
+                with tf.control_dependencies(_minimum_control_deps(outputs)):
+                    counter.assign_add(1)
+                return outputs
+
+            def one_step_on_data(data):
+                outputs = strategy.run(run_step, args=(data,))
+                return reduce_per_replica(outputs, strategy,
+                                          reduction=model.distribute_reduction_method)
+        else:
+            from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+            def one_step_on_data(data):
+                outputs = strategy.run(step_fn, args=(data,))
+                return reduce_per_replica(outputs, strategy, reduction="auto")
 
         self._model, self._kind = model, kind
         self.stitched = StitchedFunction(one_step_on_data, options=options,
                                          autograph=False, reduce_retracing=True)
-        self._step = model._autoconvert_optionals(self.stitched)
+        self._step = model._autoconvert_optionals(self.stitched) \
+            if hasattr(model, "_autoconvert_optionals") else self.stitched
 
     def make(self, force=False):
         model, attr = self._model, f"{self._kind}_function"
@@ -675,7 +693,10 @@ def _steps_per_execution(model) -> int:
     """Keras 3's ``steps_per_execution`` is an int; tf_keras's (Keras 2) a tf.Variable
     (None before compile), which the step counts would have turned into tensors."""
     steps = getattr(model, "steps_per_execution", None)
-    return 1 if steps is None else int(steps)
+    if steps is None:
+        return 1
+    # a MirroredVariable under a strategy has no __int__
+    return int(steps.numpy() if hasattr(steps, "numpy") else steps)
 
 
 def _compiled(model) -> bool:
