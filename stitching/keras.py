@@ -143,7 +143,8 @@ def stitch(model, options: Options | None = None):
     ``model.stitching_report`` (``.train``, ``.test``, ``.predict``, ``summary()``).
 
     Args:
-        model: A compiled Keras 3 model (TensorFlow backend).
+        model: A compiled Keras model: Keras 3 (TensorFlow backend) or tf_keras
+            (Keras 2, ``TF_USE_LEGACY_KERAS=1``; HF transformers' TF models).
         options: A ``stitching.Options``; default ``Options()``.
 
     Returns:
@@ -242,6 +243,8 @@ def _stitched_export(model, options):
     own export (ExportArchive, its variables and its tf.function over the endpoint)
     around a StitchedFunction of ``model.__call__``; other formats are Keras's."""
     keras_export = type(model).export
+    if _tf_keras(model):
+        return _stitched_tf_keras_export(model, options)
 
     def export(filepath, format="tf_saved_model", verbose=None, input_signature=None,
                **kwargs):
@@ -263,6 +266,44 @@ def _stitched_export(model, options):
         if assets is not None:
             archive._tf_trackable.stitching_kernels = assets
         archive.write_out(filepath, verbose=True if verbose is None else verbose)
+    return export
+
+
+def _tf_keras(model) -> bool:
+    """A tf_keras (Keras 2) model: ``TF_USE_LEGACY_KERAS=1``'s ``tf.keras``, HF
+    transformers' TF models.  Its export is tf_keras's own (another ExportArchive,
+    ``export(filepath)``), which Keras 3's refuses ("must be a `keras.Model`")."""
+    return any(c.__module__.split(".")[0] == "tf_keras" for c in type(model).__mro__)
+
+
+def _stitched_tf_keras_export(model, options):
+    """``model.export(filepath)`` of a tf_keras model with its ``serve`` endpoint
+    stitched: tf_keras's ``export_model`` (its ExportArchive and input signature) over a
+    StitchedFunction of ``model.__call__``, the kernels in ``assets/``."""
+
+    def export(filepath):
+        from tf_keras.src.engine import functional, sequential
+        from tf_keras.src.export import export_lib
+        archive = export_lib.ExportArchive()
+        archive.track(model)
+        if isinstance(model, (functional.Functional, sequential.Sequential)):
+            signature = tf.nest.map_structure(export_lib._make_tensor_spec, model.inputs)
+            if isinstance(signature, list) and len(signature) > 1:
+                signature = [signature]
+        else:
+            spec = model._get_save_spec()
+            if not spec:
+                raise ValueError("The model provided has never called. It must be "
+                                 "called at least once before export.")
+            signature = [spec]
+        serve = StitchedFunction(model.__call__, options=options, autograph=False)
+        archive.add_endpoint("serve", serve, signature)
+        archive.serve.get_concrete_function()
+        assets = serve._kernel_assets(list(serve._list_all_concrete_functions()))
+        if assets is not None:
+            archive.stitching_kernels = assets
+        archive.write_out(filepath)
+    export.__doc__ = type(model).export.__doc__
     return export
 
 
@@ -388,7 +429,7 @@ class _Tiered(_StitchedStep):
         return getattr(model, attr)
 
     def _run(self, data):
-        steps = self._model.steps_per_execution if self._kind != "predict" else 1
+        steps = _steps_per_execution(self._model) if self._kind != "predict" else 1
         stock = self._stock_fn      # read before _ready: let go only after it is set
         if self._ready:
             if self.switch is None and self._switched():
@@ -593,17 +634,35 @@ class _ReplicatedStep(_StitchedStep):
     stitched function one level up: ``strategy.run(step)`` + the reduction."""
 
     def __init__(self, model, kind, step_fn, options):
-        from keras.src.backend.tensorflow.trainer import reduce_per_replica
         strategy = _strategy(model)
+        if _tf_keras(model):
+            # tf_keras's step_function: the step, then its counter, then the reduction
+            from tf_keras.src.engine.training import _minimum_control_deps, \
+                reduce_per_replica
+            counter = getattr(model, f"_{kind}_counter")
 
-        def one_step_on_data(data):
-            outputs = strategy.run(step_fn, args=(data,))
-            return reduce_per_replica(outputs, strategy, reduction="auto")
+            def run_step(data):
+                outputs = step_fn(data)
+                with tf.control_dependencies(_minimum_control_deps(outputs)):
+                    counter.assign_add(1)
+                return outputs
+
+            def one_step_on_data(data):
+                outputs = strategy.run(run_step, args=(data,))
+                return reduce_per_replica(outputs, strategy,
+                                          reduction=model.distribute_reduction_method)
+        else:
+            from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+            def one_step_on_data(data):
+                outputs = strategy.run(step_fn, args=(data,))
+                return reduce_per_replica(outputs, strategy, reduction="auto")
 
         self._model, self._kind = model, kind
         self.stitched = StitchedFunction(one_step_on_data, options=options,
                                          autograph=False, reduce_retracing=True)
-        self._step = model._autoconvert_optionals(self.stitched)
+        self._step = model._autoconvert_optionals(self.stitched) \
+            if hasattr(model, "_autoconvert_optionals") else self.stitched
 
     def make(self, force=False):
         model, attr = self._model, f"{self._kind}_function"
@@ -614,7 +673,7 @@ class _ReplicatedStep(_StitchedStep):
     def _run(self, iterator):
         """Keras's ``function(iterator)``: ``steps_per_execution`` steps, the last
         outputs returned; StopIteration when the iterator had nothing left."""
-        steps = self._model.steps_per_execution
+        steps = _steps_per_execution(self._model)
         outputs = None
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             for _ in range(steps):
@@ -630,8 +689,27 @@ class _ReplicatedStep(_StitchedStep):
         return outputs
 
 
+def _steps_per_execution(model) -> int:
+    """Keras 3's ``steps_per_execution`` is an int; tf_keras's (Keras 2) a tf.Variable
+    (None before compile), which the step counts would have turned into tensors."""
+    steps = getattr(model, "steps_per_execution", None)
+    if steps is None:
+        return 1
+    # a MirroredVariable under a strategy has no __int__
+    return int(steps.numpy() if hasattr(steps, "numpy") else steps)
+
+
+def _compiled(model) -> bool:
+    """Keras 3 says ``model.compiled``; tf_keras (Keras 2: ``TF_USE_LEGACY_KERAS=1``,
+    HF transformers' TF models) says ``model._is_compiled``."""
+    compiled = getattr(model, "compiled", None)
+    if compiled is None:
+        compiled = getattr(model, "_is_compiled", False)
+    return bool(compiled)
+
+
 def _check(model):
-    if not getattr(model, "compiled", False):
+    if not _compiled(model):
         raise ValueError("stitching.keras.stitch: call model.compile(...) first; "
                          "stitch wraps the step functions compile configures")
     if getattr(model, "jit_compile", False) is True:

@@ -51,6 +51,7 @@ def rewrite_saved_model(src: str, dst: str, options: Options | None = None,
 
 def _rewrite_saved_model(src, dst, options, signature_keys, embed_kernels) -> dict:
     _refuse_rewritten(src)
+    _warn_keras2(src)
     model = tf.saved_model.load(src)
     keys = signature_keys or list(model.signatures.keys())
     if not keys:
@@ -87,6 +88,27 @@ def _rewrite_saved_model(src, dst, options, signature_keys, embed_kernels) -> di
             _embed_kernels(model, new_sigs.values(), staging)
         tf.saved_model.save(model, dst, signatures=new_sigs)
     return reports
+
+
+KERAS2_NOTE = (
+    "{src} is a Keras 2 (tf_keras) SavedModel (model.save(..., save_format='tf')): only "
+    "its signatures are rewritten. Serve the output through "
+    "tf.saved_model.load(dst).signatures['serving_default']: the loaded object's own "
+    "__call__ and its layers' functions keep their stock graphs, and the Keras metadata "
+    "(keras_metadata.pb) is not carried over, so tf_keras.models.load_model(dst) gives "
+    "a plain restored object, not a Keras model (model.export(path) of a stitched model, "
+    "docs/training.md, writes a stitched 'serve' endpoint instead)")
+
+
+def _warn_keras2(src) -> None:
+    """A Keras 2 SavedModel is most often loaded back with ``tf_keras.models.load_model``
+    or called as ``loaded(x)``: neither runs the rewritten signatures (an audit's tf_keras
+    model: ``loaded(x)`` ran stock TF silently, load_model returned an object without
+    ``predict``).  Say so where the rewrite happens."""
+    import os
+    import warnings
+    if os.path.exists(os.path.join(src, "keras_metadata.pb")):
+        warnings.warn(KERAS2_NOTE.format(src=src), stacklevel=3)
 
 
 def _signature_caller(cf, names, key):

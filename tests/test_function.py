@@ -91,6 +91,29 @@ def test_variables_stay_variables():
     assert f.report.to_dict()["kernels"] == 1
 
 
+def test_ops_after_an_embedding_lookup_of_a_variable_have_known_ranks_and_fuse():
+    """tf.gather of a ResourceVariable (tf_keras's Embedding, HF transformers' word and
+    position embeddings) is a ResourceGather, whose output shape TF infers from the
+    handle's data: the graph stitching imports did not carry it, so every op after
+    an embedding lookup was "a tensor of unknown rank" and stayed TF's (an HF
+    TFBertModel: 40% of its ops fused, 96% with the lookup typed)."""
+    table = tf.Variable(np.random.default_rng(0).standard_normal((50, 16)).astype("float32"))
+
+    @stitching.function
+    def f(ids):
+        x = tf.gather(table, ids) * 2.0 + 1.0
+        mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+        return (x - mean) * tf.math.rsqrt(var + 1e-5)
+
+    ids = tf.constant([[1, 4, 9], [0, 49, 3]])
+    np.testing.assert_allclose(f(ids), tf.function(f.python_function)(ids),
+                               rtol=1e-5, atol=1e-5)
+    report = f.report
+    assert not [u for u in report.unfused if "unknown rank" in u[2]], report.summary()
+    assert report.to_dict()["kernels"] == 1, report.summary()
+    assert report.fused_ops == report.memory_intensive_ops, report.summary()
+
+
 def test_stateful_ops_keep_their_order():
     v = tf.Variable(1.0)
 

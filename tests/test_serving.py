@@ -884,3 +884,29 @@ def test_the_shipped_kernels_tag_ignores_the_cuda_backend(monkeypatch):
     assert len(tag) == 24
     assert any("/codegen/cpu/" in p for p in read) and any("/codegen/lower/" in p for p in read)
     assert not any("/codegen/cuda/" in p for p in read)
+
+
+def test_rewriting_a_keras2_saved_model_says_what_the_output_serves(tmp_path):
+    """A tf_keras ``model.save(..., save_format='tf')`` holds keras_metadata.pb: users
+    load it back with tf_keras.models.load_model or call it as ``loaded(x)``, and
+    neither runs the rewritten signatures (load_model gave an object without
+    ``predict``; ``loaded(x)`` ran stock TF, silently).  The rewrite says so."""
+    import warnings
+
+    from stitching.saved_model import rewrite_saved_model
+
+    class M(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x")])
+        def f(self, x):
+            return {"y": tf.nn.softmax(x * 2.0)}
+
+    m = M()
+    src = tmp_path / "src"
+    tf.saved_model.save(m, str(src), signatures={"serving_default": m.f})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # a plain SavedModel: no warning
+        rewrite_saved_model(str(src), str(tmp_path / "plain"))
+    (src / "keras_metadata.pb").write_bytes(b"")   # what tf_keras's save writes beside it
+    with pytest.warns(UserWarning, match=r"Keras 2 \(tf_keras\) SavedModel.*"
+                      r"signatures\['serving_default'\].*tf_keras.models.load_model"):
+        rewrite_saved_model(str(src), str(tmp_path / "dst"))

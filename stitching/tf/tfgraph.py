@@ -132,7 +132,11 @@ def _typed_variable_reads(graph_def, resources):
 
     out = type(graph_def)()
     out.CopyFrom(graph_def)
-    for nd in out.node:
+    taken = {n.name for n in out.node}
+    for nd in list(out.node):
+        if nd.op in _RESOURCE_GATHERS:
+            _typed_gather(out, nd, source, resources, taken)
+            continue
         if nd.op != "ReadVariableOp":
             continue
         src = source(nd.input[0].split(":")[0])
@@ -147,3 +151,29 @@ def _typed_variable_reads(graph_def, resources):
         nd.attr["dtype"].type = dtype.as_datatype_enum
         nd.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
     return out
+
+
+# Reads of a variable at run-time indices (an embedding lookup: tf.gather of a
+# ResourceVariable, tf_keras's Embedding, HF transformers' word and position embeddings).
+_RESOURCE_GATHERS = frozenset({"ResourceGather", "ResourceGatherNd"})
+
+
+def _typed_gather(graph_def, nd, source, resources, taken) -> None:
+    """Type a ResourceGather of a variable whose shape we know: TF infers its output
+    shape from the handle's data, which a GraphDef's resource placeholder does not
+    carry, so it was of unknown rank, and so was everything downstream (a whole
+    transformer's residual stream, unfusible: "a tensor of unknown rank").  In the
+    scratch graph only (never run), its handle input becomes a VarHandleOp of the
+    variable's dtype and shape, whose shape function gives the handle that data; the
+    node keeps its name, type and indices."""
+    src = source(nd.input[0].split(":")[0])
+    if src not in resources:
+        return
+    dtype, shape = resources[src]
+    handle = graph_def.node.add(name=fresh_name(f"{nd.name}/stitching_typed_handle", taken),
+                                op="VarHandleOp")
+    handle.attr["dtype"].type = dtype.as_datatype_enum
+    handle.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
+    handle.attr["shared_name"].s = handle.name.encode()
+    handle.attr["container"].s = b""
+    nd.input[0] = handle.name
