@@ -77,7 +77,8 @@ class Options:
             (default) and ``True``: tiered wherever that is safe --
             ``stitching.keras.stitch``'s ``fit``, ``evaluate`` and ``predict``
             (switching at a step boundary) and ``stitching.function`` called
-            eagerly with tensors as its positional arguments (a new input signature
+            eagerly with tensors (or dicts and lists of them) as its positional
+            arguments (a new input signature
             returns stock TF's result; a later call switches; ``f.wait()`` blocks
             until then, and so do ``f.report``, saving and
             ``get_concrete_function``, which ask for the stitched graph).

@@ -1054,6 +1054,76 @@ def test_new_batch_sizes_reuse_one_relaxed_trace():
     assert traces[2:] == [[None, None]]
 
 
+def _dict_step(d):
+    """HF transformers' calling convention: a dict of tensors, used asymmetrically (a
+    mix-up of its keys changes the result)."""
+    mask = tf.cast(d["attention_mask"], tf.float32)
+    return tf.nn.softmax(d["input"] * 2.0 + (1.0 - mask) * -1e4) - d["bias"][0]
+
+
+def _dict_inputs(seq, seed=0, order=("input", "attention_mask", "bias")):
+    rng = np.random.default_rng(seed)
+    values = {"input": tf.constant(rng.standard_normal((2, seq)).astype(np.float32)),
+              "attention_mask": tf.constant(rng.integers(0, 2, (2, seq)).astype(np.int32)),
+              "bias": [tf.constant(rng.standard_normal(seq).astype(np.float32))]}
+    return {k: values[k] for k in order}
+
+
+def test_dict_arguments_relax_shapes_as_tensors_do():
+    """A dict (and lists in it) of tensors takes the fast path: new sequence lengths
+    share one relaxed trace, whatever order the dict's keys come in, with stock TF's
+    numbers (the flat inputs follow tf.nest's sorted keys, as TF's trace)."""
+    traces = []
+
+    def step(d):
+        traces.append(d["input"].shape.as_list())
+        return _dict_step(d)
+    f = stitching.function(step)
+    stock = tf.function(_dict_step)
+    for seq, order in [(8, ("input", "attention_mask", "bias")),
+                       (9, ("bias", "input", "attention_mask")),
+                       (10, ("attention_mask", "bias", "input")), (33, ("input", "bias",
+                                                                        "attention_mask"))]:
+        d = _dict_inputs(seq, seed=seq, order=order)
+        np.testing.assert_allclose(f(d).numpy(), stock(d).numpy(), rtol=2e-6, atol=2e-6)
+    assert traces == [[2, 8], [2, None]]
+    assert len(f.reports) == 2 and f.reports[1].kernels
+    f(_dict_inputs(12))                               # the relaxed trace again
+    assert len(traces) == 2
+
+
+def test_dict_arguments_are_tiered_stock_first_then_stitched(tiered):
+    """A dict's first call runs stock TF while its kernels compile behind it, and the
+    call after the compile switches, with stock TF's numbers (not the first call
+    waiting for the compile: 3-7 s for HF models in an audit)."""
+    f = stitching.function(_dict_step)
+    d = _dict_inputs(16, seed=4)
+    ref = tf.function(_dict_step)(d).numpy()
+    np.testing.assert_array_equal(f(d).numpy(), ref)           # stock TF's own graph
+    f.wait()
+    assert f.report.kernels
+    d2 = _dict_inputs(16, seed=4, order=("bias", "attention_mask", "input"))
+    np.testing.assert_allclose(f(d2).numpy(), ref, rtol=2e-6, atol=2e-6)
+    assert "stock TF ran call 1" in f.report.tiering
+    assert f.report.tiering.endswith("stitched from call 2"), f.report.tiering
+
+
+def test_arguments_the_fast_path_does_not_take_go_through_tf():
+    """A nesting with a non-tensor leaf (None, a Python number), a namedtuple or an
+    empty dict is TF's call path (its own tracing rules), with TF's numbers."""
+    import collections
+    from stitching.tf.function import _eager_key
+    x = tf.constant([[1.0, 2.0]])
+    Pair = collections.namedtuple("Pair", "a b")
+    for args in [({"x": x, "s": None},), ({"x": x, "s": 2.0},), (Pair(x, x),), ({},),
+                 ([x, [x, 1]],)]:
+        assert _eager_key(args) is None, args
+    f = stitching.function(lambda d: d["x"] * 2.0 + (d["s"] if d["s"] is not None else 0))
+    np.testing.assert_array_equal(f({"x": x, "s": None}).numpy(), [[2.0, 4.0]])
+    np.testing.assert_array_equal(f({"x": x, "s": 1.0}).numpy(), [[3.0, 5.0]])
+    assert _eager_key(({"x": x, "y": [x, x]},)) is not None
+
+
 def test_reduce_retracing_false_traces_every_shape():
     traces = []
 
