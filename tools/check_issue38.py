@@ -121,7 +121,9 @@ def check_broadcast(pairs: int = 24) -> tuple[bool, str]:
         return tf.nn.softmax(a + c) * 2.0 - c
 
     tf.get_logger().setLevel("ERROR")      # tf.function's retracing warnings, expected
-    f, ref = stitching.function(fn), tf.function(fn)
+    # synchronous: tiered (the default), a new signature's calls would be stock TF's
+    f = stitching.function(fn, options=stitching.Options(background_compile=False))
+    ref = tf.function(fn)
     for n in (8, 9):                                   # relaxes dim 0 of both
         a, c = (rng.standard_normal((n, 16)).astype(np.float32) for _ in range(2))
         f(a, c)
@@ -157,7 +159,9 @@ def check_loop() -> tuple[bool, str]:
             x = tf.nn.softmax(x * 2.0) * w + x
         return x
 
-    f, ref = stitching.function(fn), tf.function(fn)
+    # synchronous: tiered (the default), a new signature's calls would be stock TF's
+    f = stitching.function(fn, options=stitching.Options(background_compile=False))
+    ref = tf.function(fn)
     rng = np.random.default_rng(3)
     x = tf.constant(rng.standard_normal((8, 32)).astype(np.float32))
     w = tf.constant(rng.standard_normal(32).astype(np.float32))
