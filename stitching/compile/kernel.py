@@ -572,9 +572,9 @@ class _Code:
 
     def _build(self, source, lean, text, tier) -> None:
         stem, symbol = self.stem, self.symbol
-        use_helper_cache()
         if text is not None and self._build_direct(text, symbol, tier):
             return
+        use_helper_cache()
         self.backend = "numba"
         pyfunc, sig, options = source()
         try:
@@ -620,6 +620,7 @@ class _Code:
         from . import direct
         with _claim(self.stem):
             if not native.built(self.stem):     # else another process's is there
+                use_helper_cache()
                 direct.build(self.text, self.stem, self.symbol, 2)
         self.upgrade()
 
@@ -636,6 +637,10 @@ class _Code:
             at = self.stem if tier == 2 else _tier1_dir() / self.stem.name
             if not (tier == 1 and native.built(at)):    # a compile worker's tier 1
                 from ..codegen.cpu.emitter import tier1_text
+                # the helpers' code is linked in: their cache decided first.  Not
+                # before: loading a worker's tier-1 object needs no Numba, whose
+                # import (helper_cache's) cost the waiting first call 0.3-0.4 s CPU
+                use_helper_cache()
                 direct.build(tier1_text(text) if tier == 1 else text, at, symbol, tier)
             self.address = native.load(at, symbol)
             self.tier, self.built_at = tier, at
