@@ -157,6 +157,7 @@ class _Context:
         self.C: dict = {}                  # vertex -> candidate patterns (last DP run)
         self.final_groups: list = []       # the merged kernels deploy considered
         self._legal: dict = {}
+        self._emits: dict = {}             # region.extract's memo for this graph
         self._masks: dict = {}
         self._launch: dict = {}
         self._readers: dict = {}
@@ -235,7 +236,7 @@ class _Context:
         if hit is None:
             try:
                 reg = extract(self.graph, [self.names[v] for v in P], self.consumers,
-                              self.fetched, self.order)
+                              self.fetched, self.order, self._emits)
                 why = self.legal(reg.spec) or _fus.backend_reason(reg.spec, self.profile)
                 if why is None:
                     why = reuse_reason(reg.spec, self.profile)
