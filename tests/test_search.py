@@ -477,3 +477,20 @@ def test_chains_below_sibling_products_pack_despite_the_overlap_penalty():
     assert sorted(regions(p)) == [["g0", "g1"], ["k0", "k1", "v0", "v1"]]
     p = plan(_sibling_chains(["Exp"]), legal=lambda s: check(s).reason)
     assert all(len(r) == 1 for r in regions(p)), regions(p)
+
+
+def test_patterns_with_is_the_walk_over_the_candidates_and_follows_a_new_dp():
+    # _cost_reason's index of the DP's candidates by node: the same patterns, in the
+    # order a walk of C meets them (a set built from them iterates alike), rebuilt when
+    # the DP reruns (a new C)
+    from stitching.plan.search import SearchConfig, _candidates, _Context
+    ctx = _Context(encoder(2), allow_all, SearchConfig())
+    ctx.C = _candidates(ctx)
+    for v in range(len(ctx.names)):
+        walk = [P for C in ctx.C.values() for P in C if v in P and len(P) > 1]
+        assert ctx.patterns_with(v) == walk
+        assert list(set(ctx.patterns_with(v))) == list(set(walk))
+    v = max(ctx.C, key=lambda u: len(ctx.C[u]))
+    ctx.C = {v: [frozenset((v, v + 1))]}
+    assert ctx.patterns_with(v) == [frozenset((v, v + 1))]
+    assert ctx.patterns_with(v + 2) == []
