@@ -293,6 +293,7 @@ class GraphCosts:
                              profile.registers_per_unit // profile.max_threads_per_unit
                              - GPU_BASE_REGS)   # live values that cost nothing
         self._memo: dict = {}
+        self._weights = None     # kernel_factor's per-node terms
 
     def _inputs(self, graph, node) -> tuple:
         """((value id, bytes, producer index), ...): distinct non-constant inputs."""
@@ -343,11 +344,15 @@ class GraphCosts:
         the work (its uncalibrated time as an op of its own); 1 without factors."""
         if not self.profile.kernel_time_scale:
             return 1.0
-        fixed = self.profile.launch_s + self.profile.task_s
-        weights = [(max(0.0, self.unfused[v] - fixed) / self.scale[v], self.kscale[v])
-                   for v in P]
-        total = sum(w for w, _ in weights)
-        return sum(w * k for w, k in weights) / total if total > 0 else 1.0
+        if self._weights is None:
+            # each node's weight and weighted factor, computed once (the planner asks
+            # for thousands of patterns); summed in P's order as before: the same floats
+            fixed = self.profile.launch_s + self.profile.task_s
+            w = [max(0.0, u - fixed) / s for u, s in zip(self.unfused, self.scale)]
+            self._weights = (w, [x * k for x, k in zip(w, self.kscale)])
+        w, wk = self._weights
+        total = sum(map(w.__getitem__, P))
+        return sum(map(wk.__getitem__, P)) / total if total > 0 else 1.0
 
     def delta(self, P: frozenset) -> Delta:
         d = self._memo.get(P)
