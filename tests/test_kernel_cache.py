@@ -318,3 +318,22 @@ def test_compile_workers_fit_the_containers_cpus_and_memory(monkeypatch, files, 
     assert parallel.default_jobs() == jobs
     monkeypatch.setenv("STITCHING_COMPILE_JOBS", "5")           # asked for: as asked
     assert parallel.default_jobs() == 5
+
+
+def test_code_name_memo_follows_the_backend_and_the_text(monkeypatch):
+    # code_name is memoized per (text, backend mark): a process that switches
+    # STITCHING_CPU_BACKEND, or a translator whose sources changed (direct.tag), names
+    # the code afresh, never with the name the memo holds for the other backend
+    from stitching.compile import direct, kernel
+    text = "def body(a):\n    v0 = a + 1\n    return v0\n"
+    monkeypatch.setenv("STITCHING_CPU_BACKEND", "llvm")
+    llvm = kernel.code_name(text)
+    assert kernel.code_name(text) == llvm
+    assert kernel.code_name(text.replace("v0", "v7")) == llvm      # same code up to naming
+    assert kernel.code_name(text.replace("+ 1", "+ 2")) != llvm
+    monkeypatch.setenv("STITCHING_CPU_BACKEND", "numba")
+    numba = kernel.code_name(text)
+    assert numba != llvm
+    monkeypatch.setenv("STITCHING_CPU_BACKEND", "llvm")
+    monkeypatch.setattr(direct, "_TAG", "0" * 12)
+    assert kernel.code_name(text) not in (llvm, numba)

@@ -514,8 +514,23 @@ def code_name(text: str) -> str:
     dropped, emitter-made names renumbered: cpu.canonical), so specs whose code is
     the same program up to naming compile once and share the shared object.  Measured:
     the Transformer block's two LayerNorms and two of ResNet50's BN kernels differed
-    only in node numbering or the spec hash in the header: 5 -> 4 and 6 -> 5 compiles."""
-    return f"k_{hashlib.sha256((canonical(text) + _backend_mark()).encode()).hexdigest()[:24]}"
+    only in node numbering or the spec hash in the header: 5 -> 4 and 6 -> 5 compiles.
+
+    Memoized per (text, backend mark): uncached_code names each code to probe the
+    cache, and _compile_exact names it again (canonical() is ~0.25 ms a kernel)."""
+    key = (text, _backend_mark())
+    name = _code_names.get(key)
+    if name is None:
+        name = f"k_{hashlib.sha256((canonical(text) + key[1]).encode()).hexdigest()[:24]}"
+        with _lock:
+            if len(_code_names) >= _CODE_NAMES_MAX:
+                _code_names.clear()
+            _code_names[key] = name
+    return name
+
+
+_code_names: dict = {}        # (kernel text, backend mark) -> code_name (a pure function)
+_CODE_NAMES_MAX = 1024        # arbitrary: a graph's distinct codes, a few graphs over
 
 
 def _backend_mark() -> str:
