@@ -294,6 +294,7 @@ class GraphCosts:
                              - GPU_BASE_REGS)   # live values that cost nothing
         self._memo: dict = {}
         self._weights = None     # kernel_factor's per-node terms
+        self._producers = [tuple(u for _, _, u in i) for i in ins]    # _chain's edges
 
     def _inputs(self, graph, node) -> tuple:
         """((value id, bytes, producer index), ...): distinct non-constant inputs."""
@@ -400,10 +401,17 @@ class GraphCosts:
     def _chain(self, P) -> float:
         """The costliest chain of dependent transcendental ops in P, per element (Exps);
         indices follow the planning order, which is topological."""
+        preds, chain = self._producers, self.chain
         path: dict = {}
         for v in sorted(P):
-            up = max((path[u] for _, _, u in self.ins[v] if u in path), default=0.0)
-            path[v] = up + self.chain[v]
+            # the largest path into v (its producers in P), else 0.0: max() with its
+            # default, unrolled (paths are sums of costs >= 0: the same floats)
+            up = 0.0
+            for u in preds[v]:
+                x = path.get(u)
+                if x is not None and x > up:
+                    up = x
+            path[v] = up + chain[v]
         return max(path.values(), default=0.0)
 
     def _scratch_s(self, P, stitched, active) -> float:

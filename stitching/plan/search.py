@@ -136,6 +136,7 @@ class _Context:
         self.fusible = [i for i, n in enumerate(self.names)
                         if _fus.is_candidate(graph, graph[n])]
         self.side_users = self._side_users()
+        self._side_keys = frozenset(self.side_users)
         # SmallMatMul runs in element-wise kernels only (schedule/contract.py): a pattern
         # with a product and a reduction is refused without building its spec, and the
         # DP does not spend its width on such patterns (a squeeze-excite's products
@@ -150,6 +151,9 @@ class _Context:
         self.windows = [mask_of([i, self.order[graph[n].inputs[0].node]])
                         for i, (n, k) in enumerate(zip(self.names, kinds))
                         if k == Kind.WINDOW]
+        self.any_window = 0                # clash: most patterns touch no window
+        for w in self.windows:
+            self.any_window |= w
         self.boundaries: dict = {}         # (node, reason) -> None, insertion ordered
         self.reuse_cuts: dict = {}         # pattern -> why reloading beat folding
         self.reuse_why: set = set()        # those reasons (no boundaries: notes say them)
@@ -204,8 +208,9 @@ class _Context:
         return self.costs.gain(P)
 
     def side_reason(self, P) -> str | None:
-        for v in P:
-            if any(u not in P for u in self.side_users.get(v, ())):
+        users = self.side_users
+        for v in self._side_keys.intersection(P):       # one answer, whatever v
+            if any(u not in P for u in users[v]):
                 return "only the first output of a fused node can leave a kernel"
         return None
 
@@ -216,7 +221,7 @@ class _Context:
         if m & self.products and m & self.reductions:
             return ("a SmallMatMul and a reduction in one kernel: products run in "
                     "element-wise kernels only")
-        if any(m & w == w for w in self.windows):
+        if m & self.any_window and any(m & w == w for w in self.windows):
             return ("a depthwise convolution and the producer of its input in one "
                     "kernel: the window reads that input at other pixels")
         return None
