@@ -337,3 +337,34 @@ def test_code_name_memo_follows_the_backend_and_the_text(monkeypatch):
     monkeypatch.setenv("STITCHING_CPU_BACKEND", "llvm")
     monkeypatch.setattr(direct, "_TAG", "0" * 12)
     assert kernel.code_name(text) not in (llvm, numba)
+
+
+def test_specs_sharing_a_compile_target_are_emitted_once(tmp_path, monkeypatch):
+    # uncached_code emits a generic twin's code once for every spec it serves, and
+    # each of them gets the same (target, text, code name) as when emitted alone
+    from stitching.codegen.cpu import emitter
+    from stitching.compile import kernel
+    from stitching.ir.builder import SpecBuilder
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+
+    def spec(rows):
+        b = SpecBuilder()
+        x = b.input("float32", (rows, 96))
+        g = b.input("float32", (96,))
+        return b.build([b.Mul(b.Sigmoid(b.Add(x, g)), b.const(2.0))])
+    specs = [spec(r) for r in (64, 128, 256)]
+    targets = {kernel.compile_target(s).hash for s in specs}
+    assert len(targets) == 1 and specs[0].hash not in targets      # one shared twin
+    alone = []
+    for s in specs:
+        kernel._emitted.clear()
+        alone.append(kernel.uncached_code(s))
+    kernel._emitted.clear()
+    calls = []
+    real = emitter.emit
+    monkeypatch.setattr(emitter, "emit", lambda sched: calls.append(1) or real(sched))
+    together = [kernel.uncached_code(s) for s in specs]
+    kernel._emitted.clear()
+    assert len(calls) == 1
+    assert [(t.hash, text, name) for t, text, name in together] == \
+        [(t.hash, text, name) for t, text, name in alone]
