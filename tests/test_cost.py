@@ -654,3 +654,21 @@ def test_python_m_stitching_profile_shows_the_profile_in_use_and_its_origins(cap
     assert "PROVISIONAL" in out and "amd-avx2 machine model" in out
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "no-such-profile")
     assert profile.main([]) == 2
+
+
+def test_kernel_factor_sums_the_same_terms_in_the_same_order():
+    # kernel_factor's per-node terms are computed once per GraphCosts: the factor of
+    # every pattern is the float the per-pattern formula gives, bit for bit
+    import itertools
+    prof = profiles.get("amd-avx2")
+    assert prof.kernel_time_scale
+    g = layernorm(G().input("x", [512, 768])).opaque("o", ["y"], [512, 768]).build("o")
+    c = costs(g, prof)
+    fixed = prof.launch_s + prof.task_s
+    nodes = [c.index[n] for n in ("mean", "d", "sq", "var", "ve", "inv", "y")]
+    for r in (1, 2, 3, 7):
+        for P in map(frozenset, itertools.combinations(nodes, r)):
+            weights = [(max(0.0, c.unfused[v] - fixed) / c.scale[v], c.kscale[v]) for v in P]
+            total = sum(w for w, _ in weights)
+            want = sum(w * k for w, k in weights) / total if total > 0 else 1.0
+            assert c.kernel_factor(P) == want

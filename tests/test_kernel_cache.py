@@ -318,3 +318,53 @@ def test_compile_workers_fit_the_containers_cpus_and_memory(monkeypatch, files, 
     assert parallel.default_jobs() == jobs
     monkeypatch.setenv("STITCHING_COMPILE_JOBS", "5")           # asked for: as asked
     assert parallel.default_jobs() == 5
+
+
+def test_code_name_memo_follows_the_backend_and_the_text(monkeypatch):
+    # code_name is memoized per (text, backend mark): a process that switches
+    # STITCHING_CPU_BACKEND, or a translator whose sources changed (direct.tag), names
+    # the code afresh, never with the name the memo holds for the other backend
+    from stitching.compile import direct, kernel
+    text = "def body(a):\n    v0 = a + 1\n    return v0\n"
+    monkeypatch.setenv("STITCHING_CPU_BACKEND", "llvm")
+    llvm = kernel.code_name(text)
+    assert kernel.code_name(text) == llvm
+    assert kernel.code_name(text.replace("v0", "v7")) == llvm      # same code up to naming
+    assert kernel.code_name(text.replace("+ 1", "+ 2")) != llvm
+    monkeypatch.setenv("STITCHING_CPU_BACKEND", "numba")
+    numba = kernel.code_name(text)
+    assert numba != llvm
+    monkeypatch.setenv("STITCHING_CPU_BACKEND", "llvm")
+    monkeypatch.setattr(direct, "_TAG", "0" * 12)
+    assert kernel.code_name(text) not in (llvm, numba)
+
+
+def test_specs_sharing_a_compile_target_are_emitted_once(tmp_path, monkeypatch):
+    # uncached_code emits a generic twin's code once for every spec it serves, and
+    # each of them gets the same (target, text, code name) as when emitted alone
+    from stitching.codegen.cpu import emitter
+    from stitching.compile import kernel
+    from stitching.ir.builder import SpecBuilder
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+
+    def spec(rows):
+        b = SpecBuilder()
+        x = b.input("float32", (rows, 96))
+        g = b.input("float32", (96,))
+        return b.build([b.Mul(b.Sigmoid(b.Add(x, g)), b.const(2.0))])
+    specs = [spec(r) for r in (64, 128, 256)]
+    targets = {kernel.compile_target(s).hash for s in specs}
+    assert len(targets) == 1 and specs[0].hash not in targets      # one shared twin
+    alone = []
+    for s in specs:
+        kernel._emitted.clear()
+        alone.append(kernel.uncached_code(s))
+    kernel._emitted.clear()
+    calls = []
+    real = emitter.emit
+    monkeypatch.setattr(emitter, "emit", lambda sched: calls.append(1) or real(sched))
+    together = [kernel.uncached_code(s) for s in specs]
+    kernel._emitted.clear()
+    assert len(calls) == 1
+    assert [(t.hash, text, name) for t, text, name in together] == \
+        [(t.hash, text, name) for t, text, name in alone]

@@ -136,3 +136,43 @@ def test_extracted_specs_are_already_canonical():
     for r in p.regions:
         v = validate(r.spec)
         assert v == r.spec and v.hash == r.spec.hash
+
+
+def test_extract_memo_gives_the_specs_extract_makes_without_it():
+    # the search planner's memo (a node's spec attrs and inferred type, per argument
+    # types) shared by every candidate region of a graph: each region's spec is the
+    # one extract makes without it, whatever the regions asked before
+    from irbuild import encoder
+    from stitching.plan.region import extract
+    g = encoder(2)
+    order = {name: k for k, name in enumerate(g.topo_order())}
+    cons, fetched = g.consumers(), set(g.outputs)
+    fusible = [n for n in g.topo_order() if g[n].op not in ("Placeholder", "MatMul")]
+    memo = {}
+    for size in (1, 2, 3, 5, 8):
+        for start in range(0, len(fusible) - size + 1, 2):
+            names = fusible[start:start + size]
+            try:
+                plain = extract(g, names, cons, fetched, order)
+            except ValueError:
+                continue
+            memoized = extract(g, names, cons, fetched, order, memo)
+            assert memoized.spec == plain.spec and memoized.spec.hash == plain.spec.hash
+    assert memo
+
+
+def test_extract_memo_is_keyed_by_argument_types():
+    # a node met again with arguments of other types (a memo kept past a change of the
+    # graph's shapes) is inferred again, not given the first answer
+    from stitching.plan.region import extract
+
+    def graph(width):
+        b = G().input("x", [-1, width]).op("e", "Exp", ["x"]).op("n", "Neg", ["e"])
+        return b.opaque("u", ["n"], [-1, width]).build("u")
+    memo = {}
+    for width in (64, 32):
+        g = graph(width)
+        order = {name: k for k, name in enumerate(g.topo_order())}
+        reg = extract(g, ["e", "n"], g.consumers(), set(g.outputs), order, memo)
+        assert all(n.type.shape == (-1, width) for n in reg.spec.nodes)
+        assert reg.spec == extract(g, ["e", "n"], g.consumers(), set(g.outputs), order).spec

@@ -239,3 +239,29 @@ def test_stored_results_are_named_by_the_sources_contents_not_their_times(tmp_pa
     old, fixed = release("y = 1 * sqrt(x)\n"), release("y = 1 / sqrt(x)\n")
     assert old != fixed
     assert release("y = 1 * sqrt(x)\n") == old          # the same sources: the same name
+
+
+def test_report_state_leaves_the_report_as_it_was_and_round_trips():
+    # _report_state hands the report's own values to the encoder (no deep copy): the
+    # report itself must come out unchanged, and the stored state read back equal
+    import copy
+    from stitching.report import KernelInfo, Report
+    body = Report(function="body")
+    body.kernels = [KernelInfo("k0", [("a", "Exp")], "elementwise", 1, 1, "h0",
+                               counted=frozenset({"a"}))]
+    rep = Report(function="f")
+    rep.kernels = [KernelInfo("k1", [("b", "Mul"), ("c", "Add")], "row", 2, 1, "h1",
+                              counted=frozenset({"c", "b"})),
+                   KernelInfo("k2", [("d", "Neg")], "elementwise", 1, 1, "h2")]
+    rep.unfused = [("e", "Exp", "why")]
+    rep.bodies = [("body_fn", body, ""), ("empty_fn", None, "nothing to fuse")]
+    rep.tiering, rep.dump_path = "tier 1 ran", "/some/dump"
+    before = copy.deepcopy(rep)
+    state = results._report_state(rep)
+    text = json.dumps(state)
+    assert rep == before
+    assert state["kernels"][0]["counted"] == ["b", "c"]
+    back = results._report_from(json.loads(text))
+    assert back.kernels == rep.kernels and back.unfused == rep.unfused
+    assert back.bodies[0][1].kernels == body.kernels and back.bodies[1][1] is None
+    assert back.tiering == "" and back.dump_path is None

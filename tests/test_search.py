@@ -477,3 +477,71 @@ def test_chains_below_sibling_products_pack_despite_the_overlap_penalty():
     assert sorted(regions(p)) == [["g0", "g1"], ["k0", "k1", "v0", "v1"]]
     p = plan(_sibling_chains(["Exp"]), legal=lambda s: check(s).reason)
     assert all(len(r) == 1 for r in regions(p)), regions(p)
+
+
+def test_patterns_with_is_the_walk_over_the_candidates_and_follows_a_new_dp():
+    # _cost_reason's index of the DP's candidates by node: the same patterns, in the
+    # order a walk of C meets them (a set built from them iterates alike), rebuilt when
+    # the DP reruns (a new C)
+    from stitching.plan.search import SearchConfig, _candidates, _Context
+    ctx = _Context(encoder(2), allow_all, SearchConfig())
+    ctx.C = _candidates(ctx)
+    for v in range(len(ctx.names)):
+        walk = [P for C in ctx.C.values() for P in C if v in P and len(P) > 1]
+        assert ctx.patterns_with(v) == walk
+        assert list(set(ctx.patterns_with(v))) == list(set(walk))
+    v = max(ctx.C, key=lambda u: len(ctx.C[u]))
+    ctx.C = {v: [frozenset((v, v + 1))]}
+    assert ctx.patterns_with(v) == [frozenset((v, v + 1))]
+    assert ctx.patterns_with(v + 2) == []
+
+
+def test_structural_refusals_and_chains_match_their_plain_definitions():
+    # clash (with its quick reject of patterns that touch no window), side_reason (over
+    # the nodes with side readers only) and GraphCosts._chain (its max unrolled) give
+    # what their plain definitions give, for every small pattern of a graph with a
+    # depthwise window, a node read past its first output, a reduction and
+    # transcendentals in chains
+    import itertools
+    from stitching.ir import Node, TensorType
+    from stitching.plan.search import SearchConfig, _Context
+    t = TensorType(F, (1, 8, 8, 4))
+    b = (G().input("x", [1, 8, 8, 4]).input("f", [3, 3, 4, 1])
+         .op("e", "Exp", ["x"]).op("dw", "DepthwiseConv2D", ["e", "f"], strides=[1, 1],
+                                           pads=[1, 1, 1, 1])
+         .op("t", "Tanh", ["dw"]).op("m", "Mean", ["t"], axes=[3], keep_dims=True)
+         .op("s", "Sigmoid", ["m"]).op("y", "Mul", ["t", "s"]))
+    b.g.add(Node("two", "Exp", [ValueRef("y")], {}, [t, t]))       # a second output
+    b.g.add(Node("side", "Neg", [ValueRef("two", 1)], {}, [t]))
+    b.op("u", "Tanh", ["two"]).op("v", "Add", ["u", "side"])
+    g = b.opaque("o", ["v"], [1, 8, 8, 4]).build("o")
+    ctx = _Context(g, allow_all, SearchConfig())
+    assert ctx.windows and ctx.side_users
+
+    def clash(P):
+        m = ctx.mask(P)
+        if m & ctx.products and m & ctx.reductions:
+            return "product"
+        return "window" if any(m & w == w for w in ctx.windows) else None
+
+    def side(P):
+        return any(u not in P for v in P for u in ctx.side_users.get(v, ()))
+
+    def chain(P):
+        path = {}
+        for v in sorted(P):
+            up = max((path[u] for _, _, u in ctx.costs.ins[v] if u in path), default=0.0)
+            path[v] = up + ctx.costs.chain[v]
+        return max(path.values(), default=0.0)
+    nodes = [ctx.order[n] for n in g.topo_order() if g[n].op not in ("Placeholder", "MatMul")]
+    seen = {"window": 0, "side": 0, "chain": 0}
+    for r in (1, 2, 3, 4):
+        for P in map(frozenset, itertools.combinations(nodes, r)):
+            want = clash(P)
+            assert (ctx.clash(P) is None) == (want is None)
+            seen["window"] += want == "window"
+            assert (ctx.side_reason(P) is not None) == side(P)
+            seen["side"] += side(P)
+            assert ctx.costs._chain(P) == chain(P)
+            seen["chain"] += chain(P) > max(ctx.costs.chain[v] for v in P)
+    assert all(seen.values()), seen

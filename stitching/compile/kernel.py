@@ -514,8 +514,23 @@ def code_name(text: str) -> str:
     dropped, emitter-made names renumbered: cpu.canonical), so specs whose code is
     the same program up to naming compile once and share the shared object.  Measured:
     the Transformer block's two LayerNorms and two of ResNet50's BN kernels differed
-    only in node numbering or the spec hash in the header: 5 -> 4 and 6 -> 5 compiles."""
-    return f"k_{hashlib.sha256((canonical(text) + _backend_mark()).encode()).hexdigest()[:24]}"
+    only in node numbering or the spec hash in the header: 5 -> 4 and 6 -> 5 compiles.
+
+    Memoized per (text, backend mark): uncached_code names each code to probe the
+    cache, and _compile_exact names it again (canonical() is ~0.25 ms a kernel)."""
+    key = (text, _backend_mark())
+    name = _code_names.get(key)
+    if name is None:
+        name = f"k_{hashlib.sha256((canonical(text) + key[1]).encode()).hexdigest()[:24]}"
+        with _lock:
+            if len(_code_names) >= _CODE_NAMES_MAX:
+                _code_names.clear()
+            _code_names[key] = name
+    return name
+
+
+_code_names: dict = {}        # (kernel text, backend mark) -> code_name (a pure function)
+_CODE_NAMES_MAX = 1024        # arbitrary: a graph's distinct codes, a few graphs over
 
 
 def _backend_mark() -> str:
@@ -572,9 +587,9 @@ class _Code:
 
     def _build(self, source, lean, text, tier) -> None:
         stem, symbol = self.stem, self.symbol
-        use_helper_cache()
         if text is not None and self._build_direct(text, symbol, tier):
             return
+        use_helper_cache()
         self.backend = "numba"
         pyfunc, sig, options = source()
         try:
@@ -620,6 +635,7 @@ class _Code:
         from . import direct
         with _claim(self.stem):
             if not native.built(self.stem):     # else another process's is there
+                use_helper_cache()
                 direct.build(self.text, self.stem, self.symbol, 2)
         self.upgrade()
 
@@ -636,6 +652,10 @@ class _Code:
             at = self.stem if tier == 2 else _tier1_dir() / self.stem.name
             if not (tier == 1 and native.built(at)):    # a compile worker's tier 1
                 from ..codegen.cpu.emitter import tier1_text
+                # the helpers' code is linked in: their cache decided first.  Not
+                # before: loading a worker's tier-1 object needs no Numba, whose
+                # import (helper_cache's) cost the waiting first call 0.3-0.4 s CPU
+                use_helper_cache()
                 direct.build(tier1_text(text) if tier == 1 else text, at, symbol, tier)
             self.address = native.load(at, symbol)
             self.tier, self.built_at = tier, at
@@ -860,8 +880,16 @@ def uncached_code(spec: KernelSpec):
         target = compile_target(spec)
         if _final(target.hash):
             return None
-        sched = build_schedule(target)
-        source = cpu().emit(sched)
+        # specs that differ only in static sizes share one target (their generic
+        # twin): emitted once, for the first of them (EfficientNetB0's 45 specs have
+        # ~30 targets)
+        with _lock:
+            hit = _emitted.get(target.hash)
+        if hit is not None:
+            sched, source = hit
+        else:
+            sched = build_schedule(target)
+            source = cpu().emit(sched)
     except Exception:  # noqa: BLE001 - compile_kernel reports it
         return None
     text = source.text

@@ -293,6 +293,8 @@ class GraphCosts:
                              profile.registers_per_unit // profile.max_threads_per_unit
                              - GPU_BASE_REGS)   # live values that cost nothing
         self._memo: dict = {}
+        self._weights = None     # kernel_factor's per-node terms
+        self._producers = [tuple(u for _, _, u in i) for i in ins]    # _chain's edges
 
     def _inputs(self, graph, node) -> tuple:
         """((value id, bytes, producer index), ...): distinct non-constant inputs."""
@@ -343,11 +345,15 @@ class GraphCosts:
         the work (its uncalibrated time as an op of its own); 1 without factors."""
         if not self.profile.kernel_time_scale:
             return 1.0
-        fixed = self.profile.launch_s + self.profile.task_s
-        weights = [(max(0.0, self.unfused[v] - fixed) / self.scale[v], self.kscale[v])
-                   for v in P]
-        total = sum(w for w, _ in weights)
-        return sum(w * k for w, k in weights) / total if total > 0 else 1.0
+        if self._weights is None:
+            # each node's weight and weighted factor, computed once (the planner asks
+            # for thousands of patterns); summed in P's order as before: the same floats
+            fixed = self.profile.launch_s + self.profile.task_s
+            w = [max(0.0, u - fixed) / s for u, s in zip(self.unfused, self.scale)]
+            self._weights = (w, [x * k for x, k in zip(w, self.kscale)])
+        w, wk = self._weights
+        total = sum(map(w.__getitem__, P))
+        return sum(map(wk.__getitem__, P)) / total if total > 0 else 1.0
 
     def delta(self, P: frozenset) -> Delta:
         d = self._memo.get(P)
@@ -395,10 +401,17 @@ class GraphCosts:
     def _chain(self, P) -> float:
         """The costliest chain of dependent transcendental ops in P, per element (Exps);
         indices follow the planning order, which is topological."""
+        preds, chain = self._producers, self.chain
         path: dict = {}
         for v in sorted(P):
-            up = max((path[u] for _, _, u in self.ins[v] if u in path), default=0.0)
-            path[v] = up + self.chain[v]
+            # the largest path into v (its producers in P), else 0.0: max() with its
+            # default, unrolled (paths are sums of costs >= 0: the same floats)
+            up = 0.0
+            for u in preds[v]:
+                x = path.get(u)
+                if x is not None and x > up:
+                    up = x
+            path[v] = up + chain[v]
         return max(path.values(), default=0.0)
 
     def _scratch_s(self, P, stitched, active) -> float:

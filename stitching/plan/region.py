@@ -51,7 +51,11 @@ def _spec_attrs(node) -> dict:
 
 
 def extract(graph: Graph, names: list, consumers: dict, fetched: set,
-            order: dict) -> Region:
+            order: dict, memo: dict | None = None) -> Region:
+    """The Region of ``names``.  ``memo``: a dict the caller keeps for one graph while
+    that graph does not change (the search planner's, across its hundreds of candidate
+    regions): each graph node's spec attrs and inferred type, per argument types,
+    computed once (a pure function of the node and those types)."""
     members = set(names)
     clash = devices_conflict({graph[n].attrs.get(DEVICE_ATTR, "") for n in members})
     if clash is not None:
@@ -68,7 +72,7 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
         if o.index >= MULTI_OUTPUT.get(graph[o.node].op, 1):
             raise ValueError(f"{o}: only the first output of a fused node can leave a kernel")
     names = _structural_order(graph, members, outputs, order)
-    b = _SpecBuilder()
+    b = _SpecBuilder(memo=memo)
     env: dict[ValueRef, int] = {}
     inputs: list[ValueRef] = []
 
@@ -79,7 +83,7 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
         if src.op == "Const" and r.node not in members:
             # folded in: its value, never its placement (under tf.device or a
             # strategy every Const has a device, which no KernelSpec takes)
-            env[r] = b.emit("Const", [], _spec_attrs(src))
+            env[r] = b.emit_node(src, [])
         else:
             inputs.append(r)
             b.inputs.append(graph.type_of(r))
@@ -89,15 +93,15 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
     for name in names:
         node = graph[name]
         args = [ref_of(r) for r in node.inputs]
-        attrs = _spec_attrs(node)
         if node.op == "Identity":
             env[ValueRef(name, 0)] = args[0]    # the same value: no node, no code
         elif node.op in COMPOSITE_OPS:
+            attrs = _spec_attrs(node)
             r = expand(node.op, attrs, args, [b.type_of(a) for a in args], b.emit)
             for i, ri in enumerate(r if isinstance(r, tuple) else (r,)):
                 env[ValueRef(name, i)] = ri
         else:
-            env[ValueRef(name, 0)] = b.emit(node.op, args, attrs)
+            env[ValueRef(name, 0)] = b.emit_node(node, args)
     # An output that is a kernel input (a fused Identity of one), or a value already
     # written by an earlier output (an Identity of it), needs a node of its own.
     out_refs = []
@@ -180,9 +184,28 @@ def _structural_order(graph: Graph, members: set, outputs: list, order: dict) ->
 class _SpecBuilder:
     """Appends primitive nodes with canonical attrs and inferred types."""
 
-    def __init__(self, inputs=()):
+    def __init__(self, inputs=(), memo: dict | None = None):
         self.inputs: list[TensorType] = list(inputs)
         self.nodes: list[SpecNode] = []
+        self.memo = memo
+
+    def emit_node(self, node, args: list) -> int:
+        """``emit`` of a graph node (its attrs less the planner's), through ``memo``
+        keyed by the node's name and its arguments' types."""
+        if self.memo is None:
+            return self.emit(node.op, args, _spec_attrs(node))
+        types = tuple(self.type_of(a) for a in args)
+        key = (node.name, types)
+        hit = self.memo.get(key)
+        if hit is None:
+            d = OPS.get(node.op)
+            if d is None:
+                raise ValueError(f"op {node.op!r} is not in the op table")
+            attrs = d.validate_attrs(_spec_attrs(node))
+            hit = self.memo[key] = (attrs, infer(node.op, attrs, list(types)))
+        # a dict of its own per spec node, as emit makes (nothing may share one)
+        self.nodes.append(SpecNode(node.op, tuple(args), dict(hit[0]), hit[1]))
+        return len(self.nodes) - 1
 
     def type_of(self, ref: int) -> TensorType:
         return self.inputs[-ref - 1] if ref < 0 else self.nodes[ref].type

@@ -136,6 +136,7 @@ class _Context:
         self.fusible = [i for i, n in enumerate(self.names)
                         if _fus.is_candidate(graph, graph[n])]
         self.side_users = self._side_users()
+        self._side_keys = frozenset(self.side_users)
         # SmallMatMul runs in element-wise kernels only (schedule/contract.py): a pattern
         # with a product and a reduction is refused without building its spec, and the
         # DP does not spend its width on such patterns (a squeeze-excite's products
@@ -150,6 +151,9 @@ class _Context:
         self.windows = [mask_of([i, self.order[graph[n].inputs[0].node]])
                         for i, (n, k) in enumerate(zip(self.names, kinds))
                         if k == Kind.WINDOW]
+        self.any_window = 0                # clash: most patterns touch no window
+        for w in self.windows:
+            self.any_window |= w
         self.boundaries: dict = {}         # (node, reason) -> None, insertion ordered
         self.reuse_cuts: dict = {}         # pattern -> why reloading beat folding
         self.reuse_why: set = set()        # those reasons (no boundaries: notes say them)
@@ -157,6 +161,8 @@ class _Context:
         self.C: dict = {}                  # vertex -> candidate patterns (last DP run)
         self.final_groups: list = []       # the merged kernels deploy considered
         self._legal: dict = {}
+        self._emits: dict = {}             # region.extract's memo for this graph
+        self._with = None                  # (C, node -> its patterns): patterns_with
         self._masks: dict = {}
         self._launch: dict = {}
         self._readers: dict = {}
@@ -202,8 +208,9 @@ class _Context:
         return self.costs.gain(P)
 
     def side_reason(self, P) -> str | None:
-        for v in P:
-            if any(u not in P for u in self.side_users.get(v, ())):
+        users = self.side_users
+        for v in self._side_keys.intersection(P):       # one answer, whatever v
+            if any(u not in P for u in users[v]):
                 return "only the first output of a fused node can leave a kernel"
         return None
 
@@ -214,7 +221,7 @@ class _Context:
         if m & self.products and m & self.reductions:
             return ("a SmallMatMul and a reduction in one kernel: products run in "
                     "element-wise kernels only")
-        if any(m & w == w for w in self.windows):
+        if m & self.any_window and any(m & w == w for w in self.windows):
             return ("a depthwise convolution and the producer of its input in one "
                     "kernel: the window reads that input at other pixels")
         return None
@@ -235,7 +242,7 @@ class _Context:
         if hit is None:
             try:
                 reg = extract(self.graph, [self.names[v] for v in P], self.consumers,
-                              self.fetched, self.order)
+                              self.fetched, self.order, self._emits)
                 why = self.legal(reg.spec) or _fus.backend_reason(reg.spec, self.profile)
                 if why is None:
                     why = reuse_reason(reg.spec, self.profile)
@@ -246,6 +253,22 @@ class _Context:
                 reg, why = None, str(e)
             hit = self._legal[P] = (reg if why is None else None, why)
         return hit[1]
+
+    def patterns_with(self, v: int) -> list:
+        """The DP's candidate patterns (the last run's, ``C``) of more than one node
+        that hold v, in the order a walk of ``C`` meets them (so a set built from them
+        iterates as one built from that walk).  Indexed once per ``C``: asked for each
+        op left out of the kernels (_cost_reason), the walk over every candidate of
+        the graph was 9% of a Transformer training step's planning."""
+        if self._with is None or self._with[0] is not self.C:
+            index: dict = {}
+            for C in self.C.values():
+                for P in C:
+                    if len(P) > 1:
+                        for u in P:
+                            index.setdefault(u, []).append(P)
+            self._with = (self.C, index)
+        return self._with[1].get(v, [])
 
     def region(self, P):
         self.check(P)
@@ -812,7 +835,7 @@ def _cost_reason(ctx: _Context, v: int, placed: dict, min_ops: int) -> str | Non
     would not be a kernel whatever it saves: min_ops is the reason then."""
     if not (ctx.fcons.get(v) or ctx.fprod.get(v)):
         return None
-    pats = {P for C in ctx.C.values() for P in C if v in P and len(P) > 1}
+    pats = set(ctx.patterns_with(v))
     for r in ctx.final_groups:
         if not r.isdisjoint(set(ctx.fcons.get(v, ())) | set(ctx.fprod.get(v, ()))):
             U = r | {v}

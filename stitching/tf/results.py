@@ -49,7 +49,6 @@ was marked when a result was stored for it, and skips the probe where none was.
 from __future__ import annotations
 
 import base64
-import copy
 import hashlib
 import json
 import time
@@ -363,6 +362,10 @@ def _functions_renamed(graph_def, names: dict):
 # ---- the report as JSON data, and back
 
 def _report_state(rep: Report) -> dict:
+    """``rep`` as JSON data, for ``save`` (which encodes it at once): the report's own
+    values, not copies (no deep copy: only new containers are changed here, and the
+    encoder reads the values as they are; the copy was a fifth of EfficientNetB0's
+    cold save)."""
     d = {f.name: getattr(rep, f.name) for f in fields(rep)}
     d["kernels"] = [{f.name: getattr(k, f.name) for f in fields(k)} for k in rep.kernels]
     for k in d["kernels"]:
@@ -371,7 +374,7 @@ def _report_state(rep: Report) -> dict:
                    for name, r, why in rep.bodies]
     d["tiering"], d["dump_path"] = "", None       # per process
     d["code_tiers"] = []            # live kernels of this process (a cached one's: tier 2)
-    return copy.deepcopy(d)
+    return d
 
 
 def _report_from(d: dict) -> Report:

@@ -122,6 +122,8 @@ def _const_node(name, values, dtype):
 
 
 def _run(ctx):
+    if not ctx.has_op("BroadcastGradientArgs"):     # fold reads only those
+        return
     folded = fold(ctx.tf_graph, ctx.graph_def, ctx.excluded)
     if folded is not None:
         ctx.replace(folded)

@@ -140,6 +140,8 @@ def sink(tf_graph, graph_def, excluded=frozenset()):
 
 
 def _run(ctx):
+    if not ctx.has_op("Transpose"):     # sink reads only those
+        return
     new = sink(ctx.tf_graph, ctx.graph_def, ctx.excluded)
     if new is not None:
         ctx.replace(new)

@@ -503,6 +503,8 @@ def _run(ctx):
     if prof.backend != "cpu" or not remapper.onednn(prof):
         return None          # the one-thread rule is oneDNN's (the module's docstring)
     l2 = prof.caches.get("l2", 0)
+    if not ctx.has_op("BatchMatMulV2", "MatMul"):      # the seeds (_seed_input)
+        return None
     blocks = find(ctx.tf_graph, ctx.fetched, l2, ctx.excluded)
     if not blocks:
         return None

@@ -204,6 +204,8 @@ def _name(t) -> str:
 
 
 def _run(ctx):
+    if not ctx.has_op(OP):              # expand reads only those
+        return None
     expanded = expand(ctx.tf_graph, ctx.graph_def, ctx.excluded)
     if expanded is not None:     # readers read the loss and backprop, not the IdentityN
         #                          (a no-op node between the xent and its readers' kernel);

@@ -143,6 +143,8 @@ def _expand(nd, placement, taken) -> list:
 def _run(ctx):
     if profiles.default().backend != "cpu":
         return      # the CUDA emitter folds no layout op (no Pad): TF's one op is better
+    if not ctx.has_op("StridedSliceGrad"):      # rewrite reads only those
+        return None
     new = rewrite(ctx.tf_graph, ctx.graph_def, ctx.excluded)
     if new is not None:
         ctx.replace(new)
