@@ -276,14 +276,29 @@ def _tf_keras(model) -> bool:
     return any(c.__module__.split(".")[0] == "tf_keras" for c in type(model).__mro__)
 
 
+def _tf_keras_module(name: str):
+    """The tf_keras module ``name`` (``tf_keras.src.engine.training``...), as the
+    user's model loaded it: stitching never imports tf_keras itself.  It is not one of
+    our dependencies, nor an extra: tf-keras requires the ``tensorflow`` wheel, which
+    would install a second TensorFlow over a user's ``tensorflow-cpu``.  A model of
+    its classes means the package is loaded; its submodules import as any module."""
+    import importlib
+    import sys
+    if "tf_keras" not in sys.modules:
+        raise RuntimeError(f"stitching.keras: {name} is needed for a tf_keras model, and "
+                           f"tf_keras is not loaded in this process")
+    return importlib.import_module(name)
+
+
 def _stitched_tf_keras_export(model, options):
     """``model.export(filepath)`` of a tf_keras model with its ``serve`` endpoint
     stitched: tf_keras's ``export_model`` (its ExportArchive and input signature) over a
     StitchedFunction of ``model.__call__``, the kernels in ``assets/``."""
 
     def export(filepath):
-        from tf_keras.src.engine import functional, sequential
-        from tf_keras.src.export import export_lib
+        functional = _tf_keras_module("tf_keras.src.engine.functional")
+        sequential = _tf_keras_module("tf_keras.src.engine.sequential")
+        export_lib = _tf_keras_module("tf_keras.src.export.export_lib")
         archive = export_lib.ExportArchive()
         archive.track(model)
         if isinstance(model, (functional.Functional, sequential.Sequential)):
@@ -637,8 +652,9 @@ class _ReplicatedStep(_StitchedStep):
         strategy = _strategy(model)
         if _tf_keras(model):
             # tf_keras's step_function: the step, then its counter, then the reduction
-            from tf_keras.src.engine.training import _minimum_control_deps, \
-                reduce_per_replica
+            training = _tf_keras_module("tf_keras.src.engine.training")
+            _minimum_control_deps = training._minimum_control_deps
+            reduce_per_replica = training.reduce_per_replica
             counter = getattr(model, f"_{kind}_counter")
 
             def run_step(data):
