@@ -84,8 +84,8 @@ class Options:
             ``get_concrete_function``, which ask for the stitched graph).
             Synchronous, the first call waiting for its kernels, where it is not
             safe: a call inside another ``tf.function`` or graph trace, under a
-            ``tf.distribute`` strategy, a call with keyword, Python or NumPy
-            arguments, ``get_concrete_function`` and ``stitching-rewrite``
+            ``tf.distribute`` strategy, a call with Python arguments or
+            keywords TF binds (``*args``/``**kwargs`` functions), ``get_concrete_function`` and ``stitching-rewrite``
             (``background_compile_on`` and tf/function.py say why).  ``None``
             follows ``$STITCHING_BACKGROUND_COMPILE`` where set (``0`` turns
             tiering off for the process).  ``False``: every first call waits for

@@ -305,7 +305,8 @@ def test_tiered_by_default_stock_first_then_stitched_with_the_switch_reported(ti
 def test_synchronous_where_tiering_is_not_safe(tiered, monkeypatch):
     """The first call waits for its kernels (kernels right after it, nothing pending)
     inside another tf.function's trace, under a tf.distribute strategy, through TF's
-    call path (a keyword argument), and where the user turned tiering off: by
+    call path (a keyword a ``**kwargs`` function binds), and where the user turned
+    tiering off: by
     Options or by the environment; a value there that is neither is refused."""
     def fn(x):
         return tf.nn.relu(x * 1.5 - 0.25) + 1.0
@@ -319,7 +320,7 @@ def test_synchronous_where_tiering_is_not_safe(tiered, monkeypatch):
     synchronous(stitching.function(fn), lambda f: tf.function(lambda t: f(t) * 2.0)(x))
     with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
         synchronous(stitching.function(fn), lambda f: f(x))
-    synchronous(stitching.function(fn), lambda f: f(x=x))
+    synchronous(stitching.function(lambda **kw: fn(kw["x"])), lambda f: f(x=x))
     synchronous(stitching.function(fn, options=SYNC), lambda f: f(x))
     monkeypatch.setenv("STITCHING_BACKGROUND_COMPILE", "0")
     synchronous(stitching.function(fn), lambda f: f(x))
@@ -1108,6 +1109,43 @@ def test_dict_arguments_are_tiered_stock_first_then_stitched(tiered):
     assert f.report.tiering.endswith("stitched from call 2"), f.report.tiering
 
 
+def test_keyword_arguments_take_the_fast_path_as_positional_ones(tiered):
+    """``f(input_ids=..., attention_mask=...)`` of a function with plain parameters is
+    its positional call: new sequence lengths share a relaxed trace, the first call
+    runs stock TF while the kernels compile, with stock TF's numbers; TF's call path
+    keeps what it alone binds (a missing argument: TF's TypeError)."""
+    traces = []
+
+    def step(input_ids, attention_mask):
+        traces.append(input_ids.shape.as_list())
+        return _dict_step({"input": input_ids, "attention_mask": attention_mask,
+                           "bias": [input_ids[0] * 0.0]})
+    f = stitching.function(step)
+    stock = tf.function(step)
+    for seq in (8, 9, 10):
+        d = _dict_inputs(seq, seed=seq)
+        got = f(attention_mask=d["attention_mask"], input_ids=d["input"]).numpy()
+        np.testing.assert_allclose(got, stock(d["input"], d["attention_mask"]).numpy(),
+                                   rtol=2e-6, atol=2e-6)
+        f.wait()
+    d = _dict_inputs(11, seed=11)
+    np.testing.assert_allclose(f(d["input"], attention_mask=d["attention_mask"]).numpy(),
+                               stock(d["input"], d["attention_mask"]).numpy(),
+                               rtol=2e-6, atol=2e-6)
+    assert [t for t in traces if t[1] is None] == [[2, None]], traces
+    assert "stock TF ran call 1" in f.reports[0].tiering
+    with pytest.raises(TypeError):
+        f(input_ids=d["input"])
+
+
+def test_keywords_of_a_function_with_kwargs_go_through_tf():
+    """A function taking ``**kwargs`` (or ``*args``) binds through TF's call path."""
+    f = stitching.function(lambda x, **kw: x * kw["scale"])
+    x = tf.constant([1.0, 2.0])
+    np.testing.assert_array_equal(f(x, scale=tf.constant(3.0)).numpy(), [3.0, 6.0])
+    assert f._keywords_as_positional((x,), {"scale": 1}) is None
+
+
 def test_arguments_the_fast_path_does_not_take_go_through_tf():
     """A nesting with a non-tensor leaf (None, a Python number), a namedtuple or an
     empty dict is TF's call path (its own tracing rules), with TF's numbers."""
@@ -1138,21 +1176,22 @@ def test_reduce_retracing_false_traces_every_shape():
 
 
 def test_a_slow_synchronous_first_call_names_tiering_once(monkeypatch, capsys, tiered):
-    """An eager call that waited for its kernels though tiering is on (a keyword
-    argument: TF's call path) says which calls are tiered, once per process; not
+    """An eager call that waited for its kernels though tiering is on (a keyword that
+    TF binds: its call path) says which calls are tiered, once per process; not
     where tiering was turned off, nor with STITCHING_NO_HINTS."""
     from stitching.tf import function as fn_module
     monkeypatch.setattr(fn_module, "HINT_SECONDS", 0.0)
     monkeypatch.setattr(fn_module, "_hinted", False)
     monkeypatch.delenv("STITCHING_NO_HINTS", raising=False)
-    stitching.function(lambda x: tf.tanh(x) * 2.0 + 1.0)(x=tf.zeros([2, 3]))
-    stitching.function(lambda x: tf.sigmoid(x) * 3.0 + 1.0)(x=tf.zeros([2, 3]))
+    stitching.function(lambda **k: tf.tanh(k["x"]) * 2.0 + 1.0)(x=tf.zeros([2, 3]))
+    stitching.function(lambda **k: tf.sigmoid(k["x"]) * 3.0 + 1.0)(x=tf.zeros([2, 3]))
     err = capsys.readouterr().err
     assert err.count("run stock TF while they compile") == 1
     monkeypatch.setattr(fn_module, "_hinted", False)
-    stitching.function(lambda x: tf.exp(x) * 3.0 + 1.0, options=SYNC)(x=tf.zeros([2, 3]))
+    stitching.function(lambda **k: tf.exp(k["x"]) * 3.0 + 1.0, options=SYNC)(
+        x=tf.zeros([2, 3]))
     monkeypatch.setenv("STITCHING_NO_HINTS", "1")
-    stitching.function(lambda x: tf.exp(x) * 4.0 + 1.0)(x=tf.zeros([2, 3]))
+    stitching.function(lambda **k: tf.exp(k["x"]) * 4.0 + 1.0)(x=tf.zeros([2, 3]))
     assert "stock TF while" not in capsys.readouterr().err
 
 

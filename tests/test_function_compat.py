@@ -233,8 +233,8 @@ def test_new_python_scalars_share_one_compiled_kernel():
 def test_the_background_compile_hint_only_where_it_applies(monkeypatch, capsys, tiered):
     """Not for get_concrete_function (stitching-rewrite's way in) nor a call inside
     another tf.function (Keras's fit): tiering cannot serve those; nor a tiered call.
-    An eager call through TF's call path (a keyword argument) waited: it says which
-    calls are tiered."""
+    An eager call through TF's call path (a keyword a ``**kwargs`` function binds)
+    waited: it says which calls are tiered."""
     from stitching.tf import function as fn_module
     monkeypatch.setattr(fn_module, "HINT_SECONDS", 0.0)
     monkeypatch.setattr(fn_module, "_hinted", False)
@@ -245,8 +245,8 @@ def test_the_background_compile_hint_only_where_it_applies(monkeypatch, capsys, 
     f(tf.zeros([5, 3]))
     assert f.wait(timeout=300)
     assert "run stock TF while" not in capsys.readouterr().err
-    f(x=tf.zeros([6, 3]))
-    assert "passed positionally, run stock TF while" in capsys.readouterr().err
+    stitching.function(lambda **k: tf.tanh(k["x"]) * 2.0 + 1.0)(x=tf.zeros([6, 3]))
+    assert "as named parameters, run stock TF while" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value, hinted", [("0", True), ("1", False)])
@@ -258,7 +258,7 @@ def test_no_hints_reads_its_value_as_the_other_switches_do(monkeypatch, capsys, 
     monkeypatch.setattr(fn_module, "_hinted", False)
     monkeypatch.setenv("STITCHING_NO_HINTS", value)
     fn_module._hint_background_compile(1.0)
-    assert ("passed positionally, run stock TF while" in capsys.readouterr().err) == hinted
+    assert ("as named parameters, run stock TF while" in capsys.readouterr().err) == hinted
 
 
 def test_keras_stitch_tiers_with_background_compile():

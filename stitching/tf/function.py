@@ -39,8 +39,9 @@ their kernels finished so far cached on disk.  ``stitching.keras.stitch`` runs K
 steps this way (keras.py).
 
 Only an eager call whose arguments are all tensors (or dicts, lists and tuples of
-them), passed positionally, is tiered (``_tiers``): that call path keeps one ConcreteFunction per exact signature, so the
-stock one can be swapped for the stitched one between two calls.  Synchronous, the
+them), by position or as named parameters, is tiered (``_tiers``): that call path
+keeps one ConcreteFunction per exact signature, so the stock one can be swapped for
+the stitched one between two calls.  Synchronous, the
 call waiting for its kernels:
 - a call inside another ``tf.function`` or graph trace (Keras's ``fit``, a caller's
   own tf.function): it is being traced, not run; the graph it goes into is built now
@@ -48,8 +49,10 @@ call waiting for its kernels:
 - under a ``tf.distribute`` strategy (its scope, ``strategy.run``): the strategy's
   replica context and per-replica values belong to the caller's thread, and a
   background thread would trace outside them;
-- a call with keyword, Python or NumPy arguments: TF's own call path, whose cache
-  TF owns (a Python value is also a constant of the trace: its own signature);
+- a call with Python arguments, or keywords of a function with ``*args``,
+  ``**kwargs`` or keyword-only parameters: TF's own call path, whose cache TF owns (a
+  Python value is also a constant of the trace: its own signature); keyword tensors of
+  plain parameters are the positional call (``_keywords_as_positional``);
 - ``get_concrete_function``, ``stitching-rewrite``, a stitched backward (traced inside
   the gradient's trace): each asks for the stitched graph itself.
 The background compile of a signature stitches the trace stock TF made for its first
@@ -75,8 +78,8 @@ goes straight to the ConcreteFunction traced for
 exactly those dtypes and shapes (found once through TF's get_concrete_function, so
 tracing and its errors are tf.function's), skipping tf.function's per-call argument
 canonicalisation: measured here, a tf.function call of a small softmax took 230 µs
-against 90 µs for its concrete function.  Any other call (keyword arguments, Python
-values, symbolic tensors inside another trace) is TF's call.
+against 90 µs for its concrete function.  Any other call (Python values, keywords TF
+must bind, symbolic tensors inside another trace) is TF's call.
 """
 from __future__ import annotations
 
@@ -84,6 +87,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import inspect
 import os
 import shutil
 import sys
@@ -331,6 +335,10 @@ class StitchedFunction(tf_pf.Function):
             # for StitchedKernel and fuses the ops itself; a stitched trace cached for
             # this signature by an eager call must not be reused here
             return self._stock_function()(*args, **kwds)
+        if kwds and tf.executing_eagerly():
+            bound = self._keywords_as_positional(args, kwds)
+            if bound is not None:
+                args, kwds = bound, {}
         if not kwds:
             args = _arrays_as_tensors(args)
         if not kwds and self._fast_path_ready():
@@ -356,6 +364,28 @@ class StitchedFunction(tf_pf.Function):
             if key is not None:
                 self._shapes.setdefault(_family(key), []).append([s for _, s in key])
         return result
+
+    def _keywords_as_positional(self, args, kwds):
+        """``args`` and then the keyword arguments in the parameters' order (``f(x,
+        mask=m)`` as ``f(x, m)``: the fast path's call), where the Python function's
+        parameters are all plain ones (no ``*args``, ``**kwargs``, keyword-only or
+        positional-only) and each is given exactly once; else None, and TF's call path
+        binds them (with its own errors for a missing or unknown argument)."""
+        names = getattr(self, "_plain", False)
+        if names is False:           # the parameters, read once
+            try:
+                params = inspect.signature(self._python_function).parameters.values()
+                plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+                names = tuple(p.name for p in params) if plain else None
+            except (TypeError, ValueError):
+                names = None
+            self._plain = names
+        if names is None or len(args) + len(kwds) != len(names):
+            return None
+        rest = names[len(args):]
+        if set(rest) != set(kwds):
+            return None
+        return tuple(args) + tuple(kwds[n] for n in rest)
 
     def _first_call_of(self, key, args):
         """The fast path's entry for a new signature, made once: threads making its
@@ -1254,8 +1284,8 @@ def _hint_background_compile(seconds: float) -> None:
         return
     _hinted = True
     print(f"stitching: this call waited {seconds:.1f} s to plan and compile its kernels. "
-          "Calls whose arguments are all tensors (or dicts and lists of them), passed "
-          "positionally, run stock TF "
+          "Calls whose arguments are all tensors (or dicts and lists of them), by "
+          "position or as named parameters, run stock TF "
           "while they compile (tiered execution; STITCHING_NO_HINTS=1 hides this "
           "line).", file=sys.stderr, flush=True)
 
@@ -1412,9 +1442,9 @@ def function(func=None, input_signature=None, autograph=True, jit_compile=None,
     (``isinstance(f, tf.types.experimental.PolymorphicFunction)``).  A new input
     signature is traced, its kernels planned, compiled (those not in the disk cache)
     and put in the graph.  By default an eager call whose arguments are all tensors
-    (or dicts, lists and tuples of them), passed positionally, does not wait for that: it returns stock TF's result while the
-    kernels compile in the background, and a later call runs them (tiered execution;
-    ``f.wait()`` blocks until they are ready, and ``Options(background_compile=False)``
+    (or dicts, lists and tuples of them), by position or as named parameters, does
+    not wait for that: it returns stock TF's result while the kernels compile in the
+    background, and a later call runs them (tiered execution; ``f.wait()`` blocks until they are ready, and ``Options(background_compile=False)``
     makes the first call wait).  ``f.report`` says what was fused and why.
 
     Args:
