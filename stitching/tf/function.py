@@ -1444,8 +1444,9 @@ def function(func=None, input_signature=None, autograph=True, jit_compile=None,
     and put in the graph.  By default an eager call whose arguments are all tensors
     (or dicts, lists and tuples of them), by position or as named parameters, does
     not wait for that: it returns stock TF's result while the kernels compile in the
-    background, and a later call runs them (tiered execution; ``f.wait()`` blocks until they are ready, and ``Options(background_compile=False)``
-    makes the first call wait).  ``f.report`` says what was fused and why.
+    background, and a later call runs them (tiered execution; ``f.wait()`` blocks
+    until they are ready, and ``Options(background_compile=False)`` makes the first
+    call wait).  ``f.report`` says what was fused and why.
 
     Args:
         func: The Python function to compile (any TF code: Keras layers, ``tf.nn``,
