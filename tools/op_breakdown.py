@@ -41,12 +41,9 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import glob
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -185,19 +182,8 @@ def _modes(fn, sig, wanted):
 
 def _profile(run):
     """The XSpace of TF's profiler around ``run()``."""
-    import tensorflow as tf
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    logdir = tempfile.mkdtemp(prefix="op_breakdown_")
-    try:
-        tf.profiler.experimental.start(logdir)
-        run()
-        tf.profiler.experimental.stop()
-        space = xplane_pb2.XSpace()
-        with open(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0], "rb") as fh:
-            space.ParseFromString(fh.read())
-        return space
-    finally:
-        shutil.rmtree(logdir, ignore_errors=True)
+    from stitching.testing.counting import profiler_xspace
+    return profiler_xspace(run)
 
 
 def _trace(f, x, calls):

@@ -180,10 +180,11 @@ def count_xla_kernels(hlo_text: str) -> dict:
     return out
 
 
-def profiled_ops(run) -> collections.Counter:
-    """Op type -> events of TF's profiler (what TensorBoard's Profile tab shows) while
-    ``run()`` runs, at the profiler's default level: the executor's ``node:OpType``
-    events, and those ops emit for themselves."""
+
+def profiler_xspace(run):
+    """The XSpace (TF's profiler's record: planes of threads and their events) of
+    ``run()``, traced at the profiler's default level (what TensorBoard's Profile tab
+    shows)."""
     import glob
     import shutil
     import tempfile
@@ -200,10 +201,16 @@ def profiled_ops(run) -> collections.Counter:
         space = xplane_pb2.XSpace()
         with open(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0], "rb") as fh:
             space.ParseFromString(fh.read())
+        return space
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
+
+
+def profiled_ops(run) -> collections.Counter:
+    """Op type -> events of TF's profiler while ``run()`` runs (``profiler_xspace``):
+    the executor's ``node:OpType`` events, and those ops emit for themselves."""
     found = collections.Counter()
-    for plane in space.planes:
+    for plane in profiler_xspace(run).planes:
         names = {k: v.name for k, v in plane.event_metadata.items()}
         for line in plane.lines:
             for ev in line.events:
