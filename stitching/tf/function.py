@@ -189,6 +189,8 @@ class StitchedFunction(tf_pf.Function):
         self._probe = None           # the cached_only twin background compile probes
         self._stock = None           # the stock tf.function tiered signatures start on
         self._seeded_random = ()     # seeded random ops a tiered trace held (_stay_stock)
+        self._plain = False          # its parameters' names if all plain, else None;
+        #                              False: not read yet (_keywords_as_positional)
 
     # -- what TF traces ----------------------------------------------------------
     def _generate_tracing_options(self, fn, scope_type):
@@ -371,7 +373,7 @@ class StitchedFunction(tf_pf.Function):
         parameters are all plain ones (no ``*args``, ``**kwargs``, keyword-only or
         positional-only) and each is given exactly once; else None, and TF's call path
         binds them (with its own errors for a missing or unknown argument)."""
-        names = getattr(self, "_plain", False)
+        names = self._plain
         if names is False:           # the parameters, read once
             try:
                 params = inspect.signature(self._python_function).parameters.values()
