@@ -73,6 +73,11 @@ class Report:
             to TF; ``memory_intensive_ops == fused_ops + len(unfused)``.
         boundaries: ``[(TF node, reason)]``: merges of two kernels the planner refused.
         compile_seconds: Time spent planning and compiling this trace.
+        reused_kernels: Of ``unique_kernels``, those this process had built for an
+            earlier trace (another batch size's, a Python scalar's): this trace's
+            ``compile_seconds`` did not build them, so the headline says so.
+        from_result_cache: The stitched graph came whole from the result cache
+            (tf/results.py): nothing was planned or compiled.
         unique_kernels: Distinct kernel specs (identical regions share one).
         code_objects: Distinct native codes serving them (specs that differ only in
             static sizes share one).
@@ -106,6 +111,8 @@ class Report:
     folded: list = field(default_factory=list)        # [(tf node, tf op, where)]
     boundaries: list = field(default_factory=list)    # [(tf node, reason)] merges refused
     compile_seconds: float = 0.0
+    reused_kernels: int = 0    # of unique_kernels: built for an earlier trace here
+    from_result_cache: bool = False
     unique_kernels: int = 0
     code_objects: int = 0      # distinct native codes (kernel.code_name) serving them
     notes: list = field(default_factory=list)
@@ -156,6 +163,8 @@ class Report:
                                                       for n, k in self.code_tiers) if t},
             "boundaries": [{"node": n, "reason": r} for n, r in self.boundaries],
             "compile_seconds": round(self.compile_seconds, 3),
+            "reused_kernels": self.reused_kernels,
+            "from_result_cache": self.from_result_cache,
             "dump_path": self.dump_path,
             "notes": list(self.notes),
             "backward": self.backward,
@@ -268,9 +277,25 @@ class Report:
                 f"{done}, not yet for {len(told) - done} (to_dict()['compile_tiers'] has "
                 f"each kernel's)"]
 
+    def _took(self) -> str:
+        """What this trace's ``compile_seconds`` were spent on: a trace that found its
+        kernels built (a Keras step's relaxed batch, after the exact one) says so
+        rather than "compiled in 0.0 s"."""
+        s = f"{self.compile_seconds:.1f} s"
+        if self.from_result_cache:
+            return f"reused from the result cache in {s}"
+        n, old = self.unique_kernels, self.reused_kernels
+        if n and old >= n:
+            return (f"planned in {s}, {'its kernel' if n == 1 else f'all {n} kernels'} "
+                    f"built for an earlier trace")
+        if old:
+            return (f"planned and compiled in {s} ({old} of {n} distinct kernels built "
+                    f"for an earlier trace)")
+        return f"planned and compiled in {s}"
+
     def _headline(self) -> str:
         n, fused = self.memory_intensive_ops, self.fused_ops
-        took = f"planned and compiled in {self.compile_seconds:.1f} s"
+        took = self._took()
         if not n:
             return (f"fused 0 of 0 memory-intensive TF ops: nothing to fuse (matrix "
                     f"products and convolutions stay TF's); {took}")

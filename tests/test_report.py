@@ -25,6 +25,42 @@ def test_counts_add_up_and_uncounted_ops_are_listed_apart():
     assert "StopGradient" in text and "not counted" in text
 
 
+def test_the_headline_says_when_a_trace_found_its_kernels_built():
+    """A second trace whose kernels an earlier one built (another batch size, served by
+    the same shape-generic code, as a Keras step's relaxed trace after its exact one)
+    planned only: its headline says so, not "compiled in 0.0 s"."""
+    @stitching.function
+    def f(x):
+        return tf.nn.relu(x * 3.217 + 0.5113) * tf.math.exp(-x)
+    f(tf.random.normal([8, 40]))
+    first = f.report
+    assert first.reused_kernels == 0, first.summary()
+    assert "; planned and compiled in " in first.summary().splitlines()[1]
+    f(tf.random.normal([16, 40]))
+    second = f.report
+    assert second is not first and second.unique_kernels == 1
+    assert second.reused_kernels == 1, second.summary()
+    head = second.summary().splitlines()[1]
+    assert "; planned in " in head and head.endswith(", its kernel built for an earlier trace")
+    assert second.to_dict()["reused_kernels"] == 1
+
+
+def test_the_headline_counts_kernels_built_before():
+    rep = Report(function="f", memory_intensive_ops=4, fused_ops=4, unique_kernels=3,
+                 compile_seconds=0.04)
+    rep.kernels = [KernelInfo(f"k{i}", [("a", "Exp")], "", 1, 1, str(i)) for i in range(3)]
+    assert rep.summary().splitlines()[1].endswith("; planned and compiled in 0.0 s")
+    rep.reused_kernels = 2
+    assert rep.summary().splitlines()[1].endswith(
+        "; planned and compiled in 0.0 s (2 of 3 distinct kernels built for an earlier "
+        "trace)")
+    rep.reused_kernels = 3
+    assert rep.summary().splitlines()[1].endswith(
+        "; planned in 0.0 s, all 3 kernels built for an earlier trace")
+    rep.from_result_cache = True
+    assert rep.summary().splitlines()[1].endswith("; reused from the result cache in 0.0 s")
+
+
 def test_nothing_to_fuse_reads_0_of_0():
     f = stitching.function(lambda a, b: tf.matmul(a, b))
     f(tf.ones([4, 4]), tf.ones([4, 4]))

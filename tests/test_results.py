@@ -49,6 +49,7 @@ def test_a_graph_stitched_before_is_taken_from_the_cache(monkeypatch):
     monkeypatch.setattr(pipeline, "stitch_graph_def", refuse)
     again, out = _stitched()
     assert REUSED in " ".join(again.report.notes)
+    assert f"; {REUSED} in " in again.report.summary().splitlines()[1]
     assert [k.spec_hash for k in again.report.kernels] == \
         [k.spec_hash for k in first.report.kernels]
     np.testing.assert_allclose(out, ref, rtol=0, atol=0)

@@ -952,6 +952,23 @@ def _compile_exact(spec: KernelSpec, tier: int = 2) -> CompiledKernel:
     return CompiledKernel(spec, sched, source, code, time.perf_counter() - t0)
 
 
+def in_memory(specs) -> set:
+    """The hashes of those of ``specs`` whose code this process holds already (built
+    or loaded for an earlier graph: the spec's own kernel, or the shape-generic code
+    that serves it, as another batch size's trace left it)."""
+    held = set()
+    with _lock:
+        for s in specs:
+            if s.hash not in _kernels:
+                try:
+                    if compile_target(s).hash not in _kernels:
+                        continue
+                except Exception:   # noqa: BLE001 - compile_kernel reports it
+                    continue
+            held.add(s.hash)
+    return held
+
+
 def clear_memory_cache() -> None:
     """Forget in-process kernels (tests); modules stay imported."""
     with _lock:

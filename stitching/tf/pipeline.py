@@ -257,6 +257,7 @@ def _stitch_graph_def(graph_def, fetches, keep, options, name, resources, worker
         template, abstracted, functions = hit
         report = copy.copy(template.report)
         report.compile_seconds = time.perf_counter() - t0
+        report.reused_kernels = report.unique_kernels     # the template's, all built
         return replace(template, report=report, graph_def=abstraction.restore(
             template.graph_def, abstracted, functions))
 
@@ -355,6 +356,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
                                                     min_ops=options.min_ops)
             plan_cache.save(key, the_plan)
         ctx.plan = the_plan
+        built = kernel_cache.in_memory([r.spec for r in the_plan.regions])
         ctx.regions, ctx.kernels, ctx.failed = _compile(the_plan.regions, options, workers,
                                                         name)
     finally:
@@ -368,6 +370,7 @@ def _stitch(graph_def, fetches, keep, options, name, resources, workers) -> Stit
     kept = _kept(ctx)       # the kernels of the final graph, for the report and the dump
     rep = _make_report(name, ctx, kept)
     rep.compile_seconds = time.perf_counter() - t0
+    rep.reused_kernels = len(built & {k.spec_hash for k in rep.kernels})
     prof = profiles.default()
     rep.profile = prof.source or prof.name
     if ctx.dump_path:

@@ -221,6 +221,7 @@ def probe(key: str | None, traced) -> Stored | None:
             RegistrationError):
         return None
     report.compile_seconds = time.perf_counter() - t0
+    report.from_result_cache = True
     report.notes.append("stitched graph, plan and kernels reused from the result cache "
                         "(the traced graph, options and stitching are unchanged)")
     return Stored(graph_def, report)
