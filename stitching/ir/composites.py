@@ -9,7 +9,23 @@ the textbook formula TF's own kernel computes:
   LogSoftmax(x)   = s - log(sum(exp(s))),  s = x - max(x)
   BiasAdd(x, b)   = x + b                  (b broadcast on the channel axis)
   FusedBatchNorm  = x * k + (offset - mean * k),  k = scale * rsqrt(var + eps)
-                    (inference only; channel axis by data_format)
+                    (inference; channel axis by data_format)
+  FusedBatchNormTraining(x, scale, offset[, mean, var]) (fused_batch_norm_op.cc, the
+                    CPU functor with is_training; six outputs, each computed only where
+                    read): the statistics reduce every axis but the channel axis
+                    (data_format), n their element count (a constant, or where a reduced
+                    dim is known only at run time a sum of ones, exact below 2**24):
+                       mean = sum(x) / n,  xc = x - mean,  v = sum(xc * xc) / n
+                       y    = xc * (rsqrt(v + eps) * scale) + offset
+                       batch_mean = mean, batch_variance = v * (n / max(n - 1, 1))
+                                    (Bessel-corrected: TF's rest_size_adjust)
+                       reserve_space_1 = mean, reserve_space_2 = v (not corrected),
+                       reserve_space_3 = 0 (V3's; TF's CPU kernel writes a scalar 0)
+                    with exponential_avg_factor f != 1 (V3) the running averages of the
+                    old mean and var inputs: batch_mean = (1 - f) * mean_in + f * mean,
+                    batch_variance = (1 - f) * var_in + (f * adj) * v
+                    (sums accumulate in float64: never less accurate than TF's float32
+                    sums; half-precision x is cast to the statistics' dtype first)
 
 Training ops (TF's CPU functors: relu_op_functor.h, cwise_ops_gradients.h,
 bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
@@ -68,6 +84,7 @@ COMPOSITE_OPS = {
     "Tile": (Kind.ELEMENTWISE, 1),          # a broadcast (frontend checks); [x, s]: _tile
     "SoftmaxCrossEntropyWithLogits": (Kind.REDUCTION, 2),    # two outputs
     "FusedBatchNormGrad": (Kind.REDUCTION, 5),               # three outputs
+    "FusedBatchNormTraining": (Kind.REDUCTION, 5),           # six outputs; 3 or 5 inputs
     # TF's Split / SplitV / Unpack: one Slice per piece along ``axis`` (``sizes``), the
     # axis removed from each piece when ``squeeze`` (Unpack)
     "Split": (Kind.LAYOUT, 1),
@@ -90,7 +107,7 @@ COMPOSITE_OPS = {
 
 # composites with more than one output: expand returns a tuple, one ref per output
 MULTI_OUTPUT = {"SoftmaxCrossEntropyWithLogits": 2, "FusedBatchNormGrad": 3,
-                "Split": MAX_VARIADIC}
+                "FusedBatchNormTraining": 6, "Split": MAX_VARIADIC}
 
 # SELU's constants as TF's kernel spells them (relu_op_functor.h)
 _SELU_SCALE = 1.0507009873554804934193349852946
@@ -283,6 +300,51 @@ def _batch_norm_grad(attrs, a, t, emit):
     return x_bp, scale_bp, offset_bp
 
 
+def _batch_norm_training(attrs, a, t, emit):
+    x, scale, offset = a[:3]
+    u, rank = t[1].dtype, len(t[0].shape)
+    fmt, shape = attrs["data_format"], t[0].shape
+    channel = 1 if fmt.startswith("NC") else rank - 1
+    # size-1 axes reduce to themselves: left out, a [1, R, C, 1] NCHW input (tf_keras'
+    # LayerNormalization) is a reduction over its rows' last axis
+    axes = [i for i in range(rank) if i != channel and shape[i] != 1] or \
+        [i for i in range(rank) if i != channel]
+    if t[0].dtype != u:
+        x = emit("Cast", [x], {"to": u})
+    keep = {"axes": axes, "keep_dims": True}
+    scale, offset = (_to_channel(r, ty, rank, fmt, emit) for r, ty in zip(a[1:3], t[1:3]))
+    mean = emit("Mean", [x], keep)
+    xc = emit("Sub", [x, mean], {})
+    var = emit("Mean", [emit("Mul", [xc, xc], {})], keep)
+    k = emit("Mul", [emit("Rsqrt", [emit("Add", [var, _const(emit, attrs["epsilon"], u)],
+                                         {})], {}), scale], {})
+    y = emit("Add", [emit("Mul", [xc, k], {}), offset], {})
+    if t[0].dtype != u:
+        y = emit("Cast", [y], {"to": t[0].dtype})
+    vec = {"shape": [t[1].shape[0]]}
+    mean_c, var_c = (emit("Reshape", [v], vec) for v in (mean, var))
+    n = attrs["n"]
+    if n > 0:                                   # TF: static_cast<U>(n) / (n - 1)
+        adj = _const(emit, _f32(_f32(n) / _f32(max(n - 1, 1))), u)
+    else:                                       # a count known only at run time
+        ones = emit("FillLike", [x], {"value": 1.0, "dtype": u})
+        cnt = emit("Reshape", [emit("Sum", [ones], keep)], vec)
+        adj = emit("Div", [cnt, emit("Maximum", [emit("Sub", [cnt, _const(emit, 1, u)], {}),
+                                                 _const(emit, 1, u)], {})], {})
+    f = attrs["exponential_avg_factor"]
+    if f == 1.0:
+        out_mean, out_var = mean_c, emit("Mul", [var_c, adj], {})
+    else:
+        g = _const(emit, _f32(1.0 - _f32(f)), u)
+        fc = _const(emit, f, u)
+        out_mean = emit("Add", [emit("Mul", [g, a[3]], {}), emit("Mul", [fc, mean_c], {})],
+                        {})
+        out_var = emit("Add", [emit("Mul", [g, a[4]], {}),
+                               emit("Mul", [emit("Mul", [fc, adj], {}), var_c], {})], {})
+    reserve = emit("Const", [], {"value": 0.0, "dtype": u, "shape": []})
+    return y, out_mean, out_var, mean_c, var_c, reserve
+
+
 def _f32(v):
     import struct
     return struct.unpack("f", struct.pack("f", v))[0]
@@ -295,6 +357,7 @@ _TRAINING = {
     "SoftplusGrad": _softplus_grad, "SigmoidGrad": _sigmoid_grad, "TanhGrad": _tanh_grad,
     "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "Tile": _tile,
     "SoftmaxCrossEntropyWithLogits": _xent, "FusedBatchNormGrad": _batch_norm_grad,
+    "FusedBatchNormTraining": _batch_norm_training,
 }
 
 

@@ -138,6 +138,8 @@ def _convert(op) -> Node:
     # of unknown rank) are never read when it is fused: check only output 0.
     checked = out_types[:MULTI_OUTPUT.get(node.op, 1)] if node.op in COMPOSITE_OPS \
         else out_types
+    if node.op == "FusedBatchNormTraining":
+        checked = checked[:5]       # V3's reserve_space_3, of unknown rank, is a Const 0
     # inputs the node reads (a composite reads a prefix: FusedBatchNormGradV3's
     # reserve_space_3, of unknown rank, is not one of them)
     for t in checked + [tensor_type(t) for t in op.inputs[:len(node.inputs)]]:
@@ -468,7 +470,7 @@ def _convert_composite(op) -> Node | None:
         return _convert_batch_norm_grad(op)
     # FusedBatchNorm / V2 / V3
     if op.get_attr("is_training"):
-        raise _Unfusible("training-mode FusedBatchNorm (computes batch statistics)")
+        return _convert_batch_norm_training(op)
     if any(len(o.consumers()) for o in op.outputs[1:]):
         raise _Unfusible("FusedBatchNorm statistics outputs are used")
     fmt = op.get_attr("data_format").decode()
@@ -493,6 +495,38 @@ def _convert_training(op) -> Node:
     if t == "BiasAddGrad":
         return Node(op.name, t, _inputs(op), {"data_format": op.get_attr("data_format").decode()})
     return Node(op.name, t, _inputs(op), {})
+
+
+def _convert_batch_norm_training(op) -> Node:
+    """FusedBatchNorm / V2 / V3 with is_training: batch statistics, y and the four
+    statistics outputs (ir/composites.py).  Channel-last, or NCHW where the axes on
+    one side of the channel axis are all size 1 (tf_keras' LayerNormalization reshapes
+    x to [1, rows, cols, 1] NCHW and normalizes each row this way): the statistics are
+    then one contiguous reduction.  The old mean and var are read only when
+    exponential_avg_factor is not 1 (else they may be empty, as tf.compat.v1's
+    fused_batch_norm passes them)."""
+    fmt = op.get_attr("data_format").decode()
+    x = op.inputs[0].shape
+    if x.rank not in (4, 5):
+        raise _Unfusible(f"training-mode {op.type} of unknown rank")
+    dims = x.as_list()
+    if fmt.startswith("NC"):
+        before, after = dims[:1], dims[2:]
+        if before != [1] and any(d != 1 for d in after):
+            raise _Unfusible(
+                f"training-mode {op.type} in {fmt} over a batch of {dims[0] or 'unknown size'}"
+                " and a spatial size other than 1: its statistics reduce the axes on both"
+                " sides of the channel axis, which no fused reduction does yet (channel-last,"
+                " and tf_keras LayerNormalization's [1, rows, cols, 1] NCHW form, fuse)")
+    reduced = [d for i, d in enumerate(dims) if i != (1 if fmt.startswith("NC") else len(dims) - 1)]
+    n = -1 if None in reduced else int(np.prod(reduced))
+    if n == 0:
+        raise _Unfusible(f"training-mode {op.type} of an empty tensor (TF's statistics are"
+                         " NaN there)")
+    f = float(op.get_attr("exponential_avg_factor")) if op.type == "FusedBatchNormV3" else 1.0
+    return Node(op.name, "FusedBatchNormTraining", _inputs(op, range(3 if f == 1.0 else 5)),
+                {"epsilon": float(op.get_attr("epsilon")), "data_format": fmt, "n": n,
+                 "exponential_avg_factor": f})
 
 
 def _convert_batch_norm_grad(op) -> Node:
