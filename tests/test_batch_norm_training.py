@@ -192,3 +192,26 @@ def test_nchw_batch_norm_over_a_batch_stays_tfs_with_the_reason():
     np.testing.assert_allclose(sf(x), want, rtol=1e-5, atol=1e-6)
     why = [w for _, op, w in sf.report.unfused if op == "FusedBatchNormV3"]
     assert why and "tf_keras LayerNormalization" in why[0] and "NCHW" in why[0], why
+
+
+def test_tf_keras_layer_norm_training_step_fuses_forward_and_backward():
+    """A tape through tf_keras LayerNormalization's form: the NCHW FusedBatchNormV3 and
+    its NCHW FusedBatchNormGradV3 (the same row reductions) are both fused, with an
+    unknown batch, and the gradients equal TF's."""
+    rs = np.random.RandomState(14)
+    gamma = tf.Variable(rs.rand(32).astype("float32") + 0.5)
+    beta = tf.Variable(rs.randn(32).astype("float32"))
+
+    def step(x):
+        with tf.GradientTape() as t:
+            t.watch(x)
+            loss = tf.reduce_sum(tf.nn.relu(_tf_keras_layer_norm(x, gamma, beta)) * 0.5)
+        return [loss] + t.gradient(loss, [x, gamma, beta])
+    sf = stitching.function(step, input_signature=[tf.TensorSpec([None, 16, 32])])
+    for b in (2, 3):
+        x = tf.constant(rs.randn(b, 16, 32).astype("float32") * 2 + 1)
+        for g, h in zip(sf(x), tf.function(step)(x)):
+            np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-5)
+    fused = {op for k in sf.report.kernels for _, op in k.ops}
+    assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= fused, sf.report.summary()
+    assert not any(op.startswith("FusedBatchNorm") for _, op, _ in sf.report.unfused)
