@@ -144,7 +144,8 @@ def test_nan_and_inf_in_a_channel_reach_its_outputs_as_in_tf():
     x[1, 0, 0, 5] = np.inf
     fn = lambda x: [t * 1.0 for t in tf.compat.v1.nn.fused_batch_norm(   # noqa: E731
         x, tf.ones([8]), tf.zeros([8]), is_training=True)]
-    got = [t.numpy() for t in stitching.function(fn)(tf.constant(x))]
+    sf = stitching.function(fn)
+    got = [t.numpy() for t in sf(tf.constant(x))]
     want = [t.numpy() for t in tf.function(fn)(tf.constant(x))]
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
@@ -152,6 +153,7 @@ def test_nan_and_inf_in_a_channel_reach_its_outputs_as_in_tf():
         ok = np.isfinite(w)
         np.testing.assert_allclose(g[ok], w[ok], rtol=1e-5, atol=1e-6)
     assert np.isnan(got[0][..., 3]).all() and np.isposinf(got[1][5])
+    assert len(sf.report.kernels) == 1 and not sf.report.unfused
 
 
 def test_training_step_through_batch_norm_and_relu_matches_tf():
@@ -176,6 +178,30 @@ def test_training_step_through_batch_norm_and_relu_matches_tf():
     kernels = [{op for _, op in k.ops} for k in sf.report.kernels]
     assert any({"FusedBatchNormV3", "Relu"} <= k for k in kernels), kernels
     assert any("FusedBatchNormGradV3" in k for k in kernels), kernels
+
+
+def test_a_gradient_left_to_tf_reads_no_reserve_space_of_the_fused_forward():
+    """V3's reserve_space_3 (a scalar 0 from TF's CPU kernel, which its CPU gradient
+    ignores) is no output of the fused forward: the gradient reads a constant zero
+    (tf/passes/bn_reserve.py), so the forward fuses even where the gradient stays
+    TF's."""
+    rs = np.random.RandomState(15)
+    x = tf.constant(rs.randn(4, 6, 6, 8).astype("float32"))
+    scale = tf.Variable(rs.rand(8).astype("float32") + 0.5)
+    offset = tf.Variable(np.zeros(8, np.float32))
+
+    def step(x):
+        with tf.GradientTape() as t:
+            t.watch(x)
+            y, _, _ = tf.compat.v1.nn.fused_batch_norm(x, scale, offset, is_training=True)
+            loss = tf.reduce_sum(tf.nn.relu(y) * 0.1)
+        return [loss] + t.gradient(loss, [x, scale, offset])
+    sf = stitching.function(step, options=stitching.Options(
+        exclude=("FusedBatchNormGradV3",)))
+    for g, h in zip(sf(x), tf.function(step)(x)):
+        np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-5)
+    fused = {op for k in sf.report.kernels for _, op in k.ops}
+    assert "FusedBatchNormV3" in fused and "FusedBatchNormGradV3" not in fused
 
 
 def test_nchw_batch_norm_over_a_batch_stays_tfs_with_the_reason():

@@ -32,11 +32,13 @@ def _training_forwards(graph_def, excluded) -> set:
 
 def rewire(graph_def, excluded=frozenset()):
     """A copy of ``graph_def`` whose CPU gradients read a zero as reserve_space_3 where
-    a training-mode forward wrote it, or None where there is none."""
+    a training-mode forward wrote it, or None where there is none.  A gradient that
+    ``excluded`` (Options(exclude)) names is rewired too: it stays TF's op, and the
+    input it ignores changes nothing it computes; an excluded forward is left as is."""
     forwards = _training_forwards(graph_def, excluded)
     todo = [i for i, nd in enumerate(graph_def.node)
             if nd.op == GRADIENT and len(nd.input) > 5 and _on_cpu(nd)
-            and nd.name not in excluded and nd.input[5].split(":")[0] in forwards
+            and nd.input[5].split(":")[0] in forwards
             and nd.input[5].endswith(":5")]
     if not todo:
         return None
