@@ -501,6 +501,10 @@ def _convert_batch_norm_training(op) -> Node:
     exponential_avg_factor is not 1 (else they may be empty, as tf.compat.v1's
     fused_batch_norm passes them)."""
     fmt, n = _batch_norm_form(op, op.inputs[0].shape, f"training-mode {op.type}")
+    if len(op.outputs) > 5 and op.outputs[5].consumers():
+        # the CPU gradient's read is rewired to a zero (tf/passes/bn_reserve.py)
+        raise _Unfusible(f"training-mode {op.type} whose reserve_space_3 is read (by a "
+                         "GPU gradient, or an op other than its gradient)")
     f = float(op.get_attr("exponential_avg_factor")) if op.type == "FusedBatchNormV3" else 1.0
     return Node(op.name, "FusedBatchNormTraining", _inputs(op, range(3 if f == 1.0 else 5)),
                 {"epsilon": float(op.get_attr("epsilon")), "data_format": fmt, "n": n,
