@@ -241,3 +241,18 @@ def test_tf_keras_layer_norm_training_step_fuses_forward_and_backward():
     fused = {op for k in sf.report.kernels for _, op in k.ops}
     assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= fused, sf.report.summary()
     assert not any(op.startswith("FusedBatchNorm") for _, op, _ in sf.report.unfused)
+
+
+def test_accuracy_table_rows_within_twice_tf_and_nan_inf_like_tf():
+    """stitching/testing/accuracy.py's row for it, over the quick input ranges (tiny,
+    ~1, large, subnormal, NaN/Inf among ~1 values): within max(2x TF's, 4) ulps of
+    float64 and NaN/Inf where TF's are."""
+    from stitching.testing import accuracy as A
+    rng = np.random.default_rng(0)
+    fns = {"FusedBatchNorm (training)": A.ROWWISE["FusedBatchNorm (training)"]}
+    rows = []
+    for rname in A.QUICK_RANGES:
+        x = rng.permutation(A.RANGES[rname][1](rng, 1024)).reshape(-1, A.ROW)
+        rows += A._rows_of(A._run_group(fns, [x]), rname, ulp_bar=rname != "nan/inf", x=x)
+    assert [(r.op, r.range) for r in rows if not r.within()] == [], rows
+    assert [(r.op, r.range) for r in rows if not r.nonfinite_like_tf] == [], rows
