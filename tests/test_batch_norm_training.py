@@ -256,3 +256,19 @@ def test_accuracy_table_rows_within_twice_tf_and_nan_inf_like_tf():
         rows += A._rows_of(A._run_group(fns, [x]), rname, ulp_bar=rname != "nan/inf", x=x)
     assert [(r.op, r.range) for r in rows if not r.within()] == [], rows
     assert [(r.op, r.range) for r in rows if not r.nonfinite_like_tf] == [], rows
+
+
+def test_tf_passes_priced_for_a_training_batch_norm_and_its_nchw_transposes():
+    """legality.work: TF's CPU kernel reads x for the mean, again for the variance, and
+    once more to write y (2 passes); in NCHW it transposes x in and y out (2 more), and
+    so does the gradient (4 + 2): the cost model's side of fusing the tf_keras
+    LayerNormalization form."""
+    from stitching.ir import Node, ValueRef
+    from stitching.plan import legality
+
+    def node(op, fmt, **attrs):
+        return Node("bn", op, [ValueRef("x")] * 3, dict(attrs, data_format=fmt))
+    assert legality.work(node("FusedBatchNormTraining", "NHWC")) == 2
+    assert legality.work(node("FusedBatchNormTraining", "NCHW")) == 4
+    assert legality.work(node("FusedBatchNormGrad", "NHWC", is_training=True)) == 4
+    assert legality.work(node("FusedBatchNormGrad", "NCHW", is_training=True)) == 6
