@@ -134,8 +134,9 @@ def _convert(op) -> Node:
         return _opaque(op, reason)
     # Re-derive the output type with the op table: a node we cannot type is not fusible.
     out_types = [tensor_type(t) for t in op.outputs]
-    # A composite's extra outputs (FusedBatchNorm's statistics and reserve space,
-    # of unknown rank) are never read when it is fused: check only output 0.
+    # A composite's extra outputs (inference FusedBatchNorm's statistics and reserve
+    # space, of unknown rank) are never read when it is fused: check only those that
+    # can leave a kernel (MULTI_OUTPUT: training FusedBatchNorm's five).
     checked = out_types[:MULTI_OUTPUT.get(node.op, 1)] if node.op in COMPOSITE_OPS \
         else out_types
     # inputs the node reads (a composite reads a prefix: FusedBatchNormGradV3's
