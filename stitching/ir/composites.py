@@ -9,7 +9,24 @@ the textbook formula TF's own kernel computes:
   LogSoftmax(x)   = s - log(sum(exp(s))),  s = x - max(x)
   BiasAdd(x, b)   = x + b                  (b broadcast on the channel axis)
   FusedBatchNorm  = x * k + (offset - mean * k),  k = scale * rsqrt(var + eps)
-                    (inference only; channel axis by data_format)
+                    (inference; channel axis by data_format)
+  FusedBatchNormTraining(x, scale, offset[, mean, var]) (fused_batch_norm_op.cc, the
+                    CPU functor with is_training; five outputs, each computed only where
+                    read): the statistics reduce every axis but the channel axis
+                    (data_format), n their element count (a constant, or where a reduced
+                    dim is known only at run time a sum of ones, exact below 2**24):
+                       mean = sum(x) / n,  xc = x - mean,  v = sum(xc * xc) / n
+                       y    = xc * (rsqrt(v + eps) * scale) + offset
+                       batch_mean = mean, batch_variance = v * (n / max(n - 1, 1))
+                                    (Bessel-corrected: TF's rest_size_adjust)
+                       reserve_space_1 = mean, reserve_space_2 = v (not corrected)
+                    (V3's reserve_space_3, a scalar 0 on the CPU, is no output: its
+                    gradient reads a constant instead, tf/passes/bn_reserve.py)
+                    with exponential_avg_factor f != 1 (V3) the running averages of the
+                    old mean and var inputs: batch_mean = (1 - f) * mean_in + f * mean,
+                    batch_variance = (1 - f) * var_in + (f * adj) * v
+                    (sums accumulate in float64: never less accurate than TF's float32
+                    sums; half-precision x is cast to the statistics' dtype first)
 
 Training ops (TF's CPU functors: relu_op_functor.h, cwise_ops_gradients.h,
 bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
@@ -35,8 +52,9 @@ bias_op.cc, l2loss_op.cc, aggregate_ops.h), with TF's association order:
                        cut to a sequence length; the ones make the kernel read those
                        dims from s, as the Tile above does; x * 1 is exact)
   FusedBatchNormGrad(dy, x, scale, mean, var) (fused_batch_norm_op.cc, CPU functors;
-                       channel-last, three outputs; sums over every other axis, n their
-                       element count, known at trace time):
+                       three outputs; sums over every axis but the channel axis, as the
+                       forward's below, n their element count, a constant or counted at
+                       run time):
                        k0 = rsqrt(var + eps), xc = x - mean
                        scale_bp = sum(dy * (xc * k0)), offset_bp = sum(dy)
                        training:  x_bp = (scale * k0) * ((dy - offset_bp * (1/n))
@@ -68,6 +86,7 @@ COMPOSITE_OPS = {
     "Tile": (Kind.ELEMENTWISE, 1),          # a broadcast (frontend checks); [x, s]: _tile
     "SoftmaxCrossEntropyWithLogits": (Kind.REDUCTION, 2),    # two outputs
     "FusedBatchNormGrad": (Kind.REDUCTION, 5),               # three outputs
+    "FusedBatchNormTraining": (Kind.REDUCTION, 5),           # five outputs; 3 or 5 inputs
     # TF's Split / SplitV / Unpack: one Slice per piece along ``axis`` (``sizes``), the
     # axis removed from each piece when ``squeeze`` (Unpack)
     "Split": (Kind.LAYOUT, 1),
@@ -90,7 +109,7 @@ COMPOSITE_OPS = {
 
 # composites with more than one output: expand returns a tuple, one ref per output
 MULTI_OUTPUT = {"SoftmaxCrossEntropyWithLogits": 2, "FusedBatchNormGrad": 3,
-                "Split": MAX_VARIADIC}
+                "FusedBatchNormTraining": 5, "Split": MAX_VARIADIC}
 
 # SELU's constants as TF's kernel spells them (relu_op_functor.h)
 _SELU_SCALE = 1.0507009873554804934193349852946
@@ -258,19 +277,24 @@ def _batch_norm_grad(attrs, a, t, emit):
         dy = emit("Cast", [dy], {"to": u})
     if t[1].dtype != u:
         x = emit("Cast", [x], {"to": u})
-    sums = {"axes": list(range(len(t[1].shape) - 1)), "keep_dims": False}
+    fmt, rank = attrs.get("data_format", "NHWC"), len(t[1].shape)
+    if fmt.startswith("NC"):      # per-channel vectors on axis 1, sums kept there
+        scale, mean, var = (_to_channel(r, ty, rank, fmt, emit)
+                            for r, ty in zip(a[2:], t[2:]))
+        sums = {"axes": _bn_axes(t[1].shape, fmt), "keep_dims": True}
+    else:
+        sums = {"axes": list(range(rank - 1)), "keep_dims": False}
     k0 = emit("Rsqrt", [emit("Add", [var, _const(emit, attrs["epsilon"], u)], {})], {})
     xc = emit("Sub", [x, mean], {})
     offset_bp = emit("Sum", [dy], sums)
     if attrs["is_training"]:
-        n = attrs["n"]
+        n = _count(x, attrs["n"], sums, u, emit)
         scale_bp = emit("Sum", [emit("Mul", [dy, emit("Mul", [xc, k0], {})], {})], sums)
         # TF: rest_size_inv = 1.0f / rest_size in float32, then cast to U
-        inv_n = float(_f32(1.0 / _f32(n)))
-        centered = emit("Sub", [dy, emit("Mul", [offset_bp, _const(emit, inv_n, u)], {})],
-                        {})
-        dyxc_mean = emit("Div", [emit("Sum", [emit("Mul", [dy, xc], {})], sums),
-                                 _const(emit, n, u)], {})
+        inv_n = emit("Reciprocal", [n], {}) if attrs["n"] < 0 else \
+            _const(emit, float(_f32(1.0 / _f32(attrs["n"]))), u)
+        centered = emit("Sub", [dy, emit("Mul", [offset_bp, inv_n], {})], {})
+        dyxc_mean = emit("Div", [emit("Sum", [emit("Mul", [dy, xc], {})], sums), n], {})
         coef1 = emit("Mul", [scale, k0], {})
         coef2 = emit("Mul", [emit("Mul", [k0, k0], {}), dyxc_mean], {})
         x_bp = emit("Mul", [coef1, emit("Sub", [centered, emit("Mul", [xc, coef2], {})],
@@ -280,7 +304,66 @@ def _batch_norm_grad(attrs, a, t, emit):
         x_bp = emit("Mul", [dy, emit("Mul", [k0, scale], {})], {})
     if t[0].dtype != u:
         x_bp = emit("Cast", [x_bp], {"to": t[0].dtype})
+    if sums["keep_dims"]:
+        vec = {"shape": [t[2].shape[0]]}
+        scale_bp, offset_bp = (emit("Reshape", [v], vec) for v in (scale_bp, offset_bp))
     return x_bp, scale_bp, offset_bp
+
+
+def _bn_axes(shape, fmt) -> list:
+    """The axes a batch norm's statistics reduce: all but the channel axis (by
+    data_format), less those of size 1, which reduce to themselves (a [1, R, C, 1]
+    NCHW input, tf_keras' LayerNormalization, is then a reduction over its rows' last
+    axis)."""
+    channel = 1 if fmt.startswith("NC") else len(shape) - 1
+    rest = [i for i in range(len(shape)) if i != channel]
+    return [i for i in rest if shape[i] != 1] or rest
+
+
+def _count(x, n, sums, u, emit) -> int:
+    """The element count of each statistic of ``x`` reduced by ``sums``, as a value of
+    dtype ``u``: the constant n, or where a reduced dim is known only at run time
+    (n < 0) a sum of ones, exact below 2**24 in float32 as TF's static_cast<U>(n)."""
+    if n >= 0:
+        return _const(emit, n, u)
+    return emit("Sum", [emit("FillLike", [x], {"value": 1.0, "dtype": u})], sums)
+
+
+def _batch_norm_training(attrs, a, t, emit):
+    x, scale, offset = a[:3]
+    u, rank, fmt = t[1].dtype, len(t[0].shape), attrs["data_format"]
+    if t[0].dtype != u:
+        x = emit("Cast", [x], {"to": u})
+    keep = {"axes": _bn_axes(t[0].shape, fmt), "keep_dims": True}
+    scale, offset = (_to_channel(r, ty, rank, fmt, emit) for r, ty in zip(a[1:3], t[1:3]))
+    mean = emit("Mean", [x], keep)
+    xc = emit("Sub", [x, mean], {})
+    var = emit("Mean", [emit("Mul", [xc, xc], {})], keep)
+    k = emit("Mul", [emit("Rsqrt", [emit("Add", [var, _const(emit, attrs["epsilon"], u)],
+                                         {})], {}), scale], {})
+    y = emit("Add", [emit("Mul", [xc, k], {}), offset], {})
+    if t[0].dtype != u:
+        y = emit("Cast", [y], {"to": t[0].dtype})
+    vec = {"shape": [t[1].shape[0]]}
+    mean_c, var_c = (emit("Reshape", [v], vec) for v in (mean, var))
+    n = attrs["n"]
+    if n > 0:                                   # TF: static_cast<U>(n) / (n - 1)
+        adj = _const(emit, _f32(_f32(n) / _f32(max(n - 1, 1))), u)
+    else:
+        cnt = emit("Reshape", [_count(x, n, keep, u, emit)], vec)
+        adj = emit("Div", [cnt, emit("Maximum", [emit("Sub", [cnt, _const(emit, 1, u)], {}),
+                                                 _const(emit, 1, u)], {})], {})
+    f = attrs["exponential_avg_factor"]
+    if f == 1.0:
+        out_mean, out_var = mean_c, emit("Mul", [var_c, adj], {})
+    else:
+        g = _const(emit, _f32(1.0 - _f32(f)), u)
+        fc = _const(emit, f, u)
+        out_mean = emit("Add", [emit("Mul", [g, a[3]], {}), emit("Mul", [fc, mean_c], {})],
+                        {})
+        out_var = emit("Add", [emit("Mul", [g, a[4]], {}),
+                               emit("Mul", [emit("Mul", [fc, adj], {}), var_c], {})], {})
+    return y, out_mean, out_var, mean_c, var_c
 
 
 def _f32(v):
@@ -295,6 +378,7 @@ _TRAINING = {
     "SoftplusGrad": _softplus_grad, "SigmoidGrad": _sigmoid_grad, "TanhGrad": _tanh_grad,
     "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "Tile": _tile,
     "SoftmaxCrossEntropyWithLogits": _xent, "FusedBatchNormGrad": _batch_norm_grad,
+    "FusedBatchNormTraining": _batch_norm_training,
 }
 
 

@@ -43,7 +43,8 @@ from .composites import COMPOSITE_OPS
 from .graph import ValueRef
 from .ops import Kind, kind_of
 
-_SHAPE_KEEPING = ("Softmax", "LogSoftmax", "BiasAdd", "FusedBatchNorm")
+_SHAPE_KEEPING = ("Softmax", "LogSoftmax", "BiasAdd", "FusedBatchNorm",
+                  "FusedBatchNormTraining")
 _MATMULS = {"MatMul": ("transpose_a", "transpose_b"), "BatchMatMul": ("adj_x", "adj_y"),
             "BatchMatMulV2": ("adj_x", "adj_y"), "BatchMatMulV3": ("adj_x", "adj_y")}
 

@@ -75,7 +75,20 @@ def is_candidate(graph: Graph, node: Node) -> bool:
 # the fused kernel measured 3.05 against 2.87 ms there, before exp_nonpos and the
 # next-row prefetch).
 COMPOSITE_PASSES = {"Softmax": 4, "LogSoftmax": 4, "SoftmaxCrossEntropyWithLogits": 4,
-                    "FusedBatchNormGrad": 4}   # TF: 3 reductions + the x_backprop pass
+                    "FusedBatchNormGrad": 4,   # TF: 3 reductions + the x_backprop pass
+                    # TF (fused_batch_norm_op.cc, is_training): the mean's and the
+                    # variance's reads of x, then y's read and write.  oneDNN's kernel
+                    # (Intel and AMD with oneDNN on) measured 1.2-1.3 passes' time here
+                    # at [32, 28, 28, 64] (1.17 ms against 0.90 ms for x * 1.5): a lone
+                    # channel-last one is then left to TF, fused with its neighbours.
+                    "FusedBatchNormTraining": 2}
+# TF's CPU kernels transpose an NCHW input to NHWC and the result back: two passes more
+# (the gradient's three: x, dy and x_backprop; two is the lower bound).  The
+# [1, rows, cols, 1] form of tf_keras' LayerNormalization measured 5.5 passes' time
+# (1.85 ms at [1, 1024, 768, 1], 11.4 ms at [1, 4096, 768, 1] against 0.33 and 2.0 ms
+# for x * 1.5, oneDNN on): 4 is the lower bound the kernel's code makes
+_NCHW_EXTRA_PASSES = 2
+_NCHW_TRANSPOSED = frozenset({"FusedBatchNormTraining", "FusedBatchNormGrad"})
 # TF runs each of these as one pass over its data (one Eigen expression per kernel)
 COMPOSITE_PASSES.update(dict.fromkeys(
     ("ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad", "SigmoidGrad",
@@ -129,7 +142,9 @@ def work(node: Node) -> int:
     through it saves.
     """
     if node.op in COMPOSITE_OPS:
-        return COMPOSITE_PASSES.get(node.op, 2)
+        extra = _NCHW_EXTRA_PASSES if node.op in _NCHW_TRANSPOSED and \
+            node.attrs.get("data_format", "").startswith("NC") else 0
+        return COMPOSITE_PASSES.get(node.op, 2) + extra
     d = OPS.get(node.op)
     return int(d is not None and d.kind not in (Kind.LAYOUT, Kind.SOURCE)
                and node.op != "Identity" or node.op in INDEX_MAPS)

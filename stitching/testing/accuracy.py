@@ -105,6 +105,20 @@ def _batch_norm(x):
     return tf.reshape(y, [-1, ROW])
 
 
+def _batch_norm_training(x):
+    """Training-mode FusedBatchNorm (statistics of each of the ROW channels over the
+    rows); the float64 run computes TF's CPU formula, (x - mean) * (rsqrt(var + eps) *
+    scale) + offset with the batch's mean and (biased) variance."""
+    c = [tf.constant(v, x.dtype, [ROW]) for v in (1.5, 0.25)]
+    if x.dtype == tf.float64:
+        mean = tf.reduce_mean(x, 0)
+        var = tf.reduce_mean(tf.square(x - mean), 0)
+        return (x - mean) * (tf.math.rsqrt(var + 1e-3) * c[0]) + c[1]
+    y = tf.compat.v1.nn.fused_batch_norm(tf.reshape(x, [-1, 1, 1, ROW]), c[0], c[1],
+                                         epsilon=1e-3, is_training=True)[0]
+    return tf.reshape(y, [-1, ROW])
+
+
 # Row ops over x reshaped to [rows, ROW]: reductions and composites (last axis).
 ROW = 64
 ROWWISE = {
@@ -119,6 +133,7 @@ ROWWISE = {
     "layernorm": _layernorm,
     "BiasAdd": lambda x: tf.nn.bias_add(x, tf.range(ROW, dtype=x.dtype) * 0.1 - 3.0),
     "FusedBatchNorm": lambda x: _batch_norm(x),
+    "FusedBatchNorm (training)": _batch_norm_training,
     "GELU exact": lambda x: tf.nn.gelu(x, approximate=False),
     "GELU tanh": lambda x: tf.nn.gelu(x, approximate=True),
     "swish": tf.nn.silu,
@@ -217,6 +232,7 @@ SCALED = {
     "layernorm": lambda x, ref: _row_max(ref),
     "LogSoftmax": lambda x, ref: _row_max(ref),
     "FusedBatchNorm": lambda x, ref: _row_max(ref),
+    "FusedBatchNorm (training)": lambda x, ref: _row_max(ref),
 }
 
 

@@ -134,8 +134,9 @@ def _convert(op) -> Node:
         return _opaque(op, reason)
     # Re-derive the output type with the op table: a node we cannot type is not fusible.
     out_types = [tensor_type(t) for t in op.outputs]
-    # A composite's extra outputs (FusedBatchNorm's statistics and reserve space,
-    # of unknown rank) are never read when it is fused: check only output 0.
+    # A composite's extra outputs (inference FusedBatchNorm's statistics and reserve
+    # space, of unknown rank) are never read when it is fused: check only those that
+    # can leave a kernel (MULTI_OUTPUT: training FusedBatchNorm's five).
     checked = out_types[:MULTI_OUTPUT.get(node.op, 1)] if node.op in COMPOSITE_OPS \
         else out_types
     # inputs the node reads (a composite reads a prefix: FusedBatchNormGradV3's
@@ -468,7 +469,7 @@ def _convert_composite(op) -> Node | None:
         return _convert_batch_norm_grad(op)
     # FusedBatchNorm / V2 / V3
     if op.get_attr("is_training"):
-        raise _Unfusible("training-mode FusedBatchNorm (computes batch statistics)")
+        return _convert_batch_norm_training(op)
     if any(len(o.consumers()) for o in op.outputs[1:]):
         raise _Unfusible("FusedBatchNorm statistics outputs are used")
     fmt = op.get_attr("data_format").decode()
@@ -495,23 +496,56 @@ def _convert_training(op) -> Node:
     return Node(op.name, t, _inputs(op), {})
 
 
-def _convert_batch_norm_grad(op) -> Node:
-    """FusedBatchNormGrad / V2 / V3: x, scale and offset gradients (ir/composites.py).
-    Channel-last only (NCHW's reductions skip the channel axis in the middle), every
-    reduced dim known at trace time (1/n is a constant, as in TF's kernel)."""
+def _convert_batch_norm_training(op) -> Node:
+    """FusedBatchNorm / V2 / V3 with is_training: batch statistics, y and the four
+    statistics outputs (ir/composites.py).  The old mean and var are read only when
+    exponential_avg_factor is not 1 (else they may be empty, as tf.compat.v1's
+    fused_batch_norm passes them)."""
+    fmt, n = _batch_norm_form(op, op.inputs[0].shape, f"training-mode {op.type}")
+    if len(op.outputs) > 5 and op.outputs[5].consumers():
+        # the CPU gradient's read is rewired to a zero (tf/passes/bn_reserve.py)
+        raise _Unfusible(f"training-mode {op.type} whose reserve_space_3 is read (by a "
+                         "GPU gradient, or an op other than its gradient)")
+    f = float(op.get_attr("exponential_avg_factor")) if op.type == "FusedBatchNormV3" else 1.0
+    return Node(op.name, "FusedBatchNormTraining", _inputs(op, range(3 if f == 1.0 else 5)),
+                {"epsilon": float(op.get_attr("epsilon")), "data_format": fmt, "n": n,
+                 "exponential_avg_factor": f})
+
+
+def _batch_norm_form(op, x, what: str) -> tuple:
+    """(data_format, n) of a batch norm over ``x`` that fuses: channel-last, or NCHW
+    where the axes on one side of the channel axis are all size 1 (tf_keras'
+    LayerNormalization reshapes x to [1, rows, cols, 1] NCHW and normalizes each row
+    this way), so that the statistics are one contiguous reduction; n is the count of
+    each statistic's elements, -1 where known only at run time (the kernel counts it).
+    Raises _Unfusible otherwise."""
     fmt = op.get_attr("data_format").decode()
-    x = op.inputs[1].shape
-    if fmt not in ("NHWC", "NDHWC") or x.rank not in (4, 5):
-        raise _Unfusible(f"FusedBatchNormGrad in {fmt} (only channel-last is fused)")
+    if x.rank not in (4, 5):
+        raise _Unfusible(f"{what} of unknown rank")
+    dims = x.as_list()
+    channel = 1 if fmt.startswith("NC") else len(dims) - 1
+    if channel == 1 and dims[0] != 1 and any(d != 1 for d in dims[2:]):
+        raise _Unfusible(
+            f"{what} in {fmt} over a batch of {dims[0] or 'unknown size'} and a spatial "
+            "size other than 1: its statistics reduce the axes on both sides of the "
+            "channel axis, which no fused reduction does yet (channel-last fuses, and "
+            "so does tf_keras LayerNormalization's [1, rows, cols, 1] NCHW form)")
+    reduced = [d for i, d in enumerate(dims) if i != channel]
+    n = -1 if None in reduced else int(np.prod(reduced))
+    if n == 0:
+        raise _Unfusible(f"{what} of an empty tensor (TF's statistics are NaN there)")
+    return fmt, n
+
+
+def _convert_batch_norm_grad(op) -> Node:
+    """FusedBatchNormGrad / V2 / V3: x, scale and offset gradients (ir/composites.py),
+    in the forms _batch_norm_form takes (tf_keras LayerNormalization's backward is the
+    NCHW one)."""
     if any(len(o.consumers()) for o in op.outputs[3:]):
         raise _Unfusible("FusedBatchNormGrad reserve-space outputs are used")
-    if not x[:-1].is_fully_defined():
-        raise _Unfusible("FusedBatchNormGrad over dims known only at run time")
-    n = int(np.prod(x[:-1].as_list()))
-    if n < 1:
-        raise _Unfusible("FusedBatchNormGrad of an empty tensor")
+    fmt, n = _batch_norm_form(op, op.inputs[1].shape, op.type)
     return Node(op.name, "FusedBatchNormGrad", _inputs(op, range(5)),
-                {"epsilon": float(op.get_attr("epsilon")),
+                {"epsilon": float(op.get_attr("epsilon")), "data_format": fmt,
                  "is_training": bool(op.get_attr("is_training")), "n": n})
 
 

@@ -14,6 +14,8 @@ around planning, each pass entered once:
     strided_grad a strided slice's gradient (zeros between) -> Reshape, Pad, Reshape
                  (the Pad fused, the regrouping Reshape a view)     strided_grad.py
     sparse_xent  SparseSoftmaxCrossEntropyWithLogits -> the dense op     sparse_xent.py
+    bn_reserve   a training-mode FusedBatchNormV3's reserve_space_3 read by its CPU
+                 gradient -> a scalar zero (what TF's CPU kernel writes)  bn_reserve.py
     seqsplit     token-wise blocks whose products TF runs on one thread at batch 1
                  -> two halves of the sequence (Options(seq_split))     seqsplit.py
     reshape_sink a Transpose of a Reshape that groups dims -> a Reshape of a
@@ -77,7 +79,8 @@ from ..plan import cache as plan_cache
 from ..plan import get_planner, legality, profiles
 from .. import schedule     # the planner's legality and its cost model's schedules
 from . import control_flow, dump, opnames, passmanager, results, scalars
-from .passes import (attention, autotune, bcast, blas, concat_grad, conv1x1, convgrad,
+from .passes import (attention, autotune, bcast, blas, bn_reserve, concat_grad, conv1x1,
+                     convgrad,
                      einsum, exclude, forward,
                      gemm, grappler, inline, lift, original, padfold, prune, remapper,
                      reshape_sink,
@@ -91,6 +94,7 @@ BEFORE_PLANNING = (
     concat_grad.PASS,
     strided_grad.PASS,
     sparse_xent.PASS,
+    bn_reserve.PASS,
     seqsplit.PASS,
     reshape_sink.PASS,
     padfold.PASS,
