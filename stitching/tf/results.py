@@ -51,6 +51,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -86,7 +87,18 @@ def context(fetches, keep, options, resources, prof=None) -> str:
                   replace(options, dump_dir=None, dump_passes=None)))
             + repr(sorted((resources or {}).items()))
             + remapper.table(prof).name                          # TF_ENABLE_ONEDNN_OPTS
-            + _blas(options, prof))
+            + _blas(options, prof)
+            + ("" if attention_autotuned() else "-attention-autotune"))
+
+
+# STITCHING_ATTENTION_AUTOTUNE=0: the attention pass marks no StitchedAttention for
+# timing against its unfused products (tf/passes/attention.py autotuned); part of a
+# result's key, since the rewritten graph differs.
+ATTENTION_AUTOTUNE_ENV = "STITCHING_ATTENTION_AUTOTUNE"
+
+
+def attention_autotuned() -> bool:
+    return os.environ.get(ATTENTION_AUTOTUNE_ENV, "1") != "0"
 
 
 def _blas(options, prof) -> str:
