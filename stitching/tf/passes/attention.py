@@ -44,11 +44,22 @@ that.
 It fuses what the blas pass made StitchedBatchMatMul (``blas.mode``): every product
 where TF's GEMM is Eigen's.  Where it is oneDNN's, the blas pass takes none, and this
 pass makes the products of the masked attentions ours itself, only those (a trial of
-the rewrite on a copy chooses them: ``masked_products``), since the fused op beats
-oneDNN's products by skipping the key blocks the mask removes.
+the rewrite on a copy chooses them: ``masked_products``), since only there can the
+fused op beat oneDNN's products, by skipping the key blocks the mask removes.
 ``Options(fused_attention=False)`` (``--no-fused-attention``) keeps the three ops.  BENCHMARKS.md ``gemm@amd_avx2`` has
 what it gained there (1.06x the Llama decoder at batch 8, within noise of 1.0x at
 batch 1 and on the Transformer), ``attention@amd_avx512`` where TF runs oneDNN.
+
+Whether it does beat them is the machine's: 1.10-1.37x the unfused graph on a Zen 4
+EPYC, 0.76-0.95x on a Zen 5 whose environment holds OpenBLAS to its AVX2 kernels
+(``attention@amd_avx512_zen5``), a rule from two machines being a guess.  So where TF
+runs oneDNN each op the pass makes is timed on its first calls (``autotuned``): it
+carries a function of the same attention unfused -- oneDNN's products around the
+softmax kernel (``unfused_function``) -- and runs itself and that function in turn on
+its first calls per shape class, then the faster, with op.cc's Tuner and its disk
+cache (runtime/attention.cc; the decisions are in
+``stitching.runtime.autotune_decisions()``).  Not where the products are OpenBLAS's:
+there both ways run the same OpenBLAS kernels (``autotuned`` says why).
 """
 from __future__ import annotations
 
@@ -686,7 +697,10 @@ def _take_masked_products(ctx) -> str | None:
     with a causal mask, whose key blocks the op skips, the fused attention ran
     0.98-1.34x the unfused one (TF's products around the stitched softmax kernel) at
     [1-32, 4-8, 128, 32-64]; unmasked, fused the same way (every product OpenBLAS's),
-    it ran 0.55-2.1x, 0.87x in median at the Transformer's [8, 4, 128, 64]."""
+    it ran 0.55-2.1x, 0.87x in median at the Transformer's [8, 4, 128, 64].  On a Zen 5
+    of the same class the masked ones lost too (``attention@amd_avx512_zen5``): the
+    ops are timed against their unfused products where they run (``autotuned``), so a
+    masked attention this takes runs as fast as the faster of the two ways."""
     chosen, products, unmasked = masked_products(ctx.graph_def, ctx)
     left = (f"; {unmasked} unmasked attention(s) left to oneDNN's products (the fused "
             f"op gains over them only where a mask removes key blocks)" if unmasked else "")
