@@ -492,7 +492,7 @@ class AttentionOp : public InlineKernel {
 
  private:
   // The unfused function on this call's inputs, and true; the fused op where it cannot
-  // be had, and false.
+  // be had or fails, and false.
   bool RunUnfused(OpKernelContext* ctx) {
     tensorflow::FunctionLibraryRuntime* flib = nullptr;
     tensorflow::FunctionLibraryRuntime::Handle handle = 0;
@@ -519,13 +519,20 @@ class AttentionOp : public InlineKernel {
       flib = unfused_flib_;
       handle = unfused_handle_;
     }
-    if (!ok) {
-      RunFused(ctx);
-      return false;
+    if (ok) {
+      const absl::Status run = stitching_fn::RunInline(
+          ctx, flib, handle, absl::StrCat("StitchedAttention ", ctx->op_kernel().name()));
+      if (run.ok()) return true;
+      // (no output is set then): the fused op answers, and serves from now on
+      if (!unfused_failed_.exchange(true)) {
+        g_untuned.fetch_add(1);
+        LOG(WARNING) << "StitchedAttention " << ctx->op_kernel().name()
+                     << ": not autotuned, it runs fused: its unfused function failed ("
+                     << run.message() << ")";
+      }
     }
-    ctx->SetStatus(stitching_fn::RunInline(
-        ctx, flib, handle, absl::StrCat("StitchedAttention ", ctx->op_kernel().name())));
-    return true;
+    RunFused(ctx);
+    return false;
   }
 
   void RunFused(OpKernelContext* ctx) {
