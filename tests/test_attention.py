@@ -664,6 +664,11 @@ def test_onednn_attention_measures_equals_tf_on_every_call_and_keeps_its_decisio
     assert decision["kernel_us"] > 0 and decision["native_us"] > 0
     on_disk = autotune.read(h)                  # a second process reads it
     assert on_disk[key[1]]["choice"] == decision["choice"]
+    # ... and the report shows it, per attention node
+    entries = [e for e in f.report.autotune_decisions() if e.get("attention")]
+    assert len(entries) == 2 and all(e["decisions"] for e in entries), entries
+    way = "fused" if decision["choice"] == "kernel" else "unfused"
+    assert f"(measured) -> {way}" in f.report.summary()
 
 
 def test_a_missing_unfused_function_runs_fused(monkeypatch, no_decisions):

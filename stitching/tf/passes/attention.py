@@ -728,12 +728,17 @@ def _run(ctx):
     fused = fuse(ctx.graph_def, ctx.pinned, lambda: ctx.shapes_of(ctx.graph_def),
                  ctx.folded, excluded=ctx.excluded.keys(), tune=tune)
     if fused:
-        timed = sum(1 for nd in ctx.graph_def.node
-                    if nd.op == "StitchedAttention" and UNFUSED_ATTR in nd.attr)
+        timed = [nd for nd in ctx.graph_def.node
+                 if nd.op == "StitchedAttention" and UNFUSED_ATTR in nd.attr]
+        if timed:       # the report's autotune entries (Report.autotune_decisions)
+            ctx.autotune = (ctx.autotune or []) + [
+                {"kernel": nd.name, "spec_hash": nd.attr[TUNE_ATTR].s.decode(),
+                 "fused_us": None, "unfused_us": None, "predicted": None,
+                 "margin": float("inf"), "attention": True} for nd in timed]
         notes.append(f"{fused} attention(s) fused into StitchedAttention (product, "
                      f"softmax kernel and product: the scores kept per block of query "
                      f"rows; tf/passes/attention.py)" + (
-                         f"; {timed} of them timed against their unfused products (TF's "
+                         f"; {len(timed)} of them timed against their unfused products (TF's "
                          f"around the softmax kernel) on their first calls per shape "
                          f"class, the faster kept (stitching.runtime.autotune_decisions())"
                          if tune else ""))
