@@ -728,3 +728,61 @@ def test_attentions_are_timed_only_where_tf_runs_onednn(monkeypatch):
             (body,) = [library[n] for n in names]       # one per kind of attention
             ops_ = sorted(n.op for n in body.node_def)
             assert ops_.count(attention._product_op()) == 2 and "StitchedKernel" in ops_
+
+
+_LOAD_TUNED = """
+    import json, numpy as np
+    import stitching, tensorflow as tf
+    from stitching import runtime
+    m = tf.saved_model.load({path!r})
+    args = [tf.constant(np.load({d!r} + f"/{{n}}.npy")) for n in "qkv"]
+    want = np.load({d!r} + "/y.npy")
+    got = m.attend(*args)
+    stats = {{k: v for k, v in runtime.stats().items() if k.startswith("attention_")}}
+    print("RESULT", json.dumps({{"err": float(np.abs(got.numpy() - want).max()), **stats}}))
+"""
+
+
+def test_a_rewritten_saved_model_serves_its_decision_in_a_fresh_process(monkeypatch,
+                                                                        tmp_path,
+                                                                        no_decisions):
+    """stitching-rewrite's path where TF runs oneDNN: the op's unfused function travels
+    in the SavedModel's library, and a fresh process that finds the unfused way decided
+    in the cache runs it (through the loader's renamed function), with TF's answer."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from tensorflow.core.protobuf import saved_model_pb2
+    from stitching.runtime import autotune
+    from stitching.saved_model import rewrite_saved_model
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", ONEDNN)
+    mask = np.triu(np.full((24, 24), -1e9, np.float32), 1)
+    module = tf.Module()
+    module.attend = tf.function(
+        lambda q, k, v: tf.matmul(tf.nn.softmax(tf.matmul(q, k, transpose_b=True) * 0.25
+                                                + mask), v),
+        input_signature=[tf.TensorSpec([None, 2, 24, 8], tf.float32)] * 3)
+    tf.saved_model.save(module, str(tmp_path / "src"))
+    rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))
+    saved = saved_model_pb2.SavedModel()
+    saved.ParseFromString((tmp_path / "dst" / "saved_model.pb").read_bytes())
+    graph = saved.meta_graphs[0].graph_def
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    (h,) = {n.attr[attention.TUNE_ATTR].s.decode() for n in nodes
+            if n.op == "StitchedAttention"}
+    for cls in range(autotune.N_CLASSES):
+        autotune.write(h, cls, "native", 2.0, 1.0)
+    q, k, v = (_rand((3, 2, 24, 8), seed=s) for s in (31, 32, 33))
+    for name, t in (("q", q), ("k", k), ("v", v),
+                    ("y", module.attend(q, k, v).numpy())):
+        np.save(tmp_path / f"{name}.npy", t)
+    code = textwrap.dedent(_LOAD_TUNED.format(path=str(tmp_path / "dst"), d=str(tmp_path)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=600)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, out.stderr[-3000:]
+    res = json.loads(line[0][len("RESULT "):])
+    assert res["err"] < 1e-5, res
+    assert res["attention_autotune_unfused_calls"] == 1, res
+    assert res["attention_autotune_untuned"] == 0, res

@@ -53,7 +53,7 @@ def _one_run(calls: int) -> list[dict]:
     import numpy as np
     import tensorflow as tf
     import stitching
-    from stitching.tf import results
+    from stitching import options as st_options
     rng = np.random.default_rng(0)
     rows = []
     for causal in (False, True):
@@ -81,9 +81,9 @@ def _one_run(calls: int) -> list[dict]:
                        options=stitching.Options(background_compile=False))}
             outs = {}
             for m, f in fns.items():        # the first call stitches
-                os.environ[results.ATTENTION_AUTOTUNE_ENV] = "0" if m == "forced" else "1"
+                os.environ[st_options.ATTENTION_AUTOTUNE_ENV] = "0" if m == "forced" else "1"
                 outs[m] = f(q, k, v).numpy()
-            os.environ.pop(results.ATTENTION_AUTOTUNE_ENV)
+            os.environ.pop(st_options.ATTENTION_AUTOTUNE_ENV)
             err = max(float(np.max(np.abs(outs[m] - outs["tf"]))) for m in MODES[1:])
             times = {m: [] for m in MODES}
             for _ in range(calls):

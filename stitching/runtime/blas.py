@@ -79,6 +79,7 @@ def _share_op_library(path: str) -> None:
     lib.stitching_blas_set_tuner.restype = None
     lib.stitching_blas_set_tuner.argtypes = [ctypes.c_void_p]
     lib.stitching_blas_set_tuner(tuner)
+    registry.STATS.append(tune_counts)      # stitching.runtime.stats()
 
 
 def _image(path: str):

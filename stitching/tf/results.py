@@ -51,7 +51,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -59,6 +58,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from .. import cachedir
+from ..options import attention_autotune_on
 from ..report import KernelInfo, Report
 
 FORMAT = 2
@@ -88,17 +88,7 @@ def context(fetches, keep, options, resources, prof=None) -> str:
             + repr(sorted((resources or {}).items()))
             + remapper.table(prof).name                          # TF_ENABLE_ONEDNN_OPTS
             + _blas(options, prof)
-            + ("" if attention_autotuned() else "-attention-autotune"))
-
-
-# STITCHING_ATTENTION_AUTOTUNE=0: the attention pass marks no StitchedAttention for
-# timing against its unfused products (tf/passes/attention.py autotuned); part of a
-# result's key, since the rewritten graph differs.
-ATTENTION_AUTOTUNE_ENV = "STITCHING_ATTENTION_AUTOTUNE"
-
-
-def attention_autotuned() -> bool:
-    return os.environ.get(ATTENTION_AUTOTUNE_ENV, "1") != "0"
+            + ("" if attention_autotune_on() else "-attention-autotune"))
 
 
 def _blas(options, prof) -> str:

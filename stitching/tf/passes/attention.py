@@ -73,7 +73,8 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, function_pb2
 from tensorflow.python.framework import op_def_registry
 
-from .. import dim_sources, results
+from ... import options as _options
+from .. import dim_sources
 from ..passmanager import Pass
 from ..tfgraph import drop_nodes
 from . import blas, original
@@ -420,7 +421,7 @@ TUNE_ATTR = "_stitching_autotune"       # as a StitchedKernel's (passes/autotune
 _PLACE_ATTRS = (original.ATTR, original.BACKWARD_ATTR, original.OPTIONS_ATTR)
 # STITCHING_ATTENTION_AUTOTUNE=0: no timing, every op the pass makes runs fused (the
 # rule before timing; tools/attention_probe.py's 'fused' column).
-AUTOTUNE_ENV = results.ATTENTION_AUTOTUNE_ENV
+AUTOTUNE_ENV = _options.ATTENTION_AUTOTUNE_ENV
 
 
 def autotuned(which) -> bool:
@@ -432,7 +433,7 @@ def autotuned(which) -> bool:
     EPYC with AVX2, within noise of 1.0x elsewhere: BENCHMARKS.md ``gemm@amd_avx2``),
     so a loss there would be noise, and timing would cost every attention's first
     calls for nothing."""
-    return which == blas.ATTENTION and results.attention_autotuned()
+    return which == blas.ATTENTION and _options.attention_autotune_on()
 
 
 # oneDNN's batch product as TF's graph rewrite (MklLayoutRewritePass) names it, which the
