@@ -420,14 +420,14 @@ TUNE_ATTR = "_stitching_autotune"       # as a StitchedKernel's (passes/autotune
 # left out of the hash, so every layer's attention of one shape shares one decision.
 _PLACE_ATTRS = (original.ATTR, original.BACKWARD_ATTR, original.OPTIONS_ATTR)
 # STITCHING_ATTENTION_AUTOTUNE=0: no timing, every op the pass makes runs fused (the
-# rule before timing; tools/attention_probe.py's 'fused' column).
+# rule before timing; tools/attention_probe.py's 'forced' column).
 AUTOTUNE_ENV = _options.ATTENTION_AUTOTUNE_ENV
 
 
 def autotuned(which) -> bool:
     """Whether the ops the pass makes are timed against their unfused products: where
     TF's GEMM is oneDNN's (``which`` is ``blas.ATTENTION``), unless AUTOTUNE_ENV is 0.
-    Not where the products are OpenBLAS's (``blas.BLAS``): there the unfused way runs
+    Not where the products are OpenBLAS's (``blas.ALL``): there the unfused way runs
     the same OpenBLAS kernels as the op, which only saves the scores' trips through
     memory and the masked key blocks (1.06x the Llama decoder at batch 8 on the AMD
     EPYC with AVX2, within noise of 1.0x elsewhere: BENCHMARKS.md ``gemm@amd_avx2``),
