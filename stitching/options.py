@@ -221,6 +221,16 @@ _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 
 
+# STITCHING_ATTENTION_AUTOTUNE=0 (or false, no, off): where TF's GEMM is oneDNN's, the
+# attention pass marks no StitchedAttention for timing against its unfused products
+# (tf/passes/attention.py autotuned); part of a stitched result's key (tf/results.py).
+ATTENTION_AUTOTUNE_ENV = "STITCHING_ATTENTION_AUTOTUNE"
+
+
+def attention_autotune_on() -> bool:
+    return os.environ.get(ATTENTION_AUTOTUNE_ENV, "1").strip().lower() not in _OFF
+
+
 DISABLE_ENV = "STITCHING_DISABLE"
 DISABLED_NOTE = ("stitching is off ($STITCHING_DISABLE): this trace is stock TF's, "
                  "nothing was planned or compiled")

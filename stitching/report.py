@@ -89,7 +89,10 @@ class Report:
         profile: The device profile the cost model planned with.
         dump_path: This trace's graph dump, when dumping is on.
         autotune: The kernels timed against their original ops
-            (``Options.autotune``); ``autotune_decisions()`` adds what was measured.
+            (``Options.autotune``), and the ``StitchedAttention`` ops timed against
+            their unfused products (entries with ``"attention": True``; where TF's
+            GEMM is oneDNN's, tf/passes/attention.py); ``autotune_decisions()`` adds
+            what was measured.
         tiering: Under tiered execution (``stitching.keras.stitch``'s steps, a
             ``stitching.function``'s eager calls), the steps or calls stock TF ran
             while the kernels compiled and the one that switched to them.
@@ -199,7 +202,32 @@ class Report:
         return out
 
     def _autotune_lines(self) -> list:
-        entries = self.autotune_decisions()
+        every = self.autotune_decisions()
+        entries = [e for e in every if not e.get("attention")]
+        return self._kernel_autotune_lines(entries) + self._attention_autotune_lines(
+            [e for e in every if e.get("attention")])
+
+    @staticmethod
+    def _attention_autotune_lines(entries) -> list:
+        if not entries:
+            return []
+        lines = ["  attentions (StitchedAttention timed against its unfused products, "
+                 "TF's around the softmax kernel, on the first calls of each input size "
+                 "class; the faster serves):"]
+        for e in entries:
+            done = [d for d in e["decisions"] if d["choice"]]
+            if not done:
+                lines.append(f"    {e['kernel']}: not measured yet")
+            for d in done:
+                how = "measured" if d["source"] == "measured" else "measured earlier, cached"
+                way = "fused" if d["choice"] == "kernel" else "unfused"
+                lines.append(f"    {e['kernel']}: inputs ~2^{d['class']} B: fused "
+                             f"{d['kernel_us']:.1f} µs vs unfused {d['native_us']:.1f} µs "
+                             f"({how}) -> {way}")
+        return lines
+
+    @staticmethod
+    def _kernel_autotune_lines(entries) -> list:
         if not entries:
             return []
         margin = entries[0]["margin"]

@@ -569,3 +569,220 @@ def test_onednn_without_fused_attention_or_in_training_leaves_every_product(monk
     for f in (off, train):
         ops_ = _graph_ops(f, sig)
         assert "StitchedAttention" not in ops_ and not _BLAS_OPS & set(ops_), ops_
+
+
+# Where TF's GEMM is oneDNN's, each fused attention times itself against its unfused
+# products (TF's, around the softmax kernel) on its first calls per shape class and
+# keeps the faster (runtime/attention.cc, op.cc's Tuner; tf/passes/attention.py
+# unfused_function).  Decisions are process-wide per (hash, class) and the Tuner asks
+# the disk cache once per hash: each test below uses a model of its own widths, so its
+# attentions hash to decisions no other test made.
+CALLS_TO_DECIDE = 12      # op.cc: (kTuneWarmup 1 + kTuneSamples 5) runs of each way
+
+
+@pytest.fixture
+def no_decisions():
+    """No decision a run before this one stored in the cache directory."""
+    import shutil
+    from stitching import cachedir
+    shutil.rmtree(cachedir.root() / "autotune", ignore_errors=True)
+
+
+def _tuned_model(name, d_model):
+    from stitching.testing import models
+    import keras
+    keras.utils.set_random_seed(5)
+    if name == "gpt2":
+        return models.gpt2_decoder(num_layers=2, d_model=d_model, heads=2, ff=48, seq_len=8)
+    return models.llama_decoder(num_layers=2, d_model=d_model, heads=4, kv_heads=2, ff=48,
+                                seq_len=8)
+
+
+def _attentions(f, sig):
+    return [n for n in f.get_concrete_function(*sig).graph.as_graph_def().node
+            if n.op == "StitchedAttention"]
+
+
+def _attention_counts():
+    from stitching import runtime
+    return {k: v for k, v in runtime.stats().items() if k.startswith("attention_")}
+
+
+def _delta(before):
+    return {k: v - before[k] for k, v in _attention_counts().items()}
+
+
+@pytest.mark.parametrize("name,d_model", [("llama", 40), ("gpt2", 44)])
+def test_onednn_attention_decided_unfused_runs_unfused_and_equals_tf(monkeypatch,
+                                                                      no_decisions,
+                                                                      name, d_model):
+    """A decision for the unfused way in the cache (as if an earlier process measured
+    it): every call runs the unfused function -- head transposes, oneDNN's products,
+    Keras's scale and broadcast band (gpt2) -- and equals stock TF."""
+    from stitching.runtime import autotune
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", ONEDNN)
+    model = _tuned_model(name, d_model)
+    sig = [tf.TensorSpec([None, 8, d_model], tf.float32)]
+    f = stitching.function(lambda t: model(t), input_signature=sig)
+    (h,) = {n.attr[attention.TUNE_ATTR].s.decode() for n in _attentions(f, sig)}
+    for cls in range(autotune.N_CLASSES):
+        autotune.write(h, cls, "native", 2.0, 1.0)
+    before = _attention_counts()
+    for batch in (3, 1, 3):
+        x = _rand((batch, 8, d_model), seed=batch)
+        np.testing.assert_allclose(f(tf.constant(x)).numpy(), model(x).numpy(),
+                                   rtol=2e-5, atol=2e-5)
+    d = _delta(before)
+    assert d["attention_autotune_unfused_calls"] == 6, d       # 2 layers, 3 calls
+    assert d["attention_autotune_timed_calls"] == 0, d
+    assert d["attention_autotune_cached"] == 4, d              # (node, class) pairs
+    assert d["attention_autotune_untuned"] == 0, d
+    assert "timed against their unfused products" in " ".join(f.report.notes)
+
+
+def test_onednn_attention_measures_equals_tf_on_every_call_and_keeps_its_decision(
+        monkeypatch, no_decisions):
+    from stitching import runtime
+    from stitching.runtime import autotune
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", ONEDNN)
+    model = _tuned_model("llama", 48)
+    sig = [tf.TensorSpec([None, 8, 48], tf.float32)]
+    f = stitching.function(lambda t: model(t), input_signature=sig)
+    (h,) = {n.attr[attention.TUNE_ATTR].s.decode() for n in _attentions(f, sig)}
+    x = _rand((2, 8, 48), seed=21)
+    want = model(x).numpy()
+    before, measured = _attention_counts(), runtime.stats()["autotune_measured"]
+    # two layers share the decision: each call times both of them
+    for _ in range(CALLS_TO_DECIDE // 2 + 2):
+        np.testing.assert_allclose(f(tf.constant(x)).numpy(), want, rtol=2e-5, atol=2e-5)
+    d = _delta(before)
+    assert d["attention_autotune_timed_calls"] == CALLS_TO_DECIDE, d
+    assert runtime.stats()["autotune_measured"] == measured + 1
+    ((key, decision),) = [(k, v) for k, v in runtime.autotune_decisions().items()
+                          if k[0] == h]
+    assert decision["choice"] in ("kernel", "native") and decision["source"] == "measured"
+    assert decision["kernel_us"] > 0 and decision["native_us"] > 0
+    on_disk = autotune.read(h)                  # a second process reads it
+    assert on_disk[key[1]]["choice"] == decision["choice"]
+    # ... and the report shows it, per attention node
+    entries = [e for e in f.report.autotune_decisions() if e.get("attention")]
+    assert len(entries) == 2 and all(e["decisions"] for e in entries), entries
+    way = "fused" if decision["choice"] == "kernel" else "unfused"
+    assert f"(measured) -> {way}" in f.report.summary()
+
+
+def test_a_missing_unfused_function_runs_fused(monkeypatch, no_decisions):
+    """A graph whose library lost the unfused function (its op names one no library
+    has): the op runs fused, never an error, even where the cache says unfused."""
+    from stitching.runtime import autotune
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", ONEDNN)
+    mask = np.triu(np.full((16, 16), -1e9, np.float32), 1)
+
+    def attend(q, k, v):
+        s = tf.matmul(q, k, transpose_b=True) * 0.3
+        return tf.matmul(tf.nn.softmax(s + mask), v)
+
+    sig = [tf.TensorSpec([None, 2, 16, 12], tf.float32)] * 3
+    cf = stitching.function(attend, input_signature=sig).get_concrete_function(*sig)
+    graph = cf.graph.as_graph_def()
+    (nd,) = [n for n in graph.node if n.op == "StitchedAttention"]
+    nd.attr[attention.UNFUSED_ATTR].s = b"stitching_original_" + b"0" * 24
+    for cls in range(autotune.N_CLASSES):
+        autotune.write(nd.attr[attention.TUNE_ATTR].s.decode(), cls, "native", 2.0, 1.0)
+    imported = tf.compat.v1.wrap_function(
+        lambda *xs: tf.graph_util.import_graph_def(
+            graph, input_map={p.name: x for p, x in zip(cf.inputs, xs)},
+            return_elements=[cf.outputs[0].name])[0], sig)
+    args = [tf.constant(_rand((3, 2, 16, 12), seed=s)) for s in (22, 23, 24)]
+    before = _attention_counts()
+    for _ in range(2):
+        np.testing.assert_allclose(imported(*args).numpy(), attend(*args).numpy(),
+                                   rtol=2e-5, atol=2e-5)
+    d = _delta(before)
+    assert d["attention_autotune_untuned"] == 1, d
+    assert d["attention_autotune_unfused_calls"] == 0, d
+
+
+def test_attentions_are_timed_only_where_tf_runs_onednn(monkeypatch):
+    """Where the products are OpenBLAS's (Eigen's GEMM) the op is not timed (the
+    unfused way runs the same kernels), nor with STITCHING_ATTENTION_AUTOTUNE=0; where
+    TF runs oneDNN each op names its unfused function, which the graph's library has."""
+    model = _model("llama")
+    sig = [tf.TensorSpec([None, 8, 32], tf.float32)]
+    for profile, env, tuned in ((EIGEN, None, False), (ONEDNN, "0", False),
+                                (ONEDNN, None, True)):
+        monkeypatch.setenv("STITCHING_DEVICE_PROFILE", profile)
+        if env is None:
+            monkeypatch.delenv(attention.AUTOTUNE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(attention.AUTOTUNE_ENV, env)
+        f = stitching.function(lambda t: model(t), input_signature=sig)
+        graph = f.get_concrete_function(*sig).graph.as_graph_def()
+        nodes = [n for n in graph.node if n.op == "StitchedAttention"]
+        assert len(nodes) == 2
+        assert all((attention.UNFUSED_ATTR in n.attr) == tuned for n in nodes), profile
+        if tuned:
+            names = {n.attr[attention.UNFUSED_ATTR].s.decode() for n in nodes}
+            library = {fd.signature.name: fd for fd in graph.library.function}
+            assert names <= set(library)
+            (body,) = [library[n] for n in names]       # one per kind of attention
+            ops_ = sorted(n.op for n in body.node_def)
+            assert ops_.count(attention._product_op()) == 2 and "StitchedKernel" in ops_
+
+
+_LOAD_TUNED = """
+    import json, numpy as np
+    import stitching, tensorflow as tf
+    from stitching import runtime
+    m = tf.saved_model.load({path!r})
+    args = [tf.constant(np.load({d!r} + f"/{{n}}.npy")) for n in "qkv"]
+    want = np.load({d!r} + "/y.npy")
+    got = m.attend(*args)
+    stats = {{k: v for k, v in runtime.stats().items() if k.startswith("attention_")}}
+    print("RESULT", json.dumps({{"err": float(np.abs(got.numpy() - want).max()), **stats}}))
+"""
+
+
+def test_a_rewritten_saved_model_serves_its_decision_in_a_fresh_process(monkeypatch,
+                                                                        tmp_path,
+                                                                        no_decisions):
+    """stitching-rewrite's path where TF runs oneDNN: the op's unfused function travels
+    in the SavedModel's library, and a fresh process that finds the unfused way decided
+    in the cache runs it (through the loader's renamed function), with TF's answer."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from tensorflow.core.protobuf import saved_model_pb2
+    from stitching.runtime import autotune
+    from stitching.saved_model import rewrite_saved_model
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", ONEDNN)
+    mask = np.triu(np.full((24, 24), -1e9, np.float32), 1)
+    module = tf.Module()
+    module.attend = tf.function(
+        lambda q, k, v: tf.matmul(tf.nn.softmax(tf.matmul(q, k, transpose_b=True) * 0.25
+                                                + mask), v),
+        input_signature=[tf.TensorSpec([None, 2, 24, 8], tf.float32)] * 3)
+    tf.saved_model.save(module, str(tmp_path / "src"))
+    rewrite_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"))
+    saved = saved_model_pb2.SavedModel()
+    saved.ParseFromString((tmp_path / "dst" / "saved_model.pb").read_bytes())
+    graph = saved.meta_graphs[0].graph_def
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    (h,) = {n.attr[attention.TUNE_ATTR].s.decode() for n in nodes
+            if n.op == "StitchedAttention"}
+    for cls in range(autotune.N_CLASSES):
+        autotune.write(h, cls, "native", 2.0, 1.0)
+    q, k, v = (_rand((3, 2, 24, 8), seed=s) for s in (31, 32, 33))
+    for name, t in (("q", q), ("k", k), ("v", v),
+                    ("y", module.attend(q, k, v).numpy())):
+        np.save(tmp_path / f"{name}.npy", t)
+    code = textwrap.dedent(_LOAD_TUNED.format(path=str(tmp_path / "dst"), d=str(tmp_path)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=600)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, out.stderr[-3000:]
+    res = json.loads(line[0][len("RESULT "):])
+    assert res["err"] < 1e-5, res
+    assert res["attention_autotune_unfused_calls"] == 1, res
+    assert res["attention_autotune_untuned"] == 0, res

@@ -16,8 +16,14 @@ one ``tf.function`` with the batch unknown:
 - ``unfused``: the same through ``stitching.function`` with
   ``Options(fused_attention=False)``: TF's products (oneDNN's or, where TF runs Eigen,
   OpenBLAS's) around one stitched softmax kernel;
+- ``forced``: the same with ``STITCHING_ATTENTION_AUTOTUNE=0`` while it is stitched:
+  where the passes fuse the attention, the ``StitchedAttention`` op always (the rule
+  before the op timed itself);
 - ``default``: ``stitching.function`` with its default options: where the blas and
-  attention passes fuse the attention (column 'fused'), one ``StitchedAttention``.
+  attention passes fuse the attention (column 'fused'), one ``StitchedAttention``,
+  which where TF's GEMM is oneDNN's times itself against the unfused way on its
+  first calls and keeps the faster (tf/passes/attention.py; the decision is kept in
+  the autotune cache, so the later runs read the first run's).
 
 Each run is a fresh process (this machine's timings move between processes, docs/
 machines.md); a cell is the median over ``--runs`` runs of each run's median of
@@ -39,7 +45,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 SHAPES = ((1, 4, 128, 64), (8, 4, 128, 64), (8, 8, 128, 32), (32, 4, 128, 64))
-MODES = ("tf", "unfused", "default")
+MODES = ("tf", "unfused", "forced", "default")
 
 
 def _one_run(calls: int) -> list[dict]:
@@ -47,6 +53,7 @@ def _one_run(calls: int) -> list[dict]:
     import numpy as np
     import tensorflow as tf
     import stitching
+    from stitching import options as st_options
     rng = np.random.default_rng(0)
     rows = []
     for causal in (False, True):
@@ -66,10 +73,17 @@ def _one_run(calls: int) -> list[dict]:
                        attend, input_signature=sig,
                        options=stitching.Options(fused_attention=False,
                                                  background_compile=False)),
+                   "forced": stitching.function(
+                       attend, input_signature=sig,
+                       options=stitching.Options(background_compile=False)),
                    "default": stitching.function(
                        attend, input_signature=sig,
                        options=stitching.Options(background_compile=False))}
-            outs = {m: f(q, k, v).numpy() for m, f in fns.items()}
+            outs = {}
+            for m, f in fns.items():        # the first call stitches
+                os.environ[st_options.ATTENTION_AUTOTUNE_ENV] = "0" if m == "forced" else "1"
+                outs[m] = f(q, k, v).numpy()
+            os.environ.pop(st_options.ATTENTION_AUTOTUNE_ENV)
             err = max(float(np.max(np.abs(outs[m] - outs["tf"]))) for m in MODES[1:])
             times = {m: [] for m in MODES}
             for _ in range(calls):
@@ -105,12 +119,14 @@ def measure(runs: int, calls: int) -> list[dict]:
 
 
 def table(rows) -> tuple[list, list]:
-    head = ["[B, H, T, D]", "mask", "fused", "TF ms", "unfused ms", "default ms",
-            "default vs unfused", "range over runs", "default vs TF", "max |diff|"]
+    head = ["[B, H, T, D]", "mask", "fused", "TF ms", "unfused ms", "forced ms",
+            "default ms", "default vs unfused", "range over runs", "default vs forced",
+            "default vs TF", "max |diff|"]
     body = [["x".join(map(str, r["shape"])), "causal" if r["causal"] else "none",
              "yes" if r["fused"] else "no",
-             f"{r['tf']:.3f}", f"{r['unfused']:.3f}", f"{r['default']:.3f}",
-             f"{r['ratio']:.2f}x", f"{r['lo']:.2f}-{r['hi']:.2f}x",
+             f"{r['tf']:.3f}", f"{r['unfused']:.3f}", f"{r['forced']:.3f}",
+             f"{r['default']:.3f}", f"{r['ratio']:.2f}x", f"{r['lo']:.2f}-{r['hi']:.2f}x",
+             f"{r['forced'] / r['default']:.2f}x",
              f"{r['tf'] / r['default']:.2f}x", f"{r['max_abs_diff']:.1e}"] for r in rows]
     return head, body
 

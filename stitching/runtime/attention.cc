@@ -49,8 +49,12 @@
 #include <immintrin.h>   // the AVX2 softmax below; other targets use Eigen's exp
 #endif
 
+#include <mutex>
+
 #include "Eigen/Core"
 #include "blas_util.h"
+#include "functions.h"
+#include "tune.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -69,6 +73,27 @@ using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 using tensorflow::TensorShape;
+
+// ---- autotune: fused, or the unfused products around the softmax kernel -------------
+//
+// Whether this op beats what it replaced -- TF's two batch products (oneDNN's, where TF
+// runs it) around the stitched softmax kernel -- depends on the machine: on a Zen 4 EPYC
+// it ran 1.10-1.37x the unfused graph, on a Zen 5 with OpenBLAS held to its AVX2
+// kernels (OPENBLAS_CORETYPE=Haswell) 0.76-0.95x (BENCHMARKS.md attention@amd_avx512,
+// attention@amd_avx512_zen5).  So a node the pass marked (attr _stitching_autotune: a
+// hash of what it computes; _stitching_unfused: the name of a function computing the
+// same with TF's products, tf/passes/attention.py unfused_function) times both ways on
+// its first calls per shape class, as a StitchedKernel node marked for autotuning does
+// (op.cc Tuner; the decisions go to the same table and the same disk cache), and from
+// then on runs the faster.  Every call computes its output, whichever way ran.
+//
+// The function is instantiated on the first call that runs it (a decision read from
+// the cache for the fused way never needs it).  Where it cannot be (a graph whose
+// library lost it, an old SavedModel) or where op.cc's library gave no Tuner
+// (runtime/blas.py), the node runs fused, as an unmarked one does: never an error.
+std::atomic<const stitching_tune::Api*> g_tune_api{nullptr};   // op.cc's Tuner
+stitching_tune::Counters g_tune_counts;      // native: calls run unfused once decided
+std::atomic<int64_t> g_untuned{0};           // marked nodes that run fused untimed
 
 // Bytes of one block's scores: query rows per block are as many as fit (at least
 // kMinRows, or all of them); the block stays in the AMD EPYC's 512 KiB L2 between the
@@ -442,9 +467,75 @@ class AttentionOp : public InlineKernel {
     OP_REQUIRES(ctx, n_mask_ <= 1 && n_cond_ <= 1,
                 absl::InvalidArgumentError("StitchedAttention takes at most one mask and "
                                            "one condition"));
+    std::string fn;
+    if (tensorflow::TryGetNodeAttr(ctx->def(), "_stitching_autotune", &tune_hash_) &&
+        !tune_hash_.empty() &&
+        tensorflow::TryGetNodeAttr(ctx->def(), "_stitching_unfused", &fn) && !fn.empty()) {
+      tune_api_ = g_tune_api.load(std::memory_order_acquire);
+      if (tune_api_ == nullptr) {
+        g_untuned.fetch_add(1);
+      } else {
+        unfused_.set_name(fn);
+        tune_api_->preload(tune_hash_.c_str());
+      }
+    }
   }
 
   void Run(OpKernelContext* ctx) override {
+    if (tune_api_ != nullptr && !unfused_failed_.load(std::memory_order_acquire) &&
+        tune_node_.Run(*tune_api_, tune_hash_, ctx, true, &g_tune_counts,
+                       [&] { RunFused(ctx); }, [&] { return RunUnfused(ctx); })) {
+      return;
+    }
+    RunFused(ctx);
+  }
+
+ private:
+  // The unfused function on this call's inputs, and true; the fused op where it cannot
+  // be had or fails, and false.
+  bool RunUnfused(OpKernelContext* ctx) {
+    tensorflow::FunctionLibraryRuntime* flib = nullptr;
+    tensorflow::FunctionLibraryRuntime::Handle handle = 0;
+    bool ok = false;
+    {
+      std::lock_guard<std::mutex> lock(unfused_mu_);
+      if (!unfused_tried_) {
+        unfused_tried_ = true;
+        unfused_status_ =
+            ctx->function_library() == nullptr
+                ? absl::NotFoundError("no function library")
+                : named_.Instantiate(ctx->function_library(), unfused_, &unfused_flib_,
+                                     &unfused_handle_);
+        if (!unfused_status_.ok()) {
+          g_untuned.fetch_add(1);
+          unfused_failed_.store(true, std::memory_order_release);
+          LOG(WARNING) << "StitchedAttention " << ctx->op_kernel().name()
+                       << ": not autotuned, it runs fused: its unfused function "
+                       << unfused_.name() << " is not here (" << unfused_status_.message()
+                       << ")";
+        }
+      }
+      ok = unfused_status_.ok();
+      flib = unfused_flib_;
+      handle = unfused_handle_;
+    }
+    if (ok) {
+      const absl::Status run = stitching_fn::RunInline(
+          ctx, flib, handle, absl::StrCat("StitchedAttention ", ctx->op_kernel().name()));
+      if (run.ok()) return true;
+      // (no output is set then): the fused op answers, and serves from now on
+      if (!unfused_failed_.exchange(true)) {
+        g_untuned.fetch_add(1);
+        LOG(WARNING) << "StitchedAttention " << ctx->op_kernel().name()
+                     << ": not autotuned, it runs fused: its unfused function failed ("
+                     << run.message() << ")";
+      }
+    }
+    RunFused(ctx);
+    return false;
+  }
+
+  void RunFused(OpKernelContext* ctx) {
     const Tensor& q = ctx->input(0);
     const Tensor& k = ctx->input(1);
     const Tensor& v = ctx->input(2);
@@ -663,7 +754,19 @@ class AttentionOp : public InlineKernel {
     shares->Wait();
   }
 
- private:
+  // autotune (see g_tune_api): the Tuner where the node is marked, else nullptr
+  const stitching_tune::Api* tune_api_ = nullptr;
+  std::string tune_hash_;
+  stitching_tune::Node tune_node_;
+  tensorflow::NameAttrList unfused_;
+  std::mutex unfused_mu_;                  // the function, instantiated on first need
+  bool unfused_tried_ = false;
+  std::atomic<bool> unfused_failed_{false};
+  absl::Status unfused_status_;
+  stitching_fn::NamedFunctions named_;
+  tensorflow::FunctionLibraryRuntime* unfused_flib_ = nullptr;
+  tensorflow::FunctionLibraryRuntime::Handle unfused_handle_ = 0;
+
   float scale_ = 1.0f, fill_ = 0.0f;
   int n_mask_ = 0, n_cond_ = 0;
   bool aq_ = false, ak_ = false, av_ = false, tq_ = false, tk_ = false, tv_ = false,
@@ -757,3 +860,20 @@ REGISTER_KERNEL_BUILDER(
     AttentionOp<double>);
 
 }  // namespace
+
+// op.cc's Tuner (runtime/blas.py hands it over with the output pool; NULL: none, the
+// marked nodes built from then on run fused untimed).
+extern "C" void stitching_blas_set_tuner(const stitching_tune::Api* api) {
+  g_tune_api.store(api, std::memory_order_release);
+}
+
+// StitchedAttention's autotune counters: (node, class) decisions adopted from the
+// cache, calls timed while measuring, calls run unfused once decided, marked nodes
+// that run fused untimed (no Tuner, or their unfused function is not here).
+extern "C" void stitching_attention_tune_counts(int64_t* out) {
+  if (out == nullptr) return;
+  out[0] = g_tune_counts.cached.load();
+  out[1] = g_tune_counts.timed.load();
+  out[2] = g_tune_counts.native.load();
+  out[3] = g_untuned.load();
+}

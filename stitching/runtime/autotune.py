@@ -2,7 +2,10 @@
 
 The op measures (op.cc, ``Tuner``): a StitchedKernel node marked for autotuning
 (``Options(autotune=True)``, tf/passes/autotune.py) times its kernel and its native segment
-on its first calls per shape class and keeps the faster (never while the kernel runs
+on its first calls per shape class and keeps the faster (a StitchedAttention node, where
+TF's GEMM is oneDNN's, the same against its unfused products, through the same Tuner:
+tf/passes/attention.py; "kernel" is then the fused op, "native" the unfused function,
+and the hash one of what it computes) (never while the kernel runs
 tier-1 code, compile/parallel.py "Tiers": what it will run is its tier-2 code).  This
 module is the memory of those decisions, so that a second process does not measure
 again:
@@ -17,7 +20,8 @@ again:
 
 Keyed by spec hash + shape class + device: ``device`` names what a timing depends on
 besides the spec and the size -- the CPU (model and flags), the cores this process may
-use and TF's intra-op thread count -- and is part of the path, so another machine's
+use, TF's intra-op thread count and the switches that choose OpenBLAS's and TF's
+kernels (OPENBLAS_CORETYPE, TF_ENABLE_ONEDNN_OPTS) -- and is part of the path, so another machine's
 timings are never read.  A file that does not parse, or an entry that is not exactly
 the format above (a wrong hash or device, an unknown choice, a negative or non-finite
 time, a class out of range), counts as missing: that class is measured again and the
@@ -73,7 +77,11 @@ def device() -> str:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 0
     threads = os.environ.get("TF_NUM_INTRAOP_THREADS", "")
-    text = f"{platform.machine()}|{cpu}|{cores}|{threads}"
+    # which kernels OpenBLAS and TF run: a StitchedAttention's decision (OpenBLAS's
+    # products against oneDNN's) turned on them (BENCHMARKS.md attention@amd_avx512_zen5)
+    kernels = "|".join(os.environ.get(k, "") for k in ("OPENBLAS_CORETYPE",
+                                                         "TF_ENABLE_ONEDNN_OPTS"))
+    text = f"{platform.machine()}|{cpu}|{cores}|{threads}|{kernels}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

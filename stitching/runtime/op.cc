@@ -50,6 +50,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "functions.h"
+#include "tune.h"
 #include "tensorflow/core/common_runtime/process_function_library_runtime.h"
 #include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/framework/function.h"
@@ -783,15 +785,15 @@ void RecordFallback(const std::string& label, const std::string& why) {
 // "decided\t<hash>\t<class>\t<choice>\t<kernel ns>\t<native ns>" after a measurement.
 constexpr int kTuneWarmup = 1;    // arbitrary: untimed runs of each way per class
 constexpr int kTuneSamples = 5;   // arbitrary: timed runs of each way per class
-constexpr int kTuneClasses = 64;  // log2 of the input bytes
-enum TuneChoice : int { kUndecided = 0, kKernel = 1, kNative = 2 };
+constexpr int kTuneClasses = stitching_tune::kClasses;  // log2 of the input bytes
+using stitching_tune::kKernel;
+using stitching_tune::kNative;
+using stitching_tune::kUndecided;
 
 using TuneSink = int (*)(const char* msg);
 
 std::atomic<int64_t> g_tune_measured{0};   // decisions made by measuring here
-std::atomic<int64_t> g_tune_cached{0};     // (node, class) decisions adopted from the cache
-std::atomic<int64_t> g_tune_timed{0};      // calls run while measuring
-std::atomic<int64_t> g_tune_native{0};     // calls served by the native segment once decided
+stitching_tune::Counters g_tune_counts;     // StitchedKernel nodes' (tune.h)
 
 class Tuner {
  public:
@@ -907,17 +909,20 @@ class Tuner {
   std::atomic<TuneSink> sink_{nullptr};
 };
 
-// floor(log2(bytes of all inputs)), the shape class a decision holds for.
-int ShapeClass(OpKernelContext* ctx) {
-  uint64_t bytes = 0;
-  for (int i = 0; i < ctx->num_inputs(); ++i) bytes += ctx->input(i).TotalBytes();
-  int cls = 0;
-  while (bytes > 1 && cls < kTuneClasses - 1) {
-    bytes >>= 1;
-    ++cls;
-  }
-  return cls;
+// The Tuner as tune.h's Api: what this library's nodes call, and what the OpenBLAS
+// library's StitchedAttention calls through stitching_tune_api (runtime/blas.py).
+int TuneNext(const char* hash, int cls, int measure, int* way, int* timed, int* cached) {
+  bool t = false, c = false;
+  const int d = Tuner::Get().Next(hash, cls, measure != 0, way, &t, &c);
+  *timed = t;
+  *cached = c;
+  return d;
 }
+void TuneRecord(const char* hash, int cls, int way, int64_t ns) {
+  Tuner::Get().Record(hash, cls, way, ns);
+}
+void TunePreload(const char* hash) { Tuner::Get().Preload(hash); }
+const stitching_tune::Api kTuneApi{&TuneNext, &TuneRecord, &TunePreload};
 
 class StitchedKernelOp : public OpKernel {
  public:
@@ -1225,27 +1230,8 @@ class StitchedKernelOp : public OpKernel {
 
   void RunFunction(OpKernelContext* ctx, tensorflow::FunctionLibraryRuntime* flib,
                    tensorflow::FunctionLibraryRuntime::Handle handle) {
-    tensorflow::FunctionLibraryRuntime::Options opts(ctx->step_id());
-    opts.rendezvous = ctx->rendezvous();
-    opts.cancellation_manager = ctx->cancellation_manager();
-    opts.step_container = ctx->step_container();
-    opts.collective_executor = ctx->collective_executor();
-    // The function's ops run on this thread (inline), not queued to ctx->runner(), the
-    // inter-op pool this Compute already holds a thread of and blocks in RunSync:
-    // several nodes doing so at once (a training step's held tier-1 kernels,
-    // Entry::hold) took every pool thread and waited for ops queued behind them -- a
-    // hang, seen on 2 cores.  Each op still uses the intra-op pool for its own work.
-    static std::function<void(std::function<void()>)> inline_runner =
-        [](std::function<void()> fn) { fn(); };
-    opts.runner = &inline_runner;
-    std::vector<Tensor> args, rets;
-    for (int i = 0; i < ctx->num_inputs(); ++i) args.push_back(ctx->input(i));
-    OP_REQUIRES_OK(ctx, flib->RunSync(opts, handle, args, &rets));
-    OP_REQUIRES(ctx, static_cast<int>(rets.size()) == ctx->num_outputs(),
-                absl::InternalError(absl::StrCat("StitchedKernel ", label_,
-                                                 ": the fallback returned ", rets.size(),
-                                                 " tensors, expected ", ctx->num_outputs())));
-    for (int i = 0; i < ctx->num_outputs(); ++i) ctx->set_output(i, rets[i]);
+    OP_REQUIRES_OK(ctx, stitching_fn::RunInline(ctx, flib, handle,
+                                                absl::StrCat("StitchedKernel ", label_)));
   }
 
   // The region's original function, where the node names one: `guard` (graphs
@@ -1270,50 +1256,15 @@ class StitchedKernelOp : public OpKernel {
     return fn;
   }
 
-  // Instantiates the original function `fn` in `flib`, the running graph's function
-  // library, and says which library runtime holds it (`used`).  Where that library lacks
-  // it -- named by a string attr, the function is not reachable from the graph, and TF
-  // prunes a graph's library to what its nodes reach -- in a copy of the process's
-  // library, where stitching defined it (tf/function.py _define_fallbacks) or a
-  // SavedModel's loader registered it.  The copy costs time in proportion to the
-  // process's library, once per node, on a rare path (a call the kernel was not built
-  // for, a kernel that cannot be built here).  Called by one thread at a time: the
-  // constructor, or Guard under guard_mu_.
+  // Instantiates the original function `fn` (functions.h NamedFunctions: the graph's
+  // library, else a copy of the process's, once per node, on a rare path: a call the
+  // kernel was not built for, a kernel that cannot be built here).  Called by one
+  // thread at a time: the constructor, or Guard under guard_mu_.
   absl::Status InstantiateOriginal(tensorflow::FunctionLibraryRuntime* flib,
                                    const tensorflow::NameAttrList& fn,
                                    tensorflow::FunctionLibraryRuntime** used,
                                    tensorflow::FunctionLibraryRuntime::Handle* handle) {
-    const tensorflow::FunctionLibraryDefinition* own = flib->GetFunctionLibraryDefinition();
-    std::string name = fn.name();
-    if (own == nullptr || !own->Contains(name)) {
-      if (process_flr_ == nullptr) {
-        absl::Status cloned = flib->Clone(&process_lib_def_, &process_pflr_, &process_flr_);
-        if (!cloned.ok()) return cloned;
-      }
-      flib = process_flr_;
-      if (!process_lib_def_->Contains(name)) name = LoadedName(*process_lib_def_, name);
-    }
-    *used = flib;
-    return flib->Instantiate(name, tensorflow::AttrSlice(&fn.attr()), handle);
-  }
-
-  // The name a SavedModel's loader gave the library function `name`: it registers each
-  // one as a ConcreteFunction, `__inference_<name>_<uid>`, and renames the func-typed
-  // attrs that call it, not a string attr like `_stitching_original` (a saved
-  // stitching.function's guard then found no function, and a call the kernel was not
-  // built for -- a batch of 1 that broadcasts -- failed where TF answers).  `name`
-  // itself where no such function is there.
-  static std::string LoadedName(const tensorflow::FunctionLibraryDefinition& lib,
-                                const std::string& name) {
-    const std::string prefix = absl::StrCat("__inference_", name, "_");
-    for (const std::string& f : lib.ListFunctionNames()) {
-      if (f.size() > prefix.size() && f.compare(0, prefix.size(), prefix) == 0 &&
-          std::all_of(f.begin() + prefix.size(), f.end(),
-                      [](char c) { return c >= '0' && c <= '9'; })) {
-        return f;
-      }
-    }
-    return name;
+    return named_.Instantiate(flib, fn, used, handle);
   }
 
   // ---- run-time guard: inputs the kernel was not built for ---------------------------
@@ -1372,39 +1323,20 @@ class StitchedKernelOp : public OpKernel {
   // Runs this call the tuned way and returns true, or returns false when the kernel
   // is the choice for this call's shape class (the caller runs it).
   bool Tuned(OpKernelContext* ctx) {
-    const int cls = ShapeClass(ctx);
-    int d = decided_[cls].load(std::memory_order_acquire);
-    if (d == kUndecided) {
-      int way = kKernel;
-      bool timed = false, cached = false;
-      // tier-1 code is not what will run: no measuring, no decision, until its upgrade
-      const bool measure = !entry_->tier1.load(std::memory_order_acquire);
-      d = Tuner::Get().Next(tune_hash_, cls, measure, &way, &timed, &cached);
-      if (d == kUndecided && !measure) return false;   // the caller runs the kernel
-      if (d == kUndecided) {
-        const auto t0 = std::chrono::steady_clock::now();
-        if (way == kNative) RunFallback(ctx); else RunKernel(ctx);
-        const auto dt = std::chrono::steady_clock::now() - t0;
-        g_tune_timed.fetch_add(1, std::memory_order_relaxed);
-        if (timed && ctx->status().ok()) {
-          Tuner::Get().Record(
-              tune_hash_, cls, way,
-              std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count());
-        }
-        return true;
-      }
-      if (decided_[cls].exchange(d) == kUndecided && cached) g_tune_cached.fetch_add(1);
-    }
-    if (d != kNative) return false;
-    g_tune_native.fetch_add(1, std::memory_order_relaxed);
-    RunFallback(ctx);
-    return true;
+    // tier-1 code is not what will run: no measuring, no decision, until its upgrade
+    const bool measure = !entry_->tier1.load(std::memory_order_acquire);
+    return tune_node_.Run(kTuneApi, tune_hash_, ctx, measure, &g_tune_counts,
+                          [&] { RunKernel(ctx); },
+                          [&] {
+                            RunFallback(ctx);
+                            return true;
+                          });
   }
 
   bool tune_ = false;
   bool hold_ready_ = false;   // the original ops are instantiated for a held entry
   std::string tune_hash_;
-  std::atomic<int> decided_[kTuneClasses] = {};   // per shape class: a TuneChoice
+  stitching_tune::Node tune_node_;   // per shape class: a decision
 
   // _stitching_forward: [input, output, input, output, ...] pairs (tf/passes/forward.py);
   // checked here like any attr of a graph from outside (indices, dtypes, each at most
@@ -1441,11 +1373,8 @@ class StitchedKernelOp : public OpKernel {
   std::atomic<ProfileSlot*> profile_slot_{nullptr};  // set on the first profiled call
   tensorflow::FunctionLibraryRuntime* flib_ = nullptr;
   tensorflow::FunctionLibraryRuntime::Handle fallback_handle_ = 0;
-  // a copy of the process's function library, where the graph's lacks the original
-  // function (InstantiateOriginal)
-  std::unique_ptr<tensorflow::FunctionLibraryDefinition> process_lib_def_;
-  std::unique_ptr<tensorflow::ProcessFunctionLibraryRuntime> process_pflr_;
-  tensorflow::FunctionLibraryRuntime* process_flr_ = nullptr;
+  // where the graph's library lacks the original function (InstantiateOriginal)
+  stitching_fn::NamedFunctions named_;
   std::mutex guard_mu_;         // the guard's function, instantiated on first need
   bool guard_tried_ = false;
   absl::Status guard_status_;
@@ -1916,9 +1845,15 @@ __attribute__((visibility("default"))) int64_t stitching_autotune_read(char* buf
 __attribute__((visibility("default"))) void stitching_autotune_counts(int64_t* out) {
   if (out == nullptr) return;
   out[0] = stitching::g_tune_measured.load();
-  out[1] = stitching::g_tune_cached.load();
-  out[2] = stitching::g_tune_timed.load();
-  out[3] = stitching::g_tune_native.load();
+  out[1] = stitching::g_tune_counts.cached.load();
+  out[2] = stitching::g_tune_counts.timed.load();
+  out[3] = stitching::g_tune_counts.native.load();
+}
+
+// The Tuner for the OpenBLAS library's StitchedAttention (tune.h Api; runtime/blas.py
+// hands it over): the same table, sink and decisions as this library's nodes.
+__attribute__((visibility("default"))) const stitching_tune::Api* stitching_tune_api() {
+  return &stitching::kTuneApi;
 }
 
 __attribute__((visibility("default"))) void stitching_profile_reset() {

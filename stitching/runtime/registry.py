@@ -329,12 +329,24 @@ def stats() -> dict:
     "autotune_measured": decisions made by measuring in this process,
     "autotune_cached": (node, shape class) decisions taken from the cache instead,
     "autotune_timed_calls": calls run while measuring, "autotune_native_calls": calls
-    served by the native segment because it measured faster}."""
+    served by the native segment because it measured faster; and, once the OpenBLAS
+    ops' library is loaded, StitchedAttention's, which the attention pass marks for
+    timing against its unfused products (runtime/blas.py tune_counts):
+    "attention_autotune_cached", "..._timed_calls", "..._unfused_calls",
+    "..._untuned"}."""
     lib = library()
-    return {"fallbacks": int(lib.stitching_fallback_count()),
-            "last_fallback": (lib.stitching_last_fallback() or b"").decode("utf-8",
-                                                                           "replace"),
-            **autotune.counts(lib)}
+    out = {"fallbacks": int(lib.stitching_fallback_count()),
+           "last_fallback": (lib.stitching_last_fallback() or b"").decode("utf-8",
+                                                                          "replace"),
+           **autotune.counts(lib)}
+    for more in STATS:
+        out.update(more())
+    return out
+
+
+# More counters for stats(): runtime/blas.py adds its attention counters when its
+# library loads (it imports this module; this one does not import it).
+STATS: list = []
 
 
 @no_autograph

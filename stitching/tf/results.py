@@ -58,6 +58,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from .. import cachedir
+from ..options import attention_autotune_on
 from ..report import KernelInfo, Report
 
 FORMAT = 2
@@ -86,7 +87,8 @@ def context(fetches, keep, options, resources, prof=None) -> str:
                   replace(options, dump_dir=None, dump_passes=None)))
             + repr(sorted((resources or {}).items()))
             + remapper.table(prof).name                          # TF_ENABLE_ONEDNN_OPTS
-            + _blas(options, prof))
+            + _blas(options, prof)
+            + ("" if attention_autotune_on() else "-attention-autotune"))
 
 
 def _blas(options, prof) -> str:

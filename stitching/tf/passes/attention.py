@@ -44,26 +44,40 @@ that.
 It fuses what the blas pass made StitchedBatchMatMul (``blas.mode``): every product
 where TF's GEMM is Eigen's.  Where it is oneDNN's, the blas pass takes none, and this
 pass makes the products of the masked attentions ours itself, only those (a trial of
-the rewrite on a copy chooses them: ``masked_products``), since the fused op beats
-oneDNN's products by skipping the key blocks the mask removes.
+the rewrite on a copy chooses them: ``masked_products``), since only there can the
+fused op beat oneDNN's products, by skipping the key blocks the mask removes.
 ``Options(fused_attention=False)`` (``--no-fused-attention``) keeps the three ops.  BENCHMARKS.md ``gemm@amd_avx2`` has
 what it gained there (1.06x the Llama decoder at batch 8, within noise of 1.0x at
 batch 1 and on the Transformer), ``attention@amd_avx512`` where TF runs oneDNN.
+
+Whether it does beat them is the machine's: 1.10-1.37x the unfused graph on a Zen 4
+EPYC, 0.76-0.95x on a Zen 5 whose environment holds OpenBLAS to its AVX2 kernels
+(``attention@amd_avx512_zen5``), a rule from two machines being a guess.  So where TF
+runs oneDNN each op the pass makes is timed on its first calls (``autotuned``): it
+carries a function of the same attention unfused -- oneDNN's products around the
+softmax kernel (``unfused_function``) -- and runs itself and that function in turn on
+its first calls per shape class, then the faster, with op.cc's Tuner and its disk
+cache (runtime/attention.cc; the decisions are in
+``stitching.runtime.autotune_decisions()``).  Not where the products are OpenBLAS's:
+there both ways run the same OpenBLAS kernels (``autotuned`` says why).
 """
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2
+from tensorflow.python.framework import op_def_registry
 
+from ... import options as _options
 from .. import dim_sources
 from ..passmanager import Pass
 from ..tfgraph import drop_nodes
-from . import blas
+from . import blas, original
 
 
 def _node_of(name, nodes):
@@ -183,7 +197,7 @@ IN_ATTENTION = "an attention's scale, mask and softmax, in its StitchedAttention
 
 
 def fuse(graph_def, fetched, shapes=None, folded=None, origins=None,
-         excluded=frozenset()) -> int:
+         excluded=frozenset(), tune=False) -> int:
     """Turn each matched product -> softmax kernel -> product into StitchedAttention,
     in place (the module's docstring); returns how many.  ``shapes()``: the graph
     imported with TF's shapes, asked for only where a Reshape stands between the
@@ -195,7 +209,9 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None,
     (``([names], masked)``: ``masked_products``' trial on a copy).  ``excluded``
     (Options(exclude)): node names left as they are: none is taken into an op (the
     caller passes them in ``fetched`` too), nor rewritten (the scaled scores' Shape
-    readers, their slices), nor left unread (a mask's broadcast)."""
+    readers, their slices), nor left unread (a mask's broadcast).  ``tune``: each op
+    gets the function of its unfused products around the softmax kernel
+    (``unfused_function``) and is marked to time itself against it."""
     nodes = {nd.name: nd for nd in graph_def.node}
     # each node's readers, once per edge (data or control)
     consumers = collections.defaultdict(list)
@@ -317,6 +333,15 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None,
             inputs.append(data[match.mask])
         if match.cond is not None:
             inputs.append(bare_condition(data[match.cond], {data[match.scores], source}))
+        unfused = None
+        if tune:
+            layout = _attrs_of(scores, out, match)
+            swapped = any(layout[f"transpose_{key}"] for key in ("q", "k", "v", "out"))
+            unfused = unfused_function(
+                kernel, data, match, dtype, layout, c if mul is not None else None,
+                match.cond is not None and inputs[-1] != data[match.cond],
+                {key: _rank(imported_graph, inputs[i]) if swapped and shapes else None
+                 for i, key in enumerate(("q", "k", "v"))})
         if mul is not None:      # its Shape readers read the scores' shape from q and k
             for reader in consumers[mul.name]:
                 if reader is not kernel:
@@ -325,11 +350,7 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None,
             taken.add(mul.name)
             if folded is not None:
                 folded[mul.name] = IN_ATTENTION
-        attrs = {"adj_q": _flag(scores, "adj_x"), "adj_k": _flag(scores, "adj_y"),
-                 "transpose_q": _flag(scores, "transpose_x"),
-                 "transpose_k": _flag(scores, "transpose_y"),
-                 "adj_v": _flag(out, "adj_y"), "transpose_v": _flag(out, "transpose_y"),
-                 "transpose_out": _flag(out, "transpose_out"), "cond_keeps": match.keeps}
+        attrs = _attrs_of(scores, out, match)
         for key in ("adj_x", "adj_y", "transpose_x", "transpose_y", "transpose_out"):
             if key in out.attr:
                 del out.attr[key]
@@ -342,6 +363,13 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None,
         out.attr["fill"].f = match.fill
         out.attr["n_mask"].i = int(match.mask is not None)
         out.attr["n_cond"].i = int(match.cond is not None)
+        if unfused is not None:
+            fdef, tune_hash = unfused
+            if not any(f.signature.name == fdef.signature.name
+                       for f in graph_def.library.function):
+                graph_def.library.function.add().CopyFrom(fdef)
+            out.attr[UNFUSED_ATTR].s = fdef.signature.name.encode()
+            out.attr[TUNE_ATTR].s = tune_hash.encode()
         del out.input[:]
         out.input.extend(inputs + sorted(set(controls)))
         taken.update(nd.name for nd in [scores, kernel] + before + between)
@@ -352,6 +380,175 @@ def fuse(graph_def, fetched, shapes=None, folded=None, origins=None,
         count += 1
     drop_nodes(graph_def, taken)
     return count
+
+
+def _attrs_of(scores, out, match) -> dict:
+    """The op's layout attrs, from its two products (and the match's cond_keeps)."""
+    return {"adj_q": _flag(scores, "adj_x"), "adj_k": _flag(scores, "adj_y"),
+            "transpose_q": _flag(scores, "transpose_x"),
+            "transpose_k": _flag(scores, "transpose_y"),
+            "adj_v": _flag(out, "adj_y"), "transpose_v": _flag(out, "transpose_y"),
+            "transpose_out": _flag(out, "transpose_out"), "cond_keeps": match.keeps}
+
+
+def _rank(graph, name):
+    """The rank TF infers for tensor ``name`` of ``graph()``, or None."""
+    try:
+        t = graph().get_tensor_by_name(name if ":" in name else name + ":0")
+    except (KeyError, ValueError):
+        return None
+    return t.shape.rank
+
+
+# ---- autotune: the op against its unfused products ------------------------------------
+#
+# Whether the op beats TF's products around the softmax kernel depends on the machine
+# (the module's docstring), so where ``_run`` says so each op carries a function that
+# computes the same with TF's ops -- BatchMatMulV2 (oneDNN's, where TF runs it), the
+# planner's softmax kernel, BatchMatMulV2 -- named by the string attr UNFUSED_ATTR, and
+# TUNE_ATTR, a hash of what it computes.  The op (runtime/attention.cc) times both on
+# its first calls per shape class and keeps the faster (op.cc's Tuner and its disk
+# cache, runtime/autotune.py: a second process reads the decision).  The function is
+# named like the regions' originals (original.PREFIX) so that it travels as they do:
+# defined in the process by tf/function.py _define_fallbacks (TF prunes a graph's
+# library to what its nodes reach, and a string attr reaches nothing), kept in a
+# SavedModel's library and found there under the loader's name (op.cc LoadedName).
+# Where it is missing anyway, the op runs fused.
+UNFUSED_ATTR = "_stitching_unfused"
+TUNE_ATTR = "_stitching_autotune"       # as a StitchedKernel's (passes/autotune.py)
+# Attrs of the softmax kernel that name its place in the graph, not what it computes:
+# left out of the hash, so every layer's attention of one shape shares one decision.
+_PLACE_ATTRS = (original.ATTR, original.BACKWARD_ATTR, original.OPTIONS_ATTR)
+# STITCHING_ATTENTION_AUTOTUNE=0: no timing, every op the pass makes runs fused (the
+# rule before timing; tools/attention_probe.py's 'forced' column).
+AUTOTUNE_ENV = _options.ATTENTION_AUTOTUNE_ENV
+
+
+def autotuned(which) -> bool:
+    """Whether the ops the pass makes are timed against their unfused products: where
+    TF's GEMM is oneDNN's (``which`` is ``blas.ATTENTION``), unless AUTOTUNE_ENV is 0.
+    Not where the products are OpenBLAS's (``blas.ALL``): there the unfused way runs
+    the same OpenBLAS kernels as the op, which only saves the scores' trips through
+    memory and the masked key blocks (1.06x the Llama decoder at batch 8 on the AMD
+    EPYC with AVX2, within noise of 1.0x elsewhere: BENCHMARKS.md ``gemm@amd_avx2``),
+    so a loss there would be noise, and timing would cost every attention's first
+    calls for nothing."""
+    return which == blas.ATTENTION and _options.attention_autotune_on()
+
+
+# oneDNN's batch product as TF's graph rewrite (MklLayoutRewritePass) names it, which the
+# op's FunctionLibraryRuntime does not run over the function (a function it
+# instantiates gets each op's default kernel): with BatchMatMulV2 the function ran
+# Eigen's product, 1.6x the unfused graph's time at [8, 4, 128, 64] on the Zen 5 EPYC,
+# which is not the alternative the op competes with.  The node attr _kernel selects
+# oneDNN's kernel registered under this name (TF's label for a renamed op).
+_MKL_PRODUCT = "_MklBatchMatMulV2"
+
+
+def _product_op() -> str:
+    """The batch product op of the unfused function: oneDNN's where this TF runs it."""
+    from . import remapper
+    return _MKL_PRODUCT if op_def_registry.get(_MKL_PRODUCT) is not None and \
+        remapper.onednn_enabled() else "BatchMatMulV2"
+
+
+def unfused_function(kernel, data, match, dtype, attrs, c, broadcast_cond, ranks):
+    """(FunctionDef, tune hash) of the attention the op computes, the unfused way:
+    arguments the op's inputs (q, k, v[, mask][, cond]), body TF's BatchMatMulV2 around
+    a copy of ``kernel`` (the softmax: ``match`` of its inputs ``data``), with the
+    op's head layouts (``attrs``) as Transposes, the scores' Mul by ``c`` where one
+    was taken into the op's scale, and the op's bare condition broadcast to the scores
+    where ``broadcast_cond`` (bare_condition took its broadcast).  None where a layout
+    needs a rank TF does not know (``ranks``: q's, k's and v's, or None) or the kernel
+    reads anything else."""
+    args = ["q", "k", "v"] + ["mask"] * (match.mask is not None) + \
+        ["cond"] * (match.cond is not None)
+    fdef = function_pb2.FunctionDef()
+    for a in args:
+        fdef.signature.input_arg.add(
+            name=a, type=tf.bool.as_datatype_enum if a == "cond" else dtype)
+    fdef.signature.output_arg.add(name="output", type=dtype)
+    t_attr = attr_value_pb2.AttrValue(type=dtype)
+
+    def add(name, op, inputs, **attrs):
+        nd = fdef.node_def.add(name=name, op=op)
+        nd.input.extend(inputs)
+        if op == _MKL_PRODUCT:
+            nd.attr["_kernel"].s = b"MklNameChangeOp"
+        for key, value in attrs.items():
+            nd.attr[key].CopyFrom(value)
+        for a in op_def_registry.get(op).attr:        # an op's defaults, as TF's own
+            if a.name not in nd.attr and a.HasField("default_value"):
+                nd.attr[a.name].CopyFrom(a.default_value)
+        return nd
+
+    def const(name, value, dt):
+        tensor = tf.make_tensor_proto(value, dt)
+        add(name, "Const", [], value=attr_value_pb2.AttrValue(tensor=tensor),
+            dtype=attr_value_pb2.AttrValue(type=tensor.dtype))
+        return f"{name}:output:0"
+
+    def unswapped(name, value, r):
+        """``value`` with its heads and rows swapped back (blas._swap)."""
+        if r is None:
+            return None
+        perm = const(f"{name}/perm", list(range(r - 3)) + [r - 2, r - 3, r - 1], tf.int32)
+        add(name, "Transpose", [value, perm], T=t_attr,
+            Tperm=attr_value_pb2.AttrValue(type=tf.int32.as_datatype_enum))
+        return f"{name}:y:0"
+
+    plain = {}                      # q, k, v in the layouts BatchMatMulV2 reads
+    for key in ("q", "k", "v"):
+        plain[key] = unswapped(f"{key}/unswapped", key, ranks[key]) \
+            if attrs[f"transpose_{key}"] else key
+        if plain[key] is None:
+            return None
+    bool_attr = attr_value_pb2.AttrValue
+    product = _product_op()
+    add("scores", product, [plain["q"], plain["k"]], T=t_attr,
+        adj_x=bool_attr(b=attrs["adj_q"]), adj_y=bool_attr(b=attrs["adj_k"]))
+    scores = "scores:output:0"
+    if c is not None:
+        add("scaled", "Mul", [scores, const("scale", c, dtype)], T=t_attr)
+        scores = "scaled:z:0"
+    feeds = {match.scores: scores}
+    if match.mask is not None:
+        feeds[match.mask] = "mask"
+    if match.cond is not None:
+        feeds[match.cond] = "cond"
+        if broadcast_cond:      # the op broadcasts it; the kernel reads it broadcast
+            add("scores_shape", "Shape", [scores], T=t_attr,
+                out_type=attr_value_pb2.AttrValue(type=tf.int32.as_datatype_enum))
+            add("cond_broadcast", "BroadcastTo", ["cond", "scores_shape:output:0"],
+                T=attr_value_pb2.AttrValue(type=tf.bool.as_datatype_enum),
+                Tidx=attr_value_pb2.AttrValue(type=tf.int32.as_datatype_enum))
+            feeds[match.cond] = "cond_broadcast:output:0"
+    if sorted(feeds) != list(range(len(data))):
+        return None                 # the kernel reads something the op does not have
+    softmax = fdef.node_def.add()
+    softmax.CopyFrom(kernel)
+    softmax.name = "softmax"
+    del softmax.input[:]
+    softmax.input.extend(feeds[i] for i in range(len(data)))
+    for key in ("_output_shapes", "_class", "label"):   # (label: each layer's own)
+        softmax.attr.pop(key, None)
+    add("output", product, [original._output_names(softmax)[0], plain["v"]],
+        T=t_attr, adj_y=bool_attr(b=attrs["adj_v"]))
+    result = "output:output:0"
+    if attrs["transpose_out"]:
+        if None in ranks.values():
+            return None
+        result = unswapped("output/swapped", result, max(ranks.values()))
+    fdef.ret["output"] = result
+    placeless = function_pb2.FunctionDef()
+    placeless.CopyFrom(fdef)
+    for key in _PLACE_ATTRS:
+        placeless.node_def[[n.name for n in fdef.node_def].index("softmax")].attr.pop(key, None)
+    tune_hash = hashlib.sha256(b"StitchedAttention\0" + placeless.SerializeToString(
+        deterministic=True)).hexdigest()[:24]
+    fdef.signature.name = original.PREFIX + hashlib.sha256(
+        fdef.SerializeToString(deterministic=True)).hexdigest()[:24]
+    return fdef, tune_hash
 
 
 def _shape_from_operands(graph_def, shape, product, graph, readers, nodes,
@@ -501,7 +698,10 @@ def _take_masked_products(ctx) -> str | None:
     with a causal mask, whose key blocks the op skips, the fused attention ran
     0.98-1.34x the unfused one (TF's products around the stitched softmax kernel) at
     [1-32, 4-8, 128, 32-64]; unmasked, fused the same way (every product OpenBLAS's),
-    it ran 0.55-2.1x, 0.87x in median at the Transformer's [8, 4, 128, 64]."""
+    it ran 0.55-2.1x, 0.87x in median at the Transformer's [8, 4, 128, 64].  On a Zen 5
+    of the same class the masked ones lost too (``attention@amd_avx512_zen5``): the
+    ops are timed against their unfused products where they run (``autotuned``), so a
+    masked attention this takes runs as fast as the faster of the two ways."""
     chosen, products, unmasked = masked_products(ctx.graph_def, ctx)
     left = (f"; {unmasked} unmasked attention(s) left to oneDNN's products (the fused "
             f"op gains over them only where a mask removes key blocks)" if unmasked else "")
@@ -525,12 +725,24 @@ def _run(ctx):
     notes = [_take_masked_products(ctx)] if which == blas.ATTENTION else []
     # Options(exclude): an excluded node is an intermediate the op must not take, as a
     # fetched one (an excluded softmax is no kernel, so it never matches)
+    tune = autotuned(which)
     fused = fuse(ctx.graph_def, ctx.pinned, lambda: ctx.shapes_of(ctx.graph_def),
-                 ctx.folded, excluded=ctx.excluded.keys())
+                 ctx.folded, excluded=ctx.excluded.keys(), tune=tune)
     if fused:
+        timed = [nd for nd in ctx.graph_def.node
+                 if nd.op == "StitchedAttention" and UNFUSED_ATTR in nd.attr]
+        if timed:       # the report's autotune entries (Report.autotune_decisions)
+            ctx.autotune = (ctx.autotune or []) + [
+                {"kernel": nd.name, "spec_hash": nd.attr[TUNE_ATTR].s.decode(),
+                 "fused_us": None, "unfused_us": None, "predicted": None,
+                 "margin": float("inf"), "attention": True} for nd in timed]
         notes.append(f"{fused} attention(s) fused into StitchedAttention (product, "
                      f"softmax kernel and product: the scores kept per block of query "
-                     f"rows; tf/passes/attention.py)")
+                     f"rows; tf/passes/attention.py)" + (
+                         f"; {len(timed)} of them timed against their unfused products (TF's "
+                         f"around the softmax kernel) on their first calls per shape "
+                         f"class, the faster kept (stitching.runtime.autotune_decisions())"
+                         if tune else ""))
     return [n for n in notes if n] or None
 
 

@@ -49,8 +49,9 @@ def mark(graph_def, the_plan, regions, kernel_names, margin: float) -> list:
 
 
 def _run(ctx):
-    ctx.autotune = mark(ctx.graph_def, ctx.plan, ctx.regions, ctx.kernel_names,
-                        ctx.options.autotune_margin)
+    # (after the attention pass's entries, where it timed its ops: attention.py)
+    ctx.autotune = (ctx.autotune or []) + mark(ctx.graph_def, ctx.plan, ctx.regions,
+                                               ctx.kernel_names, ctx.options.autotune_margin)
 
 
 PASS = Pass("autotune", _run, option="autotune")
