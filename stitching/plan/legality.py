@@ -105,9 +105,15 @@ COMPOSITE_PASSES = {"Softmax": 4, "LogSoftmax": 4, "SoftmaxCrossEntropyWithLogit
 # latency evaluator price our fused kernel at one pass over its inputs and outputs,
 # while it also makes two (schedule: "column kernel ... 2 pass(es)", the second over
 # dy and x again; measured 1.6-3.0 times x * 1.5, priced near 1.5): one pass on both
-# sides compares like with like.  With it a lone one is left to TF (fused, it ran from
-# 23% faster at the smallest shape to 21% slower at the larger ones: when in doubt,
-# TF's).
+# sides compares like with like.  With it a lone one is left to TF: against TF's op in
+# the stitched graph (Options(exclude); it ran faster there than in stock tf.function),
+# shuffled rounds, unknown batch, the fused kernel alone lost at all four shapes above
+# (1.02 against 0.81 ms, 2.32 / 2.18, 3.19 / 2.63, 0.46 / 0.34).  With the ReluGrad
+# before it the model is near a tie at [32, 28, 28, 64] (fused; measured 1.37 against
+# 1.48 ms both TF's) and leaves the two larger shapes to TF when the batch is known;
+# with an unknown batch (priced at DEFAULT_DIM) it still fuses them, and that kernel
+# measured 15-40% slower than both ops TF's at batch 8 and 64 (not fixed here: the
+# fused kernel's second pass re-reads dy's inputs, from L3 while they fit).
 ONEDNN_PASSES = {"FusedBatchNormGrad": 1}
 ONEDNN_ATTR = "tf_onednn"          # planning only: TF runs this composite with oneDNN
 _ONEDNN_DTYPES = frozenset({"float32", "bfloat16"})   # TF's oneDNN kernels' types
