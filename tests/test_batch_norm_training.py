@@ -272,3 +272,68 @@ def test_tf_passes_priced_for_a_training_batch_norm_and_its_nchw_transposes():
     assert legality.work(node("FusedBatchNormTraining", "NCHW")) == 4
     assert legality.work(node("FusedBatchNormGrad", "NHWC", is_training=True)) == 4
     assert legality.work(node("FusedBatchNormGrad", "NCHW", is_training=True)) == 6
+
+
+def _bn_grad(dy, x, scale, mean, var):
+    r = tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=dy, x=x, scale=scale, reserve_space_1=mean, reserve_space_2=var,
+        reserve_space_3=var, epsilon=1e-3, data_format="NHWC", is_training=True)
+    return [r[0], r[1], r[2]]
+
+
+def _bn_grad_args(shape, dtype="float32"):
+    rs = np.random.RandomState(17)
+    c = shape[-1]
+    return [tf.constant(rs.randn(*shape).astype(dtype)) for _ in range(2)] + \
+        [tf.constant((rs.rand(c) + 0.5).astype("float32")) for _ in range(3)]
+
+
+def test_lone_batch_norm_gradient_is_left_to_onednn_with_the_reason(machine):
+    """Where TF runs oneDNN its FusedBatchNormGradV3 takes about 1.5 passes, not
+    Eigen's 4 (plan/legality.py ONEDNN_PASSES, measured on a Zen 5): a lone one is
+    left to TF, and the report says why.  Where TF runs Eigen's kernel (amd-avx2) the
+    plan is as before: one kernel."""
+    args = _bn_grad_args((8, 14, 14, 32))
+    sf = stitching.function(_bn_grad)
+    for g, h in zip(sf(*args), tf.function(_bn_grad)(*args)):
+        np.testing.assert_allclose(g, h, rtol=2e-4, atol=2e-4)
+    fused = {op for k in sf.report.kernels for _, op in k.ops}
+    why = [w for _, op, w in sf.report.unfused if op == "FusedBatchNormGradV3"]
+    if machine.tf_onednn:
+        assert "FusedBatchNormGradV3" not in fused, sf.report
+        assert why and "oneDNN" in why[0], why
+    else:
+        assert "FusedBatchNormGradV3" in fused and not why, sf.report
+
+
+def test_onednn_pricing_only_where_tf_runs_onednns_batch_norm_gradient():
+    """legality.mark_onednn tags the training-mode channel-last float32 / bfloat16
+    gradient (one oneDNN pass: ONEDNN_PASSES), not half (Eigen's kernel) nor NCHW (not
+    measured), and the tag is planning only: no KernelSpec carries it."""
+    from stitching.ir import Graph, Node, TensorType, ValueRef
+    from stitching.plan import legality
+
+    def graph(dtype, fmt="NHWC", training=True):
+        g = Graph()
+        shape = [4, 6, 6, 8] if fmt == "NHWC" else [4, 8, 6, 6]
+        for name in ("dy", "x"):
+            g.add(Node(name, "Placeholder", [], {"dtype": dtype},
+                       [TensorType(dtype, shape)]))
+        for name in ("scale", "mean", "var"):
+            g.add(Node(name, "Placeholder", [], {"dtype": "float32"},
+                       [TensorType("float32", [8])]))
+        g.add(Node("bn", "FusedBatchNormGrad",
+                   [ValueRef(n) for n in ("dy", "x", "scale", "mean", "var")],
+                   {"data_format": fmt, "is_training": training, "epsilon": 1e-3},
+                   [TensorType(dtype, shape), TensorType("float32", [8]),
+                    TensorType("float32", [8])]))
+        return g
+    for dtype, fmt, training, tagged in [("float32", "NHWC", True, True),
+                                         ("bfloat16", "NHWC", True, True),
+                                         ("float16", "NHWC", True, False),
+                                         ("float32", "NCHW", True, False),
+                                         ("float32", "NHWC", False, False)]:
+        g = graph(dtype, fmt, training)
+        assert legality.mark_onednn(g) == int(tagged), (dtype, fmt, training)
+        assert legality.work(g["bn"]) == (1 if tagged else 4 + 2 * (fmt == "NCHW"))
+    assert legality.ONEDNN_ATTR in legality.PLANNER_ATTRS

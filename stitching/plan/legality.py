@@ -75,13 +75,49 @@ def is_candidate(graph: Graph, node: Node) -> bool:
 # the fused kernel measured 3.05 against 2.87 ms there, before exp_nonpos and the
 # next-row prefetch).
 COMPOSITE_PASSES = {"Softmax": 4, "LogSoftmax": 4, "SoftmaxCrossEntropyWithLogits": 4,
-                    "FusedBatchNormGrad": 4,   # TF: 3 reductions + the x_backprop pass
+                    "FusedBatchNormGrad": 4,   # TF (Eigen): 3 reductions + the x_backprop
+                    #                            pass; oneDNN's kernel: ONEDNN_PASSES
                     # TF (fused_batch_norm_op.cc, is_training): the mean's and the
                     # variance's reads of x, then y's read and write.  oneDNN's kernel
-                    # (Intel and AMD with oneDNN on) measured 1.2-1.3 passes' time here
-                    # at [32, 28, 28, 64] (1.17 ms against 0.90 ms for x * 1.5): a lone
-                    # channel-last one is then left to TF, fused with its neighbours.
+                    # (Intel and AMD with oneDNN on) measured 2.0-2.5 times x * 1.5's
+                    # time on the amd-avx512 class (Zen 5, 2026-11-30, NHWC float32,
+                    # medians of 15 alternating runs): 0.89 against 0.44 ms at
+                    # [32, 28, 28, 64], 1.95 / 0.81 at [8, 56, 56, 128], 1.97 / 0.89 at
+                    # [64, 14, 14, 256], 0.56 / 0.29 at [32, 7, 7, 512]: 2 passes is
+                    # honest there too (an earlier 1.2-1.3, 1.17 against 0.90 ms at
+                    # [32, 28, 28, 64], had x * 1.5 at twice today's time).  The
+                    # fused kernel alone ran 0.66 and 0.39 ms at the first and last
+                    # (the plan leaves the two larger to TF); with an unknown batch
+                    # (fused at all four) 0.73 / 0.97 ms TF, 1.72 / 2.00, 1.59 / 1.82,
+                    # 0.40 / 0.64.
                     "FusedBatchNormTraining": 2}
+# Composites TF runs as one oneDNN kernel where its oneDNN is on (tf/passes/remapper.py
+# marks them: ONEDNN_ATTR): passes priced instead of COMPOSITE_PASSES'.
+# FusedBatchNormGrad (is_training, channel-last, float32 / bfloat16): measured on the amd-avx512 class (Zen 5, 2 cores, oneDNN on, 2026-11-30,
+# NHWC float32, medians of 15 alternating runs in one process, TF / x * 1.5 / the fused
+# kernel alone): [32, 28, 28, 64] 0.92 / 0.44 / 0.90 ms, [8, 56, 56, 128] 2.00 / 0.81 /
+# 2.43, [64, 14, 14, 256] 2.18 / 0.89 / 2.41, [32, 7, 7, 512] 0.62 / 0.29 / 0.48; with
+# an unknown batch 0.93 / 0.43 / 0.79, 1.94 / 0.79 / 2.09, 1.96 / 0.78 / 2.07,
+# 0.66 / 0.29 / 0.48.  TF's kernel takes 2.1-2.5 times x * 1.5 (its reads of dy and x
+# for the reductions, then dy, x and dx: about 1.5 passes of the op's inputs and
+# outputs), not Eigen's 4 passes (6 times x * 1.5, which had the planner fuse a lone
+# one for a predicted 2.8x gain).  Priced at 1, not 1.5: the delta evaluator and the
+# latency evaluator price our fused kernel at one pass over its inputs and outputs,
+# while it also makes two (schedule: "column kernel ... 2 pass(es)", the second over
+# dy and x again; measured 1.6-3.0 times x * 1.5, priced near 1.5): one pass on both
+# sides compares like with like.  With it a lone one is left to TF: against TF's op in
+# the stitched graph (Options(exclude); it ran faster there than in stock tf.function),
+# shuffled rounds, unknown batch, the fused kernel alone lost at all four shapes above
+# (1.02 against 0.81 ms, 2.32 / 2.18, 3.19 / 2.63, 0.46 / 0.34).  With the ReluGrad
+# before it the model is near a tie at [32, 28, 28, 64] (fused; measured 1.37 against
+# 1.48 ms both TF's) and leaves the two larger shapes to TF when the batch is known;
+# with an unknown batch (priced at DEFAULT_DIM) it still fuses them: a tie at batch
+# 32 ([32, 56, 56, 128]: 11.2-11.8 ms fused, 11.2-11.3 both TF's, as predicted), 3-40%
+# slower than both ops TF's at batch 8 and 64 across runs (not fixed here: the fused
+# kernel's second pass re-reads dy's inputs, from L3 only while they fit).
+ONEDNN_PASSES = {"FusedBatchNormGrad": 1}
+ONEDNN_ATTR = "tf_onednn"          # planning only: TF runs this composite with oneDNN
+_ONEDNN_DTYPES = frozenset({"float32", "bfloat16"})   # TF's oneDNN kernels' types
 # TF's CPU kernels transpose an NCHW input to NHWC and the result back: two passes more
 # (the gradient's three: x, dy and x_backprop; two is the lower bound).  The
 # [1, rows, cols, 1] form of tf_keras' LayerNormalization measured 5.5 passes' time
@@ -129,7 +165,29 @@ def devices_conflict(devices) -> str | None:
     return None
 
 
-PLANNER_ATTRS = ("unfusible", "tf_epilogue", DEVICE_ATTR)   # planning only, never in a KernelSpec
+PLANNER_ATTRS = ("unfusible", "tf_epilogue", DEVICE_ATTR,   # planning only, never in a
+                 ONEDNN_ATTR)                                # KernelSpec
+
+
+def onednn_composite(graph: Graph, node: Node) -> bool:
+    """Whether TF with oneDNN on runs ``node`` as one oneDNN kernel (ONEDNN_PASSES):
+    a training-mode FusedBatchNormGrad, channel-last, over float32 or bfloat16 (half
+    runs Eigen's kernel; NCHW was not measured under oneDNN)."""
+    if node.op not in ONEDNN_PASSES or not node.inputs:
+        return False
+    x = graph.type_of(node.inputs[min(1, len(node.inputs) - 1)])
+    return (node.attrs.get("is_training", True)
+            and not node.attrs.get("data_format", "NHWC").startswith("NC")
+            and x.dtype in _ONEDNN_DTYPES)
+
+
+def mark_onednn(graph: Graph) -> int:
+    """Tag the composites TF runs with oneDNN's kernels (the caller knows TF runs
+    oneDNN: tf/passes/remapper.py); returns how many."""
+    found = [n for n in graph if onednn_composite(graph, n)]
+    for n in found:
+        n.attrs[ONEDNN_ATTR] = True
+    return len(found)
 
 
 def work(node: Node) -> int:
@@ -142,6 +200,8 @@ def work(node: Node) -> int:
     through it saves.
     """
     if node.op in COMPOSITE_OPS:
+        if node.attrs.get(ONEDNN_ATTR):
+            return ONEDNN_PASSES[node.op]
         extra = _NCHW_EXTRA_PASSES if node.op in _NCHW_TRANSPOSED and \
             node.attrs.get("data_format", "").startswith("NC") else 0
         return COMPOSITE_PASSES.get(node.op, 2) + extra

@@ -791,6 +791,9 @@ def _deploy(ctx: _Context, groups: list, min_ops: int) -> Plan:
 
 
 LONE_OP = "a lone op: no fusible neighbour, and fusing it alone saves nothing"
+ONEDNN_NOTE = ("TF runs it as one oneDNN kernel, about as fast as ours alone "
+               "(plan/legality.py ONEDNN_PASSES)")
+_TOO_LITTLE = "too little work for a kernel"
 
 
 def _data_work(ctx: _Context, P) -> int:
@@ -799,7 +802,7 @@ def _data_work(ctx: _Context, P) -> int:
 
 
 def _too_little(what: str, work: int, min_ops: int) -> str:
-    return (f"too little work for a kernel: {what} does {work} op(s) of data work, "
+    return (f"{_TOO_LITTLE}: {what} does {work} op(s) of data work, "
             f"fewer than min_ops={min_ops} (Options(min_ops=1) fuses it)")
 
 
@@ -823,9 +826,12 @@ def _unfused_reason(ctx: _Context, v: int, placed: dict, min_ops: int) -> str:
     if alone is not None:
         return alone
     why = placed.get(ctx.names[v])
-    if why is not None and why != LONE_OP:
-        return why
-    return _cost_reason(ctx, v, placed, min_ops) or LONE_OP
+    if why is None or why == LONE_OP:
+        why = _cost_reason(ctx, v, placed, min_ops) or LONE_OP
+    if ctx.graph[ctx.names[v]].attrs.get(_fus.ONEDNN_ATTR) and (
+            why == LONE_OP or why.startswith(_TOO_LITTLE)):
+        why = f"{why}; {ONEDNN_NOTE}"
+    return why
 
 
 def _cost_reason(ctx: _Context, v: int, placed: dict, min_ops: int) -> str | None:

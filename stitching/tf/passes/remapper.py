@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ...plan import epilogue
+from ...plan import epilogue, legality
 from ..passmanager import Pass
 
 
@@ -35,10 +35,14 @@ def table(profile) -> epilogue.Remapper:
 
 
 def mark(ir, profile) -> int:
-    """Tag the epilogues TF will fuse into their convolutions, and pin the bfloat16
-    biases oneDNN adds before its rounding (plan/epilogue.py)."""
+    """Tag the epilogues TF will fuse into their convolutions, pin the bfloat16
+    biases oneDNN adds before its rounding (plan/epilogue.py), and, where TF runs
+    oneDNN, tag the composites it runs as one oneDNN kernel (priced as such:
+    plan/legality.py ONEDNN_PASSES)."""
     remapper = table(profile)
     epilogue.pin_rounding(ir, remapper)
+    if remapper is epilogue.ONEDNN:        # the composites oneDNN runs as one kernel
+        legality.mark_onednn(ir)           # (plan/legality.py, ONEDNN_PASSES)
     return epilogue.mark(ir, remapper)
 
 
