@@ -22,7 +22,8 @@ namespace stitching_tune {
 constexpr int kClasses = 64;  // log2 of the input bytes
 enum Choice : int { kUndecided = 0, kKernel = 1, kNative = 2 };
 
-// op.cc's Tuner as C functions (op.cc: stitching_tune_next, _record, _preload).
+// op.cc's Tuner as C functions (op.cc: TuneNext, TuneRecord, TunePreload, handed out
+// as kTuneApi by stitching_tune_api).
 struct Api {
   // The decision for (hash, cls), or kUndecided with the way to run now in *way and
   // whether to time it (*timed); *cached: the decision came from the cache.
