@@ -306,6 +306,44 @@ def test_lone_batch_norm_gradient_is_left_to_onednn_with_the_reason(machine):
         assert "FusedBatchNormGradV3" in fused and not why, sf.report
 
 
+def _relu_grad_bn_grad(g, a, x, scale, mean, var):
+    return _bn_grad(tf.raw_ops.ReluGrad(gradients=g, features=a), x, scale, mean, var)
+
+
+def test_relu_grad_and_bn_gradient_with_unknown_batch_fused_only_where_every_batch_gains(
+        machine):
+    """ReluGrad + FusedBatchNormGradV3 over [?, 7, 7, 512] is one column kernel whose
+    second pass re-reads its three inputs: where TF runs oneDNN (amd-avx512,
+    intel-avx512) it is predicted to gain at batch 32 (DEFAULT_DIM) but not at 128
+    (on a Zen 5, fused with an unknown batch, it measured 3-40% slower than TF's ops
+    at batch 8 and 64), so with the batch unknown both ops are left to TF and the
+    report says at which size it would lose (plan/cost.py priced_dims).  With batch 32
+    known it fuses as before, and where TF runs Eigen's 4-pass gradient (amd-avx2) it
+    fuses at any batch.  Outputs equal TF's either way."""
+    args = [tf.constant(np.random.RandomState(i).randn(2, 7, 7, 512).astype("float32"))
+            for i in range(3)] + _bn_grad_args((2, 7, 7, 512))[2:]
+    sig = [tf.TensorSpec([None, 7, 7, 512])] * 3 + [tf.TensorSpec([512])] * 3
+    sf = stitching.function(_relu_grad_bn_grad, input_signature=sig)
+    for g, h in zip(sf(*args), tf.function(_relu_grad_bn_grad)(*args)):
+        np.testing.assert_allclose(g, h, rtol=2e-4, atol=2e-4)
+    fused = {op for k in sf.report.kernels for _, op in k.ops}
+    why = {op: w for _, op, w in sf.report.unfused}
+    if machine.tf_onednn:
+        assert not fused, sf.report.summary()
+        for op in ("ReluGrad", "FusedBatchNormGradV3"):
+            assert "unknown until run time at 32 but none at 128" in why.get(op, ""), why
+    else:
+        assert fused == {"ReluGrad", "FusedBatchNormGradV3"} and not why, sf.report
+    known = stitching.function(_relu_grad_bn_grad,
+                               input_signature=[tf.TensorSpec([32, 7, 7, 512])] * 3
+                               + [tf.TensorSpec([512])] * 3)
+    big = [tf.concat([a] * 16, 0) for a in args[:3]] + args[3:]
+    for g, h in zip(known(*big), tf.function(_relu_grad_bn_grad)(*big)):
+        np.testing.assert_allclose(g, h, rtol=2e-4, atol=2e-4)
+    assert [sorted(op for _, op in k.ops) for k in known.report.kernels] == \
+        [["FusedBatchNormGradV3", "ReluGrad"]], known.report.summary()
+
+
 def test_onednn_pricing_only_where_tf_runs_onednns_batch_norm_gradient():
     """legality.mark_onednn tags the training-mode channel-last float32 / bfloat16
     gradient (one oneDNN pass: ONEDNN_PASSES), not half (Eigen's kernel) nor NCHW (not

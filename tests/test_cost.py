@@ -672,3 +672,28 @@ def test_kernel_factor_sums_the_same_terms_in_the_same_order():
             total = sum(w for w, _ in weights)
             want = sum(w * k for w, k in weights) / total if total > 0 else 1.0
             assert c.kernel_factor(P) == want
+
+
+def test_unknown_dims_priced_at_each_size_only_where_the_comparison_turns_on_it():
+    """assume_dim prices unknown dims at another size, in its block only; priced_dims
+    asks for all of UNKNOWN_DIM_RANGE only for a column kernel that
+    re-reads its inputs over an unknown extent against a oneDNN composite (the
+    batch-norm gradient's case), one size (DEFAULT_DIM) anywhere else."""
+    from stitching.ir import TensorType
+    t = TensorType("float32", [-1, 4])
+    assert cost.elems(t) == cost.DEFAULT_DIM * 4
+    with cost.assume_dim(128):
+        assert cost.elems(t) == 512 and cost.unknown_dim() == 128
+    assert cost.elems(t) == cost.DEFAULT_DIM * 4
+    assert cost.DEFAULT_DIM in cost.UNKNOWN_DIM_RANGE
+    assert min(cost.UNKNOWN_DIM_RANGE) < cost.DEFAULT_DIM < max(cost.UNKNOWN_DIM_RANGE)
+    ks = cost.KernelShape(kind="column", rows=1, row_len=512, rows_known=False,
+                          in_bytes=1 << 20, out_bytes=1 << 18, transcendentals=0,
+                          reuse_bytes=1 << 20, footprint_row=float(1 << 20), live=4,
+                          split="free", source="schedule")
+    assert cost.priced_dims(ks, onednn=True) == cost.UNKNOWN_DIM_RANGE
+    for other in (dict(onednn=False), dict(onednn=True, kind="row"),
+                  dict(onednn=True, rows_known=True), dict(onednn=True, reuse_bytes=0)):
+        onednn = other.pop("onednn")
+        shape = cost.KernelShape(**{**ks.__dict__, **other})
+        assert cost.priced_dims(shape, onednn) == (cost.DEFAULT_DIM,), other

@@ -65,9 +65,19 @@ levels, as in FusionStitching:
     and a launch; reloading wins -> the search cuts the kernel there, with the numbers
 
 Unknown dims (-1) are assumed DEFAULT_DIM; every other constant is labelled below.
+
+  unknown dims  priced_dims(spec) / assume_dim(n)  per kernel the search deploys
+  ─────────────────────────────────────────────────────────────────────────────────────
+    a kernel whose later pass re-reads a working set that an unknown dim sizes (a
+    column kernel over an unknown batch: its second pass reads its inputs again, from
+    cache while they fit, else from memory) wins at some batches and loses at others,
+    so DEFAULT_DIM alone cannot say it pays: the search deploys it only where it is
+    predicted to gain with that dim at each of UNKNOWN_DIM_RANGE (search.py _schedule)
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -79,6 +89,11 @@ from . import legality as _leg
 from .profiles import DeviceProfile, tf_factor
 
 DEFAULT_DIM = 32              # arbitrary: size assumed for a dim unknown until run time
+UNKNOWN_DIM_RANGE = (8, DEFAULT_DIM, 128)   # arbitrary: batches a training step runs (a
+                              # quarter to four times DEFAULT_DIM), at each of which a
+                              # kernel whose cost depends on the unknown dim's size beyond
+                              # proportion (priced_dims) must be predicted to gain
+_assumed = contextvars.ContextVar("stitching_assumed_dim", default=DEFAULT_DIM)
 CPU_GRAIN = 16384             # arbitrary (the schedule's EW_BLOCK): elements per shard;
                               # smaller ops stay on one core, unfused or fused alike
 GPU_ROW_VALUES_PER_THREAD = 8  # arbitrary: row values one thread keeps in registers
@@ -96,12 +111,30 @@ _SOFTMAX = ("Softmax", "LogSoftmax")
 
 # ---- shapes -----------------------------------------------------------------------------
 
+def unknown_dim() -> int:
+    """The size a dim unknown until run time is priced at: DEFAULT_DIM, or the one
+    ``assume_dim`` sets for this thread."""
+    return _assumed.get()
+
+
+@contextlib.contextmanager
+def assume_dim(n: int):
+    """Price unknown dims at ``n`` inside (this thread and context only); a GraphCosts
+    or KernelShape made inside keeps the sizes it was made with."""
+    token = _assumed.set(n)
+    try:
+        yield
+    finally:
+        _assumed.reset(token)
+
+
 def elems(t: TensorType) -> int:
+    u = _assumed.get()
     if t.shape is None:
-        return DEFAULT_DIM
+        return u
     n = 1
     for d in t.shape:
-        n *= d if d >= 0 else DEFAULT_DIM
+        n *= d if d >= 0 else u
     return n
 
 
@@ -124,7 +157,7 @@ def geometry(op: str, attrs: dict, x: TensorType) -> Geometry | None:
     n = elems(x)
     if op in _SOFTMAX:
         last = x.shape[-1] if x.shape else 1
-        last = last if last >= 0 else DEFAULT_DIM
+        last = last if last >= 0 else unknown_dim()
         return Geometry(max(1, n // max(1, last)), last, True)
     d = OPS.get(op)
     if d is None or d.kind != Kind.REDUCTION or x.shape is None:
@@ -132,7 +165,7 @@ def geometry(op: str, attrs: dict, x: TensorType) -> Geometry | None:
     row = 1
     for a in attrs.get("axes", ()):
         if 0 <= a < len(x.shape):
-            row *= x.shape[a] if x.shape[a] >= 0 else DEFAULT_DIM
+            row *= x.shape[a] if x.shape[a] >= 0 else unknown_dim()
     return Geometry(max(1, n // max(1, row)), row, False)
 
 
@@ -687,7 +720,8 @@ def _schedule_of(spec):
 
 def _from_schedule(spec, sched) -> dict:
     axes = [a.size for a in sched.domain.axes] or [1]
-    size = [a if a >= 0 else DEFAULT_DIM for a in axes]
+    u = unknown_dim()
+    size = [a if a >= 0 else u for a in axes]
     kind = str(getattr(sched.kind, "value", sched.kind))
     S = sorted(sched.reduce_axes)
     if kind == "column":
@@ -724,7 +758,7 @@ def _prologue(spec, sched, axes) -> dict:
         return {}
     macs = sum(math.prod(spec.type_of(spec.nodes[k].args[1]).shape) for k in products)
     group = 1 if sched.products_per_row() or len(axes) < 2 else axes[-2]
-    return dict(group_rows=group if group > 0 else DEFAULT_DIM,
+    return dict(group_rows=group if group > 0 else unknown_dim(),
                 prologue_s=macs / PRODUCT_MACS_PER_S, prologue_phase=sched.prologue_phase())
 
 
@@ -775,6 +809,23 @@ def _barrier_values(spec, users, stitched) -> set:
             if any(u not in before and u != r for u in users[a]):
                 kept.add(a)
     return kept
+
+
+def priced_dims(ks: KernelShape, onednn: bool) -> tuple:
+    """The sizes an unknown dim is priced at for a kernel of shape ``ks``: all of
+    UNKNOWN_DIM_RANGE where the comparison with TF turns on that dim's size, else just
+    DEFAULT_DIM.  It turns there when both sides re-read data whose size the dim sets:
+    a column kernel's reduced rows are its whole unknown extent, and a pass after the
+    first re-reads its inputs (reuse_bytes), from cache while they fit, else from
+    memory; and ``onednn``, a member TF runs as one oneDNN kernel
+    (legality.ONEDNN_PASSES), whose re-read of fewer values stays in cache longer than
+    ours, while its price is one flat pass count.  ReluGrad + FusedBatchNormGradV3 at
+    [n, 56, 56, 128] on the amd-avx512 model: a near-tie at n = 32 (measured too), a
+    loss at 8 (measured 3-40% slower than TF's ops at 8 and 64).  Elsewhere (Eigen's
+    kernels, a forward batch norm) one size prices as before."""
+    if ks.kind == "column" and ks.reuse_bytes and not ks.rows_known and onednn:
+        return UNKNOWN_DIM_RANGE
+    return (DEFAULT_DIM,)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from ..ir.spec import SCHEDULE_PARAMS
 from . import epilogue as _epi
 from . import legality as _fus
 from .acyclic import Contraction, CycleError, Reach, indexed, mask_of
+from . import cost as _cost
 from .cost import Delta, GraphCosts, Launch, choose_launch, reuse_reason
 from .planner import Plan
 from .profiles import DeviceProfile
@@ -165,6 +166,7 @@ class _Context:
         self._with = None                  # (C, node -> its patterns): patterns_with
         self._masks: dict = {}
         self._launch: dict = {}
+        self._sized: dict = {}             # n -> GraphCosts at unknown dims n
         self._readers: dict = {}
         self._refresh_fusible()
 
@@ -203,6 +205,14 @@ class _Context:
         if m is None:
             m = self._masks[P] = mask_of(P)
         return m
+
+    def sized_costs(self, n: int) -> GraphCosts:
+        """This graph's GraphCosts with its unknown dims at ``n`` (cost.assume_dim)."""
+        got = self._sized.get(n)
+        if got is None:
+            with _cost.assume_dim(n):
+                got = self._sized[n] = GraphCosts(self.graph, self.profile, self.names)
+        return got
 
     def gain(self, P) -> float:
         return self.costs.gain(P)
@@ -888,9 +898,41 @@ def _schedule(ctx: _Context, P, forced: bool = False) -> "KernelChoice":
         choice.reason = (f"cost model predicts no gain: fused {launch.time_s * 1e6:.1f} µs "
                          f">= unfused {unfused * 1e6:.1f} µs")
         return choice
+    # a gain at DEFAULT_DIM and a loss at another size of an unknown dim: when in
+    # doubt, TF's.  (Not timed at run time instead, Options(autotune)'s way: there the
+    # region's ops run as a function, where TF's oneDNN rewrite does not reach them,
+    # so the op times our kernel against Eigen's 4-pass gradient, not oneDNN's.)
+    loses = None if forced else _loses_at_some_size(ctx, P, region.spec, launch)
+    if loses is not None:
+        choice.reason = loses
+        return choice
     choice.deployed = True
     choice.region = replace(region, spec=spec)
     return choice
+
+
+def _loses_at_some_size(ctx: _Context, P, spec, launch) -> str | None:
+    """Where a dim unknown until run time sizes what the kernel re-reads
+    (cost.priced_dims), the kernel priced with that dim at each of the sizes it may
+    take: the first at which it is predicted no faster than its ops left to TF, as the
+    reason to leave it to TF; None where it gains at all of them."""
+    if launch.shape is None:
+        return None
+    onednn = any(ctx.graph[ctx.names[v]].attrs.get(_fus.ONEDNN_ATTR) for v in P)
+    for n in _cost.priced_dims(launch.shape, onednn):
+        if n == _cost.DEFAULT_DIM:
+            continue
+        costs = ctx.sized_costs(n)
+        with _cost.assume_dim(n):
+            fused = choose_launch(spec, ctx.profile, keep=1,
+                                  factor=costs.kernel_factor(P)).time_s
+        unfused = costs.unfused_s(P)
+        if fused >= unfused:
+            return (f"cost model predicts a gain with a dim unknown until run time at "
+                    f"{_cost.DEFAULT_DIM} but none at {n}: fused {fused * 1e6:.1f} µs >= "
+                    f"unfused {unfused * 1e6:.1f} µs (a later pass re-reads inputs whose "
+                    f"size that dim sets: plan/cost.py priced_dims); left to TF")
+    return None
 
 
 def _launch_for(ctx: _Context, spec, factor: float):
