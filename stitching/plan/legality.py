@@ -111,10 +111,12 @@ COMPOSITE_PASSES = {"Softmax": 4, "LogSoftmax": 4, "SoftmaxCrossEntropyWithLogit
 # (1.02 against 0.81 ms, 2.32 / 2.18, 3.19 / 2.63, 0.46 / 0.34).  With the ReluGrad
 # before it the model is near a tie at [32, 28, 28, 64] (fused; measured 1.37 against
 # 1.48 ms both TF's) and leaves the two larger shapes to TF when the batch is known;
-# with an unknown batch (priced at DEFAULT_DIM) it still fuses them: a tie at batch
+# with an unknown batch priced at DEFAULT_DIM alone it still fused them: a tie at batch
 # 32 ([32, 56, 56, 128]: 11.2-11.8 ms fused, 11.2-11.3 both TF's, as predicted), 3-40%
-# slower than both ops TF's at batch 8 and 64 across runs (not fixed here: the fused
-# kernel's second pass re-reads dy's inputs, from L3 only while they fit).
+# slower than both ops TF's at batch 8 and 64 across runs (the fused kernel's second
+# pass re-reads dy's inputs, from L3 only while they fit).  Such a kernel is now
+# priced at each batch of cost.UNKNOWN_DIM_RANGE (cost.priced_dims) and left to TF
+# where one loses.
 ONEDNN_PASSES = {"FusedBatchNormGrad": 1}
 ONEDNN_ATTR = "tf_onednn"          # planning only: TF runs this composite with oneDNN
 _ONEDNN_DTYPES = frozenset({"float32", "bfloat16"})   # TF's oneDNN kernels' types
