@@ -18,7 +18,8 @@ TF_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 def resource_shapes(func_graph) -> dict:
-    """Resource placeholder name -> (dtype, shape) of the variable it holds.
+    """Resource placeholder name -> (dtype, shape) of the variable it holds, and
+    table-lookup node name -> (dtype, shape) of its output (``_table_find_shapes``).
 
     A GraphDef does not carry a resource handle's shape, so after serialization
     every ``ReadVariableOp`` would read a tensor of unknown rank (and so would
@@ -37,6 +38,32 @@ def resource_shapes(func_graph) -> dict:
             continue
         out[t.op.name] = (tf.as_dtype(st.dtype), [d.size if d.size >= 0 else None
                                                  for d in st.shape.dim])
+    out.update(_table_find_shapes(func_graph))
+    return out
+
+
+# A lookup in a table (``tf.lookup``'s StaticHashTable, Keras's StringLookup and
+# IntegerLookup): the op's shape function gives its output the shape of the keys only
+# from the table handle's data, which no table handle carries, so TF's Python lookup
+# code sets it on the live graph (``values.set_shape(keys.shape)``), and a GraphDef
+# does not carry that.
+TABLE_FINDS = frozenset({"LookupTableFindV2", "LookupTableFind"})
+
+
+def _table_find_shapes(func_graph) -> dict:
+    """Table-lookup node name -> (dtype, shape) of its output where the live graph
+    knows its rank: in a scratch graph its output would have unknown rank, and so
+    would everything downstream (an embedding's index arithmetic, the gathered rows,
+    the Dense stack after them: "a tensor of unknown rank").  ``import_for_shapes``
+    gives these nodes their shapes back (``_output_shapes``)."""
+    out = {}
+    for op in func_graph.get_operations():
+        if op.type not in TABLE_FINDS:
+            continue
+        t = op.outputs[0]
+        if t.shape.rank is None:
+            continue
+        out[op.name] = (t.dtype, t.shape.as_list())
     return out
 
 
@@ -134,6 +161,12 @@ def _typed_variable_reads(graph_def, resources):
     out.CopyFrom(graph_def)
     taken = {n.name for n in out.node}
     for nd in list(out.node):
+        if nd.op in TABLE_FINDS:
+            if nd.name in resources:     # the live graph's shape (_table_find_shapes)
+                shapes = nd.attr["_output_shapes"].list.shape
+                del shapes[:]
+                shapes.add().CopyFrom(tf.TensorShape(resources[nd.name][1]).as_proto())
+            continue
         if nd.op in _RESOURCE_GATHERS:
             _typed_gather(out, nd, source, resources, taken)
             continue
