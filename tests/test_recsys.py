@@ -33,3 +33,43 @@ def test_ops_after_a_table_lookup_have_known_ranks_and_fuse():
     report = f.report
     assert not [u for u in report.unfused if "unknown rank" in u[2]], report.summary()
     assert report.to_dict()["kernels"] == 2, report.summary()     # the index, the rows
+
+
+def _string_id_module():
+    keys = tf.constant(["a", "b", "c"])
+
+    class Tower(tf.Module):
+        def __init__(self):
+            self.table = tf.lookup.StaticHashTable(
+                tf.lookup.KeyValueTensorInitializer(keys, tf.constant([0, 1, 2], tf.int64)),
+                -1)
+            self.emb = tf.Variable(
+                np.random.default_rng(0).standard_normal((4, 8)).astype("float32"))
+
+        @tf.function(input_signature=[{
+            "user_id": tf.TensorSpec([None], tf.string, name="user_id"),
+            "age": tf.TensorSpec([None, 1], tf.float32, name="age")}])
+        def serve(self, features):
+            idx = self.table.lookup(features["user_id"])
+            idx = tf.where(idx < 0, idx + 4, idx)
+            x = tf.gather(self.emb, idx) * features["age"]
+            return {"score": tf.nn.relu(x * 2.0 + 1.0)}
+
+    return Tower()
+
+
+def test_a_rewritten_saved_model_with_string_ids_fuses_after_its_lookups(tmp_path):
+    """A SavedModel's signature calls its function (StatefulPartitionedCall), whose
+    lookups stitching sees through Grappler's inlining: they had unknown rank too (a
+    FunctionDef carries no shapes), though the loaded function's graph knows them."""
+    m = _string_id_module()
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    tf.saved_model.save(m, src, signatures={"serving_default": m.serve})
+    reports = stitching.rewrite_saved_model(src, dst)
+    report = reports["serving_default"]
+    assert not [u for u in report.unfused if "unknown rank" in u[2]], report.summary()
+    assert report.to_dict()["kernels"] == 2, report.summary()
+    x = {"user_id": tf.constant(["b", "zz", "a"]), "age": tf.constant([[1.0], [2.0], [3.0]])}
+    got = tf.saved_model.load(dst).signatures["serving_default"](**x)["score"]
+    want = tf.saved_model.load(src).signatures["serving_default"](**x)["score"]
+    np.testing.assert_array_equal(got, want)

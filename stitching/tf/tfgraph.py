@@ -18,8 +18,7 @@ TF_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 def resource_shapes(func_graph) -> dict:
-    """Resource placeholder name -> (dtype, shape) of the variable it holds, and
-    table-lookup node name -> (dtype, shape) of its output (``_table_find_shapes``).
+    """Resource placeholder name -> (dtype, shape) of the variable it holds.
 
     A GraphDef does not carry a resource handle's shape, so after serialization
     every ``ReadVariableOp`` would read a tensor of unknown rank (and so would
@@ -38,32 +37,64 @@ def resource_shapes(func_graph) -> dict:
             continue
         out[t.op.name] = (tf.as_dtype(st.dtype), [d.size if d.size >= 0 else None
                                                  for d in st.shape.dim])
-    out.update(_table_find_shapes(func_graph))
     return out
 
 
 # A lookup in a table (``tf.lookup``'s StaticHashTable, Keras's StringLookup and
 # IntegerLookup): the op's shape function gives its output the shape of the keys only
 # from the table handle's data, which no table handle carries, so TF's Python lookup
-# code sets it on the live graph (``values.set_shape(keys.shape)``), and a GraphDef
-# does not carry that.
+# code sets it on the live graph (``values.set_shape(keys.shape)``).  A GraphDef (and a
+# FunctionDef in its library) does not carry that.
 TABLE_FINDS = frozenset({"LookupTableFindV2", "LookupTableFind"})
 
 
-def _table_find_shapes(func_graph) -> dict:
-    """Table-lookup node name -> (dtype, shape) of its output where the live graph
-    knows its rank: in a scratch graph its output would have unknown rank, and so
-    would everything downstream (an embedding's index arithmetic, the gathered rows,
-    the Dense stack after them: "a tensor of unknown rank").  ``import_for_shapes``
-    gives these nodes their shapes back (``_output_shapes``)."""
-    out = {}
-    for op in func_graph.get_operations():
-        if op.type not in TABLE_FINDS:
+def annotate_table_shapes(graph_def, func_graph) -> int:
+    """Give each table lookup of ``graph_def`` (and of the functions in its library,
+    a loaded SavedModel's call for one) the output shape the live ``func_graph`` (or
+    the nested function graph it calls) knows, as an ``_output_shapes`` attribute, in
+    place; returns how many.  An import honours it (TF's importer refines the node's
+    shape with it), and Grappler's function inlining keeps it.  Without it a lookup's
+    output had unknown rank in every graph stitching imports, and so had everything
+    downstream (an embedding's index arithmetic, the gathered rows, the Dense stack
+    after them): "a tensor of unknown rank", with inputs of known rank."""
+    n = _annotate_table_finds(graph_def.node, func_graph)
+    if graph_def.library.function:
+        graphs = _nested_graphs(func_graph)
+        for f in graph_def.library.function:
+            g = graphs.get(f.signature.name)
+            if g is not None:
+                n += _annotate_table_finds(f.node_def, g)
+    return n
+
+
+def _annotate_table_finds(nodes, graph) -> int:
+    n = 0
+    for nd in nodes:
+        if nd.op not in TABLE_FINDS or "_output_shapes" in nd.attr:
             continue
-        t = op.outputs[0]
+        try:
+            t = graph.get_operation_by_name(nd.name).outputs[0]
+        except (KeyError, ValueError, IndexError):
+            continue
         if t.shape.rank is None:
             continue
-        out[op.name] = (t.dtype, t.shape.as_list())
+        nd.attr["_output_shapes"].list.shape.add().CopyFrom(t.shape.as_proto())
+        n += 1
+    return n
+
+
+def _nested_graphs(func_graph) -> dict:
+    """Function name -> its live FuncGraph, for the functions ``func_graph`` calls,
+    at any depth (those TF knows a graph of)."""
+    out, todo = {}, [func_graph]
+    while todo:
+        g = todo.pop()
+        for name, fn in getattr(g, "_functions", {}).items():
+            inner = getattr(fn, "graph", None)
+            if name in out or inner is None:
+                continue
+            out[name] = inner
+            todo.append(inner)
     return out
 
 
@@ -161,12 +192,6 @@ def _typed_variable_reads(graph_def, resources):
     out.CopyFrom(graph_def)
     taken = {n.name for n in out.node}
     for nd in list(out.node):
-        if nd.op in TABLE_FINDS:
-            if nd.name in resources:     # the live graph's shape (_table_find_shapes)
-                shapes = nd.attr["_output_shapes"].list.shape
-                del shapes[:]
-                shapes.add().CopyFrom(tf.TensorShape(resources[nd.name][1]).as_proto())
-            continue
         if nd.op in _RESOURCE_GATHERS:
             _typed_gather(out, nd, source, resources, taken)
             continue
