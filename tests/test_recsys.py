@@ -73,3 +73,32 @@ def test_a_rewritten_saved_model_with_string_ids_fuses_after_its_lookups(tmp_pat
     got = tf.saved_model.load(dst).signatures["serving_default"](**x)["score"]
     want = tf.saved_model.load(src).signatures["serving_default"](**x)["score"]
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_sum_over_no_axes_is_no_data_work_and_not_counted():
+    """The gradient of an Add whose operands have one shape (DCN-v2's cross layer,
+    ``x0 * (x W + b) + x``, at an unknown batch) is a Sum over the axes
+    BroadcastGradientArgs computes: none, once the shapes pass folds them.  The IR
+    lifts it as a view and TF's kernel forwards its input, but the report counted it
+    as memory-intensive: as fused work inside a kernel, and outside one with no reason
+    to give ("left to TF by the planner", a DCN-v2 train step's cross layers)."""
+    w = tf.Variable(np.random.default_rng(0).standard_normal((6, 6)).astype("float32") * 0.3)
+
+    @stitching.function(input_signature=[tf.TensorSpec([None, 4]), tf.TensorSpec([None, 2])])
+    def step(a, b):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b])
+            x0 = tf.concat([a, b], 1)
+            loss = tf.reduce_sum(tf.tanh(x0 * (x0 @ w) + x0))
+        return tape.gradient(loss, [a, b, w])
+
+    rng = np.random.default_rng(1)
+    a, b = (tf.constant(rng.standard_normal((3, n)).astype("float32")) for n in (4, 2))
+    for got, want in zip(step(a, b), tf.function(step.python_function)(a, b)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    rep = step.report
+    counted = [op for k in rep.kernels for _, op in k.split_ops()[0]]
+    assert "Sum" not in counted, rep.summary()
+    assert not [u for u in rep.unfused if u[1] == "Sum" or "by the planner" in u[2]], \
+        rep.summary()
+    assert rep.memory_intensive_ops == rep.fused_ops + len(rep.unfused), rep.summary()
