@@ -102,3 +102,19 @@ def test_a_sum_over_no_axes_is_no_data_work_and_not_counted():
     assert not [u for u in rep.unfused if u[1] == "Sum" or "by the planner" in u[2]], \
         rep.summary()
     assert rep.memory_intensive_ops == rep.fused_ops + len(rep.unfused), rep.summary()
+
+
+def test_an_unknown_rank_from_an_op_names_that_op():
+    """Where a tensor's unknown rank comes from an op of the graph (a
+    tf.numpy_function, a custom op: TF's shape inference gives its output none), the
+    reason names that op; it said "an input_signature, or inputs, with known ranks let
+    it fuse", of inputs that had known ranks."""
+    @stitching.function(input_signature=[tf.TensorSpec([None, 4])])
+    def f(x):
+        y = tf.numpy_function(lambda v: v * 3.0, [x], tf.float32, stateful=False)
+        return tf.nn.relu(y * 2.0 + 1.0)
+
+    x = tf.constant(np.arange(8, dtype="float32").reshape(2, 4) - 4.0)
+    np.testing.assert_array_equal(f(x), tf.function(f.python_function)(x))
+    whys = {why for _, _, why in f.report.unfused}
+    assert whys and all("from PyFunc" in w and "ensure_shape" in w for w in whys), whys
