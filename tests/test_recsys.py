@@ -118,3 +118,26 @@ def test_an_unknown_rank_from_an_op_names_that_op():
     np.testing.assert_array_equal(f(x), tf.function(f.python_function)(x))
     whys = {why for _, _, why in f.report.unfused}
     assert whys and all("from PyFunc" in w and "ensure_shape" in w for w in whys), whys
+
+
+def test_a_multi_hot_encoding_keeps_its_width_and_its_concatenation_fuses():
+    """Keras's multi-hot and count encodings are a DenseBincount of a run-time size,
+    whose width Keras sets on the live graph (``set_shape``): the graph stitching
+    imports lost it, and the features' concatenation was "axis 1 of a piece is known
+    only at run time", left to TF."""
+    import keras
+    lookup = keras.layers.StringLookup(vocabulary=["a", "b", "c", "d"], output_mode="multi_hot")
+
+    @stitching.function(input_signature=[tf.TensorSpec([None, 3], tf.string),
+                                         tf.TensorSpec([None, 2], tf.float32)])
+    def f(tags, dense):
+        x = tf.concat([tf.cast(lookup(tags), tf.float32) * 0.5, tf.math.log1p(dense)], 1)
+        return tf.nn.relu(x * 2.0 - 0.25)
+
+    tags = tf.constant([["a", "zz", "c"], ["d", "d", ""]])
+    dense = tf.constant([[1.0, 2.0], [3.0, 0.5]])
+    np.testing.assert_allclose(f(tags, dense), tf.function(f.python_function)(tags, dense),
+                               rtol=1e-6)
+    report = f.report
+    assert not [u for u in report.unfused if u[1] == "ConcatV2"], report.summary()
+    assert report.fused_ops == report.memory_intensive_ops, report.summary()

@@ -669,9 +669,9 @@ class StitchedFunction(tf_pf.Function):
         next process; None for a ``cached_only`` function that missed (its trace
         then imports the graph as traced: stock TF).  Closes ``workers``."""
         from . import results
-        from .tfgraph import annotate_table_shapes, resource_shapes
+        from .tfgraph import annotate_live_shapes, resource_shapes
         resources = resource_shapes(graph)
-        annotate_table_shapes(graph_def, graph)
+        annotate_live_shapes(graph_def, graph)
         scalar_values = _python_scalars(flat)
         key = None
         # A new Python scalar of a function stitched before: its template serves it in

@@ -73,7 +73,6 @@ from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config
 from tensorflow.python.grappler import tf_optimizer
 
 from .. import opnames
-from ..tfgraph import TABLE_FINDS
 from ..passmanager import Pass
 
 _RC = rewriter_config_pb2.RewriterConfig
@@ -122,22 +121,23 @@ def optimize(graph_def, preserve: list[str]):
         out = tf_optimizer.OptimizeGraph(config, meta, cluster=_cluster())
     out = drop_placeholder_control_inputs(out)
     _drop_marks(out)
-    _keep_table_shapes(graph_def, out)
+    _keep_live_shapes(graph_def, out)
     return drop_dead_fusible(expand_tf_internal_ops(out), preserve)
 
 
-def _keep_table_shapes(before, after) -> None:
-    """Put back the ``_output_shapes`` of the graph's own table lookups
-    (tfgraph.annotate_table_shapes) that Grappler dropped: it keeps that attribute on
-    the nodes it inlines from a function, not on the top graph's, whose lookups then had
-    unknown rank again."""
-    shapes = {nd.name: nd.attr["_output_shapes"] for nd in before.node
-              if nd.op in TABLE_FINDS and "_output_shapes" in nd.attr}
+def _keep_live_shapes(before, after) -> None:
+    """Put back the ``_output_shapes`` that tfgraph.annotate_live_shapes gave the
+    graph's own nodes and Grappler dropped (it keeps them on the nodes it inlines from a
+    function, not on the top graph's, which then lost their shapes again), on the nodes
+    of the same name and op."""
+    shapes = {nd.name: (nd.op, nd.attr["_output_shapes"]) for nd in before.node
+              if "_output_shapes" in nd.attr}
     if not shapes:
         return
     for nd in after.node:
-        if nd.name in shapes and nd.op in TABLE_FINDS and "_output_shapes" not in nd.attr:
-            nd.attr["_output_shapes"].CopyFrom(shapes[nd.name])
+        op, attr = shapes.get(nd.name, (None, None))
+        if op == nd.op and "_output_shapes" not in nd.attr:
+            nd.attr["_output_shapes"].CopyFrom(attr)
 
 
 def _drop_marks(graph_def) -> None:
