@@ -25,8 +25,9 @@ For each it checks, and prints the numbers of:
           and Inf dense features
   report  the lookups, hashing and embedding gathers stay TF's with a reason; no op
           of unknown rank; no op left without a reason ("left to TF by the planner")
-  speed   interleaved stock / stitched calls at batch 1 and 256, medians, with the
-          load average (timings are printed, never asserted)
+  speed   interleaved stock / stitched calls at batch 1 and 256, and Keras train
+          steps at batch 256, medians, with the load average (timings are printed,
+          never asserted)
 
     python tools/recsys_check.py                      # all models, all checks
     python tools/recsys_check.py --models dcn --checks infer report
@@ -411,6 +412,39 @@ def check_speed(name, model, fast, chk, calls=200):
         s, f = (float(np.median(times[k])) * 1e6 for k in ("stock", "stitched"))
         print(f"  speed batch {n}: stock {s:.0f} us, stitched {f:.0f} us: {s / f:.2f}x "
               f"(medians of {calls} interleaved calls)")
+    _train_speed(name, calls)
+
+
+def _train_speed(name, steps, batch=256):
+    """Keras train steps (Adam), stock and stitched, interleaved step by step: a whole
+    ``fit`` per sample measured the machine's load more than the step."""
+    import keras  # noqa: F401
+    import stitching
+    import stitching.keras
+    import tensorflow as tf
+    ds = tf.data.Dataset.from_tensor_slices(
+        (data(name, batch * 8, seed=1), labels(name, batch * 8))).batch(batch).cache().repeat()
+    fns = {}
+    for label in ("stock", "stitched"):
+        m = build(name)
+        m.compile(optimizer="adam", loss=loss(name))
+        if label == "stitched":
+            stitching.keras.stitch(m, stitching.Options(background_compile=False))
+        m.fit(ds, steps_per_epoch=2, verbose=0)
+        fn, it = m.make_train_function(), iter(ds)
+        fn(it)
+        fns[label] = (fn, it)
+    times = {"stock": [], "stitched": []}
+    for i in range(steps):
+        order = ("stock", "stitched") if i % 2 else ("stitched", "stock")
+        for label in order:
+            fn, it = fns[label]
+            t = time.perf_counter()
+            fn(it)
+            times[label].append(time.perf_counter() - t)
+    s, f = (float(np.median(times[k])) * 1e3 for k in ("stock", "stitched"))
+    print(f"  speed train step batch {batch}: stock {s:.2f} ms, stitched {f:.2f} ms: "
+          f"{s / f:.2f}x (medians of {steps} interleaved steps)")
 
 
 def main(argv=None) -> int:
