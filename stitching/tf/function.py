@@ -1287,8 +1287,8 @@ def _hint_background_compile(seconds: float) -> None:
         return
     _hinted = True
     print(f"stitching: this call waited {seconds:.1f} s to plan and compile its kernels. "
-          "Calls whose arguments are all tensors (or dicts and lists of them), by "
-          "position or as named parameters, run stock TF "
+          "Calls whose arguments are all tensors (or dicts and lists of them; not "
+          "SparseTensor or RaggedTensor), by position or as named parameters, run stock TF "
           "while they compile (tiered execution; STITCHING_NO_HINTS=1 hides this "
           "line).", file=sys.stderr, flush=True)
 
