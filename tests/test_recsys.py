@@ -141,3 +141,21 @@ def test_a_multi_hot_encoding_keeps_its_width_and_its_concatenation_fuses():
     report = f.report
     assert not [u for u in report.unfused if u[1] == "ConcatV2"], report.summary()
     assert report.fused_ops == report.memory_intensive_ops, report.summary()
+
+
+def test_a_scratch_import_drops_shape_annotations_a_pass_made_inconsistent():
+    """The ``_output_shapes`` stitching carries over (tfgraph.annotate_live_shapes)
+    are the live graph's; should a later rewrite make one disagree with TF's own
+    inference, the scratch import for shapes falls back to that inference instead of
+    failing the whole stitch."""
+    from stitching.tf import tfgraph
+    with tf.Graph().as_default() as g:
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        tf.math.exp(x, name="y")
+    gd = g.as_graph_def()
+    for nd in gd.node:
+        if nd.name == "y":
+            nd.attr["_output_shapes"].list.shape.add().CopyFrom(
+                tf.TensorShape([None, 5]).as_proto())
+    scratch = tfgraph.import_for_shapes(gd)
+    assert scratch.get_tensor_by_name("y:0").shape.as_list() == [None, 4]
