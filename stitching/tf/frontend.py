@@ -145,7 +145,7 @@ def _convert(op) -> Node:
         if t.dtype.startswith("opaque:"):
             return _opaque(op, f"dtype {t.dtype[7:]} is not supported")
         if t.shape is None:
-            return _opaque(op, UNKNOWN_RANK)
+            return _opaque(op, _unknown_rank_reason(op))
     node.outputs = out_types
     node.origin = op.name
     return node
@@ -153,6 +153,25 @@ def _convert(op) -> Node:
 
 UNKNOWN_RANK = ("a tensor of unknown rank (an input_signature, or inputs, with known ranks "
                 "let it fuse)")
+
+
+def _unknown_rank_reason(op) -> str:
+    """UNKNOWN_RANK where the unknown rank comes from the graph's inputs; else the op
+    whose output TF's shape inference left without a rank while its own inputs have
+    one (``tf.numpy_function``, a custom op): an input_signature would not help there,
+    and the reason names that op instead."""
+    t = next((t for t in list(op.outputs) + list(op.inputs) if t.shape.rank is None), None)
+    for _ in range(1000):
+        if t is None or t.op.type in ("Placeholder", "_Arg"):
+            return UNKNOWN_RANK
+        src = t.op
+        t = next((i for i in src.inputs if i.dtype != tf.resource and i.shape.rank is None),
+                 None)
+        if t is None:
+            return (f"a tensor of unknown rank, from {src.type} ({src.name}): TF's shape "
+                    "inference gives its output no rank though its inputs have one "
+                    "(a tf.ensure_shape after it lets it fuse)")
+    return UNKNOWN_RANK
 
 
 class _Unfusible(Exception):

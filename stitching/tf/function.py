@@ -669,8 +669,9 @@ class StitchedFunction(tf_pf.Function):
         next process; None for a ``cached_only`` function that missed (its trace
         then imports the graph as traced: stock TF).  Closes ``workers``."""
         from . import results
-        from .tfgraph import resource_shapes
+        from .tfgraph import annotate_live_shapes, resource_shapes
         resources = resource_shapes(graph)
+        annotate_live_shapes(graph_def, graph)
         scalar_values = _python_scalars(flat)
         key = None
         # A new Python scalar of a function stitched before: its template serves it in
@@ -1286,8 +1287,8 @@ def _hint_background_compile(seconds: float) -> None:
         return
     _hinted = True
     print(f"stitching: this call waited {seconds:.1f} s to plan and compile its kernels. "
-          "Calls whose arguments are all tensors (or dicts and lists of them), by "
-          "position or as named parameters, run stock TF "
+          "Calls whose arguments are all tensors (or dicts and lists of them; not "
+          "SparseTensor or RaggedTensor), by position or as named parameters, run stock TF "
           "while they compile (tiered execution; STITCHING_NO_HINTS=1 hides this "
           "line).", file=sys.stderr, flush=True)
 

@@ -476,6 +476,12 @@ def _make_report(name, ctx, kept):
     tf_op = {n.name: n.op for n in gdef.node}
     mem = {n for n, op in tf_op.items()
            if opnames.is_memory_intensive(op) and n not in shape_math}
+    # a memory-intensive op the frontend lifted as a view (a Sum over no axes: the
+    # gradient of an Add whose operands have one shape, its BroadcastGradientArgs axes
+    # folded; a Cast to its own type): TF's kernel forwards its input, so it does no
+    # data work on either side.  Not counted, as an Identity is not; counted, one left
+    # out of a kernel had no reason to give ("left to TF by the planner")
+    mem -= {n for n in mem if n in ir and ir[n].op != tf_op[n] and not legality.work(ir[n])}
     # ops a later pass took into a product's op cost no pass over memory of their own:
     # fused, listed apart from the kernels' ops.  The planner left some to TF (an
     # EinsumDense bias Add as the MatMul's BiasAdd: passes/gemm.py; the scores' scale

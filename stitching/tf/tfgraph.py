@@ -40,6 +40,74 @@ def resource_shapes(func_graph) -> dict:
     return out
 
 
+# Ops whose outputs' shapes TF's Python code sets on the live graph
+# (``Tensor.set_shape``) and the op's C++ shape function cannot infer, which a
+# GraphDef (and a FunctionDef in its library) does not carry: a table lookup
+# (``tf.lookup``'s StaticHashTable, Keras's StringLookup and IntegerLookup: its shape
+# function needs the table handle's data, which no table handle carries), Keras's
+# multi-hot and count encodings (DenseBincount of a run-time size), a SparseToDense
+# of a known dense shape (Keras's HashedCrossing), a tf.numpy_function given its shape.
+LOSSY_OPS = frozenset({"LookupTableFindV2", "LookupTableFind", "DenseBincount", "Bincount",
+                       "SparseToDense", "RaggedTensorToTensor", "EagerPyFunc", "PyFunc",
+                       "PyFuncStateless"})
+
+
+def annotate_live_shapes(graph_def, func_graph) -> int:
+    """Give each node of LOSSY_OPS in ``graph_def``, and in the functions of its
+    library (a loaded SavedModel's call), the output shapes the live ``func_graph`` (or
+    the nested function graph of that name) knows, as an ``_output_shapes`` attribute,
+    in place; returns how many nodes.  TF's importer refines the node's shapes with it
+    (so does every scratch import: import_for_shapes), and Grappler's function inlining
+    keeps it (passes/grappler.py puts back the top graph's, which it drops).  Without
+    it such an output had unknown rank or dims in every graph stitching imports, and
+    so had everything downstream: after a StringLookup, an embedding's index
+    arithmetic, the gathered rows, the Dense stack after them ("a tensor of unknown
+    rank", with inputs of known rank); after a multi-hot encoding, the concatenation
+    of the features.  The kernels check their static dims when they run, so a
+    ``set_shape`` that lied is TF's InvalidArgument error, never a wrong read."""
+    n = _annotate_lossy(graph_def.node, func_graph)
+    if graph_def.library.function:
+        graphs = _nested_graphs(func_graph)
+        for f in graph_def.library.function:
+            g = graphs.get(f.signature.name)
+            if g is not None:
+                n += _annotate_lossy(f.node_def, g)
+    return n
+
+
+def _annotate_lossy(nodes, graph) -> int:
+    n = 0
+    for nd in nodes:
+        if nd.op not in LOSSY_OPS or "_output_shapes" in nd.attr:
+            continue
+        try:
+            op = graph.get_operation_by_name(nd.name)
+        except (KeyError, ValueError):
+            continue
+        if not op.outputs or all(t.shape.rank is None for t in op.outputs):
+            continue
+        attr = nd.attr["_output_shapes"].list.shape
+        for t in op.outputs:
+            attr.add().CopyFrom(t.shape.as_proto())
+        n += 1
+    return n
+
+
+def _nested_graphs(func_graph) -> dict:
+    """Function name -> its live FuncGraph, for the functions ``func_graph`` calls,
+    at any depth (those TF knows a graph of)."""
+    out, todo = {}, [func_graph]
+    while todo:
+        g = todo.pop()
+        for name, fn in getattr(g, "_functions", {}).items():
+            inner = getattr(fn, "graph", None)
+            if name in out or inner is None:
+                continue
+            out[name] = inner
+            todo.append(inner)
+    return out
+
+
 def seeded_random_ops(graph_def) -> list:
     """The kinds of seeded stateful random op in ``graph_def`` and its library: a
     new graph's instances of them draw the numbers of an earlier graph's again."""
@@ -61,8 +129,21 @@ def import_for_shapes(graph_def, resources: dict | None = None) -> tf.Graph:
     if resources:
         graph_def = _typed_variable_reads(graph_def, resources)
     g = tf.Graph()
-    with g.as_default():
-        tf.graph_util.import_graph_def(graph_def, name="")
+    try:
+        with g.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+    except ValueError as e:
+        if "_output_shapes" not in str(e):
+            raise
+        # a shape annotate_live_shapes gave a node that a pass has since made
+        # inconsistent: TF's own inference then, without the annotations
+        plain = type(graph_def)()
+        plain.CopyFrom(graph_def)
+        for nd in plain.node:
+            nd.attr.pop("_output_shapes", None)
+        g = tf.Graph()
+        with g.as_default():
+            tf.graph_util.import_graph_def(plain, name="")
     return g
 
 

@@ -73,6 +73,7 @@ from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config
 from tensorflow.python.grappler import tf_optimizer
 
 from .. import opnames
+from ..tfgraph import LOSSY_OPS
 from ..passmanager import Pass
 
 _RC = rewriter_config_pb2.RewriterConfig
@@ -121,7 +122,24 @@ def optimize(graph_def, preserve: list[str]):
         out = tf_optimizer.OptimizeGraph(config, meta, cluster=_cluster())
     out = drop_placeholder_control_inputs(out)
     _drop_marks(out)
+    _keep_live_shapes(graph_def, out)
     return drop_dead_fusible(expand_tf_internal_ops(out), preserve)
+
+
+def _keep_live_shapes(before, after) -> None:
+    """Put back the ``_output_shapes`` that tfgraph.annotate_live_shapes gave the
+    graph's own nodes and Grappler dropped (it keeps them on the nodes it inlines from a
+    function, not on the top graph's, which then lost their shapes again), on the nodes
+    of the same name and op.  Only of LOSSY_OPS, which no Grappler stage rewrites: the
+    arithmetic optimizer may give a node of another op its name with other shapes."""
+    shapes = {nd.name: (nd.op, nd.attr["_output_shapes"]) for nd in before.node
+              if nd.op in LOSSY_OPS and "_output_shapes" in nd.attr}
+    if not shapes:
+        return
+    for nd in after.node:
+        op, attr = shapes.get(nd.name, (None, None))
+        if op == nd.op and "_output_shapes" not in nd.attr:
+            nd.attr["_output_shapes"].CopyFrom(attr)
 
 
 def _drop_marks(graph_def) -> None:
