@@ -20,8 +20,14 @@ each other access of it (what ``tf.function``'s automatic control dependencies d
    element-wise op the planner fuses with the math that computed ``d``.
 2. Store-to-load forwarding: a ``ReadVariableOp`` ordered after a write and before the
    next reads what the write assigned (or, before any write, what an earlier read
-   returned), so its readers read that tensor and the read goes (its control edges
-   move to its own control inputs).
+   returned), so its readers read that tensor, and the read goes (its control edges
+   move to its own control inputs) unless the function must run it (a control output
+   of ``tf.function``'s: then it stays, read by nothing).
+
+Both only where the value comes from an op a kernel can compute (``d``, or what an
+``AssignVariableOp`` assigned): where TF computes it (a matrix product assigned as
+is), the update stays TF's, which adds in place, and a read stays a read, not a
+second reader of a value ``AssignVariableOp`` would then have to copy.
 
 So Adam's update of one variable is one element-wise region: g, m, v and var in; m, v
 and var out.  ``AssignVariableOp`` adopts its input's buffer when it is that tensor's
@@ -41,8 +47,9 @@ turns the pass off.
 """
 from __future__ import annotations
 
-from tensorflow.core.framework import attr_value_pb2, node_def_pb2
+from tensorflow.core.framework import attr_value_pb2
 
+from .. import opnames
 from ..passmanager import Pass
 
 READ = "ReadVariableOp"
@@ -147,6 +154,7 @@ class _Rewrite:
     def __init__(self, graph_def, tf_graph, resources, pinned, excluded, anc, index):
         self.g = graph_def
         self.anc, self.index = anc, index
+        self.nodes = {nd.name: nd for nd in graph_def.node}
         self.tf_graph = tf_graph
         self.resources = resources or {}
         self.pinned = pinned
@@ -200,12 +208,20 @@ class _Rewrite:
                 continue
             read = None
             if nd.op == ASSIGN:
-                cur = _ref(nd.input[1])
+                cur = _ref(nd.input[1]) if self.fusible(nd.input[1]) else None
                 continue
-            if shape is None or nd.name in self.excluded or self.delta_shape(nd) != shape:
+            if shape is None or nd.name in self.excluded or self.delta_shape(nd) != shape \
+                    or not self.fusible(nd.input[1]):
                 cur = None          # left as TF's update: a later read reads it
                 continue
             cur = self.update(nd, handle, cur)
+
+    def fusible(self, tensor: str) -> bool:
+        """Whether ``tensor`` comes from an op a kernel can compute."""
+        nd = self.nodes.get(_node(tensor))
+        return nd is not None and opnames.is_memory_intensive(nd.op) \
+            and nd.op not in opnames.UNSUPPORTED_MEMORY_INTENSIVE \
+            and nd.name not in self.excluded
 
     def before(self, a: str, b: str) -> bool:
         """Whether node ``a`` is an ancestor of node ``b`` (both accesses)."""
