@@ -88,6 +88,28 @@ def test_reads_see_the_writes_before_them():
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+def test_a_tape_outside_sees_tfs_gradients():
+    """An output read after an update: an outer tape's gradient goes to the variable
+    (TF's ReadVariableOp gradient), none to what computed the update."""
+    def run(make):
+        v = tf.Variable(tf.ones([8]))
+
+        def f(x):
+            v.assign_add(x * 2.0)
+            return v.read_value() * 3.0
+        fn = make(f)
+        x = tf.constant(np.arange(8, dtype="float32"))
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(fn(x))
+        gx, gv = tape.gradient(y, x), tape.gradient(y, v)
+        return y.numpy(), None if gx is None else gx.numpy(), gv.numpy(), v.numpy()
+    got, want = run(stitching.function), run(tf.function)
+    assert want[1] is None and got[1] is None
+    for a, b in zip(got[:1] + got[2:], want[:1] + want[2:]):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_an_update_of_another_shape_fails_as_tf_does():
     """AssignAdd refuses a delta of another shape; an element-wise add would broadcast
     it, so the pass leaves such an update to TF, and the call fails as TF's does."""
@@ -148,6 +170,10 @@ def _graph(control: bool, device: str = "") -> graph_pb2.GraphDef:
 
 def test_rewrite_on_an_ordered_graph():
     gd, g = _graph(control=True)
+    # "out" an output: r1 is not forwarded (an outer tape's gradient of out goes to the
+    # variable through r1, not to what computed the update)
+    _, updates, forwarded, _ = V.rewrite(gd, g, pinned={"out"}, fetches=["out:0"])
+    assert (updates, forwarded) == (1, 0)
     out, updates, forwarded, variables = V.rewrite(gd, g, pinned={"out"})
     ops = {n.name: n.op for n in out.node}
     assert (updates, forwarded, variables) == (1, 1, 1)

@@ -22,7 +22,12 @@ each other access of it (what ``tf.function``'s automatic control dependencies d
    next reads what the write assigned (or, before any write, what an earlier read
    returned), so its readers read that tensor, and the read goes (its control edges
    move to its own control inputs) unless the function must run it (a control output
-   of ``tf.function``'s: then it stays, read by nothing).
+   of ``tf.function``'s: then it stays, read by nothing).  A read after a write is
+   forwarded only where none of the function's outputs depends on it: a tape outside
+   the function differentiates the outputs through the kernels' original ops, and
+   through the written value the gradient would reach what computed the update,
+   where TF's read passes it to the variable.  An optimizer's reads of m and v feed
+   only further updates.
 
 Both only where the value comes from an op a kernel can compute (``d``, or what an
 ``AssignVariableOp`` assigned): where TF computes it (a matrix product assigned as
@@ -112,6 +117,23 @@ def _ancestors(graph_def, tracked: list) -> dict | None:
     return {name: mask[name] for name in tracked}
 
 
+def _feeding(graph_def, fetches) -> set:
+    """The nodes a fetched tensor depends on through data edges.  A read after a write
+    is forwarded only where no output depends on it: a tape outside the function
+    differentiates the outputs through the kernels' original ops, and an output
+    computed from the written value would take a gradient through the update, where
+    TF's read passes the gradient to the variable instead."""
+    nodes = {nd.name: nd for nd in graph_def.node}
+    seen, todo = set(), [_node(f) for f in fetches]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in nodes:
+            continue
+        seen.add(name)
+        todo.extend(_node(i) for i in nodes[name].input if not i.startswith("^"))
+    return seen
+
+
 def _remote(nd) -> bool:
     """Placed on another job's device (a parameter server's variable)."""
     dev = nd.device.lower()
@@ -151,10 +173,12 @@ def _static_shape(t):
 class _Rewrite:
     """The rewrites of one graph (a copy the pass owns), variable by variable."""
 
-    def __init__(self, graph_def, tf_graph, resources, pinned, excluded, anc, index):
+    def __init__(self, graph_def, tf_graph, resources, pinned, excluded, anc, index,
+                 fetches):
         self.g = graph_def
         self.anc, self.index = anc, index
         self.nodes = {nd.name: nd for nd in graph_def.node}
+        self.to_outputs = _feeding(graph_def, fetches)
         self.tf_graph = tf_graph
         self.resources = resources or {}
         self.pinned = pinned
@@ -200,7 +224,9 @@ class _Rewrite:
             if nd.op == READ:
                 if cur is None:
                     cur, read = nd.name, nd.name
-                elif nd.name not in self.excluded and (read is None or self.before(read, nd.name)):
+                elif nd.name not in self.excluded and (
+                        self.before(read, nd.name) if read is not None
+                        else nd.name not in self.to_outputs):
                     # after a write: its value (an input of the write, which this read
                     # follows); after a read: that read, where the graph runs it first
                     self.redirect[nd.name] = cur
@@ -303,9 +329,10 @@ class _Rewrite:
 
 
 def rewrite(graph_def, tf_graph, resources=None, pinned=frozenset(),
-            excluded=frozenset()):
-    """A rewritten copy of ``graph_def`` and (updates, variables) counts, or None when
-    nothing applies."""
+            excluded=frozenset(), fetches=()):
+    """A rewritten copy of ``graph_def`` and the counts (updates, reads forwarded,
+    variables), or None when nothing applies.  ``fetches``: the function's outputs
+    (tensor names)."""
     found = _accesses(graph_def)
     found = {h: acc for h, acc in (found or {}).items()
              if any(nd.op in UPDATES for nd in acc) or sum(nd.op == READ for nd in acc) > 1}
@@ -319,7 +346,7 @@ def rewrite(graph_def, tf_graph, resources=None, pinned=frozenset(),
     out = type(graph_def)()
     out.CopyFrom(graph_def)
     by_name = {nd.name: nd for nd in out.node}
-    rw = _Rewrite(out, tf_graph, resources, pinned, excluded, anc, index)
+    rw = _Rewrite(out, tf_graph, resources, pinned, excluded, anc, index, fetches)
     for handle, acc in found.items():
         if any(_remote(nd) for nd in acc) or any(nd.name in excluded for nd in acc
                                                  if nd.op in WRITES):
@@ -340,7 +367,8 @@ def rewrite(graph_def, tf_graph, resources=None, pinned=frozenset(),
 def _run(ctx):
     if not ctx.has_op(*UPDATES) and not ctx.has_op(READ):
         return None
-    got = rewrite(ctx.graph_def, ctx.tf_graph, ctx.resources, ctx.pinned, ctx.excluded)
+    got = rewrite(ctx.graph_def, ctx.tf_graph, ctx.resources, ctx.pinned, ctx.excluded,
+                  ctx.fetches)
     if got is None:
         return None
     graph_def, updates, forwarded, variables = got
