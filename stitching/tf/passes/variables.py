@@ -72,9 +72,10 @@ def _node(name: str) -> str:
     return name.lstrip("^").split(":")[0]
 
 
-def _accesses(graph_def) -> dict | None:
+def _accesses(graph_def) -> dict:
     """handle tensor -> the nodes reading or writing it through input 0, for handles
-    every data reader of which is such a node; None when the graph has a cycle."""
+    every data reader of which is such a node (a handle gathered from, passed to a
+    call or copied by an Identity escapes: not listed)."""
     readers: dict[str, list] = {}
     for nd in graph_def.node:
         for k, i in enumerate(nd.input):
@@ -152,14 +153,8 @@ def _ordered(accesses, anc, index) -> list | None:
             if not (anc[w.name] >> index[a.name] & 1 or anc[a.name] >> index[w.name] & 1):
                 return None
     # a topological order of the accesses: by how many of them each depends on
-    return sorted(accesses, key=lambda nd: bin(anc[nd.name] & _mask(accesses, index)).count("1"))
-
-
-def _mask(accesses, index) -> int:
-    m = 0
-    for nd in accesses:
-        m |= 1 << index[nd.name]
-    return m
+    mine = sum(1 << index[nd.name] for nd in accesses)
+    return sorted(accesses, key=lambda nd: bin(anc[nd.name] & mine).count("1"))
 
 
 def _static_shape(t):
@@ -333,8 +328,7 @@ def rewrite(graph_def, tf_graph, resources=None, pinned=frozenset(),
     """A rewritten copy of ``graph_def`` and the counts (updates, reads forwarded,
     variables), or None when nothing applies.  ``fetches``: the function's outputs
     (tensor names)."""
-    found = _accesses(graph_def)
-    found = {h: acc for h, acc in (found or {}).items()
+    found = {h: acc for h, acc in _accesses(graph_def).items()
              if any(nd.op in UPDATES for nd in acc) or sum(nd.op == READ for nd in acc) > 1}
     if not found:
         return None
