@@ -152,17 +152,19 @@ def _optimizer_kernels(report, opt):
     return [k for k in report.kernels if any(n.startswith(scope) for n, _ in k.ops)]
 
 
-# Adam: one pack since the variables pass (tf/passes/variables.py) forwards m and v as
-# written to the variable's update; before, the assigns of m and v split it in 2-3
-@pytest.mark.parametrize("opt_name,kernels", [("sgd", {1}), ("adam", {1}),
-                                              ("adamw", {1})])
+# Adam: 2 packs at least (the assigns of m and v split them); the calibrated cost model
+# may pack one variable's m/v chain with the other side, 3 packs, which measured the
+# same step time as 2 (170-180 µs either way, 2026-11-25).  With
+# Options(variable_updates=True) one (tests/test_variables.py)
+@pytest.mark.parametrize("opt_name,kernels", [("sgd", {1}), ("adam", {2, 3}),
+                                              ("adamw", {2, 3})])
 def test_training_matches_tf_and_the_update_is_a_few_packed_kernels(opt_name, kernels):
     """20 steps with an unknown batch dim (sizes 16-18): losses and final weights equal
     stock TF; the optimizer's element-wise updates of the seven variables are exactly
-    one of ``kernels`` packed kernels (SGD: the momenta; Adam and AdamW: m, v and the
-    variable, the decay too, each variable's update one chain), besides the updates
-    fused vertically into the gradient reductions that feed them (bias and LayerNorm
-    gradients: column kernels)."""
+    one of ``kernels`` packed kernels (SGD: the momenta; Adam: m and v, then the variables
+    from m and v read back after their assigns; AdamW: its decay packs with the
+    second), besides the updates fused vertically into the gradient reductions that
+    feed them (bias and LayerNorm gradients: column kernels)."""
     want, w_want, _, _ = _train(opt_name, stitched=False)
     got, w_got, f, opt = _train(opt_name, stitched=True)
     np.testing.assert_allclose(got, want, rtol=1e-4)

@@ -1,6 +1,8 @@
-"""Variable updates computed as new values (tf/passes/variables.py): an optimizer's
-update of one variable is one kernel, its values equal TF's, reads see every write
-before them, and what the pass must not touch it leaves alone."""
+"""Variable updates computed as new values (tf/passes/variables.py, opt-in with
+Options(variable_updates=True)): an optimizer's update of one variable is one kernel,
+its values equal TF's, reads see every write before them, and what the pass must not
+touch it leaves alone.  And, with the default options, what no kernel may write over
+(a variable's value, a constant, an argument) takes no in-place pair."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -8,6 +10,8 @@ from tensorflow.core.framework import graph_pb2
 
 import stitching
 from stitching.tf.passes import variables as V
+
+ON = stitching.Options(variable_updates=True)
 
 
 def _ops(sf, *args) -> list:
@@ -78,7 +82,7 @@ def test_reads_see_the_writes_before_them():
         return before, mid, v.read_value() - 1.0, u.read_value() * 1.0
 
     x = tf.constant(np.linspace(-1, 1, 8).astype("float32"))
-    sf = stitching.function(f)
+    sf = stitching.function(f, options=ON)
     ref = tf.function(f)
     got = [t.numpy() for t in sf(x)]
     v.assign(tf.range(8, dtype=tf.float32))
@@ -104,7 +108,7 @@ def test_a_tape_outside_sees_tfs_gradients():
             y = tf.reduce_sum(fn(x))
         gx, gv = tape.gradient(y, x), tape.gradient(y, v)
         return y.numpy(), None if gx is None else gx.numpy(), gv.numpy(), v.numpy()
-    got, want = run(stitching.function), run(tf.function)
+    got, want = run(lambda f: stitching.function(f, options=ON)), run(tf.function)
     assert want[1] is None and got[1] is None
     for a, b in zip(got[:1] + got[2:], want[:1] + want[2:]):
         np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -119,7 +123,7 @@ def test_an_update_of_another_shape_fails_as_tf_does():
         v.assign_add(x * 2.0)
         return v.read_value() + 1.0
 
-    sf = stitching.function(f)
+    sf = stitching.function(f, options=ON)
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
         sf(tf.constant(3.0))
     np.testing.assert_array_equal(v.numpy(), np.zeros(4, np.float32))
@@ -136,11 +140,50 @@ def test_a_variable_read_another_way_is_left_alone():
             return tf.gather(v, [1, 3]) * 2.0
         fn = make(f)
         return fn, fn(tf.ones([4, 3])).numpy(), v.numpy()
-    sf, got, gv = run(stitching.function)
+    sf, got, gv = run(lambda f: stitching.function(f, options=ON))
     _, want, wv = run(tf.function)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(gv, wv)
     assert "AssignAddVariableOp" in _ops(sf, tf.ones([4, 3]))
+
+
+def test_the_pass_is_off_by_default():
+    step, _ = _adam_like(8)
+    sf = stitching.function(step)
+    g = tf.ones([8, 8])
+    sf(g)
+    assert _ops(sf, g).count("AssignAddVariableOp") == 3
+    assert not any("variable(s)" in n for n in sf.report.notes)
+
+
+def test_inputs_tf_never_forwards_take_no_in_place_pair():
+    """A kernel may write an output over a dead input (tf/passes/forward.py); never over
+    a variable's value, which TF does not grant: with such a pair among its others,
+    the granted ones made the kernel's loop alias partly, and LLVM ran it scalar.  So
+    every pair of every kernel of an Adam step (default options) is on an input some
+    op computed, and the moments' kernel writes over the gradient."""
+    from stitching.tf.passes.forward import ATTR
+    step, _ = _adam_like(64)
+    w = tf.Variable(tf.ones([64, 64]) * 0.5)
+
+    def f(x):
+        return step(tf.matmul(x, w))          # the "gradient": a dead TF product
+    sf = stitching.function(f)
+    x = tf.ones([64, 64])
+    sf(x)
+    gd = sf.get_concrete_function(x).graph.as_graph_def()
+    nodes = {n.name: n for n in gd.node}
+    pairs = 0
+    for n in gd.node:
+        if n.op != "StitchedKernel" or ATTR not in n.attr:
+            continue
+        data = [i for i in n.input if not i.startswith("^")]
+        ps = list(n.attr[ATTR].list.i)
+        for i in ps[0::2]:
+            src = nodes[data[i].split(":")[0]]
+            assert src.op not in ("ReadVariableOp", "Const", "Placeholder"), (n.name, src.op)
+            pairs += 1
+    assert pairs >= 1
 
 
 # ---- the rewrite on hand-made graphs: what it must refuse ------------------------------
