@@ -132,6 +132,10 @@ _OPTION_FLAGS = [
     ("--no-conv1x1-gemm", "conv1x1_gemm", dict(action="store_false", default=None,
                                                help="leave large 1x1 convolutions to TF "
                                                     "instead of OpenBLAS")),
+    ("--variable-updates", "variable_updates",
+     dict(action="store_true", default=None,
+          help="compute each variable's AssignAdd/AssignSub update as its new value in "
+               "the kernel before it (faster optimizer steps, a higher peak memory)")),
     ("--no-fused-attention", "fused_attention",
      dict(action="store_false", default=None,
           help="keep each attention's products and softmax kernel as three ops "

@@ -65,6 +65,13 @@ class Options:
         conv1x1_gemm: Where the products run by OpenBLAS (``blas_gemm``), run each
             large 1x1 convolution (stride 1, NHWC) as one ``StitchedMatMul``, its
             output from the op's buffer pool (tf/passes/conv1x1.py says which).
+        variable_updates: Compute a variable's ``assign_add``/``assign_sub``
+            update as its new value, in the kernel of the math before it, and
+            write it with ``AssignVariableOp``; a read of the variable after a
+            write reads the value written, so an optimizer's update of one
+            variable becomes one kernel (opt-in: default off).  Each new value is
+            a new buffer while the old one is alive: a higher peak than TF's
+            in-place adds (docs/training.md, "Optimizer updates").
         fused_attention: Run each attention of an inference graph -- product,
             softmax kernel, product -- as one OpenBLAS op that keeps the scores of a
             block of query rows in cache (``StitchedAttention``; default on): where
@@ -141,6 +148,7 @@ class Options:
     blas_gemm: bool = True             # tf/passes/blas.py, runtime/gemm.cc
     fused_attention: bool = True       # tf/passes/attention.py, runtime/attention.cc
     conv1x1_gemm: bool = True          # tf/passes/conv1x1.py
+    variable_updates: bool = False     # tf/passes/variables.py (opt-in)
     background_compile: bool | None = None   # background_compile_on(); tf/function.py, keras.py
     dump_dir: str | None = None        # tf/dump.py
     dump_passes: str | None = None     # tf/passmanager.py

@@ -154,7 +154,8 @@ def _optimizer_kernels(report, opt):
 
 # Adam: 2 packs at least (the assigns of m and v split them); the calibrated cost model
 # may pack one variable's m/v chain with the other side, 3 packs, which measured the
-# same step time as 2 (170-180 µs either way, 2026-11-25)
+# same step time as 2 (170-180 µs either way, 2026-11-25).  With
+# Options(variable_updates=True) one (tests/test_variables.py)
 @pytest.mark.parametrize("opt_name,kernels", [("sgd", {1}), ("adam", {2, 3}),
                                               ("adamw", {2, 3})])
 def test_training_matches_tf_and_the_update_is_a_few_packed_kernels(opt_name, kernels):

@@ -62,6 +62,9 @@ SCHEDULE_PARAMS = {
     "col_block": (1, 1 << 24),
     "scratch": (0, 1),          # 1: keep values reused across passes in per-row scratch
     "split_rows": (0, 1),       # 1: a row may be split across units (row kind; phases)
+    "held": (1, (1 << 63) - 1),  # bit j: TF never lets the op write over input j (a
+    #                              variable's value, a constant, an argument): no
+    #                              in-place pair takes it (schedule/inplace.py)
 }
 
 

@@ -115,9 +115,37 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
     # was a third of extract's time.
     spec = KernelSpec(tuple(b.inputs), tuple(b.nodes), tuple(out_refs))
     same = _same_dims(graph, inputs, spec)
-    if same:
-        spec = KernelSpec(spec.inputs, spec.nodes, spec.outputs, {}, same)
+    held = _held(graph, inputs)
+    if same or held:
+        spec = KernelSpec(spec.inputs, spec.nodes, spec.outputs,
+                          {"held": held} if held else {}, same)
     return Region(names, inputs, outputs, spec)
+
+
+# Producers whose output buffer another holder keeps for as long as the kernel runs: a
+# variable (its value), a constant (the Const kernel), the caller (an argument).  TF
+# never forwards such an input to an output, so an in-place pair on it is never taken,
+# and the kernel's other pairs then alias without it: its generated code stores in
+# place only when every pair aliases (codegen/cpu/emitter.py _in_place), and with some
+# pairs aliasing, LLVM's overlap check runs the loop scalar (an Adam moment update:
+# the gradient granted, m refused).
+HELD_PRODUCERS = frozenset({"ReadVariableOp", "TFConst", "Const", "Placeholder",
+                            "PlaceholderWithDefault", "_Arg"})
+_SAME_BUFFER = frozenset({"Identity", "StopGradient", "Snapshot"})
+
+
+def _held(graph: Graph, inputs: list) -> int:
+    """The spec's ``held`` bit mask (ir/spec.py): inputs whose buffer TF never hands
+    to the kernel's outputs (HELD_PRODUCERS, through ops that pass the same buffer)."""
+    mask = 0
+    for j, r in enumerate(inputs[:63]):
+        node = graph[r.node] if r.node in graph else None
+        while node is not None and node.op in _SAME_BUFFER and node.inputs \
+                and node.inputs[0].node in graph:
+            node = graph[node.inputs[0].node]
+        if node is not None and node.op in HELD_PRODUCERS:
+            mask |= 1 << j
+    return mask
 
 
 def _same_dims(graph: Graph, inputs: list, spec: KernelSpec) -> tuple:

@@ -16,6 +16,9 @@ around planning, each pass entered once:
     sparse_xent  SparseSoftmaxCrossEntropyWithLogits -> the dense op     sparse_xent.py
     bn_reserve   a training-mode FusedBatchNormV3's reserve_space_3 read by its CPU
                  gradient -> a scalar zero (what TF's CPU kernel writes)  bn_reserve.py
+    variables    a variable's AssignAdd/Sub -> AssignVariableOp of its new value, reads
+                 after a write -> the value written (Options(variable_updates))
+                                                                      variables.py
     seqsplit     token-wise blocks whose products TF runs on one thread at batch 1
                  -> two halves of the sequence (Options(seq_split))     seqsplit.py
     reshape_sink a Transpose of a Reshape that groups dims -> a Reshape of a
@@ -85,7 +88,7 @@ from .passes import (attention, autotune, bcast, blas, bn_reserve, concat_grad, 
                      gemm, grappler, inline, lift, original, padfold, prune, remapper,
                      reshape_sink,
                      rewrite, seqsplit, shape_math, shapes, sparse_xent, strided_grad, symdims,
-                     xladot)
+                     variables, xladot)
 
 BEFORE_PLANNING = (
     grappler.PASS,
@@ -95,6 +98,7 @@ BEFORE_PLANNING = (
     strided_grad.PASS,
     sparse_xent.PASS,
     bn_reserve.PASS,
+    variables.PASS,
     seqsplit.PASS,
     reshape_sink.PASS,
     padfold.PASS,
