@@ -402,17 +402,23 @@ def check_speed(name, model, fast, chk, calls=200):
         fast.wait()
         stock(x)
         fast(x)
-        times = {"stock": [], "stitched": []}
-        for i in range(calls):
-            order = (("stock", stock), ("stitched", fast))
-            for label, f in (order if i % 2 else order[::-1]):
-                t = time.perf_counter()
-                f(x)
-                times[label].append(time.perf_counter() - t)
-        s, f = (float(np.median(times[k])) * 1e6 for k in ("stock", "stitched"))
+        s, f = (t * 1e6 for t in _interleaved({"stock": lambda: stock(x),
+                                                "stitched": lambda: fast(x)}, calls))
         print(f"  speed batch {n}: stock {s:.0f} us, stitched {f:.0f} us: {s / f:.2f}x "
               f"(medians of {calls} interleaved calls)")
     _train_speed(name, calls)
+
+
+def _interleaved(calls: dict, n: int) -> tuple:
+    """Median seconds of each of ``calls`` ({label: no-argument call}, stock first),
+    over ``n`` rounds that alternate which runs first, so load meets both alike."""
+    times = {k: [] for k in calls}
+    for i in range(n):
+        for label in (list(calls) if i % 2 else list(calls)[::-1]):
+            t = time.perf_counter()
+            calls[label]()
+            times[label].append(time.perf_counter() - t)
+    return tuple(float(np.median(v)) for v in times.values())
 
 
 def _train_speed(name, steps, batch=256):
@@ -434,15 +440,8 @@ def _train_speed(name, steps, batch=256):
         fn, it = m.make_train_function(), iter(ds)
         fn(it)
         fns[label] = (fn, it)
-    times = {"stock": [], "stitched": []}
-    for i in range(steps):
-        order = ("stock", "stitched") if i % 2 else ("stitched", "stock")
-        for label in order:
-            fn, it = fns[label]
-            t = time.perf_counter()
-            fn(it)
-            times[label].append(time.perf_counter() - t)
-    s, f = (float(np.median(times[k])) * 1e3 for k in ("stock", "stitched"))
+    s, f = (t * 1e3 for t in _interleaved(
+        {k: (lambda fn, it: lambda: fn(it))(*fns[k]) for k in ("stock", "stitched")}, steps))
     print(f"  speed train step batch {batch}: stock {s:.2f} ms, stitched {f:.2f} ms: "
           f"{s / f:.2f}x (medians of {steps} interleaved steps)")
 
