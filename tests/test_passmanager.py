@@ -55,8 +55,8 @@ def test_a_graph_enters_each_pass_once_in_table_order_and_the_frontend_once(monk
                 finally:
                     depth[0] -= 1
             monkeypatch.setattr(frontend, name, spy)
-    rep = _stitch(Options(autotune=True, xla_gemm=True,             # every pass enters
-                          exclude="no-such-node")).report
+    rep = _stitch(Options(autotune=True, xla_gemm=True, variable_updates=True,  # every pass
+                          exclude="no-such-node")).report       # enters
     names = [p.name for p in pipeline.BEFORE_PLANNING + pipeline.AFTER_PLANNING]
     assert [e for e in events if not e.startswith("frontend.")] == names
     assert [e for e in events if e.startswith("frontend.")] == ["frontend.to_ir"]

@@ -63,7 +63,7 @@ SCHEDULE_PARAMS = {
     "scratch": (0, 1),          # 1: keep values reused across passes in per-row scratch
     "split_rows": (0, 1),       # 1: a row may be split across units (row kind; phases)
     "held": (1, (1 << 63) - 1),  # bit j: TF never lets the op write over input j (a
-    #                              variable's value, a constant, an argument): no
+    #                              variable's value, a constant): no
     #                              in-place pair takes it (schedule/inplace.py)
 }
 

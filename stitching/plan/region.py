@@ -123,27 +123,30 @@ def extract(graph: Graph, names: list, consumers: dict, fetched: set,
 
 
 # Producers whose output buffer another holder keeps for as long as the kernel runs: a
-# variable (its value), a constant (the Const kernel), the caller (an argument).  TF
-# never forwards such an input to an output, so an in-place pair on it is never taken,
+# variable (its value), a constant (the Const kernel).  TF never forwards such an
+# input to an output, so an in-place pair on it is never taken,
 # and the kernel's other pairs then alias without it: its generated code stores in
 # place only when every pair aliases (codegen/cpu/emitter.py _in_place), and with some
 # pairs aliasing, LLVM's overlap check runs the loop scalar (an Adam moment update:
 # the gradient granted, m refused).
-HELD_PRODUCERS = frozenset({"ReadVariableOp", "TFConst", "Const", "Placeholder",
-                            "PlaceholderWithDefault", "_Arg"})
+# (A function's argument is not among them: inlined into a caller's graph, it is the
+# caller's value, which TF grants at its last use.)
+HELD_PRODUCERS = frozenset({"ReadVariableOp", "TFConst", "Const"})
 _SAME_BUFFER = frozenset({"Identity", "StopGradient", "Snapshot"})
 
 
 def _held(graph: Graph, inputs: list) -> int:
     """The spec's ``held`` bit mask (ir/spec.py): inputs whose buffer TF never hands
-    to the kernel's outputs (HELD_PRODUCERS, through ops that pass the same buffer)."""
+    to the kernel's outputs (HELD_PRODUCERS, and the variable reads the frontend marks
+    ``held``: the scratch import typed them as placeholders), through ops that pass the
+    same buffer."""
     mask = 0
     for j, r in enumerate(inputs[:63]):
         node = graph[r.node] if r.node in graph else None
         while node is not None and node.op in _SAME_BUFFER and node.inputs \
                 and node.inputs[0].node in graph:
             node = graph[node.inputs[0].node]
-        if node is not None and node.op in HELD_PRODUCERS:
+        if node is not None and (node.op in HELD_PRODUCERS or node.attrs.get("held")):
             mask |= 1 << j
     return mask
 

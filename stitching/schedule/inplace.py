@@ -54,7 +54,7 @@ def pairs(spec, sched) -> list:
     viewed = {v.source for v in views} | set(range(n_real, len(sched.spec.inputs)))
     # a depthwise convolution's input is read at the neighbours of each pixel stored
     viewed |= {-r - 1 for r in sched.domain.windows}
-    # inputs another holder keeps (a variable's value, a constant, an argument: the
+    # inputs another holder keeps (a variable's value, a constant: the
     # spec's ``held``, plan/region.py): TF would never grant them
     held = spec.schedule.get("held", 0)
     viewed |= {i for i in range(len(spec.inputs)) if held >> i & 1}

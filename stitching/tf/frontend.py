@@ -26,7 +26,7 @@ from ..ir.composites import COMPOSITE_OPS, MULTI_OUTPUT
 from ..ir.ops import RUN_TIME_COUNT, SMALL_MATMUL_MAX_WEIGHTS, rest_drop
 from ..plan.legality import DEVICE_ATTR
 from . import dim_sources, opnames
-from .tfgraph import DTYPE_NAMES
+from .tfgraph import DTYPE_NAMES, VARIABLE_READ
 # kept here for their callers (stitching.function, tools): they live in tfgraph.py
 from .tfgraph import TF_DTYPE, import_for_shapes, resource_shapes  # noqa: F401
 
@@ -109,8 +109,19 @@ def _inputs(op, which=None) -> list[ValueRef]:
 
 def _opaque(op, reason: str | None = None) -> Node:
     attrs = {} if reason is None else {"unfusible": reason}
+    if op.type == "Placeholder" and _is_variable_read(op):
+        attrs["held"] = True        # a variable's value: plan/region.py _held
     return Node(op.name, op.type, _inputs(op), attrs,
                 [tensor_type(t) for t in op.outputs], origin=op.name)
+
+
+def _is_variable_read(op) -> bool:
+    """A ReadVariableOp that the scratch import typed as a placeholder
+    (tfgraph.import_for_shapes)."""
+    try:
+        return op.get_attr(VARIABLE_READ)
+    except ValueError:
+        return False
 
 
 def _convert(op) -> Node:

@@ -231,7 +231,12 @@ def _typed_variable_reads(graph_def, resources):
         nd.attr.clear()
         nd.attr["dtype"].type = dtype.as_datatype_enum
         nd.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
+        nd.attr[VARIABLE_READ].b = True     # a variable's value (frontend: ``held``)
     return out
+
+
+# Marks the placeholders that stand for variable reads in a graph imported for shapes
+VARIABLE_READ = "_stitching_variable_read"
 
 
 # Reads of a variable at run-time indices (an embedding lookup: tf.gather of a
