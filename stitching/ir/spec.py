@@ -22,6 +22,11 @@ JSON layout::
      "schedule": {"rows_per_task": 4},
      "same_dims": [[[0, 0], [1, 0]]]}
 
+``schedule`` holds the cost model's launch parameters and ``held``: a bit mask of the
+inputs TF never lets the op write over (a variable's value, a constant;
+plan/region.py), which no in-place pair takes (schedule/inplace.py).  A false bit
+only costs an in-place write; a missing one a pair TF refuses at run time.
+
 ``same_dims`` (optional, absent when empty) lists groups of unknown input dims
 (``[input, dim]``) that the graph proves equal (ir/symdims.py): two independent chains
 of a packed kernel may share a loop axis over them (schedule/domain.py).  It is a
