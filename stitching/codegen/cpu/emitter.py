@@ -785,7 +785,7 @@ class _Emitter(Emitter):
                 return "j" if flat else f"{base} + j"
             return "0" if flat else base
         side = {k for g in self.s.side_groups for k in g.nodes}
-        once = self._once if self.s.kind == KernelKind.ELEMENTWISE else set()
+        once = self._once               # empty but in element-wise kernels
         rest = [k for k in p.compute if k not in self.hoisted_vectors and k not in side
                 and k not in once]
         for k in self.front:

@@ -126,13 +126,12 @@ def _ancestors(graph_def, tracked: list) -> dict | None:
     return {name: mask[name] for name in tracked}
 
 
-def _feeding(graph_def, fetches) -> set:
+def _feeding(nodes: dict, fetches) -> set:
     """The nodes a fetched tensor depends on through data edges.  A read after a write
     is forwarded only where no output depends on it: a tape outside the function
     differentiates the outputs through the kernels' original ops, and an output
     computed from the written value would take a gradient through the update, where
-    TF's read passes the gradient to the variable instead."""
-    nodes = {nd.name: nd for nd in graph_def.node}
+    TF's read passes the gradient to the variable instead.  ``nodes``: name -> node."""
     seen, todo = set(), [_node(f) for f in fetches]
     while todo:
         name = todo.pop()
@@ -181,7 +180,7 @@ class _Rewrite:
         self.g = graph_def
         self.anc, self.index = anc, index
         self.nodes = {nd.name: nd for nd in graph_def.node}
-        self.to_outputs = _feeding(graph_def, fetches)
+        self.to_outputs = _feeding(self.nodes, fetches)
         self.tf_graph = tf_graph
         self.resources = resources or {}
         self.pinned = pinned
@@ -347,7 +346,6 @@ def rewrite(graph_def, tf_graph, resources=None, pinned=frozenset(),
     index = {name: i for i, name in enumerate(tracked)}
     out = type(graph_def)()
     out.CopyFrom(graph_def)
-    by_name = {nd.name: nd for nd in out.node}
     rw = _Rewrite(out, tf_graph, resources, pinned, excluded, anc, index, fetches)
     for handle, acc in found.items():
         if any(_remote(nd) for nd in acc) or any(nd.name in excluded for nd in acc
@@ -357,7 +355,7 @@ def rewrite(graph_def, tf_graph, resources=None, pinned=frozenset(),
         if order is None or len({nd.attr["dtype"].type for nd in acc}) != 1:
             continue
         before = (rw.updates, len(rw.redirect))
-        rw.variable(handle, [by_name[nd.name] for nd in order], rw.var_shape(handle, acc))
+        rw.variable(handle, [rw.nodes[nd.name] for nd in order], rw.var_shape(handle, acc))
         if (rw.updates, len(rw.redirect)) != before:
             rw.variables.add(handle)
     if not rw.updates and not rw.redirect:
