@@ -25,6 +25,20 @@ Keras Transformer at batch 1, where each TF op's dispatch shows):
   2-D product as a BiasAdd, which TF's runtime remapper fuses into the GEMM
   (_MklNativeFusedMatMul, the bias in oneDNN's epilogue, as stock TF does for a
   Dense layer); the Add becomes an Identity.
+
+A product against a transposed 2-D weight (``MatMul(a, b, transpose_b=True)``: every
+Dense layer's input gradient, dY W^T, and the projections this pass writes from
+``adj_y``) runs as ``BatchMatMulV2(a, b, adj_y=True)`` where TF's oneDNN ``MatMul``
+takes a slow path for a transposed B: measured on the amd-avx512 class (a Zen 5
+EPYC, TF 2.21, oneDNN on; ``TRANSPOSED_B_CLASSES``), TF's ``MatMul`` runs
+[M, K] x [N, K]^T 1.2-3.4x slower than ``BatchMatMulV2`` on the same operands, and than
+its own ``MatMul`` on a weight transposed beforehand, wherever K >= 512 and the weight
+holds at least 1 MiB (M 32-512, N 256-1024, float32); below that ``BatchMatMulV2``'s
+larger fixed cost loses (0.66-0.85x at K = 256).  Both run oneDNN, the rank-2
+``BatchMatMulV2`` through its matmul primitive.  Only float32 products (the
+measurement's), without a BiasAdd after them (TF's remapper fuses that into a
+``MatMul``, not into a ``BatchMatMulV2``), and only on the classes measured: elsewhere
+the MatMul stays.
 """
 from __future__ import annotations
 
@@ -34,6 +48,12 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 from ..passmanager import Pass
+
+# MatMul(transpose_b) -> BatchMatMulV2(adj_y) (the module's docstring): the CPU classes
+# where it was measured to pay, and the sizes from which it did (K, the weight's bytes)
+TRANSPOSED_B_CLASSES = frozenset({"amd-avx512"})
+TRANSPOSED_B_MIN_K = 512
+TRANSPOSED_B_MIN_BYTES = 1 << 20
 
 
 BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2")
@@ -110,9 +130,11 @@ def _only_user(users, name):
     return got[0] if len(got) == 1 else None
 
 
-def rewrite(graph_def, todo: dict) -> None:
+def rewrite(graph_def, todo: dict, as_batch=frozenset()) -> None:
     """Turn each node in ``todo`` (from ``candidates``) into a GEMM, in place: the node
-    itself becomes the output Reshape; its helper nodes are appended."""
+    itself becomes the output Reshape; its helper nodes are appended.  Those named in
+    ``as_batch`` (``adj_y`` products, ``transposed_b_slow``) become a rank-2
+    ``BatchMatMulV2`` with ``adj_y`` instead of a ``MatMul`` with ``transpose_b``."""
     i32 = _type(types_pb2.DT_INT32)
     adds = {v[3] for v in todo.values() if v[3] is not None}
     bias_of = {nd.name: [i for i in nd.input if not i.startswith("^")][1]
@@ -130,9 +152,14 @@ def rewrite(graph_def, todo: dict) -> None:
         const = functools.partial(append_int32, graph_def, f"{name}/gemm", dev)
 
         x2 = add_node("x2d", "Reshape", [x, const("x2d_shape", [-1, k])], T=t, Tshape=i32)
-        mm = add_node("matmul", "MatMul", [x2, y] + control, T=t,
-                      transpose_a=attr_value_pb2.AttrValue(b=False),
-                      transpose_b=attr_value_pb2.AttrValue(b=adj_y))
+        if name in as_batch:
+            mm = add_node("matmul", "BatchMatMulV2", [x2, y] + control, T=t,
+                          adj_x=attr_value_pb2.AttrValue(b=False),
+                          adj_y=attr_value_pb2.AttrValue(b=True))
+        else:
+            mm = add_node("matmul", "MatMul", [x2, y] + control, T=t,
+                          transpose_a=attr_value_pb2.AttrValue(b=False),
+                          transpose_b=attr_value_pb2.AttrValue(b=adj_y))
         if add is not None:
             b1 = add_node("bias1d", "Reshape", [bias_of[add], const("n1d", [n])],
                           T=t, Tshape=i32)
@@ -206,18 +233,92 @@ def _type(t):
     return attr_value_pb2.AttrValue(type=t)
 
 
+def transposed_b_slow(profile) -> bool:
+    """Whether products against a transposed weight run as ``BatchMatMulV2`` on the
+    machine ``profile`` describes: a CPU class where that was measured to pay, with
+    TF on oneDNN (the module's docstring)."""
+    from . import remapper
+    return (profile.backend == "cpu" and profile.cpu_class in TRANSPOSED_B_CLASSES
+            and remapper.onednn(profile))
+
+
+def _slow_transposed(k: int, n: int, dtype) -> bool:
+    """A float32 product against a transposed [n, k] weight large enough to pay."""
+    return (dtype == types_pb2.DT_FLOAT and k >= TRANSPOSED_B_MIN_K
+            and k * n * 4 >= TRANSPOSED_B_MIN_BYTES)
+
+
+def transposed_products(graph_def, ir_graph, excluded=frozenset()) -> list:
+    """Names of the ``MatMul(a, b, transpose_b=True)`` nodes to run as
+    ``BatchMatMulV2(adj_y)``: float32, ``transpose_a`` false, both operands of rank 2
+    with the weight's shape static and large enough (``_slow_transposed``), and no
+    ``BiasAdd`` reading the product (TF's remapper fuses that into the MatMul)."""
+    users: dict[str, list] = {}
+    for nd in graph_def.node:
+        for i in nd.input:
+            users.setdefault(i.lstrip("^").split(":")[0], []).append(nd)
+    out = []
+    for nd in graph_def.node:
+        if nd.op != "MatMul" or nd.name not in ir_graph or nd.name in excluded \
+                or not _flag(nd, "transpose_b") or _flag(nd, "transpose_a") \
+                or "T" not in nd.attr:
+            continue
+        node = ir_graph[nd.name]
+        if len(node.inputs) != 2:
+            continue
+        a, b = (ir_graph.type_of(r) for r in node.inputs)
+        if a.shape is None or len(a.shape) != 2 or b.shape is None or len(b.shape) != 2 \
+                or min(b.shape) < 0:
+            continue
+        if not _slow_transposed(b.shape[1], b.shape[0], nd.attr["T"].type):
+            continue
+        if any(u.op == "BiasAdd" for u in users.get(nd.name, [])):
+            continue
+        out.append(nd.name)
+    return out
+
+
+def _as_batch_matmul(nd) -> None:
+    """``MatMul(a, b, transpose_b=True)`` in place as ``BatchMatMulV2(a, b, adj_y=True)``
+    (same inputs, name and device; rank-2 operands give the same [M, N] product)."""
+    t = attr_value_pb2.AttrValue()
+    t.CopyFrom(nd.attr["T"])
+    nd.op = "BatchMatMulV2"
+    nd.attr.clear()
+    nd.attr["T"].CopyFrom(t)
+    nd.attr["adj_x"].CopyFrom(attr_value_pb2.AttrValue(b=False))
+    nd.attr["adj_y"].CopyFrom(attr_value_pb2.AttrValue(b=True))
+
+
 def _run(ctx):
+    from ...plan import profiles
     todo = candidates(ctx.graph_def, ctx.ir, ctx.excluded)
-    if not todo:
+    slow = transposed_b_slow(profiles.default())
+    nodes = {nd.name: nd for nd in ctx.graph_def.node} if slow else {}
+    as_batch = frozenset(
+        name for name, (k, n, _, add) in todo.items()
+        if slow and add is None and _flag(nodes[name], "adj_y")
+        and _slow_transposed(k, n, nodes[name].attr["T"].type))
+    plain = set(transposed_products(ctx.graph_def, ctx.ir, ctx.excluded)) if slow else set()
+    if not todo and not plain:
         return None
-    rewrite(ctx.graph_def, todo)          # the rewrite's own copy
-    adds = [v[3] for v in todo.values() if v[3] is not None]
-    ctx.folded.update((a, "added by its product as the MatMul's BiasAdd (tf/passes/gemm.py)")
-                      for a in adds)
-    biases = len(adds)
-    return (f"{len(todo)} BatchMatMul node(s) against a 2-D weight run as one "
-            f"MatMul each, {biases} with the bias Add after it as the MatMul's "
-            f"BiasAdd (tf/passes/gemm.py; Options(gemm=False) keeps them)")
+    notes = []
+    if todo:
+        rewrite(ctx.graph_def, todo, as_batch)          # the rewrite's own copy
+        adds = [v[3] for v in todo.values() if v[3] is not None]
+        ctx.folded.update((a, "added by its product as the MatMul's BiasAdd "
+                              "(tf/passes/gemm.py)") for a in adds)
+        notes.append(f"{len(todo)} BatchMatMul node(s) against a 2-D weight run as one "
+                     f"MatMul each, {len(adds)} with the bias Add after it as the "
+                     f"MatMul's BiasAdd")
+    if plain or as_batch:
+        for nd in ctx.graph_def.node:
+            if nd.name in plain:
+                _as_batch_matmul(nd)
+        notes.append(f"{len(plain) + len(as_batch)} product(s) against a transposed "
+                     f"weight run as BatchMatMulV2 (adj_y): TF's oneDNN MatMul takes a "
+                     f"slow path for a transposed B on this CPU class")
+    return "; ".join(notes) + " (tf/passes/gemm.py; Options(gemm=False) keeps them)"
 
 
 PASS = Pass("gemm", _run, option="gemm")
