@@ -136,6 +136,11 @@ _OPTION_FLAGS = [
      dict(action="store_true", default=None,
           help="compute each variable's AssignAdd/AssignSub update as its new value in "
                "the kernel before it (faster optimizer steps, a higher peak memory)")),
+    ("--transposed-gemm", "transposed_gemm",
+     dict(action="store_true", default=None,
+          help="where TF's oneDNN MatMul is slow on a transposed weight (amd-avx512), "
+               "run such products as BatchMatMulV2 (faster, one more output-sized "
+               "buffer while each runs)")),
     ("--no-fused-attention", "fused_attention",
      dict(action="store_false", default=None,
           help="keep each attention's products and softmax kernel as three ops "

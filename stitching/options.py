@@ -72,6 +72,14 @@ class Options:
             variable becomes one kernel (opt-in: default off).  Each new value is
             a new buffer while the old one is alive: a higher peak than TF's
             in-place adds (docs/training.md, "Optimizer updates").
+        transposed_gemm: Run each float32 product against a large transposed 2-D
+            weight (``MatMul(a, b, transpose_b=True)``: a Dense layer's input
+            gradient) as ``BatchMatMulV2(a, b, adj_y=True)`` on the CPU classes where
+            TF's oneDNN ``MatMul`` was measured to take a slow path for it (amd-avx512:
+            1.2-3.4x from K >= 512; tf/passes/gemm.py).  Opt-in (default off): TF's
+            ``BatchMatMulV2`` holds one more output-sized buffer while it runs, which
+            raised the train suite's MLP step's peak over stock TF's.  The report says
+            where it applies.
         fused_attention: Run each attention of an inference graph -- product,
             softmax kernel, product -- as one OpenBLAS op that keeps the scores of a
             block of query rows in cache (``StitchedAttention``; default on): where
@@ -149,6 +157,7 @@ class Options:
     fused_attention: bool = True       # tf/passes/attention.py, runtime/attention.cc
     conv1x1_gemm: bool = True          # tf/passes/conv1x1.py
     variable_updates: bool = False     # tf/passes/variables.py (opt-in)
+    transposed_gemm: bool = False      # tf/passes/gemm.py (opt-in)
     background_compile: bool | None = None   # background_compile_on(); tf/function.py, keras.py
     dump_dir: str | None = None        # tf/dump.py
     dump_passes: str | None = None     # tf/passmanager.py

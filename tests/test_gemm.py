@@ -168,12 +168,15 @@ def _projection_adj_y(x):
     return tf.nn.relu(tf.linalg.matmul(tf.tanh(x), WT, adjoint_b=True))
 
 
-def _products(fn, sig, ops=("MatMul", "BatchMatMulV2"), exclude=()):
+TRANSPOSED = stitching.Options(transposed_gemm=True)
+
+
+def _products(fn, sig, ops=("MatMul", "BatchMatMulV2"), exclude=(), transposed_gemm=True):
     cf = tf.function(fn, input_signature=sig).get_concrete_function()
     res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs],
-                                    options=stitching.Options(blas_gemm=False,
-                                                              xla_gemm=False,
-                                                              exclude=exclude))
+                                    options=stitching.Options(
+                                        blas_gemm=False, xla_gemm=False, exclude=exclude,
+                                        transposed_gemm=transposed_gemm))
     return {n.name: n for n in res.graph_def.node if n.op in ops}
 
 
@@ -186,7 +189,7 @@ def test_a_transposed_weight_runs_as_batch_matmul_where_measured(machine):
         assert not prods[0].attr["adj_x"].b
     else:                                 # not measured there: the MatMul stays
         assert prods[0].op == "MatMul" and prods[0].attr["transpose_b"].b, prods[0]
-    sf = stitching.function(_input_grad, input_signature=sig)
+    sf = stitching.function(_input_grad, input_signature=sig, options=TRANSPOSED)
     ref = tf.function(_input_grad, input_signature=sig)
     for batch in (1, 33):
         x = RNG.standard_normal((batch, 512)).astype(np.float32)
@@ -227,7 +230,7 @@ def test_a_projection_against_a_transposed_weight_is_one_batch_matmul(monkeypatc
     # BatchMatMulV2 with adj_y rather than a MatMul with transpose_b
     assert [p.op for p in prods] == ["BatchMatMulV2"], prods
     assert prods[0].attr["adj_y"].b and prods[0].name.endswith("/gemm/matmul")
-    sf = stitching.function(_projection_adj_y, input_signature=sig)
+    sf = stitching.function(_projection_adj_y, input_signature=sig, options=TRANSPOSED)
     for batch in (1, 2):
         x = RNG.standard_normal((batch, 6, 512)).astype(np.float32)
         np.testing.assert_allclose(sf(x).numpy(), tf.function(_projection_adj_y)(x).numpy(),
@@ -241,7 +244,8 @@ def test_a_training_step_with_transposed_products_matches_tf(monkeypatch):
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "amd-avx512")
     ref, st = train.make_step("mlp"), train.make_step("mlp")
     f_ref = tf.function(ref.fn)
-    f_st = stitching.function(st.fn, options=stitching.Options(background_compile=False))
+    f_st = stitching.function(st.fn, options=stitching.Options(background_compile=False,
+                                                                transposed_gemm=True))
     for _ in range(3):
         want, got = float(f_ref(ref.x, ref.y)), float(f_st(st.x, st.y))
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
@@ -249,3 +253,19 @@ def test_a_training_step_with_transposed_products_matches_tf(monkeypatch):
         f_st.report.summary()
     for a, b in zip(ref.model.trainable_variables, st.model.trainable_variables):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_by_default_the_report_says_where_a_transposed_product_would_pay(monkeypatch):
+    # opt-in (BatchMatMulV2 holds one more output-sized buffer while it runs): by
+    # default the MatMul stays and the report names the option
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", "amd-avx512")
+    sig = [tf.TensorSpec([None, 512], tf.float32)]
+    prods = list(_products(_input_grad, sig, transposed_gemm=False).values())
+    assert [p.op for p in prods] == ["MatMul"], prods
+    sf = stitching.function(_input_grad, input_signature=sig)
+    x = RNG.standard_normal((4, 512)).astype(np.float32)
+    np.testing.assert_allclose(sf(x).numpy(), tf.function(_input_grad)(x).numpy(),
+                               rtol=1e-5, atol=1e-5)
+    assert "1 product(s) against a transposed weight would run 1.2-3.4x faster as " \
+        "BatchMatMulV2 (adj_y) on this CPU class" in sf.report.summary()
+    assert "Options(transposed_gemm=True)" in sf.report.summary()
