@@ -104,10 +104,7 @@ def _find_biases(graph_def, ir_graph, todo, excluded=frozenset()) -> None:
     TF's remapper fuses into the GEMM (_MklNativeFusedMatMul: the bias added in the
     GEMM's epilogue, no kernel of its own).  The same additions on the same values:
     results are bit-identical."""
-    users: dict[str, list] = {}
-    for nd in graph_def.node:
-        for i in nd.input:
-            users.setdefault(i.lstrip("^").split(":")[0], []).append(nd)
+    users = _users(graph_def)
     for name, (k, n, lead, _) in list(todo.items()):
         reshape = _only_user(users, name)
         if reshape is None or reshape.op != "Reshape":
@@ -126,6 +123,15 @@ def _find_biases(graph_def, ir_graph, todo, excluded=frozenset()) -> None:
                 or ir_graph.type_of(node.inputs[0]).shape != out.shape:
             continue
         todo[name] = (k, n, lead, add.name)
+
+
+def _users(graph_def) -> dict:
+    """node name -> the nodes reading it (data or control edge)."""
+    users: dict[str, list] = {}
+    for nd in graph_def.node:
+        for i in nd.input:
+            users.setdefault(i.lstrip("^").split(":")[0], []).append(nd)
+    return users
 
 
 def _only_user(users, name):
@@ -257,10 +263,7 @@ def transposed_products(graph_def, ir_graph, excluded=frozenset()) -> list:
     ``BatchMatMulV2(adj_y)``: float32, ``transpose_a`` false, both operands of rank 2
     with the weight's shape static and large enough (``_slow_transposed``), and no
     ``BiasAdd`` reading the product (TF's remapper fuses that into the MatMul)."""
-    users: dict[str, list] = {}
-    for nd in graph_def.node:
-        for i in nd.input:
-            users.setdefault(i.lstrip("^").split(":")[0], []).append(nd)
+    users = _users(graph_def)
     out = []
     for nd in graph_def.node:
         if nd.op != "MatMul" or nd.name not in ir_graph or nd.name in excluded \
