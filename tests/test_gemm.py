@@ -23,13 +23,17 @@ def _einsum_dense(x):
     return tf.einsum("btnh,bsnh->bnts", q, k)
 
 
+def _stitched(fn, sig, **options):
+    """The pipeline's result for ``fn`` traced with ``sig``, under ``Options(**options)``."""
+    cf = tf.function(fn, input_signature=sig).get_concrete_function()
+    return pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs],
+                                     options=stitching.Options(**options))
+
+
 def _stitched_ops(fn, sig):
     # the products as this pass leaves them, whatever the session's machine (where TF's
     # GEMM is Eigen's, tf/passes/blas.py would make them OpenBLAS ops: test_blas.py)
-    cf = tf.function(fn, input_signature=sig).get_concrete_function()
-    res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs],
-                                    options=stitching.Options(blas_gemm=False))
-    return [n.op for n in res.graph_def.node]
+    return [n.op for n in _stitched(fn, sig, blas_gemm=False).graph_def.node]
 
 
 def test_a_projection_bias_is_added_by_the_matmul():
@@ -79,8 +83,7 @@ def test_two_unknown_dims_take_the_shape_from_the_input():
 
 def _reshape_targets(fn, sig):
     """op of each Reshape's shape input in the stitched graph."""
-    cf = tf.function(fn, input_signature=sig).get_concrete_function()
-    res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs])
+    res = _stitched(fn, sig)
     nodes = {n.name: n for n in res.graph_def.node}
     return [nodes[n.input[1].split(":")[0]].op for n in res.graph_def.node
             if n.op == "Reshape"], res.report
@@ -172,11 +175,8 @@ TRANSPOSED = stitching.Options(transposed_gemm=True)
 
 
 def _products(fn, sig, ops=("MatMul", "BatchMatMulV2"), exclude=(), transposed_gemm=True):
-    cf = tf.function(fn, input_signature=sig).get_concrete_function()
-    res = pipeline.stitch_graph_def(cf.graph.as_graph_def(), [t.name for t in cf.outputs],
-                                    options=stitching.Options(
-                                        blas_gemm=False, xla_gemm=False, exclude=exclude,
-                                        transposed_gemm=transposed_gemm))
+    res = _stitched(fn, sig, blas_gemm=False, xla_gemm=False, exclude=exclude,
+                    transposed_gemm=transposed_gemm)
     return {n.name: n for n in res.graph_def.node if n.op in ops}
 
 

@@ -301,12 +301,13 @@ def _run(ctx):
     from ...plan import profiles
     todo = candidates(ctx.graph_def, ctx.ir, ctx.excluded)
     slow = transposed_b_slow(profiles.default())
-    nodes = {nd.name: nd for nd in ctx.graph_def.node} if slow else {}
-    as_batch = frozenset(
-        name for name, (k, n, _, add) in todo.items()
-        if slow and add is None and _flag(nodes[name], "adj_y")
-        and _slow_transposed(k, n, nodes[name].attr["T"].type))
-    plain = set(transposed_products(ctx.graph_def, ctx.ir, ctx.excluded)) if slow else set()
+    as_batch, plain = frozenset(), set()
+    if slow:       # the adj_y candidates without a bias, and the MatMuls (transpose_b)
+        as_batch = frozenset(
+            nd.name for nd in ctx.graph_def.node
+            if nd.name in todo and todo[nd.name][3] is None and _flag(nd, "adj_y")
+            and _slow_transposed(*todo[nd.name][:2], nd.attr["T"].type))
+        plain = set(transposed_products(ctx.graph_def, ctx.ir, ctx.excluded))
     notes = []
     if (plain or as_batch) and not ctx.options.transposed_gemm:
         notes.append(f"{len(plain) + len(as_batch)} product(s) against a transposed "
