@@ -198,10 +198,34 @@ BLAS_WHEEL = "scipy-openblas32"
 def blas_flags() -> tuple:
     """Compiler flags that find the wheel's header and library (ImportError without
     the wheel); its version is among them, so a new wheel builds a new library."""
-    import scipy_openblas32 as sob
-    lib_dir = sob.get_lib_dir()
-    return (f"-I{sob.get_include_dir()}", f"-L{lib_dir}", f"-l{sob.get_library()}",
-            f"-Wl,-rpath,{lib_dir}", f"-DSTITCHING_OPENBLAS={sob.__version__}")
+    include_dir, lib_dir, library, version = _openblas_wheel()
+    return (f"-I{include_dir}", f"-L{lib_dir}", f"-l{library}",
+            f"-Wl,-rpath,{lib_dir}", f"-DSTITCHING_OPENBLAS={version}")
+
+
+def _openblas_wheel() -> tuple:
+    """(include dir, library dir, link name, version) of the scipy-openblas32 wheel, as
+    its own functions give them, found without importing it where its ``.dist-info``
+    sits beside it: its ``__init__`` reads its version through ``importlib.metadata``,
+    4 ms of every ``import stitching`` (BENCHMARKS.md ``serving``, the load bar).
+    ImportError without the wheel."""
+    import importlib.util
+    spec = importlib.util.find_spec("scipy_openblas32")
+    if spec is None or not spec.origin:
+        raise ImportError("No module named 'scipy_openblas32'")
+    here = Path(spec.origin).resolve().parent
+    stem = "scipy_openblas32-"
+    try:
+        libs = [n for n in os.listdir(here / "lib") if n.startswith("libscipy_openblas")]
+        infos = [e.name[len(stem):-len(".dist-info")] for e in os.scandir(here.parent)
+                 if e.name.startswith(stem) and e.name.endswith(".dist-info")]
+    except OSError:
+        libs, infos = [], []
+    if sys.platform != "win32" and libs and len(infos) == 1:
+        return (str(here / "include"), str(here / "lib"),
+                os.path.splitext(libs[0])[0][3:], infos[0])
+    import scipy_openblas32 as sob      # another layout: ask the wheel
+    return sob.get_include_dir(), sob.get_lib_dir(), sob.get_library(), sob.__version__
 
 
 def build_blas(force: bool = False) -> Path:

@@ -56,6 +56,8 @@ def ensure_runtime():
     runtime.load()
     runtime.set_compiler(_compile_spec)
     runtime.set_assets_installer(_install_assets)
+    from .kernel_assets import register_loader
+    register_loader()          # tf.saved_model.load installs shipped kernels in Python
     from .passes import original  # noqa: F401 -- registers StitchedKernel's gradient
     # The OpenBLAS product ops (tf/passes/blas.py), for graphs that hold them (a stored
     # result, a SavedModel); without the wheel they are simply not registered, and the

@@ -21,28 +21,31 @@ names vouches for it -- a manifest whose index swaps two code names, or a file
 replaced by another kernel's, is refused even where every hash was updated to match.
 
 * SavedModel: the files are ``tf.saved_model.Asset``s (copied to ``assets/``) held by a
-  resource (``KernelAssets``) whose initializer, run by TF when the model is loaded,
-  is the ``StitchedKernelAssets`` op on the assets' current paths.  The manifest's
-  SHA-256 is an attribute of that op, i.e. recorded in the graph at rewrite time; the
-  manifest records each file's SHA-256.  So a file is used only if it is the one the
-  rewrite wrote (the graph is the root of trust, as it is for the specs).
+  resource (``KernelAssets``).  ``tf.saved_model.load`` where stitching is imported
+  rebuilds it as its registered class, which installs the files in Python; any other
+  loader runs its initializer, the ``StitchedKernelAssets`` op on the assets' current
+  paths (``_assets_class`` says why two ways).  The manifest's SHA-256 is recorded in
+  ``saved_model.pb`` at rewrite time, as an attribute of that op and as the object's
+  record; the manifest records each file's SHA-256.  So a file is used only if it is
+  the one the rewrite wrote (the graph is the root of trust, as it is for the specs).
 * GraphDef: the same files in a sidecar directory ``<output>.kernels/``, the
   manifest's SHA-256 in the graph (a Const node, ``MANIFEST_NODE``);
   ``install_dir`` (``stitching.install_kernels``) checks the sidecar against the
   graph and makes its files this process's kernels.
 
-``install`` (the StitchedKernelAssets op's callback, on the loading machine) runs
-only for a manifest inside a SavedModel's ``assets/`` whose ``saved_model.pb`` records
-its hash; it copies each checked file into the kernel cache's ``shipped/`` directory
-under its content hash, never under a code name: the compile cache holds only what
-this machine compiled, and a shipped file is used only through the index of a
-manifest verified in this process (shipped.py), with its content hash checked again
-at load.  A kernel is then loaded with one dlopen, without importing Numba.  A
-manifest built for another toolchain or CPU (``abi`` differs), a missing file, a file
-that is not a regular file, or whose hash, size or identity disagrees, or an
-unwritable cache: a warning (once per reason) and the kernels compile from their
-specs as without assets.  Trust: a model that ships kernels ships native code, like
-any model with custom ops; load only models you trust (docs/serving-trust.md).
+``install`` (what a loaded KernelAssets, or the StitchedKernelAssets op's callback,
+calls on the loading machine) runs only for a manifest inside a SavedModel's
+``assets/`` whose ``saved_model.pb`` records its hash; it copies each checked file
+into the kernel cache's ``shipped/`` directory under its content hash, never under a
+code name: the compile cache holds only what this machine compiled, and a shipped file
+is used only through the index of a manifest verified in this process (shipped.py),
+with its content hash checked again at load.  A kernel is then loaded with one dlopen,
+without importing Numba.  A manifest built for another toolchain or CPU (``abi``
+differs), a missing file, a file that is not a regular file, or whose hash, size or
+identity disagrees, or an unwritable cache: a warning (once per reason) and the
+kernels compile from their specs as without assets.  Trust: a model that ships kernels
+ships native code, like any model with custom ops; load only models you trust
+(docs/serving-trust.md).
 """
 from __future__ import annotations
 
@@ -131,9 +134,10 @@ def _shared_object(code):
 # ---- loading -------------------------------------------------------------------------
 
 def install(payload: str) -> None:
-    """The StitchedKernelAssets op's callback: the manifest sha256 its graph records,
-    then one path a line (the manifest first).  Never raises for a bad or foreign
-    asset: it warns and leaves those kernels to compile from their specs."""
+    """What a loaded KernelAssets calls, and the StitchedKernelAssets op's callback:
+    ``payload`` is the manifest sha256 its graph records, then one path a line (the
+    manifest first).  Never raises for a bad or foreign asset: it warns and leaves
+    those kernels to compile from their specs."""
     want, *paths = payload.split("\n")
     try:
         if not paths:
@@ -413,27 +417,102 @@ def _warn_once(text: str) -> None:
 
 # ---- the SavedModel resource ---------------------------------------------------------
 
+# The name a saved KernelAssets records (SavedObject.registered_name) and the class TF's
+# loader then builds it with, where stitching is imported (register_loader).
+_PACKAGE, _NAME = "stitching", "KernelAssets"
+_CLASS = None
+
+
 def kernel_assets_resource(manifest_path, paths, manifest_sha):
     """A tracked resource whose initializer installs the shipped kernels at load."""
     import tensorflow as tf
+    files = [tf.saved_model.Asset(p) for p in [manifest_path, *paths]]
+    return _assets_class()(files, manifest_sha)
+
+
+def register_loader() -> None:
+    """Let ``tf.saved_model.load`` rebuild a saved KernelAssets as this class (called
+    once TF is imported: tf/__init__.py ensure_runtime)."""
+    _assets_class()
+
+
+def _assets_class():
+    """The KernelAssets resource class, defined (and registered with TF's SavedModel
+    loader) on first use, so importing this module needs no TensorFlow.
+
+    Two ways a load installs the kernels:
+
+    * stitching imported (``tf.saved_model.load`` in Python): TF's loader rebuilds the
+      object as this class (its registered name) and calls ``_initialize`` eagerly,
+      which installs the files in Python.  The restored initializer function is never
+      traced nor run: that was ~20 ms of a Transformer's 0.37 s load and first call
+      (BENCHMARKS.md ``serving``).
+    * otherwise (a loader without stitching's Python: TF Serving, the C API): the
+      SavedModel's init op runs the initializer function saved with the model, the
+      ``StitchedKernelAssets`` op on the assets' paths, as before.
+
+    Either way the manifest's SHA-256 comes from ``saved_model.pb`` (an attribute of
+    the op, or this object's serialized record), and ``install`` checks it there."""
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+    import tensorflow as tf
+    from google.protobuf import wrappers_pb2
 
     from .. import runtime
 
     class KernelAssets(tf.saved_model.experimental.TrackableResource):
-        def __init__(self):
+        def __init__(self, files=(), manifest_sha="", loaded=False):
             super().__init__()
-            self.files = [tf.saved_model.Asset(p) for p in [manifest_path, *paths]]
-            for i, a in enumerate(self.files):   # a resource tracks nothing by itself
-                self._track_trackable(a, name=f"file_{i}")
+            self._sha, self._loaded, self._files = manifest_sha, loaded, []
+            for i, a in enumerate(files):
+                self._add_trackable_child(f"file_{i}", a)
+
+        def _add_trackable_child(self, name, value):
+            # the loader hands back the children: the assets (file_0 the manifest),
+            # and the saved resource functions, which this class makes anew
+            if name.startswith("file_") and isinstance(value, tf.saved_model.Asset):
+                self._track_trackable(value, name=name, overwrite=True)
+                self._files.append((name, value))
+                self._files.sort(key=lambda f: int(f[0][5:]) if f[0][5:].isdigit() else -1)
+
+        def _assets(self):
+            return [a for _, a in self._files]
 
         def _create_resource(self):
             # a handle only: the state lives in the process's kernel cache
             return tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[],
-                                          shared_name=f"stitching_kernels_{manifest_sha}")
+                                          shared_name=f"stitching_kernels_{self._sha}")
 
         def _initialize(self):
+            if self._loaded and tf.executing_eagerly():      # TF's loader, in Python
+                if self._sha is not None:                    # None: a malformed record
+                    paths = [a.asset_path.numpy().decode("utf-8", "replace")
+                             for a in self._assets()]
+                    install("\n".join([self._sha, *paths]))
+                return None
             return runtime.load().stitched_kernel_assets(
-                paths=tf.stack([a.asset_path for a in self.files]),
-                manifest_sha256=manifest_sha)
+                paths=tf.stack([a.asset_path for a in self._assets()]),
+                manifest_sha256=self._sha or "")
 
-    return KernelAssets()
+        def _serialize_to_proto(self, object_proto=None, **kwargs):
+            return wrappers_pb2.StringValue(value=self._sha)
+
+        @classmethod
+        def _deserialize_from_proto(cls, proto=None, **kwargs):
+            record = wrappers_pb2.StringValue()
+            if proto is None or not proto.Unpack(record):
+                _skip("the model's kernel assets record is malformed")
+                return cls(manifest_sha=None, loaded=True)      # installs nothing
+            return cls(manifest_sha=record.value, loaded=True)
+
+    try:
+        from tensorflow.python.saved_model import registration
+        registration.register_serializable(package=_PACKAGE, name=_NAME)(KernelAssets)
+    except (ImportError, AttributeError, ValueError) as e:
+        # an unregistered class saves as a plain resource: loads run its initializer
+        # function (the second way above), slower but the same kernels
+        _warn_once(f"TF's SavedModel registration is not available ({e}); a rewritten "
+                   f"model's kernels install through their initializer function")
+    _CLASS = KernelAssets
+    return _CLASS
