@@ -671,6 +671,46 @@ def test_onednn_attention_measures_equals_tf_on_every_call_and_keeps_its_decisio
     assert f"(measured) -> {way}" in f.report.summary()
 
 
+def test_onednn_attention_measures_only_once_no_kernel_runs_tier1_code(monkeypatch,
+                                                                       no_decisions):
+    """While any kernel of the process runs tier-1 code (here a marker body, as a
+    tiered compile registers one until its upgrade) the op does not measure: the
+    unfused function's softmax kernel may be that code, 2.4-3.3x slower than it will
+    be, and a decision made then is kept on disk.  Its calls run fused, equal to TF;
+    once the code is upgraded, it measures as before."""
+    import ctypes
+    from stitching import runtime
+    from stitching.runtime import registry
+    monkeypatch.setenv("STITCHING_DEVICE_PROFILE", ONEDNN)
+    model = _tuned_model("llama", 56)
+    sig = [tf.TensorSpec([None, 8, 56], tf.float32)]
+    f = stitching.function(lambda t: model(t), input_signature=sig)
+    (h,) = {n.attr[attention.TUNE_ATTR].s.decode() for n in _attentions(f, sig)}
+    x = _rand((2, 8, 56), seed=31)
+    want = model(x).numpy()
+    lib = registry.library()
+    marker = ctypes.create_string_buffer(16)          # an address no code has
+    lib.stitching_tier1_body(ctypes.addressof(marker))
+    before = _attention_counts()
+    try:
+        for _ in range(CALLS_TO_DECIDE):
+            np.testing.assert_allclose(f(tf.constant(x)).numpy(), want, rtol=2e-5,
+                                       atol=2e-5)
+        d = _delta(before)
+        assert d["attention_autotune_timed_calls"] == 0, d
+        assert d["attention_autotune_unfused_calls"] == 0, d
+        assert all(v["choice"] is None for k, v in runtime.autotune_decisions().items()
+                   if k[0] == h)                         # still undecided
+    finally:               # its upgrade: no tier-1 code is left in the process
+        lib.stitching_upgrade_body(ctypes.addressof(marker), ctypes.addressof(marker) + 8)
+    for _ in range(CALLS_TO_DECIDE // 2 + 2):
+        np.testing.assert_allclose(f(tf.constant(x)).numpy(), want, rtol=2e-5, atol=2e-5)
+    assert _delta(before)["attention_autotune_timed_calls"] == CALLS_TO_DECIDE
+    ((_, decision),) = [(k, v) for k, v in runtime.autotune_decisions().items()
+                        if k[0] == h]
+    assert decision["choice"] in ("kernel", "native"), decision
+
+
 def test_a_missing_unfused_function_runs_fused(monkeypatch, no_decisions):
     """A graph whose library lost the unfused function (its op names one no library
     has): the op runs fused, never an error, even where the cache says unfused."""

@@ -482,8 +482,15 @@ class AttentionOp : public InlineKernel {
   }
 
   void Run(OpKernelContext* ctx) override {
+    // Measured only once the process's kernels run their final code: the unfused
+    // function's softmax kernel may run tier-1 code, or hold for its upgrade, on the
+    // first calls, and a tiered compile takes a core meanwhile.  Timed then, the
+    // unfused way measured 2.4-3.3x its steady time and lost every decision it won
+    // warm, and the decision is kept on disk (BENCHMARKS.md attention@amd_avx512_zen5,
+    // session 26).  Until then an undecided shape class runs fused, untimed.
+    const bool measure = tune_api_ != nullptr && tune_api_->settled() != 0;
     if (tune_api_ != nullptr && !unfused_failed_.load(std::memory_order_acquire) &&
-        tune_node_.Run(*tune_api_, tune_hash_, ctx, true, &g_tune_counts,
+        tune_node_.Run(*tune_api_, tune_hash_, ctx, measure, &g_tune_counts,
                        [&] { RunFused(ctx); }, [&] { return RunUnfused(ctx); })) {
       return;
     }

@@ -14,7 +14,7 @@ again:
     op decides            ──"decided\\t..."───▶ merge into <hash>.json (temp + rename)
 
     $STITCHING_CACHE_DIR/autotune/<device>/<spec hash>.json
-    {"version": 2, "spec_hash": "<24 hex>", "device": "<device>",
+    {"version": 3, "spec_hash": "<24 hex>", "device": "<device>",
      "classes": {"<log2 input bytes>": {"choice": "kernel" | "native",
                                         "kernel_us": float, "native_us": float}}}
 
@@ -43,8 +43,11 @@ from pathlib import Path
 
 from .. import cachedir
 
-VERSION = 2   # 2: measured on tier-2 code only (a version-1 decision may have timed the
-#               quick tier-1 code of a tiered compile, ~3x slower: measured again)
+VERSION = 3   # 2: measured on tier-2 code only (a version-1 decision may have timed the
+#               quick tier-1 code of a tiered compile, ~3x slower: measured again);
+#            3: a StitchedAttention measures only once no kernel runs tier-1 code (a
+#               version-2 decision may have timed its unfused function's softmax on
+#               tier-1 code, 2.4-3.3x slower, and chosen the fused op wrongly)
 CHOICES = {"kernel": 1, "native": 2}
 NAMES = {v: k for k, v in CHOICES.items()}
 N_CLASSES = 64                 # op.cc's kTuneClasses

@@ -229,6 +229,13 @@ class Registry {
     return static_cast<int64_t>(map_.size());
   }
 
+  // No tier-1 code waits for its upgrade (none held, none running): every kernel runs
+  // its final code and no tiered compile is under way in this process.
+  bool Settled() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return tier1_.empty() && held_.empty();
+  }
+
   void SetCompiler(CompilerFn fn) { compiler_.store(fn); }
   CompilerFn compiler() const { return compiler_.load(); }
   // The SavedModel assets installer (StitchedKernelAssets): a callback of its own, so
@@ -922,7 +929,8 @@ void TuneRecord(const char* hash, int cls, int way, int64_t ns) {
   Tuner::Get().Record(hash, cls, way, ns);
 }
 void TunePreload(const char* hash) { Tuner::Get().Preload(hash); }
-const stitching_tune::Api kTuneApi{&TuneNext, &TuneRecord, &TunePreload};
+int TuneSettled() { return Registry::Get().Settled() ? 1 : 0; }
+const stitching_tune::Api kTuneApi{&TuneNext, &TuneRecord, &TunePreload, &TuneSettled};
 
 class StitchedKernelOp : public OpKernel {
  public:

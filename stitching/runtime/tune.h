@@ -30,6 +30,10 @@ struct Api {
   int (*next)(const char* hash, int cls, int measure, int* way, int* timed, int* cached);
   void (*record)(const char* hash, int cls, int way, int64_t ns);
   void (*preload)(const char* hash);
+  // 1 when no kernel of the process runs tier-1 code or holds for its upgrade (op.cc
+  // Registry::Settled): a StitchedAttention's unfused function holds a StitchedKernel,
+  // whose code the op cannot see, so it measures only then (attention.cc).
+  int (*settled)();
 };
 
 struct Counters {
