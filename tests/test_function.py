@@ -906,6 +906,41 @@ def test_an_empty_kernel_cache_starts_one_worker_while_tf_traces(monkeypatch, tm
     assert len(started) == 1
 
 
+def test_a_trace_that_raises_starts_no_early_worker_again(monkeypatch, tmp_path):
+    """An early worker starts while TF traces; where the trace raises (TF's own
+    tf.function tests call such a function in a loop, a notebook re-runs the cell) it
+    is closed unused, and later traces in the process start none: one worker process,
+    not one per attempt.  The error is TF's, as stock."""
+    from stitching.compile import kernel, parallel
+    from stitching.tf import pipeline
+    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(pipeline, "_early_unused", False)
+    started = []
+
+    class Spy(parallel.Workers):
+        def __init__(self, jobs):
+            super().__init__(jobs)
+            started.append(self)
+    monkeypatch.setattr(parallel, "Workers", Spy)
+    monkeypatch.setattr(parallel, "default_jobs", lambda: 2)
+    kernel.clear_memory_cache()
+    assert kernel.cache_is_empty()
+
+    def failing():
+        a = tf.constant(1.0)
+        with tf.init_scope():      # a graph tensor used eagerly: TF raises
+            _ = a + a
+    for _ in range(3):
+        with pytest.raises(TypeError, match="out of scope"):
+            stitching.function(failing)()
+    assert len(started) == 1 and started[0].procs == []      # one, closed unused
+    x = tf.constant(np.linspace(-3, 3, 96, dtype=np.float32).reshape(8, 12))
+    got = stitching.function(lambda x: tf.nn.relu(x * 1.3) - 0.2)(x).numpy()
+    np.testing.assert_allclose(got, np.maximum(x.numpy() * np.float32(1.3), 0) - 0.2,
+                               rtol=1e-6)
+    assert len(started) == 1
+
+
 def test_stitching_pauses_the_garbage_collector_and_restores_it():
     """The collector is off while a graph is stitched and as it was afterwards, on
     or off, also when stitching fails."""

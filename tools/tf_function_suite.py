@@ -65,12 +65,6 @@ KNOWN: dict[str, str] = {
         "test's own get_concrete_function for shape [None] stitched, or an earlier "
         "test's) lets a new signature's second call run the stitched function, whose "
         "shape relaxation traces less than tf.function and does not warn",
-    "polymorphic_function_test::FunctionTest.testErrorMessageWhenGraphTensorIsPassedToEager":
-        "the method checks that no Python object outlives it (assert_no_new_pyobjects); "
-        "where it is the first in its process to run a stitched call, it counts "
-        "stitching's one-time set-up (the op library's ctypes handle, or the prestarted "
-        "compile worker's pipes), made once per process and kept; the TypeError it "
-        "asserts is TF's, as stock",
     "polymorphic_function_test::MultiDeviceTest.testReplaceCaptureWithDeferred":
         "Grappler folds captured eager constants into the stitched graph (x + y + z "
         "becomes one constant), so replacing a capture of the traced ConcreteFunction "

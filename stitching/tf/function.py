@@ -779,6 +779,11 @@ class StitchedFunction(tf_pf.Function):
             if stitch:
                 workers, used = None, workers       # _stitch uses or closes them
                 result = self._stitch(graph_def, fetches, keep, cf.graph, flat, used)
+        except BaseException:
+            if workers is not None:         # the trace raised: none for later traces
+                from . import pipeline
+                pipeline.early_worker_unused()
+            raise
         finally:
             if workers is not None:
                 workers.close()

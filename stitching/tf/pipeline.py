@@ -203,9 +203,22 @@ def early_workers():
     ``stitch_graph_def``, which uses or closes it."""
     from ..compile import kernel as kernel_cache
     from ..compile import parallel
-    if parallel.default_jobs() < 2 or not kernel_cache.cache_is_empty():
+    if _early_unused or parallel.default_jobs() < 2 or not kernel_cache.cache_is_empty():
         return None
     return parallel.Workers(1)
+
+
+_early_unused = False    # a trace raised while its early worker warmed up
+
+
+def early_worker_unused() -> None:
+    """A trace raised while its early worker warmed up (the worker is closed unused):
+    later traces in this process start none.  A trace that fails again (a notebook's
+    cell re-run, TF's tf.function tests) would otherwise spawn a compile worker
+    process at every attempt, for nothing; the planner's own prestart (``_stitch``)
+    still starts workers for a large graph."""
+    global _early_unused
+    _early_unused = True
 
 
 def stitch_graph_def(graph_def, fetches, keep=(), options: Options = Options(),
