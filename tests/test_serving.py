@@ -234,7 +234,7 @@ _TWO_LOADERS = """
     path, d, mode = {path!r}, {d!r}, {mode!r}
     x, want = np.load(d + "/x_cnn.npy"), np.load(d + "/y_cnn.npy")
     out = {{}}
-    if mode == "session":     # TF1's loader runs the model's init op, as TF Serving does
+    if mode == "session":     # TF1's loader runs the model's init op, as C++ loaders do
         with tf.Graph().as_default() as g, tf.compat.v1.Session(graph=g) as sess:
             mg = tf.compat.v1.saved_model.loader.load(sess, ["serve"], path)
             sig = mg.signature_def["serving_default"]
@@ -262,8 +262,8 @@ def test_both_loaders_install_the_shipped_kernels_and_a_resaved_model_ships_them
         shipped, tmp_path):
     """``tf.saved_model.load`` where stitching is imported installs the kernels in Python
     (the registered KernelAssets class; the initializer function is neither traced nor
-    run: ~20 ms of a load); TF1's Session loader, which runs the model's init op as TF
-    Serving's C++ loader does, installs them through the StitchedKernelAssets op; a
+    run: ~20 ms of a load); TF1's Session loader, which runs the model's init op as
+    C++ loaders do, installs them through the StitchedKernelAssets op; a
     loaded model saved again still ships them.  Each from an empty cache, without
     Numba, every kernel a shipped one."""
     resaved = tmp_path / "resaved"

@@ -447,9 +447,11 @@ def _assets_class():
       which installs the files in Python.  The restored initializer function is never
       traced nor run: that was ~20 ms of a Transformer's 0.37 s load and first call
       (BENCHMARKS.md ``serving``).
-    * otherwise (a loader without stitching's Python: TF Serving, the C API): the
-      SavedModel's init op runs the initializer function saved with the model, the
-      ``StitchedKernelAssets`` op on the assets' paths, as before.
+    * otherwise (a loader that runs the SavedModel's init op instead of rebuilding
+      its Python objects: TF1's ``tf.compat.v1.saved_model.loader.load``, the C API in
+      a process that loaded the op library): the init op runs the initializer
+      function saved with the model, the ``StitchedKernelAssets`` op on the assets'
+      paths, as before.
 
     Either way the manifest's SHA-256 comes from ``saved_model.pb`` (an attribute of
     the op, or this object's serialized record), and ``install`` checks it there."""
