@@ -598,6 +598,18 @@ def _tuned_model(name, d_model):
                                 seq_len=8)
 
 
+def _tuned_llama(d_model, seed):
+    """A stitched 2-layer Llama decoder of width ``d_model`` (its attentions timed:
+    the oneDNN profile), the hash its two attentions share, an input and stock TF's
+    output for it."""
+    model = _tuned_model("llama", d_model)
+    sig = [tf.TensorSpec([None, 8, d_model], tf.float32)]
+    f = stitching.function(lambda t: model(t), input_signature=sig)
+    (h,) = {n.attr[attention.TUNE_ATTR].s.decode() for n in _attentions(f, sig)}
+    x = _rand((2, 8, d_model), seed=seed)
+    return f, h, x, model(x).numpy()
+
+
 def _attentions(f, sig):
     return [n for n in f.get_concrete_function(*sig).graph.as_graph_def().node
             if n.op == "StitchedAttention"]
@@ -645,12 +657,7 @@ def test_onednn_attention_measures_equals_tf_on_every_call_and_keeps_its_decisio
     from stitching import runtime
     from stitching.runtime import autotune
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", ONEDNN)
-    model = _tuned_model("llama", 48)
-    sig = [tf.TensorSpec([None, 8, 48], tf.float32)]
-    f = stitching.function(lambda t: model(t), input_signature=sig)
-    (h,) = {n.attr[attention.TUNE_ATTR].s.decode() for n in _attentions(f, sig)}
-    x = _rand((2, 8, 48), seed=21)
-    want = model(x).numpy()
+    f, h, x, want = _tuned_llama(48, seed=21)
     before, measured = _attention_counts(), runtime.stats()["autotune_measured"]
     # two layers share the decision: each call times both of them
     for _ in range(CALLS_TO_DECIDE // 2 + 2):
@@ -682,12 +689,7 @@ def test_onednn_attention_measures_only_once_no_kernel_runs_tier1_code(monkeypat
     from stitching import runtime
     from stitching.runtime import registry
     monkeypatch.setenv("STITCHING_DEVICE_PROFILE", ONEDNN)
-    model = _tuned_model("llama", 56)
-    sig = [tf.TensorSpec([None, 8, 56], tf.float32)]
-    f = stitching.function(lambda t: model(t), input_signature=sig)
-    (h,) = {n.attr[attention.TUNE_ATTR].s.decode() for n in _attentions(f, sig)}
-    x = _rand((2, 8, 56), seed=31)
-    want = model(x).numpy()
+    f, h, x, want = _tuned_llama(56, seed=31)
     lib = registry.library()
     marker = ctypes.create_string_buffer(16)          # an address no code has
     lib.stitching_tier1_body(ctypes.addressof(marker))

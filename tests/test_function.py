@@ -869,11 +869,10 @@ def test_compile_workers_start_early_only_for_large_graphs_not_seen_before(monke
     assert len(calls) == 1                          # small graph
 
 
-def test_an_empty_kernel_cache_starts_one_worker_while_tf_traces(monkeypatch, tmp_path):
-    """With no kernel in the disk cache, one compile worker starts before the function
-    is traced; the graph's kernel is compiled there (its shared object lands in the
-    cache) and the worker is closed.  Once the cache holds a kernel, a new function
-    starts none early."""
+@pytest.fixture
+def workers_started(monkeypatch, tmp_path):
+    """An empty kernel cache, two compile jobs, and the list of every ``Workers``
+    started from now on."""
     from stitching.compile import kernel, parallel
     monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     started = []
@@ -885,6 +884,17 @@ def test_an_empty_kernel_cache_starts_one_worker_while_tf_traces(monkeypatch, tm
     monkeypatch.setattr(parallel, "Workers", Spy)
     monkeypatch.setattr(parallel, "default_jobs", lambda: 2)
     kernel.clear_memory_cache()
+    return started
+
+
+def test_an_empty_kernel_cache_starts_one_worker_while_tf_traces(workers_started,
+                                                                  monkeypatch, tmp_path):
+    """With no kernel in the disk cache, one compile worker starts before the function
+    is traced; the graph's kernel is compiled there (its shared object lands in the
+    cache) and the worker is closed.  Once the cache holds a kernel, a new function
+    starts none early."""
+    from stitching.compile import kernel
+    started = workers_started
     x = tf.constant(np.linspace(-3, 3, 96, dtype=np.float32).reshape(8, 12))
 
     def fn(x):
@@ -906,24 +916,15 @@ def test_an_empty_kernel_cache_starts_one_worker_while_tf_traces(monkeypatch, tm
     assert len(started) == 1
 
 
-def test_a_trace_that_raises_starts_no_early_worker_again(monkeypatch, tmp_path):
+def test_a_trace_that_raises_starts_no_early_worker_again(workers_started, monkeypatch):
     """An early worker starts while TF traces; where the trace raises (TF's own
     tf.function tests call such a function in a loop, a notebook re-runs the cell) it
     is closed unused, and later traces in the process start none: one worker process,
     not one per attempt.  The error is TF's, as stock."""
-    from stitching.compile import kernel, parallel
+    from stitching.compile import kernel
     from stitching.tf import pipeline
-    monkeypatch.setenv("STITCHING_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(pipeline, "_early_unused", False)
-    started = []
-
-    class Spy(parallel.Workers):
-        def __init__(self, jobs):
-            super().__init__(jobs)
-            started.append(self)
-    monkeypatch.setattr(parallel, "Workers", Spy)
-    monkeypatch.setattr(parallel, "default_jobs", lambda: 2)
-    kernel.clear_memory_cache()
+    started = workers_started
     assert kernel.cache_is_empty()
 
     def failing():
