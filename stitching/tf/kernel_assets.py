@@ -498,7 +498,7 @@ def _assets_class():
                 manifest_sha256=self._sha or "")
 
         def _serialize_to_proto(self, object_proto=None, **kwargs):
-            return wrappers_pb2.StringValue(value=self._sha)
+            return wrappers_pb2.StringValue(value=self._sha or "")
 
         @classmethod
         def _deserialize_from_proto(cls, proto=None, **kwargs):
