@@ -366,6 +366,7 @@ def test_the_tf_function_suite_runner_compares_per_method():
     assert c["per_file"] == {"a": [2, 1, 0], "b": [1, 0, 1]}
     assert c["unexpected"] == [("a::T.m2", "ValueError: no")]
     assert c["known"] == [("b::T.m4", "a reason")]
+    assert suite.ORDER_DEPENDENT <= set(suite.KNOWN)
     if os.path.isdir(suite.SUITE):
         for key in suite.KNOWN:
             f, method = key.split("::")

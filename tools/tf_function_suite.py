@@ -71,6 +71,13 @@ KNOWN: dict[str, str] = {
         "afterwards no longer changes its result",
 }
 
+# Known differences that pass or fail with the order the file's tests run in (what an
+# earlier test left in the process or its cache): a run where one passes does not mean
+# it is fixed, so the report says so instead of asking to remove it.
+ORDER_DEPENDENT = frozenset({
+    "polymorphic_function_test::FunctionTest.test_restored_function_retracing_warning",
+})
+
 # The module the stitched copies import instead of TF's polymorphic_function.
 PROXY = '''\
 import types
@@ -280,9 +287,15 @@ def main(argv=None) -> int:
         print("\nunexpected differences:")
         for key, err in c["unexpected"]:
             print(f"  {key}: {err}")
-    if c["fixed_known"]:
+    fixed = [k for k in c["fixed_known"] if k not in ORDER_DEPENDENT]
+    lucky = [k for k in c["fixed_known"] if k in ORDER_DEPENDENT]
+    if lucky:
+        print("\nknown, passed in this run's order (ORDER_DEPENDENT: they stay known):")
+        for key in lucky:
+            print(f"  {key}")
+    if fixed:
         print("\nlisted as known but passing now (remove from KNOWN):")
-        for key in c["fixed_known"]:
+        for key in fixed:
             print(f"  {key}")
     return 1 if c["unexpected"] else 0
 
