@@ -171,7 +171,7 @@ def _rewrite_manifest(model, edit):
     graph = sm.meta_graphs[0].graph_def
     nodes = [n for f in graph.library.function for n in f.node_def] + list(graph.node)
     sha = hashlib.sha256(data).hexdigest()
-    for n in nodes:         # the initializer's op, which a loader without stitching runs
+    for n in nodes:         # the initializer's op, which a loader running the init op runs
         if n.op == "StitchedKernelAssets":
             n.attr["manifest_sha256"].s = sha.encode()
     (model / "saved_model.pb").write_bytes(sm.SerializeToString())
