@@ -175,6 +175,7 @@ class Registry {
     std::lock_guard<std::mutex> lock(mu_);
     if (upgraded_.count(body)) return;  // upgraded already
     tier1_.insert(body);
+    settled_.store(false, std::memory_order_release);
     for (auto& kv : map_) {
       if (kv.second->body.load(std::memory_order_relaxed) == body) {
         kv.second->tier1.store(true, std::memory_order_release);
@@ -188,6 +189,7 @@ class Registry {
     std::lock_guard<std::mutex> lock(mu_);
     if (upgraded_.count(body)) return;  // upgraded already: nothing to wait for
     held_.insert(body);
+    settled_.store(false, std::memory_order_release);
     for (auto& kv : map_) {
       if (kv.second->body.load(std::memory_order_relaxed) == body) {
         kv.second->hold.store(true, std::memory_order_release);
@@ -205,6 +207,7 @@ class Registry {
     upgraded_[from] = to;
     held_.erase(from);
     tier1_.erase(from);
+    settled_.store(tier1_.empty() && held_.empty(), std::memory_order_release);
     int64_t n = 0;
     for (auto& kv : map_) {
       BodyFn expected = from;
@@ -230,11 +233,9 @@ class Registry {
   }
 
   // No tier-1 code waits for its upgrade (none held, none running): every kernel runs
-  // its final code and no tiered compile is under way in this process.
-  bool Settled() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return tier1_.empty() && held_.empty();
-  }
+  // its final code and no tiered compile is under way in this process.  One atomic
+  // load: every StitchedAttention call asks.
+  bool Settled() const { return settled_.load(std::memory_order_acquire); }
 
   void SetCompiler(CompilerFn fn) { compiler_.store(fn); }
   CompilerFn compiler() const { return compiler_.load(); }
@@ -249,6 +250,7 @@ class Registry {
   std::unordered_map<BodyFn, BodyFn> upgraded_;  // replaced code -> its replacement
   std::unordered_set<BodyFn> held_;              // tier-1 code whose nodes hold (Hold)
   std::unordered_set<BodyFn> tier1_;             // tier-1 code not upgraded yet (Tier1)
+  std::atomic<bool> settled_{true};              // tier1_ and held_ empty (Settled)
   std::atomic<CompilerFn> compiler_{nullptr};
   std::atomic<CompilerFn> installer_{nullptr};
 };

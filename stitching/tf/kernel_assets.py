@@ -466,20 +466,20 @@ def _assets_class():
     class KernelAssets(tf.saved_model.experimental.TrackableResource):
         def __init__(self, files=(), manifest_sha="", loaded=False):
             super().__init__()
-            self._sha, self._loaded, self._files = manifest_sha, loaded, []
+            self._sha, self._loaded, self._files = manifest_sha, loaded, {}
             for i, a in enumerate(files):
                 self._add_trackable_child(f"file_{i}", a)
 
         def _add_trackable_child(self, name, value):
             # the loader hands back the children: the assets (file_0 the manifest),
             # and the saved resource functions, which this class makes anew
-            if name.startswith("file_") and isinstance(value, tf.saved_model.Asset):
+            if name.startswith("file_") and name[5:].isdigit() \
+                    and isinstance(value, tf.saved_model.Asset):
                 self._track_trackable(value, name=name, overwrite=True)
-                self._files.append((name, value))
-                self._files.sort(key=lambda f: int(f[0][5:]) if f[0][5:].isdigit() else -1)
+                self._files[int(name[5:])] = value
 
         def _assets(self):
-            return [a for _, a in self._files]
+            return [self._files[i] for i in sorted(self._files)]
 
         def _create_resource(self):
             # a handle only: the state lives in the process's kernel cache

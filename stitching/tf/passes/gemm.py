@@ -164,8 +164,7 @@ def rewrite(graph_def, todo: dict, as_batch=frozenset()) -> None:
         x2 = add_node("x2d", "Reshape", [x, const("x2d_shape", [-1, k])], T=t, Tshape=i32)
         if name in as_batch:
             mm = add_node("matmul", "BatchMatMulV2", [x2, y] + control, T=t,
-                          adj_x=attr_value_pb2.AttrValue(b=False),
-                          adj_y=attr_value_pb2.AttrValue(b=True))
+                          **_adj_y_attrs())
         else:
             mm = add_node("matmul", "MatMul", [x2, y] + control, T=t,
                           transpose_a=attr_value_pb2.AttrValue(b=False),
@@ -285,6 +284,12 @@ def transposed_products(graph_def, ir_graph, excluded=frozenset()) -> list:
     return out
 
 
+def _adj_y_attrs() -> dict:
+    """The attributes of ``BatchMatMulV2(a, b, adj_y=True)`` but its ``T``."""
+    return {"adj_x": attr_value_pb2.AttrValue(b=False),
+            "adj_y": attr_value_pb2.AttrValue(b=True)}
+
+
 def _as_batch_matmul(nd) -> None:
     """``MatMul(a, b, transpose_b=True)`` in place as ``BatchMatMulV2(a, b, adj_y=True)``
     (same inputs, name and device; rank-2 operands give the same [M, N] product)."""
@@ -293,8 +298,8 @@ def _as_batch_matmul(nd) -> None:
     nd.op = "BatchMatMulV2"
     nd.attr.clear()
     nd.attr["T"].CopyFrom(t)
-    nd.attr["adj_x"].CopyFrom(attr_value_pb2.AttrValue(b=False))
-    nd.attr["adj_y"].CopyFrom(attr_value_pb2.AttrValue(b=True))
+    for key, value in _adj_y_attrs().items():
+        nd.attr[key].CopyFrom(value)
 
 
 def _run(ctx):
