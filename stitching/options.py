@@ -41,8 +41,9 @@ class Options:
             as one ``MatMul`` (default on).
         einsum: Rewrite a two-operand ``Einsum`` as ``BatchMatMulV2`` with its
             transposes done as row gathers (default on).
-        pad_fold: Fold a zero ``Pad`` before a depthwise convolution into the
-            convolution's explicit padding (default on).
+        pad_fold: Fold a zero ``Pad`` before a convolution (``Conv2D``,
+            ``DepthwiseConv2dNative``) into the convolution's explicit padding
+            (default on).
         depthwise: Compute depthwise convolutions (NHWC, depth multiplier 1) inside
             the kernel of the BatchNorm and activation after them, where the cost
             model says it pays (default on; ``False`` leaves them to TF).

@@ -1267,6 +1267,70 @@ def test_per_channel_parameter_math_is_hoisted_out_of_the_element_loop():
     assert_matches(out, ref, "float32", "hoisted BN + swish", 2e-6, 1e-6)
 
 
+def _image_normalization_spec(channels, rows_per_task=None):
+    """Keras' Rescaling + Normalization of an image: (x / 255 - mean) * rsqrt(var + eps)
+    over [N, H, W, C] with per-channel mean and variance (a [rows, C] domain)."""
+    b = SpecBuilder()
+    x = b.input("float32", (-1, 5, 7, channels))
+    mean, var = (b.input("float32", (channels,)) for _ in range(2))
+    scale = b.Rsqrt(b.Add(var, b.const(1e-3, "float32")))
+    y = b.Mul(b.Sub(b.Mul(x, b.const(1 / 255, "float32")), mean), scale)
+    sched = {} if rows_per_task is None else {"rows_per_task": rows_per_task}
+    return b.build([y], **sched)
+
+
+def _normalization_ref(X, M, V):
+    return (f64(X) * f64(np.float32(1 / 255)) - f64(M)) / np.sqrt(f64(V) + f64(np.float32(1e-3)))
+
+
+@pytest.mark.parametrize("rows_per_task", [None, 3, 100])
+def test_rows_shorter_than_a_vector_run_as_one_flat_loop(rows_per_task):
+    """Element-wise rows of 3 (an image's channels) are compiled concrete in C and run
+    as one flat loop over blocks of whole vectors, the per-channel values tiled (the
+    hoisted rsqrt(var + eps) and the mean input alike): equal to float64 at batch sizes
+    whose elements do not fill a block, with NaN in one channel's parameter reaching
+    that channel only, and through an output that is its input (the op's in-place
+    forwarding)."""
+    from stitching.codegen.cpu.emitter import SHORT_BLOCK
+    k = compile_kernel(_image_normalization_spec(3, rows_per_task))
+    assert "D1 = 3" in k.source and "t = j - b" in k.source and "tp_i1" in k.source and "hp" in k.source
+    rng = np.random.default_rng(5)
+    M = np.array([0.485, 0.456, 0.406], np.float32)
+    V = np.array([0.229, 0.224, 0.225], np.float32) ** 2
+    for n in (1, 2, 9):
+        X = (rng.random((n, 5, 7, 3)) * 255).astype(np.float32)
+        assert X.size % SHORT_BLOCK or n == 0
+        assert_matches(k(X, M, V)[0], _normalization_ref(X, M, V), "float32",
+                       f"normalization batch {n}", 2e-6, 1e-6)
+    Vn = V.copy()
+    Vn[1] = np.nan
+    X = (rng.random((2, 5, 7, 3)) * 255).astype(np.float32)
+    X[1, 4, 6, 2] = np.inf
+    out = k(X, M, Vn)[0]
+    assert np.isnan(out[..., 1]).all() and not np.isnan(out[..., [0, 2]]).any()
+    assert out[1, 4, 6, 2] == np.inf
+    # in place: the output buffer is input 0's
+    rc, dims, _, units, *_ = k.shapes([X.shape, M.shape, V.shape])
+    assert rc == 0
+    Y = X.copy()
+    ip = (ctypes.c_void_p * 3)(Y.ctypes.data, M.ctypes.data, V.ctypes.data)
+    op = (ctypes.c_void_p * 2)(Y.ctypes.data, None)
+    k._body(0, units, ip, op, dims.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+    assert_matches(Y, _normalization_ref(X, M, V), "float32", "in place", 2e-6, 1e-6)
+
+
+def test_rows_of_a_vector_keep_their_row_loop():
+    """16 channels fill a float32 vector: the kernel stays shape-generic with its loop
+    per row."""
+    k = compile_kernel(_image_normalization_spec(16))
+    assert "t = j - b" not in k.source
+    rng = np.random.default_rng(6)
+    X = (rng.random((2, 5, 7, 16)) * 255).astype(np.float32)
+    M, V = rng.random(16).astype(np.float32), rng.random(16).astype(np.float32) + 0.1
+    assert_matches(k(X, M, V)[0], _normalization_ref(X, M, V), "float32", "16 channels",
+                   2e-6, 1e-6)
+
+
 def test_node_pinned_to_a_size_keeps_the_spec_concrete():
     from stitching.codegen.lower.specialize import compile_target, generic_twin
     b = SpecBuilder()

@@ -1,4 +1,4 @@
-"""tf/passes/padfold.py: a zero Pad before a depthwise convolution becomes its explicit padding."""
+"""tf/passes/padfold.py: a zero Pad before a convolution becomes its explicit padding."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -106,6 +106,76 @@ def test_float64_pads_explicitly_on_eigens_kernel():
     got = stitching.function(lambda t: model(t, training=False), input_signature=sig)(x)
     want = tf.function(lambda t: model(t, training=False))(x)
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def _normalized_stem(bias=False):
+    """EfficientNet's stem as Keras writes it: Rescaling and a per-channel
+    Normalization of the image, ZeroPadding2D(correct_pad), a strided Conv2D (valid);
+    ResNet's 7x7 stem has a bias (then the remapper fuses it, and a ReLU, into the
+    convolution)."""
+    import keras
+    keras.utils.set_random_seed(12)
+    L = keras.layers
+    x = keras.Input((20, 20, 3))
+    h = L.Rescaling(1.0 / 255.0)(x)
+    h = L.Normalization(mean=[0.485, 0.456, 0.406], variance=[0.052, 0.050, 0.051])(h)
+    h = L.ZeroPadding2D(((0, 1), (0, 1)))(h)
+    h = L.Conv2D(8, 3, strides=2, padding="valid", use_bias=bias)(h)
+    if bias:
+        h = L.ReLU()(h)
+    return keras.Model(x, h)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_pad_before_a_convolution_is_its_explicit_padding(bias):
+    """The image's Pad goes into the Conv2D's explicit padding (with or without a bias
+    the remapper fuses: Conv2D's fused kernels take explicit padding, oneDNN's and
+    Eigen's), the normalization before it is one flat kernel over the image's 3
+    channels, and the outputs equal stock TF's at two batch sizes (the batch unknown),
+    NaN and Inf included."""
+    model = _normalized_stem(bias)
+    sig = [tf.TensorSpec([None, 20, 20, 3], tf.float32)]
+    gdef, report = _rewritten(lambda t: model(t, training=False), sig)
+    assert "Pad" not in [n.op for n in gdef.node]
+    convs = [n for n in gdef.node if n.op == "Conv2D"]
+    assert len(convs) == 1 and convs[0].attr["padding"].s == b"EXPLICIT"
+    assert list(convs[0].attr["explicit_paddings"].list.i) == [0, 0, 0, 1, 0, 1, 0, 0]
+    assert _notes(report) == ["1 zero Pad(s) before a convolution folded into its "
+                              "explicit padding (tf/passes/padfold.py; "
+                              "Options(pad_fold=False) keeps them)"]
+    assert len(report.kernels) == 1 and report.kernels[0].schedule.startswith(
+        "elementwise kernel over [?x3]"), [k.schedule for k in report.kernels]
+
+    f = stitching.function(lambda t: model(t, training=False), input_signature=sig)
+    ref = tf.function(lambda t: model(t, training=False), input_signature=sig)
+    for batch in (1, 3):
+        x = (np.random.default_rng(batch).random((batch, 20, 20, 3)) * 255).astype(np.float32)
+        x[0, 19, 19, 1] = np.nan            # a bottom-right cell: its window is padded
+        x[0, 0, 0, 2] = np.inf
+        got, want = f(tf.constant(x)).numpy(), ref(tf.constant(x)).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert (np.isnan(got) == np.isnan(want)).all()
+
+
+def test_gradients_through_a_convolutions_explicit_padding_equal_tf():
+    """A tape outside the function differentiates the Conv2D with its explicit padding:
+    input and filter gradients equal stock TF's."""
+    w = tf.Variable(np.random.default_rng(4).standard_normal((3, 3, 8, 4)).astype(np.float32))
+
+    def fn(x):
+        return tf.nn.conv2d(tf.pad(tf.nn.relu(x) * 3.0, [[0, 0], [0, 1], [0, 1], [0, 0]]),
+                            w, 2, "VALID")
+    x = tf.constant(np.random.default_rng(5).standard_normal((2, 16, 16, 8)), tf.float32)
+    gdef, _ = _rewritten(fn, SIG)
+    assert "Pad" not in [n.op for n in gdef.node]
+    grads = []
+    for f in (stitching.function(fn, input_signature=SIG), tf.function(fn)):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(f(x) * tf.range(4, dtype=tf.float32))
+        grads.append(tape.gradient(loss, [x, w]))
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-4)
 
 
 W = np.random.default_rng(0).standard_normal((3, 3, 8, 1)).astype(np.float32)

@@ -23,7 +23,7 @@ around planning, each pass entered once:
                  -> two halves of the sequence (Options(seq_split))     seqsplit.py
     reshape_sink a Transpose of a Reshape that groups dims -> a Reshape of a
                  Transpose (GQA's repeated heads)                   reshape_sink.py
-    padfold      a zero Pad before a depthwise conv -> its padding (Options(pad_fold)),
+    padfold      a zero Pad before a conv -> its padding (Options(pad_fold)),
                  before lifting, so a convolution a kernel computes reads the Pad's
                  input, not a Pad TF runs                              padfold.py
     lift         TF nodes -> IR (the frontend, tf/frontend.py)              lift.py

@@ -73,6 +73,7 @@ from ...schedule import contract
 from ...schedule.inplace import pairs as inplace_pairs
 from ..lower import exprs as lower
 from ..lower.emitter import Emitter, KernelSource, Writer, load_expr, store_value
+from ..lower.specialize import SHORT_ROW as SHORT_ELEMENTWISE_ROW
 
 ROW_CHUNK = 1024       # tuned: float32 partial sums per 1024 elements of a row
 TIER1_CHUNK = 16       # the same at tier 1 (tier1_text): one vector's worth
@@ -84,6 +85,9 @@ COL_UNROLL = 4         # tuned: rows of a column pass per trip of its column loo
 PRODUCT_ROWS = 4       # tuned: weight rows of a SmallMatMul per trip of its vector loop
 COL_PART_ROWS = 64     # arbitrary: rows a column's float32 partial sum takes before it
                        # is merged into the float64 sum (a row reduction's chunk: 1024)
+SHORT_ROW = SHORT_ELEMENTWISE_ROW  # element-wise rows shorter than a vector run as one
+SHORT_BLOCK = 256      # flat loop over blocks of >= this many elements (_short_rows)
+SHORT_LANES = 16       # the widest vector's float32 lanes: a block holds whole vectors
 
 
 def _chunk_step(n: int) -> str:
@@ -185,6 +189,7 @@ class _Emitter(Emitter):
         self._window_nodes = [k for k in sched.live if self.spec.nodes[k].op == "DepthwiseConv2D"]
         self._window_reads = {a for k in self._window_nodes for a in self.spec.nodes[k].args}
         self._once: set = set()      # element-wise: values computed before the loops
+        self._tiled = None           # the short rows' flat loop: input ref -> its tile
 
     def store_output(self, w, k: int, index: str) -> None:
         if k in self._through:                  # the in-place loop nest (_in_place)
@@ -503,6 +508,76 @@ class _Emitter(Emitter):
         if self.front and not per_group and not products:
             # per-column values once per call (Schedule.hoisted), over the whole row
             self._hoist_loop(w, p, flat=True)
+        period = self._short_rows()
+        if period:
+            with w.block("if nb == 1:"):
+                self._short_row_loop(w, p, period)
+            with w.block("else:"):
+                self._ew_rows(w, p, products, per_group)
+        else:
+            self._ew_rows(w, p, products, per_group)
+
+    def _short_rows(self) -> int:
+        """Element-wise kernels over [rows, C] with C static and under SHORT_ROW (an
+        image's 3 channels after its normalization, a BatchNorm over 16 or 24): the
+        length of the blocks of the flat loop that runs them (_short_row_loop), a
+        multiple of C and of SHORT_LANES, at least SHORT_BLOCK; 0 where the kernel keeps
+        its loop per row.  A row loop pays its index arithmetic, base offsets and loop
+        entry per row, a vector or less of work: EfficientNetB0's input kernel over
+        [8 x 224 x 224, 3] ran 3 elements per row.  The flat loop needs every value to
+        be row-major over both axes (no views, guards or windows), one per channel
+        (read from a tiled copy, _short_row_loop), or one element, and every output
+        whole."""
+        R, s, dom = self.R, self.s, self.dom
+        if R != 2 or s.kind != KernelKind.ELEMENTWISE or self._phase or self.streamed \
+                or s.side_groups or self._product_sizes or self._window_nodes \
+                or dom.view_strides or dom.inner_guard or dom.clamped:
+            return 0
+        C = dom.axes[1].size
+        if not 0 < C < SHORT_ROW:
+            return 0
+        refs = [-(j + 1) for j in range(len(self.spec.inputs))] + list(s.live)
+        if any(dom.carries[r] not in ((), (1,), (0, 1)) for r in refs if r in dom.carries):
+            return 0
+        if any(dom.carries[k] != (0, 1) for k in self.spec.outputs):
+            return 0
+        period = math.lcm(C, SHORT_LANES)
+        return period * -(-SHORT_BLOCK // period)
+
+    def _short_row_loop(self, w, p, period: int) -> None:
+        """The units' whole rows (nb == 1) as one flat loop over their elements, in
+        blocks of ``period`` (_short_rows): a value of one channel per column is read at
+        the element's offset in its block from a copy tiled over the block, made once
+        per call (the prologue's scratch hz, or the kernel input), so the loop body
+        is the flat kernel's, vectorized across rows."""
+        C = self.dom.axes[1].size
+        tiles = [(f"hp{k}", f"hz{k}", dt.COMPUTE[self.dtype(k)]) for k in self.front]
+        self._tiled = {}
+        for j in p.loads:
+            ref = -(j + 1)
+            if self.dom.carries[ref] == (1,) and ref not in self._once:
+                self._tiled[ref] = f"tp_{self.tag(ref)}"
+                tiles.append((self._tiled[ref], f"p_{self.tag(ref)}", self.dtype(ref)))
+        for name, src, dtype in tiles:
+            w(f"{name} = h.ptr_{_PTR[dtype]}(h.aligned_alloc({period} * "
+              f"{dt.ITEMSIZE[dtype]}))")
+            with w.block(f"for t in range({period}):"):
+                w(f"{name}[t] = {src}[t % {C}]")
+        with w.block("for u in range(begin, end):"):
+            w(f"lo = u * rpt * {C}")
+            w(f"hi = min(u * rpt + rpt, rows) * {C}")
+            with w.block(f"for b in range(lo, hi, {period}):"):
+                w(f"e = min(b + {period}, hi)")
+                with w.block("for j in range(b, e):"):
+                    w("t = j - b")
+                    self._ew_body(w, p, {}, flat=True)
+        self._tiled = None
+        for name, _, _ in tiles:
+            w(f"h.free({name})")
+
+    def _ew_rows(self, w, p, products: bool, per_group: bool) -> None:
+        """The element-wise units' loop nest: rows, their bases, then the element loop."""
+        R = self.R
         if per_group:
             w("hg = -1")      # the group whose values the scratch holds (none yet)
         with w.block("for u in range(begin, end):"):
@@ -788,13 +863,19 @@ class _Emitter(Emitter):
         once = self._once               # empty but in element-wise kernels
         rest = [k for k in p.compute if k not in self.hoisted_vectors and k not in side
                 and k not in once]
+        tiled = self._tiled                     # the flat loop of short rows
         for k in self.front:
-            w(f"v{k} = hz{k}[j]" if flat or not self._phase else f"v{k} = hz{k}[hb + j]")
+            w(f"v{k} = hp{k}[t]" if tiled is not None else f"v{k} = hz{k}[j]"
+              if flat or not self._phase else f"v{k} = hz{k}[hb + j]")
         for j in p.loads:
             if -(j + 1) in self._window_reads or -(j + 1) in once:
                 continue                         # read per row by _windows, or once
             if not self.hoist or self._used_by(-(j + 1), rest):
-                self.load_input(w, -(j + 1), at(-(j + 1)))
+                if tiled is not None and -(j + 1) in tiled:
+                    w(f"{self.var(-(j + 1))} = "
+                      f"{load_expr(self.dtype(-(j + 1)), tiled[-(j + 1)], 't')}")
+                else:
+                    self.load_input(w, -(j + 1), at(-(j + 1)))
         for k in rest:
             self.compute(w, k)
         for k in p.stores:

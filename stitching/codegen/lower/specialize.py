@@ -20,6 +20,11 @@ count (no remainder loops, full unrolling).  Attention softmax over 128 keys mea
 13% faster that way (p10 2.35 -> 2.04 ms, 32x12x128x128); models repeat such regions
 at one shape (every layer's attention), so it costs few extra compiles.
 
+Short element-wise rows keep their length too: an element-wise kernel over [rows, C]
+with C static and under ``SHORT_ROW`` (an image's 3 channels) is compiled concrete,
+so that it runs as one flat loop with its per-channel values tiled at a known period
+(cpu/emitter.py, ``_short_rows``): EfficientNetB0's input kernel, 3 elements a row.
+
 The twin is used only when it is exactly as good: it must validate, and its schedule
 must have the same structure as the concrete one (kind, reduced axes, passes, where
 each value lives, scratch and column blocks).  Static sizes can change those
@@ -40,6 +45,7 @@ from ...schedule import KernelKind, ScheduleError, build_schedule
 
 LAUNCH_PARAMS = ("rows_per_task", "col_block")   # run-time data, not code
 STATIC_ROW_MAX = 512     # tuned: row kernels over static rows this short stay concrete
+SHORT_ROW = 16           # element-wise rows shorter than a vector stay concrete (above)
 
 
 def _code_schedule(schedule: dict) -> dict:
@@ -111,6 +117,9 @@ def _decide(spec: KernelSpec) -> KernelSpec:
         mine = build_schedule(spec)
         if mine.kind == KernelKind.ROW and 0 <= mine.domain.axes[-1].size <= STATIC_ROW_MAX:
             return own                  # short static rows: no twin's schedule needed
+        if mine.kind == KernelKind.ELEMENTWISE and mine.domain.rank == 2 and \
+                0 < mine.domain.axes[-1].size < SHORT_ROW:
+            return own
         theirs = build_schedule(twin)
     except ScheduleError:
         return own

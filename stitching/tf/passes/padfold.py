@@ -1,4 +1,4 @@
-"""A zero Pad in front of a depthwise convolution, folded into the convolution's padding.
+"""A zero Pad in front of a convolution, folded into the convolution's padding.
 
 Keras writes a strided depthwise convolution with asymmetric "same" padding as
 ``ZeroPadding2D`` + ``DepthwiseConv2D(padding="valid")`` (MobileNetV2, EfficientNet:
@@ -17,14 +17,26 @@ bit-identical): [8, 112, 112, 96] 3x3, 6.95 -> 4.68 ms; [8, 56, 56, 144] 5x5,
 3.04 -> 2.12 ms; [1, 112, 112, 96] 3x3, 1.45 -> 1.20 ms.  The convolution itself is no
 slower with the padding inside it (1.75 -> 1.56 ms in the first case).
 
+Keras pads an image the same way before a strided ``Conv2D(padding="valid")``
+(EfficientNet's stem after its Rescaling and Normalization, ResNet50's 7x7 stem).
+oneDNN's rewrite fuses that Pad into the convolution when nothing else touches it, but
+the Pad is the consumer of the normalization's element-wise ops, so the planner took it
+into their kernel, whose rows are then the image's 3 channels: EfficientNetB0's input
+kernel over [8, 225, 225, 3] ran 1.1-2.7 ms (a 9.7 MB pass).  ``Conv2D`` takes the
+same explicit padding (oneDNN's and Eigen's kernels, their fused forms with a bias and
+an activation too: checked here, bit-identical to Pad + VALID, as fast, with oneDNN
+on and off), so it is folded the same way; the normalization is then a flat
+element-wise kernel.
+
 Folded: a ``Pad`` (or ``PadV2`` whose constant is 0) with constant paddings that are
 zero on the batch and channel axes and non-negative, whose only reader is the input of
-a ``DepthwiseConv2dNative`` with ``padding="VALID"`` in NHWC.  A Pad read by anything
-else (a training graph's filter gradient reads the padded input) or fetched is kept.
+a ``DepthwiseConv2dNative`` or ``Conv2D`` with ``padding="VALID"`` in NHWC.  A Pad read
+by anything else (a training graph's filter gradient reads the padded input) or
+fetched is kept.
 
 Not folded, where TF runs oneDNN's remapper (the device profile says so:
-tf/passes/remapper.py), when the convolution's output is read by an add (BiasAdd, Add,
-AddV2): that remapper fuses such a bias into the convolution
+tf/passes/remapper.py), when a depthwise convolution's output is read by an add (BiasAdd,
+Add, AddV2): that remapper fuses such a bias into the convolution
 (``_FusedDepthwiseConv2dNative``), and that fused kernel aborts the process on explicit
 padding (TF 2.21: ``tensor_format.h`` "Check failed: ... Invalid index from the
 dimension: 1, 0, H", checked here).  The pass runs before planning, so it cannot know
@@ -44,7 +56,8 @@ from ..passmanager import Pass
 from ..tfgraph import drop_nodes
 from . import remapper
 
-CONVS = ("DepthwiseConv2dNative",)
+DEPTHWISE = "DepthwiseConv2dNative"
+CONVS = (DEPTHWISE, "Conv2D")
 PADS = ("Pad", "PadV2")
 _BIAS_ADDS = ("BiasAdd", "BiasAddV1", "Add", "AddV2")
 
@@ -92,7 +105,8 @@ def candidates(graph_def, keep: set, bias_fused: bool = True,
                excluded=frozenset()) -> dict:
     """conv node name -> (Pad node name, [top, bottom, left, right]).  ``keep``: node
     names fetched or kept (their Pad is never folded); ``bias_fused``: whether TF's
-    remapper fuses a bias into a depthwise convolution (oneDNN's); ``excluded``
+    remapper fuses a bias into a depthwise convolution (oneDNN's: such a one keeps its
+    Pad; a Conv2D's fused kernels take explicit padding); ``excluded``
     (Options(exclude)): node names left as they are, so neither such a Pad (it would
     go) nor such a convolution (its padding would change) takes part."""
     by_name = {nd.name: nd for nd in graph_def.node}
@@ -104,7 +118,7 @@ def candidates(graph_def, keep: set, bias_fused: bool = True,
     for nd in graph_def.node:
         if nd.op not in CONVS or not nd.input or nd.name in excluded:
             continue
-        if bias_fused and any(by_name[r].op in _BIAS_ADDS
+        if bias_fused and nd.op == DEPTHWISE and any(by_name[r].op in _BIAS_ADDS
                               for r in readers.get(nd.name, ())):
             continue                        # the remapper's fused kernel: see above
         if _attr_s(nd, "padding", b"") != b"VALID" or \
@@ -148,7 +162,9 @@ def _run(ctx):
     graph_def = copy.deepcopy(ctx.graph_def)
     rewrite(graph_def, found)
     ctx.replace(graph_def)
-    return (f"{len(found)} zero Pad(s) before a depthwise convolution folded "
+    kinds = sorted({"depthwise convolution" if n.op == DEPTHWISE else "convolution"
+                    for n in ctx.graph_def.node if n.name in found})
+    return (f"{len(found)} zero Pad(s) before a {' or '.join(kinds)} folded "
             "into its explicit padding (tf/passes/padfold.py; Options(pad_fold=False) "
             "keeps them)")
 
