@@ -115,8 +115,8 @@ _OPTION_FLAGS = [
     ("--no-einsum", "einsum", dict(action="store_false", default=None,
                                    help="keep two-operand Einsum ops as they are")),
     ("--no-pad-fold", "pad_fold", dict(action="store_false", default=None,
-                                       help="keep a zero Pad before a depthwise "
-                                            "convolution as its own op")),
+                                       help="keep a zero Pad before a convolution "
+                                            "as its own op")),
     ("--no-depthwise", "depthwise", dict(action="store_false", default=None,
                                          help="leave depthwise convolutions to TF")),
     ("--no-seq-split", "seq_split", dict(action="store_false", default=None,
