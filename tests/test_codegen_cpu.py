@@ -1267,11 +1267,11 @@ def test_per_channel_parameter_math_is_hoisted_out_of_the_element_loop():
     assert_matches(out, ref, "float32", "hoisted BN + swish", 2e-6, 1e-6)
 
 
-def _image_normalization_spec(channels, rows_per_task=None):
+def _image_normalization_spec(channels, rows_per_task=None, hw=(5, 7)):
     """Keras' Rescaling + Normalization of an image: (x / 255 - mean) * rsqrt(var + eps)
     over [N, H, W, C] with per-channel mean and variance (a [rows, C] domain)."""
     b = SpecBuilder()
-    x = b.input("float32", (-1, 5, 7, channels))
+    x = b.input("float32", (-1, *hw, channels))
     mean, var = (b.input("float32", (channels,)) for _ in range(2))
     scale = b.Rsqrt(b.Add(var, b.const(1e-3, "float32")))
     y = b.Mul(b.Sub(b.Mul(x, b.const(1 / 255, "float32")), mean), scale)
@@ -1283,31 +1283,33 @@ def _normalization_ref(X, M, V):
     return (f64(X) * f64(np.float32(1 / 255)) - f64(M)) / np.sqrt(f64(V) + f64(np.float32(1e-3)))
 
 
-@pytest.mark.parametrize("rows_per_task", [None, 3, 100])
-def test_rows_shorter_than_a_vector_run_as_one_flat_loop(rows_per_task):
-    """Element-wise rows of 3 (an image's channels) are compiled concrete in C and run
-    as one flat loop over blocks of whole vectors, the per-channel values tiled (the
-    hoisted rsqrt(var + eps) and the mean input alike): equal to float64 at batch sizes
-    whose elements do not fill a block, with NaN in one channel's parameter reaching
-    that channel only, and through an output that is its input (the op's in-place
-    forwarding)."""
+@pytest.mark.parametrize("channels, rows_per_task", [(3, None), (3, 3), (3, 100), (16, None),
+                                                     (40, 7)])
+def test_short_rows_run_as_one_flat_loop(channels, rows_per_task):
+    """Element-wise rows shorter than SHORT_ROW (an image's 3 channels, a BatchNorm's
+    16 or 40) run as one flat loop over blocks of whole vectors, the per-channel values
+    tiled (the hoisted rsqrt(var + eps) and the mean input alike): equal to float64 at
+    batch sizes whose elements do not fill a block, with NaN in one channel's parameter
+    reaching that channel only, and through an output that is its input (the op's
+    in-place forwarding)."""
     from stitching.codegen.cpu.emitter import SHORT_BLOCK
-    k = compile_kernel(_image_normalization_spec(3, rows_per_task))
-    assert "D1 = 3" in k.source and "t = j - b" in k.source and "tp_i1" in k.source and "hp" in k.source
+    k = compile_kernel(_image_normalization_spec(channels, rows_per_task))
+    assert f"D1 = {channels}" in k.source and "t = j - b" in k.source
+    assert "tp_i1" in k.source and "hp" in k.source
     rng = np.random.default_rng(5)
-    M = np.array([0.485, 0.456, 0.406], np.float32)
-    V = np.array([0.229, 0.224, 0.225], np.float32) ** 2
+    M = rng.random(channels).astype(np.float32)
+    V = (rng.random(channels).astype(np.float32) * 0.2) ** 2
     for n in (1, 2, 9):
-        X = (rng.random((n, 5, 7, 3)) * 255).astype(np.float32)
-        assert X.size % SHORT_BLOCK or n == 0
+        X = (rng.random((n, 5, 7, channels)) * 255).astype(np.float32)
+        assert X.size % SHORT_BLOCK
         assert_matches(k(X, M, V)[0], _normalization_ref(X, M, V), "float32",
                        f"normalization batch {n}", 2e-6, 1e-6)
     Vn = V.copy()
     Vn[1] = np.nan
-    X = (rng.random((2, 5, 7, 3)) * 255).astype(np.float32)
+    X = (rng.random((2, 5, 7, channels)) * 255).astype(np.float32)
     X[1, 4, 6, 2] = np.inf
     out = k(X, M, Vn)[0]
-    assert np.isnan(out[..., 1]).all() and not np.isnan(out[..., [0, 2]]).any()
+    assert np.isnan(out[..., 1]).all() and not np.isnan(np.delete(out, 1, -1)).any()
     assert out[1, 4, 6, 2] == np.inf
     # in place: the output buffer is input 0's
     rc, dims, _, units, *_ = k.shapes([X.shape, M.shape, V.shape])
@@ -1319,15 +1321,23 @@ def test_rows_shorter_than_a_vector_run_as_one_flat_loop(rows_per_task):
     assert_matches(Y, _normalization_ref(X, M, V), "float32", "in place", 2e-6, 1e-6)
 
 
-def test_rows_of_a_vector_keep_their_row_loop():
-    """16 channels fill a float32 vector: the kernel stays shape-generic with its loop
-    per row."""
-    k = compile_kernel(_image_normalization_spec(16))
-    assert "t = j - b" not in k.source
+def test_short_rows_share_code_per_row_length():
+    """A short-row kernel's code keeps its row length and nothing else: two image sizes
+    at 16 channels share one compiled body, 16 and 24 channels do not, and 64 channels
+    (not short) keep the shape-generic loop per row, shared with 128."""
+    from stitching.codegen.lower.specialize import SHORT_ROW
+    a = compile_kernel(_image_normalization_spec(16, hw=(5, 7)))
+    b = compile_kernel(_image_normalization_spec(16, hw=(9, 4)))
+    c = compile_kernel(_image_normalization_spec(24))
+    assert a.body_address == b.body_address != c.body_address
+    wide = compile_kernel(_image_normalization_spec(SHORT_ROW))
+    assert "t = j - b" not in wide.source and "D1 = dims[1]" in wide.source
+    assert wide.body_address == compile_kernel(_image_normalization_spec(128)).body_address
     rng = np.random.default_rng(6)
-    X = (rng.random((2, 5, 7, 16)) * 255).astype(np.float32)
-    M, V = rng.random(16).astype(np.float32), rng.random(16).astype(np.float32) + 0.1
-    assert_matches(k(X, M, V)[0], _normalization_ref(X, M, V), "float32", "16 channels",
+    X = (rng.random((2, 5, 7, SHORT_ROW)) * 255).astype(np.float32)
+    M = rng.random(SHORT_ROW).astype(np.float32)
+    V = rng.random(SHORT_ROW).astype(np.float32) + 0.1
+    assert_matches(wide(X, M, V)[0], _normalization_ref(X, M, V), "float32", "64 channels",
                    2e-6, 1e-6)
 
 
