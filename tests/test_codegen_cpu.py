@@ -1808,6 +1808,21 @@ def stream_everything(monkeypatch):
     monkeypatch.setenv("STITCHING_STREAM_MIN_MIB", "1e-6")
 
 
+def test_streamed_short_rows_stage_each_block(stream_everything):
+    """The flat loop of short rows (_short_rows) stages a streamed output per block and
+    copies it out: the same results as float64 with the image's 3 channels, for a batch
+    that fills blocks and one that ends inside a block."""
+    k = compile_kernel(_image_normalization_spec(3))
+    assert "t = j - b" in k.source and "h.stream(p_o0, 0 + b, sb_o0, 0, e - b)" in k.source
+    rng = np.random.default_rng(8)
+    M = rng.random(3).astype(np.float32)
+    V = (rng.random(3).astype(np.float32) * 0.2) ** 2
+    for n in (96, 7):
+        X = (rng.random((n, 5, 7, 3)) * 255).astype(np.float32)
+        assert_matches(k(X, M, V)[0], _normalization_ref(X, M, V), "float32",
+                       f"streamed normalization batch {n}", 2e-6, 1e-6)
+
+
 def test_streamed_outputs_match_float64_in_every_kernel_kind(stream_everything):
     """Row (whole and split), element-wise (flat and broadcast, outputs of four dtypes)
     and column (whole and split) kernels staging their outputs and copying them out

@@ -529,7 +529,7 @@ class _Emitter(Emitter):
         (read from a tiled copy, _short_row_loop), or one element, and every output
         whole."""
         R, s, dom = self.R, self.s, self.dom
-        if R != 2 or s.kind != KernelKind.ELEMENTWISE or self._phase or self.streamed \
+        if R != 2 or s.kind != KernelKind.ELEMENTWISE or self._phase \
                 or s.side_groups or self._product_sizes or self._window_nodes \
                 or dom.view_strides or dom.inner_guard or dom.clamped:
             return 0
@@ -542,14 +542,17 @@ class _Emitter(Emitter):
         if any(dom.carries[k] != (0, 1) for k in self.spec.outputs):
             return 0
         period = math.lcm(C, SHORT_LANES)
-        return period * -(-SHORT_BLOCK // period)
+        period *= -(-SHORT_BLOCK // period)
+        # a streamed output stages a block in its ROW_CHUNK buffer (_staged)
+        return period if period <= ROW_CHUNK else 0
 
     def _short_row_loop(self, w, p, period: int) -> None:
         """The units' whole rows (nb == 1) as one flat loop over their elements, in
         blocks of ``period`` (_short_rows): a value of one channel per column is read at
         the element's offset in its block from a copy tiled over the block, made once
         per call (the prologue's scratch hz, or the kernel input), so the loop body
-        is the flat kernel's, vectorized across rows."""
+        is the flat kernel's, vectorized across rows; a streamed output is staged per
+        block (_staged)."""
         C = self.dom.axes[1].size
         tiles = [(f"hp{k}", f"hz{k}", dt.COMPUTE[self.dtype(k)]) for k in self.front]
         self._tiled = {}
@@ -568,9 +571,11 @@ class _Emitter(Emitter):
             w(f"hi = min(u * rpt + rpt, rows) * {C}")
             with w.block(f"for b in range(lo, hi, {period}):"):
                 w(f"e = min(b + {period}, hi)")
-                with w.block("for j in range(b, e):"):
-                    w("t = j - b")
-                    self._ew_body(w, p, {}, flat=True)
+                stores = [(k, "", "0", "0") for k in p.stores]
+                with self._staged(w, stores, "j", "b", "e - b"):
+                    with w.block("for j in range(b, e):"):
+                        w("t = j - b")
+                        self._ew_body(w, p, {}, flat=True)
         self._tiled = None
         for name, _, _ in tiles:
             w(f"h.free({name})")
