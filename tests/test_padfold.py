@@ -165,14 +165,20 @@ def test_gradients_through_a_convolutions_explicit_padding_equal_tf():
     def fn(x):
         return tf.nn.conv2d(tf.pad(tf.nn.relu(x) * 3.0, [[0, 0], [0, 1], [0, 1], [0, 0]]),
                             w, 2, "VALID")
-    x = tf.constant(np.random.default_rng(5).standard_normal((2, 16, 16, 8)), tf.float32)
     gdef, _ = _rewritten(fn, SIG)
     assert "Pad" not in [n.op for n in gdef.node]
+    _assert_gradients_equal_tf(fn, w, 4)
+
+
+def _assert_gradients_equal_tf(fn, w, channels):
+    """Input and filter gradients of ``fn`` stitched, through a tape outside the
+    function, equal stock TF's."""
+    x = tf.constant(np.random.default_rng(5).standard_normal((2, 16, 16, 8)), tf.float32)
     grads = []
     for f in (stitching.function(fn, input_signature=SIG), tf.function(fn)):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            loss = tf.reduce_sum(f(x) * tf.range(4, dtype=tf.float32))
+            loss = tf.reduce_sum(f(x) * tf.range(channels, dtype=tf.float32))
         grads.append(tape.gradient(loss, [x, w]))
     for a, b in zip(*grads):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-4)
@@ -225,15 +231,7 @@ def test_gradients_through_the_explicit_padding_equal_tf():
         return tf.nn.depthwise_conv2d(
             tf.pad(tf.nn.relu(x) * 3.0, [[0, 0], [0, 1], [0, 1], [0, 0]]), w,
             [1, 2, 2, 1], "VALID")
-    x = tf.constant(np.random.default_rng(5).standard_normal((2, 16, 16, 8)), tf.float32)
-    grads = []
-    for f in (stitching.function(fn, input_signature=SIG), tf.function(fn)):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(f(x) * tf.range(8, dtype=tf.float32))
-        grads.append(tape.gradient(loss, [x, w]))
-    for a, b in zip(*grads):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-4)
+    _assert_gradients_equal_tf(fn, w, 8)
 
 
 def test_candidates_read_only_constant_paddings():
