@@ -85,7 +85,7 @@ COL_UNROLL = 4         # tuned: rows of a column pass per trip of its column loo
 PRODUCT_ROWS = 4       # tuned: weight rows of a SmallMatMul per trip of its vector loop
 COL_PART_ROWS = 64     # arbitrary: rows a column's float32 partial sum takes before it
                        # is merged into the float64 sum (a row reduction's chunk: 1024)
-SHORT_ROW = SHORT_ELEMENTWISE_ROW  # element-wise rows this short run as one flat loop
+SHORT_ROW = SHORT_ELEMENTWISE_ROW  # element-wise rows shorter than this: one flat loop
 SHORT_BLOCK = 256      # over blocks of >= this many elements (arbitrary: _short_rows)
 SHORT_LANES = 16       # the widest vector's float32 lanes: a block holds whole vectors
 
@@ -520,9 +520,9 @@ class _Emitter(Emitter):
     def _short_rows(self) -> int:
         """Element-wise kernels over [rows, C] with C static and under SHORT_ROW (an
         image's 3 channels after its normalization; codegen/lower/specialize.py keeps C
-        in their code): the length of the blocks of the flat loop that runs them (_short_row_loop), a
-        multiple of C and of SHORT_LANES, at least SHORT_BLOCK; 0 where the kernel keeps
-        its loop per row.  A row loop pays its index arithmetic, base offsets and loop
+        in their code): the length of the blocks of the flat loop that runs them
+        (_short_row_loop), a multiple of C and of SHORT_LANES, at least SHORT_BLOCK; 0
+        where the kernel keeps its loop per row.  A row loop pays its index arithmetic, base offsets and loop
         entry per row, a vector or less of work: EfficientNetB0's input kernel over
         [8 x 224 x 224, 3] ran 3 elements per row.  The flat loop needs every value to
         be row-major over both axes (no views, guards or windows), one per channel

@@ -24,8 +24,9 @@ the Pad is the consumer of the normalization's element-wise ops, so the planner 
 into their kernel, whose rows are then the image's 3 channels: EfficientNetB0's input
 kernel over [8, 225, 225, 3] ran 1.1-2.7 ms (a 9.7 MB pass).  ``Conv2D`` takes the
 same explicit padding (oneDNN's and Eigen's kernels, their fused forms with a bias and
-an activation too: checked here, bit-identical to Pad + VALID, as fast, with oneDNN
-on and off), so it is folded the same way; the normalization is then a flat
+an activation too, dilated ones, float16/bfloat16/float32/float64: checked here,
+bit-identical to Pad + VALID, as fast, with oneDNN on and off), so it is folded the
+same way; the normalization is then a flat
 element-wise kernel.
 
 Folded: a ``Pad`` (or ``PadV2`` whose constant is 0) with constant paddings that are
