@@ -1321,6 +1321,27 @@ def test_short_rows_run_as_one_flat_loop(channels, rows_per_task):
     assert_matches(Y, _normalization_ref(X, M, V), "float32", "in place", 2e-6, 1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_short_rows_tile_values_of_every_float_dtype(dtype):
+    """The flat loop's tiles hold an input's own storage (16-bit floats as their bits)
+    and the hoisted values' compute dtype: a per-channel offset and scale of 3
+    channels equal float64 rounded to the dtype."""
+    if dtype == "bfloat16" and BF16 is None:
+        pytest.skip("ml_dtypes not installed")
+    b = SpecBuilder()
+    x = b.input(dtype, (-1, 4, 3))
+    mean, var = (b.input(dtype, (3,)) for _ in range(2))
+    y = b.Mul(b.Sub(x, mean), b.Rsqrt(b.Add(var, b.const(1e-3, dtype))))
+    k = compile_kernel(b.build([y]))
+    assert "t = j - b" in k.source
+    X = data(dtype, (5, 4, 3), special=False)
+    M = data(dtype, (3,), special=False)
+    V = np.abs(data(dtype, (3,), special=False)).astype(npdtype(dtype))
+    ref = (f64(X) - f64(M)) / np.sqrt(f64(V) + f64(np.asarray(1e-3, npdtype(dtype))))
+    tol = {"float16": (4e-3, 1e-3), "bfloat16": (3e-2, 1e-2), "float64": (1e-13, 1e-13)}
+    assert_matches(k(X, M, V)[0], ref, dtype, f"short rows {dtype}", *tol[dtype])
+
+
 def test_short_rows_share_code_per_row_length():
     """A short-row kernel's code keeps its row length and nothing else: two image sizes
     at 3 channels share one compiled body, 3 and 5 channels do not, and SHORT_ROW
