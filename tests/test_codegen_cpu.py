@@ -1358,8 +1358,8 @@ def test_short_rows_share_code_per_row_length():
     X = (rng.random((2, 5, 7, SHORT_ROW)) * 255).astype(np.float32)
     M = rng.random(SHORT_ROW).astype(np.float32)
     V = rng.random(SHORT_ROW).astype(np.float32) + 0.1
-    assert_matches(wide(X, M, V)[0], _normalization_ref(X, M, V), "float32", f"{SHORT_ROW} channels",
-                   2e-6, 1e-6)
+    assert_matches(wide(X, M, V)[0], _normalization_ref(X, M, V), "float32",
+                   f"{SHORT_ROW} channels", 2e-6, 1e-6)
 
 
 def test_node_pinned_to_a_size_keeps_the_spec_concrete():
