@@ -522,12 +522,12 @@ class _Emitter(Emitter):
         image's 3 channels after its normalization; codegen/lower/specialize.py keeps C
         in their code): the length of the blocks of the flat loop that runs them
         (_short_row_loop), a multiple of C and of SHORT_LANES, at least SHORT_BLOCK; 0
-        where the kernel keeps its loop per row.  A row loop pays its index arithmetic, base offsets and loop
-        entry per row, a vector or less of work: EfficientNetB0's input kernel over
-        [8 x 224 x 224, 3] ran 3 elements per row.  The flat loop needs every value to
-        be row-major over both axes (no views, guards or windows), one per channel
-        (read from a tiled copy, _short_row_loop), or one element, and every output
-        whole."""
+        where the kernel keeps its loop per row.  A row loop pays its index arithmetic,
+        base offsets and loop entry per row, a vector or less of work: EfficientNetB0's
+        input kernel over [8 x 224 x 224, 3] ran 3 elements per row.  The flat loop
+        needs every value to be row-major over both axes (no views, guards or windows),
+        one per channel (read from a tiled copy, _short_row_loop), or one element, and
+        every output whole."""
         R, s, dom = self.R, self.s, self.dom
         if R != 2 or s.kind != KernelKind.ELEMENTWISE or self._phase \
                 or s.side_groups or self._product_sizes or self._window_nodes \
