@@ -85,6 +85,29 @@ def test_captures_are_tf_functions():
     assert int(cf(tf.constant(2))["capture"]) == 1
 
 
+def test_small_captured_constants_stay_inputs_of_the_stitched_graph():
+    """TF captures an eager tensor of at most 128 elements as a Const node but feeds it
+    as an argument at each call (stock Grappler never folds it): stitched, replacing
+    the capture afterwards changes the result, as with tf.function."""
+    from tensorflow.python.framework import tensor as tensor_lib
+    x, y, z = tf.constant(1.0), tf.constant(2.0), tf.constant([3.0, 4.0])
+
+    @stitching.function
+    def fn():
+        return (x + y) * z + 1.0
+
+    cf = fn.get_concrete_function()
+    np.testing.assert_array_equal(cf().numpy(), [10.0, 13.0])
+    assert len(fn.report.kernels) == 1, fn.report.summary()
+    value = tf.constant(4.0)
+    cf.replace_capture_with_deferred_capture(
+        cf.captured_inputs[1], lambda: value,
+        spec=tensor_lib.TensorSpec(shape=(), dtype=tf.float32), placeholder=cf.inputs[1])
+    np.testing.assert_array_equal(cf().numpy(), [16.0, 21.0])
+    value = tf.constant(5.0)
+    np.testing.assert_array_equal(cf().numpy(), [19.0, 25.0])
+
+
 def test_nested_stitched_functions_differentiate():
     """A stitched function called by another: Grappler inlines it, its kernels keep
     their originals (looked up in the eager context) and iterated gradients import."""

@@ -65,10 +65,6 @@ KNOWN: dict[str, str] = {
         "test's own get_concrete_function for shape [None] stitched, or an earlier "
         "test's) lets a new signature's second call run the stitched function, whose "
         "shape relaxation traces less than tf.function and does not warn",
-    "polymorphic_function_test::MultiDeviceTest.testReplaceCaptureWithDeferred":
-        "Grappler folds captured eager constants into the stitched graph (x + y + z "
-        "becomes one constant), so replacing a capture of the traced ConcreteFunction "
-        "afterwards no longer changes its result",
 }
 
 # Known differences that pass or fail with the order the file's tests run in (what an

@@ -773,6 +773,7 @@ class StitchedFunction(tf_pf.Function):
                 # value here, at trace time, not at each call.
                 return _call_concrete(cf, [flat[i] for i in where])
             graph_def = cf.graph.as_graph_def()
+            _captures_as_placeholders(graph_def, cf)
             calls_functions = bool(graph_def.library.function)
             stitch = bool(fetches or keep) and not throwaway
             result = None
@@ -1053,6 +1054,32 @@ def _input_map(cf, args, outer, graph_def):
                                      expand_composites=True))
     present = {n.name for n in graph_def.node}
     return {ph.name: v for ph, v in pairs if ph.op.name in present}
+
+
+def _captures_as_placeholders(graph_def, cf) -> None:
+    """Turn the inner trace's by-value captures that TF wrote as ``Const`` nodes back
+    into Placeholders, in place.
+
+    TF's FuncGraph captures a small eager tensor (at most 128 elements) as a Const op
+    holding its value, and still lists it among the ConcreteFunction's inputs: in the
+    FunctionDef TF runs it becomes an argument, fed the captured tensor at each call, so
+    stock TF's Grappler never folds it.  Left a Const in the GraphDef we plan, our
+    Grappler pass would fold it into its consumers (``x + y + z`` of three captured
+    scalars becomes one constant), and ``replace_capture`` or
+    ``replace_capture_with_deferred_capture`` on the traced function would no longer
+    change what it computes.  As Placeholders they are fed like every capture
+    (``_input_map``), and a stitched result no longer depends on the captured values."""
+    consts = {internal.op.name for _, internal in
+              cf.graph.function_captures.by_val_capture_tuples
+              if internal.op.type == "Const"}
+    if not consts:
+        return
+    for node in graph_def.node:
+        if node.name in consts and node.op == "Const":
+            shape = node.attr["value"].tensor.tensor_shape
+            node.op = "Placeholder"
+            del node.attr["value"]
+            node.attr["shape"].shape.CopyFrom(shape)
 
 
 def _n_arguments(cf) -> int:
