@@ -145,6 +145,10 @@ _OPTION_FLAGS = [
      dict(action="store_false", default=None,
           help="keep each attention's products and softmax kernel as three ops "
                "instead of one StitchedAttention")),
+    ("--unroll-loops", "unroll_loops", dict(
+        type=int, metavar="N",
+        help="unroll each while loop whose trip count is a constant of the graph, up "
+             "to N iterations (default 64; 0 keeps every loop)")),
     ("--no-fallback", "fallback", dict(action="store_false", default=None,
                                        help="do not keep each region's original ops in "
                                             "the output (smaller; a kernel that cannot "

@@ -124,6 +124,13 @@ class Options:
             calls; the faster serves, and the choice is cached on disk.
         autotune_margin: The predicted speed-up below which ``autotune`` measures
             (a number >= 1, default 1.3; ``math.inf`` measures every kernel).
+        unroll_loops: Unroll each ``tf.while_loop`` whose trip count is a constant of
+            the graph, up to this many iterations (default 64; 0 unrolls nothing):
+            a Keras ``LSTM``/``GRU`` over a fixed sequence length becomes its steps
+            in a row, as with the layer's ``unroll=True``, so TF's executor no longer
+            runs the loop's control on every step and each step's cell math is one
+            kernel (tf/passes/unroll.py says which loops qualify; the report names
+            each loop and whether it was unrolled).
         exclude: TF ops kept out of stitching, to bisect a numerical difference or a
             slow kernel without turning stitching off (XLA's ``jit_scope`` and
             TF-TRT's exclusion lists do the same).  Each entry is an op type, matched
@@ -167,6 +174,7 @@ class Options:
     autotune: bool = False             # tf/passes/autotune.py, runtime/autotune.py
     autotune_margin: float = 1.3       # arbitrary: about the model's error on this machine
     #                                    (tools/plan_audit.py)
+    unroll_loops: int = 64             # tf/passes/unroll.py
     exclude: tuple = ()                # tf/passes/exclude.py, and each pass that rewrites
 
     def __post_init__(self):
@@ -205,6 +213,11 @@ def _check(name: str, annotation: str, value) -> None:
             raise TypeError(f"{where} must be an int, got {value!r}")
         if value < 1:
             raise ValueError(f"{where} must be >= 1, got {value}")
+    elif name == "unroll_loops":
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{where} must be an int (a largest trip count), got {value!r}")
+        if value < 0:
+            raise ValueError(f"{where} must be >= 0 (0 unrolls no loop), got {value}")
     elif name == "autotune_margin":
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{where} must be a number (a predicted speed-up), got {value!r}")

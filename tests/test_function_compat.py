@@ -318,13 +318,15 @@ def _body_kernels(report):
 def test_a_loop_body_is_stitched_counted_and_differentiable():
     """AutoGraph's `for _ in tf.range(3)` over a softmax + axpy: the While body is
     planned like any function (its kernels in the report, per body), equal to TF, and
-    a tape outside differentiates through the stitched loop."""
+    a tape outside differentiates through the stitched loop.  (A loop of 3 steps is
+    unrolled by default, tests/test_unroll.py: ``unroll_loops=0`` keeps it a loop.)"""
     def fn(x, w):
         for _ in tf.range(3):
             x = tf.nn.softmax(x * 2.0) * w + x
         return x
 
-    f, ref = stitching.function(fn), tf.function(fn)
+    f = stitching.function(fn, options=stitching.Options(unroll_loops=0))
+    ref = tf.function(fn)
     rng = np.random.default_rng(3)
     x = tf.constant(rng.standard_normal((8, 32)).astype(np.float32))
     w = tf.constant(rng.standard_normal(32).astype(np.float32))
@@ -518,7 +520,7 @@ def test_a_loop_body_that_reads_a_variable_is_stitched_with_the_variables_shape(
     FunctionDef gives no shape: Grappler refused the body ("Failed to import
     metagraph") and the body was kept as traced.  The variable's shape now comes from
     the graph that passes it in, so every op of the body fuses; the gradient to the
-    variable and a later assign hold."""
+    variable and a later assign hold.  (``unroll_loops=0``: kept a loop, as above.)"""
     rng = np.random.default_rng(11)
     w = tf.Variable(rng.standard_normal(32).astype(np.float32))
 
@@ -527,7 +529,8 @@ def test_a_loop_body_that_reads_a_variable_is_stitched_with_the_variables_shape(
             return i + 1, tf.tanh(v * w + 0.1) * tf.sigmoid(v)
         return tf.while_loop(lambda i, v: i < 4, body, [tf.constant(0), x])[1]
 
-    f, ref = stitching.function(fn), tf.function(fn)
+    f = stitching.function(fn, options=stitching.Options(unroll_loops=0))
+    ref = tf.function(fn)
     x = tf.constant(rng.standard_normal((8, 32)).astype(np.float32))
     np.testing.assert_allclose(f(x), ref(x), rtol=1e-5, atol=1e-6)
     (body,) = [(r, why) for n, r, why in f.report.bodies if n.startswith("while_body")]

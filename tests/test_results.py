@@ -143,12 +143,13 @@ def test_a_step_calling_tf_functions_is_reused_whoever_traced_first(monkeypatch)
 def test_a_hit_renames_the_functions_the_stored_graph_calls_to_this_traces():
     """A while loop's body is a library function named by a process-wide uid, and the
     stitched graph still calls it: a hit names this trace's functions, never the stored
-    ones (in another process that name may be another function, or none)."""
+    ones (in another process that name may be another function, or none).  The loop
+    stays a loop (``unroll_loops=0``; a loop of 3 steps is unrolled by default)."""
     def step(x):
         def body(i, h):
             return i + 1, tf.tanh(h * 0.9 + 0.1) * tf.sigmoid(h)
         return tf.nn.softmax(tf.while_loop(lambda i, h: i < 3, body, (0, x))[1])
-    first = stitching.function(step)
+    first = stitching.function(step, options=stitching.Options(unroll_loops=0))
     first(X)
     first.wait()
     assert REUSED not in " ".join(first.report.notes)

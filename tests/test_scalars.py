@@ -108,11 +108,13 @@ def test_python_branches_on_the_value_trace_apart(plans):
 
 
 def test_a_loop_body_takes_the_value_as_an_input():
-    @stitching.function
+    """(The loop stays a loop, ``unroll_loops=0``: a loop of 3 steps is unrolled by
+    default, tests/test_unroll.py.)"""
     def f(x, s):
         for _ in tf.range(3):
             x = tf.nn.softmax(x * s) + s
         return x
+    f = stitching.function(f, options=stitching.Options(unroll_loops=0))
 
     x = tf.random.normal([8, 16])
     for s in (0.5, 2.0):
@@ -157,12 +159,13 @@ def test_a_new_value_inside_a_loop_reuses_the_template(plans):
     """AutoGraph names a loop's body anew on each trace (while_body_40, then
     while_body_205): the template's key leaves function names out, so a second and a
     third value plan nothing; each gets stitched bodies of its own (a function is kept
-    by name: two contents never share one), equal to TF, gradient included."""
-    @stitching.function
+    by name: two contents never share one), equal to TF, gradient included.  (The
+    loop stays a loop: ``unroll_loops=0``.)"""
     def f(x, s):
         for _ in tf.range(3):
             x = tf.nn.softmax(x * s) + s
         return x
+    f = stitching.function(f, options=stitching.Options(unroll_loops=0))
 
     def reference(x, s):
         for _ in range(3):

@@ -88,7 +88,7 @@ from .passes import (attention, autotune, bcast, blas, bn_reserve, concat_grad, 
                      gemm, grappler, inline, lift, original, padfold, prune, remapper,
                      reshape_sink,
                      rewrite, seqsplit, shape_math, shapes, sparse_xent, strided_grad, symdims,
-                     variables, xladot)
+                     unroll, variables, xladot)
 
 BEFORE_PLANNING = (
     grappler.PASS,
@@ -285,8 +285,12 @@ def _stitch_graph_def(graph_def, fetches, keep, options, name, resources, worker
 
 def _stitch_all(graph_def, fetches, keep, options, name, resources, workers, bodies,
                 scalar_values) -> StitchResult:
-    """The functions ``graph_def``'s control flow runs (``bodies``), then the graph."""
-    stitched = []
+    """Loops with a constant trip count unrolled (passes/unroll.py), the functions
+    ``graph_def``'s other control flow runs (``bodies``), then the graph."""
+    stitched, unrolled = [], []
+    if options.unroll_loops and any(n.op in unroll.WHILE_OPS for n in graph_def.node):
+        graph_def = type(graph_def).FromString(graph_def.SerializeToString())
+        unrolled = unroll.unroll_loops(graph_def, options.unroll_loops)
     if bodies and grappler.has_control_flow(graph_def):
         graph_def = type(graph_def).FromString(graph_def.SerializeToString())
         stitched = control_flow.stitch_bodies(
@@ -295,6 +299,7 @@ def _stitch_all(graph_def, fetches, keep, options, name, resources, workers, bod
             name, resources)
     result = _stitch(graph_def, fetches, keep, options, name, resources, workers)
     result.report.bodies = stitched
+    result.report.notes[:0] = unrolled
     return result
 
 

@@ -1,0 +1,182 @@
+"""Loops with a constant trip count are unrolled before planning (tf/passes/unroll.py)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stitching
+
+keras = pytest.importorskip("keras")
+
+RNG = np.random.default_rng(7)
+
+
+def _notes(f):
+    return [n for n in f.report.notes if n.startswith("loop ")]
+
+
+def _loops_left(f, *args):
+    ops = {op.type for op in f.get_concrete_function(*args).graph.get_operations()}
+    return ops & {"While", "StatelessWhile"}
+
+
+def _rnn(steps=6, features=4, units=8):
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((steps, features))
+    seq = keras.layers.LSTM(units, return_sequences=True)(inp)
+    return keras.Model(inp, keras.layers.Dense(2)(keras.layers.GRU(units)(seq)))
+
+
+def _cell_kernels(f):
+    return [k for k in f.report.kernels if "Tanh" in {t for _, t in k.ops}]
+
+
+def test_a_keras_lstm_and_gru_over_a_fixed_length_become_their_steps():
+    """Both layers' loops (6 steps) are unrolled: no loop is left in the stitched
+    graph, each step's cell math is one kernel (12 in all), and the outputs equal
+    Keras's, also for a second batch size of the traced [None, 6, 4]."""
+    model = _rnn()
+    f = stitching.function(lambda x: model(x, training=False),
+                           input_signature=[tf.TensorSpec([None, 6, 4])])
+    for batch in (3, 5):
+        x = tf.constant(RNG.standard_normal((batch, 6, 4)).astype(np.float32))
+        np.testing.assert_allclose(f(x), model(x, training=False), rtol=1e-5, atol=1e-6)
+    notes = _notes(f)
+    assert len(notes) == 2 and all("unrolled: 6 iteration(s)" in n for n in notes), notes
+    assert not _loops_left(f, tf.TensorSpec([None, 6, 4]))
+    assert len(_cell_kernels(f)) == 12, f.report.summary()
+
+
+def test_unrolling_matches_the_loop_and_tf_against_float64():
+    """The unrolled steps compute what the loop computes: float32 outputs as close to
+    a float64 run of the same model as stock TF's loop, and to the stitched loop."""
+    keras.utils.set_random_seed(9)
+    inp = keras.Input((10, 4))
+    out = keras.layers.LSTM(16)(inp)
+    model = keras.Model(inp, out)
+    x64 = RNG.standard_normal((4, 10, 4))
+    x = tf.constant(x64.astype(np.float32))
+    want = model(x, training=False).numpy()
+    unrolled = stitching.function(lambda t: model(t, training=False))(x).numpy()
+    loop = stitching.function(lambda t: model(t, training=False),
+                              options=stitching.Options(unroll_loops=0))(x).numpy()
+    keras.config.set_floatx("float64")
+    try:
+        keras.utils.set_random_seed(9)
+        inp64 = keras.Input((10, 4))
+        m64 = keras.Model(inp64, keras.layers.LSTM(16)(inp64))
+        m64.set_weights([w.astype(np.float64) for w in model.get_weights()])
+        exact = m64(tf.constant(x64), training=False).numpy()
+    finally:
+        keras.config.set_floatx("float32")
+    err = lambda y: float(np.max(np.abs(y - exact)))  # noqa: E731
+    assert err(unrolled) <= max(2 * err(want), 1e-6), (err(unrolled), err(want))
+    np.testing.assert_allclose(unrolled, loop, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tape_outside_differentiates_the_unrolled_steps():
+    model = _rnn()
+    f = stitching.function(lambda x: model(x, training=False))
+    x = tf.constant(RNG.standard_normal((2, 6, 4)).astype(np.float32))
+    grads = []
+    for g in (f, lambda t: model(t, training=False)):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(g(x) ** 2)
+        grads.append(tape.gradient(y, [x] + model.trainable_variables))
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert all("unrolled" in n for n in _notes(f))
+
+
+def test_a_loop_whose_length_is_unknown_stays_a_loop_and_says_why():
+    """An unknown sequence length ([None, None, 4]): the trip count is a value of the
+    input's shape, not a constant; both loops are kept, stitched as bodies."""
+    model = _rnn()
+    f = stitching.function(lambda x: model(x, training=False),
+                           input_signature=[tf.TensorSpec([None, None, 4])])
+    x = tf.constant(RNG.standard_normal((2, 6, 4)).astype(np.float32))
+    np.testing.assert_allclose(f(x), model(x, training=False), rtol=1e-5, atol=1e-6)
+    notes = _notes(f)
+    assert len(notes) == 2, notes
+    assert all("kept as a loop: its trip count is not a constant here" in n for n in notes)
+    assert _loops_left(f, tf.TensorSpec([None, None, 4]))
+
+
+def test_a_data_dependent_loop_stays_a_loop():
+    def fn(x):
+        return tf.while_loop(lambda v: tf.reduce_sum(v) < 100.0, lambda v: [v * 2.0 + 1.0],
+                             [x])[0]
+    f = stitching.function(fn)
+    x = tf.constant(np.ones((4, 4), np.float32))
+    np.testing.assert_array_equal(f(x), tf.function(fn)(x))
+    (note,) = _notes(f)
+    assert "kept as a loop: its trip count is not a constant here" in note, note
+    assert "Sum" in note or "not integer arithmetic" in note, note
+
+
+def test_the_trip_count_limit_and_unroll_loops_0():
+    """A loop longer than ``Options.unroll_loops`` is kept, and the note says so;
+    ``unroll_loops=0`` unrolls nothing and adds no note."""
+    def fn(x):
+        return tf.while_loop(lambda i, v: i < 6, lambda i, v: (i + 1, tf.tanh(v) * 1.5),
+                             (0, x))[1]
+    x = tf.constant(RNG.standard_normal((4, 8)).astype(np.float32))
+    want = tf.function(fn)(x)
+    short = stitching.function(fn, options=stitching.Options(unroll_loops=4))
+    np.testing.assert_allclose(short(x), want, rtol=1e-6, atol=1e-6)
+    (note,) = _notes(short)
+    assert "it runs more than 4 times (Options.unroll_loops)" in note, note
+    off = stitching.function(fn, options=stitching.Options(unroll_loops=0))
+    np.testing.assert_allclose(off(x), want, rtol=1e-6, atol=1e-6)
+    assert _notes(off) == []
+    assert _loops_left(off, x)
+    on = stitching.function(fn)
+    np.testing.assert_allclose(on(x), want, rtol=1e-6, atol=1e-6)
+    assert _notes(on) == ["loop while unrolled: 6 iteration(s) of its "
+                          f"{_notes(on)[0].split('its ')[1]}"]
+    # six tanh steps in a row: one kernel
+    assert len(on.report.kernels) == 1, on.report.summary()
+
+
+def test_a_loop_with_a_stateful_op_or_no_iterations():
+    """A random op in the body keeps the loop (each step draws anew; copies would
+    change nothing here, but a stateful op is never duplicated); a loop whose
+    condition is false at once is unrolled to nothing: its results are its inputs."""
+    def noisy(x):
+        return tf.while_loop(lambda i, v: i < 3,
+                             lambda i, v: (i + 1, v + tf.random.uniform(tf.shape(v))),
+                             (0, x))[1]
+    f = stitching.function(noisy)
+    x = tf.zeros((2, 3))
+    assert f(x).shape == (2, 3)
+    (note,) = _notes(f)
+    assert "kept as a loop: its body has a stateful op (RandomUniform" in note, note
+
+    def never(x):
+        return tf.while_loop(lambda i, v: i < 0, lambda i, v: (i + 1, v * 2.0), (0, x))[1]
+    g = stitching.function(never)
+    x = tf.constant(RNG.standard_normal((2, 3)).astype(np.float32))
+    np.testing.assert_array_equal(g(x), x)
+    assert _notes(g) == ["loop while unrolled: 0 iteration(s) of its "
+                         f"{_notes(g)[0].split('its ')[1]}"]
+
+
+def test_a_training_steps_loops_are_kept_for_their_gradient_loops():
+    """A tape inside the function: the forward loops' accumulators feed the gradient
+    loops, so neither is unrolled (the report says why); the step equals TF's."""
+    model = _rnn()
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+    x = tf.constant(RNG.standard_normal((3, 6, 4)).astype(np.float32))
+    y = tf.constant(RNG.standard_normal((3, 2)).astype(np.float32))
+    f = stitching.function(step)
+    (loss, grads), (want_loss, want) = f(x, y), tf.function(step)(x, y)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    notes = _notes(f)
+    assert notes and not [n for n in notes if "unrolled" in n], notes
+    assert any("another loop or call reads its results" in n for n in notes), notes
