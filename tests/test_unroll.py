@@ -180,3 +180,77 @@ def test_a_training_steps_loops_are_kept_for_their_gradient_loops():
     notes = _notes(f)
     assert notes and not [n for n in notes if "unrolled" in n], notes
     assert any("another loop or call reads its results" in n for n in notes), notes
+
+
+def test_an_unrolled_rnn_reads_and_writes_no_tensorlist():
+    """After unrolling, each step's read of the sequence is a slice of it and the
+    outputs' stack a Pack (tf/passes/tensorlist.py): no TensorList read, write or
+    stack is left for TF to run step by step."""
+    model = _rnn()
+    f = stitching.function(lambda x: model(x, training=False))
+    x = tf.constant(RNG.standard_normal((3, 6, 4)).astype(np.float32))
+    np.testing.assert_allclose(f(x), model(x, training=False), rtol=1e-5, atol=1e-6)
+    ops = {op.type for op in f.get_concrete_function(x).graph.get_operations()}
+    assert not ops & {"TensorListGetItem", "TensorListSetItem", "TensorListStack"}, ops
+    assert any("12 read(s) became slices" in n and "2 stack(s) a Pack" in n
+               for n in f.report.notes), f.report.notes
+
+
+def _stack(writes, n=3):
+    """A TensorList of ``n`` [2] elements written at ``writes`` ((index, value)), in
+    order, then stacked; the GraphDef and the stack's tensor name."""
+    g = tf.Graph()
+    with g.as_default():
+        h = tf.raw_ops.TensorListReserve(element_shape=tf.constant([2]), num_elements=n,
+                                          element_dtype=tf.float32)
+        for i, v in writes:
+            h = tf.raw_ops.TensorListSetItem(input_handle=h, index=tf.constant(i),
+                                             item=tf.constant([v, -v]))
+        out = tf.raw_ops.TensorListStack(input_handle=h, element_shape=tf.constant([2]),
+                                         element_dtype=tf.float32, num_elements=n)
+    return g, out.name
+
+
+def _run(graph_def, fetch):
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+        with tf.compat.v1.Session(graph=g) as s:
+            return s.run(fetch)
+
+
+@pytest.mark.parametrize("writes,packed", [
+    ([(0, 1.0), (1, 2.0), (2, 3.0)], True),
+    ([(2, 3.0), (0, 1.0), (1, 2.0), (1, 5.0)], True),     # index 1 twice: the last wins
+    ([(0, 1.0), (2, 3.0)], False),                        # index 1 never written
+])
+def test_a_stack_becomes_a_pack_only_where_every_element_is_written(writes, packed):
+    from stitching.tf.passes import tensorlist
+    g, fetch = _stack(writes)
+    new, reads, stacks = tensorlist.rewrite(g.as_graph_def(), g, fetches=[fetch])
+    assert (new is not None, stacks) == ((True, 1) if packed else (False, 0))
+    if packed:
+        assert {n.op for n in new.node if n.name == fetch.split(":")[0]} == {"Pack"}
+        np.testing.assert_array_equal(_run(new, fetch), _run(g.as_graph_def(), fetch))
+
+
+def test_a_kernel_has_at_most_32_outputs():
+    """40 results of one input would be one kernel with 40 outputs: a spec over the
+    limits a spec read back from JSON is checked against (ir/spec.py), which its
+    compile worker refused, so it ran its quick tier-1 code for good.  The planner
+    keeps every kernel within them, and every kernel's spec reads back."""
+    from stitching.compile import kernel as compiled
+    from stitching.ir.spec import MAX_OUTPUTS, KernelSpec
+
+    def fn(x):
+        return [tf.tanh(x) * float(i) + 1.0 for i in range(40)]
+    f = stitching.function(fn)
+    x = tf.constant(RNG.standard_normal((4, 8)).astype(np.float32))
+    for got, want in zip(f(x), tf.function(fn)(x)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert f.report.kernels
+    specs = {k.spec.hash: k.spec for k in list(compiled._kernels.values())}
+    for k in f.report.kernels:
+        spec = specs[k.spec_hash]
+        assert len(spec.outputs) <= MAX_OUTPUTS, k.schedule
+        assert KernelSpec.from_json(spec.to_json()).hash == spec.hash

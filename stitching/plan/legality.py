@@ -8,6 +8,7 @@ from __future__ import annotations
 from ..ir import OPS, Graph, Kind, Node, infer
 from ..ir.composites import COMPOSITE_OPS
 from ..ir.ops import INDEX_MAPS
+from ..ir.spec import MAX_INPUTS, MAX_OUTPUTS
 
 
 def node_reason(graph: Graph, node: Node) -> str | None:
@@ -36,10 +37,20 @@ def node_reason(graph: Graph, node: Node) -> str | None:
 
 
 def backend_reason(spec, profile) -> str | None:
-    """None if the profile's backend can generate ``spec``.  Layout ops fold into the
-    loads of CPU kernels (schedule/layout.py); the CUDA emitter has no views yet (it
-    refuses such a schedule), so a plan for a CUDA profile keeps them out of kernels;
-    SmallMatMul (schedule/contract.py) and DepthwiseConv2D likewise."""
+    """None if the profile's backend can generate ``spec``, and ``spec`` can be shipped.
+    A spec is sent to compile workers, stored in the result cache and in rewritten
+    graphs as JSON, which is read back within ir/spec.py's limits (at most
+    ``MAX_INPUTS`` inputs and ``MAX_OUTPUTS`` outputs): a kernel over them ran its quick
+    tier-1 code for good (its worker refused the spec) and could not be stored.
+    Layout ops fold into the loads of CPU kernels (schedule/layout.py); the CUDA
+    emitter has no views yet (it refuses such a schedule), so a plan for a CUDA
+    profile keeps them out of kernels; SmallMatMul (schedule/contract.py) and
+    DepthwiseConv2D likewise."""
+    if len(spec.inputs) > MAX_INPUTS or len(spec.outputs) > MAX_OUTPUTS:
+        return (f"a kernel takes at most {MAX_INPUTS} inputs and makes at most "
+                f"{MAX_OUTPUTS} outputs (the limits of a spec read back from a graph, "
+                f"ir/spec.py); this one would take {len(spec.inputs)} and make "
+                f"{len(spec.outputs)}")
     if profile.backend != "cuda":
         return None
     if any(OPS[n.op].kind == Kind.CONTRACTION for n in spec.nodes):

@@ -1,11 +1,16 @@
 """The driver: one GraphDef in, one rewritten GraphDef and a report out.
 
-Two ordered tables of graph passes (tf/passes/, the protocol in tf/passmanager.py)
-around planning, each pass entered once:
+First the graph's loops: those with a constant trip count are unrolled
+(passes/unroll.py, Options(unroll_loops)), the bodies of the others (and of every
+cond) stitched as functions of their own (tf/control_flow.py).  Then two ordered
+tables of graph passes (tf/passes/, the protocol in tf/passmanager.py) around
+planning, each pass entered once:
 
   BEFORE_PLANNING  on TF's graph, then the IR
     grappler     TF's inlining, constant folding and arithmetic optimizer, as
                  tf.function runs them; IdentityN forwarded          passes/grappler.py
+    tensorlist   TensorList reads and stacks at constant indices (an unrolled
+                 loop's) -> StridedSlice / Pack                     tensorlist.py
     exclude      the ops Options(exclude) keeps TF's, by op type or name (the
                  passes below leave them; lift marks them unfusible)   exclude.py
     bcast        broadcast-gradient shapes known at trace time -> constants   bcast.py
@@ -88,10 +93,11 @@ from .passes import (attention, autotune, bcast, blas, bn_reserve, concat_grad, 
                      gemm, grappler, inline, lift, original, padfold, prune, remapper,
                      reshape_sink,
                      rewrite, seqsplit, shape_math, shapes, sparse_xent, strided_grad, symdims,
-                     unroll, variables, xladot)
+                     tensorlist, unroll, variables, xladot)
 
 BEFORE_PLANNING = (
     grappler.PASS,
+    tensorlist.PASS,
     exclude.PASS,
     bcast.PASS,
     concat_grad.PASS,
