@@ -579,6 +579,11 @@ def test_a_keras_lstm_training_step_stitches_its_loop_bodies_and_their_gradients
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
     errors = [(n, why) for n, r, why in f.report.bodies if r is None]
     assert errors == [], errors
+    # the forward loops' accumulators feed the gradient loops: neither is unrolled
+    # (tf/passes/unroll.py), and the report says why
+    loops = [n for n in f.report.notes if n.startswith("loop ")]
+    assert loops and not [n for n in loops if "unrolled" in n], loops
+    assert any("another loop or call reads its results" in n for n in loops), loops
     forward = [r for n, r, _ in f.report.bodies if "while_body" in n and "_grad" not in n]
     assert forward and all(r.kernels and not r.unfused for r in forward), \
         f.report.summary()

@@ -161,27 +161,6 @@ def test_a_loop_with_a_stateful_op_or_no_iterations():
                          f"{_notes(g)[0].split('its ')[1]}"]
 
 
-def test_a_training_steps_loops_are_kept_for_their_gradient_loops():
-    """A tape inside the function: the forward loops' accumulators feed the gradient
-    loops, so neither is unrolled (the report says why); the step equals TF's."""
-    model = _rnn()
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-        return loss, tape.gradient(loss, model.trainable_variables)
-    x = tf.constant(RNG.standard_normal((3, 6, 4)).astype(np.float32))
-    y = tf.constant(RNG.standard_normal((3, 2)).astype(np.float32))
-    f = stitching.function(step)
-    (loss, grads), (want_loss, want) = f(x, y), tf.function(step)(x, y)
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    for g, w in zip(grads, want):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
-    notes = _notes(f)
-    assert notes and not [n for n in notes if "unrolled" in n], notes
-    assert any("another loop or call reads its results" in n for n in notes), notes
-
-
 def test_an_unrolled_rnn_reads_and_writes_no_tensorlist():
     """After unrolling, each step's read of the sequence is a slice of it and the
     outputs' stack a Pack (tf/passes/tensorlist.py): no TensorList read, write or

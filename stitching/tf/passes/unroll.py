@@ -217,6 +217,8 @@ def _copy(graph_nodes_out, body_gd, prefix, arg_tensors, arg_names, first_contro
         m = node_def_pb2.NodeDef()
         m.CopyFrom(n)
         m.name = _copy_name(prefix, n.name)
+        if "_class" in m.attr:          # colocation with a body node: named otherwise now
+            del m.attr["_class"]
         del m.input[:]
         for i in n.input:
             ctrl = i.startswith("^")
