@@ -233,3 +233,19 @@ def test_a_kernel_has_at_most_32_outputs():
         spec = specs[k.spec_hash]
         assert len(spec.outputs) <= MAX_OUTPUTS, k.schedule
         assert KernelSpec.from_json(spec.to_json()).hash == spec.hash
+
+
+@pytest.mark.parametrize("axes,trips", [([0], 5), ([], 2)])
+def test_the_trip_count_interpreter_reduces_as_tf(axes, trips):
+    """The loop's bound a reduction of a constant: over axis 0, max([2, 5, 3]) = 5;
+    over no axis TF's Max is the vector itself, and the condition all(i < [2, 5, 3])
+    stops after 2 steps (a reduction over all axes would have made it 5)."""
+    def fn(x):
+        n = tf.reduce_max(tf.constant([2, 5, 3]), axis=axes)
+        return tf.while_loop(lambda i, v: tf.reduce_all(i < n),
+                             lambda i, v: (i + 1, v * 1.5 + 1.0), (0, x))[1]
+    x = tf.constant(RNG.standard_normal((2, 3)).astype(np.float32))
+    f = stitching.function(fn)
+    np.testing.assert_allclose(f(x), tf.function(fn)(x), rtol=1e-6)
+    assert _notes(f) == [f"loop while unrolled: {trips} iteration(s) of its "
+                         f"{_notes(f)[0].split('its ')[1]}"], _notes(f)

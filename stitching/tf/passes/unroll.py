@@ -73,7 +73,8 @@ _BINARY = {
     "Equal": _int_op(np.equal), "NotEqual": _int_op(np.not_equal),
     "LogicalAnd": _int_op(np.logical_and), "LogicalOr": _int_op(np.logical_or),
 }
-_REDUCE = {"Max": np.max, "Min": np.min, "Sum": np.sum, "Prod": np.prod}
+_REDUCE = {"Max": np.max, "Min": np.min, "Sum": np.sum, "Prod": np.prod,
+           "All": np.all, "Any": np.any}
 _INT_TYPES = (np.int32, np.int64, np.bool_)
 
 
@@ -117,9 +118,10 @@ class _Evaluator:
         if node.op in _REDUCE:
             x, axes = np.asarray(self(data[0])), np.asarray(self(data[1]))
             axes = tuple(int(a) % max(x.ndim, 1) for a in axes.reshape(-1))
+            if not axes:                # TF reduces over no axis: x itself
+                return x
             keep = node.attr["keep_dims"].b
-            return np.asarray(_REDUCE[node.op](x, axis=axes or None, keepdims=keep)
-                              ).astype(x.dtype)
+            return np.asarray(_REDUCE[node.op](x, axis=axes, keepdims=keep)).astype(x.dtype)
         if node.op == "Range":
             start, limit, delta = (int(self(d)) for d in data)
             if delta == 0 or abs((limit - start) // delta) > 1 << 16:
