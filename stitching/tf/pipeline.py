@@ -293,12 +293,13 @@ def _stitch_all(graph_def, fetches, keep, options, name, resources, workers, bod
                 scalar_values) -> StitchResult:
     """Loops with a constant trip count unrolled (passes/unroll.py), the functions
     ``graph_def``'s other control flow runs (``bodies``), then the graph."""
-    stitched, unrolled = [], []
+    stitched, unrolled, owned = [], [], False      # owned: graph_def is our copy
     if options.unroll_loops and any(n.op in unroll.WHILE_OPS for n in graph_def.node):
-        graph_def = type(graph_def).FromString(graph_def.SerializeToString())
+        graph_def, owned = type(graph_def).FromString(graph_def.SerializeToString()), True
         unrolled = unroll.unroll_loops(graph_def, options.unroll_loops)
     if bodies and grappler.has_control_flow(graph_def):
-        graph_def = type(graph_def).FromString(graph_def.SerializeToString())
+        if not owned:
+            graph_def = type(graph_def).FromString(graph_def.SerializeToString())
         stitched = control_flow.stitch_bodies(
             graph_def, lambda g, f, k, label, res: _stitch_body(g, f, k, options, label,
                                                                scalar_values, res),

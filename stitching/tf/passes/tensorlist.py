@@ -39,10 +39,6 @@ def _split(ref: str):
     return name, int(idx or 0)
 
 
-def _ref(name: str, idx: int) -> str:
-    return name if idx == 0 else f"{name}:{idx}"
-
-
 class _Graph:
     def __init__(self, graph_def):
         self.nodes = {n.name: n for n in graph_def.node}
@@ -160,7 +156,7 @@ def _stack_as_pack(g, node, pinned, fetched) -> list | None:
     node.attr["T"].type = dtype
     node.attr["N"].i = n
     node.attr["axis"].i = 0
-    return [(fwd, idx, _ref(cur.name, 0)) for fwd, idx in path]
+    return [(fwd, idx, cur.name) for fwd, idx in path]
 
 
 def rewrite(graph_def, tf_graph, pinned=frozenset(), fetches=(), excluded=frozenset()):

@@ -94,7 +94,7 @@ class _Evaluator:
         self.nodes, self.leaves, self.memo = nodes, leaves, {}
 
     def __call__(self, ref: str):
-        ref = ref if ":" in ref else ref + ":0"
+        ref = _tensor_ref(ref)
         if ref in self.leaves:
             return self.leaves[ref]
         if ref not in self.memo:
@@ -264,9 +264,7 @@ def unroll_loops(graph_def, limit: int) -> list[str]:
     """Unroll every eligible loop of ``graph_def`` (in place); returns the report's
     notes: one per loop unrolled and per loop kept, with why."""
     loops = [n for n in graph_def.node if n.op in WHILE_OPS]
-    if not loops:
-        return []
-    if limit <= 0:
+    if not loops or limit <= 0:
         return []
     library = {f.signature.name: f for f in graph_def.library.function}
     nodes = {n.name: n for n in graph_def.node}
@@ -305,7 +303,7 @@ def unroll_loops(graph_def, limit: int) -> list[str]:
         if why is not None:
             notes.append(f"loop {loop.name} kept as a loop: {why}")
             continue
-        added += trips * len(body.node_def)
+        added += size
         done[loop.name] = (loop, body_gd, body_flat, body, trips)
     if not done:
         return notes
