@@ -703,6 +703,8 @@ def test_onednn_attention_measures_only_once_no_kernel_runs_tier1_code(monkeypat
         assert d["attention_autotune_unfused_calls"] == 0, d
         assert all(v["choice"] is None for k, v in runtime.autotune_decisions().items()
                    if k[0] == h)                         # still undecided
+        assert [k for k in runtime.autotune_pending() if k[0] == h], \
+            runtime.autotune_pending()                   # ... and listed as pending
     finally:               # its upgrade: no tier-1 code is left in the process
         lib.stitching_upgrade_body(ctypes.addressof(marker), ctypes.addressof(marker) + 8)
     for _ in range(CALLS_TO_DECIDE // 2 + 2):
@@ -711,6 +713,7 @@ def test_onednn_attention_measures_only_once_no_kernel_runs_tier1_code(monkeypat
     ((_, decision),) = [(k, v) for k, v in runtime.autotune_decisions().items()
                         if k[0] == h]
     assert decision["choice"] in ("kernel", "native"), decision
+    assert not [k for k in runtime.autotune_pending() if k[0] == h]
 
 
 def test_a_missing_unfused_function_runs_fused(monkeypatch, no_decisions):

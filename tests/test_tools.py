@@ -114,6 +114,42 @@ def test_modes_are_timed_with_changing_predecessors():
         assert most <= 0.6 * len(before), (m, before)   # rotated: 75% the same one
 
 
+def test_timing_starts_once_no_autotuned_op_is_still_measuring(monkeypatch):
+    """time_modes calls the stitched modes until stitching.runtime.autotune_pending()
+    is empty before its repeats (a fresh cache's measuring calls were timed: Llama b8
+    read 0.77x once); a class that stays pending (never called again, or unable to
+    measure) stops it after `stall` rounds that decided nothing, not never."""
+    import types
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from bench_lib import measure, modes
+    from bench_lib.modes import Runner
+    state = {"calls": 0, "decide_at": 5, "stuck": []}
+    measuring = []          # per stitched call: was a class still measuring?
+
+    def pending():
+        left = [] if state["calls"] >= state["decide_at"] else [("h", 3)]
+        return left + state["stuck"]
+
+    def stitched(*a):
+        measuring.append(bool(pending()))
+        state["calls"] += 1
+    fake = types.SimpleNamespace(autotune_pending=pending)
+    monkeypatch.setitem(sys.modules, "stitching.runtime.registry", fake)
+    runners = [Runner("tf", lambda *a: None), Runner("stitching", stitched)]
+    assert modes.settle_autotune(runners, ()) == 5 and pending() == []
+    # a class no runner decides: `stall` idle rounds, then timing goes on
+    state.update(calls=0, decide_at=3, stuck=[("other", 9)])
+    assert modes.settle_autotune(runners, (), stall=4) == 3 + 4
+    state.update(calls=0, decide_at=7, stuck=[])
+    measuring.clear()
+    out = measure.time_modes(runners, (), repeats=3, warmup=1, min_time=0.0,
+                             lead_time=0.0)
+    assert sorted(out) == ["stitching", "tf"]
+    assert runners[1].info["autotune_settle_rounds"] == 6      # 1 warm-up call + 6
+    # warm-up and settling measured; the calibration call and 3 x (lead-in, timed) not
+    assert measuring == [True] * 7 + [False] * 7, measuring
+
+
 def test_plan_audit_names_the_decisions_the_measurements_contradict():
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import plan_audit

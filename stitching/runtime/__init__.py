@@ -36,10 +36,10 @@ _LAZY = {
     "BuildError": "build", "cache_dir": "build", "library_path": "build",
     "build_library": ("build", "build"),    # `build` itself stays the submodule
     **{name: "registry" for name in (
-        "RegistrationError", "TF_DTYPE_ENUM", "autotune_decisions", "is_registered",
-        "library", "load", "num_registered", "pool_stats", "pool_trim", "profile",
-        "profile_reset", "profiling", "register", "registered_kernel", "set_compiler",
-        "set_assets_installer", "set_profiling", "stats")},
+        "RegistrationError", "TF_DTYPE_ENUM", "autotune_decisions", "autotune_pending",
+        "is_registered", "library", "load", "num_registered", "pool_stats", "pool_trim",
+        "profile", "profile_reset", "profiling", "register", "registered_kernel",
+        "set_compiler", "set_assets_installer", "set_profiling", "stats")},
 }
 
 __all__ = sorted(_LAZY)

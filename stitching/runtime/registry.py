@@ -357,6 +357,14 @@ def autotune_decisions() -> dict:
     return autotune.decisions(_read_text(library().stitching_autotune_read))
 
 
+def autotune_pending() -> list:
+    """The (spec hash, shape class) pairs of this process still being measured, sorted:
+    each autotuned kernel or ``StitchedAttention`` times its ways on its first 12 calls
+    of a shape class, once no kernel runs tier-1 code (docs/tuning.md).  Time a
+    function after this is empty for its shapes, or its timings include those calls."""
+    return sorted(k for k, v in autotune_decisions().items() if v["choice"] is None)
+
+
 _POOL_FIELDS = ("hits", "misses", "held_bytes", "idle_bytes", "idle_cap_bytes",
                 "min_bytes")
 

@@ -13,6 +13,10 @@ is a loop of n calls (n calibrated so a repeat lasts about ``min_time``), so
 perf_counter resolution and per-repeat jitter do not dominate microsecond timings;
 the reported time is per call.
 
+Before the repeats, the warm-up waits for the tier-2 code and then calls the stitched
+modes until no autotuned op is still timing its ways (``modes.settle_autotune``), so
+that a fresh cache's measuring calls are not timed.
+
 Each repeat starts with untimed calls (at least ``lead_time`` of them, at least one):
 what a mode inherits from the one before is not over after one call.  logsumexp
 8192x1024 stitched, per call in a loop, measured 1.4 ms in steady state but 2.4-3.5,
@@ -30,7 +34,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from .modes import Runner, first_line, wait_for_final_code
+from .modes import STITCHED, Runner, first_line, settle_autotune, wait_for_final_code
 
 
 def _stats(samples):
@@ -58,6 +62,11 @@ def time_modes(runners: list[Runner], args, *, repeats: int, warmup: int,
             r.fail(e, "warm-up")
             live.remove(r)
     wait_for_final_code()
+    settled = settle_autotune(live, args)
+    for r in live:
+        if r.mode in STITCHED:
+            r.info["autotune_settle_rounds"] = settled
+    live = [r for r in live if r.ok]
     for r in list(live):
         try:
             t0 = time.perf_counter()

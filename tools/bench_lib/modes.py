@@ -106,6 +106,36 @@ def wait_for_final_code() -> None:
         sys.modules["stitching.compile.parallel"].wait_upgrades()
 
 
+def settle_autotune(runners: list[Runner], args, *, stall: int = 16,
+                    most: int = 64) -> int:
+    """Call the stitched runners until no autotuned kernel or attention of the process
+    is still timing its ways (``stitching.runtime.autotune_pending()``: 12 calls per
+    shape class, once no kernel runs tier-1 code), so that the timed repeats run the
+    decided way.  Without this a fresh cache measured during the repeats: Llama at
+    batch 8 read 0.77x stock TF once, 1.12-1.27x with its decisions cached.  Stops
+    when nothing is pending, after ``stall`` rounds that decided nothing (a class
+    pending for shapes no runner calls, or one that cannot measure), or ``most``
+    rounds; returns the rounds run."""
+    reg = sys.modules.get("stitching.runtime.registry")
+    live = [r for r in runners if r.ok and r.mode in STITCHED]
+    if reg is None or not live:
+        return 0
+    pending = set(reg.autotune_pending())
+    rounds = idle = 0
+    while pending and idle < stall and rounds < most:
+        for r in live:
+            if r.ok:
+                try:
+                    r.fn(*args)
+                except Exception as e:
+                    r.fail(e, "autotune")
+        rounds += 1
+        now = set(reg.autotune_pending())
+        idle = 0 if len(now) < len(pending) else idle + 1
+        pending = now
+    return rounds
+
+
 def first_call(r: Runner, args) -> object:
     """Call once (trace + compile + run), timing it; returns the output or None."""
     if not r.ok:
