@@ -44,6 +44,45 @@ def test_a_keras_lstm_and_gru_over_a_fixed_length_become_their_steps():
     assert len(notes) == 2 and all("unrolled: 6 iteration(s)" in n for n in notes), notes
     assert not _loops_left(f, tf.TensorSpec([None, 6, 4]))
     assert len(_cell_kernels(f)) == 12, f.report.summary()
+    # the loops read the weights once per layer, not once per step: 3 variables each
+    graph = f.get_concrete_function(tf.TensorSpec([None, 6, 4])).graph
+    reads = [op.name for op in graph.get_operations()
+             if op.type == "ReadVariableOp" and "/while/" in op.name]
+    assert len(reads) == 3 + 3 and all("/unroll_invariant/" in r for r in reads), reads
+
+
+def test_what_a_step_computes_from_loop_invariants_alone_is_copied_once():
+    """A body node whose inputs are all arguments the body passes through unchanged
+    (or other such nodes) is hoisted: one copy serves every step.  A node that reads
+    the step's state, or a stateful op, is copied per step."""
+    from tensorflow.python.framework import function_def_to_graph
+    from stitching.tf.passes import unroll
+    v = tf.Variable(tf.ones([4, 4]))
+
+    @tf.function
+    def f(x):
+        def body(i, h):
+            w = v.read_value() * 2.0                # invariant: a read and its scale
+            return i + 1, tf.tanh(tf.matmul(h, w))  # per step
+        return tf.while_loop(lambda i, h: i < 5, body, (tf.constant(0), x))[1]
+    gd = f.get_concrete_function(tf.TensorSpec([2, 4])).graph.as_graph_def()
+    (loop,) = [n for n in gd.node if n.op in unroll.WHILE_OPS]
+    (fdef,) = [fn for fn in gd.library.function
+               if fn.signature.name == loop.attr["body"].func.name]
+    body_gd, flat = function_def_to_graph.function_def_to_graph_def(fdef)
+    ops = {n.name: n.op for n in body_gd.node}
+    inv = unroll._invariant(body_gd, fdef, flat)
+    assert {ops[n] for n in inv} >= {"ReadVariableOp", "Mul", "Const"}, inv
+    assert not {"MatMul", "Tanh", "AddV2"} & {ops[n] for n in inv}, inv
+    notes = unroll.unroll_loops(gd, 64)
+    assert "unrolled: 5 iteration(s)" in notes[0], notes
+    counts = {}
+    for n in gd.node:
+        counts[n.op] = counts.get(n.op, 0) + 1
+    assert counts["ReadVariableOp"] == 1 and counts["MatMul"] == 5, counts
+    x = tf.constant(RNG.standard_normal((2, 4)).astype(np.float32))
+    g = stitching.function(f.python_function)
+    np.testing.assert_allclose(g(x), f(x), rtol=1e-6, atol=1e-6)
 
 
 def test_unrolling_matches_the_loop_and_tf_against_float64():
