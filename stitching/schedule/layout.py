@@ -215,6 +215,7 @@ class _Lowering:
         self.under = -1
         self.views: list = []
         self.view_types: list = []
+        self._view_at: dict = {}        # (view, type) -> its input ref (_add_view)
         self.value: dict = {}       # original ref -> new ref (its own index space)
         self.memo: dict = {}
         # remapping a FillLike's argument through index maps: only its shape is read
@@ -515,12 +516,12 @@ class _Lowering:
     def _add_view(self, view: View, t: TensorType) -> int:
         # one input per distinct view *and shape*: a slice's own view and the same
         # map read over a concatenation's longer axis (a gather's runs) are two inputs
-        for k, (v, vt) in enumerate(zip(self.views, self.view_types)):
-            if v == view and vt == t:
-                return -(self.n_in + k + 1)
-        self.views.append(view)
-        self.view_types.append(t)
-        return -(self.n_in + len(self.views))
+        ref = self._view_at.get((view, t))
+        if ref is None:
+            self.views.append(view)
+            self.view_types.append(t)
+            ref = self._view_at[(view, t)] = -(self.n_in + len(self.views))
+        return ref
 
     def table(self, values: tuple, o: int, rank: int) -> int:
         strides = tuple(1 if d == o else 0 for d in range(rank))
