@@ -51,10 +51,10 @@ def test_a_keras_lstm_and_gru_over_a_fixed_length_become_their_steps():
     assert len(reads) == 3 + 3 and all("/unroll_invariant/" in r for r in reads), reads
 
 
-def test_what_a_step_computes_from_loop_invariants_alone_is_copied_once():
-    """A body node whose inputs are all arguments the body passes through unchanged
-    (or other such nodes) is hoisted: one copy serves every step.  A node that reads
-    the step's state, or a stateful op, is copied per step."""
+def _variable_loop(steps=5):
+    """A tf.function of a 5-step loop whose body reads a variable and scales it (loop
+    invariants) and multiplies the state by it; its GraphDef, the body's FunctionDef
+    and GraphDef, and the body nodes unroll._invariant finds."""
     from tensorflow.python.framework import function_def_to_graph
     from stitching.tf.passes import unroll
     v = tf.Variable(tf.ones([4, 4]))
@@ -64,14 +64,42 @@ def test_what_a_step_computes_from_loop_invariants_alone_is_copied_once():
         def body(i, h):
             w = v.read_value() * 2.0                # invariant: a read and its scale
             return i + 1, tf.tanh(tf.matmul(h, w))  # per step
-        return tf.while_loop(lambda i, h: i < 5, body, (tf.constant(0), x))[1]
+        return tf.while_loop(lambda i, h: i < steps, body, (tf.constant(0), x))[1]
     gd = f.get_concrete_function(tf.TensorSpec([2, 4])).graph.as_graph_def()
     (loop,) = [n for n in gd.node if n.op in unroll.WHILE_OPS]
     (fdef,) = [fn for fn in gd.library.function
                if fn.signature.name == loop.attr["body"].func.name]
     body_gd, flat = function_def_to_graph.function_def_to_graph_def(fdef)
+    return f, gd, fdef, body_gd, unroll._invariant(body_gd, fdef, flat)
+
+
+def test_the_node_budget_counts_hoisted_nodes_once():
+    """The budget counts what the copies add: the hoisted nodes once and the rest once
+    per step; one node over it keeps the loop, and the note says why."""
+    from stitching.tf.passes import unroll
+    _, gd, fdef, _, inv = _variable_loop()
+    assert inv
+    need = len(inv) + 5 * (len(fdef.node_def) - len(inv))
+    assert need < 5 * len(fdef.node_def)
+    for budget, unrolled in ((need, True), (need - 1, False)):
+        g = type(gd)()
+        g.CopyFrom(gd)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(unroll, "MAX_NODES", budget)
+            (note,) = unroll.unroll_loops(g, 64)
+        assert ("unrolled: 5 iteration(s)" in note) == unrolled, (budget, note)
+        if not unrolled:
+            assert "node budget" in note and f"{len(fdef.node_def) - len(inv)} nodes" \
+                in note, note
+
+
+def test_what_a_step_computes_from_loop_invariants_alone_is_copied_once():
+    """A body node whose inputs are all arguments the body passes through unchanged
+    (or other such nodes) is hoisted: one copy serves every step.  A node that reads
+    the step's state, or a stateful op, is copied per step."""
+    from stitching.tf.passes import unroll
+    f, gd, fdef, body_gd, inv = _variable_loop()
     ops = {n.name: n.op for n in body_gd.node}
-    inv = unroll._invariant(body_gd, fdef, flat)
     assert {ops[n] for n in inv} >= {"ReadVariableOp", "Mul", "Const"}, inv
     assert not {"MatMul", "Tanh", "AddV2"} & {ops[n] for n in inv}, inv
     notes = unroll.unroll_loops(gd, 64)

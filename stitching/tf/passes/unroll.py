@@ -329,15 +329,19 @@ def unroll_loops(graph_def, limit: int) -> list[str]:
             except Exception as e:  # noqa: BLE001 — a FunctionDef TF cannot convert
                 why = f"its functions could not be read ({type(e).__name__}: {e})"
         if why is None:
-            size = trips * max(1, len(body.node_def))
+            # the nodes the copies add: the hoisted ones once, the rest once per step
+            hoisted = _invariant(body_gd, body, body_flat) if trips else frozenset()
+            step = max(1, len(body.node_def) - len(hoisted))
+            size = len(hoisted) + trips * step
             if added + size > MAX_NODES:
-                why = (f"{trips} copies of its {len(body.node_def)}-node body would pass "
-                       f"the {MAX_NODES}-node budget for unrolled loops")
+                why = (f"{trips} copies of the {step} nodes of its body that each step "
+                       f"repeats would pass the {MAX_NODES}-node budget for unrolled "
+                       "loops")
         if why is not None:
             notes.append(f"loop {loop.name} kept as a loop: {why}")
             continue
         added += size
-        done[loop.name] = (loop, body_gd, body_flat, body, trips)
+        done[loop.name] = (loop, body_gd, body_flat, body, trips, hoisted)
     if not done:
         return notes
     out = []
@@ -345,11 +349,10 @@ def unroll_loops(graph_def, limit: int) -> list[str]:
         if n.name not in done:
             out.append(n)
             continue
-        loop, body_gd, body_flat, body, trips = done[n.name]
+        loop, body_gd, body_flat, body, trips, hoisted = done[n.name]
         arg_names = [a.name for a in body.signature.input_arg]
         current = [i for i in loop.input if not i.startswith("^")]
         controls = [i for i in loop.input if i.startswith("^")]
-        hoisted = _invariant(body_gd, body, body_flat) if trips else frozenset()
         inv_prefix = f"{loop.name}/{SUFFIX}_invariant"
         _copy(out, body_gd, inv_prefix, current, arg_names, controls, only=hoisted)
         for t in range(trips):
