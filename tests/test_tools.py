@@ -90,10 +90,9 @@ def test_modes_are_timed_with_changing_predecessors(monkeypatch):
     """time_modes shuffles the order of the modes every repeat: each mode is timed
     `repeats` times, and no mode always runs right after the same other one (with a
     rotation 'stitching' always followed 'xla' and paid for what XLA left behind)."""
-    import types
+    from stitching.runtime import registry
     # nothing measuring (an earlier test's autotuned op may still be, in this process)
-    monkeypatch.setitem(sys.modules, "stitching.runtime.registry",
-                        types.SimpleNamespace(autotune_pending=list))
+    monkeypatch.setattr(registry, "autotune_pending", list)
     sys.path.insert(0, os.path.join(REPO, "tools"))
     from bench_lib import measure
     from bench_lib.modes import Runner
@@ -123,7 +122,7 @@ def test_timing_starts_once_no_autotuned_op_is_still_measuring(monkeypatch):
     is empty before its repeats (a fresh cache's measuring calls were timed: Llama b8
     read 0.77x once); a class that stays pending (never called again, or unable to
     measure) stops it after `stall` rounds that decided nothing, not never."""
-    import types
+    from stitching.runtime import registry
     sys.path.insert(0, os.path.join(REPO, "tools"))
     from bench_lib import measure, modes
     from bench_lib.modes import Runner
@@ -137,13 +136,16 @@ def test_timing_starts_once_no_autotuned_op_is_still_measuring(monkeypatch):
     def stitched(*a):
         measuring.append(bool(pending()))
         state["calls"] += 1
-    fake = types.SimpleNamespace(autotune_pending=pending)
-    monkeypatch.setitem(sys.modules, "stitching.runtime.registry", fake)
+    monkeypatch.setattr(registry, "autotune_pending", pending)
+    monkeypatch.setattr(modes, "_STUCK", set())
     runners = [Runner("tf", lambda *a: None), Runner("stitching", stitched)]
     assert modes.settle_autotune(runners, ()) == 5 and pending() == []
-    # a class no runner decides: `stall` idle rounds, then timing goes on
+    # a class no runner decides: `stall` idle rounds, then timing goes on; the next
+    # row does not wait for it again
     state.update(calls=0, decide_at=3, stuck=[("other", 9)])
     assert modes.settle_autotune(runners, (), stall=4) == 3 + 4
+    state.update(calls=0, decide_at=2)
+    assert modes.settle_autotune(runners, (), stall=4) == 2
     state.update(calls=0, decide_at=7, stuck=[])
     measuring.clear()
     out = measure.time_modes(runners, (), repeats=3, warmup=1, min_time=0.0,

@@ -115,12 +115,13 @@ def settle_autotune(runners: list[Runner], args, *, stall: int = 16,
     batch 8 read 0.77x stock TF once, 1.12-1.27x with its decisions cached.  Stops
     when nothing is pending, after ``stall`` rounds that decided nothing (a class
     pending for shapes no runner calls, or one that cannot measure), or ``most``
-    rounds; returns the rounds run."""
+    rounds; returns the rounds run.  Classes left pending after a stall are not waited
+    for again (``_STUCK``): the next rows of the process would each wait them out."""
     reg = sys.modules.get("stitching.runtime.registry")
     live = [r for r in runners if r.ok and r.mode in STITCHED]
     if reg is None or not live:
         return 0
-    pending = set(reg.autotune_pending())
+    pending = set(reg.autotune_pending()) - _STUCK
     rounds = idle = 0
     while pending and idle < stall and rounds < most:
         for r in live:
@@ -130,10 +131,14 @@ def settle_autotune(runners: list[Runner], args, *, stall: int = 16,
                 except Exception as e:
                     r.fail(e, "autotune")
         rounds += 1
-        now = set(reg.autotune_pending())
+        now = set(reg.autotune_pending()) - _STUCK
         idle = 0 if len(now) < len(pending) else idle + 1
         pending = now
+    _STUCK.update(pending)
     return rounds
+
+
+_STUCK: set = set()     # autotune classes a settle_autotune gave up on
 
 
 def first_call(r: Runner, args) -> object:
