@@ -121,7 +121,10 @@ def settle_autotune(runners: list[Runner], args, *, stall: int = 16,
     live = [r for r in runners if r.ok and r.mode in STITCHED]
     if reg is None or not live:
         return 0
-    pending = set(reg.autotune_pending()) - _STUCK
+    try:
+        pending = set(reg.autotune_pending()) - _STUCK
+    except (RuntimeError, OSError):     # the op library did not load: nothing tunes
+        return 0
     rounds = idle = 0
     while pending and idle < stall and rounds < most:
         for r in live:

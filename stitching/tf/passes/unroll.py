@@ -222,7 +222,8 @@ def _invariant(body_gd, body, body_flat) -> set:
     args = [a.name for a in body.signature.input_arg]
     outs = [body_flat[body.ret[a.name]] for a in body.signature.output_arg]
     inv = {a for a, o in zip(args, outs) if o.split(":")[0] == a}
-    nodes = [n for n in body_gd.node if n.name not in set(args)]
+    arg_set = set(args)
+    nodes = [n for n in body_gd.node if n.name not in arg_set]
     changed = True
     while changed:
         changed = False
@@ -232,7 +233,7 @@ def _invariant(body_gd, body, body_flat) -> set:
             if all(i.lstrip("^").split(":")[0] in inv for i in n.input):
                 inv.add(n.name)
                 changed = True
-    return inv - set(args)
+    return inv - arg_set
 
 
 def _copy(graph_nodes_out, body_gd, prefix, arg_tensors, arg_names, first_controls,
