@@ -19,7 +19,9 @@ Rewritten only where the value cannot differ:
     list, and no node of the chain carries a control edge.
 The rewritten nodes keep their names and control inputs.  A loop result that only
 the stack read (the unrolled loop's ``IdentityN``) then takes the empty reserved list,
-so the writes have no reader left and TF prunes them.
+so the writes have no reader left and TF prunes them; and an ``IdentityN``'s list slots
+that nothing reads are taken out of it (``_drop_unread_lists``), so the lists are not
+built at all.
 """
 from __future__ import annotations
 
@@ -159,6 +161,47 @@ def _stack_as_pack(g, node, pinned, fetched) -> list | None:
     return [(fwd, idx, cur.name) for fwd, idx in path]
 
 
+def _drop_unread_lists(graph_def, fetched, excluded) -> int:
+    """Take out of each ``IdentityN`` its TensorList slots that nothing reads (an
+    unrolled loop's results: the sequence list every step read from, the emptied
+    output list), renumbering the readers of the slots after them, so the
+    ``TensorListFromTensor`` / ``TensorListReserve`` behind them have no reader left and
+    TF prunes them instead of building the lists at every call.  One slot always stays
+    (an IdentityN has at least one).  Returns the slots taken out."""
+    readers: dict = {}
+    for n in graph_def.node:
+        for k, i in enumerate(n.input):
+            if not i.startswith("^"):
+                readers.setdefault(_split(i), []).append((n, k))
+    variant = tf.variant.as_datatype_enum
+    dropped = 0
+    for node in graph_def.node:
+        if node.op != "IdentityN" or node.name in excluded:
+            continue
+        data = [i for i in node.input if not i.startswith("^")]
+        types = list(node.attr["T"].list.type)
+        if len(types) != len(data):
+            continue
+        keep = [k for k, t in enumerate(types)
+                if t != variant or readers.get((node.name, k)) or (node.name, k) in fetched]
+        if len(keep) == len(types):
+            continue
+        keep = keep or [0]
+        new_index = {old: new for new, old in enumerate(keep)}
+        for old, new in new_index.items():
+            for reader, k in readers.get((node.name, old), []):
+                reader.input[k] = f"{node.name}:{new}"
+        controls = [i for i in node.input if i.startswith("^")]
+        del node.input[:]
+        node.input.extend([data[k] for k in keep] + controls)
+        del node.attr["T"].list.type[:]
+        node.attr["T"].list.type.extend(types[k] for k in keep)
+        if "_output_shapes" in node.attr:
+            del node.attr["_output_shapes"]
+        dropped += len(types) - len(keep)
+    return dropped
+
+
 def rewrite(graph_def, tf_graph, pinned=frozenset(), fetches=(), excluded=frozenset()):
     """A new GraphDef with such reads and stacks rewritten, or None; and the counts.
     ``pinned``: nodes no list write may be; ``fetches``: tensors whose values must not
@@ -183,6 +226,9 @@ def rewrite(graph_def, tf_graph, pinned=frozenset(), fetches=(), excluded=frozen
         data = [k for k, i in enumerate(fwd.input) if not i.startswith("^")]
         fwd.input[data[idx] if fwd.op == "IdentityN" else data[0]] = empty
     out.node.extend(extra)
+    # a kept node (the loop's IdentityN is one: a control output of the function)
+    # keeps its name and op, and its fetched slots; unread slots may go
+    _drop_unread_lists(out, fetched, set(excluded))
     return out, reads, stacks
 
 
