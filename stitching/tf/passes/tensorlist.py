@@ -168,11 +168,7 @@ def _drop_unread_lists(graph_def, fetched, excluded) -> int:
     ``TensorListFromTensor`` / ``TensorListReserve`` behind them have no reader left and
     TF prunes them instead of building the lists at every call.  One slot always stays
     (an IdentityN has at least one).  Returns the slots taken out."""
-    readers: dict = {}
-    for n in graph_def.node:
-        for k, i in enumerate(n.input):
-            if not i.startswith("^"):
-                readers.setdefault(_split(i), []).append((n, k))
+    readers = _Graph(graph_def).readers     # after the rewrites: read afresh
     variant = tf.variant.as_datatype_enum
     dropped = 0
     for node in graph_def.node:

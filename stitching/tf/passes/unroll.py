@@ -138,16 +138,22 @@ class _Evaluator:
         raise _NotStatic(f"{name} ({node.op}) is not integer arithmetic on constants")
 
 
+def _results(fdef, flat) -> list:
+    """The tensors a function returns, in its outputs' order, named as in the GraphDef
+    ``function_def_to_graph_def`` made of it (``flat``: its name map)."""
+    return [flat[fdef.ret[a.name]] for a in fdef.signature.output_arg]
+
+
 def _trip_count(loop, graph_nodes, cond_gd, cond_flat, cond_fdef, body_gd, body_flat,
                 body_fdef, limit: int) -> int:
     """How many times ``loop``'s body runs; raises _NotStatic."""
     n_vars = len(cond_fdef.signature.input_arg)
     cond_args = [f"{a.name}:0" for a in cond_fdef.signature.input_arg]
     body_args = [f"{a.name}:0" for a in body_fdef.signature.input_arg]
-    cond_out = cond_flat[cond_fdef.ret[cond_fdef.signature.output_arg[0].name]]
+    cond_out = _results(cond_fdef, cond_flat)[0]
     cond_nodes = {n.name: n for n in cond_gd.node}
     body_nodes = {n.name: n for n in body_gd.node}
-    body_outs = [body_flat[body_fdef.ret[a.name]] for a in body_fdef.signature.output_arg]
+    body_outs = _results(body_fdef, body_flat)
     # the loop variables the condition reads, and those their updates read in turn
     used = _args_read(cond_out, cond_nodes, cond_args)
     while True:
@@ -220,7 +226,7 @@ def _invariant(body_gd, body, body_flat) -> set:
     from them alone are copied once, not once per step: the rnn_encoder model's 200
     steps read its 12 variables 600 times a call, in 600 ops of TF's executor."""
     args = [a.name for a in body.signature.input_arg]
-    outs = [body_flat[body.ret[a.name]] for a in body.signature.output_arg]
+    outs = _results(body, body_flat)
     inv = {a for a, o in zip(args, outs) if o.split(":")[0] == a}
     arg_set = set(args)
     nodes = [n for n in body_gd.node if n.name not in arg_set]
@@ -354,6 +360,7 @@ def unroll_loops(graph_def, limit: int) -> list[str]:
         arg_names = [a.name for a in body.signature.input_arg]
         current = [i for i in loop.input if not i.startswith("^")]
         controls = [i for i in loop.input if i.startswith("^")]
+        results = _results(body, body_flat)
         inv_prefix = f"{loop.name}/{SUFFIX}_invariant"
         _copy(out, body_gd, inv_prefix, current, arg_names, controls, only=hoisted)
         for t in range(trips):
@@ -361,9 +368,7 @@ def unroll_loops(graph_def, limit: int) -> list[str]:
             _copy(out, body_gd, prefix, current, arg_names, controls if t == 0 else (),
                   hoisted=hoisted, hoisted_prefix=inv_prefix)
             previous = dict(zip(arg_names, current))
-            current = [_result(body_flat[body.ret[a.name]], prefix, previous, hoisted,
-                               inv_prefix)
-                       for a in body.signature.output_arg]
+            current = [_result(r, prefix, previous, hoisted, inv_prefix) for r in results]
         result = node_def_pb2.NodeDef(name=loop.name, op="IdentityN")
         result.input.extend(current + (controls if trips == 0 else []))
         result.attr["T"].CopyFrom(attr_value_pb2.AttrValue(
