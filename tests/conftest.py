@@ -20,6 +20,12 @@
   checks kernels, reports or numbers after one call is deterministic without sleeping.
   Tests of tiering take the ``tiered`` fixture, or pass ``Options(background_compile=
   True)``.
+- ``pytest -n auto`` (pytest-xdist; the README's and CI's command) runs the test files
+  in parallel workers, a file per worker at a time (``--dist loadfile``, pytest.ini).
+  Each worker is a session of its own: its own HOME and kernel cache, so no test sees
+  what a test of another worker cached or cleared.  ``auto`` means one worker per CPU
+  this process may run on, at most ``MAX_WORKERS``: each worker holds a TensorFlow
+  and builds the op library once (~20 s).
 - Kernels compile straight to their optimized code (tier 2): the tiered compile a
   synchronous caller gets by default (quick tier-1 code first, tier 2 swapped in behind
   it: compile/parallel.py, Tiers) is off for the session
@@ -51,8 +57,12 @@ os.environ["HOME"] = os.path.join(_SESSION, "home")
 # _prebuilt), as a user's process does: without it every such child compiled op.cc and
 # gemm.cc again (~20 s each, a dozen tests).  STITCHING_TEST_CACHE_DIR points the kernel
 # cache elsewhere on purpose (to reuse kernels between runs).
-os.environ["STITCHING_CACHE_DIR"] = os.environ.get("STITCHING_TEST_CACHE_DIR") or \
-    os.path.join(_SESSION, "home", ".cache", "stitching")
+# Under pytest-xdist each worker keeps its own subdirectory of it.
+_KEPT = os.environ.get("STITCHING_TEST_CACHE_DIR")
+if _KEPT and os.environ.get("PYTEST_XDIST_WORKER"):
+    _KEPT = os.path.join(_KEPT, os.environ["PYTEST_XDIST_WORKER"])
+os.environ["STITCHING_CACHE_DIR"] = _KEPT or os.path.join(_SESSION, "home", ".cache",
+                                                          "stitching")
 SESSION_MACHINE = os.environ.get("STITCHING_TEST_MACHINE", "intel-avx512")
 os.environ["STITCHING_DEVICE_PROFILE"] = SESSION_MACHINE
 os.environ.pop("STITCHING_PROFILE", None)      # the older spelling would name a device too
@@ -70,6 +80,19 @@ from stitching.plan import profiles  # noqa: E402
 if SESSION_MACHINE not in profiles.MACHINES:
     raise RuntimeError(f"STITCHING_TEST_MACHINE={SESSION_MACHINE!r}: choose one of "
                        f"{sorted(profiles.MACHINES)}")
+
+
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker per usable CPU, at most MAX_WORKERS (xdist's own default
+    would start one per core of a large machine, each with its own TensorFlow)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:                          # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_WORKERS))
 
 
 @pytest.fixture(params=sorted(profiles.MACHINES))

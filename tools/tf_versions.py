@@ -51,8 +51,8 @@ def one(version: str, package: str, root: str, reuse: bool, tests: list) -> tupl
             return version, "the op library did not build", 1, log_path
         ran = subprocess.run([py, "-c", "import tensorflow as tf; print(tf.__version__)"],
                              env=env, capture_output=True, text=True).stdout.strip()
-        code = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
-                    log=log)
+        code = _run([py, "-m", "pytest", "-q", "-n", "auto", "-p", "no:cacheprovider",
+                     *tests], env=env, log=log)
     with open(log_path) as f:
         lines = [ln.strip() for ln in f if " passed" in ln or " failed" in ln]
     return f"{package} {ran or version}", (lines[-1] if lines else "no summary"), code, log_path
