@@ -88,11 +88,7 @@ MAX_WORKERS = 4
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: a worker per usable CPU, at most MAX_WORKERS (xdist's own default
     would start one per core of a large machine, each with its own TensorFlow)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:                          # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(cpus, MAX_WORKERS))
+    return max(1, min(profiles.usable_cores(), MAX_WORKERS))
 
 
 @pytest.fixture(params=sorted(profiles.MACHINES))

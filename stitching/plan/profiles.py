@@ -702,7 +702,7 @@ def _write_cache(path, fp, prof):
 
 @functools.lru_cache(maxsize=None)   # the machine does not change under a process
 def _fingerprint() -> str:
-    return f"{cpu_facts()['model']}|{_cores()}|{sorted(_cache_sizes().items())}"
+    return f"{cpu_facts()['model']}|{usable_cores()}|{sorted(_cache_sizes().items())}"
 
 
 @functools.lru_cache(maxsize=None)   # the machine does not change under a process
@@ -738,7 +738,8 @@ def cpu_facts() -> dict:
 VECTOR_BYTES = {"avx512f": 64, "avx2": 32, "avx": 32, "sse2": 16, "neon": 16}
 
 
-def _cores() -> int:
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask; the CPU count elsewhere)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -787,7 +788,7 @@ def measure_cpu() -> DeviceProfile:
     one thread by less than ``MIN_THREAD_GAIN`` (a core was not free): measured_cpu
     measures it again in a later process."""
     import numpy as np
-    cores = _cores()
+    cores = usable_cores()
     caches = _cache_sizes()
     facts = cpu_facts()
     before = _cpu_times()
