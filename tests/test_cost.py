@@ -203,6 +203,27 @@ def test_a_provisional_profile_plans_with_its_classs_model(monkeypatch):
     assert profiles.settled(unknown) is unknown              # no model: its own numbers
 
 
+def test_a_class_model_lends_its_throughputs_never_its_machine_facts():
+    """A Skylake Xeon (family 6 model 85: AVX-512 without AVX512_VNNI, 1 MiB L2) is of
+    the intel-avx512 class, whose model is an Emerald Rapids with TF's oneDNN on; TF
+    runs without oneDNN there.  It plans with the class's throughputs and its own
+    caches and oneDNN fact, so the remapper table (and with it the OpenBLAS products,
+    tf/passes/blas.py) is an Eigen machine's and seqsplit's L2 rule reads 1 MiB."""
+    from stitching.plan import epilogue
+    from stitching.tf.passes import remapper
+    model = profiles.MACHINES["intel-avx512"]
+    skylake = profiles.with_overrides(
+        model, name="cpu", bandwidth=12e9, bw_per_lane=12e9, transcendental_per_s=1e9,
+        provisional=True, why_provisional="wide spread in transcendental_per_s",
+        source="cpu (measured)", spread={}, tf_onednn=False,
+        caches={"l1": 32 << 10, "l2": 1 << 20, "l3": 36 << 20})
+    got = profiles.settled(skylake)
+    assert (got.bandwidth, got.transcendental_per_s) == (model.bandwidth,
+                                                         model.transcendental_per_s)
+    assert got.tf_onednn is False and got.caches["l2"] == 1 << 20
+    assert remapper.table(got) is epilogue.EIGEN and not remapper.onednn(got)
+
+
 def test_a_final_profile_of_a_known_class_plans_with_its_classs_model(tmp_path,
                                                                      monkeypatch):
     """A final measurement of a known class planned with its own numbers, where the

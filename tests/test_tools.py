@@ -53,6 +53,14 @@ def test_a_run_on_another_machine_class_gets_its_own_section():
         "models (the amd-avx512 machine: AMD EPYC, AVX-512, TF oneDNN on)"
     assert section_key("models", dict(zen4, cpu_class="amd-avx2", tf_onednn=False,
                                       planner="baseline")) == "models@amd_avx2@baseline"
+    # an Intel AVX-512 CPU whose TF runs without oneDNN (a Skylake Xeon: no AVX512_VNNI)
+    # is not the home class's model: its table stands beside the home one
+    skylake = {"cpu_class": "intel-avx512", "cpu_model": "Intel(R) Xeon(R) Processor "
+               "(avx2, fma, avx512f)", "tf_onednn": False}
+    assert section_key("models", skylake) == "models@intel_avx512_onednn_off"
+    assert section_title("models", skylake) == ("models (the intel-avx512 machine: "
+                                                "Intel(R) Xeon(R) Processor, AVX-512, TF oneDNN off)")
+    assert section_key("models", dict(zen4, tf_onednn=False)) == "models@amd_avx512_onednn_off"
 
 
 def test_ablation_verdict_counts_a_row_slower_only_beyond_its_spread():

@@ -277,13 +277,13 @@ def main(argv=None) -> int:
         import tensorflow as tf
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_lib.machine import machine_line
-        from bench_lib.output import HOME_CLASS, replace_sections
+        from bench_lib.output import replace_sections, section_key
         from stitching.plan import profiles
         from stitching.tf.passes import remapper
         onednn = remapper.onednn_enabled()
         cls = profiles.cpu_facts()["cpu_class"]
-        # a table of one machine class never replaces another's (bench.py's section_key)
-        key = "gemm" if cls == HOME_CLASS and onednn else "gemm@" + cls.replace("-", "_")
+        # a table of one machine never replaces another's
+        key = section_key("gemm", {"cpu_class": cls, "tf_onednn": onednn})
         meta = (f"Measured {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on "
                 f"{machine_line()} ({os.cpu_count()} cores, L2 {l2_bytes() >> 10} KiB "
                 f"per core), TensorFlow {tf.__version__}; load average "

@@ -44,6 +44,7 @@ import threading
 import time
 
 from ..ir.spec import validate
+from ..plan.profiles import usable_cores
 from . import kernel
 from .kernel import CompileLimitError, cache_root, uncached_code
 from .worker import NICE_ENV
@@ -125,11 +126,7 @@ def default_jobs() -> int:
         except ValueError:
             raise ValueError(f"STITCHING_COMPILE_JOBS must be an integer, got {env!r}") \
                 from None
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    jobs = min(cores, MAX_JOBS)
+    jobs = min(usable_cores(), MAX_JOBS)
     quota = _cpu_quota()
     if quota is not None:
         jobs = min(jobs, quota)

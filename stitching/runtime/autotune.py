@@ -42,6 +42,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .. import cachedir
+from ..plan.profiles import usable_cores
 
 VERSION = 3   # 2: measured on tier-2 code only (a version-1 decision may have timed the
 #               quick tier-1 code of a tiered compile, ~3x slower: measured again);
@@ -75,10 +76,7 @@ def device() -> str:
         cpu = " ".join(fields.get(k, "").strip() for k in ("model name", "flags"))
     except OSError:
         pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 0
+    cores = usable_cores()
     threads = os.environ.get("TF_NUM_INTRAOP_THREADS", "")
     # which kernels OpenBLAS and TF run: a StitchedAttention's decision (OpenBLAS's
     # products against oneDNN's) turned on them (BENCHMARKS.md attention@amd_avx512_zen5)

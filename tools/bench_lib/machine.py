@@ -53,10 +53,8 @@ def git_rev() -> str:
 
 def cores() -> int:
     """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count()
+    from stitching.plan.profiles import usable_cores
+    return usable_cores()
 
 
 def machine_info() -> dict:

@@ -338,7 +338,7 @@ def targets(results, copy_gbs) -> list[str]:
         if tr:
             w = min(tr)
             lines.append(_verdict(w[0] >= 1.15,
-                                  f"models: Transformer >= 1.15x TF: "
+                                  "models: Transformer >= 1.15x TF: "
                                   + ", ".join(f"{n} {_x3(s)}" for s, n in tr)))
     else:
         lines.append("SKIP  models: suite not run")
@@ -476,15 +476,29 @@ _OPEN = re.compile(r"<!-- suite:([\w@]+) -->")
 HOME_CLASS = "intel-avx512"     # the machine class whose sections carry no class tag
 
 
+def _machine_tag(meta) -> str:
+    """The machine part of a section key: ``""`` for the home class as its named model
+    has it, else the class (``amd_avx2``), with ``_onednn_off`` / ``_onednn_on`` where
+    the running TF's oneDNN differs from the class's model (an Intel AVX-512 CPU
+    without AVX512_VNNI, such as a Skylake Xeon, runs TF without oneDNN)."""
+    from stitching.plan import profiles
+    cls = meta.get("cpu_class") or HOME_CLASS
+    model = profiles.MACHINES.get(cls)
+    onednn = meta.get("tf_onednn")
+    tag = "" if cls == HOME_CLASS else re.sub(r"\W", "_", cls)
+    if model is not None and onednn is not None and bool(onednn) != model.tf_onednn:
+        tag = re.sub(r"\W", "_", cls) + ("_onednn_on" if onednn else "_onednn_off")
+    return tag
+
+
 def section_key(suite, meta) -> str:
     """A run with a non-default planner (the ablation) or with TF's BFC allocator gets
     its own section (``patterns@baseline``, ``patterns@tf_bfc``), so it never replaces
     the default run's; so does a run on another class of machine than the home one
-    (``models@amd_avx2``): a table of one machine never replaces another's."""
-    tags = []
-    cls = meta.get("cpu_class") or HOME_CLASS
-    if cls != HOME_CLASS:
-        tags.append(re.sub(r"\W", "_", cls))
+    (``models@amd_avx2``), or on a machine of a class whose TF runs oneDNN otherwise
+    than the class's model (``models@intel_avx512_onednn_off``): a table of one
+    machine never replaces another's."""
+    tags = [t for t in (_machine_tag(meta),) if t]
     planner = meta.get("planner") or "default"
     if planner != "default":
         tags.append(planner)
@@ -499,7 +513,7 @@ def section_title(suite, meta) -> str:
         return suite
     what = []
     cls = meta.get("cpu_class") or HOME_CLASS
-    if cls != HOME_CLASS:
+    if _machine_tag(meta):
         isa = "AVX-512" if cls.endswith("avx512") else cls.rsplit("-", 1)[-1].upper()
         onednn = {True: "on", False: "off"}.get(meta.get("tf_onednn"), "?")
         what.append(f"the {cls} machine: {meta.get('cpu_model', '?').split(' (')[0]}, "
@@ -520,9 +534,11 @@ def write_probe_section(path, suite, title, command, tables, note="") -> str:
     import tensorflow as tf
 
     from stitching.plan import profiles
+    from stitching.tf.passes import remapper
 
     from .machine import machine_line
-    key = section_key(suite, {"cpu_class": profiles.cpu_facts()["cpu_class"]})
+    key = section_key(suite, {"cpu_class": profiles.cpu_facts()["cpu_class"],
+                              "tf_onednn": remapper.onednn_enabled()})
     lines = [f"<!-- suite:{key} -->", f"## {suite} ({title})", "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on "
              f"{machine_line()} ({os.cpu_count()} cores), TensorFlow {tf.__version__}; "
