@@ -135,9 +135,12 @@ def main(argv=None) -> int:
         import tensorflow as tf
 
         from bench_lib.machine import machine_line
-        from bench_lib.output import replace_sections
+        from bench_lib.output import replace_sections, section_key
         from stitching.plan import profiles
-        key = "ceiling@" + profiles.cpu_facts()["cpu_class"].replace("-", "_")
+        from stitching.tf.passes import remapper
+        # a table of one machine never replaces another's (oneDNN on or off included)
+        key = section_key("ceiling", {"cpu_class": profiles.cpu_facts()["cpu_class"],
+                                      "tf_onednn": remapper.onednn_enabled()})
         busy = max(load0, os.getloadavg()[0]) > os.cpu_count()
         meta = (f"Measured {time.strftime('%Y-%m-%d %H:%M:%S UTC', started)} on "
                 f"{machine_line()} ({os.cpu_count()} cores); TensorFlow "
