@@ -32,6 +32,13 @@
   (``STITCHING_TIERED_COMPILE=0``), so tests comparing bits, kernel counts or machine
   code test the code every cache holds.  Tests of the tiered compile take the
   ``tiered_compile`` fixture.
+- Kernels compile in the test's own process (``STITCHING_COMPILE_JOBS=1``): the
+  xdist workers already keep every core busy, so the compile worker processes a
+  user's first call starts (compile/parallel.py) only added their start-up (~1 s of
+  CPU each, and 201 of them in a run of the suite, 51 never given a kernel): 15% of
+  the suite's CPU.  Tests of the compile pool pass ``jobs`` or take the
+  ``compile_workers`` fixture (a user's default pool); background compiles still
+  go to a worker, as they must.
 """
 import atexit
 import os
@@ -68,6 +75,7 @@ os.environ["STITCHING_DEVICE_PROFILE"] = SESSION_MACHINE
 os.environ.pop("STITCHING_PROFILE", None)      # the older spelling would name a device too
 os.environ["STITCHING_BACKGROUND_COMPILE"] = "0"
 os.environ["STITCHING_TIERED_COMPILE"] = "0"
+os.environ["STITCHING_COMPILE_JOBS"] = "1"
 
 # The planner's cost model sees schedules through a hook the schedule stage fills on
 # import (plan/cost.py: use_scheduler), as every driver does; tests that plan without
@@ -111,6 +119,13 @@ def intel_plan(monkeypatch):
 def tiered(monkeypatch):
     """Tiered execution as a user gets it by default (the session turns it off)."""
     monkeypatch.delenv("STITCHING_BACKGROUND_COMPILE", raising=False)
+
+
+@pytest.fixture
+def compile_workers(monkeypatch):
+    """The compile worker pool as a user gets it by default, sized by the machine (the
+    session compiles in-process)."""
+    monkeypatch.delenv("STITCHING_COMPILE_JOBS", raising=False)
 
 
 @pytest.fixture

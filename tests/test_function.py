@@ -841,8 +841,8 @@ def test_a_single_long_row_is_split_across_threads_in_phases(which, monkeypatch)
     assert np.isnan(f(tf.constant(x)).numpy()).all()
 
 
-def test_compile_workers_start_early_only_for_large_graphs_not_seen_before(monkeypatch,
-                                                                          tmp_path):
+def test_compile_workers_start_early_only_for_large_graphs_not_seen_before(
+        monkeypatch, tmp_path, compile_workers):
     """pipeline: a graph of >= 300 nodes not compiled before prestarts the compile
     workers while it is planned; the same graph again (a new process would see the
     marker in the kernel cache too) and small graphs do not.  A cache directory of its
