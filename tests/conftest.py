@@ -74,7 +74,8 @@ os.environ["STITCHING_CACHE_DIR"] = _KEPT or os.path.join(_SESSION, "home", ".ca
 # The op libraries are built once per run, not once per xdist worker (pytest_configure:
 # the controller builds them into a directory its workers share): a worker's session
 # cache reads them from there, as a user's process reads the install step's.
-_SHARED_OPS = os.environ.get(SHARED_OPS_ENV := "STITCHING_TEST_SHARED_OPS")
+SHARED_OPS_ENV = "STITCHING_TEST_SHARED_OPS"
+_SHARED_OPS = os.environ.get(SHARED_OPS_ENV)
 if os.environ.get("PYTEST_XDIST_WORKER") and _SHARED_OPS and not _KEPT:
     os.makedirs(os.path.join(_SESSION, "home", ".cache", "stitching"))
     os.symlink(_SHARED_OPS, os.path.join(_SESSION, "home", ".cache", "stitching", "ops"))
@@ -114,7 +115,7 @@ _builder = None
 
 def pytest_configure(config):
     """The xdist controller (``-n``, before its workers start) builds the op libraries
-    (g++ against TF's headers: ~30 s of CPU on a Zen 5, ~110 s on a 2.0 GHz Skylake)
+    (g++ against TF's headers: ~30 s of CPU on a Zen 5, more on a slower machine)
     in a process of its own, both at once, into a directory of this session that every
     worker's cache links as its ``ops``.  A worker that needs one before it is ready
     waits on the build's lock (runtime/build.py), and builds it itself if this build
