@@ -77,8 +77,8 @@ os.environ["STITCHING_CACHE_DIR"] = _KEPT or os.path.join(_SESSION, "home", ".ca
 SHARED_OPS_ENV = "STITCHING_TEST_SHARED_OPS"
 _SHARED_OPS = os.environ.get(SHARED_OPS_ENV)
 if os.environ.get("PYTEST_XDIST_WORKER") and _SHARED_OPS and not _KEPT:
-    os.makedirs(os.path.join(_SESSION, "home", ".cache", "stitching"))
-    os.symlink(_SHARED_OPS, os.path.join(_SESSION, "home", ".cache", "stitching", "ops"))
+    os.makedirs(os.environ["STITCHING_CACHE_DIR"])
+    os.symlink(_SHARED_OPS, os.path.join(os.environ["STITCHING_CACHE_DIR"], "ops"))
 SESSION_MACHINE = os.environ.get("STITCHING_TEST_MACHINE", "intel-avx512")
 os.environ["STITCHING_DEVICE_PROFILE"] = SESSION_MACHINE
 os.environ.pop("STITCHING_PROFILE", None)      # the older spelling would name a device too
